@@ -1,0 +1,32 @@
+"""The training command: parse ``--config`` and dotted overrides, run the :class:`Trainer`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from shardlm.cli.errors import run_cli
+from shardlm.config import load_config
+
+
+def parse_args(argv: list[str]) -> tuple[str | None, list[str]]:
+    """Split ``argv`` into the config path and the ``--section.key=value`` overrides."""
+    parser = argparse.ArgumentParser(
+        prog="torchrun --nproc_per_node=N -m shardlm.train",
+        description="Train a Llama model with FSDP2. Overrides: --section.key=value, e.g. --train.steps=50.")
+    parser.add_argument("--config", help="TOML config file (see configs/)")
+    args, overrides = parser.parse_known_args(argv)
+    return args.config, overrides
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m shardlm.train``; returns the process exit code."""
+    config_path, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+
+    def run() -> None:
+        from shardlm.train import Trainer
+
+        cfg = load_config(config_path, overrides)
+        Trainer(cfg).train()
+
+    return run_cli(run)

@@ -1,0 +1,284 @@
+"""Configuration: dataclasses with a docstring per field, read from TOML with dotted CLI overrides.
+
+Precedence is command line > TOML file > dataclass defaults, as in torchtitan. Every key is
+checked: an unknown section or key, or a value of the wrong type, raises :class:`ConfigError`
+naming the dotted key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+
+class ConfigError(ValueError):
+    """A configuration key or value is invalid; the message names the dotted key."""
+
+
+@dataclass
+class ModelConfig:
+    """Shape of the Llama-style decoder (Hugging Face ``LlamaConfig`` names in brackets)."""
+
+    dim: int = 256
+    """Hidden size, the width of the residual stream [hidden_size]."""
+    n_layers: int = 4
+    """Number of transformer blocks [num_hidden_layers]."""
+    n_heads: int = 8
+    """Number of query heads [num_attention_heads]; must divide ``dim``."""
+    n_kv_heads: int = 0
+    """Number of key/value heads for grouped-query attention [num_key_value_heads]; 0 means ``n_heads``."""
+    ffn_hidden: int = 0
+    """Hidden size of the SwiGLU MLP [intermediate_size]; 0 means the Llama rule: 8/3·dim rounded up to 256."""
+    vocab_size: int = 4096
+    """Rows of the token embedding [vocab_size]; must hold every tokenizer id."""
+    max_seq_len: int = 1024
+    """Longest sequence the rotary tables cover, in tokens [max_position_embeddings]."""
+    rope_theta: float = 10000.0
+    """Base of the rotary frequencies [rope_theta]."""
+    norm_eps: float = 1e-5
+    """Epsilon inside RMSNorm [rms_norm_eps]."""
+    tie_embeddings: bool = False
+    """Share the input embedding with the output projection [tie_word_embeddings]."""
+    init_std: float = 0.02
+    """Standard deviation of the normal initialisation of weight matrices."""
+
+
+@dataclass
+class DataConfig:
+    """Corpus, tokenizer and where the token ids are stored."""
+
+    corpus: str = "shakespeare"
+    """``shakespeare`` (the embedded default), a .txt/.md file, a directory of them, or a .jsonl file with a ``text`` field."""
+    tokenizer: str = ""
+    """Path to an existing ``tokenizer.json``; empty trains a byte-level BPE on the corpus."""
+    tokenizer_vocab_size: int = 0
+    """Vocabulary size of a trained tokenizer; 0 means ``model.vocab_size``."""
+    val_fraction: float = 0.05
+    """Fraction of the token stream (its tail) held out for validation."""
+    dir: str = ""
+    """Directory of the prepared token ids; empty means ``data/<config name>``."""
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation. A step is one optimizer step over a global batch."""
+
+    steps: int = 100
+    """Number of optimizer steps."""
+    seq_len: int = 256
+    """Tokens per sample (each sample is a window of seq_len + 1 tokens)."""
+    global_batch_size: int = 8
+    """Sequences per optimizer step, summed over ranks and micro-batches."""
+    micro_batch_size: int = 4
+    """Sequences per forward/backward on one rank."""
+    lr: float = 3e-4
+    """Peak learning rate, reached after warm-up."""
+    min_lr: float = 3e-5
+    """Learning rate at the end of the cosine decay."""
+    warmup_steps: int = 10
+    """Steps of linear warm-up from 0 to ``lr``."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW (beta1, beta2)."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay on weight matrices."""
+    decay_norms_and_embeddings: bool = False
+    """Also apply weight decay to norm weights and the token embedding."""
+    grad_clip: float = 1.0
+    """Maximum global gradient norm; 0 disables clipping (the norm is still logged)."""
+    eval_interval: int = 50
+    """Evaluate on the validation tokens every this many steps (and at the last step); 0 disables."""
+    eval_tokens: int = 16384
+    """Validation tokens used per evaluation (a fixed set, split over ranks)."""
+    log_interval: int = 1
+    """Write a metrics record every this many steps (and at the last step)."""
+    seed: int = 0
+    """Seed of the initialisation and the data order."""
+
+
+@dataclass
+class ParallelConfig:
+    """How the model is distributed over ranks."""
+
+    mode: Literal["fsdp", "ddp", "single"] = "fsdp"
+    """``fsdp`` shards parameters, gradients and optimizer state; ``ddp`` replicates; ``single`` is one process, no wrapper."""
+    backend: str = "auto"
+    """Process-group backend: ``auto`` (nccl on CUDA, gloo on CPU), ``gloo``, ``nccl`` or ``cuda:nccl,cpu:gloo``."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Device to train on: ``auto`` picks CUDA when present."""
+    timeout_s: int = 600
+    """Collective timeout in seconds: a rank stuck in a collective fails after this long instead of hanging."""
+
+
+@dataclass
+class RunConfig:
+    """Where a run writes."""
+
+    name: str = ""
+    """Run name; empty means the config file's stem."""
+    dir: str = ""
+    """Run directory; empty means ``runs/<name>``."""
+    overwrite: bool = False
+    """Allow writing into a non-empty run directory."""
+
+
+@dataclass
+class Config:
+    """The whole configuration of a run: one section per dataclass."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config as nested plain dicts (tuples become lists), for JSON/TOML output."""
+        return json.loads(json.dumps(dataclasses.asdict(self)))
+
+
+def _coerce(key: str, value: Any, typ: Any) -> Any:
+    """Check ``value`` against the annotation ``typ`` and convert it; raise ConfigError naming ``key``."""
+    origin = typing.get_origin(typ)
+    if origin is Literal:
+        if value not in typing.get_args(typ):
+            raise ConfigError(f"{key}: {value!r} is not one of {list(typing.get_args(typ))}")
+        return value
+    if origin is tuple:
+        args = typing.get_args(typ)
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise ConfigError(f"{key}: expected a list of {len(args)} values, got {value!r}")
+        return tuple(_coerce(f"{key}[{i}]", v, t) for i, (v, t) in enumerate(zip(value, args)))
+    if typ is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        return value
+    if typ is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if typ is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        return float(value)
+    if typ is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return value
+    raise ConfigError(f"{key}: unsupported field type {typ!r}")  # pragma: no cover - a bug in this file
+
+
+def _parse_cli_value(text: str) -> Any:
+    """Read a command-line value as a TOML value, falling back to a bare string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _apply(section_obj: Any, section: str, key: str, value: Any) -> None:
+    hints = typing.get_type_hints(type(section_obj))
+    names = {f.name for f in dataclasses.fields(section_obj)}
+    if key not in names:
+        raise ConfigError(f"unknown config key '{section}.{key}' (known: {', '.join(sorted(names))})")
+    setattr(section_obj, key, _coerce(f"{section}.{key}", value, hints[key]))
+
+
+def load_config(path: str | None = None, overrides: list[str] | None = None) -> Config:
+    """Build a :class:`Config` from an optional TOML file and ``--section.key=value`` overrides.
+
+    Args:
+        path: TOML file with sections named like the :class:`Config` fields, or None for defaults.
+        overrides: command-line items such as ``--train.steps=50`` (values are parsed as TOML
+            values, so ``true``, ``3e-4`` and ``[0.9, 0.95]`` work; bare words are strings).
+
+    Raises:
+        ConfigError: missing or unparsable file, unknown section or key, or a value of the wrong type.
+    """
+    cfg = Config()
+    sections = {f.name for f in dataclasses.fields(cfg)}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            data = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: invalid TOML: {e}") from None
+        for section, table in data.items():
+            if section not in sections:
+                raise ConfigError(f"unknown config section '{section}' in {path} (known: {', '.join(sorted(sections))})")
+            if not isinstance(table, dict):
+                raise ConfigError(f"'{section}' in {path} must be a [section] table")
+            for key, value in table.items():
+                _apply(getattr(cfg, section), section, key, value)
+        if not cfg.run.name:
+            cfg.run.name = p.stem
+    for item in overrides or []:
+        if not item.startswith("--") or "=" not in item:
+            raise ConfigError(f"override {item!r} must look like --section.key=value")
+        dotted, text = item[2:].split("=", 1)
+        if dotted.count(".") != 1:
+            raise ConfigError(f"override {item!r} must name one section and one key, e.g. --train.steps=50")
+        section, key = dotted.split(".")
+        if section not in sections:
+            raise ConfigError(f"unknown config section '{section}' in override {item!r}")
+        _apply(getattr(cfg, section), section, key, _parse_cli_value(text))
+    if not cfg.run.name:
+        cfg.run.name = "default"
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    """Check values that do not depend on the world size; raise ConfigError naming the key."""
+    m, t = cfg.model, cfg.train
+    positive = {
+        "model.dim": m.dim, "model.n_layers": m.n_layers, "model.n_heads": m.n_heads,
+        "model.vocab_size": m.vocab_size, "model.max_seq_len": m.max_seq_len,
+        "train.steps": t.steps, "train.seq_len": t.seq_len, "train.global_batch_size": t.global_batch_size,
+        "train.micro_batch_size": t.micro_batch_size, "train.log_interval": t.log_interval,
+    }
+    for key, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"{key} must be positive, got {value}")
+    if m.dim % m.n_heads:
+        raise ConfigError(f"model.n_heads={m.n_heads} must divide model.dim={m.dim}")
+    if (m.dim // m.n_heads) % 2:
+        raise ConfigError(f"model.dim / model.n_heads = {m.dim // m.n_heads} must be even for rotary embeddings")
+    kv = m.n_kv_heads or m.n_heads
+    if kv < 0 or m.n_heads % kv:
+        raise ConfigError(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads}")
+    if t.seq_len > m.max_seq_len:
+        raise ConfigError(f"train.seq_len={t.seq_len} exceeds the model's maximum model.max_seq_len={m.max_seq_len}")
+    if not 0.0 < cfg.data.val_fraction < 1.0:
+        raise ConfigError(f"data.val_fraction must be in (0, 1), got {cfg.data.val_fraction}")
+    if t.min_lr > t.lr or t.lr <= 0:
+        raise ConfigError(f"train.lr={t.lr} must be positive and at least train.min_lr={t.min_lr}")
+    for key in ("warmup_steps", "eval_interval", "eval_tokens"):
+        if getattr(t, key) < 0:
+            raise ConfigError(f"train.{key} must be >= 0, got {getattr(t, key)}")
+    if t.grad_clip < 0:
+        raise ConfigError(f"train.grad_clip must be >= 0, got {t.grad_clip}")
+
+
+def gradient_accumulation_steps(cfg: Config, dp_world_size: int) -> int:
+    """Micro-batches per optimizer step: G / (data-parallel world size × micro-batch size).
+
+    Raises:
+        ConfigError: when that is not an integer >= 1.
+    """
+    g, mbs = cfg.train.global_batch_size, cfg.train.micro_batch_size
+    per_step = dp_world_size * mbs
+    if g % per_step:
+        raise ConfigError(
+            f"train.global_batch_size={g} must be divisible by world size × train.micro_batch_size "
+            f"= {dp_world_size} × {mbs} = {per_step}"
+        )
+    return g // per_step

@@ -1,0 +1,51 @@
+"""Per-rank memory accounting: bytes of local shards, and the allocator's peaks on GPU."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def local_bytes(t: torch.Tensor) -> int:
+    """Bytes this rank stores for ``t``: ``to_local().numel() × element_size`` for a DTensor."""
+    if hasattr(t, "to_local"):
+        t = t.to_local()
+    return t.numel() * t.element_size()
+
+
+def shard_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+    """Local parameter, gradient and optimizer-state bytes on this rank.
+
+    Returns a dict with ``params``, ``grads``, ``optimizer`` and ``total`` (bytes). Tied parameters
+    count once. Under FSDP each is about 1/N of the model's; under DDP or one process, all of it.
+    """
+    params = list(model.parameters())
+    out = {
+        "params": sum(local_bytes(p) for p in params),
+        "grads": sum(local_bytes(p.grad) for p in params if p.grad is not None),
+        "optimizer": 0,
+    }
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            out["optimizer"] += sum(local_bytes(v) for v in state.values() if isinstance(v, torch.Tensor))
+    out["total"] = out["params"] + out["grads"] + out["optimizer"]
+    return out
+
+
+def device_memory(device: torch.device) -> dict[str, int]:
+    """Peak allocated and reserved bytes since the last reset, on CUDA; empty on CPU."""
+    if device.type != "cuda":
+        return {}
+    return {
+        "max_allocated_bytes": torch.cuda.max_memory_allocated(device),
+        "max_reserved_bytes": torch.cuda.max_memory_reserved(device),
+    }
+
+
+def format_bytes(n: float) -> str:
+    """Human-readable binary size: 1536 -> '1.5 KiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover

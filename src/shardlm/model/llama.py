@@ -1,0 +1,225 @@
+"""A Llama-3-style decoder in the Hugging Face layout, with no distributed code.
+
+Parameter names equal ``transformers.LlamaForCausalLM``'s (``model.layers.0.self_attn.q_proj.weight``,
+``lm_head.weight``...), so importing or exporting HF weights is a plain copy. Rotary embeddings use
+HF's rotate-half convention and compute their tables the way HF's ``LlamaRotaryEmbedding`` does.
+
+References: Touvron et al., "LLaMA" (2023) and the Llama 3 report (2024); RoPE: Su et al. (2021);
+SwiGLU: Shazeer (2020); GQA: Ainslie et al. (2023).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardlm.config import ModelConfig
+
+
+def ffn_hidden_size(cfg: ModelConfig) -> int:
+    """SwiGLU hidden size: ``cfg.ffn_hidden``, or 8/3·dim rounded up to a multiple of 256 when 0."""
+    if cfg.ffn_hidden:
+        return cfg.ffn_hidden
+    hidden = int(8 * cfg.dim / 3)
+    return 256 * math.ceil(hidden / 256)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm (Zhang & Sennrich, 2019), computed in fp32 as HF's LlamaRMSNorm.
+
+    Input and output: (..., dim), any float dtype; the weight has shape (dim,).
+    """
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+def rotary_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables of rotary embeddings, each (max_seq_len, head_dim) float32, as HF computes them.
+
+    ``inv_freq[i] = 1 / theta^(2i / head_dim)``; angle[t, i] = t · inv_freq[i]; the table is the angle
+    vector concatenated with itself (rotate-half convention).
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    positions = torch.arange(max_seq_len, dtype=torch.int64).float()
+    freqs = torch.outer(positions, inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """(x1, x2) -> (-x2, x1) over the last dimension, split in halves."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    """Causal self-attention with rotary embeddings and grouped-query heads, through SDPA.
+
+    Input (batch, seq, dim) -> output (batch, seq, dim). Key/value heads are repeated
+    ``n_heads / n_kv_heads`` times, query head h using key/value head h // repeat (HF's repeat_kv).
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.n_kv_heads = cfg.n_kv_heads or cfg.n_heads
+        self.head_dim = cfg.dim // cfg.n_heads
+        self.q_proj = nn.Linear(cfg.dim, self.n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = cos.to(q.dtype), sin.to(q.dtype)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        repeat = self.n_heads // self.n_kv_heads
+        if repeat > 1:
+            k = k.repeat_interleave(repeat, dim=1)
+            v = v.repeat_interleave(repeat, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)); (batch, seq, dim) -> same."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        hidden = ffn_hidden_size(cfg)
+        self.gate_proj = nn.Linear(cfg.dim, hidden, bias=False)
+        self.up_proj = nn.Linear(cfg.dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    """One pre-norm transformer block: x + attn(norm(x)), then h + mlp(norm(h))."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Decoder(nn.Module):
+    """Embedding, blocks and final norm (HF's ``LlamaModel``); holds the rotary tables as buffers."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        cos, sin = rotary_tables(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+
+class Llama(nn.Module):
+    """Llama-style causal language model.
+
+    ``forward(tokens)``: tokens (batch, seq) int64 with seq <= ``max_seq_len`` -> logits
+    (batch, seq, vocab_size) in the compute dtype. With ``tie_embeddings`` the output projection
+    is the embedding tensor itself, and ``named_parameters()`` lists it once, as HF does.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = Decoder(cfg)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        t = tokens.shape[1]
+        if t > self.cfg.max_seq_len:
+            raise ValueError(f"sequence of {t} tokens exceeds max_seq_len={self.cfg.max_seq_len}")
+        cos, sin = self.model.rope_cos[:t], self.model.rope_sin[:t]
+        h = self.model.embed_tokens(tokens)
+        for layer in self.model.layers:
+            h = layer(h, cos, sin)
+        return self.lm_head(self.model.norm(h))
+
+    # ---- initialisation -------------------------------------------------------------------
+    def initial_value(self, name: str, seed: int) -> torch.Tensor:
+        """The full, unsharded initial value of parameter ``name``: fp32 on CPU, its full shape.
+
+        Weight matrices and the embedding are N(0, init_std²) (output projections ``o_proj`` and
+        ``down_proj`` scaled by 1/sqrt(2·n_layers), as GPT-2); norm weights are ones. Each tensor
+        comes from its own generator seeded by (seed, name), so the value does not depend on the
+        order of construction, on the device, or on how the model is sharded.
+        """
+        param = self.get_parameter(name)
+        if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
+            return torch.ones(param.shape)
+        std = self.cfg.init_std
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            std = std / math.sqrt(2 * self.cfg.n_layers)
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        return torch.randn(param.shape, generator=gen) * std
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Initialise every parameter from :meth:`initial_value` and recompute the rotary tables.
+
+        Works on a whole model and on one whose parameters are sharded DTensors (after
+        ``to_empty``): each rank then copies only its own slice of the full value, so the result is
+        bit-identical to the whole model's. Tied weights stay one tensor.
+        """
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        for name, param in self.named_parameters():
+            full = self.initial_value(name, seed).to(param.dtype)
+            if isinstance(param, DTensor):
+                local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+                param.to_local().copy_(local.to_local())
+            else:
+                param.copy_(full)
+        self.init_rotary()
+
+    @torch.no_grad()
+    def init_rotary(self) -> None:
+        """Recompute the rotary tables in place (needed after ``to_empty`` or a dtype change)."""
+        cfg = self.cfg
+        cos, sin = rotary_tables(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta)
+        device = self.model.rope_cos.device
+        self.model.rope_cos = cos.to(device)
+        self.model.rope_sin = sin.to(device)
+
+
+def num_params(model: nn.Module, exclude_embedding: bool = False) -> int:
+    """Number of unique parameters (tied tensors once); works on meta and sharded models.
+
+    With ``exclude_embedding`` the input embedding table is left out (the N of MFU's 6N, PaLM app. B);
+    when tied, the shared tensor is still counted once as the output projection.
+    """
+    total = sum(p.numel() for p in model.parameters())
+    if exclude_embedding and isinstance(model, Llama) and not model.cfg.tie_embeddings:
+        total -= model.model.embed_tokens.weight.numel()
+    return total

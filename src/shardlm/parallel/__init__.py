@@ -1,0 +1,12 @@
+"""Distribution: process group, device mesh, and applying FSDP2 to the model."""
+
+from shardlm.parallel.dist import (
+    DistInfo, RankFailed, all_gather_ints, all_reduce_sum, build_mesh, init_distributed, pick_backend,
+    pick_device, run_on_main, shutdown,
+)
+from shardlm.parallel.fsdp import apply_fsdp, build_model, set_gradient_sync, unwrap
+
+__all__ = [
+    "DistInfo", "RankFailed", "all_gather_ints", "all_reduce_sum", "apply_fsdp", "build_mesh", "build_model",
+    "init_distributed", "pick_backend", "pick_device", "run_on_main", "set_gradient_sync", "shutdown", "unwrap",
+]

@@ -1,0 +1,89 @@
+"""Applying FSDP2 (``fully_shard``) to the model: the recipe, in one function.
+
+FSDP2 (https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html) turns each parameter
+into a DTensor sharded on dim 0 (``Shard(0)``) over the mesh. Each ``fully_shard`` call makes one
+communication group: its parameters are all-gathered together before the group's forward,
+freed (resharded) after it, all-gathered again for backward, and their gradients are
+reduce-scattered (averaged over ranks) when backward leaves the group.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+from shardlm.config import Config
+from shardlm.model import Llama
+from shardlm.parallel.dist import DistInfo
+
+
+def apply_fsdp(model: Llama, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None = None,
+               reshard_after_forward: bool | int = True) -> Llama:
+    """Shard ``model`` in torchtitan's grouping: embedding, each block, final norm + output, root.
+
+    1. the token embedding is one group (unless tied: then it stays with the output projection);
+    2. each transformer block is one group, resharded after forward per ``reshard_after_forward``;
+    3. the final norm and the output projection form one group, kept unsharded after forward
+       since backward needs them at once;
+    4. the root takes whatever is left (with tied embeddings: the shared embedding/output weight,
+       the final norm) and drives the lazy initialisation and the prefetch order.
+
+    Returns the same object, now also an ``FSDPModule``.
+    """
+    common = dict(mesh=mesh, mp_policy=mp_policy or MixedPrecisionPolicy())
+    decoder = model.model
+    if not model.cfg.tie_embeddings:
+        fully_shard(decoder.embed_tokens, reshard_after_forward=reshard_after_forward, **common)
+    for block in decoder.layers:
+        fully_shard(block, reshard_after_forward=reshard_after_forward, **common)
+    if not model.cfg.tie_embeddings:
+        fully_shard([decoder.norm, model.lm_head], reshard_after_forward=False, **common)
+    fully_shard(model, **common)
+    return model
+
+
+def build_model(cfg: Config, info: DistInfo, mesh: DeviceMesh | None) -> torch.nn.Module:
+    """Build the model on the meta device, wrap it for ``cfg.parallel.mode``, materialise, initialise.
+
+    No rank ever holds the whole unsharded model: under ``fsdp`` only each rank's shards are
+    allocated (``to_empty``) and filled by ``init_weights``, one full tensor at a time.
+
+    Returns the ``Llama`` (FSDP-sharded or plain) or a ``DistributedDataParallel`` around it.
+
+    Raises:
+        ConfigError: ``single`` mode with more than one rank.
+    """
+    from shardlm.config import ConfigError
+
+    mode = cfg.parallel.mode
+    if mode == "single" and info.world_size > 1:
+        raise ConfigError(f"parallel.mode='single' runs one process, but the world size is {info.world_size}")
+    with torch.device("meta"):
+        model = Llama(cfg.model)
+    if mode == "fsdp":
+        apply_fsdp(model, mesh)
+    model.to_empty(device=info.device)
+    model.init_weights(cfg.train.seed)
+    if mode == "ddp":
+        device_ids = [info.device.index] if info.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=device_ids)
+    return model
+
+
+def unwrap(model: torch.nn.Module) -> Llama:
+    """The ``Llama`` inside a DDP wrapper (or the model itself)."""
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def set_gradient_sync(model: torch.nn.Module, enabled: bool) -> None:
+    """Turn gradient reduction on or off for the next backward (off for all but the last micro-batch).
+
+    FSDP: ``set_requires_gradient_sync`` (gradients accumulate unsharded, reduce-scattered on the
+    last micro-batch); DDP: ``require_backward_grad_sync``; single process: nothing to do.
+    """
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(enabled)
+    elif isinstance(model, DistributedDataParallel):
+        model.require_backward_grad_sync = enabled

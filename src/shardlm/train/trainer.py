@@ -1,0 +1,241 @@
+"""The training job: set-up, the training step, evaluation, logging and the final export.
+
+One optimizer step over a global batch of G sequences reads, on each of N ranks, k = G / (N · m)
+micro-batches of m sequences. Per micro-batch, FSDP all-gathers each block's shards before its
+forward and frees them after; backward all-gathers again and reduce-scatters the gradients
+(averaged over ranks), on the last micro-batch only. Every rank then clips by the global norm and
+updates its own shard.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from shardlm.checkpoint import gather_full_state_dict, save_model_dir
+from shardlm.config import Config, ConfigError, gradient_accumulation_steps
+from shardlm.data import GlobalBatchSampler, TokenWindows, eval_windows, is_prepared, load_meta, prepare_corpus
+from shardlm.metrics import MetricsLogger, device_memory, format_bytes, shard_bytes
+from shardlm.model import num_params
+from shardlm.parallel import (
+    DistInfo, all_gather_ints, all_reduce_sum, build_mesh, build_model, init_distributed, run_on_main,
+    set_gradient_sync, unwrap,
+)
+from shardlm.train.optim import build_optimizer, build_scheduler
+
+IGNORE_INDEX = -100
+
+
+class NonFiniteError(RuntimeError):
+    """The loss or the gradient norm became NaN or infinite; the step was not applied or logged."""
+
+
+def data_dir(cfg: Config) -> Path:
+    """Where the prepared token ids of this config live: ``data.dir`` or ``data/<run name>``."""
+    return Path(cfg.data.dir or f"data/{cfg.run.name}")
+
+
+def run_dir(cfg: Config) -> Path:
+    """The run directory: ``run.dir`` or ``runs/<run name>``."""
+    return Path(cfg.run.dir or f"runs/{cfg.run.name}")
+
+
+def prepare_data(cfg: Config) -> dict[str, Any]:
+    """Tokenize the corpus into ``data_dir(cfg)`` unless already there; return its ``meta.json``.
+
+    Raises:
+        DataError: bad corpus or tokenizer (see :func:`shardlm.data.prepare_corpus`).
+    """
+    out = data_dir(cfg)
+    if not is_prepared(str(out)):
+        prepare_corpus(
+            cfg.data.corpus, str(out), cfg.data.tokenizer or None,
+            cfg.data.tokenizer_vocab_size or cfg.model.vocab_size, cfg.data.val_fraction, seed=cfg.train.seed,
+        )
+    return load_meta(str(out))
+
+
+class Trainer:
+    """Builds everything a run needs from a :class:`Config`, then :meth:`train` runs it.
+
+    Attributes of interest to tests: ``history`` (the logged records), ``sample_ids``
+    ({step: the sample ids this rank consumed}), ``model``, ``optimizer``.
+    """
+
+    def __init__(self, cfg: Config, info: DistInfo | None = None) -> None:
+        self.cfg = cfg
+        self.info = info or init_distributed(cfg.parallel)
+        self.accum_steps = gradient_accumulation_steps(cfg, self.info.world_size)
+        self.run_dir = run_dir(cfg)
+        self._check_run_dir()
+        run_on_main(lambda: prepare_data(cfg), self.info)  # rank 0 tokenizes once; others wait
+        self.meta = load_meta(str(data_dir(cfg)))
+        if self.meta["tokenizer_vocab_size"] > cfg.model.vocab_size:
+            raise ConfigError(
+                f"the tokenizer has {self.meta['tokenizer_vocab_size']} tokens but model.vocab_size is "
+                f"{cfg.model.vocab_size}: raise model.vocab_size or use a smaller tokenizer")
+        t = cfg.train
+        self.train_data = TokenWindows(str(data_dir(cfg)), "train", t.seq_len)
+        self.val_data = TokenWindows(str(data_dir(cfg)), "val", t.seq_len)
+        self.sampler = GlobalBatchSampler(len(self.train_data), t.global_batch_size, t.seed)
+        self.mesh = build_mesh(self.info) if cfg.parallel.mode != "single" else None
+        self.model = build_model(cfg, self.info, self.mesh)
+        self.optimizer = build_optimizer(self.model, t, self.info.device)
+        self.scheduler = build_scheduler(self.optimizer, t)
+        self.step = 0
+        self.history: list[dict[str, Any]] = []
+        self.sample_ids: dict[int, list[int]] = {}
+        self._shard_bytes: list[int] | None = None
+        self.logger = MetricsLogger(self.run_dir / "metrics.jsonl" if self.info.is_main else None)
+        if self.info.is_main:
+            (self.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+
+    # ---- set-up helpers ------------------------------------------------------------------
+    def _check_run_dir(self) -> None:
+        """Refuse a non-empty run directory unless ``run.overwrite``; rank 0 then creates it."""
+        d = self.run_dir
+        if d.exists() and any(d.iterdir()) and not self.cfg.run.overwrite:
+            raise ConfigError(f"run directory {d} is not empty: pass --run.overwrite=true or choose --run.dir")
+        torch.distributed.barrier()
+        if self.info.is_main:
+            d.mkdir(parents=True, exist_ok=True)
+            (d / "metrics.jsonl").unlink(missing_ok=True)
+
+    def summary(self) -> str:
+        """A one-screen description of the job: model, parallelism, batch, memory per rank."""
+        cfg, info = self.cfg, self.info
+        model = unwrap(self.model)
+        params = shard_bytes(self.model)["params"]
+        per_rank = all_gather_ints(params, info.device)
+        lines = [
+            f"shardlm | {cfg.run.name} -> {self.run_dir}",
+            f"  model      {num_params(model):,} parameters, {cfg.model.n_layers} layers, dim {cfg.model.dim}, "
+            f"heads {cfg.model.n_heads}/{cfg.model.n_kv_heads or cfg.model.n_heads} (q/kv), vocab {cfg.model.vocab_size}"
+            f"{', tied embeddings' if cfg.model.tie_embeddings else ''}",
+            f"  parallel   {cfg.parallel.mode}, world size {info.world_size}, backend {info.backend}, device "
+            f"{info.device.type}, mesh {self.mesh.mesh_dim_names if self.mesh is not None else None}"
+            f"{tuple(self.mesh.shape) if self.mesh is not None else ''}",
+            f"  batch      global {cfg.train.global_batch_size} seqs x {cfg.train.seq_len} tokens = "
+            f"{cfg.train.global_batch_size * cfg.train.seq_len:,} tokens/step; micro-batch {cfg.train.micro_batch_size}"
+            f"/rank; gradient accumulation {self.accum_steps}",
+            f"  data       {len(self.train_data):,} train windows, {len(self.val_data):,} val windows, "
+            f"unigram entropy {self.meta['unigram_entropy_nats']:.3f} nats",
+            "  per rank   parameter shards " + ", ".join(format_bytes(b) for b in per_rank)
+            + f" (+ grads and AdamW state: ~{format_bytes(4 * max(per_rank))} per rank)",
+        ]
+        return "\n".join(lines)
+
+    # ---- the training step ----------------------------------------------------------------
+    def train_step(self) -> dict[str, Any]:
+        """One optimizer step on global batch ``self.step``; returns its metrics (global values)."""
+        cfg, info, model = self.cfg, self.info, self.model
+        start = time.perf_counter()
+        micro_ids = self.sampler.micro_batches(self.step, info.rank, info.world_size, cfg.train.micro_batch_size)
+        self.sample_ids[self.step] = [i for ids in micro_ids for i in ids]
+        batches = [self.train_data.get(ids).to(info.device, non_blocking=True) for ids in micro_ids]
+        # The loss is the mean over every target token of the global batch, so the update equals one
+        # step on the whole batch in one process. FSDP/DDP average gradients over ranks, hence × N.
+        n_tokens = all_reduce_sum(torch.tensor(
+            [float(sum(b[:, 1:].ne(IGNORE_INDEX).sum().item() for b in batches))], device=info.device))
+        scale = info.world_size / n_tokens
+        loss_sum = torch.zeros((), dtype=torch.float64, device=info.device)
+        for i, batch in enumerate(batches):
+            inputs, targets = batch[:, :-1], batch[:, 1:]
+            set_gradient_sync(model, enabled=(i == len(batches) - 1))  # reduce-scatter on the last only
+            logits = model(inputs)  # per block: all-gather shards, compute, reshard
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
+                                   ignore_index=IGNORE_INDEX, reduction="sum")
+            (loss * scale).backward()  # per block: all-gather, grads, reduce-scatter (last micro-batch)
+            loss_sum += loss.detach()
+        max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        loss_value = (all_reduce_sum(loss_sum) / n_tokens.double()).item()
+        grad_norm_value = grad_norm.item()
+        if not (math.isfinite(loss_value) and math.isfinite(grad_norm_value)):
+            raise NonFiniteError(
+                f"step {self.step + 1}: loss={loss_value} grad_norm={grad_norm_value} is not finite; stopping "
+                "before the update (lower train.lr, check the data, or use fp32)")
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()  # each rank updates only its own shard
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.step += 1
+        elapsed = time.perf_counter() - start
+        tokens = cfg.train.global_batch_size * cfg.train.seq_len
+        return {
+            "step": self.step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm_value,
+            "tokens_per_s": tokens / elapsed, "tokens_per_s_per_rank": tokens / elapsed / info.world_size,
+            "step_time_s": elapsed,
+        }
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean loss (nats/token) over the fixed validation set, split over ranks; same at any world size."""
+        cfg, info = self.cfg, self.info
+        batches = eval_windows(len(self.val_data), cfg.train.eval_tokens, cfg.train.seq_len,
+                               info.rank, info.world_size, cfg.train.micro_batch_size)
+        totals = torch.zeros(2, dtype=torch.float64, device=info.device)
+        for ids in batches:
+            # every rank runs the same number of forwards (FSDP all-gathers); padding batches count zero
+            batch = self.val_data.get(ids or [0]).to(info.device)
+            logits = self.model(batch[:, :-1])
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten(), reduction="sum")
+            if ids:
+                totals += torch.stack([loss.double(), torch.tensor(batch[:, 1:].numel(), dtype=torch.float64,
+                                                                   device=info.device)])
+        all_reduce_sum(totals)
+        return (totals[0] / totals[1]).item()
+
+    def _per_rank_memory(self) -> dict[str, Any]:
+        if self._shard_bytes is None:  # constant after the first step: gather once
+            self._shard_bytes = all_gather_ints(shard_bytes(self.model, self.optimizer)["total"], self.info.device)
+        out: dict[str, Any] = {"shard_bytes": self._shard_bytes}
+        for key, value in device_memory(self.info.device).items():
+            out[key] = all_gather_ints(value, self.info.device)
+        return out
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def train(self) -> list[dict[str, Any]]:
+        """Run ``train.steps`` optimizer steps, evaluating and logging as configured; export ``final/``."""
+        cfg, info = self.cfg, self.info
+        t = cfg.train
+        if info.is_main:
+            print(self.summary(), flush=True)
+        else:
+            self.summary()  # the summary gathers per-rank bytes: a collective
+        bar = tqdm(total=t.steps, initial=self.step, disable=not info.is_main, unit="step", dynamic_ncols=True)
+        job_start = time.perf_counter()
+        while self.step < t.steps:
+            record = self.train_step()
+            last = self.step == t.steps
+            if t.eval_interval and (self.step % t.eval_interval == 0 or last):
+                record["val_loss"] = self.evaluate()
+            if self.step % t.log_interval == 0 or last or "val_loss" in record:
+                record.update(self._per_rank_memory())
+                record["elapsed_s"] = time.perf_counter() - job_start
+                self.logger.log(record)
+                self.history.append(record)
+            bar.update(1)
+            bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}",
+                            **({"val": f"{record['val_loss']:.3f}"} if "val_loss" in record else {}))
+        bar.close()
+        self.export(self.run_dir / "final")
+        self.logger.close()
+        return self.history
+
+    def export(self, out_dir: Path) -> None:
+        """Write the trained weights as an HF Llama directory (full state gathered on rank 0)."""
+        state = gather_full_state_dict(self.model)
+        if self.info.is_main:
+            save_model_dir(state, self.cfg.model, out_dir, data_dir(self.cfg) / "tokenizer.json",
+                           self.meta.get("special_ids"))
+        torch.distributed.barrier()

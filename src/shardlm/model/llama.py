@@ -156,6 +156,17 @@ class Llama(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    def to_empty(self, *, device: torch.device | str | None, recurse: bool = True) -> "Llama":
+        """``nn.Module.to_empty``, keeping the tied output weight the same tensor as the embedding.
+
+        Plain tensors are replaced one by one by ``to_empty``, which would untie them; sharded
+        (DTensor) parameters are swapped in place and stay tied.
+        """
+        super().to_empty(device=device, recurse=recurse)
+        if self.cfg.tie_embeddings and self.lm_head.weight is not self.model.embed_tokens.weight:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        return self
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         t = tokens.shape[1]
         if t > self.cfg.max_seq_len:

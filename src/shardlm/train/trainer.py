@@ -66,7 +66,8 @@ class Trainer:
     """Builds everything a run needs from a :class:`Config`, then :meth:`train` runs it.
 
     Attributes of interest to tests: ``history`` (the logged records), ``sample_ids``
-    ({step: the sample ids this rank consumed}), ``model``, ``optimizer``.
+    ({step: the sample ids this rank consumed}), ``local_shard_bytes`` (this rank's parameter,
+    gradient and optimizer bytes, measured at the first step), ``model``, ``optimizer``.
     """
 
     def __init__(self, cfg: Config, info: DistInfo | None = None) -> None:
@@ -92,6 +93,7 @@ class Trainer:
         self.step = 0
         self.history: list[dict[str, Any]] = []
         self.sample_ids: dict[int, list[int]] = {}
+        self.local_shard_bytes: dict[str, int] | None = None
         self._shard_bytes: list[int] | None = None
         self.logger = MetricsLogger(self.run_dir / "metrics.jsonl" if self.info.is_main else None)
         if self.info.is_main:
@@ -166,6 +168,8 @@ class Trainer:
                 "before the update (lower train.lr, check the data, or use fp32)")
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()  # each rank updates only its own shard
+        if self.local_shard_bytes is None:  # measured once, while gradients and AdamW state both exist
+            self.local_shard_bytes = shard_bytes(self.model, self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.step += 1
@@ -197,7 +201,7 @@ class Trainer:
 
     def _per_rank_memory(self) -> dict[str, Any]:
         if self._shard_bytes is None:  # constant after the first step: gather once
-            self._shard_bytes = all_gather_ints(shard_bytes(self.model, self.optimizer)["total"], self.info.device)
+            self._shard_bytes = all_gather_ints(self.local_shard_bytes["total"], self.info.device)
         out: dict[str, Any] = {"shard_bytes": self._shard_bytes}
         for key, value in device_memory(self.info.device).items():
             out[key] = all_gather_ints(value, self.info.device)

@@ -1,0 +1,76 @@
+"""Shared fixtures: a small prepared corpus, and a helper that launches torchrun on CPU/gloo."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shardlm.data import prepare_corpus, read_documents
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = Path(__file__).resolve().parent / "dist_worker.py"
+
+
+def cpu_env() -> dict[str, str]:
+    """Environment for child processes: one thread per rank, the package importable."""
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = str(ROOT / "src") + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def torchrun(nproc: int, args: list[str], timeout: float = 300, check: bool = True,
+             cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """Run ``torchrun --standalone --nproc_per_node=nproc ARGS`` and return the finished process."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+    proc = subprocess.run(cmd, env=cpu_env(), capture_output=True, text=True, timeout=timeout, cwd=cwd)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def run_scenarios(nproc: int, scenarios: list[dict], out: Path, timeout: float = 600) -> dict[str, list[dict]]:
+    """Run scenarios in one torchrun launch (see tests/dist_worker.py); return {name: [rank reports]}."""
+    out.mkdir(parents=True, exist_ok=True)
+    spec = out / f"spec-{nproc}.json"
+    spec.write_text(json.dumps({"out": str(out), "scenarios": scenarios}))
+    torchrun(nproc, [str(WORKER), str(spec)], timeout=timeout)
+    return {
+        s["name"]: [json.loads((out / s["name"] / f"rank{r}.json").read_text()) for r in range(nproc)]
+        for s in scenarios
+    }
+
+
+@pytest.fixture(scope="session")
+def small_corpus(tmp_path_factory) -> Path:
+    """Three Shakespeare plays as one .txt file (about 400 KB)."""
+    docs = read_documents("shakespeare")[:3]
+    path = tmp_path_factory.mktemp("corpus") / "plays.txt"
+    path.write_text("\n\n".join(docs))
+    return path
+
+
+@pytest.fixture(scope="session")
+def small_data(tmp_path_factory, small_corpus) -> Path:
+    """The small corpus tokenized with a 512-token BPE: a prepared data directory."""
+    out = tmp_path_factory.mktemp("data") / "small"
+    prepare_corpus(str(small_corpus), str(out), None, 512, 0.1)
+    return out
+
+
+def tiny_overrides(data_dir: Path, run_dir: Path, extra: dict | None = None) -> list[str]:
+    """Overrides for a ~100k-parameter model on ``data_dir``, writing to ``run_dir``."""
+    base = {
+        "model.dim": 64, "model.n_layers": 2, "model.n_heads": 4, "model.n_kv_heads": 2, "model.ffn_hidden": 128,
+        "model.vocab_size": 512, "model.max_seq_len": 64, "data.dir": f'"{data_dir}"', "train.seq_len": 32,
+        "train.global_batch_size": 8, "train.micro_batch_size": 8, "train.steps": 20, "train.warmup_steps": 5,
+        "train.lr": 3e-3, "train.min_lr": 3e-4, "train.eval_interval": 10, "train.eval_tokens": 2048,
+        "train.log_interval": 1, "run.dir": f'"{run_dir}"', "run.overwrite": "true",
+    }
+    base.update(extra or {})
+    return [f"--{k}={v}" for k, v in base.items()]

@@ -1,0 +1,75 @@
+"""Runs several training scenarios inside one torchrun launch and writes what tests assert on.
+
+Usage (from tests): ``torchrun --nproc_per_node=N tests/dist_worker.py SPEC.json``. The spec is
+``{"out": DIR, "scenarios": [{"name": ..., "config": PATH|null, "overrides": [...]}, ...]}``.
+Each rank writes ``DIR/<name>/rank<r>.json`` with the logged history, the sample ids it consumed,
+its shards (placements, local rows, bytes) and how its initial shards compare with a whole model.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from shardlm.config import load_config
+from shardlm.metrics import local_bytes
+from shardlm.model import Llama
+from shardlm.parallel import init_distributed, unwrap
+from shardlm.train import Trainer
+
+
+def shard_report(trainer: Trainer) -> dict:
+    """Placements, local rows and init difference of every parameter on this rank."""
+    model = unwrap(trainer.model)
+    ref = Llama(trainer.cfg.model)
+    ref.init_weights(trainer.cfg.train.seed)
+    ref_params = dict(ref.named_parameters())
+    rank, world = trainer.info.rank, trainer.info.world_size
+    params = {}
+    for name, p in model.named_parameters():
+        full = ref_params[name]
+        local = p.to_local() if hasattr(p, "to_local") else p
+        expected_rows = torch.chunk(full, world, dim=0)[rank] if hasattr(p, "to_local") else full
+        params[name] = {
+            "dtensor": hasattr(p, "to_local"),
+            "placements": [str(pl) for pl in getattr(p, "placements", [])],
+            "full_rows": full.shape[0],
+            "local_rows": local.shape[0],
+            "local_bytes": local_bytes(p),
+            "init_max_abs_diff": (local.detach().cpu() - expected_rows).abs().max().item()
+            if local.shape == expected_rows.shape else float("inf"),
+        }
+    return {
+        "params": params,
+        "rope_equal": torch.equal(model.model.rope_cos.cpu(), ref.model.rope_cos)
+        and torch.equal(model.model.rope_sin.cpu(), ref.model.rope_sin),
+        "tied_same_tensor": model.lm_head.weight is model.model.embed_tokens.weight,
+    }
+
+
+def main() -> None:
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    out = Path(spec["out"])
+    for scenario in spec["scenarios"]:
+        cfg = load_config(scenario.get("config"), scenario.get("overrides", []))
+        info = init_distributed(cfg.parallel)
+        trainer = Trainer(cfg, info)
+        report = shard_report(trainer)
+        history = trainer.train()
+        report.update({
+            "history": history,
+            "sample_ids": {str(k): v for k, v in trainer.sample_ids.items()},
+            "shard_bytes": trainer.local_shard_bytes,
+            "world_size": info.world_size,
+        })
+        d = out / scenario["name"]
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"rank{info.rank}.json").write_text(json.dumps(report))
+        torch.distributed.barrier()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""FSDP at N ranks equals one process on the same global batch; shards are the torch.chunk split.
+
+Three torchrun launches (1, 2 and 4 ranks), several scenarios each, on a ~100k-parameter model.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import run_scenarios, tiny_overrides
+
+LOSS_TOL, PARAM_TOL = 1e-5, 1e-4
+
+
+def scenario(name, data, runs, extra=None):
+    return {"name": name, "config": None, "overrides": tiny_overrides(data, runs / name, extra)}
+
+
+@pytest.fixture(scope="module")
+def results(small_data, tmp_path_factory):
+    runs = tmp_path_factory.mktemp("parity")
+    out = {}
+    out.update(run_scenarios(1, [
+        scenario("single", small_data, runs, {"parallel.mode": '"single"'}),
+        scenario("single_tied", small_data, runs, {"parallel.mode": '"single"', "model.tie_embeddings": "true"}),
+        scenario("fsdp1", small_data, runs),
+    ], runs))
+    out.update(run_scenarios(2, [
+        scenario("fsdp2", small_data, runs, {"train.micro_batch_size": 4}),
+        scenario("fsdp2_accum", small_data, runs, {"train.micro_batch_size": 2}),
+        scenario("fsdp2_tied", small_data, runs, {"train.micro_batch_size": 4, "model.tie_embeddings": "true"}),
+    ], runs))
+    out.update(run_scenarios(4, [scenario("fsdp4", small_data, runs, {"train.micro_batch_size": 2})], runs))
+    return out, runs
+
+
+def final_params(runs, name):
+    return load_file(str(runs / name / "final" / "model.safetensors"))
+
+
+@pytest.mark.parametrize("name,reference", [
+    ("fsdp2", "single"), ("fsdp2_accum", "single"), ("fsdp2_tied", "single_tied"), ("fsdp4", "single"),
+    ("fsdp1", "single"),
+])
+def test_loss_and_params_match_one_process(results, name, reference):
+    out, runs = results
+    hist, ref = out[name][0]["history"], out[reference][0]["history"]
+    assert len(hist) == len(ref) == 20
+    loss_diff = max(abs(a["loss"] - b["loss"]) for a, b in zip(hist, ref))
+    val_diff = max(abs(a["val_loss"] - b["val_loss"]) for a, b in zip(hist, ref) if "val_loss" in a)
+    p, q = final_params(runs, name), final_params(runs, reference)
+    assert p.keys() == q.keys()
+    param_diff = max((p[k] - q[k]).abs().max().item() for k in p)
+    print(f"{name} vs {reference}: max loss diff {loss_diff:.2e}, val {val_diff:.2e}, params {param_diff:.2e}")
+    assert loss_diff <= LOSS_TOL
+    assert val_diff <= LOSS_TOL
+    assert param_diff <= PARAM_TOL
+    assert hist[-1]["loss"] < hist[0]["loss"] - 0.5  # it learned something: the comparison is not vacuous
+
+
+@pytest.mark.parametrize("name,world", [("fsdp1", 1), ("fsdp2", 2), ("fsdp4", 4)])
+def test_shards_are_dim0_chunks(results, name, world):
+    reports = results[0][name]
+    names = reports[0]["params"].keys()
+    for pname in names:
+        full_rows = reports[0]["params"][pname]["full_rows"]
+        expected = [c.shape[0] for c in torch.chunk(torch.empty(full_rows), world)]
+        expected += [0] * (world - len(expected))
+        rows = [r["params"][pname]["local_rows"] for r in reports]
+        assert all(r["params"][pname]["dtensor"] for r in reports), pname
+        assert all(r["params"][pname]["placements"] == ["S(0)"] for r in reports), pname
+        assert rows == expected, (pname, rows, expected)
+        assert sum(rows) == full_rows
+    # shard bytes: parameters are exactly the split; parameters + grads + 2 AdamW moments ~ 1/N each
+    for r in reports:
+        local = sum(p["local_bytes"] for p in r["params"].values())
+        assert r["shard_bytes"]["params"] == local
+        assert r["shard_bytes"]["grads"] == local  # gradients are sharded like their parameters
+        # exp_avg + exp_avg_sq per parameter (plus a scalar step counter per parameter)
+        assert 2 * local <= r["shard_bytes"]["optimizer"] <= 2 * local + 64 * len(names)
+
+
+def test_shard_bytes_scale_as_one_over_n(results):
+    totals = {n: results[0][n][0]["shard_bytes"]["params"] for n in ("fsdp1", "fsdp2", "fsdp4")}
+    print("parameter shard bytes per rank at N=1,2,4:", totals)
+    assert totals["fsdp2"] == pytest.approx(totals["fsdp1"] / 2, rel=0.02)
+    assert totals["fsdp4"] == pytest.approx(totals["fsdp1"] / 4, rel=0.05)
+
+
+@pytest.mark.parametrize("name", ["fsdp2", "fsdp2_tied", "fsdp4"])
+def test_meta_init_equals_whole_model(results, name):
+    for report in results[0][name]:
+        for pname, p in report["params"].items():
+            assert p["init_max_abs_diff"] == 0.0, pname
+        assert report["rope_equal"]
+        assert report["tied_same_tensor"] == ("tied" in name)
+
+
+def test_sample_ids_do_not_depend_on_world_size(results):
+    out = results[0]
+    one = out["fsdp1"][0]["sample_ids"]
+    for name, world in (("fsdp2", 2), ("fsdp2_accum", 2), ("fsdp4", 4)):
+        for step, ids in one.items():
+            merged = [i for r in range(world) for i in out[name][r]["sample_ids"][step]]
+            assert merged == ids, (name, step)
+    assert len(one) == 20 and all(len(v) == 8 for v in one.values())

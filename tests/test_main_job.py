@@ -1,0 +1,94 @@
+"""The main job end to end (torchrun, real Shakespeare, the tiny config shortened), and bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, cpu_env, tiny_overrides, torchrun
+from shardlm.cli.train import main as train_main
+from shardlm.data import prepare_corpus
+
+TINY = str(ROOT / "configs/shakespeare-tiny.toml")
+
+
+def test_tiny_config_beats_unigram_entropy_and_generates(tmp_path):
+    data, run = tmp_path / "data", tmp_path / "run"
+    proc = torchrun(2, ["-m", "shardlm.train", "--config", TINY, "--train.steps=40", "--train.eval_interval=20",
+                        "--train.eval_tokens=8192", f"--data.dir={data}", f"--run.dir={run}"], timeout=400)
+    assert "world size 2" in proc.stdout and "backend gloo" in proc.stdout
+    meta = json.loads((data / "meta.json").read_text())
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    final = records[-1]
+    print(f"val_loss {final['val_loss']:.3f} vs unigram entropy {meta['unigram_entropy_nats']:.3f}; "
+          f"{final['tokens_per_s']:.0f} tokens/s; shard bytes {final['shard_bytes']}")
+    assert final["step"] == 40
+    assert final["val_loss"] < meta["unigram_entropy_nats"]
+    for key in ("loss", "lr", "grad_norm", "tokens_per_s", "tokens_per_s_per_rank", "shard_bytes"):
+        assert key in final, key
+    assert len(final["shard_bytes"]) == 2
+    hf = json.loads((run / "final" / "config.json").read_text())
+    assert hf["model_type"] == "llama" and hf["tie_word_embeddings"] is True
+    assert {p.name for p in (run / "final").iterdir()} == {"config.json", "model.safetensors", "tokenizer.json"}
+    assert json.loads((run / "config.json").read_text())["train"]["steps"] == 40
+    gen = subprocess.run([sys.executable, "-m", "shardlm", "generate", "--model", str(run / "final"),
+                          "--prompt", "ROMEO:", "--max-new-tokens", "20"],
+                         env=cpu_env(), capture_output=True, text=True, timeout=120)
+    assert gen.returncode == 0, gen.stderr
+    assert gen.stdout.startswith("ROMEO:") and len(gen.stdout.strip()) > len("ROMEO:") + 10
+
+
+@pytest.fixture
+def tokenizer_600(tmp_path, small_corpus):
+    out = tmp_path / "tok600"
+    prepare_corpus(str(small_corpus), str(out), None, 600, 0.1)
+    return out / "tokenizer.json"
+
+
+def bad_cases(tmp_path, small_data, small_corpus, tokenizer_600):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n\n")
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "keep.txt").write_text("precious")
+    fresh = tmp_path / "fresh"
+    return {
+        "unknown key": (["--train.bogus=1"], "unknown config key 'train.bogus'"),
+        "wrong type": (["--train.steps=ten"], "train.steps: expected an integer"),
+        "batch not divisible": (["--train.global_batch_size=7", "--train.micro_batch_size=2"],
+                                "global_batch_size=7 must be divisible"),
+        "seq too long": (["--train.seq_len=128"], "exceeds the model's maximum"),
+        "missing corpus": ([f"--data.corpus={tmp_path / 'nope.txt'}", f"--data.dir={fresh / 'd1'}"], "nope.txt"),
+        "empty corpus": ([f"--data.corpus={empty}", f"--data.dir={fresh / 'd2'}"], "empty"),
+        "tokenizer too big": ([f"--data.corpus={small_corpus}", f"--data.tokenizer={tokenizer_600}",
+                               f"--data.dir={fresh / 'd3'}"], "600"),
+        "run dir not empty": ([f"--run.dir={busy}", "--run.overwrite=false"], "not empty"),
+    }
+
+
+@pytest.mark.parametrize("case", ["unknown key", "wrong type", "batch not divisible", "seq too long",
+                                  "missing corpus", "empty corpus", "tokenizer too big", "run dir not empty"])
+def test_bad_input_one_clear_error(case, tmp_path, small_data, small_corpus, tokenizer_600, capsys):
+    overrides, needle = bad_cases(tmp_path, small_data, small_corpus, tokenizer_600)[case]
+    base = tiny_overrides(small_data, tmp_path / "run")
+    code = train_main(base + overrides)
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.count("error:") == 1 and needle in err, err
+    assert "Traceback" not in err
+    if case == "run dir not empty":
+        assert (tmp_path / "busy" / "keep.txt").read_text() == "precious"
+    if case in ("missing corpus", "empty corpus", "tokenizer too big"):
+        assert not (tmp_path / "fresh").exists() or not any((tmp_path / "fresh").rglob("*.bin"))
+
+
+def test_bad_input_under_torchrun_exits_without_hang(tmp_path, small_data):
+    args = ["-m", "shardlm.train", *tiny_overrides(small_data, tmp_path / "run"),
+            "--train.global_batch_size=6", "--train.micro_batch_size=2", "--parallel.timeout_s=60"]
+    proc = torchrun(2, args, timeout=120, check=False)
+    assert proc.returncode != 0
+    assert proc.stderr.count("error: train.global_batch_size=6 must be divisible") == 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -92,3 +93,17 @@ def test_bad_input_under_torchrun_exits_without_hang(tmp_path, small_data):
     proc = torchrun(2, args, timeout=120, check=False)
     assert proc.returncode != 0
     assert proc.stderr.count("error: train.global_batch_size=6 must be divisible") == 1
+
+
+def test_non_finite_loss_stops_and_writes_nothing(tmp_path, small_data, capsys):
+    run = tmp_path / "run"
+    # an absurd learning rate blows the weights up within a few steps: the loss becomes inf/NaN
+    code = train_main(tiny_overrides(small_data, run, {"train.lr": 1e30, "train.min_lr": 1e30,
+                                                       "train.warmup_steps": 0, "train.grad_clip": 0.0}))
+    err = capsys.readouterr().err
+    assert code == 3
+    assert err.count("error:") == 1 and "is not finite" in err, err
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) < 20
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in records)
+    assert not (run / "final").exists()

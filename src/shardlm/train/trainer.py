@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -216,7 +217,9 @@ class Trainer:
             print(self.summary(), flush=True)
         else:
             self.summary()  # the summary gathers per-rank bytes: a collective
-        bar = tqdm(total=t.steps, initial=self.step, disable=not info.is_main, unit="step", dynamic_ncols=True)
+        # in a terminal the bar redraws often; in a log file (CI, Slurm) a line every 30 s is enough
+        bar = tqdm(total=t.steps, initial=self.step, disable=not info.is_main, unit="step", dynamic_ncols=True,
+                   mininterval=0.1 if sys.stderr.isatty() else 30.0)
         job_start = time.perf_counter()
         while self.step < t.steps:
             record = self.train_step()

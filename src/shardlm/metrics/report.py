@@ -123,7 +123,7 @@ def _fmt(value: Any, spec: str) -> str:
 def summary_markdown(runs: list[Run]) -> str:
     """A Markdown summary: per run, model/batch/parallel config, final losses, mean tokens/s, wall time."""
     lines = ["# Run report", "",
-             "| run | params (dim x layers) | world size | global batch x seq | steps | final loss | final val loss "
+             "| run | model (dim x layers) | world size | global batch x seq | steps | final loss | final val loss "
              "| mean tokens/s | wall time (s) |", "|---|---|---|---|---|---|---|---|---|"]
     for run in runs:
         cfg = run.config

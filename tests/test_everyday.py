@@ -29,10 +29,11 @@ from shardlm.model.generate import SamplingConfig, decode_steps, generate
 def runs(tmp_path_factory, small_data) -> dict[str, Path]:
     """Two tiny runs at 2 ranks: ``a`` (20 steps) and ``b`` (12 steps, another learning rate)."""
     out = tmp_path_factory.mktemp("everyday")
+    common = {"train.micro_batch_size": 4}
     scenarios = [
-        {"name": "a", "overrides": tiny_overrides(small_data, out / "run_a", {"run.name": "a", "train.micro_batch_size": 4})},
+        {"name": "a", "overrides": tiny_overrides(small_data, out / "run_a", {**common, "run.name": "a"})},
         {"name": "b", "overrides": tiny_overrides(small_data, out / "run_b", {
-            "run.name": "b", "train.micro_batch_size": 4, "train.steps": 12, "train.lr": 1e-3, "train.eval_interval": 6})},
+            **common, "run.name": "b", "train.steps": 12, "train.lr": 1e-3, "train.eval_interval": 6})},
     ]
     run_scenarios(2, scenarios, out / "reports")
     return {"a": out / "run_a", "b": out / "run_b"}

@@ -100,14 +100,15 @@ def make_figures(runs: list[Run]) -> dict[str, Any]:
             ax.plot(steps, val, color=color, linestyle="--", marker="o", markersize=3, label=f"{run.name} val")
         figs["lr"].axes[0].plot(*run.series("lr"), color=color, label=run.name)
         figs["tokens_per_s"].axes[0].plot(*run.series("tokens_per_s"), color=color, label=run.name)
-        styles = ["-", "--", ":", "-."]
-        for j, key in enumerate(_memory_keys(run)):
+        styles, markers = ["-", "--", ":", "-."], "ox^sv<>*"
+        for j, key in enumerate(_memory_keys(run)):  # line style: which memory; marker: which rank
             steps, values = run.series(key)
             for rank in range(max(len(v) for v in values)):
                 rows = [(s, v[rank] / 2**20) for s, v in zip(steps, values) if rank < len(v)]
-                figs["memory"].axes[0].plot([s for s, _ in rows], [m for _, m in rows], color=color,
-                                            linestyle=styles[j % len(styles)], alpha=1 - 0.5 * rank / max(len(values[0]), 1),
-                                            label=f"{run.name} {key.removesuffix('_bytes')} rank{rank}")
+                figs["memory"].axes[0].plot(
+                    [s for s, _ in rows], [m for _, m in rows], color=color, linestyle=styles[j % len(styles)],
+                    marker=markers[rank % len(markers)], markersize=3, markevery=max(len(rows) // 10, 1),
+                    label=f"{run.name} {key.removesuffix('_bytes')} rank{rank}")
     for fig in figs.values():
         ax = fig.axes[0]
         if ax.lines:

@@ -8,6 +8,7 @@ leave as safetensors through :func:`shardlm.checkpoint.hf.save_model_dir`, the w
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -59,8 +60,10 @@ def load_model_weights(ckpt: str | Path) -> tuple[dict[str, torch.Tensor], Model
         state[name] = torch.empty(p.shape, dtype=dtype)
     check_shapes(path, _only_model(metadata, cfg.tie_embeddings), {"model": state})
     try:
-        dcp.load({"model": state}, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(),
-                 no_dist=True)
+        with warnings.catch_warnings():  # DCP warns that it loads in one process: that is the intent
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load({"model": state}, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(),
+                     no_dist=True)
     except CheckpointException as e:  # derives from BaseException
         raise CheckpointError(f"reading the weights of {path} failed: {e}") from None
     return state, cfg, manifest

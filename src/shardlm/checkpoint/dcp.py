@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from shardlm.checkpoint.manifest import (
-    MANIFEST, TMP_PREFIX, CheckpointError, check_files, file_record, fsync_dir, latest_checkpoint, list_checkpoints,
+    TMP_PREFIX, CheckpointError, check_files, file_record, fsync_dir, latest_checkpoint, list_checkpoints,
     read_manifest, write_manifest,
 )
 from shardlm.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner, UnsafeCheckpointError, read_metadata
@@ -282,5 +282,5 @@ class Checkpointer:
         return step
 
 
-__all__ = ["MANIFEST", "Checkpointer", "CheckpointError", "check_shapes", "resume_mode", "training_state",
+__all__ = ["Checkpointer", "CheckpointError", "check_shapes", "resume_mode", "training_state",
            "truncate_metrics", "verify_checkpoint"]

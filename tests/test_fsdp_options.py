@@ -17,8 +17,8 @@ from shardlm.parallel import pick_backend
 from shardlm.parallel.options import check_reshard_after_forward, dtype_from_name
 
 STEPS = 10
-#: bf16 compute with fp32 reduction vs fp32, max loss difference over 10 steps (measured ~2e-3 here)
-BF16_LOSS_TOL = 2e-2
+#: bf16 compute with fp32 reduction vs fp32, max loss difference over 10 steps (measured 5e-4 here)
+BF16_LOSS_TOL = 5e-3
 COMPILE_TOL = 1e-4  # compiled vs eager: different kernel fusion, same math
 DDP_TOL = 1e-5
 GRAD_SYNC_TOL = 1e-6

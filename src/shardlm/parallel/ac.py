@@ -1,21 +1,26 @@
 """Activation checkpointing and compilation of the transformer blocks, applied before sharding.
 
 The order follows torchtitan's ``parallelize_llama``: activation checkpointing, then compile, then
-FSDP. Both keep parameter names: checkpointing uses the composable
-``torch.distributed._composable.checkpoint`` (forward hooks, no wrapper module) and compilation
-uses ``nn.Module.compile()`` (compiles the module's call in place; ``torch.compile(block)`` would
-add an ``_orig_mod.`` prefix).
+FSDP. Both keep parameter names. Checkpointing replaces each chosen block's ``forward`` with one
+that runs the original under ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``: the
+effect of torchtitan's ``checkpoint_wrapper`` without a wrapper module (which would add
+``_checkpoint_wrapped_module.`` to every name). FSDP's hooks stay outside the checkpointed region,
+so recomputation in backward runs only the block's own operators (the hook-based composable
+``checkpoint`` recomputes through the hooks, which operator-level selective checkpointing rejects).
+Compilation uses ``nn.Module.compile()`` (compiles the module's call in place; ``torch.compile(block)``
+would add an ``_orig_mod.`` prefix).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.distributed._composable import checkpoint
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts, noop_context_fn
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from shardlm.config import ConfigError
 
@@ -59,12 +64,20 @@ def apply_ac(blocks: nn.ModuleList, mode: str, every_n: int = 2) -> list[int]:
     if mode not in ("full", "every_n", "selective"):
         raise ConfigError(f"parallel.activation_checkpoint: unknown mode {mode!r}")
     chosen = [i for i in range(len(blocks)) if mode != "every_n" or (i + 1) % every_n == 0]
+    context_fn = selective_context_fn if mode == "selective" else noop_context_fn
     for i in chosen:
-        if mode == "selective":
-            checkpoint(blocks[i], context_fn=selective_context_fn)
-        else:
-            checkpoint(blocks[i])
+        _checkpoint_forward(blocks[i], context_fn)
     return chosen
+
+
+def _checkpoint_forward(block: nn.Module, context_fn: Callable[[], tuple]) -> None:
+    """Make ``block.forward`` keep only its inputs and recompute the rest in backward (names unchanged)."""
+    inner = block.forward
+
+    def forward(*args, **kwargs):
+        return torch_checkpoint(inner, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+    block.forward = forward
 
 
 def find_c_compiler() -> str | None:

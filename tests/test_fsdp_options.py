@@ -184,3 +184,29 @@ def test_reshard_n_not_fitting_the_group_under_torchrun(tmp_path, small_data):
     proc = torchrun(2, args, timeout=120, check=False)
     assert proc.returncode != 0
     assert proc.stderr.count("error: parallel.reshard_after_forward=2 must satisfy 1 < N < 2") == 1, proc.stderr
+
+
+def test_activation_checkpointing_saves_less_and_keeps_names():
+    from shardlm.config import ModelConfig
+    from shardlm.metrics import SavedActivationCounter
+    from shardlm.model import Llama
+    from shardlm.parallel import apply_ac
+
+    cfg = ModelConfig(dim=64, n_layers=4, n_heads=4, ffn_hidden=128, vocab_size=256, max_seq_len=32)
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    saved, grads, names = {}, {}, {}
+    for mode in ("none", "full", "every_n", "selective"):
+        model = Llama(cfg)
+        model.init_weights(0)
+        assert apply_ac(model.model.layers, mode, 2) == {"none": [], "every_n": [1, 3]}.get(mode, [0, 1, 2, 3])
+        with SavedActivationCounter() as counter:
+            loss = model(tokens).logsumexp(-1).mean()
+        loss.backward()
+        saved[mode], names[mode] = counter.bytes, [n for n, _ in model.named_parameters()]
+        grads[mode] = torch.cat([p.grad.flatten() for p in model.parameters()])
+    print("saved activation bytes:", saved)
+    assert saved["none"] > saved["every_n"] > saved["full"] > 0
+    assert saved["none"] > saved["selective"] > saved["full"]
+    for mode in saved:
+        assert names[mode] == names["none"]
+        assert torch.equal(grads[mode], grads["none"]), mode

@@ -23,6 +23,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from shardlm.config import ConfigError
+from shardlm.metrics.activations import note_saved
 
 #: operators whose outputs selective checkpointing keeps: the matrix multiplies and attention
 #: (torchtitan's ``_save_list``, without the float8 and collective entries); everything else
@@ -38,7 +39,11 @@ SAVE_OPS: frozenset = frozenset(
 
 def _save_matmul_policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
     """Selective-checkpoint policy: save the outputs of :data:`SAVE_OPS`, recompute the rest."""
-    return CheckpointPolicy.MUST_SAVE if func in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    if func in SAVE_OPS:
+        if not ctx.is_recompute:
+            note_saved(ctx.op_output)  # for the saved-activation count (invisible to saved_tensors_hooks)
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def selective_context_fn() -> tuple:
@@ -75,6 +80,7 @@ def _checkpoint_forward(block: nn.Module, context_fn: Callable[[], tuple]) -> No
     inner = block.forward
 
     def forward(*args, **kwargs):
+        note_saved((args, kwargs))  # the inputs kept for recomputation (for the saved-activation count)
         return torch_checkpoint(inner, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
     block.forward = forward

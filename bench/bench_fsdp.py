@@ -16,7 +16,8 @@ shows the median step time.
 Scaling: ``weak`` holds the per-rank batch fixed (micro-batch 4 per rank, global batch 4·N);
 ``strong`` holds the global batch fixed (8 sequences: N=1 two micro-batches of 4, N=2 one of 4,
 N=4 one of 2). Modes ``single`` (world size 1 only), ``ddp`` and ``fsdp`` run under both; the FSDP
-options run at world size 2 (reshard N=2 at 4) under weak scaling.
+options run at world size 2 (reshard N=2 at 4) under weak scaling, except the gradient-sync policy,
+which runs next to the default at two micro-batches per rank (``accum2``, G = 8·N).
 
 MFU = tokens/s per rank × (6·N + 12·L·H·Q·T) ÷ peak (PaLM, appendix B; N without the input
 embedding), where the peak is the matrix-multiply rate each rank measures in the same launch, in the
@@ -72,7 +73,9 @@ def plan(models: list[str], worlds: list[int], options: list[str], compile_: boo
                     out.append(dict(model=model, scaling=scaling, mode=mode, option="-", parallel={"mode": mode}))
             if w == 2 and model == models[0]:
                 for name in options:
-                    scaling = "strong" if name == "grad sync every" else "weak"  # needs accumulation
+                    if name == "grad sync every":  # needs accumulation: compare with the default at 2 micro-batches
+                        out.append(dict(model=model, scaling="accum2", mode="fsdp", option="-", parallel={}))
+                    scaling = "accum2" if name == "grad sync every" else "weak"
                     out.append(dict(model=model, scaling=scaling, mode="fsdp", option=name, parallel=OPTIONS[name]))
                 if compile_:
                     out.append(dict(model=model, scaling="weak", mode="fsdp", option="compile",
@@ -107,7 +110,7 @@ def worker(spec_path: str) -> None:
         cfg.model = ModelConfig(**MODELS[run["model"]])
         micro = MICRO if run["scaling"] == "weak" or n < 4 else STRONG_GLOBAL // n
         cfg.train.seq_len, cfg.train.micro_batch_size = SEQ_LEN, micro
-        cfg.train.global_batch_size = MICRO * n if run["scaling"] == "weak" else STRONG_GLOBAL
+        cfg.train.global_batch_size = {"weak": MICRO * n, "accum2": 2 * MICRO * n}.get(run["scaling"], STRONG_GLOBAL)
         accum = cfg.train.global_batch_size // (n * micro)
         for key, value in run["parallel"].items():
             setattr(cfg.parallel, key, value)

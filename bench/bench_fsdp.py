@@ -108,7 +108,7 @@ def worker(spec_path: str) -> None:
     for run in spec["runs"]:
         cfg = Config()
         cfg.model = ModelConfig(**MODELS[run["model"]])
-        micro = MICRO if run["scaling"] == "weak" or n < 4 else STRONG_GLOBAL // n
+        micro = STRONG_GLOBAL // n if run["scaling"] == "strong" and n >= 4 else MICRO
         cfg.train.seq_len, cfg.train.micro_batch_size = SEQ_LEN, micro
         cfg.train.global_batch_size = {"weak": MICRO * n, "accum2": 2 * MICRO * n}.get(run["scaling"], STRONG_GLOBAL)
         accum = cfg.train.global_batch_size // (n * micro)

@@ -70,8 +70,10 @@ def pick_backend(device: torch.device, requested: str = "auto", cpu_collectives:
 def init_distributed(pcfg: ParallelConfig, cpu_collectives: bool = False) -> DistInfo:
     """Start (or join the already started) default process group and pick this rank's device.
 
-    The collective timeout is ``pcfg.timeout_s``: a rank blocked in a collective whose peer has died
-    raises after that long instead of hanging.
+    With ``pcfg.cpu_offload`` (or ``cpu_collectives``) a CUDA run also gets CPU collectives
+    (``cuda:nccl,cpu:gloo``), which clipping offloaded gradient shards needs. The collective
+    timeout is ``pcfg.timeout_s``: a rank blocked in a collective whose peer has died raises after
+    that long instead of hanging.
 
     Raises:
         ConfigError: a CUDA device was requested but is missing.
@@ -80,7 +82,7 @@ def init_distributed(pcfg: ParallelConfig, cpu_collectives: bool = False) -> Dis
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     device = pick_device(pcfg.device, local_rank)
-    backend = pick_backend(device, pcfg.backend, cpu_collectives)
+    backend = pick_backend(device, pcfg.backend, cpu_collectives or pcfg.cpu_offload)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():

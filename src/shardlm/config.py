@@ -75,6 +75,9 @@ class DataConfig:
     """Fraction of the token stream (its tail) held out for validation."""
     dir: str = ""
     """Directory of the prepared token ids; empty means ``data/<config name>``."""
+    format: Literal["text", "instruct"] = "text"
+    """``text``: a corpus for language modelling; ``instruct``: a .jsonl of ``messages`` or ``prompt``/``response``
+    examples, chat-formatted, loss on response tokens only (see shardlm/data/instruct.py)."""
 
 
 @dataclass

@@ -128,7 +128,7 @@ def read_gguf_tensors(path: str | Path) -> tuple[dict[str, torch.Tensor], ModelC
                 continue
             raise _error(f"{path}: GGUF tensor {t.name} has no Llama counterpart")
         array = gguf.quants.dequantize(t.data, t.tensor_type)
-        w = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32)).reshape(tuple(reversed(t.shape.tolist())))
+        w = torch.from_numpy(np.array(array, dtype=np.float32, copy=True)).reshape(tuple(reversed(t.shape.tolist())))
         if name.endswith("q_proj.weight"):
             w = unpermute_rows(w, cfg.n_heads)
         elif name.endswith("k_proj.weight"):

@@ -142,20 +142,19 @@ def test_hf_round_trip_bit_equal_in_source_dtype(tmp_path):
 # ---- sharded loading and fine-tuning on 2 ranks ------------------------------------------------
 
 @pytest.fixture(scope="session")
-def finetune(smol_dir, small_corpus, tmp_path_factory) -> dict:
+def finetune(smol_dir, small_corpus, small_data, tmp_path_factory) -> dict:
     """One torchrun launch at 2 ranks: fine-tune SmolLM2 on 3 plays (held-out tail), and load a tiny model."""
     out = tmp_path_factory.mktemp("finetune")
-    tiny = random_hf_dir(out / "tiny", vocab_size=1001)
+    tiny = random_hf_dir(out / "tiny-model", vocab_size=1001)
     common = {"train.warmup_steps": 0, "train.weight_decay": 0.0, "data.val_fraction": 0.05}
     scenarios = [
         {"name": "smol", "config": None, "overrides": [f"--{k}={v}" for k, v in {
             **common, "model.init_from": f'"{smol_dir}"', "data.corpus": f'"{small_corpus}"',
             "data.dir": f'"{out / "data-smol"}"', "train.seq_len": 32, "train.global_batch_size": 4,
             "train.micro_batch_size": 2, "train.steps": 3, "train.lr": 1e-4, "train.min_lr": 1e-5,
-            "train.eval_interval": 3, "train.eval_tokens": 512, "run.dir": f'"{out / "run-smol"}"'}.items()]},
+            "train.eval_interval": 3, "train.eval_tokens": 256, "run.dir": f'"{out / "run-smol"}"'}.items()]},
         {"name": "tiny", "config": None, "overrides": [f"--{k}={v}" for k, v in {
-            **common, "model.init_from": f'"{tiny}"', "data.corpus": f'"{small_corpus}"',
-            "data.tokenizer": f'"{out / "data-smol" / "tokenizer.json"}"', "data.dir": f'"{out / "data-tiny"}"',
+            **common, "model.init_from": f'"{tiny}"', "data.dir": f'"{small_data}"',  # a 512-token BPE
             "train.seq_len": 16, "train.global_batch_size": 2, "train.micro_batch_size": 1, "train.steps": 1,
             "train.eval_interval": 0, "run.dir": f'"{out / "run-tiny"}"'}.items()]},
     ]

@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from conftest import cpu_env, torchrun  # noqa: F401  (cpu_env: the environment torchrun uses)
+from conftest import torchrun
 from shardlm.checkpoint import load_model_dir
 from shardlm.checkpoint.gguf_import import hf_name, import_gguf
 from shardlm.cli.main import main as shardlm_main
@@ -242,3 +242,23 @@ def test_bad_pretrained_input(tmp_path, capsys, smol_dir, small_corpus):
                           f"--model.init_from={src}", f"--data.corpus={small_corpus}",
                           f"--data.dir={tmp_path / 'd'}", "--train.seq_len=32"])
     assert "49152" in err and "1001" in err
+
+
+def test_smollm2_chat_template_masks_only_the_reply(smol_dir, tmp_path):
+    """With SmolLM2's own chat template: the trained tokens are the reply and its end-of-turn marker, and the
+    whole example tokenizes as transformers' apply_chat_template does."""
+    from shardlm.data.instruct import InstructionExamples, prepare_instructions
+
+    examples = Path(__file__).resolve().parents[1] / "examples" / "instruct-shakespeare.jsonl"
+    out = tmp_path / "data"
+    prepare_instructions(str(examples), str(out), str(smol_dir / "tokenizer.json"), 49152, 0.2)
+    data = InstructionExamples(str(out), "train", 256)
+    tok = transformers.AutoTokenizer.from_pretrained(str(smol_dir))
+    first = json.loads(examples.read_text().splitlines()[0])
+    row = data.get([0])[0]
+    expected = tok.apply_chat_template([{"role": "user", "content": first["prompt"]},
+                                        {"role": "assistant", "content": first["response"]}], tokenize=True)
+    expected = expected["input_ids"] if isinstance(expected, dict) or hasattr(expected, "keys") else expected
+    assert row[0, :len(expected)].tolist() == list(expected)
+    trained = [t for t in row[1].tolist() if t != -100]
+    assert tok.decode(trained) == first["response"] + "<|im_end|>\n", tok.decode(trained)

@@ -286,6 +286,9 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"train.{key} must be >= 0, got {getattr(t, key)}")
     if t.grad_clip < 0:
         raise ConfigError(f"train.grad_clip must be >= 0, got {t.grad_clip}")
+    if m.rope_scaling_factor > 0 and m.rope_high_freq_factor <= m.rope_low_freq_factor:
+        raise ConfigError(f"model.rope_high_freq_factor={m.rope_high_freq_factor} must exceed "
+                          f"model.rope_low_freq_factor={m.rope_low_freq_factor}")
 
 
 def gradient_accumulation_steps(cfg: Config, dp_world_size: int) -> int:

@@ -18,7 +18,10 @@ def cmd_import(args: argparse.Namespace, overrides: list[str]) -> None:
             raise ConfigError("give either --gguf FILE or a source directory, not both")
         from shardlm.checkpoint.gguf_import import import_gguf
 
-        out = import_gguf(args.gguf, args.out_dir)
+        try:
+            out = import_gguf(args.gguf, args.out_dir)
+        except ImportError as e:
+            raise ConfigError(f"shardlm import --gguf needs {e.name}: pip install 'shardlm[gguf]'") from None
     else:
         if not args.source:
             raise ConfigError("shardlm import needs --gguf FILE or a source directory: shardlm import SRC OUT_DIR")

@@ -59,7 +59,11 @@ def smol_dir(tmp_path_factory) -> Path:
 
 
 def test_gguf_import_equals_transformers_dequantised(smol_dir):
-    """Our GGUF import equals transformers' own GGUF path: gguf.dequantize + LlamaTensorProcessor (un-permute)."""
+    """Our GGUF import equals transformers' own GGUF path: gguf.dequantize + LlamaTensorProcessor (un-permute).
+
+    Checked on the first and last blocks and the embedding/final norm (every quantisation type of the
+    file: Q8_0, Q4_1, F32; both permutations); the logits test covers the whole model.
+    """
     import gguf
     from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
@@ -68,13 +72,16 @@ def test_gguf_import_equals_transformers_dequantised(smol_dir):
     ours = load_file(str(smol_dir / "model.safetensors"))
     reader = gguf.GGUFReader(str(smollm2_gguf()))
     seen = set()
+    last = config["num_hidden_layers"] - 1
     for t in reader.tensors:
+        if not t.name.startswith(("blk.0.", f"blk.{last}.", "token_embd", "output_norm")):
+            continue
         weights = gguf.dequantize(t.data, t.tensor_type)
         theirs = torch.from_numpy(processor.process(weights=weights, name=t.name).weights.copy())
         name = hf_name(t.name)
         assert torch.equal(ours[name], theirs), name
         seen.add(name)
-    assert seen == set(ours) and len(seen) == 272
+    assert len(seen) == 2 * 9 + 2 and {t.tensor_type.name for t in reader.tensors} == {"Q8_0", "Q4_1", "F32"}
     # the q/k permutation is not the identity: skipping it would change the tensors
     q = ours["model.layers.0.self_attn.q_proj.weight"]
     raw = torch.from_numpy(gguf.dequantize(reader.tensors[8].data, reader.tensors[8].tensor_type).copy())
@@ -151,8 +158,8 @@ def finetune(smol_dir, small_corpus, small_data, tmp_path_factory) -> dict:
         {"name": "smol", "config": None, "overrides": [f"--{k}={v}" for k, v in {
             **common, "model.init_from": f'"{smol_dir}"', "data.corpus": f'"{small_corpus}"',
             "data.dir": f'"{out / "data-smol"}"', "train.seq_len": 32, "train.global_batch_size": 4,
-            "train.micro_batch_size": 2, "train.steps": 3, "train.lr": 1e-4, "train.min_lr": 1e-5,
-            "train.eval_interval": 3, "train.eval_tokens": 256, "run.dir": f'"{out / "run-smol"}"'}.items()]},
+            "train.micro_batch_size": 2, "train.steps": 2, "train.lr": 1e-4, "train.min_lr": 1e-5,
+            "train.eval_interval": 2, "train.eval_tokens": 256, "run.dir": f'"{out / "run-smol"}"'}.items()]},
         {"name": "tiny", "config": None, "overrides": [f"--{k}={v}" for k, v in {
             **common, "model.init_from": f'"{tiny}"', "data.dir": f'"{small_data}"',  # a 512-token BPE
             "train.seq_len": 16, "train.global_batch_size": 2, "train.micro_batch_size": 1, "train.steps": 1,
@@ -172,7 +179,7 @@ def _run(nproc: int, scenarios: list[dict], out: Path) -> dict:
 def test_finetune_lowers_val_loss_below_pretrained(finetune):
     history = finetune["reports"]["smol"][0]["history"]
     start, end = history[0], history[-1]
-    assert start["step"] == 0 and end["step"] == 3
+    assert start["step"] == 0 and end["step"] == 2
     print(f"\nSmolLM2 fine-tune, 2 ranks: held-out val loss {start['val_loss']:.4f} -> {end['val_loss']:.4f}")
     assert math.isfinite(end["val_loss"]) and end["val_loss"] < start["val_loss"]
 

@@ -35,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     from shardlm.cli.checkpoint import add_parsers as add_checkpoint_parsers
 
     add_checkpoint_parsers(sub)  # export, inspect
+    from shardlm.cli.pretrained import add_parsers as add_pretrained_parsers  # import
+
+    add_pretrained_parsers(sub)
     args, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     return run_cli(lambda: args.fn(args, overrides))
 

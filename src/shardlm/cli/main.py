@@ -59,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--top-k", type=int, default=50)
     g.add_argument("--seed", type=int, default=0)
     g.set_defaults(fn=cmd_generate)
+    from shardlm.cli import plan as plan_cli
+    plan_cli.add_parser(sub)
     args, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     return run_cli(lambda: args.fn(args, overrides))
 

@@ -192,18 +192,32 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
         led.add("reduce_scatter", 4 * p_total, "step start")  # DDP's all-reduce buckets (flat, persistent)
 
     unsharded: dict[str, bool] = {}
+    prefetched: dict[str, int] = {}  # group -> bytes of its all-gather buffer awaiting copy-out
     accumulated: dict[str, bool] = {}
+    retained_rs = [0]  # the last reduce-scatter input, kept alive until the next one (FSDP2 keeps 1)
     logits_alive = 0
 
-    def unshard(g: Group, phase: str) -> None:
-        if not fsdp or unsharded.get(g.name):
-            return
+    def all_gather(g: Group, phase: str) -> None:
+        """Issue the group's all-gather: the flat output buffer (the input is a slice of it)."""
         if offload:
             led.add("all_gather", 4 * g.shard_numel, phase)  # host-to-device copy of the shard
         led.add("all_gather", n * g.shard_numel * pb, phase)
+        prefetched[g.name] = n * g.shard_numel * pb + (4 * g.shard_numel if offload else 0)
+
+    def unshard(g: Group, phase: str) -> None:
+        """All-gather (unless prefetched), copy out into unsharded parameters, free the buffer."""
+        if not fsdp or unsharded.get(g.name):
+            return
+        if g.name not in prefetched:
+            all_gather(g, phase)
         led.add("params", g.numel * pb, phase)
-        led.free("all_gather", n * g.shard_numel * pb + (4 * g.shard_numel if offload else 0))
+        led.free("all_gather", prefetched.pop(g.name))
         unsharded[g.name] = True
+
+    def prefetch(g: Group | None, phase: str) -> None:
+        """FSDP2's implicit backward prefetch: the next group's all-gather, copied out when it is used."""
+        if fsdp and g is not None and not unsharded.get(g.name) and g.name not in prefetched:
+            all_gather(g, phase)
 
     def reshard(g: Group) -> None:
         if fsdp and unsharded.get(g.name):
@@ -217,23 +231,28 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
             led.free("grads", g.numel * pb)  # added in place into the kept gradient, then freed
 
     def post_backward(g: Group, sync: bool, phase: str) -> None:
+        """FSDP2's post-backward: reshard, then keep the gradient or reduce-scatter it."""
         had = accumulated.get(g.name, False)
+        reshard(g)
         if not sync:
             if not had and rb != pb:
                 led.add("grads", g.numel * rb, phase)  # FSDP keeps them in reduce_dtype
                 led.free("grads", g.numel * pb)
             accumulated[g.name] = True
-            reshard(g)
             return
         kept = g.numel * (rb if had and rb != pb else pb)
-        led.add("reduce_scatter", n * g.shard_numel * rb, phase)
+        led.free("reduce_scatter", retained_rs[0])  # the previous group's input is released first
+        led.add("reduce_scatter", n * g.shard_numel * rb, phase)  # flat input, copied in
+        led.add("reduce_scatter", g.shard_numel * rb, phase)  # output
         led.free("grads", kept)
-        led.add("reduce_scatter", g.shard_numel * rb, phase)
-        led.free("reduce_scatter", n * g.shard_numel * rb)
-        led.add("host" if offload else "grads", 4 * g.shard_numel, phase)  # sharded fp32 gradient
-        led.free("reduce_scatter", g.shard_numel * rb)
+        if rb != 4:
+            led.add("host" if offload else "grads", 4 * g.shard_numel, phase)  # cast to the fp32 shard
+            led.free("reduce_scatter", g.shard_numel * rb)
+        else:
+            led.free("reduce_scatter", g.shard_numel * rb)  # the output becomes the sharded gradient
+            led.add("host" if offload else "grads", 4 * g.shard_numel, phase)
+        retained_rs[0] = n * g.shard_numel * rb
         accumulated[g.name] = False
-        reshard(g)
 
     by_name = {g.name: g for g in groups}
     blocks = [by_name[f"block{i}"] for i in range(cfg.model.n_layers)] if fsdp else []
@@ -282,6 +301,7 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
             grad_logits = act.logits_bytes(s)
         head_numel = s.vocab * s.d + s.d  # output projection and final norm weights
         if fsdp:  # tied: the shared weight's gradient arrives here and stays until the root's turn
+            prefetch(blocks[-1], f"{mb} output backward")
             grads_arrive(by_name.get("head") or by_name["root"], f"{mb} output backward")
         elif i == 0:
             led.add("grads", 4 * head_numel, f"{mb} output backward")
@@ -297,6 +317,7 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
             phase = f"{mb} backward block {layer}"
             if fsdp:
                 unshard(blocks[layer], phase)
+                prefetch(blocks[layer - 1] if layer else by_name.get("embed"), phase)
                 grads_arrive(blocks[layer], phase)
             recompute = act.block_saved_none(s) - saved[layer] if saved[layer] < act.block_saved_none(s) else 0
             led.add("activations", recompute, phase)
@@ -312,9 +333,12 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
             grads_arrive(by_name["embed"], f"{mb} backward embedding")
             post_backward(by_name["embed"], sync, f"{mb} embedding reduce-scatter")
         elif fsdp:  # tied: the embedding's gradient is added into the shared weight's, then reduced
-            led.add("grads", s.vocab * s.d * pb, f"{mb} backward embedding")
-            led.free("grads", s.vocab * s.d * pb)
+            led.add("grads", 2 * s.vocab * s.d * pb, f"{mb} backward embedding")  # new grad, and the sum
+            led.free("grads", 2 * s.vocab * s.d * pb)  # AccumulateGrad adds out of place; old and new freed
             post_backward(by_name["root"], sync, f"{mb} root reduce-scatter")
+        if fsdp:  # the root's end-of-backward callback waits for the last reduce-scatter
+            led.free("reduce_scatter", retained_rs[0])
+            retained_rs[0] = 0
         else:
             rest = 4 * (p_total - head_numel)
             led.add("grads", rest, f"{mb} backward")

@@ -61,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     g.set_defaults(fn=cmd_generate)
     from shardlm.cli import plan as plan_cli
     plan_cli.add_parser(sub)
+    from shardlm.cli import profile as profile_cli
+    profile_cli.add_parser(sub)
     args, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     return run_cli(lambda: args.fn(args, overrides))
 

@@ -1,7 +1,10 @@
 """The planner's memory prediction against the measured peak, its communication formula, its CLI.
 
 Three torchrun launches (1, 2, 4 ranks), several configs each, on a ~100k-parameter model with
-sequences long enough that activations and temporaries are most of the peak. Measured: bytes of
+sequences long enough that activations and temporaries are most of the peak. FSDP2 occasionally
+keeps one extra parameter-group-sized buffer alive on some ranks (AccumulateGrad clones an incoming
+gradient that is still referenced elsewhere; it depends on timing): the micro-batches are sized so
+that such a buffer stays a few percent of the peak. Measured: bytes of
 live storages at the start of step 3 + the peak running sum of the allocator's events during it
 (torch.profiler), the maximum over ranks (tests/planner_worker.py).
 """
@@ -31,8 +34,8 @@ CONFIGS = {
     "fsdp2_mb2_accum": (2, {"train.micro_batch_size": 2}, "none"),
     "fsdp2_mb4_full": (2, {"train.micro_batch_size": 4}, "full"),
     "ddp2_mb4": (2, {"parallel.mode": '"ddp"', "train.micro_batch_size": 4}, "none"),
-    "fsdp4_mb2": (4, {"train.micro_batch_size": 2}, "none"),
-    "fsdp4_mb1_accum_full": (4, {"train.micro_batch_size": 1}, "full"),
+    "fsdp4_mb4": (4, {"train.global_batch_size": 16, "train.micro_batch_size": 4}, "none"),
+    "fsdp4_mb2_accum_full": (4, {"train.global_batch_size": 16, "train.micro_batch_size": 2}, "full"),
 }
 # To add once issue 3's [parallel] fields land (the worker then uses them natively):
 #   "fsdp2_mb4_bf16": (2, {..., "parallel.param_dtype": '"bfloat16"', "parallel.reduce_dtype": '"float32"'}, "none")
@@ -74,7 +77,7 @@ def test_checkpointing_and_world_size_move_the_peak(measured):
     """The measured peaks differ as the plan says they should (so the comparison is not vacuous)."""
     m = {k: max(v["measured_peaks"]) for k, v in measured.items()}
     assert m["fsdp2_mb4_full"] < 0.9 * m["fsdp2_mb4"]
-    assert m["fsdp4_mb2"] < 0.75 * m["fsdp2_mb4"]
+    assert m["fsdp4_mb4"] < 0.75 * m["single_mb8"]  # same tokens per rank, a quarter of the states
     assert m["ddp2_mb4"] > m["fsdp2_mb4"]
 
 

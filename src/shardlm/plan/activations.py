@@ -116,13 +116,14 @@ def block_saved(s: Shape, mode: str, layer: int, every_n: int = 2) -> int:
 
 
 def block_backward_transient(s: Shape) -> int:
-    """Extra bytes alive at the high point of one block's backward (beyond saved tensors and grads).
+    """Extra bytes alive at the high point of one block's backward, beyond its saved tensors.
 
-    The SwiGLU backward holds the gradient of the product and, from the product's backward, the
-    gradients of the SiLU and up outputs at once: 3·c·B·f; plus the incoming and outgoing residual
-    gradients (c·B·d each).
+    The high point is the SwiGLU product's backward: it holds the incoming gradient (c·B·f) and
+    produces the gradients of the SiLU and up outputs (2·c·B·f), while the product itself, saved
+    by ``down_proj``, was released when ``down_proj``'s backward ran: net +2·c·B·f. (Under
+    non-reentrant checkpointing recomputed tensors are likewise released as backward uses them.)
     """
-    return 3 * s.c * s.tokens * s.f + 2 * s.c * s.tokens * s.d
+    return 2 * s.c * s.tokens * s.f
 
 
 def embedding_saved(s: Shape, mode: str) -> int:

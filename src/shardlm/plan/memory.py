@@ -224,11 +224,13 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
             led.free("params", g.numel * pb)
             unsharded[g.name] = False
 
-    def grads_arrive(g: Group, phase: str) -> None:
-        """The group's gradients are produced (in the param dtype); accumulate if some exist."""
-        led.add("grads", g.numel * pb, phase)
+    def grads_arrive(g: Group, phase: str, numel: int | None = None) -> None:
+        """``numel`` (default all) of the group's gradients are produced in the param dtype; if a
+        kept gradient exists they are added into it in place and freed."""
+        numel = g.numel if numel is None else numel
+        led.add("grads", numel * pb, phase)
         if accumulated.get(g.name):
-            led.free("grads", g.numel * pb)  # added in place into the kept gradient, then freed
+            led.free("grads", numel * pb)
 
     def post_backward(g: Group, sync: bool, phase: str) -> None:
         """FSDP2's post-backward: reshard, then keep the gradient or reduce-scatter it."""
@@ -315,14 +317,17 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
             post_backward(by_name["head"], sync, f"{mb} output reduce-scatter")
         for layer in reversed(range(s.n_layers)):
             phase = f"{mb} backward block {layer}"
+            mlp_down = s.d * s.f  # down_proj's weight gradient exists at the high point
             if fsdp:
                 unshard(blocks[layer], phase)
                 prefetch(blocks[layer - 1] if layer else by_name.get("embed"), phase)
-                grads_arrive(blocks[layer], phase)
+                grads_arrive(blocks[layer], phase, mlp_down)
             recompute = act.block_saved_none(s) - saved[layer] if saved[layer] < act.block_saved_none(s) else 0
             led.add("activations", recompute, phase)
             led.add("temporaries", act.block_backward_transient(s), phase)
             led.free("temporaries", act.block_backward_transient(s))
+            if fsdp:
+                grads_arrive(blocks[layer], phase, blocks[layer].numel - mlp_down)
             led.free("activations", saved[layer] + recompute)
             if fsdp:
                 post_backward(blocks[layer], sync, f"{mb} block {layer} reduce-scatter")

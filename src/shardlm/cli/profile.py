@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 from typing import Any
 
 from shardlm.config import ConfigError
@@ -45,7 +44,6 @@ def format_report(per_rank: list[list[dict[str, float]]]) -> str:
 
 def cmd_profile(args: argparse.Namespace, overrides: list[str]) -> None:
     """Train ``--warmup`` steps, profile ``--steps`` more on every rank, write and print the report."""
-    import torch
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile, record_function
 

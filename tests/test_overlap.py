@@ -57,3 +57,17 @@ def test_profile_two_ranks(small_data, tmp_path):
             assert s["all_gather_ms"] > 0 and s["reduce_scatter_ms"] > 0 and s["compute_ms"] > 0
             assert 0 <= s["idle_ms"] < s["step_ms"]
     assert "hidden %" in proc.stdout and "synchronously" in proc.stdout
+
+
+def test_profile_bad_input(tmp_path):
+    """A bad --steps value stops `shardlm profile` with one clear message and exit code 2."""
+    import subprocess
+    import sys
+
+    from conftest import cpu_env
+
+    proc = subprocess.run([sys.executable, "-m", "shardlm", "profile", str(ROOT / "configs" / "shakespeare-tiny.toml"),
+                           "--steps", "0", f"--run.dir={tmp_path / 'r'}"], env=cpu_env(), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: --steps must be >= 1")

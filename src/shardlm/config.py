@@ -116,7 +116,8 @@ class ParallelConfig:
     """Collective timeout in seconds: a rank stuck in a collective fails after this long instead of hanging."""
     dp_replicate: int = 1
     """Replicas of the model (HSDP's replicate dimension, usually the number of nodes): gradients are
-    reduce-scattered within a shard group, then all-reduced across replicas. 1 = plain FSDP (a 1-D mesh)."""
+    reduce-scattered within a shard group, then all-reduced across replicas. 1 = plain FSDP (a 1-D mesh);
+    -1 = world size / ``dp_shard`` (one replica per shard group, follows the node count)."""
     dp_shard: int = -1
     """Ranks per shard group (HSDP's shard dimension, usually the GPUs of a node); -1 = all remaining ranks,
     world size / ``dp_replicate``. ``dp_replicate × dp_shard`` must equal the world size."""
@@ -272,10 +273,12 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"train.{key} must be >= 0, got {getattr(t, key)}")
     if t.grad_clip < 0:
         raise ConfigError(f"train.grad_clip must be >= 0, got {t.grad_clip}")
-    if cfg.parallel.dp_replicate < 1:
-        raise ConfigError(f"parallel.dp_replicate must be >= 1, got {cfg.parallel.dp_replicate}")
-    if cfg.parallel.dp_shard < 1 and cfg.parallel.dp_shard != -1:
-        raise ConfigError(f"parallel.dp_shard must be >= 1 or -1 (all remaining ranks), got {cfg.parallel.dp_shard}")
+    for key in ("dp_replicate", "dp_shard"):
+        if getattr(cfg.parallel, key) < 1 and getattr(cfg.parallel, key) != -1:
+            raise ConfigError(f"parallel.{key} must be >= 1 or -1 (all remaining ranks), "
+                              f"got {getattr(cfg.parallel, key)}")
+    if cfg.parallel.dp_replicate == cfg.parallel.dp_shard == -1:
+        raise ConfigError("parallel.dp_replicate and parallel.dp_shard cannot both be -1: set one of them")
 
 
 def gradient_accumulation_steps(cfg: Config, dp_world_size: int) -> int:

@@ -101,7 +101,8 @@ def local_world_size() -> int:
 def dp_mesh_shape(pcfg: ParallelConfig, world_size: int, ranks_per_node: int) -> tuple[int, int]:
     """The data-parallel mesh shape ``(dp_replicate, dp_shard)`` for ``world_size`` ranks.
 
-    ``dp_shard = -1`` takes all remaining ranks, ``world_size // dp_replicate``. torchrun numbers
+    ``dp_shard = -1`` takes all remaining ranks, ``world_size // dp_replicate`` (``dp_replicate = -1``
+    likewise ``world_size // dp_shard``, so one config fits any node count). torchrun numbers
     ranks node by node, so shard group g holds ranks ``[g·S, (g+1)·S)``: it stays inside one node
     (S divides the ranks of a node, the HSDP layout: all-gathers and reduce-scatters on the fast
     intra-node links, only the all-reduce across replicas between nodes) or spans whole nodes
@@ -113,11 +114,18 @@ def dp_mesh_shape(pcfg: ParallelConfig, world_size: int, ranks_per_node: int) ->
             would hold part of a node; HSDP (``dp_replicate > 1``) outside ``parallel.mode='fsdp'``.
     """
     r, s = pcfg.dp_replicate, pcfg.dp_shard
+    if r == s == -1:
+        raise ConfigError("parallel.dp_replicate and parallel.dp_shard cannot both be -1: set one of them")
     if s == -1:
         if world_size % r:
             raise ConfigError(f"parallel.dp_replicate={r} must divide the world size {world_size} "
                               "(parallel.dp_shard=-1 takes the remaining ranks)")
         s = world_size // r
+    if r == -1:
+        if world_size % s:
+            raise ConfigError(f"parallel.dp_shard={s} must divide the world size {world_size} "
+                              "(parallel.dp_replicate=-1 takes the remaining ranks)")
+        r = world_size // s
     if r * s != world_size:
         raise ConfigError(f"parallel.dp_replicate × parallel.dp_shard = {r} × {s} = {r * s}, but the world size "
                           f"is {world_size}: the mesh must cover every rank exactly once")

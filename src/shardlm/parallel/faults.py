@@ -88,15 +88,26 @@ def is_communication_failure(error: BaseException) -> bool:
     return type(error) is RuntimeError and any(m in text for m in _COMMUNICATION_MARKERS)
 
 
+def rank_ranges(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5, 7, 8]`` -> ``"0-2, 5, 7-8"`` (sorted, consecutive runs as ranges)."""
+    parts: list[str] = []
+    for r in sorted(ranks):
+        if parts and r == int(parts[-1].split("-")[-1]) + 1:
+            parts[-1] = f"{parts[-1].split('-')[0]}-{r}"
+        else:
+            parts.append(str(r))
+    return ", ".join(parts)
+
+
 def describe_ranks(hosts: list[RankHost]) -> str:
-    """``node 1 (host gpu-07): ranks 8, 9`` per node, joined with ``; ``."""
+    """``node 1 (host gpu-07): ranks 8-15`` per node, joined with ``; ``."""
     by_node: dict[int, list[RankHost]] = {}
     for h in hosts:
         by_node.setdefault(h.node_rank, []).append(h)
     parts = []
     for node, members in sorted(by_node.items()):
         names = sorted({h.hostname for h in members})
-        ranks = ", ".join(str(h.rank) for h in sorted(members, key=lambda h: h.rank))
+        ranks = rank_ranges([h.rank for h in members])
         parts.append(f"node {node} (host {', '.join(names)}): rank{'s' if len(members) > 1 else ''} {ranks}")
     return "; ".join(parts)
 

@@ -1,4 +1,4 @@
-"""The ``shardlm`` command: ``prepare`` and ``generate`` (training runs under torchrun: ``-m shardlm.train``)."""
+"""The ``shardlm`` command: ``prepare``, ``generate``, ``eval`` and ``report`` (training runs under torchrun: ``-m shardlm.train``)."""
 
 from __future__ import annotations
 
@@ -19,30 +19,6 @@ def cmd_prepare(args: argparse.Namespace, overrides: list[str]) -> None:
           f"unigram entropy {meta['unigram_entropy_nats']:.3f} nats")
 
 
-def cmd_generate(args: argparse.Namespace, overrides: list[str]) -> None:
-    from pathlib import Path
-
-    from shardlm.checkpoint import load_model_dir
-    from shardlm.config import ConfigError
-    from shardlm.data import load_tokenizer, special_token_ids
-    from shardlm.model.generate import sample
-
-    if overrides:
-        raise ConfigError(f"unknown arguments: {' '.join(overrides)}")
-    model = load_model_dir(args.model)
-    tok = load_tokenizer(str(Path(args.model) / "tokenizer.json"))
-    ids = special_token_ids(tok)
-    prompt = tok.encode(args.prompt).ids
-    if not prompt:
-        raise ConfigError("--prompt is empty")
-    if ids.get("bos") is not None:
-        prompt = [ids["bos"]] + prompt
-    if len(prompt) >= model.cfg.max_seq_len:
-        raise ConfigError(f"the prompt has {len(prompt)} tokens; the model's context is {model.cfg.max_seq_len}")
-    new = sample(model, prompt, args.max_new_tokens, args.temperature, args.top_k, ids.get("eod"), args.seed)
-    print(args.prompt + tok.decode(new))
-
-
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``shardlm`` console script; returns the exit code."""
     parser = argparse.ArgumentParser(prog="shardlm", description="FSDP2 training of Llama-style models. "
@@ -51,14 +27,11 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("prepare", help="tokenize a corpus into token-id files (train/val split)")
     p.add_argument("--config", required=True, help="TOML config; its [data] section says what to prepare")
     p.set_defaults(fn=cmd_prepare)
-    g = sub.add_parser("generate", help="sample text from a trained model directory")
-    g.add_argument("--model", required=True, help="model directory (e.g. runs/NAME/final)")
-    g.add_argument("--prompt", required=True, help="text to continue")
-    g.add_argument("--max-new-tokens", type=int, default=200)
-    g.add_argument("--temperature", type=float, default=0.8)
-    g.add_argument("--top-k", type=int, default=50)
-    g.add_argument("--seed", type=int, default=0)
-    g.set_defaults(fn=cmd_generate)
+    from shardlm.cli import eval as eval_cli, generate as generate_cli, report as report_cli
+
+    generate_cli.add_parser(sub)
+    eval_cli.add_parser(sub)
+    report_cli.add_parser(sub)
     args, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     return run_cli(lambda: args.fn(args, overrides))
 

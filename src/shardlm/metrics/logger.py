@@ -12,11 +12,21 @@ class MetricsLogger:
     """Appends records to ``<run dir>/metrics.jsonl`` (rank 0 only; other ranks hold a no-op logger).
 
     Each record is flushed at once, so the file is complete up to the last finished step even if
-    the job is killed.
+    the job is killed. With ``tensorboard`` (default) the records also go to TensorBoard event
+    files in ``<run dir>/tensorboard/`` when that package is installed (see
+    :class:`shardlm.metrics.tensorboard.TensorBoardWriter`; ``self.tensorboard.truncate(step)``
+    drops events after a step on resume). A new or emptied ``metrics.jsonl`` means a new run, so
+    stale event files are then removed.
     """
 
-    def __init__(self, path: Path | None) -> None:
+    def __init__(self, path: Path | None, tensorboard: bool = True) -> None:
+        from shardlm.metrics.tensorboard import TensorBoardWriter
+
         self.path = path
+        self.tensorboard: TensorBoardWriter | None = None
+        if path is not None and tensorboard:
+            fresh = not Path(path).exists() or Path(path).stat().st_size == 0
+            self.tensorboard = TensorBoardWriter(Path(path).parent / "tensorboard", fresh=fresh)
         self._file = open(path, "a", encoding="utf-8") if path is not None else None
 
     def log(self, record: dict[str, Any]) -> None:
@@ -27,12 +37,16 @@ class MetricsLogger:
         if self._file is not None:
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()
+        if self.tensorboard is not None:
+            self.tensorboard.log(record)
 
     def close(self) -> None:
         """Close the file."""
         if self._file is not None:
             self._file.close()
             self._file = None
+        if self.tensorboard is not None:
+            self.tensorboard.close()
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

@@ -1,43 +1,138 @@
-"""Sampling text from a trained model (one process, no distributed code)."""
+"""Sampling text from a trained model (one process, no distributed code), with a key-value cache.
+
+Batched prompts are left-padded to a common length; the :class:`~shardlm.model.llama.KVCache` masks
+the padding and gives each row positions from 0, so a row's tokens do not depend on the others.
+Sampling: temperature scaling, then top-k, then top-p (nucleus, Holtzman et al. 2020) filtering.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
 import torch
 
-from shardlm.model.llama import Llama
+from shardlm.model.llama import KVCache, Llama
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How the next token is chosen from the logits.
+
+    Attributes:
+        temperature: logits are divided by it; 0 means greedy (argmax).
+        top_k: keep the k most likely tokens (0 = all).
+        top_p: keep the smallest set of most likely tokens whose probability reaches top_p (1 = all).
+        seed: seed of the torch.Generator that draws the samples.
+    """
+
+    temperature: float = 0.8
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def check(self) -> None:
+        """Raise ValueError on a negative temperature, negative top_k or top_p outside (0, 1]."""
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Set to -inf every logit outside the top-k and outside the top-p nucleus; (batch, vocab) float."""
+    if top_k > 0:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # drop a token when the tokens before it already reach top_p (the most likely one always stays)
+        drop = (probs.cumsum(-1) - probs) >= top_p
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return logits
+
+
+def check_prompts(prompts: list[list[int]], max_seq_len: int) -> None:
+    """Raise ValueError on an empty prompt list, an empty prompt, or one that leaves no room in the context."""
+    if not prompts:
+        raise ValueError("no prompts given")
+    for i, p in enumerate(prompts):
+        if not p:
+            raise ValueError(f"prompt {i} is empty")
+        if len(p) >= max_seq_len:
+            raise ValueError(f"prompt {i} has {len(p)} tokens; the model's context is {max_seq_len} tokens, "
+                             "so nothing can be generated after it")
 
 
 @torch.no_grad()
-def sample(model: Llama, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.8,
-           top_k: int = 0, eos_id: int | None = None, seed: int = 0) -> list[int]:
-    """Autoregressively extend ``prompt_ids`` by up to ``max_new_tokens`` token ids.
+def decode_steps(model: Llama, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingConfig,
+                 use_cache: bool = True) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Yield ``(logits, next_ids)`` per step: (batch, vocab) float32 logits of the last position, (batch,) int64.
 
-    Temperature 0 is greedy decoding; ``top_k`` > 0 keeps the k most likely tokens. The context is
-    cropped to the model's ``max_seq_len``. Stops early at ``eos_id``. Returns only the new ids.
+    With ``use_cache`` the prompts are run once (prefill) and each step then feeds one token per row.
+    Without it each step runs the whole sequence through the training code path (``cache=None``);
+    that path has no padding mask, so all prompts must then have the same length. Generation stops
+    after ``max_new_tokens`` or when the context (``max_seq_len``) is full. The caller decides when
+    rows are finished (EOS); rows keep being fed so the batch stays rectangular.
 
     Raises:
-        ValueError: empty prompt or negative temperature.
+        ValueError: bad prompts (see :func:`check_prompts`), bad sampling settings, or unequal
+            prompt lengths without a cache.
     """
-    if not prompt_ids:
-        raise ValueError("the prompt is empty")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    sampling.check()
+    check_prompts(prompts, model.cfg.max_seq_len)
     device = next(model.parameters()).device
-    gen = torch.Generator(device=device).manual_seed(seed)
-    ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)
-    new: list[int] = []
-    for _ in range(max_new_tokens):
-        logits = model(ids[:, -model.cfg.max_seq_len:])[0, -1].float()
-        if temperature == 0:
-            nxt = int(logits.argmax())
+    lengths = [len(p) for p in prompts]
+    width = max(lengths)
+    if not use_cache and len(set(lengths)) > 1:
+        raise ValueError("generation without a KV cache needs prompts of equal length")
+    pad = torch.tensor([width - n for n in lengths], dtype=torch.long)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], dtype=torch.long, device=device)
+    gen = torch.Generator(device=device).manual_seed(sampling.seed)
+    steps = min(max_new_tokens, model.cfg.max_seq_len - width)
+    cache = KVCache(model.cfg, pad, model.lm_head.weight.dtype, device) if use_cache else None
+    feed = ids
+    for _ in range(steps):
+        logits = (model(feed, cache=cache) if use_cache else model(ids))[:, -1].float()
+        if sampling.temperature == 0:
+            nxt = logits.argmax(-1)
         else:
-            logits = logits / temperature
-            if top_k > 0:
-                kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            nxt = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen))
-        if eos_id is not None and nxt == eos_id:
+            probs = torch.softmax(filter_logits(logits / sampling.temperature, sampling.top_k, sampling.top_p), -1)
+            nxt = torch.multinomial(probs, 1, generator=gen).squeeze(1)
+        yield logits, nxt
+        ids = torch.cat([ids, nxt.unsqueeze(1)], dim=1)
+        feed = nxt.unsqueeze(1)
+
+
+def generate(model: Llama, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingConfig,
+             eos_id: int | None = None, use_cache: bool = True,
+             on_token: Callable[[int, int], None] | None = None) -> list[list[int]]:
+    """Extend each prompt (a list of token ids) by up to ``max_new_tokens`` new ids; return only the new ids.
+
+    A row stops at ``eos_id`` (not included in its output). ``on_token(row, token_id)`` is called for
+    each new token as soon as it is chosen (for streaming). Raises ValueError as :func:`decode_steps`.
+    """
+    out: list[list[int]] = [[] for _ in prompts]
+    done = [False] * len(prompts)
+    for _, nxt in decode_steps(model, prompts, max_new_tokens, sampling, use_cache):
+        for row, tok in enumerate(nxt.tolist()):
+            if done[row]:
+                continue
+            if eos_id is not None and tok == eos_id:
+                done[row] = True
+                continue
+            out[row].append(tok)
+            if on_token is not None:
+                on_token(row, tok)
+        if all(done):
             break
-        new.append(nxt)
-        ids = torch.cat([ids, torch.tensor([[nxt]], device=device)], dim=1)
-    return new
+    return out
+
+
+def sample(model: Llama, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.8,
+           top_k: int = 0, eos_id: int | None = None, seed: int = 0) -> list[int]:
+    """One prompt: :func:`generate` with a KV cache; returns the new ids. Raises ValueError on bad input."""
+    return generate(model, [prompt_ids], max_new_tokens, SamplingConfig(temperature, top_k, 1.0, seed), eos_id)[0]

@@ -65,6 +65,71 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+class LayerKVCache:
+    """One layer's keys and values, (batch, n_kv_heads, capacity, head_dim), owned by a :class:`KVCache`."""
+
+    def __init__(self, owner: "KVCache", k: torch.Tensor, v: torch.Tensor) -> None:
+        self.owner, self.k, self.v = owner, k, v
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Store new keys/values (batch, n_kv_heads, seq, head_dim) at the cache's position.
+
+        Returns all keys and values so far, (batch, n_kv_heads, pos + seq, head_dim), and the boolean
+        attention mask (batch, 1, seq, pos + seq) that goes with them (True = attend).
+        """
+        start, t = self.owner.length, k.shape[2]
+        self.k[:, :, start:start + t] = k
+        self.v[:, :, start:start + t] = v
+        return self.k[:, :, :start + t], self.v[:, :, :start + t], self.owner.mask(t)
+
+
+class KVCache:
+    """Key-value cache for incremental decoding (Pope et al., "Efficiently Scaling Transformer
+    Inference", 2022): each new token attends to the stored keys/values of all earlier ones, so a
+    step costs one token's forward instead of the whole sequence's.
+
+    Rows may be left-padded to a common length: ``pad[b]`` leading positions of row b are padding,
+    masked out as keys; each row's rotary positions start at 0 at its first real token. A padded
+    query attends to itself only, which keeps its (unused) output finite.
+
+    Args:
+        cfg: the model's shape (layers, kv heads, head_dim); ``capacity`` defaults to ``max_seq_len``.
+        pad: (batch,) int64 number of left-padding tokens per row.
+        dtype, device: of the cached tensors (the model's compute dtype and device).
+    """
+
+    def __init__(self, cfg: ModelConfig, pad: torch.Tensor, dtype: torch.dtype, device: torch.device | str,
+                 capacity: int | None = None) -> None:
+        self.capacity = capacity or cfg.max_seq_len
+        if self.capacity > cfg.max_seq_len:
+            raise ValueError(f"cache capacity {self.capacity} exceeds max_seq_len={cfg.max_seq_len}")
+        n_kv, head_dim = cfg.n_kv_heads or cfg.n_heads, cfg.dim // cfg.n_heads
+        self.pad = pad.to(device=device, dtype=torch.long)
+        batch = self.pad.shape[0]
+        self.length = 0
+        shape = (batch, n_kv, self.capacity, head_dim)
+        self.layers = [LayerKVCache(self, torch.zeros(shape, dtype=dtype, device=device),
+                                    torch.zeros(shape, dtype=dtype, device=device)) for _ in range(cfg.n_layers)]
+
+    def positions(self, t: int) -> torch.Tensor:
+        """Rotary positions (batch, t) of the next t tokens; raises ValueError past the capacity."""
+        if self.length + t > self.capacity:
+            raise ValueError(f"{self.length} cached + {t} new tokens exceed the cache capacity {self.capacity}")
+        pos = torch.arange(self.length, self.length + t, device=self.pad.device)
+        return (pos.unsqueeze(0) - self.pad.unsqueeze(1)).clamp(min=0)
+
+    def mask(self, t: int) -> torch.Tensor:
+        """Boolean mask (batch, 1, t, length + t): causal, padding keys excluded, padded queries see themselves."""
+        q = torch.arange(self.length, self.length + t, device=self.pad.device).view(1, t, 1)
+        k = torch.arange(self.length + t, device=self.pad.device).view(1, 1, -1)
+        real_key = k >= self.pad.view(-1, 1, 1)
+        return ((k <= q) & real_key | (k == q)).unsqueeze(1)
+
+    def advance(self, t: int) -> None:
+        """Move the write position on by t tokens (called by :meth:`Llama.forward` after all layers)."""
+        self.length += t
+
+
 class Attention(nn.Module):
     """Causal self-attention with rotary embeddings and grouped-query heads, through SDPA.
 
@@ -82,7 +147,11 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: LayerKVCache | None = None) -> torch.Tensor:
+        """(batch, seq, dim) -> (batch, seq, dim). ``cos``/``sin``: (seq, head_dim), or (batch, 1, seq,
+        head_dim) with a cache. With ``cache``, the new keys/values are written at the cache's current
+        position and attention runs over everything cached so far, under the cache's mask."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
@@ -90,11 +159,17 @@ class Attention(nn.Module):
         cos, sin = cos.to(q.dtype), sin.to(q.dtype)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
+        mask = None
+        if cache is not None:
+            k, v, mask = cache.update(k, v)
         repeat = self.n_heads // self.n_kv_heads
         if repeat > 1:
             k = k.repeat_interleave(repeat, dim=1)
             v = v.repeat_interleave(repeat, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -122,8 +197,9 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: LayerKVCache | None = None) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -167,14 +243,30 @@ class Llama(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         return self
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """tokens (batch, seq) int64 -> logits (batch, seq, vocab_size).
+
+        Without ``cache`` (training, evaluation) the tokens are positions 0..seq-1 under a causal
+        mask. With a :class:`KVCache` they continue the cached sequences: each row's positions
+        start at the cache's length minus that row's left padding, and the cache advances by seq.
+
+        Raises:
+            ValueError: the sequence (or cache length + seq) exceeds ``max_seq_len``.
+        """
         t = tokens.shape[1]
-        if t > self.cfg.max_seq_len:
-            raise ValueError(f"sequence of {t} tokens exceeds max_seq_len={self.cfg.max_seq_len}")
-        cos, sin = self.model.rope_cos[:t], self.model.rope_sin[:t]
+        if cache is None:
+            if t > self.cfg.max_seq_len:
+                raise ValueError(f"sequence of {t} tokens exceeds max_seq_len={self.cfg.max_seq_len}")
+            cos, sin = self.model.rope_cos[:t], self.model.rope_sin[:t]
+        else:
+            positions = cache.positions(t)  # (batch, seq), raises past the cache's capacity
+            cos = self.model.rope_cos[positions].unsqueeze(1)  # (batch, 1, seq, head_dim)
+            sin = self.model.rope_sin[positions].unsqueeze(1)
         h = self.model.embed_tokens(tokens)
-        for layer in self.model.layers:
-            h = layer(h, cos, sin)
+        for i, layer in enumerate(self.model.layers):
+            h = layer(h, cos, sin) if cache is None else layer(h, cos, sin, cache.layers[i])
+        if cache is not None:
+            cache.advance(t)
         return self.lm_head(self.model.norm(h))
 
     # ---- initialisation -------------------------------------------------------------------

@@ -1,0 +1,251 @@
+"""Fixed-length token windows and world-size-independent batch sampling.
+
+A *window* is ``seq_len + 1`` consecutive tokens (inputs are ``w[:-1]``, targets
+``w[1:]``). Windows do not overlap. The sample ids of a training step depend only on
+``(seed, global_batch_size, step)``, never on the number of ranks, so a run can be
+resumed on a different world size and see exactly the same data.
+"""
+
+from __future__ import annotations
+
+import math
+import pathlib
+from collections import OrderedDict
+
+import numpy as np
+import torch
+
+from shardlm.data.corpus import DataError
+from shardlm.data.prepare import load_meta
+
+__all__ = ["TokenWindows", "GlobalBatchSampler", "eval_windows"]
+
+
+class TokenWindows:
+    """Non-overlapping windows of ``seq_len + 1`` tokens over ``<out_dir>/<split>.bin``.
+
+    Window ``i`` is ``tokens[i*(seq_len+1) : (i+1)*(seq_len+1)]``; a trailing partial
+    window is dropped. The file is opened as a read-only ``np.memmap`` with the dtype
+    recorded in ``meta.json``.
+
+    Args:
+        out_dir: A directory written by :func:`shardlm.data.prepare_corpus`.
+        split: ``"train"`` or ``"val"``.
+        seq_len: Model context length in tokens (>= 1).
+
+    Raises:
+        DataError: missing/invalid meta or ``.bin`` file, file size not a multiple of
+            the dtype size, or fewer than ``seq_len + 1`` tokens in the split.
+        ValueError: ``split`` is not ``"train"``/``"val"`` or ``seq_len < 1``.
+    """
+
+    def __init__(self, out_dir: str, split: str, seq_len: int) -> None:
+        if split not in ("train", "val"):
+            raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+        meta = load_meta(out_dir)
+        try:
+            self.dtype = np.dtype(meta["dtype"])
+        except TypeError as exc:
+            raise DataError(f"{out_dir}/meta.json: invalid dtype {meta['dtype']!r}") from exc
+        path = pathlib.Path(out_dir).expanduser() / f"{split}.bin"
+        if not path.is_file():
+            raise DataError(f"{path} not found: run data preparation first (prepare_corpus)")
+        size = path.stat().st_size
+        if size % self.dtype.itemsize:
+            raise DataError(f"{path}: size {size} bytes is not a multiple of {self.dtype.name}")
+        self.path = path
+        self.split = split
+        self.seq_len = int(seq_len)
+        self.num_tokens = size // self.dtype.itemsize
+        self.window = self.seq_len + 1
+        self._len = self.num_tokens // self.window
+        if self._len == 0:
+            raise DataError(
+                f"{split} split has {self.num_tokens} tokens, needs at least "
+                f"seq_len+1={self.window} for one window ({path})"
+            )
+        self.tokens = np.memmap(path, dtype=self.dtype, mode="r", shape=(self.num_tokens,))
+
+    def __len__(self) -> int:
+        """Number of full windows."""
+        return self._len
+
+    def get(self, ids: list[int]) -> torch.Tensor:
+        """Gather windows.
+
+        Args:
+            ids: Window indices in ``[0, len(self))``; may be empty.
+
+        Returns:
+            ``torch.LongTensor`` (int64, CPU) of shape ``(len(ids), seq_len + 1)``.
+
+        Raises:
+            IndexError: an id is out of range.
+        """
+        idx = np.asarray(ids, dtype=np.int64).reshape(-1)
+        bad = idx[(idx < 0) | (idx >= self._len)]
+        if bad.size:
+            raise IndexError(f"window id {int(bad[0])} out of range [0, {self._len}) for {self.path}")
+        pos = idx[:, None] * self.window + np.arange(self.window, dtype=np.int64)[None, :]
+        return torch.from_numpy(np.asarray(self.tokens[pos], dtype=np.int64))
+
+    def __repr__(self) -> str:
+        return (
+            f"TokenWindows(path={str(self.path)!r}, seq_len={self.seq_len}, "
+            f"tokens={self.num_tokens}, windows={self._len})"
+        )
+
+
+class GlobalBatchSampler:
+    """Deterministic infinite stream of window ids, cut into global batches.
+
+    Epoch ``e`` is ``torch.randperm(num_windows, generator=Generator().manual_seed(
+    seed * 1_000_003 + e))``; the stream is epoch 0, then epoch 1, ... . Step ``s``
+    (0-based) takes stream positions ``[s*G, (s+1)*G)`` and may straddle epochs.
+
+    Args:
+        num_windows: Number of windows in the dataset (>= 1).
+        global_batch_size: ``G``, samples per optimizer step over all ranks (>= 1).
+        seed: Data-order seed.
+
+    Raises:
+        ValueError: ``num_windows < 1`` or ``global_batch_size < 1``.
+    """
+
+    _CACHE_EPOCHS = 4
+
+    def __init__(self, num_windows: int, global_batch_size: int, seed: int) -> None:
+        if num_windows < 1:
+            raise ValueError(f"num_windows must be >= 1, got {num_windows}")
+        if global_batch_size < 1:
+            raise ValueError(f"global_batch_size must be >= 1, got {global_batch_size}")
+        self.num_windows = int(num_windows)
+        self.global_batch_size = int(global_batch_size)
+        self.seed = int(seed)
+        self._perms: OrderedDict[int, list[int]] = OrderedDict()
+
+    def epoch_permutation(self, epoch: int) -> list[int]:
+        """The permutation of ``range(num_windows)`` used in ``epoch`` (cached)."""
+        perm = self._perms.get(epoch)
+        if perm is None:
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            perm = torch.randperm(self.num_windows, generator=gen).tolist()
+            self._perms[epoch] = perm
+            while len(self._perms) > self._CACHE_EPOCHS:
+                self._perms.popitem(last=False)
+        else:
+            self._perms.move_to_end(epoch)
+        return perm
+
+    def epoch_of(self, step: int) -> float:
+        """Fractional epoch reached at the start of ``step`` (samples seen / num_windows)."""
+        return step * self.global_batch_size / self.num_windows
+
+    def step_ids(self, step: int) -> list[int]:
+        """Window ids of global batch ``step`` (0-based).
+
+        Returns:
+            ``global_batch_size`` ids (within one epoch all distinct).
+
+        Raises:
+            ValueError: ``step < 0``.
+        """
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        n = self.num_windows
+        start = step * self.global_batch_size
+        end = start + self.global_batch_size
+        ids: list[int] = []
+        pos = start
+        while pos < end:
+            epoch, offset = divmod(pos, n)
+            take = min(end - pos, n - offset)
+            ids.extend(self.epoch_permutation(epoch)[offset : offset + take])
+            pos += take
+        return ids
+
+    def rank_ids(self, step: int, rank: int, world_size: int) -> list[int]:
+        """This rank's contiguous share ``[rank*G/W, (rank+1)*G/W)`` of :meth:`step_ids`.
+
+        Raises:
+            ValueError: ``G % world_size != 0`` or ``rank`` not in ``[0, world_size)``.
+        """
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"invalid rank {rank} for world_size {world_size}")
+        g = self.global_batch_size
+        if g % world_size:
+            raise ValueError(
+                f"global_batch_size={g} is not divisible by world_size={world_size}"
+            )
+        per_rank = g // world_size
+        return self.step_ids(step)[rank * per_rank : (rank + 1) * per_rank]
+
+    def micro_batches(
+        self, step: int, rank: int, world_size: int, micro_batch_size: int
+    ) -> list[list[int]]:
+        """:meth:`rank_ids` cut into consecutive chunks of ``micro_batch_size``.
+
+        Returns:
+            ``G / (world_size * micro_batch_size)`` lists of ``micro_batch_size`` ids.
+
+        Raises:
+            ValueError: the per-rank batch ``G / world_size`` is not divisible by
+                ``micro_batch_size`` (or see :meth:`rank_ids`).
+        """
+        if micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+        ids = self.rank_ids(step, rank, world_size)
+        if len(ids) % micro_batch_size:
+            raise ValueError(
+                f"per-rank batch {len(ids)} (global_batch_size={self.global_batch_size} / "
+                f"world_size={world_size}) is not divisible by micro_batch_size={micro_batch_size}"
+            )
+        return [ids[i : i + micro_batch_size] for i in range(0, len(ids), micro_batch_size)]
+
+
+def eval_windows(
+    num_windows: int,
+    eval_tokens: int,
+    seq_len: int,
+    rank: int,
+    world_size: int,
+    micro_batch_size: int,
+) -> list[list[int]]:
+    """This rank's micro-batches of the fixed validation set.
+
+    The validation set is windows ``0..K-1`` with
+    ``K = max(1, min(num_windows, eval_tokens // seq_len))``; window ``i`` belongs to
+    rank ``i % world_size``. The rank's windows are cut into chunks of
+    ``micro_batch_size`` and the list is padded with empty lists to
+    ``ceil(ceil(K / world_size) / micro_batch_size)`` entries, the same on every rank
+    (collectives need every rank to run the same number of forwards; callers run a
+    dummy forward for an empty micro-batch).
+
+    Args:
+        num_windows: Windows in the validation split (>= 1).
+        eval_tokens: Approximate number of target tokens to evaluate.
+        seq_len: Context length in tokens (>= 1).
+        rank: This rank, in ``[0, world_size)``.
+        world_size: Number of ranks (>= 1).
+        micro_batch_size: Windows per forward (>= 1).
+
+    Returns:
+        A list of micro-batches (lists of window ids; trailing ones may be empty).
+
+    Raises:
+        ValueError: any argument out of range.
+    """
+    if num_windows < 1:
+        raise ValueError(f"num_windows must be >= 1, got {num_windows}")
+    if seq_len < 1 or micro_batch_size < 1:
+        raise ValueError(f"seq_len and micro_batch_size must be >= 1, got {seq_len}, {micro_batch_size}")
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"invalid rank {rank} for world_size {world_size}")
+    k = max(1, min(num_windows, eval_tokens // seq_len))
+    mine = list(range(rank, k, world_size))
+    batches = [mine[i : i + micro_batch_size] for i in range(0, len(mine), micro_batch_size)]
+    n_batches = math.ceil(math.ceil(k / world_size) / micro_batch_size)
+    batches.extend([] for _ in range(n_batches - len(batches)))
+    return batches

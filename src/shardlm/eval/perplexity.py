@@ -1,0 +1,142 @@
+"""Perplexity of a model on a text: non-overlapping windows of the model's context, split over ranks.
+
+The text is tokenized as training data is (``BOS doc0 EOD doc1 EOD ...``, see
+:func:`shardlm.data.prepare_corpus`) and cut into consecutive, non-overlapping windows of
+``context`` tokens (the last one may be shorter). Within a window, every token after the first is
+predicted from the ones before it, so each token of the stream except the first of each window is
+scored exactly once. Window i is evaluated by rank i mod world size; the per-rank sums of
+cross-entropy (nats) and token counts are all-reduced, so the result does not depend on the world
+size. Perplexity = exp(total loss / total tokens) (Jelinek et al., 1977).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from shardlm.model import Llama
+from shardlm.parallel import DistInfo, all_reduce_sum
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """Totals over every rank: ``loss_sum`` (nats), ``tokens`` (predicted tokens), ``windows``."""
+
+    loss_sum: float
+    tokens: int
+    windows: int
+
+    @property
+    def mean_loss(self) -> float:
+        """Mean cross-entropy per predicted token, nats."""
+        return self.loss_sum / self.tokens
+
+    @property
+    def perplexity(self) -> float:
+        """exp(mean loss)."""
+        return math.exp(self.mean_loss)
+
+
+def token_stream(documents: list[str], tokenizer, special_ids: dict[str, int | None]) -> list[int]:
+    """``BOS doc0 EOD doc1 EOD ...`` token ids, as :func:`shardlm.data.prepare_corpus` builds them.
+
+    BOS is left out when ``special_ids["bos"]`` is None, EOD when ``special_ids["eod"]`` is None.
+    """
+    stream: list[int] = [] if special_ids.get("bos") is None else [special_ids["bos"]]
+    for enc in tokenizer.encode_batch(documents, add_special_tokens=False):
+        stream.extend(enc.ids)
+        if special_ids.get("eod") is not None:
+            stream.append(special_ids["eod"])
+    return stream
+
+
+def context_windows(n_tokens: int, context: int) -> list[tuple[int, int]]:
+    """[start, end) of consecutive non-overlapping windows of ``context`` tokens covering ``n_tokens``.
+
+    A final window shorter than 2 tokens predicts nothing and is dropped.
+
+    Raises:
+        ValueError: ``context`` < 2.
+    """
+    if context < 2:
+        raise ValueError(f"the context must be at least 2 tokens, got {context}")
+    windows = [(s, min(s + context, n_tokens)) for s in range(0, n_tokens, context)]
+    return [(s, e) for s, e in windows if e - s >= 2]
+
+
+@torch.no_grad()
+def evaluate_tokens(model: Llama, stream: list[int], info: DistInfo, batch_size: int = 8,
+                    context: int | None = None, progress: bool = True) -> EvalResult:
+    """Loss sums of ``model`` over ``stream`` (token ids), this rank's windows, all-reduced over ranks.
+
+    Every rank must call it (one all-reduce at the end); the model is a whole, unsharded model on
+    ``info.device`` (each rank holds a copy; no collectives run inside the forward). ``context``
+    defaults to the model's ``max_seq_len``. Rank 0 shows a tqdm bar with loss and tokens/s.
+
+    Raises:
+        ValueError: the stream has fewer than 2 tokens, or batch_size < 1.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    context = context or model.cfg.max_seq_len
+    windows = context_windows(len(stream), context)
+    if not windows:
+        raise ValueError(f"the text has {len(stream)} tokens: at least 2 are needed to predict one")
+    mine = windows[info.rank::info.world_size]
+    full = [w for w in mine if w[1] - w[0] == context]
+    batches = [full[i:i + batch_size] for i in range(0, len(full), batch_size)]
+    batches += [[w] for w in mine if w[1] - w[0] != context]  # the short last window, alone
+    data = torch.tensor(stream, dtype=torch.long)
+    totals = torch.zeros(2, dtype=torch.float64, device=info.device)
+    bar = tqdm(total=sum(e - s - 1 for s, e in mine), disable=not (progress and info.is_main), unit="tok",
+               desc="eval", dynamic_ncols=True)
+    start = time.perf_counter()
+    for batch in batches:
+        tokens = torch.stack([data[s:e] for s, e in batch]).to(info.device)
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten(), reduction="sum")
+        n = tokens[:, 1:].numel()
+        totals += torch.stack([loss.double(), torch.tensor(float(n), dtype=torch.float64, device=info.device)])
+        bar.update(n)
+        bar.set_postfix(loss=f"{(totals[0] / totals[1]).item():.3f}",
+                        tok_s=f"{bar.n / max(time.perf_counter() - start, 1e-9):.0f}")
+    bar.close()
+    all_reduce_sum(totals)
+    return EvalResult(loss_sum=totals[0].item(), tokens=int(totals[1].item()), windows=len(windows))
+
+
+def evaluate_model(model_dir: str, data: str, info: DistInfo, batch_size: int = 8, context: int | None = None,
+                   progress: bool = True) -> EvalResult:
+    """Perplexity of the HF-style model directory ``model_dir`` on ``data`` (anything
+    :func:`shardlm.data.read_documents` reads), tokenized with the directory's ``tokenizer.json``.
+
+    Raises:
+        ModelDirError: bad model directory or no ``tokenizer.json`` in it.
+        DataError: unreadable or empty text; a token id beyond the model's vocabulary.
+        ValueError: ``context`` larger than the model's ``max_seq_len`` (see also :func:`evaluate_tokens`).
+    """
+    from pathlib import Path
+
+    from shardlm.checkpoint import ModelDirError, load_model_dir
+    from shardlm.data import DataError, load_tokenizer, read_documents, special_token_ids
+
+    tok_path = Path(model_dir) / "tokenizer.json"
+    model = load_model_dir(model_dir, info.device)
+    if not tok_path.is_file():
+        raise ModelDirError(f"{model_dir}: tokenizer.json not found")
+    if context is not None and context > model.cfg.max_seq_len:
+        raise ValueError(f"context {context} exceeds the model's max_seq_len={model.cfg.max_seq_len}")
+    model.eval()
+    tok = load_tokenizer(str(tok_path))
+    stream = token_stream(read_documents(data), tok, special_token_ids(tok))
+    if max(stream) >= model.cfg.vocab_size:
+        raise DataError(f"the tokenizer produced id {max(stream)} but the model's vocabulary has "
+                        f"{model.cfg.vocab_size} ids")
+    if len(stream) < 2:
+        raise DataError(f"{data}: {len(stream)} token(s), at least 2 are needed")
+    return evaluate_tokens(model, stream, info, batch_size, context, progress)

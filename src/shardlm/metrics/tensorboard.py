@@ -1,0 +1,80 @@
+"""TensorBoard event files beside ``metrics.jsonl``, written when the ``tensorboard`` package is installed.
+
+Uses ``torch.utils.tensorboard.SummaryWriter``. Tags: ``train/loss``, ``val/loss``, ``train/lr``,
+``train/grad_norm``, ``perf/tokens_per_s``, ``perf/tokens_per_s_per_rank``, ``perf/step_time_s``,
+and ``memory/<key>_MiB/rank<r>`` for each per-rank list of bytes in a record (``shard_bytes``,
+``max_allocated_bytes``...). View with ``tensorboard --logdir runs/``.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+#: record key -> TensorBoard tag, for the scalar metrics of a training record
+SCALAR_TAGS = {
+    "loss": "train/loss", "val_loss": "val/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
+    "tokens_per_s": "perf/tokens_per_s", "tokens_per_s_per_rank": "perf/tokens_per_s_per_rank",
+    "step_time_s": "perf/step_time_s",
+}
+
+
+def summary_writer_class() -> type | None:
+    """``torch.utils.tensorboard.SummaryWriter``, or None when tensorboard is not installed."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        return None
+    return SummaryWriter
+
+
+class TensorBoardWriter:
+    """Writes training records as TensorBoard scalars into ``log_dir``; a no-op without tensorboard.
+
+    ``fresh=True`` deletes event files left in ``log_dir`` by an earlier run (a run directory that is
+    overwritten). :meth:`truncate` drops everything logged after a step (for a resumed run).
+    """
+
+    def __init__(self, log_dir: str | Path, fresh: bool = False) -> None:
+        self.log_dir = Path(log_dir)
+        self._cls = summary_writer_class()
+        self._writer = None
+        if self._cls is None:
+            return
+        if fresh and self.log_dir.is_dir():
+            for f in self.log_dir.glob("events.out.tfevents.*"):
+                f.unlink()
+        self._writer = self._cls(log_dir=str(self.log_dir))
+
+    @property
+    def enabled(self) -> bool:
+        """True when event files are being written."""
+        return self._writer is not None
+
+    def log(self, record: dict[str, Any]) -> None:
+        """Add the record's scalars at ``record["step"]``; per-rank byte lists are written in MiB, one tag per rank."""
+        if self._writer is None or "step" not in record:
+            return
+        step = int(record["step"])
+        for key, value in record.items():
+            if key in SCALAR_TAGS and isinstance(value, (int, float)) and math.isfinite(value):
+                self._writer.add_scalar(SCALAR_TAGS[key], value, step)
+            elif key.endswith("bytes") and isinstance(value, list):
+                for rank, v in enumerate(value):
+                    self._writer.add_scalar(f"memory/{key.removesuffix('_bytes')}_MiB/rank{rank}", v / 2**20, step)
+        self._writer.flush()
+
+    def truncate(self, step: int) -> None:
+        """Discard every event after ``step`` (TensorBoard's ``purge_step``), e.g. when resuming from it."""
+        if self._writer is None:
+            return
+        self._writer.close()
+        self._writer = self._cls(log_dir=str(self.log_dir), purge_step=step + 1)
+
+    def close(self) -> None:
+        """Flush and close the event file."""
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+

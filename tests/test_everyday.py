@@ -1,0 +1,233 @@
+"""Everyday use: eval (perplexity at 1 and 2 ranks), generation with a KV cache, TensorBoard, report, bad input.
+
+One torchrun launch trains two tiny runs (2 ranks); every test reuses them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import cpu_env, run_scenarios, tiny_overrides, torchrun
+from shardlm.checkpoint import load_model_dir
+from shardlm.cli.main import main as shardlm_main
+from shardlm.data import load_tokenizer, read_documents, special_token_ids
+from shardlm.eval import context_windows, token_stream
+from shardlm.metrics import MetricsLogger, read_metrics
+from shardlm.metrics.report import FIGURES, load_run, make_figures, write_report
+from shardlm.model.generate import SamplingConfig, decode_steps, generate
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, small_data) -> dict[str, Path]:
+    """Two tiny runs at 2 ranks: ``a`` (20 steps) and ``b`` (12 steps, another learning rate)."""
+    out = tmp_path_factory.mktemp("everyday")
+    common = {"train.micro_batch_size": 4}
+    scenarios = [
+        {"name": "a", "overrides": tiny_overrides(small_data, out / "run_a", {**common, "run.name": "a"})},
+        {"name": "b", "overrides": tiny_overrides(small_data, out / "run_b", {
+            **common, "run.name": "b", "train.steps": 12, "train.lr": 1e-3, "train.eval_interval": 6})},
+    ]
+    run_scenarios(2, scenarios, out / "reports")
+    return {"a": out / "run_a", "b": out / "run_b"}
+
+
+@pytest.fixture(scope="module")
+def eval_file(tmp_path_factory, small_corpus) -> Path:
+    """Three documents (JSON lines) of about 3,000 characters each, from the small corpus."""
+    text = small_corpus.read_text()
+    path = tmp_path_factory.mktemp("evaltext") / "eval.jsonl"
+    path.write_text("".join(json.dumps({"text": text[i * 3000:(i + 1) * 3000 - 7 * i]}) + "\n" for i in range(3)))
+    return path
+
+
+# ---- eval -------------------------------------------------------------------------------------
+def direct_mean_loss(model_dir: Path, data: Path) -> tuple[float, int]:
+    """Mean next-token loss over the model's context windows, one window at a time, in this process."""
+    model = load_model_dir(model_dir).eval()
+    tok = load_tokenizer(str(model_dir / "tokenizer.json"))
+    stream = token_stream(read_documents(str(data)), tok, special_token_ids(tok))
+    losses = []
+    with torch.no_grad():
+        for start, end in context_windows(len(stream), model.cfg.max_seq_len):
+            window = torch.tensor([stream[start:end]])
+            logits = model(window[:, :-1])
+            losses.append(F.cross_entropy(logits[0].double(), window[0, 1:], reduction="none"))
+    all_losses = torch.cat(losses)
+    return all_losses.mean().item(), all_losses.numel()
+
+
+def test_eval_perplexity_is_exp_mean_loss_at_1_and_2_ranks(runs, eval_file):
+    model_dir = runs["a"] / "final"
+    mean, count = direct_mean_loss(model_dir, eval_file)
+    assert count > 1000
+    one = subprocess.run([sys.executable, "-m", "shardlm", "eval", "--model", str(model_dir), "--data",
+                          str(eval_file), "--json", "--batch-size", "3"],
+                         env=cpu_env(), capture_output=True, text=True, timeout=120)
+    assert one.returncode == 0, one.stderr
+    two = torchrun(2, ["-m", "shardlm.eval", "--model", str(model_dir), "--data", str(eval_file), "--json"])
+    r1 = json.loads(one.stdout.strip().splitlines()[-1])
+    r2 = json.loads(two.stdout.strip().splitlines()[-1])  # rank 0 prints one line; rank 1 stays quiet
+    print(f"eval: mean loss {r1['mean_loss']:.6f} (1 rank) {r2['mean_loss']:.6f} (2 ranks) {mean:.6f} (direct), "
+          f"perplexity {r1['perplexity']:.4f}, {count} tokens")
+    assert r1["world_size"] == 1 and r2["world_size"] == 2
+    assert r1["tokens"] == r2["tokens"] == count
+    for r in (r1, r2):
+        assert abs(r["perplexity"] / math.exp(mean) - 1) < 1e-6
+        assert abs(r["mean_loss"] / mean - 1) < 1e-6
+    assert 1 < r1["perplexity"] < 512  # trained for 20 steps: better than uniform over 512 tokens
+
+
+# ---- generation -------------------------------------------------------------------------------
+def test_cached_generation_equals_uncached(runs):
+    model = load_model_dir(runs["a"] / "final").eval()
+    tok = load_tokenizer(str(runs["a"] / "final" / "tokenizer.json"))
+    prompts = [tok.encode(t).ids[:6] for t in ("ROMEO: What light", "JULIET: Ay me, the")]
+    assert len(prompts[0]) == len(prompts[1]) == 6
+    greedy = SamplingConfig(temperature=0.0)
+    cached = list(decode_steps(model, prompts, 40, greedy, use_cache=True))
+    uncached = list(decode_steps(model, prompts, 40, greedy, use_cache=False))
+    assert len(cached) == len(uncached) == 40
+    worst = max((a[0] - b[0]).abs().max().item() for a, b in zip(cached, uncached))
+    print(f"cached vs uncached greedy, 40 steps x 2 prompts: max logit difference {worst:.2e}")
+    assert worst < 1e-5
+    assert all(torch.equal(a[1], b[1]) for a, b in zip(cached, uncached))
+    # a left-padded row of a batch generates what it generates alone
+    short = tok.encode("KING").ids
+    alone = generate(model, [short], 20, greedy)
+    batched = generate(model, [short, prompts[0] + prompts[1]], 20, greedy)
+    assert batched[0] == alone[0] and len(alone[0]) == 20
+
+
+def test_sampling_is_reproducible_with_a_seed(runs):
+    model = load_model_dir(runs["a"] / "final").eval()
+    prompts = [[1, 40, 41], [1, 50]]
+    cfg = SamplingConfig(temperature=1.0, top_k=100, top_p=0.95, seed=7)
+    first = generate(model, prompts, 30, cfg)
+    assert first == generate(model, prompts, 30, cfg)
+    assert first != generate(model, prompts, 30, SamplingConfig(1.0, 100, 0.95, seed=8))
+    # top_k=1 is greedy whatever the temperature
+    assert generate(model, prompts, 10, SamplingConfig(1.5, 1, 1.0, 3)) == generate(model, prompts, 10,
+                                                                                   SamplingConfig(0.0))
+
+
+def test_generate_cli_streams_one_prompt_and_batches_several(runs, capsys):
+    model_dir = runs["a"] / "final"
+    tok = load_tokenizer(str(model_dir / "tokenizer.json"))
+    assert shardlm_main(["generate", "--model", str(model_dir), "--prompt", "ROMEO:", "--temperature", "0",
+                         "--max-new-tokens", "15"]) == 0
+    streamed = capsys.readouterr().out
+    prompt = tok.encode("ROMEO:", add_special_tokens=False).ids
+    bos = special_token_ids(tok)["bos"]
+    expected = generate(load_model_dir(model_dir).eval(), [([bos] if bos is not None else []) + prompt], 15,
+                        SamplingConfig(0.0), special_token_ids(tok)["eod"])[0]
+    assert streamed == "ROMEO:" + tok.decode(expected) + "\n"
+    assert shardlm_main(["generate", "--model", str(model_dir), "--prompt", "ROMEO:", "--prompt", "KING:",
+                         "--max-new-tokens", "10", "--top-p", "0.9"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("ROMEO:") and "\n" + "-" * 40 + "\nKING:" in out
+
+
+# ---- TensorBoard --------------------------------------------------------------------------------
+def test_training_writes_tensorboard_events_matching_metrics(runs):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    records = read_metrics(runs["a"] / "metrics.jsonl")
+    acc = EventAccumulator(str(runs["a"] / "tensorboard"))
+    acc.Reload()
+    tags = acc.Tags()["scalars"]
+    for tag in ("train/loss", "val/loss", "train/lr", "train/grad_norm", "perf/tokens_per_s",
+                "memory/shard_MiB/rank0", "memory/shard_MiB/rank1"):
+        assert tag in tags, tag
+    loss = [(e.step, e.value) for e in acc.Scalars("train/loss")]
+    assert [s for s, _ in loss] == [r["step"] for r in records]
+    assert all(abs(v - r["loss"]) <= 1e-6 * abs(r["loss"]) for (_, v), r in zip(loss, records))
+    val = [(e.step, e.value) for e in acc.Scalars("val/loss")]
+    assert val and [s for s, _ in val] == [r["step"] for r in records if "val_loss" in r]
+    mem = acc.Scalars("memory/shard_MiB/rank1")
+    assert abs(mem[-1].value - records[-1]["shard_bytes"][1] / 2**20) < 1e-4
+
+
+def test_metrics_logger_without_tensorboard(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import now raises ImportError
+    logger = MetricsLogger(tmp_path / "metrics.jsonl")
+    logger.log({"step": 1, "loss": 2.5, "shard_bytes": [10, 10]})
+    logger.close()
+    assert read_metrics(tmp_path / "metrics.jsonl") == [{"step": 1, "loss": 2.5, "shard_bytes": [10, 10]}]
+    assert not logger.tensorboard.enabled and not (tmp_path / "tensorboard").exists()
+
+
+def test_tensorboard_truncate_drops_later_steps(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logger = MetricsLogger(tmp_path / "metrics.jsonl")
+    for step in range(1, 6):
+        logger.log({"step": step, "loss": float(step)})
+    logger.tensorboard.truncate(3)  # resume from step 3: steps 4 and 5 will be logged again
+    for step in (4, 5):
+        logger.log({"step": step, "loss": 10.0 * step})
+    logger.close()
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(1, 1), (2, 2), (3, 3), (4, 40), (5, 50)]
+
+
+# ---- report -------------------------------------------------------------------------------------
+def test_report_plots_what_metrics_jsonl_holds(runs, tmp_path):
+    a, b = load_run(runs["a"]), load_run(runs["b"])
+    figs = make_figures([a, b])
+    lines = {name: {ln.get_label(): ln.get_xydata() for ln in fig.axes[0].lines} for name, fig in figs.items()}
+    for run in (a, b):
+        recs = read_metrics(run.path / "metrics.jsonl")
+        expect = {
+            ("loss", run.name): [(r["step"], r["loss"]) for r in recs],
+            ("loss", f"{run.name} val"): [(r["step"], r["val_loss"]) for r in recs if "val_loss" in r],
+            ("lr", run.name): [(r["step"], r["lr"]) for r in recs],
+            ("tokens_per_s", run.name): [(r["step"], r["tokens_per_s"]) for r in recs],
+            ("memory", f"{run.name} shard rank0"): [(r["step"], r["shard_bytes"][0] / 2**20) for r in recs],
+            ("memory", f"{run.name} shard rank1"): [(r["step"], r["shard_bytes"][1] / 2**20) for r in recs],
+        }
+        for (fig, label), xy in expect.items():
+            assert len(xy) >= 2, (fig, label)
+            assert torch.allclose(torch.tensor(lines[fig][label]), torch.tensor(xy, dtype=torch.float64),
+                                  rtol=1e-12, atol=0), (fig, label)
+    assert len(read_metrics(runs["b"] / "metrics.jsonl")) == 12
+    written = write_report([runs["a"], runs["b"]], tmp_path / "report")
+    assert sorted(p.name for p in written) == sorted([f"{n}.png" for n in FIGURES] + ["summary.md"])
+    for p in written:
+        head = p.read_bytes()[:8]
+        assert p.stat().st_size > 1000 if p.suffix == ".png" else p.stat().st_size > 100
+        if p.suffix == ".png":
+            assert head == b"\x89PNG\r\n\x1a\n"
+    summary = (tmp_path / "report" / "summary.md").read_text()
+    final_a = read_metrics(runs["a"] / "metrics.jsonl")[-1]
+    assert f"| a | 64 x 2 | 2 (fsdp) | 8 x 32 | 20 | {final_a['loss']:.4f} | {final_a['val_loss']:.4f}" in summary
+
+
+# ---- bad input ------------------------------------------------------------------------------------
+def test_bad_input_gives_one_clear_error(runs, tmp_path, capsys):
+    model_dir = str(runs["a"] / "final")
+    cases = [
+        (["generate", "--model", model_dir], "no prompts"),
+        (["generate", "--model", model_dir, "--prompt", ""], "prompt 0 is empty"),
+        (["generate", "--model", model_dir, "--prompt", "ROMEO " * 200], "the model's context is 64 tokens"),
+        (["generate", "--model", model_dir, "--prompt", "x", "--top-p", "0"], "top_p must be in (0, 1]"),
+        (["report", str(tmp_path)], "no metrics.jsonl"),
+        (["eval", "--model", model_dir, "--data", str(tmp_path / "missing.txt")], "does not exist"),
+        (["eval", "--model", model_dir, "--data", str(runs["a"] / "config.json"), "--context", "65"],
+         "exceeds the model's max_seq_len=64"),
+    ]
+    for argv, message in cases:
+        assert shardlm_main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and message in err and err.count("\n") == 1, (argv, err)
+    assert not (tmp_path / "report").exists()  # nothing half-written
+    with pytest.raises(ValueError, match="no prompts given"):
+        generate(load_model_dir(model_dir), [], 5, SamplingConfig())

@@ -341,9 +341,6 @@ def test_is_communication_failure(error, expected):
 
 
 # ---- a lost node -----------------------------------------------------------------------------
-TIMEOUT_S = 30
-
-
 def wait_for_steps(metrics: Path, n: int, procs: list[subprocess.Popen], logs: Path, limit_s: float = 240) -> None:
     """Block until rank 0 logged ``n`` steps (fail if a launcher exits first)."""
     deadline = time.monotonic() + limit_s
@@ -356,19 +353,41 @@ def wait_for_steps(metrics: Path, n: int, procs: list[subprocess.Popen], logs: P
     raise AssertionError(f"no {n} steps within {limit_s} s:\n" + logs_of(logs))
 
 
-def test_lost_node_is_named_within_the_timeout(small_data, tmp_path):
+def freeze_node(proc: subprocess.Popen) -> list[int]:
+    """SIGSTOP a launcher and its workers: the machine is silent, its connections stay open."""
+    pids = [proc.pid, *descendants(proc.pid)]
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    return pids
+
+
+@pytest.mark.parametrize("fault,timeout_s,limit_s,cause", [
+    # the second node dies (it does not host the store): connections close, the survivor stops at once,
+    # well within the collective timeout
+    ("kill", 30, 30, "Connection reset by peer"),
+    # the second node goes silent (no connection closes): gloo's timeout fires after parallel.timeout_s,
+    # then three heartbeats tell the dead from the blocked; without the timeout the survivor would hang
+    ("freeze", 10, 60, "Timed out"),
+])
+def test_lost_node_is_named(small_data, tmp_path, fault, timeout_s, limit_s, cause):
     run, logs = tmp_path / "run", tmp_path / "logs"
     args = ["-m", "shardlm.train", *tiny_overrides(small_data, run, {
         "train.steps": 100000, "train.eval_interval": 0, "train.micro_batch_size": 4,
-        "parallel.timeout_s": TIMEOUT_S})]
+        "parallel.timeout_s": timeout_s})]
     procs = start_nodes(args, logs)
     try:
         wait_for_steps(run / "metrics.jsonl", 3, procs, logs)
-        kill_node(procs[1])  # the second node dies (it does not host the store)
+        start = time.monotonic()
+        if fault == "kill":
+            kill_node(procs[1])
+        else:
+            freeze_node(procs[1])
         try:
-            code = procs[0].wait(timeout=TIMEOUT_S)  # the survivor stops within the collective timeout
+            code = procs[0].wait(timeout=limit_s)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"the survivor still runs {TIMEOUT_S} s after the kill:\n" + logs_of(logs)) from None
+            raise AssertionError(f"the survivor still runs {limit_s} s after the fault:\n" + logs_of(logs)) from None
+        print(f"{fault}: the survivor's launcher exited {time.monotonic() - start:.1f} s after the fault "
+              f"(parallel.timeout_s={timeout_s})")
     finally:
         stop(procs)
     err = (logs / "node0.err").read_text()
@@ -377,6 +396,6 @@ def test_lost_node_is_named_within_the_timeout(small_data, tmp_path):
     assert code != 0
     assert len(errors) == 1, logs_of(logs)
     assert f"lost node 1 (host {socket.gethostname()}): rank 1:" in errors[0]
-    assert "no heartbeat" in errors[0] and "collective failed" in errors[0]
+    assert "no heartbeat" in errors[0] and "collective failed" in errors[0] and cause in errors[0]
     assert "exitcode  : 4" in err  # the survivor's worker stopped with NODE_LOST_EXIT_CODE
     assert not (run / "final").exists()

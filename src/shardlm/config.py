@@ -136,6 +136,21 @@ class RunConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """Sharded checkpoints (torch.distributed.checkpoint) under ``<run dir>/checkpoints/step-<N>/``."""
+
+    enabled: bool = True
+    """Write checkpoints (every ``interval`` steps, at the last step, and on SIGTERM/SIGUSR1)."""
+    interval: int = 100
+    """Save every this many steps (and at the last step); 0 saves only at the last step and on preemption."""
+    keep: int = 3
+    """Keep the newest this many complete checkpoints, deleting older ones; 0 keeps all."""
+    resume: str = ""
+    """``""`` starts fresh (unless torchrun restarted the job: then ``auto``), ``auto`` resumes from the newest
+    complete checkpoint of the run directory if there is one, or a path to a ``step-<N>`` checkpoint directory."""
+
+
+@dataclass
 class Config:
     """The whole configuration of a run: one section per dataclass."""
 
@@ -144,6 +159,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def to_dict(self) -> dict[str, Any]:
         """The config as nested plain dicts (tuples become lists), for JSON/TOML output."""
@@ -279,6 +295,9 @@ def validate(cfg: Config) -> None:
                               f"got {getattr(cfg.parallel, key)}")
     if cfg.parallel.dp_replicate == cfg.parallel.dp_shard == -1:
         raise ConfigError("parallel.dp_replicate and parallel.dp_shard cannot both be -1: set one of them")
+    for key in ("interval", "keep"):
+        if getattr(cfg.checkpoint, key) < 0:
+            raise ConfigError(f"checkpoint.{key} must be >= 0, got {getattr(cfg.checkpoint, key)}")
 
 
 def gradient_accumulation_steps(cfg: Config, dp_world_size: int) -> int:

@@ -7,11 +7,12 @@ import sys
 from collections.abc import Callable
 
 from shardlm.checkpoint import ModelDirError
+from shardlm.checkpoint.manifest import CheckpointError
 from shardlm.config import ConfigError
 from shardlm.data import DataError
 
 #: errors caused by the user's input or data: reported as one line, exit code 2
-USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, DataError, ModelDirError)
+USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, DataError, ModelDirError, CheckpointError)
 
 
 def run_cli(fn: Callable[[], int | None]) -> int:

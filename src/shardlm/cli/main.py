@@ -32,6 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     generate_cli.add_parser(sub)
     eval_cli.add_parser(sub)
     report_cli.add_parser(sub)
+    from shardlm.cli.checkpoint import add_parsers as add_checkpoint_parsers
+
+    add_checkpoint_parsers(sub)  # export, inspect
     args, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     return run_cli(lambda: args.fn(args, overrides))
 

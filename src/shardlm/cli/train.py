@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from shardlm.cli.errors import run_cli
@@ -15,7 +16,10 @@ def parse_args(argv: list[str]) -> tuple[str | None, list[str]]:
         prog="torchrun --nproc_per_node=N -m shardlm.train",
         description="Train a Llama model with FSDP2. Overrides: --section.key=value, e.g. --train.steps=50.")
     parser.add_argument("--config", help="TOML config file (see configs/)")
+    parser.add_argument("--resume", help="same as --checkpoint.resume: 'auto' or a checkpoint directory")
     args, overrides = parser.parse_known_args(argv)
+    if args.resume is not None:
+        overrides.append(f"--checkpoint.resume={json.dumps(args.resume)}")  # a TOML basic string
     return args.config, overrides
 
 

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from shardlm.checkpoint import gather_full_state_dict, save_model_dir
+from shardlm.checkpoint.dcp import Checkpointer, resume_mode
 from shardlm.config import Config, ConfigError, gradient_accumulation_steps
 from shardlm.data import GlobalBatchSampler, TokenWindows, eval_windows, is_prepared, load_meta, prepare_corpus
 from shardlm.metrics import MetricsLogger, device_memory, format_bytes, shard_bytes
@@ -92,7 +93,10 @@ class Trainer:
         self.model = build_model(cfg, self.info, self.mesh)
         self.optimizer = build_optimizer(self.model, t, self.info.device)
         self.scheduler = build_scheduler(self.optimizer, t)
-        self.step = 0
+        self.checkpointer = Checkpointer(cfg, self.info, self.run_dir, data_dir(cfg) / "tokenizer.json",
+                                         self.meta.get("special_ids"))
+        self.step = self.checkpointer.load(self.model, self.optimizer, self.scheduler)  # 0 unless resuming
+        self.preempted = False
         self.history: list[dict[str, Any]] = []
         self.sample_ids: dict[int, list[int]] = {}
         self.local_shard_bytes: dict[str, int] | None = None
@@ -107,12 +111,14 @@ class Trainer:
     def _check_run_dir(self) -> None:
         """Refuse a non-empty run directory unless ``run.overwrite``; rank 0 then creates it."""
         d = self.run_dir
-        if d.exists() and any(d.iterdir()) and not self.cfg.run.overwrite:
+        resuming = bool(resume_mode(self.cfg))  # resuming continues this run dir: metrics are truncated, not wiped
+        if d.exists() and any(d.iterdir()) and not self.cfg.run.overwrite and not resuming:
             raise ConfigError(f"run directory {d} is not empty: pass --run.overwrite=true or choose --run.dir")
         torch.distributed.barrier()
         if self.info.is_main:
             d.mkdir(parents=True, exist_ok=True)
-            (d / "metrics.jsonl").unlink(missing_ok=True)
+            if not resuming:
+                (d / "metrics.jsonl").unlink(missing_ok=True)
 
     def summary(self) -> str:
         """A one-screen description of the job: model, parallelism, batch, memory per rank."""
@@ -225,6 +231,7 @@ class Trainer:
         bar = tqdm(total=t.steps, initial=self.step, disable=not info.is_main, unit="step", dynamic_ncols=True,
                    mininterval=0.1 if sys.stderr.isatty() else 30.0)
         job_start = time.perf_counter()
+        self.checkpointer.install_signal_handlers()
         while self.step < t.steps:
             record = self.train_step()
             last = self.step == t.steps
@@ -238,7 +245,21 @@ class Trainer:
             bar.update(1)
             bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}",
                             **({"val": f"{record['val_loss']:.3f}"} if "val_loss" in record else {}))
+            self.preempted = self.checkpointer.preemption_requested()  # SIGTERM/SIGUSR1 on any rank
+            if self.checkpointer.should_save(self.step, last) or self.preempted:
+                path = self.checkpointer.save(self.model, self.optimizer, self.scheduler, self.step)
+                if info.is_main:
+                    tqdm.write(f"checkpoint {path} ({self.checkpointer.last_save['seconds']:.2f} s)")
+            if self.preempted:
+                break
         bar.close()
+        self.checkpointer.close()
+        if self.preempted:
+            if info.is_main:
+                print(f"preempted: stopped after step {self.step}, checkpoint written; resume with "
+                      "--checkpoint.resume=auto", flush=True)
+            self.logger.close()
+            return self.history
         self.export(self.run_dir / "final")
         self.logger.close()
         return self.history

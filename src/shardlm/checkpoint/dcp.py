@@ -1,0 +1,286 @@
+"""Sharded training checkpoints with ``torch.distributed.checkpoint`` (DCP): save, verify, resume, preempt.
+
+Each rank writes only its own shards (``dcp.save``); the stored state is world-size independent:
+
+- ``model`` and ``optimizer``: DCP state dicts from ``get_state_dict`` (DTensor shards are stored
+  with their global shapes, so a checkpoint written at N ranks loads at any M);
+- ``lr_scheduler``: ``LambdaLR.state_dict()`` (plain numbers; the schedule itself is rebuilt from the config);
+- ``train.step``: the number of optimizer steps done. The data position is the step (the sampler is a
+  pure function of the step), and training draws no random numbers (no dropout), so no per-rank RNG
+  state exists; every item is the same on every rank (DCP keeps one copy of a replicated item).
+
+A save goes to ``checkpoints/.tmp-step-<N>``; when every rank has written, each hashes a share of
+the files, rank 0 writes ``manifest.json`` last and renames the directory to ``step-<N>``
+(see :mod:`shardlm.checkpoint.manifest`). Loading verifies the files against the manifest (split
+over ranks), reads the metadata with an allow-list unpickler, checks every tensor's shape against
+the model, and only then calls ``dcp.load``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from shardlm.checkpoint.manifest import (
+    TMP_PREFIX, CheckpointError, check_files, file_record, fsync_dir, latest_checkpoint, list_checkpoints,
+    read_manifest, write_manifest,
+)
+from shardlm.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner, UnsafeCheckpointError, read_metadata
+from shardlm.config import Config
+from shardlm.parallel import DistInfo, all_reduce_sum, run_on_main
+
+#: signals on which the ranks finish the current step, save a checkpoint and exit (Slurm sends SIGTERM or
+#: SIGUSR1 before killing a job)
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+def resume_mode(cfg: Config) -> str:
+    """``checkpoint.resume``, or ``auto`` when it is empty and torchrun restarted the job.
+
+    torchrun sets ``TORCHELASTIC_RESTART_COUNT`` (> 0 after a restart, https://pytorch.org/docs/stable/elastic/run.html).
+    """
+    if cfg.checkpoint.resume:
+        return cfg.checkpoint.resume
+    return "auto" if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0 else ""
+
+
+def training_state(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, step: int) -> dict[str, Any]:
+    """The nested state dict that DCP saves and loads in place (see the module docstring)."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optimizer": optim_sd, "lr_scheduler": scheduler.state_dict(),
+            "train": {"step": torch.tensor(step, dtype=torch.int64)}}
+
+
+def flat_tensors(state: dict[str, Any], prefix: str = "") -> dict[str, torch.Tensor]:
+    """Tensors of a nested state dict under DCP's flattened keys (``model.lm_head.weight``, ``optimizer.state...``)."""
+    out: dict[str, torch.Tensor] = {}
+    items = state.items() if isinstance(state, dict) else enumerate(state)
+    for key, value in items:
+        name = f"{prefix}{key}"
+        if isinstance(value, torch.Tensor):
+            out[name] = value
+        elif isinstance(value, (dict, list, tuple)):
+            out.update(flat_tensors(value, name + "."))
+    return out
+
+
+def check_shapes(path: Path, metadata: Metadata, state: dict[str, Any]) -> None:
+    """Compare every tensor of ``state`` (global shapes for DTensors) with the checkpoint's metadata.
+
+    Raises:
+        CheckpointError: naming the first tensor missing from the checkpoint or of another shape (both
+            shapes), or the first model tensor in the checkpoint that this model lacks.
+    """
+    stored = metadata.state_dict_metadata
+    ours = flat_tensors(state)
+    for name, tensor in ours.items():
+        entry = stored.get(name)
+        if not isinstance(entry, TensorStorageMetadata):
+            raise CheckpointError(f"checkpoint {path} has no tensor {name}: it was written for another model")
+        if tuple(entry.size) != tuple(tensor.shape):
+            raise CheckpointError(
+                f"checkpoint {path} does not fit this model: tensor {name} has shape {tuple(entry.size)} in the "
+                f"checkpoint but {tuple(tensor.shape)} in the model")
+    for name, entry in stored.items():
+        if name.startswith("model.") and isinstance(entry, TensorStorageMetadata) and name not in ours:
+            raise CheckpointError(f"checkpoint {path} has tensor {name} {tuple(entry.size)}, which this model lacks")
+
+
+def verify_checkpoint(path: Path, rank: int = 0, world_size: int = 1) -> tuple[dict[str, Any], Metadata]:
+    """Check a checkpoint against its manifest and read its metadata safely; return both.
+
+    Files are split over ranks (rank r hashes files r, r + N, ...); with a process group of more than
+    one rank the problems are all-gathered, so every rank raises the same error (no rank hangs).
+
+    Raises:
+        CheckpointError: not a checkpoint, a file missing, truncated or corrupted, or metadata that
+            would build objects outside the allow-list (refused without running them).
+    """
+    manifest = read_manifest(path)
+    names = sorted(manifest["files"])
+    problems = check_files(path, manifest, names[rank::world_size])
+    if world_size > 1:
+        gathered: list[list[str]] = [[] for _ in range(world_size)]
+        dist.all_gather_object(gathered, problems)
+        problems = [p for ps in gathered for p in ps]
+    if problems:
+        raise CheckpointError(f"checkpoint {path} is damaged: " + "; ".join(problems))
+    try:
+        metadata = read_metadata(path / ".metadata")
+    except (UnsafeCheckpointError, OSError) as e:
+        raise CheckpointError(f"checkpoint {path}: {e}") from None
+    return manifest, metadata
+
+
+def truncate_metrics(path: Path, step: int) -> int:
+    """Drop the records of ``metrics.jsonl`` past ``step`` (atomically); return how many were kept."""
+    if not path.is_file():
+        return 0
+    kept = [line for line in path.read_text(encoding="utf-8").splitlines()
+            if line.strip() and json.loads(line).get("step", 0) <= step]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+    os.replace(tmp, path)
+    return len(kept)
+
+
+class Checkpointer:
+    """Saves and loads the training state of one run under ``<run dir>/checkpoints/``; catches preemption.
+
+    Every method that takes the model is a collective: all ranks call it in the same order.
+    """
+
+    def __init__(self, cfg: Config, info: DistInfo, run_dir: Path, tokenizer_path: Path | None = None,
+                 special_ids: dict[str, int | None] | None = None) -> None:
+        self.cfg, self.info, self.run_dir = cfg, info, run_dir
+        self.root = run_dir / "checkpoints"
+        self.tokenizer_path = tokenizer_path
+        self.special_ids = special_ids or {}
+        self.resume = resume_mode(cfg)
+        self.last_save: dict[str, Any] | None = None
+        self.last_load: dict[str, Any] | None = None
+        self._signal: int | None = None
+        self._old_handlers: dict[int, Any] = {}
+
+    # ---- preemption ---------------------------------------------------------------------
+    def install_signal_handlers(self) -> None:
+        """Catch SIGTERM/SIGUSR1 (from here to :meth:`close`): record it, so the loop saves and stops."""
+        if not self.cfg.checkpoint.enabled:
+            return
+        for sig in PREEMPTION_SIGNALS:
+            try:
+                self._old_handlers[sig] = signal.signal(sig, self._on_signal)
+            except ValueError:  # not the main thread: leave the signal alone
+                pass
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self._signal = signum
+
+    def preemption_requested(self) -> bool:
+        """True on every rank when any rank received SIGTERM/SIGUSR1 (an all-reduce: a collective)."""
+        if not self.cfg.checkpoint.enabled:
+            return False
+        flag = torch.tensor([1.0 if self._signal is not None else 0.0], device=self.info.device)
+        return all_reduce_sum(flag).item() > 0
+
+    def close(self) -> None:
+        """Restore the signal handlers that were installed before."""
+        for sig, handler in self._old_handlers.items():
+            signal.signal(sig, handler)
+        self._old_handlers = {}
+
+    # ---- save -------------------------------------------------------------------------
+    def should_save(self, step: int, last: bool) -> bool:
+        """Whether to save after ``step``: every ``checkpoint.interval`` steps and at the last step."""
+        interval = self.cfg.checkpoint.interval
+        return self.cfg.checkpoint.enabled and (last or (interval > 0 and step % interval == 0))
+
+    def save(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, step: int) -> Path:
+        """Write ``checkpoints/step-<step>`` atomically (see the module docstring); return its path."""
+        info = self.info
+        tmp, final = self.root / f"{TMP_PREFIX}step-{step}", self.root / f"step-{step}"
+        start = time.perf_counter()
+
+        def clear_tmp() -> None:
+            self.root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+
+        run_on_main(clear_tmp, info)
+        state = training_state(model, optimizer, scheduler, step)
+        try:
+            dcp.save(state, storage_writer=FileSystemWriter(tmp))  # each rank its shards; rank 0 .metadata
+        except CheckpointException as e:  # derives from BaseException
+            raise CheckpointError(f"saving {tmp} failed: {e}") from None
+        if info.is_main and self.tokenizer_path is not None and self.tokenizer_path.is_file():
+            shutil.copyfile(self.tokenizer_path, tmp / "tokenizer.json")
+        names = [sorted(os.listdir(tmp)) if info.is_main else None]
+        if info.world_size > 1:
+            dist.broadcast_object_list(names, src=0)
+        mine = {name: file_record(tmp / name) for name in names[0][info.rank::info.world_size]}
+        shares: list[dict[str, Any]] = [mine]
+        if info.world_size > 1:
+            shares = [{} for _ in range(info.world_size)]
+            dist.all_gather_object(shares, mine)
+        files = {k: v for share in shares for k, v in share.items()}
+
+        def finish() -> None:
+            write_manifest(tmp, {
+                "step": step, "world_size": info.world_size, "time_unix": time.time(),
+                "special_ids": self.special_ids, "config": self.cfg.to_dict(),
+            }, files)
+            if final.exists():  # the same step saved again (e.g. a resumed run re-saving): replace it
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            fsync_dir(self.root)
+            self._prune()
+
+        run_on_main(finish, info)
+        self.last_save = {"step": step, "seconds": time.perf_counter() - start,
+                          "bytes": sum(f["bytes"] for f in files.values()), "path": str(final)}
+        return final
+
+    def _prune(self) -> None:
+        """Delete unfinished saves and all but the newest ``checkpoint.keep`` complete checkpoints (rank 0)."""
+        for p in self.root.iterdir():
+            if p.name.startswith(TMP_PREFIX):
+                shutil.rmtree(p, ignore_errors=True)
+        keep = self.cfg.checkpoint.keep
+        if keep > 0:
+            for _, p in list_checkpoints(self.root)[:-keep]:
+                shutil.rmtree(p, ignore_errors=True)
+
+    # ---- load ---------------------------------------------------------------------------
+    def resume_path(self) -> Path | None:
+        """The checkpoint to resume from: none, the newest complete one (``auto``), or the given path."""
+        if not self.resume:
+            return None
+        if self.resume == "auto":
+            return latest_checkpoint(self.root)
+        return Path(self.resume)
+
+    def load(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> int:
+        """Resume as configured: load model, optimizer, LR scheduler; return the step (0 when starting fresh).
+
+        On resume, rank 0 also drops the ``metrics.jsonl`` records past the checkpoint's step.
+
+        Raises:
+            CheckpointError: see :func:`verify_checkpoint` and :func:`check_shapes`; every rank raises it.
+        """
+        path = self.resume_path()
+        step = 0
+        if path is not None:
+            start = time.perf_counter()
+            _, metadata = verify_checkpoint(path, self.info.rank, self.info.world_size)
+            state = training_state(model, optimizer, scheduler, 0)
+            check_shapes(path, metadata, state)
+            try:
+                dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner())
+            except CheckpointException as e:  # derives from BaseException
+                raise CheckpointError(f"loading checkpoint {path} failed: {e}") from None
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+            scheduler.load_state_dict(state["lr_scheduler"])
+            step = int(state["train"]["step"].item())
+            self.last_load = {"step": step, "seconds": time.perf_counter() - start, "path": str(path)}
+        if self.resume and self.info.is_main:
+            truncate_metrics(self.run_dir / "metrics.jsonl", step)
+        if path is not None and self.info.is_main:
+            print(f"resumed from {path} at step {step} ({self.last_load['seconds']:.2f} s)", flush=True)
+        return step
+
+
+__all__ = ["Checkpointer", "CheckpointError", "check_shapes", "resume_mode", "training_state",
+           "truncate_metrics", "verify_checkpoint"]

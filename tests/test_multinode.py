@@ -25,6 +25,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from conftest import WORKER, cpu_env, run_scenarios, tiny_overrides, torchrun
+from shardlm.checkpoint.manifest import list_checkpoints
 from shardlm.config import ConfigError, ParallelConfig
 from shardlm.parallel.dist import dp_mesh_shape
 from shardlm.parallel.faults import (
@@ -361,9 +362,28 @@ def freeze_node(proc: subprocess.Popen) -> list[int]:
     return pids
 
 
+def wait_for_checkpoint(ckpts: Path, procs: list[subprocess.Popen], logs: Path, limit_s: float = 240) -> None:
+    """Block until a complete checkpoint exists (fail if a launcher exits first)."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        if list_checkpoints(ckpts):
+            return
+        if any(p.poll() is not None for p in procs):
+            raise AssertionError("a launcher exited before the first checkpoint:\n" + logs_of(logs))
+        time.sleep(0.2)
+    raise AssertionError(f"no checkpoint within {limit_s} s:\n" + logs_of(logs))
+
+
+def read_losses(metrics: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, metrics.read_text().splitlines())}
+
+
+RESUME_STEPS = 40
+
+
 @pytest.mark.parametrize("fault,timeout_s,limit_s,cause", [
     # the second node dies (it does not host the store): connections close, the survivor stops at once,
-    # well within the collective timeout
+    # well within the collective timeout; then both nodes are relaunched and resume from the last checkpoint
     ("kill", 30, 30, "Connection reset by peer"),
     # the second node goes silent (no connection closes): gloo's timeout fires after parallel.timeout_s,
     # then three heartbeats tell the dead from the blocked; without the timeout the survivor would hang
@@ -371,11 +391,15 @@ def freeze_node(proc: subprocess.Popen) -> list[int]:
 ])
 def test_lost_node_is_named(small_data, tmp_path, fault, timeout_s, limit_s, cause):
     run, logs = tmp_path / "run", tmp_path / "logs"
-    args = ["-m", "shardlm.train", *tiny_overrides(small_data, run, {
-        "train.steps": 100000, "train.eval_interval": 0, "train.micro_batch_size": 4,
-        "parallel.timeout_s": timeout_s})]
+    # HSDP 2x1: one replica per node, the layout of real clusters
+    job = {"train.eval_interval": 0, "train.micro_batch_size": 4, "parallel.timeout_s": timeout_s,
+           "parallel.dp_replicate": 2, "checkpoint.interval": 4,
+           "train.steps": RESUME_STEPS if fault == "kill" else 100000}
+    args = ["-m", "shardlm.train", *tiny_overrides(small_data, run, job)]
     procs = start_nodes(args, logs)
     try:
+        if fault == "kill":
+            wait_for_checkpoint(run / "checkpoints", procs, logs)
         wait_for_steps(run / "metrics.jsonl", 3, procs, logs)
         start = time.monotonic()
         if fault == "kill":
@@ -399,3 +423,33 @@ def test_lost_node_is_named(small_data, tmp_path, fault, timeout_s, limit_s, cau
     assert "no heartbeat" in errors[0] and "collective failed" in errors[0] and cause in errors[0]
     assert "exitcode  : 4" in err  # the survivor's worker stopped with NODE_LOST_EXIT_CODE
     assert not (run / "final").exists()
+    if fault == "kill":
+        check_relaunch_resumes(small_data, run, tmp_path / "logs-relaunch", job)
+
+
+def check_relaunch_resumes(small_data: Path, run: Path, logs: Path, job: dict) -> None:
+    """Relaunch both nodes with ``--checkpoint.resume=auto``, as plain FSDP this time: the run continues
+    from the newest complete checkpoint (written under HSDP) to the end, and repeats the steps logged
+    between that checkpoint and the kill with the same losses."""
+    step, path = list_checkpoints(run / "checkpoints")[-1]
+    before = read_losses(run / "metrics.jsonl")
+    assert max(before) < RESUME_STEPS  # the kill came before the end
+    args = ["-m", "shardlm.train", *tiny_overrides(small_data, run, {**job, "parallel.dp_replicate": 1,
+                                                                      "checkpoint.resume": '"auto"'})]
+    procs = start_nodes(args, logs)
+    try:
+        codes = [p.wait(timeout=300) for p in procs]
+    finally:
+        stop(procs)
+    assert codes == [0, 0], logs_of(logs)
+    out = (logs / "node0.out").read_text()
+    assert f"resumed from {path} at step {step}" in out, out[-3000:]
+    after = read_losses(run / "metrics.jsonl")
+    assert sorted(after) == list(range(1, RESUME_STEPS + 1))  # every step logged once
+    repeated = [s for s in before if s > step]
+    diff = max((abs(after[s] - before[s]) for s in repeated), default=0.0)
+    print(f"relaunch resumed at step {step} (killed after step {max(before)}); "
+          f"{len(repeated)} repeated steps, max loss diff {diff:.2e} (HSDP 2x1 before, FSDP 2 after)")
+    assert all(after[s] == before[s] for s in before if s <= step)  # the history up to the checkpoint is kept
+    assert diff <= LOSS_TOL
+    assert (run / "final" / "model.safetensors").is_file()

@@ -111,6 +111,10 @@ def results(small_data, tmp_path_factory):
         scenario("hsdp2x2", small_data, runs, {"train.micro_batch_size": 2, "parallel.dp_replicate": 2}),
         scenario("hsdp2x2_accum", small_data, runs,
                  {"train.micro_batch_size": 1, "parallel.dp_replicate": 2, "parallel.dp_shard": 2}),
+        # HSDP's own gradient-sync policy: reduce-scatter every micro-batch, all-reduce across replicas on the last
+        scenario("hsdp2x2_rs_every", small_data, runs,
+                 {"train.micro_batch_size": 1, "parallel.dp_replicate": 2,
+                  "parallel.grad_sync": '"reduce_scatter_every_all_reduce_last"'}),
     ], runs))
     out.update(run_scenarios(2, [scenario("fsdp2", small_data, runs, {"train.micro_batch_size": 4})], runs))
     two_nodes = [
@@ -142,7 +146,8 @@ def max_diffs(out: dict, runs: Path, name: str, ref: str) -> tuple[float, float,
 
 
 @pytest.mark.parametrize("name,ref", [
-    ("hsdp2x2", "single"), ("hsdp2x2", "fsdp4"), ("hsdp2x2_accum", "single"), ("fsdp4", "single"),
+    ("hsdp2x2", "single"), ("hsdp2x2", "fsdp4"), ("hsdp2x2_accum", "single"), ("hsdp2x2_rs_every", "single"),
+    ("fsdp4", "single"),
     ("nodes_fsdp2", "fsdp2"), ("nodes_hsdp2x1", "fsdp2"), ("nodes_fsdp2", "single"),
 ])
 def test_losses_and_params_match(results, name, ref):
@@ -173,7 +178,7 @@ def test_hsdp_mesh_and_placements(results):
                                                                        rel=0.05)
 
 
-@pytest.mark.parametrize("name", ["hsdp2x2", "hsdp2x2_accum", "nodes_hsdp2x1"])
+@pytest.mark.parametrize("name", ["hsdp2x2", "hsdp2x2_accum", "hsdp2x2_rs_every", "nodes_hsdp2x1"])
 def test_replicas_start_and_stay_identical(results, name):
     reports = results[0][name]
     shard = 2 if name.startswith("hsdp2x2") else 1
@@ -188,7 +193,8 @@ def test_replicas_start_and_stay_identical(results, name):
         assert reports[0]["init_digest"] != reports[1]["init_digest"]
 
 
-@pytest.mark.parametrize("name,world", [("hsdp2x2", 4), ("hsdp2x2_accum", 4), ("nodes_fsdp2", 2),
+@pytest.mark.parametrize("name,world", [("hsdp2x2", 4), ("hsdp2x2_accum", 4), ("hsdp2x2_rs_every", 4),
+                                        ("nodes_fsdp2", 2),
                                         ("nodes_hsdp2x1", 2)])
 def test_sample_ids_follow_the_global_rank(results, name, world):
     out = results[0]

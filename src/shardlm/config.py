@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import tomllib
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -121,6 +122,39 @@ class ParallelConfig:
     dp_shard: int = -1
     """Ranks per shard group (HSDP's shard dimension, usually the GPUs of a node); -1 = all remaining ranks,
     world size / ``dp_replicate``. ``dp_replicate × dp_shard`` must equal the world size."""
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    """FSDP compute dtype (``MixedPrecisionPolicy.param_dtype``): shards stay fp32, all-gathered weights are cast."""
+    reduce_dtype: Literal["float32", "bfloat16"] = "float32"
+    """FSDP gradient reduce-scatter dtype (``MixedPrecisionPolicy.reduce_dtype``); gradient shards are kept in fp32."""
+    reshard_after_forward: bool | int = True
+    """Blocks and embedding after forward: ``true`` free the full weights (all-gather again in backward), ``false``
+    keep them (no backward all-gather, more memory), or N (1 < N < world size, N divides it): keep an N-way shard
+    (backward all-gathers within groups of N ranks). The root always keeps FSDP's default (not resharded)."""
+    forward_prefetch: int = 0
+    """Explicit forward prefetch depth: block i's pre-forward all-gathers blocks i+1..i+k
+    (``set_modules_to_forward_prefetch``); 0 leaves FSDP's implicit prefetch alone."""
+    backward_prefetch: int = 0
+    """Explicit backward prefetch depth: block i's pre-backward all-gathers blocks i-1..i-k
+    (``set_modules_to_backward_prefetch``); 0 leaves FSDP's implicit one-block backward prefetch."""
+    async_all_gather: bool = False
+    """Issue the next block's all-gather from the current block's forward pre-hook with ``unshard(async_op=True)``;
+    FSDP waits on it just before that block runs."""
+    cpu_offload: bool = False
+    """Keep parameter shards, gradient shards and optimizer state in CPU memory (``CPUOffloadPolicy``; pinned only
+    when an accelerator exists); the optimizer step runs on the CPU."""
+    activation_checkpoint: Literal["none", "full", "every_n", "selective"] = "none"
+    """Activation checkpointing of the blocks: ``full`` recomputes every block in backward, ``every_n`` every n-th
+    block (``activation_checkpoint_n``), ``selective`` keeps matrix-multiply and attention outputs and recomputes
+    the element-wise ops (torchtitan's "selective op"). Parameter names do not change."""
+    activation_checkpoint_n: int = 2
+    """For ``activation_checkpoint = "every_n"``: checkpoint blocks n, 2n, ... (1-based), i.e. every n-th block."""
+    compile: bool = False
+    """Compile each block with ``block.compile()`` (TorchInductor) before sharding; needs a C compiler."""
+    grad_sync: Literal["every_micro_batch", "last_micro_batch", "reduce_scatter_every_all_reduce_last"] = (
+        "last_micro_batch")
+    """Gradient reduction under accumulation: reduce-scatter after every micro-batch (least memory), on the last
+    micro-batch only (least communication), or reduce-scatter every micro-batch with the cross-replica all-reduce
+    on the last only (differs from ``every_micro_batch`` only once a replicate mesh dimension exists)."""
 
 
 @dataclass
@@ -169,6 +203,14 @@ class Config:
 def _coerce(key: str, value: Any, typ: Any) -> Any:
     """Check ``value`` against the annotation ``typ`` and convert it; raise ConfigError naming ``key``."""
     origin = typing.get_origin(typ)
+    if origin in (typing.Union, types.UnionType):  # e.g. ``bool | int``: the first arm that accepts the value
+        for arm in typing.get_args(typ):
+            try:
+                return _coerce(key, value, arm)
+            except ConfigError:
+                continue
+        names = " or ".join(getattr(a, "__name__", str(a)) for a in typing.get_args(typ))
+        raise ConfigError(f"{key}: expected {names}, got {value!r}")
     if origin is Literal:
         if value not in typing.get_args(typ):
             raise ConfigError(f"{key}: {value!r} is not one of {list(typing.get_args(typ))}")
@@ -298,6 +340,21 @@ def validate(cfg: Config) -> None:
     for key in ("interval", "keep"):
         if getattr(cfg.checkpoint, key) < 0:
             raise ConfigError(f"checkpoint.{key} must be >= 0, got {getattr(cfg.checkpoint, key)}")
+    p = cfg.parallel
+    for key in ("forward_prefetch", "backward_prefetch"):
+        if getattr(p, key) < 0:
+            raise ConfigError(f"parallel.{key} must be >= 0, got {getattr(p, key)}")
+    if p.activation_checkpoint_n < 1:
+        raise ConfigError(f"parallel.activation_checkpoint_n must be >= 1, got {p.activation_checkpoint_n}")
+    if not isinstance(p.reshard_after_forward, bool) and p.reshard_after_forward < 2:
+        raise ConfigError(f"parallel.reshard_after_forward must be true, false or an integer N > 1, "
+                          f"got {p.reshard_after_forward}")
+    if p.mode != "fsdp":
+        fsdp_only = {"param_dtype": "float32", "reduce_dtype": "float32", "reshard_after_forward": True,
+                     "forward_prefetch": 0, "backward_prefetch": 0, "async_all_gather": False, "cpu_offload": False}
+        for key, default in fsdp_only.items():
+            if getattr(p, key) != default:
+                raise ConfigError(f"parallel.{key} applies to parallel.mode='fsdp' only (mode is {p.mode!r})")
 
 
 def gradient_accumulation_steps(cfg: Config, dp_world_size: int) -> int:

@@ -4,9 +4,11 @@ from shardlm.parallel.dist import (
     DistInfo, RankFailed, all_gather_ints, all_reduce_sum, build_mesh, init_distributed, pick_backend,
     pick_device, run_on_main, shutdown,
 )
-from shardlm.parallel.fsdp import apply_fsdp, build_model, set_gradient_sync, unwrap
+from shardlm.parallel.ac import apply_ac, apply_compile
+from shardlm.parallel.fsdp import apply_fsdp, build_model, unwrap
+from shardlm.parallel.options import set_gradient_sync
 
 __all__ = [
-    "DistInfo", "RankFailed", "all_gather_ints", "all_reduce_sum", "apply_fsdp", "build_mesh", "build_model",
+    "DistInfo", "RankFailed", "all_gather_ints", "all_reduce_sum", "apply_ac", "apply_compile", "apply_fsdp", "build_mesh", "build_model",
     "init_distributed", "pick_backend", "pick_device", "run_on_main", "set_gradient_sync", "shutdown", "unwrap",
 ]

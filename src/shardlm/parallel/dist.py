@@ -70,8 +70,10 @@ def pick_backend(device: torch.device, requested: str = "auto", cpu_collectives:
 def init_distributed(pcfg: ParallelConfig, cpu_collectives: bool = False) -> DistInfo:
     """Start (or join the already started) default process group and pick this rank's device.
 
-    The collective timeout is ``pcfg.timeout_s``: a rank blocked in a collective whose peer has died
-    raises after that long instead of hanging.
+    With ``pcfg.cpu_offload`` (or ``cpu_collectives``) a CUDA run also gets CPU collectives
+    (``cuda:nccl,cpu:gloo``), which clipping offloaded gradient shards needs. The collective
+    timeout is ``pcfg.timeout_s``: a rank blocked in a collective whose peer has died raises after
+    that long instead of hanging.
 
     Raises:
         ConfigError: a CUDA device was requested but is missing.
@@ -81,7 +83,7 @@ def init_distributed(pcfg: ParallelConfig, cpu_collectives: bool = False) -> Dis
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     dp_mesh_shape(pcfg, world_size, local_world_size())  # bad mesh: one ConfigError, before any collective
     device = pick_device(pcfg.device, local_rank)
-    backend = pick_backend(device, pcfg.backend, cpu_collectives)
+    backend = pick_backend(device, pcfg.backend, cpu_collectives or pcfg.cpu_offload)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():

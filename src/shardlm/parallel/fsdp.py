@@ -11,28 +11,44 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from shardlm.config import Config
 from shardlm.model import Llama
+from shardlm.parallel.ac import apply_ac, apply_compile
 from shardlm.parallel.dist import DistInfo
+from shardlm.parallel.options import (
+    add_async_all_gather, check_reshard_after_forward, mixed_precision_policy, offload_policy, set_prefetch,
+)
 
 
 def apply_fsdp(model: Llama, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None = None,
-               reshard_after_forward: bool | int = True) -> Llama:
+               reshard_after_forward: bool | int = True, *, offload: OffloadPolicy | None = None,
+               forward_prefetch: int = 0, backward_prefetch: int = 0, async_all_gather: bool = False) -> Llama:
     """Shard ``model`` in torchtitan's grouping: embedding, each block, final norm + output, root.
 
     1. the token embedding is one group (unless tied: then it stays with the output projection);
-    2. each transformer block is one group, resharded after forward per ``reshard_after_forward``;
+    2. each transformer block is one group, resharded after forward per ``reshard_after_forward``
+       (true, false, or an N-way shard; see ``ParallelConfig``);
     3. the final norm and the output projection form one group, kept unsharded after forward
        since backward needs them at once;
     4. the root takes whatever is left (with tied embeddings: the shared embedding/output weight,
-       the final norm) and drives the lazy initialisation and the prefetch order.
+       the final norm) and drives the lazy initialisation and the prefetch order; it keeps
+       FSDP's default of not resharding after forward.
+
+    Every group uses ``mp_policy`` (compute/reduce dtypes) and ``offload`` (CPU offload); then the
+    blocks get ``forward_prefetch``/``backward_prefetch`` explicit prefetch depths, and with
+    ``async_all_gather`` each group issues the next group's all-gather with ``unshard(async_op=True)``.
 
     Returns the same object, now also an ``FSDPModule``.
+
+    Raises:
+        ConfigError: an integer ``reshard_after_forward`` that does not fit the mesh size.
     """
-    common = dict(mesh=mesh, mp_policy=mp_policy or MixedPrecisionPolicy())
+    # the shard group is the last mesh dimension (all ranks, or one HSDP row)
+    reshard_after_forward = check_reshard_after_forward(reshard_after_forward, mesh.size(mesh.ndim - 1))
+    common = dict(mesh=mesh, mp_policy=mp_policy or MixedPrecisionPolicy(), offload_policy=offload or OffloadPolicy())
     decoder = model.model
     if not model.cfg.tie_embeddings:
         fully_shard(decoder.embed_tokens, reshard_after_forward=reshard_after_forward, **common)
@@ -41,6 +57,11 @@ def apply_fsdp(model: Llama, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy |
     if not model.cfg.tie_embeddings:
         fully_shard([decoder.norm, model.lm_head], reshard_after_forward=False, **common)
     fully_shard(model, **common)
+    blocks = list(decoder.layers)
+    set_prefetch(blocks, forward_prefetch, backward_prefetch)
+    if async_all_gather:
+        groups = ([] if model.cfg.tie_embeddings else [decoder.embed_tokens]) + blocks
+        add_async_all_gather(model, groups + ([] if model.cfg.tie_embeddings else [decoder.norm]))
     return model
 
 
@@ -60,12 +81,23 @@ def build_model(cfg: Config, info: DistInfo, mesh: DeviceMesh | None) -> torch.n
     mode = cfg.parallel.mode
     if mode == "single" and info.world_size > 1:
         raise ConfigError(f"parallel.mode='single' runs one process, but the world size is {info.world_size}")
+    pcfg = cfg.parallel
     with torch.device("meta"):
         model = Llama(cfg.model)
+    apply_ac(model.model.layers, pcfg.activation_checkpoint, pcfg.activation_checkpoint_n)  # torchtitan's order:
+    if pcfg.compile:                                                                        # AC, compile, FSDP
+        apply_compile(model.model.layers)
     if mode == "fsdp":
-        apply_fsdp(model, mesh)
-    model.to_empty(device=info.device)
+        apply_fsdp(model, mesh, mixed_precision_policy(pcfg), pcfg.reshard_after_forward,
+                   offload=offload_policy(pcfg, info.device), forward_prefetch=pcfg.forward_prefetch,
+                   backward_prefetch=pcfg.backward_prefetch, async_all_gather=pcfg.async_all_gather)
+    # with CPU offload the shards live in CPU memory; buffers (rotary tables) still go to the device
+    model.to_empty(device="cpu" if pcfg.cpu_offload else info.device)
     model.init_weights(cfg.train.seed)
+    if pcfg.cpu_offload:
+        for module in model.modules():
+            for name, buf in list(module.named_buffers(recurse=False)):
+                setattr(module, name, buf.to(info.device))
     if mode == "ddp":
         device_ids = [info.device.index] if info.device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=device_ids)
@@ -75,15 +107,3 @@ def build_model(cfg: Config, info: DistInfo, mesh: DeviceMesh | None) -> torch.n
 def unwrap(model: torch.nn.Module) -> Llama:
     """The ``Llama`` inside a DDP wrapper (or the model itself)."""
     return model.module if isinstance(model, DistributedDataParallel) else model
-
-
-def set_gradient_sync(model: torch.nn.Module, enabled: bool) -> None:
-    """Turn gradient reduction on or off for the next backward (off for all but the last micro-batch).
-
-    FSDP: ``set_requires_gradient_sync`` (gradients accumulate unsharded, reduce-scattered on the
-    last micro-batch); DDP: ``require_backward_grad_sync``; single process: nothing to do.
-    """
-    if isinstance(model, FSDPModule):
-        model.set_requires_gradient_sync(enabled)
-    elif isinstance(model, DistributedDataParallel):
-        model.require_backward_grad_sync = enabled

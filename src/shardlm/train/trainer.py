@@ -160,7 +160,8 @@ class Trainer:
         loss_sum = torch.zeros((), dtype=torch.float64, device=info.device)
         for i, batch in enumerate(batches):
             inputs, targets = batch[:, :-1], batch[:, 1:]
-            set_gradient_sync(model, enabled=(i == len(batches) - 1))  # reduce-scatter on the last only
+            # parallel.grad_sync: reduce-scatter on every micro-batch or on the last only
+            set_gradient_sync(model, last_micro_batch=(i == len(batches) - 1), policy=cfg.parallel.grad_sync)
             logits = model(inputs)  # per block: all-gather shards, compute, reshard
             loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
                                    ignore_index=IGNORE_INDEX, reduction="sum")

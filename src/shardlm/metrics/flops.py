@@ -1,0 +1,80 @@
+"""Model FLOPs, peak matrix-multiply rate and MFU (model FLOPs utilisation).
+
+MFU = achieved model FLOP/s ÷ peak FLOP/s (Chowdhery et al., "PaLM", 2022, appendix B). Model
+FLOPs count the forward and backward of the model as written, not recomputation (activation
+checkpointing does not raise MFU).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from shardlm.config import ModelConfig
+
+
+def flops_per_token(n_params: int, n_layers: int, n_heads: int, head_dim: int, seq_len: int) -> int:
+    """Training FLOPs per token, forward + backward: 6·N + 12·L·H·Q·T (PaLM, appendix B).
+
+    Args:
+        n_params: N, all parameters except the input embedding table (the output projection
+            counted once, tied or not).
+        n_layers: L; n_heads: H query heads; head_dim: Q; seq_len: T tokens per sequence.
+
+    6·N is 2 FLOPs per multiply-add of every weight, ×3 for forward + backward; 12·L·H·Q·T is the
+    attention score and value products (causal masking not discounted, as in PaLM).
+    """
+    return 6 * n_params + 12 * n_layers * n_heads * head_dim * seq_len
+
+
+def model_flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
+    """:func:`flops_per_token` for a Llama of shape ``cfg`` (N computed from the shape, embedding excluded)."""
+    from shardlm.model import Llama
+
+    with torch.device("meta"):
+        model = Llama(cfg)
+    n = sum(p.numel() for name, p in model.named_parameters() if name != "model.embed_tokens.weight")
+    if cfg.tie_embeddings:  # the shared table is listed once, as the embedding: count it as the output projection
+        n += model.lm_head.weight.numel()
+    return flops_per_token(n, cfg.n_layers, cfg.n_heads, cfg.dim // cfg.n_heads, seq_len)
+
+
+def measure_matmul_flops(device: torch.device, dtype: torch.dtype = torch.float32, size: int = 1024,
+                         seconds: float = 1.0) -> float:
+    """Measured dense matrix-multiply rate on this rank, in FLOP/s (2·size³ FLOPs per product).
+
+    All ranks of the default process group (if any) start together after a barrier, so the rate
+    is what each rank gets while the others run on the same cores or GPUs: the peak that MFU is
+    measured against, in the same dtype, processes and threads as training. Runs about ``seconds``
+    after one warm-up product; returns the 90th percentile of the per-product rates (a peak,
+    robust to a few slow products on a shared machine).
+    """
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    a = torch.randn(size, size, generator=gen).to(device=device, dtype=dtype)
+    b = torch.randn(size, size, generator=gen).to(device=device, dtype=dtype)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    torch.mm(a, b)
+    sync()
+    if dist.is_initialized():
+        dist.barrier()
+    rates, start = [], time.perf_counter()
+    while time.perf_counter() - start < seconds or len(rates) < 3:
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        sync()
+        rates.append(2 * size**3 / (time.perf_counter() - t0))
+    if dist.is_initialized():
+        dist.barrier()
+    rates.sort()
+    return rates[min(len(rates) - 1, int(0.9 * len(rates)))]
+
+
+def mfu(tokens_per_s_per_rank: float, flops_per_token_: float, peak_flops_per_rank: float) -> float:
+    """Model FLOPs utilisation in [0, 1]: tokens/s per rank × FLOPs per token ÷ peak FLOP/s per rank."""
+    return tokens_per_s_per_rank * flops_per_token_ / peak_flops_per_rank

@@ -76,7 +76,9 @@ def init_distributed(pcfg: ParallelConfig, cpu_collectives: bool = False) -> Dis
     that long instead of hanging.
 
     Raises:
-        ConfigError: a CUDA device was requested but is missing.
+        ConfigError: a CUDA device was requested but is missing; the ``dp_replicate × dp_shard``
+            mesh does not fit the world size or the ranks per node (:func:`dp_mesh_shape`), checked
+            before the process group starts.
     """
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

@@ -47,6 +47,19 @@ class ModelConfig:
     """Share the input embedding with the output projection [tie_word_embeddings]."""
     init_std: float = 0.02
     """Standard deviation of the normal initialisation of weight matrices."""
+    rope_scaling_factor: float = 0.0
+    """Llama 3.1 RoPE scaling ``factor`` (8 for Llama 3.1) [rope_scaling.factor, rope_type llama3]; 0 means no scaling."""
+    rope_low_freq_factor: float = 1.0
+    """Llama 3.1 RoPE scaling ``low_freq_factor`` [rope_scaling.low_freq_factor]; used when rope_scaling_factor > 0."""
+    rope_high_freq_factor: float = 4.0
+    """Llama 3.1 RoPE scaling ``high_freq_factor`` [rope_scaling.high_freq_factor]; used when rope_scaling_factor > 0."""
+    rope_original_max_seq_len: int = 8192
+    """Llama 3.1 pre-training context, in tokens [rope_scaling.original_max_position_embeddings]."""
+    init_from: str = ""
+    """Hugging Face Llama directory (``config.json`` + ``*.safetensors``) to start from instead of a random
+    init; empty means random. When set, the model's shape (every field above except ``init_std``) is read
+    from its ``config.json`` and overrides the TOML and command line; the tokenizer defaults to its
+    ``tokenizer.json``. Each rank reads only the rows of its own shards."""
 
 
 @dataclass
@@ -63,6 +76,9 @@ class DataConfig:
     """Fraction of the token stream (its tail) held out for validation."""
     dir: str = ""
     """Directory of the prepared token ids; empty means ``data/<config name>``."""
+    format: Literal["text", "instruct"] = "text"
+    """``text``: a corpus for language modelling; ``instruct``: a .jsonl of ``messages`` or ``prompt``/``response``
+    examples, chat-formatted, loss on response tokens only (see shardlm/data/instruct.py)."""
 
 
 @dataclass
@@ -297,6 +313,10 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
         _apply(getattr(cfg, section), section, key, _parse_cli_value(text))
     if not cfg.run.name:
         cfg.run.name = "default"
+    if cfg.model.init_from:  # the pretrained directory's config.json decides the model's shape
+        from shardlm.checkpoint.hf_load import apply_init_from
+
+        apply_init_from(cfg)
     validate(cfg)
     return cfg
 
@@ -355,6 +375,9 @@ def validate(cfg: Config) -> None:
         for key, default in fsdp_only.items():
             if getattr(p, key) != default:
                 raise ConfigError(f"parallel.{key} applies to parallel.mode='fsdp' only (mode is {p.mode!r})")
+    if m.rope_scaling_factor > 0 and m.rope_high_freq_factor <= m.rope_low_freq_factor:
+        raise ConfigError(f"model.rope_high_freq_factor={m.rope_high_freq_factor} must exceed "
+                          f"model.rope_low_freq_factor={m.rope_low_freq_factor}")
 
 
 def gradient_accumulation_steps(cfg: Config, dp_world_size: int) -> int:

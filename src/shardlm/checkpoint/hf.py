@@ -29,7 +29,7 @@ def hf_config(cfg: ModelConfig, special_ids: dict[str, int | None] | None = None
               dtype: torch.dtype = torch.float32) -> dict:
     """The ``config.json`` dict (``model_type: llama``) for a model of shape ``cfg``."""
     special_ids = special_ids or {}
-    return {
+    config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "hidden_size": cfg.dim,
@@ -50,23 +50,24 @@ def hf_config(cfg: ModelConfig, special_ids: dict[str, int | None] | None = None
         "eos_token_id": special_ids.get("eos"),
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
+    if cfg.rope_scaling_factor > 0:  # Llama 3.1 RoPE scaling, in HF's format
+        config["rope_scaling"] = {
+            "rope_type": "llama3", "factor": cfg.rope_scaling_factor, "low_freq_factor": cfg.rope_low_freq_factor,
+            "high_freq_factor": cfg.rope_high_freq_factor,
+            "original_max_position_embeddings": cfg.rope_original_max_seq_len,
+        }
+    return config
 
 
 def model_config_from_hf(config: dict) -> ModelConfig:
     """Our :class:`ModelConfig` from an HF Llama ``config.json`` dict.
 
     Raises:
-        ModelDirError: ``model_type`` is not ``llama``.
+        ModelDirError: not a Llama (see :func:`shardlm.checkpoint.hf_load.model_config_from_hf_dict`).
     """
-    if config.get("model_type") != "llama":
-        raise ModelDirError(f"config.json has model_type={config.get('model_type')!r}; only 'llama' is supported")
-    return ModelConfig(
-        dim=config["hidden_size"], n_layers=config["num_hidden_layers"], n_heads=config["num_attention_heads"],
-        n_kv_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
-        ffn_hidden=config["intermediate_size"], vocab_size=config["vocab_size"],
-        max_seq_len=config.get("max_position_embeddings", 2048), rope_theta=float(config.get("rope_theta", 10000.0)),
-        norm_eps=float(config.get("rms_norm_eps", 1e-5)), tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-    )
+    from shardlm.checkpoint.hf_load import model_config_from_hf_dict
+
+    return model_config_from_hf_dict(config)
 
 
 def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -1,4 +1,8 @@
-"""``shardlm export CHECKPOINT OUT_DIR`` and ``shardlm inspect CHECKPOINT``: one process, no process group."""
+"""``shardlm export SOURCE OUT_DIR`` and ``shardlm inspect CHECKPOINT``: one process, no process group.
+
+``export`` takes a training checkpoint (``runs/NAME/checkpoints/step-N``), a run directory (its
+``final/``) or a model directory, and writes a Hugging Face Llama directory that transformers loads.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +13,15 @@ from shardlm.config import ConfigError
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     """Register the ``export`` and ``inspect`` subcommands on the ``shardlm`` parser."""
-    e = sub.add_parser("export", help="write a training checkpoint as a Hugging Face Llama directory (safetensors)")
-    e.add_argument("checkpoint", help="checkpoint directory, e.g. runs/NAME/checkpoints/step-300")
+    e = sub.add_parser("export", help="write a training checkpoint, run directory or model directory as a "
+                       "Hugging Face Llama directory (safetensors)")
+    e.add_argument("source", help="checkpoint (runs/NAME/checkpoints/step-300), run directory "
+                   "(runs/NAME -> its final/) or model directory")
     e.add_argument("out_dir", help="output directory (replaced if it exists)")
+    e.add_argument("--format", default="hf", choices=["hf"], help="output format: hf (safetensors + config.json "
+                   "+ tokenizer)")
+    e.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                   help="cast the weights of a model directory (default: keep the source dtype)")
     e.set_defaults(fn=cmd_export)
     i = sub.add_parser("inspect", help="show a checkpoint's step, world size, tensors, size and checksum status")
     i.add_argument("checkpoint", help="checkpoint directory")
@@ -19,13 +29,27 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_export(args: argparse.Namespace, overrides: list[str]) -> None:
-    """Verify the checkpoint, read its full weights (one copy) and write ``args.out_dir``."""
+    """Export ``args.source`` to ``args.out_dir``.
+
+    A checkpoint (it has a ``manifest.json``) is verified and its full weights read once; a run or
+    model directory is checked and copied (optionally cast to ``--dtype``).
+    """
+    from pathlib import Path
+
+    import torch
+
     from shardlm.checkpoint.export import export_checkpoint
+    from shardlm.checkpoint.hf_export import copy_model_dir
 
     if overrides:
         raise ConfigError(f"unknown arguments: {' '.join(overrides)}")
-    out = export_checkpoint(args.checkpoint, args.out_dir)
-    print(f"exported {args.checkpoint} -> {out}")
+    if (Path(args.source) / "manifest.json").is_file() or (Path(args.source) / ".metadata").is_file():
+        if args.dtype:
+            raise ConfigError("--dtype applies to model directories; a checkpoint is exported in its own dtype")
+        out = export_checkpoint(args.source, args.out_dir)
+    else:
+        out = copy_model_dir(args.source, args.out_dir, getattr(torch, args.dtype) if args.dtype else None)
+    print(f"exported {args.source} -> {out} (transformers: AutoModelForCausalLM.from_pretrained({str(out)!r}))")
 
 
 def cmd_inspect(args: argparse.Namespace, overrides: list[str]) -> int:

@@ -1,4 +1,4 @@
-"""The ``shardlm`` command: ``prepare``, ``generate``, ``eval`` and ``report`` (training runs under torchrun: ``-m shardlm.train``)."""
+"""The ``shardlm`` command and its subcommands (training itself runs under torchrun: ``-m shardlm.train``)."""
 
 from __future__ import annotations
 
@@ -27,14 +27,15 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("prepare", help="tokenize a corpus into token-id files (train/val split)")
     p.add_argument("--config", required=True, help="TOML config; its [data] section says what to prepare")
     p.set_defaults(fn=cmd_prepare)
-    from shardlm.cli import eval as eval_cli, generate as generate_cli, report as report_cli
+    from shardlm.cli import checkpoint, eval, generate, plan, pretrained, profile, report
 
-    generate_cli.add_parser(sub)
-    eval_cli.add_parser(sub)
-    report_cli.add_parser(sub)
-    from shardlm.cli.checkpoint import add_parsers as add_checkpoint_parsers
-
-    add_checkpoint_parsers(sub)  # export, inspect
+    generate.add_parser(sub)
+    eval.add_parser(sub)
+    report.add_parser(sub)
+    checkpoint.add_parsers(sub)  # export, inspect
+    pretrained.add_parsers(sub)  # import
+    plan.add_parser(sub)
+    profile.add_parser(sub)
     args, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     return run_cli(lambda: args.fn(args, overrides))
 

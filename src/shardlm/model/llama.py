@@ -46,13 +46,40 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(dtype)
 
 
-def rotary_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse rotary frequencies, (head_dim / 2,) float32, as HF's ``ROPE_INIT_FUNCTIONS`` compute them.
+
+    Default: ``inv_freq[i] = 1 / theta^(2i / head_dim)``. With ``rope_scaling_factor > 0``, Llama 3.1's
+    scaling (HF ``_compute_llama3_parameters``, same operations in the same order, so bit-identical):
+    wavelengths 2π/inv_freq above ``original / low_freq_factor`` are divided by ``factor``, those
+    below ``original / high_freq_factor`` are kept, and those in between are interpolated with
+    ``s = (original / wavelen - low) / (high - low)``: ``(1 - s) · f / factor + s · f``.
+    """
+    head_dim = cfg.dim // cfg.n_heads
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if cfg.rope_scaling_factor <= 0:
+        return inv_freq
+    factor, low, high = cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    old_context_len = cfg.rope_original_max_seq_len
+    low_freq_wavelen = old_context_len / low
+    high_freq_wavelen = old_context_len / high
+    wavelen = 2 * math.pi / inv_freq
+    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth_factor = (old_context_len / wavelen - low) / (high - low)
+    smoothed_inv_freq = (1 - smooth_factor) * inv_freq_llama / factor + smooth_factor * inv_freq_llama
+    is_medium_freq = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium_freq, smoothed_inv_freq, inv_freq_llama)
+
+
+def rotary_tables(head_dim: int, max_seq_len: int, theta: float,
+                  inv_freq: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables of rotary embeddings, each (max_seq_len, head_dim) float32, as HF computes them.
 
-    ``inv_freq[i] = 1 / theta^(2i / head_dim)``; angle[t, i] = t · inv_freq[i]; the table is the angle
-    vector concatenated with itself (rotate-half convention).
+    ``inv_freq[i] = 1 / theta^(2i / head_dim)`` unless ``inv_freq`` is given (see :func:`rope_inv_freq`);
+    angle[t, i] = t · inv_freq[i]; the table is the angle vector concatenated with itself (rotate-half).
     """
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if inv_freq is None:
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     positions = torch.arange(max_seq_len, dtype=torch.int64).float()
     freqs = torch.outer(positions, inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
@@ -211,7 +238,7 @@ class Decoder(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        cos, sin = rotary_tables(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta)
+        cos, sin = rotary_tables(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta, rope_inv_freq(cfg))
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -310,7 +337,7 @@ class Llama(nn.Module):
     def init_rotary(self) -> None:
         """Recompute the rotary tables in place (needed after ``to_empty`` or a dtype change)."""
         cfg = self.cfg
-        cos, sin = rotary_tables(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta)
+        cos, sin = rotary_tables(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta, rope_inv_freq(cfg))
         device = self.model.rope_cos.device
         self.model.rope_cos = cos.to(device)
         self.model.rope_sin = sin.to(device)

@@ -69,7 +69,9 @@ def build_model(cfg: Config, info: DistInfo, mesh: DeviceMesh | None) -> torch.n
     """Build the model on the meta device, wrap it for ``cfg.parallel.mode``, materialise, initialise.
 
     No rank ever holds the whole unsharded model: under ``fsdp`` only each rank's shards are
-    allocated (``to_empty``) and filled by ``init_weights``, one full tensor at a time.
+    allocated (``to_empty``) and filled by ``init_weights``, one full tensor at a time, or, with
+    ``model.init_from``, by ``load_pretrained_`` reading only the shard's rows (its byte counts are
+    left in ``model.pretrained_load_stats``).
 
     Returns the ``Llama`` (FSDP-sharded or plain) or a ``DistributedDataParallel`` around it.
 
@@ -93,7 +95,12 @@ def build_model(cfg: Config, info: DistInfo, mesh: DeviceMesh | None) -> torch.n
                    backward_prefetch=pcfg.backward_prefetch, async_all_gather=pcfg.async_all_gather)
     # with CPU offload the shards live in CPU memory; buffers (rotary tables) still go to the device
     model.to_empty(device="cpu" if pcfg.cpu_offload else info.device)
-    model.init_weights(cfg.train.seed)
+    if cfg.model.init_from:  # pretrained: each rank reads only its shards' rows (checkpoint/hf_load.py)
+        from shardlm.checkpoint.hf_load import load_pretrained_
+
+        model.pretrained_load_stats = load_pretrained_(model, cfg.model.init_from)
+    else:
+        model.init_weights(cfg.train.seed)
     if pcfg.cpu_offload:
         for module in model.modules():
             for name, buf in list(module.named_buffers(recurse=False)):

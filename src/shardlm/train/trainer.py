@@ -24,6 +24,7 @@ from shardlm.checkpoint import gather_full_state_dict, save_model_dir
 from shardlm.checkpoint.dcp import Checkpointer, resume_mode
 from shardlm.config import Config, ConfigError, gradient_accumulation_steps
 from shardlm.data import GlobalBatchSampler, TokenWindows, eval_windows, is_prepared, load_meta, prepare_corpus
+from shardlm.data.instruct import InstructionExamples, prepare_instructions, split_batch
 from shardlm.metrics import MetricsLogger, device_memory, format_bytes, shard_bytes
 from shardlm.model import num_params
 from shardlm.parallel import (
@@ -57,7 +58,11 @@ def prepare_data(cfg: Config) -> dict[str, Any]:
         DataError: bad corpus or tokenizer (see :func:`shardlm.data.prepare_corpus`).
     """
     out = data_dir(cfg)
-    if not is_prepared(str(out)):
+    if cfg.data.format == "instruct":
+        if not is_prepared(str(out)):
+            prepare_instructions(cfg.data.corpus, str(out), cfg.data.tokenizer, cfg.model.vocab_size,
+                                 cfg.data.val_fraction)
+    elif not is_prepared(str(out)):
         prepare_corpus(
             cfg.data.corpus, str(out), cfg.data.tokenizer or None,
             cfg.data.tokenizer_vocab_size or cfg.model.vocab_size, cfg.data.val_fraction, seed=cfg.train.seed,
@@ -86,8 +91,9 @@ class Trainer:
                 f"the tokenizer has {self.meta['tokenizer_vocab_size']} tokens but model.vocab_size is "
                 f"{cfg.model.vocab_size}: raise model.vocab_size or use a smaller tokenizer")
         t = cfg.train
-        self.train_data = TokenWindows(str(data_dir(cfg)), "train", t.seq_len)
-        self.val_data = TokenWindows(str(data_dir(cfg)), "val", t.seq_len)
+        dataset = InstructionExamples if cfg.data.format == "instruct" else TokenWindows
+        self.train_data = dataset(str(data_dir(cfg)), "train", t.seq_len)
+        self.val_data = dataset(str(data_dir(cfg)), "val", t.seq_len)
         self.sampler = GlobalBatchSampler(len(self.train_data), t.global_batch_size, t.seed)
         self.mesh = build_mesh(self.info, cfg.parallel) if cfg.parallel.mode != "single" else None
         self.model = build_model(cfg, self.info, self.mesh)
@@ -142,6 +148,11 @@ class Trainer:
             "  per rank   parameter shards " + ", ".join(format_bytes(b) for b in per_rank)
             + f" (+ grads and AdamW state: ~{format_bytes(4 * max(per_rank))} per rank)",
         ]
+        stats = getattr(model, "pretrained_load_stats", None)
+        if stats is not None:  # model.init_from: bytes each rank read from the safetensors files
+            read = all_gather_ints(stats["bytes_read"], info.device)
+            lines.append(f"  pretrained {cfg.model.init_from}: read " + ", ".join(format_bytes(b) for b in read)
+                         + f" per rank of {format_bytes(stats['total_bytes'])}")
         return "\n".join(lines)
 
     # ---- the training step ----------------------------------------------------------------
@@ -155,11 +166,11 @@ class Trainer:
         # The loss is the mean over every target token of the global batch, so the update equals one
         # step on the whole batch in one process. FSDP/DDP average gradients over ranks, hence × N.
         n_tokens = all_reduce_sum(torch.tensor(
-            [float(sum(b[:, 1:].ne(IGNORE_INDEX).sum().item() for b in batches))], device=info.device))
+            [float(sum(split_batch(b)[1].ne(IGNORE_INDEX).sum().item() for b in batches))], device=info.device))
         scale = info.world_size / n_tokens
         loss_sum = torch.zeros((), dtype=torch.float64, device=info.device)
         for i, batch in enumerate(batches):
-            inputs, targets = batch[:, :-1], batch[:, 1:]
+            inputs, targets = split_batch(batch)  # instruction data: targets are -100 off-response
             # parallel.grad_sync: reduce-scatter on every micro-batch or on the last only
             set_gradient_sync(model, last_micro_batch=(i == len(batches) - 1), policy=cfg.parallel.grad_sync)
             logits = model(inputs)  # per block: all-gather shards, compute, reshard
@@ -201,12 +212,12 @@ class Trainer:
         totals = torch.zeros(2, dtype=torch.float64, device=info.device)
         for ids in batches:
             # every rank runs the same number of forwards (FSDP all-gathers); padding batches count zero
-            batch = self.val_data.get(ids or [0]).to(info.device)
-            logits = self.model(batch[:, :-1])
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten(), reduction="sum")
+            inputs, targets = split_batch(self.val_data.get(ids or [0]).to(info.device))
+            logits = self.model(inputs)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX,
+                                   reduction="sum")
             if ids:
-                totals += torch.stack([loss.double(), torch.tensor(batch[:, 1:].numel(), dtype=torch.float64,
-                                                                   device=info.device)])
+                totals += torch.stack([loss.double(), targets.ne(IGNORE_INDEX).sum().double()])
         all_reduce_sum(totals)
         return (totals[0] / totals[1]).item()
 
@@ -233,6 +244,10 @@ class Trainer:
                    mininterval=0.1 if sys.stderr.isatty() else 30.0)
         job_start = time.perf_counter()
         self.checkpointer.install_signal_handlers()
+        if cfg.model.init_from and t.eval_interval and self.step == 0:  # fine-tuning: the pretrained start
+            start = {"step": 0, "val_loss": self.evaluate()}
+            self.logger.log(start)
+            self.history.append(start)
         while self.step < t.steps:
             record = self.train_step()
             last = self.step == t.steps

@@ -1,0 +1,42 @@
+"""``shardlm import``: a GGUF file or an HF directory -> an HF Llama directory to fine-tune from.
+
+``shardlm export`` (all sources, ``--format hf``) lives in cli/checkpoint.py."""
+
+from __future__ import annotations
+
+import argparse
+
+
+
+def cmd_import(args: argparse.Namespace, overrides: list[str]) -> None:
+    """Convert ``--gguf FILE`` or an HF Llama directory into ``OUT_DIR``."""
+    from shardlm.config import ConfigError
+
+    if overrides:
+        raise ConfigError(f"unknown arguments: {' '.join(overrides)}")
+    if args.gguf:
+        if args.source:
+            raise ConfigError("give either --gguf FILE or a source directory, not both")
+        from shardlm.checkpoint.gguf_import import import_gguf
+
+        try:
+            out = import_gguf(args.gguf, args.out_dir)
+        except ImportError as e:
+            raise ConfigError(f"shardlm import --gguf needs {e.name}: pip install 'shardlm[gguf]'") from None
+    else:
+        if not args.source:
+            raise ConfigError("shardlm import needs --gguf FILE or a source directory: shardlm import SRC OUT_DIR")
+        from shardlm.checkpoint.hf_export import copy_model_dir
+
+        out = copy_model_dir(args.source, args.out_dir)
+    print(f"imported -> {out} (start training from it with --model.init_from={out})")
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    """Register ``import`` on the ``shardlm`` command's subparsers."""
+    p = sub.add_parser("import", help="convert a GGUF Llama file (--gguf) or an HF Llama directory into an "
+                       "HF Llama directory to start training from (model.init_from)")
+    p.add_argument("source", nargs="?", help="HF Llama directory (config.json + *.safetensors)")
+    p.add_argument("out_dir", help="output directory")
+    p.add_argument("--gguf", help="GGUF Llama file (needs: pip install 'shardlm[gguf]')")
+    p.set_defaults(fn=cmd_import)

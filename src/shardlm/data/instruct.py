@@ -1,0 +1,256 @@
+"""Instruction data: chat-formatted examples whose loss counts only the response tokens.
+
+Input: a ``.jsonl`` file, one example per line, either ``{"messages": [{"role": ..., "content": ...}, ...]}``
+(at least one ``assistant`` message) or ``{"prompt": ..., "response": ...}`` (optionally ``"system"``).
+Each example is rendered with the tokenizer's chat template (``chat_template`` in
+``tokenizer_config.json`` or ``chat_template.jinja`` beside ``tokenizer.json``; a plain
+``role: content`` template otherwise) in a sandboxed Jinja environment, as ``transformers``'
+``apply_chat_template`` does. Text the template adds for an assistant turn after the generation
+prompt (the reply and its end-of-turn marker) is *response*; everything else is context.
+
+Prepared layout (beside the usual ``meta.json`` and ``tokenizer.json``, with ``"format": "instruct"``):
+``<split>.bin`` token ids of all examples back to back, ``<split>.mask`` one uint8 per token (1 =
+response), ``<split>.idx`` int64 (example start offsets, plus the end; then the JSONL line numbers).
+A sample is one example, truncated or padded to ``seq_len + 1`` tokens: :meth:`InstructionExamples.get`
+returns tokens and labels stacked as (batch, 2, seq_len + 1), labels = token at response positions,
+``IGNORE_INDEX`` (-100) elsewhere; the trainer takes inputs = tokens[:, :-1], targets = labels[:, 1:].
+The training step divides the summed loss by the number of response targets of the whole global
+batch (all micro-batches and ranks), so the loss does not depend on how the batch is split.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import tempfile
+from typing import Any
+
+import numpy as np
+import torch
+
+from shardlm.data.corpus import DataError
+from shardlm.data.prepare import load_meta, token_dtype
+from shardlm.data.tokenizer import load_tokenizer, special_token_ids
+
+IGNORE_INDEX = -100
+"""Label of a position that is not trained (PyTorch's ``cross_entropy`` default ``ignore_index``)."""
+
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+"""Used when the tokenizer has no chat template: ``role: content`` lines."""
+
+
+def read_instructions(path: str) -> list[tuple[int, list[dict[str, str]]]]:
+    """Read a JSONL instruction file into ``[(line number, messages)]``.
+
+    Raises:
+        DataError: naming the file, line and field: invalid JSON, neither ``messages`` nor
+            ``prompt``/``response``, a message without string ``role``/``content``, no assistant
+            message, an empty response, or no examples at all.
+    """
+    p = pathlib.Path(path).expanduser()
+    if not p.is_file() or p.suffix.lower() != ".jsonl":
+        raise DataError(f"instruction data must be a .jsonl file: {path}")
+    examples = []
+    for lineno, line in enumerate(p.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{where}: invalid JSON ({exc.msg})") from None
+        if not isinstance(record, dict):
+            raise DataError(f"{where}: expected a JSON object with 'messages' or 'prompt'/'response'")
+        if "messages" in record:
+            messages = record["messages"]
+            if not isinstance(messages, list) or not all(
+                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                    for m in messages):
+                raise DataError(f"{where}: field 'messages' must be a list of {{'role': str, 'content': str}}")
+        elif "prompt" in record or "response" in record:
+            for key in ("prompt", "response"):
+                if not isinstance(record.get(key), str):
+                    raise DataError(f"{where}: field {key!r} must be a string")
+            messages = ([{"role": "system", "content": record["system"]}] if isinstance(record.get("system"), str)
+                        else []) + [{"role": "user", "content": record["prompt"]},
+                                    {"role": "assistant", "content": record["response"]}]
+        else:
+            raise DataError(f"{where}: missing field 'messages' (or 'prompt' and 'response')")
+        replies = [m for m in messages if m["role"] == "assistant"]
+        if not replies or not any(m["content"].strip() for m in replies):
+            raise DataError(f"{where}: no response: the example needs an 'assistant' message (or 'response') "
+                            "with non-empty content")
+        examples.append((lineno, messages))
+    if not examples:
+        raise DataError(f"{path}: no instruction examples")
+    return examples
+
+
+def load_chat_template(tokenizer_path: str) -> str:
+    """The chat template beside ``tokenizer_path``, or :data:`DEFAULT_CHAT_TEMPLATE`."""
+    d = pathlib.Path(tokenizer_path).expanduser().parent
+    if (d / "chat_template.jinja").is_file():
+        return (d / "chat_template.jinja").read_text(encoding="utf-8")
+    if (d / "tokenizer_config.json").is_file():
+        template = json.loads((d / "tokenizer_config.json").read_text(encoding="utf-8")).get("chat_template")
+        if isinstance(template, str):
+            return template
+    return DEFAULT_CHAT_TEMPLATE
+
+
+def _renderer(template: str) -> Any:
+    from jinja2.exceptions import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(template)
+
+
+def encode_example(tok: Any, render: Any, messages: list[dict[str, str]], where: str) -> tuple[list[int], list[int]]:
+    """Token ids and a 0/1 response mask of one chat, rendered turn by turn.
+
+    The text is cut where the rendering of ``messages[:i]`` ends (with the generation prompt before an
+    assistant turn); the pieces are tokenized separately and an assistant turn's piece is response.
+
+    Raises:
+        DataError: the template does not render the chat as a sequence of growing prefixes.
+    """
+    ids: list[int] = []
+    mask: list[int] = []
+    done = ""
+    for i, message in enumerate(messages):
+        cuts = []
+        if message["role"] == "assistant":
+            cuts.append((render.render(messages=messages[:i], add_generation_prompt=True), 0))
+        cuts.append((render.render(messages=messages[:i + 1], add_generation_prompt=False),
+                     int(message["role"] == "assistant")))
+        for text, trained in cuts:
+            if not text.startswith(done):
+                raise DataError(f"{where}: the chat template does not render message {i} as an extension of "
+                                "the previous ones; cannot tell response tokens apart")
+            piece = tok.encode(text[len(done):], add_special_tokens=False).ids
+            ids += piece
+            mask += [trained] * len(piece)
+            done = text
+    return ids, mask
+
+
+def prepare_instructions(corpus: str, out_dir: str, tokenizer_path: str, vocab_size: int,
+                         val_fraction: float) -> dict[str, Any]:
+    """Tokenize an instruction ``.jsonl`` into ``out_dir`` (atomically); return the meta dict.
+
+    The last ``max(1, round(n · val_fraction))`` examples are the validation split.
+
+    Raises:
+        DataError: bad data (see :func:`read_instructions`), no tokenizer, a tokenizer with more ids
+            than ``vocab_size``, fewer than 2 examples.
+    """
+    if not tokenizer_path:
+        raise DataError("instruction tuning needs a tokenizer: set data.tokenizer or model.init_from")
+    examples = read_instructions(corpus)
+    if len(examples) < 2:
+        raise DataError(f"{corpus}: {len(examples)} example(s); need at least 2 (train and validation)")
+    tok = load_tokenizer(tokenizer_path)
+    if tok.get_vocab_size() > vocab_size:
+        raise DataError(f"tokenizer has {tok.get_vocab_size()} tokens but vocab_size is {vocab_size}: the model's "
+                        "embedding must hold every token id")
+    render = _renderer(load_chat_template(tokenizer_path))
+    encoded = [(line, *encode_example(tok, render, msgs, f"{corpus}:{line}")) for line, msgs in examples]
+    n_val = max(1, round(len(encoded) * val_fraction))
+    dtype = token_dtype(vocab_size)
+    out = pathlib.Path(out_dir).expanduser()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    counts = {}
+    response = np.zeros(0, dtype=np.int64)
+    try:
+        for split, part in (("train", encoded[:-n_val]), ("val", encoded[-n_val:])):
+            offsets = np.cumsum([0] + [len(ids) for _, ids, _ in part]).astype(np.int64)
+            np.concatenate([np.asarray(ids, dtype=dtype) for _, ids, _ in part]).tofile(tmp / f"{split}.bin")
+            mask = np.concatenate([np.asarray(m, dtype=np.uint8) for _, _, m in part])
+            mask.tofile(tmp / f"{split}.mask")
+            np.concatenate([offsets, np.asarray([line for line, _, _ in part], dtype=np.int64)]).tofile(
+                tmp / f"{split}.idx")
+            counts[split] = int(offsets[-1])
+            if split == "train":
+                response = np.concatenate([np.asarray(ids)[np.asarray(m, dtype=bool)] for _, ids, m in part])
+        probs = np.bincount(response)[np.bincount(response) > 0] / len(response)
+        meta = {"format": "instruct", "dtype": dtype.name, "vocab_size": int(vocab_size),
+                "tokenizer_vocab_size": int(tok.get_vocab_size()), "train_tokens": counts["train"],
+                "val_tokens": counts["val"], "train_examples": len(encoded) - n_val, "val_examples": n_val,
+                "corpus": corpus, "special_ids": special_token_ids(tok),
+                "unigram_entropy_nats": float(-(probs * np.log(probs)).sum())}
+        shutil.copyfile(pathlib.Path(tokenizer_path).expanduser(), tmp / "tokenizer.json")
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return meta
+
+
+class InstructionExamples:
+    """The examples of one split of a prepared instruction directory, each one sample of ``seq_len + 1`` tokens.
+
+    Longer examples are truncated; shorter ones padded (pad token = ``eos`` or 0, label -100).
+
+    Raises:
+        DataError: not an instruction directory, or an example with no response token inside its
+            first ``seq_len + 1`` tokens (names the JSONL line: shorten it or raise ``train.seq_len``).
+    """
+
+    def __init__(self, out_dir: str, split: str, seq_len: int) -> None:
+        meta = load_meta(out_dir)
+        if meta.get("format") != "instruct":
+            raise DataError(f"{out_dir} is not a prepared instruction directory")
+        root = pathlib.Path(out_dir).expanduser()
+        self.tokens = np.fromfile(root / f"{split}.bin", dtype=np.dtype(meta["dtype"]))
+        self.mask = np.fromfile(root / f"{split}.mask", dtype=np.uint8)
+        idx = np.fromfile(root / f"{split}.idx", dtype=np.int64)
+        n = (len(idx) - 1) // 2
+        self.offsets, self.lines = idx[:n + 1], idx[n + 1:]
+        self.seq_len = seq_len
+        self.pad = (meta.get("special_ids") or {}).get("eos") or 0
+        for i in range(n):  # the first target is position 1: a response token must fall in 1..seq_len
+            start, end = int(self.offsets[i]), int(self.offsets[i + 1])
+            if not self.mask[start + 1:min(end, start + seq_len + 1)].any():
+                raise DataError(f"{meta['corpus']}:{int(self.lines[i])}: no response token within the first "
+                                f"{seq_len + 1} tokens (train.seq_len={seq_len}); shorten the prompt or raise seq_len")
+
+    def __len__(self) -> int:
+        """Number of examples."""
+        return len(self.offsets) - 1
+
+    def get(self, ids: list[int]) -> torch.Tensor:
+        """Tokens and labels of examples ``ids``: int64 (len(ids), 2, seq_len + 1), labels -100 off-response."""
+        out = torch.full((len(ids), 2, self.seq_len + 1), IGNORE_INDEX, dtype=torch.int64)
+        out[:, 0] = self.pad
+        for row, i in enumerate(ids):
+            start = int(self.offsets[i])
+            end = min(int(self.offsets[i + 1]), start + self.seq_len + 1)
+            toks = torch.from_numpy(self.tokens[start:end].astype(np.int64))
+            keep = torch.from_numpy(self.mask[start:end].astype(bool))
+            out[row, 0, :end - start] = toks
+            out[row, 1, :end - start] = torch.where(keep, toks, IGNORE_INDEX)
+        return out
+
+
+def split_batch(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) of a batch: (B, T+1) token windows -> next tokens; (B, 2, T+1) -> the labels row.
+
+    Returns two (B, T) int64 tensors; targets hold ``IGNORE_INDEX`` where nothing is trained.
+    """
+    if batch.dim() == 3:
+        return batch[:, 0, :-1], batch[:, 1, 1:]
+    return batch[:, :-1], batch[:, 1:]

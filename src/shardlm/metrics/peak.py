@@ -1,0 +1,124 @@
+"""Measured peak memory of one training step, per rank, from the allocator itself (never RSS).
+
+On CPU the caching allocator keeps no peak statistic, so the peak is reconstructed from
+``torch.profiler`` with ``profile_memory=True``, which records every allocation and free of the
+step with its size:
+
+    peak = (bytes of unique live tensor storages at step start)
+         + max over the step of the running sum of allocation (+) and free (−) events.
+
+On CUDA it is ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``, with
+``max_memory_reserved`` reported beside it. This module measures; the prediction it is compared
+with (:mod:`shardlm.plan`) never calls it.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+
+def live_storage_bytes() -> int:
+    """Bytes of the unique tensor storages reachable from Python objects, on the CPU, now.
+
+    Walks ``gc.get_objects()``; each storage counts once (keyed by its data pointer), so views,
+    tied weights and a DTensor's local shard are not double-counted. DTensors themselves hold no
+    storage (their local tensor is counted). Meta tensors and freed (size-0) storages count zero.
+    """
+    import warnings
+
+    from torch.distributed.tensor import DTensor
+
+    seen: dict[int, int] = {}
+    with warnings.catch_warnings():  # isinstance() on deprecated torch objects warns
+        warnings.simplefilter("ignore")
+        objects = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    for obj in objects:
+        try:
+            if not isinstance(obj, torch.Tensor) or isinstance(obj, DTensor):
+                continue
+            if obj.device.type != "cpu":
+                continue
+            storage = obj.untyped_storage()
+        except Exception:  # noqa: BLE001 - exotic tensor subclasses without a plain storage
+            continue
+        ptr = storage.data_ptr()
+        if ptr:
+            seen[ptr] = max(seen.get(ptr, 0), storage.nbytes())
+    return sum(seen.values())
+
+
+def _allocation_events(prof: profile) -> list[tuple[int, int, int]]:
+    """(time ns, signed bytes, address) of each CPU allocator event the profiler recorded, by time."""
+    from torch._C._profiler import _EventType
+
+    out: list[tuple[int, int, int]] = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children)
+        if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
+            f = node.extra_fields
+            out.append((node.start_time_ns, int(f.alloc_size), int(f.ptr)))
+    out.sort()
+    return out
+
+
+def ddp_bucket_bytes(model: torch.nn.Module) -> int:
+    """Bytes of a ``DistributedDataParallel`` model's gradient buckets (0 for other models).
+
+    The buckets are allocated by DDP's C++ reducer, so no Python object references them and
+    :func:`live_storage_bytes` cannot see them; DDP's own logging data reports their sizes.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(model, DistributedDataParallel):
+        return 0
+    sizes = str(model._get_ddp_logging_data().get("bucket_sizes", ""))
+    return sum(int(x) for x in sizes.replace(" ", "").split(",") if x)
+
+
+def measure_peak(fn: Callable[[], Any], device: torch.device, hidden_bytes: int = 0) -> dict[str, int]:
+    """Run ``fn()`` once and measure this rank's peak memory during it, in bytes.
+
+    Returns ``{"start": bytes live at the start, "peak": peak bytes, "end": bytes live at the end}``
+    (CPU; ``hidden_bytes``, storages alive throughout that no Python object references, are added
+    to all three), or on CUDA ``{"start", "peak", "reserved"}`` from the allocator's statistics
+    (``memory_allocated`` before, ``max_memory_allocated`` and ``max_memory_reserved`` after
+    ``reset_peak_memory_stats``).
+
+    On CPU: ``peak = start + max_t Σ_{events ≤ t} size`` over the profiler's allocation (+) and
+    free (−) events in time order. The allocator reports frees only of blocks allocated while
+    profiling, so a block alive at the start and freed during ``fn()`` still counts (an
+    over-estimate by at most that block).
+    """
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        start = torch.cuda.memory_allocated(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return {"start": start, "peak": torch.cuda.max_memory_allocated(device),
+                "reserved": torch.cuda.max_memory_reserved(device)}
+    gc.collect()
+    start = live_storage_bytes() + hidden_bytes
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    running, peak = 0, 0
+    for _, size, _ in _allocation_events(prof):
+        running += size
+        peak = max(peak, running)
+    return {"start": start, "peak": start + peak, "end": start + running}
+
+
+def measure_train_step_peak(trainer: Any) -> dict[str, int]:
+    """Peak bytes of one :meth:`Trainer.train_step` (clip and optimizer step included) on this rank.
+
+    Call it on a steady-state step (after at least two steps, so AdamW state exists); the step is
+    a real one: it advances the trainer. Returns :func:`measure_peak`'s dict.
+    """
+    return measure_peak(trainer.train_step, trainer.info.device, ddp_bucket_bytes(trainer.model))

@@ -1,0 +1,6 @@
+"""The planner: per-rank peak memory and step time of a config, predicted before launching it."""
+
+from shardlm.plan.devices import DEVICES, Device, get_device
+from shardlm.plan.memory import PARTS, MemoryPlan, plan_memory
+
+__all__ = ["DEVICES", "PARTS", "Device", "MemoryPlan", "get_device", "plan_memory"]

@@ -1,0 +1,155 @@
+"""Bytes autograd saves for backward, derived op by op from ``shardlm/model/llama.py``.
+
+Notation: b micro-batch size, t sequence length, B = b·t tokens, d ``dim``, f the SwiGLU hidden size,
+h query heads, hd = d/h the head dimension, kv the key/value heads, V the vocabulary, c the bytes of
+the compute dtype (4 for fp32, 2 for bf16 under FSDP's ``param_dtype``).
+
+What each op saves (PyTorch's derivative formulas, ``tools/autograd/derivatives.yaml``; autograd
+saves an operand only when the other operand needs a gradient):
+
+RMSNorm ``weight * (x.float() * rsqrt(mean(x.float()²) + eps)).to(dtype)``:
+  ``x.float()`` (4·B·d; with c = 4 it is x itself, kept anyway as the residual stream), the rsqrt
+  (4·B), the normalised value in the compute dtype (c·B·d; with c = 2 a separate bf16 copy after
+  the fp32 product 4·B·d, which is then freed) and the output, the next matmul's input (c·B·d).
+Attention: q after RoPE (c·B·d); k and v after ``repeat_interleave`` (c·B·d each: h·hd = d; with no
+  repetition k and v are the projections themselves, kv·hd = d); RoPE's ``cos``/``sin`` cast to the
+  compute dtype (2·t·hd·c, only when c ≠ 4; otherwise views of the fp32 buffers); SDPA (flash on
+  CUDA, the flash kernel on CPU) saves q, k, v, its output (c·B·d, which ``o_proj`` also saves as
+  its input: ``transpose(1, 2).reshape`` is a view) and the log-sum-exp (4·b·h·t).
+Residual ``h = x + attn``: add saves nothing; h is saved by the next norm (c = 4) or only its fp32
+  copy is (c = 2, counted in the norm).
+SwiGLU ``down(silu(gate(x)) * up(x))``: gate output (SiLU's input), SiLU output, up output (both
+  saved by the product) and the product (``down_proj``'s input): 4·c·B·f.
+
+These formulas were checked against ``torch.autograd.graph.saved_tensors_hooks`` during development;
+nothing here runs the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardlm.config import ModelConfig
+from shardlm.model.llama import ffn_hidden_size
+
+AC_MODES = ("none", "full", "selective", "every_n")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Sizes of one micro-batch through the model (see the module docstring for the letters)."""
+
+    b: int
+    t: int
+    d: int
+    f: int
+    h: int
+    kv: int
+    vocab: int
+    n_layers: int
+    c: int
+
+    @property
+    def tokens(self) -> int:
+        """B = b·t, tokens in one micro-batch."""
+        return self.b * self.t
+
+    @property
+    def hd(self) -> int:
+        """Head dimension d / h."""
+        return self.d // self.h
+
+
+def shape_of(mcfg: ModelConfig, micro_batch_size: int, seq_len: int, compute_bytes: int) -> Shape:
+    """The :class:`Shape` of a micro-batch of ``micro_batch_size`` × ``seq_len`` tokens."""
+    return Shape(micro_batch_size, seq_len, mcfg.dim, ffn_hidden_size(mcfg), mcfg.n_heads,
+                 mcfg.n_kv_heads or mcfg.n_heads, mcfg.vocab_size, mcfg.n_layers, compute_bytes)
+
+
+def norm_saved(s: Shape) -> int:
+    """Bytes one RMSNorm saves, excluding its input when that is the (saved anyway) fp32 residual."""
+    bd, c = s.tokens * s.d, s.c
+    if c == 4:
+        return 4 * bd + c * bd + 4 * s.tokens  # normalised x, output, rsqrt
+    return 4 * bd + 2 * bd + c * bd + 4 * s.tokens  # fp32 copy of x, bf16 normalised x, output, rsqrt
+
+
+def block_saved_none(s: Shape) -> int:
+    """Bytes one transformer block leaves saved for backward with no activation checkpointing.
+
+    Includes the block's output when it is saved by what follows (c = 4: the next norm keeps x itself).
+    """
+    bd, bf, c = s.tokens * s.d, s.tokens * s.f, s.c
+    attn = 4 * c * bd + 4 * s.b * s.h * s.t  # q, k, v, SDPA output; log-sum-exp
+    if c != 4:
+        attn += 2 * s.t * s.hd * c  # cos and sin cast to the compute dtype
+    residuals = 2 * c * bd if c == 4 else 0  # h after attention and the block output
+    return 2 * norm_saved(s) + attn + residuals + 4 * c * bf
+
+
+def block_saved_selective(s: Shape) -> int:
+    """Bytes one block saves under torchtitan's op-level selective checkpointing.
+
+    That policy keeps the block input, the SDPA outputs (output and log-sum-exp) and every other
+    matmul output (the 1st, 3rd, 5th, 7th of q, k, v, o, gate, up, down: q, v, gate, down).
+    """
+    bd, bf, c = s.tokens * s.d, s.tokens * s.f, s.c
+    v = c * s.tokens * s.kv * s.hd
+    return c * bd + c * bd + v + c * bd + 4 * s.b * s.h * s.t + c * bf + c * bd
+
+
+def block_saved(s: Shape, mode: str, layer: int, every_n: int = 2) -> int:
+    """Bytes block ``layer`` keeps saved between its forward and its backward under AC ``mode``.
+
+    ``full`` keeps only the block input (c·B·d); ``every_n`` checkpoints (fully) blocks n, 2n, ...
+    (1-based, as parallel/ac.py applies it) and saves all of the others.
+    """
+    if mode == "none":
+        return block_saved_none(s)
+    if mode == "full":
+        return s.c * s.tokens * s.d
+    if mode == "selective":
+        return block_saved_selective(s)
+    if mode == "every_n":
+        return block_saved(s, "full" if (layer + 1) % max(1, every_n) == 0 else "none", layer)
+    raise ValueError(f"unknown activation checkpointing mode {mode!r} (known: {', '.join(AC_MODES)})")
+
+
+def block_backward_transient(s: Shape) -> int:
+    """Extra bytes alive at the high point of one block's backward, beyond its saved tensors.
+
+    The high point is the SwiGLU product's backward: it holds the incoming gradient (c·B·f) and
+    produces the gradients of the SiLU and up outputs (2·c·B·f), while the product itself, saved
+    by ``down_proj``, was released when ``down_proj``'s backward ran: net +2·c·B·f. (Under
+    non-reentrant checkpointing recomputed tensors are likewise released as backward uses them.)
+    """
+    return 2 * s.c * s.tokens * s.f
+
+
+def embedding_saved(s: Shape, mode: str) -> int:
+    """Bytes of the embedding output kept for backward, beyond what the blocks count.
+
+    In fp32 with no checkpointing the first norm keeps x itself (c·B·d). Under checkpointing it is
+    block 0's saved input (counted in :func:`block_saved`); in bf16 only its fp32 copy is kept (counted
+    in the norm).
+    """
+    return s.c * s.tokens * s.d if s.c == 4 and mode == "none" else 0
+
+
+def last_output_saved(s: Shape, mode: str) -> int:
+    """Bytes of the last block's output kept by the final norm when the block did not count it.
+
+    In fp32 the final norm keeps x itself; :func:`block_saved_none` already counts each block's
+    output, the checkpointed modes count inputs only, so they add this one.
+    """
+    return s.c * s.tokens * s.d if s.c == 4 and mode != "none" else 0
+
+
+def final_norm_saved(s: Shape) -> int:
+    """Bytes the final norm saves (the output projection's input included)."""
+    return norm_saved(s)
+
+
+def logits_bytes(s: Shape) -> int:
+    """Bytes of one micro-batch's logits (b, t, V) in the compute dtype."""
+    return s.c * s.tokens * s.vocab

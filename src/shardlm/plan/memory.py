@@ -1,0 +1,358 @@
+"""Per-rank peak memory of one training step, predicted by replaying the step's allocations.
+
+The planner walks one optimizer step in the order :meth:`shardlm.train.Trainer.train_step` runs
+it (micro-batch forward group by group, loss, backward group by group, clip, AdamW) and keeps a
+ledger of the bytes alive in each category: parameters (sharded fp32 masters + unsharded copies),
+gradients, optimizer state, all-gather and reduce-scatter buffers (DDP: its all-reduce buckets),
+activations (what autograd saves, :mod:`shardlm.plan.activations`) and temporaries (the logits,
+their fp32 copy and log-softmax, and the gradients of both). The peak is the largest total; the
+breakdown is the ledger at that moment.
+
+FSDP2 behaviour modelled (``torch.distributed.fsdp``, torch 2.13): one all-gather buffer per group
+(N × padded local shard, the input is a slice of it) copied out into unsharded parameters in
+``param_dtype``; blocks and the embedding are resharded after forward when ``reshard_after_forward``,
+the final-norm+output group and the root never are; gradients are reduce-scattered in
+``reduce_dtype`` from a flat buffer into the sharded fp32 gradient; with gradient sync off
+(all but the last micro-batch) the unsharded gradients are kept (in ``reduce_dtype``) until the
+last micro-batch. Each parameter's shard is ``ceil(rows / N)`` rows (dim-0 padding).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+
+from shardlm.config import Config, ConfigError, gradient_accumulation_steps
+from shardlm.plan import activations as act
+
+PARTS = ("params", "grads", "optimizer", "all_gather", "reduce_scatter", "activations", "temporaries", "buffers")
+"""Categories of the breakdown, in display order."""
+
+DTYPE_BYTES = {"": 4, "float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
+
+
+def dtype_bytes(name: str | None, key: str) -> int:
+    """Bytes per element of a dtype given by name (``bfloat16``, ``float32``...; None or '' = fp32).
+
+    Raises:
+        ConfigError: unknown name, naming ``key``.
+    """
+    if name is None or isinstance(name, torch.dtype):
+        return 4 if name is None else torch.empty((), dtype=name).element_size()
+    name = str(name).lower().removeprefix("torch.")
+    if name not in DTYPE_BYTES:
+        raise ConfigError(f"{key}: unknown dtype {name!r} (known: {', '.join(k for k in DTYPE_BYTES if k)})")
+    return DTYPE_BYTES[name]
+
+
+@dataclass
+class Settings:
+    """The parallel settings the memory depends on, read from ``cfg.parallel`` with defaults."""
+
+    mode: str
+    param_bytes: int
+    reduce_bytes: int
+    reshard_after_forward: bool
+    cpu_offload: bool
+    ac_mode: str
+    ac_every_n: int
+    grad_sync: str
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> "Settings":
+        """Read the fields (absent ones take FSDP2's defaults: fp32, reshard, no offload, no AC)."""
+        p = cfg.parallel
+        param_bytes = dtype_bytes(p.param_dtype, "parallel.param_dtype")
+        reduce_bytes = dtype_bytes(p.reduce_dtype, "parallel.reduce_dtype")
+        raf = p.reshard_after_forward
+        return cls(p.mode, param_bytes, reduce_bytes, raf if isinstance(raf, bool) else raf != 0, p.cpu_offload,
+                   p.activation_checkpoint, p.activation_checkpoint_n, p.grad_sync)
+
+
+@dataclass
+class Group:
+    """One FSDP communication group: its parameters' full and padded per-rank element counts."""
+
+    name: str
+    numel: int
+    shard_numel: int
+
+
+@dataclass
+class MemoryPlan:
+    """Predicted per-rank peak of one step: ``peak`` bytes, its ``breakdown`` and where it happens."""
+
+    peak: int
+    breakdown: dict[str, int]
+    phase: str
+    host_bytes: int = 0
+    """Bytes kept in host memory instead (CPU offload on a GPU): sharded params, grads, AdamW state."""
+    params: int = 0
+    """Number of model parameters P (tied weights once)."""
+    micro_batches: int = 1
+    notes: list[str] = field(default_factory=list)
+
+
+class _Ledger:
+    """Bytes alive per category; remembers the largest total and the breakdown at that moment."""
+
+    def __init__(self, device_excludes: set[str]) -> None:
+        self.now: dict[str, int] = defaultdict(int)
+        self.peak, self.at, self.phase = 0, {}, ""
+        self.excluded = device_excludes
+
+    def add(self, part: str, nbytes: int, phase: str) -> None:
+        self.now[part] += nbytes
+        total = sum(v for k, v in self.now.items() if k not in self.excluded)
+        if total > self.peak:
+            self.peak, self.phase = total, phase
+            self.at = {k: (0 if k in self.excluded else self.now.get(k, 0)) for k in PARTS}
+
+    def free(self, part: str, nbytes: int) -> None:
+        self.now[part] -= nbytes
+
+
+def param_groups(cfg: Config, world_size: int) -> tuple[list[Group], int, int]:
+    """FSDP groups in forward order as ``apply_fsdp`` builds them, and (P, padded local numel).
+
+    Shapes come from the model built on the meta device (no memory, no compute).
+    """
+    from shardlm.model import Llama
+
+    with torch.device("meta"):
+        model = Llama(cfg.model)
+    groups: dict[str, Group] = {}
+    total, local = 0, 0
+    for name, p in model.named_parameters():
+        rows = p.shape[0]
+        shard = math.ceil(rows / world_size) * (p.numel() // rows)
+        if name.startswith("model.layers."):
+            key = "block" + name.split(".")[2]
+        elif cfg.model.tie_embeddings:
+            key = "root"
+        elif name.startswith("model.embed_tokens"):
+            key = "embed"
+        else:
+            key = "head"
+        g = groups.setdefault(key, Group(key, 0, 0))
+        g.numel += p.numel()
+        g.shard_numel += shard
+        total += p.numel()
+        local += shard
+    order = ["root", "embed"] + [f"block{i}" for i in range(cfg.model.n_layers)] + ["head"]
+    return [groups[k] for k in order if k in groups], total, local
+
+
+def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan:
+    """Predict this config's per-rank peak memory for one steady-state step at ``world_size`` ranks.
+
+    Args:
+        cfg: the run's configuration (model, micro-batch, sequence length, parallel settings).
+        world_size: N, ranks in the shard group (FSDP) or replicas (DDP); must be 1 for ``single``.
+        device: ``cpu`` or a GPU name; only decides whether CPU offload moves state off the device.
+
+    Returns:
+        A :class:`MemoryPlan` (bytes).
+
+    Raises:
+        ConfigError: bad world size, global batch not divisible, unknown dtype or AC mode.
+    """
+    st = Settings.from_config(cfg)
+    if world_size < 1:
+        raise ConfigError(f"--world-size must be >= 1, got {world_size}")
+    if st.mode == "single" and world_size != 1:
+        raise ConfigError(f"parallel.mode='single' runs one process, but the world size is {world_size}")
+    k = gradient_accumulation_steps(cfg, world_size)
+    fsdp = st.mode == "fsdp"
+    n = world_size if fsdp else 1
+    groups, p_total, p_local = param_groups(cfg, n)
+    pb = st.param_bytes if fsdp else 4
+    rb = st.reduce_bytes if fsdp else 4
+    s = act.shape_of(cfg.model, cfg.train.micro_batch_size, cfg.train.seq_len, pb)
+    bd = s.tokens * s.d
+    offload = st.cpu_offload and fsdp and device != "cpu"
+    led = _Ledger({"host"})
+    state_part = "host" if offload else None
+    # ---- persistent state at step start ------------------------------------------------------
+    n_tensors = sum(1 for _ in _param_count_iter(cfg))
+    led.add(state_part or "params", 4 * p_local, "step start")
+    led.add(state_part or "optimizer", 2 * 4 * p_local + 4 * n_tensors, "step start")  # exp_avg, exp_avg_sq, step
+    led.add("buffers", 2 * 4 * cfg.model.max_seq_len * s.hd, "step start")  # rotary cos, sin tables
+    if st.mode == "ddp":
+        led.add("reduce_scatter", 4 * p_total, "step start")  # DDP's all-reduce buckets (flat, persistent)
+
+    unsharded: dict[str, bool] = {}
+    prefetched: dict[str, int] = {}  # group -> bytes of its all-gather buffer awaiting copy-out
+    accumulated: dict[str, bool] = {}
+    retained_rs = [0]  # the last reduce-scatter input, kept alive until the next one (FSDP2 keeps 1)
+    logits_alive = 0
+
+    def all_gather(g: Group, phase: str) -> None:
+        """Issue the group's all-gather: the flat output buffer (the input is a slice of it)."""
+        if offload:
+            led.add("all_gather", 4 * g.shard_numel, phase)  # host-to-device copy of the shard
+        led.add("all_gather", n * g.shard_numel * pb, phase)
+        prefetched[g.name] = n * g.shard_numel * pb + (4 * g.shard_numel if offload else 0)
+
+    def unshard(g: Group, phase: str) -> None:
+        """All-gather (unless prefetched), copy out into unsharded parameters, free the buffer."""
+        if not fsdp or unsharded.get(g.name):
+            return
+        if g.name not in prefetched:
+            all_gather(g, phase)
+        led.add("params", g.numel * pb, phase)
+        led.free("all_gather", prefetched.pop(g.name))
+        unsharded[g.name] = True
+
+    def prefetch(g: Group | None, phase: str) -> None:
+        """FSDP2's implicit backward prefetch: the next group's all-gather, copied out when it is used."""
+        if fsdp and g is not None and not unsharded.get(g.name) and g.name not in prefetched:
+            all_gather(g, phase)
+
+    def reshard(g: Group) -> None:
+        if fsdp and unsharded.get(g.name):
+            led.free("params", g.numel * pb)
+            unsharded[g.name] = False
+
+    def grads_arrive(g: Group, phase: str, numel: int | None = None) -> None:
+        """``numel`` (default all) of the group's gradients are produced in the param dtype; if a
+        kept gradient exists they are added into it in place and freed."""
+        numel = g.numel if numel is None else numel
+        led.add("grads", numel * pb, phase)
+        if accumulated.get(g.name):
+            led.free("grads", numel * pb)
+
+    def post_backward(g: Group, sync: bool, phase: str) -> None:
+        """FSDP2's post-backward: reshard, then keep the gradient or reduce-scatter it."""
+        had = accumulated.get(g.name, False)
+        reshard(g)
+        if not sync:
+            if not had and rb != pb:
+                led.add("grads", g.numel * rb, phase)  # FSDP keeps them in reduce_dtype
+                led.free("grads", g.numel * pb)
+            accumulated[g.name] = True
+            return
+        kept = g.numel * (rb if had and rb != pb else pb)
+        led.free("reduce_scatter", retained_rs[0])  # the previous group's input is released first
+        led.add("reduce_scatter", n * g.shard_numel * rb, phase)  # flat input, copied in
+        led.add("reduce_scatter", g.shard_numel * rb, phase)  # output
+        led.free("grads", kept)
+        if rb != 4:
+            led.add("host" if offload else "grads", 4 * g.shard_numel, phase)  # cast to the fp32 shard
+            led.free("reduce_scatter", g.shard_numel * rb)
+        else:
+            led.free("reduce_scatter", g.shard_numel * rb)  # the output becomes the sharded gradient
+            led.add("host" if offload else "grads", 4 * g.shard_numel, phase)
+        retained_rs[0] = n * g.shard_numel * rb
+        accumulated[g.name] = False
+
+    by_name = {g.name: g for g in groups}
+    blocks = [by_name[f"block{i}"] for i in range(cfg.model.n_layers)] if fsdp else []
+    sync_every = st.grad_sync != "last_micro_batch"  # reduce-scatter on every micro-batch
+    for i in range(k):
+        mb = f"micro-batch {i + 1}/{k}"
+        sync = sync_every or i == k - 1
+        # ---- forward ----
+        for g in groups if fsdp else []:
+            if g.name.startswith("block"):
+                continue
+            if g.name in ("root", "embed"):
+                unshard(g, f"{mb} forward")
+        if fsdp and "embed" in by_name and st.reshard_after_forward:
+            reshard(by_name["embed"])
+        led.add("activations", act.embedding_saved(s, st.ac_mode), f"{mb} forward")
+        saved = [act.block_saved(s, st.ac_mode, layer, st.ac_every_n) for layer in range(s.n_layers)]
+        for layer in range(s.n_layers):
+            if fsdp:
+                unshard(blocks[layer], f"{mb} forward block {layer}")
+            led.add("activations", saved[layer], f"{mb} forward block {layer}")
+            if fsdp and st.reshard_after_forward:
+                reshard(blocks[layer])
+        if fsdp and "head" in by_name:
+            unshard(by_name["head"], f"{mb} forward output")
+        head_acts = act.final_norm_saved(s) + act.last_output_saved(s, st.ac_mode)
+        led.add("activations", head_acts, f"{mb} forward output")
+        led.add("temporaries", act.logits_bytes(s), f"{mb} logits")
+        led.free("temporaries", logits_alive)  # the previous micro-batch's logits, kept until now
+        logits_alive = act.logits_bytes(s)
+        # ---- loss: cross_entropy(logits.float()) = nll_loss(log_softmax(.)) ----
+        vbytes = 4 * s.tokens * s.vocab
+        if pb != 4:
+            led.add("temporaries", vbytes, f"{mb} loss")  # the fp32 copy, freed after the loss
+        led.add("temporaries", vbytes, f"{mb} loss")  # log-softmax output, saved
+        if pb != 4:
+            led.free("temporaries", vbytes)
+        # ---- backward ----
+        led.add("temporaries", vbytes, f"{mb} loss backward")  # nll_loss gradient
+        led.add("temporaries", vbytes, f"{mb} loss backward")  # log_softmax gradient
+        led.free("temporaries", 2 * vbytes)  # nll gradient and the saved log-softmax
+        grad_logits = vbytes
+        if pb != 4:
+            led.add("temporaries", act.logits_bytes(s), f"{mb} loss backward")  # cast back
+            led.free("temporaries", vbytes)
+            grad_logits = act.logits_bytes(s)
+        head_numel = s.vocab * s.d + s.d  # output projection and final norm weights
+        if fsdp:  # tied: the shared weight's gradient arrives here and stays until the root's turn
+            prefetch(blocks[-1], f"{mb} output backward")
+            grads_arrive(by_name.get("head") or by_name["root"], f"{mb} output backward")
+        elif i == 0:
+            led.add("grads", 4 * head_numel, f"{mb} output backward")
+        else:
+            led.add("grads", 4 * head_numel, f"{mb} output backward")
+            led.free("grads", 4 * head_numel)
+        led.add("temporaries", pb * bd, f"{mb} output backward")  # gradient of the hidden state
+        led.free("temporaries", grad_logits)
+        led.free("activations", head_acts)
+        if fsdp and "head" in by_name:
+            post_backward(by_name["head"], sync, f"{mb} output reduce-scatter")
+        for layer in reversed(range(s.n_layers)):
+            phase = f"{mb} backward block {layer}"
+            mlp_down = s.d * s.f  # down_proj's weight gradient exists at the high point
+            if fsdp:
+                unshard(blocks[layer], phase)
+                prefetch(blocks[layer - 1] if layer else by_name.get("embed"), phase)
+                grads_arrive(blocks[layer], phase, mlp_down)
+            recompute = act.block_saved_none(s) - saved[layer] if saved[layer] < act.block_saved_none(s) else 0
+            led.add("activations", recompute, phase)
+            led.add("temporaries", act.block_backward_transient(s), phase)
+            led.free("temporaries", act.block_backward_transient(s))
+            if fsdp:
+                grads_arrive(blocks[layer], phase, blocks[layer].numel - mlp_down)
+            led.free("activations", saved[layer] + recompute)
+            if fsdp:
+                post_backward(blocks[layer], sync, f"{mb} block {layer} reduce-scatter")
+        led.free("activations", act.embedding_saved(s, st.ac_mode))
+        led.free("temporaries", pb * bd)
+        if fsdp and "embed" in by_name:
+            unshard(by_name["embed"], f"{mb} backward embedding")
+            grads_arrive(by_name["embed"], f"{mb} backward embedding")
+            post_backward(by_name["embed"], sync, f"{mb} embedding reduce-scatter")
+        elif fsdp:  # tied: the embedding's gradient is added into the shared weight's, then reduced
+            led.add("grads", 2 * s.vocab * s.d * pb, f"{mb} backward embedding")  # new grad, and the sum
+            led.free("grads", 2 * s.vocab * s.d * pb)  # AccumulateGrad adds out of place; old and new freed
+            post_backward(by_name["root"], sync, f"{mb} root reduce-scatter")
+        if fsdp:  # the root's end-of-backward callback waits for the last reduce-scatter
+            led.free("reduce_scatter", retained_rs[0])
+            retained_rs[0] = 0
+        else:
+            rest = 4 * (p_total - head_numel)
+            led.add("grads", rest, f"{mb} backward")
+            if i > 0:
+                led.free("grads", rest)
+    # clip_grad_norm_ and fused AdamW work in place (a few scalars): the last logits are still alive
+    led.add("temporaries", 0, "clip and optimizer step")
+    breakdown = dict(led.at)
+    host = 4 * p_local * 4 + 4 * n_tensors if offload else 0
+    return MemoryPlan(led.peak, breakdown, led.phase, host, p_total, k)
+
+
+def _param_count_iter(cfg: Config):
+    """One item per parameter tensor (tied weights once), from the meta-device model."""
+    from shardlm.model import Llama
+
+    with torch.device("meta"):
+        model = Llama(cfg.model)
+    return iter(list(model.parameters()))

@@ -1,0 +1,103 @@
+"""Step time of a config: FLOPs over the device's peak, communication bytes over its bandwidth.
+
+FLOPs per token (PaLM, Chowdhery et al. 2022, appendix B; the MFU definition torchtitan uses):
+6·N + 12·L·H·Q·T, with N the parameters without the input embedding, L layers, H heads, Q the
+head dimension, T the sequence length. Full activation checkpointing recomputes the blocks'
+forward: + (2·N_blocks + 4·L·H·Q·T) per token (one more forward of the blocks).
+
+Communication per rank per step (ring collectives; Patarasuk & Yuan 2009 for the (N−1)/N factor):
+
+    FSDP: (N−1)/N · [k·(1+r)·P·b_param + s·P·b_reduce]
+
+with N the shard-group size, P parameters, k micro-batches, r = 1 when blocks are resharded after
+forward (all-gathered again for backward), s = k when gradients are reduce-scattered on every
+micro-batch and 1 when only on the last, b bytes per element of ``param_dtype``/``reduce_dtype``.
+DDP all-reduces the gradients: 2·(N−1)/N · s·P·4.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardlm.config import Config, gradient_accumulation_steps
+from shardlm.model.llama import ffn_hidden_size
+from shardlm.plan.devices import Device
+from shardlm.plan.memory import Settings
+
+
+def fsdp_comm_bytes(n: int, params: int, micro_batches: int, reshard_after_forward: bool,
+                    grad_sync_every_micro_batch: bool, param_bytes: int, reduce_bytes: int) -> float:
+    """Bytes one rank sends (= receives) per step under FSDP: the formula in the module docstring.
+
+    Args:
+        n: shard-group size N (1 gives 0).
+        params: P, parameters.
+        micro_batches: k.
+        reshard_after_forward: r = 1 if True.
+        grad_sync_every_micro_batch: s = k if True, else 1.
+        param_bytes, reduce_bytes: b_param, b_reduce.
+    """
+    r = 1 if reshard_after_forward else 0
+    s = micro_batches if grad_sync_every_micro_batch else 1
+    return (n - 1) / n * (micro_batches * (1 + r) * params * param_bytes + s * params * reduce_bytes)
+
+
+def ddp_comm_bytes(n: int, params: int, syncs: int, grad_bytes: int = 4) -> float:
+    """Bytes one rank sends per step under DDP: ring all-reduce, 2·(N−1)/N · syncs·P·b."""
+    return 2 * (n - 1) / n * syncs * params * grad_bytes
+
+
+def flops_per_token(cfg: Config, recompute: str = "none") -> float:
+    """Training FLOPs per token: 6·N + 12·L·H·Q·T, plus the recomputed forward under full AC."""
+    m = cfg.model
+    q = m.dim // m.n_heads
+    kv = (m.n_kv_heads or m.n_heads) * q
+    block = 2 * m.dim * m.dim + 2 * m.dim * kv + 3 * m.dim * ffn_hidden_size(m) + 2 * m.dim
+    n_no_embed = m.n_layers * block + m.dim + m.vocab_size * m.dim
+    attn = 12 * m.n_layers * m.n_heads * q * cfg.train.seq_len
+    total = 6 * n_no_embed + attn
+    if recompute == "full":
+        total += 2 * m.n_layers * block + attn / 3
+    return float(total)
+
+
+@dataclass
+class TimePlan:
+    """Predicted step time, in seconds, and its inputs."""
+
+    flops: float
+    """FLOPs per rank per step."""
+    comm_bytes: float
+    """Bytes each rank sends per step."""
+    compute_s: float
+    """flops / the device's peak (an ideal lower bound: MFU = 100%)."""
+    comm_s: float
+    """comm_bytes / the device's bus bandwidth for this group size."""
+
+    @property
+    def overlapped_s(self) -> float:
+        """Step time when communication hides completely behind compute: max of the two."""
+        return max(self.compute_s, self.comm_s)
+
+    @property
+    def serial_s(self) -> float:
+        """Step time when nothing overlaps: the sum."""
+        return self.compute_s + self.comm_s
+
+
+def plan_time(cfg: Config, world_size: int, device: Device, params: int) -> TimePlan:
+    """Predict the step time of ``cfg`` at ``world_size`` ranks on ``device`` (P = ``params``)."""
+    st = Settings.from_config(cfg)
+    k = gradient_accumulation_steps(cfg, world_size)
+    tokens = k * cfg.train.micro_batch_size * cfg.train.seq_len
+    flops = flops_per_token(cfg, st.ac_mode) * tokens
+    peak = device.peak_flops_bf16 if st.param_bytes == 2 else device.peak_flops_fp32
+    every = st.grad_sync != "last_micro_batch"  # reduce-scatter on every micro-batch
+    if st.mode == "fsdp":
+        comm = fsdp_comm_bytes(world_size, params, k, st.reshard_after_forward, every, st.param_bytes,
+                               st.reduce_bytes)
+    elif st.mode == "ddp":
+        comm = ddp_comm_bytes(world_size, params, k if every else 1)
+    else:
+        comm = 0.0
+    return TimePlan(flops, comm, flops / peak, comm / device.bandwidth(world_size) if comm else 0.0)

@@ -1,0 +1,66 @@
+"""Measures the peak memory of a steady-state training step for several configs in one torchrun launch.
+
+Usage (from tests): ``torchrun --nproc_per_node=N tests/planner_worker.py SPEC.json``, with the spec
+``{"out": DIR, "scenarios": [{"name": ..., "overrides": [...], "ac": "none"|"full"}]}``. For each
+scenario every rank trains 2 steps, then measures step 3 (clip and optimizer step included) with
+:func:`shardlm.metrics.peak.measure_train_step_peak`; rank 0 writes ``DIR/<name>.json`` with the
+per-rank measured peaks and the planner's prediction (computed without running anything).
+
+``ac: "full"`` wraps every block's forward in ``torch.utils.checkpoint`` (non-reentrant) when the
+config has no ``parallel.activation_checkpoint`` field of its own yet.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from pathlib import Path
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from shardlm.config import load_config
+from shardlm.metrics.peak import measure_train_step_peak
+from shardlm.parallel import all_gather_ints, init_distributed, unwrap
+from shardlm.plan import plan_memory
+from shardlm.train import Trainer
+
+
+def checkpoint_blocks(model: torch.nn.Module) -> None:
+    """Recompute every block in backward: its forward runs under non-reentrant ``checkpoint``."""
+    for block in unwrap(model).model.layers:
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+
+
+def main() -> None:
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    out = Path(spec["out"])
+    for scenario in spec["scenarios"]:
+        overrides = list(scenario["overrides"])
+        ac = scenario.get("ac", "none")
+        cfg = load_config(None, overrides)
+        native_ac = hasattr(cfg.parallel, "activation_checkpoint")
+        if native_ac and ac != "none":
+            cfg = load_config(None, overrides + [f'--parallel.activation_checkpoint="{ac}"'])
+        info = init_distributed(cfg.parallel)
+        trainer = Trainer(cfg, info)
+        if ac == "full" and not native_ac:
+            checkpoint_blocks(trainer.model)
+            cfg.parallel.activation_checkpoint = "full"  # what the planner reads
+        trainer.train_step()
+        trainer.train_step()
+        measured = measure_train_step_peak(trainer)
+        peaks = all_gather_ints(measured["peak"], info.device)
+        starts = all_gather_ints(measured["start"], info.device)
+        if info.is_main:
+            plan = plan_memory(cfg, info.world_size, "cpu")
+            (out / f"{scenario['name']}.json").write_text(json.dumps({
+                "measured_peaks": peaks, "measured_starts": starts, "predicted": plan.peak,
+                "breakdown": plan.breakdown, "phase": plan.phase, "world_size": info.world_size,
+            }))
+        torch.distributed.barrier()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+"""One torchrun launch, several fine-tuning scenarios: writes what tests/test_pretrained.py and test_instruct.py assert.
+
+Usage: ``torchrun --nproc_per_node=N tests/pretrained_worker.py SPEC.json`` with
+``{"out": DIR, "scenarios": [{"name", "config", "overrides"}]}``. Each rank writes
+``DIR/<name>/rank<r>.json``: history, pretrained load stats, and whether each loaded local shard
+equals the file's rows (read separately with safetensors).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from shardlm.checkpoint.hf_load import local_rows, tensor_files
+from shardlm.config import load_config
+from shardlm.parallel import init_distributed, unwrap
+from shardlm.train import Trainer
+
+
+def main() -> None:
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    out = Path(spec["out"])
+    for scenario in spec["scenarios"]:
+        cfg = load_config(scenario.get("config"), scenario.get("overrides", []))
+        info = init_distributed(cfg.parallel)
+        trainer = Trainer(cfg, info)
+        model = unwrap(trainer.model)
+        report: dict = {"world_size": info.world_size, "load": getattr(model, "pretrained_load_stats", None)}
+        if cfg.model.init_from:  # the loaded shards equal the file's rows for this rank
+            where = tensor_files(cfg.model.init_from)
+            equal = {}
+            for name, p in model.named_parameters():
+                start, rows = local_rows(p)
+                with safe_open(str(where[name]), framework="pt") as st:
+                    expected = st.get_slice(name)[start:start + rows]
+                local = p.to_local() if hasattr(p, "to_local") else p
+                equal[name] = torch.equal(local.detach().cpu(), expected.to(local.dtype))
+            report["shards_equal_file_rows"] = equal
+        report["history"] = trainer.train()
+        d = out / scenario["name"]
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"rank{info.rank}.json").write_text(json.dumps(report))
+        torch.distributed.barrier()
+
+
+if __name__ == "__main__":
+    main()

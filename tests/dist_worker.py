@@ -8,6 +8,7 @@ its shards (placements, local rows, bytes) and how its initial shards compare wi
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 from pathlib import Path
@@ -21,6 +22,23 @@ from shardlm.parallel import init_distributed, unwrap
 from shardlm.train import Trainer
 
 
+def shard_coordinate(p: torch.Tensor, rank: int, world: int) -> tuple[int, int]:
+    """(index of this rank's shard, number of shards): the ``dp_shard`` mesh coordinate, else (rank, world)."""
+    mesh = getattr(p, "device_mesh", None)
+    if mesh is not None and "dp_shard" in (mesh.mesh_dim_names or ()):
+        return mesh.get_local_rank("dp_shard"), mesh["dp_shard"].size()
+    return rank, world
+
+
+def local_digests(trainer: Trainer) -> dict[str, str]:
+    """SHA-256 of the bytes of this rank's local shard of every parameter (to compare replicas exactly)."""
+    out = {}
+    for name, p in unwrap(trainer.model).named_parameters():
+        local = (p.to_local() if hasattr(p, "to_local") else p).detach().cpu().contiguous()
+        out[name] = hashlib.sha256(local.view(torch.uint8).numpy().tobytes()).hexdigest()
+    return out
+
+
 def shard_report(trainer: Trainer) -> dict:
     """Placements, local rows and init difference of every parameter on this rank."""
     model = unwrap(trainer.model)
@@ -32,7 +50,8 @@ def shard_report(trainer: Trainer) -> dict:
     for name, p in model.named_parameters():
         full = ref_params[name]
         local = p.to_local() if hasattr(p, "to_local") else p
-        expected_rows = torch.chunk(full, world, dim=0)[rank] if hasattr(p, "to_local") else full
+        shard_rank, shard_size = shard_coordinate(p, rank, world)  # HSDP: the rank within its shard group
+        expected_rows = torch.chunk(full, shard_size, dim=0)[shard_rank] if hasattr(p, "to_local") else full
         params[name] = {
             "dtensor": hasattr(p, "to_local"),
             "placements": [str(pl) for pl in getattr(p, "placements", [])],
@@ -58,12 +77,15 @@ def main() -> None:
         info = init_distributed(cfg.parallel)
         trainer = Trainer(cfg, info)
         report = shard_report(trainer)
+        report["init_digest"] = local_digests(trainer)
         history = trainer.train()
         report.update({
             "history": history,
             "sample_ids": {str(k): v for k, v in trainer.sample_ids.items()},
             "shard_bytes": trainer.local_shard_bytes,
             "world_size": info.world_size,
+            "final_digest": local_digests(trainer),
+            "mesh": list(trainer.mesh.mesh_dim_names) if trainer.mesh is not None else None,
         })
         d = out / scenario["name"]
         d.mkdir(parents=True, exist_ok=True)

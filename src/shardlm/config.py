@@ -131,6 +131,13 @@ class ParallelConfig:
     """Device to train on: ``auto`` picks CUDA when present."""
     timeout_s: int = 600
     """Collective timeout in seconds: a rank stuck in a collective fails after this long instead of hanging."""
+    dp_replicate: int = 1
+    """Replicas of the model (HSDP's replicate dimension, usually the number of nodes): gradients are
+    reduce-scattered within a shard group, then all-reduced across replicas. 1 = plain FSDP (a 1-D mesh);
+    -1 = world size / ``dp_shard`` (one replica per shard group, follows the node count)."""
+    dp_shard: int = -1
+    """Ranks per shard group (HSDP's shard dimension, usually the GPUs of a node); -1 = all remaining ranks,
+    world size / ``dp_replicate``. ``dp_replicate × dp_shard`` must equal the world size."""
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     """FSDP compute dtype (``MixedPrecisionPolicy.param_dtype``): shards stay fp32, all-gathered weights are cast."""
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
@@ -344,6 +351,12 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"train.{key} must be >= 0, got {getattr(t, key)}")
     if t.grad_clip < 0:
         raise ConfigError(f"train.grad_clip must be >= 0, got {t.grad_clip}")
+    for key in ("dp_replicate", "dp_shard"):
+        if getattr(cfg.parallel, key) < 1 and getattr(cfg.parallel, key) != -1:
+            raise ConfigError(f"parallel.{key} must be >= 1 or -1 (all remaining ranks), "
+                              f"got {getattr(cfg.parallel, key)}")
+    if cfg.parallel.dp_replicate == cfg.parallel.dp_shard == -1:
+        raise ConfigError("parallel.dp_replicate and parallel.dp_shard cannot both be -1: set one of them")
     for key in ("interval", "keep"):
         if getattr(cfg.checkpoint, key) < 0:
             raise ConfigError(f"checkpoint.{key} must be >= 0, got {getattr(cfg.checkpoint, key)}")

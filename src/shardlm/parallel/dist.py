@@ -76,11 +76,14 @@ def init_distributed(pcfg: ParallelConfig, cpu_collectives: bool = False) -> Dis
     that long instead of hanging.
 
     Raises:
-        ConfigError: a CUDA device was requested but is missing.
+        ConfigError: a CUDA device was requested but is missing; the ``dp_replicate × dp_shard``
+            mesh does not fit the world size or the ranks per node (:func:`dp_mesh_shape`), checked
+            before the process group starts.
     """
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    dp_mesh_shape(pcfg, world_size, local_world_size())  # bad mesh: one ConfigError, before any collective
     device = pick_device(pcfg.device, local_rank)
     backend = pick_backend(device, pcfg.backend, cpu_collectives or pcfg.cpu_offload)
     if device.type == "cuda":
@@ -94,9 +97,67 @@ def init_distributed(pcfg: ParallelConfig, cpu_collectives: bool = False) -> Dis
     return DistInfo(dist.get_rank(), local_rank, dist.get_world_size(), device, backend)
 
 
-def build_mesh(info: DistInfo) -> DeviceMesh:
-    """A 1-D device mesh over all ranks, its dimension named ``dp_shard`` (the FSDP shard group)."""
-    return init_device_mesh(info.device.type, (info.world_size,), mesh_dim_names=("dp_shard",))
+def local_world_size() -> int:
+    """Ranks on this node: torchrun's ``LOCAL_WORLD_SIZE``, or the world size when not set (one node)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+
+
+def dp_mesh_shape(pcfg: ParallelConfig, world_size: int, ranks_per_node: int) -> tuple[int, int]:
+    """The data-parallel mesh shape ``(dp_replicate, dp_shard)`` for ``world_size`` ranks.
+
+    ``dp_shard = -1`` takes all remaining ranks, ``world_size // dp_replicate`` (``dp_replicate = -1``
+    likewise ``world_size // dp_shard``, so one config fits any node count). torchrun numbers
+    ranks node by node, so shard group g holds ranks ``[g·S, (g+1)·S)``: it stays inside one node
+    (S divides the ranks of a node, the HSDP layout: all-gathers and reduce-scatters on the fast
+    intra-node links, only the all-reduce across replicas between nodes) or spans whole nodes
+    (S a multiple of them); plain FSDP (S = world size) may span any nodes. Pure arithmetic, no
+    collective.
+
+    Raises:
+        ConfigError: ``dp_replicate × dp_shard`` differs from the world size; a shard group that
+            would hold part of a node; HSDP (``dp_replicate > 1``) outside ``parallel.mode='fsdp'``.
+    """
+    r, s = pcfg.dp_replicate, pcfg.dp_shard
+    if r == s == -1:
+        raise ConfigError("parallel.dp_replicate and parallel.dp_shard cannot both be -1: set one of them")
+    if s == -1:
+        if world_size % r:
+            raise ConfigError(f"parallel.dp_replicate={r} must divide the world size {world_size} "
+                              "(parallel.dp_shard=-1 takes the remaining ranks)")
+        s = world_size // r
+    if r == -1:
+        if world_size % s:
+            raise ConfigError(f"parallel.dp_shard={s} must divide the world size {world_size} "
+                              "(parallel.dp_replicate=-1 takes the remaining ranks)")
+        r = world_size // s
+    if r * s != world_size:
+        raise ConfigError(f"parallel.dp_replicate × parallel.dp_shard = {r} × {s} = {r * s}, but the world size "
+                          f"is {world_size}: the mesh must cover every rank exactly once")
+    if s != world_size and ranks_per_node % s and s % ranks_per_node:
+        raise ConfigError(f"parallel.dp_shard={s} does not divide the {ranks_per_node} ranks of a node (nor is it a "
+                          "multiple of them): a shard group would straddle nodes; pick a divisor of the ranks per "
+                          "node (HSDP) or whole nodes")
+    if r > 1 and pcfg.mode != "fsdp":
+        raise ConfigError(f"parallel.dp_replicate={r} (HSDP) needs parallel.mode='fsdp', not {pcfg.mode!r}")
+    return r, s
+
+
+def build_mesh(info: DistInfo, pcfg: ParallelConfig | None = None) -> DeviceMesh:
+    """The data-parallel device mesh: 1-D ``("dp_shard",)``, or 2-D ``("dp_replicate", "dp_shard")`` for HSDP.
+
+    With ``dp_replicate = 1`` (or no ``pcfg``) the mesh is 1-D over all ranks, so FSDP's placements
+    stay ``Shard(0)`` and no one-rank all-reduce runs. With ``dp_replicate = R > 1`` it is the
+    ``R × S`` mesh whose row i holds ranks ``[i·S, (i+1)·S)`` (one shard group, usually one node);
+    ``fully_shard`` on it gives HSDP: placements ``(Replicate(), Shard(0))``, gradients
+    reduce-scattered within the row, then all-reduced down each column (across replicas).
+
+    Raises:
+        ConfigError: see :func:`dp_mesh_shape`.
+    """
+    r, s = (1, info.world_size) if pcfg is None else dp_mesh_shape(pcfg, info.world_size, local_world_size())
+    if r == 1:
+        return init_device_mesh(info.device.type, (s,), mesh_dim_names=("dp_shard",))
+    return init_device_mesh(info.device.type, (r, s), mesh_dim_names=("dp_replicate", "dp_shard"))
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:

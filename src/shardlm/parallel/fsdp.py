@@ -46,7 +46,8 @@ def apply_fsdp(model: Llama, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy |
     Raises:
         ConfigError: an integer ``reshard_after_forward`` that does not fit the mesh size.
     """
-    reshard_after_forward = check_reshard_after_forward(reshard_after_forward, mesh.size())
+    # the shard group is the last mesh dimension (all ranks, or one HSDP row)
+    reshard_after_forward = check_reshard_after_forward(reshard_after_forward, mesh.size(mesh.ndim - 1))
     common = dict(mesh=mesh, mp_policy=mp_policy or MixedPrecisionPolicy(), offload_policy=offload or OffloadPolicy())
     decoder = model.model
     if not model.cfg.tie_embeddings:

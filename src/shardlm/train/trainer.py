@@ -31,6 +31,7 @@ from shardlm.parallel import (
     DistInfo, all_gather_ints, all_reduce_sum, build_mesh, build_model, init_distributed, run_on_main,
     set_gradient_sync, unwrap,
 )
+from shardlm.parallel.faults import FaultMonitor, guard_collectives
 from shardlm.train.optim import build_optimizer, build_scheduler
 
 IGNORE_INDEX = -100
@@ -94,7 +95,7 @@ class Trainer:
         self.train_data = dataset(str(data_dir(cfg)), "train", t.seq_len)
         self.val_data = dataset(str(data_dir(cfg)), "val", t.seq_len)
         self.sampler = GlobalBatchSampler(len(self.train_data), t.global_batch_size, t.seed)
-        self.mesh = build_mesh(self.info) if cfg.parallel.mode != "single" else None
+        self.mesh = build_mesh(self.info, cfg.parallel) if cfg.parallel.mode != "single" else None
         self.model = build_model(cfg, self.info, self.mesh)
         self.optimizer = build_optimizer(self.model, t, self.info.device)
         self.scheduler = build_scheduler(self.optimizer, t)
@@ -109,6 +110,8 @@ class Trainer:
         self.logger = MetricsLogger(self.run_dir / "metrics.jsonl" if self.info.is_main else None)
         if self.info.is_main:
             (self.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+        # rank-to-host map and heartbeats: a failed collective in train() names a lost node's ranks and host
+        self.fault_monitor = FaultMonitor.start(self.info, cfg.parallel)
 
     # ---- set-up helpers ------------------------------------------------------------------
     def _check_run_dir(self) -> None:
@@ -227,6 +230,7 @@ class Trainer:
         return out
 
     # ---- the loop ---------------------------------------------------------------------------
+    @guard_collectives  # a lost node -> NodeLost naming its ranks and host (parallel/faults.py)
     def train(self) -> list[dict[str, Any]]:
         """Run ``train.steps`` optimizer steps, evaluating and logging as configured; export ``final/``."""
         cfg, info = self.cfg, self.info

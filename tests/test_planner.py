@@ -122,3 +122,19 @@ def test_plan_cli_llama3_8b():
     bad = subprocess.run(cmd + ["--world-size", "8", "--device", "tpu"], env=cpu_env(), capture_output=True,
                          text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.strip().startswith("error: unknown device 'tpu'")
+
+
+def test_hsdp_adds_the_cross_replica_all_reduce():
+    from shardlm.plan.devices import get_device
+    from shardlm.plan.time import hsdp_all_reduce_bytes, plan_time
+
+    assert hsdp_all_reduce_bytes(1, 8, 1000, 4) == 0
+    assert hsdp_all_reduce_bytes(4, 8, 8000, 2) == 2 * 3 / 4 * 1000 * 2
+    cfg = load_config(str(ROOT / "configs/llama3-8b.toml"))
+    flat = plan_time(cfg, 16, get_device("h100"), 8_030_261_248)
+    cfg.parallel.dp_replicate, cfg.parallel.dp_shard = 2, 8
+    hsdp = plan_time(cfg, 16, get_device("h100"), 8_030_261_248)
+    k = 64 // 16  # global batch 64, micro-batch 1, 16 ranks
+    expected = fsdp_comm_bytes(8, 8_030_261_248, k, True, False, 4, 4) + hsdp_all_reduce_bytes(2, 8, 8_030_261_248, 4)
+    assert hsdp.comm_bytes == pytest.approx(expected)
+    assert hsdp.comm_bytes < flat.comm_bytes  # the heavy all-gathers now span 8 ranks, not 16

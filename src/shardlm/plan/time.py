@@ -12,7 +12,8 @@ Communication per rank per step (ring collectives; Patarasuk & Yuan 2009 for the
 with N the shard-group size, P parameters, k micro-batches, r = 1 when blocks are resharded after
 forward (all-gathered again for backward), s = k when gradients are reduce-scattered on every
 micro-batch and 1 when only on the last, b bytes per element of ``param_dtype``/``reduce_dtype``.
-DDP all-reduces the gradients: 2·(N−1)/N · s·P·4.
+DDP all-reduces the gradients: 2·(N−1)/N · s·P·4. HSDP (R replicas of shard groups of S ranks)
+adds the all-reduce of each gradient shard across replicas: 2·(R−1)/R · (P/S) · b_reduce.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardlm.config import Config, gradient_accumulation_steps
+from shardlm.metrics.flops import model_flops_per_token
 from shardlm.model.llama import ffn_hidden_size
+from shardlm.parallel.dist import dp_mesh_shape
 from shardlm.plan.devices import Device
 from shardlm.plan.memory import Settings
 
@@ -48,17 +51,24 @@ def ddp_comm_bytes(n: int, params: int, syncs: int, grad_bytes: int = 4) -> floa
 
 
 def flops_per_token(cfg: Config, recompute: str = "none") -> float:
-    """Training FLOPs per token: 6·N + 12·L·H·Q·T, plus the recomputed forward under full AC."""
+    """Training FLOPs per token: 6·N + 12·L·H·Q·T (:func:`shardlm.metrics.flops.model_flops_per_token`),
+    plus one more forward of the blocks (2·N_blocks + 4·L·H·Q·T) under full activation checkpointing."""
     m = cfg.model
-    q = m.dim // m.n_heads
-    kv = (m.n_kv_heads or m.n_heads) * q
-    block = 2 * m.dim * m.dim + 2 * m.dim * kv + 3 * m.dim * ffn_hidden_size(m) + 2 * m.dim
-    n_no_embed = m.n_layers * block + m.dim + m.vocab_size * m.dim
-    attn = 12 * m.n_layers * m.n_heads * q * cfg.train.seq_len
-    total = 6 * n_no_embed + attn
+    total = float(model_flops_per_token(m, cfg.train.seq_len))
     if recompute == "full":
-        total += 2 * m.n_layers * block + attn / 3
-    return float(total)
+        q = m.dim // m.n_heads
+        kv = (m.n_kv_heads or m.n_heads) * q
+        block = 2 * m.dim * m.dim + 2 * m.dim * kv + 3 * m.dim * ffn_hidden_size(m) + 2 * m.dim
+        total += 2 * m.n_layers * block + 4 * m.n_layers * m.n_heads * q * cfg.train.seq_len
+    return total
+
+
+def hsdp_all_reduce_bytes(replicas: int, shard_group: int, params: int, reduce_bytes: int) -> float:
+    """Bytes one rank sends per step in HSDP's cross-replica all-reduce of its gradient shard.
+
+    Ring all-reduce of P/S elements over R replicas: 2·(R−1)/R · (P/S) · b_reduce (0 when R = 1).
+    """
+    return 2 * (replicas - 1) / replicas * params / shard_group * reduce_bytes
 
 
 @dataclass
@@ -94,8 +104,9 @@ def plan_time(cfg: Config, world_size: int, device: Device, params: int) -> Time
     peak = device.peak_flops_bf16 if st.param_bytes == 2 else device.peak_flops_fp32
     every = st.grad_sync != "last_micro_batch"  # reduce-scatter on every micro-batch
     if st.mode == "fsdp":
-        comm = fsdp_comm_bytes(world_size, params, k, st.reshard_after_forward, every, st.param_bytes,
-                               st.reduce_bytes)
+        replicas, shard = dp_mesh_shape(cfg.parallel, world_size, world_size)
+        comm = fsdp_comm_bytes(shard, params, k, st.reshard_after_forward, every, st.param_bytes, st.reduce_bytes)
+        comm += hsdp_all_reduce_bytes(replicas, shard, params, st.reduce_bytes)
     elif st.mode == "ddp":
         comm = ddp_comm_bytes(world_size, params, k if every else 1)
     else:

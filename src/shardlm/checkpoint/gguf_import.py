@@ -13,9 +13,6 @@ is rebuilt from the file's metadata by ``transformers``.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +20,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from shardlm.atomic import atomic_directory
 from shardlm.config import ModelConfig
 
 _BLOCK_NAMES = {
@@ -164,20 +162,12 @@ def import_gguf(path: str | Path, out_dir: str | Path) -> Path:
         if tuple(tensors[name].shape) != shape:
             raise _error(f"{path}: tensor {name} has shape {tuple(tensors[name].shape)}, the metadata implies {shape}")
     special = {"bos": _field(reader, "tokenizer.ggml.bos_token_id"), "eos": _field(reader, "tokenizer.ggml.eos_token_id")}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        from transformers import AutoTokenizer
+    from transformers import AutoTokenizer
 
+    with atomic_directory(out) as tmp:  # a failure never leaves a half-written out_dir
         tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         tok.save_pretrained(str(tmp))
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         config = hf_config(cfg, {k: (int(v) if v is not None else None) for k, v in special.items()})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out

@@ -7,9 +7,7 @@ output weight is written once (as ``model.embed_tokens.weight``, with ``tie_word
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -17,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from shardlm.atomic import atomic_directory
 from shardlm.config import ModelConfig
 from shardlm.model import Llama, ffn_hidden_size
 
@@ -81,30 +80,26 @@ def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def save_model_dir(state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: str | Path,
-                   tokenizer_path: str | Path | None = None, special_ids: dict | None = None) -> Path:
+                   tokenizer_path: str | Path | None = None, special_ids: dict | None = None,
+                   extra_files: list[Path] = ()) -> Path:
     """Write an HF-style Llama directory atomically (temp dir, then rename) and return its path.
 
     ``state`` maps our (= HF) parameter names to full tensors; with tied embeddings
-    ``lm_head.weight`` is dropped so the shared tensor is stored once.
+    ``lm_head.weight`` is dropped so the shared tensor is stored once. ``extra_files`` (e.g. a
+    tokenizer's chat template) are copied in by name before the rename.
     """
     out = Path(out_dir)
     tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
     if cfg.tie_embeddings:
         tensors.pop("lm_head.weight", None)
     dtype = next(iter(tensors.values())).dtype
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with atomic_directory(out) as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(hf_config(cfg, special_ids, dtype), indent=2) + "\n")
         if tokenizer_path is not None:
             shutil.copyfile(tokenizer_path, tmp / "tokenizer.json")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        for extra in extra_files:
+            shutil.copyfile(extra, tmp / extra.name)
     return out
 
 

@@ -9,7 +9,6 @@ their source dtype (or cast to ``dtype``).
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import torch
@@ -60,8 +59,5 @@ def copy_model_dir(src: str | Path, out_dir: str | Path, dtype: torch.dtype | No
     source_config = json.loads((src / "config.json").read_text())
     special = {"bos": source_config.get("bos_token_id"), "eos": source_config.get("eos_token_id")}
     tokenizer = src / "tokenizer.json"
-    out = save_model_dir(state, cfg, out, tokenizer if tokenizer.is_file() else None, special)
-    for name in TOKENIZER_FILES[1:]:
-        if (src / name).is_file():
-            shutil.copyfile(src / name, out / name)
-    return out
+    extra = [src / name for name in TOKENIZER_FILES[1:] if (src / name).is_file()]
+    return save_model_dir(state, cfg, out, tokenizer if tokenizer.is_file() else None, special, extra)

@@ -21,17 +21,16 @@ batch (all micro-batches and ranks), so the loss does not depend on how the batc
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import shutil
-import tempfile
 from typing import Any
 
 import numpy as np
 import torch
 
+from shardlm.atomic import atomic_directory
 from shardlm.data.corpus import DataError
-from shardlm.data.prepare import load_meta, token_dtype
+from shardlm.data.prepare import load_meta, token_dtype, unigram_entropy
 from shardlm.data.tokenizer import load_tokenizer, special_token_ids
 
 IGNORE_INDEX = -100
@@ -168,11 +167,9 @@ def prepare_instructions(corpus: str, out_dir: str, tokenizer_path: str, vocab_s
     n_val = max(1, round(len(encoded) * val_fraction))
     dtype = token_dtype(vocab_size)
     out = pathlib.Path(out_dir).expanduser()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     counts = {}
     response = np.zeros(0, dtype=np.int64)
-    try:
+    with atomic_directory(out) as tmp:  # a failure never leaves a half-written out_dir
         for split, part in (("train", encoded[:-n_val]), ("val", encoded[-n_val:])):
             offsets = np.cumsum([0] + [len(ids) for _, ids, _ in part]).astype(np.int64)
             np.concatenate([np.asarray(ids, dtype=dtype) for _, ids, _ in part]).tofile(tmp / f"{split}.bin")
@@ -183,20 +180,13 @@ def prepare_instructions(corpus: str, out_dir: str, tokenizer_path: str, vocab_s
             counts[split] = int(offsets[-1])
             if split == "train":
                 response = np.concatenate([np.asarray(ids)[np.asarray(m, dtype=bool)] for _, ids, m in part])
-        probs = np.bincount(response)[np.bincount(response) > 0] / len(response)
         meta = {"format": "instruct", "dtype": dtype.name, "vocab_size": int(vocab_size),
                 "tokenizer_vocab_size": int(tok.get_vocab_size()), "train_tokens": counts["train"],
                 "val_tokens": counts["val"], "train_examples": len(encoded) - n_val, "val_examples": n_val,
                 "corpus": corpus, "special_ids": special_token_ids(tok),
-                "unigram_entropy_nats": float(-(probs * np.log(probs)).sum())}
+                "unigram_entropy_nats": unigram_entropy(response)}
         shutil.copyfile(pathlib.Path(tokenizer_path).expanduser(), tmp / "tokenizer.json")
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return meta
 
 

@@ -12,15 +12,14 @@ Layout of a prepared directory::
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import shutil
 import sys
-import tempfile
 from typing import Any
 
 import numpy as np
 
+from shardlm.atomic import atomic_directory
 from shardlm.data.corpus import DataError, read_documents
 from shardlm.data.tokenizer import load_tokenizer, special_token_ids, train_tokenizer
 
@@ -60,7 +59,8 @@ def _encode_all(tok: Any, documents: list[str]) -> list[list[int]]:
     return out
 
 
-def _unigram_entropy(tokens: np.ndarray) -> float:
+def unigram_entropy(tokens: np.ndarray) -> float:
+    """-Σ p·ln p over the token frequencies of ``tokens`` (nats): the loss of a model that learned only them."""
     counts = np.bincount(tokens.astype(np.int64))
     counts = counts[counts > 0].astype(np.float64)
     p = counts / counts.sum()
@@ -162,14 +162,11 @@ def prepare_corpus(
         "val_tokens": int(n_val),
         "corpus": corpus,
         "special_ids": special,
-        "unigram_entropy_nats": _unigram_entropy(train),
+        "unigram_entropy_nats": unigram_entropy(train),
         "seed": int(seed),
     }
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    old: pathlib.Path | None = None
-    try:
+    with atomic_directory(out) as tmp:  # a failure never leaves a half-written out_dir
         train.tofile(tmp / "train.bin")
         val.tofile(tmp / "val.bin")
         if tokenizer_path:
@@ -177,18 +174,6 @@ def prepare_corpus(
         else:
             tok.save(str(tmp / "tokenizer.json"))
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-        if out.exists():
-            old = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            os.replace(out, old / "data")
-        os.replace(tmp, out)
-    except BaseException:
-        if old is not None and not out.exists():
-            os.replace(old / "data", out)  # restore the previous output
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    finally:
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
     return meta
 
 

@@ -80,7 +80,6 @@ def init_distributed(pcfg: ParallelConfig, cpu_collectives: bool = False) -> Dis
             mesh does not fit the world size or the ranks per node (:func:`dp_mesh_shape`), checked
             before the process group starts.
     """
-    rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     dp_mesh_shape(pcfg, world_size, local_world_size())  # bad mesh: one ConfigError, before any collective

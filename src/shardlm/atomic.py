@@ -1,0 +1,38 @@
+"""Writing a directory atomically: build it under a temporary name, then rename it into place."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+
+@contextlib.contextmanager
+def atomic_directory(out: str | os.PathLike) -> Iterator[Path]:
+    """Yield a fresh temporary directory beside ``out``; on success it replaces ``out`` in one rename.
+
+    If the body raises (or the process dies), ``out`` is left as it was: the previous directory, if
+    any, is only moved aside once the new one is complete, and put back if the final rename fails.
+    Readers therefore see either the old directory or the complete new one, never a half-written one.
+    """
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    old: Path | None = None
+    try:
+        yield tmp
+        if out.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            os.replace(out, old / out.name)
+        os.replace(tmp, out)
+    except BaseException:
+        if old is not None and not out.exists():
+            os.replace(old / out.name, out)  # restore the previous directory
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)

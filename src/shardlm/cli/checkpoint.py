@@ -31,8 +31,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 def cmd_export(args: argparse.Namespace, overrides: list[str]) -> None:
     """Export ``args.source`` to ``args.out_dir``.
 
-    A checkpoint (it has a ``manifest.json``) is verified and its full weights read once; a run or
-    model directory is checked and copied (optionally cast to ``--dtype``).
+    A model directory (``config.json``) or run directory (its ``final/``) is checked and copied
+    (optionally cast to ``--dtype``); anything else is treated as a checkpoint, verified against its
+    manifest, and its full weights read once.
     """
     from pathlib import Path
 
@@ -43,12 +44,13 @@ def cmd_export(args: argparse.Namespace, overrides: list[str]) -> None:
 
     if overrides:
         raise ConfigError(f"unknown arguments: {' '.join(overrides)}")
-    if (Path(args.source) / "manifest.json").is_file() or (Path(args.source) / ".metadata").is_file():
+    src = Path(args.source)
+    if (src / "config.json").is_file() or (src / "final" / "config.json").is_file():  # model or run directory
+        out = copy_model_dir(src, args.out_dir, getattr(torch, args.dtype) if args.dtype else None)
+    else:  # a checkpoint: verified against its manifest (the error says what is missing)
         if args.dtype:
             raise ConfigError("--dtype applies to model directories; a checkpoint is exported in its own dtype")
-        out = export_checkpoint(args.source, args.out_dir)
-    else:
-        out = copy_model_dir(args.source, args.out_dir, getattr(torch, args.dtype) if args.dtype else None)
+        out = export_checkpoint(src, args.out_dir)
     print(f"exported {args.source} -> {out} (transformers: AutoModelForCausalLM.from_pretrained({str(out)!r}))")
 
 

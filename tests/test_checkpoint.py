@@ -198,6 +198,25 @@ def test_keep_and_atomic_layout(runs, small_data, tmp_path):
     assert sorted(p.name for p in (tmp_path / "keep" / "checkpoints").iterdir()) == ["step-4", "step-6"]
 
 
+def test_export_never_deletes_what_it_did_not_write(runs, tmp_path, capsys):
+    _, root, _ = runs
+    run = tmp_path / "run"
+    shutil.copytree(root / "ref" / "final", run / "final")
+    (run / "metrics.jsonl").write_text("{}\n")
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("precious")
+    for argv, needle in ((["export", str(run / "final"), str(run)], "contains the source"),
+                         (["export", str(run), str(tmp_path / "mine")], "exists and is not empty")):
+        assert shardlm_main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("error:") == 1 and needle in err, err
+    assert (run / "metrics.jsonl").is_file() and (tmp_path / "mine" / "notes.txt").read_text() == "precious"
+    # a run directory exports its final/ model (not its training config.json); --overwrite replaces
+    assert shardlm_main(["export", str(run), str(tmp_path / "mine"), "--overwrite"]) == 0
+    assert torch.equal(load_file(str(tmp_path / "mine" / "model.safetensors"))["model.norm.weight"],
+                       final_params(root / "ref")["model.norm.weight"])
+
+
 def test_export_gives_exactly_the_trained_params(runs, tmp_path):
     _, root, _ = runs
     out = export_checkpoint(root / "ref" / "checkpoints" / "step-20", tmp_path / "export")

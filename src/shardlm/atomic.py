@@ -21,6 +21,9 @@ def atomic_directory(out: str | os.PathLike) -> Iterator[Path]:
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it owner-only; the result is an ordinary directory
     old: Path | None = None
     try:
         yield tmp

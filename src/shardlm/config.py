@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import tomllib
 import types
 import typing
@@ -324,6 +325,15 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
 def validate(cfg: Config) -> None:
     """Check values that do not depend on the world size; raise ConfigError naming the key."""
     m, t = cfg.model, cfg.train
+    for section in dataclasses.fields(cfg):  # NaN passes every comparison below: refuse it first
+        obj = getattr(cfg, section.name)
+        for f in dataclasses.fields(obj):
+            values = getattr(obj, f.name)
+            for v in values if isinstance(values, tuple) else (values,):
+                if isinstance(v, float) and not math.isfinite(v):
+                    raise ConfigError(f"{section.name}.{f.name} must be a finite number, got {v}")
+    if cfg.parallel.timeout_s <= 0:
+        raise ConfigError(f"parallel.timeout_s must be positive (seconds), got {cfg.parallel.timeout_s}")
     positive = {
         "model.dim": m.dim, "model.n_layers": m.n_layers, "model.n_heads": m.n_heads,
         "model.vocab_size": m.vocab_size, "model.max_seq_len": m.max_seq_len,

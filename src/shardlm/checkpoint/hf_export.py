@@ -23,9 +23,12 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def resolve_model_dir(path: str | Path) -> Path:
-    """A model directory itself, or a run directory's ``final/`` model (``runs/NAME`` -> ``runs/NAME/final``)."""
+    """A model directory itself, or a run directory's ``final/`` model (``runs/NAME`` -> ``runs/NAME/final``).
+
+    A run directory also holds a ``config.json`` (the training config), so ``final/`` is looked for first.
+    """
     path = Path(path)
-    if not (path / "config.json").is_file() and (path / "final" / "config.json").is_file():
+    if (path / "final" / "config.json").is_file():
         return path / "final"
     return path
 

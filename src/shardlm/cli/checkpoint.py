@@ -17,7 +17,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                        "Hugging Face Llama directory (safetensors)")
     e.add_argument("source", help="checkpoint (runs/NAME/checkpoints/step-300), run directory "
                    "(runs/NAME -> its final/) or model directory")
-    e.add_argument("out_dir", help="output directory (replaced if it exists)")
+    e.add_argument("out_dir", help="output directory (new, or empty; --overwrite replaces an existing one)")
+    e.add_argument("--overwrite", action="store_true", help="replace an existing non-empty output directory")
     e.add_argument("--format", default="hf", choices=["hf"], help="output format: hf (safetensors + config.json "
                    "+ tokenizer)")
     e.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
@@ -44,7 +45,11 @@ def cmd_export(args: argparse.Namespace, overrides: list[str]) -> None:
 
     if overrides:
         raise ConfigError(f"unknown arguments: {' '.join(overrides)}")
-    src = Path(args.source)
+    src, out = Path(args.source), Path(args.out_dir)
+    if out.resolve() == src.resolve() or out.resolve() in src.resolve().parents:  # replacing it would delete src
+        raise ConfigError(f"the output directory {out} contains the source {src}: choose another one")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.overwrite:
+        raise ConfigError(f"{out} exists and is not empty: choose a new directory or pass --overwrite to replace it")
     if (src / "config.json").is_file() or (src / "final" / "config.json").is_file():  # model or run directory
         out = copy_model_dir(src, args.out_dir, getattr(torch, args.dtype) if args.dtype else None)
     else:  # a checkpoint: verified against its manifest (the error says what is missing)

@@ -25,7 +25,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="model directory (config.json, *.safetensors, tokenizer.json)")
     p.add_argument("--data", required=True, help="a .txt/.md/.jsonl file, a directory of them, or 'shakespeare'")
     p.add_argument("--batch-size", type=int, default=8, help="windows per forward pass, per rank")
-    p.add_argument("--context", type=int, default=0, help="window length in tokens (default: the model's max_seq_len)")
+    p.add_argument("--context", type=int, default=None,
+                   help="window length in tokens (default: the model's max_seq_len)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
 
 
@@ -39,11 +40,11 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> None:
         raise ConfigError(f"unknown arguments: {' '.join(overrides)}")
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size must be >= 1, got {args.batch_size}")
-    if args.context == 1 or args.context < 0:
+    if args.context is not None and args.context < 2:
         raise ConfigError(f"--context must be >= 2 tokens, got {args.context}")
     info = init_distributed(ParallelConfig())
     try:
-        result = evaluate_model(args.model, args.data, info, args.batch_size, args.context or None)
+        result = evaluate_model(args.model, args.data, info, args.batch_size, args.context)
     except ValueError as e:
         if type(e) is ValueError:  # the evaluator's own checks (context too long...): user input
             raise ConfigError(str(e)) from e

@@ -7,6 +7,7 @@ Sampling: temperature scaling, then top-k, then top-p (nucleus, Holtzman et al. 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -33,8 +34,8 @@ class SamplingConfig:
 
     def check(self) -> None:
         """Raise ValueError on a negative temperature, negative top_k or top_p outside (0, 1]."""
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:

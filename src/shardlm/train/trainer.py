@@ -117,6 +117,8 @@ class Trainer:
     def _check_run_dir(self) -> None:
         """Refuse a non-empty run directory unless ``run.overwrite``; rank 0 then creates it."""
         d = self.run_dir
+        if d.exists() and not d.is_dir():
+            raise ConfigError(f"run directory {d} exists and is not a directory: choose another --run.dir")
         resuming = bool(resume_mode(self.cfg))  # resuming continues this run dir: metrics are truncated, not wiped
         if d.exists() and any(d.iterdir()) and not self.cfg.run.overwrite and not resuming:
             raise ConfigError(f"run directory {d} is not empty: pass --run.overwrite=true or choose --run.dir")
@@ -277,6 +279,8 @@ class Trainer:
             self.logger.close()
             return self.history
         self.export(self.run_dir / "final")
+        if info.is_main:
+            print(f"model written to {self.run_dir / 'final'} (Hugging Face Llama directory)", flush=True)
         self.logger.close()
         return self.history
 

@@ -164,11 +164,13 @@ class Trainer:
         start = time.perf_counter()
         micro_ids = self.sampler.micro_batches(self.step, info.rank, info.world_size, cfg.train.micro_batch_size)
         self.sample_ids[self.step] = [i for ids in micro_ids for i in ids]
-        batches = [self.train_data.get(ids).to(info.device, non_blocking=True) for ids in micro_ids]
+        cpu_batches = [self.train_data.get(ids) for ids in micro_ids]
         # The loss is the mean over every target token of the global batch, so the update equals one
         # step on the whole batch in one process. FSDP/DDP average gradients over ranks, hence × N.
-        n_tokens = all_reduce_sum(torch.tensor(
-            [float(sum(split_batch(b)[1].ne(IGNORE_INDEX).sum().item() for b in batches))], device=info.device))
+        # (Targets are counted on the host copy: no device synchronisation per micro-batch.)
+        local_targets = sum(int(split_batch(b)[1].ne(IGNORE_INDEX).sum()) for b in cpu_batches)
+        n_tokens = all_reduce_sum(torch.tensor([float(local_targets)], device=info.device))
+        batches = [b.to(info.device, non_blocking=True) for b in cpu_batches]
         scale = info.world_size / n_tokens
         loss_sum = torch.zeros((), dtype=torch.float64, device=info.device)
         for i, batch in enumerate(batches):

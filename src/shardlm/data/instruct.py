@@ -52,6 +52,8 @@ def read_instructions(path: str) -> list[tuple[int, list[dict[str, str]]]]:
             message, an empty response, or no examples at all.
     """
     p = pathlib.Path(path).expanduser()
+    if not p.exists():
+        raise DataError(f"instruction data not found: {path} (a relative path is read from the working directory)")
     if not p.is_file() or p.suffix.lower() != ".jsonl":
         raise DataError(f"instruction data must be a .jsonl file: {path}")
     examples = []

@@ -20,9 +20,9 @@ import signal
 import sys
 from pathlib import Path
 
-import torch
 from torch.distributed.checkpoint import FileSystemWriter
 
+from dist_worker import write_rank_report
 from shardlm.config import load_config
 from shardlm.parallel import init_distributed
 from shardlm.train import Trainer
@@ -73,10 +73,7 @@ def main() -> None:
             "last_load": trainer.checkpointer.last_load, "last_save": trainer.checkpointer.last_save,
             "preempted": trainer.preempted, "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
         }
-        d = out / scenario["name"]
-        d.mkdir(parents=True, exist_ok=True)
-        (d / f"rank{info.rank}.json").write_text(json.dumps(report))
-        torch.distributed.barrier()
+        write_rank_report(out, scenario["name"], info.rank, report)
 
 
 if __name__ == "__main__":

@@ -69,6 +69,14 @@ def shard_report(trainer: Trainer) -> dict:
     }
 
 
+def write_rank_report(out: Path, scenario: str, rank: int, report: dict) -> None:
+    """Write this rank's ``out/<scenario>/rank<r>.json``, then wait until every rank has written its own."""
+    d = out / scenario
+    d.mkdir(parents=True, exist_ok=True)
+    (d / f"rank{rank}.json").write_text(json.dumps(report))
+    torch.distributed.barrier()
+
+
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     out = Path(spec["out"])
@@ -87,10 +95,7 @@ def main() -> None:
             "final_digest": local_digests(trainer),
             "mesh": list(trainer.mesh.mesh_dim_names) if trainer.mesh is not None else None,
         })
-        d = out / scenario["name"]
-        d.mkdir(parents=True, exist_ok=True)
-        (d / f"rank{info.rank}.json").write_text(json.dumps(report))
-        torch.distributed.barrier()
+        write_rank_report(out, scenario["name"], info.rank, report)
 
 
 if __name__ == "__main__":

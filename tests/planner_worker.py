@@ -12,25 +12,17 @@ config has no ``parallel.activation_checkpoint`` field of its own yet.
 
 from __future__ import annotations
 
-import functools
 import json
 import sys
 from pathlib import Path
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from shardlm.config import load_config
 from shardlm.metrics.peak import measure_train_step_peak
-from shardlm.parallel import all_gather_ints, init_distributed, unwrap
+from shardlm.parallel import all_gather_ints, init_distributed
 from shardlm.plan import plan_memory
 from shardlm.train import Trainer
-
-
-def checkpoint_blocks(model: torch.nn.Module) -> None:
-    """Recompute every block in backward: its forward runs under non-reentrant ``checkpoint``."""
-    for block in unwrap(model).model.layers:
-        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
 
 
 def main() -> None:
@@ -39,15 +31,9 @@ def main() -> None:
     for scenario in spec["scenarios"]:
         overrides = list(scenario["overrides"])
         ac = scenario.get("ac", "none")
-        cfg = load_config(None, overrides)
-        native_ac = hasattr(cfg.parallel, "activation_checkpoint")
-        if native_ac and ac != "none":
-            cfg = load_config(None, overrides + [f'--parallel.activation_checkpoint="{ac}"'])
+        cfg = load_config(None, overrides + [f'--parallel.activation_checkpoint="{ac}"'])
         info = init_distributed(cfg.parallel)
         trainer = Trainer(cfg, info)
-        if ac == "full" and not native_ac:
-            checkpoint_blocks(trainer.model)
-            cfg.parallel.activation_checkpoint = "full"  # what the planner reads
         trainer.train_step()
         trainer.train_step()
         measured = measure_train_step_peak(trainer)

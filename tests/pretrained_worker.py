@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 
 from shardlm.checkpoint.hf_load import local_rows, tensor_files
+from dist_worker import write_rank_report
 from shardlm.config import load_config
 from shardlm.parallel import init_distributed, unwrap
 from shardlm.train import Trainer
@@ -41,10 +42,7 @@ def main() -> None:
                 equal[name] = torch.equal(local.detach().cpu(), expected.to(local.dtype))
             report["shards_equal_file_rows"] = equal
         report["history"] = trainer.train()
-        d = out / scenario["name"]
-        d.mkdir(parents=True, exist_ok=True)
-        (d / f"rank{info.rank}.json").write_text(json.dumps(report))
-        torch.distributed.barrier()
+        write_rank_report(out, scenario["name"], info.rank, report)
 
 
 if __name__ == "__main__":

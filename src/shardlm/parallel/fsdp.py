@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from shardlm.config import Config
+from shardlm.config import Config, ConfigError
 from shardlm.model import Llama
 from shardlm.parallel.ac import apply_ac, apply_compile
 from shardlm.parallel.dist import DistInfo
@@ -78,8 +78,6 @@ def build_model(cfg: Config, info: DistInfo, mesh: DeviceMesh | None) -> torch.n
     Raises:
         ConfigError: ``single`` mode with more than one rank.
     """
-    from shardlm.config import ConfigError
-
     mode = cfg.parallel.mode
     if mode == "single" and info.world_size > 1:
         raise ConfigError(f"parallel.mode='single' runs one process, but the world size is {info.world_size}")

@@ -98,6 +98,35 @@ def test_bad_input_under_torchrun_exits_without_hang(tmp_path, small_data):
     assert proc.stderr.count("error: train.global_batch_size=6 must be divisible") == 1
 
 
+ERROR_SCRIPT = """
+import os, sys, time
+from shardlm.cli.errors import run_cli
+from shardlm.config import ConfigError
+rank, case = int(os.environ["RANK"]), sys.argv[1]
+def fail():
+    if case == "rank 0 late":  # every rank raises the same error; rank 1 exits first
+        time.sleep(1.0 if rank == 0 else 0.0)
+        raise ConfigError("same error on every rank")
+    if rank == 1:  # only rank 1 fails; rank 0 would go on (here: waits to be stopped)
+        raise ConfigError("error of rank 1 alone")
+    time.sleep(60)
+sys.exit(run_cli(fail))
+"""
+
+
+@pytest.mark.parametrize("case,message", [("rank 0 late", "same error on every rank"),
+                                          ("rank 1 alone", "error of rank 1 alone")])
+def test_an_error_is_printed_once_whichever_rank_raises_it_first(tmp_path, case, message):
+    """An error raised on every rank prints once even when rank 0 is the last to raise it (torchrun stops the
+    others as soon as one rank exits), and an error raised on rank 1 alone is printed, not lost."""
+    script = tmp_path / "fail.py"
+    script.write_text(ERROR_SCRIPT)
+    proc = torchrun(2, [str(script), case], timeout=60, check=False)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: {message}"], proc.stderr[-3000:]
+
+
 def test_non_finite_loss_stops_and_writes_nothing(tmp_path, small_data, capsys):
     run = tmp_path / "run"
     # an absurd learning rate blows the weights up within a few steps: the loss becomes inf/NaN

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import time
 from collections.abc import Callable
 
 from shardlm.checkpoint import ModelDirError
@@ -14,13 +16,34 @@ from shardlm.data import DataError
 #: errors caused by the user's input or data: reported as one line, exit code 2
 USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, DataError, ModelDirError, CheckpointError)
 
+#: seconds a rank other than 0 waits before printing its error, plus this much per local rank. Most errors are
+#: raised on every rank alike; rank 0 prints its copy at once and exits, and torchrun (which checks its workers
+#: every 0.1 s) then stops the other ranks while they wait, so the message appears once. A rank that outlives
+#: the wait failed alone (or on another node) and prints its own message.
+PEER_REPORT_DELAY_S = 3.0
+PEER_REPORT_STAGGER_S = 0.5
+
+
+def _report(message: str | None, rank: int) -> None:
+    """Print ``error: message`` on stderr: at once on rank 0, after the peer delay on other ranks."""
+    if rank != 0:
+        # torchrun stops the other workers with SIGTERM; take it with the default action (exit), even if the
+        # trainer had installed its preemption handler, which would otherwise finish a step that cannot come
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        time.sleep(PEER_REPORT_DELAY_S + PEER_REPORT_STAGGER_S * local_rank)
+    if message is not None:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+
 
 def run_cli(fn: Callable[[], int | None]) -> int:
     """Call ``fn``; map user errors to ``error: ...`` on stderr and exit code 2, other failures to 1.
 
-    A rank that stopped because another node was lost (:class:`shardlm.parallel.faults.NodeLost`)
-    exits with code 4. Only one rank prints a given message: rank 0, or any rank whose failure is its own (not
-    :class:`shardlm.parallel.RankFailed`, which merely reports that rank 0 failed).
+    A non-finite loss exits with code 3; a rank that stopped because another node was lost
+    (:class:`shardlm.parallel.faults.NodeLost`) exits with code 4 and prints one message per surviving node.
+    Otherwise rank 0 prints at once and other ranks print only if they are still running after
+    :data:`PEER_REPORT_DELAY_S` (see there), so an error that every rank raises is printed once, and an
+    error raised on one rank other than 0 is still printed.
     """
     from shardlm.parallel import RankFailed, shutdown
     from shardlm.parallel.faults import NODE_LOST_EXIT_CODE, NodeLost
@@ -30,18 +53,17 @@ def run_cli(fn: Callable[[], int | None]) -> int:
     try:
         return fn() or 0
     except USER_ERRORS as e:
-        if rank == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
+        _report(str(e), rank)
         return 2
-    except RankFailed:
+    except RankFailed as e:  # rank 0 failed and prints its own error; say so here only if rank 0 is far away
+        _report(str(e), rank)
         return 2
     except NodeLost as e:  # another node died: one message per surviving node
         if e.report_here:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return NODE_LOST_EXIT_CODE
     except NonFiniteError as e:
-        if rank == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
+        _report(str(e), rank)
         return 3
     except KeyboardInterrupt:
         return 130

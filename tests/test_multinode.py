@@ -390,10 +390,11 @@ RESUME_STEPS = 40
 @pytest.mark.parametrize("fault,timeout_s,limit_s,cause", [
     # the second node dies (it does not host the store): connections close, the survivor stops at once,
     # well within the collective timeout; then both nodes are relaunched and resume from the last checkpoint
-    ("kill", 30, 30, "Connection reset by peer"),
+    # (gloo says "reset" or "closed" by peer, depending on whether the dead side's socket closed before a write)
+    ("kill", 30, 30, ("Connection reset by peer", "Connection closed by peer")),
     # the second node goes silent (no connection closes): gloo's timeout fires after parallel.timeout_s,
     # then three heartbeats tell the dead from the blocked; without the timeout the survivor would hang
-    ("freeze", 10, 60, "Timed out"),
+    ("freeze", 10, 60, ("Timed out",)),
 ])
 def test_lost_node_is_named(small_data, tmp_path, fault, timeout_s, limit_s, cause):
     run, logs = tmp_path / "run", tmp_path / "logs"
@@ -426,7 +427,8 @@ def test_lost_node_is_named(small_data, tmp_path, fault, timeout_s, limit_s, cau
     assert code != 0
     assert len(errors) == 1, logs_of(logs)
     assert f"lost node 1 (host {socket.gethostname()}): rank 1:" in errors[0]
-    assert "no heartbeat" in errors[0] and "collective failed" in errors[0] and cause in errors[0]
+    assert "no heartbeat" in errors[0] and "collective failed" in errors[0]
+    assert any(c in errors[0] for c in cause), errors[0]
     assert "exitcode  : 4" in err  # the survivor's worker stopped with NODE_LOST_EXIT_CODE
     assert not (run / "final").exists()
     if fault == "kill":

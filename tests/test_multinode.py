@@ -271,7 +271,9 @@ def store():
     del master
 
 
-def monitors(store, ranks: list[int], interval: float = 0.1) -> dict[int, FaultMonitor]:
+def monitors(store, ranks: list[int], interval: float = 0.5) -> dict[int, FaultMonitor]:
+    """Fault monitors for these ranks; a live rank must beat within 3 intervals, so the interval is long
+    enough (1.5 s of watch) that a busy CI machine never starves a live rank's heartbeat thread that long."""
     def connect():
         return dist.TCPStore("127.0.0.1", store.port, is_master=False, wait_for_workers=False,
                              timeout=timedelta(seconds=5))
@@ -288,7 +290,7 @@ def test_silent_ranks_are_named_with_node_and_host(store):
         with pytest.raises(NodeLost) as e:
             with mons[0].watch():
                 raise GLOO_RESET
-        assert str(e.value).startswith("lost node 1 (host host-b): ranks 2-3: no heartbeat for 0.3 s after a "
+        assert str(e.value).startswith("lost node 1 (host host-b): ranks 2-3: no heartbeat for 1.5 s after a "
                                        "collective failed with RuntimeError: [gloo/")
         assert [h.rank for h in e.value.lost] == [2, 3] and e.value.__cause__ is GLOO_RESET
         assert e.value.report_here  # rank 0 is the lowest survivor of node 0: it prints

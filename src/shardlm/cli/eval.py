@@ -57,7 +57,8 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> None:
             print(json.dumps(out))
         else:
             print(f"{args.data}: mean loss {result.mean_loss:.4f} nats/token, perplexity {result.perplexity:.3f} "
-                  f"({result.tokens:,} tokens predicted, {result.windows} windows, {info.world_size} rank(s))")
+                  f"({result.tokens:,} tokens predicted, {_count(result.windows, 'window')}, "
+                  f"{_count(info.world_size, 'rank')})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,3 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     _add_arguments(parser)
     args, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     return run_cli(lambda: cmd_eval(args, overrides))
+
+
+def _count(n: int, noun: str) -> str:
+    """``1 window``, ``2 windows``."""
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"

@@ -50,6 +50,7 @@ SEQ_LEN, MICRO, STRONG_GLOBAL = 256, 4, 8
 #: FSDP options benchmarked at world size 2 (name -> [parallel] overrides)
 OPTIONS = {
     "bf16": {"param_dtype": "bfloat16"},
+    "bf16 native matmul": {"param_dtype": "bfloat16", "cpu_bf16_matmul": "native"},
     "bf16+bf16-reduce": {"param_dtype": "bfloat16", "reduce_dtype": "bfloat16"},
     "no-reshard": {"reshard_after_forward": False},
     "prefetch f2/b2": {"forward_prefetch": 2, "backward_prefetch": 2},
@@ -96,6 +97,7 @@ def worker(spec_path: str) -> None:
         SavedActivationCounter, device_memory, measure_matmul_flops, mfu, model_flops_per_token, shard_bytes,
     )
     from shardlm.parallel import all_gather_ints, build_mesh, build_model, init_distributed, set_gradient_sync
+    from shardlm.parallel.cpu_matmul import use_fp32_matmul
     from shardlm.parallel.options import DTYPES
     from shardlm.train.optim import build_optimizer
 
@@ -114,8 +116,9 @@ def worker(spec_path: str) -> None:
         accum = cfg.train.global_batch_size // (n * micro)
         for key, value in run["parallel"].items():
             setattr(cfg.parallel, key, value)
-        dtype_name = cfg.parallel.param_dtype  # peak measured next to each configuration: same load, same dtype
-        peaks[dtype_name] = measure_matmul_flops(info.device, DTYPES[dtype_name])
+        dtype_name = cfg.parallel.param_dtype  # peak measured next to each configuration: same load, same dtype,
+        fp32_multiply = use_fp32_matmul(cfg.parallel.cpu_bf16_matmul, info.device, dtype_name)  # same kernel
+        peaks[dtype_name] = measure_matmul_flops(info.device, DTYPES[dtype_name], fp32_multiply=fp32_multiply)
         model = build_model(cfg, info, mesh if cfg.parallel.mode != "single" else None)
         optimizer = build_optimizer(model, cfg.train, info.device)
         gen = torch.Generator().manual_seed(1000 + info.rank)

@@ -14,6 +14,9 @@ from conftest import run_scenarios, tiny_overrides, torchrun
 from shardlm.cli.train import main as train_main
 from shardlm.config import ConfigError, load_config
 from shardlm.parallel import pick_backend
+from shardlm.parallel.cpu_matmul import (
+    Fp32MatmulLinear, apply_fp32_matmul, bf16_linear_fp32, cpu_has_bf16_instructions, use_fp32_matmul,
+)
 from shardlm.parallel.options import check_reshard_after_forward, dtype_from_name
 
 STEPS = 10
@@ -42,6 +45,9 @@ OTHER_2 = {
     "sync_rs_every_ar_last": {"parallel.grad_sync": '"reduce_scatter_every_all_reduce_last"'},
     "bf16": {"parallel.param_dtype": '"bfloat16"'},
     "bf16_reduce_bf16": {"parallel.param_dtype": '"bfloat16"', "parallel.reduce_dtype": '"bfloat16"'},
+    "bf16_native": {"parallel.param_dtype": '"bfloat16"', "parallel.cpu_bf16_matmul": '"native"'},
+    "bf16_fp32_matmul_selective": {"parallel.param_dtype": '"bfloat16"', "parallel.cpu_bf16_matmul": '"fp32"',
+                                   "parallel.activation_checkpoint": '"selective"'},
     "ddp": {"parallel.mode": '"ddp"'},
     "compile": {"parallel.compile": "true"},
 }
@@ -103,7 +109,7 @@ def test_grad_sync_policies(results):
 
 def test_bf16_trains_close_to_fp32(results):
     fp32 = losses(results, "base")
-    for name in ("bf16", "bf16_reduce_bf16"):
+    for name in ("bf16", "bf16_reduce_bf16", "bf16_native"):
         got = losses(results, name)
         diff = max(abs(a - b) for a, b in zip(got, fp32))
         print(f"{name} vs fp32: max loss diff {diff:.2e} (tolerance {BF16_LOSS_TOL})")
@@ -112,6 +118,58 @@ def test_bf16_trains_close_to_fp32(results):
         assert 0 < diff <= BF16_LOSS_TOL  # > 0: bf16 compute really ran
     # shards, and so the exported weights, stay fp32 under bf16 compute
     assert all(t.dtype == torch.float32 for t in params(results, "bf16").values())
+
+
+def test_bf16_matmul_in_fp32_matches_the_bf16_kernel(results):
+    """``cpu_bf16_matmul``: the fp32-multiply path trains like PyTorch's bf16 GEMM (same products, another
+    summation order), and selective checkpointing keeps its custom operator's output: bit-identical."""
+    fp32_matmul, native = losses(results, "bf16"), losses(results, "bf16_native")  # "bf16" uses auto
+    diff = max(abs(a - b) for a, b in zip(fp32_matmul, native))
+    print(f"bf16 linear multiplied in fp32 vs the bf16 kernel: max loss diff {diff:.2e}")
+    assert diff <= BF16_LOSS_TOL
+    assert losses(results, "bf16_fp32_matmul_selective") == fp32_matmul
+
+
+def test_bf16_linear_fp32_operator():
+    """Forward and both gradients equal an fp64 reference within bf16 rounding, and are no further from it
+    than PyTorch's bf16 kernel; ``auto`` follows the CPU's flags; names stay those of ``nn.Linear``."""
+    g = torch.Generator().manual_seed(0)
+    x64 = torch.randn(3, 37, 96, generator=g, dtype=torch.float64)
+    w64 = torch.randn(80, 96, generator=g, dtype=torch.float64) / 10
+    dy = torch.randn(3, 37, 80, generator=g, dtype=torch.bfloat16)
+    results = {}
+    for name, fn in (("fp32 multiply", bf16_linear_fp32), ("bf16 kernel", torch.nn.functional.linear)):
+        x = x64.bfloat16().requires_grad_()
+        w = w64.bfloat16().requires_grad_()
+        y = fn(x, w)
+        y.backward(dy)
+        assert y.dtype == x.grad.dtype == w.grad.dtype == torch.bfloat16
+        results[name] = (y, x.grad, w.grad)
+    xb, wb = x64.bfloat16().double(), w64.bfloat16().double()  # the exact bf16 operands
+    ref = (xb @ wb.T, dy.double() @ wb, dy.double().reshape(-1, 80).T @ xb.reshape(-1, 96))
+    for got_fp32, got_bf16, exact in zip(*results.values(), ref):
+        err_fp32 = ((got_fp32.double() - exact).abs() / exact.abs().clamp_min(1e-3)).max().item()
+        err_bf16 = ((got_bf16.double() - exact).abs() / exact.abs().clamp_min(1e-3)).max().item()
+        # one bf16 rounding of the fp32 sum (unit roundoff 2^-8), plus a little for fp32 accumulation
+        assert err_fp32 <= 1.01 * 2 ** -8 and err_fp32 <= err_bf16 + 2 ** -9, (err_fp32, err_bf16)
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False), torch.nn.Linear(4, 4))
+    names = [n for n, _ in model.named_parameters()]
+    assert apply_fp32_matmul(model) == 1 and isinstance(model[0], Fp32MatmulLinear)
+    assert type(model[1]) is torch.nn.Linear and [n for n, _ in model.named_parameters()] == names
+
+
+@pytest.mark.parametrize("flags,setting,device,dtype,expected", [
+    ("avx512f avx2", "auto", "cpu", "bfloat16", True), ("avx512f avx512_bf16", "auto", "cpu", "bfloat16", False),
+    ("amx_bf16 amx_tile", "auto", "cpu", "bfloat16", False), ("avx2", "native", "cpu", "bfloat16", False),
+    ("avx512_bf16", "fp32", "cpu", "bfloat16", True), ("avx2", "auto", "cpu", "float32", False),
+    ("avx2", "fp32", "cuda", "bfloat16", False),
+])
+def test_cpu_bf16_matmul_setting(tmp_path, flags, setting, device, dtype, expected):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nflags\t\t: fpu {flags}\n\nprocessor\t: 1\nflags\t\t: fpu {flags}\n")
+    assert use_fp32_matmul(setting, torch.device(device), dtype, cpuinfo) is expected
+    assert cpu_has_bf16_instructions(tmp_path / "missing")  # unknown CPU: keep PyTorch's kernels
 
 
 def test_compile_close_to_eager(results):

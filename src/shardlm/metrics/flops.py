@@ -42,8 +42,12 @@ def model_flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
 
 
 def measure_matmul_flops(device: torch.device, dtype: torch.dtype = torch.float32, size: int = 1024,
-                         seconds: float = 1.0) -> float:
+                         seconds: float = 1.0, fp32_multiply: bool = False) -> float:
     """Measured dense matrix-multiply rate on this rank, in FLOP/s (2·size³ FLOPs per product).
+
+    With ``fp32_multiply`` the bf16 products go through the kernel training uses on CPUs without bf16
+    instructions (:func:`shardlm.parallel.cpu_matmul.bf16_linear_fp32`, upcasts included), so MFU is
+    measured against the rate of the kernel that runs.
 
     All ranks of the default process group (if any) start together after a barrier, so the rate
     is what each rank gets while the others run on the same cores or GPUs: the peak that MFU is
@@ -59,14 +63,18 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype = torch.float3
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    torch.mm(a, b)
+    if fp32_multiply:
+        from shardlm.parallel.cpu_matmul import bf16_linear_fp32 as product  # a @ b.T: the same FLOPs
+    else:
+        product = torch.mm
+    product(a, b)
     sync()
     if dist.is_initialized():
         dist.barrier()
     rates, start = [], time.perf_counter()
     while time.perf_counter() - start < seconds or len(rates) < 3:
         t0 = time.perf_counter()
-        torch.mm(a, b)
+        product(a, b)
         sync()
         rates.append(2 * size**3 / (time.perf_counter() - t0))
     if dist.is_initialized():

@@ -24,6 +24,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from shardlm.config import ConfigError
 from shardlm.metrics.activations import note_saved
+from shardlm.parallel.cpu_matmul import bf16_linear_fp32
 
 #: operators whose outputs selective checkpointing keeps: the matrix multiplies and attention
 #: (torchtitan's ``_save_list``, without the float8 and collective entries); everything else
@@ -34,7 +35,7 @@ SAVE_OPS: frozenset = frozenset(
                  "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
                  "_scaled_dot_product_cudnn_attention")
     if hasattr(torch.ops.aten, name)
-)
+) | {bf16_linear_fp32._opoverload}  # the bf16 linear multiplied in fp32 on CPUs (cpu_matmul.py)
 
 
 def _save_matmul_policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:

@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 from shardlm.config import Config, ConfigError
 from shardlm.model import Llama
 from shardlm.parallel.ac import apply_ac, apply_compile
+from shardlm.parallel.cpu_matmul import apply_fp32_matmul, use_fp32_matmul
 from shardlm.parallel.dist import DistInfo
 from shardlm.parallel.options import (
     add_async_all_gather, check_reshard_after_forward, mixed_precision_policy, offload_policy, set_prefetch,
@@ -84,6 +85,8 @@ def build_model(cfg: Config, info: DistInfo, mesh: DeviceMesh | None) -> torch.n
     pcfg = cfg.parallel
     with torch.device("meta"):
         model = Llama(cfg.model)
+    if use_fp32_matmul(pcfg.cpu_bf16_matmul, info.device, pcfg.param_dtype):  # a CPU kernel choice, names unchanged
+        apply_fp32_matmul(model)
     apply_ac(model.model.layers, pcfg.activation_checkpoint, pcfg.activation_checkpoint_n)  # torchtitan's order:
     if pcfg.compile:                                                                        # AC, compile, FSDP
         apply_compile(model.model.layers)

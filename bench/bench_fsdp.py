@@ -98,6 +98,7 @@ def worker(spec_path: str) -> None:
     )
     from shardlm.parallel import all_gather_ints, build_mesh, build_model, init_distributed, set_gradient_sync
     from shardlm.parallel.cpu_matmul import use_fp32_matmul
+    from shardlm.parallel.dist import exit_process
     from shardlm.parallel.options import DTYPES
     from shardlm.train.optim import build_optimizer
 
@@ -164,7 +165,7 @@ def worker(spec_path: str) -> None:
         del model, optimizer
     if info.is_main:
         Path(spec["out"]).write_text(json.dumps(results))
-    torch.distributed.destroy_process_group()
+    exit_process(0)  # destroys the process group; skips a teardown that can abort (see there)
 
 
 # ---- launcher -----------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 from dist_worker import write_rank_report
 from shardlm.config import load_config
-from shardlm.parallel import init_distributed, shutdown
+from shardlm.parallel import exit_process, init_distributed
 from shardlm.train import Trainer
 
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -78,4 +78,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    shutdown()  # left running, gloo's threads can abort the process at exit (SIGABRT)
+    exit_process(0)  # destroys the process group; skips a teardown that can abort (SIGABRT)

@@ -18,7 +18,7 @@ import torch
 from shardlm.config import load_config
 from shardlm.metrics import local_bytes
 from shardlm.model import Llama
-from shardlm.parallel import init_distributed, shutdown, unwrap
+from shardlm.parallel import exit_process, init_distributed, unwrap
 from shardlm.train import Trainer
 
 
@@ -100,4 +100,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    shutdown()  # left running, gloo's threads can abort the process at exit (SIGABRT)
+    exit_process(0)  # destroys the process group; skips a teardown that can abort (SIGABRT)

@@ -20,7 +20,7 @@ import torch
 
 from shardlm.config import load_config
 from shardlm.metrics.peak import measure_train_step_peak
-from shardlm.parallel import all_gather_ints, init_distributed, shutdown
+from shardlm.parallel import all_gather_ints, exit_process, init_distributed
 from shardlm.plan import plan_memory
 from shardlm.train import Trainer
 
@@ -50,4 +50,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    shutdown()  # left running, gloo's threads can abort the process at exit (SIGABRT)
+    exit_process(0)  # destroys the process group; skips a teardown that can abort (SIGABRT)

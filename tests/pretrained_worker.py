@@ -18,7 +18,7 @@ from safetensors import safe_open
 from shardlm.checkpoint.hf_load import local_rows, tensor_files
 from dist_worker import write_rank_report
 from shardlm.config import load_config
-from shardlm.parallel import init_distributed, shutdown, unwrap
+from shardlm.parallel import exit_process, init_distributed, unwrap
 from shardlm.train import Trainer
 
 
@@ -47,4 +47,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    shutdown()  # left running, gloo's threads can abort the process at exit (SIGABRT)
+    exit_process(0)  # destroys the process group; skips a teardown that can abort (SIGABRT)

@@ -127,6 +127,21 @@ def test_an_error_is_printed_once_whichever_rank_raises_it_first(tmp_path, case,
     assert errors == [f"error: {message}"], proc.stderr[-3000:]
 
 
+@pytest.mark.parametrize("start_group", [True, False])
+def test_exit_process_keeps_the_code_and_the_output(start_group):
+    """``exit_process`` (which skips the interpreter's teardown once a process group was started) still
+    exits with the given code, with buffered output written and the process group destroyed first."""
+    script = ("import sys\nfrom shardlm.config import ParallelConfig\n"
+              "from shardlm.parallel import exit_process, init_distributed\n"
+              f"if {start_group}: init_distributed(ParallelConfig())\n"
+              "print('buffered line'); print('to stderr', file=sys.stderr)\n"
+              "exit_process(5)\n")
+    proc = subprocess.run([sys.executable, "-c", script], env=cpu_env(), capture_output=True, text=True,
+                          timeout=60, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 5, proc.stderr
+    assert proc.stdout == "buffered line\n" and proc.stderr.endswith("to stderr\n"), (proc.stdout, proc.stderr)
+
+
 def test_non_finite_loss_stops_and_writes_nothing(tmp_path, small_data, capsys):
     run = tmp_path / "run"
     # an absurd learning rate blows the weights up within a few steps: the loss becomes inf/NaN

@@ -40,5 +40,12 @@ def main(argv: list[str] | None = None) -> int:
     return run_cli(lambda: args.fn(args, overrides))
 
 
+def entry() -> None:
+    """The ``shardlm`` console script: :func:`main`, then :func:`shardlm.parallel.dist.exit_process`."""
+    from shardlm.parallel.dist import exit_process
+
+    exit_process(main())
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    entry()

@@ -20,6 +20,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from shardlm.config import ConfigError, ParallelConfig
 
+#: whether this process started a process group (see :func:`exit_process`)
+_started_process_group = False
+
 
 class RankFailed(RuntimeError):
     """Raised on every other rank when rank 0 failed inside :func:`run_on_main`; rank 0 reports the cause."""
@@ -83,6 +86,7 @@ def init_distributed(pcfg: ParallelConfig, cpu_collectives: bool = False) -> Dis
             mesh does not fit the world size or the ranks per node (:func:`dp_mesh_shape`), checked
             before the process group starts.
     """
+    global _started_process_group
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     dp_mesh_shape(pcfg, world_size, local_world_size())  # bad mesh: one ConfigError, before any collective
@@ -91,7 +95,6 @@ def init_distributed(pcfg: ParallelConfig, cpu_collectives: bool = False) -> Dis
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        global _started_process_group
         _started_process_group = True
         timeout = timedelta(seconds=pcfg.timeout_s)
         if "MASTER_ADDR" in os.environ:
@@ -209,17 +212,13 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
-#: whether this process started a process group (see :func:`exit_process`)
-_started_process_group = False
-
-
 def exit_process(code: int) -> NoReturn:
     """End the process with exit status ``code``, after :func:`shutdown`.
 
     A process that used a gloo process group can abort in the interpreter's own teardown, after
     ``destroy_process_group`` and after all its work ("terminate called without an active exception",
     SIGABRT): C++ threads of process-group objects still referenced are destroyed unjoined. It was seen
-    here in about 1 of 5 two-rank benchmark launches and in a CI run, and torchrun would report such a
+    here in 6 of 32 two-rank benchmark launches and in a CI run, and torchrun would report such a
     run as failed (and restart it under ``--max-restarts``). So once a process group was started, the
     process flushes its output and leaves with ``os._exit``, skipping that teardown; every file shardlm
     writes is closed by then. Otherwise it exits normally.

@@ -69,6 +69,9 @@ def apply_fsdp(model: Llama, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy |
 def build_model(cfg: Config, info: DistInfo, mesh: DeviceMesh | None) -> torch.nn.Module:
     """Build the model on the meta device, wrap it for ``cfg.parallel.mode``, materialise, initialise.
 
+    In order: the CPU's bf16 matrix-multiply kernel (``cpu_bf16_matmul``, :mod:`shardlm.parallel.cpu_matmul`),
+    activation checkpointing, compile, then :func:`apply_fsdp` (or DDP), as torchtitan orders them.
+
     No rank ever holds the whole unsharded model: under ``fsdp`` only each rank's shards are
     allocated (``to_empty``) and filled by ``init_weights``, one full tensor at a time, or, with
     ``model.init_from``, by ``load_pretrained_`` reading only the shard's rows (its byte counts are

@@ -76,6 +76,11 @@ def runs(small_data, tmp_path_factory):
                  kill_in_save_step=10, kill_rank=1),
     ], out, check=False)
     reports.update(r)
+    # the same kill under torchrun --max-restarts=1: torchrun restarts both workers, which resume by themselves
+    r, procs["restarted"] = launch(2, [scenario("restarted", d, root, extra={**micro(2), "checkpoint.interval": 5},
+                                                kill_after_step=7, kill_rank=1)], out, ["--max-restarts=1"],
+                                   check=False)
+    reports.update(r)
     step10 = root / "ref" / "checkpoints" / "step-10"
     r, _ = launch(1, [
         scenario("ws1", d, root, extra={**micro(1), "checkpoint.resume": f'"{step10}"'}),
@@ -116,6 +121,21 @@ def test_sigkill_then_resume_auto_bit_exact(runs):
     p, q = final_params(root / "killed"), final_params(root / "ref")
     assert p.keys() == q.keys() and all(torch.equal(p[k], q[k]) for k in p)
     assert metrics_steps(root / "killed") == list(range(1, STEPS + 1))  # steps 6, 7 logged before the kill: once
+
+
+def test_torchrun_restart_resumes_by_itself_bit_exact(runs):
+    """torchrun --max-restarts=1 after SIGKILL of rank 1 at step 7: the job comes back (a process group of its
+    own per attempt, dist.restart_rendezvous), resumes from step-5 without being told, and ends as the
+    uninterrupted run did, each step logged once."""
+    reports, root, procs = runs
+    assert procs["restarted"].returncode == 0, procs["restarted"].stderr[-5000:]
+    restarted = reports["restarted"]
+    assert all(r["restart_count"] == 1 and r["start_step"] == 5 for r in restarted)
+    got, want = losses(restarted), losses(reports["ref"])
+    assert sorted(got) == list(range(6, STEPS + 1)) and all(got[s] == want[s] for s in got)
+    p, q = final_params(root / "restarted"), final_params(root / "ref")
+    assert p.keys() == q.keys() and all(torch.equal(p[k], q[k]) for k in p)
+    assert metrics_steps(root / "restarted") == list(range(1, STEPS + 1))
 
 
 def test_sigterm_saves_exits_zero_and_resumes_bit_exact(runs):

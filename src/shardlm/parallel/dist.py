@@ -98,10 +98,29 @@ def init_distributed(pcfg: ParallelConfig, cpu_collectives: bool = False) -> Dis
         _started_process_group = True
         timeout = timedelta(seconds=pcfg.timeout_s)
         if "MASTER_ADDR" in os.environ:
-            dist.init_process_group(backend, timeout=timeout)
+            dist.init_process_group(backend, timeout=timeout, **restart_rendezvous(world_size, timeout))
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return DistInfo(dist.get_rank(), local_rank, dist.get_world_size(), device, backend)
+
+
+def restart_rendezvous(world_size: int, timeout: timedelta) -> dict:
+    """Extra ``init_process_group`` arguments for a job that torchrun restarted (``--max-restarts``).
+
+    torchrun's workers share the launcher's TCPStore, which outlives a restart, on the same
+    ``MASTER_PORT``; the restarted workers' process group would read the dead workers' addresses left
+    in it and fail ("Gloo connectFullMesh failed ... Connection refused", seen here every time; the
+    same happens with NCCL, pytorch/pytorch#167288). So from the first restart on, the process group
+    rendezvous runs under a ``PrefixStore`` of its own per attempt (``TORCHELASTIC_RESTART_COUNT``).
+    Returns ``{}`` for a first attempt or outside torchrun (the default ``env://`` rendezvous).
+    """
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=False, timeout=timeout)
+    return {"store": dist.PrefixStore(f"shardlm/attempt-{attempt}", store), "rank": int(os.environ["RANK"]),
+            "world_size": world_size}
 
 
 def local_world_size() -> int:

@@ -99,16 +99,21 @@ def rank_ranges(ranks: list[int]) -> str:
     return ", ".join(parts)
 
 
-def describe_ranks(hosts: list[RankHost]) -> str:
-    """``node 1 (host gpu-07): ranks 8-15`` per node, joined with ``; ``."""
+def describe_ranks(hosts: list[RankHost], all_hosts: list[RankHost] | None = None) -> str:
+    """``node 1 (host gpu-07): ranks 8-15`` per node, joined with ``; ``.
+
+    With ``all_hosts`` (every rank of the job), a node of which only some ranks are in ``hosts`` is
+    written ``rank 3 of node 0 (host gpu-01)``: the node itself is not lost.
+    """
     by_node: dict[int, list[RankHost]] = {}
     for h in hosts:
         by_node.setdefault(h.node_rank, []).append(h)
     parts = []
     for node, members in sorted(by_node.items()):
-        names = sorted({h.hostname for h in members})
-        ranks = rank_ranges([h.rank for h in members])
-        parts.append(f"node {node} (host {', '.join(names)}): rank{'s' if len(members) > 1 else ''} {ranks}")
+        host = f"host {', '.join(sorted({h.hostname for h in members}))}"
+        ranks = f"rank{'s' if len(members) > 1 else ''} {rank_ranges([h.rank for h in members])}"
+        whole = all_hosts is None or len(members) == sum(h.node_rank == node for h in all_hosts)
+        parts.append(f"node {node} ({host}): {ranks}" if whole else f"{ranks} of node {node} ({host})")
     return "; ".join(parts)
 
 
@@ -226,8 +231,8 @@ class FaultMonitor:
             if not lost:
                 return None
             lost_hosts = [by_rank[r] for r in lost]
-            message = (f"lost {describe_ranks(lost_hosts)}: no heartbeat for {3 * self.interval_s:.1f} s after a "
-                       f"collective failed with {cause}")
+            message = (f"lost {describe_ranks(lost_hosts, self.hosts)}: no heartbeat for {3 * self.interval_s:.1f} s "
+                       f"after a collective failed with {cause}")
             own = {r: m for r, m in failed.items() if not m.startswith("communication failure")}
             if own:
                 message += "; ranks that failed on their own: " + "; ".join(f"rank {r}: {m}" for r, m in own.items())

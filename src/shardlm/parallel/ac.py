@@ -79,10 +79,12 @@ def apply_ac(blocks: nn.ModuleList, mode: str, every_n: int = 2) -> list[int]:
 def _checkpoint_forward(block: nn.Module, context_fn: Callable[[], tuple]) -> None:
     """Make ``block.forward`` keep only its inputs and recompute the rest in backward (names unchanged)."""
     inner = block.forward
+    # passed only when it is not the default: TorchDynamo (compile) rejects an explicit noop_context_fn
+    extra = {} if context_fn is noop_context_fn else {"context_fn": context_fn}
 
     def forward(*args, **kwargs):
         note_saved((args, kwargs))  # the inputs kept for recomputation (for the saved-activation count)
-        return torch_checkpoint(inner, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+        return torch_checkpoint(inner, *args, use_reentrant=False, **extra, **kwargs)
 
     block.forward = forward
 

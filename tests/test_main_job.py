@@ -70,12 +70,15 @@ def bad_cases(tmp_path, small_data, small_corpus, tokenizer_600):
         "run dir is a file": ([f"--run.dir={busy / 'keep.txt'}"], "is not a directory"),
         "lr is nan": (["--train.lr=nan"], "train.lr must be a finite number"),
         "timeout not positive": (["--parallel.timeout_s=-1"], "parallel.timeout_s must be positive"),
+        "data dir under a file": ([f"--data.corpus={small_corpus}", f"--data.dir={busy / 'keep.txt' / 'data'}"],
+                                  f"cannot create {busy / 'keep.txt' / 'data'}: a parent is a file"),
     }
 
 
 @pytest.mark.parametrize("case", ["unknown key", "wrong type", "batch not divisible", "seq too long",
                                   "missing corpus", "empty corpus", "tokenizer too big", "run dir not empty",
-                                  "run dir is a file", "lr is nan", "timeout not positive"])
+                                  "run dir is a file", "lr is nan", "timeout not positive",
+                                  "data dir under a file"])
 def test_bad_input_one_clear_error(case, tmp_path, small_data, small_corpus, tokenizer_600, capsys):
     overrides, needle = bad_cases(tmp_path, small_data, small_corpus, tokenizer_600)[case]
     base = tiny_overrides(small_data, tmp_path / "run")

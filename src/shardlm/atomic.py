@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import tempfile
@@ -17,8 +18,17 @@ def atomic_directory(out: str | os.PathLike) -> Iterator[Path]:
     If the body raises (or the process dies), ``out`` is left as it was: the previous directory, if
     any, is only moved aside once the new one is complete, and put back if the final rename fails.
     Readers therefore see either the old directory or the complete new one, never a half-written one.
+
+    Raises:
+        NotADirectoryError: a parent of ``out`` is a file.
+        OSError: ``out``'s parent cannot be created or written (e.g. permissions).
     """
     out = Path(out)
+    for ancestor in out.absolute().parents:  # the nearest existing one must be a directory
+        if ancestor.exists():
+            if not ancestor.is_dir():
+                raise NotADirectoryError(errno.ENOTDIR, f"cannot create {out}: a parent is a file", str(ancestor))
+            break
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     umask = os.umask(0)

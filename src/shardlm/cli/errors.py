@@ -39,7 +39,8 @@ def _report(message: str | None, rank: int) -> None:
 def run_cli(fn: Callable[[], int | None]) -> int:
     """Call ``fn``; map user errors to ``error: ...`` on stderr and exit code 2, other failures to 1.
 
-    A non-finite loss exits with code 3; a rank that stopped because another node was lost
+    A file-system error (an ``OSError`` naming a path: no permission, a parent that is a file, a full
+    disk) is reported as ``error: <reason>: <path>`` with exit code 2. A non-finite loss exits with code 3; a rank that stopped because another node was lost
     (:class:`shardlm.parallel.faults.NodeLost`) exits with code 4 and prints one message per surviving node.
     Otherwise rank 0 prints at once and other ranks print only if they are still running after
     :data:`PEER_REPORT_DELAY_S` (see there), so an error that every rank raises is printed once, and an
@@ -65,6 +66,11 @@ def run_cli(fn: Callable[[], int | None]) -> int:
     except NonFiniteError as e:
         _report(str(e), rank)
         return 3
+    except OSError as e:
+        if e.filename is None:  # not about a file (e.g. a socket): a failure to show whole
+            raise
+        _report(f"{e.strerror or type(e).__name__}: {e.filename}", rank)  # a path that cannot be read or written
+        return 2
     except KeyboardInterrupt:
         return 130
     finally:

@@ -2,7 +2,7 @@
 
 Usage (a script, not a test; it launches torchrun itself, once per world size)::
 
-    python bench/bench_fsdp.py                      # default: debug shape, N = 1, 2, 4, all options (~3 min on 2 idle cores)
+    python bench/bench_fsdp.py                      # default: debug shape, N = 1, 2, 4, all options (~3 min, 2 idle cores)
     python bench/bench_fsdp.py --models debug,20m --worlds 1,2,4 --steps 5 --warmup 2 --options all --compile
     python bench/bench_fsdp.py --worlds 2 --options none --steps 1   # quickest look (~1 min)
     python bench/bench_fsdp.py --out bench/results.json --threads 1

@@ -24,7 +24,7 @@ PEER_REPORT_DELAY_S = 3.0
 PEER_REPORT_STAGGER_S = 0.5
 
 
-def _report(message: str | None, rank: int) -> None:
+def _report(message: str, rank: int) -> None:
     """Print ``error: message`` on stderr: at once on rank 0, after the peer delay on other ranks."""
     if rank != 0:
         # torchrun stops the other workers with SIGTERM; take it with the default action (exit), even if the
@@ -32,16 +32,16 @@ def _report(message: str | None, rank: int) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
         time.sleep(PEER_REPORT_DELAY_S + PEER_REPORT_STAGGER_S * local_rank)
-    if message is not None:
-        print(f"error: {message}", file=sys.stderr, flush=True)
+    print(f"error: {message}", file=sys.stderr, flush=True)
 
 
 def run_cli(fn: Callable[[], int | None]) -> int:
     """Call ``fn``; map user errors to ``error: ...`` on stderr and exit code 2, other failures to 1.
 
     A file-system error (an ``OSError`` naming a path: no permission, a parent that is a file, a full
-    disk) is reported as ``error: <reason>: <path>`` with exit code 2. A non-finite loss exits with code 3; a rank that stopped because another node was lost
-    (:class:`shardlm.parallel.faults.NodeLost`) exits with code 4 and prints one message per surviving node.
+    disk) is reported as ``error: <reason>: <path>`` with exit code 2. A non-finite loss exits with
+    code 3; a rank that stopped because another node was lost (:class:`shardlm.parallel.faults.NodeLost`)
+    exits with code 4 and prints one message per surviving node.
     Otherwise rank 0 prints at once and other ranks print only if they are still running after
     :data:`PEER_REPORT_DELAY_S` (see there), so an error that every rank raises is printed once, and an
     error raised on one rank other than 0 is still printed.

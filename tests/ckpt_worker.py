@@ -14,17 +14,14 @@ resumed from, what it loaded and saved, and whether it stopped on preemption.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
-from pathlib import Path
 
 from torch.distributed.checkpoint import FileSystemWriter
 
-from dist_worker import write_rank_report
-from shardlm.config import load_config
-from shardlm.parallel import exit_process, init_distributed
+from dist_worker import scenario_trainers, write_rank_report
+from shardlm.parallel import exit_process
 from shardlm.train import Trainer
 
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -58,12 +55,8 @@ def add_interruptions(trainer: Trainer, scenario: dict) -> None:
 
 
 def main() -> None:
-    spec = json.loads(Path(sys.argv[1]).read_text())
-    out = Path(spec["out"])
-    for scenario in spec["scenarios"]:
-        cfg = load_config(scenario.get("config"), scenario.get("overrides", []))
-        info = init_distributed(cfg.parallel)
-        trainer = Trainer(cfg, info)
+    for scenario, trainer, out in scenario_trainers(sys.argv[1]):
+        info = trainer.info
         start_step = trainer.step
         add_interruptions(trainer, scenario)
         history = trainer.train()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -77,13 +78,18 @@ def write_rank_report(out: Path, scenario: str, rank: int, report: dict) -> None
     torch.distributed.barrier()
 
 
-def main() -> None:
-    spec = json.loads(Path(sys.argv[1]).read_text())
-    out = Path(spec["out"])
+def scenario_trainers(spec_path: str) -> Iterator[tuple[dict, Trainer, Path]]:
+    """For each scenario of the spec at ``spec_path``: the scenario, a ``Trainer`` built from its config and
+    overrides (the process group started on first use), and the output folder of the reports."""
+    spec = json.loads(Path(spec_path).read_text())
     for scenario in spec["scenarios"]:
         cfg = load_config(scenario.get("config"), scenario.get("overrides", []))
-        info = init_distributed(cfg.parallel)
-        trainer = Trainer(cfg, info)
+        yield scenario, Trainer(cfg, init_distributed(cfg.parallel)), Path(spec["out"])
+
+
+def main() -> None:
+    for scenario, trainer, out in scenario_trainers(sys.argv[1]):
+        info = trainer.info
         report = shard_report(trainer)
         report["init_digest"] = local_digests(trainer)
         history = trainer.train()

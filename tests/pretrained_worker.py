@@ -8,27 +8,19 @@ equals the file's rows (read separately with safetensors).
 
 from __future__ import annotations
 
-import json
 import sys
-from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
 from shardlm.checkpoint.hf_load import local_rows, tensor_files
-from dist_worker import write_rank_report
-from shardlm.config import load_config
-from shardlm.parallel import exit_process, init_distributed, unwrap
-from shardlm.train import Trainer
+from dist_worker import scenario_trainers, write_rank_report
+from shardlm.parallel import exit_process, unwrap
 
 
 def main() -> None:
-    spec = json.loads(Path(sys.argv[1]).read_text())
-    out = Path(spec["out"])
-    for scenario in spec["scenarios"]:
-        cfg = load_config(scenario.get("config"), scenario.get("overrides", []))
-        info = init_distributed(cfg.parallel)
-        trainer = Trainer(cfg, info)
+    for scenario, trainer, out in scenario_trainers(sys.argv[1]):
+        cfg, info = trainer.cfg, trainer.info
         model = unwrap(trainer.model)
         report: dict = {"world_size": info.world_size, "load": getattr(model, "pretrained_load_stats", None)}
         if cfg.model.init_from:  # the loaded shards equal the file's rows for this rank

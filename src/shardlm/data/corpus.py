@@ -11,6 +11,7 @@ import importlib.util
 import json
 import pathlib
 import re
+from collections.abc import Iterator
 
 __all__ = [
     "DataError",
@@ -109,17 +110,28 @@ def _read_text(path: pathlib.Path) -> str:
         raise DataError(f"{path}: cannot read file ({exc})") from exc
 
 
-def _read_jsonl(path: pathlib.Path) -> list[str]:
-    docs: list[str] = []
+def jsonl_objects(path: pathlib.Path, expected: str) -> Iterator[tuple[int, dict]]:
+    """``(line number, object)`` for each non-blank line of a UTF-8 ``.jsonl`` file, in order.
+
+    Raises:
+        DataError: naming the file (and line): it cannot be read or is not UTF-8; a line is not valid
+            JSON; a line is not a JSON object (the message says it ``expected`` one).
+    """
     for lineno, line in enumerate(_read_text(path).splitlines(), start=1):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise DataError(f"{path}:{lineno}: invalid JSON ({exc.msg})") from exc
+            raise DataError(f"{path}:{lineno}: invalid JSON ({exc.msg})") from None
         if not isinstance(record, dict):
-            raise DataError(f"{path}:{lineno}: expected a JSON object with a 'text' field")
+            raise DataError(f"{path}:{lineno}: expected {expected}")
+        yield lineno, record
+
+
+def _read_jsonl(path: pathlib.Path) -> list[str]:
+    docs: list[str] = []
+    for lineno, record in jsonl_objects(path, "a JSON object with a 'text' field"):
         if "text" not in record:
             raise DataError(f"{path}:{lineno}: missing field 'text'")
         if not isinstance(record["text"], str):

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from shardlm.atomic import atomic_directory
-from shardlm.data.corpus import DataError
+from shardlm.data.corpus import DataError, jsonl_objects
 from shardlm.data.prepare import load_meta, token_dtype, unigram_entropy
 from shardlm.data.tokenizer import load_tokenizer, special_token_ids
 
@@ -57,16 +57,8 @@ def read_instructions(path: str) -> list[tuple[int, list[dict[str, str]]]]:
     if not p.is_file() or p.suffix.lower() != ".jsonl":
         raise DataError(f"instruction data must be a .jsonl file: {path}")
     examples = []
-    for lineno, line in enumerate(p.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
+    for lineno, record in jsonl_objects(p, "a JSON object with 'messages' or 'prompt'/'response'"):
         where = f"{path}:{lineno}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DataError(f"{where}: invalid JSON ({exc.msg})") from None
-        if not isinstance(record, dict):
-            raise DataError(f"{where}: expected a JSON object with 'messages' or 'prompt'/'response'")
         if "messages" in record:
             messages = record["messages"]
             if not isinstance(messages, list) or not all(

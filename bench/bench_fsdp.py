@@ -94,12 +94,18 @@ def worker(spec_path: str) -> None:
 
     from shardlm.config import Config, ModelConfig, ParallelConfig
     from shardlm.metrics import (
-        SavedActivationCounter, device_memory, measure_matmul_flops, mfu, model_flops_per_token, shard_bytes,
+        SavedActivationCounter,
+        device_memory,
+        measure_matmul_flops,
+        mfu,
+        model_flops_per_token,
+        shard_bytes,
     )
-    from shardlm.parallel import all_gather_ints, build_mesh, build_model, init_distributed, set_gradient_sync
-    from shardlm.parallel.cpu_matmul import use_fp32_matmul
+    from shardlm.model.cpu_matmul import use_fp32_matmul
+    from shardlm.parallel import all_gather_ints, build_mesh, init_distributed, set_gradient_sync
     from shardlm.parallel.dist import exit_process
     from shardlm.parallel.options import DTYPES
+    from shardlm.train.build import build_model
     from shardlm.train.optim import build_optimizer
 
     spec = json.loads(Path(spec_path).read_text())
@@ -120,7 +126,7 @@ def worker(spec_path: str) -> None:
         dtype_name = cfg.parallel.param_dtype  # peak measured next to each configuration: same load, same dtype,
         fp32_multiply = use_fp32_matmul(cfg.parallel.cpu_bf16_matmul, info.device, dtype_name)  # same kernel
         peaks[dtype_name] = measure_matmul_flops(info.device, DTYPES[dtype_name], fp32_multiply=fp32_multiply)
-        model = build_model(cfg, info, mesh if cfg.parallel.mode != "single" else None)
+        model, _ = build_model(cfg, info, mesh if cfg.parallel.mode != "single" else None)
         optimizer = build_optimizer(model, cfg.train, info.device)
         gen = torch.Generator().manual_seed(1000 + info.rank)
         times, saved, shards = [], 0, 0

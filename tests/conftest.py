@@ -24,9 +24,24 @@ def cpu_env() -> dict[str, str]:
     return env
 
 
+#: the test being set up or run (set by pytest_runtest_setup): launches check that it is marked ``dist``
+_current: list[pytest.Item] = []
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    _current[:] = [item]
+
+
+def require_dist_marker() -> None:
+    """Fail a test that launches processes but is not marked ``dist`` (so ``-m "not dist"`` stays fast)."""
+    if _current and _current[0].get_closest_marker("dist") is None:
+        raise AssertionError(f"{_current[0].nodeid} launches torchrun: mark it @pytest.mark.dist")
+
+
 def torchrun(nproc: int, args: list[str], timeout: float = 300, check: bool = True,
              cwd: Path | None = None) -> subprocess.CompletedProcess:
     """Run ``torchrun --standalone --nproc_per_node=nproc ARGS`` and return the finished process."""
+    require_dist_marker()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
     proc = subprocess.run(cmd, env=cpu_env(), capture_output=True, text=True, timeout=timeout, cwd=cwd)
     if check and proc.returncode != 0:
@@ -74,3 +89,18 @@ def tiny_overrides(data_dir: Path, run_dir: Path, extra: dict | None = None) -> 
     }
     base.update(extra or {})
     return [f"--{k}={v}" for k, v in base.items()]
+
+
+def tensorboard_scalars(log_dir: Path, tag: str) -> list[tuple[int, float]]:
+    """(step, value) of every ``tag`` event in the event files of ``log_dir``, read raw (no purging)."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    from tensorboard.util import tensor_util
+
+    out = []
+    for f in sorted(log_dir.glob("events.out.tfevents.*")):
+        for event in EventFileLoader(str(f)).Load():
+            for v in event.summary.value:
+                if v.tag == tag:
+                    value = v.simple_value if v.HasField("simple_value") else tensor_util.make_ndarray(v.tensor).item()
+                    out.append((event.step, value))
+    return sorted(out)

@@ -18,9 +18,10 @@ import torch
 
 from shardlm.config import load_config
 from shardlm.metrics import local_bytes
-from shardlm.model import Llama
-from shardlm.parallel import exit_process, init_distributed, unwrap
+from shardlm.model.llama import Llama
+from shardlm.parallel import exit_process, init_distributed
 from shardlm.train import Trainer
+from shardlm.train.build import unwrap
 
 
 def shard_coordinate(p: torch.Tensor, rank: int, world: int) -> tuple[int, int]:

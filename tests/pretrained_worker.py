@@ -13,16 +13,17 @@ import sys
 import torch
 from safetensors import safe_open
 
-from shardlm.checkpoint.hf_load import local_rows, tensor_files
 from dist_worker import scenario_trainers, write_rank_report
-from shardlm.parallel import exit_process, unwrap
+from shardlm.convert.hf_in import local_rows, tensor_files
+from shardlm.parallel import exit_process
+from shardlm.train.build import unwrap
 
 
 def main() -> None:
     for scenario, trainer, out in scenario_trainers(sys.argv[1]):
         cfg, info = trainer.cfg, trainer.info
         model = unwrap(trainer.model)
-        report: dict = {"world_size": info.world_size, "load": getattr(model, "pretrained_load_stats", None)}
+        report: dict = {"world_size": info.world_size, "load": trainer.pretrained_load_stats}
         if cfg.model.init_from:  # the loaded shards equal the file's rows for this rank
             where = tensor_files(cfg.model.init_from)
             equal = {}

@@ -17,11 +17,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import tiny_overrides, torchrun
-from shardlm.checkpoint import load_model_dir
-from shardlm.checkpoint.export import export_checkpoint
+from conftest import tensorboard_scalars, tiny_overrides, torchrun
 from shardlm.cli.main import main as shardlm_main
 from shardlm.cli.train import main as train_main
+from shardlm.convert.export import export_checkpoint
+from shardlm.convert.hf_in import load_model_dir
 
 WORKER = Path(__file__).resolve().parent / "ckpt_worker.py"
 LOSS_TOL, PARAM_TOL = 1e-5, 1e-4
@@ -109,6 +109,7 @@ def merged_ids(report: list[dict]) -> dict[str, list[int]]:
     return {s: [i for r in report for i in r["sample_ids"][s]] for s in steps}
 
 
+@pytest.mark.dist
 def test_sigkill_then_resume_auto_bit_exact(runs):
     reports, root, procs = runs
     assert procs["killed"].returncode != 0 and "killed" not in reports
@@ -121,8 +122,12 @@ def test_sigkill_then_resume_auto_bit_exact(runs):
     p, q = final_params(root / "killed"), final_params(root / "ref")
     assert p.keys() == q.keys() and all(torch.equal(p[k], q[k]) for k in p)
     assert metrics_steps(root / "killed") == list(range(1, STEPS + 1))  # steps 6, 7 logged before the kill: once
+    tb = tensorboard_scalars(root / "killed" / "tensorboard", "train/loss")  # the event files too
+    assert [s for s, _ in tb] == list(range(1, STEPS + 1))
+    assert all(value == pytest.approx(got.get(s, value), rel=1e-6) for s, value in tb)  # after 5: the resumed run's
 
 
+@pytest.mark.dist
 def test_torchrun_restart_resumes_by_itself_bit_exact(runs):
     """torchrun --max-restarts=1 after SIGKILL of rank 1 at step 7: the job comes back (a process group of its
     own per attempt, dist.restart_rendezvous), resumes from step-5 without being told, and ends as the
@@ -138,6 +143,7 @@ def test_torchrun_restart_resumes_by_itself_bit_exact(runs):
     assert metrics_steps(root / "restarted") == list(range(1, STEPS + 1))
 
 
+@pytest.mark.dist
 def test_sigterm_saves_exits_zero_and_resumes_bit_exact(runs):
     reports, root, _ = runs
     stopped = reports["sigterm"]
@@ -155,6 +161,7 @@ def test_sigterm_saves_exits_zero_and_resumes_bit_exact(runs):
     assert sorted(p.name for p in (root / "sigterm" / "checkpoints").iterdir()) == ["step-20", "step-7"]
 
 
+@pytest.mark.dist
 def test_kill_during_save_leaves_previous_checkpoint(runs):
     reports, root, procs = runs
     assert procs["killsave"].returncode != 0
@@ -169,6 +176,7 @@ def test_kill_during_save_leaves_previous_checkpoint(runs):
     assert not any(p.name.startswith(".tmp-") for p in ckpts.iterdir())  # the next save cleaned the debris
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("name", ["ws1", "ws4"])
 def test_resume_at_another_world_size(runs, name):
     reports, root, _ = runs
@@ -201,6 +209,7 @@ def test_torchelastic_restart_means_auto(monkeypatch):
     assert resume_mode(load_config(None, ['--checkpoint.resume="/x/step-5"'])) == "/x/step-5"
 
 
+@pytest.mark.dist
 def test_keep_and_atomic_layout(runs, small_data, tmp_path):
     _, root, _ = runs
     names = sorted(p.name for p in (root / "ref" / "checkpoints").iterdir())
@@ -218,6 +227,7 @@ def test_keep_and_atomic_layout(runs, small_data, tmp_path):
     assert sorted(p.name for p in (tmp_path / "keep" / "checkpoints").iterdir()) == ["step-4", "step-6"]
 
 
+@pytest.mark.dist
 def test_export_never_deletes_what_it_did_not_write(runs, tmp_path, capsys):
     _, root, _ = runs
     run = tmp_path / "run"
@@ -237,6 +247,7 @@ def test_export_never_deletes_what_it_did_not_write(runs, tmp_path, capsys):
                        final_params(root / "ref")["model.norm.weight"])
 
 
+@pytest.mark.dist
 def test_export_gives_exactly_the_trained_params(runs, tmp_path):
     _, root, _ = runs
     out = export_checkpoint(root / "ref" / "checkpoints" / "step-20", tmp_path / "export")
@@ -252,6 +263,7 @@ def test_export_gives_exactly_the_trained_params(runs, tmp_path):
     assert not torch.equal(early["model.layers.0.mlp.up_proj.weight"], trained["model.layers.0.mlp.up_proj.weight"])
 
 
+@pytest.mark.dist
 def test_inspect(runs, capsys):
     _, root, _ = runs
     assert shardlm_main(["inspect", str(root / "ref" / "checkpoints" / "step-15")]) == 0
@@ -311,6 +323,7 @@ BAD = ["other model shape", "truncated shard", "flipped byte", "missing metadata
        "malicious pickle"]
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("kind", BAD)
 def test_bad_checkpoint_one_clear_error(kind, runs, small_data, tmp_path, capsys):
     _, root, _ = runs
@@ -328,6 +341,7 @@ def test_bad_checkpoint_one_clear_error(kind, runs, small_data, tmp_path, capsys
     assert not (tmp_path / "PWNED").exists()  # the malicious pickle never ran
 
 
+@pytest.mark.dist
 def test_bad_checkpoint_under_torchrun_no_hang(runs, small_data, tmp_path):
     _, root, _ = runs
     ckpt, needle = damaged("flipped byte", root / "ref" / "checkpoints" / "step-5", tmp_path)
@@ -338,6 +352,7 @@ def test_bad_checkpoint_under_torchrun_no_hang(runs, small_data, tmp_path):
     assert proc.stderr.count(f"error: checkpoint {ckpt} is damaged") == 1 and needle in proc.stderr
 
 
+@pytest.mark.dist
 def test_inspect_reports_a_bad_checksum(runs, tmp_path, capsys):
     _, root, _ = runs
     ckpt, _ = damaged("flipped byte", root / "ref" / "checkpoints" / "step-5", tmp_path)

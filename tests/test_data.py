@@ -37,12 +37,12 @@ SAMPLE_MD = """# A Midsummer Night's Dream
 _Enter THESEUS, HIPPOLYTA, PHILOSTRATE, and
 Attendants_
 
-**THESEUS**  
-Now, fair Hippolyta, our nuptial hour  
-Draws on apace; four happy days bring in  
+**THESEUS**
+Now, fair Hippolyta, our nuptial hour
+Draws on apace; four happy days bring in
 Another moon: \\[Aside\\] but, O, methinks, how slow
 
-__\\[Awaking]_  
+__\\[Awaking]_
 *Exit.*
 """
 

@@ -15,9 +15,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import cpu_env, run_scenarios, tiny_overrides, torchrun
-from shardlm.checkpoint import load_model_dir
+from conftest import cpu_env, run_scenarios, tensorboard_scalars, tiny_overrides, torchrun
 from shardlm.cli.main import main as shardlm_main
+from shardlm.convert.hf_in import load_model_dir
 from shardlm.data import load_tokenizer, read_documents, special_token_ids
 from shardlm.eval import context_windows, token_stream
 from shardlm.metrics import MetricsLogger, read_metrics
@@ -64,6 +64,7 @@ def direct_mean_loss(model_dir: Path, data: Path) -> tuple[float, int]:
     return all_losses.mean().item(), all_losses.numel()
 
 
+@pytest.mark.dist
 def test_eval_perplexity_is_exp_mean_loss_at_1_and_2_ranks(runs, eval_file):
     model_dir = runs["a"] / "final"
     mean, count = direct_mean_loss(model_dir, eval_file)
@@ -86,6 +87,7 @@ def test_eval_perplexity_is_exp_mean_loss_at_1_and_2_ranks(runs, eval_file):
 
 
 # ---- generation -------------------------------------------------------------------------------
+@pytest.mark.dist
 def test_cached_generation_equals_uncached(runs):
     model = load_model_dir(runs["a"] / "final").eval()
     tok = load_tokenizer(str(runs["a"] / "final" / "tokenizer.json"))
@@ -106,6 +108,7 @@ def test_cached_generation_equals_uncached(runs):
     assert batched[0] == alone[0] and len(alone[0]) == 20
 
 
+@pytest.mark.dist
 def test_sampling_is_reproducible_with_a_seed(runs):
     model = load_model_dir(runs["a"] / "final").eval()
     prompts = [[1, 40, 41], [1, 50]]
@@ -118,6 +121,7 @@ def test_sampling_is_reproducible_with_a_seed(runs):
                                                                                    SamplingConfig(0.0))
 
 
+@pytest.mark.dist
 def test_generate_cli_streams_one_prompt_and_batches_several(runs, capsys):
     model_dir = runs["a"] / "final"
     tok = load_tokenizer(str(model_dir / "tokenizer.json"))
@@ -129,13 +133,14 @@ def test_generate_cli_streams_one_prompt_and_batches_several(runs, capsys):
     expected = generate(load_model_dir(model_dir).eval(), [([bos] if bos is not None else []) + prompt], 15,
                         SamplingConfig(0.0), special_token_ids(tok)["eod"])[0]
     assert streamed == "ROMEO:" + tok.decode(expected) + "\n"
-    assert shardlm_main(["generate", "--model", str(model_dir), "--prompt", "ROMEO:", "--prompt", "KING:",
+    assert shardlm_main(["generate", "--model", str(model_dir), "--prompt", "ROMEO:", "--prompt", "KING\\n",
                          "--max-new-tokens", "10", "--top-p", "0.9"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("ROMEO:") and "\n" + "-" * 40 + "\nKING:" in out
+    assert out.startswith("ROMEO:") and "\n" + "-" * 40 + "\nKING\n" in out  # "\\n" in a prompt is a line break
 
 
 # ---- TensorBoard --------------------------------------------------------------------------------
+@pytest.mark.dist
 def test_training_writes_tensorboard_events_matching_metrics(runs):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -164,22 +169,21 @@ def test_metrics_logger_without_tensorboard(tmp_path, monkeypatch):
     assert not logger.tensorboard.enabled and not (tmp_path / "tensorboard").exists()
 
 
-def test_tensorboard_truncate_drops_later_steps(tmp_path):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
+def test_metrics_rewind_drops_later_steps_from_every_sink(tmp_path):
     logger = MetricsLogger(tmp_path / "metrics.jsonl")
     for step in range(1, 6):
         logger.log({"step": step, "loss": float(step)})
-    logger.tensorboard.truncate(3)  # resume from step 3: steps 4 and 5 will be logged again
+    logger.rewind(3)  # resume from step 3: steps 4 and 5 will be logged again
     for step in (4, 5):
         logger.log({"step": step, "loss": 10.0 * step})
     logger.close()
-    acc = EventAccumulator(str(tmp_path / "tensorboard"))
-    acc.Reload()
-    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(1, 1), (2, 2), (3, 3), (4, 40), (5, 50)]
+    expect = [(1, 1), (2, 2), (3, 3), (4, 40), (5, 50)]
+    assert [(r["step"], r["loss"]) for r in read_metrics(tmp_path / "metrics.jsonl")] == expect
+    assert tensorboard_scalars(tmp_path / "tensorboard", "train/loss") == expect  # the files hold each step once
 
 
 # ---- report -------------------------------------------------------------------------------------
+@pytest.mark.dist
 def test_report_plots_what_metrics_jsonl_holds(runs, tmp_path):
     a, b = load_run(runs["a"]), load_run(runs["b"])
     figs = make_figures([a, b])
@@ -212,6 +216,7 @@ def test_report_plots_what_metrics_jsonl_holds(runs, tmp_path):
 
 
 # ---- bad input ------------------------------------------------------------------------------------
+@pytest.mark.dist
 def test_bad_input_gives_one_clear_error(runs, tmp_path, capsys):
     model_dir = str(runs["a"] / "final")
     cases = [

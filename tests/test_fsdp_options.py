@@ -13,11 +13,15 @@ from safetensors.torch import load_file
 from conftest import run_scenarios, tiny_overrides, torchrun
 from shardlm.cli.train import main as train_main
 from shardlm.config import ConfigError, ModelConfig, load_config
-from shardlm.model import Llama
-from shardlm.parallel import apply_ac, apply_compile, pick_backend
-from shardlm.parallel.cpu_matmul import (
-    Fp32MatmulLinear, apply_fp32_matmul, bf16_linear_fp32, cpu_has_bf16_instructions, use_fp32_matmul,
+from shardlm.model.cpu_matmul import (
+    Fp32MatmulLinear,
+    apply_fp32_matmul,
+    bf16_linear_fp32,
+    cpu_has_bf16_instructions,
+    use_fp32_matmul,
 )
+from shardlm.model.llama import Llama
+from shardlm.parallel import apply_ac, apply_compile, pick_backend
 from shardlm.parallel.options import check_reshard_after_forward, dtype_from_name
 
 STEPS = 10
@@ -44,7 +48,8 @@ EXACT_2 = {
 OTHER_2 = {
     "sync_every": {"parallel.grad_sync": '"every_micro_batch"'},
     "sync_rs_every_ar_last": {"parallel.grad_sync": '"reduce_scatter_every_all_reduce_last"'},
-    "bf16": {"parallel.param_dtype": '"bfloat16"'},
+    # the fp32-multiply kernel named explicitly: ``auto`` picks it only on CPUs without bf16 instructions
+    "bf16": {"parallel.param_dtype": '"bfloat16"', "parallel.cpu_bf16_matmul": '"fp32"'},
     "bf16_reduce_bf16": {"parallel.param_dtype": '"bfloat16"', "parallel.reduce_dtype": '"bfloat16"'},
     "bf16_native": {"parallel.param_dtype": '"bfloat16"', "parallel.cpu_bf16_matmul": '"native"'},
     "bf16_fp32_matmul_selective": {"parallel.param_dtype": '"bfloat16"', "parallel.cpu_bf16_matmul": '"fp32"',
@@ -87,6 +92,7 @@ def max_param_diff(results, a, b):
     return max((p[k] - q[k]).abs().max().item() for k in p)
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("name,reference", [("reshard2", "base4")] + [(n, "base") for n in EXACT_2])
 def test_bit_identical_to_default(results, name, reference):
     got, ref = losses(results, name), losses(results, reference)
@@ -97,6 +103,7 @@ def test_bit_identical_to_default(results, name, reference):
     assert ref[-1] < ref[0] - 0.3  # it learned: the comparison is not vacuous
 
 
+@pytest.mark.dist
 def test_grad_sync_policies(results):
     base = losses(results, "base")
     every = losses(results, "sync_every")
@@ -108,6 +115,7 @@ def test_grad_sync_policies(results):
     assert losses(results, "sync_rs_every_ar_last") == every
 
 
+@pytest.mark.dist
 def test_bf16_trains_close_to_fp32(results):
     fp32 = losses(results, "base")
     for name in ("bf16", "bf16_reduce_bf16", "bf16_native"):
@@ -121,10 +129,11 @@ def test_bf16_trains_close_to_fp32(results):
     assert all(t.dtype == torch.float32 for t in params(results, "bf16").values())
 
 
+@pytest.mark.dist
 def test_bf16_matmul_in_fp32_matches_the_bf16_kernel(results):
     """``cpu_bf16_matmul``: the fp32-multiply path trains like PyTorch's bf16 GEMM (same products, another
     summation order), and selective checkpointing keeps its custom operator's output: bit-identical."""
-    fp32_matmul, native = losses(results, "bf16"), losses(results, "bf16_native")  # "bf16" uses auto
+    fp32_matmul, native = losses(results, "bf16"), losses(results, "bf16_native")
     diff = max(abs(a - b) for a, b in zip(fp32_matmul, native))
     print(f"bf16 linear multiplied in fp32 vs the bf16 kernel: max loss diff {diff:.2e}")
     assert diff <= BF16_LOSS_TOL
@@ -194,6 +203,7 @@ def test_compile_with_activation_checkpointing(mode):
     assert max((grads[n] - eager_grads[n]).abs().max().item() for n in grads) <= COMPILE_TOL
 
 
+@pytest.mark.dist
 def test_compile_close_to_eager(results):
     diff = max(abs(a - b) for a, b in zip(losses(results, "compile"), losses(results, "base")))
     pdiff = max_param_diff(results, "compile", "base")
@@ -201,6 +211,7 @@ def test_compile_close_to_eager(results):
     assert diff <= COMPILE_TOL and pdiff <= 10 * COMPILE_TOL
 
 
+@pytest.mark.dist
 def test_ddp_matches_fsdp(results):
     diff = max(abs(a - b) for a, b in zip(losses(results, "ddp"), losses(results, "base")))
     pdiff = max_param_diff(results, "ddp", "base")
@@ -209,6 +220,7 @@ def test_ddp_matches_fsdp(results):
     assert not any(p["dtensor"] for p in results[0]["ddp"][0]["params"].values())
 
 
+@pytest.mark.dist
 def test_parameter_and_checkpoint_names_never_change(results):
     out, _ = results
     names = list(out["base"][0]["params"])
@@ -258,6 +270,7 @@ def test_bad_input_one_clear_error(overrides, needle, tmp_path, small_data, caps
     assert "Traceback" not in err
 
 
+@pytest.mark.dist
 def test_reshard_n_not_fitting_the_group_under_torchrun(tmp_path, small_data):
     args = ["-m", "shardlm.train", *tiny_overrides(small_data, tmp_path / "run"), "--train.micro_batch_size=4",
             "--parallel.reshard_after_forward=2", "--parallel.timeout_s=60"]
@@ -268,9 +281,9 @@ def test_reshard_n_not_fitting_the_group_under_torchrun(tmp_path, small_data):
 
 def test_activation_checkpointing_saves_less_and_keeps_names():
     from shardlm.config import ModelConfig
-    from shardlm.metrics import SavedActivationCounter
-    from shardlm.model import Llama
+    from shardlm.model.llama import Llama
     from shardlm.parallel import apply_ac
+    from shardlm.parallel.saved_activations import SavedActivationCounter
 
     cfg = ModelConfig(dim=64, n_layers=4, n_heads=4, ffn_hidden=128, vocab_size=256, max_seq_len=32)
     tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))

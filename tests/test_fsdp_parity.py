@@ -44,6 +44,7 @@ def final_params(runs, name):
     ("fsdp2", "single"), ("fsdp2_accum", "single"), ("fsdp2_tied", "single_tied"), ("fsdp4", "single"),
     ("fsdp1", "single"),
 ])
+@pytest.mark.dist
 def test_loss_and_params_match_one_process(results, name, reference):
     out, runs = results
     hist, ref = out[name][0]["history"], out[reference][0]["history"]
@@ -60,6 +61,7 @@ def test_loss_and_params_match_one_process(results, name, reference):
     assert hist[-1]["loss"] < hist[0]["loss"] - 0.5  # it learned something: the comparison is not vacuous
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("name,world", [("fsdp1", 1), ("fsdp2", 2), ("fsdp4", 4)])
 def test_shards_are_dim0_chunks(results, name, world):
     reports = results[0][name]
@@ -82,6 +84,7 @@ def test_shards_are_dim0_chunks(results, name, world):
         assert 2 * local <= r["shard_bytes"]["optimizer"] <= 2 * local + 64 * len(names)
 
 
+@pytest.mark.dist
 def test_shard_bytes_scale_as_one_over_n(results):
     totals = {n: results[0][n][0]["shard_bytes"]["params"] for n in ("fsdp1", "fsdp2", "fsdp4")}
     print("parameter shard bytes per rank at N=1,2,4:", totals)
@@ -89,6 +92,7 @@ def test_shard_bytes_scale_as_one_over_n(results):
     assert totals["fsdp4"] == pytest.approx(totals["fsdp1"] / 4, rel=0.05)
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("name", ["fsdp2", "fsdp2_tied", "fsdp4"])
 def test_meta_init_equals_whole_model(results, name):
     for report in results[0][name]:
@@ -98,6 +102,7 @@ def test_meta_init_equals_whole_model(results, name):
         assert report["tied_same_tensor"] == ("tied" in name)
 
 
+@pytest.mark.dist
 def test_sample_ids_do_not_depend_on_world_size(results):
     out = results[0]
     one = out["fsdp1"][0]["sample_ids"]

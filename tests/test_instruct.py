@@ -11,7 +11,12 @@ from conftest import run_scenarios, tiny_overrides
 from shardlm.cli.main import main as shardlm_main
 from shardlm.data import load_tokenizer
 from shardlm.data.instruct import (
-    DEFAULT_CHAT_TEMPLATE, InstructionExamples, _renderer, encode_example, prepare_instructions, read_instructions,
+    DEFAULT_CHAT_TEMPLATE,
+    InstructionExamples,
+    _renderer,
+    encode_example,
+    prepare_instructions,
+    read_instructions,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,6 +41,7 @@ def test_mask_covers_exactly_the_responses(small_data):
         assert tok.decode(ids) == render.render(messages=messages, add_generation_prompt=False)
 
 
+@pytest.mark.dist
 def test_batch_split_does_not_change_the_loss(instruct_data, tmp_path):
     data = InstructionExamples(str(instruct_data), "train", 96)
     responses = [int((data.get([i])[0, 1, 1:] != -100).sum()) for i in range(len(data))]

@@ -16,11 +16,18 @@ from shardlm.data import prepare_corpus
 TINY = str(ROOT / "configs/shakespeare-tiny.toml")
 
 
-def test_tiny_config_beats_unigram_entropy_and_generates(tmp_path):
+@pytest.mark.dist
+def test_tiny_config_beats_unigram_entropy_and_generates(tmp_path, monkeypatch):
     data, run = tmp_path / "data", tmp_path / "run"
+    monkeypatch.setenv("SHARDLM_PROGRESS_INTERVAL_S", "0.2")  # output to a pipe: plain progress lines, often
     proc = torchrun(2, ["-m", "shardlm.train", "--config", TINY, "--train.steps=40", "--train.eval_interval=20",
                         "--train.eval_tokens=8192", f"--data.dir={data}", f"--run.dir={run}"], timeout=400)
     assert "world size 2" in proc.stdout and "backend gloo" in proc.stdout
+    lines = (proc.stdout + proc.stderr).splitlines()
+    progress = [ln for ln in lines if ln.startswith("train ") and " step" in ln and "loss=" in ln]
+    print(f"{len(progress)} progress lines, the longest output line {max(map(len, lines))} characters")
+    assert len(progress) >= 3 and progress[-1].startswith("train 40/40 step (100%)")
+    assert max(map(len, lines)) <= 300 and "\r" not in proc.stderr  # no redrawn bar joined into one line
     meta = json.loads((data / "meta.json").read_text())
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     final = records[-1]
@@ -93,6 +100,7 @@ def test_bad_input_one_clear_error(case, tmp_path, small_data, small_corpus, tok
         assert not (tmp_path / "fresh").exists() or not any((tmp_path / "fresh").rglob("*.bin"))
 
 
+@pytest.mark.dist
 def test_bad_input_under_torchrun_exits_without_hang(tmp_path, small_data):
     args = ["-m", "shardlm.train", *tiny_overrides(small_data, tmp_path / "run"),
             "--train.global_batch_size=6", "--train.micro_batch_size=2", "--parallel.timeout_s=60"]
@@ -119,6 +127,7 @@ sys.exit(run_cli(fail))
 
 @pytest.mark.parametrize("case,message", [("rank 0 late", "same error on every rank"),
                                           ("rank 1 alone", "error of rank 1 alone")])
+@pytest.mark.dist
 def test_an_error_is_printed_once_whichever_rank_raises_it_first(tmp_path, case, message):
     """An error raised on every rank prints once even when rank 0 is the last to raise it (torchrun stops the
     others as soon as one rank exits), and an error raised on rank 1 alone is printed, not lost."""

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from shardlm.config import ConfigError, ModelConfig, load_config
-from shardlm.model import Llama, num_params, rotary_tables
+from shardlm.model.llama import Llama, num_params, rotary_tables
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -24,12 +24,16 @@ import pytest
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from conftest import WORKER, cpu_env, run_scenarios, tiny_overrides, torchrun
+from conftest import WORKER, cpu_env, require_dist_marker, run_scenarios, tiny_overrides, torchrun
 from shardlm.checkpoint.manifest import list_checkpoints
 from shardlm.config import ConfigError, ParallelConfig
 from shardlm.parallel.dist import dp_mesh_shape
 from shardlm.parallel.faults import (
-    FaultMonitor, NodeLost, RankHost, heartbeat_interval, is_communication_failure,
+    FaultMonitor,
+    NodeLost,
+    RankHost,
+    heartbeat_interval,
+    is_communication_failure,
     rank_ranges,
 )
 
@@ -55,6 +59,7 @@ def node_launcher(node_rank: int, port: int, nproc: int = 1) -> list[str]:
 
 def start_nodes(args: list[str], logs: Path, nproc: int = 1) -> list[subprocess.Popen]:
     """Start two launchers (each in its own process group, output to ``logs/node<i>.{out,err}``)."""
+    require_dist_marker()
     port = free_port()
     logs.mkdir(parents=True, exist_ok=True)
     procs = []
@@ -105,7 +110,9 @@ def logs_of(logs: Path) -> str:
 @pytest.fixture(scope="module")
 def results(small_data, tmp_path_factory):
     runs = tmp_path_factory.mktemp("multinode")
-    out = run_scenarios(1, [scenario("single", small_data, runs, {"parallel.mode": '"single"'})], runs)
+    gn = {"train.steps": 1, "train.eval_interval": 0, "train.grad_clip": 0.1}  # grad-norm scenarios: one step
+    out = run_scenarios(1, [scenario("single", small_data, runs, {"parallel.mode": '"single"'}),
+                            scenario("gn_single", small_data, runs, {**gn, "parallel.mode": '"single"'})], runs)
     out.update(run_scenarios(4, [
         scenario("fsdp4", small_data, runs, {"train.micro_batch_size": 2}),
         scenario("hsdp2x2", small_data, runs, {"train.micro_batch_size": 2, "parallel.dp_replicate": 2}),
@@ -115,8 +122,14 @@ def results(small_data, tmp_path_factory):
         scenario("hsdp2x2_rs_every", small_data, runs,
                  {"train.micro_batch_size": 1, "parallel.dp_replicate": 2,
                   "parallel.grad_sync": '"reduce_scatter_every_all_reduce_last"'}),
+        scenario("gn_fsdp4", small_data, runs, {**gn, "train.micro_batch_size": 2}),
+        scenario("gn_hsdp2x2", small_data, runs, {**gn, "train.micro_batch_size": 2, "parallel.dp_replicate": 2}),
     ], runs))
-    out.update(run_scenarios(2, [scenario("fsdp2", small_data, runs, {"train.micro_batch_size": 4})], runs))
+    out.update(run_scenarios(2, [
+        scenario("fsdp2", small_data, runs, {"train.micro_batch_size": 4}),
+        scenario("gn_fsdp2", small_data, runs, {**gn, "train.micro_batch_size": 4}),
+        scenario("gn_ddp2", small_data, runs, {**gn, "train.micro_batch_size": 4, "parallel.mode": '"ddp"'}),
+    ], runs))
     two_nodes = [
         scenario("nodes_fsdp2", small_data, runs, {"train.micro_batch_size": 4}),
         scenario("nodes_hsdp2x1", small_data, runs, {"train.micro_batch_size": 4, "parallel.dp_replicate": 2}),
@@ -150,6 +163,7 @@ def max_diffs(out: dict, runs: Path, name: str, ref: str) -> tuple[float, float,
     ("fsdp4", "single"),
     ("nodes_fsdp2", "fsdp2"), ("nodes_hsdp2x1", "fsdp2"), ("nodes_fsdp2", "single"),
 ])
+@pytest.mark.dist
 def test_losses_and_params_match(results, name, ref):
     out, runs = results
     loss, val, param = max_diffs(out, runs, name, ref)
@@ -159,6 +173,21 @@ def test_losses_and_params_match(results, name, ref):
     assert hist[-1]["loss"] < hist[0]["loss"] - 0.3  # it trained: the comparison is not vacuous
 
 
+@pytest.mark.dist
+def test_grad_norm_does_not_depend_on_the_sharding(results):
+    """Step 1's gradient norm (with clipping active) agrees within 1e-7 relative under one process, FSDP 2,
+    FSDP 4, HSDP 2x2 and DDP: squares summed in fp64 on each rank, then all-reduced (train/optim.py)."""
+    out, _ = results
+    norms = {name: out[name][0]["history"][0]["grad_norm"]
+             for name in ("gn_single", "gn_fsdp2", "gn_fsdp4", "gn_hsdp2x2", "gn_ddp2")}
+    ref = norms["gn_single"]
+    print("step-1 grad_norm: " + ", ".join(f"{k} {v!r}" for k, v in norms.items()))
+    assert ref > 0.1  # above train.grad_clip: clipping is active
+    for name, value in norms.items():
+        assert abs(value - ref) <= 1e-7 * ref, (name, value, ref)
+
+
+@pytest.mark.dist
 def test_hsdp_mesh_and_placements(results):
     out = results[0]
     assert out["fsdp4"][0]["mesh"] == ["dp_shard"] and out["nodes_fsdp2"][0]["mesh"] == ["dp_shard"]
@@ -178,6 +207,7 @@ def test_hsdp_mesh_and_placements(results):
                                                                        rel=0.05)
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("name", ["hsdp2x2", "hsdp2x2_accum", "hsdp2x2_rs_every", "nodes_hsdp2x1"])
 def test_replicas_start_and_stay_identical(results, name):
     reports = results[0][name]
@@ -196,6 +226,7 @@ def test_replicas_start_and_stay_identical(results, name):
 @pytest.mark.parametrize("name,world", [("hsdp2x2", 4), ("hsdp2x2_accum", 4), ("hsdp2x2_rs_every", 4),
                                         ("nodes_fsdp2", 2),
                                         ("nodes_hsdp2x1", 2)])
+@pytest.mark.dist
 def test_sample_ids_follow_the_global_rank(results, name, world):
     out = results[0]
     one = out["single"][0]["sample_ids"]
@@ -246,6 +277,7 @@ def test_node_split_stops_before_the_rendezvous(small_data, tmp_path):
     assert not run.exists()  # nothing written
 
 
+@pytest.mark.dist
 def test_bad_mesh_under_torchrun(small_data, tmp_path):
     run = tmp_path / "run"
     proc = torchrun(2, ["-m", "shardlm.train", *tiny_overrides(small_data, run, {"parallel.dp_replicate": 2,
@@ -398,6 +430,7 @@ RESUME_STEPS = 40
     # then three heartbeats tell the dead from the blocked; without the timeout the survivor would hang
     ("freeze", 10, 60, ("Timed out",)),
 ])
+@pytest.mark.dist
 def test_lost_node_is_named(small_data, tmp_path, fault, timeout_s, limit_s, cause):
     run, logs = tmp_path / "run", tmp_path / "logs"
     # HSDP 2x1: one replica per node, the layout of real clusters

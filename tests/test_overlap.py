@@ -36,6 +36,7 @@ def test_collective_names():
     assert comm_kind("aten::mm") is None
 
 
+@pytest.mark.dist
 def test_profile_two_ranks(small_data, tmp_path):
     run = tmp_path / "prof"
     args = ["-m", "shardlm", "profile", str(ROOT / "configs" / "shakespeare-tiny.toml"), "--steps", "2",

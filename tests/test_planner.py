@@ -64,6 +64,7 @@ def measured(small_data, tmp_path_factory):
     return results
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_prediction_within_10_percent_of_measured_peak(measured, name):
     r = measured[name]
@@ -77,6 +78,7 @@ def test_prediction_within_10_percent_of_measured_peak(measured, name):
     assert share >= 0.30  # the configs exercise the activation model, not just the model states
 
 
+@pytest.mark.dist
 def test_checkpointing_and_world_size_move_the_peak(measured):
     """The measured peaks differ as the plan says they should (so the comparison is not vacuous)."""
     m = {k: max(v["measured_peaks"]) for k, v in measured.items()}
@@ -103,6 +105,13 @@ def test_plan_rejects_bad_settings():
     cfg.parallel.param_dtype = "float13"
     with pytest.raises(ConfigError, match="parallel.param_dtype"):
         plan_memory(cfg, 2)
+    cfg.parallel.param_dtype = "float16"  # the config refuses fp16, and so does the planner (one dtype table)
+    with pytest.raises(ConfigError, match="parallel.param_dtype"):
+        plan_memory(cfg, 2)
+    cfg.parallel.param_dtype = "float32"
+    cfg.parallel.reshard_after_forward = 2  # an N-way reshard is refused, not planned as `true`
+    with pytest.raises(ConfigError, match="reshard_after_forward=2.*N-way"):
+        plan_memory(cfg, 4)
 
 
 def test_plan_cli_llama3_8b():

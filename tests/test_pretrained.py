@@ -17,9 +17,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from conftest import torchrun
-from shardlm.checkpoint import load_model_dir
-from shardlm.checkpoint.gguf_import import hf_name, import_gguf
 from shardlm.cli.main import main as shardlm_main
+from shardlm.convert.gguf_in import hf_name, import_gguf
+from shardlm.convert.hf_in import load_model_dir
 
 transformers = pytest.importorskip("transformers", reason="pip install -e '.[test]'")
 WORKER = Path(__file__).resolve().parent / "pretrained_worker.py"
@@ -176,6 +176,7 @@ def _run(nproc: int, scenarios: list[dict], out: Path) -> dict:
             for s in scenarios}
 
 
+@pytest.mark.dist
 def test_finetune_lowers_val_loss_below_pretrained(finetune):
     history = finetune["reports"]["smol"][0]["history"]
     start, end = history[0], history[-1]
@@ -184,10 +185,11 @@ def test_finetune_lowers_val_loss_below_pretrained(finetune):
     assert math.isfinite(end["val_loss"]) and end["val_loss"] < start["val_loss"]
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("name", ["smol", "tiny"])
 def test_sharded_loading_reads_only_own_rows(finetune, name):
     reports = finetune["reports"][name]
-    for r, rep in enumerate(reports):
+    for _r, rep in enumerate(reports):
         load = rep["load"]
         assert load["full_tensors"] == [] and all(rep["shards_equal_file_rows"].values())
         assert load["total_bytes"] > 0

@@ -17,50 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-
-class ConfigError(ValueError):
-    """A configuration key or value is invalid; the message names the dotted key."""
-
-
-@dataclass
-class ModelConfig:
-    """Shape of the Llama-style decoder (Hugging Face ``LlamaConfig`` names in brackets)."""
-
-    dim: int = 256
-    """Hidden size, the width of the residual stream [hidden_size]."""
-    n_layers: int = 4
-    """Number of transformer blocks [num_hidden_layers]."""
-    n_heads: int = 8
-    """Number of query heads [num_attention_heads]; must divide ``dim``."""
-    n_kv_heads: int = 0
-    """Number of key/value heads for grouped-query attention [num_key_value_heads]; 0 means ``n_heads``."""
-    ffn_hidden: int = 0
-    """Hidden size of the SwiGLU MLP [intermediate_size]; 0 means the Llama rule: 8/3·dim rounded up to 256."""
-    vocab_size: int = 4096
-    """Rows of the token embedding [vocab_size]; must hold every tokenizer id."""
-    max_seq_len: int = 1024
-    """Longest sequence the rotary tables cover, in tokens [max_position_embeddings]."""
-    rope_theta: float = 10000.0
-    """Base of the rotary frequencies [rope_theta]."""
-    norm_eps: float = 1e-5
-    """Epsilon inside RMSNorm [rms_norm_eps]."""
-    tie_embeddings: bool = False
-    """Share the input embedding with the output projection [tie_word_embeddings]."""
-    init_std: float = 0.02
-    """Standard deviation of the normal initialisation of weight matrices."""
-    rope_scaling_factor: float = 0.0
-    """Llama 3.1 RoPE scaling ``factor`` (8 for Llama 3.1) [rope_scaling.factor, rope_type llama3]; 0 means no scaling."""
-    rope_low_freq_factor: float = 1.0
-    """Llama 3.1 RoPE scaling ``low_freq_factor`` [rope_scaling.low_freq_factor]; used when rope_scaling_factor > 0."""
-    rope_high_freq_factor: float = 4.0
-    """Llama 3.1 RoPE scaling ``high_freq_factor`` [rope_scaling.high_freq_factor]; used when rope_scaling_factor > 0."""
-    rope_original_max_seq_len: int = 8192
-    """Llama 3.1 pre-training context, in tokens [rope_scaling.original_max_position_embeddings]."""
-    init_from: str = ""
-    """Hugging Face Llama directory (``config.json`` + ``*.safetensors``) to start from instead of a random
-    init; empty means random. When set, the model's shape (every field above except ``init_std``) is read
-    from its ``config.json`` and overrides the TOML and command line; the tokenizer defaults to its
-    ``tokenizer.json``. Each rank reads only the rows of its own shards."""
+from shardlm.convert.hf_config import read_model_dir_config
+from shardlm.errors import ConfigError
+from shardlm.model.config import ModelConfig
 
 
 @dataclass
@@ -171,7 +130,7 @@ class ParallelConfig:
     """bf16 linear layers on a CPU device (``param_dtype = "bfloat16"``): ``native`` uses PyTorch's bf16 GEMM,
     ``fp32`` upcasts both bf16 operands, multiplies in fp32 and rounds the result to bf16 (same products, fp32
     accumulation; 2.3x faster forward + backward on CPUs without bf16 instructions), ``auto`` is ``fp32`` unless
-    the CPU has AVX512-BF16 or AMX. No effect on CUDA or with fp32 compute (``shardlm/parallel/cpu_matmul.py``)."""
+    the CPU has AVX512-BF16 or AMX. No effect on CUDA or with fp32 compute (``shardlm/model/cpu_matmul.py``)."""
     grad_sync: Literal["every_micro_batch", "last_micro_batch", "reduce_scatter_every_all_reduce_last"] = (
         "last_micro_batch")
     """Gradient reduction under accumulation: reduce-scatter after every micro-batch (least memory), on the last
@@ -319,12 +278,28 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
         _apply(getattr(cfg, section), section, key, _parse_cli_value(text))
     if not cfg.run.name:
         cfg.run.name = "default"
-    if cfg.model.init_from:  # the pretrained directory's config.json decides the model's shape
-        from shardlm.checkpoint.hf_load import apply_init_from
-
+    if cfg.model.init_from:
         apply_init_from(cfg)
     validate(cfg)
     return cfg
+
+
+def apply_init_from(cfg: Config) -> None:
+    """Make ``cfg.model`` the shape of ``cfg.model.init_from``'s ``config.json`` (in place).
+
+    Every shape field is replaced (``init_std`` and ``init_from`` are kept): the pretrained weights
+    decide the model. ``data.tokenizer`` defaults to the directory's ``tokenizer.json`` when empty.
+
+    Raises:
+        ModelDirError: the directory or its ``config.json`` is missing or invalid, or not a Llama.
+    """
+    src = read_model_dir_config(cfg.model.init_from)
+    for f in dataclasses.fields(ModelConfig):
+        if f.name not in ("init_std", "init_from"):
+            setattr(cfg.model, f.name, getattr(src, f.name))
+    tokenizer = Path(cfg.model.init_from) / "tokenizer.json"
+    if not cfg.data.tokenizer and tokenizer.is_file():
+        cfg.data.tokenizer = str(tokenizer)
 
 
 def validate(cfg: Config) -> None:
@@ -350,9 +325,9 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"{key} must be positive, got {value}")
     if m.dim % m.n_heads:
         raise ConfigError(f"model.n_heads={m.n_heads} must divide model.dim={m.dim}")
-    if (m.dim // m.n_heads) % 2:
-        raise ConfigError(f"model.dim / model.n_heads = {m.dim // m.n_heads} must be even for rotary embeddings")
-    kv = m.n_kv_heads or m.n_heads
+    if (m.head_dim) % 2:
+        raise ConfigError(f"model.dim / model.n_heads = {m.head_dim} must be even for rotary embeddings")
+    kv = m.kv_heads
     if kv < 0 or m.n_heads % kv:
         raise ConfigError(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads}")
     if t.seq_len > m.max_seq_len:

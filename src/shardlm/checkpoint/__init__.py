@@ -1,8 +1,5 @@
-"""Checkpoints and model directories."""
+"""Our own training checkpoints: sharded DCP save/load (``dcp.py``), the manifest with checksums and retention
+(``manifest.py``), loading that never unpickles code (``safe_load.py``), and ``shardlm inspect`` (``inspect.py``).
 
-from shardlm.checkpoint.hf import (
-    ModelDirError, gather_full_state_dict, hf_config, load_model_dir, model_config_from_hf, save_model_dir,
-)
-
-__all__ = ["ModelDirError", "gather_full_state_dict", "hf_config", "load_model_dir", "model_config_from_hf",
-           "save_model_dir"]
+Conversion to and from other formats (Hugging Face directories, GGUF, export) lives in :mod:`shardlm.convert`.
+"""

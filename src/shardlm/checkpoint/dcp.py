@@ -18,7 +18,6 @@ the model, and only then calls ``dcp.load``.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -36,11 +35,18 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from shardlm.checkpoint.manifest import (
-    TMP_PREFIX, CheckpointError, check_files, file_record, fsync_dir, latest_checkpoint, list_checkpoints,
-    read_manifest, write_manifest,
+    TMP_PREFIX,
+    check_files,
+    file_record,
+    fsync_dir,
+    latest_checkpoint,
+    list_checkpoints,
+    read_manifest,
+    write_manifest,
 )
-from shardlm.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner, UnsafeCheckpointError, read_metadata
+from shardlm.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner, read_metadata
 from shardlm.config import Config
+from shardlm.errors import CheckpointError, UnsafeCheckpointError
 from shardlm.parallel import DistInfo, all_reduce_sum, run_on_main
 
 #: signals on which the ranks finish the current step, save a checkpoint and exit (Slurm sends SIGTERM or
@@ -124,18 +130,6 @@ def verify_checkpoint(path: Path, rank: int = 0, world_size: int = 1) -> tuple[d
     except (UnsafeCheckpointError, OSError) as e:
         raise CheckpointError(f"checkpoint {path}: {e}") from None
     return manifest, metadata
-
-
-def truncate_metrics(path: Path, step: int) -> int:
-    """Drop the records of ``metrics.jsonl`` past ``step`` (atomically); return how many were kept."""
-    if not path.is_file():
-        return 0
-    kept = [line for line in path.read_text(encoding="utf-8").splitlines()
-            if line.strip() and json.loads(line).get("step", 0) <= step]
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
-    os.replace(tmp, path)
-    return len(kept)
 
 
 class Checkpointer:
@@ -255,7 +249,7 @@ class Checkpointer:
     def load(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> int:
         """Resume as configured: load model, optimizer, LR scheduler; return the step (0 when starting fresh).
 
-        On resume, rank 0 also drops the ``metrics.jsonl`` records past the checkpoint's step.
+        The trainer then rewinds its metrics sinks to the returned step (:meth:`MetricsLogger.rewind`).
 
         Raises:
             CheckpointError: see :func:`verify_checkpoint` and :func:`check_shapes`; every rank raises it.
@@ -275,12 +269,10 @@ class Checkpointer:
             scheduler.load_state_dict(state["lr_scheduler"])
             step = int(state["train"]["step"].item())
             self.last_load = {"step": step, "seconds": time.perf_counter() - start, "path": str(path)}
-        if self.resume and self.info.is_main:
-            truncate_metrics(self.run_dir / "metrics.jsonl", step)
         if path is not None and self.info.is_main:
             print(f"resumed from {path} at step {step} ({self.last_load['seconds']:.2f} s)", flush=True)
         return step
 
 
 __all__ = ["Checkpointer", "CheckpointError", "check_shapes", "resume_mode", "training_state",
-           "truncate_metrics", "verify_checkpoint"]
+           "verify_checkpoint"]

@@ -16,15 +16,13 @@ import re
 from pathlib import Path
 from typing import Any
 
+from shardlm.errors import CheckpointError
+
 MANIFEST = "manifest.json"
 FORMAT = "shardlm-checkpoint"
 VERSION = 1
 STEP_DIR = re.compile(r"^step-(\d+)$")
 TMP_PREFIX = ".tmp-"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint is missing, incomplete, corrupt, unsafe, or does not fit this model."""
 
 
 def sha256_file(path: str | os.PathLike, chunk_bytes: int = 1 << 20) -> str:

@@ -24,6 +24,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 
+from shardlm.errors import UnsafeCheckpointError
+
 #: (module, name) pairs the metadata unpickler may resolve; every other global is refused
 ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset({
     ("torch.distributed.checkpoint.metadata", "Metadata"),
@@ -43,10 +45,6 @@ ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset({
     ("pathlib", "PureWindowsPath"),
     ("collections", "OrderedDict"),
 })
-
-
-class UnsafeCheckpointError(ValueError):
-    """A checkpoint file asked to build an object outside the allow-list (it could run code); nothing was run."""
 
 
 class SafeMetadataUnpickler(pickle.Unpickler):

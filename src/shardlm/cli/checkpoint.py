@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from shardlm.config import ConfigError
+from shardlm.errors import ConfigError
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -40,8 +40,8 @@ def cmd_export(args: argparse.Namespace, overrides: list[str]) -> None:
 
     import torch
 
-    from shardlm.checkpoint.export import export_checkpoint
-    from shardlm.checkpoint.hf_export import copy_model_dir
+    from shardlm.convert.export import export_checkpoint
+    from shardlm.convert.hf_out import copy_model_dir
 
     if overrides:
         raise ConfigError(f"unknown arguments: {' '.join(overrides)}")
@@ -61,7 +61,7 @@ def cmd_export(args: argparse.Namespace, overrides: list[str]) -> None:
 
 def cmd_inspect(args: argparse.Namespace, overrides: list[str]) -> int:
     """Print the checkpoint summary; exit code 1 when a checksum fails."""
-    from shardlm.checkpoint.export import format_inspection, inspect_checkpoint
+    from shardlm.checkpoint.inspect import format_inspection, inspect_checkpoint
 
     if overrides:
         raise ConfigError(f"unknown arguments: {' '.join(overrides)}")

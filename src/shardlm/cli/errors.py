@@ -8,13 +8,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from shardlm.checkpoint import ModelDirError
-from shardlm.checkpoint.manifest import CheckpointError
-from shardlm.config import ConfigError
-from shardlm.data import DataError
-
-#: errors caused by the user's input or data: reported as one line, exit code 2
-USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, DataError, ModelDirError, CheckpointError)
+from shardlm.errors import NODE_LOST_EXIT_CODE, USER_ERRORS, NodeLost, NonFiniteError, RankFailed
 
 #: seconds a rank other than 0 waits before printing its error, plus this much per local rank. Most errors are
 #: raised on every rank alike; rank 0 prints its copy at once and exits, and torchrun (which checks its workers
@@ -40,15 +34,13 @@ def run_cli(fn: Callable[[], int | None]) -> int:
 
     A file-system error (an ``OSError`` naming a path: no permission, a parent that is a file, a full
     disk) is reported as ``error: <reason>: <path>`` with exit code 2. A non-finite loss exits with
-    code 3; a rank that stopped because another node was lost (:class:`shardlm.parallel.faults.NodeLost`)
+    code 3; a rank that stopped because another node was lost (:class:`shardlm.errors.NodeLost`)
     exits with code 4 and prints one message per surviving node.
     Otherwise rank 0 prints at once and other ranks print only if they are still running after
     :data:`PEER_REPORT_DELAY_S` (see there), so an error that every rank raises is printed once, and an
     error raised on one rank other than 0 is still printed.
     """
-    from shardlm.parallel import RankFailed, shutdown
-    from shardlm.parallel.faults import NODE_LOST_EXIT_CODE, NodeLost
-    from shardlm.train import NonFiniteError
+    from shardlm.parallel.dist import shutdown  # here, not at the top: ``shardlm --help`` imports no torch
 
     rank = int(os.environ.get("RANK", "0"))
     try:

@@ -11,26 +11,27 @@ import argparse
 import sys
 from pathlib import Path
 
-from shardlm.config import ConfigError
+from shardlm.errors import ConfigError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register the ``generate`` sub-command."""
     g = sub.add_parser("generate", help="sample text from a trained model directory (KV cache, batched prompts)")
     g.add_argument("--model", required=True, help="model directory (e.g. runs/NAME/final)")
-    g.add_argument("--prompt", action="append", default=[], help="text to continue (repeat for a batch)")
-    g.add_argument("--prompt-file", help="a text file with one prompt per line (blank lines skipped)")
-    g.add_argument("--max-new-tokens", type=int, default=200)
+    g.add_argument("--prompt", action="append", default=[], help="text to continue (repeat for a batch); \\n is a line break")
+    g.add_argument("--prompt-file", help="a text file with one prompt per line (blank lines skipped; \\n is a line break)")
+    g.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate per prompt")
     g.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=50, help="keep the k most likely tokens (0 = all)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (1 = off)")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="seed of the sampling generator")
     g.add_argument("--no-cache", action="store_true", help="recompute the whole sequence each step (slow; testing)")
     g.set_defaults(fn=cmd_generate)
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
-    """The prompts from ``--prompt`` and ``--prompt-file``, in that order.
+    """The prompts from ``--prompt`` and ``--prompt-file``, in that order, with each ``\\n`` turned into a line
+    break (so a prompt can end with a speaker's name on its own line, as the corpus writes it).
 
     Raises:
         ConfigError: no prompt at all, an empty prompt, or an unreadable prompt file.
@@ -47,15 +48,16 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     for i, p in enumerate(prompts):
         if not p:
             raise ConfigError(f"prompt {i} is empty")
-    return prompts
+    return [p.replace("\\n", "\n") for p in prompts]
 
 
 def cmd_generate(args: argparse.Namespace, overrides: list[str]) -> None:
     """Load the model and tokenizer, generate, print."""
     import torch
 
-    from shardlm.checkpoint import ModelDirError, load_model_dir
+    from shardlm.convert.hf_in import load_model_dir
     from shardlm.data import load_tokenizer, special_token_ids
+    from shardlm.errors import ModelDirError
     from shardlm.model.generate import SamplingConfig, generate
 
     if overrides:

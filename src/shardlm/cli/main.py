@@ -8,9 +8,29 @@ import sys
 from shardlm.cli.errors import run_cli
 
 
+class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Help that ends each option with ``(default: X)``, except flags, options without a default, and help
+    texts that already say their default in words."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default is None or action.default is False or action.default == [] or "(default" in text \
+                or action.default is argparse.SUPPRESS:
+            return text
+        return super()._get_help_string(action)
+
+
+class HelpParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose help shows every option's default (:class:`DefaultsFormatter`)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", DefaultsFormatter)
+        super().__init__(*args, **kwargs)
+
+
 def cmd_prepare(args: argparse.Namespace, overrides: list[str]) -> None:
     from shardlm.config import load_config
-    from shardlm.train import data_dir, prepare_data
+    from shardlm.data.build import data_dir, prepare_data
 
     cfg = load_config(args.config, overrides)
     meta = prepare_data(cfg)
@@ -21,9 +41,9 @@ def cmd_prepare(args: argparse.Namespace, overrides: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``shardlm`` console script; returns the exit code."""
-    parser = argparse.ArgumentParser(prog="shardlm", description="FSDP2 training of Llama-style models. "
-                                     "Train with: torchrun --nproc_per_node=N -m shardlm.train --config FILE")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = HelpParser(prog="shardlm", description="FSDP2 training of Llama-style models. "
+                        "Train with: torchrun --nproc_per_node=N -m shardlm.train --config FILE")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=HelpParser)
     p = sub.add_parser("prepare", help="tokenize a corpus into token-id files (train/val split)")
     p.add_argument("--config", required=True, help="TOML config; its [data] section says what to prepare")
     p.set_defaults(fn=cmd_prepare)

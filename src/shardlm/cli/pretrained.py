@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 
 
-
 def cmd_import(args: argparse.Namespace, overrides: list[str]) -> None:
     """Convert ``--gguf FILE`` or an HF Llama directory into ``OUT_DIR``."""
     from shardlm.config import ConfigError
@@ -17,7 +16,7 @@ def cmd_import(args: argparse.Namespace, overrides: list[str]) -> None:
     if args.gguf:
         if args.source:
             raise ConfigError("give either --gguf FILE or a source directory, not both")
-        from shardlm.checkpoint.gguf_import import import_gguf
+        from shardlm.convert.gguf_in import import_gguf
 
         try:
             out = import_gguf(args.gguf, args.out_dir)
@@ -26,7 +25,7 @@ def cmd_import(args: argparse.Namespace, overrides: list[str]) -> None:
     else:
         if not args.source:
             raise ConfigError("shardlm import needs --gguf FILE or a source directory: shardlm import SRC OUT_DIR")
-        from shardlm.checkpoint.hf_export import copy_model_dir
+        from shardlm.convert.hf_out import copy_model_dir
 
         out = copy_model_dir(args.source, args.out_dir)
     print(f"imported -> {out} (start training from it with --model.init_from={out})")

@@ -12,7 +12,7 @@ import argparse
 import json
 from typing import Any
 
-from shardlm.config import ConfigError
+from shardlm.errors import ConfigError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -20,8 +20,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("profile", help="profile a few steps on every rank (run under torchrun): traces, "
                        "timeline PNG, hidden communication")
     p.add_argument("config", help="TOML config (overrides follow as --section.key=value)")
-    p.add_argument("--steps", type=int, default=3, help="profiled steps (default 3)")
-    p.add_argument("--warmup", type=int, default=1, help="steps run before profiling (default 1)")
+    p.add_argument("--steps", type=int, default=3, help="profiled steps")
+    p.add_argument("--warmup", type=int, default=1, help="steps run before profiling")
     p.set_defaults(fn=cmd_profile)
 
 

@@ -1,4 +1,5 @@
-"""Data pipeline: read corpora, train/load tokenizers, write token files, sample batches."""
+"""Data: read corpora (``corpus.py``), train/load tokenizers (``tokenizer.py``), write token files (``prepare.py``,
+instruction data in ``instruct.py``), a config's prepared data (``build.py``), sample batches (``loader.py``)."""
 
 from shardlm.data.corpus import SHAKESPEARE, DataError, read_documents, shakespeare_dir, strip_markdown
 from shardlm.data.loader import GlobalBatchSampler, TokenWindows, eval_windows

@@ -13,6 +13,8 @@ import pathlib
 import re
 from collections.abc import Iterator
 
+from shardlm.errors import DataError
+
 __all__ = [
     "DataError",
     "SHAKESPEARE",
@@ -28,13 +30,6 @@ SHAKESPEARE = "shakespeare"
 SUPPORTED_EXTENSIONS: tuple[str, ...] = (".txt", ".md", ".jsonl")
 """File extensions :func:`read_documents` understands (matched case-insensitively)."""
 
-
-class DataError(ValueError):
-    """Bad input to the data package: missing path, malformed file, empty corpus, ...
-
-    The message always names the cause (path, line number or field) so that a user
-    can fix the input without reading a traceback.
-    """
 
 
 # --------------------------------------------------------------------------- markdown

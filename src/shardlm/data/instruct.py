@@ -29,9 +29,10 @@ import numpy as np
 import torch
 
 from shardlm.atomic import atomic_directory
-from shardlm.data.corpus import DataError, jsonl_objects
+from shardlm.data.corpus import jsonl_objects
 from shardlm.data.prepare import load_meta, token_dtype, unigram_entropy
 from shardlm.data.tokenizer import load_tokenizer, special_token_ids
+from shardlm.errors import DataError
 
 IGNORE_INDEX = -100
 """Label of a position that is not trained (PyTorch's ``cross_entropy`` default ``ignore_index``)."""

@@ -15,8 +15,8 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from shardlm.data.corpus import DataError
 from shardlm.data.prepare import load_meta
+from shardlm.errors import DataError
 
 __all__ = ["TokenWindows", "GlobalBatchSampler", "eval_windows"]
 

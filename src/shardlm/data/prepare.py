@@ -14,14 +14,15 @@ from __future__ import annotations
 import json
 import pathlib
 import shutil
-import sys
 from typing import Any
 
 import numpy as np
 
 from shardlm.atomic import atomic_directory
-from shardlm.data.corpus import DataError, read_documents
+from shardlm.data.corpus import read_documents
 from shardlm.data.tokenizer import load_tokenizer, special_token_ids, train_tokenizer
+from shardlm.errors import DataError
+from shardlm.metrics.progress import progress
 
 __all__ = ["META_FILE", "prepare_corpus", "load_meta", "is_prepared", "token_dtype"]
 
@@ -40,22 +41,13 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 
 def _encode_all(tok: Any, documents: list[str]) -> list[list[int]]:
-    progress = None
-    if sys.stderr.isatty():
-        try:
-            from tqdm import tqdm
-
-            progress = tqdm(total=len(documents), desc="tokenizing", unit="doc")
-        except ImportError:  # pragma: no cover
-            progress = None
+    bar = progress(len(documents), "tokenizing", "doc")
     out: list[list[int]] = []
     for start in range(0, len(documents), _BATCH_DOCS):
         batch = documents[start : start + _BATCH_DOCS]
         out.extend(enc.ids for enc in tok.encode_batch(batch, add_special_tokens=False))
-        if progress is not None:
-            progress.update(len(batch))
-    if progress is not None:
-        progress.close()
+        bar.update(len(batch))
+    bar.close()
     return out
 
 

@@ -11,7 +11,7 @@ import pathlib
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from shardlm.data.corpus import DataError
+from shardlm.errors import DataError
 
 __all__ = [
     "BOS",

@@ -14,13 +14,17 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from tqdm import tqdm
 
-from shardlm.model import Llama
+from shardlm.convert.hf_in import load_model_dir
+from shardlm.data import load_tokenizer, read_documents, special_token_ids
+from shardlm.errors import DataError, ModelDirError
+from shardlm.metrics.progress import progress as progress_bar
+from shardlm.model.llama import Llama
 from shardlm.parallel import DistInfo, all_reduce_sum
+from shardlm.train.loss import token_loss_sum
 
 
 @dataclass(frozen=True)
@@ -76,7 +80,8 @@ def evaluate_tokens(model: Llama, stream: list[int], info: DistInfo, batch_size:
 
     Every rank must call it (one all-reduce at the end); the model is a whole, unsharded model on
     ``info.device`` (each rank holds a copy; no collectives run inside the forward). ``context``
-    defaults to the model's ``max_seq_len``. Rank 0 shows a tqdm bar with loss and tokens/s.
+    defaults to the model's ``max_seq_len``. Rank 0 shows its progress with loss and tokens/s (a bar on a
+    terminal, else plain lines).
 
     Raises:
         ValueError: the stream has fewer than 2 tokens, or batch_size < 1.
@@ -93,13 +98,12 @@ def evaluate_tokens(model: Llama, stream: list[int], info: DistInfo, batch_size:
     batches += [[w] for w in mine if w[1] - w[0] != context]  # the short last window, alone
     data = torch.tensor(stream, dtype=torch.long)
     totals = torch.zeros(2, dtype=torch.float64, device=info.device)
-    bar = tqdm(total=sum(e - s - 1 for s, e in mine), disable=not (progress and info.is_main), unit="tok",
-               desc="eval", dynamic_ncols=True)
+    bar = progress_bar(sum(e - s - 1 for s, e in mine), "eval", "tok", disable=not (progress and info.is_main))
     start = time.perf_counter()
     for batch in batches:
         tokens = torch.stack([data[s:e] for s, e in batch]).to(info.device)
         logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten(), reduction="sum")
+        loss = token_loss_sum(logits, tokens[:, 1:])
         n = tokens[:, 1:].numel()
         totals += torch.stack([loss.double(), torch.tensor(float(n), dtype=torch.float64, device=info.device)])
         bar.update(n)
@@ -120,11 +124,6 @@ def evaluate_model(model_dir: str, data: str, info: DistInfo, batch_size: int = 
         DataError: unreadable or empty text; a token id beyond the model's vocabulary.
         ValueError: ``context`` larger than the model's ``max_seq_len`` (see also :func:`evaluate_tokens`).
     """
-    from pathlib import Path
-
-    from shardlm.checkpoint import ModelDirError, load_model_dir
-    from shardlm.data import DataError, load_tokenizer, read_documents, special_token_ids
-
     tok_path = Path(model_dir) / "tokenizer.json"
     model = load_model_dir(model_dir, info.device)
     if not tok_path.is_file():

@@ -12,7 +12,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from shardlm.config import ModelConfig
+from shardlm.model.config import ModelConfig
+from shardlm.model.cpu_matmul import bf16_linear_fp32
+from shardlm.model.llama import Llama
 
 
 def flops_per_token(n_params: int, n_layers: int, n_heads: int, head_dim: int, seq_len: int) -> int:
@@ -31,14 +33,12 @@ def flops_per_token(n_params: int, n_layers: int, n_heads: int, head_dim: int, s
 
 def model_flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
     """:func:`flops_per_token` for a Llama of shape ``cfg`` (N computed from the shape, embedding excluded)."""
-    from shardlm.model import Llama
-
     with torch.device("meta"):
         model = Llama(cfg)
     n = sum(p.numel() for name, p in model.named_parameters() if name != "model.embed_tokens.weight")
     if cfg.tie_embeddings:  # the shared table is listed once, as the embedding: count it as the output projection
         n += model.lm_head.weight.numel()
-    return flops_per_token(n, cfg.n_layers, cfg.n_heads, cfg.dim // cfg.n_heads, seq_len)
+    return flops_per_token(n, cfg.n_layers, cfg.n_heads, cfg.head_dim, seq_len)
 
 
 def measure_matmul_flops(device: torch.device, dtype: torch.dtype = torch.float32, size: int = 1024,
@@ -46,7 +46,7 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype = torch.float3
     """Measured dense matrix-multiply rate on this rank, in FLOP/s (2·size³ FLOPs per product).
 
     With ``fp32_multiply`` the bf16 products go through the kernel training uses on CPUs without bf16
-    instructions (:func:`shardlm.parallel.cpu_matmul.bf16_linear_fp32`, upcasts included), so MFU is
+    instructions (:func:`shardlm.model.cpu_matmul.bf16_linear_fp32`, upcasts included), so MFU is
     measured against the rate of the kernel that runs.
 
     All ranks of the default process group (if any) start together after a barrier, so the rate
@@ -63,10 +63,7 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype = torch.float3
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    if fp32_multiply:
-        from shardlm.parallel.cpu_matmul import bf16_linear_fp32 as product  # a @ b.T: the same FLOPs
-    else:
-        product = torch.mm
+    product = bf16_linear_fp32 if fp32_multiply else torch.mm  # bf16_linear_fp32 is a @ b.T: the same FLOPs
     product(a, b)
     sync()
     if dist.is_initialized():

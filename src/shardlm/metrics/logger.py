@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
+
+from shardlm.metrics.tensorboard import TensorBoardWriter
 
 
 class MetricsLogger:
@@ -14,14 +17,12 @@ class MetricsLogger:
     Each record is flushed at once, so the file is complete up to the last finished step even if
     the job is killed. With ``tensorboard`` (default) the records also go to TensorBoard event
     files in ``<run dir>/tensorboard/`` when that package is installed (see
-    :class:`shardlm.metrics.tensorboard.TensorBoardWriter`; ``self.tensorboard.truncate(step)``
-    drops events after a step on resume). A new or emptied ``metrics.jsonl`` means a new run, so
+    :class:`shardlm.metrics.tensorboard.TensorBoardWriter`). :meth:`rewind` takes every sink back to a
+    step when a run resumes from a checkpoint. A new or emptied ``metrics.jsonl`` means a new run, so
     stale event files are then removed.
     """
 
     def __init__(self, path: Path | None, tensorboard: bool = True) -> None:
-        from shardlm.metrics.tensorboard import TensorBoardWriter
-
         self.path = path
         self.tensorboard: TensorBoardWriter | None = None
         if path is not None and tensorboard:
@@ -40,6 +41,20 @@ class MetricsLogger:
         if self.tensorboard is not None:
             self.tensorboard.log(record)
 
+    def rewind(self, step: int) -> None:
+        """Drop everything logged after ``step`` from every sink (``metrics.jsonl``, TensorBoard events).
+
+        Called once when a run resumes from the checkpoint of ``step``: the steps after it will be logged
+        again, and each sink then holds each step once. A no-op on ranks other than 0.
+        """
+        if self.path is None:
+            return
+        self._file.close()
+        truncate_jsonl(self.path, step)
+        self._file = open(self.path, "a", encoding="utf-8")
+        if self.tensorboard is not None:
+            self.tensorboard.rewind(step)
+
     def close(self) -> None:
         """Close the file."""
         if self._file is not None:
@@ -47,6 +62,20 @@ class MetricsLogger:
             self._file = None
         if self.tensorboard is not None:
             self.tensorboard.close()
+
+
+def truncate_jsonl(path: Path, step: int) -> int:
+    """Drop the records of a ``metrics.jsonl`` past ``step`` (atomically: temp file, then rename); return how
+    many were kept."""
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    kept = [line for line in path.read_text(encoding="utf-8").splitlines()
+            if line.strip() and json.loads(line).get("step", 0) <= step]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+    os.replace(tmp, path)
+    return len(kept)
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

@@ -1,6 +1,10 @@
-"""Per-rank memory accounting: bytes of local shards, and the allocator's peaks on GPU."""
+"""Per-rank memory accounting: bytes of local shards, the allocator's peaks on GPU, the process's RSS on CPU."""
 
 from __future__ import annotations
+
+import os
+import resource
+import sys
 
 import torch
 from torch import nn
@@ -32,10 +36,21 @@ def shard_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
     return out
 
 
+def process_rss_bytes() -> int:
+    """Resident set size of this process now, in bytes (``/proc/self/statm``; peak RSS where that is missing)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:  # not Linux: the peak (ru_maxrss is KiB on Linux and BSD, bytes on macOS)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak if sys.platform == "darwin" else peak * 1024
+
+
 def device_memory(device: torch.device) -> dict[str, int]:
-    """Peak allocated and reserved bytes since the last reset, on CUDA; empty on CPU."""
+    """What users mean by per-rank memory: on CUDA the allocator's peak allocated and reserved bytes since the
+    last reset; on CPU the process's resident set size (``rss_bytes``)."""
     if device.type != "cuda":
-        return {}
+        return {"rss_bytes": process_rss_bytes()}
     return {
         "max_allocated_bytes": torch.cuda.max_memory_allocated(device),
         "max_reserved_bytes": torch.cuda.max_memory_reserved(device),

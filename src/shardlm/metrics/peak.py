@@ -15,10 +15,14 @@ with (:mod:`shardlm.plan`) never calls it.
 from __future__ import annotations
 
 import gc
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch._C._profiler import _EventType
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import ProfilerActivity, profile
 
 
@@ -29,10 +33,6 @@ def live_storage_bytes() -> int:
     tied weights and a DTensor's local shard are not double-counted. DTensors themselves hold no
     storage (their local tensor is counted). Meta tensors and freed (size-0) storages count zero.
     """
-    import warnings
-
-    from torch.distributed.tensor import DTensor
-
     seen: dict[int, int] = {}
     with warnings.catch_warnings():  # isinstance() on deprecated torch objects warns
         warnings.simplefilter("ignore")
@@ -54,8 +54,6 @@ def live_storage_bytes() -> int:
 
 def _allocation_events(prof: profile) -> list[tuple[int, int, int]]:
     """(time ns, signed bytes, address) of each CPU allocator event the profiler recorded, by time."""
-    from torch._C._profiler import _EventType
-
     out: list[tuple[int, int, int]] = []
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
@@ -74,8 +72,6 @@ def ddp_bucket_bytes(model: torch.nn.Module) -> int:
     The buckets are allocated by DDP's C++ reducer, so no Python object references them and
     :func:`live_storage_bytes` cannot see them; DDP's own logging data reports their sizes.
     """
-    from torch.nn.parallel import DistributedDataParallel
-
     if not isinstance(model, DistributedDataParallel):
         return 0
     sizes = str(model._get_ddp_logging_data().get("bucket_sizes", ""))

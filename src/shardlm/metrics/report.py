@@ -2,7 +2,8 @@
 
 Reads each run's ``metrics.jsonl`` (and ``config.json`` when present) and draws, with matplotlib's
 Agg backend, one PNG per quantity against step: training and validation loss, learning rate,
-tokens/s, and per-rank memory (MiB). Several runs share each picture, one colour per run.
+tokens/s, and per-rank memory (MiB: RSS on CPU or the allocator on GPU, and shard bytes; a colour per rank).
+Several runs share each picture, one colour per run (per run and rank in the memory picture).
 ``summary.md`` lists each run's config, final losses, throughput and wall time.
 """
 
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shardlm.config import ConfigError
+from shardlm.errors import ConfigError
 from shardlm.metrics.logger import read_metrics
 
 #: the PNG files a report writes, by figure name
@@ -62,10 +63,11 @@ def load_run(path: str | Path) -> Run:
 
 
 def _memory_keys(run: Run) -> list[str]:
+    """The per-rank byte lists a run logged, process memory (RSS / device allocator) first, shard bytes last."""
     keys: list[str] = []
     for r in run.records:
         keys += [k for k, v in r.items() if k.endswith("bytes") and isinstance(v, list) and k not in keys]
-    return keys
+    return sorted(keys, key=lambda k: k == "shard_bytes")
 
 
 def make_figures(runs: list[Run]) -> dict[str, Any]:
@@ -82,7 +84,8 @@ def make_figures(runs: list[Run]) -> dict[str, Any]:
 
     figs: dict[str, Any] = {}
     titles = {"loss": ("loss (nats/token)", "training and validation loss"), "lr": ("learning rate", "learning rate"),
-              "tokens_per_s": ("tokens/s (all ranks)", "throughput"), "memory": ("MiB", "per-rank memory")}
+              "tokens_per_s": ("tokens/s (all ranks)", "throughput"),
+              "memory": ("MiB", "per-rank memory: process (solid), shard bytes (dashed)")}
     for name in FIGURES:
         fig = Figure(figsize=(7, 4), dpi=100)
         ax = fig.add_subplot()
@@ -100,13 +103,17 @@ def make_figures(runs: list[Run]) -> dict[str, Any]:
             ax.plot(steps, val, color=color, linestyle="--", marker="o", markersize=3, label=f"{run.name} val")
         figs["lr"].axes[0].plot(*run.series("lr"), color=color, label=run.name)
         figs["tokens_per_s"].axes[0].plot(*run.series("tokens_per_s"), color=color, label=run.name)
-        styles, markers = ["-", "--", ":", "-."], "ox^sv<>*"
-        for j, key in enumerate(_memory_keys(run)):  # line style: which memory; marker: which rank
+        # colour: the rank (several runs: the run, then the rank); line style: which memory; marker: the rank
+        keys = _memory_keys(run)
+        styles, markers = ["-", ":", "-."], "ox^sv<>*"
+        ranks = max((len(v) for k in keys for v in run.series(k)[1]), default=0)
+        for j, key in enumerate(keys):
             steps, values = run.series(key)
-            for rank in range(max(len(v) for v in values)):
+            style = "--" if key == "shard_bytes" else styles[j % len(styles)]
+            for rank in range(ranks):
                 rows = [(s, v[rank] / 2**20) for s, v in zip(steps, values) if rank < len(v)]
                 figs["memory"].axes[0].plot(
-                    [s for s, _ in rows], [m for _, m in rows], color=color, linestyle=styles[j % len(styles)],
+                    [s for s, _ in rows], [m for _, m in rows], color=f"C{(i * ranks + rank) % 10}", linestyle=style,
                     marker=markers[rank % len(markers)], markersize=3, markevery=max(len(rows) // 10, 1),
                     label=f"{run.name} {key.removesuffix('_bytes')} rank{rank}")
     for fig in figs.values():

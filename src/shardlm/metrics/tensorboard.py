@@ -33,7 +33,7 @@ class TensorBoardWriter:
     """Writes training records as TensorBoard scalars into ``log_dir``; a no-op without tensorboard.
 
     ``fresh=True`` deletes event files left in ``log_dir`` by an earlier run (a run directory that is
-    overwritten). :meth:`truncate` drops everything logged after a step (for a resumed run).
+    overwritten). :meth:`rewind` drops everything logged after a step (for a resumed run).
     """
 
     def __init__(self, log_dir: str | Path, fresh: bool = False) -> None:
@@ -65,12 +65,30 @@ class TensorBoardWriter:
                     self._writer.add_scalar(f"memory/{key.removesuffix('_bytes')}_MiB/rank{rank}", v / 2**20, step)
         self._writer.flush()
 
-    def truncate(self, step: int) -> None:
-        """Discard every event after ``step`` (TensorBoard's ``purge_step``), e.g. when resuming from it."""
+    def rewind(self, step: int) -> None:
+        """Rewrite the event files so that they hold only events up to ``step`` (a run resuming from it).
+
+        TensorBoard's own ``purge_step`` only hides later events when the files are read; here they are
+        removed: every event file is read back with tensorboard's ``EventFileLoader``, the events with a
+        step <= ``step`` (and the file-version headers) are written to one new event file with
+        tensorboard's ``EventFileWriter``, then the old files are deleted and writing continues.
+        """
         if self._writer is None:
             return
+        from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
         self._writer.close()
-        self._writer = self._cls(log_dir=str(self.log_dir), purge_step=step + 1)
+        old = sorted(self.log_dir.glob("events.out.tfevents.*"))
+        kept = [event for f in old for event in EventFileLoader(str(f)).Load()
+                if event.step <= step and not event.HasField("file_version")]
+        writer = EventFileWriter(str(self.log_dir), filename_suffix=".rewound")
+        for event in kept:
+            writer.add_event(event)
+        writer.close()
+        for f in old:
+            f.unlink()
+        self._writer = self._cls(log_dir=str(self.log_dir))
 
     def close(self) -> None:
         """Flush and close the event file."""

@@ -16,16 +16,9 @@ import zlib
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
-from shardlm.config import ModelConfig
-
-
-def ffn_hidden_size(cfg: ModelConfig) -> int:
-    """SwiGLU hidden size: ``cfg.ffn_hidden``, or 8/3·dim rounded up to a multiple of 256 when 0."""
-    if cfg.ffn_hidden:
-        return cfg.ffn_hidden
-    hidden = int(8 * cfg.dim / 3)
-    return 256 * math.ceil(hidden / 256)
+from shardlm.model.config import ModelConfig
 
 
 class RMSNorm(nn.Module):
@@ -55,7 +48,7 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     below ``original / high_freq_factor`` are kept, and those in between are interpolated with
     ``s = (original / wavelen - low) / (high - low)``: ``(1 - s) · f / factor + s · f``.
     """
-    head_dim = cfg.dim // cfg.n_heads
+    head_dim = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if cfg.rope_scaling_factor <= 0:
         return inv_freq
@@ -95,7 +88,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 class LayerKVCache:
     """One layer's keys and values, (batch, n_kv_heads, capacity, head_dim), owned by a :class:`KVCache`."""
 
-    def __init__(self, owner: "KVCache", k: torch.Tensor, v: torch.Tensor) -> None:
+    def __init__(self, owner: KVCache, k: torch.Tensor, v: torch.Tensor) -> None:
         self.owner, self.k, self.v = owner, k, v
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -130,7 +123,7 @@ class KVCache:
         self.capacity = capacity or cfg.max_seq_len
         if self.capacity > cfg.max_seq_len:
             raise ValueError(f"cache capacity {self.capacity} exceeds max_seq_len={cfg.max_seq_len}")
-        n_kv, head_dim = cfg.n_kv_heads or cfg.n_heads, cfg.dim // cfg.n_heads
+        n_kv, head_dim = cfg.kv_heads, cfg.head_dim
         self.pad = pad.to(device=device, dtype=torch.long)
         batch = self.pad.shape[0]
         self.length = 0
@@ -167,8 +160,8 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_heads = cfg.n_heads
-        self.n_kv_heads = cfg.n_kv_heads or cfg.n_heads
-        self.head_dim = cfg.dim // cfg.n_heads
+        self.n_kv_heads = cfg.kv_heads
+        self.head_dim = cfg.head_dim
         self.q_proj = nn.Linear(cfg.dim, self.n_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False)
@@ -205,7 +198,7 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        hidden = ffn_hidden_size(cfg)
+        hidden = cfg.ffn_dim
         self.gate_proj = nn.Linear(cfg.dim, hidden, bias=False)
         self.up_proj = nn.Linear(cfg.dim, hidden, bias=False)
         self.down_proj = nn.Linear(hidden, cfg.dim, bias=False)
@@ -238,7 +231,7 @@ class Decoder(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        cos, sin = rotary_tables(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta, rope_inv_freq(cfg))
+        cos, sin = rotary_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, rope_inv_freq(cfg))
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -259,7 +252,7 @@ class Llama(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def to_empty(self, *, device: torch.device | str | None, recurse: bool = True) -> "Llama":
+    def to_empty(self, *, device: torch.device | str | None, recurse: bool = True) -> Llama:
         """``nn.Module.to_empty``, keeping the tied output weight the same tensor as the embedding.
 
         Plain tensors are replaced one by one by ``to_empty``, which would untie them; sharded
@@ -322,8 +315,6 @@ class Llama(nn.Module):
         ``to_empty``): each rank then copies only its own slice of the full value, so the result is
         bit-identical to the whole model's. Tied weights stay one tensor.
         """
-        from torch.distributed.tensor import DTensor, distribute_tensor
-
         for name, param in self.named_parameters():
             full = self.initial_value(name, seed).to(param.dtype)
             if isinstance(param, DTensor):
@@ -337,7 +328,7 @@ class Llama(nn.Module):
     def init_rotary(self) -> None:
         """Recompute the rotary tables in place (needed after ``to_empty`` or a dtype change)."""
         cfg = self.cfg
-        cos, sin = rotary_tables(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta, rope_inv_freq(cfg))
+        cos, sin = rotary_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, rope_inv_freq(cfg))
         device = self.model.rope_cos.device
         self.model.rope_cos = cos.to(device)
         self.model.rope_sin = sin.to(device)

@@ -22,9 +22,9 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts, noop_context_fn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from shardlm.config import ConfigError
-from shardlm.metrics.activations import note_saved
-from shardlm.parallel.cpu_matmul import bf16_linear_fp32
+from shardlm.errors import ConfigError
+from shardlm.model.cpu_matmul import bf16_linear_fp32
+from shardlm.parallel.saved_activations import note_saved
 
 #: operators whose outputs selective checkpointing keeps: the matrix multiplies and attention
 #: (torchtitan's ``_save_list``, without the float8 and collective entries); everything else

@@ -18,14 +18,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from shardlm.config import ConfigError, ParallelConfig
+from shardlm.config import ParallelConfig
+from shardlm.errors import ConfigError, RankFailed
 
 #: whether this process started a process group (see :func:`exit_process`)
 _started_process_group = False
-
-
-class RankFailed(RuntimeError):
-    """Raised on every other rank when rank 0 failed inside :func:`run_on_main`; rank 0 reports the cause."""
 
 
 @dataclass(frozen=True)

@@ -32,10 +32,8 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from shardlm.config import ParallelConfig
+from shardlm.errors import NodeLost
 from shardlm.parallel.dist import DistInfo
-
-#: exit code of a rank that stopped because another node was lost
-NODE_LOST_EXIT_CODE = 4
 
 #: substrings of the RuntimeError messages gloo, NCCL and c10d raise when a peer is gone or silent
 _COMMUNICATION_MARKERS = ("gloo", "nccl", "connection", "timed out", "timeout", "c10d", "peer")
@@ -52,20 +50,6 @@ class RankHost:
     node_rank: int
     hostname: str
     pid: int
-
-
-class NodeLost(RuntimeError):
-    """A collective failed because ranks stopped (their process or node died); the message names them.
-
-    Attributes:
-        lost: the lost ranks' :class:`RankHost` entries, by rank.
-        report_here: True on one surviving rank per node (the lowest), which prints the message.
-    """
-
-    def __init__(self, message: str, lost: list[RankHost], report_here: bool) -> None:
-        super().__init__(message)
-        self.lost = lost
-        self.report_here = report_here
 
 
 def this_rank_host(rank: int) -> RankHost:

@@ -9,19 +9,11 @@ reduce-scattered (averaged over ranks) when backward leaves the group.
 
 from __future__ import annotations
 
-import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.nn.parallel import DistributedDataParallel
 
-from shardlm.config import Config, ConfigError
-from shardlm.model import Llama
-from shardlm.parallel.ac import apply_ac, apply_compile
-from shardlm.parallel.cpu_matmul import apply_fp32_matmul, use_fp32_matmul
-from shardlm.parallel.dist import DistInfo
-from shardlm.parallel.options import (
-    add_async_all_gather, check_reshard_after_forward, mixed_precision_policy, offload_policy, set_prefetch,
-)
+from shardlm.model.llama import Llama
+from shardlm.parallel.options import add_async_all_gather, check_reshard_after_forward, set_prefetch
 
 
 def apply_fsdp(model: Llama, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None = None,
@@ -64,57 +56,3 @@ def apply_fsdp(model: Llama, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy |
         groups = ([] if model.cfg.tie_embeddings else [decoder.embed_tokens]) + blocks
         add_async_all_gather(model, groups + ([] if model.cfg.tie_embeddings else [decoder.norm]))
     return model
-
-
-def build_model(cfg: Config, info: DistInfo, mesh: DeviceMesh | None) -> torch.nn.Module:
-    """Build the model on the meta device, wrap it for ``cfg.parallel.mode``, materialise, initialise.
-
-    In order: the CPU's bf16 matrix-multiply kernel (``cpu_bf16_matmul``, :mod:`shardlm.parallel.cpu_matmul`),
-    activation checkpointing, compile, then :func:`apply_fsdp` (or DDP), as torchtitan orders them.
-
-    No rank ever holds the whole unsharded model: under ``fsdp`` only each rank's shards are
-    allocated (``to_empty``) and filled by ``init_weights``, one full tensor at a time, or, with
-    ``model.init_from``, by ``load_pretrained_`` reading only the shard's rows (its byte counts are
-    left in ``model.pretrained_load_stats``).
-
-    Returns the ``Llama`` (FSDP-sharded or plain) or a ``DistributedDataParallel`` around it.
-
-    Raises:
-        ConfigError: ``single`` mode with more than one rank.
-    """
-    mode = cfg.parallel.mode
-    if mode == "single" and info.world_size > 1:
-        raise ConfigError(f"parallel.mode='single' runs one process, but the world size is {info.world_size}")
-    pcfg = cfg.parallel
-    with torch.device("meta"):
-        model = Llama(cfg.model)
-    if use_fp32_matmul(pcfg.cpu_bf16_matmul, info.device, pcfg.param_dtype):  # a CPU kernel choice, names unchanged
-        apply_fp32_matmul(model)
-    apply_ac(model.model.layers, pcfg.activation_checkpoint, pcfg.activation_checkpoint_n)  # torchtitan's order:
-    if pcfg.compile:                                                                        # AC, compile, FSDP
-        apply_compile(model.model.layers)
-    if mode == "fsdp":
-        apply_fsdp(model, mesh, mixed_precision_policy(pcfg), pcfg.reshard_after_forward,
-                   offload=offload_policy(pcfg, info.device), forward_prefetch=pcfg.forward_prefetch,
-                   backward_prefetch=pcfg.backward_prefetch, async_all_gather=pcfg.async_all_gather)
-    # with CPU offload the shards live in CPU memory; buffers (rotary tables) still go to the device
-    model.to_empty(device="cpu" if pcfg.cpu_offload else info.device)
-    if cfg.model.init_from:  # pretrained: each rank reads only its shards' rows (checkpoint/hf_load.py)
-        from shardlm.checkpoint.hf_load import load_pretrained_
-
-        model.pretrained_load_stats = load_pretrained_(model, cfg.model.init_from)
-    else:
-        model.init_weights(cfg.train.seed)
-    if pcfg.cpu_offload:
-        for module in model.modules():
-            for name, buf in list(module.named_buffers(recurse=False)):
-                setattr(module, name, buf.to(info.device))
-    if mode == "ddp":
-        device_ids = [info.device.index] if info.device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=device_ids)
-    return model
-
-
-def unwrap(model: torch.nn.Module) -> Llama:
-    """The ``Llama`` inside a DDP wrapper (or the model itself)."""
-    return model.module if isinstance(model, DistributedDataParallel) else model

@@ -12,7 +12,8 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy
 from torch.nn.parallel import DistributedDataParallel
 
-from shardlm.config import ConfigError, ParallelConfig
+from shardlm.config import ParallelConfig
+from shardlm.errors import ConfigError
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardlm.config import ModelConfig
-from shardlm.model.llama import ffn_hidden_size
 
 AC_MODES = ("none", "full", "selective", "every_n")
 
@@ -62,8 +61,8 @@ class Shape:
 
 def shape_of(mcfg: ModelConfig, micro_batch_size: int, seq_len: int, compute_bytes: int) -> Shape:
     """The :class:`Shape` of a micro-batch of ``micro_batch_size`` × ``seq_len`` tokens."""
-    return Shape(micro_batch_size, seq_len, mcfg.dim, ffn_hidden_size(mcfg), mcfg.n_heads,
-                 mcfg.n_kv_heads or mcfg.n_heads, mcfg.vocab_size, mcfg.n_layers, compute_bytes)
+    return Shape(micro_batch_size, seq_len, mcfg.dim, mcfg.ffn_dim, mcfg.n_heads,
+                 mcfg.kv_heads, mcfg.vocab_size, mcfg.n_layers, compute_bytes)
 
 
 def norm_saved(s: Shape) -> int:

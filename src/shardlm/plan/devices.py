@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from shardlm.errors import ConfigError
+
 MIB = 1024**2
 GIB = 1024**3
 
@@ -64,8 +66,6 @@ def get_device(name: str) -> Device:
     Raises:
         ConfigError: unknown name (the message lists the known ones).
     """
-    from shardlm.config import ConfigError
-
     if name not in DEVICES:
         raise ConfigError(f"unknown device {name!r} (known: {', '.join(DEVICES)})")
     return DEVICES[name]

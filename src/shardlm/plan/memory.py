@@ -26,27 +26,12 @@ from dataclasses import dataclass, field
 import torch
 
 from shardlm.config import Config, ConfigError, gradient_accumulation_steps
+from shardlm.model.llama import Llama
+from shardlm.parallel.options import dtype_from_name
 from shardlm.plan import activations as act
 
 PARTS = ("params", "grads", "optimizer", "all_gather", "reduce_scatter", "activations", "temporaries", "buffers")
 """Categories of the breakdown, in display order."""
-
-DTYPE_BYTES = {"": 4, "float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
-
-
-def dtype_bytes(name: str | None, key: str) -> int:
-    """Bytes per element of a dtype given by name (``bfloat16``, ``float32``...; None or '' = fp32).
-
-    Raises:
-        ConfigError: unknown name, naming ``key``.
-    """
-    if name is None or isinstance(name, torch.dtype):
-        return 4 if name is None else torch.empty((), dtype=name).element_size()
-    name = str(name).lower().removeprefix("torch.")
-    if name not in DTYPE_BYTES:
-        raise ConfigError(f"{key}: unknown dtype {name!r} (known: {', '.join(k for k in DTYPE_BYTES if k)})")
-    return DTYPE_BYTES[name]
-
 
 @dataclass
 class Settings:
@@ -62,13 +47,15 @@ class Settings:
     grad_sync: str
 
     @classmethod
-    def from_config(cls, cfg: Config) -> "Settings":
+    def from_config(cls, cfg: Config) -> Settings:
         """Read the fields (absent ones take FSDP2's defaults: fp32, reshard, no offload, no AC)."""
         p = cfg.parallel
-        param_bytes = dtype_bytes(p.param_dtype, "parallel.param_dtype")
-        reduce_bytes = dtype_bytes(p.reduce_dtype, "parallel.reduce_dtype")
-        raf = p.reshard_after_forward
-        return cls(p.mode, param_bytes, reduce_bytes, raf if isinstance(raf, bool) else raf != 0, p.cpu_offload,
+        param_bytes = dtype_from_name("parallel.param_dtype", p.param_dtype).itemsize
+        reduce_bytes = dtype_from_name("parallel.reduce_dtype", p.reduce_dtype).itemsize
+        if not isinstance(p.reshard_after_forward, bool):
+            raise ConfigError(f"parallel.reshard_after_forward={p.reshard_after_forward}: the planner models true and "
+                              "false, not an N-way reshard; plan with either (N-way lies between them)")
+        return cls(p.mode, param_bytes, reduce_bytes, p.reshard_after_forward, p.cpu_offload,
                    p.activation_checkpoint, p.activation_checkpoint_n, p.grad_sync)
 
 
@@ -120,8 +107,6 @@ def param_groups(cfg: Config, world_size: int) -> tuple[list[Group], int, int]:
 
     Shapes come from the model built on the meta device (no memory, no compute).
     """
-    from shardlm.model import Llama
-
     with torch.device("meta"):
         model = Llama(cfg.model)
     groups: dict[str, Group] = {}
@@ -351,8 +336,6 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
 
 def _param_count_iter(cfg: Config):
     """One item per parameter tensor (tied weights once), from the meta-device model."""
-    from shardlm.model import Llama
-
     with torch.device("meta"):
         model = Llama(cfg.model)
     return iter(list(model.parameters()))

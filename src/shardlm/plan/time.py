@@ -22,7 +22,6 @@ from dataclasses import dataclass
 
 from shardlm.config import Config, gradient_accumulation_steps
 from shardlm.metrics.flops import model_flops_per_token
-from shardlm.model.llama import ffn_hidden_size
 from shardlm.parallel.dist import dp_mesh_shape
 from shardlm.plan.devices import Device
 from shardlm.plan.memory import Settings
@@ -56,9 +55,9 @@ def flops_per_token(cfg: Config, recompute: str = "none") -> float:
     m = cfg.model
     total = float(model_flops_per_token(m, cfg.train.seq_len))
     if recompute == "full":
-        q = m.dim // m.n_heads
-        kv = (m.n_kv_heads or m.n_heads) * q
-        block = 2 * m.dim * m.dim + 2 * m.dim * kv + 3 * m.dim * ffn_hidden_size(m) + 2 * m.dim
+        q = m.head_dim
+        kv = m.kv_heads * q
+        block = 2 * m.dim * m.dim + 2 * m.dim * kv + 3 * m.dim * m.ffn_dim + 2 * m.dim
         total += 2 * m.n_layers * block + 4 * m.n_layers * m.n_heads * q * cfg.train.seq_len
     return total
 

@@ -1,5 +1,6 @@
-"""The training job: optimizer, schedule, the training step and the loop."""
+"""The training job: building the model (``build.py``), the token loss (``loss.py``), AdamW and the LR schedule
+(``optim.py``), and the ``Trainer`` (``trainer.py``: set-up, the training step, evaluation, the loop)."""
 
-from shardlm.train.trainer import NonFiniteError, Trainer, data_dir, prepare_data, run_dir
+from shardlm.train.trainer import Trainer, run_dir
 
-__all__ = ["NonFiniteError", "Trainer", "data_dir", "prepare_data", "run_dir"]
+__all__ = ["Trainer", "run_dir"]

@@ -1,11 +1,15 @@
-"""AdamW with parameter groups, and the learning-rate schedule (linear warm-up, cosine decay)."""
+"""AdamW with parameter groups, the learning-rate schedule (linear warm-up, cosine decay), and gradient clipping by
+the global norm."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from shardlm.config import TrainConfig
@@ -60,3 +64,63 @@ def lr_at(step: int, tcfg: TrainConfig) -> float:
 def build_scheduler(optimizer: torch.optim.Optimizer, tcfg: TrainConfig) -> LambdaLR:
     """A ``LambdaLR`` that sets each group's lr to :func:`lr_at` (the optimizer's base lr is ``tcfg.lr``)."""
     return LambdaLR(optimizer, lambda step: lr_at(step, tcfg) / tcfg.lr)
+
+
+#: elements upcast to fp64 at a time when summing squares (32 MiB of fp64): memory stays bounded
+FP64_CHUNK = 1 << 22
+
+
+def sum_of_squares_fp64(t: torch.Tensor) -> torch.Tensor:
+    """Sum of the squares of ``t``'s values, accumulated in fp64; a 0-dim float64 tensor on ``t``'s device.
+
+    Upcasts :data:`FP64_CHUNK` elements at a time, so the temporary memory is bounded whatever ``t``'s size.
+    """
+    flat = t.reshape(-1)
+    total = torch.zeros((), dtype=torch.float64, device=t.device)
+    for chunk in flat.split(FP64_CHUNK):
+        total += chunk.double().square().sum()
+    return total
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Clip gradients in place by their global L2 norm; return that norm, computed so that it does not depend
+    on how the gradients are sharded.
+
+    Each rank sums the squares of its local gradient values in fp64 (for a DTensor gradient, its local
+    shard), then one all-reduce per group of DTensor gradients with the same mesh sums over the mesh
+    dimensions on which they are sharded (all ranks for FSDP, the shard group for HSDP; none for DDP or one
+    process, whose gradients are whole on every rank). Summing fp64 squares makes the result independent
+    of the partition to ~1e-16 relative, where ``torch.nn.utils.clip_grad_norm_`` sums fp32 norms and
+    differs by ~1e-5 between world sizes. Gradients are then multiplied by
+    ``min(1, max_norm / (norm + 1e-6))``, the rule of ``torch.nn.utils.clip_grad_norm_``.
+
+    Args:
+        parameters: the model's parameters (plain tensors or DTensors; those without ``.grad`` are skipped).
+        max_norm: the largest allowed norm; ``math.inf`` only measures.
+
+    Returns:
+        A 0-dim float64 tensor on the gradients' device: the global norm before clipping (NaN or inf when a
+        gradient is not finite; the caller decides what to do).
+    """
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.zeros((), dtype=torch.float64)
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    squares: dict[tuple, torch.Tensor] = {}  # (mesh, sharded mesh dims) -> fp64 sum of squares on this rank
+    for g, t in zip(grads, local):
+        key = (g.device_mesh, tuple(i for i, p in enumerate(g.placements) if p.is_shard())) \
+            if isinstance(g, DTensor) else (None, ())
+        sq = sum_of_squares_fp64(t)
+        squares[key] = squares[key] + sq if key in squares else sq
+    total = torch.zeros((), dtype=torch.float64, device=local[0].device)
+    for (mesh, dims), sq in squares.items():
+        for dim in dims:  # sum the pieces the other ranks of this dimension hold
+            dist.all_reduce(sq, group=mesh.get_group(dim))
+        total += sq.to(total.device)
+    norm = total.sqrt()
+    if math.isfinite(max_norm):
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for t in local:
+            t.mul_(coef.to(device=t.device, dtype=t.dtype))
+    return norm

@@ -11,63 +11,40 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from tqdm import tqdm
 
-from shardlm.checkpoint import gather_full_state_dict, save_model_dir
 from shardlm.checkpoint.dcp import Checkpointer, resume_mode
-from shardlm.config import Config, ConfigError, gradient_accumulation_steps
-from shardlm.data import GlobalBatchSampler, TokenWindows, eval_windows, is_prepared, load_meta, prepare_corpus
-from shardlm.data.instruct import InstructionExamples, prepare_instructions, split_batch
+from shardlm.config import Config, gradient_accumulation_steps
+from shardlm.convert.hf_out import gather_full_state_dict, save_model_dir
+from shardlm.data import GlobalBatchSampler, TokenWindows, eval_windows, load_meta
+from shardlm.data.build import data_dir, prepare_data
+from shardlm.data.instruct import IGNORE_INDEX, InstructionExamples, split_batch
+from shardlm.errors import ConfigError, NonFiniteError
 from shardlm.metrics import MetricsLogger, device_memory, format_bytes, shard_bytes
-from shardlm.model import num_params
+from shardlm.metrics.progress import progress
+from shardlm.model.llama import num_params
 from shardlm.parallel import (
-    DistInfo, all_gather_ints, all_reduce_sum, build_mesh, build_model, init_distributed, run_on_main,
-    set_gradient_sync, unwrap,
+    DistInfo,
+    all_gather_ints,
+    all_reduce_sum,
+    build_mesh,
+    init_distributed,
+    run_on_main,
+    set_gradient_sync,
 )
 from shardlm.parallel.faults import FaultMonitor, guard_collectives
-from shardlm.train.optim import build_optimizer, build_scheduler
-
-IGNORE_INDEX = -100
-
-
-class NonFiniteError(RuntimeError):
-    """The loss or the gradient norm became NaN or infinite; the step was not applied or logged."""
-
-
-def data_dir(cfg: Config) -> Path:
-    """Where the prepared token ids of this config live: ``data.dir`` or ``data/<run name>``."""
-    return Path(cfg.data.dir or f"data/{cfg.run.name}")
+from shardlm.train.build import build_model, unwrap
+from shardlm.train.loss import token_loss_sum
+from shardlm.train.optim import build_optimizer, build_scheduler, clip_grad_norm_
 
 
 def run_dir(cfg: Config) -> Path:
     """The run directory: ``run.dir`` or ``runs/<run name>``."""
     return Path(cfg.run.dir or f"runs/{cfg.run.name}")
-
-
-def prepare_data(cfg: Config) -> dict[str, Any]:
-    """Tokenize the corpus into ``data_dir(cfg)`` unless already there; return its ``meta.json``.
-
-    Raises:
-        DataError: bad corpus or tokenizer (see :func:`shardlm.data.prepare_corpus`).
-    """
-    out = data_dir(cfg)
-    if cfg.data.format == "instruct":
-        if not is_prepared(str(out)):
-            prepare_instructions(cfg.data.corpus, str(out), cfg.data.tokenizer, cfg.model.vocab_size,
-                                 cfg.data.val_fraction)
-    elif not is_prepared(str(out)):
-        prepare_corpus(
-            cfg.data.corpus, str(out), cfg.data.tokenizer or None,
-            cfg.data.tokenizer_vocab_size or cfg.model.vocab_size, cfg.data.val_fraction, seed=cfg.train.seed,
-        )
-    return load_meta(str(out))
 
 
 class Trainer:
@@ -96,7 +73,7 @@ class Trainer:
         self.val_data = dataset(str(data_dir(cfg)), "val", t.seq_len)
         self.sampler = GlobalBatchSampler(len(self.train_data), t.global_batch_size, t.seed)
         self.mesh = build_mesh(self.info, cfg.parallel) if cfg.parallel.mode != "single" else None
-        self.model = build_model(cfg, self.info, self.mesh)
+        self.model, self.pretrained_load_stats = build_model(cfg, self.info, self.mesh)
         self.optimizer = build_optimizer(self.model, t, self.info.device)
         self.scheduler = build_scheduler(self.optimizer, t)
         self.checkpointer = Checkpointer(cfg, self.info, self.run_dir, data_dir(cfg) / "tokenizer.json",
@@ -108,6 +85,8 @@ class Trainer:
         self.local_shard_bytes: dict[str, int] | None = None
         self._shard_bytes: list[int] | None = None
         self.logger = MetricsLogger(self.run_dir / "metrics.jsonl" if self.info.is_main else None)
+        if self.checkpointer.resume:  # resuming from step N: every sink drops what it logged after N
+            self.logger.rewind(self.step)
         if self.info.is_main:
             (self.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
         # rank-to-host map and heartbeats: a failed collective in train() names a lost node's ranks and host
@@ -137,7 +116,7 @@ class Trainer:
         lines = [
             f"shardlm | {cfg.run.name} -> {self.run_dir}",
             f"  model      {num_params(model):,} parameters, {cfg.model.n_layers} layers, dim {cfg.model.dim}, "
-            f"heads {cfg.model.n_heads}/{cfg.model.n_kv_heads or cfg.model.n_heads} (q/kv), vocab {cfg.model.vocab_size}"
+            f"heads {cfg.model.n_heads}/{cfg.model.kv_heads} (q/kv), vocab {cfg.model.vocab_size}"
             f"{', tied embeddings' if cfg.model.tie_embeddings else ''}",
             f"  parallel   {cfg.parallel.mode}, world size {info.world_size}, backend {info.backend}, device "
             f"{info.device.type}, mesh {self.mesh.mesh_dim_names if self.mesh is not None else None}"
@@ -150,7 +129,7 @@ class Trainer:
             "  per rank   parameter shards " + ", ".join(format_bytes(b) for b in per_rank)
             + f" (+ grads and AdamW state: ~{format_bytes(4 * max(per_rank))} per rank)",
         ]
-        stats = getattr(model, "pretrained_load_stats", None)
+        stats = self.pretrained_load_stats
         if stats is not None:  # model.init_from: bytes each rank read from the safetensors files
             read = all_gather_ints(stats["bytes_read"], info.device)
             lines.append(f"  pretrained {cfg.model.init_from}: read " + ", ".join(format_bytes(b) for b in read)
@@ -178,14 +157,11 @@ class Trainer:
             # parallel.grad_sync: reduce-scatter on every micro-batch or on the last only
             set_gradient_sync(model, last_micro_batch=(i == len(batches) - 1), policy=cfg.parallel.grad_sync)
             logits = model(inputs)  # per block: all-gather shards, compute, reshard
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
-                                   ignore_index=IGNORE_INDEX, reduction="sum")
+            loss = token_loss_sum(logits, targets)
             (loss * scale).backward()  # per block: all-gather, grads, reduce-scatter (last micro-batch)
             loss_sum += loss.detach()
         max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
+        grad_norm = clip_grad_norm_(model.parameters(), max_norm)  # fp64: the same at any sharding
         loss_value = (all_reduce_sum(loss_sum) / n_tokens.double()).item()
         grad_norm_value = grad_norm.item()
         if not (math.isfinite(loss_value) and math.isfinite(grad_norm_value)):
@@ -218,8 +194,7 @@ class Trainer:
             # every rank runs the same number of forwards (FSDP all-gathers); padding batches count zero
             inputs, targets = split_batch(self.val_data.get(ids or [0]).to(info.device))
             logits = self.model(inputs)
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX,
-                                   reduction="sum")
+            loss = token_loss_sum(logits, targets)
             if ids:
                 totals += torch.stack([loss.double(), targets.ne(IGNORE_INDEX).sum().double()])
         all_reduce_sum(totals)
@@ -243,9 +218,8 @@ class Trainer:
             print(self.summary(), flush=True)
         else:
             self.summary()  # the summary gathers per-rank bytes: a collective
-        # in a terminal the bar redraws often; in a log file (CI, Slurm) a line every 30 s is enough
-        bar = tqdm(total=t.steps, initial=self.step, disable=not info.is_main, unit="step", dynamic_ncols=True,
-                   mininterval=0.1 if sys.stderr.isatty() else 30.0)
+        # a bar on a terminal; plain lines every 30 s in a log file (CI, Slurm, nohup)
+        bar = progress(t.steps, "train", "step", initial=self.step, disable=not info.is_main)
         job_start = time.perf_counter()
         self.checkpointer.install_signal_handlers()
         if cfg.model.init_from and t.eval_interval and self.step == 0:  # fine-tuning: the pretrained start
@@ -269,7 +243,7 @@ class Trainer:
             if self.checkpointer.should_save(self.step, last) or self.preempted:
                 path = self.checkpointer.save(self.model, self.optimizer, self.scheduler, self.step)
                 if info.is_main:
-                    tqdm.write(f"checkpoint {path} ({self.checkpointer.last_save['seconds']:.2f} s)")
+                    bar.write(f"checkpoint {path} ({self.checkpointer.last_save['seconds']:.2f} s)")
             if self.preempted:
                 break
         bar.close()

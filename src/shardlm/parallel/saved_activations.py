@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-_active: list["SavedActivationCounter"] = []
+_active: list[SavedActivationCounter] = []
 
 
 def note_saved(obj: Any) -> None:
@@ -52,7 +52,7 @@ class SavedActivationCounter:
         self.add(t)
         return t
 
-    def __enter__(self) -> "SavedActivationCounter":
+    def __enter__(self) -> SavedActivationCounter:
         _active.append(self)
         self._hooks.__enter__()
         return self

@@ -12,7 +12,7 @@ bf16 GEMM accumulates in fp32 too, so the result differs from the bf16 kernel on
 order. It is a custom operator (``torch.library.custom_op``) so that autograd saves the bf16
 operands (not fp32 copies: FSDP's resharding still frees the gathered weight after forward),
 selective activation checkpointing sees one operator with a bf16 output, and ``torch.compile``
-treats it as opaque. Applied in one place, :func:`shardlm.parallel.build_model`, on CPU devices only.
+treats it as opaque. Applied in one place, :func:`shardlm.train.build.build_model`, on CPU devices only.
 """
 
 from __future__ import annotations

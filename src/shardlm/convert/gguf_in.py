@@ -21,7 +21,10 @@ import torch
 from safetensors.torch import save_file
 
 from shardlm.atomic import atomic_directory
-from shardlm.config import ModelConfig
+from shardlm.convert.hf_config import hf_config
+from shardlm.errors import ModelDirError
+from shardlm.model.config import ModelConfig
+from shardlm.model.llama import Llama
 
 _BLOCK_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -30,12 +33,6 @@ _BLOCK_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-
-
-def _error(message: str) -> Exception:
-    from shardlm.checkpoint.hf import ModelDirError
-
-    return ModelDirError(message)
 
 
 def hf_name(gguf_name: str) -> str | None:
@@ -80,12 +77,12 @@ def gguf_model_config(reader: Any, source: str, tied: bool) -> ModelConfig:
     """
     arch = _field(reader, "general.architecture")
     if arch != "llama":
-        raise _error(f"{source}: general.architecture={arch!r}; only 'llama' GGUF files are supported")
+        raise ModelDirError(f"{source}: general.architecture={arch!r}; only 'llama' GGUF files are supported")
 
     def need(key: str) -> Any:
         value = _field(reader, f"llama.{key}")
         if value is None:
-            raise _error(f"{source}: GGUF metadata key llama.{key} is missing")
+            raise ModelDirError(f"{source}: GGUF metadata key llama.{key} is missing")
         return value
 
     cfg = ModelConfig(
@@ -97,7 +94,7 @@ def gguf_model_config(reader: Any, source: str, tied: bool) -> ModelConfig:
     )
     factor = _field(reader, "llama.rope.scaling.factor")
     if factor is not None and _field(reader, "llama.rope.scaling.type", "llama3") not in ("none", "llama3"):
-        raise _error(f"{source}: RoPE scaling type {_field(reader, 'llama.rope.scaling.type')!r} is not supported")
+        raise ModelDirError(f"{source}: RoPE scaling type {_field(reader, 'llama.rope.scaling.type')!r} is not supported")
     return cfg
 
 
@@ -111,11 +108,11 @@ def read_gguf_tensors(path: str | Path) -> tuple[dict[str, torch.Tensor], ModelC
 
     path = Path(path)
     if not path.is_file():
-        raise _error(f"GGUF file not found: {path}")
+        raise ModelDirError(f"GGUF file not found: {path}")
     try:
         reader = gguf.GGUFReader(str(path))
     except Exception as e:  # the reader raises ValueError/struct.error/... on a file that is not GGUF
-        raise _error(f"{path}: not a readable GGUF file ({e})") from None
+        raise ModelDirError(f"{path}: not a readable GGUF file ({e})") from None
     names = {t.name for t in reader.tensors}
     cfg = gguf_model_config(reader, str(path), tied="output.weight" not in names)
     tensors: dict[str, torch.Tensor] = {}
@@ -124,7 +121,7 @@ def read_gguf_tensors(path: str | Path) -> tuple[dict[str, torch.Tensor], ModelC
         if name is None:
             if t.name == "rope_freqs.weight":  # Llama 3.1 scaling factors, recomputed from the config
                 continue
-            raise _error(f"{path}: GGUF tensor {t.name} has no Llama counterpart")
+            raise ModelDirError(f"{path}: GGUF tensor {t.name} has no Llama counterpart")
         array = gguf.quants.dequantize(t.data, t.tensor_type)
         w = torch.from_numpy(np.array(array, dtype=np.float32, copy=True)).reshape(tuple(reversed(t.shape.tolist())))
         if name.endswith("q_proj.weight"):
@@ -134,7 +131,7 @@ def read_gguf_tensors(path: str | Path) -> tuple[dict[str, torch.Tensor], ModelC
         tensors[name] = w.contiguous()
     cfg.vocab_size = tensors["model.embed_tokens.weight"].shape[0] if "model.embed_tokens.weight" in tensors else 0
     if not cfg.vocab_size:
-        raise _error(f"{path}: GGUF tensor token_embd.weight is missing")
+        raise ModelDirError(f"{path}: GGUF tensor token_embd.weight is missing")
     return tensors, cfg, reader
 
 
@@ -149,18 +146,15 @@ def import_gguf(path: str | Path, out_dir: str | Path) -> Path:
         ModelDirError: see :func:`read_gguf_tensors`; a tensor whose shape the metadata contradicts.
         ImportError: ``gguf`` or ``transformers`` is not installed (``pip install 'shardlm[gguf]'``).
     """
-    from shardlm.checkpoint.hf import hf_config
-    from shardlm.model import Llama
-
     path, out = Path(path), Path(out_dir)
     tensors, cfg, reader = read_gguf_tensors(path)
     with torch.device("meta"):
         expected = {n: tuple(p.shape) for n, p in Llama(cfg).named_parameters()}
     for name, shape in expected.items():
         if name not in tensors:
-            raise _error(f"{path}: tensor {name} is missing from the GGUF file")
+            raise ModelDirError(f"{path}: tensor {name} is missing from the GGUF file")
         if tuple(tensors[name].shape) != shape:
-            raise _error(f"{path}: tensor {name} has shape {tuple(tensors[name].shape)}, the metadata implies {shape}")
+            raise ModelDirError(f"{path}: tensor {name} has shape {tuple(tensors[name].shape)}, the metadata implies {shape}")
     special = {"bos": _field(reader, "tokenizer.ggml.bos_token_id"), "eos": _field(reader, "tokenizer.ggml.eos_token_id")}
     from transformers import AutoTokenizer
 

@@ -1,0 +1,167 @@
+"""Reading Hugging Face Llama directories: whole (:func:`load_model_dir`) or sharded per rank (:func:`load_pretrained_`).
+
+A directory holds ``config.json`` (``LlamaForCausalLM``) and one or more ``*.safetensors`` files.
+:func:`load_pretrained_` fills a model whose parameters are FSDP shards (``Shard(0)`` DTensors) by
+reading, on each rank, only the rows of its own shard with safetensors' ``safe_open(...).get_slice``,
+so no rank ever materialises a whole tensor; it counts the bytes each rank reads.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from shardlm.convert.hf_config import read_model_dir_config
+from shardlm.errors import ModelDirError
+from shardlm.model.llama import Llama
+
+#: tensors some older HF checkpoints carry that hold no weights (recomputed, never loaded)
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+def tensor_files(path: str | Path) -> dict[str, Path]:
+    """``{tensor name: safetensors file}`` over every ``*.safetensors`` file of the directory.
+
+    Raises:
+        ModelDirError: no safetensors file, or one tensor name in two files.
+    """
+    path = Path(path)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelDirError(f"{path}: no *.safetensors weights found")
+    where: dict[str, Path] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():
+                if name in where:
+                    raise ModelDirError(f"{path}: tensor {name} is in both {where[name].name} and {f.name}")
+                where[name] = f
+    return where
+
+
+def check_weights(path: str | Path, model: nn.Module) -> dict[str, Path]:
+    """Check that the directory holds exactly the model's tensors with the model's shapes (headers only).
+
+    Returns :func:`tensor_files`. Raises ModelDirError naming a missing, unexpected or
+    wrongly-shaped tensor (with both shapes).
+    """
+    where = tensor_files(path)
+    expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    tied = getattr(getattr(model, "cfg", None), "tie_embeddings", False)
+    for name, shape in expected.items():
+        if name not in where:
+            raise ModelDirError(f"{path}: tensor {name} is missing from the weights")
+        with safe_open(str(where[name]), framework="pt") as st:
+            found = tuple(st.get_slice(name).get_shape())
+        if found != shape:
+            raise ModelDirError(f"{path}: tensor {name} has shape {found}, config.json implies {shape}")
+    for name in where:
+        if name not in expected and not name.endswith(_IGNORED_SUFFIXES) and not (tied and name == "lm_head.weight"):
+            raise ModelDirError(f"{path}: unexpected tensor {name} (config.json does not describe it)")
+    return where
+
+
+def local_rows(param: torch.Tensor) -> tuple[int, int]:
+    """(first row, number of rows) of this rank's shard of ``param`` along dim 0; the whole for a plain tensor.
+
+    Uses the DTensor's own layout (``compute_local_shape_and_global_offset``), i.e. the ``torch.chunk``
+    split of dim 0 for ``Shard(0)``.
+
+    Raises:
+        ValueError: a DTensor sharded on another dimension than 0.
+    """
+    if not isinstance(param, DTensor):
+        return 0, param.shape[0] if param.dim() else 1
+    if any(isinstance(p, Shard) and p.dim != 0 for p in param.placements):
+        raise ValueError(f"only Shard(0) parameters can be loaded by rows, got {param.placements}")
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return int(offset[0]), int(shape[0])
+
+
+@torch.no_grad()
+def load_pretrained_(model: nn.Module, path: str | Path) -> dict[str, Any]:
+    """Fill ``model``'s parameters (plain or ``Shard(0)`` DTensors) from an HF Llama directory, in place.
+
+    Each parameter's local rows ``[offset, offset + rows)`` are read with
+    ``safe_open(...).get_slice(name)[offset:offset + rows]`` and copied (cast to the parameter's
+    dtype) into its local tensor, so each rank materialises only its own rows. Rotary tables are
+    recomputed afterwards (``init_rotary``).
+
+    Returns:
+        ``{"bytes_read": bytes materialised from the files on this rank, "total_bytes": bytes of
+        every tensor in the files that the model uses, "max_slice_bytes": the largest single slice read,
+        "full_tensors": names read whole although the parameter is sharded over > 1 rank}``.
+
+    Raises:
+        ModelDirError: a missing, unexpected or wrongly-shaped tensor (named), before anything is read.
+    """
+    where = check_weights(path, model)
+    stats: dict[str, Any] = {"bytes_read": 0, "total_bytes": 0, "max_slice_bytes": 0, "full_tensors": []}
+    handles: dict[Path, Any] = {}
+    try:
+        for name, param in model.named_parameters():
+            f = where[name]
+            if f not in handles:
+                handles[f] = safe_open(str(f), framework="pt")
+            tslice = handles[f].get_slice(name)
+            full_rows = param.shape[0]
+            start, rows = local_rows(param)
+            local = param.to_local() if isinstance(param, DTensor) else param
+            if rows:
+                piece = tslice[start:start + rows]
+                nbytes = piece.numel() * piece.element_size()
+                stats["bytes_read"] += nbytes
+                stats["max_slice_bytes"] = max(stats["max_slice_bytes"], nbytes)
+                sharded = isinstance(param, DTensor) and param.device_mesh.size() > 1
+                if sharded and rows == full_rows:
+                    stats["full_tensors"].append(name)
+                local.copy_(piece.to(local.dtype))
+            stats["total_bytes"] += math.prod(param.shape) * _itemsize(tslice.get_dtype())
+    finally:
+        handles.clear()
+    model.init_rotary()
+    return stats
+
+
+def _itemsize(safetensors_dtype: str) -> int:
+    """Bytes per element of a safetensors dtype name (``F32``, ``BF16``...)."""
+    return {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+            "BOOL": 1}[safetensors_dtype]
+
+
+def load_model_dir(path: str | Path, device: torch.device | str = "cpu") -> Llama:
+    """Load an HF-style Llama directory (``config.json`` + ``*.safetensors``) into a whole :class:`Llama`.
+
+    Weights are read with safetensors (no pickle). Raises ModelDirError naming the missing file, a
+    missing or unexpected tensor, or a shape mismatch (tensor name and both shapes).
+    """
+    path = Path(path)
+    cfg = read_model_dir_config(path)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelDirError(f"{path}: no *.safetensors weights found")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    with torch.device("meta"):
+        model = Llama(cfg)
+    model.to_empty(device=device)
+    expected = dict(model.named_parameters())
+    for name, param in expected.items():
+        if name not in state:
+            raise ModelDirError(f"{path}: tensor {name} is missing from the weights")
+        if tuple(state[name].shape) != tuple(param.shape):
+            raise ModelDirError(
+                f"{path}: tensor {name} has shape {tuple(state[name].shape)}, config.json implies {tuple(param.shape)}")
+        with torch.no_grad():
+            param.copy_(state[name])
+    model.init_rotary()
+    return model

@@ -1,0 +1,108 @@
+"""Writing Hugging Face style model directories: ``config.json`` + ``model.safetensors`` + tokenizer files.
+
+Our parameter names are HF ``LlamaForCausalLM``'s, so the state dict is written as is; a tied
+output weight is written once (as ``model.embed_tokens.weight``, with ``tie_word_embeddings``).
+:func:`save_model_dir` writes a run's ``final/`` and every export; :func:`copy_model_dir` is
+``shardlm import DIR`` and ``shardlm export --format hf`` of a model directory: it checks every tensor
+against the shape ``config.json`` implies and writes a directory that
+``transformers.AutoModelForCausalLM.from_pretrained`` loads offline.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from shardlm.atomic import atomic_directory
+from shardlm.convert.hf_config import hf_config, read_model_dir_config
+from shardlm.convert.hf_in import check_weights
+from shardlm.errors import ModelDirError
+from shardlm.model.config import ModelConfig
+from shardlm.model.llama import Llama
+
+
+def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """All-gather the model's full (unsharded) state dict onto rank 0, on CPU.
+
+    A collective: every rank must call it. Rank 0 gets ``{name: full fp tensor}``; other ranks get
+    an empty dict. Uses ``get_model_state_dict(full_state_dict=True, cpu_offload=True)``
+    (torch.distributed.checkpoint.state_dict), which gathers one tensor at a time.
+    """
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def save_model_dir(state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: str | Path,
+                   tokenizer_path: str | Path | None = None, special_ids: dict | None = None,
+                   extra_files: list[Path] = ()) -> Path:
+    """Write an HF-style Llama directory atomically (temp dir, then rename) and return its path.
+
+    ``state`` maps our (= HF) parameter names to full tensors; with tied embeddings
+    ``lm_head.weight`` is dropped so the shared tensor is stored once. ``extra_files`` (e.g. a
+    tokenizer's chat template) are copied in by name before the rename.
+    """
+    out = Path(out_dir)
+    tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
+    if cfg.tie_embeddings:
+        tensors.pop("lm_head.weight", None)
+    dtype = next(iter(tensors.values())).dtype
+    with atomic_directory(out) as tmp:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(hf_config(cfg, special_ids, dtype), indent=2) + "\n")
+        if tokenizer_path is not None:
+            shutil.copyfile(tokenizer_path, tmp / "tokenizer.json")
+        for extra in extra_files:
+            shutil.copyfile(extra, tmp / extra.name)
+    return out
+
+
+#: tokenizer files copied along with the weights when present
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "generation_config.json")
+
+
+def resolve_model_dir(path: str | Path) -> Path:
+    """A model directory itself, or a run directory's ``final/`` model (``runs/NAME`` -> ``runs/NAME/final``).
+
+    A run directory also holds a ``config.json`` (the training config), so ``final/`` is looked for first.
+    """
+    path = Path(path)
+    if (path / "final" / "config.json").is_file():
+        return path / "final"
+    return path
+
+
+def copy_model_dir(src: str | Path, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:
+    """Check the Llama directory ``src`` and write it to ``out_dir`` (atomically) as an HF directory.
+
+    Tensors keep their source dtype unless ``dtype`` is given; a tied output weight is stored once.
+    Tokenizer files (:data:`TOKENIZER_FILES`) are copied; ``bos``/``eos`` ids are kept from
+    ``config.json``. Runs in one process and holds one directory's tensors in memory.
+
+    Raises:
+        ModelDirError: not a Llama directory, a missing/unexpected/wrongly-shaped tensor (named),
+            or ``out_dir`` is ``src`` itself.
+    """
+    src, out = resolve_model_dir(src), Path(out_dir)
+    cfg = read_model_dir_config(src)
+    if out.resolve() == src.resolve():
+        raise ModelDirError(f"output directory {out} is the source directory")
+    with torch.device("meta"):
+        model = Llama(cfg)
+    where = check_weights(src, model)
+    state: dict[str, torch.Tensor] = {}
+    for name, _ in model.named_parameters():
+        with safe_open(str(where[name]), framework="pt") as st:
+            t = st.get_tensor(name)
+        state[name] = t if dtype is None else t.to(dtype)
+    source_config = json.loads((src / "config.json").read_text())
+    special = {"bos": source_config.get("bos_token_id"), "eos": source_config.get("eos_token_id")}
+    tokenizer = src / "tokenizer.json"
+    extra = [src / name for name in TOKENIZER_FILES[1:] if (src / name).is_file()]
+    return save_model_dir(state, cfg, out, tokenizer if tokenizer.is_file() else None, special, extra)

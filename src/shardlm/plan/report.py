@@ -1,0 +1,107 @@
+"""The report ``shardlm plan`` prints: memory breakdown, fit, suggestions when it does not fit, step time."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+from shardlm.config import Config
+from shardlm.errors import ConfigError
+from shardlm.plan.devices import get_device
+from shardlm.plan.memory import PARTS, MemoryPlan, plan_memory
+from shardlm.plan.time import plan_time
+
+GIB = 1024**3
+LABELS = {
+    "params": "parameters (sharded fp32 + unsharded copies)",
+    "grads": "gradients",
+    "optimizer": "optimizer state (AdamW)",
+    "all_gather": "all-gather buffers",
+    "reduce_scatter": "reduce-scatter buffers (DDP: buckets)",
+    "activations": "activations (saved for backward)",
+    "temporaries": "temporaries (logits, fp32 log-softmax, grads)",
+    "buffers": "buffers (RoPE tables)",
+}
+
+
+def _variant(cfg: Config, **changes: object) -> Config:
+    out = copy.deepcopy(cfg)
+    for dotted, value in changes.items():
+        section, key = dotted.split("__")
+        setattr(getattr(out, section), key, value)
+    return out
+
+
+def suggestions(cfg: Config, world_size: int, device: str, budget: float) -> list[str]:
+    """Changes that would make ``cfg`` fit in ``budget`` bytes, each with its predicted peak."""
+    out: list[str] = []
+    p = cfg.parallel
+    tries: list[tuple[str, Callable[[], Config]]] = []
+    if (getattr(p, "activation_checkpoint", "none") or "none") in ("none", False):
+        tries.append(("--parallel.activation_checkpoint=\"selective\"",
+                      lambda: _variant(cfg, parallel__activation_checkpoint="selective")))
+        tries.append(("--parallel.activation_checkpoint=\"full\"",
+                      lambda: _variant(cfg, parallel__activation_checkpoint="full")))
+    if str(getattr(p, "param_dtype", "") or "float32") in ("float32", "fp32"):
+        tries.append(("--parallel.param_dtype=\"bfloat16\" --parallel.reduce_dtype=\"float32\"",
+                      lambda: _variant(cfg, parallel__param_dtype="bfloat16", parallel__reduce_dtype="float32")))
+    if cfg.train.micro_batch_size > 1:
+        tries.append((f"--train.micro_batch_size={cfg.train.micro_batch_size // 2}",
+                      lambda: _variant(cfg, train__micro_batch_size=cfg.train.micro_batch_size // 2)))
+    for text, make in tries:
+        try:
+            plan = plan_memory(make(), world_size, device)
+        except ConfigError:
+            continue
+        if plan.peak <= budget:
+            out.append(f"{text}: {plan.peak / GIB:.1f} GiB")
+    if p.mode == "fsdp":
+        for n in (2 * world_size, 4 * world_size, 8 * world_size):
+            try:
+                plan = plan_memory(cfg, n, device)
+            except ConfigError:
+                continue
+            if plan.peak <= budget:
+                out.append(f"--world-size {n} (shards over more ranks): {plan.peak / GIB:.1f} GiB")
+                break
+    return out
+
+
+def format_plan(cfg: Config, world_size: int, device_name: str, headroom: float) -> str:
+    """The report ``shardlm plan`` prints."""
+    device = get_device(device_name)
+    plan: MemoryPlan = plan_memory(cfg, world_size, device_name)
+    times = plan_time(cfg, world_size, device, plan.params)
+    budget = device.memory_bytes * (1 - headroom)
+    st = cfg.parallel
+    lines = [
+        f"plan | {cfg.run.name}: {plan.params:,} parameters, {st.mode} at world size {world_size} on "
+        f"{device.name} ({device.memory_bytes / GIB:.1f} GiB)",
+        f"  micro-batch {cfg.train.micro_batch_size} x {cfg.train.seq_len} tokens, {plan.micro_batches} "
+        f"micro-batch(es)/step; param_dtype {getattr(st, 'param_dtype', None) or 'float32'}, reduce_dtype "
+        f"{getattr(st, 'reduce_dtype', None) or 'param_dtype'}; activation checkpointing "
+        f"{getattr(st, 'activation_checkpoint', None) or 'none'}; cpu_offload {getattr(st, 'cpu_offload', False)}",
+        f"  per-rank peak memory (at {plan.phase}):",
+    ]
+    for part in PARTS:
+        lines.append(f"    {LABELS[part]:<48} {plan.breakdown.get(part, 0) / GIB:9.3f} GiB")
+    lines.append(f"    {'total':<48} {plan.peak / GIB:9.3f} GiB")
+    if plan.host_bytes:
+        lines.append(f"    (in host memory, CPU offload: {plan.host_bytes / GIB:.3f} GiB)")
+    fits = plan.peak <= budget
+    lines.append(f"  {'fits' if fits else 'does not fit'}: {plan.peak / GIB:.1f} GiB of "
+                 f"{budget / GIB:.1f} GiB usable ({headroom:.0%} kept for fragmentation)")
+    if not fits:
+        fixes = suggestions(cfg, world_size, device_name, budget)
+        lines.append("  to fit, change one of:" if fixes else "  no single change tried fits; combine "
+                     "activation checkpointing, bf16 parameters, a smaller micro-batch and more ranks")
+        lines.extend(f"    {f}" for f in fixes)
+    lines += [
+        f"  step time: compute {times.compute_s:.3f} s ({times.flops:.3e} FLOPs at peak), communication "
+        f"{times.comm_s:.3f} s ({times.comm_bytes / GIB:.2f} GiB per rank)",
+        f"             {times.overlapped_s:.3f} s fully overlapped, {times.serial_s:.3f} s serial (lower bounds: "
+        "100% MFU)",
+    ]
+    return "\n".join(lines)
+
+

@@ -1,0 +1,155 @@
+"""The layout rules: no import cycle among shardlm's modules, imports at the top outside the CLI, a CLI that
+parses its arguments before importing torch, and a README layout table that matches the folders."""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, cpu_env
+
+SRC = ROOT / "src"
+PACKAGE = SRC / "shardlm"
+
+#: third-party packages that are optional (an extra) or slow to import: importing them inside a function is fine
+OPTIONAL = {"transformers", "gguf", "tensorboard", "matplotlib", "wandb", "mlflow", "pyarrow", "zstandard",
+            "datasets", "peft", "torchao", "jinja2"}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(SRC).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, ast.Module]:
+    return {module_name(p): ast.parse(p.read_text(), str(p)) for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def imported(node: ast.Import | ast.ImportFrom, known: set[str]) -> set[str]:
+    """The shardlm modules an import statement loads, packages (their ``__init__``) included."""
+    if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+    else:
+        base = node.module or ""
+        names = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+    out = set()
+    for name in names:
+        parts = name.split(".")
+        out |= {".".join(parts[:i]) for i in range(1, len(parts) + 1) if ".".join(parts[:i]) in known}
+    return out
+
+
+def top_level_graph() -> dict[str, set[str]]:
+    """Module -> the shardlm modules it imports when it is imported (statements outside functions)."""
+    trees = modules()
+    known = set(trees)
+    graph = {}
+    for name, tree in trees.items():
+        deps: set[str] = set()
+        stack: list[ast.AST] = list(tree.body)
+        while stack:  # module level, including if/try blocks, but not function or class bodies
+            node = stack.pop()
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                deps |= imported(node, known)
+            elif isinstance(node, (ast.If, ast.Try)):
+                stack += [*node.body, *node.orelse, *getattr(node, "finalbody", []),
+                          *[s for h in getattr(node, "handlers", []) for s in h.body]]
+        # a package's own ``__init__`` runs before its submodules: importing it from one of them is no cycle
+        ancestors = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)}
+        graph[name] = deps - {name} - ancestors
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of ``graph`` as a list of modules, or None (depth-first search)."""
+    state: dict[str, int] = {}
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for dep in sorted(graph[node]):
+            if state.get(dep) == 1:
+                return path[path.index(dep):] + [dep]
+            if dep not in state and (cycle := visit(dep)):
+                return cycle
+        state[node] = 2
+        path.pop()
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_import_cycle():
+    graph = top_level_graph()
+    assert len(graph) > 40 and "shardlm.train.trainer" in graph
+    assert "shardlm.convert.hf_in" in graph["shardlm.train.build"]
+    assert find_cycle(graph) is None, f"import cycle: {' -> '.join(find_cycle(graph))}"
+
+
+def test_imports_at_the_top_outside_the_cli():
+    """A function-local import outside ``shardlm/cli/`` is allowed only for an optional dependency."""
+    local = []
+    for name, tree in modules().items():
+        if name.startswith("shardlm.cli"):
+            continue
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Import):
+                    roots = {a.name.split(".")[0] for a in node.names}
+                elif isinstance(node, ast.ImportFrom):
+                    roots = {(node.module or "").split(".")[0]}
+                    if node.module and node.module.startswith("torch.utils.tensorboard"):
+                        roots = {"tensorboard"}
+                else:
+                    continue
+                if not roots <= OPTIONAL:
+                    local.append(f"{name}.{fn.name}: {ast.unparse(node)}")
+    assert not local, "function-local imports:\n" + "\n".join(local)
+
+
+def test_cli_help_imports_no_torch():
+    """``shardlm --help`` and each subcommand's help parse arguments before anything imports torch."""
+    script = ("import sys, contextlib, io\nfrom shardlm.cli.main import main\nfor argv in sys.argv[1:]:\n"
+              "    with contextlib.redirect_stdout(io.StringIO()):\n        try:\n"
+              "            main(argv.split())\n        except SystemExit:\n            pass\n"
+              "print('torch' in sys.modules)")
+    helps = ["--help"] + [f"{c} --help" for c in ("prepare", "generate", "eval", "report", "export", "inspect",
+                                                 "import", "plan", "profile")]
+    proc = subprocess.run([sys.executable, "-c", script, *helps], env=cpu_env(), capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("command", ["generate", "eval", "plan"])
+def test_help_shows_every_default(command):
+    proc = subprocess.run([sys.executable, "-m", "shardlm", command, "--help"], env=cpu_env(), capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "(default:" in proc.stdout
+
+
+def test_readme_layout_matches_the_folders():
+    """Every package folder is in the README's layout table, each with an ``__init__`` docstring."""
+    readme = (ROOT / "README.md").read_text()
+    table = set(re.findall(r"^\| `src/shardlm/(\w+)/` \|", readme, flags=re.M))
+    folders = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
+    assert table == folders
+    for init in PACKAGE.glob("*/__init__.py"):
+        assert ast.get_docstring(ast.parse(init.read_text())), f"{init} has no docstring"

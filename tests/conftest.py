@@ -49,6 +49,13 @@ def torchrun(nproc: int, args: list[str], timeout: float = 300, check: bool = Tr
     return proc
 
 
+def scenario(name: str, data: Path, runs: Path, extra: dict | None = None, run: str | None = None,
+             **hooks) -> dict:
+    """One scenario for :func:`run_scenarios`: the tiny model on ``data``, run directory ``runs/<run or name>``,
+    ``extra`` overrides on top of :func:`tiny_overrides`' (hooks such as ``kill_after_step`` pass through)."""
+    return {"name": name, "config": None, "overrides": tiny_overrides(data, runs / (run or name), extra), **hooks}
+
+
 def run_scenarios(nproc: int, scenarios: list[dict], out: Path, timeout: float = 600) -> dict[str, list[dict]]:
     """Run scenarios in one torchrun launch (see tests/dist_worker.py); return {name: [rank reports]}."""
     out.mkdir(parents=True, exist_ok=True)

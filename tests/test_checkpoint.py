@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import tensorboard_scalars, tiny_overrides, torchrun
+from conftest import scenario, tensorboard_scalars, tiny_overrides, torchrun
 from shardlm.cli.main import main as shardlm_main
 from shardlm.cli.train import main as train_main
 from shardlm.convert.export import export_checkpoint
@@ -40,10 +40,6 @@ def launch(nproc: int, scenarios: list[dict], out: Path, extra_args: list[str] =
         if all(f.is_file() for f in files):
             reports[s["name"]] = [json.loads(f.read_text()) for f in files]
     return reports, proc
-
-
-def scenario(name: str, data: Path, runs: Path, run: str | None = None, extra: dict | None = None, **hooks) -> dict:
-    return {"name": name, "overrides": tiny_overrides(data, runs / (run or name), extra), **hooks}
 
 
 def micro(world: int) -> dict:

@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import conftest
 from conftest import run_scenarios, tiny_overrides, torchrun
 from shardlm.cli.train import main as train_main
 from shardlm.config import ConfigError, ModelConfig, load_config
@@ -60,9 +61,8 @@ OTHER_2 = {
 
 
 def scenario(name, data, runs, extra=None, micro=2):
-    base = {"train.steps": STEPS, "train.micro_batch_size": micro, "train.eval_interval": 0}
-    base.update(extra or {})
-    return {"name": name, "config": None, "overrides": tiny_overrides(data, runs / name, base)}
+    return conftest.scenario(name, data, runs, {"train.steps": STEPS, "train.micro_batch_size": micro,
+                                                "train.eval_interval": 0, **(extra or {})})
 
 
 @pytest.fixture(scope="module")

@@ -9,13 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import run_scenarios, tiny_overrides
+from conftest import run_scenarios, scenario
 
 LOSS_TOL, PARAM_TOL = 1e-5, 1e-4
-
-
-def scenario(name, data, runs, extra=None):
-    return {"name": name, "config": None, "overrides": tiny_overrides(data, runs / name, extra)}
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,7 @@ import pytest
 import torch.distributed as dist
 from safetensors.torch import load_file
 
+import conftest
 from conftest import WORKER, cpu_env, require_dist_marker, run_scenarios, tiny_overrides, torchrun
 from shardlm.checkpoint.manifest import list_checkpoints
 from shardlm.config import ConfigError, ParallelConfig
@@ -42,7 +43,7 @@ STEPS = {"train.steps": 8, "train.eval_interval": 4}
 
 
 def scenario(name: str, data: Path, runs: Path, extra: dict | None = None) -> dict:
-    return {"name": name, "config": None, "overrides": tiny_overrides(data, runs / name, {**STEPS, **(extra or {})})}
+    return conftest.scenario(name, data, runs, {**STEPS, **(extra or {})})
 
 
 def free_port() -> int:
@@ -160,7 +161,7 @@ def max_diffs(out: dict, runs: Path, name: str, ref: str) -> tuple[float, float,
 
 @pytest.mark.parametrize("name,ref", [
     ("hsdp2x2", "single"), ("hsdp2x2", "fsdp4"), ("hsdp2x2_accum", "single"), ("hsdp2x2_rs_every", "single"),
-    ("fsdp4", "single"),
+    # FSDP 4 against one process is tested once, in test_fsdp_parity.py
     ("nodes_fsdp2", "fsdp2"), ("nodes_hsdp2x1", "fsdp2"), ("nodes_fsdp2", "single"),
 ])
 @pytest.mark.dist

@@ -22,6 +22,7 @@ import json
 import os
 import shutil
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -36,9 +37,9 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from shardlm.checkpoint.manifest import (
-    TMP_PREFIX, CheckpointError, check_files, file_record, fsync_dir, latest_checkpoint, list_checkpoints,
-    read_manifest, write_manifest,
+    TMP_PREFIX, CheckpointError, check_files, file_record, fsync_dir, read_manifest, write_manifest,
 )
+from shardlm.checkpoint.run import new_run_id, remove_directory, run_checkpoints, run_dir_run_id
 from shardlm.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner, UnsafeCheckpointError, read_metadata
 from shardlm.config import Config
 from shardlm.parallel import DistInfo, all_reduce_sum, run_on_main
@@ -153,6 +154,9 @@ class Checkpointer:
         self.resume = resume_mode(cfg)
         self.last_save: dict[str, Any] | None = None
         self.last_load: dict[str, Any] | None = None
+        self.run_id: str | None = None  # set by load(): a new id, or the resumed run's (see checkpoint/run.py)
+        self.skipped: list[dict[str, str]] = []  # damaged checkpoints that --resume=auto passed over
+        self._save_seq = 0  # the highest save number of this run seen so far
         self._signal: int | None = None
         self._old_handlers: dict[int, Any] = {}
 
@@ -218,53 +222,109 @@ class Checkpointer:
         files = {k: v for share in shares for k, v in share.items()}
 
         def finish() -> None:
+            seq = 1 + max([self._save_seq, *(e.save_seq for e in run_checkpoints(self.root, self.run_id))])
             write_manifest(tmp, {
                 "step": step, "world_size": info.world_size, "time_unix": time.time(),
+                "run_id": self.run_id, "save_seq": seq,
                 "special_ids": self.special_ids, "config": self.cfg.to_dict(),
             }, files)
-            if final.exists():  # the same step saved again (e.g. a resumed run re-saving): replace it
-                shutil.rmtree(final)
+            if final.exists():  # the same step saved again (e.g. a run resumed from an earlier step): replace it
+                remove_directory(final)
             os.replace(tmp, final)
             fsync_dir(self.root)
-            self._prune()
+            self._save_seq = seq
+            self._prune(final)
 
         run_on_main(finish, info)
         self.last_save = {"step": step, "seconds": time.perf_counter() - start,
                           "bytes": sum(f["bytes"] for f in files.values()), "path": str(final)}
         return final
 
-    def _prune(self) -> None:
-        """Delete unfinished saves and all but the newest ``checkpoint.keep`` complete checkpoints (rank 0)."""
+    def _prune(self, just_written: Path) -> None:
+        """Delete unfinished saves, then this run's checkpoints beyond the newest ``checkpoint.keep`` (rank 0).
+
+        Only checkpoints of this run (``run_id``) are candidates, ordered by save (see checkpoint/run.py):
+        another run's checkpoints are never deleted, and neither is ``just_written`` (the newest complete
+        one) whatever ``keep`` says. Each is renamed to a temporary name before it is deleted, so a kill
+        here never leaves a half-deleted checkpoint that looks complete.
+        """
         for p in self.root.iterdir():
             if p.name.startswith(TMP_PREFIX):
                 shutil.rmtree(p, ignore_errors=True)
         keep = self.cfg.checkpoint.keep
         if keep > 0:
-            for _, p in list_checkpoints(self.root)[:-keep]:
-                shutil.rmtree(p, ignore_errors=True)
+            for entry in run_checkpoints(self.root, self.run_id)[keep:]:
+                if entry.path != just_written:
+                    remove_directory(entry.path)
 
     # ---- load ---------------------------------------------------------------------------
-    def resume_path(self) -> Path | None:
-        """The checkpoint to resume from: none, the newest complete one (``auto``), or the given path."""
+    def _resume_plan(self) -> tuple[str, list[str]]:
+        """(run id, checkpoints to try, best first) for this job; rank 0 reads the disk.
+
+        Fresh start: a new run id, nothing to try. ``auto``: the run directory's run
+        (:func:`shardlm.checkpoint.run.run_dir_run_id`) and its complete checkpoints, newest save first
+        (a new id when there is none at all). A path: that checkpoint and its run id.
+        """
         if not self.resume:
-            return None
+            return new_run_id(), []
         if self.resume == "auto":
-            return latest_checkpoint(self.root)
-        return Path(self.resume)
+            run_id = run_dir_run_id(self.run_dir)
+            return run_id or new_run_id(), [str(e.path) for e in run_checkpoints(self.root, run_id)]
+        try:
+            run_id = read_manifest(self.resume).get("run_id")
+        except CheckpointError:  # verify_checkpoint below reports it on every rank
+            run_id = None
+        return run_id or new_run_id(), [self.resume]
+
+    def _skip_damaged(self, path: Path, error: CheckpointError) -> None:
+        """``--resume=auto`` passes over a damaged checkpoint: say so and move it aside (rank 0) for inspection.
+
+        It becomes ``step-<N>.damaged`` (``.damaged-2``... if taken): never picked again, never pruned.
+        """
+        self.skipped.append({"path": str(path), "reason": str(error)})
+        if not self.info.is_main:
+            return
+        target, n = path.with_name(path.name + ".damaged"), 1
+        while target.exists():
+            n += 1
+            target = path.with_name(f"{path.name}.damaged-{n}")
+        os.replace(path, target)
+        print(f"warning: skipping damaged checkpoint {path}: {error}; resuming from an earlier one. "
+              f"The damaged one is kept for inspection as {target}", file=sys.stderr, flush=True)
 
     def load(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> int:
         """Resume as configured: load model, optimizer, LR scheduler; return the step (0 when starting fresh).
 
-        On resume, rank 0 also drops the ``metrics.jsonl`` records past the checkpoint's step.
+        Sets ``self.run_id``: a new id on a fresh start, the resumed checkpoint's run otherwise. ``auto``
+        tries the run directory's run's checkpoints newest save first; one that fails verification is
+        skipped with a warning and moved aside (:meth:`_skip_damaged`). On resume, rank 0 also drops the
+        ``metrics.jsonl`` records past the checkpoint's step.
 
         Raises:
             CheckpointError: see :func:`verify_checkpoint` and :func:`check_shapes`; every rank raises it.
         """
-        path = self.resume_path()
-        step = 0
+        plan = [run_on_main(self._resume_plan, self.info)]
+        if self.info.world_size > 1:
+            dist.broadcast_object_list(plan, src=0)
+        self.run_id, candidates = plan[0]
+        path, manifest, metadata, step = None, None, None, 0
+        start = time.perf_counter()
+        for candidate in map(Path, candidates):
+            try:
+                manifest, metadata = verify_checkpoint(candidate, self.info.rank, self.info.world_size)
+            except CheckpointError as e:
+                if self.resume != "auto":  # an explicit --resume=PATH fails as it is
+                    raise
+                self._skip_damaged(candidate, e)
+                continue
+            path = candidate
+            break
+        if candidates and path is None:
+            raise CheckpointError(f"--resume=auto: no intact checkpoint of run {self.run_id} in {self.root}: "
+                                  + "; ".join(s["reason"] for s in self.skipped))
+        if manifest is not None:
+            self._save_seq = int(manifest.get("save_seq", 0) or 0)
         if path is not None:
-            start = time.perf_counter()
-            _, metadata = verify_checkpoint(path, self.info.rank, self.info.world_size)
             state = training_state(model, optimizer, scheduler, 0)
             check_shapes(path, metadata, state)
             try:
@@ -278,7 +338,8 @@ class Checkpointer:
         if self.resume and self.info.is_main:
             truncate_metrics(self.run_dir / "metrics.jsonl", step)
         if path is not None and self.info.is_main:
-            print(f"resumed from {path} at step {step} ({self.last_load['seconds']:.2f} s)", flush=True)
+            print(f"resumed run {self.run_id} from {path} at step {step} ({self.last_load['seconds']:.2f} s)",
+                  flush=True)
         return step
 
 

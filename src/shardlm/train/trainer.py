@@ -9,7 +9,6 @@ updates its own shard.
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 import time
@@ -22,6 +21,7 @@ from tqdm import tqdm
 
 from shardlm.checkpoint import gather_full_state_dict, save_model_dir
 from shardlm.checkpoint.dcp import Checkpointer, resume_mode
+from shardlm.checkpoint.run import clear_run_dir, write_run_config
 from shardlm.config import Config, ConfigError, gradient_accumulation_steps
 from shardlm.data import GlobalBatchSampler, TokenWindows, eval_windows, is_prepared, load_meta, prepare_corpus
 from shardlm.data.instruct import InstructionExamples, prepare_instructions, split_batch
@@ -102,6 +102,8 @@ class Trainer:
         self.checkpointer = Checkpointer(cfg, self.info, self.run_dir, data_dir(cfg) / "tokenizer.json",
                                          self.meta.get("special_ids"))
         self.step = self.checkpointer.load(self.model, self.optimizer, self.scheduler)  # 0 unless resuming
+        #: this run's id: new on a fresh start, the checkpoint's when resuming (shardlm/checkpoint/run.py)
+        self.run_id: str = self.checkpointer.run_id
         self.preempted = False
         self.history: list[dict[str, Any]] = []
         self.sample_ids: dict[int, list[int]] = {}
@@ -109,24 +111,35 @@ class Trainer:
         self._shard_bytes: list[int] | None = None
         self.logger = MetricsLogger(self.run_dir / "metrics.jsonl" if self.info.is_main else None)
         if self.info.is_main:
-            (self.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+            write_run_config(self.run_dir, self.run_id, cfg.to_dict())
         # rank-to-host map and heartbeats: a failed collective in train() names a lost node's ranks and host
         self.fault_monitor = FaultMonitor.start(self.info, cfg.parallel)
 
     # ---- set-up helpers ------------------------------------------------------------------
     def _check_run_dir(self) -> None:
-        """Refuse a non-empty run directory unless ``run.overwrite``; rank 0 then creates it."""
+        """Refuse a non-empty run directory unless resuming or ``run.overwrite``; rank 0 then creates it.
+
+        A fresh start with ``run.overwrite`` begins a new run: rank 0 removes the previous run's files
+        (checkpoints, metrics, config, final model; see :func:`shardlm.checkpoint.run.clear_run_dir`) and
+        says which, so nothing of the old run can be resumed into the new one.
+        """
         d = self.run_dir
         if d.exists() and not d.is_dir():
             raise ConfigError(f"run directory {d} exists and is not a directory: choose another --run.dir")
         resuming = bool(resume_mode(self.cfg))  # resuming continues this run dir: metrics are truncated, not wiped
         if d.exists() and any(d.iterdir()) and not self.cfg.run.overwrite and not resuming:
             raise ConfigError(f"run directory {d} is not empty: pass --run.overwrite=true or choose --run.dir")
-        torch.distributed.barrier()
-        if self.info.is_main:
+
+        def create() -> None:
             d.mkdir(parents=True, exist_ok=True)
             if not resuming:
-                (d / "metrics.jsonl").unlink(missing_ok=True)
+                removed = clear_run_dir(d)
+                if removed:
+                    print(f"run.overwrite: starting a new run in {d}; removed the previous run's "
+                          + ", ".join(removed), flush=True)
+
+        torch.distributed.barrier()  # every rank has looked at the directory before rank 0 changes it
+        run_on_main(create, self.info)
 
     def summary(self) -> str:
         """A one-screen description of the job: model, parallelism, batch, memory per rank."""

@@ -102,7 +102,10 @@ def main() -> None:
             "history": history, "start_step": start_step, "world_size": info.world_size,
             "sample_ids": {str(k): v for k, v in trainer.sample_ids.items()},
             "last_load": trainer.checkpointer.last_load, "last_save": trainer.checkpointer.last_save,
-            "run_id": trainer.run_id, "final_digest": local_digests(trainer), "skipped": trainer.checkpointer.skipped,
+            "run_id": trainer.run_id, "final_digest": local_digests(trainer),
+            "changes": [c.line() for c in trainer.checkpointer.changes],
+            "param_groups": [{k: g[k] for k in ("betas", "eps", "weight_decay", "initial_lr")}
+                             for g in trainer.optimizer.param_groups], "skipped": trainer.checkpointer.skipped,
             "preempted": trainer.preempted, "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
         }
         write_rank_report(out, scenario["name"], info.rank, report)

@@ -7,13 +7,34 @@ One torchrun launch at 2 ranks (tests/ckpt_worker.py) runs every scenario in ord
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from conftest import tiny_overrides, torchrun
+from shardlm.checkpoint.export import export_checkpoint
+from shardlm.cli.main import main as shardlm_main
+from shardlm.cli.train import main as train_main
+from shardlm.config import TrainConfig
+from shardlm.data import prepare_corpus
+from shardlm.train.optim import lr_at
 
 WORKER = Path(__file__).resolve().parent / "ckpt_worker.py"
+OLD_SCHEDULE = {"train.lr": 1e-3, "train.min_lr": 1e-4, "train.warmup_steps": 2}
+NEW_SCHEDULE = {"train.steps": 8, "train.lr": 5e-4, "train.min_lr": 5e-5, "train.warmup_steps": 1,
+                "train.betas": "[0.8, 0.99]", "train.weight_decay": 0.05, "train.grad_clip": 0.5,
+                "checkpoint.interval": 3}
+
+
+def refused_changes(other_data: Path) -> list[dict]:
+    """Changes a resume must refuse (the field each names: see test_refused_changes_name_the_field)."""
+    return [{"model.ffn_hidden": 96}, {"data.tokenizer": '"/elsewhere/tokenizer.json"'},
+            {"data.dir": f'"{other_data}"', "model.vocab_size": 512}, {"train.global_batch_size": 16},
+            {"train.seed": 1}]
 
 
 def manifest(ckpt: Path) -> dict:
@@ -25,11 +46,13 @@ def listing(run: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def launch(small_data, tmp_path_factory):
+def launch(small_data, small_corpus, tmp_path_factory):
     """One 2-rank launch of all scenarios; returns (reports {name: [rank0, rank1]}, root, finished process)."""
     root = tmp_path_factory.mktemp("resume")
     out = root / "out"
-    r1, r2, r5 = root / "r1", root / "r2", root / "r5"
+    r1, r2, r4, r5 = root / "r1", root / "r2", root / "r4", root / "r5"
+    other_data = root / "other-data"  # another tokenizer (384 tokens) on one play
+    prepare_corpus(str(small_corpus), str(other_data), None, 384, 0.1)
 
     def sc(name: str, run: Path, extra: dict, **hooks) -> dict:
         base = {"train.micro_batch_size": 4, "train.eval_interval": 0, "checkpoint.keep": 0}
@@ -53,6 +76,14 @@ def launch(small_data, tmp_path_factory):
         sc("r5_ref", r5, {"train.steps": 8, "checkpoint.interval": 2}),
         sc("r5_auto", r5, {"train.steps": 8, "checkpoint.interval": 2, "checkpoint.resume": '"auto"'},
            flip_byte=str(r5 / "checkpoints" / "step-8" / "__0_0.distcp")),
+        # a changed schedule, AdamW settings and clipping take effect at the resumed step ...
+        sc("r4_base", r4, {"train.steps": 6, "checkpoint.interval": 3, **OLD_SCHEDULE}),
+        sc("r4_changed", r4, {**NEW_SCHEDULE, "checkpoint.resume": f'"{r4 / "checkpoints/step-3"}"'}),
+        sc("r4_fresh", root / "r4_fresh", NEW_SCHEDULE),  # the new config from the start: the same lr values
+        # ... a changed model shape, tokenizer, data or global batch is refused, naming the field
+        *[sc(f"r4_refused_{i}", r4, {"train.steps": 6, **OLD_SCHEDULE, **change,
+                                     "checkpoint.resume": f'"{r4 / "checkpoints/step-3"}"'}, expect_error=True)
+          for i, change in enumerate(refused_changes(other_data))],
     ]
     out.mkdir(parents=True)
     spec = out / "spec.json"
@@ -119,3 +150,118 @@ def test_auto_resume_skips_a_damaged_checkpoint(launch):
     assert [(r["step"], r["loss"]) for r in auto[0]["history"]] == [(s, want[s]) for s in (7, 8)]
     assert all(a["final_digest"] == b["final_digest"] for a, b in zip(auto, ref))
     assert (ckpts / "step-8" / "manifest.json").is_file()  # written again by the resumed run
+
+
+def test_changed_schedule_takes_effect_at_the_resumed_step(launch):
+    reports, root, proc = launch
+    changed, fresh = reports["r4_changed"][0], reports["r4_fresh"][0]
+    assert changed["start_step"] == 3
+    got = {r["step"]: r["lr"] for r in changed["history"]}
+    want = {r["step"]: r["lr"] for r in fresh["history"]}
+    assert sorted(got) == list(range(4, 9))
+    assert all(got[s] == want[s] for s in got), (got, want)  # the new config's schedule, exactly
+    tcfg = TrainConfig(steps=8, lr=5e-4, min_lr=5e-5, warmup_steps=1)
+    assert all(abs(got[s] - lr_at(s - 1, tcfg)) <= 1e-12 for s in got)
+    assert got[8] == 5e-5 and got[4] > got[5] > got[8]  # cosine decay to the new min_lr
+    for group, decay in zip(changed["param_groups"], (0.05, 0.0)):
+        assert group == {"betas": [0.8, 0.99], "eps": 1e-8, "weight_decay": decay, "initial_lr": 5e-4}
+    assert json.loads((root / "r4" / "config.json").read_text())["train"]["lr"] == 5e-4
+    # the printed diff lists every changed field, old -> new
+    diff = [line.split(" (")[0] for line in changed["changes"]]
+    assert diff == [
+        "train.steps: 6 -> 8", "train.lr: 0.001 -> 0.0005", "train.min_lr: 0.0001 -> 5e-05",
+        "train.warmup_steps: 2 -> 1", "train.betas: [0.9, 0.95] -> [0.8, 0.99]", "train.weight_decay: 0.1 -> 0.05",
+        "train.grad_clip: 1.0 -> 0.5", f'checkpoint.resume: "" -> "{root / "r4" / "checkpoints" / "step-3"}"',
+    ], diff
+    assert "resume from " + str(root / "r4" / "checkpoints" / "step-3") + ": 8 settings differ" in proc.stdout
+    assert "  train.lr: 0.001 -> 0.0005 (takes effect: the LR schedule is rebuilt" in proc.stdout
+
+
+@pytest.mark.parametrize("i,needle", enumerate([
+    "model.ffn_hidden changed 128 -> 96 (the model's shape",
+    'data.tokenizer changed "" -> "/elsewhere/tokenizer.json"',
+    "the tokenizer differs (tokenizer.json SHA-256",
+    "train.global_batch_size changed 8 -> 16",
+    "train.seed changed 0 -> 1",
+]))
+def test_refused_changes_name_the_field(launch, i, needle):
+    reports, root, _ = launch
+    errors = [r["error"] for r in reports[f"r4_refused_{i}"]]
+    assert errors[0] == errors[1] and needle in errors[0], errors[0]
+
+
+def test_every_config_field_has_a_resume_rule():
+    from shardlm.checkpoint.resume_config import RULES, flatten, rule
+    from shardlm.config import Config
+
+    keys = list(flatten(Config().to_dict()))
+    assert len(keys) > 50
+    assert {rule(k)[0] for k in keys} == {"takes effect", "refused"}  # rule() raises for a field without one
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    for key in RULES:  # each rule is in the README's table (a row may list several fields of a section)
+        section, field = key.split(".")
+        assert f"`{key}`" in readme or f"`{field}`" in readme, key
+
+
+# ---- file-system faults and file modes (one process each) -------------------------------------------------
+def one_process(small_data: Path, run: Path, **extra) -> list[str]:
+    base = {"train.steps": 6, "train.eval_interval": 0, "checkpoint.interval": 1, "checkpoint.keep": 0}
+    return tiny_overrides(small_data, run, {**base, **extra})
+
+
+@pytest.fixture
+def tiny_fs(tmp_path):
+    """A 3 MB tmpfs (root only; skipped otherwise), unmounted afterwards."""
+    mnt = tmp_path / "tiny-fs"
+    mnt.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3M", "tmpfs", str(mnt)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("needs root to mount a tmpfs")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_full_disk_names_the_cause_keeps_the_previous_checkpoint_and_resumes_exactly(
+        small_data, tiny_fs, tmp_path, capsys):
+    run, ckpts = tiny_fs / "run", tiny_fs / "run" / "checkpoints"
+    # a checkpoint is ~1.7 MB: step-1 fits on the 3 MB file system, step-2 does not
+    assert train_main(one_process(small_data, run)) == 2
+    out = capsys.readouterr()
+    errors = [line for line in out.err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in out.err, out.err
+    assert errors[0].startswith(f"error: saving checkpoint {ckpts / 'step-2'} failed: No space left on device: "
+                                f"{ckpts / '.tmp-step-2'}/"), errors[0]
+    assert errors[0].endswith(f"; the newest complete checkpoint is still {ckpts / 'step-1'}")
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step-1"]  # nothing half-written that looks complete
+    # a read-only file system: the same kind of one-line error
+    subprocess.run(["mount", "-o", "remount,ro", str(tiny_fs)], check=True)
+    assert train_main(one_process(small_data, run, **{"checkpoint.resume": '"auto"'})) == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "error: Read-only file system: " + str(run) in err, err
+    # room again: auto-resume picks step-1 and ends bit-identical to an uninterrupted run
+    subprocess.run(["mount", "-o", "remount,rw,size=16M", str(tiny_fs)], check=True)
+    assert train_main(one_process(small_data, run, **{"checkpoint.resume": '"auto"', "checkpoint.keep": 1})) == 0
+    assert f"from {ckpts / 'step-1'} at step 1" in capsys.readouterr().out
+    assert train_main(one_process(small_data, tmp_path / "ref", **{"checkpoint.enabled": "false"})) == 0
+    got, want = (load_file(str(d / "final" / "model.safetensors")) for d in (run, tmp_path / "ref"))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_every_file_follows_the_umask(small_corpus, tmp_path):
+    old = os.umask(0o022)
+    try:
+        data, run = tmp_path / "data", tmp_path / "run"
+        prepare_corpus(str(small_corpus), str(data), None, 512, 0.1)
+        assert train_main(one_process(data, run, **{"train.steps": 2})) == 0
+        export_checkpoint(run / "checkpoints" / "step-2", tmp_path / "export")
+        assert shardlm_main(["export", str(run), str(tmp_path / "copy")]) == 0
+    finally:
+        os.umask(old)
+    files = [p for d in (data, run, tmp_path / "export", tmp_path / "copy") for p in d.rglob("*")]
+    modes = {str(p.relative_to(tmp_path)): oct(p.stat().st_mode & 0o777) for p in files}
+    assert "run/final/model.safetensors" in modes and "export/model.safetensors" in modes
+    assert "run/checkpoints/step-2/__0_0.distcp" in modes and "data/train.bin" in modes
+    bad = {k: m for k, m in modes.items() if m != (oct(0o755) if (tmp_path / k).is_dir() else oct(0o644))}
+    assert not bad, bad

@@ -11,11 +11,11 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from shardlm.atomic import atomic_directory
+from shardlm.atomic import atomic_directory, save_safetensors
 from shardlm.config import ModelConfig
 from shardlm.model import Llama, ffn_hidden_size
 
@@ -94,7 +94,7 @@ def save_model_dir(state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: st
         tensors.pop("lm_head.weight", None)
     dtype = next(iter(tensors.values())).dtype
     with atomic_directory(out) as tmp:
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        save_safetensors(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(hf_config(cfg, special_ids, dtype), indent=2) + "\n")
         if tokenizer_path is not None:
             shutil.copyfile(tokenizer_path, tmp / "tokenizer.json")

@@ -32,7 +32,7 @@ from shardlm.parallel import (
     set_gradient_sync, unwrap,
 )
 from shardlm.parallel.faults import FaultMonitor, guard_collectives
-from shardlm.train.optim import build_optimizer, build_scheduler
+from shardlm.train.optim import apply_train_config, build_optimizer, build_scheduler
 
 IGNORE_INDEX = -100
 
@@ -100,8 +100,10 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, t, self.info.device)
         self.scheduler = build_scheduler(self.optimizer, t)
         self.checkpointer = Checkpointer(cfg, self.info, self.run_dir, data_dir(cfg) / "tokenizer.json",
-                                         self.meta.get("special_ids"))
+                                         self.meta.get("special_ids"), self.meta)
         self.step = self.checkpointer.load(self.model, self.optimizer, self.scheduler)  # 0 unless resuming
+        if self.checkpointer.last_load is not None:  # the new config's schedule and AdamW settings, from here
+            apply_train_config(self.optimizer, self.scheduler, t, self.step)
         #: this run's id: new on a fresh start, the checkpoint's when resuming (shardlm/checkpoint/run.py)
         self.run_id: str = self.checkpointer.run_id
         self.preempted = False
@@ -265,27 +267,32 @@ class Trainer:
             start = {"step": 0, "val_loss": self.evaluate()}
             self.logger.log(start)
             self.history.append(start)
-        while self.step < t.steps:
-            record = self.train_step()
-            last = self.step == t.steps
-            if t.eval_interval and (self.step % t.eval_interval == 0 or last):
-                record["val_loss"] = self.evaluate()
-            if self.step % t.log_interval == 0 or last or "val_loss" in record:
-                record.update(self._per_rank_memory())
-                record["elapsed_s"] = time.perf_counter() - job_start
-                self.logger.log(record)
-                self.history.append(record)
-            bar.update(1)
-            bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}",
-                            **({"val": f"{record['val_loss']:.3f}"} if "val_loss" in record else {}))
-            self.preempted = self.checkpointer.preemption_requested()  # SIGTERM/SIGUSR1 on any rank
-            if self.checkpointer.should_save(self.step, last) or self.preempted:
-                path = self.checkpointer.save(self.model, self.optimizer, self.scheduler, self.step)
-                if info.is_main:
-                    tqdm.write(f"checkpoint {path} ({self.checkpointer.last_save['seconds']:.2f} s)")
-            if self.preempted:
-                break
-        bar.close()
+        try:  # the bar ends its line even when a step or a save fails, so an error message starts on its own
+            while self.step < t.steps:
+                record = self.train_step()
+                last = self.step == t.steps
+                if t.eval_interval and (self.step % t.eval_interval == 0 or last):
+                    record["val_loss"] = self.evaluate()
+                if self.step % t.log_interval == 0 or last or "val_loss" in record:
+                    record.update(self._per_rank_memory())
+                    record["elapsed_s"] = time.perf_counter() - job_start
+                    self.logger.log(record)
+                    self.history.append(record)
+                bar.update(1)
+                bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}",
+                                **({"val": f"{record['val_loss']:.3f}"} if "val_loss" in record else {}))
+                self.preempted = self.checkpointer.preemption_requested()  # SIGTERM/SIGUSR1 on any rank
+                if self.checkpointer.should_save(self.step, last) or self.preempted:
+                    path = self.checkpointer.save(self.model, self.optimizer, self.scheduler, self.step)
+                    if info.is_main:
+                        tqdm.write(f"checkpoint {path} ({self.checkpointer.last_save['seconds']:.2f} s)")
+                if self.preempted:
+                    break
+        except BaseException:
+            self.logger.close()  # metrics.jsonl and the event files are complete up to the last logged step
+            raise
+        finally:
+            bar.close()
         self.checkpointer.close()
         if self.preempted:
             if info.is_main:

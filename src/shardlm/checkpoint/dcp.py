@@ -24,6 +24,7 @@ import shutil
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,11 +36,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from shardlm.checkpoint.fs_errors import RecordingFileSystemWriter, copy_file, describe, probe_free_space, with_path
 from shardlm.checkpoint.manifest import (
     TMP_PREFIX, CheckpointError, check_files, file_record, fsync_dir, read_manifest, sha256_file, write_manifest,
-)
-from shardlm.checkpoint.fs_errors import (
-    RecordingFileSystemWriter, copy_file, describe, probe_free_space, with_path,
 )
 from shardlm.checkpoint.resume_config import REFUSED, Change, config_changes, data_problems
 from shardlm.checkpoint.run import new_run_id, remove_directory, run_checkpoints, run_dir_run_id
@@ -273,7 +272,7 @@ class Checkpointer:
                  else "no complete checkpoint of this run exists yet")
         return f"saving checkpoint {final} failed: {cause}; {still}"
 
-    def _on_main(self, fn: Any, final: Path, tmp: Path) -> Any:
+    def _on_main(self, fn: Callable[[], Any], final: Path, tmp: Path) -> Any:
         """:func:`run_on_main` for a save's rank-0 file work: an ``OSError`` becomes a :class:`CheckpointError`
         naming its cause and path, and the unfinished ``tmp`` directory is removed."""
 

@@ -8,20 +8,30 @@ restarted the job):
 - ``kill_in_save_step`` + ``kill_rank``: SIGKILL that rank as it starts writing its shards of that step's checkpoint;
 - ``sigterm_after_step`` + ``sigterm_rank``: send that rank SIGTERM after that step (as Slurm would).
 
+Before the trainer is built, ``flip_byte`` (a file path) has rank 0 flip one bit in the middle of
+that file (a damaged checkpoint). With ``expect_error``, a Trainer that fails to build with a
+CheckpointError or ConfigError is not fatal: each rank reports ``{"error": message}``.
+
 Each rank that finishes writes ``OUT/<name>/rank<r>.json``: history, sample ids, the step it
-resumed from, what it loaded and saved, and whether it stopped on preemption.
+resumed from, what it loaded and saved, the run id, the damaged checkpoints skipped, and whether it
+stopped on preemption.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
+from pathlib import Path
 
+import torch
 from torch.distributed.checkpoint import FileSystemWriter
 
-from dist_worker import scenario_trainers, write_rank_report
-from shardlm.parallel import exit_process
+from dist_worker import local_digests, write_rank_report
+from shardlm.checkpoint.manifest import CheckpointError
+from shardlm.config import ConfigError, load_config
+from shardlm.parallel import exit_process, init_distributed
 from shardlm.train import Trainer
 
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -54,8 +64,36 @@ def add_interruptions(trainer: Trainer, scenario: dict) -> None:
         FileSystemWriter.write_data = killing_write_data
 
 
+def flip_byte(path: str) -> None:
+    """Flip the lowest bit of the middle byte of ``path`` (rank 0; every rank waits)."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        data = bytearray(Path(path).read_bytes())
+        data[len(data) // 2] ^= 0x01
+        Path(path).write_bytes(bytes(data))
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def trainers(spec_path: str):
+    """Like dist_worker.scenario_trainers, with the ``flip_byte`` and ``expect_error`` hooks."""
+    spec = json.loads(Path(spec_path).read_text())
+    for scenario in spec["scenarios"]:
+        if "flip_byte" in scenario:
+            flip_byte(scenario["flip_byte"])
+        cfg = load_config(scenario.get("config"), scenario.get("overrides", []))
+        try:
+            trainer = Trainer(cfg, init_distributed(cfg.parallel))
+        except (CheckpointError, ConfigError) as e:
+            if not scenario.get("expect_error"):
+                raise
+            write_rank_report(Path(spec["out"]), scenario["name"], int(os.environ.get("RANK", "0")),
+                              {"error": str(e)})
+            continue
+        yield scenario, trainer, Path(spec["out"])
+
+
 def main() -> None:
-    for scenario, trainer, out in scenario_trainers(sys.argv[1]):
+    for scenario, trainer, out in trainers(sys.argv[1]):
         info = trainer.info
         start_step = trainer.step
         add_interruptions(trainer, scenario)
@@ -64,6 +102,10 @@ def main() -> None:
             "history": history, "start_step": start_step, "world_size": info.world_size,
             "sample_ids": {str(k): v for k, v in trainer.sample_ids.items()},
             "last_load": trainer.checkpointer.last_load, "last_save": trainer.checkpointer.last_save,
+            "run_id": trainer.run_id, "final_digest": local_digests(trainer),
+            "changes": [c.line() for c in trainer.checkpointer.changes],
+            "param_groups": [{k: g[k] for k in ("betas", "eps", "weight_decay", "initial_lr")}
+                             for g in trainer.optimizer.param_groups], "skipped": trainer.checkpointer.skipped,
             "preempted": trainer.preempted, "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
         }
         write_rank_report(out, scenario["name"], info.rank, report)

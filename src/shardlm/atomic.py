@@ -1,14 +1,46 @@
-"""Writing a directory atomically: build it under a temporary name, then rename it into place."""
+"""Writing files: a directory atomically (build it under a temporary name, then rename it into place), and
+safetensors files whose mode follows the umask."""
 
 from __future__ import annotations
 
 import contextlib
 import errno
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+
+from safetensors.torch import save_file
+
+
+def current_umask() -> int:
+    """The process's file mode creation mask (read by setting it and setting it back)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
+
+
+def save_safetensors(tensors: dict, path: str | os.PathLike, metadata: dict[str, str] | None = None) -> None:
+    """``safetensors.torch.save_file``, with the file's mode following the umask like every other file.
+
+    safetensors creates its file owner-only (``-rw-------``); here it becomes ``0o666 & ~umask`` (0644
+    under the usual umask 022), so others on a shared cluster can read the model as they can its config.
+
+    Raises:
+        OSError: the file cannot be written, with its errno, reason and path (safetensors reports a full
+            disk as ``SafetensorError: ... No space left on device (os error 28)``).
+    """
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except Exception as e:  # noqa: BLE001 - SafetensorError: an I/O error carries its errno only in the text
+        found = re.search(r"os error (\d+)", str(e))
+        if found is None:
+            raise
+        code = int(found.group(1))
+        raise OSError(code, os.strerror(code), str(path)) from None
+    os.chmod(path, 0o666 & ~current_umask())
 
 
 @contextlib.contextmanager
@@ -31,9 +63,7 @@ def atomic_directory(out: str | os.PathLike) -> Iterator[Path]:
             break
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it owner-only; the result is an ordinary directory
+    os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp makes it owner-only; the result is an ordinary directory
     old: Path | None = None
     try:
         yield tmp

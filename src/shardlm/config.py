@@ -147,7 +147,9 @@ class RunConfig:
     dir: str = ""
     """Run directory; empty means ``runs/<name>``."""
     overwrite: bool = False
-    """Allow writing into a non-empty run directory."""
+    """On a fresh start (no ``checkpoint.resume``): allow a non-empty run directory and start a new run in it,
+    removing the previous run's checkpoints, metrics, config and final model (each named on the console).
+    Ignored when resuming."""
 
 
 @dataclass
@@ -159,10 +161,12 @@ class CheckpointConfig:
     interval: int = 100
     """Save every this many steps (and at the last step); 0 saves only at the last step and on preemption."""
     keep: int = 3
-    """Keep the newest this many complete checkpoints, deleting older ones; 0 keeps all."""
+    """Keep this run's newest this many complete checkpoints (by save order), deleting its older ones; never
+    deletes another run's checkpoints or the one just written; 0 keeps all."""
     resume: str = ""
     """``""`` starts fresh (unless torchrun restarted the job: then ``auto``), ``auto`` resumes from the newest
-    complete checkpoint of the run directory if there is one, or a path to a ``step-<N>`` checkpoint directory."""
+    complete checkpoint of the run directory's run (``config.json``'s ``run_id``) if there is one, or a path to
+    a ``step-<N>`` checkpoint directory."""
 
 
 @dataclass

@@ -18,10 +18,13 @@ the model, and only then calls ``dcp.load``.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,24 +32,25 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from shardlm.checkpoint.fs_errors import RecordingFileSystemWriter, copy_file, describe, probe_free_space, with_path
 from shardlm.checkpoint.manifest import (
     TMP_PREFIX,
     check_files,
     file_record,
     fsync_dir,
-    latest_checkpoint,
-    list_checkpoints,
     read_manifest,
+    sha256_file,
     write_manifest,
 )
+from shardlm.checkpoint.resume_config import REFUSED, Change, config_changes, data_problems
+from shardlm.checkpoint.run import new_run_id, remove_directory, run_checkpoints, run_dir_run_id
 from shardlm.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner, read_metadata
 from shardlm.config import Config
-from shardlm.errors import CheckpointError, UnsafeCheckpointError
+from shardlm.errors import CheckpointError, ConfigError, UnsafeCheckpointError
 from shardlm.parallel import DistInfo, all_reduce_sum, run_on_main
 
 #: signals on which the ranks finish the current step, save a checkpoint and exit (Slurm sends SIGTERM or
@@ -82,6 +86,15 @@ def flat_tensors(state: dict[str, Any], prefix: str = "") -> dict[str, torch.Ten
         elif isinstance(value, (dict, list, tuple)):
             out.update(flat_tensors(value, name + "."))
     return out
+
+
+def local_bytes(state: dict[str, Any]) -> int:
+    """Bytes of this rank's part of a state dict's tensors (DTensors: the local shard)."""
+    total = 0
+    for t in flat_tensors(state).values():
+        local = t.to_local() if hasattr(t, "to_local") else t
+        total += local.numel() * local.element_size()
+    return total
 
 
 def check_shapes(path: Path, metadata: Metadata, state: dict[str, Any]) -> None:
@@ -139,14 +152,19 @@ class Checkpointer:
     """
 
     def __init__(self, cfg: Config, info: DistInfo, run_dir: Path, tokenizer_path: Path | None = None,
-                 special_ids: dict[str, int | None] | None = None) -> None:
+                 special_ids: dict[str, int | None] | None = None, data_meta: dict[str, Any] | None = None) -> None:
         self.cfg, self.info, self.run_dir = cfg, info, run_dir
         self.root = run_dir / "checkpoints"
         self.tokenizer_path = tokenizer_path
         self.special_ids = special_ids or {}
+        self.data_meta = data_meta  # the prepared data's meta.json: recorded, and compared at resume
+        self.changes: list[Change] = []  # settings that differ from the resumed checkpoint's
         self.resume = resume_mode(cfg)
         self.last_save: dict[str, Any] | None = None
         self.last_load: dict[str, Any] | None = None
+        self.run_id: str | None = None  # set by load(): a new id, or the resumed run's (see checkpoint/run.py)
+        self.skipped: list[dict[str, str]] = []  # damaged checkpoints that --resume=auto passed over
+        self._save_seq = 0  # the highest save number of this run seen so far
         self._signal: int | None = None
         self._old_handlers: dict[int, Any] = {}
 
@@ -184,7 +202,14 @@ class Checkpointer:
         return self.cfg.checkpoint.enabled and (last or (interval > 0 and step % interval == 0))
 
     def save(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, step: int) -> Path:
-        """Write ``checkpoints/step-<step>`` atomically (see the module docstring); return its path."""
+        """Write ``checkpoints/step-<step>`` atomically (see the module docstring); return its path.
+
+        Raises:
+            CheckpointError: on every rank, when a file cannot be written (a full disk, a quota, a read-only
+                file system, no permission): one line naming the cause and the path, e.g. ``saving checkpoint
+                .../step-4 failed: No space left on device: .../.tmp-step-4/__1_0.distcp (rank 1); the newest
+                complete checkpoint is still .../step-2``. The unfinished ``.tmp-`` directory is removed.
+        """
         info = self.info
         tmp, final = self.root / f"{TMP_PREFIX}step-{step}", self.root / f"step-{step}"
         start = time.perf_counter()
@@ -193,15 +218,20 @@ class Checkpointer:
             self.root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
 
-        run_on_main(clear_tmp, info)
+        self._on_main(clear_tmp, final, tmp)
         state = training_state(model, optimizer, scheduler, step)
+        writer = RecordingFileSystemWriter(tmp)  # remembers the OSError that torch.save's zip writer hides
         try:
-            dcp.save(state, storage_writer=FileSystemWriter(tmp))  # each rank its shards; rank 0 .metadata
-        except CheckpointException as e:  # derives from BaseException
-            raise CheckpointError(f"saving {tmp} failed: {e}") from None
-        if info.is_main and self.tokenizer_path is not None and self.tokenizer_path.is_file():
-            shutil.copyfile(self.tokenizer_path, tmp / "tokenizer.json")
-        names = [sorted(os.listdir(tmp)) if info.is_main else None]
+            dcp.save(state, storage_writer=writer)  # each rank its shards; rank 0 .metadata
+        except CheckpointException as e:  # derives from BaseException; raised on every rank
+            self._dcp_save_failed(final, tmp, writer.errors, state, e)
+
+        def add_tokenizer() -> list[str]:
+            if self.tokenizer_path is not None and self.tokenizer_path.is_file():
+                copy_file(self.tokenizer_path, tmp / "tokenizer.json")
+            return sorted(os.listdir(tmp))
+
+        names = [self._on_main(add_tokenizer, final, tmp)]
         if info.world_size > 1:
             dist.broadcast_object_list(names, src=0)
         mine = {name: file_record(tmp / name) for name in names[0][info.rank::info.world_size]}
@@ -212,55 +242,180 @@ class Checkpointer:
         files = {k: v for share in shares for k, v in share.items()}
 
         def finish() -> None:
+            seq = 1 + max([self._save_seq, *(e.save_seq for e in run_checkpoints(self.root, self.run_id))])
             write_manifest(tmp, {
                 "step": step, "world_size": info.world_size, "time_unix": time.time(),
-                "special_ids": self.special_ids, "config": self.cfg.to_dict(),
+                "run_id": self.run_id, "save_seq": seq, "special_ids": self.special_ids,
+                "config": self.cfg.to_dict(), "data": self.data_meta,
             }, files)
-            if final.exists():  # the same step saved again (e.g. a resumed run re-saving): replace it
-                shutil.rmtree(final)
+            if final.exists():  # the same step saved again (e.g. a run resumed from an earlier step): replace it
+                remove_directory(final)
             os.replace(tmp, final)
             fsync_dir(self.root)
-            self._prune()
+            self._save_seq = seq
+            self._prune(final)
 
-        run_on_main(finish, info)
+        self._on_main(finish, final, tmp)
         self.last_save = {"step": step, "seconds": time.perf_counter() - start,
                           "bytes": sum(f["bytes"] for f in files.values()), "path": str(final)}
         return final
 
-    def _prune(self) -> None:
-        """Delete unfinished saves and all but the newest ``checkpoint.keep`` complete checkpoints (rank 0)."""
+    def _failure(self, final: Path, cause: str) -> str:
+        """The one-line message of a failed save: cause, path, and the checkpoint ``--resume=auto`` would pick."""
+        newest = run_checkpoints(self.root, self.run_id)
+        still = (f"the newest complete checkpoint is still {newest[0].path}" if newest
+                 else "no complete checkpoint of this run exists yet")
+        return f"saving checkpoint {final} failed: {cause}; {still}"
+
+    def _on_main(self, fn: Callable[[], Any], final: Path, tmp: Path) -> Any:
+        """:func:`run_on_main` for a save's rank-0 file work: an ``OSError`` becomes a :class:`CheckpointError`
+        naming its cause and path, and the unfinished ``tmp`` directory is removed."""
+
+        def guarded() -> Any:
+            try:
+                return fn()
+            except OSError as e:
+                shutil.rmtree(tmp, ignore_errors=True)
+                cause = describe(e if e.filename else with_path(e, tmp))
+                raise CheckpointError(self._failure(final, cause)) from None
+
+        return run_on_main(guarded, self.info)
+
+    def _dcp_save_failed(self, final: Path, tmp: Path, errors: list[OSError], state: dict[str, Any],
+                         error: CheckpointException) -> None:
+        """After ``dcp.save`` failed on some rank (every rank is here): raise one :class:`CheckpointError`
+        naming the first rank's real cause (its recorded ``OSError``, else a full file system found by
+        :func:`probe_free_space`, else DCP's own message) on every rank, and remove ``tmp`` (rank 0)."""
+        local = errors[0] if errors else probe_free_space(tmp.parent, local_bytes(state))
+        causes: list[str | None] = [describe(local) if local is not None else None]
+        if self.info.world_size > 1:
+            causes = [None] * self.info.world_size
+            dist.all_gather_object(causes, describe(local) if local is not None else None)
+        found = [(rank, c) for rank, c in enumerate(causes) if c is not None]
+        if found:
+            rank, cause = found[0]
+            cause += f" (rank {rank})" if self.info.world_size > 1 else ""
+        else:
+            cause = " ".join(str(error).split())  # DCP's message, on one line
+        if self.info.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(self._failure(final, cause)) from None
+
+    def _prune(self, just_written: Path) -> None:
+        """Delete unfinished saves, then this run's checkpoints beyond the newest ``checkpoint.keep`` (rank 0).
+
+        Only checkpoints of this run (``run_id``) are candidates, ordered by save (see checkpoint/run.py):
+        another run's checkpoints are never deleted, and neither is ``just_written`` (the newest complete
+        one) whatever ``keep`` says. Each is renamed to a temporary name before it is deleted, so a kill
+        here never leaves a half-deleted checkpoint that looks complete.
+        """
         for p in self.root.iterdir():
             if p.name.startswith(TMP_PREFIX):
                 shutil.rmtree(p, ignore_errors=True)
         keep = self.cfg.checkpoint.keep
         if keep > 0:
-            for _, p in list_checkpoints(self.root)[:-keep]:
-                shutil.rmtree(p, ignore_errors=True)
+            for entry in run_checkpoints(self.root, self.run_id)[keep:]:
+                if entry.path != just_written:
+                    remove_directory(entry.path)
 
     # ---- load ---------------------------------------------------------------------------
-    def resume_path(self) -> Path | None:
-        """The checkpoint to resume from: none, the newest complete one (``auto``), or the given path."""
+    def _resume_plan(self) -> tuple[str, list[str]]:
+        """(run id, checkpoints to try, best first) for this job; rank 0 reads the disk.
+
+        Fresh start: a new run id, nothing to try. ``auto``: the run directory's run
+        (:func:`shardlm.checkpoint.run.run_dir_run_id`) and its complete checkpoints, newest save first
+        (a new id when there is none at all). A path: that checkpoint and its run id.
+        """
         if not self.resume:
-            return None
+            return new_run_id(), []
         if self.resume == "auto":
-            return latest_checkpoint(self.root)
-        return Path(self.resume)
+            run_id = run_dir_run_id(self.run_dir)
+            return run_id or new_run_id(), [str(e.path) for e in run_checkpoints(self.root, run_id)]
+        try:
+            run_id = read_manifest(self.resume).get("run_id")
+        except CheckpointError:  # verify_checkpoint below reports it on every rank
+            run_id = None
+        return run_id or new_run_id(), [self.resume]
+
+    def _skip_damaged(self, path: Path, error: CheckpointError) -> None:
+        """``--resume=auto`` passes over a damaged checkpoint: say so and move it aside (rank 0) for inspection.
+
+        It becomes ``step-<N>.damaged`` (``.damaged-2``... if taken): never picked again, never pruned.
+        """
+        self.skipped.append({"path": str(path), "reason": str(error)})
+        if not self.info.is_main:
+            return
+        target, n = path.with_name(path.name + ".damaged"), 1
+        while target.exists():
+            n += 1
+            target = path.with_name(f"{path.name}.damaged-{n}")
+        os.replace(path, target)
+        print(f"warning: skipping damaged checkpoint {path}: {error}; resuming from an earlier one. "
+              f"The damaged one is kept for inspection as {target}", file=sys.stderr, flush=True)
+
+    def _compare_config(self, path: Path, manifest: dict[str, Any], metadata: Metadata, state: dict[str, Any]) -> None:
+        """Print every setting that differs from the checkpoint's (rank 0); refuse the ones that cannot change.
+
+        See :mod:`shardlm.checkpoint.resume_config` for the rule of each field.
+
+        Raises:
+            CheckpointError: a tensor does not fit the model (:func:`check_shapes`), naming the refused fields.
+            ConfigError: a refused field changed, or the prepared data differs; names each field and why.
+        """
+        self.changes = config_changes(manifest.get("config") or {}, self.cfg.to_dict())
+        if self.changes and self.info.is_main:
+            print(f"resume from {path}: {len(self.changes)} setting{'s' if len(self.changes) > 1 else ''} "
+                  "differ from the checkpoint's (old -> new):\n" + "\n".join("  " + c.line() for c in self.changes),
+                  flush=True)
+        refused = [f"{c.key} changed {json.dumps(c.old)} -> {json.dumps(c.new)} ({c.why})"
+                   for c in self.changes if c.rule == REFUSED]
+        try:
+            check_shapes(path, metadata, state)
+        except CheckpointError as e:
+            raise CheckpointError("; ".join([str(e), *refused])) from None
+        tokenizer = None
+        if self.tokenizer_path is not None and self.tokenizer_path.is_file():
+            tokenizer = sha256_file(self.tokenizer_path)
+        refused += data_problems(manifest, self.data_meta, tokenizer)
+        if refused:
+            raise ConfigError(f"cannot resume from {path}: " + "; ".join(refused)
+                              + ". Resume with the checkpoint's values, or start a new run")
 
     def load(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> int:
         """Resume as configured: load model, optimizer, LR scheduler; return the step (0 when starting fresh).
 
-        The trainer then rewinds its metrics sinks to the returned step (:meth:`MetricsLogger.rewind`).
+        Sets ``self.run_id``: a new id on a fresh start, the resumed checkpoint's run otherwise. ``auto``
+        tries the run directory's run's checkpoints newest save first; one that fails verification is
+        skipped with a warning and moved aside (:meth:`_skip_damaged`). The trainer then rewinds its metrics
+        sinks to the returned step (:meth:`shardlm.metrics.logger.MetricsLogger.rewind`).
 
         Raises:
             CheckpointError: see :func:`verify_checkpoint` and :func:`check_shapes`; every rank raises it.
         """
-        path = self.resume_path()
-        step = 0
+        plan = [run_on_main(self._resume_plan, self.info)]
+        if self.info.world_size > 1:
+            dist.broadcast_object_list(plan, src=0)
+        self.run_id, candidates = plan[0]
+        path, manifest, metadata, step = None, None, None, 0
+        start = time.perf_counter()
+        for candidate in map(Path, candidates):
+            try:
+                manifest, metadata = verify_checkpoint(candidate, self.info.rank, self.info.world_size)
+            except CheckpointError as e:
+                if self.resume != "auto":  # an explicit --resume=PATH fails as it is
+                    raise
+                self._skip_damaged(candidate, e)
+                continue
+            path = candidate
+            break
+        if candidates and path is None:
+            raise CheckpointError(f"--resume=auto: no intact checkpoint of run {self.run_id} in {self.root}: "
+                                  + "; ".join(s["reason"] for s in self.skipped))
+        if manifest is not None:
+            self._save_seq = int(manifest.get("save_seq", 0) or 0)
         if path is not None:
-            start = time.perf_counter()
-            _, metadata = verify_checkpoint(path, self.info.rank, self.info.world_size)
             state = training_state(model, optimizer, scheduler, 0)
-            check_shapes(path, metadata, state)
+            self._compare_config(path, manifest, metadata, state)
             try:
                 dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner())
             except CheckpointException as e:  # derives from BaseException
@@ -270,7 +425,8 @@ class Checkpointer:
             step = int(state["train"]["step"].item())
             self.last_load = {"step": step, "seconds": time.perf_counter() - start, "path": str(path)}
         if path is not None and self.info.is_main:
-            print(f"resumed from {path} at step {step} ({self.last_load['seconds']:.2f} s)", flush=True)
+            print(f"resumed run {self.run_id} from {path} at step {step} ({self.last_load['seconds']:.2f} s)",
+                  flush=True)
         return step
 
 

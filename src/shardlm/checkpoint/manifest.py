@@ -57,13 +57,19 @@ def write_manifest(ckpt_dir: Path, info: dict[str, Any], files: dict[str, dict[s
     """Write ``manifest.json`` into ``ckpt_dir`` atomically (temp file, fsync, rename) and return its path.
 
     ``info`` holds step, world size, config...; ``files`` maps each file name to :func:`file_record`.
+
+    Raises:
+        OSError: the file cannot be written (naming its path, also for a full disk).
     """
     data = {"format": FORMAT, "version": VERSION, **info, "files": dict(sorted(files.items()))}
     tmp = ckpt_dir / f"{MANIFEST}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(json.dumps(data, indent=2) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(json.dumps(data, indent=2) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:  # a failed write or close names no file: name it
+        raise OSError(e.errno, e.strerror or str(e), str(tmp)) from None
     os.replace(tmp, ckpt_dir / MANIFEST)
     return ckpt_dir / MANIFEST
 

@@ -18,9 +18,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
 
-from shardlm.atomic import atomic_directory
+from shardlm.atomic import atomic_directory, save_safetensors
 from shardlm.convert.hf_config import hf_config
 from shardlm.errors import ModelDirError
 from shardlm.model.config import ModelConfig
@@ -161,7 +160,7 @@ def import_gguf(path: str | Path, out_dir: str | Path) -> Path:
     with atomic_directory(out) as tmp:  # a failure never leaves a half-written out_dir
         tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         tok.save_pretrained(str(tmp))
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        save_safetensors(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
         config = hf_config(cfg, {k: (int(v) if v is not None else None) for k, v in special.items()})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out

@@ -16,11 +16,10 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from shardlm.atomic import atomic_directory
+from shardlm.atomic import atomic_directory, save_safetensors
 from shardlm.convert.hf_config import hf_config, read_model_dir_config
 from shardlm.convert.hf_in import check_weights
 from shardlm.errors import ModelDirError
@@ -53,7 +52,7 @@ def save_model_dir(state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: st
         tensors.pop("lm_head.weight", None)
     dtype = next(iter(tensors.values())).dtype
     with atomic_directory(out) as tmp:
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        save_safetensors(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(hf_config(cfg, special_ids, dtype), indent=2) + "\n")
         if tokenizer_path is not None:
             shutil.copyfile(tokenizer_path, tmp / "tokenizer.json")

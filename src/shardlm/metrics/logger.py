@@ -31,13 +31,20 @@ class MetricsLogger:
         self._file = open(path, "a", encoding="utf-8") if path is not None else None
 
     def log(self, record: dict[str, Any]) -> None:
-        """Write one record; floats that are not finite are refused (ValueError) rather than written."""
+        """Write one record; floats that are not finite are refused (ValueError) rather than written.
+
+        Raises:
+            OSError: the file cannot be written (a full disk...), naming ``metrics.jsonl``'s path.
+        """
         for key, value in record.items():
             if isinstance(value, float) and not math.isfinite(value):
                 raise ValueError(f"refusing to log non-finite {key}={value}")
         if self._file is not None:
-            self._file.write(json.dumps(record) + "\n")
-            self._file.flush()
+            try:
+                self._file.write(json.dumps(record) + "\n")
+                self._file.flush()
+            except OSError as e:  # a failed write names no file (e.g. a full disk): name it
+                raise OSError(e.errno, e.strerror or str(e), str(self.path)) from None
         if self.tensorboard is not None:
             self.tensorboard.log(record)
 

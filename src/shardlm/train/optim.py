@@ -66,6 +66,28 @@ def build_scheduler(optimizer: torch.optim.Optimizer, tcfg: TrainConfig) -> Lamb
     return LambdaLR(optimizer, lambda step: lr_at(step, tcfg) / tcfg.lr)
 
 
+def apply_train_config(optimizer: torch.optim.Optimizer, scheduler: LambdaLR, tcfg: TrainConfig, step: int) -> None:
+    """After a resume at ``step``: AdamW's settings and the LR schedule from ``tcfg``, not the checkpoint's.
+
+    Loading restores the old run's ``betas``, ``eps``, ``weight_decay`` and base learning rate with the
+    optimizer and scheduler state; here they are set from the new config (the AdamW moments are kept), and
+    the next step's learning rate is the new schedule's value at ``step``, computed as ``LambdaLR`` does
+    (base lr × lambda(step)), so an unchanged config continues bit-identically.
+    """
+    groups = optimizer.param_groups
+    for i, group in enumerate(groups):
+        group["betas"] = tuple(tcfg.betas)
+        group["eps"] = tcfg.eps
+        group["weight_decay"] = tcfg.weight_decay if i == 0 else 0.0  # param_groups: decayed group first
+        group["initial_lr"] = tcfg.lr
+    scheduler.base_lrs = [tcfg.lr for _ in groups]
+    scheduler.last_epoch = step
+    lrs = [base * fn(step) for fn, base in zip(scheduler.lr_lambdas, scheduler.base_lrs)]
+    for group, lr in zip(groups, lrs):
+        group["lr"] = lr
+    scheduler._last_lr = lrs  # what get_last_lr() reports for the next step
+
+
 #: elements upcast to fp64 at a time when summing squares (32 MiB of fp64): memory stays bounded
 FP64_CHUNK = 1 << 22
 

@@ -9,7 +9,6 @@ updates its own shard.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Any
 import torch
 
 from shardlm.checkpoint.dcp import Checkpointer, resume_mode
+from shardlm.checkpoint.run import clear_run_dir, write_run_config
 from shardlm.config import Config, gradient_accumulation_steps
 from shardlm.convert.hf_out import gather_full_state_dict, save_model_dir
 from shardlm.data import GlobalBatchSampler, TokenWindows, eval_windows, load_meta
@@ -39,7 +39,7 @@ from shardlm.parallel import (
 from shardlm.parallel.faults import FaultMonitor, guard_collectives
 from shardlm.train.build import build_model, unwrap
 from shardlm.train.loss import token_loss_sum
-from shardlm.train.optim import build_optimizer, build_scheduler, clip_grad_norm_
+from shardlm.train.optim import apply_train_config, build_optimizer, build_scheduler, clip_grad_norm_
 
 
 def run_dir(cfg: Config) -> Path:
@@ -77,8 +77,12 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, t, self.info.device)
         self.scheduler = build_scheduler(self.optimizer, t)
         self.checkpointer = Checkpointer(cfg, self.info, self.run_dir, data_dir(cfg) / "tokenizer.json",
-                                         self.meta.get("special_ids"))
+                                         self.meta.get("special_ids"), self.meta)
         self.step = self.checkpointer.load(self.model, self.optimizer, self.scheduler)  # 0 unless resuming
+        if self.checkpointer.last_load is not None:  # the new config's schedule and AdamW settings, from here
+            apply_train_config(self.optimizer, self.scheduler, t, self.step)
+        #: this run's id: new on a fresh start, the checkpoint's when resuming (shardlm/checkpoint/run.py)
+        self.run_id: str = self.checkpointer.run_id
         self.preempted = False
         self.history: list[dict[str, Any]] = []
         self.sample_ids: dict[int, list[int]] = {}
@@ -88,24 +92,35 @@ class Trainer:
         if self.checkpointer.resume:  # resuming from step N: every sink drops what it logged after N
             self.logger.rewind(self.step)
         if self.info.is_main:
-            (self.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+            write_run_config(self.run_dir, self.run_id, cfg.to_dict())
         # rank-to-host map and heartbeats: a failed collective in train() names a lost node's ranks and host
         self.fault_monitor = FaultMonitor.start(self.info, cfg.parallel)
 
     # ---- set-up helpers ------------------------------------------------------------------
     def _check_run_dir(self) -> None:
-        """Refuse a non-empty run directory unless ``run.overwrite``; rank 0 then creates it."""
+        """Refuse a non-empty run directory unless resuming or ``run.overwrite``; rank 0 then creates it.
+
+        A fresh start with ``run.overwrite`` begins a new run: rank 0 removes the previous run's files
+        (checkpoints, metrics, config, final model; see :func:`shardlm.checkpoint.run.clear_run_dir`) and
+        says which, so nothing of the old run can be resumed into the new one.
+        """
         d = self.run_dir
         if d.exists() and not d.is_dir():
             raise ConfigError(f"run directory {d} exists and is not a directory: choose another --run.dir")
         resuming = bool(resume_mode(self.cfg))  # resuming continues this run dir: metrics are truncated, not wiped
         if d.exists() and any(d.iterdir()) and not self.cfg.run.overwrite and not resuming:
             raise ConfigError(f"run directory {d} is not empty: pass --run.overwrite=true or choose --run.dir")
-        torch.distributed.barrier()
-        if self.info.is_main:
+
+        def create() -> None:
             d.mkdir(parents=True, exist_ok=True)
             if not resuming:
-                (d / "metrics.jsonl").unlink(missing_ok=True)
+                removed = clear_run_dir(d)
+                if removed:
+                    print(f"run.overwrite: starting a new run in {d}; removed the previous run's "
+                          + ", ".join(removed), flush=True)
+
+        torch.distributed.barrier()  # every rank has looked at the directory before rank 0 changes it
+        run_on_main(create, self.info)
 
     def summary(self) -> str:
         """A one-screen description of the job: model, parallelism, batch, memory per rank."""
@@ -226,27 +241,32 @@ class Trainer:
             start = {"step": 0, "val_loss": self.evaluate()}
             self.logger.log(start)
             self.history.append(start)
-        while self.step < t.steps:
-            record = self.train_step()
-            last = self.step == t.steps
-            if t.eval_interval and (self.step % t.eval_interval == 0 or last):
-                record["val_loss"] = self.evaluate()
-            if self.step % t.log_interval == 0 or last or "val_loss" in record:
-                record.update(self._per_rank_memory())
-                record["elapsed_s"] = time.perf_counter() - job_start
-                self.logger.log(record)
-                self.history.append(record)
-            bar.update(1)
-            bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}",
-                            **({"val": f"{record['val_loss']:.3f}"} if "val_loss" in record else {}))
-            self.preempted = self.checkpointer.preemption_requested()  # SIGTERM/SIGUSR1 on any rank
-            if self.checkpointer.should_save(self.step, last) or self.preempted:
-                path = self.checkpointer.save(self.model, self.optimizer, self.scheduler, self.step)
-                if info.is_main:
-                    bar.write(f"checkpoint {path} ({self.checkpointer.last_save['seconds']:.2f} s)")
-            if self.preempted:
-                break
-        bar.close()
+        try:  # the bar ends its line even when a step or a save fails, so an error message starts on its own
+            while self.step < t.steps:
+                record = self.train_step()
+                last = self.step == t.steps
+                if t.eval_interval and (self.step % t.eval_interval == 0 or last):
+                    record["val_loss"] = self.evaluate()
+                if self.step % t.log_interval == 0 or last or "val_loss" in record:
+                    record.update(self._per_rank_memory())
+                    record["elapsed_s"] = time.perf_counter() - job_start
+                    self.logger.log(record)
+                    self.history.append(record)
+                bar.update(1)
+                bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}",
+                                **({"val": f"{record['val_loss']:.3f}"} if "val_loss" in record else {}))
+                self.preempted = self.checkpointer.preemption_requested()  # SIGTERM/SIGUSR1 on any rank
+                if self.checkpointer.should_save(self.step, last) or self.preempted:
+                    path = self.checkpointer.save(self.model, self.optimizer, self.scheduler, self.step)
+                    if info.is_main:
+                        bar.write(f"checkpoint {path} ({self.checkpointer.last_save['seconds']:.2f} s)")
+                if self.preempted:
+                    break
+        except BaseException:
+            self.logger.close()  # metrics.jsonl and the event files are complete up to the last logged step
+            raise
+        finally:
+            bar.close()
         self.checkpointer.close()
         if self.preempted:
             if info.is_main:

@@ -1,0 +1,142 @@
+"""What a resume does with each setting that differs from the checkpoint's: it takes effect, or it is refused.
+
+At resume the checkpoint's config (``manifest.json``'s ``config``) is compared with the new one, field by
+field; every changed field is printed as ``old -> new``. Each field has one rule in :data:`RULES`:
+
+- ``takes effect`` from the resumed step: the LR schedule is rebuilt from the new config at the resumed
+  step (``train.lr``, ``min_lr``, ``warmup_steps``, ``steps``), AdamW's ``betas``, ``eps`` and
+  ``weight_decay`` are set in its parameter groups (:func:`shardlm.train.optim.apply_train_config`), and
+  everything read at each step (clipping, intervals, parallelism, micro-batch size...) simply applies;
+- ``refused``: the resume stops with a message naming the field and why: the model's shape (the tensors
+  in the checkpoint have it), and whatever the data order or the meaning of a token id depends on
+  (corpus, tokenizer, seq_len, global batch size, seed), because the run must continue at exactly the
+  next sample it has not trained on.
+
+Besides the fields, the prepared data itself is compared (:func:`data_problems`): the checkpoint records
+the data directory's ``meta.json`` and the SHA-256 of its ``tokenizer.json``, so another data directory
+with other content is refused even when only ``data.dir`` changed.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+TAKES_EFFECT, REFUSED = "takes effect", "refused"
+
+_SHAPE = "the model's shape and initialisation are fixed by the checkpoint's tensors"
+_ORDER = "the run would skip or repeat samples"
+_DATA = "the prepared data (token ids and their meaning) would change"
+_SCHEDULE = "the LR schedule is rebuilt from the new config at the resumed step"
+_ADAMW = "set in AdamW's parameter groups at the resumed step (its moments are kept)"
+
+#: dotted config key (or ``section.*``) -> (rule, why); the first match wins, keys before wildcards
+RULES: dict[str, tuple[str, str]] = {
+    "model.*": (REFUSED, _SHAPE),
+    "data.corpus": (REFUSED, _DATA),
+    "data.tokenizer": (REFUSED, _DATA),
+    "data.tokenizer_vocab_size": (REFUSED, _DATA),
+    "data.val_fraction": (REFUSED, "it sets the train split: " + _ORDER),
+    "data.format": (REFUSED, _DATA),
+    "data.dir": (TAKES_EFFECT, "allowed when the data there is the same (meta.json and tokenizer.json SHA-256 "
+                               "are compared)"),
+    "train.steps": (TAKES_EFFECT, _SCHEDULE),
+    "train.lr": (TAKES_EFFECT, _SCHEDULE),
+    "train.min_lr": (TAKES_EFFECT, _SCHEDULE),
+    "train.warmup_steps": (TAKES_EFFECT, _SCHEDULE),
+    "train.betas": (TAKES_EFFECT, _ADAMW),
+    "train.eps": (TAKES_EFFECT, _ADAMW),
+    "train.weight_decay": (TAKES_EFFECT, _ADAMW),
+    "train.decay_norms_and_embeddings": (REFUSED, "it changes AdamW's parameter groups, whose state the "
+                                                  "checkpoint holds"),
+    "train.seq_len": (REFUSED, "samples are windows of seq_len + 1 tokens: " + _ORDER),
+    "train.global_batch_size": (REFUSED, "step b takes samples [b·G, (b+1)·G): " + _ORDER),
+    "train.seed": (REFUSED, "it seeds the data order: " + _ORDER),
+    "train.micro_batch_size": (TAKES_EFFECT, "the same global batch, split otherwise"),
+    "train.grad_clip": (TAKES_EFFECT, "read at every step"),
+    "train.eval_interval": (TAKES_EFFECT, "read at every step"),
+    "train.eval_tokens": (TAKES_EFFECT, "read at every evaluation"),
+    "train.log_interval": (TAKES_EFFECT, "read at every step"),
+    "parallel.*": (TAKES_EFFECT, "the checkpoint does not depend on the world size or the sharding"),
+    "run.*": (TAKES_EFFECT, "where and under which name the run writes"),
+    "checkpoint.*": (TAKES_EFFECT, "read at every step"),
+}
+
+
+def rule(key: str) -> tuple[str, str]:
+    """(``takes effect`` | ``refused``, why) for dotted config key ``key`` (see :data:`RULES`).
+
+    Raises:
+        KeyError: no rule covers ``key`` (a config field added without deciding its rule).
+    """
+    if key in RULES:
+        return RULES[key]
+    wildcard = key.split(".", 1)[0] + ".*"
+    if wildcard in RULES:
+        return RULES[wildcard]
+    raise KeyError(f"no resume rule for config field {key}")
+
+
+@dataclass(frozen=True)
+class Change:
+    """One config field that differs between the checkpoint and the new config."""
+
+    key: str
+    old: Any
+    new: Any
+    rule: str
+    why: str
+
+    def line(self) -> str:
+        """``train.lr: 0.001 -> 0.0005 (takes effect: ...)``."""
+        return f"{self.key}: {_show(self.old)} -> {_show(self.new)} ({self.rule}: {self.why})"
+
+
+_MISSING = object()
+
+
+def _show(value: Any) -> str:
+    return "(not recorded)" if value is _MISSING else json.dumps(value)
+
+
+def flatten(config: dict[str, Any]) -> dict[str, Any]:
+    """``{"train": {"lr": 0.001}}`` -> ``{"train.lr": 0.001}`` (one level of sections, as in ``Config``)."""
+    return {f"{section}.{key}": value for section, table in config.items() if isinstance(table, dict)
+            for key, value in table.items()}
+
+
+def config_changes(old: dict[str, Any], new: dict[str, Any]) -> list[Change]:
+    """Every field of ``new`` (``Config.to_dict()``) whose value differs in ``old`` (the checkpoint's), in order.
+
+    A field the checkpoint did not record (written by an older shardlm) counts as changed and takes effect.
+    """
+    before, after = flatten(old), flatten(new)
+    changes = []
+    for key, value in after.items():
+        previous = before.get(key, _MISSING)
+        if previous == value:
+            continue
+        what, why = rule(key) if previous is not _MISSING else (TAKES_EFFECT, "not recorded in the checkpoint")
+        changes.append(Change(key, previous, value, what, why))
+    return changes
+
+
+def data_problems(manifest: dict[str, Any], meta: dict[str, Any] | None, tokenizer_sha256: str | None) -> list[str]:
+    """Why the prepared data differs from the one the checkpoint was trained on (empty when the same).
+
+    Compares the checkpoint's ``data`` record (the data directory's ``meta.json``) with ``meta``, and its
+    ``tokenizer.json`` checksum with ``tokenizer_sha256``. Missing records (older checkpoints) are skipped.
+    """
+    problems = []
+    stored_tok = manifest.get("files", {}).get("tokenizer.json", {}).get("sha256")
+    if stored_tok and tokenizer_sha256 and stored_tok != tokenizer_sha256:
+        problems.append(f"the tokenizer differs (tokenizer.json SHA-256 {stored_tok[:12]}... in the checkpoint, "
+                        f"{tokenizer_sha256[:12]}... in the data directory): token ids would mean other tokens")
+    stored_meta = manifest.get("data")
+    if isinstance(stored_meta, dict) and meta is not None:
+        differ = [f"{k} {json.dumps(stored_meta.get(k))} -> {json.dumps(meta.get(k))}"
+                  for k in sorted(set(stored_meta) | set(meta)) if stored_meta.get(k) != meta.get(k)]
+        if differ:
+            problems.append("the prepared data differs from the checkpoint's (meta.json: " + ", ".join(differ) + ")")
+    return problems

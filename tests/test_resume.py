@@ -16,10 +16,10 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import tiny_overrides, torchrun
-from shardlm.checkpoint.export import export_checkpoint
 from shardlm.cli.main import main as shardlm_main
 from shardlm.cli.train import main as train_main
 from shardlm.config import TrainConfig
+from shardlm.convert.export import export_checkpoint
 from shardlm.data import prepare_corpus
 from shardlm.train.optim import lr_at
 

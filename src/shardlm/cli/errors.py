@@ -61,7 +61,8 @@ def run_cli(fn: Callable[[], int | None]) -> int:
     except OSError as e:
         if e.filename is None:  # not about a file (e.g. a socket): a failure to show whole
             raise
-        _report(f"{e.strerror or type(e).__name__}: {e.filename}", rank)  # a path that cannot be read or written
+        # a path (str, or bytes from some libraries) that cannot be read or written
+        _report(f"{e.strerror or type(e).__name__}: {os.fsdecode(e.filename)}", rank)
         return 2
     except KeyboardInterrupt:
         return 130

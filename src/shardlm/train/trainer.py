@@ -25,6 +25,11 @@ from shardlm.checkpoint.run import clear_run_dir, write_run_config
 from shardlm.config import Config, ConfigError, gradient_accumulation_steps
 from shardlm.data import GlobalBatchSampler, TokenWindows, eval_windows, is_prepared, load_meta, prepare_corpus
 from shardlm.data.instruct import InstructionExamples, prepare_instructions, split_batch
+from shardlm.data.mixture import (
+    MixtureSampler, MixtureWindows, is_mixture_prepared, prepare_mixture, source_names,
+)
+from shardlm.data.prepare import default_workers
+from shardlm.data.sync import StoreSync, check_same_data, default_store
 from shardlm.metrics import MetricsLogger, device_memory, format_bytes, shard_bytes
 from shardlm.model import num_params
 from shardlm.parallel import (
@@ -51,22 +56,39 @@ def run_dir(cfg: Config) -> Path:
     return Path(cfg.run.dir or f"runs/{cfg.run.name}")
 
 
-def prepare_data(cfg: Config) -> dict[str, Any]:
-    """Tokenize the corpus into ``data_dir(cfg)`` unless already there; return its ``meta.json``.
+def prepare_data(cfg: Config, info: DistInfo | None = None) -> dict[str, Any]:
+    """Tokenize the corpus (or every source of a mixture) into ``data_dir(cfg)`` unless already there.
+
+    Under torchrun (``info`` with more than one rank) every rank takes its share of the pieces and
+    the ranks wait for each other through the store, never in a collective (see
+    :mod:`shardlm.data.sync`); instruction data is small and rank 0 prepares it alone.
+
+    Returns:
+        The ``meta.json`` of the prepared directory.
 
     Raises:
         DataError: bad corpus or tokenizer (see :func:`shardlm.data.prepare_corpus`).
     """
     out = data_dir(cfg)
-    if cfg.data.format == "instruct":
-        if not is_prepared(str(out)):
-            prepare_instructions(cfg.data.corpus, str(out), cfg.data.tokenizer, cfg.model.vocab_size,
-                                 cfg.data.val_fraction)
+    d = cfg.data
+    distributed = info is not None and info.world_size > 1
+    if d.format == "instruct":
+        def instruct() -> None:
+            if not is_prepared(str(out)):
+                prepare_instructions(d.corpus, str(out), d.tokenizer, cfg.model.vocab_size, d.val_fraction)
+        run_on_main(instruct, info) if distributed else instruct()
+        return load_meta(str(out))
+    sync = StoreSync(default_store(), info.rank, info.world_size, str(out.absolute())) if distributed else None
+    options = dict(text_field=d.text_field, workers=d.workers or default_workers(), piece_bytes=d.piece_bytes,
+                   tokenizer_sample_bytes=d.tokenizer_sample_bytes, sync=sync)
+    vocab = d.tokenizer_vocab_size or cfg.model.vocab_size
+    if d.sources:
+        if not is_mixture_prepared(str(out), d.sources):
+            prepare_mixture(d.sources, str(out), d.tokenizer or None, vocab, d.val_fraction, cfg.train.seed,
+                            **options)
     elif not is_prepared(str(out)):
-        prepare_corpus(
-            cfg.data.corpus, str(out), cfg.data.tokenizer or None,
-            cfg.data.tokenizer_vocab_size or cfg.model.vocab_size, cfg.data.val_fraction, seed=cfg.train.seed,
-        )
+        prepare_corpus(d.corpus, str(out), d.tokenizer or None, vocab, d.val_fraction, seed=cfg.train.seed,
+                       **options)
     return load_meta(str(out))
 
 
@@ -84,7 +106,8 @@ class Trainer:
         self.accum_steps = gradient_accumulation_steps(cfg, self.info.world_size)
         self.run_dir = run_dir(cfg)
         self._check_run_dir()
-        run_on_main(lambda: prepare_data(cfg), self.info)  # rank 0 tokenizes once; others wait
+        prepare_data(cfg, self.info)  # every rank encodes its share; waiting is on the store, not a collective
+        check_same_data(str(data_dir(cfg)), self.info.rank, self.info.world_size)  # shared file system?
         self.meta = load_meta(str(data_dir(cfg)))
         if self.meta["tokenizer_vocab_size"] > cfg.model.vocab_size:
             raise ConfigError(
@@ -92,9 +115,17 @@ class Trainer:
                 f"{cfg.model.vocab_size}: raise model.vocab_size or use a smaller tokenizer")
         t = cfg.train
         dataset = InstructionExamples if cfg.data.format == "instruct" else TokenWindows
-        self.train_data = dataset(str(data_dir(cfg)), "train", t.seq_len)
-        self.val_data = dataset(str(data_dir(cfg)), "val", t.seq_len)
-        self.sampler = GlobalBatchSampler(len(self.train_data), t.global_batch_size, t.seed)
+        if cfg.data.sources:  # a mixture: one dataset per source, drawn by weight
+            names = source_names(cfg.data.sources)
+            self.train_data = MixtureWindows([TokenWindows(str(data_dir(cfg) / n), "train", t.seq_len) for n in names])
+            self.val_data = MixtureWindows([TokenWindows(str(data_dir(cfg) / n), "val", t.seq_len) for n in names],
+                                           interleave=True)
+            self.sampler = MixtureSampler([len(w) for w in self.train_data.windows],
+                                          [s.weight for s in cfg.data.sources], t.global_batch_size, t.seed)
+        else:
+            self.train_data = dataset(str(data_dir(cfg)), "train", t.seq_len)
+            self.val_data = dataset(str(data_dir(cfg)), "val", t.seq_len)
+            self.sampler = GlobalBatchSampler(len(self.train_data), t.global_batch_size, t.seed)
         self.mesh = build_mesh(self.info, cfg.parallel) if cfg.parallel.mode != "single" else None
         self.model = build_model(cfg, self.info, self.mesh)
         self.optimizer = build_optimizer(self.model, t, self.info.device)
@@ -216,11 +247,17 @@ class Trainer:
         self.step += 1
         elapsed = time.perf_counter() - start
         tokens = cfg.train.global_batch_size * cfg.train.seq_len
-        return {
+        record = {
             "step": self.step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm_value,
             "tokens_per_s": tokens / elapsed, "tokens_per_s_per_rank": tokens / elapsed / info.world_size,
             "step_time_s": elapsed,
         }
+        if isinstance(self.sampler, MixtureSampler):  # per source: tokens seen so far and its own epoch
+            drawn = self.sampler.drawn_before(self.step * cfg.train.global_batch_size)
+            for name, n, source in zip(source_names(cfg.data.sources), drawn, self.sampler.sources):
+                record[f"tokens_seen/{name}"] = int(n) * cfg.train.seq_len
+                record[f"epoch/{name}"] = int(n) / source.num_windows
+        return record
 
     @torch.no_grad()
     def evaluate(self) -> float:

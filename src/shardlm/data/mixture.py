@@ -1,10 +1,11 @@
 """Mixtures of sources: one shared tokenizer, seeded weighted draws that do not depend on the world size.
 
 Sample ``n`` of the run (global batch ``s`` holds samples ``s·G .. s·G + G - 1``) comes from the
-source given by a slot pattern: the samples are cut into periods of ``P`` slots, source ``i`` owns
-``q_i`` slots of every period (the weights apportioned to ``P`` by largest remainders, so the share
-is exact at every period's end and within ``1/P`` of the weight), and period ``k``'s slots are
-shuffled by a generator seeded with ``(seed, k)``. The ``c``-th sample a source gives is window
+source given by a slot pattern (stratified sampling): the samples are cut into periods of ``P``
+slots, source ``i`` owns ``q_i`` slots of every period, and period ``k``'s slots are shuffled by a
+generator seeded with ``(seed, k)``. ``P`` is the smallest period (at most 10,000) whose
+apportionment ``q_i / P`` is within 1e-4 of every normalised weight (0.7 / 0.3 gives ``P = 10``), so
+the draws match the weights exactly at every period's end and within ``P`` samples at any point. The ``c``-th sample a source gives is window
 ``perm_e[c mod N_i]`` of that source (``e = c div N_i``, its own epoch; ``perm_e`` the same seeded
 permutation a single dataset uses), so every source counts its epochs on its own. Everything is a
 function of ``(seed, n)``: the same sample ids at any world size, and a resumed run continues each
@@ -60,6 +61,15 @@ def apportion(weights: list[float], slots: int) -> list[int]:
     return counts
 
 
+def smallest_period(weights: list[float], tol: float = 1e-4, most: int = 10_000) -> int:
+    """The smallest ``P <= most`` whose apportionment is within ``tol`` of every normalised weight (else ``most``)."""
+    total = float(sum(weights))
+    for p in range(1, most + 1):
+        if all(abs(q / p - w / total) <= tol for q, w in zip(apportion(weights, p), weights)):
+            return p
+    return most
+
+
 class MixtureSampler(GlobalBatchSampler):
     """Global batches drawn from several sources by weight (see the module docstring).
 
@@ -72,7 +82,7 @@ class MixtureSampler(GlobalBatchSampler):
         weights: Weight of each source (> 0).
         global_batch_size: ``G``, samples per optimizer step over all ranks.
         seed: Data-order seed.
-        period: ``P``, slots per period.
+        period: ``P``, slots per period; 0 picks the smallest within 1e-4 of the weights (up to 10,000).
 
     Raises:
         ValueError: empty or mismatched lists, a non-positive count or weight.
@@ -81,7 +91,7 @@ class MixtureSampler(GlobalBatchSampler):
     _CACHE_PERIODS = 4
 
     def __init__(self, num_windows: list[int], weights: list[float], global_batch_size: int, seed: int,
-                 period: int = 10_000) -> None:
+                 period: int = 0) -> None:
         if not num_windows or len(num_windows) != len(weights):
             raise ValueError("need one weight per source and at least one source")
         if min(num_windows) < 1 or min(weights) <= 0:
@@ -90,7 +100,7 @@ class MixtureSampler(GlobalBatchSampler):
         self.sources = [GlobalBatchSampler(n, 1, seed * 7919 + i) for i, n in enumerate(num_windows)]
         self.offsets = np.concatenate([[0], np.cumsum(num_windows)[:-1]]).astype(np.int64)
         self.weights = [float(w) for w in weights]
-        self.period = int(period)
+        self.period = int(period) or smallest_period(self.weights)
         self.quota = np.asarray(apportion(self.weights, self.period), dtype=np.int64)
         self._periods: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
 
@@ -283,6 +293,10 @@ def prepare_mixture(sources: list[Any], out_dir: str, tokenizer_path: str | None
         "content_sha256": "".join(m["content_sha256"][:16] for m in metas),
         "seed": int(seed),
     }
+    if sync is not None:  # every rank has seen its sources complete before rank 0 moves the directory
+        sync.count("mixture-ranks")
+        if rank == 0:
+            sync.wait_count("mixture-ranks", sync.world_size, "the other ranks", lambda: "")
     if rank == 0:
         (stage / "mixture.json").unlink()
         (stage / META_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")

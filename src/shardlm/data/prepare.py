@@ -34,6 +34,7 @@ rest. ``out_dir`` never holds a half-written dataset: it appears (or is replaced
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import pathlib
@@ -182,7 +183,7 @@ def _write_json(path: pathlib.Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
-def _stage(stage: pathlib.Path, fingerprint: dict[str, Any], pieces: list[Piece], tokenizer_path: str | None,
+def _stage(corpus: str, stage: pathlib.Path, fingerprint: dict[str, Any], pieces: list[Piece], tokenizer_path: str | None,
            vocab_size: int, text_field: str, seed: int, sample_bytes: int, log: Callable[[str], None]) -> None:
     """Rank 0: make the staging directory hold this plan and its tokenizer (kept when the plan is unchanged)."""
     old = stage / _FINGERPRINT
@@ -199,7 +200,11 @@ def _stage(stage: pathlib.Path, fingerprint: dict[str, Any], pieces: list[Piece]
             tok = load_tokenizer(tokenizer_path)
         else:
             t0 = time.perf_counter()
-            tok = train_tokenizer(_sample_texts(pieces, text_field, sample_bytes, seed), vocab_size)
+            texts = _sample_texts(pieces, text_field, sample_bytes, seed)
+            first = next(texts, None)
+            if first is None:
+                raise DataError(f"empty corpus: {corpus!r} contains no non-whitespace text")
+            tok = train_tokenizer(itertools.chain([first], texts), vocab_size)
             log(f"prepare: trained a {tok.get_vocab_size()}-token BPE on a sample of at most "
                 f"{sample_bytes / 1e6:.0f} MB in {time.perf_counter() - t0:.1f} s")
         tmp = stage / "tokenizer.json.tmp"
@@ -249,6 +254,8 @@ def _train_counts(stage: pathlib.Path, shards: list[dict[str, Any]], dtype: np.d
 def _finalize(stage: pathlib.Path, pieces: list[Piece], records: list[dict[str, Any]], corpus: str,
               dtype: np.dtype, vocab_size: int, tok_vocab: int, special: dict[str, int | None],
               val_fraction: float, seed: int, text_field: str, skipped: list[str]) -> dict[str, Any]:
+    if not sum(int(r["documents"]) for r in records):
+        raise DataError(f"empty corpus: {corpus!r} contains no non-whitespace text")
     total = sum(int(r["tokens"]) for r in records)
     n_val = int(round(total * val_fraction))
     n_train = total - n_val
@@ -366,7 +373,7 @@ def prepare_corpus(
         if rank == 0:
             stage.parent.mkdir(parents=True, exist_ok=True)
             fingerprint = _fingerprint(pieces, tokenizer_path, vocab_size, text_field, seed, tokenizer_sample_bytes)
-            _stage(stage, fingerprint, pieces, tokenizer_path, vocab_size, text_field, seed,
+            _stage(corpus, stage, fingerprint, pieces, tokenizer_path, vocab_size, text_field, seed,
                    tokenizer_sample_bytes, say)
             if sync is not None:
                 sync.publish("staged")

@@ -25,6 +25,7 @@ Every bad input is one :class:`DataError` naming the file and, where it applies,
 from __future__ import annotations
 
 import dataclasses
+import functools
 import glob
 import gzip
 import importlib
@@ -213,8 +214,10 @@ def _line_cuts(path: pathlib.Path, size: int, piece_bytes: int) -> list[int]:
     return cuts
 
 
+@functools.lru_cache(maxsize=4)
 def _hf_dataset(spec: str) -> Any:
-    """Open a ``save_to_disk`` directory or ``hf:NAME[:SPLIT]`` from the local cache (offline)."""
+    """Open a ``save_to_disk`` directory or ``hf:NAME[:SPLIT]`` from the local cache (offline; memory-mapped,
+    so an open dataset costs little memory; the last few are kept open)."""
     datasets = _optional("datasets", "Hugging Face datasets")
     if spec.startswith("hf:"):
         name, _, split = spec[3:].partition(":")
@@ -315,11 +318,50 @@ def _open_binary(piece: Piece) -> io.BufferedIOBase:
     if piece.compression == "gz":
         return gzip.GzipFile(fileobj=raw, mode="rb")  # type: ignore[return-value]
     if piece.compression == "zst":
-        zstd = _optional("zstandard", ".zst files")
-        reader = zstd.ZstdDecompressor().stream_reader(raw, read_across_frames=True, closefd=True)
-        return io.BufferedReader(reader, buffer_size=_READ_BLOCK)  # type: ignore[arg-type]
+        return io.BufferedReader(_ZstdStream(raw), buffer_size=_READ_BLOCK)  # type: ignore[return-value]
     raw.seek(piece.start)
     return raw  # type: ignore[return-value]
+
+
+class _ZstdStream(io.RawIOBase):
+    """Decompresses a ``.zst`` file frame after frame; a file that ends inside a frame is an error.
+
+    (``zstandard``'s ``stream_reader`` returns a truncated stream's data and then a clean end of file.)
+    """
+
+    def __init__(self, raw: io.BufferedReader) -> None:
+        self.zstd = _optional("zstandard", ".zst files")
+        self.raw = raw
+        self.dobj = self.zstd.ZstdDecompressor().decompressobj()
+        self.in_frame = False
+        self.pending = b""
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        while not self.pending:
+            data = self.raw.read(_READ_BLOCK)
+            if not data:
+                if self.in_frame:
+                    raise EOFError("the file ends inside a zstd frame (truncated)")
+                return 0
+            while data:
+                self.in_frame = True
+                self.pending += self.dobj.decompress(data)
+                data = b""
+                if self.dobj.eof:  # frame complete: the rest starts a new frame
+                    data = self.dobj.unused_data
+                    self.dobj = self.zstd.ZstdDecompressor().decompressobj()
+                    self.in_frame = False
+        n = min(len(buffer), len(self.pending))
+        buffer[:n] = self.pending[:n]
+        self.pending = self.pending[n:]
+        return n
+
+    def close(self) -> None:
+        self.raw.close()
+        super().close()
 
 
 def _stream_errors(piece: Piece) -> tuple[type[BaseException], ...]:

@@ -106,7 +106,9 @@ class Trainer:
         self.accum_steps = gradient_accumulation_steps(cfg, self.info.world_size)
         self.run_dir = run_dir(cfg)
         self._check_run_dir()
+        start = time.perf_counter()
         prepare_data(cfg, self.info)  # every rank encodes its share; waiting is on the store, not a collective
+        self.prepare_s = time.perf_counter() - start  # seconds spent preparing (or finding prepared) data
         check_same_data(str(data_dir(cfg)), self.info.rank, self.info.world_size)  # shared file system?
         self.meta = load_meta(str(data_dir(cfg)))
         if self.meta["tokenizer_vocab_size"] > cfg.model.vocab_size:

@@ -101,6 +101,7 @@ def main() -> None:
             "world_size": info.world_size,
             "final_digest": local_digests(trainer),
             "mesh": list(trainer.mesh.mesh_dim_names) if trainer.mesh is not None else None,
+            "prepare_s": trainer.prepare_s,
         })
         write_rank_report(out, scenario["name"], info.rank, report)
 

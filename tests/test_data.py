@@ -16,6 +16,7 @@ from shardlm.data import (
     EOS,
     DataError,
     GlobalBatchSampler,
+    TokenStream,
     TokenWindows,
     eval_windows,
     is_prepared,
@@ -45,6 +46,11 @@ Another moon: \\[Aside\\] but, O, methinks, how slow
 __\\[Awaking]_
 *Exit.*
 """
+
+
+def _split_tokens(out: pathlib.Path, split: str) -> np.ndarray:
+    stream = TokenStream(str(out), split)
+    return stream.read(0, stream.num_tokens)
 
 
 def _text(n_lines: int, seed: int = 0) -> str:
@@ -184,10 +190,11 @@ def test_prepare_corpus(tmp_path: pathlib.Path, small_corpus: pathlib.Path) -> N
     assert meta["dtype"] == "uint16"
     assert meta["tokenizer_vocab_size"] <= 320
     assert meta["special_ids"] == {"bos": 0, "eos": 1, "eod": 2}
-    train = np.fromfile(out / "train.bin", dtype=np.uint16)
-    val = np.fromfile(out / "val.bin", dtype=np.uint16)
+    train = _split_tokens(out, "train")
+    val = _split_tokens(out, "val")
     assert len(train) == meta["train_tokens"] and len(val) == meta["val_tokens"]
-    assert (out / "train.bin").stat().st_size == 2 * meta["train_tokens"]
+    shard_bytes = sum((out / s["file"]).stat().st_size for s in meta["shards"])
+    assert shard_bytes == 2 * (meta["train_tokens"] + meta["val_tokens"])
 
     # rebuild the stream independently: BOS doc0 EOD doc1 EOD ...
     tok = load_tokenizer(str(out / "tokenizer.json"))
@@ -214,7 +221,9 @@ def test_prepare_corpus(tmp_path: pathlib.Path, small_corpus: pathlib.Path) -> N
     # uint32 when the model vocab exceeds 65536
     big = prepare_corpus(str(small_corpus), str(tmp_path / "big"), str(out / "tokenizer.json"), 70_000, 0.1)
     assert big["dtype"] == "uint32"
-    assert (tmp_path / "big" / "train.bin").stat().st_size == 4 * big["train_tokens"]
+    assert _split_tokens(tmp_path / "big", "train").tolist() == train.tolist()
+    assert sum((tmp_path / "big" / s["file"]).stat().st_size for s in big["shards"]) == 4 * (
+        big["train_tokens"] + big["val_tokens"])
 
 
 def test_prepare_single_document_gets_both_splits(tmp_path: pathlib.Path) -> None:
@@ -227,11 +236,11 @@ def test_prepare_single_document_gets_both_splits(tmp_path: pathlib.Path) -> Non
 def test_prepare_errors(tmp_path: pathlib.Path, small_corpus: pathlib.Path) -> None:
     out = tmp_path / "prepared"
     prepare_corpus(str(small_corpus), str(out), None, vocab_size=400, val_fraction=0.1)
-    before = (out / "train.bin").read_bytes()
+    before = _split_tokens(out, "train").tobytes()
     n = load_meta(str(out))["tokenizer_vocab_size"]
     with pytest.raises(DataError, match=rf"{n}.*{n - 1}"):
         prepare_corpus(str(small_corpus), str(out), str(out / "tokenizer.json"), n - 1, 0.1)
-    assert (out / "train.bin").read_bytes() == before  # failed run left out_dir intact
+    assert _split_tokens(out, "train").tobytes() == before  # failed run left out_dir intact
     for frac in (0.0, 1.0, -0.5):
         with pytest.raises(DataError, match="val_fraction"):
             prepare_corpus(str(small_corpus), str(tmp_path / "x"), None, 400, frac)

@@ -263,6 +263,6 @@ def test_every_file_follows_the_umask(small_corpus, tmp_path):
     files = [p for d in (data, run, tmp_path / "export", tmp_path / "copy") for p in d.rglob("*")]
     modes = {str(p.relative_to(tmp_path)): oct(p.stat().st_mode & 0o777) for p in files}
     assert "run/final/model.safetensors" in modes and "export/model.safetensors" in modes
-    assert "run/checkpoints/step-2/__0_0.distcp" in modes and "data/train.bin" in modes
+    assert "run/checkpoints/step-2/__0_0.distcp" in modes and "data/tokens/000000.bin" in modes
     bad = {k: m for k, m in modes.items() if m != (oct(0o755) if (tmp_path / k).is_dir() else oct(0o644))}
     assert not bad, bad

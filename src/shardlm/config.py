@@ -23,15 +23,37 @@ from shardlm.model.config import ModelConfig
 
 
 @dataclass
+class DataSource:
+    """One source of a mixture (``[[data.sources]]``)."""
+
+    path: str = ""
+    """The corpus: anything ``data.corpus`` accepts."""
+    weight: float = 1.0
+    """Share of the training samples drawn from this source, relative to the other sources' weights."""
+    name: str = ""
+    """Name in metrics and in the data directory; empty means ``source<i>``."""
+
+
+@dataclass
 class DataConfig:
     """Corpus, tokenizer and where the token ids are stored."""
 
     corpus: str = "shakespeare"
-    """``shakespeare`` (the embedded default), a .txt/.md file, a directory of them, or a .jsonl file with a ``text`` field."""
+    """``shakespeare`` (the embedded default); a .txt/.md/.jsonl file (each also .gz/.zst) or .parquet; a datasets
+    ``save_to_disk`` directory; ``hf:NAME[:SPLIT]`` (the local Hugging Face cache, offline); a directory of any of
+    these (recursive) or a glob."""
     tokenizer: str = ""
-    """Path to an existing ``tokenizer.json``; empty trains a byte-level BPE on the corpus."""
+    """Path to an existing ``tokenizer.json``; empty trains a byte-level BPE on a sample of the corpus."""
     tokenizer_vocab_size: int = 0
     """Vocabulary size of a trained tokenizer; 0 means ``model.vocab_size``."""
+    tokenizer_sample_bytes: int = 100_000_000
+    """Most text a trained tokenizer learns from, in bytes: a seeded sample of the corpus (``train.seed``)."""
+    text_field: str = "text"
+    """The field of a JSONL object, or the column of Parquet and datasets, that holds the text."""
+    workers: int = 0
+    """Encoding processes per rank; 0 means the cores this process may use, divided by the ranks of the node."""
+    piece_bytes: int = 64 << 20
+    """Input bytes per piece: the unit of work shared between ranks and kept when a preparation restarts."""
     val_fraction: float = 0.05
     """Fraction of the token stream (its tail) held out for validation."""
     dir: str = ""
@@ -39,6 +61,10 @@ class DataConfig:
     format: Literal["text", "instruct"] = "text"
     """``text``: a corpus for language modelling; ``instruct``: a .jsonl of ``messages`` or ``prompt``/``response``
     examples, chat-formatted, loss on response tokens only (see shardlm/data/instruct.py)."""
+    sources: list[DataSource] = field(default_factory=list)
+    """A mixture, instead of ``corpus``: ``[[data.sources]]`` tables with ``path`` and ``weight`` (and ``name``).
+    Each global batch draws its samples from the sources in proportion to the weights; all sources share one
+    tokenizer; each is prepared into ``<data.dir>/<name>``."""
 
 
 @dataclass
@@ -200,6 +226,17 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
         if value not in typing.get_args(typ):
             raise ConfigError(f"{key}: {value!r} is not one of {list(typing.get_args(typ))}")
         return value
+    if origin is list and dataclasses.is_dataclass(typing.get_args(typ)[0]):
+        item_type = typing.get_args(typ)[0]
+        if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+            raise ConfigError(f"{key}: expected a list of tables ([[{key}]]), got {value!r}")
+        items = []
+        for i, table in enumerate(value):
+            item = item_type()
+            for k, v in table.items():
+                _apply(item, f"{key}[{i}]", k, v)
+            items.append(item)
+        return items
     if origin is tuple:
         args = typing.get_args(typ)
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
@@ -336,6 +373,22 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads}")
     if t.seq_len > m.max_seq_len:
         raise ConfigError(f"train.seq_len={t.seq_len} exceeds the model's maximum model.max_seq_len={m.max_seq_len}")
+    d = cfg.data
+    for key in ("tokenizer_sample_bytes", "piece_bytes"):
+        if getattr(d, key) <= 0:
+            raise ConfigError(f"data.{key} must be positive, got {getattr(d, key)}")
+    if d.workers < 0:
+        raise ConfigError(f"data.workers must be >= 0 (0 = the available cores), got {d.workers}")
+    names = [s.name or f"source{i}" for i, s in enumerate(d.sources)]
+    for i, source in enumerate(d.sources):
+        if not source.path:
+            raise ConfigError(f"data.sources[{i}].path must name a corpus")
+        if not source.weight > 0:
+            raise ConfigError(f"data.sources[{i}].weight must be positive, got {source.weight}")
+    if len(set(names)) != len(names):
+        raise ConfigError(f"data.sources names must differ, got {names}")
+    if d.sources and d.format != "text":
+        raise ConfigError("data.sources (a mixture) needs data.format = 'text'")
     if not 0.0 < cfg.data.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction must be in (0, 1), got {cfg.data.val_fraction}")
     if t.min_lr > t.lr or t.lr <= 0:

@@ -39,6 +39,11 @@ RULES: dict[str, tuple[str, str]] = {
     "data.tokenizer_vocab_size": (REFUSED, _DATA),
     "data.val_fraction": (REFUSED, "it sets the train split: " + _ORDER),
     "data.format": (REFUSED, _DATA),
+    "data.sources": (REFUSED, "the mixture's sources and weights decide every sample: " + _ORDER),
+    "data.text_field": (REFUSED, _DATA),
+    "data.tokenizer_sample_bytes": (REFUSED, _DATA),
+    "data.piece_bytes": (TAKES_EFFECT, "only how preparation cuts its work; the prepared data is compared"),
+    "data.workers": (TAKES_EFFECT, "only how many processes prepare the data"),
     "data.dir": (TAKES_EFFECT, "allowed when the data there is the same (meta.json and tokenizer.json SHA-256 "
                                "are compared)"),
     "train.steps": (TAKES_EFFECT, _SCHEDULE),

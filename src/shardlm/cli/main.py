@@ -29,14 +29,32 @@ class HelpParser(argparse.ArgumentParser):
 
 
 def cmd_prepare(args: argparse.Namespace, overrides: list[str]) -> None:
+    """Prepare the config's data; under torchrun every rank takes its share of the pieces."""
+    import os
+
     from shardlm.config import load_config
     from shardlm.data.build import data_dir, prepare_data
 
     cfg = load_config(args.config, overrides)
-    meta = prepare_data(cfg)
-    print(f"prepared {data_dir(cfg)}: {meta['train_tokens']:,} train / {meta['val_tokens']:,} val tokens "
-          f"({meta['dtype']}), tokenizer vocabulary {meta['tokenizer_vocab_size']}, "
-          f"unigram entropy {meta['unigram_entropy_nats']:.3f} nats")
+    if args.workers is not None:
+        if args.workers < 1:
+            from shardlm.config import ConfigError
+
+            raise ConfigError(f"--workers must be >= 1, got {args.workers}")
+        cfg.data.workers = args.workers
+    info = None
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from shardlm.parallel import init_distributed
+
+        info = init_distributed(cfg.parallel)
+    meta = prepare_data(cfg, info)
+    if info is None or info.is_main:
+        skipped = meta.get("skipped_files") or {}
+        print(f"prepared {data_dir(cfg)}: {meta['train_tokens']:,} train / {meta['val_tokens']:,} val tokens "
+              f"({meta['dtype']}), tokenizer vocabulary {meta['tokenizer_vocab_size']}, "
+              f"unigram entropy {meta['unigram_entropy_nats']:.3f} nats"
+              + (f"; {skipped['count']} files not read: {', '.join(skipped['first'])}"
+                 + (" ..." if skipped["count"] > len(skipped["first"]) else "") if skipped.get("count") else ""))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=HelpParser)
     p = sub.add_parser("prepare", help="tokenize a corpus into token-id files (train/val split)")
     p.add_argument("--config", required=True, help="TOML config; its [data] section says what to prepare")
+    p.add_argument("--workers", type=int, default=None,
+                   help="encoding processes per rank (default data.workers: 0 = the cores this process may use); "
+                        "under torchrun (torchrun ... -m shardlm.data --config FILE) every rank takes a share")
     p.set_defaults(fn=cmd_prepare)
     from shardlm.cli import checkpoint, eval, generate, plan, pretrained, profile, report
 

@@ -1,37 +1,33 @@
-"""Data: read corpora (``corpus.py``), train/load tokenizers (``tokenizer.py``), write token files (``prepare.py``,
-instruction data in ``instruct.py``), a config's prepared data (``build.py``), sample batches (``loader.py``)."""
+"""Data: read corpora (``readers.py``, ``corpus.py``), train/load tokenizers (``tokenizer.py``), encode and write
+token shards (``prepare.py``, ``encode.py``, ranks agreeing through ``sync.py``), instruction data (``instruct.py``),
+a config's prepared data (``build.py``), sample batches and mixtures (``loader.py``, ``mixture.py``).
 
-from shardlm.data.corpus import SHAKESPEARE, DataError, read_documents, shakespeare_dir, strip_markdown
-from shardlm.data.loader import GlobalBatchSampler, TokenWindows, eval_windows
-from shardlm.data.prepare import is_prepared, load_meta, prepare_corpus, token_dtype
-from shardlm.data.tokenizer import (
-    BOS,
-    EOD,
-    EOS,
-    SPECIAL_TOKENS,
-    load_tokenizer,
-    special_token_ids,
-    train_tokenizer,
-)
+Names are imported on first use (PEP 562), so the encoding worker processes, which import
+:mod:`shardlm.data.encode`, load neither torch nor the loader.
+"""
 
-__all__ = [
-    "BOS",
-    "EOD",
-    "EOS",
-    "SHAKESPEARE",
-    "SPECIAL_TOKENS",
-    "DataError",
-    "GlobalBatchSampler",
-    "TokenWindows",
-    "eval_windows",
-    "is_prepared",
-    "load_meta",
-    "load_tokenizer",
-    "prepare_corpus",
-    "read_documents",
-    "shakespeare_dir",
-    "special_token_ids",
-    "strip_markdown",
-    "token_dtype",
-    "train_tokenizer",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "DataError": "corpus", "SHAKESPEARE": "corpus", "shakespeare_dir": "corpus", "strip_markdown": "corpus",
+    "read_documents": "readers", "plan_pieces": "readers", "read_piece": "readers",
+    "GlobalBatchSampler": "loader", "TokenStream": "loader", "TokenWindows": "loader", "eval_windows": "loader",
+    "MixtureSampler": "mixture", "MixtureWindows": "mixture",
+    "is_prepared": "prepare", "load_meta": "prepare", "prepare_corpus": "prepare", "token_dtype": "prepare",
+    "BOS": "tokenizer", "EOD": "tokenizer", "EOS": "tokenizer", "SPECIAL_TOKENS": "tokenizer",
+    "load_tokenizer": "tokenizer", "special_token_ids": "tokenizer", "train_tokenizer": "tokenizer",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'shardlm.data' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"shardlm.data.{module}"), name)
+    globals()[name] = value
+    return value

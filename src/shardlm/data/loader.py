@@ -15,18 +15,78 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from shardlm.data.prepare import load_meta
+from shardlm.data.prepare import FORMAT, load_meta
 from shardlm.errors import DataError
 
-__all__ = ["TokenWindows", "GlobalBatchSampler", "eval_windows"]
+__all__ = ["TokenStream", "TokenWindows", "GlobalBatchSampler", "eval_windows"]
+
+
+class TokenStream:
+    """The token stream of a prepared directory, memory-mapped: shards back to back (or the legacy ``.bin``).
+
+    Args:
+        out_dir: A directory written by :func:`shardlm.data.prepare_corpus`.
+        split: ``"train"`` (the first ``train_tokens`` tokens) or ``"val"`` (the rest).
+
+    Raises:
+        DataError: missing or invalid meta, a missing token file or one whose size does not match.
+    """
+
+    def __init__(self, out_dir: str, split: str) -> None:
+        meta = load_meta(out_dir)
+        root = pathlib.Path(out_dir).expanduser()
+        try:
+            self.dtype = np.dtype(meta["dtype"])
+        except TypeError as exc:
+            raise DataError(f"{out_dir}/meta.json: invalid dtype {meta['dtype']!r}") from exc
+        if meta.get("format") == FORMAT:
+            files = [(root / s["file"], int(s["tokens"])) for s in meta["shards"]]
+            start = 0 if split == "train" else int(meta["train_tokens"])
+            length = int(meta["train_tokens"]) if split == "train" else int(meta["val_tokens"])
+        else:  # written before shards: one file per split
+            path = root / f"{split}.bin"
+            if not path.is_file():
+                raise DataError(f"{path} not found: run data preparation first (shardlm prepare)")
+            size = path.stat().st_size
+            if size % self.dtype.itemsize:
+                raise DataError(f"{path}: size {size} bytes is not a multiple of {self.dtype.name}")
+            files, start, length = [(path, size // self.dtype.itemsize)], 0, size // self.dtype.itemsize
+        self.path = root
+        self.maps: list[np.ndarray] = []
+        self.offsets: list[int] = []  # stream position of each map's first token (within the split)
+        pos = 0
+        for path, n in files:
+            if not path.is_file() or path.stat().st_size != n * self.dtype.itemsize:
+                raise DataError(f"{path}: missing or not {n} {self.dtype.name} tokens: prepare the data again")
+            lo, hi = max(start, pos), min(start + length, pos + n)
+            if hi > lo:
+                self.maps.append(np.memmap(path, dtype=self.dtype, mode="r", shape=(n,))[lo - pos : hi - pos])
+                self.offsets.append(lo - start)
+            pos += n
+        self.num_tokens = length
+        self._ends = np.asarray([o + len(m) for o, m in zip(self.offsets, self.maps)], dtype=np.int64)
+
+    def read(self, start: int, length: int) -> np.ndarray:
+        """Tokens ``[start, start + length)`` of the split (copied; may span shards)."""
+        out = np.empty(length, dtype=self.dtype)
+        i = int(np.searchsorted(self._ends, start, side="right"))
+        filled = 0
+        while filled < length:
+            m, off = self.maps[i], self.offsets[i]
+            lo = start + filled - off
+            take = min(length - filled, len(m) - lo)
+            out[filled : filled + take] = m[lo : lo + take]
+            filled += take
+            i += 1
+        return out
 
 
 class TokenWindows:
-    """Non-overlapping windows of ``seq_len + 1`` tokens over ``<out_dir>/<split>.bin``.
+    """Non-overlapping windows of ``seq_len + 1`` tokens over a split of a prepared directory.
 
-    Window ``i`` is ``tokens[i*(seq_len+1) : (i+1)*(seq_len+1)]``; a trailing partial
-    window is dropped. The file is opened as a read-only ``np.memmap`` with the dtype
-    recorded in ``meta.json``.
+    Window ``i`` is ``tokens[i*(seq_len+1) : (i+1)*(seq_len+1)]`` of the split's stream
+    (:class:`TokenStream`: the shards, memory-mapped, with the dtype recorded in ``meta.json``); a
+    trailing partial window is dropped.
 
     Args:
         out_dir: A directory written by :func:`shardlm.data.prepare_corpus`.
@@ -34,7 +94,7 @@ class TokenWindows:
         seq_len: Model context length in tokens (>= 1).
 
     Raises:
-        DataError: missing/invalid meta or ``.bin`` file, file size not a multiple of
+        DataError: missing/invalid meta or token file, file size not a multiple of
             the dtype size, or fewer than ``seq_len + 1`` tokens in the split.
         ValueError: ``split`` is not ``"train"``/``"val"`` or ``seq_len < 1``.
     """
@@ -44,29 +104,19 @@ class TokenWindows:
             raise ValueError(f"split must be 'train' or 'val', got {split!r}")
         if seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {seq_len}")
-        meta = load_meta(out_dir)
-        try:
-            self.dtype = np.dtype(meta["dtype"])
-        except TypeError as exc:
-            raise DataError(f"{out_dir}/meta.json: invalid dtype {meta['dtype']!r}") from exc
-        path = pathlib.Path(out_dir).expanduser() / f"{split}.bin"
-        if not path.is_file():
-            raise DataError(f"{path} not found: run data preparation first (prepare_corpus)")
-        size = path.stat().st_size
-        if size % self.dtype.itemsize:
-            raise DataError(f"{path}: size {size} bytes is not a multiple of {self.dtype.name}")
-        self.path = path
+        self.stream = TokenStream(out_dir, split)
+        self.dtype = self.stream.dtype
+        self.path = self.stream.path
         self.split = split
         self.seq_len = int(seq_len)
-        self.num_tokens = size // self.dtype.itemsize
+        self.num_tokens = self.stream.num_tokens
         self.window = self.seq_len + 1
         self._len = self.num_tokens // self.window
         if self._len == 0:
             raise DataError(
                 f"{split} split has {self.num_tokens} tokens, needs at least "
-                f"seq_len+1={self.window} for one window ({path})"
+                f"seq_len+1={self.window} for one window ({self.path})"
             )
-        self.tokens = np.memmap(path, dtype=self.dtype, mode="r", shape=(self.num_tokens,))
 
     def __len__(self) -> int:
         """Number of full windows."""
@@ -88,12 +138,14 @@ class TokenWindows:
         bad = idx[(idx < 0) | (idx >= self._len)]
         if bad.size:
             raise IndexError(f"window id {int(bad[0])} out of range [0, {self._len}) for {self.path}")
-        pos = idx[:, None] * self.window + np.arange(self.window, dtype=np.int64)[None, :]
-        return torch.from_numpy(np.asarray(self.tokens[pos], dtype=np.int64))
+        out = np.empty((idx.size, self.window), dtype=np.int64)
+        for row, i in enumerate(idx.tolist()):
+            out[row] = self.stream.read(i * self.window, self.window)
+        return torch.from_numpy(out)
 
     def __repr__(self) -> str:
         return (
-            f"TokenWindows(path={str(self.path)!r}, seq_len={self.seq_len}, "
+            f"TokenWindows(path={str(self.path)!r}, split={self.split!r}, seq_len={self.seq_len}, "
             f"tokens={self.num_tokens}, windows={self._len})"
         )
 

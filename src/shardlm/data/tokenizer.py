@@ -7,7 +7,9 @@ from :func:`special_token_ids` explicitly.
 
 from __future__ import annotations
 
+import itertools
 import pathlib
+from collections.abc import Iterable
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -40,7 +42,7 @@ _EOS_FALLBACKS = ("</s>", "<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<eos>", 
 _BOS_FALLBACKS = ("<s>", "<bos>", "[CLS]")
 
 
-def train_tokenizer(documents: list[str], vocab_size: int) -> Tokenizer:
+def train_tokenizer(documents: Iterable[str], vocab_size: int) -> Tokenizer:
     """Train a deterministic byte-level BPE tokenizer.
 
     Uses a ByteLevel pre-tokenizer (``add_prefix_space=False``) and decoder, so any
@@ -49,7 +51,7 @@ def train_tokenizer(documents: list[str], vocab_size: int) -> Tokenizer:
     is set, so ``encode`` never adds them automatically.
 
     Args:
-        documents: Training texts.
+        documents: Training texts (any iterable; read once, not held in memory by this function).
         vocab_size: Target vocabulary size (number of token ids, including the special
             tokens and 256 byte symbols). The result may be smaller when the corpus
             has too few distinct merges.
@@ -65,7 +67,9 @@ def train_tokenizer(documents: list[str], vocab_size: int) -> Tokenizer:
             f"vocab_size={vocab_size} is too small for a byte-level BPE tokenizer "
             f"(needs at least {MIN_VOCAB_SIZE}: 3 special tokens + 256 bytes)"
         )
-    if not documents:
+    texts = iter(documents)
+    first = next(texts, None)
+    if first is None:
         raise DataError("cannot train a tokenizer on an empty list of documents")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -77,7 +81,7 @@ def train_tokenizer(documents: list[str], vocab_size: int) -> Tokenizer:
         special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    tok.train_from_iterator(documents, trainer=trainer, length=len(documents))
+    tok.train_from_iterator(itertools.chain([first], texts), trainer=trainer)
     return tok
 
 

@@ -23,6 +23,8 @@ from shardlm.convert.hf_out import gather_full_state_dict, save_model_dir
 from shardlm.data import GlobalBatchSampler, TokenWindows, eval_windows, load_meta
 from shardlm.data.build import data_dir, prepare_data
 from shardlm.data.instruct import IGNORE_INDEX, InstructionExamples, split_batch
+from shardlm.data.mixture import MixtureSampler, MixtureWindows, source_names
+from shardlm.data.sync import check_same_data
 from shardlm.errors import ConfigError, NonFiniteError
 from shardlm.metrics import MetricsLogger, device_memory, format_bytes, shard_bytes
 from shardlm.metrics.progress import progress
@@ -61,7 +63,10 @@ class Trainer:
         self.accum_steps = gradient_accumulation_steps(cfg, self.info.world_size)
         self.run_dir = run_dir(cfg)
         self._check_run_dir()
-        run_on_main(lambda: prepare_data(cfg), self.info)  # rank 0 tokenizes once; others wait
+        start = time.perf_counter()
+        prepare_data(cfg, self.info)  # every rank encodes its share; waiting is on the store, not a collective
+        self.prepare_s = time.perf_counter() - start  # seconds spent preparing (or finding prepared) data
+        check_same_data(str(data_dir(cfg)), self.info.rank, self.info.world_size)  # shared file system?
         self.meta = load_meta(str(data_dir(cfg)))
         if self.meta["tokenizer_vocab_size"] > cfg.model.vocab_size:
             raise ConfigError(
@@ -69,9 +74,17 @@ class Trainer:
                 f"{cfg.model.vocab_size}: raise model.vocab_size or use a smaller tokenizer")
         t = cfg.train
         dataset = InstructionExamples if cfg.data.format == "instruct" else TokenWindows
-        self.train_data = dataset(str(data_dir(cfg)), "train", t.seq_len)
-        self.val_data = dataset(str(data_dir(cfg)), "val", t.seq_len)
-        self.sampler = GlobalBatchSampler(len(self.train_data), t.global_batch_size, t.seed)
+        if cfg.data.sources:  # a mixture: one dataset per source, drawn by weight
+            names = source_names(cfg.data.sources)
+            self.train_data = MixtureWindows([TokenWindows(str(data_dir(cfg) / n), "train", t.seq_len) for n in names])
+            self.val_data = MixtureWindows([TokenWindows(str(data_dir(cfg) / n), "val", t.seq_len) for n in names],
+                                           interleave=True)
+            self.sampler = MixtureSampler([len(w) for w in self.train_data.windows],
+                                          [s.weight for s in cfg.data.sources], t.global_batch_size, t.seed)
+        else:
+            self.train_data = dataset(str(data_dir(cfg)), "train", t.seq_len)
+            self.val_data = dataset(str(data_dir(cfg)), "val", t.seq_len)
+            self.sampler = GlobalBatchSampler(len(self.train_data), t.global_batch_size, t.seed)
         self.mesh = build_mesh(self.info, cfg.parallel) if cfg.parallel.mode != "single" else None
         self.model, self.pretrained_load_stats = build_model(cfg, self.info, self.mesh)
         self.optimizer = build_optimizer(self.model, t, self.info.device)
@@ -192,11 +205,17 @@ class Trainer:
         self.step += 1
         elapsed = time.perf_counter() - start
         tokens = cfg.train.global_batch_size * cfg.train.seq_len
-        return {
+        record = {
             "step": self.step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm_value,
             "tokens_per_s": tokens / elapsed, "tokens_per_s_per_rank": tokens / elapsed / info.world_size,
             "step_time_s": elapsed,
         }
+        if isinstance(self.sampler, MixtureSampler):  # per source: tokens seen so far and its own epoch
+            drawn = self.sampler.drawn_before(self.step * cfg.train.global_batch_size)
+            for name, n, source in zip(source_names(cfg.data.sources), drawn, self.sampler.sources):
+                record[f"tokens_seen/{name}"] = int(n) * cfg.train.seq_len
+                record[f"epoch/{name}"] = int(n) / source.num_windows
+        return record
 
     @torch.no_grad()
     def evaluate(self) -> float:

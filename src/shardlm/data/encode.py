@@ -1,0 +1,229 @@
+"""Encoding pieces into token shard files, in this process or in worker processes.
+
+The process that prepares reads each piece (:func:`shardlm.data.readers.read_piece`), groups its
+chunks into batches of about ``batch_chars`` characters and hands them to ``workers`` encoding
+processes (``spawn``: no copy of a torch or gloo state, each worker imports only ``tokenizers`` and
+numpy). A worker runs ``Tokenizer.encode_batch_fast`` on the batch with one thread and returns one
+numpy array of token ids (the binding gives a list per document, turned into the array at once; no
+per-token objects outlive a batch). Results come back in submission order, at most
+``2 × workers`` batches in flight, and are appended to the piece's shard file as they arrive: memory
+is bounded by workers × batch, not by the corpus. With ``workers == 1`` the batches are encoded in
+this process (also single-threaded), which gives the same bytes.
+
+Shard file of piece ``i``: ``tokens/<i:06d>.bin``, raw little-endian token ids; piece 0 starts with
+BOS, each document ends with EOD (when the tokenizer has them). It is written as ``.bin.tmp`` and
+renamed when complete; then ``tokens/<i:06d>.json`` records ``tokens``, ``documents`` and the
+file's ``sha256``. A piece is finished exactly when that record exists and matches the file size.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import hashlib
+import json
+import multiprocessing
+import os
+import pathlib
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from shardlm.data.readers import Chunk, Piece, read_piece
+
+__all__ = ["encode_pieces", "piece_done", "shard_name", "PieceRecord"]
+
+_tok: Tokenizer | None = None
+_dtype: np.dtype | None = None
+_eod: int | None = None
+
+PieceRecord = dict[str, Any]
+"""``{"tokens": int, "documents": int, "sha256": str}`` of one finished piece."""
+
+
+def shard_name(index: int) -> str:
+    """File name of piece ``index``'s token shard, relative to the dataset directory."""
+    return f"tokens/{index:06d}.bin"
+
+
+def _init(tokenizer_json: str, dtype: str, eod: int | None) -> None:
+    """Load the tokenizer (one thread: parallelism comes from processes)."""
+    global _tok, _dtype, _eod
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    _tok = Tokenizer.from_str(tokenizer_json)
+    _dtype = np.dtype(dtype)
+    _eod = eod
+
+
+def encode_batch(texts: list[str], ends: list[bool]) -> np.ndarray:
+    """Token ids of ``texts`` concatenated, EOD after each text whose ``ends`` is True.
+
+    Returns:
+        1-D array of the worker's dtype (uint16 or uint32).
+    """
+    assert _tok is not None and _dtype is not None
+    encodings = _tok.encode_batch_fast(texts, add_special_tokens=False)
+    lengths = [len(e.ids) for e in encodings]
+    n_eod = sum(ends) if _eod is not None else 0
+    out = np.empty(sum(lengths) + n_eod, dtype=_dtype)
+    pos = 0
+    for enc, n, end in zip(encodings, lengths, ends):
+        out[pos : pos + n] = enc.ids
+        pos += n
+        if end and _eod is not None:
+            out[pos] = _eod
+            pos += 1
+    return out
+
+
+def piece_done(root: pathlib.Path, index: int, itemsize: int) -> PieceRecord | None:
+    """The record of a finished piece under ``root``, or None when it is missing or does not match its file."""
+    rec_path = root / shard_name(index).replace(".bin", ".json")
+    bin_path = root / shard_name(index)
+    try:
+        rec = json.loads(rec_path.read_text())
+        if bin_path.stat().st_size == int(rec["tokens"]) * itemsize:
+            return rec
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return None
+
+
+class _Writer:
+    """Appends one piece's token arrays to ``<shard>.bin.tmp``; :meth:`finish` renames it and writes the record."""
+
+    def __init__(self, root: pathlib.Path, index: int, first: np.ndarray | None) -> None:
+        self.root, self.index = root, index
+        self.path = root / shard_name(index)
+        self.tmp = self.path.with_suffix(".bin.tmp")
+        self.file = open(self.tmp, "wb")
+        self.sha = hashlib.sha256()
+        self.tokens = 0
+        self.documents = 0
+        if first is not None:
+            self.write(first, 0)
+
+    def write(self, ids: np.ndarray, documents: int) -> None:
+        data = ids.tobytes()
+        self.file.write(data)
+        self.sha.update(data)
+        self.tokens += int(ids.size)
+        self.documents += documents
+
+    def finish(self) -> PieceRecord:
+        self.file.close()
+        os.replace(self.tmp, self.path)
+        rec = {"tokens": self.tokens, "documents": self.documents, "sha256": self.sha.hexdigest()}
+        rec_path = self.path.with_suffix(".json")
+        tmp = rec_path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(rec) + "\n")
+        os.replace(tmp, rec_path)
+        return rec
+
+    def abort(self) -> None:
+        self.file.close()
+
+
+class _Ready:
+    """A finished result with the ``Future.result`` interface (the in-process path)."""
+
+    def __init__(self, value: np.ndarray) -> None:
+        self.value = value
+
+    def result(self) -> np.ndarray:
+        return self.value
+
+
+def _batches(chunks: Iterable[Chunk], batch_chars: int) -> Iterator[tuple[list[str], list[bool]]]:
+    texts: list[str] = []
+    ends: list[bool] = []
+    size = 0
+    for chunk in chunks:
+        texts.append(chunk.text)
+        ends.append(chunk.ends_document)
+        size += len(chunk.text)
+        if size >= batch_chars:
+            yield texts, ends
+            texts, ends, size = [], [], 0
+    if texts:
+        yield texts, ends
+
+
+def encode_pieces(
+    root: pathlib.Path,
+    todo: list[tuple[int, Piece]],
+    tokenizer_json: str,
+    dtype: np.dtype,
+    bos: int | None,
+    eod: int | None,
+    text_field: str,
+    workers: int,
+    on_piece: Callable[[int, PieceRecord], None] | None = None,
+    batch_chars: int = 1 << 20,
+) -> None:
+    """Encode each ``(index, piece)`` of ``todo`` into ``root/tokens/<index>.bin`` (see the module docstring).
+
+    Args:
+        root: Dataset (staging) directory; ``tokens/`` is created.
+        todo: The pieces to encode with their global indices, in the order to encode them.
+        tokenizer_json: The tokenizer, serialised (``Tokenizer.to_str()``).
+        dtype: Token dtype of the shard files.
+        bos: Id written first in piece 0, or None.
+        eod: Id written after each document, or None.
+        text_field: JSONL field / column of the text.
+        workers: Encoding processes; 1 encodes in this process.
+        on_piece: Called with ``(index, record)`` as each piece is finished.
+        batch_chars: Characters per batch handed to a worker.
+
+    Raises:
+        DataError: from the readers (bad input); the unfinished piece keeps only a ``.bin.tmp``.
+    """
+    (root / "tokens").mkdir(parents=True, exist_ok=True)
+    pool = None
+    if workers > 1:
+        pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                                      initializer=_init, initargs=(tokenizer_json, dtype.name, eod))
+    else:
+        saved = os.environ.get("TOKENIZERS_PARALLELISM")
+        _init(tokenizer_json, dtype.name, eod)
+    inflight: collections.deque[tuple[_Writer, Any, int]] = collections.deque()
+    limit = 2 * max(1, workers)
+    writers: list[_Writer] = []
+
+    def drain_one() -> None:
+        writer, result, docs = inflight.popleft()
+        if result is None:
+            rec = writer.finish()
+            writers.remove(writer)
+            if on_piece is not None:
+                on_piece(writer.index, rec)
+        else:
+            writer.write(result.result(), docs)
+
+    try:
+        for index, piece in todo:
+            first = np.array([bos], dtype=dtype) if index == 0 and bos is not None else None
+            writer = _Writer(root, index, first)
+            writers.append(writer)
+            for texts, ends in _batches(read_piece(piece, text_field), batch_chars):
+                if pool is not None:
+                    result: Any = pool.submit(encode_batch, texts, ends)
+                else:
+                    result = _Ready(encode_batch(texts, ends))
+                inflight.append((writer, result, sum(ends)))
+                while len(inflight) >= limit:
+                    drain_one()
+            inflight.append((writer, None, 0))
+        while inflight:
+            drain_one()
+    finally:
+        for writer in writers:
+            writer.abort()
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+        elif saved is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = saved

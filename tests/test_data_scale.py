@@ -1,0 +1,350 @@
+"""Data at scale: every corpus format streamed in pieces, byte-identical at any workers and ranks,
+restart after SIGKILL, one clear error per bad input, tokenizer samples, mixtures."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import zstandard
+
+from conftest import ROOT, cpu_env, torchrun
+from shardlm.cli.main import main as cli_main
+from shardlm.data import (
+    DataError,
+    TokenStream,
+    is_prepared,
+    load_tokenizer,
+    prepare_corpus,
+    read_documents,
+    train_tokenizer,
+)
+from shardlm.data.mixture import MixtureSampler
+from shardlm.data.prepare import _sample_texts, staging_dir
+from shardlm.data.readers import plan_pieces, read_piece
+
+WORDS = "the quick brown fox jumps over a lazy dog while seven wizards judge boxing é ü 漢字 — ok".split()
+
+
+def make_docs(n: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    return ["\n".join(" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 12)))
+                      for _ in range(rng.randint(1, 25))) for _ in range(n)]
+
+
+def jsonl_text(docs: list[str]) -> str:
+    return "".join(json.dumps({"id": i, "text": d}) + "\n" for i, d in enumerate(docs))
+
+
+def write_format(root: Path, fmt: str, docs: list[str]) -> Path:
+    """A small corpus of ``docs`` in format ``fmt`` under ``root``; returns its path."""
+    root.mkdir(parents=True, exist_ok=True)
+    if fmt == "jsonl":
+        (p := root / "c.jsonl").write_text(jsonl_text(docs))
+    elif fmt == "jsonl.gz":
+        with gzip.open(p := root / "c.jsonl.gz", "wt") as f:
+            f.write(jsonl_text(docs))
+    elif fmt == "jsonl.zst":
+        (p := root / "c.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(jsonl_text(docs).encode()))
+    elif fmt == "parquet":
+        pq.write_table(pa.table({"id": list(range(len(docs))), "text": docs}), p := root / "c.parquet",
+                       row_group_size=40)
+    elif fmt == "txt":
+        (p := root / "c.txt").write_text("\n\n".join(docs))
+    elif fmt == "txt.zst":
+        (p := root / "c.txt.zst").write_bytes(zstandard.ZstdCompressor().compress("\n\n".join(docs).encode()))
+    elif fmt == "hf":
+        import datasets
+
+        datasets.Dataset.from_dict({"text": docs}).save_to_disk(str(p := root / "ds"))
+    else:  # pragma: no cover
+        raise ValueError(fmt)
+    return p
+
+
+FORMATS = ["jsonl", "jsonl.gz", "jsonl.zst", "parquet", "txt", "txt.zst", "hf"]
+
+
+def shard_digest(out: Path) -> str:
+    """SHA-256 over every token shard of a prepared directory, in stream order."""
+    meta = json.loads((out / "meta.json").read_text())
+    h = hashlib.sha256()
+    for s in meta["shards"]:
+        h.update((out / s["file"]).read_bytes())
+    return h.hexdigest()
+
+
+@pytest.fixture(scope="module")
+def corpora(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("formats")
+    docs = make_docs(200)
+    return {fmt: write_format(root / fmt.replace(".", "_"), fmt, docs) for fmt in FORMATS}
+
+
+@pytest.fixture(scope="module")
+def tokenizer_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    train_tokenizer(make_docs(300, seed=1), 400).save(str(path))
+    return path
+
+
+# ----------------------------------------------------------------------------- readers
+
+
+def test_every_format_reads_the_same_documents(corpora):
+    docs = make_docs(200)
+    for fmt in ("jsonl", "jsonl.gz", "jsonl.zst", "parquet", "hf"):
+        assert read_documents(str(corpora[fmt])) == docs, fmt
+        pieces, _ = plan_pieces(str(corpora[fmt]), piece_bytes=4000)
+        assert [c.text for p in pieces for c in read_piece(p)] == docs, fmt
+    for fmt in ("txt", "txt.zst"):
+        assert read_documents(str(corpora[fmt])) == ["\n\n".join(docs)], fmt
+    assert len(plan_pieces(str(corpora["parquet"]), piece_bytes=1)[0]) == 5  # one piece per row group
+    assert len(plan_pieces(str(corpora["hf"]), piece_bytes=4000)[0]) > 3
+
+
+def test_large_txt_is_read_in_line_cut_pieces(tmp_path):
+    text = "\n".join(f"line {i} " + "x" * (i % 50) for i in range(3000)) + "\n"
+    (tmp_path / "big.txt").write_text(text)
+    pieces, _ = plan_pieces(str(tmp_path / "big.txt"), piece_bytes=10_000)
+    assert len(pieces) > 10
+    raw = text.encode()
+    assert all(raw[p.start - 1:p.start] == b"\n" for p in pieces[1:])  # every cut at a line start
+    chunks = [c for p in pieces for c in read_piece(p, chunk_chars=3000)]
+    assert max(len(c.text) for c in chunks) <= 3000
+    assert "".join(c.text for c in chunks) == text
+    assert [c.ends_document for c in chunks] == [False] * (len(chunks) - 1) + [True]
+
+
+def test_directory_and_glob_list_what_is_not_read(tmp_path, corpora):
+    d = tmp_path / "mixed"
+    write_format(d / "a", "jsonl", ["one", "two"])
+    write_format(d / "b", "parquet", ["three"])
+    (d / "notes.csv").write_text("x,y")
+    (d / "b" / "image.png").write_bytes(b"\x89PNG")
+    pieces, skipped = plan_pieces(str(d))
+    assert [Path(p.path).suffix for p in pieces] == [".jsonl", ".parquet"]
+    assert skipped == ["b/image.png", "notes.csv"]
+    assert read_documents(str(d / "**" / "*.parquet")) == ["three"]
+    meta = prepare_corpus(str(d), str(tmp_path / "out"), None, 300, 0.3)
+    assert meta["skipped_files"] == {"count": 2, "first": ["b/image.png", "notes.csv"]}
+    assert meta["documents"] == 3
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def _bad_inputs(tmp: Path) -> dict[str, tuple[Path, str]]:
+    cases = {}
+    good = jsonl_text(["alpha beta", "gamma"]).encode()
+    (p := tmp / "corrupt.jsonl.gz").write_bytes(gzip.compress(good)[:12] + b"\x00garbage" * 20)
+    cases["corrupt gz"] = (p, "corrupt.jsonl.gz: cannot read (gz stream is corrupt or truncated")
+    z = zstandard.ZstdCompressor().compress(jsonl_text(make_docs(50)).encode())
+    (p := tmp / "truncated.jsonl.zst").write_bytes(z[: len(z) // 2])
+    cases["truncated zst"] = (p, "truncated.jsonl.zst: cannot read (zst stream is corrupt or truncated")
+    pq.write_table(pa.table({"body": ["x", "y"]}), p := tmp / "nocol.parquet")
+    cases["parquet without text"] = (p, "nocol.parquet: no column 'text' (columns: body)")
+    (p := tmp / "badline.jsonl").write_text('{"text": "a"}\n\n{"text": "b"\n')
+    cases["jsonl not json"] = (p, "badline.jsonl:3: invalid JSON")
+    (p := tmp / "nofield.jsonl").write_text('{"text": "a"}\n{"body": "b"}\n')
+    cases["jsonl lacks field"] = (p, "nofield.jsonl:2: missing field 'text'")
+    (p := tmp / "latin1.txt").write_bytes("first line\nsecond line\ncaf\xe9\n".encode("latin-1"))
+    cases["txt not utf-8"] = (p, "latin1.txt:3: not valid UTF-8")
+    (p := tmp / "latin1.jsonl").write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
+    cases["jsonl not utf-8"] = (p, "latin1.jsonl:2: not valid UTF-8")
+    (p := tmp / "blank.txt").write_text("  \n\n\t\n")
+    cases["empty corpus"] = (p, "empty")
+    (p := tmp / "nothing").mkdir()
+    (p / "a.csv").write_text("x")
+    cases["directory with nothing readable"] = (p, "nothing readable (1 files, e.g. a.csv")
+    return cases
+
+
+BAD = ["corrupt gz", "truncated zst", "parquet without text", "jsonl not json", "jsonl lacks field",
+       "txt not utf-8", "jsonl not utf-8", "empty corpus", "directory with nothing readable"]
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_bad_input_one_clear_error(case, tmp_path, capsys):
+    corpus, needle = _bad_inputs(tmp_path)[case]
+    out = tmp_path / "data"
+    code = cli_main(["prepare", "--config", str(ROOT / "configs/shakespeare-tiny.toml"), f"--data.corpus={corpus}",
+                     f"--data.dir={out}", "--model.vocab_size=300", "--workers=1"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.count("error:") == 1 and needle in err, err
+    assert "Traceback" not in err
+    assert not (out / "meta.json").exists() and not is_prepared(str(out))
+
+
+def test_bad_input_in_a_worker_process(tmp_path, tokenizer_file):
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "a.jsonl").write_text(jsonl_text(make_docs(100)))
+    (tmp_path / "c" / "b.jsonl").write_text(jsonl_text(make_docs(100)) + '{"text": 3}\n')
+    with pytest.raises(DataError, match=r"b\.jsonl:101: field 'text' must be a string"):
+        prepare_corpus(str(tmp_path / "c"), str(tmp_path / "out"), str(tokenizer_file), 400, 0.1, workers=2)
+    assert not (tmp_path / "out").exists()
+
+
+# ----------------------------------------------------------------------------- tokenizer sample
+
+
+def test_tokenizer_sample_is_bounded_and_seeded(tmp_path):
+    corpus = write_format(tmp_path, "jsonl", make_docs(2000, seed=3))
+    pieces, _ = plan_pieces(str(corpus), piece_bytes=20_000)
+    sample = list(_sample_texts(pieces, "text", 50_000, seed=5))
+    assert sum(len(t.encode()) for t in sample) <= 50_000 + max(p.size for p in pieces)
+    assert sample == list(_sample_texts(pieces, "text", 50_000, seed=5))
+    assert sample != list(_sample_texts(pieces, "text", 50_000, seed=6))
+    a = prepare_corpus(str(corpus), str(tmp_path / "a"), None, 400, 0.1, seed=5, piece_bytes=20_000,
+                       tokenizer_sample_bytes=50_000)
+    b = prepare_corpus(str(corpus), str(tmp_path / "b"), None, 400, 0.1, seed=5, piece_bytes=20_000,
+                       tokenizer_sample_bytes=50_000)
+    assert (tmp_path / "a" / "tokenizer.json").read_bytes() == (tmp_path / "b" / "tokenizer.json").read_bytes()
+    assert a["content_sha256"] == b["content_sha256"]
+
+
+# ----------------------------------------------------------------------------- identical bytes
+
+
+def test_workers_and_ranks_give_identical_token_files(tmp_path, corpora, tokenizer_file):
+    # one directory holding a small corpus of each format: its pieces are each format's pieces, in order
+    corpus = corpora["jsonl"].parent.parent
+    pieces, _ = plan_pieces(str(corpus), piece_bytes=12_000)
+    kinds = {(p.kind, p.compression) for p in pieces}
+    assert kinds == {("jsonl", ""), ("jsonl", "gz"), ("jsonl", "zst"), ("parquet", ""), ("text", ""),
+                     ("text", "zst"), ("hf", "")}
+    digests = {}
+    for workers in (1, 2):
+        out = tmp_path / f"w{workers}"
+        prepare_corpus(str(corpus), str(out), str(tokenizer_file), 400, 0.1, piece_bytes=12_000, workers=workers)
+        digests[f"{workers} workers"] = [hashlib.sha256((out / s["file"]).read_bytes()).hexdigest()
+                                         for s in json.loads((out / "meta.json").read_text())["shards"]]
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"jobs": [{"corpus": str(corpus), "out": str(tmp_path / "r2"),
+                                          "tokenizer": str(tokenizer_file), "vocab_size": 400, "piece_bytes": 12_000}]}))
+    torchrun(2, [str(ROOT / "tests" / "prepare_worker.py"), str(spec)], timeout=300)
+    digests["2 ranks"] = [hashlib.sha256((tmp_path / "r2" / s["file"]).read_bytes()).hexdigest()
+                          for s in json.loads((tmp_path / "r2" / "meta.json").read_text())["shards"]]
+    assert len(digests["2 ranks"]) == len(pieces) > 20
+    assert digests["1 workers"] == digests["2 workers"] == digests["2 ranks"]
+    assert shard_digest(tmp_path / "w1") == shard_digest(tmp_path / "r2")
+    # the stream is BOS doc EOD doc EOD ...: check the first format (hf, sorted first) against the tokenizer
+    tok = load_tokenizer(str(tokenizer_file))
+    expected = [0]
+    for doc in make_docs(200):
+        expected += tok.encode(doc, add_special_tokens=False).ids + [2]
+    s = TokenStream(str(tmp_path / "r2"), "train")
+    assert s.read(0, len(expected)).tolist() == expected
+
+
+# ----------------------------------------------------------------------------- restart
+
+
+def test_sigkill_part_way_then_restart_reuses_finished_pieces(tmp_path, tokenizer_file):
+    corpus = write_format(tmp_path / "c", "jsonl", make_docs(3000, seed=7))
+    ref = tmp_path / "ref"
+    prepare_corpus(str(corpus), str(ref), str(tokenizer_file), 400, 0.1, piece_bytes=20_000)
+    out = tmp_path / "out"
+    cfg = tmp_path / "p.toml"
+    cfg.write_text(f'[model]\nvocab_size = 400\n[data]\ncorpus = "{corpus}"\ndir = "{out}"\n'
+                   f'tokenizer = "{tokenizer_file}"\npiece_bytes = 20000\nval_fraction = 0.1\n')
+    cmd = [sys.executable, "-m", "shardlm.data", "--config", str(cfg), "--workers", "1"]
+    proc = subprocess.Popen(cmd, env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    tokens = staging_dir(out) / "tokens"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and len(list(tokens.glob("*.json"))) < 3 and proc.poll() is None:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    finished = {p.name: p.stat().st_mtime_ns for p in tokens.glob("*.bin")}
+    n_pieces = len(plan_pieces(str(corpus), piece_bytes=20_000)[0])
+    assert 3 <= len(finished) < n_pieces, (len(finished), n_pieces)
+    assert not (out / "meta.json").exists() and not is_prepared(str(out))  # half-written: never complete
+    again = subprocess.run(cmd, env=cpu_env(), capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert f"{len(finished)} finished before" in again.stderr
+    assert shard_digest(out) == shard_digest(ref)
+    assert json.loads((out / "meta.json").read_text())["content_sha256"] == \
+        json.loads((ref / "meta.json").read_text())["content_sha256"]
+    for name, mtime in finished.items():  # the finished pieces were kept, not encoded again
+        assert (out / "tokens" / name).stat().st_mtime_ns == mtime
+    assert not staging_dir(out).exists()
+
+
+# ----------------------------------------------------------------------------- mixtures
+
+
+def test_mixture_draws_follow_the_weights_at_any_world_size():
+    s = MixtureSampler([1000, 300], [0.7, 0.3], global_batch_size=8, seed=3)
+    ids = [i for step in range(500) for i in s.step_ids(step)]
+    share = np.mean(np.asarray(s.source_of(ids)) == 0)
+    assert abs(share - 0.7) <= 0.01
+    assert s.drawn_before(4000).tolist() == [2800, 1200]
+    for step in (0, 7, 499):
+        for ws in (1, 2, 4):
+            assert [i for r in range(ws) for i in s.rank_ids(step, r, ws)] == s.step_ids(step)
+    # each source runs through its own epochs: source 1 (300 windows) has seen every window 4 times
+    src1 = [i - 1000 for i in ids if i >= 1000]
+    assert sorted(src1[:1200]) == sorted(list(range(300)) * 4)
+    assert s.source_epochs(500) == [2.8, 4.0]
+    # a fresh sampler (a resumed run) continues exactly
+    assert MixtureSampler([1000, 300], [0.7, 0.3], 8, 3).step_ids(321) == s.step_ids(321)
+    assert MixtureSampler([1000, 300], [0.7, 0.3], 8, 4).step_ids(0) != s.step_ids(0)
+
+
+def test_training_prepares_an_unprepared_mixture_on_every_rank(tmp_path):
+    """2 ranks start on unprepared data with parallel.timeout_s=2, far below the preparation time: both ranks
+    prepare and train. The sample ids are the sampler's (the same at any world size), a run resumed at step 6
+    continues exactly, and the metrics count tokens seen per source."""
+    from conftest import run_scenarios, tiny_overrides
+    from shardlm.data import TokenWindows, shakespeare_dir
+
+    extra_src = write_format(tmp_path / "src_b", "jsonl", make_docs(1000, seed=11))
+    comedies = shakespeare_dir() / "comedies" / "*.md"  # 8 plays, 0.95 MB, through a glob
+    sources = f'[{{path = "{comedies}", weight = 0.7, name = "plays"}}, {{path = "{extra_src}", weight = 0.3}}]'
+    data, runs = tmp_path / "data", tmp_path / "runs"
+    common = {"data.sources": sources, "train.steps": 12, "train.eval_interval": 6, "checkpoint.interval": 6,
+              "checkpoint.keep": 0, "data.workers": 1, "train.micro_batch_size": 4, "parallel.timeout_s": 2}
+
+    def scenario(name, extra=None):
+        return {"name": name, "config": None, "overrides": tiny_overrides(data, runs / name, {**common, **(extra or {})})}
+
+    step6 = runs / "mix2" / "checkpoints" / "step-6"
+    out = run_scenarios(2, [scenario("mix2"), scenario("mix2_resume", {"checkpoint.resume": f'"{step6}"'})],
+                        tmp_path / "out")
+    first = out["mix2"]
+    prepare_s = [r["prepare_s"] for r in first]
+    print(f"preparation took {prepare_s} s on the two ranks; parallel.timeout_s = 2")
+    assert min(prepare_s) > 2 * 2
+    meta = json.loads((data / "meta.json").read_text())
+    assert meta["format"] == "mixture" and [s["name"] for s in meta["sources"]] == ["plays", "source1"]
+    windows = [len(TokenWindows(str(data / name), "train", 32)) for name in ("plays", "source1")]
+    sampler = MixtureSampler(windows, [0.7, 0.3], 8, 0)
+    for step in range(12):
+        merged = [i for r in range(2) for i in first[r]["sample_ids"][str(step)]]
+        assert merged == sampler.step_ids(step) == sampler.rank_ids(step, 0, 1), step  # = the 1-rank ids
+        if step >= 6:
+            assert [i for r in range(2) for i in out["mix2_resume"][r]["sample_ids"][str(step)]] == merged
+    full = {h["step"]: h for h in first[0]["history"]}
+    resumed = out["mix2_resume"][0]["history"]
+    assert [h["step"] for h in resumed] == list(range(7, 13))
+    for h in resumed:
+        assert h["loss"] == full[h["step"]]["loss"], h["step"]  # same world size: bit-exact resume
+        assert h["tokens_seen/plays"] == full[h["step"]]["tokens_seen/plays"]
+    last = full[12]
+    drawn = sampler.drawn_before(12 * 8)
+    assert [last["tokens_seen/plays"], last["tokens_seen/source1"]] == [int(drawn[0]) * 32, int(drawn[1]) * 32]
+    assert drawn.tolist() == [67, 29]  # 96 samples: 9 periods of 7/3, then the 10th period's first 6 slots
+    assert last["epoch/source1"] == pytest.approx(29 / windows[1])

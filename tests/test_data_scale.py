@@ -218,6 +218,7 @@ def test_tokenizer_sample_is_bounded_and_seeded(tmp_path):
 # ----------------------------------------------------------------------------- identical bytes
 
 
+@pytest.mark.dist
 def test_workers_and_ranks_give_identical_token_files(tmp_path, corpora, tokenizer_file):
     # one directory holding a small corpus of each format: its pieces are each format's pieces, in order
     corpus = corpora["jsonl"].parent.parent
@@ -252,6 +253,7 @@ def test_workers_and_ranks_give_identical_token_files(tmp_path, corpora, tokeniz
 # ----------------------------------------------------------------------------- restart
 
 
+@pytest.mark.dist
 def test_sigkill_part_way_then_restart_reuses_finished_pieces(tmp_path, tokenizer_file):
     corpus = write_format(tmp_path / "c", "jsonl", make_docs(3000, seed=7))
     ref = tmp_path / "ref"
@@ -304,6 +306,7 @@ def test_mixture_draws_follow_the_weights_at_any_world_size():
     assert MixtureSampler([1000, 300], [0.7, 0.3], 8, 4).step_ids(0) != s.step_ids(0)
 
 
+@pytest.mark.dist
 def test_training_prepares_an_unprepared_mixture_on_every_rank(tmp_path):
     """2 ranks start on unprepared data with parallel.timeout_s=2, far below the preparation time: both ranks
     prepare and train. The sample ids are the sampler's (the same at any world size), a run resumed at step 6

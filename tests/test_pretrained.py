@@ -17,6 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from conftest import torchrun
+from shardlm.atomic import current_umask
 from shardlm.cli.main import main as shardlm_main
 from shardlm.convert.gguf_in import hf_name, import_gguf
 from shardlm.convert.hf_in import load_model_dir
@@ -64,6 +65,7 @@ def test_gguf_import_equals_transformers_dequantised(smol_dir):
     Checked on the first and last blocks and the embedding/final norm (every quantisation type of the
     file: Q8_0, Q4_1, F32; both permutations); the logits test covers the whole model.
     """
+    assert (smol_dir / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~current_umask()  # the umask
     import gguf
     from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
@@ -134,6 +136,8 @@ def test_hf_round_trip_bit_equal_in_source_dtype(tmp_path):
     imported, exported = tmp_path / "imported", tmp_path / "exported"
     assert shardlm_main(["import", str(src), str(imported)]) == 0
     assert shardlm_main(["export", str(imported), str(exported), "--format", "hf"]) == 0
+    file_mode = 0o666 & ~current_umask()  # safetensors files follow the umask, like every other file
+    assert all((d / "model.safetensors").stat().st_mode & 0o777 == file_mode for d in (imported, exported))
     a = load_file(str(next(src.glob("*.safetensors"))))
     b = load_file(str(exported / "model.safetensors"))
     assert a.keys() == b.keys()

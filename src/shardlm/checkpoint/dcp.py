@@ -14,6 +14,13 @@ the files, rank 0 writes ``manifest.json`` last and renames the directory to ``s
 (see :mod:`shardlm.checkpoint.manifest`). Loading verifies the files against the manifest (split
 over ranks), reads the metadata with an allow-list unpickler, checks every tensor's shape against
 the model, and only then calls ``dcp.load``.
+
+Runs never mix (:mod:`shardlm.checkpoint.run`): each manifest records the run id and the save's number
+within the run; retention deletes only the current run's older saves, and ``--resume=auto`` tries the run
+directory's run's checkpoints newest save first, passing over (and moving aside) one that fails
+verification. At resume every changed setting is printed and either takes effect or is refused
+(:mod:`shardlm.checkpoint.resume_config`). A save that cannot write names the real cause and path
+(:mod:`shardlm.checkpoint.fs_errors`).
 """
 
 from __future__ import annotations

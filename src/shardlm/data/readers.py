@@ -218,10 +218,13 @@ def _line_cuts(path: pathlib.Path, size: int, piece_bytes: int) -> list[int]:
 def _hf_dataset(spec: str) -> Any:
     """Open a ``save_to_disk`` directory or ``hf:NAME[:SPLIT]`` from the local cache (offline; memory-mapped,
     so an open dataset costs little memory; the last few are kept open)."""
+    if spec.startswith("hf:"):  # no downloads at run time: offline before datasets reads its settings
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     datasets = _optional("datasets", "Hugging Face datasets")
     if spec.startswith("hf:"):
         name, _, split = spec[3:].partition(":")
-        os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # no downloads at run time
+        datasets.config.HF_HUB_OFFLINE = True  # also when datasets was imported before
         try:
             return datasets.load_dataset(name, split=split or "train")
         except Exception as exc:  # datasets raises many types for a missing cache entry

@@ -96,6 +96,7 @@ def main() -> None:
     for scenario, trainer, out in trainers(sys.argv[1]):
         info = trainer.info
         start_step = trainer.step
+        trackers = [t.name for t in trainer.logger.trackers]  # W&B / MLflow runs this rank opened
         add_interruptions(trainer, scenario)
         history = trainer.train()
         report = {
@@ -107,6 +108,7 @@ def main() -> None:
             "param_groups": [{k: g[k] for k in ("betas", "eps", "weight_decay", "initial_lr")}
                              for g in trainer.optimizer.param_groups], "skipped": trainer.checkpointer.skipped,
             "preempted": trainer.preempted, "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+            "trackers": trackers,
         }
         write_rank_report(out, scenario["name"], info.rank, report)
 

@@ -196,6 +196,41 @@ class CheckpointConfig:
 
 
 @dataclass
+class MetricsConfig:
+    """Experiment trackers that receive the metrics records besides ``metrics.jsonl`` and TensorBoard.
+
+    Rank 0 logs; a tracker that fails prints one warning and training goes on (``shardlm/metrics/trackers.py``).
+    """
+
+    wandb: bool = False
+    """Log to Weights & Biases (``pip install 'shardlm[wandb]'``): the config, every logged step, the final model path."""
+    wandb_project: str = ""
+    """W&B project; empty means ``WANDB_PROJECT`` or ``shardlm``."""
+    wandb_entity: str = ""
+    """W&B entity (user or team); empty means ``WANDB_ENTITY`` or the account's default."""
+    wandb_name: str = ""
+    """W&B run name; empty means ``WANDB_NAME`` or ``run.name``."""
+    wandb_tags: tuple[str, ...] = ()
+    """W&B run tags; empty means ``WANDB_TAGS`` (comma-separated) or none."""
+    wandb_mode: Literal["", "online", "offline"] = ""
+    """``online`` uploads as it goes; ``offline`` writes ``<run dir>/wandb/offline-run-*`` for ``wandb sync``; empty
+    means ``WANDB_MODE`` or online."""
+    wandb_rewind: bool = True
+    """On resume, rewind the W&B run to the checkpoint's step (``resume_from``; a W&B preview feature) so the resumed
+    steps replace those logged past it; false, or a server that refuses it, continues with ``resume="allow"``."""
+    mlflow: bool = False
+    """Log to MLflow (``pip install 'shardlm[mlflow]'``): the config as parameters and artefact, every logged step,
+    the final model path, the report PNGs."""
+    mlflow_tracking_uri: str = ""
+    """MLflow tracking URI (``http://host:5000``, ``file:/path/mlruns``, ``sqlite:///mlflow.db``...); empty means
+    ``MLFLOW_TRACKING_URI`` or ``file:./mlruns`` (a local store in the working directory)."""
+    mlflow_experiment: str = ""
+    """MLflow experiment name; empty means ``MLFLOW_EXPERIMENT_NAME`` or ``shardlm``."""
+    mlflow_run_name: str = ""
+    """MLflow run name; empty means ``run.name``."""
+
+
+@dataclass
 class Config:
     """The whole configuration of a run: one section per dataclass."""
 
@@ -205,6 +240,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     run: RunConfig = field(default_factory=RunConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     def to_dict(self) -> dict[str, Any]:
         """The config as nested plain dicts (tuples become lists), for JSON/TOML output."""
@@ -237,6 +273,10 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
                 _apply(item, f"{key}[{i}]", k, v)
             items.append(item)
         return items
+    if origin is tuple and typing.get_args(typ)[1:] == (Ellipsis,):  # e.g. ``tuple[str, ...]``: any length
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        return tuple(_coerce(f"{key}[{i}]", v, typing.get_args(typ)[0]) for i, v in enumerate(value))
     if origin is tuple:
         args = typing.get_args(typ)
         if not isinstance(value, (list, tuple)) or len(value) != len(args):

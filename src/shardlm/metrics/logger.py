@@ -6,9 +6,19 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from shardlm.metrics.tensorboard import TensorBoardWriter
+
+
+class TrackerSink(Protocol):
+    """What the logger needs of an experiment tracker (:class:`shardlm.metrics.trackers.Tracker`: W&B, MLflow)."""
+
+    def log(self, record: dict[str, Any]) -> None: ...
+
+    def rewind(self, step: int) -> None: ...
+
+    def finish(self, outcome: str, model_dir: Path | None = None) -> None: ...
 
 
 class MetricsLogger:
@@ -19,11 +29,14 @@ class MetricsLogger:
     files in ``<run dir>/tensorboard/`` when that package is installed (see
     :class:`shardlm.metrics.tensorboard.TensorBoardWriter`). :meth:`rewind` takes every sink back to a
     step when a run resumes from a checkpoint. A new or emptied ``metrics.jsonl`` means a new run, so
-    stale event files are then removed.
+    stale event files are then removed. ``trackers`` (W&B, MLflow: :mod:`shardlm.metrics.trackers`; rank 0
+    only) receive every record too; :meth:`rewind` and :meth:`close` reach them.
     """
 
-    def __init__(self, path: Path | None, tensorboard: bool = True) -> None:
+    def __init__(self, path: Path | None, tensorboard: bool = True,
+                 trackers: list[TrackerSink] | None = None) -> None:
         self.path = path
+        self.trackers = list(trackers or [])
         self.tensorboard: TensorBoardWriter | None = None
         if path is not None and tensorboard:
             fresh = not Path(path).exists() or Path(path).stat().st_size == 0
@@ -47,12 +60,16 @@ class MetricsLogger:
                 raise OSError(e.errno, e.strerror or str(e), str(self.path)) from None
         if self.tensorboard is not None:
             self.tensorboard.log(record)
+        for tracker in self.trackers:
+            tracker.log(record)
 
     def rewind(self, step: int) -> None:
-        """Drop everything logged after ``step`` from every sink (``metrics.jsonl``, TensorBoard events).
+        """Drop everything logged after ``step`` from every sink (``metrics.jsonl``, TensorBoard events, trackers).
 
         Called once when a run resumes from the checkpoint of ``step``: the steps after it will be logged
-        again, and each sink then holds each step once. A no-op on ranks other than 0.
+        again, and each sink then holds each step once; a tracker whose backend cannot delete what it was
+        sent records the rewind instead (MLflow; see :mod:`shardlm.metrics.trackers`). A no-op on ranks other
+        than 0.
         """
         if self.path is None:
             return
@@ -61,14 +78,20 @@ class MetricsLogger:
         self._file = open(self.path, "a", encoding="utf-8")
         if self.tensorboard is not None:
             self.tensorboard.rewind(step)
+        for tracker in self.trackers:
+            tracker.rewind(step)
 
-    def close(self) -> None:
-        """Close the file."""
+    def close(self, outcome: str = "finished", model_dir: Path | None = None) -> None:
+        """Close the file and the event file; end the tracker runs with ``outcome`` (``finished``, ``preempted``,
+        ``failed``) and, when given, the final model directory's path. Closing again does nothing."""
         if self._file is not None:
             self._file.close()
             self._file = None
         if self.tensorboard is not None:
             self.tensorboard.close()
+        for tracker in self.trackers:
+            tracker.finish(outcome, model_dir)
+        self.trackers = []
 
 
 def truncate_jsonl(path: Path, step: int) -> int:

@@ -28,6 +28,7 @@ from shardlm.data.sync import check_same_data
 from shardlm.errors import ConfigError, NonFiniteError
 from shardlm.metrics import MetricsLogger, device_memory, format_bytes, shard_bytes
 from shardlm.metrics.progress import progress
+from shardlm.metrics.trackers import check_packages, start_trackers
 from shardlm.model.llama import num_params
 from shardlm.parallel import (
     DistInfo,
@@ -59,6 +60,7 @@ class Trainer:
 
     def __init__(self, cfg: Config, info: DistInfo | None = None) -> None:
         self.cfg = cfg
+        check_packages(cfg)  # a tracker switched on without its package: one clear error before anything starts
         self.info = info or init_distributed(cfg.parallel)
         self.accum_steps = gradient_accumulation_steps(cfg, self.info.world_size)
         self.run_dir = run_dir(cfg)
@@ -101,11 +103,15 @@ class Trainer:
         self.sample_ids: dict[int, list[int]] = {}
         self.local_shard_bytes: dict[str, int] | None = None
         self._shard_bytes: list[int] | None = None
-        self.logger = MetricsLogger(self.run_dir / "metrics.jsonl" if self.info.is_main else None)
-        if self.checkpointer.resume:  # resuming from step N: every sink drops what it logged after N
-            self.logger.rewind(self.step)
+        trackers = []
         if self.info.is_main:
             write_run_config(self.run_dir, self.run_id, cfg.to_dict())
+            # W&B / MLflow: a resumed run continues its tracker runs (W&B opened rewound to the checkpoint's step)
+            trackers = start_trackers(cfg, self.run_dir, self.step if self.checkpointer.resume else None)
+        self.logger = MetricsLogger(self.run_dir / "metrics.jsonl" if self.info.is_main else None,
+                                    trackers=trackers)
+        if self.checkpointer.resume:  # resuming from step N: every sink drops what it logged after N
+            self.logger.rewind(self.step)
         # rank-to-host map and heartbeats: a failed collective in train() names a lost node's ranks and host
         self.fault_monitor = FaultMonitor.start(self.info, cfg.parallel)
 
@@ -246,6 +252,13 @@ class Trainer:
     @guard_collectives  # a lost node -> NodeLost naming its ranks and host (parallel/faults.py)
     def train(self) -> list[dict[str, Any]]:
         """Run ``train.steps`` optimizer steps, evaluating and logging as configured; export ``final/``."""
+        try:
+            return self._train()
+        except BaseException:
+            self.logger.close("failed")  # the tracker runs end as failed; metrics.jsonl is complete up to here
+            raise
+
+    def _train(self) -> list[dict[str, Any]]:
         cfg, info = self.cfg, self.info
         t = cfg.train
         if info.is_main:
@@ -282,7 +295,7 @@ class Trainer:
                 if self.preempted:
                     break
         except BaseException:
-            self.logger.close()  # metrics.jsonl and the event files are complete up to the last logged step
+            self.logger.close("failed")  # metrics.jsonl and the event files are complete up to the last logged step
             raise
         finally:
             bar.close()
@@ -291,12 +304,12 @@ class Trainer:
             if info.is_main:
                 print(f"preempted: stopped after step {self.step}, checkpoint written; resume with "
                       "--checkpoint.resume=auto", flush=True)
-            self.logger.close()
+            self.logger.close("preempted")
             return self.history
         self.export(self.run_dir / "final")
         if info.is_main:
             print(f"model written to {self.run_dir / 'final'} (Hugging Face Llama directory)", flush=True)
-        self.logger.close()
+        self.logger.close("finished", self.run_dir / "final")
         return self.history
 
     def export(self, out_dir: Path) -> None:

@@ -210,7 +210,8 @@ def test_preempted_run_marks_itself(runs):
 def test_missing_package_names_the_extra(monkeypatch):
     cfg = load_config(None, ["--metrics.mlflow=true"])
     monkeypatch.setattr("shardlm.metrics.trackers.importlib.util.find_spec", lambda name: None)
-    with pytest.raises(ConfigError, match=r"metrics.mlflow = true needs the mlflow package: pip install 'shardlm\[mlflow\]'"):
+    message = r"metrics.mlflow = true needs the mlflow package: pip install 'shardlm\[mlflow\]'"
+    with pytest.raises(ConfigError, match=message):
         check_packages(cfg)
     check_packages(load_config(None, []))  # nothing switched on: nothing needed
 
@@ -219,3 +220,31 @@ def test_tracker_metrics_flatten_per_rank_lists():
     record = {"step": 7, "loss": 2.5, "lr": 1e-3, "shard_bytes": [10, 12], "elapsed_s": 1.0}
     assert tracker_metrics(record) == {"loss": 2.5, "lr": 1e-3, "shard_bytes/rank0": 10, "shard_bytes/rank1": 12,
                                        "elapsed_s": 1.0}
+
+
+def test_a_tracker_failing_mid_run_warns_once_and_stops(tmp_path, capsys):
+    from shardlm.metrics.trackers import Tracker
+
+    class Flaky(Tracker):
+        name = "flaky"
+        logged: list = []
+
+        def _start(self, config, ids, resume_step):
+            self.ids = {"id": "x"}
+
+        def _log(self, step, metrics):
+            if step == 2:
+                raise ConnectionError("server went away")
+            self.logged.append(step)
+
+        def _finish(self, outcome, model_dir):
+            raise AssertionError("a stopped tracker is not finished")
+
+    tracker = Flaky(load_config(None, []), tmp_path)
+    tracker.start({}, {}, None)
+    for step in (1, 2, 3):
+        tracker.log({"step": step, "loss": 1.0})
+    tracker.finish("finished")
+    err = capsys.readouterr().err
+    assert Flaky.logged == [1] and not tracker.active
+    assert err.count("warning: flaky tracking stopped (log: ConnectionError: server went away)") == 1

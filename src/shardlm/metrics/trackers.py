@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from shardlm.config import Config, ConfigError
+from shardlm.metrics.report import write_report
 
 #: how a run ends, as the trackers record it
 Outcome = Literal["finished", "preempted", "failed"]
@@ -106,6 +107,7 @@ class Tracker:
         self.ids: dict[str, Any] = {}
         self.active = False
         self.warning: str | None = None
+        self.rewound_to: int | None = None  # the step the tracker run was last rewound to
 
     def _guard(self, what: str, fn: Any, *args: Any) -> Any:
         if not self.active:
@@ -127,6 +129,7 @@ class Tracker:
         """Open (or, with ``ids`` and a ``resume_step``, continue) the tracker run and log the config once."""
         self.active = True
         self._guard("start", self._start, config, ids, resume_step)
+        self.rewound_to = resume_step
 
     def log(self, record: dict[str, Any]) -> None:
         """Log one metrics record at ``record["step"]``."""
@@ -134,8 +137,13 @@ class Tracker:
             self._guard("log", self._log, int(record["step"]), tracker_metrics(record))
 
     def rewind(self, step: int) -> None:
-        """Forget what was logged after ``step`` where the backend allows it (see the module docstring)."""
-        self._guard("rewind", self._rewind, step)
+        """Forget what was logged after ``step`` where the backend allows it (see the module docstring).
+
+        Idempotent: a tracker started with ``resume_step`` (or rewound already) to this step does nothing.
+        """
+        if step != self.rewound_to:
+            self._guard("rewind", self._rewind, step)
+            self.rewound_to = step
 
     def finish(self, outcome: Outcome, model_dir: Path | None = None) -> None:
         """Record how the run ended (and the final model directory's path), then close the tracker run."""
@@ -326,8 +334,6 @@ class MlflowTracker(Tracker):
         if model_dir is not None:
             client.set_tag(self.run_id, "shardlm.final_model_dir", str(Path(model_dir).resolve()))
         if outcome != "failed" and (self.run_dir / "metrics.jsonl").is_file():
-            from shardlm.metrics.report import write_report
-
             for path in write_report([self.run_dir], self.run_dir / "report"):
                 client.log_artifact(self.run_id, str(path), "report")
         client.set_tag(self.run_id, "shardlm.outcome", outcome)

@@ -44,8 +44,9 @@ def runs(small_data, tmp_path_factory):
     Launch 2: the killed run resumed, and a run preempted (SIGTERM) after step 2."""
     root = tmp_path_factory.mktemp("trackers")
     d, out = small_data, root / "out"
-    os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = "0"  # the unreachable server: fail at once (torchrun inherits)
-    try:
+    with pytest.MonkeyPatch.context() as mp:  # torchrun's workers inherit these
+        mp.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # the unreachable server: fail at once
+        mp.setenv("WANDB_ERROR_REPORTING", "false")  # wandb-core sends no error reports: nothing leaves the machine
         reports, first = launch(2, [
             tracked(d, root, "both"),
             tracked(d, root, "unreachable", {"train.steps": 4, "metrics.wandb": "false",
@@ -57,8 +58,6 @@ def runs(small_data, tmp_path_factory):
                                          "run.dir": f'"{root / "killed"}"', "run.name": '"killed"'}),
             tracked(d, root, "preempted", {"train.steps": 5}, sigterm_after_step=2, sigterm_rank=0),
         ], out)
-    finally:
-        del os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"]
     return {**reports, **more}, root, first, second
 
 

@@ -247,3 +247,24 @@ def test_a_tracker_failing_mid_run_warns_once_and_stops(tmp_path, capsys):
     err = capsys.readouterr().err
     assert Flaky.logged == [1] and not tracker.active
     assert err.count("warning: flaky tracking stopped (log: ConnectionError: server went away)") == 1
+
+
+def test_tracker_ids_are_kept_for_the_same_run_only(tmp_path, monkeypatch):
+    from shardlm.metrics import trackers
+
+    seen = []
+
+    class Fake(trackers.Tracker):
+        name = "mlflow"
+
+        def _start(self, config, ids, resume_step):
+            seen.append((dict(ids), resume_step))
+            self.ids = ids or {"run_id": f"new{len(seen)}"}
+
+    monkeypatch.setattr(trackers, "TRACKERS", {"mlflow": Fake})
+    cfg = load_config(None, ["--metrics.mlflow=true"])
+    trackers.start_trackers(cfg, tmp_path, None, run_id="A")  # fresh: new tracker run
+    trackers.start_trackers(cfg, tmp_path, 5, run_id="A")  # resumed: the same one, rewound to 5
+    trackers.start_trackers(cfg, tmp_path, 5, run_id="B")  # another run's checkpoint dir: never continued
+    assert seen == [({}, None), ({"run_id": "new1"}, 5), ({}, 5)]
+    assert trackers.read_ids(tmp_path) == {"mlflow": {"run_id": "new3"}, "run_id": "B"}

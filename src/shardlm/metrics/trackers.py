@@ -345,8 +345,8 @@ class MlflowTracker(Tracker):
 TRACKERS: dict[str, type[Tracker]] = {"wandb": WandbTracker, "mlflow": MlflowTracker}
 
 
-def read_ids(run_dir: Path) -> dict[str, dict[str, Any]]:
-    """``<run dir>/trackers.json``: {tracker name: its ids}, or {} when absent or unreadable."""
+def read_ids(run_dir: Path) -> dict[str, Any]:
+    """``<run dir>/trackers.json``: {tracker name: its ids, "run_id": the shardlm run's id when known}, or {}."""
     try:
         data = json.loads((run_dir / IDS_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -354,7 +354,7 @@ def read_ids(run_dir: Path) -> dict[str, dict[str, Any]]:
     return data if isinstance(data, dict) else {}
 
 
-def start_trackers(cfg: Config, run_dir: Path, resume_step: int | None) -> list[Tracker]:
+def start_trackers(cfg: Config, run_dir: Path, resume_step: int | None, run_id: str | None = None) -> list[Tracker]:
     """Open the trackers switched on in ``cfg.metrics`` (call on rank 0 only); write their ids.
 
     Args:
@@ -362,6 +362,8 @@ def start_trackers(cfg: Config, run_dir: Path, resume_step: int | None) -> list[
         run_dir: the run directory (holds ``trackers.json``).
         resume_step: the step the run resumes from (a continued run keeps its tracker runs and is
             rewound to this step), or None for a fresh run (new tracker runs).
+        run_id: the identity of the shardlm run, when known: tracker runs recorded for another run id
+            are never continued.
 
     Returns:
         The trackers that started; one that failed has printed its warning and is left out.
@@ -370,13 +372,15 @@ def start_trackers(cfg: Config, run_dir: Path, resume_step: int | None) -> list[
     if not names:
         return []
     old = read_ids(run_dir) if resume_step is not None else {}
+    if run_id is not None and old.get("run_id", run_id) != run_id:
+        old = {}  # another run's tracker runs
     started: list[Tracker] = []
     for name in names:
         tracker = TRACKERS[name](cfg, run_dir)
         tracker.start(cfg.to_dict(), old.get(name, {}), resume_step)
         if tracker.active:
             started.append(tracker)
-    ids = {**old, **{t.name: t.ids for t in started}}
+    ids = {**old, **{t.name: t.ids for t in started}, **({"run_id": run_id} if run_id is not None else {})}
     tmp = run_dir / f"{IDS_FILE}.tmp"
     tmp.write_text(json.dumps(ids, indent=2) + "\n", encoding="utf-8")
     os.replace(tmp, run_dir / IDS_FILE)

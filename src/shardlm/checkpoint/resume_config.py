@@ -66,6 +66,8 @@ RULES: dict[str, tuple[str, str]] = {
     "parallel.*": (TAKES_EFFECT, "the checkpoint does not depend on the world size or the sharding"),
     "run.*": (TAKES_EFFECT, "where and under which name the run writes"),
     "checkpoint.*": (TAKES_EFFECT, "read at every step"),
+    "metrics.*": (TAKES_EFFECT, "where the records go besides metrics.jsonl (the tracker runs are kept when "
+                                "the tracker stays on)"),
 }
 
 

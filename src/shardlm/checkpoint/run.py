@@ -32,7 +32,7 @@ from shardlm.checkpoint.manifest import MANIFEST, STEP_DIR, TMP_PREFIX
 #: the run directory's file that records the run's config and its ``run_id``
 RUN_CONFIG = "config.json"
 #: what a fresh start with ``run.overwrite`` removes from the run directory (everything shardlm writes there)
-RUN_FILES = ("checkpoints", "metrics.jsonl", "config.json", "final", "tensorboard", "profile")
+RUN_FILES = ("checkpoints", "metrics.jsonl", "config.json", "final", "tensorboard", "profile", "trackers.json")
 
 
 def new_run_id() -> str:

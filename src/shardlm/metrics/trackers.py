@@ -358,7 +358,8 @@ def start_trackers(cfg: Config, run_dir: Path, resume_step: int | None, run_id: 
     """Open the trackers switched on in ``cfg.metrics`` (call on rank 0 only); write their ids.
 
     Args:
-        cfg: the run's config; ``cfg.to_dict()`` is logged once as the tracker runs' config.
+        cfg: the run's config; ``cfg.to_dict()`` (with ``run_id``, as in ``config.json``) is logged once as the
+            tracker runs' config.
         run_dir: the run directory (holds ``trackers.json``).
         resume_step: the step the run resumes from (a continued run keeps its tracker runs and is
             rewound to this step), or None for a fresh run (new tracker runs).
@@ -374,10 +375,11 @@ def start_trackers(cfg: Config, run_dir: Path, resume_step: int | None, run_id: 
     old = read_ids(run_dir) if resume_step is not None else {}
     if run_id is not None and old.get("run_id", run_id) != run_id:
         old = {}  # another run's tracker runs
+    config = {"run_id": run_id, **cfg.to_dict()} if run_id is not None else cfg.to_dict()  # as in config.json
     started: list[Tracker] = []
     for name in names:
         tracker = TRACKERS[name](cfg, run_dir)
-        tracker.start(cfg.to_dict(), old.get(name, {}), resume_step)
+        tracker.start(config, old.get(name, {}), resume_step)
         if tracker.active:
             started.append(tracker)
     ids = {**old, **{t.name: t.ids for t in started}, **({"run_id": run_id} if run_id is not None else {})}

@@ -107,7 +107,8 @@ class Trainer:
         if self.info.is_main:
             write_run_config(self.run_dir, self.run_id, cfg.to_dict())
             # W&B / MLflow: a resumed run continues its tracker runs (W&B opened rewound to the checkpoint's step)
-            trackers = start_trackers(cfg, self.run_dir, self.step if self.checkpointer.resume else None)
+            trackers = start_trackers(cfg, self.run_dir, self.step if self.checkpointer.resume else None,
+                                      run_id=self.run_id)
         self.logger = MetricsLogger(self.run_dir / "metrics.jsonl" if self.info.is_main else None,
                                     trackers=trackers)
         if self.checkpointer.resume:  # resuming from step N: every sink drops what it logged after N

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from conftest import tiny_overrides
-from shardlm.config import ConfigError, load_config
+from shardlm.config import load_config
+from shardlm.errors import ConfigError
 from shardlm.metrics import read_metrics
 from shardlm.metrics.trackers import check_packages, flat_config, tracker_metrics
 from test_checkpoint import launch, micro
@@ -118,6 +119,7 @@ def _file_store(monkeypatch):
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # reading the file store back in this process
 
 
+@pytest.mark.dist
 def test_both_trackers_get_config_and_every_step_from_rank_0_only(runs):
     reports, root, _, _ = runs
     run_dir = root / "both"
@@ -153,6 +155,7 @@ def test_both_trackers_get_config_and_every_step_from_rank_0_only(runs):
     assert {"loss.png", "lr.png"} <= reports_png
 
 
+@pytest.mark.dist
 def test_unreachable_mlflow_one_warning_and_training_finishes(runs):
     reports, root, first, _ = runs
     assert first.stderr.count(WARNING) == 1, first.stderr[-3000:]  # the unreachable scenario only
@@ -163,6 +166,7 @@ def test_unreachable_mlflow_one_warning_and_training_finishes(runs):
     assert (root / "unreachable" / "final" / "model.safetensors").is_file()
 
 
+@pytest.mark.dist
 def test_killed_and_resumed_run_is_one_run_in_each_tracker(runs):
     reports, root, first, _ = runs
     run_dir = root / "killed"
@@ -196,6 +200,7 @@ def test_killed_and_resumed_run_is_one_run_in_each_tracker(runs):
     assert twice > 0  # MLflow keeps the killed attempt's points past the checkpoint (README)
 
 
+@pytest.mark.dist
 def test_preempted_run_marks_itself(runs):
     reports, root, _, _ = runs
     assert reports["preempted"][0]["preempted"]

@@ -34,7 +34,8 @@ import time
 from pathlib import Path
 from typing import Any, Literal
 
-from shardlm.config import Config, ConfigError
+from shardlm.config import Config
+from shardlm.errors import ConfigError
 from shardlm.metrics.report import write_report
 
 #: how a run ends, as the trackers record it

@@ -11,12 +11,14 @@ rank with SIGKILL at a random moment; trials cycle through four kinds of moment:
 
 - ``any time``: the bench kills a random rank after a random delay, uniform over the time the
   uninterrupted run's ranks spent from their first step to their end (it may land in a step, a save,
-  retention or the final export; on a loaded machine also in start-up);
+  retention or the final export; on a loaded machine also in start-up); if the run ends first, the
+  trial is drawn again (at most 3 times);
 - ``writing shards``: a rank kills itself after a random number of writes into its shard file of a
   random save (the file is half-written);
 - ``manifest``: rank 0 kills itself after writing a random save's ``manifest.json``, before the rename
   that completes the save;
-- ``retention``: rank 0 kills itself while deleting an old checkpoint (renamed aside, not yet deleted).
+- ``retention``: rank 0 kills itself while deleting a random one of the old checkpoints that retention
+  removes (renamed aside, not yet deleted).
 
 Then the job is launched again with ``--resume=auto`` and must end as the uninterrupted reference run does.
 A trial is exact when: the resume succeeds; it starts at the newest complete checkpoint the killed
@@ -123,7 +125,12 @@ def worker(spec_path: str) -> None:
 
         dcp_module.write_manifest = killing_manifest
     elif mine and kill["kind"] == "retention":
+        remove, removed = dcp_module.remove_directory, [0]
+
         def killing_remove(path: Path) -> None:
+            removed[0] += 1
+            if removed[0] < kill["nth"]:
+                return remove(path)
             os.replace(path, path.with_name(f".tmp-deleting-{path.name}"))  # as remove_directory does first
             die()
 
@@ -270,12 +277,19 @@ def main() -> None:
         elif kind == "manifest":
             kill.update(rank=0, step=rng.choice(saves))
             moment = f"save of step {kill['step']}, manifest written"
-        else:
-            kill.update(rank=0)  # the first deletion: the save of step INTERVAL·(KEEP+1)
-            moment = f"deleting step-{INTERVAL} after the save of step {INTERVAL * (KEEP + 1)}"
+        else:  # the n-th deletion: of step-(n·INTERVAL), by the save of step (n + KEEP)·INTERVAL
+            kill.update(rank=0, nth=rng.randrange(1, STEPS // INTERVAL - KEEP + 1))
+            moment = f"deleting step-{kill['nth'] * INTERVAL} after the save of step {(kill['nth'] + KEEP) * INTERVAL}"
         spec1 = {"out": str(log1), "overrides": overrides(data, run, **{"run.overwrite": "true"}),
                  "kill": None if delay is not None else kill}
         code1, _ = launch(spec1, log1, env, kill_after_s=delay, kill_rank=kill["rank"])
+        for _ in range(3):  # "any time": the run may end before the delay on a machine that got faster: again
+            if code1 != 0 or delay is None:
+                break
+            shutil.rmtree(tdir)
+            delay = rng.uniform(built_s, built_s + 0.8 * (worker_s - built_s))
+            moment = f"{delay:.2f} s after start (drawn again)"
+            code1, _ = launch(spec1, log1, env, kill_after_s=delay, kill_rank=kill["rank"])
         logs1 = [read_log(log1 / f"rank{r}.jsonl") for r in range(WORLD)]
         killed = code1 != 0
         trained = max([rec["step"] for log in logs1 for rec in log if "step" in rec], default=0)

@@ -48,9 +48,12 @@ def runs(small_data, tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:  # torchrun's workers inherit these
         mp.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # the unreachable server: fail at once
         mp.setenv("WANDB_ERROR_REPORTING", "false")  # wandb-core sends no error reports: nothing leaves the machine
+        mp.delenv("WANDB_API_KEY", raising=False)  # no W&B credentials anywhere: online mode cannot log in
+        mp.setenv("NETRC", str(root / "no-netrc"))
+        mp.setenv("WANDB_CONFIG_DIR", str(root / "wandb-config"))
         reports, first = launch(2, [
             tracked(d, root, "both"),
-            tracked(d, root, "unreachable", {"train.steps": 4, "metrics.wandb": "false",
+            tracked(d, root, "unreachable", {"train.steps": 4, "metrics.wandb_mode": '"online"',
                                              "metrics.mlflow_tracking_uri": '"http://127.0.0.1:9"'}),
             tracked(d, root, "killed", {"train.steps": 8, "checkpoint.interval": 3}, kill_after_step=5, kill_rank=1),
         ], out, check=False)
@@ -157,10 +160,12 @@ def test_both_trackers_get_config_and_every_step_from_rank_0_only(runs):
 
 @pytest.mark.dist
 def test_unreachable_mlflow_one_warning_and_training_finishes(runs):
+    """The unreachable scenario: MLflow at 127.0.0.1:9 (nothing listens), W&B online without credentials."""
     reports, root, first, _ = runs
     assert first.stderr.count(WARNING) == 1, first.stderr[-3000:]  # the unreachable scenario only
     line = next(x for x in first.stderr.splitlines() if WARNING in x)
     assert "127.0.0.1" in line or "Connection" in line, line
+    assert first.stderr.count("warning: wandb tracking stopped (start: RuntimeError: not logged in to W&B") == 1
     assert [r["trackers"] for r in reports["unreachable"]] == [[], []]
     assert [r["step"] for r in read_metrics(root / "unreachable" / "metrics.jsonl")] == [1, 2, 3, 4]
     assert (root / "unreachable" / "final" / "model.safetensors").is_file()

@@ -195,6 +195,10 @@ class WandbTracker(Tracker):
             dir=os.environ.get("WANDB_DIR") or str(self.run_dir),
         )
         Path(kwargs["dir"]).mkdir(parents=True, exist_ok=True)
+        if (m.wandb_mode or os.environ.get("WANDB_MODE") or "online") == "online" and not wandb.login(
+                prompt=False, verify=False):  # never an interactive prompt on rank 0 while the other ranks wait
+            raise RuntimeError("not logged in to W&B: run `wandb login` or set WANDB_API_KEY, or set "
+                               'metrics.wandb_mode = "offline"')
         run_id = self.ids.get("id")
         if resume_step is None:
             self.run = wandb.init(id=run_id, **kwargs)

@@ -107,3 +107,24 @@ def test_sample_ids_do_not_depend_on_world_size(results):
             merged = [i for r in range(world) for i in out[name][r]["sample_ids"][step]]
             assert merged == ids, (name, step)
     assert len(one) == 20 and all(len(v) == 8 for v in one.values())
+
+
+@pytest.mark.parametrize("name,world", [("single", 1), ("fsdp2_accum", 2), ("fsdp4", 4)])
+def test_mfu_is_logged_every_step_from_its_own_logged_values(results, name, world):
+    """metrics.jsonl carries MFU on every logged step: model FLOPs per step and rank (6N + 12·L·H·Q·T per
+    token × tokens of the step / N) over (step time × the peak measured on this CPU at start-up)."""
+    from shardlm.config import ModelConfig
+    from shardlm.metrics import model_flops_per_token, read_metrics
+
+    records = [r for r in read_metrics(results[1] / name / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in records] == list(range(1, 21))
+    mcfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128, vocab_size=512, max_seq_len=64)
+    flops = model_flops_per_token(mcfg, 32) * 8 * 32 / world  # global batch 8 x 32 tokens, split over N ranks
+    peaks = {r["peak_flops_per_rank"] for r in records}
+    assert len(peaks) == 1 and 1e8 < peaks.pop() < 1e13  # measured once, a CPU's fp32 rate
+    for r in records:
+        assert r["flops_per_step_per_rank"] == pytest.approx(flops, rel=1e-12)
+        expected = r["flops_per_step_per_rank"] / (r["step_time_s"] * r["peak_flops_per_rank"])
+        assert r["mfu"] == pytest.approx(expected, rel=1e-12) and 0 < r["mfu"] < 1
+    print(f"{name}: MFU {min(r['mfu'] for r in records):.2%}-{max(r['mfu'] for r in records):.2%} against "
+          f"{records[0]['peak_flops_per_rank'] / 1e9:.1f} GFLOP/s per rank")

@@ -34,6 +34,7 @@ from shardlm.parallel.faults import (
     NodeLost,
     RankHost,
     heartbeat_interval,
+    heartbeat_timeout,
     is_communication_failure,
     rank_ranges,
 )
@@ -371,6 +372,52 @@ def test_lost_store_names_the_first_node():
             m.close()
 
 
+def test_heartbeat_watch_ends_the_job_without_a_failed_collective(store):
+    """While the loop runs (inside watch()), a rank whose heartbeat stops is noticed by the heartbeat threads
+    themselves, no collective involved: every survivor ends with code 4, one per node prints the message."""
+    mons = monitors(store, [0, 1, 2, 3], interval=0.2)
+    exits: dict[int, int] = {}
+    for r, m in mons.items():
+        m.timeout_s = 3.0
+        m.exit_process = lambda code, r=r: exits.setdefault(r, code)
+    try:
+        with mons[0].watch(), mons[1].watch(), mons[3].watch():
+            mons[2]._stop.set()  # rank 2 freezes: no more beats, and no "stopped" mark
+            start = time.monotonic()
+            while len(exits) < 3 and time.monotonic() - start < 20:
+                time.sleep(0.05)
+            took = time.monotonic() - start
+        print(f"frozen rank noticed and every survivor ended {took:.1f} s after the freeze (timeout 3 s)")
+        assert exits == {0: 4, 1: 4, 3: 4} and took <= 3.0 + 3.0 + 2.0  # non-printing ranks wait 3 s first
+        for r in (0, 3):  # the lowest survivor of each node prints; rank 1 (node 0, after rank 0) does not
+            assert mons[r].reported.startswith("lost rank 2 of node 1 (host host-b): no heartbeat for "), r
+            assert "heartbeat watch, before any collective timed out" in mons[r].reported
+        assert mons[1].reported is None
+    finally:
+        for m in mons.values():
+            m.close()
+
+
+def test_heartbeat_watch_leaves_finished_and_unwatched_ranks_alone(store):
+    """A rank that left the loop (close() marks it stopped) is not lost; outside watch() nothing is watched."""
+    mons = monitors(store, [0, 1], interval=0.2)
+    exits: list[int] = []
+    for m in mons.values():
+        m.timeout_s = 1.5
+        m.exit_process = exits.append
+    try:
+        mons[1]._stop.set()  # silent, but rank 0 is not inside watch(): nobody reports
+        time.sleep(2.5)
+        assert exits == []
+        mons[1].close()  # now it says it finished
+        with mons[0].watch():
+            time.sleep(2.5)
+        assert exits == [] and mons[0].reported is None
+    finally:
+        for m in mons.values():
+            m.close()
+
+
 @pytest.mark.parametrize("error,expected", [
     (GLOO_RESET, True), (RuntimeError("[gloo] Timed out waiting 60000ms for recv operation"), True),
     (dist.DistBackendError("NCCL watchdog"), True), (RuntimeError("CUDA out of memory"), False),
@@ -469,6 +516,61 @@ def test_lost_node_is_named(small_data, tmp_path, fault, timeout_s, limit_s, cau
     assert not (run / "final").exists()
     if fault == "kill":
         check_relaunch_resumes(small_data, run, tmp_path / "logs-relaunch", job)
+
+
+def rank_pid(launcher: subprocess.Popen, rank: int) -> int:
+    """The pid of the worker of ``rank`` under a torchrun launcher (from its RANK environment variable)."""
+    for pid in descendants(launcher.pid):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env and any(e.startswith(b"LOCAL_RANK=") for e in env):
+            return pid
+    raise AssertionError(f"no worker of rank {rank} under {launcher.pid}")
+
+
+def test_frozen_rank_is_reported_within_the_heartbeat_timeout(small_data, tmp_path):
+    """SIGSTOP one rank's process (silent, its connections open) with parallel.timeout_s = 600: the survivor's
+    heartbeat watch reports the lost rank and its host within heartbeat_timeout(600) = 30 s, not after 600 s,
+    and exits non-zero (code 4)."""
+    run, logs = tmp_path / "run", tmp_path / "logs"
+    logs.mkdir()
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+            "shardlm.train", *tiny_overrides(small_data, run, {"train.eval_interval": 0, "train.steps": 100000,
+                                                               "parallel.timeout_s": 600, "checkpoint.enabled": "false",
+                                                               "train.micro_batch_size": 4})]
+    with open(logs / "node0.out", "w") as out, open(logs / "node0.err", "w") as err:
+        proc = subprocess.Popen(args, env=cpu_env(), stdout=out, stderr=err, start_new_session=True)
+    frozen = None
+    try:
+        wait_for_steps(run / "metrics.jsonl", 3, [proc], logs)
+        frozen = rank_pid(proc, 1)
+        os.kill(frozen, signal.SIGSTOP)
+        start, reported = time.monotonic(), None
+        while time.monotonic() - start < 120 and reported is None:
+            found = re.findall(r"error: lost[^\r\n]*", (logs / "node0.err").read_text())
+            reported = time.monotonic() - start if found else None
+            time.sleep(0.2)
+        assert reported is not None, "no report within 120 s:\n" + logs_of(logs)
+        os.kill(frozen, signal.SIGKILL)  # torchrun's own stop of a stopped process would wait for its grace period
+        code = proc.wait(timeout=120)
+    finally:
+        if frozen is not None:
+            try:
+                os.kill(frozen, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        stop([proc])
+    err = (logs / "node0.err").read_text()
+    errors = re.findall(r"error: lost[^\r\n]*", err)
+    print(f"SIGSTOP of rank 1, parallel.timeout_s=600: reported after {reported:.1f} s "
+          f"(heartbeat timeout {heartbeat_timeout(600):.0f} s); launcher exit code {code}\n{errors}")
+    assert len(errors) == 1, logs_of(logs)
+    assert errors[0].startswith(f"error: lost rank 1 of node 0 (host {socket.gethostname()}): no heartbeat for ")
+    assert "heartbeat watch" in errors[0]
+    assert reported <= heartbeat_timeout(600) + 5  # + the polling of this test and a loaded machine's slack
+    assert code != 0 and "exitcode  : 4" in err  # the survivor stopped with NODE_LOST_EXIT_CODE
 
 
 def check_relaunch_resumes(small_data: Path, run: Path, logs: Path, job: dict) -> None:

@@ -24,7 +24,9 @@ from shardlm.plan.time import ddp_comm_bytes, fsdp_comm_bytes
 
 TOLERANCE = 0.10
 WORKER = ROOT / "tests" / "planner_worker.py"
-BASE = {"train.seq_len": 64, "train.global_batch_size": 8}
+# gradient sync on the last micro-batch: the setting these measurements were taken with (the default before
+# every_micro_batch; see the known gaps below for the new default)
+BASE = {"train.seq_len": 64, "train.global_batch_size": 8, "parallel.grad_sync": '"last_micro_batch"'}
 
 # name -> (world size, overrides, activation checkpointing)
 CONFIGS = {
@@ -41,6 +43,9 @@ CONFIGS = {
 # activation checkpointing the planner predicts 2,365,780 bytes and the peak measures 2,786,576
 # (-15%): FSDP2 keeps more unsharded-gradient buffers alive between micro-batches there than the
 # replay models. See README, "Memory planner".
+# Likewise "fsdp2_mb2_accum" with parallel.grad_sync = "every_micro_batch" (the default now): predicted
+# 3,589,460 bytes, measured 3,589,504 on rank 0 (exact) and 4,000,128 on rank 1 (-10.3% against the larger):
+# rank 1 keeps 410,624 bytes more, about three of the group-sized buffers behind the 2-6% misses above.
 # To add once issue 3's [parallel] fields land (the worker then uses them natively):
 #   "fsdp2_mb4_bf16": (2, {..., "parallel.param_dtype": '"bfloat16"', "parallel.reduce_dtype": '"float32"'}, "none")
 #   "fsdp2_mb4_selective": (2, {"train.micro_batch_size": 4}, "selective")
@@ -124,7 +129,8 @@ def test_plan_cli_llama3_8b():
     assert ok.returncode == 0, ok.stderr
     assert "fits:" in ok.stdout and "activations" in ok.stdout and "step time" in ok.stdout
     big = subprocess.run(cmd + ["--world-size", "8", "--device", "h100", "--train.micro_batch_size=2",
-                                "--train.global_batch_size=16"],
+                                "--train.global_batch_size=16", "--parallel.param_dtype=float32",
+                                "--parallel.activation_checkpoint=none", "--parallel.grad_sync=last_micro_batch"],
                          env=cpu_env(), capture_output=True, text=True, timeout=120)
     assert big.returncode == 0, big.stderr
     assert "does not fit" in big.stdout and "to fit, change one of" in big.stdout
@@ -140,6 +146,7 @@ def test_hsdp_adds_the_cross_replica_all_reduce():
     assert hsdp_all_reduce_bytes(1, 8, 1000, 4) == 0
     assert hsdp_all_reduce_bytes(4, 8, 8000, 2) == 2 * 3 / 4 * 1000 * 2
     cfg = load_config(str(ROOT / "configs/llama3-8b.toml"))
+    cfg.parallel.param_dtype, cfg.parallel.grad_sync = "float32", "last_micro_batch"  # the case worked out below
     flat = plan_time(cfg, 16, get_device("h100"), 8_030_261_248)
     cfg.parallel.dp_replicate, cfg.parallel.dp_shard = 2, 8
     hsdp = plan_time(cfg, 16, get_device("h100"), 8_030_261_248)

@@ -103,6 +103,10 @@ class TrainConfig:
     """Write a metrics record every this many steps (and at the last step)."""
     seed: int = 0
     """Seed of the initialisation and the data order."""
+    peak_flops: float = 0.0
+    """Peak dense FLOP/s of one rank's device that MFU is measured against; 0 = automatic: the datasheet peak of
+    a known GPU in the precision that runs (bf16, TF32 or fp32; shardlm/metrics/flops.py), or on a CPU (or an
+    unknown GPU) a rate measured at start-up with large matrix products in that precision."""
 
 
 @dataclass
@@ -158,10 +162,18 @@ class ParallelConfig:
     accumulation; 2.3x faster forward + backward on CPUs without bf16 instructions), ``auto`` is ``fp32`` unless
     the CPU has AVX512-BF16 or AMX. No effect on CUDA or with fp32 compute (``shardlm/model/cpu_matmul.py``)."""
     grad_sync: Literal["every_micro_batch", "last_micro_batch", "reduce_scatter_every_all_reduce_last"] = (
-        "last_micro_batch")
-    """Gradient reduction under accumulation: reduce-scatter after every micro-batch (least memory), on the last
-    micro-batch only (least communication), or reduce-scatter every micro-batch with the cross-replica all-reduce
-    on the last only (differs from ``every_micro_batch`` only once a replicate mesh dimension exists)."""
+        "every_micro_batch")
+    """Gradient reduction under accumulation: reduce-scatter after every micro-batch (the default: only gradient
+    shards are kept between micro-batches, FSDP's memory saving holds; torchtitan's choice), on the last
+    micro-batch only (least communication, but every rank holds unsharded full-model gradients meanwhile), or
+    reduce-scatter every micro-batch with the cross-replica all-reduce on the last only (HSDP: differs from
+    ``every_micro_batch`` only once a replicate mesh dimension exists). ``shardlm plan`` prints the memory and
+    communication of both choices when there is gradient accumulation."""
+    tf32: bool = True
+    """On CUDA, fp32 matrix multiplies and convolutions use TF32 tensor cores
+    (``torch.backends.cuda.matmul.allow_tf32``, ``torch.backends.cudnn.allow_tf32``): about 7x the fp32 rate on
+    an H100, with a 10-bit mantissa in the products (fp32 accumulation). ``false`` keeps full fp32 products.
+    No effect on CPU or on bf16 compute; the planner's and MFU's peak follow it (shardlm/parallel/dist.py)."""
 
 
 @dataclass
@@ -436,6 +448,8 @@ def validate(cfg: Config) -> None:
     for key in ("warmup_steps", "eval_interval", "eval_tokens"):
         if getattr(t, key) < 0:
             raise ConfigError(f"train.{key} must be >= 0, got {getattr(t, key)}")
+    if t.peak_flops < 0:
+        raise ConfigError(f"train.peak_flops must be >= 0 (FLOP/s; 0 = automatic), got {t.peak_flops}")
     if t.grad_clip < 0:
         raise ConfigError(f"train.grad_clip must be >= 0, got {t.grad_clip}")
     for key in ("dp_replicate", "dp_shard"):

@@ -12,7 +12,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="predict per-rank peak memory and step time of a config")
     p.add_argument("config", help="TOML config (overrides follow as --section.key=value)")
     p.add_argument("--world-size", type=int, required=True, help="number of ranks N")
-    p.add_argument("--device", default="h100", help="h100, h100-96gb, h200, a100-80gb or cpu")
+    p.add_argument("--device", default="h100", help="h100 (SXM), h100-pcie, h100-96gb, h200, a100-80gb, b200 or cpu")
     p.add_argument("--headroom", type=float, default=0.05,
                    help="fraction of device memory kept free for allocator fragmentation")
     p.set_defaults(fn=cmd_plan)

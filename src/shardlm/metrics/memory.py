@@ -48,13 +48,24 @@ def process_rss_bytes() -> int:
 
 def device_memory(device: torch.device) -> dict[str, int]:
     """What users mean by per-rank memory: on CUDA the allocator's peak allocated and reserved bytes since the
-    last reset; on CPU the process's resident set size (``rss_bytes``)."""
+    last :func:`reset_device_peaks`; on CPU the process's resident set size (``rss_bytes``)."""
     if device.type != "cuda":
         return {"rss_bytes": process_rss_bytes()}
     return {
         "max_allocated_bytes": torch.cuda.max_memory_allocated(device),
         "max_reserved_bytes": torch.cuda.max_memory_reserved(device),
     }
+
+
+def reset_device_peaks(device: torch.device) -> None:
+    """Start a new peak-memory interval (``torch.cuda.reset_peak_memory_stats``) on CUDA; a no-op on CPU.
+
+    The trainer calls it after each logged record, so each record's ``max_allocated_bytes`` /
+    ``max_reserved_bytes`` is the peak of its own logging interval, not of the whole run. Host-side only:
+    no device synchronisation.
+    """
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
 
 
 def format_bytes(n: float) -> str:

@@ -1,7 +1,7 @@
 """TensorBoard event files beside ``metrics.jsonl``, written when the ``tensorboard`` package is installed.
 
 Uses ``torch.utils.tensorboard.SummaryWriter``. Tags: ``train/loss``, ``val/loss``, ``train/lr``,
-``train/grad_norm``, ``perf/tokens_per_s``, ``perf/tokens_per_s_per_rank``, ``perf/step_time_s``,
+``train/grad_norm``, ``perf/tokens_per_s``, ``perf/tokens_per_s_per_rank``, ``perf/step_time_s``, ``perf/mfu``,
 and ``memory/<key>_MiB/rank<r>`` for each per-rank list of bytes in a record (``shard_bytes``,
 ``max_allocated_bytes``...). View with ``tensorboard --logdir runs/``.
 """
@@ -16,7 +16,7 @@ from typing import Any
 SCALAR_TAGS = {
     "loss": "train/loss", "val_loss": "val/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
     "tokens_per_s": "perf/tokens_per_s", "tokens_per_s_per_rank": "perf/tokens_per_s_per_rank",
-    "step_time_s": "perf/step_time_s",
+    "step_time_s": "perf/step_time_s", "mfu": "perf/mfu",
 }
 
 

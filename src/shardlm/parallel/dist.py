@@ -41,19 +41,92 @@ class DistInfo:
         return self.rank == 0
 
 
-def pick_device(requested: str, local_rank: int) -> torch.device:
+def pick_device(requested: str, local_rank: int, local_ranks: int = 1) -> torch.device:
     """``cuda:<local_rank>`` when CUDA is available (or requested), else ``cpu``.
 
+    Args:
+        requested: ``parallel.device``: ``auto``, ``cpu`` or ``cuda``.
+        local_rank: this rank's index on its node (torchrun's ``LOCAL_RANK``).
+        local_ranks: ranks on this node (torchrun's ``LOCAL_WORLD_SIZE``).
+
     Raises:
-        ConfigError: ``cuda`` was requested but no CUDA device is visible.
+        ConfigError: ``cuda`` was requested but no CUDA device is visible; or more ranks run on this
+            node than it has visible GPUs (two ranks would share one GPU: NCCL refuses or, worse,
+            both ranks run at half speed with twice the memory), named with both counts.
     """
     if requested == "cpu":
         return torch.device("cpu")
     if torch.cuda.is_available():
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
+        visible = torch.cuda.device_count()
+        if max(local_ranks, local_rank + 1) > visible:
+            raise ConfigError(
+                f"{max(local_ranks, local_rank + 1)} ranks on this node but only {visible} visible GPU"
+                f"{'s' if visible != 1 else ''} (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}):"
+                " start one rank per GPU (torchrun --nproc-per-node=<GPUs>), or --parallel.device=cpu")
+        return torch.device("cuda", local_rank)
     if requested == "cuda":
         raise ConfigError("parallel.device='cuda' but no CUDA device is available")
     return torch.device("cpu")
+
+
+def use_tf32(device: torch.device, pcfg: ParallelConfig) -> bool:
+    """Whether fp32 matrix multiplies run as TF32 on ``device``: on CUDA unless ``parallel.tf32 = false``.
+
+    TF32 applies only to fp32 compute (``param_dtype = "float32"``); it is never used on a CPU.
+    """
+    return device.type == "cuda" and pcfg.tf32
+
+
+def compute_precision(device: torch.device, pcfg: ParallelConfig) -> str:
+    """The precision the model's matrix multiplies run in: ``"bf16"``, ``"tf32"`` or ``"fp32"``.
+
+    bf16 when ``param_dtype = "bfloat16"`` (FSDP all-gathers bf16 weights; on a CPU without bf16
+    instructions the products may be computed in fp32 from the bf16 operands, still counted as bf16
+    compute here); else TF32 on CUDA when :func:`use_tf32`; else fp32. The MFU peak and the planner's
+    step time use it.
+    """
+    if pcfg.param_dtype == "bfloat16":
+        return "bf16"
+    return "tf32" if use_tf32(device, pcfg) else "fp32"
+
+
+def set_matmul_precision(device: torch.device, pcfg: ParallelConfig) -> None:
+    """Apply :func:`use_tf32` to PyTorch's CUDA matmul and cuDNN switches (CUDA only; a no-op on CPU)."""
+    if device.type != "cuda":
+        return
+    tf32 = use_tf32(device, pcfg)
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.backends.cudnn.allow_tf32 = tf32
+
+
+def pin_host_batches(device: torch.device) -> bool:
+    """Whether host batches are pinned (page-locked) before the copy to ``device``: on CUDA only.
+
+    A ``non_blocking=True`` copy from pageable memory is synchronous; from pinned memory it runs
+    asynchronously on the copy engine. On a CPU device there is no copy (and pinning needs an accelerator).
+    """
+    return device.type == "cuda"
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy a host tensor to ``device``: pinned and ``non_blocking`` on CUDA (:func:`pin_host_batches`),
+    unchanged on CPU."""
+    if pin_host_batches(device):
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def process_group_kwargs(device: torch.device, backend: str, timeout: timedelta) -> dict:
+    """Keyword arguments of ``init_process_group`` that depend on the device.
+
+    On CUDA ``device_id`` binds the process group to this rank's GPU, so NCCL creates its communicator
+    at once (not lazily at the first collective) and can split it for sub-meshes (HSDP's shard and
+    replicate groups) instead of building each from scratch.
+    """
+    kwargs: dict = {"backend": backend, "timeout": timeout}
+    if device.type == "cuda":
+        kwargs["device_id"] = device
+    return kwargs
 
 
 def pick_backend(device: torch.device, requested: str = "auto", cpu_collectives: bool = False) -> str:
@@ -76,10 +149,12 @@ def init_distributed(pcfg: ParallelConfig, cpu_collectives: bool = False) -> Dis
     With ``pcfg.cpu_offload`` (or ``cpu_collectives``) a CUDA run also gets CPU collectives
     (``cuda:nccl,cpu:gloo``), which clipping offloaded gradient shards needs. The collective
     timeout is ``pcfg.timeout_s``: a rank blocked in a collective whose peer has died raises after
-    that long instead of hanging.
+    that long instead of hanging. On CUDA the group is bound to this rank's GPU (``device_id``) and
+    fp32 matmuls use TF32 unless ``parallel.tf32 = false`` (:func:`set_matmul_precision`).
 
     Raises:
-        ConfigError: a CUDA device was requested but is missing; the ``dp_replicate × dp_shard``
+        ConfigError: a CUDA device was requested but is missing, or this node runs more ranks than it
+            has GPUs (:func:`pick_device`); the ``dp_replicate × dp_shard``
             mesh does not fit the world size or the ranks per node (:func:`dp_mesh_shape`), checked
             before the process group starts.
     """
@@ -87,17 +162,18 @@ def init_distributed(pcfg: ParallelConfig, cpu_collectives: bool = False) -> Dis
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     dp_mesh_shape(pcfg, world_size, local_world_size())  # bad mesh: one ConfigError, before any collective
-    device = pick_device(pcfg.device, local_rank)
+    device = pick_device(pcfg.device, local_rank, local_world_size())
     backend = pick_backend(device, pcfg.backend, cpu_collectives or pcfg.cpu_offload)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    set_matmul_precision(device, pcfg)
     if not dist.is_initialized():
         _started_process_group = True
-        timeout = timedelta(seconds=pcfg.timeout_s)
+        kwargs = process_group_kwargs(device, backend, timedelta(seconds=pcfg.timeout_s))
         if "MASTER_ADDR" in os.environ:
-            dist.init_process_group(backend, timeout=timeout, **restart_rendezvous(world_size, timeout))
+            dist.init_process_group(**kwargs, **restart_rendezvous(world_size, kwargs["timeout"]))
         else:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+            dist.init_process_group(**kwargs, store=dist.HashStore(), rank=0, world_size=1)
     return DistInfo(dist.get_rank(), local_rank, dist.get_world_size(), device, backend)
 
 

@@ -13,13 +13,25 @@ heartbeat intervals. Ranks whose counter stopped are lost; :class:`NodeLost` nam
 node and host. A rank that is alive but itself blocked in the failed collective keeps beating (its
 heartbeat thread runs while gloo/NCCL wait with the GIL released), so only the dead are named. When
 the store itself is gone, the first node (which hosts it) is the one lost.
+
+The heartbeat thread does not wait for a collective to fail: while the training loop runs (inside
+:meth:`FaultMonitor.watch`) it also reads the counter of the next rank in a ring (rank r watches
+r + 1 mod N, so each rank is watched once and the store serves three small requests per rank per
+interval). A counter that stopped for :func:`heartbeat_timeout` (30 s at the default
+``parallel.timeout_s = 600``; never less than 15 s, so a loaded machine does not look dead) makes the
+watcher name every silent rank, publish the message in the store for the others, print it once per
+surviving node and end the process with :data:`NODE_LOST_EXIT_CODE`. So a frozen or dead peer is
+reported within the heartbeat timeout even when the collectives would wait ``parallel.timeout_s``, and
+under NCCL too, whose watchdog would otherwise tear the process down without naming anyone.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import os
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -61,6 +73,12 @@ def this_rank_host(rank: int) -> RankHost:
 def heartbeat_interval(timeout_s: float) -> float:
     """Seconds between heartbeats: timeout / 30, clamped to [0.2, 2] s (2 s at the default 600 s timeout)."""
     return min(2.0, max(0.2, timeout_s / 30))
+
+
+def heartbeat_timeout(timeout_s: float) -> float:
+    """Seconds of silence after which the heartbeat watch reports a peer lost: 15 intervals, at least 15 s
+    (30 s at the default 600 s collective timeout), detection and naming included."""
+    return max(15.0, 15 * heartbeat_interval(timeout_s))
 
 
 def is_communication_failure(error: BaseException) -> bool:
@@ -110,14 +128,24 @@ class FaultMonitor:
     """
 
     def __init__(self, hosts: list[RankHost], rank: int, interval_s: float,
-                 store_factory: Callable[[], dist.Store] | None, token: str, store_address: str = "") -> None:
+                 store_factory: Callable[[], dist.Store] | None, token: str, store_address: str = "",
+                 timeout_s: float | None = None) -> None:
         self.hosts = hosts
         self.rank = rank
         self.interval_s = interval_s
         self.token = token
         self.store_address = store_address
+        #: silence after which the watch reports a peer lost (see :func:`heartbeat_timeout`)
+        self.timeout_s = max(15.0, 15 * interval_s) if timeout_s is None else timeout_s
         self._store = store_factory() if store_factory else None  # diagnosis (main thread)
         self._stop = threading.Event()
+        self._watching = threading.Event()  # set while the body of watch() runs
+        self._lock = threading.Lock()
+        self._claimed: str | None = None  # "watcher" or "main": who is reporting a loss
+        #: the message this rank printed when its watch ended the job (None: it printed nothing)
+        self.reported: str | None = None
+        #: how the watch ends the process (``os._exit``; unit tests record the call instead)
+        self.exit_process: Callable[[int], Any] = os._exit
         self._thread: threading.Thread | None = None
         if store_factory is not None:
             beat_store = store_factory()  # a second client: the thread never shares a connection
@@ -147,7 +175,8 @@ class FaultMonitor:
         def connect() -> dist.Store:
             return dist.TCPStore(addr, int(port), is_master=False, timeout=store_timeout, wait_for_workers=False)
 
-        return cls(hosts, info.rank, interval, connect, gathered[0]["token"], f"{addr}:{port}")
+        return cls(hosts, info.rank, interval, connect, gathered[0]["token"], f"{addr}:{port}",
+                   heartbeat_timeout(pcfg.timeout_s))
 
     @property
     def enabled(self) -> bool:
@@ -162,36 +191,108 @@ class FaultMonitor:
         store.add(self._key("heartbeat", self.rank), 1)
 
     def _beat_loop(self, store: dist.Store) -> None:
+        """Beat every interval; while watching, also watch the next rank in the ring and the job's lost key."""
+        watched = (self.rank + 1) % len(self.hosts)
+        last, changed = -1, time.monotonic()
         while not self._stop.wait(self.interval_s):
+            # silence that starts the naming: the naming itself takes 3 intervals, the polling up to 1 more
+            silent_s = max(self.interval_s, self.timeout_s - 4 * self.interval_s)
             try:
                 self._beat(store)
-            except Exception:  # noqa: BLE001 - the store is gone; the main thread reports it
+                if not self._watching.is_set() or watched == self.rank:
+                    last, changed = -1, time.monotonic()
+                    continue
+                if store.check([self._key("lost", 0)]):  # another rank named the lost ranks: end here too
+                    report = json.loads(store.get(self._key("lost", 0)))
+                    self._end_job(report["message"], report["lost"], store, published=True)
+                    return
+                count = store.add(self._key("heartbeat", watched), 0)
+                if count != last:
+                    last, changed = count, time.monotonic()
+                elif time.monotonic() - changed >= silent_s and not self._finished(store, watched):
+                    lost, message = self._lost_message(store, time.monotonic() - changed)
+                    if not lost:  # everyone beats again (a slow rank, not a lost one): keep watching
+                        last, changed = -1, time.monotonic()
+                        continue
+                    self._end_job(message, lost, store, published=False)
+                    return
+            except Exception:  # noqa: BLE001 - the store is gone; the main thread's diagnosis reports it
                 return
 
-    def _count(self, rank: int) -> int:
-        return self._store.add(self._key("heartbeat", rank), 0)
+    def _finished(self, store: dist.Store, rank: int) -> bool:
+        """Whether ``rank`` left the training loop itself (normally, or with an error it recorded)."""
+        return bool(store.check([self._key("stopped", rank)]) or store.check([self._key("failed", rank)]))
 
-    def _failure(self, rank: int) -> str | None:
+    def _lost_message(self, store: dist.Store, silent_s: float) -> tuple[list[int], str]:
+        """The ranks that stopped beating (watched for 3 intervals more) and the message naming them
+        (``[]``, ``""`` when every rank beats again)."""
+        lost, failed = self.find_lost(store=store)
+        if not lost:
+            return [], ""
+        by_rank = {h.rank: h for h in self.hosts}
+        message = (f"lost {describe_ranks([by_rank[r] for r in lost], self.hosts)}: no heartbeat for "
+                   f"{silent_s + 3 * self.interval_s:.1f} s (noticed by rank {self.rank}'s heartbeat watch, before "
+                   "any collective timed out)")
+        if failed:
+            message += "; ranks that failed on their own: " + "; ".join(f"rank {r}: {m}" for r, m in failed.items())
+        return lost, message + (". The process or machine of those ranks died or froze: check that node's log; "
+                                "relaunch the job (torchrun --max-restarts resumes from the last checkpoint)")
+
+    def _end_job(self, message: str, lost: list[int], store: dist.Store, published: bool) -> None:
+        """Report ``message`` (one rank per surviving node prints it) and end this process with code 4.
+
+        Called from the heartbeat thread; the main thread may be blocked in a collective that would wait
+        ``parallel.timeout_s``, so the process ends with ``os._exit`` (no teardown of the process group,
+        which could block on the lost peer). A rank that does not print waits a moment first, so that
+        torchrun, which stops the other workers once one exits, does not stop a reporter before it prints.
+        """
+        with self._lock:
+            if self._claimed is not None or self._stop.is_set():
+                return  # the main thread is reporting, or the loop has ended
+            self._claimed = "watcher"
+        if not published:
+            try:
+                store.set(self._key("lost", 0), json.dumps({"message": message, "lost": lost}))
+            except Exception:  # noqa: BLE001 - the others will notice by themselves
+                pass
+        me = next(h for h in self.hosts if h.rank == self.rank)
+        survivors = [h.rank for h in self.hosts if h.node_rank == me.node_rank and h.rank not in lost]
+        if self.rank == min(survivors, default=self.rank):
+            self.reported = message
+            print(f"error: {message}", file=sys.stderr, flush=True)
+        else:
+            time.sleep(3.0)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.exit_process(NODE_LOST_EXIT_CODE)
+
+    def _count(self, rank: int, store: dist.Store | None = None) -> int:
+        return (store or self._store).add(self._key("heartbeat", rank), 0)
+
+    def _failure(self, rank: int, store: dist.Store | None = None) -> str | None:
+        store = store or self._store
         key = self._key("failed", rank)
-        return self._store.get(key).decode(errors="replace") if self._store.check([key]) else None
+        return store.get(key).decode(errors="replace") if store.check([key]) else None
 
     # ---- diagnosis -------------------------------------------------------------------------
-    def find_lost(self, watch_s: float | None = None) -> tuple[list[int], dict[int, str]]:
+    def find_lost(self, watch_s: float | None = None,
+                  store: dist.Store | None = None) -> tuple[list[int], dict[int, str]]:
         """Ranks whose heartbeat did not advance within ``watch_s`` (default 3 intervals), and the
-        failure messages other ranks recorded ({rank: message}; those ranks are not lost).
+        failure messages other ranks recorded ({rank: message}; those ranks are not lost). ``store``: the
+        client to use (default the main thread's).
 
         Raises:
             dist.DistStoreError, RuntimeError: the store cannot be reached.
         """
         watch_s = 3 * self.interval_s if watch_s is None else watch_s
         others = [h.rank for h in self.hosts if h.rank != self.rank]
-        first = {r: self._count(r) for r in others}
+        first = {r: self._count(r, store) for r in others}
         silent = set(others)
         deadline = time.monotonic() + watch_s
         while silent and time.monotonic() < deadline:
             time.sleep(self.interval_s / 4)
-            silent = {r for r in silent if self._count(r) == first[r]}
-        failed = {r: msg for r in others if (msg := self._failure(r)) is not None}
+            silent = {r for r in silent if self._count(r, store) == first[r]}
+        failed = {r: msg for r in others if (msg := self._failure(r, store)) is not None}
         return sorted(silent - failed.keys()), failed
 
     def diagnose(self, error: BaseException) -> NodeLost | None:
@@ -232,9 +333,11 @@ class FaultMonitor:
         Any other exception, or a communication failure with every rank still beating, is re-raised
         unchanged (after recording it in the store, so other ranks can name it).
         """
+        self._watching.set()
         try:
             yield
         except Exception as error:
+            self._watching.clear()
             if not self.enabled:
                 raise
             if not is_communication_failure(error):
@@ -243,14 +346,27 @@ class FaultMonitor:
                 except Exception:  # noqa: BLE001 - best effort; the original error matters more
                     pass
                 raise
+            with self._lock:
+                watcher_reports = self._claimed == "watcher"
+                self._claimed = self._claimed or "main"
+            if watcher_reports:  # the heartbeat thread is ending the process with its message
+                time.sleep(3600)
             lost = self.diagnose(error)
             if lost is None:
                 raise
             raise lost from error
+        finally:
+            self._watching.clear()
 
     def close(self) -> None:
-        """Stop the heartbeat thread."""
-        self._stop.set()
+        """Stop the heartbeat thread, telling the other ranks' watchers that this rank left on purpose."""
+        with self._lock:
+            self._stop.set()
+        if self._store is not None and self._thread is not None:
+            try:
+                self._store.set(self._key("stopped", self.rank), "1")
+            except Exception:  # noqa: BLE001 - the store is gone: nobody is left to watch
+                pass
         if self._thread is not None:
             self._thread.join(timeout=2 * self.interval_s + 1)
             self._thread = None

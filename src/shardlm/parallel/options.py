@@ -108,7 +108,7 @@ def add_async_all_gather(root: nn.Module, groups: list[FSDPModule]) -> None:
 GRAD_SYNC_POLICIES = ("every_micro_batch", "last_micro_batch", "reduce_scatter_every_all_reduce_last")
 
 
-def set_gradient_sync(model: nn.Module, last_micro_batch: bool, policy: str = "last_micro_batch") -> None:
+def set_gradient_sync(model: nn.Module, last_micro_batch: bool, policy: str = "every_micro_batch") -> None:
     """Set how the next backward reduces gradients, for micro-batch accumulation.
 
     * ``every_micro_batch``: FSDP reduce-scatters after every micro-batch and accumulates sharded

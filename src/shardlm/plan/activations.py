@@ -11,8 +11,8 @@ RMSNorm ``weight * (x.float() * rsqrt(mean(x.float()²) + eps)).to(dtype)``:
   ``x.float()`` (4·B·d; with c = 4 it is x itself, kept anyway as the residual stream), the rsqrt
   (4·B), the normalised value in the compute dtype (c·B·d; with c = 2 a separate bf16 copy after
   the fp32 product 4·B·d, which is then freed) and the output, the next matmul's input (c·B·d).
-Attention: q after RoPE (c·B·d); k and v after ``repeat_interleave`` (c·B·d each: h·hd = d; with no
-  repetition k and v are the projections themselves, kv·hd = d); RoPE's ``cos``/``sin`` cast to the
+Attention: q after RoPE (c·B·d); k and v after RoPE at their own head count (c·B·kv·hd each: SDPA's
+  ``enable_gqa=True`` reads the grouped heads without repeating them, ``model/llama.py::attention``); RoPE's ``cos``/``sin`` cast to the
   compute dtype (2·t·hd·c, only when c ≠ 4; otherwise views of the fp32 buffers); SDPA (flash on
   CUDA, the flash kernel on CPU) saves q, k, v, its output (c·B·d, which ``o_proj`` also saves as
   its input: ``transpose(1, 2).reshape`` is a view) and the log-sum-exp (4·b·h·t).
@@ -79,7 +79,7 @@ def block_saved_none(s: Shape) -> int:
     Includes the block's output when it is saved by what follows (c = 4: the next norm keeps x itself).
     """
     bd, bf, c = s.tokens * s.d, s.tokens * s.f, s.c
-    attn = 4 * c * bd + 4 * s.b * s.h * s.t  # q, k, v, SDPA output; log-sum-exp
+    attn = 2 * c * bd + 2 * c * s.tokens * s.kv * s.hd + 4 * s.b * s.h * s.t  # q, SDPA output; k, v; log-sum-exp
     if c != 4:
         attn += 2 * s.t * s.hd * c  # cos and sin cast to the compute dtype
     residuals = 2 * c * bd if c == 4 else 0  # h after attention and the block output

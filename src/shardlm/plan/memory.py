@@ -172,6 +172,7 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
     unsharded: dict[str, bool] = {}
     prefetched: dict[str, int] = {}  # group -> bytes of its all-gather buffer awaiting copy-out
     accumulated: dict[str, bool] = {}
+    sharded_grad: dict[str, bool] = {}  # group -> its fp32 gradient shard exists (after its first reduce-scatter)
     retained_rs = [0]  # the last reduce-scatter input, kept alive until the next one (FSDP2 keeps 1)
     logits_alive = 0
 
@@ -225,12 +226,16 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
         led.add("reduce_scatter", n * g.shard_numel * rb, phase)  # flat input, copied in
         led.add("reduce_scatter", g.shard_numel * rb, phase)  # output
         led.free("grads", kept)
+        where = "host" if offload else "grads"
         if rb != 4:
-            led.add("host" if offload else "grads", 4 * g.shard_numel, phase)  # cast to the fp32 shard
+            led.add(where, 4 * g.shard_numel, phase)  # cast to the fp32 shard
             led.free("reduce_scatter", g.shard_numel * rb)
         else:
             led.free("reduce_scatter", g.shard_numel * rb)  # the output becomes the sharded gradient
-            led.add("host" if offload else "grads", 4 * g.shard_numel, phase)
+            led.add(where, 4 * g.shard_numel, phase)
+        if sharded_grad.get(g.name):  # a later micro-batch: added into the existing fp32 shard, then freed
+            led.free(where, 4 * g.shard_numel)
+        sharded_grad[g.name] = True
         retained_rs[0] = n * g.shard_numel * rb
         accumulated[g.name] = False
 

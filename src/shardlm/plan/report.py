@@ -67,6 +67,30 @@ def suggestions(cfg: Config, world_size: int, device: str, budget: float) -> lis
     return out
 
 
+def grad_sync_choices(cfg: Config, world_size: int, device_name: str, budget: float) -> list[str]:
+    """Lines comparing the gradient-sync choices under accumulation: peak memory and communication of each.
+
+    ``every_micro_batch`` keeps only gradient shards between micro-batches (k reduce-scatters per step);
+    ``last_micro_batch`` keeps unsharded full-size gradients until the last micro-batch (one
+    reduce-scatter); with HSDP (``dp_replicate`` != 1) ``reduce_scatter_every_all_reduce_last`` is shown too.
+    The current setting is marked ``*``.
+    """
+    device = get_device(device_name)
+    policies = ["every_micro_batch", "last_micro_batch"]
+    if cfg.parallel.dp_replicate != 1 and cfg.parallel.mode == "fsdp":
+        policies.append("reduce_scatter_every_all_reduce_last")
+    lines = ["  gradient sync under accumulation (parallel.grad_sync):"]
+    for policy in policies:
+        variant = _variant(cfg, parallel__grad_sync=policy)
+        mem = plan_memory(variant, world_size, device_name)
+        t = plan_time(variant, world_size, device, mem.params)
+        mark = "*" if policy == cfg.parallel.grad_sync else " "
+        lines.append(f"   {mark}{policy:<37} peak {mem.peak / GIB:7.1f} GiB "
+                     f"({'fits' if mem.peak <= budget else 'does not fit'}), communication "
+                     f"{t.comm_bytes / GIB:8.2f} GiB/rank/step, {t.comm_s:.3f} s")
+    return lines
+
+
 def format_plan(cfg: Config, world_size: int, device_name: str, headroom: float) -> str:
     """The report ``shardlm plan`` prints."""
     device = get_device(device_name)
@@ -96,8 +120,11 @@ def format_plan(cfg: Config, world_size: int, device_name: str, headroom: float)
         lines.append("  to fit, change one of:" if fixes else "  no single change tried fits; combine "
                      "activation checkpointing, bf16 parameters, a smaller micro-batch and more ranks")
         lines.extend(f"    {f}" for f in fixes)
+    if plan.micro_batches > 1 and st.mode != "single":
+        lines.extend(grad_sync_choices(cfg, world_size, device_name, budget))
     lines += [
-        f"  step time: compute {times.compute_s:.3f} s ({times.flops:.3e} FLOPs at peak), communication "
+        f"  step time: compute {times.compute_s:.3f} s ({times.flops:.3e} FLOPs at the {times.precision} peak, "
+        f"{times.peak_flops / 1e12:.0f} TFLOP/s), communication "
         f"{times.comm_s:.3f} s ({times.comm_bytes / GIB:.2f} GiB per rank)",
         f"             {times.overlapped_s:.3f} s fully overlapped, {times.serial_s:.3f} s serial (lower bounds: "
         "100% MFU)",

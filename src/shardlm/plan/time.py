@@ -20,9 +20,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from shardlm.config import Config, gradient_accumulation_steps
 from shardlm.metrics.flops import model_flops_per_token
-from shardlm.parallel.dist import dp_mesh_shape
+from shardlm.parallel.dist import compute_precision, dp_mesh_shape
 from shardlm.plan.devices import Device
 from shardlm.plan.memory import Settings
 
@@ -82,6 +84,10 @@ class TimePlan:
     """flops / the device's peak (an ideal lower bound: MFU = 100%)."""
     comm_s: float
     """comm_bytes / the device's bus bandwidth for this group size."""
+    precision: str = "fp32"
+    """The precision the matmuls run in (``bf16``, ``tf32`` or ``fp32``), whose peak ``compute_s`` uses."""
+    peak_flops: float = 0.0
+    """That peak, FLOP/s per rank."""
 
     @property
     def overlapped_s(self) -> float:
@@ -95,12 +101,18 @@ class TimePlan:
 
 
 def plan_time(cfg: Config, world_size: int, device: Device, params: int) -> TimePlan:
-    """Predict the step time of ``cfg`` at ``world_size`` ranks on ``device`` (P = ``params``)."""
+    """Predict the step time of ``cfg`` at ``world_size`` ranks on ``device`` (P = ``params``).
+
+    The compute time uses the device's peak in the precision that runs: bf16 with ``param_dtype =
+    "bfloat16"``, else TF32 on a GPU unless ``parallel.tf32 = false``, else fp32
+    (:func:`shardlm.parallel.dist.compute_precision`).
+    """
     st = Settings.from_config(cfg)
     k = gradient_accumulation_steps(cfg, world_size)
     tokens = k * cfg.train.micro_batch_size * cfg.train.seq_len
     flops = flops_per_token(cfg, st.ac_mode) * tokens
-    peak = device.peak_flops_bf16 if st.param_bytes == 2 else device.peak_flops_fp32
+    precision = compute_precision(torch.device("cpu" if device.name == "cpu" else "cuda"), cfg.parallel)
+    peak = device.peak_flops(precision)
     every = st.grad_sync != "last_micro_batch"  # reduce-scatter on every micro-batch
     if st.mode == "fsdp":
         replicas, shard = dp_mesh_shape(cfg.parallel, world_size, world_size)
@@ -110,4 +122,4 @@ def plan_time(cfg: Config, world_size: int, device: Device, params: int) -> Time
         comm = ddp_comm_bytes(world_size, params, k if every else 1)
     else:
         comm = 0.0
-    return TimePlan(flops, comm, flops / peak, comm / device.bandwidth(world_size) if comm else 0.0)
+    return TimePlan(flops, comm, flops / peak, comm / device.bandwidth(world_size) if comm else 0.0, precision, peak)

@@ -3,8 +3,8 @@
 One optimizer step over a global batch of G sequences reads, on each of N ranks, k = G / (N · m)
 micro-batches of m sequences. Per micro-batch, FSDP all-gathers each block's shards before its
 forward and frees them after; backward all-gathers again and reduce-scatters the gradients
-(averaged over ranks), on the last micro-batch only. Every rank then clips by the global norm and
-updates its own shard.
+(averaged over ranks), after every micro-batch by default (``parallel.grad_sync``). Every rank then
+clips by the global norm and updates its own shard.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from shardlm.data.instruct import IGNORE_INDEX, InstructionExamples, split_batch
 from shardlm.data.mixture import MixtureSampler, MixtureWindows, source_names
 from shardlm.data.sync import check_same_data
 from shardlm.errors import ConfigError, NonFiniteError
-from shardlm.metrics import MetricsLogger, device_memory, format_bytes, shard_bytes
+from shardlm.metrics import MetricsLogger, device_memory, format_bytes, model_flops_per_token, shard_bytes
+from shardlm.metrics.memory import reset_device_peaks
 from shardlm.metrics.progress import progress
 from shardlm.metrics.trackers import check_packages, start_trackers
 from shardlm.model.llama import num_params
@@ -39,9 +40,11 @@ from shardlm.parallel import (
     run_on_main,
     set_gradient_sync,
 )
+from shardlm.parallel.dist import set_matmul_precision, to_device
 from shardlm.parallel.faults import FaultMonitor, guard_collectives
 from shardlm.train.build import build_model, unwrap
 from shardlm.train.loss import token_loss_sum
+from shardlm.train.mfu import peak_flops_per_rank
 from shardlm.train.optim import apply_train_config, build_optimizer, build_scheduler, clip_grad_norm_
 
 
@@ -62,6 +65,7 @@ class Trainer:
         self.cfg = cfg
         check_packages(cfg)  # a tracker switched on without its package: one clear error before anything starts
         self.info = info or init_distributed(cfg.parallel)
+        set_matmul_precision(self.info.device, cfg.parallel)  # TF32 on CUDA unless parallel.tf32 = false
         self.accum_steps = gradient_accumulation_steps(cfg, self.info.world_size)
         self.run_dir = run_dir(cfg)
         self._check_run_dir()
@@ -98,6 +102,9 @@ class Trainer:
             apply_train_config(self.optimizer, self.scheduler, t, self.step)
         #: this run's id: new on a fresh start, the checkpoint's when resuming (shardlm/checkpoint/run.py)
         self.run_id: str = self.checkpointer.run_id
+        # MFU: model FLOPs per token (6N + 12·L·H·Q·T) and the peak of the precision that runs (train/mfu.py)
+        self.flops_per_token = model_flops_per_token(cfg.model, t.seq_len)
+        self.peak = peak_flops_per_rank(cfg, self.info)
         self.preempted = False
         self.history: list[dict[str, Any]] = []
         self.sample_ids: dict[int, list[int]] = {}
@@ -161,6 +168,8 @@ class Trainer:
             f"/rank; gradient accumulation {self.accum_steps}",
             f"  data       {len(self.train_data):,} train windows, {len(self.val_data):,} val windows, "
             f"unigram entropy {self.meta['unigram_entropy_nats']:.3f} nats",
+            f"  MFU        {self.flops_per_token * cfg.train.seq_len:,.0f} model FLOPs per sequence (6N + 12·L·H·Q·T), "
+            f"peak {self.peak.flops / 1e12:.2f} TFLOP/s per rank ({self.peak.precision}, {self.peak.source})",
             "  per rank   parameter shards " + ", ".join(format_bytes(b) for b in per_rank)
             + f" (+ grads and AdamW state: ~{format_bytes(4 * max(per_rank))} per rank)",
         ]
@@ -184,7 +193,7 @@ class Trainer:
         # (Targets are counted on the host copy: no device synchronisation per micro-batch.)
         local_targets = sum(int(split_batch(b)[1].ne(IGNORE_INDEX).sum()) for b in cpu_batches)
         n_tokens = all_reduce_sum(torch.tensor([float(local_targets)], device=info.device))
-        batches = [b.to(info.device, non_blocking=True) for b in cpu_batches]
+        batches = [to_device(b, info.device) for b in cpu_batches]  # pinned, asynchronous copies on CUDA
         scale = info.world_size / n_tokens
         loss_sum = torch.zeros((), dtype=torch.float64, device=info.device)
         for i, batch in enumerate(batches):
@@ -193,7 +202,7 @@ class Trainer:
             set_gradient_sync(model, last_micro_batch=(i == len(batches) - 1), policy=cfg.parallel.grad_sync)
             logits = model(inputs)  # per block: all-gather shards, compute, reshard
             loss = token_loss_sum(logits, targets)
-            (loss * scale).backward()  # per block: all-gather, grads, reduce-scatter (last micro-batch)
+            (loss * scale).backward()  # per block: all-gather, grads, reduce-scatter (per grad_sync)
             loss_sum += loss.detach()
         max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else math.inf
         grad_norm = clip_grad_norm_(model.parameters(), max_norm)  # fp64: the same at any sharding
@@ -212,10 +221,12 @@ class Trainer:
         self.step += 1
         elapsed = time.perf_counter() - start
         tokens = cfg.train.global_batch_size * cfg.train.seq_len
+        flops = self.flops_per_token * tokens / info.world_size  # this rank's model FLOPs (host arithmetic)
         record = {
             "step": self.step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm_value,
             "tokens_per_s": tokens / elapsed, "tokens_per_s_per_rank": tokens / elapsed / info.world_size,
-            "step_time_s": elapsed,
+            "step_time_s": elapsed, "flops_per_step_per_rank": flops, "peak_flops_per_rank": self.peak.flops,
+            "mfu": flops / (elapsed * self.peak.flops),
         }
         if isinstance(self.sampler, MixtureSampler):  # per source: tokens seen so far and its own epoch
             drawn = self.sampler.drawn_before(self.step * cfg.train.global_batch_size)
@@ -233,7 +244,7 @@ class Trainer:
         totals = torch.zeros(2, dtype=torch.float64, device=info.device)
         for ids in batches:
             # every rank runs the same number of forwards (FSDP all-gathers); padding batches count zero
-            inputs, targets = split_batch(self.val_data.get(ids or [0]).to(info.device))
+            inputs, targets = split_batch(to_device(self.val_data.get(ids or [0]), info.device))
             logits = self.model(inputs)
             loss = token_loss_sum(logits, targets)
             if ids:
@@ -247,6 +258,7 @@ class Trainer:
         out: dict[str, Any] = {"shard_bytes": self._shard_bytes}
         for key, value in device_memory(self.info.device).items():
             out[key] = all_gather_ints(value, self.info.device)
+        reset_device_peaks(self.info.device)  # the next record's peaks cover its own logging interval
         return out
 
     # ---- the loop ---------------------------------------------------------------------------
@@ -287,6 +299,7 @@ class Trainer:
                     self.history.append(record)
                 bar.update(1)
                 bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}",
+                                mfu=f"{record['mfu']:.1%}",
                                 **({"val": f"{record['val_loss']:.3f}"} if "val_loss" in record else {}))
                 self.preempted = self.checkpointer.preemption_requested()  # SIGTERM/SIGUSR1 on any rank
                 if self.checkpointer.should_save(self.step, last) or self.preempted:

@@ -109,6 +109,7 @@ def test_sample_ids_do_not_depend_on_world_size(results):
     assert len(one) == 20 and all(len(v) == 8 for v in one.values())
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("name,world", [("single", 1), ("fsdp2_accum", 2), ("fsdp4", 4)])
 def test_mfu_is_logged_every_step_from_its_own_logged_values(results, name, world):
     """metrics.jsonl carries MFU on every logged step: model FLOPs per step and rank (6N + 12·L·H·Q·T per

@@ -270,7 +270,7 @@ def test_enable_gqa_attention_equals_repeat_interleave(heads, kv_heads, masked):
 def test_model_forward_is_the_same_with_either_attention_path(monkeypatch):
     """A whole GQA Llama: logits with enable_gqa and with repeated K/V agree within 1e-6 (fp32)."""
     from shardlm.config import ModelConfig
-    from shardlm.model import Llama
+    from shardlm.model.llama import Llama
     from shardlm.model import llama as llama_module
 
     torch.manual_seed(0)
@@ -287,6 +287,7 @@ def test_model_forward_is_the_same_with_either_attention_path(monkeypatch):
 
 
 # ---- the one-shot GPU check, run here in its CPU mode ---------------------------------------------------------
+@pytest.mark.dist
 def test_gpu_check_runs_in_cpu_mode(tmp_path):
     """`python bench/gpu_check.py --device cpu` (tiny shapes): every check runs and passes, one table is printed."""
     import json

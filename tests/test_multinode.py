@@ -530,6 +530,7 @@ def rank_pid(launcher: subprocess.Popen, rank: int) -> int:
     raise AssertionError(f"no worker of rank {rank} under {launcher.pid}")
 
 
+@pytest.mark.dist
 def test_frozen_rank_is_reported_within_the_heartbeat_timeout(small_data, tmp_path):
     """SIGSTOP one rank's process (silent, its connections open) with parallel.timeout_s = 600: the survivor's
     heartbeat watch reports the lost rank and its host within heartbeat_timeout(600) = 30 s, not after 600 s,

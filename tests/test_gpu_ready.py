@@ -20,7 +20,12 @@ from conftest import ROOT, cpu_env
 from shardlm.config import ConfigError, ParallelConfig, load_config
 from shardlm.parallel import dist as shardlm_dist
 from shardlm.parallel.dist import (
-    compute_precision, pick_device, pin_host_batches, process_group_kwargs, set_matmul_precision, use_tf32,
+    compute_precision,
+    pick_device,
+    pin_host_batches,
+    process_group_kwargs,
+    set_matmul_precision,
+    use_tf32,
 )
 from shardlm.plan.devices import DEVICES, device_for_cuda_name
 from shardlm.plan.time import plan_time
@@ -270,8 +275,8 @@ def test_enable_gqa_attention_equals_repeat_interleave(heads, kv_heads, masked):
 def test_model_forward_is_the_same_with_either_attention_path(monkeypatch):
     """A whole GQA Llama: logits with enable_gqa and with repeated K/V agree within 1e-6 (fp32)."""
     from shardlm.config import ModelConfig
-    from shardlm.model.llama import Llama
     from shardlm.model import llama as llama_module
+    from shardlm.model.llama import Llama
 
     torch.manual_seed(0)
     model = Llama(ModelConfig(dim=64, n_layers=2, n_heads=8, n_kv_heads=2, vocab_size=101, max_seq_len=32))

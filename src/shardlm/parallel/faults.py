@@ -44,7 +44,7 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from shardlm.config import ParallelConfig
-from shardlm.errors import NodeLost
+from shardlm.errors import NODE_LOST_EXIT_CODE, NodeLost
 from shardlm.parallel.dist import DistInfo
 
 #: substrings of the RuntimeError messages gloo, NCCL and c10d raise when a peer is gone or silent
@@ -216,7 +216,7 @@ class FaultMonitor:
                         continue
                     self._end_job(message, lost, store, published=False)
                     return
-            except Exception:  # noqa: BLE001 - the store is gone; the main thread's diagnosis reports it
+            except (RuntimeError, OSError, ValueError):  # the store is gone; the main thread's diagnosis reports it
                 return
 
     def _finished(self, store: dist.Store, rank: int) -> bool:

@@ -12,9 +12,9 @@ RMSNorm ``weight * (x.float() * rsqrt(mean(x.float()²) + eps)).to(dtype)``:
   (4·B), the normalised value in the compute dtype (c·B·d; with c = 2 a separate bf16 copy after
   the fp32 product 4·B·d, which is then freed) and the output, the next matmul's input (c·B·d).
 Attention: q after RoPE (c·B·d); k and v after RoPE at their own head count (c·B·kv·hd each: SDPA's
-  ``enable_gqa=True`` reads the grouped heads without repeating them, ``model/llama.py::attention``); RoPE's ``cos``/``sin`` cast to the
-  compute dtype (2·t·hd·c, only when c ≠ 4; otherwise views of the fp32 buffers); SDPA (flash on
-  CUDA, the flash kernel on CPU) saves q, k, v, its output (c·B·d, which ``o_proj`` also saves as
+  ``enable_gqa=True`` reads the grouped heads without repeating them, ``model/llama.py::attention``);
+  RoPE's ``cos``/``sin`` cast to the compute dtype (2·t·hd·c, only when c ≠ 4; otherwise views of the
+  fp32 buffers); SDPA (flash on CUDA, the flash kernel on CPU) saves q, k, v, its output (c·B·d, which ``o_proj`` also saves as
   its input: ``transpose(1, 2).reshape`` is a view) and the log-sum-exp (4·b·h·t).
 Residual ``h = x + attn``: add saves nothing; h is saved by the next norm (c = 4) or only its fp32
   copy is (c = 2, counted in the norm).

@@ -416,10 +416,21 @@ def validate(cfg: Config) -> None:
     for key, value in positive.items():
         if value <= 0:
             raise ConfigError(f"{key} must be positive, got {value}")
-    if m.dim % m.n_heads:
-        raise ConfigError(f"model.n_heads={m.n_heads} must divide model.dim={m.dim}")
-    if (m.head_dim) % 2:
-        raise ConfigError(f"model.dim / model.n_heads = {m.head_dim} must be even for rotary embeddings")
+    if m.head_width < 0:
+        raise ConfigError(f"model.head_width must be >= 0, got {m.head_width}")
+    if not m.head_width and m.dim % m.n_heads:
+        raise ConfigError(f"model.n_heads={m.n_heads} must divide model.dim={m.dim} (or set model.head_width)")
+    if m.head_dim % 2:
+        raise ConfigError(f"the head width {m.head_dim} (model.head_width, or model.dim / model.n_heads) must be even "
+                          "for rotary embeddings")
+    for key in ("sliding_window", "sliding_window_pattern", "rope_local_theta", "query_pre_attn_scalar",
+                "final_logit_softcap", "rope_linear_factor"):
+        if getattr(m, key) < 0:
+            raise ConfigError(f"model.{key} must be >= 0, got {getattr(m, key)}")
+    if m.sliding_window and m.family not in ("mistral", "gemma3"):
+        raise ConfigError(f"model.sliding_window applies to model.family 'mistral' or 'gemma3' (family is {m.family!r})")
+    if m.rope_linear_factor > 0 and m.rope_scaling_factor > 0:
+        raise ConfigError("model.rope_linear_factor and model.rope_scaling_factor (llama3) cannot both be set")
     kv = m.kv_heads
     if kv < 0 or m.n_heads % kv:
         raise ConfigError(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads}")

@@ -1,4 +1,5 @@
-"""Hugging Face ``config.json`` <-> :class:`ModelConfig`, both directions, for Llama-family decoders.
+"""Hugging Face ``config.json`` <-> :class:`ModelConfig`, both directions, for the built families (Llama, Qwen2,
+Qwen3, Mistral, Gemma 3).
 
 Reads transformers 4.x and 5.x layouts (``rope_scaling`` or ``rope_parameters``) and refuses, naming the
 field, what the model does not build. Imports no torch: the configuration reads it.
@@ -11,20 +12,23 @@ from pathlib import Path
 from typing import Any
 
 from shardlm.errors import ModelDirError
-from shardlm.model.config import ModelConfig
+from shardlm.model.config import FAMILIES, ModelConfig
 
 
 def hf_config(cfg: ModelConfig, special_ids: dict[str, int | None] | None = None,
               dtype: object = "float32") -> dict:
-    """The ``config.json`` dict (``model_type: llama``) for a model of shape ``cfg``.
+    """The ``config.json`` dict for a model of shape ``cfg``, in its family's layout (``model_type`` from
+    :data:`~shardlm.model.config.FAMILIES`).
 
     ``special_ids`` gives ``bos``/``eos`` token ids; ``dtype`` (a ``torch.dtype`` or its name) is recorded as
-    ``torch_dtype``.
+    ``torch_dtype``. RoPE is written in the transformers 4.x form (``rope_theta``, ``rope_scaling``), which 5.x
+    also reads.
     """
     special_ids = special_ids or {}
+    arch = cfg.arch
     config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [arch.architecture],
+        "model_type": arch.model_type,
         "hidden_size": cfg.dim,
         "intermediate_size": cfg.ffn_dim,
         "num_hidden_layers": cfg.n_layers,
@@ -36,79 +40,163 @@ def hf_config(cfg: ModelConfig, special_ids: dict[str, int | None] | None = None
         "rope_theta": cfg.rope_theta,
         "rms_norm_eps": cfg.norm_eps,
         "tie_word_embeddings": cfg.tie_embeddings,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
         "bos_token_id": special_ids.get("bos"),
         "eos_token_id": special_ids.get("eos"),
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
+    if cfg.family == "gemma3":
+        config.update({
+            "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": cfg.query_pre_attn_scalar or cfg.head_dim,
+            "sliding_window": cfg.sliding_window or None, "rope_local_base_freq": cfg.rope_local_theta or cfg.rope_theta,
+            "layer_types": ["sliding_attention" if cfg.is_local(i) else "full_attention" for i in range(cfg.n_layers)],
+            "final_logit_softcapping": cfg.final_logit_softcap or None, "attn_logit_softcapping": None,
+            "attention_bias": False,
+        })
+    else:
+        config["hidden_act"] = "silu"
+        if cfg.family == "mistral":
+            config["sliding_window"] = cfg.sliding_window or None
+        elif cfg.family in ("qwen2", "qwen3"):
+            config["use_sliding_window"] = False
+            if cfg.family == "qwen3":
+                config["attention_bias"] = False
+        else:
+            config.update(attention_bias=False, mlp_bias=False)
     if cfg.rope_scaling_factor > 0:  # Llama 3.1 RoPE scaling, in HF's format
         config["rope_scaling"] = {
             "rope_type": "llama3", "factor": cfg.rope_scaling_factor, "low_freq_factor": cfg.rope_low_freq_factor,
             "high_freq_factor": cfg.rope_high_freq_factor,
             "original_max_position_embeddings": cfg.rope_original_max_seq_len,
         }
+    elif cfg.rope_linear_factor > 0:
+        config["rope_scaling"] = {"rope_type": "linear", "factor": cfg.rope_linear_factor}
     return config
 
 
-def model_config_from_hf_dict(config: dict[str, Any], source: str = "config.json") -> ModelConfig:
-    """Our :class:`ModelConfig` from an HF Llama ``config.json`` dict (transformers 4.x or 5.x layout).
+#: config.json ``model_type`` -> our family name
+_FAMILY_OF = {f.model_type: name for name, f in FAMILIES.items()}
 
-    Reads the shape, ``rope_theta`` (top level or in ``rope_parameters``), Llama 3.1 RoPE scaling
-    (``rope_scaling`` / ``rope_parameters`` with ``rope_type: llama3``), ``rms_norm_eps`` and
-    ``tie_word_embeddings``.
 
-    Raises:
-        ModelDirError: naming the field: ``model_type`` is not ``llama`` (or ``architectures`` not
-            ``LlamaForCausalLM``), a required field is missing, ``head_dim`` differs from
-            hidden_size / num_attention_heads, ``hidden_act`` is not ``silu``, attention or MLP
-            biases are on, or the RoPE type is not ``default``/``llama3``.
-    """
-    arch = config.get("architectures") or ["LlamaForCausalLM"]
-    if config.get("model_type") != "llama" or arch != ["LlamaForCausalLM"]:
-        raise ModelDirError(f"{source}: model_type={config.get('model_type')!r}, architectures={arch}: only Llama "
-                     "('llama', LlamaForCausalLM) is supported")
-    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
-        if key not in config:
-            raise ModelDirError(f"{source}: missing field {key!r}")
-    dim, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
-    if config.get("head_dim") not in (None, dim // heads):
-        raise ModelDirError(f"{source}: head_dim={config['head_dim']} differs from hidden_size / num_attention_heads = "
-                     f"{dim // heads}; not supported")
-    if config.get("hidden_act", "silu") != "silu":
-        raise ModelDirError(f"{source}: hidden_act={config['hidden_act']!r}; only 'silu' is supported")
-    for key in ("attention_bias", "mlp_bias"):
-        if config.get(key):
-            raise ModelDirError(f"{source}: {key}=true is not supported")
-    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+def _rope_fields(cfg: ModelConfig, rope: dict[str, Any], source: str, key: str) -> None:
+    """Set ``cfg``'s RoPE scaling from a ``rope_scaling`` / ``rope_parameters`` dict (``key`` names it in errors)."""
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    theta = config.get("rope_theta", rope.get("rope_theta", 10000.0))
-    cfg = ModelConfig(
-        dim=dim, n_layers=int(config["num_hidden_layers"]), n_heads=heads,
-        n_kv_heads=int(config.get("num_key_value_heads") or heads), ffn_hidden=int(config["intermediate_size"]),
-        vocab_size=int(config["vocab_size"]), max_seq_len=int(config.get("max_position_embeddings", 2048)),
-        rope_theta=float(theta), norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-    )
     if rope_type == "llama3":
         try:
             cfg.rope_scaling_factor = float(rope["factor"])
             cfg.rope_low_freq_factor = float(rope["low_freq_factor"])
             cfg.rope_high_freq_factor = float(rope["high_freq_factor"])
         except KeyError as e:
-            raise ModelDirError(f"{source}: rope_scaling (llama3) lacks field {e.args[0]!r}") from None
+            raise ModelDirError(f"{source}: {key} (llama3) lacks field {e.args[0]!r}") from None
         cfg.rope_original_max_seq_len = int(rope.get("original_max_position_embeddings", cfg.max_seq_len))
+    elif rope_type == "linear":
+        if "factor" not in rope:
+            raise ModelDirError(f"{source}: {key} (linear) lacks field 'factor'")
+        cfg.rope_linear_factor = float(rope["factor"])
     elif rope_type != "default":
-        raise ModelDirError(f"{source}: rope_scaling type {rope_type!r} is not supported (only default and llama3)")
+        raise ModelDirError(f"{source}: {key} rope_type {rope_type!r} is not supported (built: default, linear, llama3)")
+
+
+def model_config_from_hf_dict(config: dict[str, Any], source: str = "config.json") -> ModelConfig:
+    """Our :class:`ModelConfig` from an HF ``config.json`` dict (transformers 4.x or 5.x layout) of a built family:
+    ``llama``, ``qwen2``, ``qwen3``, ``mistral`` or ``gemma3_text`` (:data:`~shardlm.model.config.FAMILIES`).
+
+    Reads the shape (with an explicit ``head_dim``), ``rope_theta`` (top level or in ``rope_parameters``, per
+    layer type for Gemma 3), RoPE scaling (``llama3``, ``linear``), the sliding window and which layers use it,
+    Gemma's ``query_pre_attn_scalar`` and soft-capping, ``rms_norm_eps`` and ``tie_word_embeddings``.
+
+    Raises:
+        ModelDirError: naming the field: a ``model_type``/``architectures`` not built (e.g. a mixture of experts),
+            a missing required field, an activation or bias the family does not have, a RoPE type not built,
+            attention soft-capping, or a layer pattern other than Gemma's every-n-th-global.
+    """
+    model_type = config.get("model_type")
+    family = _FAMILY_OF.get(model_type)
+    arch = config.get("architectures") or [FAMILIES[family].architecture if family else None]
+    if family is None or arch != [FAMILIES[family].architecture]:
+        built = ", ".join(f"{f.model_type!r} ({f.architecture})" for f in FAMILIES.values())
+        raise ModelDirError(f"{source}: model_type={model_type!r}, architectures={arch}: not built; the built "
+                            f"families are {built}")
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
+        if key not in config:
+            raise ModelDirError(f"{source}: missing field {key!r}")
+    dim, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+    act_key = "hidden_activation" if family == "gemma3" else "hidden_act"
+    act = config.get(act_key) or ("gelu_pytorch_tanh" if family == "gemma3" else "silu")
+    if act != {"gemma3": "gelu_pytorch_tanh"}.get(family, "silu"):
+        raise ModelDirError(f"{source}: {act_key}={act!r} is not supported for {model_type}")
+    biases = {"llama": ("attention_bias", "mlp_bias"), "qwen3": ("attention_bias",), "mistral": (),
+              "qwen2": (), "gemma3": ("attention_bias",)}[family]
+    for key in biases:
+        if config.get(key):
+            raise ModelDirError(f"{source}: {key}=true is not supported for {model_type}")
+    for key in ("attn_logit_softcapping",):
+        if config.get(key):
+            raise ModelDirError(f"{source}: {key}={config[key]} is not supported (attention soft-capping is not built)")
+    rope = dict(config.get("rope_parameters") or {})
+    per_layer_type = "full_attention" in rope or "sliding_attention" in rope  # Gemma 3 in the 5.x layout
+    global_rope = dict(rope.get("full_attention") or {}) if per_layer_type else rope
+    local_rope = dict(rope.get("sliding_attention") or {}) if per_layer_type else {}
+    theta = config.get("rope_theta", global_rope.get("rope_theta", 1_000_000.0 if family == "gemma3" else 10000.0))
+    head_width = int(config.get("head_dim") or 0)
+    if family == "gemma3" and not head_width:
+        head_width = 256  # Gemma3TextConfig's default
+    cfg = ModelConfig(
+        family=family, dim=dim, n_layers=int(config["num_hidden_layers"]), n_heads=heads,
+        n_kv_heads=int(config.get("num_key_value_heads") or heads),
+        head_width=0 if head_width == dim // heads and dim % heads == 0 else head_width,
+        ffn_hidden=int(config["intermediate_size"]),
+        vocab_size=int(config["vocab_size"]), max_seq_len=int(config.get("max_position_embeddings", 2048)),
+        rope_theta=float(theta), norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(config.get("tie_word_embeddings", family == "gemma3")),
+    )
+    scaling = config.get("rope_scaling")
+    _rope_fields(cfg, dict(scaling) if scaling else global_rope, source, "rope_scaling" if scaling else "rope_parameters")
+    if local_rope.get("rope_type", "default") != "default":
+        raise ModelDirError(f"{source}: rope_parameters.sliding_attention rope_type {local_rope['rope_type']!r} "
+                            "is not supported (local layers: default only)")
+    _sliding_fields(cfg, config, family, local_rope, source)
+    if family == "gemma3":
+        cfg.query_pre_attn_scalar = float(config.get("query_pre_attn_scalar") or 256)
+        if cfg.query_pre_attn_scalar == cfg.head_dim:
+            cfg.query_pre_attn_scalar = 0.0
+        cfg.final_logit_softcap = float(config.get("final_logit_softcapping") or 0.0)
     return cfg
 
 
+def _sliding_fields(cfg: ModelConfig, config: dict[str, Any], family: str, local_rope: dict[str, Any],
+                    source: str) -> None:
+    """Set the sliding window, which layers use it and their RoPE base, as transformers decides them per family."""
+    window = config.get("sliding_window")
+    if family in ("qwen2", "qwen3"):
+        if config.get("use_sliding_window"):
+            raise ModelDirError(f"{source}: use_sliding_window=true is not supported for {family}")
+        return
+    if family == "llama" or not window:
+        return
+    cfg.sliding_window = int(window)
+    if family == "mistral":
+        if config.get("layer_types") and set(config["layer_types"]) != {"sliding_attention"}:
+            raise ModelDirError(f"{source}: layer_types with full-attention layers is not supported for mistral")
+        return
+    if config.get("use_bidirectional_attention"):
+        raise ModelDirError(f"{source}: use_bidirectional_attention=true is not supported")
+    types = config.get("layer_types")
+    pattern = int(config.get("sliding_window_pattern") or 6)
+    if types:
+        n_global = types.count("full_attention")
+        pattern = len(types) // n_global if n_global else 0
+        built = ["sliding_attention" if (not pattern or (i + 1) % pattern) else "full_attention" for i in range(len(types))]
+        if types != built:
+            raise ModelDirError(f"{source}: layer_types {types} is not every n-th layer global; not supported")
+    cfg.sliding_window_pattern = pattern
+    cfg.rope_local_theta = float(config.get("rope_local_base_freq", local_rope.get("rope_theta", 10000.0)))
+
+
 def read_model_dir_config(path: str | Path) -> ModelConfig:
-    """The :class:`ModelConfig` of an HF Llama directory, from its ``config.json``.
+    """The :class:`ModelConfig` of an HF model directory, from its ``config.json``.
 
     Raises:
-        ModelDirError: the directory or its ``config.json`` is missing or invalid, or not a Llama.
+        ModelDirError: the directory or its ``config.json`` is missing or invalid, or of a family not built.
     """
     path = Path(path)
     file = path / "config.json"

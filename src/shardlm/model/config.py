@@ -2,26 +2,64 @@
 
 Field names follow the Llama papers; Hugging Face ``config.json`` names are given in brackets. Values
 derived from the fields (head width, key/value heads, MLP width) are properties, computed in one place.
+
+The model families (Llama, Qwen2/2.5, Qwen3, Mistral, Gemma 3) are one decoder with a few switches:
+:data:`FAMILIES` lists, per family, the fixed traits of its architecture (biases, q/k norm, Gemma's norms
+and GeGLU); the sizes a family varies (head width, sliding window, RoPE bases) are fields.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class Family:
+    """The fixed architectural traits of one model family (what no config field varies)."""
+
+    model_type: str
+    """Hugging Face ``config.json`` ``model_type`` written on export."""
+    architecture: str
+    """Hugging Face ``architectures[0]`` (the ``*ForCausalLM`` class)."""
+    qkv_bias: bool = False
+    """Bias on the query, key and value projections (Qwen2)."""
+    qk_norm: bool = False
+    """RMSNorm over each query and key head (width ``head_dim``) before RoPE (Qwen3, Gemma 3)."""
+    gemma_norms: bool = False
+    """Gemma's conventions: RMSNorm scales by ``1 + weight`` (weights start at 0), a norm before *and* after the
+    attention and the MLP (four per block), the embedding multiplied by sqrt(dim) in its dtype."""
+    activation: Literal["silu", "gelu_tanh"] = "silu"
+    """Gate activation of the gated MLP: SiLU (SwiGLU) or tanh-approximated GELU (GeGLU) [hidden_act]."""
+
+
+#: every family the decoder builds, by ``ModelConfig.family``
+FAMILIES: dict[str, Family] = {
+    "llama": Family("llama", "LlamaForCausalLM"),
+    "qwen2": Family("qwen2", "Qwen2ForCausalLM", qkv_bias=True),
+    "qwen3": Family("qwen3", "Qwen3ForCausalLM", qk_norm=True),
+    "mistral": Family("mistral", "MistralForCausalLM"),
+    "gemma3": Family("gemma3_text", "Gemma3ForCausalLM", qk_norm=True, gemma_norms=True, activation="gelu_tanh"),
+}
 
 
 @dataclass
 class ModelConfig:
-    """Shape of the Llama-style decoder (Hugging Face ``LlamaConfig`` names in brackets)."""
+    """Shape of the decoder (Hugging Face config names in brackets)."""
 
+    family: Literal["llama", "qwen2", "qwen3", "mistral", "gemma3"] = "llama"
+    """Model family, the fixed traits of :data:`FAMILIES` [model_type]."""
     dim: int = 256
     """Hidden size, the width of the residual stream [hidden_size]."""
     n_layers: int = 4
     """Number of transformer blocks [num_hidden_layers]."""
     n_heads: int = 8
-    """Number of query heads [num_attention_heads]; must divide ``dim``."""
+    """Number of query heads [num_attention_heads]; must divide ``dim`` unless ``head_width`` is set."""
     n_kv_heads: int = 0
     """Number of key/value heads for grouped-query attention [num_key_value_heads]; 0 means ``n_heads``."""
+    head_width: int = 0
+    """Width of one attention head [head_dim]; 0 means ``dim // n_heads`` (see the ``head_dim`` property)."""
     ffn_hidden: int = 0
     """Hidden size of the SwiGLU MLP [intermediate_size]; 0 means the Llama rule: 8/3·dim rounded up to 256."""
     vocab_size: int = 4096
@@ -29,7 +67,20 @@ class ModelConfig:
     max_seq_len: int = 1024
     """Longest sequence the rotary tables cover, in tokens [max_position_embeddings]."""
     rope_theta: float = 10000.0
-    """Base of the rotary frequencies [rope_theta]."""
+    """Base of the rotary frequencies [rope_theta]; of the global (full-attention) layers when some are local."""
+    sliding_window: int = 0
+    """Local layers attend to the last ``sliding_window`` tokens only, their own included [sliding_window]; 0 means
+    every layer attends to the whole sequence."""
+    sliding_window_pattern: int = 0
+    """With ``sliding_window``: every ``sliding_window_pattern``-th layer (1-based) is global, the others local
+    (Gemma 3: 6) [sliding_window_pattern / layer_types]; 0 means every layer is local (Mistral)."""
+    rope_local_theta: float = 0.0
+    """Rotary base of the local layers (Gemma 3: 10000) [rope_local_base_freq]; 0 means ``rope_theta``."""
+    query_pre_attn_scalar: float = 0.0
+    """Attention scores are scaled by ``query_pre_attn_scalar ** -0.5`` (Gemma) [query_pre_attn_scalar]; 0 means
+    ``head_dim``."""
+    final_logit_softcap: float = 0.0
+    """Logits become ``c · tanh(logits / c)`` with this c [final_logit_softcapping]; 0 means none."""
     norm_eps: float = 1e-5
     """Epsilon inside RMSNorm [rms_norm_eps]."""
     tie_embeddings: bool = False
@@ -44,16 +95,35 @@ class ModelConfig:
     """Llama 3.1 RoPE scaling ``high_freq_factor`` [rope_scaling.high_freq_factor]; used when rope_scaling_factor > 0."""
     rope_original_max_seq_len: int = 8192
     """Llama 3.1 pre-training context, in tokens [rope_scaling.original_max_position_embeddings]."""
+    rope_linear_factor: float = 0.0
+    """Linear RoPE scaling (position interpolation, Gemma 3 4B+): the global layers' frequencies are divided by
+    this factor [rope_scaling.factor, rope_type linear]; 0 means none."""
     init_from: str = ""
-    """Hugging Face Llama directory (``config.json`` + ``*.safetensors``) to start from instead of a random
+    """Hugging Face model directory (``config.json`` + ``*.safetensors``) to start from instead of a random
     init; empty means random. When set, the model's shape (every field above except ``init_std``) is read
     from its ``config.json`` and overrides the TOML and command line; the tokenizer defaults to its
     ``tokenizer.json``. Each rank reads only the rows of its own shards."""
 
     @property
+    def arch(self) -> Family:
+        """The family's fixed traits, :data:`FAMILIES` ``[family]``."""
+        return FAMILIES[self.family]
+
+    @property
     def head_dim(self) -> int:
-        """Width of one attention head: ``dim // n_heads``."""
-        return self.dim // self.n_heads
+        """Width of one attention head: ``head_width``, or ``dim // n_heads`` when 0."""
+        return self.head_width or self.dim // self.n_heads
+
+    @property
+    def attn_scale(self) -> float:
+        """Factor of the attention scores q·k: ``query_pre_attn_scalar ** -0.5``, by default ``head_dim ** -0.5``."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def is_local(self, layer: int) -> bool:
+        """Whether block ``layer`` (0-based) uses the sliding window (and ``rope_local_theta``)."""
+        if not self.sliding_window:
+            return False
+        return not self.sliding_window_pattern or (layer + 1) % self.sliding_window_pattern != 0
 
     @property
     def kv_heads(self) -> int:

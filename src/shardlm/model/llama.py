@@ -1,11 +1,24 @@
-"""A Llama-3-style decoder in the Hugging Face layout, with no distributed code.
+"""One readable decoder for the Llama family and its relatives, in the Hugging Face layout, with no distributed code.
 
-Parameter names equal ``transformers.LlamaForCausalLM``'s (``model.layers.0.self_attn.q_proj.weight``,
+Parameter names equal transformers' ``*ForCausalLM`` names (``model.layers.0.self_attn.q_proj.weight``,
 ``lm_head.weight``...), so importing or exporting HF weights is a plain copy. Rotary embeddings use
-HF's rotate-half convention and compute their tables the way HF's ``LlamaRotaryEmbedding`` does.
+HF's rotate-half convention and compute their tables the way HF's rotary embeddings do.
+
+The families differ in a few places, each switched by :class:`~shardlm.model.config.ModelConfig`
+(``cfg.arch`` for the fixed traits of ``cfg.family``, fields for the sizes):
+
+=========  =====================================================================================
+Llama      the reference: pre-norm blocks, SwiGLU, grouped-query attention, RoPE (llama3 scaling)
+Qwen2/2.5  + bias on the q/k/v projections
+Qwen3      + RMSNorm over each q and k head before RoPE; explicit ``head_dim``
+Mistral    + sliding-window attention in every layer
+Gemma 3    + q/k norm, (1 + weight) RMSNorm, norms before and after attention and MLP, GeGLU (tanh),
+           embedding × sqrt(dim), local (sliding, own RoPE base) and global layers, query_pre_attn_scalar
+=========  =====================================================================================
 
 References: Touvron et al., "LLaMA" (2023) and the Llama 3 report (2024); RoPE: Su et al. (2021);
-SwiGLU: Shazeer (2020); GQA: Ainslie et al. (2023).
+SwiGLU: Shazeer (2020); GQA: Ainslie et al. (2023); Mistral 7B (Jiang et al., 2023); Qwen2 and Qwen3
+technical reports (2024, 2025); Gemma 3 technical report (2025).
 """
 
 from __future__ import annotations
@@ -22,34 +35,48 @@ from shardlm.model.config import ModelConfig
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square layer norm (Zhang & Sennrich, 2019), computed in fp32 as HF's LlamaRMSNorm.
+    """Root-mean-square layer norm (Zhang & Sennrich, 2019), normalised in fp32.
 
-    Input and output: (..., dim), any float dtype; the weight has shape (dim,).
+    Input and output: (..., dim), any float dtype; the weight has shape (dim,). Llama's form
+    (``LlamaRMSNorm``): ``weight * norm(x)`` with the norm rounded to x's dtype first. Gemma's form
+    (``plus_one``, ``Gemma3RMSNorm``): ``norm(x) * (1 + weight)`` in fp32, then rounded; its weight starts at 0.
     """
 
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, plus_one: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.zeros(dim) if plus_one else torch.ones(dim))
         self.eps = eps
+        self.plus_one = plus_one
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.plus_one:
+            return (h * (1.0 + self.weight.float())).to(dtype)
         return self.weight * h.to(dtype)
 
 
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
     """Inverse rotary frequencies, (head_dim / 2,) float32, as HF's ``ROPE_INIT_FUNCTIONS`` compute them.
 
-    Default: ``inv_freq[i] = 1 / theta^(2i / head_dim)``. With ``rope_scaling_factor > 0``, Llama 3.1's
+    ``local`` selects the local (sliding-window) layers' base ``rope_local_theta`` (when set), unscaled, as
+    Gemma 3 does; otherwise the base is ``rope_theta`` and the scaling below applies.
+
+    Default: ``inv_freq[i] = 1 / theta^(2i / head_dim)``. Linear scaling (``rope_linear_factor > 0``):
+    ``inv_freq / factor``. With ``rope_scaling_factor > 0``, Llama 3.1's
     scaling (HF ``_compute_llama3_parameters``, same operations in the same order, so bit-identical):
     wavelengths 2π/inv_freq above ``original / low_freq_factor`` are divided by ``factor``, those
     below ``original / high_freq_factor`` are kept, and those in between are interpolated with
     ``s = (original / wavelen - low) / (high - low)``: ``(1 - s) · f / factor + s · f``.
     """
     head_dim = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    theta = cfg.rope_local_theta if local and cfg.rope_local_theta else cfg.rope_theta
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if local and cfg.rope_local_theta:
+        return inv_freq
+    if cfg.rope_linear_factor > 0:
+        return inv_freq / cfg.rope_linear_factor
     if cfg.rope_scaling_factor <= 0:
         return inv_freq
     factor, low, high = cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
@@ -91,16 +118,18 @@ class LayerKVCache:
     def __init__(self, owner: KVCache, k: torch.Tensor, v: torch.Tensor) -> None:
         self.owner, self.k, self.v = owner, k, v
 
-    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def update(self, k: torch.Tensor, v: torch.Tensor,
+               window: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Store new keys/values (batch, n_kv_heads, seq, head_dim) at the cache's position.
 
         Returns all keys and values so far, (batch, n_kv_heads, pos + seq, head_dim), and the boolean
-        attention mask (batch, 1, seq, pos + seq) that goes with them (True = attend).
+        attention mask (batch, 1, seq, pos + seq) that goes with them (True = attend), limited to the last
+        ``window`` positions when ``window`` > 0.
         """
         start, t = self.owner.length, k.shape[2]
         self.k[:, :, start:start + t] = k
         self.v[:, :, start:start + t] = v
-        return self.k[:, :, :start + t], self.v[:, :, :start + t], self.owner.mask(t)
+        return self.k[:, :, :start + t], self.v[:, :, :start + t], self.owner.mask(t, window)
 
 
 class KVCache:
@@ -138,11 +167,12 @@ class KVCache:
         pos = torch.arange(self.length, self.length + t, device=self.pad.device)
         return (pos.unsqueeze(0) - self.pad.unsqueeze(1)).clamp(min=0)
 
-    def mask(self, t: int) -> torch.Tensor:
-        """Boolean mask (batch, 1, t, length + t): causal, padding keys excluded, padded queries see themselves."""
+    def mask(self, t: int, window: int = 0) -> torch.Tensor:
+        """Boolean mask (batch, 1, t, length + t): causal, padding keys excluded, padded queries see themselves;
+        with ``window`` > 0 only keys less than ``window`` positions back."""
         q = torch.arange(self.length, self.length + t, device=self.pad.device).view(1, t, 1)
         k = torch.arange(self.length + t, device=self.pad.device).view(1, 1, -1)
-        real_key = k >= self.pad.view(-1, 1, 1)
+        real_key = (k >= self.pad.view(-1, 1, 1)) & (k > q - window if window else True)
         return ((k <= q) & real_key | (k == q)).unsqueeze(1)
 
     def advance(self, t: int) -> None:
@@ -150,39 +180,62 @@ class KVCache:
         self.length += t
 
 
+def sliding_window_mask(t: int, window: int, device: torch.device) -> torch.Tensor:
+    """Boolean (t, t) mask, True = attend: query i sees keys j with i - window < j <= i (HF's sliding window)."""
+    q = torch.arange(t, device=device).view(t, 1)
+    k = torch.arange(t, device=device).view(1, t)
+    return (k <= q) & (k > q - window)
+
+
 class Attention(nn.Module):
     """Causal self-attention with rotary embeddings and grouped-query heads, through SDPA.
 
     Input (batch, seq, dim) -> output (batch, seq, dim). Query head h uses key/value head
     h // (n_heads / n_kv_heads) (HF's repeat_kv), read by SDPA without copies (:func:`attention`).
+    Per family: q/k/v biases (Qwen2), an RMSNorm over each q and k head before RoPE (Qwen3, Gemma 3),
+    the score scale ``cfg.attn_scale`` (Gemma's query_pre_attn_scalar). ``window`` > 0 makes the layer
+    local: each query sees its last ``window`` keys (its own included).
     """
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, window: int = 0) -> None:
         super().__init__()
         self.n_heads = cfg.n_heads
         self.n_kv_heads = cfg.kv_heads
         self.head_dim = cfg.head_dim
-        self.q_proj = nn.Linear(cfg.dim, self.n_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.scale = cfg.attn_scale
+        self.window = window
+        bias = cfg.arch.qkv_bias
+        self.q_proj = nn.Linear(cfg.dim, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.dim, bias=False)
+        if cfg.arch.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps, cfg.arch.gemma_norms)
+            self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps, cfg.arch.gemma_norms)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: LayerKVCache | None = None) -> torch.Tensor:
         """(batch, seq, dim) -> (batch, seq, dim). ``cos``/``sin``: (seq, head_dim), or (batch, 1, seq,
         head_dim) with a cache. With ``cache``, the new keys/values are written at the cache's current
-        position and attention runs over everything cached so far, under the cache's mask."""
+        position and attention runs over everything cached so far, under the cache's mask.
+
+        Without a cache the mask is SDPA's own causal one (``is_causal``, a fused kernel) unless the
+        window is shorter than the sequence; then it is one (seq, seq) boolean mask shared by all rows."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = cos.to(q.dtype), sin.to(q.dtype)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         mask = None
         if cache is not None:
-            k, v, mask = cache.update(k, v)
-        out = attention(q, k, v, mask)
+            k, v, mask = cache.update(k, v, self.window)
+        elif self.window and self.window < t:
+            mask = sliding_window_mask(t, self.window, x.device)
+        out = attention(q, k, v, mask, scale=self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -197,7 +250,7 @@ SDPA_ENABLE_GQA = sdpa_has_enable_gqa()
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
-              enable_gqa: bool = SDPA_ENABLE_GQA) -> torch.Tensor:
+              enable_gqa: bool = SDPA_ENABLE_GQA, scale: float | None = None) -> torch.Tensor:
     """Scaled dot-product attention with grouped query heads; causal when ``mask`` is None.
 
     Args:
@@ -209,6 +262,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
             at Llama 3 8B's 32/8 heads would be 4x the K/V memory); False repeats K and V with
             ``repeat_interleave`` first (HF's ``repeat_kv``), for a PyTorch without ``enable_gqa``.
             Both give the same result (tested within 1e-6 in fp32).
+        scale: factor of the scores q·k; None means ``head_dim ** -0.5`` (Gemma: ``query_pre_attn_scalar ** -0.5``).
 
     Returns:
         (batch, n_heads, seq, head_dim), the dtype of ``q``.
@@ -221,12 +275,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
         k = k.repeat_interleave(repeat, dim=1)
         v = v.repeat_interleave(repeat, dim=1)
     if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, **extra)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **extra)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, **extra)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, **extra)
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)); (batch, seq, dim) -> same."""
+    """Gated feed-forward: down(act(gate(x)) * up(x)), SwiGLU (SiLU) or GeGLU (tanh GELU, Gemma);
+    (batch, seq, dim) -> same."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -234,42 +289,70 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.dim, hidden, bias=False)
         self.up_proj = nn.Linear(cfg.dim, hidden, bias=False)
         self.down_proj = nn.Linear(hidden, cfg.dim, bias=False)
+        self.gelu = cfg.arch.activation == "gelu_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate = self.gate_proj(x)
+        gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(gate * self.up_proj(x))
 
 
 class Block(nn.Module):
-    """One pre-norm transformer block: x + attn(norm(x)), then h + mlp(norm(h))."""
+    """One pre-norm transformer block: x + attn(norm(x)), then h + mlp(norm(h)).
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    Gemma (``cfg.arch.gemma_norms``) adds a norm after each: x + norm(attn(norm(x))), then
+    h + norm(mlp(norm(h))); its names are HF's (``post_attention_layernorm`` is then the norm *after*
+    attention, ``pre_feedforward_layernorm`` / ``post_feedforward_layernorm`` those around the MLP).
+    Block ``layer`` is local (sliding window) when ``cfg.is_local(layer)``.
+    """
+
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        plus_one = cfg.arch.gemma_norms
+        self.local = cfg.is_local(layer)
+        self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps, plus_one)
+        self.self_attn = Attention(cfg, cfg.sliding_window if self.local else 0)
+        self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps, plus_one)
+        if plus_one:
+            self.pre_feedforward_layernorm = RMSNorm(cfg.dim, cfg.norm_eps, plus_one)
+            self.post_feedforward_layernorm = RMSNorm(cfg.dim, cfg.norm_eps, plus_one)
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: LayerKVCache | None = None) -> torch.Tensor:
+        if hasattr(self, "post_feedforward_layernorm"):  # Gemma: norms before and after
+            h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, cache))
+            return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class Decoder(nn.Module):
-    """Embedding, blocks and final norm (HF's ``LlamaModel``); holds the rotary tables as buffers."""
+    """Embedding, blocks and final norm (HF's ``LlamaModel``); holds the rotary tables as buffers:
+    ``rope_cos``/``rope_sin`` for global layers and, when local layers have their own base,
+    ``rope_local_cos``/``rope_local_sin``."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        cos, sin = rotary_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, rope_inv_freq(cfg))
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.arch.gemma_norms)
+        for name, table in rope_buffers(cfg).items():
+            self.register_buffer(name, table, persistent=False)
+
+
+def rope_buffers(cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The decoder's rotary tables by buffer name, each (max_seq_len, head_dim) float32 (see :class:`Decoder`)."""
+    cos, sin = rotary_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, rope_inv_freq(cfg))
+    tables = {"rope_cos": cos, "rope_sin": sin}
+    if cfg.sliding_window and cfg.rope_local_theta:
+        cos, sin = rotary_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_local_theta, rope_inv_freq(cfg, local=True))
+        tables.update(rope_local_cos=cos, rope_local_sin=sin)
+    return tables
 
 
 class Llama(nn.Module):
-    """Llama-style causal language model.
+    """Llama-style causal language model, of any family of :data:`~shardlm.model.config.FAMILIES`.
 
     ``forward(tokens)``: tokens (batch, seq) int64 with seq <= ``max_seq_len`` -> logits
     (batch, seq, vocab_size) in the compute dtype. With ``tie_embeddings`` the output projection
@@ -306,33 +389,48 @@ class Llama(nn.Module):
             ValueError: the sequence (or cache length + seq) exceeds ``max_seq_len``.
         """
         t = tokens.shape[1]
+        decoder = self.model
         if cache is None:
             if t > self.cfg.max_seq_len:
                 raise ValueError(f"sequence of {t} tokens exceeds max_seq_len={self.cfg.max_seq_len}")
-            cos, sin = self.model.rope_cos[:t], self.model.rope_sin[:t]
+            rope = {False: (decoder.rope_cos[:t], decoder.rope_sin[:t])}
+            if hasattr(decoder, "rope_local_cos"):
+                rope[True] = (decoder.rope_local_cos[:t], decoder.rope_local_sin[:t])
         else:
             positions = cache.positions(t)  # (batch, seq), raises past the cache's capacity
-            cos = self.model.rope_cos[positions].unsqueeze(1)  # (batch, 1, seq, head_dim)
-            sin = self.model.rope_sin[positions].unsqueeze(1)
-        h = self.model.embed_tokens(tokens)
-        for i, layer in enumerate(self.model.layers):
+            rope = {False: (decoder.rope_cos[positions].unsqueeze(1),  # (batch, 1, seq, head_dim)
+                            decoder.rope_sin[positions].unsqueeze(1))}
+            if hasattr(decoder, "rope_local_cos"):
+                rope[True] = (decoder.rope_local_cos[positions].unsqueeze(1), decoder.rope_local_sin[positions].unsqueeze(1))
+        h = decoder.embed_tokens(tokens)
+        if self.cfg.arch.gemma_norms:  # Gemma: sqrt(dim), rounded to the embedding's dtype first (as HF)
+            h = h * torch.tensor(self.cfg.dim ** 0.5).to(h.dtype)
+        for i, layer in enumerate(decoder.layers):
+            cos, sin = rope[layer.local and len(rope) > 1]
             h = layer(h, cos, sin) if cache is None else layer(h, cos, sin, cache.layers[i])
         if cache is not None:
             cache.advance(t)
-        return self.lm_head(self.model.norm(h))
+        logits = self.lm_head(decoder.norm(h))
+        if self.cfg.final_logit_softcap:
+            c = self.cfg.final_logit_softcap
+            logits = torch.tanh(logits / c) * c
+        return logits
 
     # ---- initialisation -------------------------------------------------------------------
     def initial_value(self, name: str, seed: int) -> torch.Tensor:
         """The full, unsharded initial value of parameter ``name``: fp32 on CPU, its full shape.
 
         Weight matrices and the embedding are N(0, init_std²) (output projections ``o_proj`` and
-        ``down_proj`` scaled by 1/sqrt(2·n_layers), as GPT-2); norm weights are ones. Each tensor
+        ``down_proj`` scaled by 1/sqrt(2·n_layers), as GPT-2); biases are zeros; norm weights are ones
+        (zeros for Gemma's ``1 + weight`` norms: the same unit scale). Each tensor
         comes from its own generator seeded by (seed, name), so the value does not depend on the
         order of construction, on the device, or on how the model is sharded.
         """
         param = self.get_parameter(name)
-        if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
-            return torch.ones(param.shape)
+        if name.endswith("norm.weight"):
+            return torch.zeros(param.shape) if self.cfg.arch.gemma_norms else torch.ones(param.shape)
+        if name.endswith(".bias"):
+            return torch.zeros(param.shape)
         std = self.cfg.init_std
         if name.endswith(("o_proj.weight", "down_proj.weight")):
             std = std / math.sqrt(2 * self.cfg.n_layers)
@@ -359,11 +457,9 @@ class Llama(nn.Module):
     @torch.no_grad()
     def init_rotary(self) -> None:
         """Recompute the rotary tables in place (needed after ``to_empty`` or a dtype change)."""
-        cfg = self.cfg
-        cos, sin = rotary_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, rope_inv_freq(cfg))
         device = self.model.rope_cos.device
-        self.model.rope_cos = cos.to(device)
-        self.model.rope_sin = sin.to(device)
+        for name, table in rope_buffers(self.cfg).items():
+            setattr(self.model, name, table.to(device))
 
 
 def num_params(model: nn.Module, exclude_embedding: bool = False) -> int:

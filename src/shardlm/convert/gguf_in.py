@@ -1,13 +1,17 @@
-"""Converting a GGUF Llama file (llama.cpp's format) into a Hugging Face Llama directory.
+"""Converting a GGUF file (llama.cpp's format) of a built family (Llama, Qwen2, Qwen3, Gemma 3) into a Hugging Face
+model directory.
 
 Tensors are read and dequantised to float32 with the PyPI ``gguf`` package (``GGUFReader``,
-``gguf.quants.dequantize``). Two things llama.cpp's converter (``convert_hf_to_gguf.py``) did are
-undone: ggml lists shapes innermost-first (``gguf`` already returns row-major numpy arrays, i.e.
-HF's (out_features, in_features)), and the query and key projections had their rows permuted from
-HF's rotate-half layout to llama.cpp's interleaved RoPE layout, per head:
-``w.reshape(n_head, 2, rows // n_head // 2, cols).swapaxes(1, 2)``, with the key-value head count for
-the key projection. :func:`unpermute_rows` is its inverse. The tokenizer (with its chat template)
-is rebuilt from the file's metadata by ``transformers``.
+``gguf.quants.dequantize``: F32/F16/BF16, Q4_0...Q8_0, the K-quants Q2_K...Q6_K that ``*_K_M`` files use, and the
+IQ types). What llama.cpp's converter (``convert_hf_to_gguf.py``) did to the tensors is undone: ggml lists shapes
+innermost-first (``gguf`` already returns row-major numpy arrays, i.e. HF's (out_features, in_features)); for Llama
+only, the query and key projections had their rows permuted from HF's rotate-half layout to llama.cpp's
+interleaved RoPE layout, per head: ``w.reshape(n_head, 2, rows // n_head // 2, cols).swapaxes(1, 2)``, with the
+key-value head count for the key projection (:func:`unpermute_rows` is its inverse); for Gemma, 1 was added to
+every RMSNorm weight (llama.cpp's norm multiplies by the weight, Gemma's by 1 + weight), and is subtracted here.
+Gemma 3 settings that GGUF does not store (local RoPE base 10000, every 6th layer global, query_pre_attn_scalar)
+are llama.cpp's and transformers' defaults. The tokenizer (with its chat template) is rebuilt from the file's
+metadata by ``transformers``.
 """
 
 from __future__ import annotations
@@ -25,23 +29,30 @@ from shardlm.errors import ModelDirError
 from shardlm.model.config import ModelConfig
 from shardlm.model.llama import Llama
 
+#: GGUF ``general.architecture`` -> our family
+GGUF_FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3"}
+
 _BLOCK_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
+    "ffn_down": "mlp.down_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
 }
+#: Gemma's four norms per block: llama.cpp names the norm before the MLP ``ffn_norm``
+_GEMMA_BLOCK_NAMES = {**_BLOCK_NAMES, "post_attention_norm": "post_attention_layernorm",
+                      "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, family: str = "llama") -> str | None:
     """HF parameter name of a GGUF tensor name (``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``).
 
     Returns None for tensors with no HF counterpart (``rope_freqs``...).
     """
     parts = gguf_name.split(".")
-    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _BLOCK_NAMES:
-        return f"model.layers.{parts[1]}.{_BLOCK_NAMES[parts[2]]}.{parts[3]}"
+    names = _GEMMA_BLOCK_NAMES if family == "gemma3" else _BLOCK_NAMES
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
     if len(parts) == 2 and parts[0] in _TOP_NAMES:
         return f"{_TOP_NAMES[parts[0]]}.{parts[1]}"
     return None
@@ -69,39 +80,72 @@ def _f32(value: float) -> float:
 
 
 def gguf_model_config(reader: Any, source: str, tied: bool) -> ModelConfig:
-    """Our :class:`ModelConfig` from a GGUF file's ``llama.*`` metadata.
+    """Our :class:`ModelConfig` from a GGUF file's ``<architecture>.*`` metadata.
 
     Raises:
-        ModelDirError: ``general.architecture`` is not ``llama`` or a required key is missing (named).
+        ModelDirError: ``general.architecture`` is not a built family (:data:`GGUF_FAMILIES`), a required key is
+            missing, or a RoPE scaling type is not built (named).
     """
     arch = _field(reader, "general.architecture")
-    if arch != "llama":
-        raise ModelDirError(f"{source}: general.architecture={arch!r}; only 'llama' GGUF files are supported")
+    if arch not in GGUF_FAMILIES:
+        raise ModelDirError(f"{source}: general.architecture={arch!r}; the GGUF architectures built are "
+                            f"{', '.join(GGUF_FAMILIES)}")
+    family = GGUF_FAMILIES[arch]
 
     def need(key: str) -> Any:
-        value = _field(reader, f"llama.{key}")
+        value = _field(reader, f"{arch}.{key}")
         if value is None:
-            raise ModelDirError(f"{source}: GGUF metadata key llama.{key} is missing")
+            raise ModelDirError(f"{source}: GGUF metadata key {arch}.{key} is missing")
         return value
 
+    dim, heads = int(need("embedding_length")), int(need("attention.head_count"))
+    head_width = int(_field(reader, f"{arch}.attention.key_length", 0) or 0)
     cfg = ModelConfig(
-        dim=int(need("embedding_length")), n_layers=int(need("block_count")), n_heads=int(need("attention.head_count")),
-        n_kv_heads=int(_field(reader, "llama.attention.head_count_kv", need("attention.head_count"))),
+        family=family, dim=dim, n_layers=int(need("block_count")), n_heads=heads,
+        n_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
+        head_width=0 if head_width == dim // heads and dim % heads == 0 else head_width,
         ffn_hidden=int(need("feed_forward_length")), max_seq_len=int(need("context_length")),
-        rope_theta=_f32(_field(reader, "llama.rope.freq_base", 10000.0)),
+        rope_theta=_f32(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
         norm_eps=_f32(need("attention.layer_norm_rms_epsilon")), tie_embeddings=tied,
     )
-    factor = _field(reader, "llama.rope.scaling.factor")
-    if factor is not None and _field(reader, "llama.rope.scaling.type", "llama3") not in ("none", "llama3"):
-        raise ModelDirError(f"{source}: RoPE scaling type {_field(reader, 'llama.rope.scaling.type')!r} is not supported")
+    scaling = _field(reader, f"{arch}.rope.scaling.type")
+    factor = _field(reader, f"{arch}.rope.scaling.factor")
+    if family == "gemma3":
+        cfg.sliding_window = int(_field(reader, f"{arch}.attention.sliding_window", 4096))
+        cfg.sliding_window_pattern, cfg.rope_local_theta = 6, 10000.0
+        if cfg.n_layers == 62:  # Gemma 3 27B scales by hidden / heads, not the head width (llama.cpp's rule)
+            cfg.query_pre_attn_scalar = float(dim // heads)
+        if scaling == "linear" and factor:
+            cfg.rope_linear_factor = float(factor)
+    elif factor is not None and scaling not in (None, "none", "llama3"):
+        raise ModelDirError(f"{source}: GGUF metadata {arch}.rope.scaling.type={scaling!r} is not supported")
+    if scaling == "linear" and family != "gemma3":
+        raise ModelDirError(f"{source}: GGUF metadata {arch}.rope.scaling.type='linear' is not supported for {arch}")
     return cfg
 
 
-def read_gguf_tensors(path: str | Path) -> tuple[dict[str, torch.Tensor], ModelConfig, Any]:
-    """Dequantised float32 HF-named tensors, the model config, and the ``GGUFReader`` of a GGUF Llama file.
+def dequantize(tensor: Any, source: str) -> np.ndarray:
+    """A GGUF tensor dequantised to a float32 numpy array, row-major (HF layout).
 
     Raises:
-        ModelDirError: not a Llama GGUF file, a tensor of unknown name, or a missing tensor.
+        ModelDirError: naming the tensor and its quantisation type, when ``gguf`` cannot dequantise it.
+    """
+    import gguf
+
+    try:
+        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    except (NotImplementedError, ValueError) as e:
+        raise ModelDirError(f"{source}: GGUF tensor {tensor.name} has quantisation type {tensor.tensor_type.name}, "
+                            f"which cannot be dequantised ({e})") from None
+    return np.array(array, dtype=np.float32, copy=True).reshape(tuple(reversed(tensor.shape.tolist())))
+
+
+def read_gguf_tensors(path: str | Path) -> tuple[dict[str, torch.Tensor], ModelConfig, Any]:
+    """Dequantised float32 HF-named tensors, the model config, and the ``GGUFReader`` of a GGUF file.
+
+    Raises:
+        ModelDirError: not a GGUF file of a built family, a tensor of unknown name, a quantisation type that
+            cannot be dequantised, or a missing embedding.
     """
     import gguf
 
@@ -116,17 +160,18 @@ def read_gguf_tensors(path: str | Path) -> tuple[dict[str, torch.Tensor], ModelC
     cfg = gguf_model_config(reader, str(path), tied="output.weight" not in names)
     tensors: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
-        name = hf_name(t.name)
+        name = hf_name(t.name, cfg.family)
         if name is None:
             if t.name == "rope_freqs.weight":  # Llama 3.1 scaling factors, recomputed from the config
                 continue
-            raise ModelDirError(f"{path}: GGUF tensor {t.name} has no Llama counterpart")
-        array = gguf.quants.dequantize(t.data, t.tensor_type)
-        w = torch.from_numpy(np.array(array, dtype=np.float32, copy=True)).reshape(tuple(reversed(t.shape.tolist())))
-        if name.endswith("q_proj.weight"):
+            raise ModelDirError(f"{path}: GGUF tensor {t.name} has no {cfg.family} counterpart")
+        w = torch.from_numpy(dequantize(t, str(path)))
+        if cfg.family == "llama" and name.endswith("q_proj.weight"):
             w = unpermute_rows(w, cfg.n_heads)
-        elif name.endswith("k_proj.weight"):
-            w = unpermute_rows(w, cfg.n_kv_heads)
+        elif cfg.family == "llama" and name.endswith("k_proj.weight"):
+            w = unpermute_rows(w, cfg.kv_heads)
+        elif cfg.arch.gemma_norms and name.endswith("norm.weight"):
+            w = w - 1.0
         tensors[name] = w.contiguous()
     cfg.vocab_size = tensors["model.embed_tokens.weight"].shape[0] if "model.embed_tokens.weight" in tensors else 0
     if not cfg.vocab_size:
@@ -135,7 +180,7 @@ def read_gguf_tensors(path: str | Path) -> tuple[dict[str, torch.Tensor], ModelC
 
 
 def import_gguf(path: str | Path, out_dir: str | Path) -> Path:
-    """Convert a GGUF Llama file into an HF Llama directory ``out_dir`` (written atomically).
+    """Convert a GGUF file of a built family into an HF model directory ``out_dir`` (written atomically).
 
     Writes ``model.safetensors`` (float32), ``config.json`` and the tokenizer files
     (``tokenizer.json``, ``tokenizer_config.json`` with the chat template) rebuilt by

@@ -46,7 +46,8 @@ def hf_config(cfg: ModelConfig, special_ids: dict[str, int | None] | None = None
     }
     if cfg.family == "gemma3":
         config.update({
-            "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": cfg.query_pre_attn_scalar or cfg.head_dim,
+            "hidden_activation": "gelu_pytorch_tanh",
+            "query_pre_attn_scalar": _int_if_whole(cfg.query_pre_attn_scalar or cfg.head_dim),
             "sliding_window": cfg.sliding_window or None, "rope_local_base_freq": cfg.rope_local_theta or cfg.rope_theta,
             "layer_types": ["sliding_attention" if cfg.is_local(i) else "full_attention" for i in range(cfg.n_layers)],
             "final_logit_softcapping": cfg.final_logit_softcap or None, "attn_logit_softcapping": None,
@@ -71,6 +72,11 @@ def hf_config(cfg: ModelConfig, special_ids: dict[str, int | None] | None = None
     elif cfg.rope_linear_factor > 0:
         config["rope_scaling"] = {"rope_type": "linear", "factor": cfg.rope_linear_factor}
     return config
+
+
+def _int_if_whole(x: float) -> int | float:
+    """``x`` as an int when it is whole (transformers' config classes type some fields as int)."""
+    return int(x) if float(x).is_integer() else x
 
 
 #: config.json ``model_type`` -> our family name

@@ -130,6 +130,15 @@ def parity(family_dirs, small_data, tmp_path_factory):
                               {**extra, "parallel.mode": mode, "model.init_from": f'"{family_dirs[name]}"',
                                "train.micro_batch_size": 8 // world})
                      for name in FAMILY_CASES]
+        if world == 2:  # per family, the other techniques: AC + CPU offload (exact), bf16 through the CPU kernel
+            scenarios += [
+                scenario("gemma3_ac_offload", small_data, runs, {
+                    **extra, "model.init_from": f'"{family_dirs["gemma3"]}"', "train.micro_batch_size": 4,
+                    "parallel.activation_checkpoint": '"selective"', "parallel.cpu_offload": "true"}),
+                scenario("qwen2_bf16", small_data, runs, {
+                    **extra, "model.init_from": f'"{family_dirs["qwen2_untied"]}"', "train.micro_batch_size": 4,
+                    "parallel.param_dtype": '"bfloat16"', "parallel.cpu_bf16_matmul": '"fp32"'}),
+            ]
         out.update(run_scenarios(world, scenarios, runs))
     return out, runs
 
@@ -150,6 +159,40 @@ def test_fsdp_two_ranks_equal_one_process_and_final_loads(parity, name):
     ours = load_model_dir(final).eval()
     with torch.no_grad():
         assert (hf(IDS).logits - ours(IDS)).abs().max().item() < 1e-5
+
+
+@pytest.mark.dist
+def test_checkpointing_offload_and_bf16_kernel_per_family(parity):
+    """Gemma 3 with selective activation checkpointing and CPU offload equals the plain run exactly; Qwen2 (biased
+    q/k/v, which keep nn.Linear's path) trains in bf16 with the fp32-multiply CPU kernel on the other layers."""
+    out, _ = parity
+    losses = {n: [h["loss"] for h in out[n][0]["history"] if "loss" in h] for n in
+              ("gemma3_2", "gemma3_ac_offload", "qwen2_untied_2", "qwen2_bf16")}
+    print(f"\n{losses}")
+    assert losses["gemma3_ac_offload"] == losses["gemma3_2"]
+    assert max(abs(a - b) for a, b in zip(losses["qwen2_bf16"], losses["qwen2_untied_2"])) < 0.05
+
+
+def test_compile_and_bf16_kernel_keep_each_family(family_dirs):
+    """Compiled blocks give the eager logits (Gemma 3: local and global layers, its norms); the CPU bf16 kernel
+    takes the bias-free linear layers only, and a Qwen2 model with it runs in bf16."""
+    from shardlm.model.cpu_matmul import Fp32MatmulLinear, apply_fp32_matmul
+    from shardlm.parallel.ac import apply_compile
+
+    qwen2 = load_model_dir(family_dirs["qwen2_untied"]).eval()
+    changed = apply_fp32_matmul(qwen2)
+    attn = qwen2.model.layers[0].self_attn
+    assert changed == 2 * 4 + 1 and type(attn.q_proj) is torch.nn.Linear and type(attn.o_proj) is Fp32MatmulLinear
+    with torch.no_grad():
+        fp32 = qwen2(IDS)
+        bf16 = qwen2.to(torch.bfloat16)(IDS).float()
+    assert (fp32 - bf16).abs().max().item() < 0.1
+    gemma = load_model_dir(family_dirs["gemma3"]).eval()
+    with torch.no_grad():
+        eager = gemma(IDS)
+        apply_compile(gemma.model.layers)
+        compiled = gemma(IDS)
+    assert (eager - compiled).abs().max().item() < 1e-5
 
 
 # ---- bad input: one clear message naming the field or tensor -----------------------------------------------------

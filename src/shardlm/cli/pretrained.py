@@ -1,4 +1,4 @@
-"""``shardlm import``: a GGUF file or an HF directory -> an HF Llama directory to fine-tune from.
+"""``shardlm import``: a GGUF file or an HF directory -> an HF model directory to fine-tune from.
 
 ``shardlm export`` (all sources, ``--format hf``) lives in cli/checkpoint.py."""
 
@@ -8,7 +8,7 @@ import argparse
 
 
 def cmd_import(args: argparse.Namespace, overrides: list[str]) -> None:
-    """Convert ``--gguf FILE`` or an HF Llama directory into ``OUT_DIR``."""
+    """Convert ``--gguf FILE`` or an HF model directory into ``OUT_DIR``."""
     from shardlm.config import ConfigError
 
     if overrides:
@@ -33,9 +33,9 @@ def cmd_import(args: argparse.Namespace, overrides: list[str]) -> None:
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     """Register ``import`` on the ``shardlm`` command's subparsers."""
-    p = sub.add_parser("import", help="convert a GGUF Llama file (--gguf) or an HF Llama directory into an "
-                       "HF Llama directory to start training from (model.init_from)")
-    p.add_argument("source", nargs="?", help="HF Llama directory (config.json + *.safetensors)")
+    p = sub.add_parser("import", help="convert a GGUF file (--gguf) or an HF model directory (Llama, Qwen2, "
+                       "Qwen3, Mistral, Gemma 3) into an HF directory to start training from (model.init_from)")
+    p.add_argument("source", nargs="?", help="HF model directory (config.json + *.safetensors)")
     p.add_argument("out_dir", help="output directory")
-    p.add_argument("--gguf", help="GGUF Llama file (needs: pip install 'shardlm[gguf]')")
+    p.add_argument("--gguf", help="GGUF file: Llama, Qwen2, Qwen3 or Gemma 3 (needs: pip install 'shardlm[gguf]')")
     p.set_defaults(fn=cmd_import)

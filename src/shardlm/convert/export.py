@@ -83,7 +83,7 @@ def _only_model(metadata: Any, tied: bool) -> Any:
 
 
 def export_checkpoint(ckpt: str | Path, out_dir: str | Path) -> Path:
-    """Write a checkpoint's weights as the same HF Llama directory as a run's ``final/``; return it.
+    """Write a checkpoint's weights as the same HF model directory as a run's ``final/``; return it.
 
     The directory gets ``model.safetensors``, ``config.json`` and (when the checkpoint carries it)
     ``tokenizer.json``; it is written to a temporary name and renamed, so a failure leaves nothing.

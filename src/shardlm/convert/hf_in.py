@@ -1,6 +1,8 @@
-"""Reading Hugging Face Llama directories: whole (:func:`load_model_dir`) or sharded per rank (:func:`load_pretrained_`).
+"""Reading Hugging Face model directories (every family of ``shardlm.model.config.FAMILIES``): whole
+(:func:`load_model_dir`) or sharded per rank (:func:`load_pretrained_`).
 
-A directory holds ``config.json`` (``LlamaForCausalLM``) and one or more ``*.safetensors`` files.
+A directory holds ``config.json`` (``LlamaForCausalLM``, ``Qwen2ForCausalLM``...) and one or more ``*.safetensors``
+files (a sharded checkpoint's ``model-0000N-of-0000M.safetensors``: every file is read, the index is not needed).
 :func:`load_pretrained_` fills a model whose parameters are FSDP shards (``Shard(0)`` DTensors) by
 reading, on each rank, only the rows of its own shard with safetensors' ``safe_open(...).get_slice``,
 so no rank ever materialises a whole tensor; it counts the bytes each rank reads.
@@ -88,7 +90,7 @@ def local_rows(param: torch.Tensor) -> tuple[int, int]:
 
 @torch.no_grad()
 def load_pretrained_(model: nn.Module, path: str | Path) -> dict[str, Any]:
-    """Fill ``model``'s parameters (plain or ``Shard(0)`` DTensors) from an HF Llama directory, in place.
+    """Fill ``model``'s parameters (plain or ``Shard(0)`` DTensors) from an HF model directory, in place.
 
     Each parameter's local rows ``[offset, offset + rows)`` are read with
     ``safe_open(...).get_slice(name)[offset:offset + rows]`` and copied (cast to the parameter's
@@ -138,7 +140,7 @@ def _itemsize(safetensors_dtype: str) -> int:
 
 
 def load_model_dir(path: str | Path, device: torch.device | str = "cpu") -> Llama:
-    """Load an HF-style Llama directory (``config.json`` + ``*.safetensors``) into a whole :class:`Llama`.
+    """Load an HF model directory (``config.json`` + ``*.safetensors``) into a whole :class:`Llama` of its family.
 
     Weights are read with safetensors (no pickle). Raises ModelDirError naming the missing file, a
     missing or unexpected tensor, or a shape mismatch (tensor name and both shapes).

@@ -1,6 +1,7 @@
 """Writing Hugging Face style model directories: ``config.json`` + ``model.safetensors`` + tokenizer files.
 
-Our parameter names are HF ``LlamaForCausalLM``'s, so the state dict is written as is; a tied
+Our parameter names are HF's (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Gemma3ForCausalLM``...), so the state
+dict is written as is; a tied
 output weight is written once (as ``model.embed_tokens.weight``, with ``tie_word_embeddings``).
 :func:`save_model_dir` writes a run's ``final/`` and every export; :func:`copy_model_dir` is
 ``shardlm import DIR`` and ``shardlm export --format hf`` of a model directory: it checks every tensor
@@ -40,7 +41,8 @@ def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 def save_model_dir(state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: str | Path,
                    tokenizer_path: str | Path | None = None, special_ids: dict | None = None,
                    extra_files: list[Path] = ()) -> Path:
-    """Write an HF-style Llama directory atomically (temp dir, then rename) and return its path.
+    """Write an HF model directory (``config.json`` in the family's layout) atomically (temp dir, then rename);
+    return its path.
 
     ``state`` maps our (= HF) parameter names to full tensors; with tied embeddings
     ``lm_head.weight`` is dropped so the shared tensor is stored once. ``extra_files`` (e.g. a
@@ -78,14 +80,14 @@ def resolve_model_dir(path: str | Path) -> Path:
 
 
 def copy_model_dir(src: str | Path, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:
-    """Check the Llama directory ``src`` and write it to ``out_dir`` (atomically) as an HF directory.
+    """Check the model directory ``src`` and write it to ``out_dir`` (atomically) as an HF directory.
 
     Tensors keep their source dtype unless ``dtype`` is given; a tied output weight is stored once.
     Tokenizer files (:data:`TOKENIZER_FILES`) are copied; ``bos``/``eos`` ids are kept from
     ``config.json``. Runs in one process and holds one directory's tensors in memory.
 
     Raises:
-        ModelDirError: not a Llama directory, a missing/unexpected/wrongly-shaped tensor (named),
+        ModelDirError: not a model directory of a built family, a missing/unexpected/wrongly-shaped tensor (named),
             or ``out_dir`` is ``src`` itself.
     """
     src, out = resolve_model_dir(src), Path(out_dir)

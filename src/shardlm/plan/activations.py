@@ -1,8 +1,11 @@
 """Bytes autograd saves for backward, derived op by op from ``shardlm/model/llama.py``.
 
 Notation: b micro-batch size, t sequence length, B = b·t tokens, d ``dim``, f the SwiGLU hidden size,
-h query heads, hd = d/h the head dimension, kv the key/value heads, V the vocabulary, c the bytes of
-the compute dtype (4 for fp32, 2 for bf16 under FSDP's ``param_dtype``).
+h query heads, hd the head dimension (d/h unless the family sets ``head_dim``), a = h·hd the attention width,
+kv the key/value heads, V the vocabulary, c the bytes of the compute dtype (4 for fp32, 2 for bf16 under FSDP's
+``param_dtype``). Per family: Gemma 3's two extra norms per block (after attention and after the MLP) are
+counted like the others; the q/k norms of Qwen3 and Gemma 3 as norms of width a and kv·hd; sliding-window
+masks ((t, t) booleans, shared by the batch) and biases save nothing measurable.
 
 What each op saves (PyTorch's derivative formulas, ``tools/autograd/derivatives.yaml``; autograd
 saves an operand only when the other operand needs a gradient):
@@ -11,10 +14,11 @@ RMSNorm ``weight * (x.float() * rsqrt(mean(x.float()²) + eps)).to(dtype)``:
   ``x.float()`` (4·B·d; with c = 4 it is x itself, kept anyway as the residual stream), the rsqrt
   (4·B), the normalised value in the compute dtype (c·B·d; with c = 2 a separate bf16 copy after
   the fp32 product 4·B·d, which is then freed) and the output, the next matmul's input (c·B·d).
-Attention: q after RoPE (c·B·d); k and v after RoPE at their own head count (c·B·kv·hd each: SDPA's
+Attention: q after RoPE (c·B·a); k and v after RoPE at their own head count (c·B·kv·hd each: SDPA's
   ``enable_gqa=True`` reads the grouped heads without repeating them, ``model/llama.py::attention``);
   RoPE's ``cos``/``sin`` cast to the compute dtype (2·t·hd·c, only when c ≠ 4; otherwise views of the
-  fp32 buffers); SDPA (flash on CUDA, the flash kernel on CPU) saves q, k, v, its output (c·B·d, which ``o_proj`` also saves as
+  fp32 buffers); SDPA (flash on CUDA, the flash kernel on CPU) saves q, k, v, its output (c·B·a, which
+  ``o_proj`` also saves as
   its input: ``transpose(1, 2).reshape`` is a view) and the log-sum-exp (4·b·h·t).
 Residual ``h = x + attn``: add saves nothing; h is saved by the next norm (c = 4) or only its fp32
   copy is (c = 2, counted in the norm).
@@ -47,6 +51,12 @@ class Shape:
     vocab: int
     n_layers: int
     c: int
+    head_dim: int = 0
+    """hd when the family sets it; 0 means d / h."""
+    gemma_norms: bool = False
+    """Four norms per block instead of two (Gemma)."""
+    qk_norm: bool = False
+    """An RMSNorm over each query and key head (Qwen3, Gemma 3)."""
 
     @property
     def tokens(self) -> int:
@@ -55,22 +65,41 @@ class Shape:
 
     @property
     def hd(self) -> int:
-        """Head dimension d / h."""
-        return self.d // self.h
+        """Head dimension: ``head_dim``, or d / h."""
+        return self.head_dim or self.d // self.h
+
+    @property
+    def a(self) -> int:
+        """Attention width h·hd (the width of q and of the attention output; d for Llama)."""
+        return self.h * self.hd
 
 
 def shape_of(mcfg: ModelConfig, micro_batch_size: int, seq_len: int, compute_bytes: int) -> Shape:
     """The :class:`Shape` of a micro-batch of ``micro_batch_size`` × ``seq_len`` tokens."""
     return Shape(micro_batch_size, seq_len, mcfg.dim, mcfg.ffn_dim, mcfg.n_heads,
-                 mcfg.kv_heads, mcfg.vocab_size, mcfg.n_layers, compute_bytes)
+                 mcfg.kv_heads, mcfg.vocab_size, mcfg.n_layers, compute_bytes, mcfg.head_dim,
+                 mcfg.arch.gemma_norms, mcfg.arch.qk_norm)
 
 
-def norm_saved(s: Shape) -> int:
-    """Bytes one RMSNorm saves, excluding its input when that is the (saved anyway) fp32 residual."""
-    bd, c = s.tokens * s.d, s.c
+def norm_saved(s: Shape, width: int = 0, rows: int = 0) -> int:
+    """Bytes one RMSNorm saves, excluding its input when that is the (saved anyway) fp32 residual.
+
+    ``width`` (default d) over ``rows`` normalised vectors (default B; the q/k norms: B·heads of width hd).
+    """
+    rows = rows or s.tokens
+    bd, c = rows * (width or s.d), s.c
     if c == 4:
-        return 4 * bd + c * bd + 4 * s.tokens  # normalised x, output, rsqrt
-    return 4 * bd + 2 * bd + c * bd + 4 * s.tokens  # fp32 copy of x, bf16 normalised x, output, rsqrt
+        return 4 * bd + c * bd + 4 * rows  # normalised x, output, rsqrt
+    return 4 * bd + 2 * bd + c * bd + 4 * rows  # fp32 copy of x, bf16 normalised x, output, rsqrt
+
+
+def family_norms_saved(s: Shape) -> int:
+    """Bytes the norms beyond Llama's two save in one block: Gemma's post-attention and post-MLP norms, the
+    q/k head norms."""
+    extra = 2 * norm_saved(s) if s.gemma_norms else 0
+    if s.qk_norm:
+        extra += norm_saved(s, s.hd, s.tokens * s.h) + norm_saved(s, s.hd, s.tokens * s.kv)
+    return extra
 
 
 def block_saved_none(s: Shape) -> int:
@@ -79,11 +108,11 @@ def block_saved_none(s: Shape) -> int:
     Includes the block's output when it is saved by what follows (c = 4: the next norm keeps x itself).
     """
     bd, bf, c = s.tokens * s.d, s.tokens * s.f, s.c
-    attn = 2 * c * bd + 2 * c * s.tokens * s.kv * s.hd + 4 * s.b * s.h * s.t  # q, SDPA output; k, v; log-sum-exp
+    attn = 2 * c * s.tokens * s.a + 2 * c * s.tokens * s.kv * s.hd + 4 * s.b * s.h * s.t  # q, SDPA output; k, v; lse
     if c != 4:
         attn += 2 * s.t * s.hd * c  # cos and sin cast to the compute dtype
     residuals = 2 * c * bd if c == 4 else 0  # h after attention and the block output
-    return 2 * norm_saved(s) + attn + residuals + 4 * c * bf
+    return 2 * norm_saved(s) + family_norms_saved(s) + attn + residuals + 4 * c * bf
 
 
 def block_saved_selective(s: Shape) -> int:
@@ -94,7 +123,7 @@ def block_saved_selective(s: Shape) -> int:
     """
     bd, bf, c = s.tokens * s.d, s.tokens * s.f, s.c
     v = c * s.tokens * s.kv * s.hd
-    return c * bd + c * bd + v + c * bd + 4 * s.b * s.h * s.t + c * bf + c * bd
+    return c * bd + c * s.tokens * s.a + v + c * s.tokens * s.a + 4 * s.b * s.h * s.t + c * bf + c * bd
 
 
 def block_saved(s: Shape, mode: str, layer: int, every_n: int = 2) -> int:

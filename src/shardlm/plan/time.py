@@ -59,7 +59,7 @@ def flops_per_token(cfg: Config, recompute: str = "none") -> float:
     if recompute == "full":
         q = m.head_dim
         kv = m.kv_heads * q
-        block = 2 * m.dim * m.dim + 2 * m.dim * kv + 3 * m.dim * m.ffn_dim + 2 * m.dim
+        block = 2 * m.dim * m.n_heads * q + 2 * m.dim * kv + 3 * m.dim * m.ffn_dim + 2 * m.dim
         total += 2 * m.n_layers * block + 4 * m.n_layers * m.n_heads * q * cfg.train.seq_len
     return total
 

@@ -1,5 +1,6 @@
 """The model families against transformers: Llama (llama3 RoPE scaling), Qwen2 (tied and untied), Qwen3, Mistral
-(sliding window shorter than the sequence) and Gemma 3 (local and global layers).
+(sliding window shorter than the sequence) and Gemma 3 (local and global layers, linear RoPE scaling on the global
+ones).
 
 Each family is a small random transformers model (2 layers, every parameter perturbed so that norms and biases
 matter), saved with ``save_pretrained``: shardlm imports it, its fp32 logits match transformers' (eager attention);
@@ -44,7 +45,7 @@ def hf_configs() -> dict[str, object]:
         "qwen3": t.Qwen3Config(**COMMON, head_dim=24),
         "mistral": t.MistralConfig(**COMMON, sliding_window=8),
         "gemma3": t.Gemma3TextConfig(**COMMON, head_dim=32, sliding_window=8, query_pre_attn_scalar=24,
-                                     sliding_window_pattern=2),
+                                     sliding_window_pattern=2, rope_scaling={"rope_type": "linear", "factor": 2.0}),
     }
 
 
@@ -115,6 +116,7 @@ def test_family_traits_are_where_expected(family_dirs):
     assert "lm_head.weight" not in names["qwen2_tied"] and "lm_head.weight" in names["qwen2_untied"]
     gemma = load_model_dir(family_dirs["gemma3"])
     assert [b.local for b in gemma.model.layers] == [True, False]  # sliding_window_pattern 2: layer 1 global
+    assert gemma.cfg.rope_linear_factor == 2.0 and gemma.cfg.rope_local_theta == 10000.0
     assert not torch.equal(gemma.model.rope_cos, gemma.model.rope_local_cos)  # own RoPE base per layer kind
 
 

@@ -120,6 +120,22 @@ def test_family_traits_are_where_expected(family_dirs):
     assert not torch.equal(gemma.model.rope_cos, gemma.model.rope_local_cos)  # own RoPE base per layer kind
 
 
+@pytest.mark.parametrize("name", ["mistral", "gemma3"])
+def test_greedy_generation_past_the_window_equals_transformers(family_dirs, name):
+    """KV-cached decoding past the sliding window (8): the cache's mask limits local layers to the window."""
+    from shardlm.model.generate import SamplingConfig, decode_steps
+
+    hf, _ = hf_model(family_dirs[name])
+    ours = load_model_dir(family_dirs[name]).eval()
+    prompt = IDS[0, :12].tolist()
+    expected = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, top_k=None, top_p=None,
+                           eos_token_id=None, pad_token_id=0)[0, 12:].tolist()
+    greedy = SamplingConfig(temperature=0.0)
+    cached = [int(step[1][0]) for step in decode_steps(ours, [prompt], 20, greedy)]
+    uncached = [int(step[1][0]) for step in decode_steps(ours, [prompt], 20, greedy, use_cache=False)]
+    assert cached == uncached == expected
+
+
 @pytest.fixture(scope="module")
 def parity(family_dirs, small_data, tmp_path_factory):
     """3 steps of each family from its imported weights, at 1 process and FSDP 2 ranks (two torchrun launches)."""

@@ -1,7 +1,7 @@
 """``shardlm export SOURCE OUT_DIR`` and ``shardlm inspect CHECKPOINT``: one process, no process group.
 
 ``export`` takes a training checkpoint (``runs/NAME/checkpoints/step-N``), a run directory (its
-``final/``) or a model directory, and writes a Hugging Face Llama directory that transformers loads.
+``final/``) or a model directory, and writes a Hugging Face model directory that transformers loads.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from shardlm.errors import ConfigError
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     """Register the ``export`` and ``inspect`` subcommands on the ``shardlm`` parser."""
     e = sub.add_parser("export", help="write a training checkpoint, run directory or model directory as a "
-                       "Hugging Face Llama directory (safetensors)")
+                       "Hugging Face model directory (safetensors)")
     e.add_argument("source", help="checkpoint (runs/NAME/checkpoints/step-300), run directory "
                    "(runs/NAME -> its final/) or model directory")
     e.add_argument("out_dir", help="output directory (new, or empty; --overwrite replaces an existing one)")

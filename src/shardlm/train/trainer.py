@@ -322,7 +322,7 @@ class Trainer:
             return self.history
         self.export(self.run_dir / "final")
         if info.is_main:
-            print(f"model written to {self.run_dir / 'final'} (Hugging Face Llama directory)", flush=True)
+            print(f"model written to {self.run_dir / 'final'} (Hugging Face model directory)", flush=True)
         self.logger.close("finished", self.run_dir / "final")
         return self.history
 

@@ -60,7 +60,8 @@ def random_family_dir(path: Path, name: str) -> Path:
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=gen) * 0.05)
-    model.save_pretrained(str(path))
+    # Qwen3 as a sharded checkpoint (several model-0000N-of-0000M.safetensors and their index), as large models come
+    model.save_pretrained(str(path), **({"max_shard_size": "40KB"} if name == "qwen3" else {}))
     return path
 
 
@@ -114,6 +115,8 @@ def test_family_traits_are_where_expected(family_dirs):
     assert "model.layers.1.post_feedforward_layernorm.weight" in names["gemma3"]
     assert not any("bias" in k or "q_norm" in k for k in names["llama"] | names["mistral"])
     assert "lm_head.weight" not in names["qwen2_tied"] and "lm_head.weight" in names["qwen2_untied"]
+    assert len(list(family_dirs["qwen3"].glob("model-*.safetensors"))) > 1
+    assert (family_dirs["qwen3"] / "model.safetensors.index.json").is_file()
     gemma = load_model_dir(family_dirs["gemma3"])
     assert [b.local for b in gemma.model.layers] == [True, False]  # sliding_window_pattern 2: layer 1 global
     assert gemma.cfg.rope_linear_factor == 2.0 and gemma.cfg.rope_local_theta == 10000.0
@@ -205,6 +208,8 @@ def test_compile_and_bf16_kernel_keep_each_family(family_dirs):
         fp32 = qwen2(IDS)
         bf16 = qwen2.to(torch.bfloat16)(IDS).float()
     assert (fp32 - bf16).abs().max().item() < 0.1
+    assert len(list(family_dirs["qwen3"].glob("model-*.safetensors"))) > 1
+    assert (family_dirs["qwen3"] / "model.safetensors.index.json").is_file()
     gemma = load_model_dir(family_dirs["gemma3"]).eval()
     with torch.no_grad():
         eager = gemma(IDS)

@@ -236,7 +236,9 @@ def test_bad_input(family_dirs, tmp_path, capsys):
         d = tmp_path / name
         d.mkdir()
         (d / "config.json").write_text(json.dumps(config))
-        save_file(weights or load_file(str(family_dirs["qwen3"] / "model.safetensors")), str(d / "model.safetensors"))
+        if weights is None:  # the Qwen3 case is sharded: all its files
+            weights = {k: v for f in family_dirs["qwen3"].glob("*.safetensors") for k, v in load_file(str(f)).items()}
+        save_file(weights, str(d / "model.safetensors"))
         return d
 
     moe = write("moe", {**base, "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 8})

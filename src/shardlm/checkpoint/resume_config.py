@@ -63,6 +63,7 @@ RULES: dict[str, tuple[str, str]] = {
     "train.eval_interval": (TAKES_EFFECT, "read at every step"),
     "train.eval_tokens": (TAKES_EFFECT, "read at every evaluation"),
     "train.log_interval": (TAKES_EFFECT, "read at every step"),
+    "train.peak_flops": (TAKES_EFFECT, "only the MFU that is logged"),
     "parallel.*": (TAKES_EFFECT, "the checkpoint does not depend on the world size or the sharding"),
     "run.*": (TAKES_EFFECT, "where and under which name the run writes"),
     "checkpoint.*": (TAKES_EFFECT, "read at every step"),

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 
 from conftest import cpu_env, run_scenarios, tensorboard_scalars, tiny_overrides, torchrun
 from shardlm.cli.main import main as shardlm_main
@@ -69,11 +70,13 @@ def test_eval_perplexity_is_exp_mean_loss_at_1_and_2_ranks(runs, eval_file):
     model_dir = runs["a"] / "final"
     mean, count = direct_mean_loss(model_dir, eval_file)
     assert count > 1000
+    stride = str(json.loads((model_dir / "config.json").read_text())["max_position_embeddings"])  # no overlap
     one = subprocess.run([sys.executable, "-m", "shardlm", "eval", "--model", str(model_dir), "--data",
-                          str(eval_file), "--json", "--batch-size", "3"],
+                          str(eval_file), "--json", "--batch-size", "3", "--stride", stride],
                          env=cpu_env(), capture_output=True, text=True, timeout=120)
     assert one.returncode == 0, one.stderr
-    two = torchrun(2, ["-m", "shardlm.eval", "--model", str(model_dir), "--data", str(eval_file), "--json"])
+    two = torchrun(2, ["-m", "shardlm.eval", "--model", str(model_dir), "--data", str(eval_file), "--json",
+                       "--stride", stride])
     r1 = json.loads(one.stdout.strip().splitlines()[-1])
     r2 = json.loads(two.stdout.strip().splitlines()[-1])  # rank 0 prints one line; rank 1 stays quiet
     print(f"eval: mean loss {r1['mean_loss']:.6f} (1 rank) {r2['mean_loss']:.6f} (2 ranks) {mean:.6f} (direct), "
@@ -137,6 +140,45 @@ def test_generate_cli_streams_one_prompt_and_batches_several(runs, capsys):
                          "--max-new-tokens", "10", "--top-p", "0.9"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("ROMEO:") and "\n" + "-" * 40 + "\nKING\n" in out  # "\\n" in a prompt is a line break
+
+
+def test_exported_from_scratch_model_has_the_tokenizer_files(runs, tmp_path):
+    """A model trained from scratch, exported from its checkpoint: transformers' AutoTokenizer gets the special
+    tokens its training data was built with (BOS first, the end-of-document token after each document), and
+    transformers' greedy generation stops where shardlm's does."""
+    transformers = pytest.importorskip("transformers")
+    out = tmp_path / "exported"
+    assert shardlm_main(["export", str(runs["a"] / "checkpoints" / "step-20"), str(out)]) == 0
+    tok = transformers.AutoTokenizer.from_pretrained(str(out))
+    assert (tok.bos_token, tok.eos_token, tok.pad_token) == ("<|begin_of_text|>", "<|end_of_document|>",
+                                                             "<|end_of_document|>")
+    assert tok.chat_template is None and tok.model_max_length == 64  # trained on plain text: no template
+    config = json.loads((out / "config.json").read_text())
+    gen = json.loads((out / "generation_config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"], gen["eos_token_id"], gen["pad_token_id"]) == (0, 2, 2, 2)
+    # 20 steps do not teach the model to end a text: make <|end_of_document|> the greedy choice wherever the
+    # token it would pick 5th in the answer to "ROMEO:" wins (its output row = that token's, scaled by 1.05)
+    prompt = [0] + tok("ROMEO:", add_special_tokens=False)["input_ids"]
+    first = generate(load_model_dir(out).eval(), [prompt], 30, SamplingConfig(0.0), 2)[0]
+    weights = load_file(str(out / "model.safetensors"))
+    name = "lm_head.weight" if "lm_head.weight" in weights else "model.embed_tokens.weight"
+    weights[name][2] = weights[name][first[4]] * 1.05
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(out), attn_implementation="eager").eval()
+    ours = load_model_dir(out).eval()
+    stopped, lengths = 0, []
+    for text in ("ROMEO:", "KING HENRY:", "Exeunt", "First Citizen"):
+        ids = [0] + tok(text, add_special_tokens=False)["input_ids"]
+        new = generate(ours, [ids], 60 - len(ids), SamplingConfig(0.0), 2)[0]
+        with torch.no_grad():
+            theirs = hf.generate(torch.tensor([ids]), max_new_tokens=60 - len(ids), do_sample=False,
+                                 attention_mask=torch.ones(1, len(ids), dtype=torch.long))[0, len(ids):].tolist()
+        assert theirs == (new + [2] if len(new) < 60 - len(ids) else new), (text, new, theirs)
+        stopped += len(new) < 60 - len(ids)
+        lengths.append(len(new))
+    print(f"\nexported from-scratch model: greedy generation equals transformers' for 4 prompts, "
+          f"{stopped} of them stopped at <|end_of_document|>, after {lengths} tokens")
+    assert stopped >= 1 and len(generate(ours, [prompt], 30, SamplingConfig(0.0), 2)[0]) <= 4
 
 
 # ---- TensorBoard --------------------------------------------------------------------------------

@@ -9,15 +9,8 @@ import pytest
 
 from conftest import run_scenarios, tiny_overrides
 from shardlm.cli.main import main as shardlm_main
-from shardlm.data import load_tokenizer
-from shardlm.data.instruct import (
-    DEFAULT_CHAT_TEMPLATE,
-    InstructionExamples,
-    _renderer,
-    encode_example,
-    prepare_instructions,
-    read_instructions,
-)
+from shardlm.data.chat import ChatTemplate
+from shardlm.data.instruct import InstructionExamples, prepare_instructions, read_instructions
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples" / "instruct-shakespeare.jsonl"
@@ -31,14 +24,17 @@ def instruct_data(small_data, tmp_path_factory) -> Path:
 
 
 def test_mask_covers_exactly_the_responses(small_data):
-    tok = load_tokenizer(str(small_data / "tokenizer.json"))
-    render = _renderer(DEFAULT_CHAT_TEMPLATE)
-    for line, messages in read_instructions(str(EXAMPLES)):
-        ids, mask = encode_example(tok, render, messages, f"line {line}")
-        trained = tok.decode([i for i, m in zip(ids, mask) if m])
-        expected = "".join(m["content"] + "\n" for m in messages if m["role"] == "assistant")
-        assert trained == expected and len(ids) == len(mask)
-        assert tok.decode(ids) == render.render(messages=messages, add_generation_prompt=False)
+    """shardlm's default template on its own tokenizer: each reply (with its leading space) and the
+    end-of-document token that ends it are trained, nothing else."""
+    for use_transformers in (True, False):
+        chat = ChatTemplate(small_data / "tokenizer.json", use_transformers=use_transformers)
+        assert chat.special_tokens["eos_token"] == "<|end_of_document|>"
+        for line, messages in read_instructions(str(EXAMPLES)):
+            ids, mask = chat.encode(messages, False, f"line {line}")
+            trained = chat.tokenizer.decode([i for i, m in zip(ids, mask) if m], skip_special_tokens=False)
+            expected = "".join(f" {m['content']}<|end_of_document|>\n" for m in messages if m["role"] == "assistant")
+            assert trained == expected and len(ids) == len(mask)
+            assert chat.tokenizer.decode(ids, skip_special_tokens=False) == chat.render(messages)
 
 
 @pytest.mark.dist

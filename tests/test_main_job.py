@@ -40,7 +40,8 @@ def test_tiny_config_beats_unigram_entropy_and_generates(tmp_path, monkeypatch):
     assert len(final["shard_bytes"]) == 2
     hf = json.loads((run / "final" / "config.json").read_text())
     assert hf["model_type"] == "llama" and hf["tie_word_embeddings"] is True
-    assert {p.name for p in (run / "final").iterdir()} == {"config.json", "model.safetensors", "tokenizer.json"}
+    assert {p.name for p in (run / "final").iterdir()} == {"config.json", "model.safetensors", "tokenizer.json",
+                                                           "tokenizer_config.json", "generation_config.json"}
     assert json.loads((run / "config.json").read_text())["train"]["steps"] == 40
     gen = subprocess.run([sys.executable, "-m", "shardlm", "generate", "--model", str(run / "final"),
                           "--prompt", "ROMEO:", "--max-new-tokens", "20"],

@@ -275,3 +275,146 @@ def test_smollm2_chat_template_masks_only_the_reply(smol_dir, tmp_path):
     assert row[0, :len(expected)].tolist() == list(expected)
     trained = [t for t in row[1].tolist() if t != -100]
     assert tok.decode(trained) == first["response"] + "<|im_end|>\n", tok.decode(trained)
+
+
+# ---- end of sequence, chat, exported tokenizer files, strided perplexity ---------------------------
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def hf_smol(smol_dir):
+    """transformers' model and tokenizer on the imported SmolLM2 (fp32, eager), loaded once for this module."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(smol_dir), dtype=torch.float32,
+                                                              attn_implementation="eager").eval()
+    return model, transformers.AutoTokenizer.from_pretrained(str(smol_dir))
+
+
+def _greedy_both(model_dir: Path, hf_model, max_new: int = 48) -> tuple[list[int], list[int], list[int]]:
+    """(prompt ids, shardlm's new ids, transformers' new ids) for a greedy ChatML question."""
+    from shardlm.convert.hf_in import model_dir_special_ids
+    from shardlm.data.chat import ChatTemplate
+    from shardlm.model.generate import SamplingConfig, generate
+
+    ids = ChatTemplate(model_dir / "tokenizer.json").encode(QUESTION, add_generation_prompt=True)[0]
+    ours = generate(load_model_dir(model_dir).eval(), [ids], max_new, SamplingConfig(0.0),
+                    model_dir_special_ids(model_dir)["eos"])[0]
+    with torch.no_grad():
+        theirs = hf_model.generate(torch.tensor([ids]), max_new_tokens=max_new, do_sample=False,
+                                   attention_mask=torch.ones(1, len(ids), dtype=torch.long))[0, len(ids):].tolist()
+    return ids, ours, theirs
+
+
+def test_smollm2_greedy_chat_stops_at_im_end_as_transformers(smol_dir, hf_smol, capsys):
+    hf, tok = hf_smol
+    ids, ours, theirs = _greedy_both(smol_dir, hf)
+    assert ids == list(tok.apply_chat_template(QUESTION, add_generation_prompt=True)["input_ids"])
+    print(f"\nSmolLM2 greedy answer: {len(ours)} tokens then <|im_end|>; transformers: {len(theirs)} tokens "
+          f"with its eos: {tok.decode(ours)!r}")
+    assert theirs[-1] == 2 and ours == theirs[:-1] and len(ours) < 47  # stopped at <|im_end|>, not the limit
+    # the CLI: --chat renders the same prompt and prints the same answer; --stop cuts it
+    capsys.readouterr()
+    assert shardlm_main(["generate", "--model", str(smol_dir), "--chat", "--prompt", QUESTION[0]["content"],
+                         "--temperature", "0", "--max-new-tokens", "48"]) == 0
+    assert capsys.readouterr().out == tok.decode(ids) + tok.decode(ours) + "\n"
+    answer = tok.decode(ours)
+    word = answer.split()[2]
+    assert shardlm_main(["generate", "--model", str(smol_dir), "--chat", "--prompt", QUESTION[0]["content"],
+                         "--temperature", "0", "--max-new-tokens", "48", "--stop", word]) == 0
+    assert capsys.readouterr().out == tok.decode(ids) + answer[:answer.index(word)] + "\n"
+
+
+def _transformers_strided_nll(hf_model, stream: list[int], max_length: int, stride: int) -> tuple[float, int, float]:
+    """The sliding-window loop of transformers' guide "Perplexity of fixed-length models" on ``stream``.
+
+    Returns (mean nll, tokens scored, the guide's own mean). The guide weighs each window's mean loss by
+    ``num_valid_tokens - batch_size``; after its first window the label shift drops a -100 label, not a
+    valid one, so that count is one short of the tokens the loss averages: the first value counts them.
+    """
+    ids = torch.tensor([stream])
+    nll, count, guide_nll, guide_count, prev_end = 0.0, 0, 0.0, 0, 0
+    for begin in range(0, ids.shape[1], stride):
+        end = min(begin + max_length, ids.shape[1])
+        trg_len = end - prev_end
+        input_ids = ids[:, begin:end]
+        target_ids = input_ids.clone()
+        target_ids[:, :-trg_len] = -100
+        with torch.no_grad():
+            loss = hf_model(input_ids, labels=target_ids).loss.double().item()
+        scored = int((target_ids[:, 1:] != -100).sum())
+        nll, count = nll + loss * scored, count + scored
+        valid = int((target_ids != -100).sum()) - target_ids.shape[0]
+        guide_nll, guide_count = guide_nll + loss * valid, guide_count + valid
+        prev_end = end
+        if end == ids.shape[1]:
+            break
+    return nll / count, count, guide_nll / guide_count
+
+
+def test_eval_stride_equals_transformers_strided_perplexity(smol_dir, hf_smol, small_corpus, tmp_path, capsys):
+    from shardlm.data import load_tokenizer, read_documents, special_token_ids
+    from shardlm.eval import token_stream
+
+    text = tmp_path / "short.txt"
+    text.write_text(small_corpus.read_text()[20000:21200])
+    tok = load_tokenizer(str(smol_dir / "tokenizer.json"))
+    stream = token_stream(read_documents(str(text)), tok, special_token_ids(tok))
+    context, stride = 64, 24
+    mean, count, guide = _transformers_strided_nll(hf_smol[0], stream, context, stride)
+    args = ["--model", str(smol_dir), "--data", str(text), "--context", str(context), "--stride", str(stride), "--json"]
+    capsys.readouterr()
+    assert shardlm_main(["eval", *args, "--batch-size", "3"]) == 0
+    one = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    two = json.loads(torchrun(2, ["-m", "shardlm.eval", *args]).stdout.strip().splitlines()[-1])
+    print(f"\nstrided perplexity ({len(stream)} tokens, context {context}, stride {stride}): transformers "
+          f"{math.exp(mean):.6f} ({count} tokens; the guide's token count gives {math.exp(guide):.6f}), shardlm "
+          f"{one['perplexity']:.6f} (1 rank), {two['perplexity']:.6f} (2 ranks)")
+    assert one["tokens"] == two["tokens"] == count == len(stream) - 1 and two["world_size"] == 2
+    for r in (one, two):
+        assert abs(r["perplexity"] / math.exp(mean) - 1) < 1e-4, r
+        assert r["stride"] == stride and r["context"] == context
+    # default stride: half the context; stride = context: today's non-overlapping windows (fewer tokens)
+    assert shardlm_main(["eval", *args[:6], "--json"]) == 0
+    half = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert half["stride"] == 32 and half["tokens"] == len(stream) - 1
+    assert shardlm_main(["eval", *args[:6], "--stride", "64", "--json"]) == 0
+    flat = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert flat["tokens"] == len(stream) - flat["windows"]
+
+
+def test_exported_finetuned_smollm2_has_the_tokenizer_files(finetune, smol_dir, hf_smol, tmp_path):
+    """A fine-tuned SmolLM2 exported from its checkpoint loads in transformers with SmolLM2's special tokens and
+    chat template, and transformers' greedy generation stops where shardlm's does."""
+    out = tmp_path / "exported"
+    assert shardlm_main(["export", str(finetune["out"] / "run-smol" / "checkpoints" / "step-2"), str(out)]) == 0
+    for model_dir in (out, finetune["out"] / "run-smol" / "final"):
+        tok = transformers.AutoTokenizer.from_pretrained(str(model_dir))
+        assert (tok.bos_token, tok.eos_token, tok.pad_token) == ("<|im_start|>", "<|im_end|>", "<|im_end|>")
+        assert tok.chat_template == hf_smol[1].chat_template and tok.model_max_length == 8192
+        config = json.loads((model_dir / "config.json").read_text())
+        gen = json.loads((model_dir / "generation_config.json").read_text())
+        assert (config["bos_token_id"], config["eos_token_id"], gen["eos_token_id"]) == (1, 2, 2)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32,
+                                                           attn_implementation="eager").eval()
+    assert hf.generation_config.eos_token_id == 2
+    _, ours, theirs = _greedy_both(out, hf)
+    print(f"\nfine-tuned SmolLM2, exported: greedy answer of {len(ours)} tokens, transformers stops at the same "
+          f"token: {theirs[-1] == 2 and ours == theirs[:-1]}")
+    assert theirs[-1] == 2 and ours == theirs[:-1] and len(ours) < 47
+
+
+def test_config_and_tokenizer_disagreeing_on_eos(smol_dir, tmp_path, capsys):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in smol_dir.iterdir():
+        if f.name != "generation_config.json":
+            (bad / f.name).symlink_to(f)
+    (bad / "config.json").unlink()
+    config = json.loads((smol_dir / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "eos_token_id": 0}, indent=2))
+    line = next(i for i, s in enumerate((bad / "config.json").read_text().splitlines(), 1) if '"eos_token_id"' in s)
+    for argv in (["generate", "--model", str(bad), "--prompt", "Hi"], ["export", str(bad), str(tmp_path / "o")]):
+        err = _error(capsys, argv)
+        assert err.startswith(f"error: {bad / 'config.json'}:{line}: eos_token_id 0 disagrees with the tokenizer: "
+                              f"{bad / 'tokenizer_config.json'}:") and "'<|im_end|>', id 2" in err, err
+    assert not (tmp_path / "o").exists()

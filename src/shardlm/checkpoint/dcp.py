@@ -57,6 +57,7 @@ from shardlm.checkpoint.resume_config import REFUSED, Change, config_changes, da
 from shardlm.checkpoint.run import new_run_id, remove_directory, run_checkpoints, run_dir_run_id
 from shardlm.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner, read_metadata
 from shardlm.config import Config
+from shardlm.data.tokenizer_files import TOKENIZER_FILES
 from shardlm.errors import CheckpointError, ConfigError, UnsafeCheckpointError
 from shardlm.parallel import DistInfo, all_reduce_sum, run_on_main
 
@@ -235,7 +236,9 @@ class Checkpointer:
 
         def add_tokenizer() -> list[str]:
             if self.tokenizer_path is not None and self.tokenizer_path.is_file():
-                copy_file(self.tokenizer_path, tmp / "tokenizer.json")
+                for name in TOKENIZER_FILES:  # the tokenizer and its config (special tokens, chat template)
+                    if (self.tokenizer_path.parent / name).is_file():
+                        copy_file(self.tokenizer_path.parent / name, tmp / name)
             return sorted(os.listdir(tmp))
 
         names = [self._on_main(add_tokenizer, final, tmp)]

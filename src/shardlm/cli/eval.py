@@ -27,6 +27,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=8, help="windows per forward pass, per rank")
     p.add_argument("--context", type=int, default=None,
                    help="window length in tokens (default: the model's max_seq_len)")
+    p.add_argument("--stride", type=int, default=None,
+                   help="tokens the window moves each step; each window scores only the tokens the previous "
+                        "did not (default: half the window; the window length gives non-overlapping windows)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
 
 
@@ -42,9 +45,11 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> None:
         raise ConfigError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.context is not None and args.context < 2:
         raise ConfigError(f"--context must be >= 2 tokens, got {args.context}")
+    if args.stride is not None and args.stride < 1:
+        raise ConfigError(f"--stride must be >= 1 token, got {args.stride}")
     info = init_distributed(ParallelConfig())
     try:
-        result = evaluate_model(args.model, args.data, info, args.batch_size, args.context)
+        result = evaluate_model(args.model, args.data, info, args.batch_size, args.context, stride=args.stride)
     except ValueError as e:
         if type(e) is ValueError:  # the evaluator's own checks (context too long...): user input
             raise ConfigError(str(e)) from e
@@ -52,12 +57,14 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> None:
     if info.is_main:
         out = {"model": args.model, "data": args.data, "mean_loss": result.mean_loss,
                "perplexity": result.perplexity, "tokens": result.tokens, "windows": result.windows,
+               "stride": result.stride, "context": result.context,
                "world_size": info.world_size}
         if args.json:
             print(json.dumps(out))
         else:
             print(f"{args.data}: mean loss {result.mean_loss:.4f} nats/token, perplexity {result.perplexity:.3f} "
-                  f"({result.tokens:,} tokens predicted, {_count(result.windows, 'window')}, "
+                  f"({result.tokens:,} tokens predicted, {_count(result.windows, 'window')} of {result.context} "
+                  f"tokens every {result.stride}, "
                   f"{_count(info.world_size, 'rank')})")
 
 

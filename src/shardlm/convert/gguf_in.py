@@ -182,14 +182,19 @@ def read_gguf_tensors(path: str | Path) -> tuple[dict[str, torch.Tensor], ModelC
 def import_gguf(path: str | Path, out_dir: str | Path) -> Path:
     """Convert a GGUF file of a built family into an HF model directory ``out_dir`` (written atomically).
 
-    Writes ``model.safetensors`` (float32), ``config.json`` and the tokenizer files
-    (``tokenizer.json``, ``tokenizer_config.json`` with the chat template) rebuilt by
-    ``transformers.AutoTokenizer.from_pretrained(..., gguf_file=...)``.
+    Writes ``model.safetensors`` (float32), ``config.json`` and ``generation_config.json`` (the
+    file's bos/eos ids, the tokenizer's pad id) and the tokenizer files (``tokenizer.json``,
+    ``tokenizer_config.json`` with ``model_max_length`` = the context, ``chat_template.jinja``)
+    rebuilt by ``transformers.AutoTokenizer.from_pretrained(..., gguf_file=...)``.
 
     Raises:
-        ModelDirError: see :func:`read_gguf_tensors`; a tensor whose shape the metadata contradicts.
+        ModelDirError: see :func:`read_gguf_tensors`; a tensor whose shape the metadata contradicts; the
+            file's eos id is not its tokenizer's eos token.
         ImportError: ``gguf`` or ``transformers`` is not installed (``pip install 'shardlm[gguf]'``).
     """
+    from shardlm.convert.hf_in import model_dir_special_ids
+    from shardlm.data.tokenizer_files import generation_config
+
     path, out = Path(path), Path(out_dir)
     tensors, cfg, reader = read_gguf_tensors(path)
     with torch.device("meta"):
@@ -204,8 +209,15 @@ def import_gguf(path: str | Path, out_dir: str | Path) -> Path:
 
     with atomic_directory(out) as tmp:  # a failure never leaves a half-written out_dir
         tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        if tok.model_max_length >= 1e29:  # transformers' "no limit": the model's context instead
+            tok.model_max_length = cfg.max_seq_len
         tok.save_pretrained(str(tmp))
         save_safetensors(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
-        config = hf_config(cfg, {k: (int(v) if v is not None else None) for k, v in special.items()})
+        special = {k: (int(v) if v is not None else None) for k, v in special.items()}
+        special["pad"] = tok.pad_token_id
+        config = hf_config(cfg, special)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        gen = generation_config({**special, "eos": [special["eos"]] if special["eos"] is not None else []})
+        (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+        model_dir_special_ids(tmp)  # the file's eos id and its tokenizer's eos token agree
     return out

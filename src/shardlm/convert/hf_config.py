@@ -15,16 +15,30 @@ from shardlm.errors import ModelDirError
 from shardlm.model.config import FAMILIES, ModelConfig
 
 
-def hf_config(cfg: ModelConfig, special_ids: dict[str, int | None] | None = None,
+def written_special_ids(special_ids: dict[str, Any] | None) -> dict[str, Any]:
+    """``{"bos", "eos", "pad"}`` as a model directory records them: ``eos`` an int, or a list when several.
+
+    Takes :func:`shardlm.data.tokenizer_files.model_special_ids`' dict; an older one with ``eod``
+    (data prepared before the tokenizer's files were kept) gives the end-of-document id as eos,
+    the token that ends each document of the training data.
+    """
+    special = dict(special_ids or {})
+    eos = special["eod"] if special.get("eod") is not None else special.get("eos")
+    if isinstance(eos, list):
+        eos = eos[0] if len(eos) == 1 else (eos or None)
+    return {"bos": special.get("bos"), "eos": eos, "pad": special.get("pad")}
+
+
+def hf_config(cfg: ModelConfig, special_ids: dict[str, Any] | None = None,
               dtype: object = "float32") -> dict:
     """The ``config.json`` dict for a model of shape ``cfg``, in its family's layout (``model_type`` from
     :data:`~shardlm.model.config.FAMILIES`).
 
-    ``special_ids`` gives ``bos``/``eos`` token ids; ``dtype`` (a ``torch.dtype`` or its name) is recorded as
-    ``torch_dtype``. RoPE is written in the transformers 4.x form (``rope_theta``, ``rope_scaling``), which 5.x
-    also reads.
+    ``special_ids`` gives the ``bos``/``eos``/``pad`` token ids (see :func:`written_special_ids`);
+    ``dtype`` (a ``torch.dtype`` or its name) is recorded as ``torch_dtype``. RoPE is written in the
+    transformers 4.x form (``rope_theta``, ``rope_scaling``), which 5.x also reads.
     """
-    special_ids = special_ids or {}
+    special_ids = written_special_ids(special_ids)
     arch = cfg.arch
     config = {
         "architectures": [arch.architecture],
@@ -42,6 +56,7 @@ def hf_config(cfg: ModelConfig, special_ids: dict[str, int | None] | None = None
         "tie_word_embeddings": cfg.tie_embeddings,
         "bos_token_id": special_ids.get("bos"),
         "eos_token_id": special_ids.get("eos"),
+        "pad_token_id": special_ids.get("pad"),
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
     if cfg.family == "gemma3":

@@ -167,3 +167,45 @@ def load_model_dir(path: str | Path, device: torch.device | str = "cpu") -> Llam
             param.copy_(state[name])
     model.init_rotary()
     return model
+
+
+def model_dir_special_ids(path: str | Path) -> dict[str, Any]:
+    """The special ids of a model directory, checked: ``{"bos": int | None, "eos": [int, ...], "pad": int | None}``.
+
+    ``eos`` is every id generation stops at: ``config.json``'s and ``generation_config.json``'s
+    ``eos_token_id`` (an int or a list) and the tokenizer's ``eos_token`` (see
+    :func:`shardlm.data.tokenizer_files.model_special_ids`). Without ``tokenizer.json`` only the two
+    config files count.
+
+    Raises:
+        ModelDirError: naming the file and line: the tokenizer's ``eos_token`` (``tokenizer_config.json``)
+            is not a token of ``tokenizer.json``, or is not among the ``eos_token_id`` of
+            ``config.json`` / ``generation_config.json``; or unreadable tokenizer files.
+    """
+    from shardlm.data.tokenizer import load_tokenizer
+    from shardlm.data.tokenizer_files import eos_ids_of, json_line, model_special_ids, read_tokenizer_config, token_text
+    from shardlm.errors import DataError
+
+    path = Path(path)
+    try:
+        declared = eos_ids_of(path)
+        if not (path / "tokenizer.json").is_file():
+            ids = [i for v in declared.values() for i in v]
+            return {"bos": None, "eos": list(dict.fromkeys(ids)), "pad": None}
+        files = read_tokenizer_config(path / "tokenizer.json")
+        special = model_special_ids(path / "tokenizer.json")
+        eos_text = token_text(files.config.get("eos_token"))
+        if files.config_path is not None and eos_text is not None:
+            eos_id = load_tokenizer(str(path / "tokenizer.json")).token_to_id(eos_text)
+            where = f"{files.config_path}:{json_line(files.config_path, 'eos_token')}"
+            if eos_id is None:
+                raise ModelDirError(f"{where}: eos_token {eos_text!r} is not a token of {path / 'tokenizer.json'}")
+            if declared and not any(eos_id in ids for ids in declared.values()):
+                file = path / ("config.json" if "config.json" in declared else "generation_config.json")
+                written = " / ".join(str(v[0] if len(v) == 1 else v) for v in declared.values())
+                raise ModelDirError(f"{file}:{json_line(file, 'eos_token_id')}: eos_token_id {written} disagrees with "
+                                    f"the tokenizer: {where} says eos_token {eos_text!r}, id {eos_id}; make them agree "
+                                    "(generation stops at these ids)")
+    except DataError as e:
+        raise ModelDirError(str(e)) from None
+    return special

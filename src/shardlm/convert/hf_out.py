@@ -21,8 +21,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from shardlm.atomic import atomic_directory, save_safetensors
-from shardlm.convert.hf_config import hf_config, read_model_dir_config
-from shardlm.convert.hf_in import check_weights
+from shardlm.convert.hf_config import hf_config, read_model_dir_config, written_special_ids
+from shardlm.convert.hf_in import check_weights, model_dir_special_ids
 from shardlm.errors import ModelDirError
 from shardlm.model.config import ModelConfig
 from shardlm.model.llama import Llama
@@ -45,27 +45,33 @@ def save_model_dir(state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: st
     return its path.
 
     ``state`` maps our (= HF) parameter names to full tensors; with tied embeddings
-    ``lm_head.weight`` is dropped so the shared tensor is stored once. ``extra_files`` (e.g. a
-    tokenizer's chat template) are copied in by name before the rename.
+    ``lm_head.weight`` is dropped so the shared tensor is stored once. With ``tokenizer_path`` the
+    tokenizer's files go along (``tokenizer.json``, ``tokenizer_config.json`` with the chat template
+    and ``model_max_length`` = ``cfg.max_seq_len`` when it has none, see
+    :func:`shardlm.data.tokenizer_files.write_tokenizer_files`). ``config.json`` and
+    ``generation_config.json`` carry the bos/eos/pad ids of ``special_ids`` (see
+    :func:`shardlm.convert.hf_config.written_special_ids`). ``extra_files`` (e.g. a source's
+    ``generation_config.json``) are copied in by name last.
     """
+    from shardlm.data.tokenizer_files import generation_config, write_tokenizer_files
+
     out = Path(out_dir)
     tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
     if cfg.tie_embeddings:
         tensors.pop("lm_head.weight", None)
     dtype = next(iter(tensors.values())).dtype
+    special = written_special_ids(special_ids)
+    eos = [] if special["eos"] is None else [special["eos"]] if isinstance(special["eos"], int) else special["eos"]
     with atomic_directory(out) as tmp:
         save_safetensors(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(hf_config(cfg, special_ids, dtype), indent=2) + "\n")
+        gen = generation_config({"bos": special["bos"], "eos": eos, "pad": special["pad"]})
+        (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
         if tokenizer_path is not None:
-            shutil.copyfile(tokenizer_path, tmp / "tokenizer.json")
+            write_tokenizer_files(tokenizer_path, tmp, model_max_length=cfg.max_seq_len)
         for extra in extra_files:
             shutil.copyfile(extra, tmp / extra.name)
     return out
-
-
-#: tokenizer files copied along with the weights when present
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "generation_config.json")
 
 
 def resolve_model_dir(path: str | Path) -> Path:
@@ -83,17 +89,20 @@ def copy_model_dir(src: str | Path, out_dir: str | Path, dtype: torch.dtype | No
     """Check the model directory ``src`` and write it to ``out_dir`` (atomically) as an HF directory.
 
     Tensors keep their source dtype unless ``dtype`` is given; a tied output weight is stored once.
-    Tokenizer files (:data:`TOKENIZER_FILES`) are copied; ``bos``/``eos`` ids are kept from
-    ``config.json``. Runs in one process and holds one directory's tensors in memory.
+    The tokenizer's files and ``generation_config.json`` are copied (one is written when the source
+    has none); ``bos``/``eos``/``pad`` ids are kept from ``config.json`` (from the tokenizer where it
+    has none). Runs in one process and holds one directory's tensors in memory.
 
     Raises:
         ModelDirError: not a model directory of a built family, a missing/unexpected/wrongly-shaped tensor (named),
-            or ``out_dir`` is ``src`` itself.
+            ``out_dir`` is ``src`` itself, or config and tokenizer disagree on eos (see
+            :func:`shardlm.convert.hf_in.model_dir_special_ids`).
     """
     src, out = resolve_model_dir(src), Path(out_dir)
     cfg = read_model_dir_config(src)
     if out.resolve() == src.resolve():
         raise ModelDirError(f"output directory {out} is the source directory")
+    special = model_dir_special_ids(src)
     with torch.device("meta"):
         model = Llama(cfg)
     where = check_weights(src, model)
@@ -103,7 +112,9 @@ def copy_model_dir(src: str | Path, out_dir: str | Path, dtype: torch.dtype | No
             t = st.get_tensor(name)
         state[name] = t if dtype is None else t.to(dtype)
     source_config = json.loads((src / "config.json").read_text())
-    special = {"bos": source_config.get("bos_token_id"), "eos": source_config.get("eos_token_id")}
+    for key, name in (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("pad", "pad_token_id")):
+        if source_config.get(name) is not None:
+            special[key] = source_config[name]
     tokenizer = src / "tokenizer.json"
-    extra = [src / name for name in TOKENIZER_FILES[1:] if (src / name).is_file()]
+    extra = [src / "generation_config.json"] if (src / "generation_config.json").is_file() else []
     return save_model_dir(state, cfg, out, tokenizer if tokenizer.is_file() else None, special, extra)

@@ -2,11 +2,13 @@
 
 Input: a ``.jsonl`` file, one example per line, either ``{"messages": [{"role": ..., "content": ...}, ...]}``
 (at least one ``assistant`` message) or ``{"prompt": ..., "response": ...}`` (optionally ``"system"``).
-Each example is rendered with the tokenizer's chat template (``chat_template`` in
-``tokenizer_config.json`` or ``chat_template.jinja`` beside ``tokenizer.json``; a plain
-``role: content`` template otherwise) in a sandboxed Jinja environment, as ``transformers``'
-``apply_chat_template`` does. Text the template adds for an assistant turn after the generation
-prompt (the reply and its end-of-turn marker) is *response*; everything else is context.
+Each example is rendered and tokenized as ``transformers``' ``apply_chat_template`` does, with the
+tokenizer's chat template (``chat_template`` in ``tokenizer_config.json`` or ``chat_template.jinja``
+beside ``tokenizer.json``; :data:`~shardlm.data.chat.DEFAULT_CHAT_TEMPLATE` otherwise), see
+:class:`~shardlm.data.chat.ChatTemplate`. Text the template adds for an assistant turn after the
+generation prompt (the reply and its end-of-turn marker) is *response*; everything else is context.
+The tokenizer's files go into the prepared directory, its ``tokenizer_config.json`` with the
+template the data was built with.
 
 Prepared layout (beside the usual ``meta.json`` and ``tokenizer.json``, with ``"format": "instruct"``):
 ``<split>.bin`` token ids of all examples back to back, ``<split>.mask`` one uint8 per token (1 =
@@ -22,27 +24,21 @@ from __future__ import annotations
 
 import json
 import pathlib
-import shutil
 from typing import Any
 
 import numpy as np
 import torch
 
 from shardlm.atomic import atomic_directory
+from shardlm.data.chat import ChatTemplate
 from shardlm.data.corpus import jsonl_objects
 from shardlm.data.prepare import load_meta, token_dtype, unigram_entropy
 from shardlm.data.tokenizer import load_tokenizer, special_token_ids
+from shardlm.data.tokenizer_files import model_special_ids, write_tokenizer_files
 from shardlm.errors import DataError
 
 IGNORE_INDEX = -100
 """Label of a position that is not trained (PyTorch's ``cross_entropy`` default ``ignore_index``)."""
-
-DEFAULT_CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}assistant: {% endif %}"
-)
-"""Used when the tokenizer has no chat template: ``role: content`` lines."""
-
 
 def read_instructions(path: str) -> list[tuple[int, list[dict[str, str]]]]:
     """Read a JSONL instruction file into ``[(line number, messages)]``.
@@ -85,59 +81,6 @@ def read_instructions(path: str) -> list[tuple[int, list[dict[str, str]]]]:
     return examples
 
 
-def load_chat_template(tokenizer_path: str) -> str:
-    """The chat template beside ``tokenizer_path``, or :data:`DEFAULT_CHAT_TEMPLATE`."""
-    d = pathlib.Path(tokenizer_path).expanduser().parent
-    if (d / "chat_template.jinja").is_file():
-        return (d / "chat_template.jinja").read_text(encoding="utf-8")
-    if (d / "tokenizer_config.json").is_file():
-        template = json.loads((d / "tokenizer_config.json").read_text(encoding="utf-8")).get("chat_template")
-        if isinstance(template, str):
-            return template
-    return DEFAULT_CHAT_TEMPLATE
-
-
-def _renderer(template: str) -> Any:
-    from jinja2.exceptions import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message: str) -> None:
-        raise TemplateError(message)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = raise_exception
-    return env.from_string(template)
-
-
-def encode_example(tok: Any, render: Any, messages: list[dict[str, str]], where: str) -> tuple[list[int], list[int]]:
-    """Token ids and a 0/1 response mask of one chat, rendered turn by turn.
-
-    The text is cut where the rendering of ``messages[:i]`` ends (with the generation prompt before an
-    assistant turn); the pieces are tokenized separately and an assistant turn's piece is response.
-
-    Raises:
-        DataError: the template does not render the chat as a sequence of growing prefixes.
-    """
-    ids: list[int] = []
-    mask: list[int] = []
-    done = ""
-    for i, message in enumerate(messages):
-        cuts = []
-        if message["role"] == "assistant":
-            cuts.append((render.render(messages=messages[:i], add_generation_prompt=True), 0))
-        cuts.append((render.render(messages=messages[:i + 1], add_generation_prompt=False),
-                     int(message["role"] == "assistant")))
-        for text, trained in cuts:
-            if not text.startswith(done):
-                raise DataError(f"{where}: the chat template does not render message {i} as an extension of "
-                                "the previous ones; cannot tell response tokens apart")
-            piece = tok.encode(text[len(done):], add_special_tokens=False).ids
-            ids += piece
-            mask += [trained] * len(piece)
-            done = text
-    return ids, mask
-
-
 def prepare_instructions(corpus: str, out_dir: str, tokenizer_path: str, vocab_size: int,
                          val_fraction: float) -> dict[str, Any]:
     """Tokenize an instruction ``.jsonl`` into ``out_dir`` (atomically); return the meta dict.
@@ -157,8 +100,8 @@ def prepare_instructions(corpus: str, out_dir: str, tokenizer_path: str, vocab_s
     if tok.get_vocab_size() > vocab_size:
         raise DataError(f"tokenizer has {tok.get_vocab_size()} tokens but vocab_size is {vocab_size}: the model's "
                         "embedding must hold every token id")
-    render = _renderer(load_chat_template(tokenizer_path))
-    encoded = [(line, *encode_example(tok, render, msgs, f"{corpus}:{line}")) for line, msgs in examples]
+    chat = ChatTemplate(tokenizer_path)
+    encoded = [(line, *chat.encode(msgs, False, f"{corpus}:{line}")) for line, msgs in examples]
     n_val = max(1, round(len(encoded) * val_fraction))
     dtype = token_dtype(vocab_size)
     out = pathlib.Path(out_dir).expanduser()
@@ -179,8 +122,9 @@ def prepare_instructions(corpus: str, out_dir: str, tokenizer_path: str, vocab_s
                 "tokenizer_vocab_size": int(tok.get_vocab_size()), "train_tokens": counts["train"],
                 "val_tokens": counts["val"], "train_examples": len(encoded) - n_val, "val_examples": n_val,
                 "corpus": corpus, "special_ids": special_token_ids(tok),
+                "model_special_ids": model_special_ids(tokenizer_path),
                 "unigram_entropy_nats": unigram_entropy(response)}
-        shutil.copyfile(pathlib.Path(tokenizer_path).expanduser(), tmp / "tokenizer.json")
+        write_tokenizer_files(tokenizer_path, tmp, chat_template=chat.template)  # the template trained with
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
     return meta
 

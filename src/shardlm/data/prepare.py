@@ -6,7 +6,7 @@ Layout of a prepared directory::
         tokens/000000.bin  raw little-endian uint16 (or uint32) token ids of piece 0, no header
         tokens/000000.json {"tokens", "documents", "sha256"} of piece 0
         ...
-        tokenizer.json     the tokenizer used
+        tokenizer.json     the tokenizer used, with its tokenizer_config.json (and chat_template.jinja)
         meta.json          see :func:`prepare_corpus`; ``shards`` lists the files in stream order
 
 The token stream is the shards back to back: ``BOS doc0 EOD doc1 EOD ...``; its first
@@ -52,6 +52,7 @@ import numpy as np
 from shardlm.data.encode import encode_pieces, piece_done, shard_name
 from shardlm.data.readers import Piece, plan_pieces, read_piece
 from shardlm.data.tokenizer import load_tokenizer, special_token_ids, train_tokenizer
+from shardlm.data.tokenizer_files import model_special_ids, write_tokenizer_files
 from shardlm.errors import DataError
 
 __all__ = [
@@ -212,6 +213,8 @@ def _stage(corpus: str, stage: pathlib.Path, fingerprint: dict[str, Any], pieces
             shutil.copyfile(pathlib.Path(tokenizer_path).expanduser(), tmp)
         else:
             tok.save(str(tmp))
+        # its tokenizer_config.json (the source's, or one made for it), then the tokenizer itself
+        write_tokenizer_files(tokenizer_path or tmp, stage, copy_tokenizer=False)
         os.replace(tmp, stage / "tokenizer.json")
     _write_json(old, fingerprint)
 
@@ -342,7 +345,8 @@ def prepare_corpus(
         ``unigram_entropy_nats`` (entropy of the train unigram distribution, natural log),
         ``seed``, ``documents``, ``input_bytes``, ``skipped_files`` ({"count", "first"}: files of a
         directory that were not read), ``content_sha256`` (over the tokenizer and every shard),
-        ``shards`` ([{"file", "tokens"}] in stream order).
+        ``shards`` ([{"file", "tokens"}] in stream order), ``model_special_ids`` (the bos/eos/pad ids
+        a model trained on it writes, see :func:`shardlm.data.tokenizer_files.model_special_ids`).
 
     Raises:
         DataError: any reader error (naming the file and line or row), a tokenizer error;
@@ -433,6 +437,7 @@ def prepare_corpus(
             records.append(rec)
         meta = _finalize(stage, pieces, records, corpus, dtype, vocab_size, tok_vocab, special, val_fraction,
                          seed, text_field, skipped)
+        meta["model_special_ids"] = model_special_ids(tokenizer_path or stage / "tokenizer.json")
         _write_json(stage / META_FILE, meta)
         (stage / _FINGERPRINT).unlink()
         _move_into_place(stage, out)

@@ -1,12 +1,15 @@
-"""Perplexity of a model on a text: non-overlapping windows of the model's context, split over ranks.
+"""Perplexity of a model on a text: a sliding window of the model's context moved by a stride, split over ranks.
 
 The text is tokenized as training data is (``BOS doc0 EOD doc1 EOD ...``, see
-:func:`shardlm.data.prepare_corpus`) and cut into consecutive, non-overlapping windows of
-``context`` tokens (the last one may be shorter). Within a window, every token after the first is
-predicted from the ones before it, so each token of the stream except the first of each window is
-scored exactly once. Window i is evaluated by rank i mod world size; the per-rank sums of
-cross-entropy (nats) and token counts are all-reduced, so the result does not depend on the world
-size. Perplexity = exp(total loss / total tokens) (Jelinek et al., 1977).
+:func:`shardlm.data.prepare_corpus`). Windows of ``context`` tokens start every ``stride`` tokens
+(the last one ends at the end of the text); each window scores only the tokens the previous window
+did not reach, so every token after the first is scored exactly once, with at least
+``context - stride`` tokens before it (all of them near the start). This is the sliding-window
+procedure of the ``transformers`` guide "Perplexity of fixed-length models"; ``stride = context``
+gives non-overlapping windows (the first token of each window is then not scored). Window i is
+evaluated by rank i mod world size; the per-rank sums of cross-entropy (nats, float64) and token
+counts are all-reduced, so the result does not depend on the world size.
+Perplexity = exp(total loss / total tokens) (Jelinek et al., 1977).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 
 from shardlm.convert.hf_in import load_model_dir
 from shardlm.data import load_tokenizer, read_documents, special_token_ids
+from shardlm.data.instruct import IGNORE_INDEX
 from shardlm.errors import DataError, ModelDirError
 from shardlm.metrics.progress import progress as progress_bar
 from shardlm.model.llama import Llama
@@ -29,11 +33,14 @@ from shardlm.train.loss import token_loss_sum
 
 @dataclass(frozen=True)
 class EvalResult:
-    """Totals over every rank: ``loss_sum`` (nats), ``tokens`` (predicted tokens), ``windows``."""
+    """Totals over every rank: ``loss_sum`` (nats), ``tokens`` (predicted tokens), ``windows``; and the
+    window length ``context`` and ``stride`` (tokens) used."""
 
     loss_sum: float
     tokens: int
     windows: int
+    context: int = 0
+    stride: int = 0
 
     @property
     def mean_loss(self) -> float:
@@ -59,37 +66,56 @@ def token_stream(documents: list[str], tokenizer, special_ids: dict[str, int | N
     return stream
 
 
-def context_windows(n_tokens: int, context: int) -> list[tuple[int, int]]:
-    """[start, end) of consecutive non-overlapping windows of ``context`` tokens covering ``n_tokens``.
+def strided_windows(n_tokens: int, context: int, stride: int) -> list[tuple[int, int, int]]:
+    """``(begin, end, first)`` of each window: tokens [begin, end) go in, tokens [first, end) are scored.
 
-    A final window shorter than 2 tokens predicts nothing and is dropped.
+    Windows start at 0, stride, 2·stride, ... and hold up to ``context`` tokens; the last one ends at
+    ``n_tokens``. ``first`` is where the previous window ended (never before ``begin + 1``: a window's
+    first token has nothing to be predicted from). Windows that score nothing are dropped.
 
     Raises:
-        ValueError: ``context`` < 2.
+        ValueError: ``context`` < 2, or ``stride`` not in [1, context].
     """
     if context < 2:
         raise ValueError(f"the context must be at least 2 tokens, got {context}")
-    windows = [(s, min(s + context, n_tokens)) for s in range(0, n_tokens, context)]
-    return [(s, e) for s, e in windows if e - s >= 2]
+    if not 1 <= stride <= context:
+        raise ValueError(f"the stride must be between 1 and the context ({context}) tokens, got {stride}")
+    windows, prev_end = [], 0
+    for begin in range(0, n_tokens, stride):
+        end = min(begin + context, n_tokens)
+        first = max(prev_end, begin + 1)
+        if end > first:
+            windows.append((begin, end, first))
+        prev_end = end
+        if end == n_tokens:
+            break
+    return windows
+
+
+def context_windows(n_tokens: int, context: int) -> list[tuple[int, int]]:
+    """[start, end) of consecutive non-overlapping windows of ``context`` tokens (``stride = context``)."""
+    return [(b, e) for b, e, _ in strided_windows(n_tokens, context, context)]
 
 
 @torch.no_grad()
 def evaluate_tokens(model: Llama, stream: list[int], info: DistInfo, batch_size: int = 8,
-                    context: int | None = None, progress: bool = True) -> EvalResult:
+                    context: int | None = None, progress: bool = True, stride: int | None = None) -> EvalResult:
     """Loss sums of ``model`` over ``stream`` (token ids), this rank's windows, all-reduced over ranks.
 
     Every rank must call it (one all-reduce at the end); the model is a whole, unsharded model on
     ``info.device`` (each rank holds a copy; no collectives run inside the forward). ``context``
-    defaults to the model's ``max_seq_len``. Rank 0 shows its progress with loss and tokens/s (a bar on a
-    terminal, else plain lines).
+    defaults to the model's ``max_seq_len``, ``stride`` to half the context (see
+    :func:`strided_windows`). Windows of the full context are batched ``batch_size`` at a time.
+    Rank 0 shows its progress with loss and tokens/s (a bar on a terminal, else plain lines).
 
     Raises:
-        ValueError: the stream has fewer than 2 tokens, or batch_size < 1.
+        ValueError: the stream scores no token, batch_size < 1, or a bad context/stride.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     context = context or model.cfg.max_seq_len
-    windows = context_windows(len(stream), context)
+    stride = stride or max(1, context // 2)
+    windows = strided_windows(len(stream), context, stride)
     if not windows:
         raise ValueError(f"the text has {len(stream)} tokens: at least 2 are needed to predict one")
     mine = windows[info.rank::info.world_size]
@@ -98,24 +124,29 @@ def evaluate_tokens(model: Llama, stream: list[int], info: DistInfo, batch_size:
     batches += [[w] for w in mine if w[1] - w[0] != context]  # the short last window, alone
     data = torch.tensor(stream, dtype=torch.long)
     totals = torch.zeros(2, dtype=torch.float64, device=info.device)
-    bar = progress_bar(sum(e - s - 1 for s, e in mine), "eval", "tok", disable=not (progress and info.is_main))
+    bar = progress_bar(sum(e - f for _, e, f in mine), "eval", "tok", disable=not (progress and info.is_main))
     start = time.perf_counter()
     for batch in batches:
-        tokens = torch.stack([data[s:e] for s, e in batch]).to(info.device)
-        logits = model(tokens[:, :-1])
-        loss = token_loss_sum(logits, tokens[:, 1:])
-        n = tokens[:, 1:].numel()
+        tokens = torch.stack([data[b:e] for b, e, _ in batch])
+        targets = tokens[:, 1:].clone()
+        for row, (b, _, f) in enumerate(batch):  # target j is token b + j + 1: scored from ``first`` on
+            targets[row, :f - b - 1] = IGNORE_INDEX
+        logits = model(tokens[:, :-1].to(info.device))
+        targets = targets.to(info.device)
+        loss = token_loss_sum(logits, targets)
+        n = int((targets != IGNORE_INDEX).sum())
         totals += torch.stack([loss.double(), torch.tensor(float(n), dtype=torch.float64, device=info.device)])
         bar.update(n)
         bar.set_postfix(loss=f"{(totals[0] / totals[1]).item():.3f}",
                         tok_s=f"{bar.n / max(time.perf_counter() - start, 1e-9):.0f}")
     bar.close()
     all_reduce_sum(totals)
-    return EvalResult(loss_sum=totals[0].item(), tokens=int(totals[1].item()), windows=len(windows))
+    return EvalResult(loss_sum=totals[0].item(), tokens=int(totals[1].item()), windows=len(windows),
+                      context=context, stride=stride)
 
 
 def evaluate_model(model_dir: str, data: str, info: DistInfo, batch_size: int = 8, context: int | None = None,
-                   progress: bool = True) -> EvalResult:
+                   progress: bool = True, stride: int | None = None) -> EvalResult:
     """Perplexity of the HF-style model directory ``model_dir`` on ``data`` (anything
     :func:`shardlm.data.read_documents` reads), tokenized with the directory's ``tokenizer.json``.
 
@@ -138,4 +169,4 @@ def evaluate_model(model_dir: str, data: str, info: DistInfo, batch_size: int = 
                         f"{model.cfg.vocab_size} ids")
     if len(stream) < 2:
         raise DataError(f"{data}: {len(stream)} token(s), at least 2 are needed")
-    return evaluate_tokens(model, stream, info, batch_size, context, progress)
+    return evaluate_tokens(model, stream, info, batch_size, context, progress, stride)

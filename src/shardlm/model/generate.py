@@ -8,7 +8,7 @@ Sampling: temperature scaling, then top-k, then top-p (nucleus, Holtzman et al. 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -109,25 +109,31 @@ def decode_steps(model: Llama, prompts: list[list[int]], max_new_tokens: int, sa
 
 
 def generate(model: Llama, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingConfig,
-             eos_id: int | None = None, use_cache: bool = True,
-             on_token: Callable[[int, int], None] | None = None) -> list[list[int]]:
+             eos_id: int | Sequence[int] | None = None, use_cache: bool = True,
+             on_token: Callable[[int, int], None] | None = None,
+             stop: Callable[[int, list[int]], bool] | None = None) -> list[list[int]]:
     """Extend each prompt (a list of token ids) by up to ``max_new_tokens`` new ids; return only the new ids.
 
-    A row stops at ``eos_id`` (not included in its output). ``on_token(row, token_id)`` is called for
-    each new token as soon as it is chosen (for streaming). Raises ValueError as :func:`decode_steps`.
+    A row stops at any id of ``eos_id`` (one id or several, e.g. a model's ``eos_token_id`` list; not
+    included in its output), or when ``stop(row, new_ids)`` returns True after a token was added
+    (stop strings; that token stays in the output). ``on_token(row, token_id)`` is called for each
+    new token as soon as it is chosen (for streaming). Raises ValueError as :func:`decode_steps`.
     """
+    eos = set() if eos_id is None else {eos_id} if isinstance(eos_id, int) else set(eos_id)
     out: list[list[int]] = [[] for _ in prompts]
     done = [False] * len(prompts)
     for _, nxt in decode_steps(model, prompts, max_new_tokens, sampling, use_cache):
         for row, tok in enumerate(nxt.tolist()):
             if done[row]:
                 continue
-            if eos_id is not None and tok == eos_id:
+            if tok in eos:
                 done[row] = True
                 continue
             out[row].append(tok)
             if on_token is not None:
                 on_token(row, tok)
+            if stop is not None and stop(row, out[row]):
+                done[row] = True
         if all(done):
             break
     return out

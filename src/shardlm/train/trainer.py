@@ -95,8 +95,9 @@ class Trainer:
         self.model, self.pretrained_load_stats = build_model(cfg, self.info, self.mesh)
         self.optimizer = build_optimizer(self.model, t, self.info.device)
         self.scheduler = build_scheduler(self.optimizer, t)
+        self.special_ids = self.meta.get("model_special_ids") or self.meta.get("special_ids")
         self.checkpointer = Checkpointer(cfg, self.info, self.run_dir, data_dir(cfg) / "tokenizer.json",
-                                         self.meta.get("special_ids"), self.meta)
+                                         self.special_ids, self.meta)
         self.step = self.checkpointer.load(self.model, self.optimizer, self.scheduler)  # 0 unless resuming
         if self.checkpointer.last_load is not None:  # the new config's schedule and AdamW settings, from here
             apply_train_config(self.optimizer, self.scheduler, t, self.step)
@@ -330,6 +331,5 @@ class Trainer:
         """Write the trained weights as an HF Llama directory (full state gathered on rank 0)."""
         state = gather_full_state_dict(self.model)
         if self.info.is_main:
-            save_model_dir(state, self.cfg.model, out_dir, data_dir(self.cfg) / "tokenizer.json",
-                           self.meta.get("special_ids"))
+            save_model_dir(state, self.cfg.model, out_dir, data_dir(self.cfg) / "tokenizer.json", self.special_ids)
         torch.distributed.barrier()

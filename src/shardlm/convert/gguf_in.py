@@ -25,6 +25,8 @@ import torch
 
 from shardlm.atomic import atomic_directory, save_safetensors
 from shardlm.convert.hf_config import hf_config
+from shardlm.convert.hf_in import model_dir_special_ids
+from shardlm.data.tokenizer_files import generation_config
 from shardlm.errors import ModelDirError
 from shardlm.model.config import ModelConfig
 from shardlm.model.llama import Llama
@@ -192,9 +194,6 @@ def import_gguf(path: str | Path, out_dir: str | Path) -> Path:
             file's eos id is not its tokenizer's eos token.
         ImportError: ``gguf`` or ``transformers`` is not installed (``pip install 'shardlm[gguf]'``).
     """
-    from shardlm.convert.hf_in import model_dir_special_ids
-    from shardlm.data.tokenizer_files import generation_config
-
     path, out = Path(path), Path(out_dir)
     tensors, cfg, reader = read_gguf_tensors(path)
     with torch.device("meta"):

@@ -22,7 +22,9 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from shardlm.convert.hf_config import read_model_dir_config
-from shardlm.errors import ModelDirError
+from shardlm.data.tokenizer import load_tokenizer
+from shardlm.data.tokenizer_files import eos_ids_of, json_line, model_special_ids, read_tokenizer_config, token_text
+from shardlm.errors import DataError, ModelDirError
 from shardlm.model.llama import Llama
 
 #: tensors some older HF checkpoints carry that hold no weights (recomputed, never loaded)
@@ -182,10 +184,6 @@ def model_dir_special_ids(path: str | Path) -> dict[str, Any]:
             is not a token of ``tokenizer.json``, or is not among the ``eos_token_id`` of
             ``config.json`` / ``generation_config.json``; or unreadable tokenizer files.
     """
-    from shardlm.data.tokenizer import load_tokenizer
-    from shardlm.data.tokenizer_files import eos_ids_of, json_line, model_special_ids, read_tokenizer_config, token_text
-    from shardlm.errors import DataError
-
     path = Path(path)
     try:
         declared = eos_ids_of(path)

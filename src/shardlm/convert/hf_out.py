@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from shardlm.atomic import atomic_directory, save_safetensors
 from shardlm.convert.hf_config import hf_config, read_model_dir_config, written_special_ids
 from shardlm.convert.hf_in import check_weights, model_dir_special_ids
+from shardlm.data.tokenizer_files import generation_config, write_tokenizer_files
 from shardlm.errors import ModelDirError
 from shardlm.model.config import ModelConfig
 from shardlm.model.llama import Llama
@@ -53,8 +54,6 @@ def save_model_dir(state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: st
     :func:`shardlm.convert.hf_config.written_special_ids`). ``extra_files`` (e.g. a source's
     ``generation_config.json``) are copied in by name last.
     """
-    from shardlm.data.tokenizer_files import generation_config, write_tokenizer_files
-
     out = Path(out_dir)
     tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
     if cfg.tie_embeddings:

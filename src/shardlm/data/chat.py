@@ -29,6 +29,7 @@ import re
 from datetime import datetime
 from typing import Any
 
+from shardlm.data.tokenizer import load_tokenizer
 from shardlm.errors import DataError
 from shardlm.data.tokenizer_files import read_tokenizer_config
 
@@ -96,8 +97,6 @@ class ChatTemplate:
     """
 
     def __init__(self, tokenizer_path: str | pathlib.Path, use_transformers: bool = True) -> None:
-        from shardlm.data.tokenizer import load_tokenizer
-
         self.files = read_tokenizer_config(tokenizer_path)
         self.template = self.files.chat_template or DEFAULT_CHAT_TEMPLATE
         self.source = str(self.files.template_source or "shardlm's default chat template")

@@ -17,6 +17,7 @@ import shutil
 from dataclasses import dataclass, field
 from typing import Any
 
+from shardlm.data.tokenizer import load_tokenizer, special_token_ids
 from shardlm.errors import DataError
 
 __all__ = ["SPECIAL_TOKEN_KEYS", "TOKENIZER_FILES", "TokenizerConfig", "eos_ids_of", "generation_config",
@@ -84,8 +85,6 @@ def read_tokenizer_config(tokenizer_path: str | pathlib.Path) -> TokenizerConfig
     out = TokenizerConfig(tokenizer_path=tok)
     path = tok.parent / "tokenizer_config.json"
     if not path.is_file():
-        from shardlm.data.tokenizer import load_tokenizer
-
         out.config = synthesized_config(load_tokenizer(str(tok)))
     else:
         try:
@@ -118,8 +117,6 @@ def synthesized_config(tok: Any) -> dict[str, Any]:
     the end of sequence is the end-of-document token when the tokenizer has one (the token shardlm
     puts after every document of the training data), and it also pads.
     """
-    from shardlm.data.tokenizer import special_token_ids
-
     ids = special_token_ids(tok)
     config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
     if ids["bos"] is not None:
@@ -186,8 +183,6 @@ def model_special_ids(tokenizer_path: str | pathlib.Path) -> dict[str, Any]:
     Raises:
         DataError: unreadable tokenizer files (see :func:`read_tokenizer_config`).
     """
-    from shardlm.data.tokenizer import load_tokenizer
-
     files = read_tokenizer_config(tokenizer_path)
     tok = load_tokenizer(str(files.tokenizer_path))
 

@@ -89,7 +89,8 @@ def prepare_instructions(corpus: str, out_dir: str, tokenizer_path: str, vocab_s
 
     Raises:
         DataError: bad data (see :func:`read_instructions`), no tokenizer, a tokenizer with more ids
-            than ``vocab_size``, fewer than 2 examples.
+            than ``vocab_size``, fewer than 2 examples, a chat template that fails (see
+            :meth:`shardlm.data.chat.ChatTemplate.encode`), a special token the tokenizer lacks.
     """
     if not tokenizer_path:
         raise DataError("instruction tuning needs a tokenizer: set data.tokenizer or model.init_from")
@@ -102,6 +103,10 @@ def prepare_instructions(corpus: str, out_dir: str, tokenizer_path: str, vocab_s
                         "embedding must hold every token id")
     chat = ChatTemplate(tokenizer_path)
     encoded = [(line, *chat.encode(msgs, False, f"{corpus}:{line}")) for line, msgs in examples]
+    top = max(max(ids) for _, ids, _ in encoded)
+    if top >= vocab_size:  # a special token of tokenizer_config.json that tokenizer.json lacks gets a new id
+        raise DataError(f"{chat.files.config_path or tokenizer_path}: a special token is not in {tokenizer_path} "
+                        f"(the chat gets id {top}, vocab_size is {vocab_size})")
     n_val = max(1, round(len(encoded) * val_fraction))
     dtype = token_dtype(vocab_size)
     out = pathlib.Path(out_dir).expanduser()

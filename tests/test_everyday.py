@@ -142,6 +142,7 @@ def test_generate_cli_streams_one_prompt_and_batches_several(runs, capsys):
     assert out.startswith("ROMEO:") and "\n" + "-" * 40 + "\nKING\n" in out  # "\\n" in a prompt is a line break
 
 
+@pytest.mark.dist
 def test_exported_from_scratch_model_has_the_tokenizer_files(runs, tmp_path):
     """A model trained from scratch, exported from its checkpoint: transformers' AutoTokenizer gets the special
     tokens its training data was built with (BOS first, the end-of-document token after each document), and

@@ -351,6 +351,7 @@ def _transformers_strided_nll(hf_model, stream: list[int], max_length: int, stri
     return nll / count, count, guide_nll / guide_count
 
 
+@pytest.mark.dist
 def test_eval_stride_equals_transformers_strided_perplexity(smol_dir, hf_smol, small_corpus, tmp_path, capsys):
     from shardlm.data import load_tokenizer, read_documents, special_token_ids
     from shardlm.eval import token_stream
@@ -382,6 +383,7 @@ def test_eval_stride_equals_transformers_strided_perplexity(smol_dir, hf_smol, s
     assert flat["tokens"] == len(stream) - flat["windows"]
 
 
+@pytest.mark.dist
 def test_exported_finetuned_smollm2_has_the_tokenizer_files(finetune, smol_dir, hf_smol, tmp_path):
     """A fine-tuned SmolLM2 exported from its checkpoint loads in transformers with SmolLM2's special tokens and
     chat template, and transformers' greedy generation stops where shardlm's does."""

@@ -30,8 +30,8 @@ from datetime import datetime
 from typing import Any
 
 from shardlm.data.tokenizer import load_tokenizer
-from shardlm.errors import DataError
 from shardlm.data.tokenizer_files import read_tokenizer_config
+from shardlm.errors import DataError
 
 __all__ = ["DEFAULT_CHAT_TEMPLATE", "ChatTemplate"]
 

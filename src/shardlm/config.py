@@ -107,6 +107,13 @@ class TrainConfig:
     """Peak dense FLOP/s of one rank's device that MFU is measured against; 0 = automatic: the datasheet peak of
     a known GPU in the precision that runs (bf16, TF32 or fp32; shardlm/metrics/flops.py), or on a CPU (or an
     unknown GPU) a rate measured at start-up with large matrix products in that precision."""
+    trainable: str = ""
+    """Comma-separated name patterns of the parameters to train; every other parameter is frozen (no gradient,
+    no optimizer state, no gradient communication). ``*`` matches any text, ``[a-b]`` any integer from a to b,
+    and a pattern may match any dot-separated run of a name: ``model.layers.[0-11].*``, ``embed_tokens``,
+    ``norm``. Empty: everything is trainable (see shardlm/train/freeze.py)."""
+    frozen: str = ""
+    """Comma-separated name patterns of parameters to freeze (as ``trainable``), applied after it."""
 
 
 @dataclass
@@ -243,6 +250,30 @@ class MetricsConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """Low-rank adapters (LoRA) on the targeted linear layers; everything else is frozen (shardlm/model/lora.py).
+
+    Checkpoints then hold the adapters and their optimizer state only, plus a reference to the base; the run's
+    ``final/`` is the merged model and ``final-adapter/`` a PEFT-format adapter."""
+
+    enabled: bool = False
+    """Train adapters instead of the model's weights."""
+    rank: int = 8
+    """Rank r of the adapters A (r, in) and B (out, r); 1 <= r <= min(in, out) of every targeted layer."""
+    alpha: float = 16.0
+    """The update is scaled by alpha / r."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input. Above 0 a run draws random numbers (seeded per step and rank): resume
+    stays exact at the same world size, but runs at different world sizes no longer agree."""
+    targets: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+    """Comma-separated names of the linear layers that get adapters (last name component)."""
+    base_dtype: Literal["float32", "bfloat16", "nf4"] = "float32"
+    """Storage of the targeted layers' frozen base weights: ``float32``, ``bfloat16`` (half the bytes), or ``nf4``
+    (QLoRA: 4-bit NormalFloat via torchao, about 0.26x the bf16 bytes; needs the ``qlora`` extra). The adapters
+    are fp32; the compute dtype is ``parallel.param_dtype``."""
+
+
+@dataclass
 class Config:
     """The whole configuration of a run: one section per dataclass."""
 
@@ -253,6 +284,7 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def to_dict(self) -> dict[str, Any]:
         """The config as nested plain dicts (tuples become lists), for JSON/TOML output."""
@@ -487,6 +519,17 @@ def validate(cfg: Config) -> None:
         for key, default in fsdp_only.items():
             if getattr(p, key) != default:
                 raise ConfigError(f"parallel.{key} applies to parallel.mode='fsdp' only (mode is {p.mode!r})")
+    lora = cfg.lora
+    if lora.enabled:
+        if lora.rank < 1:
+            raise ConfigError(f"lora.rank must be >= 1, got {lora.rank}")
+        if not 0.0 <= lora.dropout < 1.0:
+            raise ConfigError(f"lora.dropout must be in [0, 1), got {lora.dropout}")
+        if t.trainable or t.frozen:
+            raise ConfigError("train.trainable / train.frozen cannot be combined with lora.enabled (LoRA trains the "
+                              "adapters only)")
+    elif lora.base_dtype != "float32":
+        raise ConfigError(f"lora.base_dtype={lora.base_dtype!r} needs lora.enabled = true")
     if m.rope_scaling_factor > 0 and m.rope_high_freq_factor <= m.rope_low_freq_factor:
         raise ConfigError(f"model.rope_high_freq_factor={m.rope_high_freq_factor} must exceed "
                           f"model.rope_low_freq_factor={m.rope_low_freq_factor}")

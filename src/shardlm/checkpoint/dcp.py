@@ -41,7 +41,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from shardlm.checkpoint.fs_errors import RecordingFileSystemWriter, copy_file, describe, probe_free_space, with_path
 from shardlm.checkpoint.manifest import (
@@ -76,9 +76,22 @@ def resume_mode(cfg: Config) -> str:
     return "auto" if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0 else ""
 
 
+def frozen_any(model: nn.Module) -> bool:
+    """Whether some parameter of ``model`` is frozen (LoRA, ``train.trainable``): checkpoints then hold only the
+    trainable parameters and refer to the base for the rest."""
+    return any(not p.requires_grad for p in model.parameters())
+
+
 def training_state(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, step: int) -> dict[str, Any]:
-    """The nested state dict that DCP saves and loads in place (see the module docstring)."""
+    """The nested state dict that DCP saves and loads in place (see the module docstring).
+
+    When parameters are frozen, ``model`` holds the trainable ones only (the adapters under LoRA): the frozen
+    ones equal the base (``model.init_from`` or the seeded initialisation), which the manifest names.
+    """
     model_sd, optim_sd = get_state_dict(model, optimizer)
+    if frozen_any(model):
+        trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+        model_sd = {k: v for k, v in model_sd.items() if k in trainable}
     return {"model": model_sd, "optimizer": optim_sd, "lr_scheduler": scheduler.state_dict(),
             "train": {"step": torch.tensor(step, dtype=torch.int64)}}
 
@@ -175,6 +188,7 @@ class Checkpointer:
         self._save_seq = 0  # the highest save number of this run seen so far
         self._signal: int | None = None
         self._old_handlers: dict[int, Any] = {}
+        self._base: dict[str, Any] | None = None
 
     # ---- preemption ---------------------------------------------------------------------
     def install_signal_handlers(self) -> None:
@@ -227,6 +241,7 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
 
         self._on_main(clear_tmp, final, tmp)
+        base = self.base_reference() if frozen_any(model) else None
         state = training_state(model, optimizer, scheduler, step)
         writer = RecordingFileSystemWriter(tmp)  # remembers the OSError that torch.save's zip writer hides
         try:
@@ -256,7 +271,7 @@ class Checkpointer:
             write_manifest(tmp, {
                 "step": step, "world_size": info.world_size, "time_unix": time.time(),
                 "run_id": self.run_id, "save_seq": seq, "special_ids": self.special_ids,
-                "config": self.cfg.to_dict(), "data": self.data_meta,
+                "config": self.cfg.to_dict(), "data": self.data_meta, "base": base,
             }, files)
             if final.exists():  # the same step saved again (e.g. a run resumed from an earlier step): replace it
                 remove_directory(final)
@@ -327,6 +342,45 @@ class Checkpointer:
             for entry in run_checkpoints(self.root, self.run_id)[keep:]:
                 if entry.path != just_written:
                     remove_directory(entry.path)
+
+    # ---- the base of a checkpoint of trainable parameters only ------------------------------
+    def base_reference(self) -> dict[str, Any]:
+        """What the frozen parameters are: ``{"init_from", "weights_sha256"}`` for a pretrained base (SHA-256 over
+        its safetensors files, computed once), else ``{"seed", "model"}`` (the seeded initialisation's shape), plus
+        the LoRA settings (which fix the adapters' shapes and how the base is stored)."""
+        if self._base is None:
+            cfg = self.cfg
+            if cfg.model.init_from:
+                files = sorted(Path(cfg.model.init_from).glob("*.safetensors"))
+                base: dict[str, Any] = {"init_from": cfg.model.init_from,
+                                        "weights_sha256": [sha256_file(f) for f in files]}
+            else:
+                base = {"seed": cfg.train.seed, "model": cfg.to_dict()["model"]}
+            base["lora"] = cfg.to_dict()["lora"] if cfg.lora.enabled else None
+            base["trainable"], base["frozen"] = cfg.train.trainable, cfg.train.frozen
+            self._base = base
+        return self._base
+
+    def check_base(self, path: Path, stored: dict[str, Any] | None) -> None:
+        """Refuse to resume a checkpoint of trainable parameters onto another base (every rank raises).
+
+        Raises:
+            CheckpointError: the checkpoint holds all parameters but this run freezes some (or the reverse), or its
+                base (pretrained weights, seed and shape, LoRA or freezing settings) differs from this run's.
+        """
+        if stored is None:
+            raise CheckpointError(f"checkpoint {path} holds every parameter, but this run freezes some (LoRA or "
+                                  "train.trainable): start from its exported model with model.init_from instead")
+        ours = self.base_reference()
+        for key in sorted(set(stored) | set(ours)):
+            if stored.get(key) != ours.get(key):
+                what = {"weights_sha256": "the base model's weights", "init_from": "the base model directory",
+                        "seed": "train.seed (the base's initialisation)", "model": "the base model's shape",
+                        "lora": "the [lora] settings", "trainable": "train.trainable", "frozen": "train.frozen"}
+                raise CheckpointError(
+                    f"checkpoint {path} holds adapters / trainable parameters for another base: "
+                    f"{what.get(key, key)} differs (checkpoint: {str(stored.get(key))[:120]}; this run: "
+                    f"{str(ours.get(key))[:120]})")
 
     # ---- load ---------------------------------------------------------------------------
     def _resume_plan(self) -> tuple[str, list[str]]:
@@ -424,13 +478,17 @@ class Checkpointer:
         if manifest is not None:
             self._save_seq = int(manifest.get("save_seq", 0) or 0)
         if path is not None:
+            partial = frozen_any(model)
+            if partial or manifest.get("base") is not None:  # trainable parameters only: the same base?
+                self.check_base(path, manifest.get("base"))
             state = training_state(model, optimizer, scheduler, 0)
             self._compare_config(path, manifest, metadata, state)
             try:
                 dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner())
             except CheckpointException as e:  # derives from BaseException
                 raise CheckpointError(f"loading checkpoint {path} failed: {e}") from None
-            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                           options=StateDictOptions(strict=not partial))
             scheduler.load_state_dict(state["lr_scheduler"])
             step = int(state["train"]["step"].item())
             self.last_load = {"step": step, "seconds": time.perf_counter() - start, "path": str(path)}

@@ -26,6 +26,7 @@ from shardlm.data.tokenizer import load_tokenizer
 from shardlm.data.tokenizer_files import eos_ids_of, json_line, model_special_ids, read_tokenizer_config, token_text
 from shardlm.errors import DataError, ModelDirError
 from shardlm.model.llama import Llama
+from shardlm.model.lora import is_nf4, set_from_full_
 
 #: tensors some older HF checkpoints carry that hold no weights (recomputed, never loaded)
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
@@ -51,14 +52,14 @@ def tensor_files(path: str | Path) -> dict[str, Path]:
     return where
 
 
-def check_weights(path: str | Path, model: nn.Module) -> dict[str, Path]:
+def check_weights(path: str | Path, model: nn.Module, skip: set[str] | frozenset[str] = frozenset()) -> dict[str, Path]:
     """Check that the directory holds exactly the model's tensors with the model's shapes (headers only).
 
-    Returns :func:`tensor_files`. Raises ModelDirError naming a missing, unexpected or
-    wrongly-shaped tensor (with both shapes).
+    Parameters named in ``skip`` (LoRA adapters) are not expected in the files. Returns :func:`tensor_files`.
+    Raises ModelDirError naming a missing, unexpected or wrongly-shaped tensor (with both shapes).
     """
     where = tensor_files(path)
-    expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    expected = {name: tuple(p.shape) for name, p in model.named_parameters() if name not in skip}
     tied = getattr(getattr(model, "cfg", None), "tie_embeddings", False)
     for name, shape in expected.items():
         if name not in where:
@@ -91,13 +92,15 @@ def local_rows(param: torch.Tensor) -> tuple[int, int]:
 
 
 @torch.no_grad()
-def load_pretrained_(model: nn.Module, path: str | Path) -> dict[str, Any]:
+def load_pretrained_(model: nn.Module, path: str | Path, skip: set[str] | frozenset[str] = frozenset()) -> dict[str, Any]:
     """Fill ``model``'s parameters (plain or ``Shard(0)`` DTensors) from an HF model directory, in place.
 
     Each parameter's local rows ``[offset, offset + rows)`` are read with
     ``safe_open(...).get_slice(name)[offset:offset + rows]`` and copied (cast to the parameter's
     dtype) into its local tensor, so each rank materialises only its own rows. Rotary tables are
-    recomputed afterwards (``init_rotary``).
+    recomputed afterwards (``init_rotary``). Parameters named in ``skip`` (LoRA adapters) are left alone. An NF4
+    base weight (QLoRA) is read whole and quantised whole before its rows are kept
+    (:func:`shardlm.model.lora.set_from_full_`), so it counts as a full read.
 
     Returns:
         ``{"bytes_read": bytes materialised from the files on this rank, "total_bytes": bytes of
@@ -107,11 +110,13 @@ def load_pretrained_(model: nn.Module, path: str | Path) -> dict[str, Any]:
     Raises:
         ModelDirError: a missing, unexpected or wrongly-shaped tensor (named), before anything is read.
     """
-    where = check_weights(path, model)
+    where = check_weights(path, model, skip)
     stats: dict[str, Any] = {"bytes_read": 0, "total_bytes": 0, "max_slice_bytes": 0, "full_tensors": []}
     handles: dict[Path, Any] = {}
     try:
         for name, param in model.named_parameters():
+            if name in skip:
+                continue
             f = where[name]
             if f not in handles:
                 handles[f] = safe_open(str(f), framework="pt")
@@ -119,7 +124,12 @@ def load_pretrained_(model: nn.Module, path: str | Path) -> dict[str, Any]:
             full_rows = param.shape[0]
             start, rows = local_rows(param)
             local = param.to_local() if isinstance(param, DTensor) else param
-            if rows:
+            if is_nf4(local):  # quantised from the whole tensor: the same codes at any world size
+                full = tslice[:]
+                set_from_full_(param, full)
+                stats["bytes_read"] += full.numel() * full.element_size()
+                stats["max_slice_bytes"] = max(stats["max_slice_bytes"], full.numel() * full.element_size())
+            elif rows:
                 piece = tslice[start:start + rows]
                 nbytes = piece.numel() * piece.element_size()
                 stats["bytes_read"] += nbytes

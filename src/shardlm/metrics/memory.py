@@ -11,9 +11,13 @@ from torch import nn
 
 
 def local_bytes(t: torch.Tensor) -> int:
-    """Bytes this rank stores for ``t``: ``to_local().numel() × element_size`` for a DTensor."""
+    """Bytes this rank stores for ``t``: ``to_local().numel() × element_size`` for a DTensor; for a tensor subclass
+    that wraps others (torchao's NF4 codes and scales), the bytes of the tensors inside it."""
     if hasattr(t, "to_local"):
         t = t.to_local()
+    if hasattr(t, "__tensor_flatten__"):  # plain tensors and Parameters do not define it
+        names, _ = t.__tensor_flatten__()
+        return sum(local_bytes(getattr(t, n)) for n in names)
     return t.numel() * t.element_size()
 
 

@@ -15,6 +15,10 @@ the final-norm+output group and the root never are; gradients are reduce-scatter
 ``reduce_dtype`` from a flat buffer into the sharded fp32 gradient; with gradient sync off
 (all but the last micro-batch) the unsharded gradients are kept (in ``reduce_dtype``) until the
 last micro-batch. Each parameter's shard is ``ceil(rows / N)`` rows (dim-0 padding).
+
+Frozen parameters (``train.trainable``/``train.frozen``, or LoRA's base) have no gradient, no reduce-scatter
+and no AdamW state; a LoRA base is stored in ``lora.base_dtype`` (fp32, bf16, or NF4 at ~0.52 bytes per value,
+all-gathered as such and dequantised one layer at a time, a transient not modelled).
 """
 
 from __future__ import annotations
@@ -27,8 +31,10 @@ import torch
 
 from shardlm.config import Config, ConfigError, gradient_accumulation_steps
 from shardlm.model.llama import Llama
+from shardlm.model.lora import NF4_BLOCK, LoRALinear, LoRASpec, apply_lora, nf4_scaler_block
 from shardlm.parallel.options import dtype_from_name
 from shardlm.plan import activations as act
+from shardlm.train.freeze import apply_freeze
 
 PARTS = ("params", "grads", "optimizer", "all_gather", "reduce_scatter", "activations", "temporaries", "buffers")
 """Categories of the breakdown, in display order."""
@@ -66,6 +72,13 @@ class Group:
     name: str
     numel: int
     shard_numel: int
+    grad_numel: int = 0
+    """Elements that get a gradient (trainable), and their padded per-rank count."""
+    grad_shard_numel: int = 0
+    stored_shard_bytes: int = 0
+    """Bytes of this rank's stored shards (fp32 masters; a LoRA base in its storage dtype)."""
+    gather_factor: float = 1.0
+    """Bytes all-gathered and held unsharded, relative to every value in the compute dtype (< 1 with NF4)."""
 
 
 @dataclass
@@ -102,14 +115,36 @@ class _Ledger:
         self.now[part] -= nbytes
 
 
-def param_groups(cfg: Config, world_size: int) -> tuple[list[Group], int, int]:
-    """FSDP groups in forward order as ``apply_fsdp`` builds them, and (P, padded local numel).
-
-    Shapes come from the model built on the meta device (no memory, no compute).
-    """
+def meta_model(cfg: Config) -> Llama:
+    """The model on the meta device with the run's LoRA adapters or frozen parameters applied (as build_model)."""
     with torch.device("meta"):
         model = Llama(cfg.model)
+    lora = cfg.lora
+    if lora.enabled:
+        apply_lora(model, LoRASpec(lora.rank, lora.alpha, lora.dropout, lora.targets, lora.base_dtype))
+    elif cfg.train.trainable or cfg.train.frozen:
+        apply_freeze(model, cfg.train.trainable, cfg.train.frozen)
+    return model
+
+
+def nf4_bytes(numel: int) -> float:
+    """Bytes of an NF4 tensor of ``numel`` values: 4-bit codes, an int8 scale per 64 values, a bf16 factor per
+    scaler block (torchao's layout)."""
+    return numel / 2 + numel / NF4_BLOCK + 2 * numel / NF4_BLOCK / nf4_scaler_block(numel)
+
+
+def param_groups(cfg: Config, world_size: int, param_bytes: int = 4) -> tuple[list[Group], int, int]:
+    """FSDP groups in forward order as ``apply_fsdp`` builds them, and (P, padded local numel).
+
+    Shapes come from the model built on the meta device (no memory, no compute); frozen parameters and a LoRA
+    base's storage dtype are taken from :func:`meta_model`.
+    """
+    model = meta_model(cfg)
+    nf4 = cfg.lora.enabled and cfg.lora.base_dtype == "nf4"
+    base_bytes = {"float32": 4, "bfloat16": 2, "nf4": 2}[cfg.lora.base_dtype]
+    lora_bases = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, LoRALinear)}
     groups: dict[str, Group] = {}
+    gathered: dict[str, float] = defaultdict(float)
     total, local = 0, 0
     for name, p in model.named_parameters():
         rows = p.shape[0]
@@ -125,8 +160,19 @@ def param_groups(cfg: Config, world_size: int) -> tuple[list[Group], int, int]:
         g = groups.setdefault(key, Group(key, 0, 0))
         g.numel += p.numel()
         g.shard_numel += shard
+        if p.requires_grad:
+            g.grad_numel += p.numel()
+            g.grad_shard_numel += shard
+        if name in lora_bases and nf4:
+            g.stored_shard_bytes += round(nf4_bytes(p.numel()) * shard / p.numel())
+            gathered[key] += nf4_bytes(p.numel())
+        else:
+            g.stored_shard_bytes += shard * (base_bytes if name in lora_bases else 4)
+            gathered[key] += p.numel() * param_bytes
         total += p.numel()
         local += shard
+    for key, g in groups.items():
+        g.gather_factor = gathered[key] / (g.numel * param_bytes)
     order = ["root", "embed"] + [f"block{i}" for i in range(cfg.model.n_layers)] + ["head"]
     return [groups[k] for k in order if k in groups], total, local
 
@@ -153,8 +199,10 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
     k = gradient_accumulation_steps(cfg, world_size)
     fsdp = st.mode == "fsdp"
     n = world_size if fsdp else 1
-    groups, p_total, p_local = param_groups(cfg, n)
     pb = st.param_bytes if fsdp else 4
+    groups, p_total, _ = param_groups(cfg, n, pb)
+    train_local = sum(g.grad_shard_numel for g in groups)
+    train_frac = sum(g.grad_numel for g in groups) / p_total  # for the unsharded (DDP, one process) gradients
     rb = st.reduce_bytes if fsdp else 4
     s = act.shape_of(cfg.model, cfg.train.micro_batch_size, cfg.train.seq_len, pb)
     bd = s.tokens * s.d
@@ -162,12 +210,13 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
     led = _Ledger({"host"})
     state_part = "host" if offload else None
     # ---- persistent state at step start ------------------------------------------------------
-    n_tensors = sum(1 for _ in _param_count_iter(cfg))
-    led.add(state_part or "params", 4 * p_local, "step start")
-    led.add(state_part or "optimizer", 2 * 4 * p_local + 4 * n_tensors, "step start")  # exp_avg, exp_avg_sq, step
+    n_tensors = sum(1 for p in meta_model(cfg).parameters() if p.requires_grad)
+    stored = sum(g.stored_shard_bytes for g in groups)
+    led.add(state_part or "params", stored, "step start")
+    led.add(state_part or "optimizer", 2 * 4 * train_local + 4 * n_tensors, "step start")  # exp_avg, exp_avg_sq, step
     led.add("buffers", 2 * 4 * cfg.model.max_seq_len * s.hd, "step start")  # rotary cos, sin tables
     if st.mode == "ddp":
-        led.add("reduce_scatter", 4 * p_total, "step start")  # DDP's all-reduce buckets (flat, persistent)
+        led.add("reduce_scatter", round(4 * p_total * train_frac), "step start")  # DDP's all-reduce buckets
 
     unsharded: dict[str, bool] = {}
     prefetched: dict[str, int] = {}  # group -> bytes of its all-gather buffer awaiting copy-out
@@ -180,8 +229,8 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
         """Issue the group's all-gather: the flat output buffer (the input is a slice of it)."""
         if offload:
             led.add("all_gather", 4 * g.shard_numel, phase)  # host-to-device copy of the shard
-        led.add("all_gather", n * g.shard_numel * pb, phase)
-        prefetched[g.name] = n * g.shard_numel * pb + (4 * g.shard_numel if offload else 0)
+        led.add("all_gather", round(n * g.shard_numel * pb * g.gather_factor), phase)
+        prefetched[g.name] = round(n * g.shard_numel * pb * g.gather_factor) + (4 * g.shard_numel if offload else 0)
 
     def unshard(g: Group, phase: str) -> None:
         """All-gather (unless prefetched), copy out into unsharded parameters, free the buffer."""
@@ -189,7 +238,7 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
             return
         if g.name not in prefetched:
             all_gather(g, phase)
-        led.add("params", g.numel * pb, phase)
+        led.add("params", round(g.numel * pb * g.gather_factor), phase)
         led.free("all_gather", prefetched.pop(g.name))
         unsharded[g.name] = True
 
@@ -200,13 +249,13 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
 
     def reshard(g: Group) -> None:
         if fsdp and unsharded.get(g.name):
-            led.free("params", g.numel * pb)
+            led.free("params", round(g.numel * pb * g.gather_factor))
             unsharded[g.name] = False
 
     def grads_arrive(g: Group, phase: str, numel: int | None = None) -> None:
         """``numel`` (default all) of the group's gradients are produced in the param dtype; if a
         kept gradient exists they are added into it in place and freed."""
-        numel = g.numel if numel is None else numel
+        numel = g.grad_numel if numel is None else round(numel * g.grad_numel / g.numel)  # trainable share
         led.add("grads", numel * pb, phase)
         if accumulated.get(g.name):
             led.free("grads", numel * pb)
@@ -215,28 +264,31 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
         """FSDP2's post-backward: reshard, then keep the gradient or reduce-scatter it."""
         had = accumulated.get(g.name, False)
         reshard(g)
+        if not g.grad_numel:  # every parameter frozen: nothing to keep or reduce-scatter
+            return
+        numel, shard_numel = g.grad_numel, g.grad_shard_numel
         if not sync:
             if not had and rb != pb:
-                led.add("grads", g.numel * rb, phase)  # FSDP keeps them in reduce_dtype
-                led.free("grads", g.numel * pb)
+                led.add("grads", numel * rb, phase)  # FSDP keeps them in reduce_dtype
+                led.free("grads", numel * pb)
             accumulated[g.name] = True
             return
-        kept = g.numel * (rb if had and rb != pb else pb)
+        kept = numel * (rb if had and rb != pb else pb)
         led.free("reduce_scatter", retained_rs[0])  # the previous group's input is released first
-        led.add("reduce_scatter", n * g.shard_numel * rb, phase)  # flat input, copied in
-        led.add("reduce_scatter", g.shard_numel * rb, phase)  # output
+        led.add("reduce_scatter", n * shard_numel * rb, phase)  # flat input, copied in
+        led.add("reduce_scatter", shard_numel * rb, phase)  # output
         led.free("grads", kept)
         where = "host" if offload else "grads"
         if rb != 4:
-            led.add(where, 4 * g.shard_numel, phase)  # cast to the fp32 shard
-            led.free("reduce_scatter", g.shard_numel * rb)
+            led.add(where, 4 * shard_numel, phase)  # cast to the fp32 shard
+            led.free("reduce_scatter", shard_numel * rb)
         else:
-            led.free("reduce_scatter", g.shard_numel * rb)  # the output becomes the sharded gradient
-            led.add(where, 4 * g.shard_numel, phase)
+            led.free("reduce_scatter", shard_numel * rb)  # the output becomes the sharded gradient
+            led.add(where, 4 * shard_numel, phase)
         if sharded_grad.get(g.name):  # a later micro-batch: added into the existing fp32 shard, then freed
-            led.free(where, 4 * g.shard_numel)
+            led.free(where, 4 * shard_numel)
         sharded_grad[g.name] = True
-        retained_rs[0] = n * g.shard_numel * rb
+        retained_rs[0] = n * shard_numel * rb
         accumulated[g.name] = False
 
     by_name = {g.name: g for g in groups}
@@ -289,10 +341,10 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
             prefetch(blocks[-1], f"{mb} output backward")
             grads_arrive(by_name.get("head") or by_name["root"], f"{mb} output backward")
         elif i == 0:
-            led.add("grads", 4 * head_numel, f"{mb} output backward")
+            led.add("grads", round(4 * head_numel * train_frac), f"{mb} output backward")
         else:
-            led.add("grads", 4 * head_numel, f"{mb} output backward")
-            led.free("grads", 4 * head_numel)
+            led.add("grads", round(4 * head_numel * train_frac), f"{mb} output backward")
+            led.free("grads", round(4 * head_numel * train_frac))
         led.add("temporaries", pb * bd, f"{mb} output backward")  # gradient of the hidden state
         led.free("temporaries", grad_logits)
         led.free("activations", head_acts)
@@ -321,26 +373,20 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
             grads_arrive(by_name["embed"], f"{mb} backward embedding")
             post_backward(by_name["embed"], sync, f"{mb} embedding reduce-scatter")
         elif fsdp:  # tied: the embedding's gradient is added into the shared weight's, then reduced
-            led.add("grads", 2 * s.vocab * s.d * pb, f"{mb} backward embedding")  # new grad, and the sum
-            led.free("grads", 2 * s.vocab * s.d * pb)  # AccumulateGrad adds out of place; old and new freed
+            tied_grad = 2 * s.vocab * s.d * pb if by_name["root"].grad_numel else 0  # none when frozen
+            led.add("grads", tied_grad, f"{mb} backward embedding")  # new grad, and the sum
+            led.free("grads", tied_grad)  # AccumulateGrad adds out of place; old and new freed
             post_backward(by_name["root"], sync, f"{mb} root reduce-scatter")
         if fsdp:  # the root's end-of-backward callback waits for the last reduce-scatter
             led.free("reduce_scatter", retained_rs[0])
             retained_rs[0] = 0
         else:
-            rest = 4 * (p_total - head_numel)
+            rest = round(4 * (p_total - head_numel) * train_frac)
             led.add("grads", rest, f"{mb} backward")
             if i > 0:
                 led.free("grads", rest)
     # clip_grad_norm_ and fused AdamW work in place (a few scalars): the last logits are still alive
     led.add("temporaries", 0, "clip and optimizer step")
     breakdown = dict(led.at)
-    host = 4 * p_local * 4 + 4 * n_tensors if offload else 0
+    host = stored + 3 * 4 * train_local + 4 * n_tensors if offload else 0
     return MemoryPlan(led.peak, breakdown, led.phase, host, p_total, k)
-
-
-def _param_count_iter(cfg: Config):
-    """One item per parameter tensor (tied weights once), from the meta-device model."""
-    with torch.device("meta"):
-        model = Llama(cfg.model)
-    return iter(list(model.parameters()))

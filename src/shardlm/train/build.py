@@ -18,17 +18,29 @@ from shardlm.convert.hf_in import load_pretrained_
 from shardlm.errors import ConfigError
 from shardlm.model.cpu_matmul import apply_fp32_matmul, use_fp32_matmul
 from shardlm.model.llama import Llama
+from shardlm.model.lora import (
+    LoRASpec,
+    apply_lora,
+    lora_modules,
+    quantize_base_meta_,
+    set_fp32_matmul,
+    set_from_full_,
+)
 from shardlm.parallel.ac import apply_ac, apply_compile
 from shardlm.parallel.dist import DistInfo
 from shardlm.parallel.fsdp import apply_fsdp
 from shardlm.parallel.options import mixed_precision_policy, offload_policy
+from shardlm.train.freeze import apply_freeze
 
 
 def build_model(cfg: Config, info: DistInfo, mesh: DeviceMesh | None) -> tuple[nn.Module, dict[str, Any] | None]:
     """Build the model on the meta device, wrap it for ``cfg.parallel.mode``, materialise, initialise.
 
-    In order: the CPU's bf16 matrix-multiply kernel (``cpu_bf16_matmul``, :mod:`shardlm.model.cpu_matmul`),
-    activation checkpointing, compile, then :func:`apply_fsdp` (or DDP), as torchtitan orders them.
+    First the parameter-efficient set-up, on the meta device: ``train.trainable``/``train.frozen`` freeze
+    parameters (:mod:`shardlm.train.freeze`), or ``[lora]`` replaces the targeted linear layers by
+    :class:`~shardlm.model.lora.LoRALinear` (base frozen, stored fp32/bf16/NF4, adapters fp32). Then the CPU's
+    bf16 matrix-multiply kernel (``cpu_bf16_matmul``, :mod:`shardlm.model.cpu_matmul`), activation
+    checkpointing, compile, then :func:`apply_fsdp` (or DDP), as torchtitan orders them.
 
     No rank ever holds the whole unsharded model: under ``fsdp`` only each rank's shards are
     allocated (``to_empty``) and filled by ``init_weights``, one full tensor at a time, or, with
@@ -46,8 +58,16 @@ def build_model(cfg: Config, info: DistInfo, mesh: DeviceMesh | None) -> tuple[n
     pcfg = cfg.parallel
     with torch.device("meta"):
         model = Llama(cfg.model)
+    lora = cfg.lora
+    if lora.enabled:  # adapters on the targeted layers, everything else frozen
+        apply_lora(model, LoRASpec(lora.rank, lora.alpha, lora.dropout, lora.targets, lora.base_dtype))
+        if lora.base_dtype == "nf4":
+            quantize_base_meta_(model, "cpu" if pcfg.cpu_offload else info.device)
+    elif cfg.train.trainable or cfg.train.frozen:
+        apply_freeze(model, cfg.train.trainable, cfg.train.frozen)
     if use_fp32_matmul(pcfg.cpu_bf16_matmul, info.device, pcfg.param_dtype):  # a CPU kernel choice, names unchanged
         apply_fp32_matmul(model)
+        set_fp32_matmul(model)
     apply_ac(model.model.layers, pcfg.activation_checkpoint, pcfg.activation_checkpoint_n)  # torchtitan's order:
     if pcfg.compile:                                                                        # AC, compile, FSDP
         apply_compile(model.model.layers)
@@ -58,10 +78,14 @@ def build_model(cfg: Config, info: DistInfo, mesh: DeviceMesh | None) -> tuple[n
     # with CPU offload the shards live in CPU memory; buffers (rotary tables) still go to the device
     model.to_empty(device="cpu" if pcfg.cpu_offload else info.device)
     load_stats = None
+    adapters = {f"{name}.{ab}.weight" for name, _ in lora_modules(model) for ab in ("lora_A", "lora_B")}
     if cfg.model.init_from:  # pretrained: each rank reads only its shards' rows (convert/hf_in.py)
-        load_stats = load_pretrained_(model, cfg.model.init_from)
+        load_stats = load_pretrained_(model, cfg.model.init_from, skip=adapters)
+    elif adapters:
+        init_base_weights_(model, cfg.train.seed, skip=adapters)
     else:
         model.init_weights(cfg.train.seed)
+    init_adapters_(model, cfg.train.seed)
     if pcfg.cpu_offload:
         for module in model.modules():
             for name, buf in list(module.named_buffers(recurse=False)):
@@ -70,6 +94,25 @@ def build_model(cfg: Config, info: DistInfo, mesh: DeviceMesh | None) -> tuple[n
         device_ids = [info.device.index] if info.device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=device_ids), load_stats
     return model, load_stats
+
+
+@torch.no_grad()
+def init_base_weights_(model: Llama, seed: int, skip: set[str]) -> None:
+    """``Llama.init_weights`` for a model with adapters: every parameter not in ``skip`` from
+    ``model.initial_value`` (an NF4 base is quantised from the whole value), then the rotary tables."""
+    for name, param in model.named_parameters():
+        if name not in skip:
+            set_from_full_(param, model.initial_value(name, seed))
+    model.init_rotary()
+
+
+@torch.no_grad()
+def init_adapters_(model: nn.Module, seed: int) -> None:
+    """Set every LoRA adapter to its initial value (A random, B zero: the model equals its base)."""
+    for name, module in lora_modules(model):
+        a, b = module.initial_adapters(name, seed)
+        set_from_full_(module.lora_A.weight, a)
+        set_from_full_(module.lora_B.weight, b)
 
 
 def unwrap(model: nn.Module) -> Llama:

@@ -20,17 +20,26 @@ from shardlm.checkpoint.dcp import Checkpointer, resume_mode
 from shardlm.checkpoint.run import clear_run_dir, write_run_config
 from shardlm.config import Config, gradient_accumulation_steps
 from shardlm.convert.hf_out import gather_full_state_dict, save_model_dir
+from shardlm.convert.peft_out import gather_full_params, merge_lora, save_peft_dir
 from shardlm.data import GlobalBatchSampler, TokenWindows, eval_windows, load_meta
 from shardlm.data.build import data_dir, prepare_data
 from shardlm.data.instruct import IGNORE_INDEX, InstructionExamples, split_batch
 from shardlm.data.mixture import MixtureSampler, MixtureWindows, source_names
 from shardlm.data.sync import check_same_data
 from shardlm.errors import ConfigError, NonFiniteError
-from shardlm.metrics import MetricsLogger, device_memory, format_bytes, model_flops_per_token, shard_bytes
+from shardlm.metrics import (
+    MetricsLogger,
+    device_memory,
+    format_bytes,
+    local_bytes,
+    model_flops_per_token,
+    shard_bytes,
+)
 from shardlm.metrics.memory import reset_device_peaks
 from shardlm.metrics.progress import progress
 from shardlm.metrics.trackers import check_packages, start_trackers
 from shardlm.model.llama import num_params
+from shardlm.model.lora import LoRASpec
 from shardlm.parallel import (
     DistInfo,
     all_gather_ints,
@@ -43,6 +52,7 @@ from shardlm.parallel import (
 from shardlm.parallel.dist import set_matmul_precision, to_device
 from shardlm.parallel.faults import FaultMonitor, guard_collectives
 from shardlm.train.build import build_model, unwrap
+from shardlm.train.freeze import apply_freeze
 from shardlm.train.loss import token_loss_sum
 from shardlm.train.mfu import peak_flops_per_rank
 from shardlm.train.optim import apply_train_config, build_optimizer, build_scheduler, clip_grad_norm_
@@ -171,9 +181,23 @@ class Trainer:
             f"unigram entropy {self.meta['unigram_entropy_nats']:.3f} nats",
             f"  MFU        {self.flops_per_token * cfg.train.seq_len:,.0f} model FLOPs per sequence (6N + 12·L·H·Q·T), "
             f"peak {self.peak.flops / 1e12:.2f} TFLOP/s per rank ({self.peak.precision}, {self.peak.source})",
-            "  per rank   parameter shards " + ", ".join(format_bytes(b) for b in per_rank)
-            + f" (+ grads and AdamW state: ~{format_bytes(4 * max(per_rank))} per rank)",
         ]
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        if len(trainable) == len(list(model.parameters())):
+            lines.append("  per rank   parameter shards " + ", ".join(format_bytes(b) for b in per_rank)
+                         + f" (+ grads and AdamW state: ~{format_bytes(4 * max(per_rank))} per rank)")
+        else:  # frozen parameters: no gradient, no optimizer state
+            n_train = sum(p.numel() for p in trainable)
+            train_bytes = all_gather_ints(sum(local_bytes(p) for p in trainable), info.device)
+            lines += [
+                f"  trainable  {n_train:,} of {num_params(model):,} parameters ({100 * n_train / num_params(model):.2f}%)"
+                + (f"; LoRA r={cfg.lora.rank} alpha={cfg.lora.alpha:g} on {cfg.lora.targets}, base "
+                   f"{cfg.lora.base_dtype}" if cfg.lora.enabled else ""),
+                "  per rank   parameter shards " + ", ".join(format_bytes(b) for b in per_rank) + " (frozen base "
+                + ", ".join(format_bytes(a - b) for a, b in zip(per_rank, train_bytes)) + "; trainable "
+                + ", ".join(format_bytes(b) for b in train_bytes) + f", + grads and AdamW state ~"
+                f"{format_bytes(3 * max(train_bytes))} per rank)",
+            ]
         stats = self.pretrained_load_stats
         if stats is not None:  # model.init_from: bytes each rank read from the safetensors files
             read = all_gather_ints(stats["bytes_read"], info.device)
@@ -197,6 +221,8 @@ class Trainer:
         batches = [to_device(b, info.device) for b in cpu_batches]  # pinned, asynchronous copies on CUDA
         scale = info.world_size / n_tokens
         loss_sum = torch.zeros((), dtype=torch.float64, device=info.device)
+        if cfg.lora.enabled and cfg.lora.dropout > 0:  # LoRA dropout: seeded per step and rank (resume is exact)
+            torch.manual_seed((cfg.train.seed * 1_000_003 + self.step) * 4099 + info.rank)
         for i, batch in enumerate(batches):
             inputs, targets = split_batch(batch)  # instruction data: targets are -100 off-response
             # parallel.grad_sync: reduce-scatter on every micro-batch or on the last only
@@ -327,9 +353,52 @@ class Trainer:
         self.logger.close("finished", self.run_dir / "final")
         return self.history
 
+    def set_trainable(self, trainable: str, frozen: str = "") -> None:
+        """Change which parameters train between steps (e.g. unfreeze blocks after a frozen start); a collective.
+
+        Applies the patterns as ``train.trainable``/``train.frozen`` (:func:`shardlm.train.freeze.apply_freeze`)
+        to the sharded parameters (FSDP2 passes ``requires_grad`` on to the unsharded ones at the next
+        all-gather), then rebuilds the optimizer over the trainable parameters, keeping the AdamW state of
+        those that had one, and the LR schedule at the current step.
+        """
+        apply_freeze(unwrap(self.model), trainable, frozen)
+        self.cfg.train.trainable, self.cfg.train.frozen = trainable, frozen
+        old = self.optimizer
+        self.optimizer = build_optimizer(self.model, self.cfg.train, self.info.device)
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                if p in old.state:
+                    self.optimizer.state[p] = old.state[p]
+        self.scheduler = build_scheduler(self.optimizer, self.cfg.train)
+        for _ in range(self.step):
+            self.scheduler.step()
+        self.checkpointer = Checkpointer(self.cfg, self.info, self.run_dir, data_dir(self.cfg) / "tokenizer.json",
+                                         self.meta.get("special_ids"))
+        self.local_shard_bytes = self._shard_bytes = None
+
     def export(self, out_dir: Path) -> None:
-        """Write the trained weights as an HF Llama directory (full state gathered on rank 0)."""
+        """Write the trained weights as an HF Llama directory (full state gathered on rank 0).
+
+        With LoRA the directory holds the merged weights (base + scaled B·A, fp32), and ``<out_dir>-adapter``
+        the adapters in PEFT's format (:mod:`shardlm.convert.peft_out`).
+        """
+        if self.cfg.lora.enabled:
+            self.export_lora(out_dir, Path(f"{out_dir}-adapter"))
+            return
         state = gather_full_state_dict(self.model)
         if self.info.is_main:
             save_model_dir(state, self.cfg.model, out_dir, data_dir(self.cfg) / "tokenizer.json", self.special_ids)
+        torch.distributed.barrier()
+
+    def export_lora(self, merged_dir: Path | None, adapter_dir: Path | None) -> None:
+        """Write the merged model to ``merged_dir`` and the PEFT adapter to ``adapter_dir`` (either may be None)."""
+        lora = self.cfg.lora
+        spec = LoRASpec(lora.rank, lora.alpha, lora.dropout, lora.targets, lora.base_dtype)
+        state = gather_full_params(unwrap(self.model), self.info.is_main)
+        if self.info.is_main:
+            if merged_dir is not None:
+                save_model_dir(merge_lora(state, lora.alpha / lora.rank), self.cfg.model, merged_dir,
+                               data_dir(self.cfg) / "tokenizer.json", self.meta.get("special_ids"))
+            if adapter_dir is not None:
+                save_peft_dir(state, spec, adapter_dir, self.cfg.model.init_from)
         torch.distributed.barrier()

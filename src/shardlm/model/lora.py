@@ -1,0 +1,241 @@
+"""Low-rank adapters (LoRA, Hu et al., 2021) on linear layers, optionally on a 4-bit NF4 base (QLoRA,
+Dettmers et al., 2023). No distributed code: :func:`shardlm.train.build.build_model` applies them before FSDP.
+
+A :class:`LoRALinear` replaces an ``nn.Linear`` (no bias) of shape ``(out, in)``:
+
+    y = x · Wᵀ + (alpha / r) · dropout(x) · Aᵀ · Bᵀ,   W (out, in) frozen, A (r, in), B (out, r) trained.
+
+The frozen base keeps its name (``...q_proj.weight``), so pretrained weights load unchanged; the adapters are
+``...q_proj.lora_A.weight`` and ``...q_proj.lora_B.weight``, PEFT's names. A is drawn like PEFT's default
+(Kaiming-uniform, a = √5) and B is zero, so at step 0 the model equals its base.
+
+The base may be stored in a narrower dtype than the adapters: ``bfloat16`` (cast to the input's dtype in
+forward), or ``nf4`` (torchao's ``NF4Tensor``: 4-bit NormalFloat codes in blocks of 64 values with
+double-quantised scales, dequantised in forward, one layer at a time).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from shardlm.errors import ConfigError
+from shardlm.model.cpu_matmul import bf16_linear_fp32
+
+#: values per NF4 block (QLoRA's block size)
+NF4_BLOCK = 64
+#: NF4 scaler blocks must split evenly over up to this many ranks (and any power of two below it)
+NF4_MAX_SHARDS = 8
+
+
+@dataclass(frozen=True)
+class LoRASpec:
+    """What :func:`apply_lora` needs: rank r, scale numerator alpha, dropout probability, the targeted module
+    names (comma-separated; a name matches a module's last name component, e.g. ``q_proj``) and the base's
+    storage dtype (``float32``, ``bfloat16`` or ``nf4``)."""
+
+    rank: int
+    alpha: float
+    dropout: float
+    targets: str
+    base_dtype: str = "float32"
+
+
+class LoRALinear(nn.Module):
+    """A frozen linear map plus a trained low-rank update; ``(..., in_features) -> (..., out_features)``.
+
+    Parameters: ``weight`` (out, in), frozen, fp32 / bf16 / NF4; ``lora_A.weight`` (r, in) and
+    ``lora_B.weight`` (out, r), fp32, trained. ``scaling = alpha / r``. With ``fp32_matmul`` set (the CPU
+    bf16 kernel, :mod:`shardlm.model.cpu_matmul`) a bf16 base is multiplied in fp32.
+    """
+
+    def __init__(self, in_features: int, out_features: int, rank: int, alpha: float, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.rank = in_features, out_features, rank
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.lora_A = nn.Linear(in_features, rank, bias=False)
+        self.lora_B = nn.Linear(rank, out_features, bias=False)
+        self.scaling = alpha / rank
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.fp32_matmul = False
+
+    def base(self, x: Tensor) -> Tensor:
+        """The frozen map x · Wᵀ in ``x``'s dtype (an NF4 or narrower base is dequantised / upcast first)."""
+        w = self.weight
+        if is_nf4(w):
+            return F.linear(x, w)  # torchao's LinearNF4: dequantise to x.dtype, multiply; no grad for W
+        if w.dtype != x.dtype:
+            w = w.to(x.dtype)
+        if self.fp32_matmul and x.dtype == torch.bfloat16:
+            return bf16_linear_fp32(x, w)
+        return F.linear(x, w)
+
+    def delta(self, x: Tensor) -> Tensor:
+        """The adapters' term (alpha / r) · dropout(x) · Aᵀ · Bᵀ, computed in the adapters' dtype, returned in x's."""
+        a = self.lora_A.weight
+        h = self.dropout(x).to(a.dtype)
+        return (F.linear(F.linear(h, a), self.lora_B.weight) * self.scaling).to(x.dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.base(x) + self.delta(x)
+
+    def initial_adapters(self, name: str, seed: int) -> tuple[Tensor, Tensor]:
+        """Full initial (A, B), fp32: A ~ U(-1/√in, 1/√in) (Kaiming-uniform with a = √5, PEFT's default), B = 0.
+
+        A comes from a generator seeded by (seed, ``name``): the same at any sharding or construction order.
+        """
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(f"{name}.lora_A".encode()))
+        bound = 1.0 / math.sqrt(self.in_features)
+        a = (torch.rand(self.rank, self.in_features, generator=gen) * 2 - 1) * bound
+        return a, torch.zeros(self.out_features, self.rank)
+
+    @torch.no_grad()
+    def merged_weight(self) -> Tensor:
+        """W + (alpha / r) · B · A, full (unsharded module only), fp32: the weight of the merged export."""
+        w = self.weight.get_original_weight() if is_nf4(self.weight) else self.weight
+        return w.float() + self.scaling * (self.lora_B.weight.float() @ self.lora_A.weight.float())
+
+
+def is_nf4(t: Tensor) -> bool:
+    """Whether ``t`` (or a DTensor's local tensor) is torchao's NF4Tensor (checked by class name: torchao is optional)."""
+    local = getattr(t, "_local_tensor", t)
+    return type(local).__name__ == "NF4Tensor"
+
+
+def nf4_scaler_block(numel: int) -> int:
+    """NF4 second-level block (number of first-level scales quantised together) for a tensor of ``numel`` values.
+
+    The largest power of two <= 256 (torchao's default) that leaves a multiple of :data:`NF4_MAX_SHARDS`
+    scaler blocks, so the quantised tensor splits evenly over 1, 2, 4 or 8 ranks; it depends on the tensor
+    only, so the quantised values are the same at every world size.
+
+    Raises:
+        ConfigError: ``numel`` is not a multiple of 64 · 8 values.
+    """
+    if numel % (NF4_BLOCK * NF4_MAX_SHARDS):
+        raise ConfigError(f"NF4 needs weights whose size is a multiple of {NF4_BLOCK * NF4_MAX_SHARDS} values, got {numel}")
+    blocks = numel // NF4_BLOCK
+    s = 256
+    while blocks % (s * NF4_MAX_SHARDS):
+        s //= 2
+    return s
+
+
+def to_nf4(full: Tensor) -> Tensor:
+    """Quantise a full 2-D weight to torchao's NF4Tensor (bf16 nominal dtype), blocks of 64, scaler block from
+    :func:`nf4_scaler_block`.
+
+    Raises:
+        ConfigError: torchao is not installed (names the ``qlora`` extra).
+    """
+    try:
+        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4 as torchao_to_nf4
+    except ImportError:
+        raise ConfigError("lora.base_dtype = 'nf4' (QLoRA) needs torchao: pip install 'shardlm[qlora]'") from None
+    return torchao_to_nf4(full.to(torch.bfloat16).contiguous(), NF4_BLOCK, nf4_scaler_block(full.numel()))
+
+
+def target_names(targets: str) -> list[str]:
+    """The comma-separated target names, stripped, empty items dropped."""
+    return [t.strip() for t in targets.split(",") if t.strip()]
+
+
+def apply_lora(model: nn.Module, spec: LoRASpec) -> list[str]:
+    """Replace the targeted bias-free ``nn.Linear`` modules of ``model`` by :class:`LoRALinear` and freeze the rest.
+
+    Works on the meta device (before FSDP); every parameter except the adapters gets ``requires_grad=False``.
+    A bf16 base is stored in bf16; an NF4 base stays bf16 here and is quantised when its values are set
+    (:func:`shardlm.train.build.build_model`). Returns the replaced modules' names.
+
+    Raises:
+        ConfigError: a target name that matches no linear layer (listing the names there are), or a rank
+            < 1 or above a targeted layer's smaller dimension.
+    """
+    names = target_names(spec.targets)
+    linears = {n: m for n, m in model.named_modules() if type(m) is nn.Linear and m.bias is None}
+    leaf = {n: n.rsplit(".", 1)[-1] for n in linears}
+    available = sorted(set(leaf.values()))
+    unknown = [t for t in names if t not in available]
+    if not names or unknown:
+        raise ConfigError(f"lora.targets {unknown or spec.targets!r} match no linear layer; the linear layers are "
+                          f"named {', '.join(available)}")
+    tied = getattr(getattr(model, "cfg", None), "tie_embeddings", False)
+    if tied and "lm_head" in names:
+        raise ConfigError("lora.targets: lm_head is tied to the token embedding; leave it out")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    replaced = []
+    for name, linear in linears.items():
+        if leaf[name] not in names:
+            continue
+        out_f, in_f = linear.weight.shape
+        if not 1 <= spec.rank <= min(in_f, out_f):
+            raise ConfigError(f"lora.rank={spec.rank} must be between 1 and the layer width min(in, out) = "
+                              f"{min(in_f, out_f)} of {name} ({in_f} -> {out_f})")
+        with torch.device(linear.weight.device):
+            lora = LoRALinear(in_f, out_f, spec.rank, spec.alpha, spec.dropout)
+        if spec.base_dtype in ("bfloat16", "nf4"):
+            lora.weight.data = lora.weight.data.to(torch.bfloat16)
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, lora)
+        replaced.append(name)
+    return replaced
+
+
+def lora_modules(model: nn.Module) -> Iterable[tuple[str, LoRALinear]]:
+    """``(name, module)`` of every :class:`LoRALinear` in ``model``."""
+    return ((n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear))
+
+
+def set_fp32_matmul(model: nn.Module) -> None:
+    """Let every :class:`LoRALinear`'s bf16 base multiply through the CPU fp32 kernel (``parallel.cpu_bf16_matmul``)."""
+    for _, m in lora_modules(model):
+        m.fp32_matmul = True
+
+
+def quantize_base_meta_(model: nn.Module, device: torch.device | str) -> None:
+    """Make every :class:`LoRALinear`'s base weight an NF4 tensor on the meta device (before FSDP shards it).
+
+    Its values are set later, from the full weight, by :func:`set_from_full_`. The two per-tensor items of an
+    NF4 tensor that FSDP does not shard (the mean of the block scales and the 16-value code book) are allocated
+    on ``device`` now: every shard and all-gathered copy refers to these same tensors, so filling them in place
+    later reaches all of them.
+    """
+    for _, m in lora_modules(model):
+        q = to_nf4(torch.empty(m.weight.shape, dtype=torch.bfloat16, device="meta"))
+        q.scaler_mean = torch.zeros((), dtype=torch.bfloat16, device=device)
+        q.nf4 = torch.zeros(16, dtype=torch.bfloat16, device=device)
+        m.weight = nn.Parameter(q, requires_grad=False)
+
+
+def _local_rows(param: Tensor) -> tuple[int, int]:
+    """(first row, rows) of this rank's ``Shard(0)`` piece of a DTensor (the whole for a plain tensor)."""
+    if not isinstance(param, DTensor):
+        return 0, param.shape[0]
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return int(offset[0]), int(shape[0])
+
+
+@torch.no_grad()
+def set_from_full_(param: Tensor, full: Tensor) -> None:
+    """Fill ``param`` (a plain tensor or a ``Shard(0)`` DTensor; NF4 or not) from its full value, in place.
+
+    A plain local tensor copies its rows of ``full`` (cast to its dtype). An NF4 one is quantised from the whole
+    ``full`` first and then takes its rows, so its codes and scales do not depend on the world size.
+    """
+    local = param.to_local() if isinstance(param, DTensor) else param
+    start, rows = _local_rows(param)
+    if not is_nf4(local):
+        local.copy_(full[start:start + rows].to(local.dtype))
+        return
+    q = to_nf4(full)
+    piece = q if rows == full.shape[0] else torch.split(q, rows, dim=0)[start // rows]
+    local.copy_(piece.to(local.quantized_data.device))  # codes and scales, and in place the shared per-tensor items

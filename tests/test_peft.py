@@ -1,0 +1,262 @@
+"""Parameter-efficient fine-tuning: frozen parameters, LoRA (fp32 / bf16 base), QLoRA (NF4 base), adapter-only
+checkpoints, merged and PEFT-format exports, and bad input.
+
+The tiny model trains at 2 ranks (FSDP) and in one process in two torchrun launches of several scenarios each
+(tests/peft_worker.py); exports and errors are checked in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import tiny_overrides, torchrun
+from shardlm.config import load_config
+from shardlm.convert.hf_in import load_model_dir
+from shardlm.convert.hf_out import save_model_dir
+from shardlm.convert.peft_out import gather_full_params, merge_lora, save_peft_dir
+from shardlm.errors import ConfigError
+from shardlm.model.lora import LoRALinear, LoRASpec, lora_modules
+from shardlm.parallel.dist import DistInfo
+from shardlm.train.build import build_model
+from shardlm.train.freeze import apply_freeze, name_matches, pattern_regex
+
+WORKER = Path(__file__).resolve().parent / "peft_worker.py"
+TINY = ["--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2", "--model.ffn_hidden=128",
+        "--model.vocab_size=512", "--model.max_seq_len=64", "--parallel.mode=single", "--train.seq_len=32"]
+ONE = DistInfo(0, 0, 1, torch.device("cpu"), "gloo")
+STEPS = 5
+FREEZE = {"train.trainable": "model.layers.1.*,norm"}  # block 1 and the final norm; embedding and block 0 frozen
+LORA = {"lora.enabled": "true", "lora.rank": 4, "lora.alpha": 8.0}
+
+
+def run_launch(nproc: int, scenarios: list[dict], out: Path) -> dict[str, list[dict]]:
+    out.mkdir(parents=True, exist_ok=True)
+    spec = out / f"spec-{nproc}.json"
+    spec.write_text(json.dumps({"out": str(out), "scenarios": scenarios}))
+    torchrun(nproc, [str(WORKER), str(spec)], timeout=900)
+    return {s["name"]: [json.loads((out / s["name"] / f"rank{r}.json").read_text()) for r in range(nproc)]
+            for s in scenarios}
+
+
+def sc(name: str, data: Path, runs: Path, extra: dict, **hooks) -> dict:
+    base = {"train.steps": STEPS, "train.micro_batch_size": 4, "train.eval_interval": 0, "checkpoint.interval": 3,
+            "checkpoint.keep": 0}
+    return {"name": name, "overrides": tiny_overrides(data, runs / name, {**base, **extra}), **hooks}
+
+
+@pytest.fixture(scope="module")
+def peft_runs(tmp_path_factory, small_data) -> tuple[dict, dict, Path]:
+    out = tmp_path_factory.mktemp("peft")
+    runs = out / "runs"
+    ckpt = runs / "lora" / "checkpoints" / "step-3"
+    two = run_launch(2, [
+        sc("freeze", small_data, runs, FREEZE),
+        sc("unfreeze", small_data, runs, FREEZE, unfreeze_after=2),
+        sc("lora", small_data, runs, LORA),
+        sc("lora_bf16", small_data, runs, {**LORA, "lora.base_dtype": "bfloat16"}),
+        sc("qlora", small_data, runs, {**LORA, "lora.base_dtype": "nf4", "train.steps": 10, "checkpoint.interval": 0}),
+        sc("lora_resumed", small_data, runs, {**LORA, "checkpoint.resume": f'"{ckpt}"'}),
+        sc("other_base", small_data, runs, {**LORA, "train.seed": 1, "checkpoint.resume": f'"{ckpt}"'},
+           expect_error=True),
+    ], out / "two")
+    single = {"parallel.mode": "single"}
+    one = run_launch(1, [
+        sc("freeze", small_data, runs / "one", {**FREEZE, **single}),
+        sc("lora", small_data, runs / "one", {**LORA, **single}),
+        sc("lora_bf16", small_data, runs / "one", {**LORA, **single, "lora.base_dtype": "bfloat16"}),
+        sc("lora_resumed_1rank", small_data, runs / "one", {**LORA, "checkpoint.resume": f'"{ckpt}"'}),
+    ], out / "one")
+    return two, one, runs
+
+
+def losses(report: list[dict]) -> list[float]:
+    return [r["loss"] for r in report[0]["history"]]
+
+
+@pytest.mark.dist
+def test_frozen_parameters_stay_bit_identical_and_trainable_ones_equal_one_process(peft_runs):
+    two, one, runs = peft_runs
+    for rank in two["freeze"]:
+        assert rank["frozen_unchanged"] and all(rank["frozen_unchanged"].values())
+        assert set(rank["frozen_unchanged"]) == {"model.embed_tokens.weight", "lm_head.weight",
+                                                 *(f"model.layers.0.{n}" for n in (
+                                                     "input_layernorm.weight", "self_attn.q_proj.weight",
+                                                     "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                                                     "self_attn.o_proj.weight", "post_attention_layernorm.weight",
+                                                     "mlp.gate_proj.weight", "mlp.up_proj.weight",
+                                                     "mlp.down_proj.weight"))}
+        # no optimizer state for a frozen parameter
+        assert all(n.startswith(("model.layers.1.", "model.norm.")) for n in rank["optimizer_state_names"])
+        assert len(rank["optimizer_state_names"]) == 10
+        assert "trainable  " in rank["summary"]
+    a, b = losses(two["freeze"]), losses(one["freeze"])
+    assert len(a) == STEPS and max(abs(x - y) for x, y in zip(a, b)) <= 1e-6, (a, b)
+    assert a[-1] < a[0]
+    ta, tb = load_file(runs / "freeze" / "trainable.safetensors"), load_file(runs / "one" / "freeze" / "trainable.safetensors")
+    assert sorted(ta) == sorted(tb) and len(ta) == 10
+    assert max((ta[k] - tb[k]).abs().max().item() for k in ta) <= 1e-4
+
+
+@pytest.mark.dist
+def test_frozen_first_then_unfrozen(peft_runs):
+    two, _, _ = peft_runs
+    for rank in two["unfreeze"]:
+        assert len(rank["history"]) == STEPS and all(torch.isfinite(torch.tensor(r["loss"])) for r in rank["history"])
+        assert rank["after_unfreeze_trainable"] == 1 + 2 * 9 + 1 + 1  # every parameter: embedding, blocks, norm, head
+        assert "model.embed_tokens.weight" in rank["optimizer_state_names"]
+        assert not all(rank["frozen_unchanged"].values())  # the formerly frozen ones moved after unfreezing
+    # the first two steps are the frozen run's
+    assert losses(two["unfreeze"])[:2] == losses(two["freeze"])[:2]
+
+
+@pytest.mark.dist
+def test_lora_two_ranks_equal_one_process(peft_runs):
+    two, one, runs = peft_runs
+    for name in ("lora", "lora_bf16"):
+        a, b = losses(two[name]), losses(one[name])
+        assert len(a) == STEPS and max(abs(x - y) for x, y in zip(a, b)) <= 1e-6, (name, a, b)
+        assert a[-1] < a[0]
+        for rank in two[name]:
+            assert all(rank["frozen_unchanged"].values())
+            assert all(".lora_" in n for n in rank["optimizer_state_names"])
+            assert len(rank["optimizer_state_names"]) == 2 * 7 * 2  # 2 layers x 7 targets x (A, B)
+        ta = load_file(runs / name / "trainable.safetensors")
+        tb = load_file(runs / "one" / name / "trainable.safetensors")
+        assert max((ta[k] - tb[k]).abs().max().item() for k in ta) <= 1e-4
+    # a bf16 base stores half the fp32 base's bytes
+    fp32, bf16 = two["lora"][0]["frozen_bytes"], two["lora_bf16"][0]["frozen_bytes"]
+    assert bf16 < fp32
+
+
+@pytest.mark.dist
+def test_lora_resume_is_bit_exact_and_works_at_one_rank(peft_runs):
+    two, one, runs = peft_runs
+    full, resumed = losses(two["lora"]), losses(two["lora_resumed"])
+    assert resumed == full[3:]  # steps 4 and 5, bit for bit
+    ckpt = runs / "lora" / "checkpoints" / "step-3"
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    assert manifest["base"]["seed"] == 0 and manifest["base"]["lora"]["rank"] == 4
+    meta_names = (ckpt / ".metadata").read_bytes()
+    assert b"lora_A" in meta_names and b"q_proj.weight" not in meta_names.replace(b"q_proj.lora", b"")
+    one_rank = losses(one["lora_resumed_1rank"])
+    assert max(abs(x - y) for x, y in zip(one_rank, full[3:])) <= 1e-6
+    assert "another base" in two["other_base"][0]["error"] and "train.seed" in two["other_base"][0]["error"]
+
+
+@pytest.mark.dist
+def test_qlora_trains_with_a_quarter_of_the_bf16_base(peft_runs):
+    two, _, _ = peft_runs
+    a = losses(two["qlora"])
+    assert len(a) == 10 and a[-1] < a[0] - 0.1, a
+    for rank in two["qlora"]:
+        assert all(rank["frozen_unchanged"].values())
+
+
+@pytest.mark.dist
+def test_qlora_on_smollm2_trains_at_two_ranks(smol_dir, small_corpus, tmp_path):
+    """QLoRA of the real SmolLM2-135M (NF4 base, r = 8 on every projection) at 2 ranks: the held-out loss falls
+    over 10 steps, and each rank stores the quantised base in at most 0.3x its bf16 bytes."""
+    pytest.importorskip("torchao", reason="pip install -e '.[test]'")
+    overrides = {
+        "model.init_from": f'"{smol_dir}"', "data.corpus": f'"{small_corpus}"', "data.dir": f'"{tmp_path / "data"}"',
+        "data.val_fraction": 0.05, "lora.enabled": "true", "lora.base_dtype": "nf4", "lora.alpha": 16.0,
+        "train.seq_len": 32, "train.global_batch_size": 4, "train.micro_batch_size": 2, "train.steps": 10,
+        "train.lr": 2e-3, "train.min_lr": 2e-4, "train.warmup_steps": 0, "train.weight_decay": 0.0,
+        "train.eval_interval": 10, "train.eval_tokens": 512, "checkpoint.enabled": "false",
+        "run.dir": f'"{tmp_path / "run"}"'}
+    report = run_launch(2, [{"name": "smol", "overrides": [f"--{k}={v}" for k, v in overrides.items()]}], tmp_path)
+    ranks = report["smol"]
+    history = ranks[0]["history"]
+    vals = [r["val_loss"] for r in history if "val_loss" in r]
+    assert len(vals) == 2 and vals[1] < vals[0] - 0.05, vals  # pretrained (step 0) -> step 10
+    train = [r["loss"] for r in history if "loss" in r]
+    assert len(train) == 10 and sum(train[-3:]) < sum(train[:3])
+    for rank in ranks:
+        assert rank["lora_base_bytes"] <= 0.3 * rank["lora_base_bf16_bytes"], rank["lora_base_bytes"]
+        assert all(rank["frozen_unchanged"].values())
+    print(json.dumps({"val": vals, "train": train, "lora_base_bytes": [r["lora_base_bytes"] for r in ranks],
+                      "lora_base_bf16_bytes": [r["lora_base_bf16_bytes"] for r in ranks],
+                      "frozen_bytes": [r["frozen_bytes"] for r in ranks]}))
+
+
+# ---- in this process -----------------------------------------------------------------------------------
+def tiny_lora(extra: list[str] = ()) -> torch.nn.Module:
+    model, _ = build_model(load_config(None, TINY + ["--lora.enabled=true", "--lora.rank=4", *extra]), ONE, None)
+    return model
+
+
+def test_lora_at_step_zero_equals_the_base():
+    base, _ = build_model(load_config(None, TINY), ONE, None)
+    tokens = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    for dtype in ("float32", "bfloat16"):
+        lora = tiny_lora([f"--lora.base_dtype={dtype}"])
+        assert sum(isinstance(m, LoRALinear) for m in lora.modules()) == 14
+        got, want = lora(tokens), base(tokens)
+        if dtype == "float32":
+            assert torch.equal(got, want)
+        else:  # the base rounded to bf16, nothing else
+            assert (got - want).abs().max().item() < 0.02
+
+
+def test_freeze_patterns():
+    assert name_matches(pattern_regex("model.layers.[0-11].*"), "model.layers.11.mlp.up_proj.weight")
+    assert not name_matches(pattern_regex("model.layers.[0-11].*"), "model.layers.12.mlp.up_proj.weight")
+    assert name_matches(pattern_regex("embed_tokens"), "model.embed_tokens.weight")
+    assert not name_matches(pattern_regex("norm"), "model.layers.0.input_layernorm.weight")
+    with pytest.raises(ConfigError, match=re.escape("train.trainable: pattern 'layers.[7-9]' matches no parameter")):
+        build_model(load_config(None, TINY + ["--train.trainable=layers.[7-9]"]), ONE, None)
+
+
+def test_merged_and_peft_exports_give_the_adapter_models_logits(tmp_path):
+    peft = pytest.importorskip("peft", reason="pip install -e '.[test]'")
+    transformers = pytest.importorskip("transformers", reason="pip install -e '.[test]'")
+    model = tiny_lora(["--lora.alpha=8.0"])
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # trained-looking adapters: B no longer zero
+        for _, m in lora_modules(model):
+            m.lora_B.weight.copy_(torch.randn(m.lora_B.weight.shape, generator=gen) * 0.05)
+    tokens = torch.randint(0, 512, (2, 16), generator=gen)
+    want = model(tokens)
+    state = gather_full_params(model, True)
+    merged_dir = save_model_dir(merge_lora(state, 8.0 / 4), model.cfg, tmp_path / "merged")
+    merged = load_model_dir(merged_dir)
+    assert (merged(tokens) - want).abs().max().item() <= 1e-5
+    base_state = {k: v for k, v in state.items() if ".lora_" not in k}
+    base_dir = save_model_dir(base_state, model.cfg, tmp_path / "base")
+    adapter = save_peft_dir(state, LoRASpec(4, 8.0, 0.0, "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"),
+                            tmp_path / "adapter", str(base_dir))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(base_dir), torch_dtype=torch.float32)
+    with_adapter = peft.PeftModel.from_pretrained(hf, str(adapter)).eval()
+    with torch.no_grad():
+        got = with_adapter(tokens).logits
+    assert (got - want).abs().max().item() <= 1e-5
+
+
+def test_bad_lora_input_one_clear_message():
+    with pytest.raises(ConfigError, match=r"lora.targets \['qkv'\] match no linear layer; the linear layers are named "
+                                          r"down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj"):
+        tiny_lora(["--lora.targets=q_proj,qkv"])
+    with pytest.raises(ConfigError, match="lora.rank must be >= 1, got 0"):
+        tiny_lora(["--lora.rank=0"])
+    with pytest.raises(ConfigError, match=r"lora.rank=33 must be between 1 and the layer width min\(in, out\) = 32"):
+        tiny_lora(["--lora.rank=33"])
+
+
+def test_qlora_without_torchao_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchao", None)
+    monkeypatch.setitem(sys.modules, "torchao.quantization.quantize_.workflows.nf4.nf4_tensor", None)
+    with pytest.raises(ConfigError, match=r"needs torchao: pip install 'shardlm\[qlora\]'"):
+        tiny_lora(["--lora.base_dtype=nf4"])
+
+
+def test_apply_freeze_refuses_freezing_everything():
+    model, _ = build_model(load_config(None, TINY), ONE, None)
+    with pytest.raises(ConfigError, match="leave no parameter to train"):
+        apply_freeze(model, "", "*")

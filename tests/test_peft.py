@@ -34,6 +34,7 @@ ONE = DistInfo(0, 0, 1, torch.device("cpu"), "gloo")
 STEPS = 5
 FREEZE = {"train.trainable": "model.layers.1.*,norm"}  # block 1 and the final norm; embedding and block 0 frozen
 LORA = {"lora.enabled": "true", "lora.rank": 4, "lora.alpha": 8.0}
+QLORA = {**LORA, "lora.base_dtype": "nf4", "train.steps": 10, "checkpoint.enabled": "false"}
 
 
 def run_launch(nproc: int, scenarios: list[dict], out: Path) -> dict[str, list[dict]]:
@@ -61,7 +62,9 @@ def peft_runs(tmp_path_factory, small_data) -> tuple[dict, dict, Path]:
         sc("unfreeze", small_data, runs, FREEZE, unfreeze_after=2),
         sc("lora", small_data, runs, LORA),
         sc("lora_bf16", small_data, runs, {**LORA, "lora.base_dtype": "bfloat16"}),
-        sc("qlora", small_data, runs, {**LORA, "lora.base_dtype": "nf4", "train.steps": 10, "checkpoint.interval": 0}),
+        sc("qlora", small_data, runs, QLORA),
+        sc("lora_ac_offload", small_data, runs, {**LORA, "parallel.activation_checkpoint": "full",
+                                                 "parallel.cpu_offload": "true", "checkpoint.enabled": "false"}),
         sc("lora_resumed", small_data, runs, {**LORA, "checkpoint.resume": f'"{ckpt}"'}),
         sc("other_base", small_data, runs, {**LORA, "train.seed": 1, "checkpoint.resume": f'"{ckpt}"'},
            expect_error=True),
@@ -71,6 +74,7 @@ def peft_runs(tmp_path_factory, small_data) -> tuple[dict, dict, Path]:
         sc("freeze", small_data, runs / "one", {**FREEZE, **single}),
         sc("lora", small_data, runs / "one", {**LORA, **single}),
         sc("lora_bf16", small_data, runs / "one", {**LORA, **single, "lora.base_dtype": "bfloat16"}),
+        sc("qlora", small_data, runs / "one", {**QLORA, **single}),
         sc("lora_resumed_1rank", small_data, runs / "one", {**LORA, "checkpoint.resume": f'"{ckpt}"'}),
     ], out / "one")
     return two, one, runs
@@ -151,12 +155,22 @@ def test_lora_resume_is_bit_exact_and_works_at_one_rank(peft_runs):
 
 
 @pytest.mark.dist
-def test_qlora_trains_with_a_quarter_of_the_bf16_base(peft_runs):
-    two, _, _ = peft_runs
-    a = losses(two["qlora"])
-    assert len(a) == 10 and a[-1] < a[0] - 0.1, a
+def test_qlora_tiny_equals_one_process_and_stores_a_quarter_of_bf16(peft_runs):
+    """The NF4 codes are quantised from whole tensors, so 2 ranks equal one process here too."""
+    two, one, _ = peft_runs
+    a, b = losses(two["qlora"]), losses(one["qlora"])
+    assert len(a) == 10 and a[-1] < a[0], a  # a random base: LoRA moves the loss only a little
+    assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-6, (a, b)
     for rank in two["qlora"]:
         assert all(rank["frozen_unchanged"].values())
+        assert rank["lora_base_bytes"] <= 0.3 * rank["lora_base_bf16_bytes"]
+
+
+@pytest.mark.dist
+def test_lora_with_activation_checkpointing_and_cpu_offload(peft_runs):
+    two, _, _ = peft_runs
+    a, b = losses(two["lora_ac_offload"]), losses(two["lora"])
+    assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-6, (a, b)
 
 
 @pytest.mark.dist

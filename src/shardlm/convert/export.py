@@ -45,11 +45,15 @@ def load_model_weights(ckpt: str | Path) -> tuple[dict[str, torch.Tensor], Model
     the shared tensor appears once, as ``model.embed_tokens.weight``.
 
     Raises:
-        CheckpointError: not a checkpoint, damaged, unsafe metadata, or tensors that do not fit the
-            recorded model config.
+        CheckpointError: not a checkpoint, damaged, unsafe metadata, tensors that do not fit the
+            recorded model config, or a checkpoint of trainable parameters only (LoRA, frozen layers).
     """
     path = Path(ckpt)
     manifest, metadata = verify_checkpoint(path)
+    if manifest.get("base") is not None:
+        raise CheckpointError(f"checkpoint {path} holds only the trainable parameters (LoRA adapters or unfrozen "
+                              "layers) on top of a base it refers to; export the run directory's final/ (merged) or "
+                              "final-adapter/ (PEFT), or resume the run to the end to write them")
     cfg = checkpoint_model_config(manifest)
     with torch.device("meta"):
         model = Llama(cfg)

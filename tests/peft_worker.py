@@ -61,7 +61,7 @@ def run(scenario: dict, trainer: Trainer) -> dict:
         "optimizer_state_names": sorted(names[p] for p in trainer.optimizer.state),
         "frozen_unchanged": {n: torch.equal(v, local_copy(model.get_parameter(n))) for n, v in frozen0.items()},
         "shard_bytes": trainer.local_shard_bytes,
-        "step_time_s": [r["step_time_s"] for r in history],
+        "step_time_s": [r["step_time_s"] for r in history if "step_time_s" in r],
     })
     full = gather_full_params(model, trainer.info.is_main)
     if trainer.info.is_main:

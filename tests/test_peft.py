@@ -24,6 +24,7 @@ from shardlm.convert.peft_out import gather_full_params, merge_lora, save_peft_d
 from shardlm.errors import ConfigError
 from shardlm.model.lora import LoRALinear, LoRASpec, lora_modules
 from shardlm.parallel.dist import DistInfo
+from shardlm.plan.memory import plan_memory
 from shardlm.train.build import build_model
 from shardlm.train.freeze import apply_freeze, name_matches, pattern_regex
 
@@ -34,7 +35,7 @@ ONE = DistInfo(0, 0, 1, torch.device("cpu"), "gloo")
 STEPS = 5
 FREEZE = {"train.trainable": "model.layers.1.*,norm"}  # block 1 and the final norm; embedding and block 0 frozen
 LORA = {"lora.enabled": "true", "lora.rank": 4, "lora.alpha": 8.0}
-QLORA = {**LORA, "lora.base_dtype": "nf4", "train.steps": 10, "checkpoint.enabled": "false"}
+QLORA = {**LORA, "lora.base_dtype": "nf4", "train.steps": 10, "checkpoint.interval": 5}
 
 
 def run_launch(nproc: int, scenarios: list[dict], out: Path) -> dict[str, list[dict]]:
@@ -63,6 +64,7 @@ def peft_runs(tmp_path_factory, small_data) -> tuple[dict, dict, Path]:
         sc("lora", small_data, runs, LORA),
         sc("lora_bf16", small_data, runs, {**LORA, "lora.base_dtype": "bfloat16"}),
         sc("qlora", small_data, runs, QLORA),
+        sc("qlora_resumed", small_data, runs, {**QLORA, "checkpoint.resume": f'"{runs / "qlora" / "checkpoints" / "step-5"}"'}),
         sc("lora_ac_offload", small_data, runs, {**LORA, "parallel.activation_checkpoint": "full",
                                                  "parallel.cpu_offload": "true", "checkpoint.enabled": "false"}),
         sc("lora_resumed", small_data, runs, {**LORA, "checkpoint.resume": f'"{ckpt}"'}),
@@ -164,6 +166,7 @@ def test_qlora_tiny_equals_one_process_and_stores_a_quarter_of_bf16(peft_runs):
     for rank in two["qlora"]:
         assert all(rank["frozen_unchanged"].values())
         assert rank["lora_base_bytes"] <= 0.3 * rank["lora_base_bf16_bytes"]
+    assert losses(two["qlora_resumed"]) == a[5:]  # resumed from the adapter checkpoint of step 5, bit for bit
 
 
 @pytest.mark.dist
@@ -274,3 +277,19 @@ def test_apply_freeze_refuses_freezing_everything():
     model, _ = build_model(load_config(None, TINY), ONE, None)
     with pytest.raises(ConfigError, match="leave no parameter to train"):
         apply_freeze(model, "", "*")
+
+
+def test_planner_counts_frozen_parameters_without_gradients_or_adamw_state():
+    smol = ["--model.dim=576", "--model.n_layers=30", "--model.n_heads=9", "--model.n_kv_heads=3",
+            "--model.ffn_hidden=1536", "--model.vocab_size=49152", "--model.tie_embeddings=true",
+            "--model.max_seq_len=2048", "--train.seq_len=256", "--train.global_batch_size=4", "--train.micro_batch_size=2"]
+    plans = {name: plan_memory(load_config(None, smol + extra), 2) for name, extra in {
+        "full": [], "lora": ["--lora.enabled=true"], "bf16": ["--lora.enabled=true", "--lora.base_dtype=bfloat16"],
+        "nf4": ["--lora.enabled=true", "--lora.base_dtype=nf4"]}.items()}
+    adapters = 30 * 8 * (2 * (576 + 576) + 2 * (576 + 192) + 3 * (576 + 1536))  # r = 8 on the 7 projections
+    assert adapters == 2_442_240
+    # AdamW: exp_avg and exp_avg_sq (fp32) of each rank's half of the adapters, and a step counter per tensor
+    assert plans["lora"].breakdown["optimizer"] == 2 * 4 * adapters // 2 + 4 * 30 * 7 * 2
+    assert plans["full"].breakdown["optimizer"] > 50 * plans["lora"].breakdown["optimizer"]
+    assert plans["nf4"].breakdown["params"] < plans["bf16"].breakdown["params"] < plans["lora"].breakdown["params"]
+    assert plans["nf4"].peak < plans["bf16"].peak < plans["lora"].peak < plans["full"].peak

@@ -97,12 +97,6 @@ class LoRALinear(nn.Module):
         a = (torch.rand(self.rank, self.in_features, generator=gen) * 2 - 1) * bound
         return a, torch.zeros(self.out_features, self.rank)
 
-    @torch.no_grad()
-    def merged_weight(self) -> Tensor:
-        """W + (alpha / r) · B · A, full (unsharded module only), fp32: the weight of the merged export."""
-        w = self.weight.get_original_weight() if is_nf4(self.weight) else self.weight
-        return w.float() + self.scaling * (self.lora_B.weight.float() @ self.lora_A.weight.float())
-
 
 def is_nf4(t: Tensor) -> bool:
     """Whether ``t`` (or a DTensor's local tensor) is torchao's NF4Tensor (checked by class name: torchao is optional)."""

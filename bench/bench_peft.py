@@ -73,13 +73,15 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=2, help="ranks (torchrun --nproc_per_node)")
     parser.add_argument("--steps", type=int, default=4, help="steps per run, the first one untimed")
     parser.add_argument("--seq", type=int, default=64, help="train.seq_len")
+    parser.add_argument("--runs", default=",".join(RUNS), help="comma-separated row names (default: all)")
     args = parser.parse_args()
+    chosen = [r.strip() for r in args.runs.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         common = [f'--model.init_from="{Path(args.model).resolve()}"', f"--train.steps={args.steps}",
                   f"--train.seq_len={args.seq}", "--train.eval_interval=0", "--checkpoint.enabled=false",
                   f'--data.corpus="{ROOT / "examples" / "instruct-shakespeare.jsonl"}"',
                   f'--data.dir="{Path(tmp) / "data"}"', f'--run.dir="{Path(tmp) / "run"}"', "--run.overwrite=true"]
-        runs = {name: common + [f"--{k}={v}" for k, v in extra.items()] for name, extra in RUNS.items()}
+        runs = {name: common + [f"--{k}={v}" for k, v in RUNS[name].items()] for name in chosen}
         spec = Path(tmp) / "spec.json"
         spec.write_text(json.dumps({"runs": runs, "out": str(Path(tmp) / "out.json")}))
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}

@@ -83,7 +83,12 @@ def peft_runs(tmp_path_factory, small_data) -> tuple[dict, dict, Path]:
 
 
 def losses(report: list[dict]) -> list[float]:
-    return [r["loss"] for r in report[0]["history"]]
+    return [r["loss"] for r in report[0]["history"] if "loss" in r]
+
+
+def measured(what: str, value: object) -> None:
+    """Print a measured number (run with -s to see them: the README quotes them)."""
+    print(f"MEASURED {what}: {value}")
 
 
 @pytest.mark.dist
@@ -103,10 +108,12 @@ def test_frozen_parameters_stay_bit_identical_and_trainable_ones_equal_one_proce
         assert len(rank["optimizer_state_names"]) == 10
         assert "trainable  " in rank["summary"]
     a, b = losses(two["freeze"]), losses(one["freeze"])
+    measured("freeze 2 ranks vs 1 process, max loss diff", max(abs(x - y) for x, y in zip(a, b)))
     assert len(a) == STEPS and max(abs(x - y) for x, y in zip(a, b)) <= 1e-6, (a, b)
     assert a[-1] < a[0]
     ta, tb = load_file(runs / "freeze" / "trainable.safetensors"), load_file(runs / "one" / "freeze" / "trainable.safetensors")
     assert sorted(ta) == sorted(tb) and len(ta) == 10
+    measured("freeze trainable params max diff", max((ta[k] - tb[k]).abs().max().item() for k in ta))
     assert max((ta[k] - tb[k]).abs().max().item() for k in ta) <= 1e-4
 
 
@@ -127,6 +134,7 @@ def test_lora_two_ranks_equal_one_process(peft_runs):
     two, one, runs = peft_runs
     for name in ("lora", "lora_bf16"):
         a, b = losses(two[name]), losses(one[name])
+        measured(f"{name} 2 ranks vs 1 process, max loss diff over {STEPS} steps", max(abs(x - y) for x, y in zip(a, b)))
         assert len(a) == STEPS and max(abs(x - y) for x, y in zip(a, b)) <= 1e-6, (name, a, b)
         assert a[-1] < a[0]
         for rank in two[name]:
@@ -135,6 +143,7 @@ def test_lora_two_ranks_equal_one_process(peft_runs):
             assert len(rank["optimizer_state_names"]) == 2 * 7 * 2  # 2 layers x 7 targets x (A, B)
         ta = load_file(runs / name / "trainable.safetensors")
         tb = load_file(runs / "one" / name / "trainable.safetensors")
+        measured(f"{name} adapters max diff", max((ta[k] - tb[k]).abs().max().item() for k in ta))
         assert max((ta[k] - tb[k]).abs().max().item() for k in ta) <= 1e-4
     # a bf16 base stores half the fp32 base's bytes
     fp32, bf16 = two["lora"][0]["frozen_bytes"], two["lora_bf16"][0]["frozen_bytes"]
@@ -152,6 +161,7 @@ def test_lora_resume_is_bit_exact_and_works_at_one_rank(peft_runs):
     meta_names = (ckpt / ".metadata").read_bytes()
     assert b"lora_A" in meta_names and b"q_proj.weight" not in meta_names.replace(b"q_proj.lora", b"")
     one_rank = losses(one["lora_resumed_1rank"])
+    measured("lora resumed 2 -> 1 rank, max loss diff", max(abs(x - y) for x, y in zip(one_rank, full[3:])))
     assert max(abs(x - y) for x, y in zip(one_rank, full[3:])) <= 1e-6
     assert "another base" in two["other_base"][0]["error"] and "train.seed" in two["other_base"][0]["error"]
 
@@ -161,6 +171,8 @@ def test_qlora_tiny_equals_one_process_and_stores_a_quarter_of_bf16(peft_runs):
     """The NF4 codes are quantised from whole tensors, so 2 ranks equal one process here too."""
     two, one, _ = peft_runs
     a, b = losses(two["qlora"]), losses(one["qlora"])
+    measured("qlora tiny 2 ranks vs 1 process, max loss diff", max(abs(x - y) for x, y in zip(a, b)))
+    measured("qlora tiny base bytes / bf16 bytes", two["qlora"][0]["lora_base_bytes"] / two["qlora"][0]["lora_base_bf16_bytes"])
     assert len(a) == 10 and a[-1] < a[0], a  # a random base: LoRA moves the loss only a little
     assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-6, (a, b)
     for rank in two["qlora"]:
@@ -173,6 +185,7 @@ def test_qlora_tiny_equals_one_process_and_stores_a_quarter_of_bf16(peft_runs):
 def test_lora_with_activation_checkpointing_and_cpu_offload(peft_runs):
     two, _, _ = peft_runs
     a, b = losses(two["lora_ac_offload"]), losses(two["lora"])
+    measured("lora AC + CPU offload vs plain, max loss diff", max(abs(x - y) for x, y in zip(a, b)))
     assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-6, (a, b)
 
 
@@ -198,7 +211,7 @@ def test_qlora_on_smollm2_trains_at_two_ranks(smol_dir, small_corpus, tmp_path):
     for rank in ranks:
         assert rank["lora_base_bytes"] <= 0.3 * rank["lora_base_bf16_bytes"], rank["lora_base_bytes"]
         assert all(rank["frozen_unchanged"].values())
-    print(json.dumps({"val": vals, "train": train, "lora_base_bytes": [r["lora_base_bytes"] for r in ranks],
+    measured("smollm2 qlora", json.dumps({"val": vals, "train": train, "lora_base_bytes": [r["lora_base_bytes"] for r in ranks],
                       "lora_base_bf16_bytes": [r["lora_base_bf16_bytes"] for r in ranks],
                       "frozen_bytes": [r["frozen_bytes"] for r in ranks]}))
 
@@ -244,6 +257,7 @@ def test_merged_and_peft_exports_give_the_adapter_models_logits(tmp_path):
     state = gather_full_params(model, True)
     merged_dir = save_model_dir(merge_lora(state, 8.0 / 4), model.cfg, tmp_path / "merged")
     merged = load_model_dir(merged_dir)
+    measured("merged export vs adapter model, max logit diff", (merged(tokens) - want).abs().max().item())
     assert (merged(tokens) - want).abs().max().item() <= 1e-5
     base_state = {k: v for k, v in state.items() if ".lora_" not in k}
     base_dir = save_model_dir(base_state, model.cfg, tmp_path / "base")
@@ -253,6 +267,7 @@ def test_merged_and_peft_exports_give_the_adapter_models_logits(tmp_path):
     with_adapter = peft.PeftModel.from_pretrained(hf, str(adapter)).eval()
     with torch.no_grad():
         got = with_adapter(tokens).logits
+    measured("peft export in transformers vs adapter model, max logit diff", (got - want).abs().max().item())
     assert (got - want).abs().max().item() <= 1e-5
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+from torch.distributed.fsdp import FSDPModule
 
 from dist_worker import write_rank_report
 from shardlm.config import load_config
@@ -55,6 +56,9 @@ def run(scenario: dict, trainer: Trainer) -> dict:
         report["frozen_after_first_phase"] = sorted(frozen0)
     else:
         history = trainer.train()
+    for module in model.modules():  # a forward without backward (the last evaluation) leaves groups that do not
+        if isinstance(module, FSDPModule):  # reshard after forward (root, output) unsharded: compare shards
+            module.reshard()
     names = {p: n for n, p in model.named_parameters()}
     report.update({
         "history": history,

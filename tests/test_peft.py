@@ -22,11 +22,11 @@ from shardlm.convert.hf_in import load_model_dir
 from shardlm.convert.hf_out import save_model_dir
 from shardlm.convert.peft_out import gather_full_params, merge_lora, save_peft_dir
 from shardlm.errors import ConfigError
+from shardlm.model.freeze import apply_freeze, name_matches, pattern_regex
 from shardlm.model.lora import LoRALinear, LoRASpec, lora_modules
 from shardlm.parallel.dist import DistInfo
 from shardlm.plan.memory import plan_memory
 from shardlm.train.build import build_model
-from shardlm.train.freeze import apply_freeze, name_matches, pattern_regex
 
 WORKER = Path(__file__).resolve().parent / "peft_worker.py"
 TINY = ["--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2", "--model.ffn_hidden=128",

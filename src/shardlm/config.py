@@ -111,7 +111,7 @@ class TrainConfig:
     """Comma-separated name patterns of the parameters to train; every other parameter is frozen (no gradient,
     no optimizer state, no gradient communication). ``*`` matches any text, ``[a-b]`` any integer from a to b,
     and a pattern may match any dot-separated run of a name: ``model.layers.[0-11].*``, ``embed_tokens``,
-    ``norm``. Empty: everything is trainable (see shardlm/train/freeze.py)."""
+    ``norm``. Empty: everything is trainable (see shardlm/model/freeze.py)."""
     frozen: str = ""
     """Comma-separated name patterns of parameters to freeze (as ``trainable``), applied after it."""
 

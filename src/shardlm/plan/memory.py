@@ -30,11 +30,11 @@ from dataclasses import dataclass, field
 import torch
 
 from shardlm.config import Config, ConfigError, gradient_accumulation_steps
+from shardlm.model.freeze import apply_freeze
 from shardlm.model.llama import Llama
 from shardlm.model.lora import NF4_BLOCK, LoRALinear, LoRASpec, apply_lora, nf4_scaler_block
 from shardlm.parallel.options import dtype_from_name
 from shardlm.plan import activations as act
-from shardlm.train.freeze import apply_freeze
 
 PARTS = ("params", "grads", "optimizer", "all_gather", "reduce_scatter", "activations", "temporaries", "buffers")
 """Categories of the breakdown, in display order."""

@@ -17,6 +17,7 @@ from shardlm.config import Config
 from shardlm.convert.hf_in import load_pretrained_
 from shardlm.errors import ConfigError
 from shardlm.model.cpu_matmul import apply_fp32_matmul, use_fp32_matmul
+from shardlm.model.freeze import apply_freeze
 from shardlm.model.llama import Llama
 from shardlm.model.lora import (
     LoRASpec,
@@ -30,14 +31,13 @@ from shardlm.parallel.ac import apply_ac, apply_compile
 from shardlm.parallel.dist import DistInfo
 from shardlm.parallel.fsdp import apply_fsdp
 from shardlm.parallel.options import mixed_precision_policy, offload_policy
-from shardlm.train.freeze import apply_freeze
 
 
 def build_model(cfg: Config, info: DistInfo, mesh: DeviceMesh | None) -> tuple[nn.Module, dict[str, Any] | None]:
     """Build the model on the meta device, wrap it for ``cfg.parallel.mode``, materialise, initialise.
 
     First the parameter-efficient set-up, on the meta device: ``train.trainable``/``train.frozen`` freeze
-    parameters (:mod:`shardlm.train.freeze`), or ``[lora]`` replaces the targeted linear layers by
+    parameters (:mod:`shardlm.model.freeze`), or ``[lora]`` replaces the targeted linear layers by
     :class:`~shardlm.model.lora.LoRALinear` (base frozen, stored fp32/bf16/NF4, adapters fp32). Then the CPU's
     bf16 matrix-multiply kernel (``cpu_bf16_matmul``, :mod:`shardlm.model.cpu_matmul`), activation
     checkpointing, compile, then :func:`apply_fsdp` (or DDP), as torchtitan orders them.

@@ -38,6 +38,7 @@ from shardlm.metrics import (
 from shardlm.metrics.memory import reset_device_peaks
 from shardlm.metrics.progress import progress
 from shardlm.metrics.trackers import check_packages, start_trackers
+from shardlm.model.freeze import apply_freeze
 from shardlm.model.llama import num_params
 from shardlm.model.lora import LoRASpec
 from shardlm.parallel import (
@@ -52,7 +53,6 @@ from shardlm.parallel import (
 from shardlm.parallel.dist import set_matmul_precision, to_device
 from shardlm.parallel.faults import FaultMonitor, guard_collectives
 from shardlm.train.build import build_model, unwrap
-from shardlm.train.freeze import apply_freeze
 from shardlm.train.loss import token_loss_sum
 from shardlm.train.mfu import peak_flops_per_rank
 from shardlm.train.optim import apply_train_config, build_optimizer, build_scheduler, clip_grad_norm_
@@ -356,7 +356,7 @@ class Trainer:
     def set_trainable(self, trainable: str, frozen: str = "") -> None:
         """Change which parameters train between steps (e.g. unfreeze blocks after a frozen start); a collective.
 
-        Applies the patterns as ``train.trainable``/``train.frozen`` (:func:`shardlm.train.freeze.apply_freeze`)
+        Applies the patterns as ``train.trainable``/``train.frozen`` (:func:`shardlm.model.freeze.apply_freeze`)
         to the sharded parameters (FSDP2 passes ``requires_grad`` on to the unsharded ones at the next
         all-gather), then rebuilds the optimizer over the trainable parameters, keeping the AdamW state of
         those that had one, and the LR schedule at the current step.

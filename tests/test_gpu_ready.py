@@ -284,8 +284,8 @@ def test_model_forward_is_the_same_with_either_attention_path(monkeypatch):
     with torch.no_grad():
         grouped = model(tokens)
         monkeypatch.setattr(llama_module, "attention",
-                            lambda q, k, v, mask=None: llama_module.F.scaled_dot_product_attention(
-                                q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), is_causal=True)
+                            lambda q, k, v, mask=None, scale=None: llama_module.F.scaled_dot_product_attention(
+                                q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), is_causal=True, scale=scale)
                             if mask is None else None)
         repeated = model(tokens)
     assert (grouped - repeated).abs().max().item() <= 1e-6

@@ -127,3 +127,14 @@ def tensorboard_scalars(log_dir: Path, tag: str) -> list[tuple[int, float]]:
                     value = v.simple_value if v.HasField("simple_value") else tensor_util.make_ndarray(v.tensor).item()
                     out.append((event.step, value))
     return sorted(out)
+
+
+def cli_error(capsys, argv: list[str]) -> str:
+    """Run ``shardlm ARGV`` in this process; assert exit code 2 and exactly one ``error:`` line; return it."""
+    from shardlm.cli.main import main as shardlm_main
+
+    capsys.readouterr()
+    assert shardlm_main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "Traceback" not in err and len(err.splitlines()) == 1, err
+    return err

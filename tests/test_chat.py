@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from shardlm.cli.main import main as shardlm_main
+from conftest import cli_error
 from shardlm.data.chat import ChatTemplate
 from shardlm.data.instruct import read_instructions
 
@@ -123,14 +123,6 @@ def test_ids_equal_apply_chat_template(style, tokenizer_json, tmp_path):
     print(f"\n{style}: {len(ids)} ids equal apply_chat_template's, {sum(mask)} trained")
 
 
-def _error(capsys, argv: list[str]) -> str:
-    capsys.readouterr()
-    assert shardlm_main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("error: ") and "Traceback" not in err and len(err.splitlines()) == 1, err
-    return err
-
-
 def _prepare(d: Path, data: Path, out: Path) -> list[str]:
     return ["prepare", "--config", str(ROOT / "configs/shakespeare-tiny.toml"), "--data.format=instruct",
             f"--data.corpus={data}", f"--data.tokenizer={d / 'tokenizer.json'}", f"--data.dir={out}"]
@@ -142,11 +134,11 @@ def test_bad_chat_input(tokenizer_json, tmp_path, capsys):
     out = tmp_path / "out"
     # a template that does not compile: the file and the template's line
     d = style_dir(tmp_path, tokenizer_json, "syntax", chat_template="{% for m in messages %}\n{{ m['content'] }\n")
-    err = _error(capsys, _prepare(d, data, out))
+    err = cli_error(capsys, _prepare(d, data, out))
     assert f"{d / 'tokenizer_config.json'}: the chat template does not compile: template line 2" in err, err
     # a template that fails while rendering: the JSONL line, the template's file and its own error text
     d = style_dir(tmp_path, tokenizer_json, "undefined", chat_template="{{ messages[0]['content'].nothing.here }}")
-    err = _error(capsys, _prepare(d, data, out))
+    err = cli_error(capsys, _prepare(d, data, out))
     assert err.startswith(f"error: {data}:1: the chat template ({d / 'tokenizer_config.json'}) failed") and \
         "UndefinedError" in err and "nothing" in err, err
     # a role the template rejects (raise_exception in the template)
@@ -155,12 +147,12 @@ def test_bad_chat_input(tokenizer_json, tmp_path, capsys):
     bad.write_text(json.dumps({"messages": CHAT}) + "\n" + json.dumps({"messages": [
         {"role": "user", "content": "Hi"}, {"role": "tool", "content": "42"},
         {"role": "assistant", "content": "Hello"}]}) + "\n")
-    err = _error(capsys, _prepare(d, bad, out))
+    err = cli_error(capsys, _prepare(d, bad, out))
     assert err.startswith(f"error: {bad}:2: the chat template ({d / 'tokenizer_config.json'}) failed") and \
         "Conversation roles must alternate user/assistant/user/assistant/..." in err, err
     # a row without messages
     rows = tmp_path / "rows.jsonl"
     rows.write_text(json.dumps({"messages": CHAT}) + "\n" + json.dumps({"text": "no chat here"}) + "\n")
-    err = _error(capsys, _prepare(d, rows, out))
+    err = cli_error(capsys, _prepare(d, rows, out))
     assert err == f"error: {rows}:2: missing field 'messages' (or 'prompt' and 'response')", err
     assert not out.exists()

@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import run_scenarios, scenario
+from conftest import cli_error, run_scenarios, scenario
 from shardlm.cli.main import main as shardlm_main
 from shardlm.convert.hf_config import model_config_from_hf_dict
 from shardlm.convert.hf_in import load_model_dir
@@ -221,14 +221,6 @@ def test_compile_and_bf16_kernel_keep_each_family(family_dirs):
 # ---- bad input: one clear message naming the field or tensor -----------------------------------------------------
 
 
-def _error(capsys, argv: list[str]) -> str:
-    capsys.readouterr()
-    assert shardlm_main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("error: ") and "Traceback" not in err and len(err.splitlines()) == 1, err
-    return err
-
-
 def test_bad_input(family_dirs, tmp_path, capsys):
     base = json.loads((family_dirs["qwen3"] / "config.json").read_text())
 
@@ -242,17 +234,17 @@ def test_bad_input(family_dirs, tmp_path, capsys):
         return d
 
     moe = write("moe", {**base, "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 8})
-    err = _error(capsys, ["import", str(moe), str(tmp_path / "o1")])
+    err = cli_error(capsys, ["import", str(moe), str(tmp_path / "o1")])
     assert "model_type='qwen3_moe'" in err and "not built" in err
     yarn = write("yarn", {**base, "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}})
-    err = _error(capsys, ["import", str(yarn), str(tmp_path / "o2")])
+    err = cli_error(capsys, ["import", str(yarn), str(tmp_path / "o2")])
     assert "rope_type 'yarn' is not supported" in err
     softcap = write("softcap", {**json.loads((family_dirs["gemma3"] / "config.json").read_text()),
                                 "attn_logit_softcapping": 50.0},
                     load_file(str(family_dirs["gemma3"] / "model.safetensors")))
-    assert "attn_logit_softcapping" in _error(capsys, ["import", str(softcap), str(tmp_path / "o3")])
+    assert "attn_logit_softcapping" in cli_error(capsys, ["import", str(softcap), str(tmp_path / "o3")])
     wrong = write("wrong", {**base, "head_dim": 16})  # the tensors were made with head_dim 24
-    err = _error(capsys, ["import", str(wrong), str(tmp_path / "o4")])
+    err = cli_error(capsys, ["import", str(wrong), str(tmp_path / "o4")])
     assert "model.layers.0.self_attn.q_proj.weight has shape (96, 64)" in err and "(64, 64)" in err
     assert not any((tmp_path / f"o{i}").exists() for i in range(1, 5))
 
@@ -275,7 +267,7 @@ def test_gguf_quantisation_not_dequantisable(tmp_path, capsys):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    err = _error(capsys, ["import", "--gguf", str(path), str(tmp_path / "out")])
+    err = cli_error(capsys, ["import", "--gguf", str(path), str(tmp_path / "out")])
     assert "token_embd.weight" in err and "Q8_1" in err and "cannot be dequantised" in err
     assert not (tmp_path / "out").exists()
 

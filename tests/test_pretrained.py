@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from conftest import smollm2_gguf, torchrun
+from conftest import cli_error, smollm2_gguf, torchrun
 from shardlm.atomic import current_umask
 from shardlm.cli.main import main as shardlm_main
 from shardlm.convert.gguf_in import hf_name
@@ -203,14 +203,6 @@ def test_sharded_loading_reads_only_own_rows(finetune, name):
 
 # ---- bad input ------------------------------------------------------------------------------
 
-def _error(capsys, argv: list[str]) -> str:
-    capsys.readouterr()
-    assert shardlm_main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("error: ") and "Traceback" not in err and len(err.splitlines()) == 1, err
-    return err
-
-
 def test_bad_pretrained_input(tmp_path, capsys, smol_dir, small_corpus):
     src = random_hf_dir(tmp_path / "src")
     cfg = json.loads((src / "config.json").read_text())
@@ -218,7 +210,7 @@ def test_bad_pretrained_input(tmp_path, capsys, smol_dir, small_corpus):
     other = tmp_path / "gpt2"
     other.mkdir()
     (other / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
-    assert "model_type='gpt2'" in _error(capsys, ["import", str(other), str(tmp_path / "o1")])
+    assert "model_type='gpt2'" in cli_error(capsys, ["import", str(other), str(tmp_path / "o1")])
     # a missing tensor
     weights = load_file(str(src / "model.safetensors"))
     missing = tmp_path / "missing"
@@ -226,19 +218,19 @@ def test_bad_pretrained_input(tmp_path, capsys, smol_dir, small_corpus):
     (missing / "config.json").write_text(json.dumps(cfg))
     save_file({k: v for k, v in weights.items() if k != "model.layers.1.mlp.up_proj.weight"},
               str(missing / "model.safetensors"))
-    assert "tensor model.layers.1.mlp.up_proj.weight is missing" in _error(
+    assert "tensor model.layers.1.mlp.up_proj.weight is missing" in cli_error(
         capsys, ["import", str(missing), str(tmp_path / "o2")])
     # config.json disagrees with the weights
     wrong = tmp_path / "wrong"
     wrong.mkdir()
     (wrong / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 128}))
     save_file(weights, str(wrong / "model.safetensors"))
-    err = _error(capsys, ["export", str(wrong), str(tmp_path / "o3")])
+    err = cli_error(capsys, ["export", str(wrong), str(tmp_path / "o3")])
     assert "model.layers.0.mlp.gate_proj.weight has shape (160, 64)" in err and "(128, 64)" in err
     assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists() and not (tmp_path / "o3").exists()
     # a tokenizer with more ids (SmolLM2's 49152) than the embedding rows (1001)
     (src / "tokenizer.json").write_bytes((smol_dir / "tokenizer.json").read_bytes())
-    err = _error(capsys, ["prepare", "--config", str(Path(__file__).parents[1] / "configs/shakespeare-tiny.toml"),
+    err = cli_error(capsys, ["prepare", "--config", str(Path(__file__).parents[1] / "configs/shakespeare-tiny.toml"),
                           f"--model.init_from={src}", f"--data.corpus={small_corpus}",
                           f"--data.dir={tmp_path / 'd'}", "--train.seq_len=32"])
     assert "49152" in err and "1001" in err
@@ -403,7 +395,7 @@ def test_config_and_tokenizer_disagreeing_on_eos(smol_dir, tmp_path, capsys):
     (bad / "config.json").write_text(json.dumps({**config, "eos_token_id": 0}, indent=2))
     line = next(i for i, s in enumerate((bad / "config.json").read_text().splitlines(), 1) if '"eos_token_id"' in s)
     for argv in (["generate", "--model", str(bad), "--prompt", "Hi"], ["export", str(bad), str(tmp_path / "o")]):
-        err = _error(capsys, argv)
+        err = cli_error(capsys, argv)
         assert err.startswith(f"error: {bad / 'config.json'}:{line}: eos_token_id 0 disagrees with the tokenizer: "
                               f"{bad / 'tokenizer_config.json'}:") and "'<|im_end|>', id 2" in err, err
     assert not (tmp_path / "o").exists()

@@ -314,18 +314,18 @@ def test_mixture_draws_follow_the_weights_at_any_world_size():
 
 @pytest.mark.dist
 def test_training_prepares_an_unprepared_mixture_on_every_rank(tmp_path):
-    """2 ranks start on unprepared data with parallel.timeout_s=4, below the preparation time: both ranks
+    """2 ranks start on unprepared data with parallel.timeout_s=2, below the preparation time: both ranks
     prepare and train. The sample ids are the sampler's (the same at any world size), a run resumed at step 6
     continues exactly, and the metrics count tokens seen per source."""
     from conftest import run_scenarios, tiny_overrides
     from shardlm.data import TokenWindows, shakespeare_dir
 
-    extra_src = write_format(tmp_path / "src_b", "jsonl", make_docs(1000, seed=11))
+    extra_src = write_format(tmp_path / "src_b", "jsonl", make_docs(4000, seed=11))
     plays = shakespeare_dir() / "*" / "*.md"  # the 38 plays, 5.3 MB, through a glob
     sources = f'[{{path = "{plays}", weight = 0.7, name = "plays"}}, {{path = "{extra_src}", weight = 0.3}}]'
     data, runs = tmp_path / "data", tmp_path / "runs"
     common = {"data.sources": sources, "train.steps": 12, "train.eval_interval": 6, "checkpoint.interval": 6,
-              "checkpoint.keep": 0, "data.workers": 1, "train.micro_batch_size": 4, "parallel.timeout_s": 4}
+              "checkpoint.keep": 0, "data.workers": 1, "train.micro_batch_size": 4, "parallel.timeout_s": 2}
 
     def scenario(name, extra=None):
         return {"name": name, "config": None, "overrides": tiny_overrides(data, runs / name, {**common, **(extra or {})})}
@@ -335,8 +335,8 @@ def test_training_prepares_an_unprepared_mixture_on_every_rank(tmp_path):
                         tmp_path / "out")
     first = out["mix2"]
     prepare_s = [r["prepare_s"] for r in first]
-    print(f"preparation took {prepare_s} s on the two ranks; parallel.timeout_s = 4")
-    assert min(prepare_s) > 4  # about 23 s here: a collective would have timed out
+    print(f"preparation took {prepare_s} s on the two ranks; parallel.timeout_s = 2")
+    assert min(prepare_s) > 2  # longer than parallel.timeout_s: a collective waiting for it would have timed out
     meta = json.loads((data / "meta.json").read_text())
     assert meta["format"] == "mixture" and [s["name"] for s in meta["sources"]] == ["plays", "source1"]
     windows = [len(TokenWindows(str(data / name), "train", 32)) for name in ("plays", "source1")]

@@ -590,7 +590,7 @@ def check_relaunch_resumes(small_data: Path, run: Path, logs: Path, job: dict) -
         stop(procs)
     assert codes == [0, 0], logs_of(logs)
     out = (logs / "node0.out").read_text()
-    assert f"resumed from {path} at step {step}" in out, out[-3000:]
+    assert "resumed run " in out and f" from {path} at step {step}" in out, out[-3000:]
     after = read_losses(run / "metrics.jsonl")
     assert sorted(after) == list(range(1, RESUME_STEPS + 1))  # every step logged once
     repeated = [s for s in before if s > step]

@@ -361,11 +361,13 @@ def _apply(section_obj: Any, section: str, key: str, value: Any) -> None:
     setattr(section_obj, key, _coerce(f"{section}.{key}", value, hints[key]))
 
 
-def load_config(path: str | None = None, overrides: list[str] | None = None) -> Config:
-    """Build a :class:`Config` from an optional TOML file and ``--section.key=value`` overrides.
+def load_config(path: str | list[str] | None = None, overrides: list[str] | None = None) -> Config:
+    """Build a :class:`Config` from optional TOML files and ``--section.key=value`` overrides.
 
     Args:
-        path: TOML file with sections named like the :class:`Config` fields, or None for defaults.
+        path: TOML file with sections named like the :class:`Config` fields, a list of such files applied in
+            order (a later file's keys replace an earlier one's; e.g. a config, then the settings
+            ``shardlm tune`` wrote), or None for defaults. ``run.name`` defaults to the first file's stem.
         overrides: command-line items such as ``--train.steps=50`` (values are parsed as TOML
             values, so ``true``, ``3e-4`` and ``[0.9, 0.95]`` work; bare words are strings).
 
@@ -374,23 +376,24 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
     """
     cfg = Config()
     sections = {f.name for f in dataclasses.fields(cfg)}
-    if path is not None:
-        p = Path(path)
+    paths = [] if path is None else [path] if isinstance(path, str) else list(path)
+    for file in paths:
+        p = Path(file)
         if not p.is_file():
-            raise ConfigError(f"config file not found: {path}")
+            raise ConfigError(f"config file not found: {file}")
         try:
             data = tomllib.loads(p.read_text())
         except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{path}: invalid TOML: {e}") from None
+            raise ConfigError(f"{file}: invalid TOML: {e}") from None
         for section, table in data.items():
             if section not in sections:
-                raise ConfigError(f"unknown config section '{section}' in {path} (known: {', '.join(sorted(sections))})")
+                raise ConfigError(f"unknown config section '{section}' in {file} (known: {', '.join(sorted(sections))})")
             if not isinstance(table, dict):
-                raise ConfigError(f"'{section}' in {path} must be a [section] table")
+                raise ConfigError(f"'{section}' in {file} must be a [section] table")
             for key, value in table.items():
                 _apply(getattr(cfg, section), section, key, value)
-        if not cfg.run.name:
-            cfg.run.name = p.stem
+    if paths and not cfg.run.name:
+        cfg.run.name = Path(paths[0]).stem
     for item in overrides or []:
         if not item.startswith("--") or "=" not in item:
             raise ConfigError(f"override {item!r} must look like --section.key=value")

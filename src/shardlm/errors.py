@@ -33,6 +33,10 @@ class ModelDirError(ValueError):
     """A model directory (or GGUF file) is missing, not a supported model, or inconsistent with its weights."""
 
 
+class TuneError(ValueError):
+    """``shardlm tune`` cannot choose: no candidate fits the memory, or the measuring launch reported an error."""
+
+
 class NonFiniteError(RuntimeError):
     """The loss or the gradient norm became NaN or infinite; the step was not applied or logged."""
 
@@ -60,4 +64,4 @@ NODE_LOST_EXIT_CODE = 4
 
 #: errors caused by the user's input or data: reported as one line, exit code 2
 USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, DataError, ModelDirError, CheckpointError,
-                                                UnsafeCheckpointError)
+                                                UnsafeCheckpointError, TuneError)

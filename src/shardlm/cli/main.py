@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="encoding processes per rank (default data.workers: 0 = the cores this process may use); "
                         "under torchrun (torchrun ... -m shardlm.data --config FILE) every rank takes a share")
     p.set_defaults(fn=cmd_prepare)
-    from shardlm.cli import checkpoint, eval, generate, plan, pretrained, profile, report
+    from shardlm.cli import checkpoint, eval, generate, plan, pretrained, profile, report, tune
 
     generate.add_parser(sub)
     eval.add_parser(sub)
@@ -77,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     pretrained.add_parsers(sub)  # import
     plan.add_parser(sub)
     profile.add_parser(sub)
+    tune.add_parser(sub)
     args, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     return run_cli(lambda: args.fn(args, overrides))
 

@@ -10,12 +10,13 @@ from shardlm.cli.errors import run_cli
 from shardlm.config import load_config
 
 
-def parse_args(argv: list[str]) -> tuple[str | None, list[str]]:
-    """Split ``argv`` into the config path and the ``--section.key=value`` overrides."""
+def parse_args(argv: list[str]) -> tuple[list[str] | None, list[str]]:
+    """Split ``argv`` into the config paths and the ``--section.key=value`` overrides."""
     parser = argparse.ArgumentParser(
         prog="torchrun --nproc_per_node=N -m shardlm.train",
         description="Train a Llama model with FSDP2. Overrides: --section.key=value, e.g. --train.steps=50.")
-    parser.add_argument("--config", help="TOML config file (see configs/)")
+    parser.add_argument("--config", action="append", help="TOML config file (see configs/); repeat it to layer "
+                        "files, later ones overriding earlier ones (e.g. the overrides shardlm tune writes)")
     parser.add_argument("--resume", help="same as --checkpoint.resume: 'auto' or a checkpoint directory")
     args, overrides = parser.parse_known_args(argv)
     if args.resume is not None:

@@ -1,0 +1,90 @@
+"""``shardlm tune``: choose the FSDP settings that fit and run fastest, from the planner and a few measured steps.
+
+See :mod:`shardlm.plan.tune` for the candidates and the search, :mod:`shardlm.plan.tune_worker` for the launch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import time
+from pathlib import Path
+
+from shardlm.errors import ConfigError
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register ``tune`` on the ``shardlm`` command's subparsers."""
+    p = sub.add_parser("tune", help="measure candidate FSDP settings that fit (one torchrun launch) and write the "
+                       "fastest as config overrides")
+    p.add_argument("config", help="TOML config (overrides follow as --section.key=value)")
+    p.add_argument("--world-size", type=int, required=True, help="number of ranks N (on this machine)")
+    p.add_argument("--out", default=None, help="TOML file for the chosen settings (default: <config stem>.tuned.toml "
+                   "in the current directory); train with --config CONFIG --config OUT")
+    p.add_argument("--device", default="auto", help="whose memory the candidates must fit: auto (this machine's "
+                   "GPU, else its RAM shared by the ranks), cpu, h100, h100-pcie, h100-96gb, h200, a100-80gb, b200")
+    p.add_argument("--memory-per-rank", type=float, default=None,
+                   help="GiB per rank the candidates may use, instead of the device's (default: the device's)")
+    p.add_argument("--headroom", type=float, default=0.05, help="fraction of the memory kept free")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per candidate")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per candidate (the median is compared)")
+    p.add_argument("--repeats", type=int, default=1, help="times the candidate list is measured (times pooled)")
+    p.add_argument("--search", default="staged", choices=["staged", "full"],
+                   help="staged: the config's settings, one change at a time, then the best of each combined; "
+                        "full: every fitting candidate (slow; the benchmark's grid)")
+    p.set_defaults(fn=cmd_tune)
+
+
+def cmd_tune(args: argparse.Namespace, overrides: list[str]) -> None:
+    """Enumerate, filter by predicted memory, measure in one launch, print the table, write the pick."""
+    if args.world_size < 1:
+        raise ConfigError(f"--world-size must be >= 1, got {args.world_size}")
+    out = Path(args.out or f"{Path(args.config).stem}.tuned.toml")
+    if out.is_dir():
+        raise ConfigError(f"--out {out} is a directory: name a file")
+    import torch
+
+    from shardlm.plan.devices import GIB
+    from shardlm.plan.tune import (
+        config_candidate,
+        dotted,
+        format_table,
+        memory_budget,
+        overrides_toml,
+        run_tune,
+        write_text_atomic,
+    )
+
+    cuda = args.device == "auto" and torch.cuda.is_available()
+    budget = memory_budget(args.device, args.world_size, args.headroom, args.memory_per_rank,
+                           torch.cuda.get_device_name(0) if cuda else None,
+                           torch.cuda.get_device_properties(0).total_memory if cuda else 0)
+
+    def announce(cfg, rows) -> None:
+        print(f"tune | {cfg.run.name}: fsdp at world size {args.world_size}, global batch "
+              f"{cfg.train.global_batch_size} x {cfg.train.seq_len} tokens; usable memory {budget.bytes / GIB:.2f} "
+              f"GiB per rank ({budget.source}); {sum(r.fits for r in rows)} of {len(rows)} candidates fit "
+              f"({args.search} search), each {args.warmup} warm-up + {args.steps} timed steps x {args.repeats}",
+              flush=True)
+
+    result = run_tune(args.config, overrides, args.world_size, budget, args.search, args.warmup, args.steps,
+                      args.repeats, announce)
+    cfg, rows, best = result.cfg, result.rows, result.picked
+    print(format_table(rows, cfg, args.world_size, best.cand if best else None))
+    if best is None:  # pragma: no cover - prepare() guarantees one fitting candidate
+        raise ConfigError("no candidate was measured")
+    tokens = cfg.train.global_batch_size * cfg.train.seq_len
+    own = next((r for r in rows if r.cand == config_candidate(cfg, args.world_size) and r.times), None)
+    versus = f"; the config's settings: {own.step_s:.3f} s ({own.step_s / best.step_s:.2f}x)" if own else ""
+    command = shlex.join(["shardlm", "tune", args.config, "--world-size", str(args.world_size), *overrides])
+    train = (f"torchrun --nproc_per_node={args.world_size} -m shardlm.train --config {args.config} --config {out}"
+             + (f" {shlex.join(overrides)}" if overrides else ""))
+    header = [f"written by: {command} ({time.strftime('%Y-%m-%d %H:%M')}, {result.seconds:.0f} s)",
+              f"picked: {best.step_s:.3f} s/step, {tokens / best.step_s:,.0f} tokens/s at world size "
+              f"{args.world_size}{versus}",
+              f"predicted peak {best.predicted_bytes / GIB:.3f} GiB per rank of {budget.bytes / GIB:.2f} GiB usable",
+              f"train: {train}", f"or add: {dotted(best.cand)}"]
+    write_text_atomic(out, overrides_toml(best.cand, header))
+    print(f"picked #{rows.index(best) + 1}: {best.step_s:.3f} s/step, {tokens / best.step_s:,.0f} tokens/s{versus}")
+    print(f"wrote {out}; train with: {train}")
+    print(f"dotted overrides: {dotted(best.cand)}")

@@ -1,0 +1,129 @@
+"""The measuring side of ``shardlm tune``: one torchrun launch that builds and times each candidate in turn.
+
+Started by :func:`shardlm.plan.tune.launch` as ``torchrun ... -m shardlm.plan.tune_worker SPEC.json``. Every
+rank reads the spec (config, overrides, the candidates to measure, the staged search's base, warm-up and
+measured steps, repeats), builds the run's :class:`shardlm.train.Trainer` for each candidate (its data, model,
+optimizer; no checkpoints, no evaluation, no trackers; a run directory of its own under the launch's work
+directory), runs ``warmup`` steps, then times ``steps`` steps. A step's time is the slowest rank's (an
+all-reduce of the times after the candidate, not a collective per step). Repeats measure the whole list again
+in the same order, so a load that drifts touches every candidate alike. After the first round of a staged
+search, the ranks, which hold the same times, compute the same second-round candidate (:func:`shardlm.plan.tune.combine`)
+and measure it when it fits. Rank 0 writes the rows as JSON and prints one ``tune: ...`` line per candidate.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardlm.cli.errors import run_cli
+from shardlm.config import Config, load_config
+from shardlm.parallel import DistInfo, init_distributed
+from shardlm.parallel.dist import exit_process
+from shardlm.plan.tune import Candidate, Planner, Row, apply, combine
+from shardlm.train import Trainer
+
+
+def label(cand: Candidate) -> str:
+    """A short description of a candidate for the progress lines."""
+    return (f"reshard={str(cand.reshard_after_forward).lower()} prefetch={cand.forward_prefetch}/"
+            f"{cand.backward_prefetch} ac={cand.activation_checkpoint} micro-batch={cand.micro_batch_size} "
+            f"sync={cand.grad_sync}")
+
+
+def run_config(cfg: Config, cand: Candidate, spec: dict[str, Any], index: int) -> Config:
+    """The config one candidate runs with: its settings; a run directory of its own; no checkpoints, evaluation
+    or trackers; ``train.steps`` = the steps run; a nominal MFU peak (MFU is not reported: no start-up
+    measurement of the matrix-multiply rate)."""
+    out = apply(cfg, cand)
+    out.run.dir = str(Path(spec["workdir"]) / f"candidate-{index}")
+    out.run.overwrite = True
+    out.checkpoint.enabled = False
+    out.checkpoint.resume = ""
+    out.train.steps = spec["warmup"] + spec["steps"]
+    out.train.eval_interval = 0
+    out.metrics.wandb = out.metrics.mlflow = False
+    if out.train.peak_flops <= 0:
+        out.train.peak_flops = 1.0
+    return out
+
+
+def time_candidate(cfg: Config, info: DistInfo) -> tuple[list[float], int]:
+    """Build the trainer of ``cfg``, run its steps; return the measured steps' times in seconds (the slowest
+    rank's per step) and, on CUDA, the busiest rank's peak allocated bytes (else -1)."""
+    cuda = info.device.type == "cuda"
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(info.device)
+    trainer = Trainer(cfg, info)
+    times: list[float] = []
+    try:
+        for _ in range(cfg.train.steps):
+            if cuda:
+                torch.cuda.synchronize(info.device)
+            start = time.perf_counter()
+            trainer.train_step()
+            if cuda:
+                torch.cuda.synchronize(info.device)
+            times.append(time.perf_counter() - start)
+    finally:
+        trainer.fault_monitor.close()
+        trainer.checkpointer.close()
+        trainer.logger.close("finished")
+    peak = torch.cuda.max_memory_allocated(info.device) if cuda else -1
+    del trainer
+    gc.collect()
+    t = torch.tensor(times + [float(peak)], dtype=torch.float64, device=info.device)
+    if info.world_size > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    values = t.tolist()
+    return values[:-1], int(values[-1])
+
+
+def measure(spec: dict[str, Any]) -> None:
+    """Measure the spec's candidates (and, in a staged search, the second-round one); rank 0 writes the rows."""
+    cfg = load_config(spec["config"], spec["overrides"])
+    info = init_distributed(cfg.parallel)
+    rows = [Row.from_dict(d) for d in spec["rows"]]
+    warmup = spec["warmup"]
+    count = [0]
+
+    def run(todo: list[Row]) -> None:
+        for repeat in range(spec["repeats"]):
+            for row in todo:
+                count[0] += 1
+                times, peak = time_candidate(run_config(cfg, row.cand, spec, count[0]), info)
+                row.times += times[warmup:]
+                row.measured_peak_bytes = max(row.measured_peak_bytes, peak)
+                if info.is_main:
+                    print(f"tune: {label(row.cand)}: {statistics.median(times[warmup:]):.3f} s/step"
+                          + (f" (repeat {repeat + 1})" if spec["repeats"] > 1 else ""), flush=True)
+
+    run([r for r in rows if r.fits])
+    if spec["search"] == "staged":
+        planner = Planner(cfg, info.world_size, spec["device"], spec["budget"])
+        best = combine(rows, Candidate.from_dict(spec["base"]), planner)
+        if all(r.cand != best for r in rows):
+            rows.append(Row(best, planner.bytes(best), planner.fits(best), round=2))
+            if rows[-1].fits:
+                run([rows[-1]])
+    if info.is_main:
+        Path(spec["out"]).write_text(json.dumps([r.to_dict() for r in rows]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: ``python -m shardlm.plan.tune_worker SPEC.json`` under torchrun; returns the exit code."""
+    args = sys.argv[1:] if argv is None else argv
+    return run_cli(lambda: measure(json.loads(Path(args[0]).read_text())))
+
+
+if __name__ == "__main__":
+    exit_process(main())

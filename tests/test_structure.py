@@ -130,14 +130,14 @@ def test_cli_help_imports_no_torch():
               "            main(argv.split())\n        except SystemExit:\n            pass\n"
               "print('torch' in sys.modules)")
     helps = ["--help"] + [f"{c} --help" for c in ("prepare", "generate", "eval", "report", "export", "inspect",
-                                                 "import", "plan", "profile")]
+                                                 "import", "plan", "profile", "tune")]
     proc = subprocess.run([sys.executable, "-c", script, *helps], env=cpu_env(), capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "False"
 
 
-@pytest.mark.parametrize("command", ["generate", "eval", "plan"])
+@pytest.mark.parametrize("command", ["generate", "eval", "plan", "tune"])
 def test_help_shows_every_default(command):
     proc = subprocess.run([sys.executable, "-m", "shardlm", command, "--help"], env=cpu_env(), capture_output=True,
                           text=True, timeout=60)

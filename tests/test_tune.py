@@ -1,0 +1,158 @@
+"""``shardlm tune``: candidates from the planner, measured in one torchrun launch, the pick written as TOML."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+
+import pytest
+
+from conftest import ROOT, cli_error
+from shardlm.cli.main import main as shardlm_main
+from shardlm.cli.train import parse_args
+from shardlm.config import load_config
+from shardlm.plan import tune
+from shardlm.plan.devices import GIB
+from shardlm.plan.tune import Candidate, Planner, Row, combine, config_candidate, first_round, space
+
+TINY = """[model]
+dim = 64
+n_layers = 2
+n_heads = 4
+n_kv_heads = 2
+ffn_hidden = 128
+vocab_size = 512
+max_seq_len = 64
+
+[data]
+dir = "{data}"
+
+[train]
+seq_len = 32
+global_batch_size = 8
+micro_batch_size = 4
+"""
+
+
+def table_rows(stdout: str) -> list[dict[str, str]]:
+    """The rows of the table ``shardlm tune`` printed, as {column: cell}."""
+    lines = [line for line in stdout.splitlines() if line.startswith("| ")]
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    return [dict(zip(head, (c.strip() for c in line.strip("|").split("|")))) for line in lines[1:]]
+
+
+def as_candidate(row: dict[str, str]) -> Candidate:
+    forward, backward = row["prefetch f/b"].split("/")
+    micro = int(row["micro-batch x accum"].split(" x ")[0])
+    return Candidate(row["reshard"] == "true", int(forward), int(backward), row["AC"], micro,
+                     row["grad sync"] if row["grad sync"] != "-" else "every_micro_batch")
+
+
+@pytest.mark.dist
+def test_tune_measures_the_fitting_candidates_in_one_launch(tmp_path, small_data, capsys, monkeypatch):
+    """A memory budget between the config's own settings and activation checkpointing: the config's row does not
+    fit and is not measured, several others are, in one torchrun launch; the pick is the fastest measured row and
+    its TOML, layered on the config, loads as those settings, which fit the budget."""
+    config = tmp_path / "tiny.toml"
+    config.write_text(TINY.format(data=small_data))
+    cfg = load_config(str(config))
+    own = config_candidate(cfg, 2)
+    probe = Planner(cfg, 2, "cpu", 0)
+    budget = (probe.bytes(own) + probe.bytes(own.with_value("ac", "full"))) / 2
+    launches = []
+    popen = subprocess.Popen
+
+    def counting_popen(cmd, *args, **kwargs):
+        launches.append(cmd)
+        return popen(cmd, *args, **kwargs)
+
+    monkeypatch.setattr(tune.subprocess, "Popen", counting_popen)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    out = tmp_path / "tuned.toml"
+    capsys.readouterr()
+    code = shardlm_main(["tune", str(config), "--world-size", "2", "--out", str(out), "--warmup", "1", "--steps",
+                         "2", "--memory-per-rank", f"{budget / GIB:.9f}", "--headroom", "0"])
+    captured = capsys.readouterr()
+    print(captured.out)
+    assert code == 0, captured.err
+    assert len(launches) == 1 and "torch.distributed.run" in launches[0] and "--nproc_per_node=2" in launches[0]
+    rows = table_rows(captured.out)
+    measured = [r for r in rows if r["step s"] != "-"]
+    assert len(measured) >= 4 and all(r["fits"] == "yes" for r in measured)
+    assert len(re.findall(r"^tune: reshard=", captured.err, re.M)) == len(measured)  # one progress line each
+    config_row = next(r for r in rows if "config" in r["note"])
+    assert config_row["fits"] == "no" and config_row["step s"] == "-"  # the config's own settings do not fit
+    assert float(config_row["predicted GiB/rank"]) * GIB > budget * 0.99
+    picked = [r for r in rows if "picked" in r["note"]]
+    assert len(picked) == 1 and float(picked[0]["step s"]) == min(float(r["step s"]) for r in measured)
+    for r in measured:  # tokens/s = global batch x seq / step time
+        assert float(r["tokens/s"].replace(",", "")) == pytest.approx(8 * 32 / float(r["step s"]), rel=0.01)
+    # the written overrides layer on the config (and the printed dotted form says the same)
+    tuned = load_config([str(config), str(out)])
+    chosen = config_candidate(tuned, 2)
+    assert chosen == as_candidate(picked[0])
+    assert Planner(tuned, 2, "cpu", budget).fits(chosen)
+    assert set(re.findall(r"^\[(\w+)\]", out.read_text(), re.M)) == {"parallel", "train"}
+    line = next(line for line in captured.out.splitlines() if line.startswith("dotted overrides: "))
+    assert config_candidate(load_config(str(config), line.split(": ", 1)[1].split()), 2) == chosen
+    assert tuned.model == cfg.model and tuned.train.global_batch_size == 8 and tuned.run.name == "tiny"
+
+
+def test_no_candidate_fits_says_what_would(tmp_path, capsys, monkeypatch):
+    """No candidate fits at 2 ranks: one error naming the smallest candidate's need and the world size at which
+    the model fits (with its checkpointing and micro-batch); nothing is launched or written."""
+    config = tmp_path / "wide.toml"
+    config.write_text(TINY.format(data=tmp_path / "none").replace("dim = 64", "dim = 512")
+                      .replace("vocab_size = 512", "vocab_size = 8192"))  # 11M parameters: state dominates
+    cfg = load_config(str(config))
+    smallest = Candidate(True, 0, 0, "full", 1, "every_micro_batch")
+    at2, at4 = Planner(cfg, 2, "cpu", 0).bytes(smallest), Planner(cfg, 4, "cpu", 0).bytes(smallest)
+    assert at4 < at2
+    monkeypatch.setattr(tune.subprocess, "Popen", lambda *a, **k: pytest.fail("launched"))
+    out = tmp_path / "tuned.toml"
+    err = cli_error(capsys, ["tune", str(config), "--world-size", "2", "--out", str(out),
+                             "--memory-per-rank", f"{at4 * 1.001 / GIB:.9f}", "--headroom", "0"])
+    assert "no candidate fits at world size 2" in err and f"{at2 / GIB:.2f} GiB per rank" in err
+    assert "more ranks: --world-size 4, with activation checkpointing" in err and "micro-batch" in err
+    assert not out.exists()
+    err = cli_error(capsys, ["tune", str(config), "--world-size", "3"])
+    assert "train.global_batch_size=8 must be divisible by the world size 3" in err
+    err = cli_error(capsys, ["tune", str(config), "--world-size", "2", "--parallel.mode=ddp"])
+    assert "parallel.mode must be 'fsdp'" in err
+
+
+def test_staged_search_candidates():
+    """The 20m config at 2 ranks: the config's settings as base and one change at a time, no checkpointing where
+    none is needed; with less memory the lightest checkpointing that fits; round 2 combines the fastest values."""
+    cfg = load_config(str(ROOT / "configs" / "20m.toml"))
+    roomy = Planner(cfg, 2, "cpu", 64 * GIB)
+    rows = first_round(cfg, roomy, "staged")
+    base = Candidate(True, 0, 0, "none", 4, "every_micro_batch")
+    assert [r.cand for r in rows] == [
+        base, base.with_value("reshard", False), base.with_value("prefetch", (1, 1)),
+        base.with_value("prefetch", (2, 2)), *[base.with_value("batching", (m, s)) for m in (2, 1)
+                                               for s in ("every_micro_batch", "last_micro_batch")]]
+    assert all(r.fits for r in rows)
+    assert [len(v) for v in space(cfg, 2).values()] == [2, 3, 4, 5]  # the full grid: reshard x prefetch x AC x batching
+    tight = Planner(cfg, 2, "cpu", (roomy.bytes(base) + roomy.bytes(base.with_value("ac", "selective"))) / 2)
+    rows = first_round(cfg, tight, "staged")
+    assert rows[0].cand == base and not rows[0].fits  # the config's own row, shown as not fitting
+    assert rows[1].cand == base.with_value("ac", "selective") and rows[1].fits
+    assert all(r.cand.activation_checkpoint == "none" for r in rows if r.cand.micro_batch_size < 4)
+    times = {base.with_value("reshard", False): 1.0, base.with_value("batching", (2, "last_micro_batch")): 1.1,
+             base.with_value("prefetch", (1, 1)): 1.5, base: 1.3}
+    measured = [Row(c, roomy.bytes(c), True, times=[t]) for c, t in times.items()]
+    assert combine(measured, base, roomy) == Candidate(False, 0, 0, "none", 2, "last_micro_batch")
+
+
+def test_config_files_layer_in_order(tmp_path):
+    """Several config files: later keys replace earlier ones, the run is named after the first file, command-line
+    overrides come last; ``python -m shardlm.train`` takes --config more than once."""
+    first, second = tmp_path / "base.toml", tmp_path / "tuned.toml"
+    first.write_text("[train]\nmicro_batch_size = 4\nsteps = 7\n[parallel]\nreshard_after_forward = true\n")
+    second.write_text("[train]\nmicro_batch_size = 2\n[parallel]\nreshard_after_forward = false\n")
+    cfg = load_config([str(first), str(second)], ["--train.steps=9"])
+    assert (cfg.train.micro_batch_size, cfg.train.steps, cfg.parallel.reshard_after_forward) == (2, 9, False)
+    assert cfg.run.name == "base"
+    paths, overrides = parse_args(["--config", str(first), "--config", str(second), "--train.steps=3"])
+    assert paths == [str(first), str(second)] and overrides == ["--train.steps=3"]

@@ -28,7 +28,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from shardlm.plan import tune  # noqa: E402
-from shardlm.plan.devices import GIB  # noqa: E402
 
 
 def measure(args: argparse.Namespace, budget: tune.Budget, search: str) -> tuple[object, list[tune.Row]]:
@@ -76,7 +75,7 @@ def main() -> None:
     if own is not None:
         print(f"  the config's own settings in the grid: {own.step_s:.3f} s; the pick is "
               f"{own.step_s / in_grid.step_s if in_grid else float('nan'):.2f}x faster")
-    print(f"  predicted peak of the pick: {picked.predicted_bytes / GIB:.3f} GiB per rank of {budget.bytes / GIB:.2f}")
+    print(f"  predicted peak of the pick: {tune.size(picked.predicted_bytes)} per rank of {tune.size(budget.bytes)}")
     meta = dict(config=args.config, world_size=args.world_size, warmup=args.warmup, steps=args.steps,
                 repeats=args.repeats, threads_per_rank=args.threads, cpu_count=os.cpu_count(),
                 load_average=os.getloadavg())

@@ -44,7 +44,7 @@ def cmd_tune(args: argparse.Namespace, overrides: list[str]) -> None:
         raise ConfigError(f"--out {out} is a directory: name a file")
     import torch
 
-    from shardlm.plan.devices import GIB
+    from shardlm.config import load_config
     from shardlm.plan.tune import (
         config_candidate,
         dotted,
@@ -52,18 +52,20 @@ def cmd_tune(args: argparse.Namespace, overrides: list[str]) -> None:
         memory_budget,
         overrides_toml,
         run_tune,
+        size,
         write_text_atomic,
     )
 
-    cuda = args.device == "auto" and torch.cuda.is_available()
+    on_cpu = load_config(args.config, overrides).parallel.device == "cpu"
+    cuda = args.device == "auto" and not on_cpu and torch.cuda.is_available()
     budget = memory_budget(args.device, args.world_size, args.headroom, args.memory_per_rank,
                            torch.cuda.get_device_name(0) if cuda else None,
                            torch.cuda.get_device_properties(0).total_memory if cuda else 0)
 
     def announce(cfg, rows) -> None:
         print(f"tune | {cfg.run.name}: fsdp at world size {args.world_size}, global batch "
-              f"{cfg.train.global_batch_size} x {cfg.train.seq_len} tokens; usable memory {budget.bytes / GIB:.2f} "
-              f"GiB per rank ({budget.source}); {sum(r.fits for r in rows)} of {len(rows)} candidates fit "
+              f"{cfg.train.global_batch_size} x {cfg.train.seq_len} tokens; usable memory {size(budget.bytes)} "
+              f"per rank ({budget.source}); {sum(r.fits for r in rows)} of {len(rows)} candidates fit "
               f"({args.search} search), each {args.warmup} warm-up + {args.steps} timed steps x {args.repeats}",
               flush=True)
 
@@ -82,7 +84,7 @@ def cmd_tune(args: argparse.Namespace, overrides: list[str]) -> None:
     header = [f"written by: {command} ({time.strftime('%Y-%m-%d %H:%M')}, {result.seconds:.0f} s)",
               f"picked: {best.step_s:.3f} s/step, {tokens / best.step_s:,.0f} tokens/s at world size "
               f"{args.world_size}{versus}",
-              f"predicted peak {best.predicted_bytes / GIB:.3f} GiB per rank of {budget.bytes / GIB:.2f} GiB usable",
+              f"predicted peak {size(best.predicted_bytes)} per rank of {size(budget.bytes)} usable",
               f"train: {train}", f"or add: {dotted(best.cand)}"]
     write_text_atomic(out, overrides_toml(best.cand, header))
     print(f"picked #{rows.index(best) + 1}: {best.step_s:.3f} s/step, {tokens / best.step_s:,.0f} tokens/s{versus}")

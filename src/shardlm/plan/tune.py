@@ -57,10 +57,11 @@ from typing import Any
 import shardlm
 from shardlm.config import Config, ConfigError, load_config
 from shardlm.errors import TuneError
-from shardlm.plan.devices import GIB, device_for_cuda_name, get_device
+from shardlm.plan.devices import GIB, MIB, device_for_cuda_name, get_device
 from shardlm.plan.memory import param_groups, plan_memory
 
-#: lightest first: the order in which the base tries them, and "lighter" for the staged search's pruning
+#: activation checkpointing modes, lightest (least recomputation) first: a staged search's candidates take the first
+#: that fits
 AC_ORDER = ("none", "selective", "every_n", "full")
 PREFETCH_DEPTHS = (0, 1, 2)
 SEARCHES = ("staged", "full")
@@ -112,6 +113,11 @@ class Candidate:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Candidate:
         return cls(**d)
+
+
+def size(nbytes: float) -> str:
+    """``nbytes`` for a message: GiB with two decimals from 1 GiB on, MiB with one below."""
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / MIB:.1f} MiB"
 
 
 def toml_value(value: Any) -> str:
@@ -276,8 +282,8 @@ class Row:
 
 
 def first_round(cfg: Config, planner: Planner, search: str) -> list[Row]:
-    """The candidates enumerated before anything is measured (fitting or not); :func:`measured_rows` picks
-    the ones to run.
+    """The candidates enumerated before anything is measured, fitting or not (the fitting ones are measured; a
+    staged search adds its round-2 candidate after round 1, :func:`combine`).
 
     Raises:
         TuneError: no candidate fits (see :func:`no_fit_message`).
@@ -336,7 +342,7 @@ def no_fit_message(cfg: Config, planner: Planner) -> str:
                 f" --train.global_batch_size={wider.train.global_batch_size}"
             fixes.append(f"more ranks: --world-size {m}{batch}, with activation checkpointing "
                          f"'{base.activation_checkpoint}' and micro-batch {base.micro_batch_size} "
-                         f"({wide.bytes(base) / GIB:.2f} GiB per rank)")
+                         f"({size(wide.bytes(base))} per rank)")
             break
     small = apply(cfg, smallest)
     others = []
@@ -350,12 +356,12 @@ def no_fit_message(cfg: Config, planner: Planner) -> str:
             setattr(variant.parallel, key, value)
         need = plan_memory(variant, n, planner.device).peak
         if need <= budget:
-            fixes.append(f"{text} (with activation checkpointing 'full' and micro-batch 1: {need / GIB:.2f} GiB "
+            fixes.append(f"{text} (with activation checkpointing 'full' and micro-batch 1: {size(need)} "
                          "per rank)")
     what = "; ".join(fixes) if fixes else ("nothing up to 64x the ranks: a smaller model, a shorter "
                                            "train.seq_len, or more memory per rank")
     return (f"no candidate fits at world size {n}: even activation checkpointing 'full' with micro-batch 1 needs "
-            f"{planner.bytes(smallest) / GIB:.2f} GiB per rank, {budget / GIB:.2f} GiB usable; what would fit: "
+            f"{size(planner.bytes(smallest))} per rank, {size(budget)} usable; what would fit: "
             f"{what}")
 
 
@@ -414,7 +420,7 @@ def memory_budget(device: str, world_size: int, headroom: float, memory_per_rank
     else:
         total, source = dev.memory_bytes, f"{dev.name} memory"
     return Budget(total * (1 - headroom), device,
-                  f"{total / GIB:.2f} GiB per rank ({source}) less {headroom:.0%} headroom")
+                  f"{size(total)} per rank ({source}) less {headroom:.0%} headroom")
 
 
 # ---- the launch -------------------------------------------------------------------------------
@@ -430,8 +436,8 @@ def child_env(world_size: int) -> dict[str, str]:
 def launch(spec: dict[str, Any], world_size: int, workdir: Path) -> list[Row]:
     """Run the measuring workers (one torchrun launch of ``world_size`` ranks) and return their rows.
 
-    The workers' progress lines (``tune: ...``) are passed on to stderr as they come; an ``error: ...`` line of
-    a worker becomes this process's error.
+    The workers' progress lines (``tune: ...``, and ``prepare: ...`` when the first candidate prepares the data)
+    are passed on to stderr as they come; an ``error: ...`` line of a worker becomes this process's error.
 
     Raises:
         TuneError: a worker reported an error (its message).
@@ -448,7 +454,7 @@ def launch(spec: dict[str, Any], world_size: int, workdir: Path) -> list[Row]:
     assert proc.stdout is not None
     for line in proc.stdout:
         tail = (tail + [line.rstrip()])[-40:]
-        if line.startswith("tune: "):
+        if line.startswith(("tune: ", "prepare: ")):  # progress: each candidate's time, the data's preparation
             print(line.rstrip(), file=sys.stderr, flush=True)
         elif line.startswith("error: ") and error is None:
             error = line[len("error: "):].strip()
@@ -519,11 +525,11 @@ def run_tune(config: str | None, overrides: list[str], world_size: int, budget: 
 
 def format_table(rows: list[Row], cfg: Config, world_size: int, picked: Candidate | None) -> str:
     """The table ``shardlm tune`` prints: one line per candidate, measured or not (``-``)."""
-    head = ["#", "reshard", "prefetch f/b", "AC", "micro-batch x accum", "grad sync", "predicted GiB/rank",
+    head = ["#", "reshard", "prefetch f/b", "AC", "micro-batch x accum", "grad sync", "predicted MiB/rank",
             "fits", "step s", "tokens/s", "note"]
     gpu = any(r.measured_peak_bytes >= 0 for r in rows)
     if gpu:
-        head.insert(8, "measured GiB")
+        head.insert(8, "measured MiB")
     own = config_candidate(cfg, world_size)
     per_rank = local_batch(cfg, world_size)
     tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_len
@@ -535,11 +541,11 @@ def format_table(rows: list[Row], cfg: Config, world_size: int, picked: Candidat
                                          (f"round {r.round}", r.round > 1)) if on)
         cells = [str(i), str(c.reshard_after_forward).lower(), f"{c.forward_prefetch}/{c.backward_prefetch}",
                  c.activation_checkpoint, f"{c.micro_batch_size} x {accum}", c.grad_sync if accum > 1 else "-",
-                 f"{r.predicted_bytes / GIB:.3f}", "yes" if r.fits else "no",
+                 f"{r.predicted_bytes / MIB:,.1f}", "yes" if r.fits else "no",
                  f"{step:.3f}" if step is not None else "-",
                  f"{tokens_per_step / step:,.0f}" if step is not None else "-", note]
         if gpu:
-            cells.insert(8, f"{r.measured_peak_bytes / GIB:.3f}" if r.measured_peak_bytes >= 0 else "-")
+            cells.insert(8, f"{r.measured_peak_bytes / MIB:,.1f}" if r.measured_peak_bytes >= 0 else "-")
         lines.append(cells)
     widths = [max(len(h), *(len(cells[i]) for cells in lines)) for i, h in enumerate(head)]
 

@@ -9,10 +9,10 @@ Each trial trains the tiny config (dim 64, 2 layers, ~140k parameters; 12 steps 
 sequences of 32 tokens, a checkpoint every 2 steps, ``checkpoint.keep = 2``) at 2 ranks and kills one
 rank with SIGKILL at a random moment; trials cycle through four kinds of moment:
 
-- ``any time``: the bench kills a random rank after a random delay, uniform over the time the
-  uninterrupted run's ranks spent from their first step to their end (it may land in a step, a save,
-  retention or the final export; on a loaded machine also in start-up); if the run ends first, the
-  trial is drawn again (at most 3 times);
+- ``any time``: the bench kills a random rank after a random delay counted from the moment that rank's
+  trainer is built, uniform over the time the uninterrupted run's ranks spent from there to their end
+  (it may land in a step, a save, retention or the final export); if the run ends first (the machine
+  got faster), the delay is drawn again over a range 0.6x as long, up to 6 times;
 - ``writing shards``: a rank kills itself after a random number of writes into its shard file of a
   random save (the file is half-written);
 - ``manifest``: rank 0 kills itself after writing a random save's ``manifest.json``, before the rename
@@ -159,9 +159,9 @@ def launch(spec: dict, out: Path, env: dict, kill_after_s: float | None = None, 
     with open(out / "launch.log", "a") as logf:
         proc = subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT)
         if kill_after_s is not None:
-            pid_file = out / f"pid{kill_rank}"
-            while not pid_file.is_file() and proc.poll() is None:  # the delay counts from the rank's start
-                time.sleep(0.01)
+            pid_file, rank_log = out / f"pid{kill_rank}", out / f"rank{kill_rank}.jsonl"
+            while proc.poll() is None and not any("start_step" in r for r in read_log(rank_log)):
+                time.sleep(0.01)  # the delay counts from the moment the rank's trainer is built (start-up excluded)
             deadline = time.perf_counter() + kill_after_s
             while proc.poll() is None and time.perf_counter() < deadline:
                 time.sleep(0.01)
@@ -269,8 +269,8 @@ def main() -> None:
         delay = None
         if kind == "any time":
             kill["rank"] = rng.randrange(WORLD)
-            delay = rng.uniform(built_s, worker_s)
-            moment = f"{delay:.2f} s after start"
+            delay = rng.uniform(0, worker_s - built_s)
+            moment = f"{delay:.2f} s after the trainer was built"
         elif kind == "writing shards":
             kill.update(rank=rng.randrange(WORLD), step=rng.choice(saves), writes=rng.randrange(0, writes))
             moment = f"save of step {kill['step']}, after {kill['writes']} writes"
@@ -283,12 +283,14 @@ def main() -> None:
         spec1 = {"out": str(log1), "overrides": overrides(data, run, **{"run.overwrite": "true"}),
                  "kill": None if delay is not None else kill}
         code1, _ = launch(spec1, log1, env, kill_after_s=delay, kill_rank=kill["rank"])
-        for _ in range(3):  # "any time": the run may end before the delay on a machine that got faster: again
+        span = worker_s - built_s
+        for _ in range(6):  # "any time": the run may end before the delay on a machine that got faster: again
             if code1 != 0 or delay is None:
                 break
             shutil.rmtree(tdir)
-            delay = rng.uniform(built_s, built_s + 0.8 * (worker_s - built_s))
-            moment = f"{delay:.2f} s after start (drawn again)"
+            span *= 0.6
+            delay = rng.uniform(0, span)
+            moment = f"{delay:.2f} s after the trainer was built (drawn again)"
             code1, _ = launch(spec1, log1, env, kill_after_s=delay, kill_rank=kill["rank"])
         logs1 = [read_log(log1 / f"rank{r}.jsonl") for r in range(WORLD)]
         killed = code1 != 0

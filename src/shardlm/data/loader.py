@@ -176,14 +176,18 @@ class GlobalBatchSampler:
         self.num_windows = int(num_windows)
         self.global_batch_size = int(global_batch_size)
         self.seed = int(seed)
-        self._perms: OrderedDict[int, list[int]] = OrderedDict()
+        self._perms: OrderedDict[int, np.ndarray] = OrderedDict()
 
-    def epoch_permutation(self, epoch: int) -> list[int]:
-        """The permutation of ``range(num_windows)`` used in ``epoch`` (cached)."""
+    def epoch_permutation(self, epoch: int) -> np.ndarray:
+        """The permutation of ``range(num_windows)`` used in ``epoch`` (cached; the last few epochs kept).
+
+        Returns:
+            int64 array of shape ``(num_windows,)`` (8 bytes per window, not a Python int each).
+        """
         perm = self._perms.get(epoch)
         if perm is None:
             gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            perm = torch.randperm(self.num_windows, generator=gen).tolist()
+            perm = torch.randperm(self.num_windows, generator=gen).numpy()
             self._perms[epoch] = perm
             while len(self._perms) > self._CACHE_EPOCHS:
                 self._perms.popitem(last=False)
@@ -214,7 +218,7 @@ class GlobalBatchSampler:
         while pos < end:
             epoch, offset = divmod(pos, n)
             take = min(end - pos, n - offset)
-            ids.extend(self.epoch_permutation(epoch)[offset : offset + take])
+            ids.extend(self.epoch_permutation(epoch)[offset : offset + take].tolist())
             pos += take
         return ids
 

@@ -138,7 +138,7 @@ class MixtureSampler(GlobalBatchSampler):
             c = k * int(self.quota[src]) + int(before[r, src])  # this source's sample number
             sampler = self.sources[src]
             epoch, offset = divmod(c, sampler.num_windows)
-            ids.append(int(self.offsets[src]) + sampler.epoch_permutation(epoch)[offset])
+            ids.append(int(self.offsets[src]) + int(sampler.epoch_permutation(epoch)[offset]))
         return ids
 
     def source_of(self, ids: list[int]) -> list[int]:

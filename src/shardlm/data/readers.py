@@ -55,6 +55,10 @@ _TEXT_KINDS = {".txt": "text", ".md": "markdown", ".jsonl": "jsonl"}
 _COMPRESSIONS = {".gz": "gz", ".zst": "zst"}
 _HF_MARKERS = ("dataset_info.json", "state.json")
 _READ_BLOCK = 1 << 20  # bytes read from a file at a time
+CHUNK_CHARS = 1 << 16
+"""Default longest chunk in characters: HF ``tokenizers`` encodes one 1 MiB string at about half the speed of the
+same text in 64 KiB strings (measured here: 1.4-2.3 vs 3.3-4.2 MB/s on one thread), and a smaller chunk keeps a
+worker's encodings small."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -579,7 +583,7 @@ def _read_hf(piece: Piece, text_field: str, chunk_chars: int) -> Iterator[Chunk]
         yield from _column_texts(values, piece.path, a, text_field, chunk_chars)
 
 
-def read_piece(piece: Piece, text_field: str = "text", chunk_chars: int = 1 << 20) -> Iterator[Chunk]:
+def read_piece(piece: Piece, text_field: str = "text", chunk_chars: int = CHUNK_CHARS) -> Iterator[Chunk]:
     """The chunks of one piece, in order (see the module docstring).
 
     Args:

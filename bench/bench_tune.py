@@ -37,6 +37,7 @@ def measure(args: argparse.Namespace, budget: tune.Budget, search: str) -> tuple
         rows = [r for r in rows if r.cand.activation_checkpoint in args.ac.split(",")]
     spec = {"config": args.config, "overrides": args.overrides, "rows": [r.to_dict() for r in rows],
             "base": base.to_dict(), "warmup": args.warmup, "steps": args.steps, "repeats": args.repeats,
+            "confirm": 2 if search == "staged" else 0,
             "search": search, "device": budget.device, "budget": budget.bytes}
     print(f"{search}: {sum(r.fits for r in rows)} fitting candidates of {len(rows)} ...", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(prefix="bench-tune-") as tmp:

@@ -29,6 +29,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per candidate")
     p.add_argument("--steps", type=int, default=3, help="timed steps per candidate (the median is compared)")
     p.add_argument("--repeats", type=int, default=1, help="times the candidate list is measured (times pooled)")
+    p.add_argument("--confirm", type=int, default=2, help="the fastest this many candidates are measured once "
+                   "more at the end and their times pooled (0 or 1: no second pass)")
     p.add_argument("--search", default="staged", choices=["staged", "full"],
                    help="staged: the config's settings, one change at a time, then the best of each combined; "
                         "full: every fitting candidate (slow; the benchmark's grid)")
@@ -70,7 +72,7 @@ def cmd_tune(args: argparse.Namespace, overrides: list[str]) -> None:
               flush=True)
 
     result = run_tune(args.config, overrides, args.world_size, budget, args.search, args.warmup, args.steps,
-                      args.repeats, announce)
+                      args.repeats, args.confirm, announce)
     cfg, rows, best = result.cfg, result.rows, result.picked
     print(format_table(rows, cfg, args.world_size, best.cand if best else None))
     if best is None:  # pragma: no cover - prepare() guarantees one fitting candidate

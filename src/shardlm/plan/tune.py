@@ -34,7 +34,8 @@ Search (``--search``):
 All candidates are measured in one torchrun launch (:mod:`shardlm.plan.tune_worker`): for each in turn the
 workers build the run's :class:`shardlm.train.Trainer` (same data, model, optimizer), run ``warmup`` steps,
 then time ``steps`` steps; a step's time is the slowest rank's; a candidate's time is the median. The pick is
-the candidate with the most tokens/s (global batch × sequence length / step time).
+the candidate with the most tokens/s (global batch × sequence length / step time); before it is made, the
+``confirm`` (default 2) fastest candidates are measured once more, one after another, and their times pooled.
 """
 
 from __future__ import annotations
@@ -266,6 +267,8 @@ class Row:
     """Measured step times in seconds (slowest rank per step), over every repeat."""
     measured_peak_bytes: int = -1
     """Peak allocated bytes of the busiest rank (CUDA only; -1 elsewhere)."""
+    confirmed: bool = False
+    """Measured a second time as one of the fastest (its times pooled)."""
 
     @property
     def step_s(self) -> float | None:
@@ -273,12 +276,13 @@ class Row:
 
     def to_dict(self) -> dict[str, Any]:
         return {"cand": self.cand.to_dict(), "predicted_bytes": self.predicted_bytes, "fits": self.fits,
-                "round": self.round, "times": self.times, "measured_peak_bytes": self.measured_peak_bytes}
+                "round": self.round, "times": self.times, "measured_peak_bytes": self.measured_peak_bytes,
+                "confirmed": self.confirmed}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Row:
         return cls(Candidate.from_dict(d["cand"]), d["predicted_bytes"], d["fits"], d["round"], d["times"],
-                   d.get("measured_peak_bytes", -1))
+                   d.get("measured_peak_bytes", -1), d.get("confirmed", False))
 
 
 def first_round(cfg: Config, planner: Planner, search: str) -> list[Row]:
@@ -501,22 +505,23 @@ def prepare(config: str | None, overrides: list[str], world_size: int, budget: B
 
 
 def run_tune(config: str | None, overrides: list[str], world_size: int, budget: Budget, search: str = "staged",
-             warmup: int = 2, steps: int = 3, repeats: int = 1,
+             warmup: int = 2, steps: int = 3, repeats: int = 1, confirm: int = 2,
              announce: Callable[[Config, list[Row]], None] | None = None) -> TuneResult:
     """Enumerate (:func:`prepare`; then ``announce(cfg, rows)`` if given), then measure every fitting candidate
-    in one launch (:func:`launch`).
+    in one launch (:func:`launch`); the ``confirm`` fastest are measured once more at the end.
 
     Raises:
         ConfigError, TuneError: see :func:`prepare`; TuneError also for an error a worker reported.
     """
-    if warmup < 0 or steps < 1 or repeats < 1:
-        raise ConfigError(f"--warmup must be >= 0, --steps and --repeats >= 1, got {warmup}, {steps}, {repeats}")
+    if warmup < 0 or steps < 1 or repeats < 1 or confirm < 0:
+        raise ConfigError(f"--warmup and --confirm must be >= 0, --steps and --repeats >= 1, got {warmup}, "
+                          f"{confirm}, {steps}, {repeats}")
     cfg, base, rows = prepare(config, overrides, world_size, budget, search)
     if announce is not None:
         announce(cfg, rows)
     spec = {"config": config, "overrides": overrides, "rows": [r.to_dict() for r in rows], "base": base.to_dict(),
-            "warmup": warmup, "steps": steps, "repeats": repeats, "search": search, "device": budget.device,
-            "budget": budget.bytes}
+            "warmup": warmup, "steps": steps, "repeats": repeats, "confirm": confirm, "search": search,
+            "device": budget.device, "budget": budget.bytes}
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="shardlm-tune-") as tmp:
         rows = launch(spec, world_size, Path(tmp))
@@ -538,7 +543,7 @@ def format_table(rows: list[Row], cfg: Config, world_size: int, picked: Candidat
         c, step = r.cand, r.step_s
         accum = per_rank // c.micro_batch_size
         note = ", ".join(n for n, on in (("picked", c == picked), ("config", c == own),
-                                         (f"round {r.round}", r.round > 1)) if on)
+                                         (f"round {r.round}", r.round > 1), ("confirmed", r.confirmed)) if on)
         cells = [str(i), str(c.reshard_after_forward).lower(), f"{c.forward_prefetch}/{c.backward_prefetch}",
                  c.activation_checkpoint, f"{c.micro_batch_size} x {accum}", c.grad_sync if accum > 1 else "-",
                  f"{r.predicted_bytes / MIB:,.1f}", "yes" if r.fits else "no",
@@ -556,8 +561,9 @@ def format_table(rows: list[Row], cfg: Config, world_size: int, picked: Candidat
 
 
 def pick(rows: list[Row]) -> Row | None:
-    """The measured row with the shortest median step time (the most tokens/s: the global batch is fixed)."""
-    measured = [r for r in rows if r.times]
+    """The row with the shortest median step time (the most tokens/s: the global batch is fixed), among the
+    confirmed finalists when there are any (measured twice, see ``confirm``), else among all measured rows."""
+    measured = [r for r in rows if r.times and r.confirmed] or [r for r in rows if r.times]
     return min(measured, key=lambda r: r.step_s) if measured else None
 
 

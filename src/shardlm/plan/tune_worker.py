@@ -7,8 +7,10 @@ optimizer; no checkpoints, no evaluation, no trackers; a run directory of its ow
 directory), runs ``warmup`` steps, then times ``steps`` steps. A step's time is the slowest rank's (an
 all-reduce of the times after the candidate, not a collective per step). Repeats measure the whole list again
 in the same order, so a load that drifts touches every candidate alike. After the first round of a staged
-search, the ranks, which hold the same times, compute the same second-round candidate (:func:`shardlm.plan.tune.combine`)
-and measure it when it fits. Rank 0 writes the rows as JSON and prints one ``tune: ...`` line per candidate.
+search, the ranks, which hold the same times, compute the same second-round candidate
+(:func:`shardlm.plan.tune.combine`) and measure it when it fits. Last, the ``confirm`` fastest rows are measured
+once more, one after another, and their times pooled: the pick between close contenders rests on twice the
+steps. Rank 0 writes the rows as JSON and prints one ``tune: ...`` line per measurement.
 """
 
 from __future__ import annotations
@@ -96,8 +98,8 @@ def measure(spec: dict[str, Any]) -> None:
     warmup = spec["warmup"]
     count = [0]
 
-    def run(todo: list[Row]) -> None:
-        for repeat in range(spec["repeats"]):
+    def run(todo: list[Row], passes: int, what: str = "") -> None:
+        for repeat in range(passes):
             for row in todo:
                 count[0] += 1
                 times, peak = time_candidate(run_config(cfg, row.cand, spec, count[0]), info)
@@ -105,16 +107,21 @@ def measure(spec: dict[str, Any]) -> None:
                 row.measured_peak_bytes = max(row.measured_peak_bytes, peak)
                 if info.is_main:
                     print(f"tune: {label(row.cand)}: {statistics.median(times[warmup:]):.3f} s/step"
-                          + (f" (repeat {repeat + 1})" if spec["repeats"] > 1 else ""), flush=True)
+                          + (f" (repeat {repeat + 1})" if passes > 1 else "") + what, flush=True)
 
-    run([r for r in rows if r.fits])
+    run([r for r in rows if r.fits], spec["repeats"])
     if spec["search"] == "staged":
         planner = Planner(cfg, info.world_size, spec["device"], spec["budget"])
         best = combine(rows, Candidate.from_dict(spec["base"]), planner)
         if all(r.cand != best for r in rows):
             rows.append(Row(best, planner.bytes(best), planner.fits(best), round=2))
             if rows[-1].fits:
-                run([rows[-1]])
+                run([rows[-1]], spec["repeats"])
+    finalists = sorted((r for r in rows if r.times), key=lambda r: r.step_s)[:spec.get("confirm", 0)]
+    if len(finalists) > 1:  # the closest contenders once more, one after the other: their times pooled
+        run(finalists, 1, " (confirming)")
+        for row in finalists:
+            row.confirmed = True
     if info.is_main:
         Path(spec["out"]).write_text(json.dumps([r.to_dict() for r in rows]))
 

@@ -6,7 +6,8 @@ restarted the job):
 
 - ``kill_after_step`` + ``kill_rank``: SIGKILL that rank right after that optimizer step;
 - ``kill_in_save_step`` + ``kill_rank``: SIGKILL that rank as it starts writing its shards of that step's checkpoint;
-- ``sigterm_after_step`` + ``sigterm_rank``: send that rank SIGTERM after that step (as Slurm would).
+- ``sigterm_after_step`` + ``sigterm_rank``: send that rank SIGTERM (as Slurm would) during that step, before its
+  gradient-norm all-reduce (which carries the flag to every rank): the run stops after that step.
 
 Before the trainer is built, ``flip_byte`` (a file path) has rank 0 flip one bit in the middle of
 that file (a damaged checkpoint). With ``expect_error``, a Trainer that fails to build with a
@@ -43,12 +44,14 @@ def add_interruptions(trainer: Trainer, scenario: dict) -> None:
     train_step = trainer.train_step
     now = ATTEMPT == 0
 
-    def step() -> dict:
-        record = train_step()
+    def step(log: bool = True) -> dict | None:
+        # the signal arrives before this step's gradient-norm all-reduce, which carries it to every rank:
+        # all stop after this step
+        if rank == scenario.get("sigterm_rank") and trainer.step + 1 == scenario.get("sigterm_after_step"):
+            os.kill(os.getpid(), signal.SIGTERM)
+        record = train_step(log=log)
         if now and rank == scenario.get("kill_rank") and trainer.step == scenario.get("kill_after_step"):
             os.kill(os.getpid(), signal.SIGKILL)
-        if rank == scenario.get("sigterm_rank") and trainer.step == scenario.get("sigterm_after_step"):
-            os.kill(os.getpid(), signal.SIGTERM)
         return record
 
     trainer.train_step = step
@@ -82,7 +85,7 @@ def trainers(spec_path: str):
             flip_byte(scenario["flip_byte"])
         cfg = load_config(scenario.get("config"), scenario.get("overrides", []))
         try:
-            trainer = Trainer(cfg, init_distributed(cfg.parallel))
+            trainer = Trainer(cfg, init_distributed(cfg.parallel), keep_history=True)
         except (CheckpointError, ConfigError) as e:
             if not scenario.get("expect_error"):
                 raise

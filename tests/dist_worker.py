@@ -85,7 +85,7 @@ def scenario_trainers(spec_path: str) -> Iterator[tuple[dict, Trainer, Path]]:
     spec = json.loads(Path(spec_path).read_text())
     for scenario in spec["scenarios"]:
         cfg = load_config(scenario.get("config"), scenario.get("overrides", []))
-        yield scenario, Trainer(cfg, init_distributed(cfg.parallel)), Path(spec["out"])
+        yield scenario, Trainer(cfg, init_distributed(cfg.parallel), keep_history=True), Path(spec["out"])
 
 
 def main() -> None:

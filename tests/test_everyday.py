@@ -28,11 +28,13 @@ from shardlm.model.generate import SamplingConfig, decode_steps, generate
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, small_data) -> dict[str, Path]:
-    """Two tiny runs at 2 ranks: ``a`` (20 steps) and ``b`` (12 steps, another learning rate)."""
+    """Two tiny runs at 2 ranks: ``a`` (20 steps, full per-rank lists) and ``b`` (12 steps, another learning rate,
+    per-rank summaries only)."""
     out = tmp_path_factory.mktemp("everyday")
     common = {"train.micro_batch_size": 4}
     scenarios = [
-        {"name": "a", "overrides": tiny_overrides(small_data, out / "run_a", {**common, "run.name": "a"})},
+        {"name": "a", "overrides": tiny_overrides(small_data, out / "run_a", {**common, "run.name": "a",
+                                                                           "train.log_per_rank": "true"})},
         {"name": "b", "overrides": tiny_overrides(small_data, out / "run_b", {
             **common, "run.name": "b", "train.steps": 12, "train.lr": 1e-3, "train.eval_interval": 6})},
     ]
@@ -200,7 +202,22 @@ def test_training_writes_tensorboard_events_matching_metrics(runs):
     val = [(e.step, e.value) for e in acc.Scalars("val/loss")]
     assert val and [s for s, _ in val] == [r["step"] for r in records if "val_loss" in r]
     mem = acc.Scalars("memory/shard_MiB/rank1")
-    assert abs(mem[-1].value - records[-1]["shard_bytes"][1] / 2**20) < 1e-4
+    assert abs(mem[-1].value - records[-1]["shard_bytes_per_rank"][1] / 2**20) < 1e-4
+    assert abs(acc.Scalars("memory/shard_MiB/max")[-1].value - records[-1]["shard_bytes"]["max"] / 2**20) < 1e-4
+
+
+@pytest.mark.dist
+def test_per_rank_figures_are_summaries_unless_asked(runs):
+    full, summary = read_metrics(runs["a"] / "metrics.jsonl"), read_metrics(runs["b"] / "metrics.jsonl")
+    for rec in full[1:]:  # shard bytes are measured from the first step on: summaries from the second record
+        values = rec["shard_bytes_per_rank"]
+        assert len(values) == 2 and rec["world_size"] == 2
+        assert rec["shard_bytes"] == {"min": min(values), "max": max(values), "mean": sum(values) / 2,
+                                      "max_rank": values.index(max(values))}
+        assert len(rec["rss_bytes_per_rank"]) == 2 and rec["rss_bytes"]["max"] == max(rec["rss_bytes_per_rank"])
+    assert all(k not in rec for rec in summary for k in ("shard_bytes_per_rank", "rss_bytes_per_rank"))
+    last = summary[-1]
+    assert set(last["shard_bytes"]) == {"min", "max", "mean", "max_rank"} and last["rss_bytes"]["min"] > 2**20
 
 
 def test_metrics_logger_without_tensorboard(tmp_path, monkeypatch):
@@ -238,9 +255,15 @@ def test_report_plots_what_metrics_jsonl_holds(runs, tmp_path):
             ("loss", f"{run.name} val"): [(r["step"], r["val_loss"]) for r in recs if "val_loss" in r],
             ("lr", run.name): [(r["step"], r["lr"]) for r in recs],
             ("tokens_per_s", run.name): [(r["step"], r["tokens_per_s"]) for r in recs],
-            ("memory", f"{run.name} shard rank0"): [(r["step"], r["shard_bytes"][0] / 2**20) for r in recs],
-            ("memory", f"{run.name} shard rank1"): [(r["step"], r["shard_bytes"][1] / 2**20) for r in recs],
         }
+        if run.name == "a":  # full per-rank lists: a line per rank
+            expect.update({
+                ("memory", f"a shard rank{k}"): [(r["step"], r["shard_bytes_per_rank"][k] / 2**20) for r in recs
+                                                 if "shard_bytes_per_rank" in r] for k in (0, 1)})
+        else:  # summaries: max and min
+            expect.update({
+                ("memory", f"b shard {stat}"): [(r["step"], r["shard_bytes"][stat] / 2**20) for r in recs
+                                                if "shard_bytes" in r] for stat in ("max", "min")})
         for (fig, label), xy in expect.items():
             assert len(xy) >= 2, (fig, label)
             assert torch.allclose(torch.tensor(lines[fig][label]), torch.tensor(xy, dtype=torch.float64),

@@ -100,7 +100,11 @@ class TrainConfig:
     eval_tokens: int = 16384
     """Validation tokens used per evaluation (a fixed set, split over ranks)."""
     log_interval: int = 1
-    """Write a metrics record every this many steps (and at the last step)."""
+    """Write a metrics record every this many steps (and at the last step, and on evaluation and checkpoint steps).
+    Only these steps read values to the host; a preemption signal is acted on at the next of them."""
+    log_per_rank: bool = False
+    """Also write each per-rank figure as a full list over ranks (``<key>_per_rank`` in metrics.jsonl, one
+    TensorBoard tag per rank); otherwise only its summary (min, max, mean, rank of the max)."""
     seed: int = 0
     """Seed of the initialisation and the data order."""
     peak_flops: float = 0.0

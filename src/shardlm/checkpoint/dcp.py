@@ -59,7 +59,7 @@ from shardlm.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner, 
 from shardlm.config import Config
 from shardlm.data.tokenizer_files import TOKENIZER_FILES
 from shardlm.errors import CheckpointError, ConfigError, UnsafeCheckpointError
-from shardlm.parallel import DistInfo, all_reduce_sum, run_on_main
+from shardlm.parallel import DistInfo, run_on_main
 
 #: signals on which the ranks finish the current step, save a checkpoint and exit (Slurm sends SIGTERM or
 #: SIGUSR1 before killing a job)
@@ -204,12 +204,10 @@ class Checkpointer:
     def _on_signal(self, signum: int, frame: Any) -> None:
         self._signal = signum
 
-    def preemption_requested(self) -> bool:
-        """True on every rank when any rank received SIGTERM/SIGUSR1 (an all-reduce: a collective)."""
-        if not self.cfg.checkpoint.enabled:
-            return False
-        flag = torch.tensor([1.0 if self._signal is not None else 0.0], device=self.info.device)
-        return all_reduce_sum(flag).item() > 0
+    def signal_received(self) -> bool:
+        """Whether this rank received SIGTERM/SIGUSR1 (host state only: no collective). The trainer sums the flag
+        over ranks inside the step's one all-reduce, so every rank stops after the same step."""
+        return self.cfg.checkpoint.enabled and self._signal is not None
 
     def close(self) -> None:
         """Restore the signal handlers that were installed before."""

@@ -156,15 +156,23 @@ class InstructionExamples:
         self.offsets, self.lines = idx[:n + 1], idx[n + 1:]
         self.seq_len = seq_len
         self.pad = (meta.get("special_ids") or {}).get("eos") or 0
+        # response tokens at positions 1..seq_len of each example: the targets the loss counts (int64, (n,))
+        self.target_counts = np.zeros(n, dtype=np.int64)
         for i in range(n):  # the first target is position 1: a response token must fall in 1..seq_len
             start, end = int(self.offsets[i]), int(self.offsets[i + 1])
-            if not self.mask[start + 1:min(end, start + seq_len + 1)].any():
+            self.target_counts[i] = int(np.count_nonzero(self.mask[start + 1:min(end, start + seq_len + 1)]))
+            if not self.target_counts[i]:
                 raise DataError(f"{meta['corpus']}:{int(self.lines[i])}: no response token within the first "
                                 f"{seq_len + 1} tokens (train.seq_len={seq_len}); shorten the prompt or raise seq_len")
 
     def __len__(self) -> int:
         """Number of examples."""
         return len(self.offsets) - 1
+
+    def num_targets(self, ids: list[int]) -> int:
+        """Target tokens (response tokens within positions 1..seq_len) of examples ``ids``, from counts made once
+        at load: every rank can count a whole global batch on the host, without reading the examples."""
+        return int(self.target_counts[np.asarray(ids, dtype=np.int64)].sum()) if len(ids) else 0
 
     def get(self, ids: list[int]) -> torch.Tensor:
         """Tokens and labels of examples ``ids``: int64 (len(ids), 2, seq_len + 1), labels -100 off-response."""

@@ -122,6 +122,13 @@ class TokenWindows:
         """Number of full windows."""
         return self._len
 
+    def num_targets(self, ids: list[int]) -> int:
+        """Target tokens (those the loss counts) in windows ``ids``: every one of their ``seq_len`` next tokens.
+
+        Known without reading the windows, so every rank can count a whole global batch on the host.
+        """
+        return len(ids) * self.seq_len
+
     def get(self, ids: list[int]) -> torch.Tensor:
         """Gather windows.
 

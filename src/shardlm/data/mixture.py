@@ -172,6 +172,10 @@ class MixtureWindows:
     def __len__(self) -> int:
         return int(self.lengths.sum())
 
+    def num_targets(self, ids: list[int]) -> int:
+        """Target tokens in windows ``ids``: ``seq_len`` each (every next token counts), known without reading."""
+        return len(ids) * self.seq_len
+
     def _locate(self, j: int) -> tuple[int, int]:
         if not self.interleave:
             src = int(np.searchsorted(self.offsets, j, side="right") - 1)

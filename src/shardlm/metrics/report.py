@@ -63,18 +63,32 @@ def load_run(path: str | Path) -> Run:
 
 
 def _memory_keys(run: Run) -> list[str]:
-    """The per-rank byte lists a run logged, process memory (RSS / device allocator) first, shard bytes last."""
+    """The per-rank byte figures a run logged (full lists ``<key>_per_rank`` or summaries ``<key>``), process
+    memory (RSS / device allocator) first, shard bytes last."""
     keys: list[str] = []
     for r in run.records:
-        keys += [k for k, v in r.items() if k.endswith("bytes") and isinstance(v, list) and k not in keys]
-    return sorted(keys, key=lambda k: k == "shard_bytes")
+        keys += [k for k, v in r.items() if k not in keys and (
+            (k.endswith("bytes_per_rank") and isinstance(v, list)) or (k.endswith("bytes") and isinstance(v, dict)))]
+    lists = {k.removesuffix("_per_rank") for k in keys if k.endswith("_per_rank")}
+    keys = [k for k in keys if k not in lists]  # a full list replaces its own summary
+    return sorted(keys, key=lambda k: k.startswith("shard_bytes"))
+
+
+def _memory_lines(run: Run, key: str) -> dict[str, list[tuple[int, float]]]:
+    """(label suffix -> (step, MiB) rows) for one memory key: ``rank<r>`` for a full list, ``max``/``min`` for a
+    summary."""
+    steps, values = run.series(key)
+    if key.endswith("_per_rank"):
+        ranks = max((len(v) for v in values), default=0)
+        return {f"rank{r}": [(s, v[r] / 2**20) for s, v in zip(steps, values) if r < len(v)] for r in range(ranks)}
+    return {stat: [(s, v[stat] / 2**20) for s, v in zip(steps, values)] for stat in ("max", "min")}
 
 
 def make_figures(runs: list[Run]) -> dict[str, Any]:
     """One matplotlib Figure per name in :data:`FIGURES`, every run drawn in each.
 
-    Lines are labelled ``<run>`` / ``<run> val`` (loss) and ``<run> <key> rank<r>`` (memory, MiB =
-    bytes / 2**20); their x data are steps and their y data the logged values, so
+    Lines are labelled ``<run>`` / ``<run> val`` (loss) and ``<run> <key> rank<r>`` (memory from a full
+    per-rank list) or ``<run> <key> max`` / ``min`` (from a summary; MiB = bytes / 2**20); their x data are steps and their y data the logged values, so
     ``line.get_xydata()`` gives back what ``metrics.jsonl`` holds.
     """
     import matplotlib
@@ -103,19 +117,17 @@ def make_figures(runs: list[Run]) -> dict[str, Any]:
             ax.plot(steps, val, color=color, linestyle="--", marker="o", markersize=3, label=f"{run.name} val")
         figs["lr"].axes[0].plot(*run.series("lr"), color=color, label=run.name)
         figs["tokens_per_s"].axes[0].plot(*run.series("tokens_per_s"), color=color, label=run.name)
-        # colour: the rank (several runs: the run, then the rank); line style: which memory; marker: the rank
-        keys = _memory_keys(run)
+        # colour: the rank or statistic (several runs: the run, then it); line style: which memory; marker: rank
         styles, markers = ["-", ":", "-."], "ox^sv<>*"
-        ranks = max((len(v) for k in keys for v in run.series(k)[1]), default=0)
-        for j, key in enumerate(keys):
-            steps, values = run.series(key)
-            style = "--" if key == "shard_bytes" else styles[j % len(styles)]
-            for rank in range(ranks):
-                rows = [(s, v[rank] / 2**20) for s, v in zip(steps, values) if rank < len(v)]
+        for j, key in enumerate(_memory_keys(run)):
+            style = "--" if key.startswith("shard_bytes") else styles[j % len(styles)]
+            lines = _memory_lines(run, key)
+            name = key.removesuffix("_per_rank").removesuffix("_bytes")
+            for r, (suffix, rows) in enumerate(lines.items()):
                 figs["memory"].axes[0].plot(
-                    [s for s, _ in rows], [m for _, m in rows], color=f"C{(i * ranks + rank) % 10}", linestyle=style,
-                    marker=markers[rank % len(markers)], markersize=3, markevery=max(len(rows) // 10, 1),
-                    label=f"{run.name} {key.removesuffix('_bytes')} rank{rank}")
+                    [s for s, _ in rows], [m for _, m in rows], color=f"C{(i * len(lines) + r) % 10}", linestyle=style,
+                    marker=markers[r % len(markers)], markersize=3, markevery=max(len(rows) // 10, 1),
+                    label=f"{run.name} {name} {suffix}")
     for fig in figs.values():
         ax = fig.axes[0]
         if ax.lines:
@@ -141,7 +153,7 @@ def summary_markdown(runs: list[Run]) -> str:
         _, tps = run.series("tokens_per_s")
         # the first step includes warm-up (allocation, first all-gathers): leave it out of the mean when possible
         tps_mean = sum(tps[1:]) / len(tps[1:]) if len(tps) > 1 else (tps[0] if tps else None)
-        ranks = max((len(v) for r in run.records for k, v in r.items() if k == "shard_bytes"), default=None)
+        ranks = next((r["world_size"] for r in run.records if "world_size" in r), None)
         lines.append(
             f"| {run.name} | {model.get('dim', '?')} x {model.get('n_layers', '?')} | {ranks or '?'} "
             f"({parallel.get('mode', '?')}) | {train.get('global_batch_size', '?')} x {train.get('seq_len', '?')} "

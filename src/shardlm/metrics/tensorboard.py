@@ -2,8 +2,9 @@
 
 Uses ``torch.utils.tensorboard.SummaryWriter``. Tags: ``train/loss``, ``val/loss``, ``train/lr``,
 ``train/grad_norm``, ``perf/tokens_per_s``, ``perf/tokens_per_s_per_rank``, ``perf/step_time_s``, ``perf/mfu``,
-and ``memory/<key>_MiB/rank<r>`` for each per-rank list of bytes in a record (``shard_bytes``,
-``max_allocated_bytes``...). View with ``tensorboard --logdir runs/``.
+``memory/<key>_MiB/{min,max,mean}`` for each per-rank summary of bytes in a record (``shard_bytes``,
+``max_allocated_bytes``, ``rss_bytes``...), and ``memory/<key>_MiB/rank<r>`` for a full per-rank list
+(``<key>_per_rank``, written with ``train.log_per_rank``). View with ``tensorboard --logdir runs/``.
 """
 
 from __future__ import annotations
@@ -53,16 +54,21 @@ class TensorBoardWriter:
         return self._writer is not None
 
     def log(self, record: dict[str, Any]) -> None:
-        """Add the record's scalars at ``record["step"]``; per-rank byte lists are written in MiB, one tag per rank."""
+        """Add the record's scalars at ``record["step"]``; per-rank byte summaries in MiB (min, max, mean), full
+        per-rank lists one tag per rank."""
         if self._writer is None or "step" not in record:
             return
         step = int(record["step"])
         for key, value in record.items():
             if key in SCALAR_TAGS and isinstance(value, (int, float)) and math.isfinite(value):
                 self._writer.add_scalar(SCALAR_TAGS[key], value, step)
-            elif key.endswith("bytes") and isinstance(value, list):
+            elif key.endswith("bytes") and isinstance(value, dict):
+                for stat in ("min", "max", "mean"):
+                    self._writer.add_scalar(f"memory/{key.removesuffix('_bytes')}_MiB/{stat}", value[stat] / 2**20, step)
+            elif key.endswith("bytes_per_rank") and isinstance(value, list):
                 for rank, v in enumerate(value):
-                    self._writer.add_scalar(f"memory/{key.removesuffix('_bytes')}_MiB/rank{rank}", v / 2**20, step)
+                    name = key.removesuffix("_bytes_per_rank")
+                    self._writer.add_scalar(f"memory/{name}_MiB/rank{rank}", v / 2**20, step)
         self._writer.flush()
 
     def rewind(self, step: int) -> None:

@@ -267,11 +267,11 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
 
 
 def all_gather_ints(value: int, device: torch.device) -> list[int]:
-    """Gather one integer from every rank, in rank order."""
+    """Gather one integer from every rank, in rank order (one collective, one read to the host)."""
     t = torch.tensor([value], dtype=torch.int64, device=device)
-    out = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, t)
-    return [int(x.item()) for x in out]
+    out = torch.zeros(dist.get_world_size(), dtype=torch.int64, device=device)
+    dist.all_gather_single(out, t)
+    return out.tolist()
 
 
 def run_on_main(fn, info: DistInfo):

@@ -105,7 +105,8 @@ def sum_of_squares_fp64(t: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
+def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float,
+                    extras: torch.Tensor | None = None) -> torch.Tensor:
     """Clip gradients in place by their global L2 norm; return that norm, computed so that it does not depend
     on how the gradients are sharded.
 
@@ -117,16 +118,25 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float) -> torc
     differs by ~1e-5 between world sizes. Gradients are then multiplied by
     ``min(1, max_norm / (norm + 1e-6))``, the rule of ``torch.nn.utils.clip_grad_norm_``.
 
+    ``extras`` lets a caller sum a few other values over all ranks without a collective of its own: they
+    travel in the norm's all-reduce when that one spans every rank (FSDP's one-dimensional mesh: one
+    collective per step for both), and in one all-reduce of their own otherwise (DDP, HSDP, a
+    multi-group model). Nothing here reads a value to the host.
+
     Args:
         parameters: the model's parameters (plain tensors or DTensors; those without ``.grad`` are skipped).
         max_norm: the largest allowed norm; ``math.inf`` only measures.
+        extras: optional 1-D float64 tensor on the gradients' device, summed over all ranks in place.
 
     Returns:
         A 0-dim float64 tensor on the gradients' device: the global norm before clipping (NaN or inf when a
         gradient is not finite; the caller decides what to do).
     """
     grads = [p.grad for p in parameters if p.grad is not None]
+    world = dist.get_world_size() if dist.is_initialized() else 1
     if not grads:
+        if extras is not None and world > 1:
+            dist.all_reduce(extras)
         return torch.zeros((), dtype=torch.float64)
     local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
     squares: dict[tuple, torch.Tensor] = {}  # (mesh, sharded mesh dims) -> fp64 sum of squares on this rank
@@ -136,10 +146,21 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float) -> torc
         sq = sum_of_squares_fp64(t)
         squares[key] = squares[key] + sq if key in squares else sq
     total = torch.zeros((), dtype=torch.float64, device=local[0].device)
+    packed = extras is None or world == 1
     for (mesh, dims), sq in squares.items():
         for dim in dims:  # sum the pieces the other ranks of this dimension hold
-            dist.all_reduce(sq, group=mesh.get_group(dim))
+            group = mesh.get_group(dim)
+            if not packed and dist.get_world_size(group) == world:  # this all-reduce spans every rank
+                buf = torch.cat([sq.reshape(1), extras.to(sq.device)])
+                dist.all_reduce(buf, group=group)
+                sq = buf[0]
+                extras.copy_(buf[1:])
+                packed = True
+            else:
+                dist.all_reduce(sq, group=group)
         total += sq.to(total.device)
+    if not packed:
+        dist.all_reduce(extras)
     norm = total.sqrt()
     if math.isfinite(max_norm):
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from shardlm.checkpoint.dcp import Checkpointer, resume_mode
@@ -36,6 +37,7 @@ from shardlm.metrics import (
     shard_bytes,
 )
 from shardlm.metrics.memory import reset_device_peaks
+from shardlm.metrics.per_rank import per_rank_summaries
 from shardlm.metrics.progress import progress
 from shardlm.metrics.trackers import check_packages, start_trackers
 from shardlm.model.freeze import apply_freeze
@@ -66,14 +68,16 @@ def run_dir(cfg: Config) -> Path:
 class Trainer:
     """Builds everything a run needs from a :class:`Config`, then :meth:`train` runs it.
 
-    Attributes of interest to tests: ``history`` (the logged records), ``sample_ids``
-    ({step: the sample ids this rank consumed}), ``local_shard_bytes`` (this rank's parameter,
-    gradient and optimizer bytes, measured at the first step), ``model``, ``optimizer``.
+    Attributes of interest to tests: ``history`` (the logged records: every one with ``keep_history``, else
+    only the latest, so memory does not grow with the run), ``sample_ids`` ({step: the sample ids this rank
+    consumed}, kept only with ``keep_history``), ``local_shard_bytes`` (this rank's parameter, gradient and
+    optimizer bytes, measured at the first step), ``model``, ``optimizer``.
     """
 
-    def __init__(self, cfg: Config, info: DistInfo | None = None) -> None:
+    def __init__(self, cfg: Config, info: DistInfo | None = None, keep_history: bool = False) -> None:
         self.cfg = cfg
         check_packages(cfg)  # a tracker switched on without its package: one clear error before anything starts
+        self.keep_history = keep_history
         self.info = info or init_distributed(cfg.parallel)
         set_matmul_precision(self.info.device, cfg.parallel)  # TF32 on CUDA unless parallel.tf32 = false
         self.accum_steps = gradient_accumulation_steps(cfg, self.info.world_size)
@@ -120,7 +124,10 @@ class Trainer:
         self.history: list[dict[str, Any]] = []
         self.sample_ids: dict[int, list[int]] = {}
         self.local_shard_bytes: dict[str, int] | None = None
-        self._shard_bytes: list[int] | None = None
+        # a non-finite step, kept on the device until the next read: (its 1-based step or 0, loss, grad norm);
+        # from it on the optimizer skips every update (fused AdamW's found_inf), and the next read raises
+        self._nonfinite = torch.zeros(3, dtype=torch.float64, device=self.info.device)
+        self._interval = {"seconds": 0.0, "steps": 0}  # host time of the steps since the last record
         trackers = []
         if self.info.is_main:
             write_run_config(self.run_dir, self.run_id, cfg.to_dict())
@@ -206,20 +213,28 @@ class Trainer:
         return "\n".join(lines)
 
     # ---- the training step ----------------------------------------------------------------
-    def train_step(self) -> dict[str, Any]:
-        """One optimizer step on global batch ``self.step``; returns its metrics (global values)."""
+    def train_step(self, log: bool = True) -> dict[str, Any] | None:
+        """One optimizer step on global batch ``self.step``.
+
+        Beyond FSDP's own collectives the step issues one all-reduce, the gradient norm's (see
+        :func:`shardlm.train.optim.clip_grad_norm_`), which also carries the loss sum, the preemption flag
+        and, when ``log``, each rank's memory figures in its own slots (a gather inside the sum). The target
+        count of the global batch is known on the host (see :meth:`_global_targets`): no collective. Nothing
+        is read to the host unless ``log``: then one transfer returns the step's record (global values and
+        per-rank summaries); otherwise None. A step whose loss or gradient norm is not finite is not applied
+        (nor is any after it); the next read raises :class:`NonFiniteError` naming it.
+        """
         cfg, info, model = self.cfg, self.info, self.model
         start = time.perf_counter()
         micro_ids = self.sampler.micro_batches(self.step, info.rank, info.world_size, cfg.train.micro_batch_size)
-        self.sample_ids[self.step] = [i for ids in micro_ids for i in ids]
-        cpu_batches = [self.train_data.get(ids) for ids in micro_ids]
+        if self.keep_history:
+            self.sample_ids[self.step] = [i for ids in micro_ids for i in ids]
         # The loss is the mean over every target token of the global batch, so the update equals one
         # step on the whole batch in one process. FSDP/DDP average gradients over ranks, hence × N.
-        # (Targets are counted on the host copy: no device synchronisation per micro-batch.)
-        local_targets = sum(int(split_batch(b)[1].ne(IGNORE_INDEX).sum()) for b in cpu_batches)
-        n_tokens = all_reduce_sum(torch.tensor([float(local_targets)], device=info.device))
-        batches = [to_device(b, info.device) for b in cpu_batches]  # pinned, asynchronous copies on CUDA
-        scale = info.world_size / n_tokens
+        # scale = N / n_tokens in fp32, rounded as ``N / torch.tensor([n_tokens])`` rounds (1/n, then × N)
+        n_tokens = np.float32(self._global_targets(self.step))
+        scale = float((np.float32(1.0) / n_tokens) * np.float32(info.world_size))
+        batches = [to_device(self.train_data.get(ids), info.device) for ids in micro_ids]  # pinned, async on CUDA
         loss_sum = torch.zeros((), dtype=torch.float64, device=info.device)
         if cfg.lora.enabled and cfg.lora.dropout > 0:  # LoRA dropout: seeded per step and rank (resume is exact)
             torch.manual_seed((cfg.train.seed * 1_000_003 + self.step) * 4099 + info.rank)
@@ -231,36 +246,84 @@ class Trainer:
             loss = token_loss_sum(logits, targets)
             (loss * scale).backward()  # per block: all-gather, grads, reduce-scatter (per grad_sync)
             loss_sum += loss.detach()
+        # summed over ranks inside the gradient norm's all-reduce: [loss sum, preemption flag, per-rank slots]
+        per_rank = self._per_rank_values() if log else {}
+        extras = torch.zeros(2 + info.world_size * len(per_rank), dtype=torch.float64, device=info.device)
+        extras[0] = loss_sum
+        extras[1].fill_(float(self.checkpointer.signal_received()))
+        for j, value in enumerate(per_rank.values()):  # this rank's slots (fills: no host-to-device copy)
+            extras[2 + info.rank * len(per_rank) + j].fill_(float(value))
         max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else math.inf
-        grad_norm = clip_grad_norm_(model.parameters(), max_norm)  # fp64: the same at any sharding
-        loss_value = (all_reduce_sum(loss_sum) / n_tokens.double()).item()
-        grad_norm_value = grad_norm.item()
-        if not (math.isfinite(loss_value) and math.isfinite(grad_norm_value)):
-            raise NonFiniteError(
-                f"step {self.step + 1}: loss={loss_value} grad_norm={grad_norm_value} is not finite; stopping "
-                "before the update (lower train.lr, check the data, or use fp32)")
+        grad_norm = clip_grad_norm_(model.parameters(), max_norm, extras)  # fp64: the same at any sharding
+        loss_mean = extras[0] / float(n_tokens)
+        self._skip_if_nonfinite(loss_mean, grad_norm)
         lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()  # each rank updates only its own shard
+        self.optimizer.step()  # each rank updates only its own shard (none after a non-finite step)
         if self.local_shard_bytes is None:  # measured once, while gradients and AdamW state both exist
             self.local_shard_bytes = shard_bytes(self.model, self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.step += 1
-        elapsed = time.perf_counter() - start
+        self._interval["seconds"] += time.perf_counter() - start
+        self._interval["steps"] += 1
+        if not log:
+            return None
+        # the one host read of the step: global values, the sticky non-finite record, the per-rank slots
+        values = torch.cat([torch.stack([loss_mean, grad_norm.to(loss_mean.device), extras[1]]),
+                            self._nonfinite, extras[2:]]).tolist()
+        loss_value, grad_norm_value, signals = values[:3]
+        self._raise_if_nonfinite(values[3:6])
+        self.preempted = self.preempted or signals > 0
+        seconds, steps = self._interval["seconds"], self._interval["steps"]
+        self._interval = {"seconds": 0.0, "steps": 0}
+        elapsed = seconds / steps  # mean host time per step since the last record (synchronised by the read)
         tokens = cfg.train.global_batch_size * cfg.train.seq_len
         flops = self.flops_per_token * tokens / info.world_size  # this rank's model FLOPs (host arithmetic)
         record = {
             "step": self.step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm_value,
             "tokens_per_s": tokens / elapsed, "tokens_per_s_per_rank": tokens / elapsed / info.world_size,
             "step_time_s": elapsed, "flops_per_step_per_rank": flops, "peak_flops_per_rank": self.peak.flops,
-            "mfu": flops / (elapsed * self.peak.flops),
+            "mfu": flops / (elapsed * self.peak.flops), "world_size": info.world_size,
         }
+        record.update(per_rank_summaries(list(per_rank), values[6:], info.world_size, cfg.train.log_per_rank))
         if isinstance(self.sampler, MixtureSampler):  # per source: tokens seen so far and its own epoch
             drawn = self.sampler.drawn_before(self.step * cfg.train.global_batch_size)
             for name, n, source in zip(source_names(cfg.data.sources), drawn, self.sampler.sources):
                 record[f"tokens_seen/{name}"] = int(n) * cfg.train.seq_len
                 record[f"epoch/{name}"] = int(n) / source.num_windows
         return record
+
+    def _global_targets(self, step: int) -> int:
+        """Target tokens of global batch ``step`` over all ranks, counted on the host (every rank knows every id
+        of the batch; windows count ``seq_len`` each, instruction examples their precomputed response tokens)."""
+        return self.train_data.num_targets(self.sampler.step_ids(step))
+
+    def _per_rank_values(self) -> dict[str, int]:
+        """This rank's figures for the per-rank summaries of a record: shard bytes (once measured) and memory."""
+        out = {"shard_bytes": self.local_shard_bytes["total"]} if self.local_shard_bytes is not None else {}
+        out.update(device_memory(self.info.device))
+        reset_device_peaks(self.info.device)  # the next record's peaks cover its own logging interval
+        return out
+
+    def _skip_if_nonfinite(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        """On the device: remember the first step whose loss or gradient norm is not finite, and from it on make
+        the optimizer skip its updates (fused AdamW's ``found_inf``; its step counts do not advance)."""
+        bad = ~(torch.isfinite(loss) & torch.isfinite(grad_norm.to(loss.device)))
+        first = bad & (self._nonfinite[0] == 0)
+        now = torch.stack([torch.full_like(loss, self.step + 1), loss, grad_norm.to(loss.device)])
+        self._nonfinite = torch.where(first, now, self._nonfinite)
+        if self.optimizer.defaults.get("fused"):
+            self.optimizer.found_inf = (self._nonfinite[0] > 0).float()
+        # (a non-fused optimizer has no found_inf: the step is then applied and reported at the next read)
+
+    def _raise_if_nonfinite(self, record: list[float]) -> None:
+        """Raise :class:`NonFiniteError` when the device-side record says a step was not finite."""
+        step, loss, grad_norm = record
+        if step > 0:
+            raise NonFiniteError(
+                f"step {int(step)}: loss={loss} grad_norm={grad_norm} is not finite; stopping with the weights from "
+                "before that step (its update and any after it were skipped; lower train.lr, check the data, or "
+                "use fp32)")
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -278,15 +341,6 @@ class Trainer:
                 totals += torch.stack([loss.double(), targets.ne(IGNORE_INDEX).sum().double()])
         all_reduce_sum(totals)
         return (totals[0] / totals[1]).item()
-
-    def _per_rank_memory(self) -> dict[str, Any]:
-        if self._shard_bytes is None:  # constant after the first step: gather once
-            self._shard_bytes = all_gather_ints(self.local_shard_bytes["total"], self.info.device)
-        out: dict[str, Any] = {"shard_bytes": self._shard_bytes}
-        for key, value in device_memory(self.info.device).items():
-            out[key] = all_gather_ints(value, self.info.device)
-        reset_device_peaks(self.info.device)  # the next record's peaks cover its own logging interval
-        return out
 
     # ---- the loop ---------------------------------------------------------------------------
     @guard_collectives  # a lost node -> NodeLost naming its ranks and host (parallel/faults.py)
@@ -312,24 +366,29 @@ class Trainer:
         if cfg.model.init_from and t.eval_interval and self.step == 0:  # fine-tuning: the pretrained start
             start = {"step": 0, "val_loss": self.evaluate()}
             self.logger.log(start)
-            self.history.append(start)
+            self._remember(start)
         try:  # the bar ends its line even when a step or a save fails, so an error message starts on its own
             while self.step < t.steps:
-                record = self.train_step()
-                last = self.step == t.steps
-                if t.eval_interval and (self.step % t.eval_interval == 0 or last):
-                    record["val_loss"] = self.evaluate()
-                if self.step % t.log_interval == 0 or last or "val_loss" in record:
-                    record.update(self._per_rank_memory())
-                    record["elapsed_s"] = time.perf_counter() - job_start
-                    self.logger.log(record)
-                    self.history.append(record)
+                step = self.step + 1  # the step about to run (1-based)
+                last = step == t.steps
+                evaluate = bool(t.eval_interval) and (step % t.eval_interval == 0 or last)
+                save = self.checkpointer.should_save(step, last)
+                # read to the host on logging, evaluation and save steps only (the read also checks for a
+                # non-finite step and a preemption signal on any rank)
+                log = step % t.log_interval == 0 or last or evaluate or save
+                record = self.train_step(log=log)
                 bar.update(1)
+                if record is None:
+                    continue
+                if evaluate:
+                    record["val_loss"] = self.evaluate()
+                record["elapsed_s"] = time.perf_counter() - job_start
+                self.logger.log(record)
+                self._remember(record)
                 bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}",
                                 mfu=f"{record['mfu']:.1%}",
                                 **({"val": f"{record['val_loss']:.3f}"} if "val_loss" in record else {}))
-                self.preempted = self.checkpointer.preemption_requested()  # SIGTERM/SIGUSR1 on any rank
-                if self.checkpointer.should_save(self.step, last) or self.preempted:
+                if save or self.preempted:  # preempted: SIGTERM/SIGUSR1 on any rank before this step's all-reduce
                     path = self.checkpointer.save(self.model, self.optimizer, self.scheduler, self.step)
                     if info.is_main:
                         bar.write(f"checkpoint {path} ({self.checkpointer.last_save['seconds']:.2f} s)")
@@ -374,7 +433,13 @@ class Trainer:
             self.scheduler.step()
         self.checkpointer = Checkpointer(self.cfg, self.info, self.run_dir, data_dir(self.cfg) / "tokenizer.json",
                                          self.meta.get("special_ids"))
-        self.local_shard_bytes = self._shard_bytes = None
+        self.local_shard_bytes = None
+
+    def _remember(self, record: dict[str, Any]) -> None:
+        """Keep ``record`` in :attr:`history`: appended with ``keep_history`` (tests), else as the only entry."""
+        if not self.keep_history:
+            self.history.clear()
+        self.history.append(record)
 
     def export(self, out_dir: Path) -> None:
         """Write the trained weights as an HF Llama directory (full state gathered on rank 0).

@@ -1,0 +1,78 @@
+"""Counts, per training step, the collectives shardlm issues outside FSDP and the host reads, for tests/test_lean_step.py.
+
+Usage: ``torchrun --nproc_per_node=N tests/sync_count_worker.py SPEC.json`` (a spec as tests/dist_worker.py's).
+Every ``torch.distributed`` collective is wrapped to count calls made while a step runs, except those made
+from inside FSDP (``torch/distributed/fsdp/``: its all-gathers and reduce-scatters); ``Tensor.item``,
+``Tensor.tolist`` and ``Tensor.cpu`` are wrapped to count host reads (except those called from ``shardlm/data/``,
+whose tensors are host tensors by construction: the sampler's CPU-generator permutation). Each rank writes
+``OUT/<name>/rank<r>.json``: ``{"steps": [{"step", "logged", "collectives": [names], "host_reads": [names]}]}``.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import torch
+import torch.distributed as dist
+
+from dist_worker import scenario_trainers, write_rank_report
+from shardlm.parallel import exit_process
+
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object", "reduce_scatter",
+               "reduce_scatter_tensor", "broadcast", "broadcast_object_list", "barrier", "all_to_all",
+               "all_to_all_single", "gather", "scatter", "reduce", "gather_object", "send", "recv")
+HOST_READS = ("item", "tolist", "cpu")
+counts: dict[str, list[str]] | None = None  # None: not inside a step
+
+
+def inside_fsdp() -> bool:
+    frame = sys._getframe(2)
+    while frame is not None:
+        if "/torch/distributed/fsdp/" in frame.f_code.co_filename:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def wrap(owner: object, name: str, kind: str) -> None:
+    original = getattr(owner, name)
+
+    @functools.wraps(original)
+    def counted(*args, **kwargs):
+        if counts is not None and not (kind == "collectives" and inside_fsdp()):
+            caller = sys._getframe(1).f_code.co_filename
+            if not (kind == "host_reads" and "/shardlm/data/" in caller):  # the host-side data pipeline: CPU only
+                counts[kind].append(name)
+        return original(*args, **kwargs)
+
+    setattr(owner, name, counted)
+
+
+def main() -> None:
+    global counts
+    for name in COLLECTIVES:
+        wrap(dist, name, "collectives")
+    for name in HOST_READS:
+        wrap(torch.Tensor, name, "host_reads")
+    for scenario, trainer, out in scenario_trainers(sys.argv[1]):
+        steps = []
+        train_step = trainer.train_step
+
+        def step(log: bool = True, train_step=train_step, steps=steps) -> dict | None:
+            global counts
+            counts = {"collectives": [], "host_reads": []}
+            try:
+                return train_step(log=log)
+            finally:
+                steps.append({"step": trainer.step, "logged": log, **counts})
+                counts = None
+
+        trainer.train_step = step
+        trainer.train()
+        write_rank_report(out, scenario["name"], trainer.info.rank, {"steps": steps})
+
+
+if __name__ == "__main__":
+    main()
+    exit_process(0)

@@ -59,7 +59,7 @@ def main() -> None:
         steps = []
         train_step = trainer.train_step
 
-        def step(log: bool = True, train_step=train_step, steps=steps) -> dict | None:
+        def step(log: bool = True, train_step=train_step, steps=steps, trainer=trainer) -> dict | None:
             global counts
             counts = {"collectives": [], "host_reads": []}
             try:

@@ -5,6 +5,7 @@ step only (issue 14). Counted by tests/sync_count_worker.py, which wraps ``torch
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -17,12 +18,13 @@ pytestmark = pytest.mark.dist
 def counted(tmp_path_factory, small_data) -> dict[str, list[dict]]:
     """Six steps of FSDP and of DDP at 2 ranks, logging every third step, no evaluation or checkpoint in between."""
     out = tmp_path_factory.mktemp("lean")
-    common = {"train.steps": 6, "train.micro_batch_size": 2, "train.log_interval": 3, "train.eval_interval": 0, "checkpoint.enabled": "false"}
+    common = {"train.steps": 6, "train.micro_batch_size": 2, "train.log_interval": 3, "train.eval_interval": 0,
+              "checkpoint.enabled": "false"}
     scenarios = [{"name": mode, "overrides": tiny_overrides(small_data, out / mode, {**common, "parallel.mode": mode})}
                  for mode in ("fsdp", "ddp")]
     spec = out / "spec.json"
     spec.write_text(json.dumps({"out": str(out), "scenarios": scenarios}))
-    worker = str(__import__("pathlib").Path(__file__).resolve().parent / "sync_count_worker.py")
+    worker = str(Path(__file__).resolve().parent / "sync_count_worker.py")
     torchrun(2, [worker, str(spec)])
     return {s["name"]: [json.loads((out / s["name"] / f"rank{r}.json").read_text()) for r in range(2)]
             for s in scenarios}

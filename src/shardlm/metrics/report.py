@@ -88,8 +88,8 @@ def make_figures(runs: list[Run]) -> dict[str, Any]:
     """One matplotlib Figure per name in :data:`FIGURES`, every run drawn in each.
 
     Lines are labelled ``<run>`` / ``<run> val`` (loss) and ``<run> <key> rank<r>`` (memory from a full
-    per-rank list) or ``<run> <key> max`` / ``min`` (from a summary; MiB = bytes / 2**20); their x data are steps and their y data the logged values, so
-    ``line.get_xydata()`` gives back what ``metrics.jsonl`` holds.
+    per-rank list) or ``<run> <key> max`` / ``min`` (from a summary; MiB = bytes / 2**20); their x data are
+    steps and their y data the logged values, so ``line.get_xydata()`` gives back what ``metrics.jsonl`` holds.
     """
     import matplotlib
 

@@ -30,8 +30,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from shardlm.model.config import ModelConfig
+
+
+#: values drawn per generator when initialising (at least one row): a rank draws only the blocks its rows touch
+INIT_BLOCK_ELEMENTS = 1 << 16
 
 
 class RMSNorm(nn.Module):
@@ -417,41 +422,70 @@ class Llama(nn.Module):
         return logits
 
     # ---- initialisation -------------------------------------------------------------------
-    def initial_value(self, name: str, seed: int) -> torch.Tensor:
-        """The full, unsharded initial value of parameter ``name``: fp32 on CPU, its full shape.
+    def initial_rows(self, name: str, seed: int, start: int, stop: int,
+                     device: torch.device | str = "cpu") -> torch.Tensor:
+        """Rows ``[start, stop)`` (along dim 0) of parameter ``name``'s initial value: fp32 on ``device``.
 
         Weight matrices and the embedding are N(0, init_std²) (output projections ``o_proj`` and
         ``down_proj`` scaled by 1/sqrt(2·n_layers), as GPT-2); biases are zeros; norm weights are ones
-        (zeros for Gemma's ``1 + weight`` norms: the same unit scale). Each tensor
-        comes from its own generator seeded by (seed, name), so the value does not depend on the
-        order of construction, on the device, or on how the model is sharded.
+        (zeros for Gemma's ``1 + weight`` norms: the same unit scale). The rows are cut into
+        blocks of :data:`INIT_BLOCK_ELEMENTS` values (at least one row); block ``b`` of a parameter is drawn
+        from its own generator on ``device`` seeded by (seed, name, b). So any range of rows is produced
+        without drawing the others, and the value does not depend on the order of construction or on how
+        the model is sharded; it does depend on the device type (CPU and CUDA generators differ).
+
+        Raises:
+            ValueError: ``0 <= start <= stop <= rows`` does not hold.
         """
-        param = self.get_parameter(name)
+        shape = self.get_parameter(name).shape
+        rows = shape[0]
+        if not 0 <= start <= stop <= rows:
+            raise ValueError(f"{name}: rows [{start}, {stop}) outside [0, {rows})")
         if name.endswith("norm.weight"):
-            return torch.zeros(param.shape) if self.cfg.arch.gemma_norms else torch.ones(param.shape)
+            fill = torch.zeros if self.cfg.arch.gemma_norms else torch.ones
+            return fill((stop - start, *shape[1:]), device=device)
         if name.endswith(".bias"):
-            return torch.zeros(param.shape)
+            return torch.zeros((stop - start, *shape[1:]), device=device)
         std = self.cfg.init_std
         if name.endswith(("o_proj.weight", "down_proj.weight")):
             std = std / math.sqrt(2 * self.cfg.n_layers)
-        gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-        return torch.randn(param.shape, generator=gen) * std
+        block = max(1, INIT_BLOCK_ELEMENTS // max(1, math.prod(shape[1:])))  # rows per generator
+        base = seed * 1_000_003 + zlib.crc32(name.encode())
+        pieces = []
+        for b in range(start // block, -(-stop // block)):
+            lo, hi = b * block, min((b + 1) * block, rows)
+            gen = torch.Generator(device).manual_seed((base * 1_000_003 + b) % 2**63)
+            values = torch.randn((hi - lo, *shape[1:]), generator=gen, device=device)
+            pieces.append(values[max(start, lo) - lo:min(stop, hi) - lo])
+        out = torch.cat(pieces) if pieces else torch.empty((0, *shape[1:]), device=device)
+        return out * std
+
+    def initial_value(self, name: str, seed: int) -> torch.Tensor:
+        """The full, unsharded initial value of parameter ``name``: fp32 on CPU (see :meth:`initial_rows`)."""
+        return self.initial_rows(name, seed, 0, self.get_parameter(name).shape[0])
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """Initialise every parameter from :meth:`initial_value` and recompute the rotary tables.
+        """Initialise every parameter from :meth:`initial_rows` and recompute the rotary tables.
 
-        Works on a whole model and on one whose parameters are sharded DTensors (after
-        ``to_empty``): each rank then copies only its own slice of the full value, so the result is
-        bit-identical to the whole model's. Tied weights stay one tensor.
+        Works on a whole model and on one whose parameters are sharded DTensors (after ``to_empty``): each
+        rank then draws only the rows of its own shard, on the parameter's device, so the time and memory
+        are proportional to the shard, and the result is bit-identical to the whole model's on the same
+        device type. Tied weights stay one tensor.
         """
         for name, param in self.named_parameters():
-            full = self.initial_value(name, seed).to(param.dtype)
             if isinstance(param, DTensor):
-                local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
-                param.to_local().copy_(local.to_local())
+                local = param.to_local()
+                shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh,
+                                                                      param.placements)
+                if tuple(shape[1:]) == tuple(param.shape[1:]):  # sharded along dim 0 only (FSDP, HSDP): own rows
+                    local.copy_(self.initial_rows(name, seed, offset[0], offset[0] + shape[0], local.device))
+                else:  # any other layout: the full value, then this rank's piece
+                    full = self.initial_value(name, seed).to(param.dtype)
+                    piece = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+                    local.copy_(piece.to_local())
             else:
-                param.copy_(full)
+                param.copy_(self.initial_rows(name, seed, 0, param.shape[0], param.device))
         self.init_rotary()
 
     @torch.no_grad()

@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from conftest import cpu_env, run_scenarios, tensorboard_scalars, tiny_overrides, torchrun
 from shardlm.cli.main import main as shardlm_main
+from shardlm.convert.export import export_checkpoint
 from shardlm.convert.hf_in import load_model_dir
 from shardlm.data import load_tokenizer, read_documents, special_token_ids
 from shardlm.eval import context_windows, token_stream
@@ -29,14 +30,15 @@ from shardlm.model.generate import SamplingConfig, decode_steps, generate
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, small_data) -> dict[str, Path]:
     """Two tiny runs at 2 ranks: ``a`` (20 steps, full per-rank lists) and ``b`` (12 steps, another learning rate,
-    per-rank summaries only)."""
+    per-rank summaries only, ``final/`` written by both ranks as shard files)."""
     out = tmp_path_factory.mktemp("everyday")
     common = {"train.micro_batch_size": 4}
     scenarios = [
         {"name": "a", "overrides": tiny_overrides(small_data, out / "run_a", {**common, "run.name": "a",
                                                                            "train.log_per_rank": "true"})},
         {"name": "b", "overrides": tiny_overrides(small_data, out / "run_b", {
-            **common, "run.name": "b", "train.steps": 12, "train.lr": 1e-3, "train.eval_interval": 6})},
+            **common, "run.name": "b", "train.steps": 12, "train.lr": 1e-3, "train.eval_interval": 6,
+            "run.export_single_file_bytes": 0})},
     ]
     run_scenarios(2, scenarios, out / "reports")
     return {"a": out / "run_a", "b": out / "run_b"}
@@ -182,6 +184,34 @@ def test_exported_from_scratch_model_has_the_tokenizer_files(runs, tmp_path):
     print(f"\nexported from-scratch model: greedy generation equals transformers' for 4 prompts, "
           f"{stopped} of them stopped at <|end_of_document|>, after {lengths} tokens")
     assert stopped >= 1 and len(generate(ours, [prompt], 30, SamplingConfig(0.0), 2)[0]) <= 4
+
+
+@pytest.mark.dist
+def test_sharded_final_loads_in_transformers_with_the_checkpoints_logits(runs, tmp_path):
+    """Run b's ``final/`` was written by both ranks (a shard file each + the index): transformers loads it, and its
+    logits equal those of the one-file export of the same step's checkpoint."""
+    transformers = pytest.importorskip("transformers")
+    final = runs["b"] / "final"
+    index = json.loads((final / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert files == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    one_file = export_checkpoint(runs["b"] / "checkpoints" / "step-12", tmp_path / "one")
+    others = {p.name for p in one_file.iterdir()} - {"model.safetensors"}  # config, generation config, tokenizer
+    assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"} <= others
+    assert {p.name for p in final.iterdir()} == {*files, "model.safetensors.index.json", *others}
+    for name in others:  # the same files as the one-file export writes
+        assert (final / name).read_bytes() == (one_file / name).read_bytes(), name
+    sizes = {f: (final / f).stat().st_size for f in files}
+    biggest = max(v.numel() * v.element_size() for v in load_model_dir(final).state_dict().values())
+    assert max(sizes.values()) <= index["metadata"]["total_size"] / 2 + biggest + 4096  # share + one tensor + header
+    tokens = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))
+    logits = []
+    for d in (final, one_file):
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32,
+                                                               attn_implementation="eager").eval()
+        with torch.no_grad():
+            logits.append(hf(tokens).logits)
+    assert torch.equal(logits[0], logits[1])
 
 
 # ---- TensorBoard --------------------------------------------------------------------------------

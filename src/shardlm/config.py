@@ -199,6 +199,10 @@ class RunConfig:
     """On a fresh start (no ``checkpoint.resume``): allow a non-empty run directory and start a new run in it,
     removing the previous run's checkpoints, metrics, config and final model (each named on the console).
     Ignored when resuming."""
+    export_single_file_bytes: int = 2**31
+    """``final/`` of a model up to this many bytes is one ``model.safetensors`` (gathered to rank 0); a larger
+    one is written by every rank: whole tensors into its own ``model-0000K-of-0000M.safetensors`` plus
+    ``model.safetensors.index.json``, as Hugging Face shards large models. 0 always shards."""
 
 
 @dataclass

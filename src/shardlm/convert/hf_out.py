@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import json
 import shutil
+from datetime import timedelta
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from safetensors import safe_open
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
 
 from shardlm.atomic import atomic_directory, save_safetensors
 from shardlm.convert.hf_config import hf_config, read_model_dir_config, written_special_ids
@@ -59,17 +62,115 @@ def save_model_dir(state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: st
     if cfg.tie_embeddings:
         tensors.pop("lm_head.weight", None)
     dtype = next(iter(tensors.values())).dtype
-    special = written_special_ids(special_ids)
-    eos = [] if special["eos"] is None else [special["eos"]] if isinstance(special["eos"], int) else special["eos"]
     with atomic_directory(out) as tmp:
         save_safetensors(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(hf_config(cfg, special_ids, dtype), indent=2) + "\n")
-        gen = generation_config({"bos": special["bos"], "eos": eos, "pad": special["pad"]})
-        (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-        if tokenizer_path is not None:
-            write_tokenizer_files(tokenizer_path, tmp, model_max_length=cfg.max_seq_len)
-        for extra in extra_files:
-            shutil.copyfile(extra, tmp / extra.name)
+        write_model_files(tmp, cfg, dtype, tokenizer_path, special_ids, extra_files)
+    return out
+
+
+def write_model_files(tmp: Path, cfg: ModelConfig, dtype: torch.dtype, tokenizer_path: str | Path | None = None,
+                      special_ids: dict | None = None, extra_files: list[Path] = ()) -> None:
+    """Everything of a model directory but the weights, into ``tmp``: ``config.json`` (weights of ``dtype``),
+    ``generation_config.json``, the tokenizer's files when ``tokenizer_path`` is given, then ``extra_files``
+    (see :func:`save_model_dir`)."""
+    special = written_special_ids(special_ids)
+    eos = [] if special["eos"] is None else [special["eos"]] if isinstance(special["eos"], int) else special["eos"]
+    (tmp / "config.json").write_text(json.dumps(hf_config(cfg, special_ids, dtype), indent=2) + "\n")
+    gen = generation_config({"bos": special["bos"], "eos": eos, "pad": special["pad"]})
+    (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    if tokenizer_path is not None:
+        write_tokenizer_files(tokenizer_path, tmp, model_max_length=cfg.max_seq_len)
+    for extra in extra_files:
+        shutil.copyfile(extra, tmp / extra.name)
+
+
+#: how long the ranks of a sharded export wait for each other while they write (a group of its own, not the
+#: training timeout: one rank may write gigabytes while the others wait)
+EXPORT_TIMEOUT = timedelta(hours=4)
+
+#: the index file beside sharded safetensors files (Hugging Face's name)
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def shard_owners(sizes: list[int], world_size: int) -> list[int]:
+    """The rank that writes each tensor of a sharded export: consecutive tensors (in ``sizes`` order, bytes each)
+    go to the same rank, cut where the running total crosses ``k / world_size`` of the whole (by each tensor's
+    middle byte). Every rank then writes at most its share of the bytes plus one tensor; some may write none.
+    """
+    total = max(1, sum(sizes))
+    owners, done = [], 0
+    for size in sizes:
+        owners.append(min(world_size - 1, (2 * done + size) * world_size // (2 * total)))
+        done += size
+    return owners
+
+
+def save_sharded_model_dir(named_params: list[tuple[str, torch.Tensor]], cfg: ModelConfig, out_dir: str | Path,
+                           rank: int, world_size: int, tokenizer_path: str | Path | None = None,
+                           special_ids: dict | None = None) -> Path:
+    """Write an HF-style Llama directory from every rank at once: ``model-0000K-of-0000M.safetensors`` (one per
+    rank that owns a tensor, see :func:`shard_owners`), ``model.safetensors.index.json``, ``config.json``.
+
+    A collective: every rank calls it with the model's ``named_parameters()`` (DTensor shards or whole
+    tensors; a tied output weight listed once). Each tensor is all-gathered in turn (``full_tensor``) and
+    kept, on CPU, only by its owner, so no rank holds more than its share plus one tensor. Then each rank
+    writes its own file; the ranks meet on a process group of their own with :data:`EXPORT_TIMEOUT`, so a
+    rank waiting for a slow writer is not stopped by the training timeout. Rank 0 writes the index and the
+    config and renames the temporary directory into place (atomically: a failure anywhere leaves ``out_dir``
+    as it was). Returns ``out_dir`` on every rank.
+
+    Raises:
+        ModelDirError: a rank could not write its file (names the rank, the path and the cause).
+    """
+    out = Path(out_dir)
+    group = dist.new_group(backend="gloo", timeout=EXPORT_TIMEOUT) if world_size > 1 else None
+    sizes = [p.numel() * p.element_size() for _, p in named_params]
+    owners = shard_owners(sizes, world_size)
+    writers = sorted(set(owners))
+    files = {r: f"model-{i + 1:05d}-of-{len(writers):05d}.safetensors" for i, r in enumerate(writers)}
+    mine: dict[str, torch.Tensor] = {}
+    for (name, p), owner in zip(named_params, owners):
+        full = p.full_tensor() if isinstance(p, DTensor) else p  # an all-gather: every rank, in the same order
+        if owner == rank:
+            mine[name] = full.detach().to("cpu", copy=True).contiguous()
+        del full
+    dtype = named_params[0][1].dtype
+
+    def write(tmp: Path | None) -> None:
+        where = [str(tmp) if tmp is not None else None]
+        if group is not None:
+            dist.broadcast_object_list(where, src=0, group=group)
+        error = None
+        if mine:
+            path = Path(where[0]) / files[rank]
+            try:
+                save_safetensors(mine, path, metadata={"format": "pt"})
+            except OSError as e:
+                error = f"rank {rank} could not write {path}: {e}"
+        mine.clear()
+        errors = [error]
+        if group is not None:
+            errors = [None] * world_size
+            dist.all_gather_object(errors, error, group=group)
+        failed = [e for e in errors if e]
+        if failed:
+            raise ModelDirError("; ".join(failed))
+
+    try:
+        if rank == 0:
+            with atomic_directory(out) as tmp:
+                write(tmp)
+                index = {"metadata": {"total_size": sum(sizes)},
+                         "weight_map": {name: files[o] for (name, _), o in zip(named_params, owners)}}
+                (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+                write_model_files(tmp, cfg, dtype, tokenizer_path, special_ids)
+        else:
+            write(None)
+        if group is not None:
+            dist.barrier(group=group)  # the directory is in place before any rank goes on
+    finally:
+        if group is not None:
+            dist.destroy_process_group(group)
     return out
 
 

@@ -34,7 +34,6 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from shardlm.model.config import ModelConfig
 
-
 #: values drawn per generator when initialising (at least one row): a rank draws only the blocks its rows touch
 INIT_BLOCK_ELEMENTS = 1 << 16
 

@@ -20,7 +20,7 @@ import torch
 from shardlm.checkpoint.dcp import Checkpointer, resume_mode
 from shardlm.checkpoint.run import clear_run_dir, write_run_config
 from shardlm.config import Config, gradient_accumulation_steps
-from shardlm.convert.hf_out import gather_full_state_dict, save_model_dir
+from shardlm.convert.hf_out import EXPORT_TIMEOUT, gather_full_state_dict, save_model_dir, save_sharded_model_dir
 from shardlm.convert.peft_out import gather_full_params, merge_lora, save_peft_dir
 from shardlm.data import GlobalBatchSampler, TokenWindows, eval_windows, load_meta
 from shardlm.data.build import data_dir, prepare_data
@@ -442,28 +442,62 @@ class Trainer:
         self.history.append(record)
 
     def export(self, out_dir: Path) -> None:
-        """Write the trained weights as an HF Llama directory (full state gathered on rank 0).
+        """Write the trained weights as an HF model directory: one ``model.safetensors`` gathered on rank 0 for a
+        model up to ``run.export_single_file_bytes``, else every rank writing its own shard file plus the index
+        (:func:`shardlm.convert.hf_out.save_sharded_model_dir`). Either way the other ranks wait for the
+        writers on a process group with the export's own long timeout, not the training one.
 
         With LoRA the directory holds the merged weights (base + scaled B·A, fp32), and ``<out_dir>-adapter``
-        the adapters in PEFT's format (:mod:`shardlm.convert.peft_out`).
+        the adapters in PEFT's format (:mod:`shardlm.convert.peft_out`), both written by rank 0 whatever the
+        size (:meth:`export_lora`).
         """
         if self.cfg.lora.enabled:
             self.export_lora(out_dir, Path(f"{out_dir}-adapter"))
             return
+        info = self.info
+        named = list(unwrap(self.model).named_parameters())
+        total = sum(p.numel() * p.element_size() for _, p in named)
+        tokenizer = data_dir(self.cfg) / "tokenizer.json"
+        if total > self.cfg.run.export_single_file_bytes:
+            save_sharded_model_dir(named, self.cfg.model, out_dir, info.rank, info.world_size, tokenizer,
+                                   self.special_ids)
+            return
         state = gather_full_state_dict(self.model)
-        if self.info.is_main:
-            save_model_dir(state, self.cfg.model, out_dir, data_dir(self.cfg) / "tokenizer.json", self.special_ids)
-        torch.distributed.barrier()
+        group = self._export_group()
+        if info.is_main:
+            save_model_dir(state, self.cfg.model, out_dir, tokenizer, self.special_ids)
+        del state
+        self._wait_for_writers(group)
 
     def export_lora(self, merged_dir: Path | None, adapter_dir: Path | None) -> None:
-        """Write the merged model to ``merged_dir`` and the PEFT adapter to ``adapter_dir`` (either may be None)."""
+        """Write the merged model to ``merged_dir`` and the PEFT adapter to ``adapter_dir`` (either may be None).
+
+        The full parameters are gathered to rank 0, which merges and writes both (merging needs base and
+        adapters side by side, an NF4 base dequantised whole); the other ranks wait on the export's group.
+        """
         lora = self.cfg.lora
         spec = LoRASpec(lora.rank, lora.alpha, lora.dropout, lora.targets, lora.base_dtype)
         state = gather_full_params(unwrap(self.model), self.info.is_main)
+        group = self._export_group()
         if self.info.is_main:
             if merged_dir is not None:
                 save_model_dir(merge_lora(state, lora.alpha / lora.rank), self.cfg.model, merged_dir,
                                data_dir(self.cfg) / "tokenizer.json", self.meta.get("special_ids"))
             if adapter_dir is not None:
                 save_peft_dir(state, spec, adapter_dir, self.cfg.model.init_from)
-        torch.distributed.barrier()
+        del state
+        self._wait_for_writers(group)
+
+    def _export_group(self) -> torch.distributed.ProcessGroup | None:
+        """A gloo group with :data:`~shardlm.convert.hf_out.EXPORT_TIMEOUT` for the ranks to wait on while rank 0
+        writes (a collective; None in one process)."""
+        if self.info.world_size == 1:
+            return None
+        return torch.distributed.new_group(backend="gloo", timeout=EXPORT_TIMEOUT)
+
+    @staticmethod
+    def _wait_for_writers(group: torch.distributed.ProcessGroup | None) -> None:
+        """Wait on ``group`` until rank 0 has written (under the export's timeout), then destroy the group."""
+        if group is not None:
+            torch.distributed.barrier(group=group)
+            torch.distributed.destroy_process_group(group)

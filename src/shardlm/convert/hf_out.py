@@ -105,6 +105,33 @@ def shard_owners(sizes: list[int], world_size: int) -> list[int]:
     return owners
 
 
+def gather_full(p: torch.Tensor, owner: int, rank: int) -> torch.Tensor | None:
+    """The full value of parameter ``p`` on rank ``owner`` (None elsewhere); a collective of all ranks.
+
+    A DTensor sharded ``Shard(0)`` on a one-dimensional mesh (FSDP) is gathered to the owner only
+    (``dist.gather`` of the shards padded to ``torch.chunk``'s row count), so the other ranks allocate
+    nothing beyond their shard; another layout is all-gathered (``full_tensor``); a plain tensor is returned
+    as it is (every rank holds it whole).
+    """
+    if not isinstance(p, DTensor):
+        return p if owner == rank else None
+    if p.device_mesh.ndim != 1 or not p.placements[0].is_shard(0):
+        full = p.full_tensor()
+        return full if owner == rank else None
+    group = p.device_mesh.get_group()
+    n = dist.get_world_size(group)
+    rows = -(-p.shape[0] // n)  # torch.chunk's rows per rank; the last ranks may hold fewer, or none
+    local = p.to_local()
+    padded = local.new_zeros((rows, *p.shape[1:]))
+    padded[:local.shape[0]] = local
+    if rank != owner:
+        dist.gather(padded, None, dst=owner, group=group)
+        return None
+    pieces = [torch.empty_like(padded) for _ in range(n)]
+    dist.gather(padded, pieces, dst=owner, group=group)
+    return torch.cat(pieces)[:p.shape[0]]
+
+
 def save_sharded_model_dir(named_params: list[tuple[str, torch.Tensor]], cfg: ModelConfig, out_dir: str | Path,
                            rank: int, world_size: int, tokenizer_path: str | Path | None = None,
                            special_ids: dict | None = None) -> Path:
@@ -112,8 +139,8 @@ def save_sharded_model_dir(named_params: list[tuple[str, torch.Tensor]], cfg: Mo
     rank that owns a tensor, see :func:`shard_owners`), ``model.safetensors.index.json``, ``config.json``.
 
     A collective: every rank calls it with the model's ``named_parameters()`` (DTensor shards or whole
-    tensors; a tied output weight listed once). Each tensor is all-gathered in turn (``full_tensor``) and
-    kept, on CPU, only by its owner, so no rank holds more than its share plus one tensor. Then each rank
+    tensors; a tied output weight listed once). Each tensor is gathered in turn to its owner only
+    (:func:`gather_full`) and kept there on CPU, so no rank holds more than its share plus one tensor. Then each rank
     writes its own file; the ranks meet on a process group of their own with :data:`EXPORT_TIMEOUT`, so a
     rank waiting for a slow writer is not stopped by the training timeout. Rank 0 writes the index and the
     config and renames the temporary directory into place (atomically: a failure anywhere leaves ``out_dir``
@@ -130,7 +157,7 @@ def save_sharded_model_dir(named_params: list[tuple[str, torch.Tensor]], cfg: Mo
     files = {r: f"model-{i + 1:05d}-of-{len(writers):05d}.safetensors" for i, r in enumerate(writers)}
     mine: dict[str, torch.Tensor] = {}
     for (name, p), owner in zip(named_params, owners):
-        full = p.full_tensor() if isinstance(p, DTensor) else p  # an all-gather: every rank, in the same order
+        full = gather_full(p, owner, rank)  # a collective: every rank, in the same order
         if owner == rank:
             mine[name] = full.detach().to("cpu", copy=True).contiguous()
         del full

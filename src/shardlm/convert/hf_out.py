@@ -127,9 +127,9 @@ def gather_full(p: torch.Tensor, owner: int, rank: int) -> torch.Tensor | None:
     if rank != owner:
         dist.gather(padded, None, dst=owner, group=group)
         return None
-    pieces = [torch.empty_like(padded) for _ in range(n)]
-    dist.gather(padded, pieces, dst=owner, group=group)
-    return torch.cat(pieces)[:p.shape[0]]
+    full = local.new_empty((n * rows, *p.shape[1:]))
+    dist.gather(padded, list(full.split(rows)), dst=owner, group=group)  # straight into one buffer: no extra copy
+    return full[:p.shape[0]]
 
 
 def save_sharded_model_dir(named_params: list[tuple[str, torch.Tensor]], cfg: ModelConfig, out_dir: str | Path,
@@ -158,8 +158,9 @@ def save_sharded_model_dir(named_params: list[tuple[str, torch.Tensor]], cfg: Mo
     mine: dict[str, torch.Tensor] = {}
     for (name, p), owner in zip(named_params, owners):
         full = gather_full(p, owner, rank)  # a collective: every rank, in the same order
-        if owner == rank:
-            mine[name] = full.detach().to("cpu", copy=True).contiguous()
+        if owner == rank:  # a copy only when it is not already this rank's own CPU tensor
+            mine[name] = full.detach().cpu().contiguous() if isinstance(p, DTensor) else full.detach().to(
+                "cpu", copy=True).contiguous()
         del full
     dtype = named_params[0][1].dtype
 

@@ -128,7 +128,7 @@ def test_both_trackers_get_config_and_every_step_from_rank_0_only(runs):
     run_dir = root / "both"
     assert [r["trackers"] for r in reports["both"]] == [["wandb", "mlflow"], []]  # rank 0 only
     want = expected(run_dir)
-    assert sorted(want) == [1, 2, 3, 4, 5, 6] and "val_loss" in want[3] and "shard_bytes/rank1" in want[1]
+    assert sorted(want) == [1, 2, 3, 4, 5, 6] and "val_loss" in want[3] and "rss_bytes/max" in want[1]
     config = json.loads((run_dir / "config.json").read_text())
 
     (segment,) = wandb_segments(run_dir)  # one W&B run, written by one process
@@ -229,6 +229,9 @@ def test_tracker_metrics_flatten_per_rank_lists():
     record = {"step": 7, "loss": 2.5, "lr": 1e-3, "shard_bytes": [10, 12], "elapsed_s": 1.0}
     assert tracker_metrics(record) == {"loss": 2.5, "lr": 1e-3, "shard_bytes/rank0": 10, "shard_bytes/rank1": 12,
                                        "elapsed_s": 1.0}
+    summary = {"step": 7, "rss_bytes": {"min": 10, "max": 12, "mean": 11.0, "max_rank": 1}, "rss_bytes_per_rank": [10, 12]}
+    assert tracker_metrics(summary) == {"rss_bytes/min": 10, "rss_bytes/max": 12, "rss_bytes/mean": 11.0,
+                                        "rss_bytes/max_rank": 1, "rss_bytes/rank0": 10, "rss_bytes/rank1": 12}
 
 
 def test_a_tracker_failing_mid_run_warns_once_and_stops(tmp_path, capsys):

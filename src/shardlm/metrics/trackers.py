@@ -59,20 +59,26 @@ def tracker_metrics(record: dict[str, Any]) -> dict[str, float | int]:
     """The numbers of a metrics record as tracker metrics (``step`` left out).
 
     Scalars keep their key (``loss``, ``val_loss``, ``lr``, ``grad_norm``, ``tokens_per_s``...); a
-    per-rank list (``shard_bytes``, ``max_allocated_bytes``...) becomes one metric per rank,
-    ``<key>/rank<r>``. Values are the record's own, unconverted (ints stay ints).
+    per-rank summary (``shard_bytes``, ``rss_bytes``, ``max_allocated_bytes``...: min, max, mean, max_rank)
+    becomes ``<key>/<stat>``; a full per-rank list (``<key>_per_rank``, with ``train.log_per_rank``, or a plain
+    list) one metric per rank, ``<key>/rank<r>``. Values are the record's own, unconverted (ints stay ints).
     """
     out: dict[str, float | int] = {}
+
+    def number(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
     for key, value in record.items():
         if key == "step" or isinstance(value, bool):
             continue
         if isinstance(value, (int, float)):
             if math.isfinite(value):
                 out[key] = value
+        elif isinstance(value, dict):
+            out.update({f"{key}/{stat}": v for stat, v in value.items() if number(v)})
         elif isinstance(value, list):
-            for rank, v in enumerate(value):
-                if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-                    out[f"{key}/rank{rank}"] = v
+            name = key.removesuffix("_per_rank")
+            out.update({f"{name}/rank{rank}": v for rank, v in enumerate(value) if number(v)})
     return out
 
 

@@ -239,7 +239,8 @@ def test_training_writes_tensorboard_events_matching_metrics(runs):
 @pytest.mark.dist
 def test_per_rank_figures_are_summaries_unless_asked(runs):
     full, summary = read_metrics(runs["a"] / "metrics.jsonl"), read_metrics(runs["b"] / "metrics.jsonl")
-    for rec in full[1:]:  # shard bytes are measured from the first step on: summaries from the second record
+    assert len({json.dumps(r["shard_bytes"]) for r in full}) == 1  # step 1's expected figure == the measured one
+    for rec in full:
         values = rec["shard_bytes_per_rank"]
         assert len(values) == 2 and rec["world_size"] == 2
         assert rec["shard_bytes"] == {"min": min(values), "max": max(values), "mean": sum(values) / 2,
@@ -289,11 +290,11 @@ def test_report_plots_what_metrics_jsonl_holds(runs, tmp_path):
         if run.name == "a":  # full per-rank lists: a line per rank
             expect.update({
                 ("memory", f"a shard rank{k}"): [(r["step"], r["shard_bytes_per_rank"][k] / 2**20) for r in recs
-                                                 if "shard_bytes_per_rank" in r] for k in (0, 1)})
+                                                 ] for k in (0, 1)})
         else:  # summaries: max and min
             expect.update({
-                ("memory", f"b shard {stat}"): [(r["step"], r["shard_bytes"][stat] / 2**20) for r in recs
-                                                if "shard_bytes" in r] for stat in ("max", "min")})
+                ("memory", f"b shard {stat}"): [(r["step"], r["shard_bytes"][stat] / 2**20) for r in recs]
+                for stat in ("max", "min")})
         for (fig, label), xy in expect.items():
             assert len(xy) >= 2, (fig, label)
             assert torch.allclose(torch.tensor(lines[fig][label]), torch.tensor(xy, dtype=torch.float64),

@@ -40,6 +40,18 @@ def shard_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
     return out
 
 
+def expected_shard_bytes(model: nn.Module) -> dict[str, int]:
+    """:func:`shard_bytes` as it reads after an AdamW step, known before the first one: gradients shaped and typed
+    like their parameters, AdamW's two moments likewise plus a 4-byte step count per parameter (fused AdamW
+    keeps it as a 0-dim fp32 tensor)."""
+    params = [p for p in model.parameters()]
+    trained = [p for p in params if p.requires_grad]
+    out = {"params": sum(local_bytes(p) for p in params), "grads": sum(local_bytes(p) for p in trained),
+           "optimizer": sum(2 * local_bytes(p) + 4 for p in trained)}
+    out["total"] = out["params"] + out["grads"] + out["optimizer"]
+    return out
+
+
 def process_rss_bytes() -> int:
     """Resident set size of this process now, in bytes (``/proc/self/statm``; peak RSS where that is missing)."""
     try:

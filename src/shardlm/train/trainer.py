@@ -36,7 +36,7 @@ from shardlm.metrics import (
     model_flops_per_token,
     shard_bytes,
 )
-from shardlm.metrics.memory import reset_device_peaks
+from shardlm.metrics.memory import expected_shard_bytes, reset_device_peaks
 from shardlm.metrics.per_rank import per_rank_summaries
 from shardlm.metrics.progress import progress
 from shardlm.metrics.trackers import check_packages, start_trackers
@@ -299,9 +299,10 @@ class Trainer:
         return self.train_data.num_targets(self.sampler.step_ids(step))
 
     def _per_rank_values(self) -> dict[str, int]:
-        """This rank's figures for the per-rank summaries of a record: shard bytes (once measured) and memory."""
-        out = {"shard_bytes": self.local_shard_bytes["total"]} if self.local_shard_bytes is not None else {}
-        out.update(device_memory(self.info.device))
+        """This rank's figures for the per-rank summaries of a record: shard bytes (parameters, gradients, AdamW
+        state) and memory (on CUDA the peaks since the last record, then reset)."""
+        measured = self.local_shard_bytes or expected_shard_bytes(self.model)  # the same figure, before step 1
+        out = {"shard_bytes": measured["total"], **device_memory(self.info.device)}
         reset_device_peaks(self.info.device)  # the next record's peaks cover its own logging interval
         return out
 

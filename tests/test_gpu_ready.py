@@ -240,10 +240,9 @@ def test_peak_memory_is_reset_after_each_logged_record(monkeypatch):
 
     order = []
     monkeypatch.setattr(trainer_module, "device_memory", lambda d: order.append("read") or {"max_allocated_bytes": 7})
-    monkeypatch.setattr(trainer_module, "all_gather_ints", lambda v, d: [v])
     monkeypatch.setattr(trainer_module, "reset_device_peaks", lambda d: order.append(("reset", d)))
-    fake = SimpleNamespace(info=SimpleNamespace(device=torch.device("cuda", 0)), _shard_bytes=[1])
-    assert trainer_module.Trainer._per_rank_memory(fake) == {"shard_bytes": [1], "max_allocated_bytes": [7]}
+    fake = SimpleNamespace(info=SimpleNamespace(device=torch.device("cuda", 0)), local_shard_bytes={"total": 1})
+    assert trainer_module.Trainer._per_rank_values(fake) == {"shard_bytes": 1, "max_allocated_bytes": 7}
     assert order == ["read", ("reset", torch.device("cuda", 0))]
 
 

@@ -5,7 +5,10 @@ Every ``torch.distributed`` collective is wrapped to count calls made while a st
 from inside FSDP (``torch/distributed/fsdp/``: its all-gathers and reduce-scatters); ``Tensor.item``,
 ``Tensor.tolist`` and ``Tensor.cpu`` are wrapped to count host reads (except those called from ``shardlm/data/``,
 whose tensors are host tensors by construction: the sampler's CPU-generator permutation). Each rank writes
-``OUT/<name>/rank<r>.json``: ``{"steps": [{"step", "logged", "collectives": [names], "host_reads": [names]}]}``.
+``OUT/<name>/rank<r>.json``: ``{"steps": [{"step", "logged", "collectives": [names], "host_reads": [names]}, and
+on logged steps "mfu" and this rank's "shard_bytes" (with ``train.log_per_rank``)], "measured_shard_bytes",
+"expected_shard_bytes" (the prediction made before step 1, evaluated at the end), "trainable", "frozen"
+(parameter counts)}``.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from dist_worker import scenario_trainers, write_rank_report
+from shardlm.metrics.memory import expected_shard_bytes
 from shardlm.parallel import exit_process
 
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object", "reduce_scatter",
@@ -62,15 +66,24 @@ def main() -> None:
         def step(log: bool = True, train_step=train_step, steps=steps, trainer=trainer) -> dict | None:
             global counts
             counts = {"collectives": [], "host_reads": []}
+            record = None
             try:
-                return train_step(log=log)
+                record = train_step(log=log)
+                return record
             finally:
                 steps.append({"step": trainer.step, "logged": log, **counts})
+                if record is not None:  # what the one read delivered: MFU and this rank's shard bytes
+                    steps[-1].update(mfu=record["mfu"], shard_bytes=record["shard_bytes_per_rank"][trainer.info.rank]
+                                     if "shard_bytes_per_rank" in record else None)
                 counts = None
 
         trainer.train_step = step
         trainer.train()
-        write_rank_report(out, scenario["name"], trainer.info.rank, {"steps": steps})
+        write_rank_report(out, scenario["name"], trainer.info.rank, {
+            "steps": steps, "measured_shard_bytes": trainer.local_shard_bytes["total"],
+            "expected_shard_bytes": expected_shard_bytes(trainer.model)["total"],
+            "trainable": sum(p.requires_grad for p in trainer.model.parameters()),
+            "frozen": sum(not p.requires_grad for p in trainer.model.parameters())})
 
 
 if __name__ == "__main__":

@@ -13,15 +13,22 @@ from conftest import tiny_overrides, torchrun
 
 pytestmark = pytest.mark.dist
 
+FREEZE = {"train.trainable": "model.layers.1.*,norm"}  # block 1 and the final norm train; the rest is frozen
+PER_RANK = {"train.log_per_rank": "true", "train.peak_flops": 1e12}
+
 
 @pytest.fixture(scope="module")
 def counted(tmp_path_factory, small_data) -> dict[str, list[dict]]:
-    """Six steps of FSDP and of DDP at 2 ranks, logging every third step, no evaluation or checkpoint in between."""
+    """Six steps at 2 ranks, logging every third step, no evaluation or checkpoint in between: FSDP, DDP, and FSDP
+    with frozen parameters and with LoRA adapters (dropout on: a seeded draw per step), the last two with
+    per-rank lists and a peak for MFU."""
     out = tmp_path_factory.mktemp("lean")
     common = {"train.steps": 6, "train.micro_batch_size": 2, "train.log_interval": 3, "train.eval_interval": 0,
               "checkpoint.enabled": "false"}
-    scenarios = [{"name": mode, "overrides": tiny_overrides(small_data, out / mode, {**common, "parallel.mode": mode})}
-                 for mode in ("fsdp", "ddp")]
+    extra = {"fsdp": {}, "ddp": {"parallel.mode": "ddp"}, "frozen": {**FREEZE, **PER_RANK},
+             "lora": {"lora.enabled": "true", "lora.rank": 4, "lora.alpha": 8.0, "lora.dropout": 0.1, **PER_RANK}}
+    scenarios = [{"name": name, "overrides": tiny_overrides(small_data, out / name, {**common, **more})}
+                 for name, more in extra.items()]
     spec = out / "spec.json"
     spec.write_text(json.dumps({"out": str(out), "scenarios": scenarios}))
     worker = str(Path(__file__).resolve().parent / "sync_count_worker.py")
@@ -30,7 +37,7 @@ def counted(tmp_path_factory, small_data) -> dict[str, list[dict]]:
             for s in scenarios}
 
 
-@pytest.mark.parametrize("mode", ["fsdp", "ddp"])
+@pytest.mark.parametrize("mode", ["fsdp", "ddp", "frozen", "lora"])
 def test_one_collective_per_step_and_host_reads_only_when_logging(counted, mode):
     for rank, report in enumerate(counted[mode]):
         steps = report["steps"]
@@ -39,3 +46,16 @@ def test_one_collective_per_step_and_host_reads_only_when_logging(counted, mode)
             print(mode, rank, s)
             assert s["collectives"] == ["all_reduce"], (mode, rank, s)  # the gradient norm's, carrying the rest
             assert s["host_reads"] == (["tolist"] if s["logged"] else []), (mode, rank, s)
+
+
+@pytest.mark.parametrize("mode", ["frozen", "lora"])
+def test_frozen_and_lora_steps_log_mfu_and_the_trainable_shard_bytes(counted, mode):
+    """With frozen parameters the logged shard bytes count gradients and AdamW state of the trainable ones only,
+    predicted exactly before they exist (the first record) and measured after (later records)."""
+    for rank, report in enumerate(counted[mode]):
+        total = report["measured_shard_bytes"]
+        assert report["trainable"] > 0 and report["frozen"] > 0, (mode, rank, report)
+        assert report["expected_shard_bytes"] == total, (mode, rank)
+        logged = [s for s in report["steps"] if s["logged"]]
+        assert [s["shard_bytes"] for s in logged] == [total, total], (mode, rank)
+        assert all(0 < s["mfu"] < 1 for s in logged), (mode, rank, logged)

@@ -43,8 +43,11 @@ def build_model(cfg: Config, info: DistInfo, mesh: DeviceMesh | None) -> tuple[n
     checkpointing, compile, then :func:`apply_fsdp` (or DDP), as torchtitan orders them.
 
     No rank ever holds the whole unsharded model: under ``fsdp`` only each rank's shards are
-    allocated (``to_empty``) and filled by ``init_weights``, one full tensor at a time, or, with
-    ``model.init_from``, by ``load_pretrained_`` reading only the shard's rows.
+    allocated (``to_empty``) and filled by ``init_weights``, each rank drawing only its own shard's rows
+    (:meth:`~shardlm.model.llama.Llama.initial_rows`), or, with ``model.init_from``, by ``load_pretrained_``
+    reading only the shard's rows. A randomly initialised base under ``[lora]`` (tests, benchmarks) is drawn
+    one full tensor at a time on every rank (:func:`init_base_weights_`: an NF4 base is quantised from the
+    whole value); the values are the same as ``init_weights``'.
 
     Returns ``(model, load_stats)``: the ``Llama`` (FSDP-sharded or plain) or a ``DistributedDataParallel``
     around it, and :func:`shardlm.convert.hf_in.load_pretrained_`'s byte counts (None for a random init).

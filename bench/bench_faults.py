@@ -84,7 +84,7 @@ def worker(spec_path: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
     cfg = load_config(None, spec["overrides"])
-    trainer = Trainer(cfg, init_distributed(cfg.parallel))
+    trainer = Trainer(cfg, init_distributed(cfg.parallel), keep_history=True)  # sample_ids per step
     note({"start": True, "time": started})
     note({"start_step": trainer.step, "run_id": trainer.run_id, "time": time.time()})
     kill = spec.get("kill") or {}

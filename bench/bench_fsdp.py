@@ -25,6 +25,10 @@ same dtype, with all ranks running at once (``shardlm.metrics.flops``). Memory p
 gradient and AdamW shard bytes after a step; bytes autograd saves for backward in one micro-batch
 (``SavedActivationCounter``); peak allocated bytes on CUDA (``-`` on CPU, where the allocator keeps
 no statistics).
+
+Issue 14's rows live in two scripts of their own: ``bench/bench_scale.py`` (init time per rank of a ~1B shape
+and sharded export time and peak RSS per rank, at N = 1, 2, 4) and ``bench/bench_peer.py`` (this trainer
+against torchtitan's, launched alternately); each has ``--quick``.
 """
 
 from __future__ import annotations

@@ -2,6 +2,8 @@
 
 Usage::
 
+    python bench/bench_peer.py --quick                          # smoke run: 1 round of 4 steps (shardlm only
+                                                                # unless TORCHTITAN_PYTHON is set)
     python bench/bench_peer.py --rounds 2 --steps 10            # needs TORCHTITAN_PYTHON for the peer rows
     TORCHTITAN_PYTHON=/tmp/ttenv/bin/python python bench/bench_peer.py
 
@@ -62,7 +64,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--shardlm-extra", action="append", default=[],
                         help="NAME=OVERRIDES: another shardlm row with these overrides")
+    parser.add_argument("--quick", action="store_true", help="smoke run: --rounds 1 --steps 4")
     args = parser.parse_args()
+    if args.quick:
+        args.rounds, args.steps = 1, 4
+    if args.steps < 3:
+        parser.error(f"--steps must be at least 3 (the first two warm up), got {args.steps}")
     titan = os.environ.get("TORCHTITAN_PYTHON")
     extras = [("shardlm defaults", [])] + [(e.split("=", 1)[0], e.split("=", 1)[1].split()) for e in args.shardlm_extra]
     rows: dict[str, list[float]] = {}

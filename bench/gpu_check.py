@@ -104,7 +104,7 @@ def write_random_data(out: Path, vocab: int, tokens: int, seed: int = 0) -> Path
 def trainer_for(cfg: Config, device: torch.device, backend: str):
     from shardlm.train import Trainer
 
-    return Trainer(cfg, DistInfo(0, 0, 1, device, backend))
+    return Trainer(cfg, DistInfo(0, 0, 1, device, backend), keep_history=True)  # every record, for the checks
 
 
 def config(base: str | None, overrides: list[str], device: torch.device, data: Path, run: Path) -> Config:

@@ -95,13 +95,13 @@ def scenario_trainers_or_errors(spec_path: str) -> Iterator[tuple[dict, Trainer 
         cfg = load_config(scenario.get("config"), scenario.get("overrides", []))
         if scenario.get("expect_error"):
             try:
-                trainer = Trainer(cfg, init_distributed(cfg.parallel))
+                trainer = Trainer(cfg, init_distributed(cfg.parallel), keep_history=True)
                 trainer.train()
                 yield scenario, "no error", Path(spec["out"])
             except Exception as e:  # noqa: BLE001 - the test asserts on the message
                 yield scenario, f"{type(e).__name__}: {e}", Path(spec["out"])
             continue
-        yield scenario, Trainer(cfg, init_distributed(cfg.parallel)), Path(spec["out"])
+        yield scenario, Trainer(cfg, init_distributed(cfg.parallel), keep_history=True), Path(spec["out"])
 
 
 if __name__ == "__main__":

@@ -6,8 +6,8 @@ Usage (a script, not a test; it launches torchrun itself, once per world size)::
     python bench/bench_scale.py                                  # init: ~1B shape; export: ~0.3B shape; N = 1, 2, 4
     python bench/bench_scale.py --init-model 1b --export-model 1b --worlds 1,2,4 --threads 1 --out scale.json
 
-Memory: N = 1 of the ``1b`` shape holds 4.4 GB of parameters, plus during its export the copy it writes
-(about 9 GB in all); N = 4 holds four processes of a quarter each.
+Memory: N = 1 of the ``1b`` shape holds 4.4 GB of parameters, plus during its export the gathered copy and
+safetensors' serialised bytes (about 14 GB in all); N = 4 holds four processes of a quarter each.
 
 For each world size N, every rank (``OMP_NUM_THREADS=--threads``):
 

@@ -136,7 +136,6 @@ def test_lora_two_ranks_equal_one_process(peft_runs):
         a, b = losses(two[name]), losses(one[name])
         measured(f"{name} 2 ranks vs 1 process, max loss diff over {STEPS} steps", max(abs(x - y) for x, y in zip(a, b)))
         assert len(a) == STEPS and max(abs(x - y) for x, y in zip(a, b)) <= 1e-6, (name, a, b)
-        assert a[-1] < a[0]
         for rank in two[name]:
             assert all(rank["frozen_unchanged"].values())
             assert all(".lora_" in n for n in rank["optimizer_state_names"])
@@ -145,6 +144,9 @@ def test_lora_two_ranks_equal_one_process(peft_runs):
         tb = load_file(runs / "one" / name / "trainable.safetensors")
         measured(f"{name} adapters max diff", max((ta[k] - tb[k]).abs().max().item() for k in ta))
         assert max((ta[k] - tb[k]).abs().max().item() for k in ta) <= 1e-4
+        # the adapters trained: every B left zero (its initial value). (Not "the last loss is below the first": over
+        # 5 warm-up steps on a random base, each step a new batch, the change is within batch noise: +0.02 here.)
+        assert all(v.abs().max() > 0 for k, v in ta.items() if ".lora_B." in k) and len(ta) == 2 * 7 * 2
     # a bf16 base stores half the fp32 base's bytes
     fp32, bf16 = two["lora"][0]["frozen_bytes"], two["lora_bf16"][0]["frozen_bytes"]
     assert bf16 < fp32

@@ -220,6 +220,14 @@ class CheckpointConfig:
     """``""`` starts fresh (unless torchrun restarted the job: then ``auto``), ``auto`` resumes from the newest
     complete checkpoint of the run directory's run (``config.json``'s ``run_id``) if there is one, or a path to
     a ``step-<N>`` checkpoint directory."""
+    async_: bool = False
+    """``checkpoint.async`` in TOML and on the command line (``async`` is a Python keyword): stage the state to host
+    memory (a copy of this rank's shards: ~12 bytes per parameter / world size with AdamW in fp32) and write it in
+    the background with DCP's ``async_save`` on a gloo process group of its own (timeout
+    :data:`shardlm.checkpoint.dcp.CHECKPOINT_TIMEOUT`) while training continues. At most one save is in flight (the
+    next save and the end of the run wait for it); the checkpoint becomes ``step-<N>`` only when every rank has
+    written and the manifest is there, and a failed background save stops the run at the next step with the cause
+    and path. False: the training loop waits for each save."""
 
 
 @dataclass
@@ -295,8 +303,18 @@ class Config:
     lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def to_dict(self) -> dict[str, Any]:
-        """The config as nested plain dicts (tuples become lists), for JSON/TOML output."""
-        return json.loads(json.dumps(dataclasses.asdict(self)))
+        """The config as nested plain dicts (tuples become lists), for JSON/TOML output; keys are the TOML keys
+        (``checkpoint.async``, not the attribute ``async_``)."""
+        data = json.loads(json.dumps(dataclasses.asdict(self)))
+        for section in data.values():
+            for key, attr in KEYWORD_KEYS.items():
+                if isinstance(section, dict) and attr in section:
+                    section[key] = section.pop(attr)
+        return data
+
+
+#: config keys that are Python keywords -> the attribute that holds them (``checkpoint.async`` -> ``async_``)
+KEYWORD_KEYS = {"async": "async_"}
 
 
 def _coerce(key: str, value: Any, typ: Any) -> Any:
@@ -363,10 +381,12 @@ def _parse_cli_value(text: str) -> Any:
 
 def _apply(section_obj: Any, section: str, key: str, value: Any) -> None:
     hints = typing.get_type_hints(type(section_obj))
-    names = {f.name for f in dataclasses.fields(section_obj)}
-    if key not in names:
-        raise ConfigError(f"unknown config key '{section}.{key}' (known: {', '.join(sorted(names))})")
-    setattr(section_obj, key, _coerce(f"{section}.{key}", value, hints[key]))
+    attrs = {f.name for f in dataclasses.fields(section_obj)}
+    attr = KEYWORD_KEYS.get(key, key)
+    if attr not in attrs or attr in KEYWORD_KEYS.values() and key == attr:  # ``async_`` is spelt ``async``
+        keys = {next((k for k, a in KEYWORD_KEYS.items() if a == name), name) for name in attrs}
+        raise ConfigError(f"unknown config key '{section}.{key}' (known: {', '.join(sorted(keys))})")
+    setattr(section_obj, attr, _coerce(f"{section}.{key}", value, hints[attr]))
 
 
 def load_config(path: str | list[str] | None = None, overrides: list[str] | None = None) -> Config:

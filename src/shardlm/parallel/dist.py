@@ -274,10 +274,11 @@ def all_gather_ints(value: int, device: torch.device) -> list[int]:
     return out.tolist()
 
 
-def run_on_main(fn, info: DistInfo):
+def run_on_main(fn, info: DistInfo, group: dist.ProcessGroup | None = None):
     """Run ``fn()`` on rank 0 only; if it raises, every rank raises the same error (no rank hangs).
 
-    Returns ``fn()``'s result on rank 0 and None elsewhere.
+    Returns ``fn()``'s result on rank 0 and None elsewhere. ``group``: the process group that tells the other
+    ranks (None: the default one; rank 0 must be its rank 0).
 
     Raises:
         RankFailed: on ranks other than 0 when rank 0 failed (rank 0 re-raises its own error).
@@ -290,7 +291,7 @@ def run_on_main(fn, info: DistInfo):
             error = e
     message = [f"{type(error).__name__}: {error}" if error is not None else None]
     if info.world_size > 1:
-        dist.broadcast_object_list(message, src=0)
+        dist.broadcast_object_list(message, src=0, group=group)
     if error is not None:
         raise error
     if message[0] is not None:

@@ -377,6 +377,7 @@ class Trainer:
                 # read to the host on logging, evaluation and save steps only (the read also checks for a
                 # non-finite step and a preemption signal on any rank)
                 log = step % t.log_interval == 0 or last or evaluate or save
+                self.checkpointer.check_background(step)  # a failed background save stops the run here
                 record = self.train_step(log=log)
                 bar.update(1)
                 if record is None:
@@ -392,7 +393,7 @@ class Trainer:
                 if save or self.preempted:  # preempted: SIGTERM/SIGUSR1 on any rank before this step's all-reduce
                     path = self.checkpointer.save(self.model, self.optimizer, self.scheduler, self.step)
                     if info.is_main:
-                        bar.write(f"checkpoint {path} ({self.checkpointer.last_save['seconds']:.2f} s)")
+                        bar.write(self.checkpointer.save_line(path))
                 if self.preempted:
                     break
         except BaseException:
@@ -400,7 +401,7 @@ class Trainer:
             raise
         finally:
             bar.close()
-        self.checkpointer.close()
+        self.checkpointer.close()  # waits for a background save still in flight
         if self.preempted:
             if info.is_main:
                 print(f"preempted: stopped after step {self.step}, checkpoint written; resume with "
@@ -421,6 +422,7 @@ class Trainer:
         all-gather), then rebuilds the optimizer over the trainable parameters, keeping the AdamW state of
         those that had one, and the LR schedule at the current step.
         """
+        self.checkpointer.wait()  # a background save still in flight
         apply_freeze(unwrap(self.model), trainable, frozen)
         self.cfg.train.trainable, self.cfg.train.frozen = trainable, frozen
         old = self.optimizer

@@ -47,10 +47,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from shardlm.checkpoint.fs_errors import (
     RecordingFileSystemWriter,
@@ -389,14 +389,14 @@ class Checkpointer:
         (on the checkpoint's process group), then rank 0 writes the manifest and renames the directory."""
         job = flight.job
         message: str | None = None
-        cause: str | None = None
-        failed = False
+        cause: str | None = None  # this rank's real cause (a recorded OSError, a full file system)
+        failed: str | None = None  # DCP's own message, on one line
         try:
             future.result()
         except BaseException as e:  # noqa: BLE001 - CheckpointException derives from BaseException
-            failed = True
+            failed = " ".join(str(e).split()) or type(e).__name__
             local = job.writer.errors[0] if job.writer.errors else probe_free_space(job.tmp.parent, job.needed_bytes)
-            cause = describe(local) if local is not None else " ".join(str(e).split())
+            cause = describe(local) if local is not None else None
         try:
             with flight.cond:
                 flight.contributed = flight.step
@@ -407,8 +407,9 @@ class Checkpointer:
                 shares = [None] * self.info.world_size
                 dist.all_gather_object(shares, mine, group=self._group)
             report_at = 1 + max(s["step"] for s in shares)
-            if any(s["failed"] for s in shares):
-                message = self._failure(job.final, self._first_cause([s["cause"] for s in shares], "DCP failed"))
+            dcp_errors = [s["failed"] for s in shares if s["failed"]]
+            if dcp_errors:
+                message = self._failure(job.final, self._first_cause([s["cause"] for s in shares], dcp_errors[0]))
                 if self.info.is_main:
                     shutil.rmtree(job.tmp, ignore_errors=True)
             else:

@@ -71,6 +71,7 @@ from shardlm.checkpoint.manifest import (
 from shardlm.checkpoint.resume_config import REFUSED, Change, config_changes, data_problems
 from shardlm.checkpoint.run import new_run_id, remove_directory, run_checkpoints, run_dir_run_id
 from shardlm.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner, read_metadata
+from shardlm.checkpoint.staging import HostStager
 from shardlm.config import Config
 from shardlm.data.tokenizer_files import TOKENIZER_FILES
 from shardlm.errors import CheckpointError, ConfigError, RankFailed, UnsafeCheckpointError
@@ -241,6 +242,7 @@ class Checkpointer:
         self.last_started: dict[str, Any] | None = None  # async: the save last started (step, blocked_s, path)
         self._group: Any = None  # async: the background save's gloo process group (created at the first save)
         self._in_flight: _InFlight | None = None
+        self._stager: HostStager | None = None  # async: the host copy's buffers, kept from one save to the next
 
     # ---- preemption ---------------------------------------------------------------------
     def install_signal_handlers(self) -> None:
@@ -325,10 +327,12 @@ class Checkpointer:
             return final
         if self._group is None:  # a collective: every rank saves at the same step
             self._group = dist.new_group(backend="gloo", timeout=CHECKPOINT_TIMEOUT)
-        # stage: a host copy of this rank's state (FileSystemWriter is DCP's blocking stager); the write runs on a
-        # DCP thread, on the checkpoint's own process group
+        if self._stager is None:
+            self._stager = HostStager()
+        # stage: a host copy of this rank's state, into buffers reused from save to save (checkpoint/staging.py);
+        # the write runs on a DCP thread, on the checkpoint's own process group
         future = dcp.async_save(state, storage_writer=writer, process_group=self._group,
-                                async_checkpointer_type=AsyncCheckpointerType.THREAD)
+                                async_checkpointer_type=AsyncCheckpointerType.THREAD, async_stager=self._stager)
         del state
         job.blocked_s = time.perf_counter() - start
         flight = _InFlight(job)

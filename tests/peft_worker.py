@@ -45,6 +45,8 @@ def run(scenario: dict, trainer: Trainer) -> dict:
     bases = [m.weight for _, m in lora_modules(model)]  # the LoRA base: its bytes here and as bf16
     report["lora_base_bytes"] = sum(local_bytes(w) for w in bases)
     report["lora_base_bf16_bytes"] = sum(2 * (w.to_local() if hasattr(w, "to_local") else w).numel() for w in bases)
+    report["nf4_names"] = sorted(n for n, p in model.named_parameters() if is_nf4(p))
+    report["tied"] = model.lm_head.weight is model.model.embed_tokens.weight
     if "unfreeze_after" in scenario:
         history = []
         for _ in range(scenario["unfreeze_after"]):

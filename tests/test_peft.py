@@ -22,10 +22,11 @@ from shardlm.convert.hf_in import load_model_dir
 from shardlm.convert.hf_out import save_model_dir
 from shardlm.convert.peft_out import gather_full_params, merge_lora, save_peft_dir
 from shardlm.errors import ConfigError
+from shardlm.metrics import local_bytes
 from shardlm.model.freeze import apply_freeze, name_matches, pattern_regex
-from shardlm.model.lora import LoRALinear, LoRASpec, lora_modules
+from shardlm.model.lora import LoRALinear, LoRASpec, NF4Embedding, is_nf4, lora_modules, nf4_rows, quantize_base_meta_
 from shardlm.parallel.dist import DistInfo
-from shardlm.plan.memory import plan_memory
+from shardlm.plan.memory import meta_model, param_groups, plan_memory
 from shardlm.train.build import build_model
 
 WORKER = Path(__file__).resolve().parent / "peft_worker.py"
@@ -35,6 +36,9 @@ ONE = DistInfo(0, 0, 1, torch.device("cpu"), "gloo")
 STEPS = 5
 FREEZE = {"train.trainable": "model.layers.1.*,norm"}  # block 1 and the final norm; embedding and block 0 frozen
 LORA = {"lora.enabled": "true", "lora.rank": 4, "lora.alpha": 8.0}
+SMOL = ["--model.dim=576", "--model.n_layers=30", "--model.n_heads=9", "--model.n_kv_heads=3",
+        "--model.ffn_hidden=1536", "--model.vocab_size=49152", "--model.tie_embeddings=true",
+        "--model.max_seq_len=2048", "--train.seq_len=256", "--train.global_batch_size=4", "--train.micro_batch_size=2"]
 QLORA = {**LORA, "lora.base_dtype": "nf4", "train.steps": 10, "checkpoint.interval": 5}
 
 
@@ -174,12 +178,15 @@ def test_qlora_tiny_equals_one_process_and_stores_a_quarter_of_bf16(peft_runs):
     two, one, _ = peft_runs
     a, b = losses(two["qlora"]), losses(one["qlora"])
     measured("qlora tiny 2 ranks vs 1 process, max loss diff", max(abs(x - y) for x, y in zip(a, b)))
-    measured("qlora tiny base bytes / bf16 bytes", two["qlora"][0]["lora_base_bytes"] / two["qlora"][0]["lora_base_bf16_bytes"])
+    rank0 = two["qlora"][0]
+    measured("qlora tiny whole frozen base bytes / bf16 bytes", rank0["frozen_bytes"] / rank0["frozen_bf16_bytes"])
     assert len(a) == 10 and a[-1] < a[0], a  # a random base: LoRA moves the loss only a little
     assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-6, (a, b)
     for rank in two["qlora"]:
         assert all(rank["frozen_unchanged"].values())
-        assert rank["lora_base_bytes"] <= 0.3 * rank["lora_base_bf16_bytes"]
+        # everything frozen (embedding, output projection, linears, norms) against the same values in bf16
+        assert rank["frozen_bytes"] <= 0.3 * rank["frozen_bf16_bytes"], rank["frozen_bytes"]
+        assert {"model.embed_tokens.weight", "lm_head.weight"} <= set(rank["nf4_names"])
     assert losses(two["qlora_resumed"]) == a[5:]  # resumed from the adapter checkpoint of step 5, bit for bit
 
 
@@ -194,7 +201,8 @@ def test_lora_with_activation_checkpointing_and_cpu_offload(peft_runs):
 @pytest.mark.dist
 def test_qlora_on_smollm2_trains_at_two_ranks(smol_dir, small_corpus, tmp_path):
     """QLoRA of the real SmolLM2-135M (NF4 base, r = 8 on every projection) at 2 ranks: the held-out loss falls
-    over 10 steps, and each rank stores the quantised base in at most 0.3x its bf16 bytes."""
+    over 10 steps, and each rank stores the whole frozen base (the NF4 token embedding, tied to the output
+    projection, the NF4 linear layers and the fp32 norms) in at most 0.3x its bf16 bytes."""
     pytest.importorskip("torchao", reason="pip install -e '.[test]'")
     overrides = {
         "model.init_from": f'"{smol_dir}"', "data.corpus": f'"{small_corpus}"', "data.dir": f'"{tmp_path / "data"}"',
@@ -211,11 +219,13 @@ def test_qlora_on_smollm2_trains_at_two_ranks(smol_dir, small_corpus, tmp_path):
     train = [r["loss"] for r in history if "loss" in r]
     assert len(train) == 10 and sum(train[-3:]) < sum(train[:3])
     for rank in ranks:
-        assert rank["lora_base_bytes"] <= 0.3 * rank["lora_base_bf16_bytes"], rank["lora_base_bytes"]
+        assert rank["frozen_bytes"] <= 0.3 * rank["frozen_bf16_bytes"], (rank["frozen_bytes"], rank["frozen_bf16_bytes"])
+        assert "model.embed_tokens.weight" in rank["nf4_names"] and rank["tied"]
         assert all(rank["frozen_unchanged"].values())
-    measured("smollm2 qlora", json.dumps({"val": vals, "train": train, "lora_base_bytes": [r["lora_base_bytes"] for r in ranks],
-                      "lora_base_bf16_bytes": [r["lora_base_bf16_bytes"] for r in ranks],
-                      "frozen_bytes": [r["frozen_bytes"] for r in ranks]}))
+    measured("smollm2 qlora", json.dumps({"val": vals, "train": train, "frozen_bytes": [r["frozen_bytes"] for r in ranks],
+                      "frozen_bf16_bytes": [r["frozen_bf16_bytes"] for r in ranks],
+                      "ratio": [r["frozen_bytes"] / r["frozen_bf16_bytes"] for r in ranks],
+                      "lora_base_bytes": [r["lora_base_bytes"] for r in ranks]}))
 
 
 # ---- in this process -----------------------------------------------------------------------------------
@@ -290,6 +300,42 @@ def test_qlora_without_torchao_names_the_extra(monkeypatch):
         tiny_lora(["--lora.base_dtype=nf4"])
 
 
+def test_qlora_stores_the_tied_embedding_in_nf4_and_looks_up_its_rows():
+    pytest.importorskip("torchao", reason="pip install -e '.[test]'")
+    model = tiny_lora(["--lora.base_dtype=nf4", "--model.tie_embeddings=true"])
+    emb = model.model.embed_tokens
+    assert isinstance(emb, NF4Embedding) and is_nf4(emb.weight) and model.lm_head.weight is emb.weight
+    frozen = {n: p for n, p in model.named_parameters() if not p.requires_grad}
+    assert sorted(n for n, p in frozen.items() if not is_nf4(p)) == sorted(n for n in frozen if n.endswith("norm.weight"))
+    tokens = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    table = emb.weight.get_original_weight()  # (512, 64) bf16, the whole table dequantised
+    assert torch.equal(nf4_rows(emb.weight, tokens), table[tokens])  # only the rows read, bit for bit
+    got = emb(tokens)
+    assert got.dtype == torch.float32 and torch.equal(got, table[tokens].float())
+    # the tied output projection multiplies by the same dequantised table; logits are finite and backward runs
+    logits = model(tokens)
+    assert logits.shape == (2, 16, 512) and torch.isfinite(logits).all()
+    logits.float().square().mean().backward()
+    assert emb.weight.grad is None and all(p.grad is not None for n, p in model.named_parameters() if p.requires_grad)
+
+
+def test_planner_counts_the_qlora_base_as_stored():
+    """The planner's stored bytes of an NF4 base (every frozen matrix, the tied embedding included) equal the bytes
+    the built model stores, at one rank, on the meta device (no memory, no compute)."""
+    pytest.importorskip("torchao", reason="pip install -e '.[test]'")
+    cfg = load_config(None, SMOL + ["--lora.enabled=true", "--lora.base_dtype=nf4", "--parallel.mode=single"])
+    model = meta_model(cfg)
+    quantize_base_meta_(model, "meta")
+    stored = sum(local_bytes(p) for p in model.parameters())
+    groups, _, _ = param_groups(cfg, 1)
+    per_tensor_items = 34 * sum(1 for p in model.parameters() if is_nf4(p))  # the shared mean scale and code book
+    assert sum(g.stored_shard_bytes for g in groups) == pytest.approx(stored - per_tensor_items, rel=1e-6)
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    ratio = sum(local_bytes(p) for p in frozen) / sum(2 * p.numel() for p in frozen)
+    measured("smollm2-shaped QLoRA base / bf16 base (planner model)", ratio)
+    assert ratio <= 0.3
+
+
 def test_apply_freeze_refuses_freezing_everything():
     model, _ = build_model(load_config(None, TINY), ONE, None)
     with pytest.raises(ConfigError, match="leave no parameter to train"):
@@ -297,10 +343,7 @@ def test_apply_freeze_refuses_freezing_everything():
 
 
 def test_planner_counts_frozen_parameters_without_gradients_or_adamw_state():
-    smol = ["--model.dim=576", "--model.n_layers=30", "--model.n_heads=9", "--model.n_kv_heads=3",
-            "--model.ffn_hidden=1536", "--model.vocab_size=49152", "--model.tie_embeddings=true",
-            "--model.max_seq_len=2048", "--train.seq_len=256", "--train.global_batch_size=4", "--train.micro_batch_size=2"]
-    plans = {name: plan_memory(load_config(None, smol + extra), 2) for name, extra in {
+    plans = {name: plan_memory(load_config(None, SMOL + extra), 2) for name, extra in {
         "full": [], "lora": ["--lora.enabled=true"], "bf16": ["--lora.enabled=true", "--lora.base_dtype=bfloat16"],
         "nf4": ["--lora.enabled=true", "--lora.base_dtype=nf4"]}.items()}
     adapters = 30 * 8 * (2 * (576 + 576) + 2 * (576 + 192) + 3 * (576 + 1536))  # r = 8 on the 7 projections

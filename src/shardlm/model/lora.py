@@ -9,9 +9,12 @@ The frozen base keeps its name (``...q_proj.weight``), so pretrained weights loa
 ``...q_proj.lora_A.weight`` and ``...q_proj.lora_B.weight``, PEFT's names. A is drawn like PEFT's default
 (Kaiming-uniform, a = √5) and B is zero, so at step 0 the model equals its base.
 
-The base may be stored in a narrower dtype than the adapters: ``bfloat16`` (cast to the input's dtype in
-forward), or ``nf4`` (torchao's ``NF4Tensor``: 4-bit NormalFloat codes in blocks of 64 values with
-double-quantised scales, dequantised in forward, one layer at a time).
+The base may be stored in a narrower dtype than the adapters: ``bfloat16`` (the targeted layers' weights, cast
+to the input's dtype in forward), or ``nf4`` (QLoRA: every frozen weight matrix of the model, the targeted
+layers', any other linear layer's and the token embedding, tied output projection included, becomes torchao's
+``NF4Tensor``: 4-bit NormalFloat codes in blocks of 64 values with double-quantised scales, dequantised in
+forward, one layer at a time; the embedding lookup dequantises only the rows it reads, :class:`NF4Embedding`).
+Norm weights (and biases) stay fp32: a few thousand values per layer.
 """
 
 from __future__ import annotations
@@ -47,6 +50,24 @@ class LoRASpec:
     dropout: float
     targets: str
     base_dtype: str = "float32"
+
+
+class NF4Embedding(nn.Embedding):
+    """A frozen token embedding whose table may be an NF4 tensor (QLoRA); ``(...,) int64 -> (..., dim)``.
+
+    With an NF4 ``weight`` (vocab, dim) the lookup dequantises only the rows of the given tokens
+    (:func:`nf4_rows`, bit-equal to dequantising the whole table and indexing it) and returns them in
+    ``compute_dtype`` (the model's compute dtype, ``parallel.param_dtype``; set by
+    :func:`quantize_base_meta_`). A tied output projection (``nn.Linear`` sharing the tensor) dequantises the
+    whole table in its own forward and backward (torchao's ``linear_nf4``). Any other weight: ``nn.Embedding``.
+    """
+
+    compute_dtype: torch.dtype = torch.float32
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        if not is_nf4(self.weight):
+            return super().forward(tokens)
+        return nf4_rows(self.weight, tokens).to(self.compute_dtype)
 
 
 class LoRALinear(nn.Module):
@@ -102,6 +123,24 @@ def is_nf4(t: Tensor) -> bool:
     """Whether ``t`` (or a DTensor's local tensor) is torchao's NF4Tensor (checked by class name: torchao is optional)."""
     local = getattr(t, "_local_tensor", t)
     return type(local).__name__ == "NF4Tensor"
+
+
+def nf4_rows(weight: Tensor, ids: Tensor) -> Tensor:
+    """Rows ``ids`` of a 2-D NF4 tensor ``weight`` (rows, cols), dequantised: ``ids.shape + (cols,)``, bf16.
+
+    Decodes only the selected rows' 4-bit codes and their block scales (the scales of all blocks are
+    dequantised first: one value per 64). Equal, bit for bit, to ``weight.get_original_weight()[ids]`` (the
+    same bf16 products); when ``cols`` is not a multiple of the block size a row shares blocks with its
+    neighbours and the whole table is dequantised instead.
+    """
+    rows, cols = weight.shape
+    if cols % weight.block_size:
+        return weight.get_original_weight()[ids]
+    codes = weight.quantized_data.view(rows, cols // 2)[ids]  # two codes per byte, the first in the high half
+    scales = weight.dequantize_scalers(weight.quantized_scalers, weight.quantization_factor, weight.scaler_block_size)
+    scales = scales.view(rows, cols // weight.block_size)[ids].repeat_interleave(weight.block_size, dim=-1)
+    values = torch.stack((weight.nf4[(codes >> 4).long()], weight.nf4[(codes & 0b1111).long()]), dim=-1)
+    return values.flatten(-2) * scales
 
 
 def nf4_scaler_block(numel: int) -> int:
@@ -195,19 +234,47 @@ def set_fp32_matmul(model: nn.Module) -> None:
         m.fp32_matmul = True
 
 
-def quantize_base_meta_(model: nn.Module, device: torch.device | str) -> None:
-    """Make every :class:`LoRALinear`'s base weight an NF4 tensor on the meta device (before FSDP shards it).
+def quantize_base_meta_(model: nn.Module, device: torch.device | str,
+                        compute_dtype: torch.dtype = torch.float32) -> list[str]:
+    """Make every frozen weight matrix of ``model`` an NF4 tensor on the meta device (before FSDP shards it).
 
-    Its values are set later, from the full weight, by :func:`set_from_full_`. The two per-tensor items of an
+    The frozen matrices are the :class:`LoRALinear` bases, any other frozen ``nn.Linear`` weight (layers not
+    targeted, an untied output projection) and the token embedding (an ``nn.Embedding`` becomes an
+    :class:`NF4Embedding` returning ``compute_dtype``); a tied output projection keeps sharing the embedding's
+    (now NF4) parameter. Norm weights and biases keep their dtype. Returns the quantised parameters' names.
+
+    Values are set later, from the full weight, by :func:`set_from_full_`. The two per-tensor items of an
     NF4 tensor that FSDP does not shard (the mean of the block scales and the 16-value code book) are allocated
     on ``device`` now: every shard and all-gathered copy refers to these same tensors, so filling them in place
     later reaches all of them.
+
+    Raises:
+        ConfigError: a frozen matrix whose size is not a multiple of 512 values (named), or torchao missing.
     """
-    for _, m in lora_modules(model):
-        q = to_nf4(torch.empty(m.weight.shape, dtype=torch.bfloat16, device="meta"))
-        q.scaler_mean = torch.zeros((), dtype=torch.bfloat16, device=device)
-        q.nf4 = torch.zeros(16, dtype=torch.bfloat16, device=device)
-        m.weight = nn.Parameter(q, requires_grad=False)
+    for name, module in list(model.named_modules()):
+        if type(module) is nn.Embedding and not module.weight.requires_grad:
+            embedding = NF4Embedding(module.num_embeddings, module.embedding_dim, device="meta")
+            embedding.weight = module.weight
+            embedding.compute_dtype = compute_dtype
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, embedding)
+    quantised: dict[int, nn.Parameter] = {}
+    names = {id(p): n for n, p in model.named_parameters()}
+    for module in model.modules():
+        w = getattr(module, "weight", None)
+        if not isinstance(module, (LoRALinear, nn.Linear, nn.Embedding)) or w is None or w.requires_grad:
+            continue
+        if id(w) not in quantised:
+            try:
+                nf4_scaler_block(w.numel())
+            except ConfigError as e:
+                raise ConfigError(f"lora.base_dtype = 'nf4': {names[id(w)]} {tuple(w.shape)}: {e}") from None
+            q = to_nf4(torch.empty(w.shape, dtype=torch.bfloat16, device="meta"))
+            q.scaler_mean = torch.zeros((), dtype=torch.bfloat16, device=device)
+            q.nf4 = torch.zeros(16, dtype=torch.bfloat16, device=device)
+            quantised[id(w)] = nn.Parameter(q, requires_grad=False)
+        module.weight = quantised[id(w)]
+    return [names[i] for i in quantised]
 
 
 def _local_rows(param: Tensor) -> tuple[int, int]:

@@ -17,8 +17,9 @@ the final-norm+output group and the root never are; gradients are reduce-scatter
 last micro-batch. Each parameter's shard is ``ceil(rows / N)`` rows (dim-0 padding).
 
 Frozen parameters (``train.trainable``/``train.frozen``, or LoRA's base) have no gradient, no reduce-scatter
-and no AdamW state; a LoRA base is stored in ``lora.base_dtype`` (fp32, bf16, or NF4 at ~0.52 bytes per value,
-all-gathered as such and dequantised one layer at a time, a transient not modelled).
+and no AdamW state; a LoRA base is stored in ``lora.base_dtype`` (fp32 or bf16: the targeted layers' weights;
+NF4: every frozen weight matrix, the token embedding and output projection included, at ~0.52 bytes per value,
+all-gathered as such and dequantised one layer at a time, a transient not modelled; norms stay fp32).
 """
 
 from __future__ import annotations
@@ -143,6 +144,8 @@ def param_groups(cfg: Config, world_size: int, param_bytes: int = 4) -> tuple[li
     nf4 = cfg.lora.enabled and cfg.lora.base_dtype == "nf4"
     base_bytes = {"float32": 4, "bfloat16": 2, "nf4": 2}[cfg.lora.base_dtype]
     lora_bases = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, LoRALinear)}
+    if nf4:  # QLoRA: every frozen matrix, the token embedding (and a tied output) included (quantize_base_meta_)
+        lora_bases = {n for n, p in model.named_parameters() if not p.requires_grad and p.ndim == 2}
     groups: dict[str, Group] = {}
     gathered: dict[str, float] = defaultdict(float)
     total, local = 0, 0

@@ -30,7 +30,7 @@ from shardlm.model.lora import (
 from shardlm.parallel.ac import apply_ac, apply_compile
 from shardlm.parallel.dist import DistInfo
 from shardlm.parallel.fsdp import apply_fsdp
-from shardlm.parallel.options import mixed_precision_policy, offload_policy
+from shardlm.parallel.options import dtype_from_name, mixed_precision_policy, offload_policy
 
 
 def build_model(cfg: Config, info: DistInfo, mesh: DeviceMesh | None) -> tuple[nn.Module, dict[str, Any] | None]:
@@ -38,7 +38,8 @@ def build_model(cfg: Config, info: DistInfo, mesh: DeviceMesh | None) -> tuple[n
 
     First the parameter-efficient set-up, on the meta device: ``train.trainable``/``train.frozen`` freeze
     parameters (:mod:`shardlm.model.freeze`), or ``[lora]`` replaces the targeted linear layers by
-    :class:`~shardlm.model.lora.LoRALinear` (base frozen, stored fp32/bf16/NF4, adapters fp32). Then the CPU's
+    :class:`~shardlm.model.lora.LoRALinear` (base frozen, stored fp32/bf16/NF4, adapters fp32; with NF4 every
+    frozen weight matrix, the token embedding included, is NF4). Then the CPU's
     bf16 matrix-multiply kernel (``cpu_bf16_matmul``, :mod:`shardlm.model.cpu_matmul`), activation
     checkpointing, compile, then :func:`apply_fsdp` (or DDP), as torchtitan orders them.
 
@@ -65,7 +66,8 @@ def build_model(cfg: Config, info: DistInfo, mesh: DeviceMesh | None) -> tuple[n
     if lora.enabled:  # adapters on the targeted layers, everything else frozen
         apply_lora(model, LoRASpec(lora.rank, lora.alpha, lora.dropout, lora.targets, lora.base_dtype))
         if lora.base_dtype == "nf4":
-            quantize_base_meta_(model, "cpu" if pcfg.cpu_offload else info.device)
+            compute = dtype_from_name("parallel.param_dtype", pcfg.param_dtype) if mode == "fsdp" else torch.float32
+            quantize_base_meta_(model, "cpu" if pcfg.cpu_offload else info.device, compute)
     elif cfg.train.trainable or cfg.train.frozen:
         apply_freeze(model, cfg.train.trainable, cfg.train.frozen)
     if use_fp32_matmul(pcfg.cpu_bf16_matmul, info.device, pcfg.param_dtype):  # a CPU kernel choice, names unchanged

@@ -256,10 +256,34 @@ def test_freeze_patterns():
         build_model(load_config(None, TINY + ["--train.trainable=layers.[7-9]"]), ONE, None)
 
 
-def test_merged_and_peft_exports_give_the_adapter_models_logits(tmp_path):
+def random_biases_(model: torch.nn.Module, seed: int) -> None:
+    """Give every bias (Qwen2's q/k/v projections) a random value: a freshly initialised bias is zero."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+
+
+def test_lora_on_biased_linears_keeps_the_bias_frozen_and_starts_at_the_base():
+    """Qwen2's q/k/v projections have a bias: LoRA adapts them too, the bias frozen under its HF name."""
+    base, _ = build_model(load_config(None, TINY + ["--model.family=qwen2"]), ONE, None)
+    lora = tiny_lora(["--model.family=qwen2"])
+    random_biases_(base, 2)
+    random_biases_(lora, 2)
+    q = lora.model.layers[0].self_attn.q_proj
+    assert isinstance(q, LoRALinear) and not q.bias.requires_grad and q.bias.abs().sum() > 0
+    assert "model.layers.0.self_attn.q_proj.bias" in dict(lora.named_parameters())
+    tokens = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(lora(tokens), base(tokens))  # B = 0: the base model, bias included, bit for bit
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_merged_and_peft_exports_give_the_adapter_models_logits(tmp_path, family):
     peft = pytest.importorskip("peft", reason="pip install -e '.[test]'")
     transformers = pytest.importorskip("transformers", reason="pip install -e '.[test]'")
-    model = tiny_lora(["--lora.alpha=8.0"])
+    model = tiny_lora(["--lora.alpha=8.0", f"--model.family={family}"])
+    random_biases_(model, 3)  # Qwen2: biased q/k/v (frozen; exported with the base)
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():  # trained-looking adapters: B no longer zero
         for _, m in lora_modules(model):
@@ -269,7 +293,7 @@ def test_merged_and_peft_exports_give_the_adapter_models_logits(tmp_path):
     state = gather_full_params(model, True)
     merged_dir = save_model_dir(merge_lora(state, 8.0 / 4), model.cfg, tmp_path / "merged")
     merged = load_model_dir(merged_dir)
-    measured("merged export vs adapter model, max logit diff", (merged(tokens) - want).abs().max().item())
+    measured(f"{family} merged export vs adapter model, max logit diff", (merged(tokens) - want).abs().max().item())
     assert (merged(tokens) - want).abs().max().item() <= 1e-5
     base_state = {k: v for k, v in state.items() if ".lora_" not in k}
     base_dir = save_model_dir(base_state, model.cfg, tmp_path / "base")
@@ -279,7 +303,7 @@ def test_merged_and_peft_exports_give_the_adapter_models_logits(tmp_path):
     with_adapter = peft.PeftModel.from_pretrained(hf, str(adapter)).eval()
     with torch.no_grad():
         got = with_adapter(tokens).logits
-    measured("peft export in transformers vs adapter model, max logit diff", (got - want).abs().max().item())
+    measured(f"{family} peft export in transformers vs adapter model, max logit diff", (got - want).abs().max().item())
     assert (got - want).abs().max().item() <= 1e-5
 
 

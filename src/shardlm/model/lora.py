@@ -1,13 +1,14 @@
 """Low-rank adapters (LoRA, Hu et al., 2021) on linear layers, optionally on a 4-bit NF4 base (QLoRA,
 Dettmers et al., 2023). No distributed code: :func:`shardlm.train.build.build_model` applies them before FSDP.
 
-A :class:`LoRALinear` replaces an ``nn.Linear`` (no bias) of shape ``(out, in)``:
+A :class:`LoRALinear` replaces an ``nn.Linear`` of shape ``(out, in)``, with or without a bias b (Qwen2's
+q/k/v projections have one):
 
-    y = x · Wᵀ + (alpha / r) · dropout(x) · Aᵀ · Bᵀ,   W (out, in) frozen, A (r, in), B (out, r) trained.
+    y = x · Wᵀ + b + (alpha / r) · dropout(x) · Aᵀ · Bᵀ,   W (out, in) and b (out,) frozen, A (r, in), B (out, r) trained.
 
-The frozen base keeps its name (``...q_proj.weight``), so pretrained weights load unchanged; the adapters are
-``...q_proj.lora_A.weight`` and ``...q_proj.lora_B.weight``, PEFT's names. A is drawn like PEFT's default
-(Kaiming-uniform, a = √5) and B is zero, so at step 0 the model equals its base.
+The frozen base keeps its names (``...q_proj.weight``, ``...q_proj.bias``), so pretrained weights load unchanged;
+the adapters are ``...q_proj.lora_A.weight`` and ``...q_proj.lora_B.weight``, PEFT's names. A is drawn like
+PEFT's default (Kaiming-uniform, a = √5) and B is zero, so at step 0 the model equals its base.
 
 The base may be stored in a narrower dtype than the adapters: ``bfloat16`` (the targeted layers' weights, cast
 to the input's dtype in forward), or ``nf4`` (QLoRA: every frozen weight matrix of the model, the targeted
@@ -73,15 +74,18 @@ class NF4Embedding(nn.Embedding):
 class LoRALinear(nn.Module):
     """A frozen linear map plus a trained low-rank update; ``(..., in_features) -> (..., out_features)``.
 
-    Parameters: ``weight`` (out, in), frozen, fp32 / bf16 / NF4; ``lora_A.weight`` (r, in) and
-    ``lora_B.weight`` (out, r), fp32, trained. ``scaling = alpha / r``. With ``fp32_matmul`` set (the CPU
+    Parameters: ``weight`` (out, in), frozen, fp32 / bf16 / NF4; with ``bias``, ``bias`` (out,), frozen, fp32
+    (PEFT's ``bias="none"``: the base's bias, untrained); ``lora_A.weight`` (r, in) and ``lora_B.weight``
+    (out, r), fp32, trained. ``scaling = alpha / r``. With ``fp32_matmul`` set (the CPU
     bf16 kernel, :mod:`shardlm.model.cpu_matmul`) a bf16 base is multiplied in fp32.
     """
 
-    def __init__(self, in_features: int, out_features: int, rank: int, alpha: float, dropout: float = 0.0) -> None:
+    def __init__(self, in_features: int, out_features: int, rank: int, alpha: float, dropout: float = 0.0,
+                 bias: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features, self.rank = in_features, out_features, rank
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.lora_A = nn.Linear(in_features, rank, bias=False)
         self.lora_B = nn.Linear(rank, out_features, bias=False)
         self.scaling = alpha / rank
@@ -89,15 +93,15 @@ class LoRALinear(nn.Module):
         self.fp32_matmul = False
 
     def base(self, x: Tensor) -> Tensor:
-        """The frozen map x · Wᵀ in ``x``'s dtype (an NF4 or narrower base is dequantised / upcast first)."""
-        w = self.weight
+        """The frozen map x · Wᵀ (+ b) in ``x``'s dtype (an NF4 or narrower base is dequantised / upcast first)."""
+        w, b = self.weight, None if self.bias is None else self.bias.to(x.dtype)
         if is_nf4(w):
-            return F.linear(x, w)  # torchao's LinearNF4: dequantise to x.dtype, multiply; no grad for W
-        if w.dtype != x.dtype:
-            w = w.to(x.dtype)
-        if self.fp32_matmul and x.dtype == torch.bfloat16:
-            return bf16_linear_fp32(x, w)
-        return F.linear(x, w)
+            y = F.linear(x, w)  # torchao's LinearNF4: dequantise to x.dtype, multiply; no grad for W
+        elif self.fp32_matmul and x.dtype == torch.bfloat16:
+            y = bf16_linear_fp32(x, w.to(x.dtype))
+        else:
+            return F.linear(x, w.to(x.dtype), b)  # as nn.Linear computes it (bias added in the same kernel)
+        return y if b is None else y + b
 
     def delta(self, x: Tensor) -> Tensor:
         """The adapters' term (alpha / r) · dropout(x) · Aᵀ · Bᵀ, computed in the adapters' dtype, returned in x's."""
@@ -182,7 +186,7 @@ def target_names(targets: str) -> list[str]:
 
 
 def apply_lora(model: nn.Module, spec: LoRASpec) -> list[str]:
-    """Replace the targeted bias-free ``nn.Linear`` modules of ``model`` by :class:`LoRALinear` and freeze the rest.
+    """Replace the targeted ``nn.Linear`` modules of ``model`` by :class:`LoRALinear` and freeze the rest.
 
     Works on the meta device (before FSDP); every parameter except the adapters gets ``requires_grad=False``.
     A bf16 base is stored in bf16; an NF4 base stays bf16 here and is quantised when its values are set
@@ -193,7 +197,7 @@ def apply_lora(model: nn.Module, spec: LoRASpec) -> list[str]:
             < 1 or above a targeted layer's smaller dimension.
     """
     names = target_names(spec.targets)
-    linears = {n: m for n, m in model.named_modules() if type(m) is nn.Linear and m.bias is None}
+    linears = {n: m for n, m in model.named_modules() if type(m) is nn.Linear}
     leaf = {n: n.rsplit(".", 1)[-1] for n in linears}
     available = sorted(set(leaf.values()))
     unknown = [t for t in names if t not in available]
@@ -214,7 +218,7 @@ def apply_lora(model: nn.Module, spec: LoRASpec) -> list[str]:
             raise ConfigError(f"lora.rank={spec.rank} must be between 1 and the layer width min(in, out) = "
                               f"{min(in_f, out_f)} of {name} ({in_f} -> {out_f})")
         with torch.device(linear.weight.device):
-            lora = LoRALinear(in_f, out_f, spec.rank, spec.alpha, spec.dropout)
+            lora = LoRALinear(in_f, out_f, spec.rank, spec.alpha, spec.dropout, bias=linear.bias is not None)
         if spec.base_dtype in ("bfloat16", "nf4"):
             lora.weight.data = lora.weight.data.to(torch.bfloat16)
         parent_name, _, child = name.rpartition(".")

@@ -284,9 +284,10 @@ class LoRAConfig:
     targets: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
     """Comma-separated names of the linear layers that get adapters (last name component)."""
     base_dtype: Literal["float32", "bfloat16", "nf4"] = "float32"
-    """Storage of the targeted layers' frozen base weights: ``float32``, ``bfloat16`` (half the bytes), or ``nf4``
-    (QLoRA: 4-bit NormalFloat via torchao, about 0.26x the bf16 bytes; needs the ``qlora`` extra). The adapters
-    are fp32; the compute dtype is ``parallel.param_dtype``."""
+    """Storage of the frozen base: ``float32``, ``bfloat16`` (the targeted layers' weights in half the bytes), or
+    ``nf4`` (QLoRA: every frozen weight matrix, the token embedding and output projection included, in 4-bit
+    NormalFloat via torchao; norms stay fp32; the whole base about 0.26x its bf16 bytes; needs the ``qlora``
+    extra). The adapters are fp32; the compute dtype is ``parallel.param_dtype``."""
 
 
 @dataclass

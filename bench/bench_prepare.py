@@ -4,9 +4,9 @@ Usage (a script, not a test)::
 
     python bench/bench_prepare.py                               # sizes 200, 1000, 2000 MB (hours on 2 cores)
     python bench/bench_prepare.py --sizes 5 --formats jsonl --runs w1,w2   # quickest look
-    # the README table (~25 min on the shared 2 cores):
-    python bench/bench_prepare.py --sizes 5,50 --formats jsonl --runs w2 --big-runs w1,w2,r2 --no-shakespeare --ref-mb 5
-    python bench/bench_prepare.py --sizes 5,50 --formats jsonl.zst,parquet,txt --runs w2 --big-runs w2 --ref-mb 5
+    # the README table (idle 2 cores: ~7 min, then ~45 min for the 2 GB runs):
+    python bench/bench_prepare.py --sizes 200 --formats jsonl,jsonl.zst,parquet,txt --runs w1,w2 --no-shakespeare --ref-mb 20
+    python bench/bench_prepare.py --sizes 2000 --formats txt,parquet,jsonl.zst,jsonl --runs w2 --no-shakespeare --ref-mb 1
 
 Corpora are generated locally under ``--workdir`` (default ``/tmp/shardlm-bench-prepare``, never
 committed): documents of about 4 KB, each 40-80 lines drawn with a seeded generator from the

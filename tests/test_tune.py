@@ -90,8 +90,9 @@ def test_tune_measures_the_fitting_candidates_in_one_launch(tmp_path, small_data
     finalists = [r for r in measured if "confirmed" in r["note"]]  # the pick is the faster of the two
     assert len(picked) == 1 and picked[0] in finalists
     assert float(picked[0]["step s"]) == min(float(r["step s"]) for r in finalists)
-    for r in measured:  # tokens/s = global batch x seq / step time
-        assert float(r["tokens/s"].replace(",", "")) == pytest.approx(8 * 32 / float(r["step s"]), rel=0.01)
+    for r in measured:  # tokens/s = global batch x seq / step time (the table rounds the step to 1 ms)
+        step, tokens_s = float(r["step s"]), float(r["tokens/s"].replace(",", ""))
+        assert 8 * 32 / (step + 0.0005) - 1 <= tokens_s <= 8 * 32 / max(step - 0.0005, 1e-9) + 1, r
     # the written overrides layer on the config (and the printed dotted form says the same)
     tuned = load_config([str(config), str(out)])
     chosen = config_candidate(tuned, 2)

@@ -138,3 +138,17 @@ def cli_error(capsys, argv: list[str]) -> str:
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "Traceback" not in err and len(err.splitlines()) == 1, err
     return err
+
+
+@pytest.fixture
+def tiny_fs(tmp_path):
+    """A 3 MB tmpfs (root only; skipped otherwise), unmounted afterwards."""
+    mnt = tmp_path / "tiny-fs"
+    mnt.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3M", "tmpfs", str(mnt)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("needs root to mount a tmpfs")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)

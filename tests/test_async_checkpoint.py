@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -136,19 +134,6 @@ def test_background_save_on_a_full_disk_stops_the_run_with_cause_and_path(runs):
     assert sorted(p.name for p in ckpts.iterdir()) == ["step-5"]  # nothing half-written left behind
     assert [e.path.name for e in run_checkpoints(ckpts, manifest(ckpts / "step-5")["run_id"])] == ["step-5"]
 
-
-@pytest.fixture
-def tiny_fs(tmp_path):
-    """A 3 MB tmpfs (root only; skipped otherwise), unmounted afterwards."""
-    mnt = tmp_path / "tiny-fs"
-    mnt.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3M", "tmpfs", str(mnt)],
-                                           capture_output=True).returncode != 0:
-        pytest.skip("needs root to mount a tmpfs")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_background_save_onto_a_full_tmpfs(small_data, tiny_fs, capsys):

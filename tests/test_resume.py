@@ -210,19 +210,6 @@ def one_process(small_data: Path, run: Path, **extra) -> list[str]:
     return tiny_overrides(small_data, run, {**base, **extra})
 
 
-@pytest.fixture
-def tiny_fs(tmp_path):
-    """A 3 MB tmpfs (root only; skipped otherwise), unmounted afterwards."""
-    mnt = tmp_path / "tiny-fs"
-    mnt.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3M", "tmpfs", str(mnt)],
-                                           capture_output=True).returncode != 0:
-        pytest.skip("needs root to mount a tmpfs")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
-
 
 def test_full_disk_names_the_cause_keeps_the_previous_checkpoint_and_resumes_exactly(
         small_data, tiny_fs, tmp_path, capsys):

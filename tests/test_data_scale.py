@@ -134,6 +134,54 @@ def test_large_txt_is_read_in_line_cut_pieces(tmp_path):
     assert [c.ends_document for c in chunks] == [False] * (len(chunks) - 1) + [True]
 
 
+def _awkward_text(n_lines: int, seed: int = 0) -> str:
+    """Lines a cut could break: blank and indented lines, trailing spaces, CRLF, punctuation, non-ASCII."""
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(n_lines):
+        line = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 9)))
+        line = rng.choice(["", "  ", "\t", "(", "...", "'"]) + line + rng.choice(["", " ", ".", "!\r", "  ", ":"])
+        lines.append(line if rng.random() > 0.15 else rng.choice(["", " ", "***"]))
+    return "\n".join(lines) + "\n"
+
+
+def test_cuts_leave_byte_level_tokens_unchanged(tmp_path, monkeypatch, smol_dir):
+    """A large .txt read in many pieces, 1 KB blocks and 1,200-character chunks encodes to exactly the tokens of
+    the whole text in one call, for shardlm's tokenizer, the same with Llama 3's pre-tokenizer regex, SmolLM2's."""
+    from tokenizers import Regex, pre_tokenizers
+
+    from shardlm.data import readers
+
+    text = _awkward_text(6000)
+    (tmp_path / "big.txt").write_text(text, newline="")
+    monkeypatch.setattr(readers, "_READ_BLOCK", 1000)
+    pieces, _ = plan_pieces(str(tmp_path / "big.txt"), piece_bytes=10_000)
+    chunks = [c.text for p in pieces for c in read_piece(p, chunk_chars=1200)]
+    assert len(pieces) > 10 and len(chunks) > 100
+    assert "".join(chunks) == text
+    ours = train_tokenizer([text], 600)
+    llama3 = train_tokenizer([text], 600)
+    llama3.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+"
+                                   r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    smol = load_tokenizer(str(smol_dir / "tokenizer.json"))
+    for tok in (ours, llama3, smol):
+        pieces_ids = [i for e in tok.encode_batch(chunks, add_special_tokens=False) for i in e.ids]
+        assert pieces_ids == tok.encode(text, add_special_tokens=False).ids
+
+
+def test_a_line_longer_than_the_read_limit_is_cut_between_characters(tmp_path, monkeypatch):
+    from shardlm.data import readers
+
+    monkeypatch.setattr(readers, "_READ_BLOCK", 1000)
+    text = "ab漢é" * 3001 + "\nend\n"  # one 33 KB line of 1-, 2- and 3-byte characters
+    (tmp_path / "long.txt").write_text(text)
+    pieces, _ = plan_pieces(str(tmp_path / "long.txt"))
+    chunks = [c.text for p in pieces for c in read_piece(p, chunk_chars=700)]
+    assert "".join(chunks) == text and max(map(len, chunks)) <= 700
+
+
 def test_directory_and_glob_list_what_is_not_read(tmp_path, corpora):
     d = tmp_path / "mixed"
     write_format(d / "a", "jsonl", ["one", "two"])

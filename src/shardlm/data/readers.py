@@ -16,7 +16,9 @@ pieces:
 Reading a piece yields :class:`Chunk` s of at most ``chunk_chars`` characters. A *document* is a
 ``.txt`` / ``.md`` file, one JSONL line, one Parquet or dataset row; a document longer than a chunk
 is cut at line boundaries (so no string holds a large file) and only its last chunk carries
-``ends_document``. Text is never altered except ``.md`` (light Markdown stripped, see
+``ends_document``. Cuts, and the piece boundaries of a large file, prefer a newline between two
+non-whitespace characters, where byte-level BPE tokenizers split anyway: there the chunks encode to
+exactly the tokens of the whole document. Text is never altered except ``.md`` (light Markdown stripped, see
 :func:`strip_markdown`); whitespace-only documents are skipped.
 
 Every bad input is one :class:`DataError` naming the file and, where it applies, the line or row.
@@ -55,10 +57,11 @@ _TEXT_KINDS = {".txt": "text", ".md": "markdown", ".jsonl": "jsonl"}
 _COMPRESSIONS = {".gz": "gz", ".zst": "zst"}
 _HF_MARKERS = ("dataset_info.json", "state.json")
 _READ_BLOCK = 1 << 20  # bytes read from a file at a time
-CHUNK_CHARS = 1 << 16
-"""Default longest chunk in characters: HF ``tokenizers`` encodes one 1 MiB string at about half the speed of the
-same text in 64 KiB strings (measured here: 1.4-2.3 vs 3.3-4.2 MB/s on one thread), and a smaller chunk keeps a
-worker's encodings small."""
+CHUNK_CHARS = 1 << 14
+"""Default longest chunk in characters. HF ``tokenizers`` encodes long strings more slowly per byte
+(measured here on one thread, the same text cut at line ends: 16 KiB 3.96-4.00 MB/s, 32 KiB 3.73,
+64 KiB 2.88, 1 MiB 1.4-2.3); 16 KiB is as fast as documents of 4 KB, and keeps a worker's encodings small."""
+_SOFT = frozenset(range(0x21, 0x7F))  # bytes that are never whitespace nor part of a multi-byte character
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,16 +205,29 @@ def _stamp(path: pathlib.Path) -> tuple[int, int]:
 
 
 def _line_cuts(path: pathlib.Path, size: int, piece_bytes: int) -> list[int]:
-    """Offsets ``0 = c0 < c1 < ... < size`` of line starts about ``piece_bytes`` apart."""
+    """Offsets ``0 = c0 < c1 < ... < size`` of line starts about ``piece_bytes`` apart.
+
+    Each cut is the first line start at or after its target whose newline has a printable ASCII
+    byte on both sides (a cut the tokenizer cannot see, as in :func:`_cut`) within 1 MiB, else the
+    first line start after the target.
+    """
     cuts = [0]
     with open(path, "rb") as f:
         target = piece_bytes
         while target < size:
-            f.seek(target)
-            f.readline()
-            pos = f.tell()
-            if pos >= size:
+            f.seek(target - 1)
+            window = f.read(_READ_BLOCK + 1)
+            first = window.find(b"\n") + 1
+            if first == 0 or target - 1 + first >= size:
                 break
+            cut = first
+            i = window.find(b"\n", 1)
+            while 0 < i < len(window) - 1:
+                if window[i - 1] in _SOFT and window[i + 1] in _SOFT:
+                    cut = i + 1
+                    break
+                i = window.find(b"\n", i + 1)
+            pos = target - 1 + cut
             cuts.append(pos)
             target = pos + piece_bytes
     cuts.append(size)
@@ -413,6 +429,11 @@ def _blocks(piece: Piece) -> Iterator[bytes]:
                     continue
                 if cut == 0:
                     cut = len(data)
+                    while cut > 0 and 0x80 <= data[cut - 1] < 0xC0:
+                        cut -= 1  # not inside a UTF-8 character
+                    if cut > 0 and data[cut - 1] >= 0xC0:
+                        cut -= 1
+                    cut = cut or len(data)
                 carry = data[cut:]
                 yield data[:cut]
     except errors as exc:
@@ -434,19 +455,40 @@ def _decode(data: bytes, piece: Piece, offset: int, lineno: int | None) -> str:
                         f"{offset + exc.start})") from None
 
 
-def _split_text(text: str, chunk_chars: int) -> list[str]:
-    """``text`` cut into parts of at most about ``chunk_chars`` characters, at line ends where possible."""
-    if len(text) <= chunk_chars:
-        return [text]
+def _cut(text: str, start: int, end: int) -> int:
+    """Where a chunk that starts at ``start`` and may reach ``end`` (``end < len(text)``) ends.
+
+    Preferably just after a newline with a non-whitespace character on both sides: byte-level BPE
+    pre-tokenizers (GPT-2, Llama 3, Qwen, SmolLM and shardlm's own) split there anyway, so such a cut
+    leaves the tokens exactly as encoding the whole document would. Otherwise after the last newline,
+    otherwise at ``end``.
+    """
+    last_newline = i = text.rfind("\n", start, end)
+    while i > start:
+        if not text[i - 1].isspace() and not text[i + 1].isspace():
+            return i + 1
+        i = text.rfind("\n", start, i)
+    return last_newline + 1 if last_newline >= start else end
+
+
+def _split_text(text: str, chunk_chars: int, final: bool = True) -> tuple[list[str], str]:
+    """``text`` cut into parts of at most ``chunk_chars`` characters (see :func:`_cut`).
+
+    Returns:
+        ``(parts, rest)``: with ``final`` the last part is in ``parts`` and ``rest`` is ``""``;
+        without it the last, shorter part is returned as ``rest`` for the caller to put before the
+        text that follows, so the end of ``text`` is not a forced cut.
+    """
     parts, start = [], 0
     while len(text) - start > chunk_chars:
-        cut = text.rfind("\n", start, start + chunk_chars) + 1
-        if cut <= start:
-            cut = start + chunk_chars
+        cut = _cut(text, start, start + chunk_chars)
         parts.append(text[start:cut])
         start = cut
-    parts.append(text[start:])
-    return parts
+    rest = text[start:]
+    if final and rest:
+        parts.append(rest)
+        rest = ""
+    return parts, rest
 
 
 def _read_text(piece: Piece, chunk_chars: int) -> Iterator[Chunk]:
@@ -460,12 +502,19 @@ def _read_text(piece: Piece, chunk_chars: int) -> Iterator[Chunk]:
     offset = piece.start
     lineno = 1 if piece.compression else None
     pending: str | None = None  # one chunk held back, so the last one can carry ends_document
-    for block in _blocks(piece):
-        text = _decode(block, piece, offset, lineno)
-        offset += len(block)
-        if lineno is not None:
-            lineno += block.count(b"\n")
-        for part in _split_text(text, chunk_chars):
+    rest = ""  # the text after the last cut, read on with the next block
+    blocks = _blocks(piece)
+    while True:
+        block = next(blocks, None)
+        if block is not None:
+            text = _decode(block, piece, offset, lineno)
+            offset += len(block)
+            if lineno is not None:
+                lineno += block.count(b"\n")
+            parts, rest = _split_text(rest + text, chunk_chars, final=False)
+        else:
+            parts, rest = _split_text(rest, chunk_chars)
+        for part in parts:
             if pending is not None:
                 out = _clean(pending, piece.kind, first, last=False)
                 first = False
@@ -473,6 +522,8 @@ def _read_text(piece: Piece, chunk_chars: int) -> Iterator[Chunk]:
                 if begun and out:
                     yield Chunk(out, False)
             pending = part
+        if block is None:
+            break
     if pending is not None:
         out = _clean(pending, piece.kind, first, last=whole_end)
         if begun or out.strip():
@@ -492,7 +543,7 @@ def _clean(text: str, kind: str, first: bool, last: bool) -> str:
 
 
 def _document(text: str, chunk_chars: int) -> Iterator[Chunk]:
-    parts = _split_text(text, chunk_chars)
+    parts, _ = _split_text(text, chunk_chars)
     for i, part in enumerate(parts):
         yield Chunk(part, i == len(parts) - 1)
 

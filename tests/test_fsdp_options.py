@@ -45,7 +45,11 @@ EXACT_2 = {
     "ac_every2": {"parallel.activation_checkpoint": '"every_n"', "parallel.activation_checkpoint_n": 2},
     "ac_selective": {"parallel.activation_checkpoint": '"selective"'},
     "ac_full_async": {"parallel.activation_checkpoint": '"full"', "parallel.async_all_gather": "true"},
+    # gloo's own reduce-scatter (an all-reduce) instead of the all-to-all that gloo uses by default
+    "rs_native": {"parallel.reduce_scatter": '"native"'},
 }
+#: all-to-all vs gloo's all-reduce reduce-scatter at 4 ranks: another summation order, max loss difference
+RS_ORDER_TOL = 1e-6
 OTHER_2 = {
     "sync_every": {"parallel.grad_sync": '"every_micro_batch"'},
     "sync_rs_every_ar_last": {"parallel.grad_sync": '"reduce_scatter_every_all_reduce_last"'},
@@ -75,6 +79,7 @@ def results(small_data, tmp_path_factory):
     out.update(run_scenarios(4, [
         scenario("base4", small_data, runs),
         scenario("reshard2", small_data, runs, {"parallel.reshard_after_forward": 2}),
+        scenario("rs_native4", small_data, runs, {"parallel.reduce_scatter": '"native"'}),
     ], runs))
     two = {"base": {}, **EXACT_2, **OTHER_2}
     out.update(run_scenarios(2, [scenario(n, small_data, runs, extra) for n, extra in two.items()], runs))
@@ -104,6 +109,18 @@ def test_bit_identical_to_default(results, name, reference):
     p, q = params(results, name), params(results, reference)
     assert all(torch.equal(p[k], q[k]) for k in q), name
     assert ref[-1] < ref[0] - 0.3  # it learned: the comparison is not vacuous
+
+
+@pytest.mark.dist
+def test_all_to_all_reduce_scatter_at_four_ranks(results):
+    """4 ranks: the default all-to-all reduce-scatter sums each chunk in rank order, gloo's all-reduce in its
+    ring's order; same gradients up to rounding."""
+    got, ref = losses(results, "base4"), losses(results, "rs_native4")
+    diff = max(abs(a - b) for a, b in zip(got, ref))
+    print(f"all-to-all vs gloo reduce-scatter at 4 ranks: loss {diff:.1e}, "
+          f"params {max_param_diff(results, 'base4', 'rs_native4'):.1e}")
+    assert len(got) == STEPS and diff <= RS_ORDER_TOL
+    assert max_param_diff(results, "base4", "rs_native4") <= 1e-5
 
 
 @pytest.mark.dist

@@ -30,6 +30,8 @@ def test_collective_names():
     assert comm_kind("c10d::_allgather_base_") == "all_gather"
     assert comm_kind("gloo:all_gather") == "all_gather"
     assert comm_kind("c10d::_reduce_scatter_base_") == "reduce_scatter"
+    assert comm_kind("c10d::alltoall_base_") == "reduce_scatter"  # shardlm's reduce-scatter on gloo
+    assert comm_kind("gloo:all_to_all") == "reduce_scatter"
     assert comm_kind("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL") == "reduce_scatter"
     assert comm_kind("_c10d_functional::all_reduce") == "other_comm"
     assert comm_kind("aten::broadcast_tensors") is None
@@ -46,7 +48,10 @@ def test_profile_two_ranks(small_data, tmp_path):
     assert (out / "trace_rank0.json").stat().st_size > 0 and (out / "trace_rank1.json").stat().st_size > 0
     assert (out / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     trace = json.loads((out / "trace_rank1.json").read_text())
-    assert any("allgather" in e.get("name", "") for e in trace["traceEvents"])
+    names = {e.get("name", "") for e in trace["traceEvents"]}
+    assert any("allgather" in n for n in names)
+    # on gloo FSDP reduce-scatters through shardlm's all-to-all (parallel/reduce_scatter.py), not gloo's own
+    assert "c10d::alltoall_base_" in names and "c10d::_reduce_scatter_base_" not in names
     summary = json.loads((out / "summary.json").read_text())
     assert len(summary["per_rank"]) == 2
     for steps in summary["per_rank"]:

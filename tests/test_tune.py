@@ -45,7 +45,7 @@ def as_candidate(row: dict[str, str]) -> Candidate:
     forward, backward = row["prefetch f/b"].split("/")
     micro = int(row["micro-batch x accum"].split(" x ")[0])
     return Candidate(row["reshard"] == "true", int(forward), int(backward), row["AC"], micro,
-                     row["grad sync"] if row["grad sync"] != "-" else "every_micro_batch")
+                     row["grad sync"] if row["grad sync"] != "-" else "every_micro_batch", row["compile"] == "true")
 
 
 @pytest.mark.dist
@@ -79,6 +79,7 @@ def test_tune_measures_the_fitting_candidates_in_one_launch(tmp_path, small_data
     rows = table_rows(captured.out)
     measured = [r for r in rows if r["step s"] != "-"]
     assert len(measured) >= 4 and all(r["fits"] == "yes" for r in measured)
+    assert {r["compile"] for r in measured} == {"false", "true"}  # compiled blocks measured too (gcc is here)
     progress = re.findall(r"^tune: reshard=.*$", captured.err, re.M)  # one line per measurement
     assert len([line for line in progress if not line.endswith("(confirming)")]) == len(measured)
     assert len([line for line in progress if line.endswith("(confirming)")]) == 2  # the 2 fastest, once more
@@ -137,9 +138,11 @@ def test_staged_search_candidates():
     assert [r.cand for r in rows] == [
         base, base.with_value("reshard", False), base.with_value("prefetch", (1, 1)),
         base.with_value("prefetch", (2, 2)), *[base.with_value("batching", (m, s)) for m in (2, 1)
-                                               for s in ("every_micro_batch", "last_micro_batch")]]
+                                               for s in ("every_micro_batch", "last_micro_batch")],
+        base.with_value("compile", True)]
     assert all(r.fits for r in rows)
-    assert [len(v) for v in space(cfg, 2).values()] == [2, 3, 4, 5]  # the full grid: reshard x prefetch x AC x batching
+    # the full grid: reshard x prefetch x AC x batching x compile
+    assert [len(v) for v in space(cfg, 2).values()] == [2, 3, 4, 5, 2]
     tight = Planner(cfg, 2, "cpu", (roomy.bytes(base) + roomy.bytes(base.with_value("ac", "selective"))) / 2)
     rows = first_round(cfg, tight, "staged")
     assert rows[0].cand == base and not rows[0].fits  # the config's own row, shown as not fitting

@@ -27,7 +27,7 @@ STEP_PREFIX = "shardlm.train_step#"
 KINDS = ("compute", "all_gather", "reduce_scatter", "other_comm")
 
 _AG = re.compile(r"all_?gather|allgather", re.I)
-_RS = re.compile(r"reduce_?scatter", re.I)
+_RS = re.compile(r"reduce_?scatter|all_?to_?all", re.I)  # shardlm's gloo reduce-scatter is an all-to-all
 
 
 def comm_kind(name: str) -> str | None:

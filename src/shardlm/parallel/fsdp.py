@@ -14,11 +14,13 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_sh
 
 from shardlm.model.llama import Llama
 from shardlm.parallel.options import add_async_all_gather, check_reshard_after_forward, set_prefetch
+from shardlm.parallel.reduce_scatter import use_all_to_all_reduce_scatter
 
 
 def apply_fsdp(model: Llama, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None = None,
                reshard_after_forward: bool | int = True, *, offload: OffloadPolicy | None = None,
-               forward_prefetch: int = 0, backward_prefetch: int = 0, async_all_gather: bool = False) -> Llama:
+               forward_prefetch: int = 0, backward_prefetch: int = 0, async_all_gather: bool = False,
+               reduce_scatter: str = "native") -> Llama:
     """Shard ``model`` in torchtitan's grouping: embedding, each block, final norm + output, root.
 
     1. the token embedding is one group (unless tied: then it stays with the output projection);
@@ -33,6 +35,8 @@ def apply_fsdp(model: Llama, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy |
     Every group uses ``mp_policy`` (compute/reduce dtypes) and ``offload`` (CPU offload); then the
     blocks get ``forward_prefetch``/``backward_prefetch`` explicit prefetch depths, and with
     ``async_all_gather`` each group issues the next group's all-gather with ``unshard(async_op=True)``.
+    With ``reduce_scatter = "all_to_all"`` (gloo's default, see ``shardlm/parallel/reduce_scatter.py``)
+    every group reduce-scatters its gradients through one all-to-all; ``"native"`` keeps the backend's.
 
     Returns the same object, now also an ``FSDPModule``.
 
@@ -55,4 +59,6 @@ def apply_fsdp(model: Llama, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy |
     if async_all_gather:
         groups = ([] if model.cfg.tie_embeddings else [decoder.embed_tokens]) + blocks
         add_async_all_gather(model, groups + ([] if model.cfg.tie_embeddings else [decoder.norm]))
+    if reduce_scatter == "all_to_all":
+        use_all_to_all_reduce_scatter(model)
     return model

@@ -35,6 +35,7 @@ from shardlm.model.freeze import apply_freeze
 from shardlm.model.llama import Llama
 from shardlm.model.lora import NF4_BLOCK, LoRALinear, LoRASpec, apply_lora, nf4_scaler_block
 from shardlm.parallel.options import dtype_from_name
+from shardlm.parallel.reduce_scatter import resolve_reduce_scatter
 from shardlm.plan import activations as act
 
 PARTS = ("params", "grads", "optimizer", "all_gather", "reduce_scatter", "activations", "temporaries", "buffers")
@@ -207,6 +208,8 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
     train_local = sum(g.grad_shard_numel for g in groups)
     train_frac = sum(g.grad_numel for g in groups) / p_total  # for the unsharded (DDP, one process) gradients
     rb = st.reduce_bytes if fsdp else 4
+    all_to_all = fsdp and n > 1 and resolve_reduce_scatter(
+        cfg.parallel.reduce_scatter, "cpu" if device == "cpu" else "cuda") == "all_to_all"
     s = act.shape_of(cfg.model, cfg.train.micro_batch_size, cfg.train.seq_len, pb)
     bd = s.tokens * s.d
     offload = st.cpu_offload and fsdp and device != "cpu"
@@ -280,6 +283,9 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
         led.free("reduce_scatter", retained_rs[0])  # the previous group's input is released first
         led.add("reduce_scatter", n * shard_numel * rb, phase)  # flat input, copied in
         led.add("reduce_scatter", shard_numel * rb, phase)  # output
+        if all_to_all:  # gloo's reduce-scatter: the all-to-all's receive buffer, freed once summed into the output
+            led.add("reduce_scatter", n * shard_numel * rb, phase)
+            led.free("reduce_scatter", n * shard_numel * rb)
         led.free("grads", kept)
         where = "host" if offload else "grads"
         if rb != 4:

@@ -13,6 +13,8 @@ batching                ``train.micro_batch_size`` m with G / (N·m) micro-batch
                         G stays fixed): m = G/N, G/2N, G/4N, G/8N where whole, and the config's; with more
                         than one micro-batch each ``parallel.grad_sync`` policy (``every_micro_batch``,
                         ``last_micro_batch``; with HSDP also ``reduce_scatter_every_all_reduce_last``)
+compile                 ``parallel.compile``: false, true (when a C compiler is found; the compiled blocks
+                        are built in each candidate's warm-up steps, which are not timed)
 ======================  ==========================================================================
 
 Each candidate's per-rank peak memory is :func:`shardlm.plan.memory.plan_memory`'s, plus, for an explicit
@@ -58,6 +60,7 @@ from typing import Any
 import shardlm
 from shardlm.config import Config, ConfigError, load_config
 from shardlm.errors import TuneError
+from shardlm.parallel.ac import find_c_compiler
 from shardlm.plan.devices import GIB, MIB, device_for_cuda_name, get_device
 from shardlm.plan.memory import param_groups, plan_memory
 
@@ -66,9 +69,9 @@ from shardlm.plan.memory import param_groups, plan_memory
 AC_ORDER = ("none", "selective", "every_n", "full")
 PREFETCH_DEPTHS = (0, 1, 2)
 SEARCHES = ("staged", "full")
-DIMENSIONS = ("reshard", "prefetch", "ac", "batching")
+DIMENSIONS = ("reshard", "prefetch", "ac", "batching", "compile")
 #: what the staged search varies; the checkpointing follows: the lightest mode that fits
-STAGED_DIMENSIONS = ("reshard", "prefetch", "batching")
+STAGED_DIMENSIONS = ("reshard", "prefetch", "batching", "compile")
 
 
 @dataclass(frozen=True)
@@ -81,11 +84,13 @@ class Candidate:
     activation_checkpoint: str
     micro_batch_size: int
     grad_sync: str
+    compile: bool = False
 
     def key(self, dimension: str) -> Any:
         """This candidate's value in ``dimension`` (one of :data:`DIMENSIONS`)."""
         return {"reshard": self.reshard_after_forward, "prefetch": (self.forward_prefetch, self.backward_prefetch),
-                "ac": self.activation_checkpoint, "batching": (self.micro_batch_size, self.grad_sync)}[dimension]
+                "ac": self.activation_checkpoint, "batching": (self.micro_batch_size, self.grad_sync),
+                "compile": self.compile}[dimension]
 
     def with_value(self, dimension: str, value: Any) -> Candidate:
         """A copy with ``dimension`` set to ``value`` (as :meth:`key` returns it)."""
@@ -95,6 +100,8 @@ class Candidate:
             return dataclasses.replace(self, forward_prefetch=value[0], backward_prefetch=value[1])
         if dimension == "ac":
             return dataclasses.replace(self, activation_checkpoint=value)
+        if dimension == "compile":
+            return dataclasses.replace(self, compile=value)
         return dataclasses.replace(self, micro_batch_size=value[0], grad_sync=value[1])
 
     def overrides(self) -> dict[str, Any]:
@@ -106,6 +113,7 @@ class Candidate:
             "parallel.activation_checkpoint": self.activation_checkpoint,
             "parallel.grad_sync": self.grad_sync,
             "train.micro_batch_size": self.micro_batch_size,
+            "parallel.compile": self.compile,
         }
 
     def to_dict(self) -> dict[str, Any]:
@@ -183,7 +191,9 @@ def space(cfg: Config, world_size: int) -> dict[str, list[Any]]:
     prefetch = [(d, d) for d in PREFETCH_DEPTHS if d <= depth_cap]
     if (p.forward_prefetch, p.backward_prefetch) not in prefetch:
         prefetch.append((p.forward_prefetch, p.backward_prefetch))
-    return {"reshard": [True, False], "prefetch": prefetch, "ac": list(AC_ORDER), "batching": batching}
+    compile_values = [p.compile, not p.compile] if find_c_compiler() else [p.compile]
+    return {"reshard": [True, False], "prefetch": prefetch, "ac": list(AC_ORDER), "batching": batching,
+            "compile": compile_values}
 
 
 def config_candidate(cfg: Config, world_size: int) -> Candidate:
@@ -194,7 +204,8 @@ def config_candidate(cfg: Config, world_size: int) -> Candidate:
     reshard = p.reshard_after_forward if isinstance(p.reshard_after_forward, bool) else True
     per_rank = local_batch(cfg, world_size)
     micro = max(m for m in range(1, min(per_rank, cfg.train.micro_batch_size) + 1) if per_rank % m == 0)
-    return Candidate(reshard, p.forward_prefetch, p.backward_prefetch, p.activation_checkpoint, micro, p.grad_sync)
+    return Candidate(reshard, p.forward_prefetch, p.backward_prefetch, p.activation_checkpoint, micro, p.grad_sync,
+                     p.compile)
 
 
 def block_bytes(cfg: Config, world_size: int) -> int:
@@ -296,8 +307,9 @@ def first_round(cfg: Config, planner: Planner, search: str) -> list[Row]:
         raise ConfigError(f"--search must be one of {list(SEARCHES)}, got {search!r}")
     dims = space(cfg, planner.world_size)
     if search == "full":
-        cands = [Candidate(r, f, b, ac, m, s) for r, (f, b), ac, (m, s)
-                 in itertools.product(dims["reshard"], dims["prefetch"], dims["ac"], dims["batching"])]
+        cands = [Candidate(r, f, b, ac, m, s, c) for r, (f, b), ac, (m, s), c
+                 in itertools.product(dims["reshard"], dims["prefetch"], dims["ac"], dims["batching"],
+                                      dims["compile"])]
         rows = [Row(c, planner.bytes(c), planner.fits(c)) for c in cands]
         if not any(r.fits for r in rows):
             raise TuneError(no_fit_message(cfg, planner))
@@ -530,11 +542,11 @@ def run_tune(config: str | None, overrides: list[str], world_size: int, budget: 
 
 def format_table(rows: list[Row], cfg: Config, world_size: int, picked: Candidate | None) -> str:
     """The table ``shardlm tune`` prints: one line per candidate, measured or not (``-``)."""
-    head = ["#", "reshard", "prefetch f/b", "AC", "micro-batch x accum", "grad sync", "predicted MiB/rank",
-            "fits", "step s", "tokens/s", "note"]
+    head = ["#", "reshard", "prefetch f/b", "AC", "micro-batch x accum", "grad sync", "compile",
+            "predicted MiB/rank", "fits", "step s", "tokens/s", "note"]
     gpu = any(r.measured_peak_bytes >= 0 for r in rows)
     if gpu:
-        head.insert(8, "measured MiB")
+        head.insert(9, "measured MiB")
     own = config_candidate(cfg, world_size)
     per_rank = local_batch(cfg, world_size)
     tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_len
@@ -546,11 +558,11 @@ def format_table(rows: list[Row], cfg: Config, world_size: int, picked: Candidat
                                          (f"round {r.round}", r.round > 1), ("confirmed", r.confirmed)) if on)
         cells = [str(i), str(c.reshard_after_forward).lower(), f"{c.forward_prefetch}/{c.backward_prefetch}",
                  c.activation_checkpoint, f"{c.micro_batch_size} x {accum}", c.grad_sync if accum > 1 else "-",
-                 f"{r.predicted_bytes / MIB:,.1f}", "yes" if r.fits else "no",
+                 str(c.compile).lower(), f"{r.predicted_bytes / MIB:,.1f}", "yes" if r.fits else "no",
                  f"{step:.3f}" if step is not None else "-",
                  f"{tokens_per_step / step:,.0f}" if step is not None else "-", note]
         if gpu:
-            cells.insert(8, f"{r.measured_peak_bytes / MIB:,.1f}" if r.measured_peak_bytes >= 0 else "-")
+            cells.insert(9, f"{r.measured_peak_bytes / MIB:,.1f}" if r.measured_peak_bytes >= 0 else "-")
         lines.append(cells)
     widths = [max(len(h), *(len(cells[i]) for cells in lines)) for i, h in enumerate(head)]
 

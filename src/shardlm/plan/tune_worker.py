@@ -38,7 +38,7 @@ def label(cand: Candidate) -> str:
     """A short description of a candidate for the progress lines."""
     return (f"reshard={str(cand.reshard_after_forward).lower()} prefetch={cand.forward_prefetch}/"
             f"{cand.backward_prefetch} ac={cand.activation_checkpoint} micro-batch={cand.micro_batch_size} "
-            f"sync={cand.grad_sync}")
+            f"sync={cand.grad_sync} compile={str(cand.compile).lower()}")
 
 
 def run_config(cfg: Config, cand: Candidate, spec: dict[str, Any], index: int) -> Config:
@@ -83,6 +83,7 @@ def time_candidate(cfg: Config, info: DistInfo) -> tuple[list[float], int]:
     peak = torch.cuda.max_memory_allocated(info.device) if cuda else -1
     del trainer
     gc.collect()
+    torch.compiler.reset()  # the next candidate compiles afresh (no recompilation limit, no stale graphs)
     t = torch.tensor(times + [float(peak)], dtype=torch.float64, device=info.device)
     if info.world_size > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)

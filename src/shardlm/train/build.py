@@ -31,6 +31,7 @@ from shardlm.parallel.ac import apply_ac, apply_compile
 from shardlm.parallel.dist import DistInfo
 from shardlm.parallel.fsdp import apply_fsdp
 from shardlm.parallel.options import dtype_from_name, mixed_precision_policy, offload_policy
+from shardlm.parallel.reduce_scatter import resolve_reduce_scatter
 
 
 def build_model(cfg: Config, info: DistInfo, mesh: DeviceMesh | None) -> tuple[nn.Module, dict[str, Any] | None]:
@@ -79,7 +80,8 @@ def build_model(cfg: Config, info: DistInfo, mesh: DeviceMesh | None) -> tuple[n
     if mode == "fsdp":
         apply_fsdp(model, mesh, mixed_precision_policy(pcfg), pcfg.reshard_after_forward,
                    offload=offload_policy(pcfg, info.device), forward_prefetch=pcfg.forward_prefetch,
-                   backward_prefetch=pcfg.backward_prefetch, async_all_gather=pcfg.async_all_gather)
+                   backward_prefetch=pcfg.backward_prefetch, async_all_gather=pcfg.async_all_gather,
+                   reduce_scatter=resolve_reduce_scatter(pcfg.reduce_scatter, info.device.type))
     # with CPU offload the shards live in CPU memory; buffers (rotary tables) still go to the device
     model.to_empty(device="cpu" if pcfg.cpu_offload else info.device)
     load_stats = None

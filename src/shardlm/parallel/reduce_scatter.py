@@ -20,8 +20,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-REDUCE_SCATTER_IMPLS = ("auto", "native", "all_to_all")
-
 
 def resolve_reduce_scatter(setting: str, device_type: str) -> str:
     """``parallel.reduce_scatter`` on a ``device_type`` (``"cpu"``, ``"cuda"``) device: ``auto`` is ``all_to_all``

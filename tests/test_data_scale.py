@@ -159,6 +159,7 @@ def test_cuts_leave_byte_level_tokens_unchanged(tmp_path, monkeypatch, smol_dir)
     chunks = [c.text for p in pieces for c in read_piece(p, chunk_chars=1200)]
     assert len(pieces) > 10 and len(chunks) > 100
     assert "".join(chunks) == text
+    chunks_of = [(text, chunks)]
     ours = train_tokenizer([text], 600)
     llama3 = train_tokenizer([text], 600)
     llama3.pre_tokenizer = pre_tokenizers.Sequence([
@@ -166,20 +167,37 @@ def test_cuts_leave_byte_level_tokens_unchanged(tmp_path, monkeypatch, smol_dir)
                                    r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     smol = load_tokenizer(str(smol_dir / "tokenizer.json"))
+    # and documents without a usable newline: CRLF line ends, one long line (cut before a space)
+    crlf = text.replace("\r", "").replace("\n", "\r\n")
+    one_line = text.replace("\r", "").replace("\n", " ")
+    for doc in (crlf, one_line):
+        (tmp_path / "doc.txt").write_text(doc, newline="")
+        pieces, _ = plan_pieces(str(tmp_path / "doc.txt"))
+        parts = [c.text for p in pieces for c in read_piece(p, chunk_chars=1200)]
+        assert len(parts) > 100 and "".join(parts) == doc
+        chunks_of.append((doc, parts))
     for tok in (ours, llama3, smol):
-        pieces_ids = [i for e in tok.encode_batch(chunks, add_special_tokens=False) for i in e.ids]
-        assert pieces_ids == tok.encode(text, add_special_tokens=False).ids
+        for doc, parts in chunks_of:
+            pieces_ids = [i for e in tok.encode_batch(parts, add_special_tokens=False) for i in e.ids]
+            assert pieces_ids == tok.encode(doc, add_special_tokens=False).ids
 
 
 def test_a_line_longer_than_the_read_limit_is_cut_between_characters(tmp_path, monkeypatch):
+    """A line longer than 4 read blocks: cut anywhere but inside a UTF-8 character or a CRLF; and such a line
+    does not stop the piece cuts of the rest of the file."""
     from shardlm.data import readers
 
     monkeypatch.setattr(readers, "_READ_BLOCK", 1000)
-    text = "ab漢é" * 3001 + "\nend\n"  # one 33 KB line of 1-, 2- and 3-byte characters
-    (tmp_path / "long.txt").write_text(text)
+    text = "ab漢é" * 3001 + "\r\nend\n"  # one 33 KB line of 1-, 2- and 3-byte characters
+    (tmp_path / "long.txt").write_text(text, newline="")
     pieces, _ = plan_pieces(str(tmp_path / "long.txt"))
     chunks = [c.text for p in pieces for c in read_piece(p, chunk_chars=700)]
     assert "".join(chunks) == text and max(map(len, chunks)) <= 700
+    assert not any(c.endswith("\r") for c in chunks)
+    lines = "".join(f"line {i} of the file\n" for i in range(2000))
+    (tmp_path / "mixed.txt").write_text(lines + "x" * 5000 + "\n" + lines)
+    pieces, _ = plan_pieces(str(tmp_path / "mixed.txt"), piece_bytes=3000)
+    assert len(pieces) > 25 and max(p.size for p in pieces) < 7000  # ~89 KB in pieces of ~3 KB
 
 
 def test_directory_and_glob_list_what_is_not_read(tmp_path, corpora):

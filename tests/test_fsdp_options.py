@@ -278,11 +278,10 @@ def test_reshard_and_dtype_checks():
     (["--parallel.reshard_after_forward=yes"], "parallel.reshard_after_forward: expected bool or int"),
     (["--parallel.activation_checkpoint=some"], "parallel.activation_checkpoint: 'some' is not one of"),
     (["--parallel.mode=ddp", "--parallel.cpu_offload=true"], "parallel.cpu_offload applies to parallel.mode='fsdp'"),
-    (["--parallel.compile=true"], "parallel.compile=true needs a C compiler"),
+    (["--parallel.compile=true"], "parallel.compile=true needs a C++ compiler for TorchInductor, and '/nope/g++'"),
 ])
 def test_bad_input_one_clear_error(overrides, needle, tmp_path, small_data, capsys, monkeypatch):
-    monkeypatch.delenv("CC", raising=False)
-    monkeypatch.setattr("shutil.which", lambda name, *a, **k: None)  # no C compiler anywhere
+    monkeypatch.setenv("CXX", "/nope/g++")  # TorchInductor's compiler, absent
     code = train_main(tiny_overrides(small_data, tmp_path / "run") + overrides)
     err = capsys.readouterr().err
     assert code == 2

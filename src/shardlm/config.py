@@ -171,7 +171,8 @@ class ParallelConfig:
     activation_checkpoint_n: int = 2
     """For ``activation_checkpoint = "every_n"``: checkpoint blocks n, 2n, ... (1-based), i.e. every n-th block."""
     compile: bool = False
-    """Compile each block with ``block.compile()`` (TorchInductor) before sharding; needs a C compiler."""
+    """Compile each block with ``block.compile()`` (TorchInductor) before sharding; needs a C++ compiler
+    (``$CXX``, else ``g++``)."""
     cpu_bf16_matmul: Literal["auto", "native", "fp32"] = "auto"
     """bf16 linear layers on a CPU device (``param_dtype = "bfloat16"``): ``native`` uses PyTorch's bf16 GEMM,
     ``fp32`` upcasts both bf16 operands, multiplies in fp32 and rounds the result to bf16 (same products, fp32

@@ -16,9 +16,9 @@ pieces:
 Reading a piece yields :class:`Chunk` s of at most ``chunk_chars`` characters. A *document* is a
 ``.txt`` / ``.md`` file, one JSONL line, one Parquet or dataset row; a document longer than a chunk
 is cut at line boundaries (so no string holds a large file) and only its last chunk carries
-``ends_document``. Cuts, and the piece boundaries of a large file, prefer a newline between two
-non-whitespace characters, where byte-level BPE tokenizers split anyway: there the chunks encode to
-exactly the tokens of the whole document. Text is never altered except ``.md`` (light Markdown stripped, see
+``ends_document``. Cuts prefer a newline, then a space, between two non-whitespace characters (piece
+boundaries of a large file: such a newline), where byte-level BPE tokenizers split anyway: there the
+chunks encode to exactly the tokens of the whole document. Text is never altered except ``.md`` (light Markdown stripped, see
 :func:`strip_markdown`); whitespace-only documents are skipped.
 
 Every bad input is one :class:`DataError` naming the file and, where it applies, the line or row.
@@ -209,7 +209,7 @@ def _line_cuts(path: pathlib.Path, size: int, piece_bytes: int) -> list[int]:
 
     Each cut is the first line start at or after its target whose newline has a printable ASCII
     byte on both sides (a cut the tokenizer cannot see, as in :func:`_cut`) within 1 MiB, else the
-    first line start after the target.
+    first line start after the target (however far: a long line moves the cut, never ends the cutting).
     """
     cuts = [0]
     with open(path, "rb") as f:
@@ -218,7 +218,10 @@ def _line_cuts(path: pathlib.Path, size: int, piece_bytes: int) -> list[int]:
             f.seek(target - 1)
             window = f.read(_READ_BLOCK + 1)
             first = window.find(b"\n") + 1
-            if first == 0 or target - 1 + first >= size:
+            if first == 0:  # a line longer than the window: look on after it
+                target += _READ_BLOCK
+                continue
+            if target - 1 + first >= size:
                 break
             cut = first
             i = window.find(b"\n", 1)
@@ -455,24 +458,30 @@ def _decode(data: bytes, piece: Piece, offset: int, lineno: int | None) -> str:
                         f"{offset + exc.start})") from None
 
 
-def _cut(text: str, start: int, end: int) -> int:
+def _cut(text: str, start: int, end: int, spaces: bool = True) -> int:
     """Where a chunk that starts at ``start`` and may reach ``end`` (``end < len(text)``) ends.
 
-    Preferably just after a newline with a non-whitespace character on both sides: byte-level BPE
-    pre-tokenizers (GPT-2, Llama 3, Qwen, SmolLM and shardlm's own) split there anyway, so such a cut
-    leaves the tokens exactly as encoding the whole document would. Otherwise after the last newline,
-    otherwise at ``end``.
+    Preferably just after a newline with a non-whitespace character on both sides, else just before a space
+    with a non-whitespace character on both sides (the space begins the next chunk): byte-level BPE
+    pre-tokenizers (GPT-2, Llama 3, Qwen, SmolLM and shardlm's own) split there anyway, so such a cut leaves
+    the tokens exactly as encoding the whole document would. Otherwise after the last newline, otherwise at
+    ``end`` (moved back one character so as not to split a ``\r\n``). Without ``spaces`` (Markdown, which is
+    stripped line by line) no cut falls inside a line when a newline exists.
     """
-    last_newline = i = text.rfind("\n", start, end)
-    while i > start:
-        if not text[i - 1].isspace() and not text[i + 1].isspace():
-            return i + 1
-        i = text.rfind("\n", start, i)
-    return last_newline + 1 if last_newline >= start else end
+    for sep, after in (("\n", 1), (" ", 0)) if spaces else (("\n", 1),):
+        i = text.rfind(sep, start, end)
+        while i > start:
+            if not text[i - 1].isspace() and not text[i + 1].isspace():
+                return i + after
+            i = text.rfind(sep, start, i)
+    last_newline = text.rfind("\n", start, end)
+    if last_newline >= start:
+        return last_newline + 1
+    return end - 1 if text[end - 1] == "\r" and end - 1 > start else end
 
 
-def _split_text(text: str, chunk_chars: int, final: bool = True) -> tuple[list[str], str]:
-    """``text`` cut into parts of at most ``chunk_chars`` characters (see :func:`_cut`).
+def _split_text(text: str, chunk_chars: int, final: bool = True, spaces: bool = True) -> tuple[list[str], str]:
+    """``text`` cut into parts of at most ``chunk_chars`` characters (see :func:`_cut`, with ``spaces``).
 
     Returns:
         ``(parts, rest)``: with ``final`` the last part is in ``parts`` and ``rest`` is ``""``;
@@ -481,7 +490,7 @@ def _split_text(text: str, chunk_chars: int, final: bool = True) -> tuple[list[s
     """
     parts, start = [], 0
     while len(text) - start > chunk_chars:
-        cut = _cut(text, start, start + chunk_chars)
+        cut = _cut(text, start, start + chunk_chars, spaces)
         parts.append(text[start:cut])
         start = cut
     rest = text[start:]
@@ -503,6 +512,7 @@ def _read_text(piece: Piece, chunk_chars: int) -> Iterator[Chunk]:
     lineno = 1 if piece.compression else None
     pending: str | None = None  # one chunk held back, so the last one can carry ends_document
     rest = ""  # the text after the last cut, read on with the next block
+    spaces = piece.kind != "markdown"
     blocks = _blocks(piece)
     while True:
         block = next(blocks, None)
@@ -511,9 +521,9 @@ def _read_text(piece: Piece, chunk_chars: int) -> Iterator[Chunk]:
             offset += len(block)
             if lineno is not None:
                 lineno += block.count(b"\n")
-            parts, rest = _split_text(rest + text, chunk_chars, final=False)
+            parts, rest = _split_text(rest + text, chunk_chars, final=False, spaces=spaces)
         else:
-            parts, rest = _split_text(rest, chunk_chars)
+            parts, rest = _split_text(rest, chunk_chars, spaces=spaces)
         for part in parts:
             if pending is not None:
                 out = _clean(pending, piece.kind, first, last=False)

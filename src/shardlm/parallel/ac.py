@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from collections.abc import Callable
 
 import torch
@@ -89,26 +90,27 @@ def _checkpoint_forward(block: nn.Module, context_fn: Callable[[], tuple]) -> No
     block.forward = forward
 
 
-def find_c_compiler() -> str | None:
-    """Path of the C compiler TorchInductor would use: ``$CC`` if set, else ``cc``, ``gcc`` or ``clang``; None if absent."""
-    candidates = [os.environ["CC"]] if os.environ.get("CC") else ["cc", "gcc", "clang"]
-    for name in candidates:
-        path = shutil.which(name)
-        if path:
-            return path
-    return None
+def cxx_compiler_name() -> str:
+    """The C++ compiler TorchInductor builds CPU kernels with (``torch._inductor.config.cpp.cxx``): ``$CXX`` if
+    set, else ``g++`` (``clang++`` on macOS)."""
+    return os.environ.get("CXX") or ("clang++" if sys.platform == "darwin" else "g++")
+
+
+def find_cxx_compiler() -> str | None:
+    """Path of :func:`cxx_compiler_name`'s compiler; None when it is not found."""
+    return shutil.which(cxx_compiler_name())
 
 
 def apply_compile(blocks: nn.ModuleList) -> None:
     """Compile each block in place with ``block.compile()`` (TorchInductor), keeping parameter names.
 
     Raises:
-        ConfigError: no C compiler is found (TorchInductor builds C++ kernels on CPU, and Triton
-            builds its launcher on GPU); checked here, at start-up, not at the first step.
+        ConfigError: TorchInductor's C++ compiler (``$CXX``, else ``g++``) is not found; checked here, at
+            start-up, not at the first step.
     """
-    if find_c_compiler() is None:
-        raise ConfigError("parallel.compile=true needs a C compiler for TorchInductor, and none was found "
-                          "(set CC or install gcc/clang), or set parallel.compile=false")
+    if find_cxx_compiler() is None:
+        raise ConfigError(f"parallel.compile=true needs a C++ compiler for TorchInductor, and {cxx_compiler_name()!r} "
+                          "was not found (set CXX or install g++), or set parallel.compile=false")
     for block in blocks:
         block.compile()
 

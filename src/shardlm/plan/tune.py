@@ -13,8 +13,8 @@ batching                ``train.micro_batch_size`` m with G / (N·m) micro-batch
                         G stays fixed): m = G/N, G/2N, G/4N, G/8N where whole, and the config's; with more
                         than one micro-batch each ``parallel.grad_sync`` policy (``every_micro_batch``,
                         ``last_micro_batch``; with HSDP also ``reduce_scatter_every_all_reduce_last``)
-compile                 ``parallel.compile``: false, true (when a C compiler is found; the compiled blocks
-                        are built in each candidate's warm-up steps, which are not timed)
+compile                 ``parallel.compile``: false, true (when TorchInductor's C++ compiler is found;
+                        the compiled blocks are built in each candidate's untimed warm-up steps)
 ======================  ==========================================================================
 
 Each candidate's per-rank peak memory is :func:`shardlm.plan.memory.plan_memory`'s, plus, for an explicit
@@ -60,7 +60,7 @@ from typing import Any
 import shardlm
 from shardlm.config import Config, ConfigError, load_config
 from shardlm.errors import TuneError
-from shardlm.parallel.ac import find_c_compiler
+from shardlm.parallel.ac import find_cxx_compiler
 from shardlm.plan.devices import GIB, MIB, device_for_cuda_name, get_device
 from shardlm.plan.memory import param_groups, plan_memory
 
@@ -191,7 +191,7 @@ def space(cfg: Config, world_size: int) -> dict[str, list[Any]]:
     prefetch = [(d, d) for d in PREFETCH_DEPTHS if d <= depth_cap]
     if (p.forward_prefetch, p.backward_prefetch) not in prefetch:
         prefetch.append((p.forward_prefetch, p.backward_prefetch))
-    compile_values = [p.compile, not p.compile] if find_c_compiler() else [p.compile]
+    compile_values = [p.compile, not p.compile] if find_cxx_compiler() else [p.compile]
     return {"reshard": [True, False], "prefetch": prefetch, "ac": list(AC_ORDER), "batching": batching,
             "compile": compile_values}
 

@@ -18,8 +18,8 @@ Reading a piece yields :class:`Chunk` s of at most ``chunk_chars`` characters. A
 is cut at line boundaries (so no string holds a large file) and only its last chunk carries
 ``ends_document``. Cuts prefer a newline, then a space, between two non-whitespace characters (piece
 boundaries of a large file: such a newline), where byte-level BPE tokenizers split anyway: there the
-chunks encode to exactly the tokens of the whole document. Text is never altered except ``.md`` (light Markdown stripped, see
-:func:`strip_markdown`); whitespace-only documents are skipped.
+chunks encode to exactly the tokens of the whole document. Text is never altered except ``.md`` (light
+Markdown stripped, see :func:`strip_markdown`); whitespace-only documents are skipped.
 
 Every bad input is one :class:`DataError` naming the file and, where it applies, the line or row.
 """

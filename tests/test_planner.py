@@ -43,6 +43,9 @@ CONFIGS = {
 # activation checkpointing the planner predicts 2,365,780 bytes and the peak measures 2,786,576
 # (-15%): FSDP2 keeps more unsharded-gradient buffers alive between micro-batches there than the
 # replay models. See README, "Memory planner".
+# (The measured peak of a rank is the median of 3 steady-state steps: one step in about 4 measures one
+# group-sized buffer more, with the timing between the ranks; with a single step this case ranged from
+# -3.8% to -10.5% over 10 launches.)
 # Likewise "fsdp2_mb2_accum" with parallel.grad_sync = "every_micro_batch" (the default now): predicted
 # 3,589,460 bytes, measured 3,589,504 on rank 0 (exact) and 4,000,128 on rank 1 (-10.3% against the larger):
 # rank 1 keeps 410,624 bytes more, about three of the group-sized buffers behind the 2-6% misses above.

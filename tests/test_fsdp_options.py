@@ -47,7 +47,15 @@ EXACT_2 = {
     "ac_full_async": {"parallel.activation_checkpoint": '"full"', "parallel.async_all_gather": "true"},
     # gloo's own reduce-scatter (an all-reduce) instead of the all-to-all that gloo uses by default
     "rs_native": {"parallel.reduce_scatter": '"native"'},
+    # both blocks in one FSDP group: one all-gather and one reduce-scatter for the pair
+    "groups2_ac_async": {"parallel.blocks_per_group": 2, "parallel.activation_checkpoint": '"full"',
+                         "parallel.async_all_gather": "true", "parallel.reshard_after_forward": "false"},
 }
+#: three blocks in groups of two (the last group takes the one left), prefetching across groups, against three
+#: blocks one per group
+LAYERS3 = {"model.n_layers": 3}
+GROUPS_OF_2 = {**LAYERS3, "parallel.blocks_per_group": 2, "parallel.forward_prefetch": 1,
+               "parallel.backward_prefetch": 1}
 #: all-to-all vs gloo's all-reduce reduce-scatter at 4 ranks: another summation order, max loss difference
 RS_ORDER_TOL = 1e-6
 OTHER_2 = {
@@ -81,7 +89,7 @@ def results(small_data, tmp_path_factory):
         scenario("reshard2", small_data, runs, {"parallel.reshard_after_forward": 2}),
         scenario("rs_native4", small_data, runs, {"parallel.reduce_scatter": '"native"'}),
     ], runs))
-    two = {"base": {}, **EXACT_2, **OTHER_2}
+    two = {"base": {}, **EXACT_2, **OTHER_2, "layers3": LAYERS3, "layers3_groups2": GROUPS_OF_2}
     out.update(run_scenarios(2, [scenario(n, small_data, runs, extra) for n, extra in two.items()], runs))
     return out, runs
 
@@ -101,7 +109,8 @@ def max_param_diff(results, a, b):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("name,reference", [("reshard2", "base4")] + [(n, "base") for n in EXACT_2])
+@pytest.mark.parametrize("name,reference", [("reshard2", "base4"), ("layers3_groups2", "layers3")]
+                         + [(n, "base") for n in EXACT_2])
 def test_bit_identical_to_default(results, name, reference):
     got, ref = losses(results, name), losses(results, reference)
     assert len(got) == len(ref) == STEPS
@@ -243,12 +252,14 @@ def test_ddp_matches_fsdp(results):
 @pytest.mark.dist
 def test_parameter_and_checkpoint_names_never_change(results):
     out, _ = results
-    names = list(out["base"][0]["params"])
-    keys = set(params(results, "base"))
-    assert names and keys == set(names)
-    for name in out:
-        assert list(out[name][0]["params"]) == names, name
-        assert set(params(results, name)) == keys, name
+    for reference, others in (("base", [n for n in out if not n.startswith("layers3")]),
+                              ("layers3", ["layers3_groups2"])):
+        names = list(out[reference][0]["params"])
+        keys = set(params(results, reference))
+        assert names and keys == set(names)
+        for name in others:
+            assert list(out[name][0]["params"]) == names, name
+            assert set(params(results, name)) == keys, name
 
 
 # ---- unit tests and bad input ------------------------------------------------------------------
@@ -278,6 +289,9 @@ def test_reshard_and_dtype_checks():
     (["--parallel.reshard_after_forward=yes"], "parallel.reshard_after_forward: expected bool or int"),
     (["--parallel.activation_checkpoint=some"], "parallel.activation_checkpoint: 'some' is not one of"),
     (["--parallel.mode=ddp", "--parallel.cpu_offload=true"], "parallel.cpu_offload applies to parallel.mode='fsdp'"),
+    (["--parallel.blocks_per_group=3"], "parallel.blocks_per_group must be between 1 and model.n_layers=2"),
+    (["--parallel.mode=ddp", "--parallel.blocks_per_group=2"],
+     "parallel.blocks_per_group applies to parallel.mode='fsdp'"),
     (["--parallel.compile=true"], "parallel.compile=true needs a C++ compiler for TorchInductor, and '/nope/g++'"),
 ])
 def test_bad_input_one_clear_error(overrides, needle, tmp_path, small_data, capsys, monkeypatch):

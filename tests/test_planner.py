@@ -35,6 +35,7 @@ CONFIGS = {
     "fsdp2_mb4": (2, {"train.micro_batch_size": 4}, "none"),
     "fsdp2_mb2_accum": (2, {"train.micro_batch_size": 2}, "none"),
     "fsdp2_mb4_full": (2, {"train.micro_batch_size": 4}, "full"),
+    "fsdp2_mb4_full_one_group": (2, {"train.micro_batch_size": 4, "parallel.blocks_per_group": 2}, "full"),
     "ddp2_mb4": (2, {"parallel.mode": '"ddp"', "train.micro_batch_size": 4}, "none"),
     "fsdp4_mb4": (4, {"train.global_batch_size": 16, "train.micro_batch_size": 4}, "none"),
     "fsdp4_mb8_full": (4, {"train.global_batch_size": 32, "train.micro_batch_size": 8}, "full"),

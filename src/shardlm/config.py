@@ -148,11 +148,17 @@ class ParallelConfig:
     keep them (no backward all-gather, more memory), or N (1 < N < world size, N divides it): keep an N-way shard
     (backward all-gathers within groups of N ranks). The root always keeps FSDP's default (not resharded)."""
     forward_prefetch: int = 0
-    """Explicit forward prefetch depth: block i's pre-forward all-gathers blocks i+1..i+k
-    (``set_modules_to_forward_prefetch``); 0 leaves FSDP's implicit prefetch alone."""
+    """Explicit forward prefetch depth: block group i's pre-forward all-gathers groups i+1..i+k
+    (``set_modules_to_forward_prefetch``; a group is one block unless ``blocks_per_group``); 0 leaves FSDP's
+    implicit prefetch alone."""
     backward_prefetch: int = 0
-    """Explicit backward prefetch depth: block i's pre-backward all-gathers blocks i-1..i-k
-    (``set_modules_to_backward_prefetch``); 0 leaves FSDP's implicit one-block backward prefetch."""
+    """Explicit backward prefetch depth: block group i's pre-backward all-gathers groups i-1..i-k
+    (``set_modules_to_backward_prefetch``); 0 leaves FSDP's implicit one-group backward prefetch."""
+    blocks_per_group: int = 1
+    """Transformer blocks per FSDP group (one ``fully_shard`` call): their parameters are all-gathered together
+    and their gradients reduce-scattered together, the last group taking the remainder. 1 is torchtitan's
+    grouping; more means fewer, larger collectives (less per-collective latency and hook overhead) and more
+    memory held unsharded at once. Prefetch depths count groups. Results are bit-identical for every value."""
     async_all_gather: bool = False
     """Issue the next block's all-gather from the current block's forward pre-hook with ``unshard(async_op=True)``;
     FSDP waits on it just before that block runs."""
@@ -546,6 +552,9 @@ def validate(cfg: Config) -> None:
     for key in ("forward_prefetch", "backward_prefetch"):
         if getattr(p, key) < 0:
             raise ConfigError(f"parallel.{key} must be >= 0, got {getattr(p, key)}")
+    if not 1 <= p.blocks_per_group <= m.n_layers:
+        raise ConfigError(f"parallel.blocks_per_group must be between 1 and model.n_layers={m.n_layers} (one group "
+                          f"of all blocks), got {p.blocks_per_group}")
     if p.activation_checkpoint_n < 1:
         raise ConfigError(f"parallel.activation_checkpoint_n must be >= 1, got {p.activation_checkpoint_n}")
     if not isinstance(p.reshard_after_forward, bool) and p.reshard_after_forward < 2:
@@ -554,7 +563,7 @@ def validate(cfg: Config) -> None:
     if p.mode != "fsdp":
         fsdp_only = {"param_dtype": "float32", "reduce_dtype": "float32", "reshard_after_forward": True,
                      "forward_prefetch": 0, "backward_prefetch": 0, "async_all_gather": False, "cpu_offload": False,
-                     "reduce_scatter": "auto"}
+                     "reduce_scatter": "auto", "blocks_per_group": 1}
         for key, default in fsdp_only.items():
             if getattr(p, key) != default:
                 raise ConfigError(f"parallel.{key} applies to parallel.mode='fsdp' only (mode is {p.mode!r})")

@@ -20,12 +20,13 @@ from shardlm.parallel.reduce_scatter import use_all_to_all_reduce_scatter
 def apply_fsdp(model: Llama, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None = None,
                reshard_after_forward: bool | int = True, *, offload: OffloadPolicy | None = None,
                forward_prefetch: int = 0, backward_prefetch: int = 0, async_all_gather: bool = False,
-               reduce_scatter: str = "native") -> Llama:
+               reduce_scatter: str = "native", blocks_per_group: int = 1) -> Llama:
     """Shard ``model`` in torchtitan's grouping: embedding, each block, final norm + output, root.
 
     1. the token embedding is one group (unless tied: then it stays with the output projection);
-    2. each transformer block is one group, resharded after forward per ``reshard_after_forward``
-       (true, false, or an N-way shard; see ``ParallelConfig``);
+    2. each transformer block is one group (or each run of ``blocks_per_group`` consecutive blocks, the last
+       run taking the remainder), resharded after forward per ``reshard_after_forward`` (true, false, or an
+       N-way shard; see ``ParallelConfig``);
     3. the final norm and the output projection form one group, kept unsharded after forward
        since backward needs them at once;
     4. the root takes whatever is left (with tied embeddings: the shared embedding/output weight,
@@ -33,8 +34,9 @@ def apply_fsdp(model: Llama, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy |
        FSDP's default of not resharding after forward.
 
     Every group uses ``mp_policy`` (compute/reduce dtypes) and ``offload`` (CPU offload); then the
-    blocks get ``forward_prefetch``/``backward_prefetch`` explicit prefetch depths, and with
-    ``async_all_gather`` each group issues the next group's all-gather with ``unshard(async_op=True)``.
+    block groups get ``forward_prefetch``/``backward_prefetch`` explicit prefetch depths (counted in
+    groups), and with ``async_all_gather`` each group issues the next group's all-gather with
+    ``unshard(async_op=True)``.
     With ``reduce_scatter = "all_to_all"`` (gloo's default, see ``shardlm/parallel/reduce_scatter.py``)
     every group reduce-scatters its gradients through one all-to-all; ``"native"`` keeps the backend's.
 
@@ -49,15 +51,17 @@ def apply_fsdp(model: Llama, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy |
     decoder = model.model
     if not model.cfg.tie_embeddings:
         fully_shard(decoder.embed_tokens, reshard_after_forward=reshard_after_forward, **common)
-    for block in decoder.layers:
-        fully_shard(block, reshard_after_forward=reshard_after_forward, **common)
+    layers = list(decoder.layers)
+    block_groups = [layers[i:i + blocks_per_group] for i in range(0, len(layers), blocks_per_group)]
+    for group in block_groups:  # one module or a list: a list is one group (one all-gather, one reduce-scatter)
+        fully_shard(group[0] if len(group) == 1 else group, reshard_after_forward=reshard_after_forward, **common)
     if not model.cfg.tie_embeddings:
         fully_shard([decoder.norm, model.lm_head], reshard_after_forward=False, **common)
     fully_shard(model, **common)
-    blocks = list(decoder.layers)
-    set_prefetch(blocks, forward_prefetch, backward_prefetch)
+    firsts = [group[0] for group in block_groups]  # a group's modules share one FSDP state: its first stands for it
+    set_prefetch(firsts, forward_prefetch, backward_prefetch)
     if async_all_gather:
-        groups = ([] if model.cfg.tie_embeddings else [decoder.embed_tokens]) + blocks
+        groups = ([] if model.cfg.tie_embeddings else [decoder.embed_tokens]) + firsts
         add_async_all_gather(model, groups + ([] if model.cfg.tie_embeddings else [decoder.norm]))
     if reduce_scatter == "all_to_all":
         use_all_to_all_reduce_scatter(model)

@@ -67,12 +67,14 @@ def check_reshard_after_forward(value: bool | int, shard_size: int) -> bool | in
 
 
 def set_prefetch(blocks: list[FSDPModule], forward_depth: int, backward_depth: int) -> None:
-    """Explicit prefetch on top of FSDP's implicit one: block i all-gathers the next k blocks early.
+    """Explicit prefetch on top of FSDP's implicit one: block group i all-gathers the next k groups early.
 
-    Forward: block i's pre-forward issues the all-gathers of blocks i+1..i+forward_depth
-    (``set_modules_to_forward_prefetch``). Backward runs the blocks in reverse, so block i's
-    pre-backward issues blocks i-1..i-backward_depth (``set_modules_to_backward_prefetch``).
-    A depth of 0 leaves FSDP's default (no forward prefetch list; one block in backward).
+    ``blocks`` holds one module per block group, in forward order (a group of several blocks shares one
+    FSDP state, so any of its modules stands for it). Forward: group i's pre-forward issues the
+    all-gathers of groups i+1..i+forward_depth (``set_modules_to_forward_prefetch``). Backward runs the
+    groups in reverse, so group i's pre-backward issues groups i-1..i-backward_depth
+    (``set_modules_to_backward_prefetch``). A depth of 0 leaves FSDP's default (no forward prefetch
+    list; one group in backward).
     """
     for i, block in enumerate(blocks):
         if forward_depth > 0:

@@ -135,6 +135,13 @@ def nf4_bytes(numel: int) -> float:
     return numel / 2 + numel / NF4_BLOCK + 2 * numel / NF4_BLOCK / nf4_scaler_block(numel)
 
 
+def block_group_name(layer: int, blocks_per_group: int, n_layers: int) -> str:
+    """The name of the FSDP group holding block ``layer``: ``block3`` (one block per group), ``blocks0-2``."""
+    first = layer - layer % blocks_per_group
+    last = min(first + blocks_per_group, n_layers) - 1
+    return f"block{first}" if first == last else f"blocks{first}-{last}"
+
+
 def param_groups(cfg: Config, world_size: int, param_bytes: int = 4) -> tuple[list[Group], int, int]:
     """FSDP groups in forward order as ``apply_fsdp`` builds them, and (P, padded local numel).
 
@@ -154,7 +161,7 @@ def param_groups(cfg: Config, world_size: int, param_bytes: int = 4) -> tuple[li
         rows = p.shape[0]
         shard = math.ceil(rows / world_size) * (p.numel() // rows)
         if name.startswith("model.layers."):
-            key = "block" + name.split(".")[2]
+            key = block_group_name(int(name.split(".")[2]), cfg.parallel.blocks_per_group, cfg.model.n_layers)
         elif cfg.model.tie_embeddings:
             key = "root"
         elif name.startswith("model.embed_tokens"):
@@ -177,7 +184,9 @@ def param_groups(cfg: Config, world_size: int, param_bytes: int = 4) -> tuple[li
         local += shard
     for key, g in groups.items():
         g.gather_factor = gathered[key] / (g.numel * param_bytes)
-    order = ["root", "embed"] + [f"block{i}" for i in range(cfg.model.n_layers)] + ["head"]
+    n_layers, per_group = cfg.model.n_layers, cfg.parallel.blocks_per_group
+    order = (["root", "embed"] + [block_group_name(i, per_group, n_layers) for i in range(0, n_layers, per_group)]
+             + ["head"])
     return [groups[k] for k in order if k in groups], total, local
 
 
@@ -258,10 +267,14 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
             led.free("params", round(g.numel * pb * g.gather_factor))
             unsharded[g.name] = False
 
+    arrived: dict[str, int] = defaultdict(int)  # group -> trainable gradient elements produced this backward
+
     def grads_arrive(g: Group, phase: str, numel: int | None = None) -> None:
-        """``numel`` (default all) of the group's gradients are produced in the param dtype; if a
-        kept gradient exists they are added into it in place and freed."""
-        numel = g.grad_numel if numel is None else round(numel * g.grad_numel / g.numel)  # trainable share
+        """``numel`` (default: all not yet produced) of the group's gradients are produced in the param
+        dtype; if a kept gradient exists they are added into it in place and freed."""
+        left = g.grad_numel - arrived[g.name]
+        numel = left if numel is None else min(left, round(numel * g.grad_numel / g.numel))  # trainable share
+        arrived[g.name] += numel
         led.add("grads", numel * pb, phase)
         if accumulated.get(g.name):
             led.free("grads", numel * pb)
@@ -269,6 +282,7 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
     def post_backward(g: Group, sync: bool, phase: str) -> None:
         """FSDP2's post-backward: reshard, then keep the gradient or reduce-scatter it."""
         had = accumulated.get(g.name, False)
+        arrived[g.name] = 0
         reshard(g)
         if not g.grad_numel:  # every parameter frozen: nothing to keep or reduce-scatter
             return
@@ -301,7 +315,11 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
         accumulated[g.name] = False
 
     by_name = {g.name: g for g in groups}
-    blocks = [by_name[f"block{i}"] for i in range(cfg.model.n_layers)] if fsdp else []
+    # the group of each block, and whether the block is its group's first / last in forward order
+    per_group = cfg.parallel.blocks_per_group
+    blocks = [by_name[block_group_name(i, per_group, s.n_layers)] for i in range(s.n_layers)] if fsdp else []
+    first_in_group = [i % per_group == 0 for i in range(s.n_layers)]
+    last_in_group = [i % per_group == per_group - 1 or i == s.n_layers - 1 for i in range(s.n_layers)]
     sync_every = st.grad_sync != "last_micro_batch"  # reduce-scatter on every micro-batch
     for i in range(k):
         mb = f"micro-batch {i + 1}/{k}"
@@ -320,7 +338,7 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
             if fsdp:
                 unshard(blocks[layer], f"{mb} forward block {layer}")
             led.add("activations", saved[layer], f"{mb} forward block {layer}")
-            if fsdp and st.reshard_after_forward:
+            if fsdp and st.reshard_after_forward and last_in_group[layer]:
                 reshard(blocks[layer])
         if fsdp and "head" in by_name:
             unshard(by_name["head"], f"{mb} forward output")
@@ -362,18 +380,20 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
         for layer in reversed(range(s.n_layers)):
             phase = f"{mb} backward block {layer}"
             mlp_down = s.d * s.f  # down_proj's weight gradient exists at the high point
+            first = layer - layer % per_group  # the group's first block: the one before it is the next group
             if fsdp:
                 unshard(blocks[layer], phase)
-                prefetch(blocks[layer - 1] if layer else by_name.get("embed"), phase)
+                prefetch(blocks[first - 1] if first else by_name.get("embed"), phase)
                 grads_arrive(blocks[layer], phase, mlp_down)
             recompute = act.block_saved_none(s) - saved[layer] if saved[layer] < act.block_saved_none(s) else 0
             led.add("activations", recompute, phase)
             led.add("temporaries", act.block_backward_transient(s), phase)
             led.free("temporaries", act.block_backward_transient(s))
-            if fsdp:
-                grads_arrive(blocks[layer], phase, blocks[layer].numel - mlp_down)
+            if fsdp:  # the rest of this block's gradients (all that is left, at the group's first block)
+                block_numel = blocks[layer].numel // (min(first + per_group, s.n_layers) - first)
+                grads_arrive(blocks[layer], phase, None if first_in_group[layer] else block_numel - mlp_down)
             led.free("activations", saved[layer] + recompute)
-            if fsdp:
+            if fsdp and first_in_group[layer]:
                 post_backward(blocks[layer], sync, f"{mb} block {layer} reduce-scatter")
         led.free("activations", act.embedding_saved(s, st.ac_mode))
         led.free("temporaries", pb * bd)

@@ -81,7 +81,8 @@ def build_model(cfg: Config, info: DistInfo, mesh: DeviceMesh | None) -> tuple[n
         apply_fsdp(model, mesh, mixed_precision_policy(pcfg), pcfg.reshard_after_forward,
                    offload=offload_policy(pcfg, info.device), forward_prefetch=pcfg.forward_prefetch,
                    backward_prefetch=pcfg.backward_prefetch, async_all_gather=pcfg.async_all_gather,
-                   reduce_scatter=resolve_reduce_scatter(pcfg.reduce_scatter, info.device.type))
+                   reduce_scatter=resolve_reduce_scatter(pcfg.reduce_scatter, info.device.type),
+                   blocks_per_group=pcfg.blocks_per_group)
     # with CPU offload the shards live in CPU memory; buffers (rotary tables) still go to the device
     model.to_empty(device="cpu" if pcfg.cpu_offload else info.device)
     load_stats = None

@@ -45,7 +45,8 @@ def as_candidate(row: dict[str, str]) -> Candidate:
     forward, backward = row["prefetch f/b"].split("/")
     micro = int(row["micro-batch x accum"].split(" x ")[0])
     return Candidate(row["reshard"] == "true", int(forward), int(backward), row["AC"], micro,
-                     row["grad sync"] if row["grad sync"] != "-" else "every_micro_batch", row["compile"] == "true")
+                     row["grad sync"] if row["grad sync"] != "-" else "every_micro_batch", row["compile"] == "true",
+                     int(row["blocks/group"]))
 
 
 @pytest.mark.dist
@@ -80,6 +81,7 @@ def test_tune_measures_the_fitting_candidates_in_one_launch(tmp_path, small_data
     measured = [r for r in rows if r["step s"] != "-"]
     assert len(measured) >= 4 and all(r["fits"] == "yes" for r in measured)
     assert {r["compile"] for r in measured} == {"false", "true"}  # compiled blocks measured too (gcc is here)
+    assert {r["blocks/group"] for r in measured} == {"1", "2"}  # and both blocks in one FSDP group
     progress = re.findall(r"^tune: reshard=.*$", captured.err, re.M)  # one line per measurement
     assert len([line for line in progress if not line.endswith("(confirming)")]) == len(measured)
     assert len([line for line in progress if line.endswith("(confirming)")]) == 2  # the 2 fastest, once more
@@ -139,10 +141,14 @@ def test_staged_search_candidates():
         base, base.with_value("reshard", False), base.with_value("prefetch", (1, 1)),
         base.with_value("prefetch", (2, 2)), *[base.with_value("batching", (m, s)) for m in (2, 1)
                                                for s in ("every_micro_batch", "last_micro_batch")],
-        base.with_value("compile", True)]
+        base.with_value("compile", True), base.with_value("grouping", 2), base.with_value("grouping", 4)]
     assert all(r.fits for r in rows)
-    # the full grid: reshard x prefetch x AC x batching x compile
-    assert [len(v) for v in space(cfg, 2).values()] == [2, 3, 4, 5, 2]
+    # the full grid: reshard x prefetch x AC x batching x compile x grouping (1, 2, all 4 blocks)
+    assert [len(v) for v in space(cfg, 2).values()] == [2, 3, 4, 5, 2, 3]
+    # a group of 2 blocks prefetched holds 2 blocks more; one group of 4 more still than 2 groups of 2
+    prefetched = base.with_value("prefetch", (1, 1))
+    assert roomy.bytes(prefetched.with_value("grouping", 2)) > roomy.bytes(prefetched)
+    assert roomy.bytes(base.with_value("grouping", 4)) > roomy.bytes(base.with_value("grouping", 2))
     tight = Planner(cfg, 2, "cpu", (roomy.bytes(base) + roomy.bytes(base.with_value("ac", "selective"))) / 2)
     rows = first_round(cfg, tight, "staged")
     assert rows[0].cand == base and not rows[0].fits  # the config's own row, shown as not fitting

@@ -15,10 +15,12 @@ batching                ``train.micro_batch_size`` m with G / (N·m) micro-batch
                         ``last_micro_batch``; with HSDP also ``reduce_scatter_every_all_reduce_last``)
 compile                 ``parallel.compile``: false, true (when TorchInductor's C++ compiler is found;
                         the compiled blocks are built in each candidate's untimed warm-up steps)
+grouping                ``parallel.blocks_per_group``: 1, 2, all blocks in one group (and the config's)
 ======================  ==========================================================================
 
 Each candidate's per-rank peak memory is :func:`shardlm.plan.memory.plan_memory`'s, plus, for an explicit
-prefetch depth d, d unsharded copies of the largest block (the blocks it all-gathers early; an upper bound).
+prefetch depth d, d unsharded copies of the largest block group (the groups it all-gathers early; an upper
+bound).
 A candidate fits when that is at most the usable memory per rank: the device's memory (on a CPU the RAM
 available now, divided by the ranks) less a headroom.
 
@@ -29,8 +31,8 @@ Search (``--search``):
   this). The *base* is the config's reshard, prefetch and batching (or, when nothing fits with those, its
   smaller micro-batches, then the same with resharding and no prefetch). Round 1 measures the config's own
   settings (when they fit), the base, and every candidate that differs from the base in one of reshard,
-  prefetch, batching; round 2 takes the fastest value of each of these and measures their combination when it
-  is new and fits.
+  prefetch, batching, compile, grouping; round 2 takes the fastest value of each of these and measures their
+  combination when it is new and fits.
 * ``full``: every fitting candidate of the whole product (the benchmark's grid, ``bench/bench_tune.py``).
 
 All candidates are measured in one torchrun launch (:mod:`shardlm.plan.tune_worker`): for each in turn the
@@ -69,9 +71,9 @@ from shardlm.plan.memory import param_groups, plan_memory
 AC_ORDER = ("none", "selective", "every_n", "full")
 PREFETCH_DEPTHS = (0, 1, 2)
 SEARCHES = ("staged", "full")
-DIMENSIONS = ("reshard", "prefetch", "ac", "batching", "compile")
+DIMENSIONS = ("reshard", "prefetch", "ac", "batching", "compile", "grouping")
 #: what the staged search varies; the checkpointing follows: the lightest mode that fits
-STAGED_DIMENSIONS = ("reshard", "prefetch", "batching", "compile")
+STAGED_DIMENSIONS = ("reshard", "prefetch", "batching", "compile", "grouping")
 
 
 @dataclass(frozen=True)
@@ -85,12 +87,13 @@ class Candidate:
     micro_batch_size: int
     grad_sync: str
     compile: bool = False
+    blocks_per_group: int = 1
 
     def key(self, dimension: str) -> Any:
         """This candidate's value in ``dimension`` (one of :data:`DIMENSIONS`)."""
         return {"reshard": self.reshard_after_forward, "prefetch": (self.forward_prefetch, self.backward_prefetch),
                 "ac": self.activation_checkpoint, "batching": (self.micro_batch_size, self.grad_sync),
-                "compile": self.compile}[dimension]
+                "compile": self.compile, "grouping": self.blocks_per_group}[dimension]
 
     def with_value(self, dimension: str, value: Any) -> Candidate:
         """A copy with ``dimension`` set to ``value`` (as :meth:`key` returns it)."""
@@ -102,6 +105,8 @@ class Candidate:
             return dataclasses.replace(self, activation_checkpoint=value)
         if dimension == "compile":
             return dataclasses.replace(self, compile=value)
+        if dimension == "grouping":
+            return dataclasses.replace(self, blocks_per_group=value)
         return dataclasses.replace(self, micro_batch_size=value[0], grad_sync=value[1])
 
     def overrides(self) -> dict[str, Any]:
@@ -114,6 +119,7 @@ class Candidate:
             "parallel.grad_sync": self.grad_sync,
             "train.micro_batch_size": self.micro_batch_size,
             "parallel.compile": self.compile,
+            "parallel.blocks_per_group": self.blocks_per_group,
         }
 
     def to_dict(self) -> dict[str, Any]:
@@ -192,8 +198,10 @@ def space(cfg: Config, world_size: int) -> dict[str, list[Any]]:
     if (p.forward_prefetch, p.backward_prefetch) not in prefetch:
         prefetch.append((p.forward_prefetch, p.backward_prefetch))
     compile_values = [p.compile, not p.compile] if find_cxx_compiler() else [p.compile]
+    grouping = [p.blocks_per_group] + [k for k in sorted({1, min(2, cfg.model.n_layers), cfg.model.n_layers})
+                                       if k != p.blocks_per_group]
     return {"reshard": [True, False], "prefetch": prefetch, "ac": list(AC_ORDER), "batching": batching,
-            "compile": compile_values}
+            "compile": compile_values, "grouping": grouping}
 
 
 def config_candidate(cfg: Config, world_size: int) -> Candidate:
@@ -205,11 +213,11 @@ def config_candidate(cfg: Config, world_size: int) -> Candidate:
     per_rank = local_batch(cfg, world_size)
     micro = max(m for m in range(1, min(per_rank, cfg.train.micro_batch_size) + 1) if per_rank % m == 0)
     return Candidate(reshard, p.forward_prefetch, p.backward_prefetch, p.activation_checkpoint, micro, p.grad_sync,
-                     p.compile)
+                     p.compile, p.blocks_per_group)
 
 
 def block_bytes(cfg: Config, world_size: int) -> int:
-    """Bytes of the largest block's unsharded parameters in the compute dtype (what one prefetch holds)."""
+    """Bytes of the largest block group's unsharded parameters in the compute dtype (what one prefetch holds)."""
     param_bytes = 2 if cfg.parallel.param_dtype == "bfloat16" else 4
     groups, _, _ = param_groups(cfg, world_size, param_bytes)
     blocks = [g for g in groups if g.name.startswith("block")] or groups
@@ -222,7 +230,7 @@ class Planner:
     def __init__(self, cfg: Config, world_size: int, device: str, budget: float) -> None:
         self.cfg, self.world_size, self.device, self.budget = cfg, world_size, device, budget
         self._cache: dict[Candidate, int] = {}
-        self._block = block_bytes(cfg, world_size)
+        self._group: dict[int, int] = {}  # blocks per group -> bytes of the largest block group
 
     def bytes(self, cand: Candidate) -> int:
         """Predicted peak bytes per rank of ``cand``: the planner's, plus the explicit prefetch's blocks.
@@ -231,9 +239,12 @@ class Planner:
             ConfigError: the planner refuses the candidate (e.g. global batch not divisible).
         """
         if cand not in self._cache:
-            plan = plan_memory(apply(self.cfg, cand), self.world_size, self.device)
+            cfg = apply(self.cfg, cand)
+            plan = plan_memory(cfg, self.world_size, self.device)
+            if cand.blocks_per_group not in self._group:
+                self._group[cand.blocks_per_group] = block_bytes(cfg, self.world_size)
             depth = max(cand.forward_prefetch, cand.backward_prefetch)
-            self._cache[cand] = plan.peak + depth * self._block
+            self._cache[cand] = plan.peak + depth * self._group[cand.blocks_per_group]
         return self._cache[cand]
 
     def fits(self, cand: Candidate) -> bool:
@@ -307,9 +318,9 @@ def first_round(cfg: Config, planner: Planner, search: str) -> list[Row]:
         raise ConfigError(f"--search must be one of {list(SEARCHES)}, got {search!r}")
     dims = space(cfg, planner.world_size)
     if search == "full":
-        cands = [Candidate(r, f, b, ac, m, s, c) for r, (f, b), ac, (m, s), c
+        cands = [Candidate(r, f, b, ac, m, s, c, g) for r, (f, b), ac, (m, s), c, g
                  in itertools.product(dims["reshard"], dims["prefetch"], dims["ac"], dims["batching"],
-                                      dims["compile"])]
+                                      dims["compile"], dims["grouping"])]
         rows = [Row(c, planner.bytes(c), planner.fits(c)) for c in cands]
         if not any(r.fits for r in rows):
             raise TuneError(no_fit_message(cfg, planner))
@@ -542,11 +553,11 @@ def run_tune(config: str | None, overrides: list[str], world_size: int, budget: 
 
 def format_table(rows: list[Row], cfg: Config, world_size: int, picked: Candidate | None) -> str:
     """The table ``shardlm tune`` prints: one line per candidate, measured or not (``-``)."""
-    head = ["#", "reshard", "prefetch f/b", "AC", "micro-batch x accum", "grad sync", "compile",
+    head = ["#", "reshard", "prefetch f/b", "AC", "micro-batch x accum", "grad sync", "compile", "blocks/group",
             "predicted MiB/rank", "fits", "step s", "tokens/s", "note"]
     gpu = any(r.measured_peak_bytes >= 0 for r in rows)
     if gpu:
-        head.insert(9, "measured MiB")
+        head.insert(10, "measured MiB")
     own = config_candidate(cfg, world_size)
     per_rank = local_batch(cfg, world_size)
     tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_len
@@ -558,11 +569,12 @@ def format_table(rows: list[Row], cfg: Config, world_size: int, picked: Candidat
                                          (f"round {r.round}", r.round > 1), ("confirmed", r.confirmed)) if on)
         cells = [str(i), str(c.reshard_after_forward).lower(), f"{c.forward_prefetch}/{c.backward_prefetch}",
                  c.activation_checkpoint, f"{c.micro_batch_size} x {accum}", c.grad_sync if accum > 1 else "-",
-                 str(c.compile).lower(), f"{r.predicted_bytes / MIB:,.1f}", "yes" if r.fits else "no",
+                 str(c.compile).lower(), str(c.blocks_per_group), f"{r.predicted_bytes / MIB:,.1f}",
+                 "yes" if r.fits else "no",
                  f"{step:.3f}" if step is not None else "-",
                  f"{tokens_per_step / step:,.0f}" if step is not None else "-", note]
         if gpu:
-            cells.insert(9, f"{r.measured_peak_bytes / MIB:,.1f}" if r.measured_peak_bytes >= 0 else "-")
+            cells.insert(10, f"{r.measured_peak_bytes / MIB:,.1f}" if r.measured_peak_bytes >= 0 else "-")
         lines.append(cells)
     widths = [max(len(h), *(len(cells[i]) for cells in lines)) for i, h in enumerate(head)]
 

@@ -19,8 +19,8 @@ grouping                ``parallel.blocks_per_group``: 1, 2, all blocks in one g
 ======================  ==========================================================================
 
 Each candidate's per-rank peak memory is :func:`shardlm.plan.memory.plan_memory`'s, plus, for an explicit
-prefetch depth d, d unsharded copies of the largest block group (the groups it all-gathers early; an upper
-bound).
+prefetch depth d, d unsharded copies of the largest block group (the groups it all-gathers early, at most all
+other groups; an upper bound).
 A candidate fits when that is at most the usable memory per rank: the device's memory (on a CPU the RAM
 available now, divided by the ranks) less a headroom.
 
@@ -243,7 +243,8 @@ class Planner:
             plan = plan_memory(cfg, self.world_size, self.device)
             if cand.blocks_per_group not in self._group:
                 self._group[cand.blocks_per_group] = block_bytes(cfg, self.world_size)
-            depth = max(cand.forward_prefetch, cand.backward_prefetch)
+            groups = -(-cfg.model.n_layers // cand.blocks_per_group)
+            depth = min(max(cand.forward_prefetch, cand.backward_prefetch), groups - 1)  # at most the other groups
             self._cache[cand] = plan.peak + depth * self._group[cand.blocks_per_group]
         return self._cache[cand]
 

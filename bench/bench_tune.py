@@ -3,11 +3,13 @@
 Usage (a script, not a test; two torchrun launches: the staged search as ``shardlm tune`` runs it, then the grid)::
 
     python bench/bench_tune.py                                   # configs/20m.toml at 2 ranks, the full grid
-    python bench/bench_tune.py --ac none                         # the grid without checkpointing (30 rows, ~4 min)
+    python bench/bench_tune.py --ac none                         # the grid without checkpointing (120 rows)
+    python bench/bench_tune.py --ac none --micro-batch 4         # ... and without accumulation (24 rows)
     python bench/bench_tune.py --config configs/debug-shape.toml --repeats 2
 
 The grid is every candidate of the space ``shardlm tune`` searches (reshard after forward x prefetch depth x
-activation checkpointing x micro-batch and gradient sync, the global batch fixed) that the planner says fits,
+activation checkpointing x micro-batch and gradient sync x compile x blocks per group, the global batch fixed;
+``--ac`` and ``--micro-batch`` limit it) that the planner says fits,
 each measured as tune measures (``--warmup`` steps, then ``--steps`` timed steps; the slowest rank per step; the
 median; ``--repeats`` passes over the whole list, pooled). It prints the staged search's table, the grid's table,
 and how the staged pick's step time in the grid compares with the grid's best row (the issue asks: within 5 %).
@@ -34,7 +36,8 @@ def measure(args: argparse.Namespace, budget: tune.Budget, search: str) -> tuple
     """One launch: the candidates of ``search`` (the grid limited to ``--ac``), measured; returns (cfg, rows)."""
     cfg, base, rows = tune.prepare(args.config, args.overrides, args.world_size, budget, search)
     if search == "full":
-        rows = [r for r in rows if r.cand.activation_checkpoint in args.ac.split(",")]
+        rows = [r for r in rows if r.cand.activation_checkpoint in args.ac.split(",")
+                and (args.micro_batch is None or r.cand.micro_batch_size in args.micro_batch)]
     spec = {"config": args.config, "overrides": args.overrides, "rows": [r.to_dict() for r in rows],
             "base": base.to_dict(), "warmup": args.warmup, "steps": args.steps, "repeats": args.repeats,
             "confirm": 2 if search == "staged" else 0,
@@ -52,6 +55,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--ac", default="none,selective,every_n,full", help="checkpointing modes in the grid")
+    parser.add_argument("--micro-batch", type=lambda v: [int(x) for x in v.split(",")], default=None,
+                        help="micro-batch sizes in the grid, comma-separated (default: all)")
     parser.add_argument("--memory-per-rank", type=float, default=None, help="GiB per rank (default: RAM / ranks)")
     parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS per rank")
     parser.add_argument("--out", default="bench/tune_results.json", help="where the JSON rows are written")
@@ -64,7 +69,7 @@ def main() -> None:
     tokens = cfg.train.global_batch_size * cfg.train.seq_len
     print(f"\nstaged search (shardlm tune {args.config} --world-size {args.world_size}):")
     print(tune.format_table(staged, cfg, args.world_size, picked.cand))
-    print(f"\nfull grid ({args.ac}):")
+    print(f"\nfull grid (AC {args.ac}; micro-batch {args.micro_batch or 'all'}):")
     print(tune.format_table(grid, cfg, args.world_size, best.cand))
     in_grid = next((r for r in grid if r.cand == picked.cand and r.times), None)
     own = next((r for r in grid if r.cand == tune.config_candidate(cfg, args.world_size) and r.times), None)

@@ -35,6 +35,9 @@ Search (``--search``):
   combination when it is new and fits.
 * ``full``: every fitting candidate of the whole product (the benchmark's grid, ``bench/bench_tune.py``).
 
+Prefetch depths beyond the other block groups are cut to their number (:meth:`Candidate.normalized`), so that
+settings that run the same are measured once.
+
 All candidates are measured in one torchrun launch (:mod:`shardlm.plan.tune_worker`): for each in turn the
 workers build the run's :class:`shardlm.train.Trainer` (same data, model, optimizer), run ``warmup`` steps,
 then time ``steps`` steps; a step's time is the slowest rank's; a candidate's time is the median. The pick is
@@ -108,6 +111,13 @@ class Candidate:
         if dimension == "grouping":
             return dataclasses.replace(self, blocks_per_group=value)
         return dataclasses.replace(self, micro_batch_size=value[0], grad_sync=value[1])
+
+    def normalized(self, n_layers: int) -> Candidate:
+        """The same settings with each prefetch depth at most the number of other block groups (a deeper
+        prefetch all-gathers nothing more: with all blocks in one group there is nothing to prefetch)."""
+        others = -(-n_layers // self.blocks_per_group) - 1
+        return dataclasses.replace(self, forward_prefetch=min(self.forward_prefetch, others),
+                                   backward_prefetch=min(self.backward_prefetch, others))
 
     def overrides(self) -> dict[str, Any]:
         """The dotted config keys this candidate sets, with their values."""
@@ -319,9 +329,10 @@ def first_round(cfg: Config, planner: Planner, search: str) -> list[Row]:
         raise ConfigError(f"--search must be one of {list(SEARCHES)}, got {search!r}")
     dims = space(cfg, planner.world_size)
     if search == "full":
-        cands = [Candidate(r, f, b, ac, m, s, c, g) for r, (f, b), ac, (m, s), c, g
-                 in itertools.product(dims["reshard"], dims["prefetch"], dims["ac"], dims["batching"],
-                                      dims["compile"], dims["grouping"])]
+        product = itertools.product(dims["reshard"], dims["prefetch"], dims["ac"], dims["batching"],
+                                    dims["compile"], dims["grouping"])
+        cands = list(dict.fromkeys(Candidate(r, f, b, ac, m, s, c, g).normalized(cfg.model.n_layers)
+                                   for r, (f, b), ac, (m, s), c, g in product))  # the same settings once
         rows = [Row(c, planner.bytes(c), planner.fits(c)) for c in cands]
         if not any(r.fits for r in rows):
             raise TuneError(no_fit_message(cfg, planner))
@@ -334,7 +345,7 @@ def first_round(cfg: Config, planner: Planner, search: str) -> list[Row]:
     cands.append(base)
     for dim in STAGED_DIMENSIONS:
         for value in dims[dim]:
-            cand = lightest_fitting(base.with_value(dim, value), planner)
+            cand = lightest_fitting(base.with_value(dim, value).normalized(cfg.model.n_layers), planner)
             if cand not in cands:
                 cands.append(cand)
     return [Row(c, planner.bytes(c), planner.fits(c)) for c in cands]
@@ -350,7 +361,7 @@ def combine(rows: list[Row], base: Candidate, planner: Planner) -> Candidate:
                                                     if d != dim)]
         if alike:
             best = best.with_value(dim, min(alike, key=lambda r: r.step_s).cand.key(dim))
-    return lightest_fitting(best, planner)
+    return lightest_fitting(best.normalized(planner.cfg.model.n_layers), planner)
 
 
 def no_fit_message(cfg: Config, planner: Planner) -> str:

@@ -23,7 +23,7 @@ from shardlm.model.cpu_matmul import (
 )
 from shardlm.model.llama import Llama
 from shardlm.parallel import apply_ac, apply_compile, pick_backend
-from shardlm.parallel.options import check_reshard_after_forward, dtype_from_name
+from shardlm.parallel.options import check_reshard_after_forward, describe, dtype_from_name
 
 STEPS = 10
 #: bf16 compute with fp32 reduction vs fp32, max loss difference over 10 steps (measured 5e-4 here)
@@ -269,6 +269,19 @@ def test_backend_choice():
     assert pick_backend(cuda, "auto") == "nccl"
     assert pick_backend(cpu, "auto", cpu_collectives=True) == "gloo"
     assert pick_backend(cpu, "gloo") == "gloo"
+
+
+def test_start_up_summary_names_the_settings():
+    """The summary's settings line names what runs: ``reduce_scatter = "auto"`` resolved per device type, the
+    block grouping; FSDP-only settings are not named for DDP."""
+    pcfg = load_config(None, ["--parallel.blocks_per_group=2", "--parallel.forward_prefetch=1",
+                              "--parallel.reshard_after_forward=false"]).parallel
+    assert describe(pcfg, "cpu") == ("reshard after forward false, prefetch 1/0, 2 block(s) per group, float32 compute "
+                                     "/ float32 reduce, reduce-scatter all_to_all, activation checkpointing none, "
+                                     "compile false")
+    assert "reduce-scatter native" in describe(pcfg, "cuda")
+    ddp = load_config(None, ["--parallel.mode=ddp", '--parallel.activation_checkpoint="full"']).parallel
+    assert describe(ddp, "cpu") == "activation checkpointing full, compile false"
 
 
 def test_reshard_and_dtype_checks():

@@ -68,7 +68,8 @@ def cmd_tune(args: argparse.Namespace, overrides: list[str]) -> None:
         print(f"tune | {cfg.run.name}: fsdp at world size {args.world_size}, global batch "
               f"{cfg.train.global_batch_size} x {cfg.train.seq_len} tokens; usable memory {size(budget.bytes)} "
               f"per rank ({budget.source}); {sum(r.fits for r in rows)} of {len(rows)} candidates fit "
-              f"({args.search} search), each {args.warmup} warm-up + {args.steps} timed steps x {args.repeats}",
+              f"({args.search} search{'; then their best values combined, when new' if args.search == 'staged' else ''}"
+              f"), each {args.warmup} warm-up + {args.steps} timed steps x {args.repeats}",
               flush=True)
 
     result = run_tune(args.config, overrides, args.world_size, budget, args.search, args.warmup, args.steps,

@@ -14,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from shardlm.config import ParallelConfig
 from shardlm.errors import ConfigError
+from shardlm.parallel.reduce_scatter import resolve_reduce_scatter
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -105,6 +106,22 @@ def add_async_all_gather(root: nn.Module, groups: list[FSDPModule]) -> None:
             if state["in_forward"] and torch.is_grad_enabled():
                 nxt.unshard(async_op=True)
         current.register_forward_pre_hook(pre)
+
+
+def describe(pcfg: ParallelConfig, device_type: str) -> str:
+    """The speed-relevant ``[parallel]`` settings in one line, for the start-up summary.
+
+    ``device_type`` (``"cpu"``, ``"cuda"``) resolves ``reduce_scatter = "auto"`` to what runs. FSDP's own
+    settings (reshard, prefetch, blocks per group, dtypes, reduce-scatter) are named under ``fsdp`` only.
+    """
+    common = f"activation checkpointing {pcfg.activation_checkpoint}, compile {str(pcfg.compile).lower()}"
+    if pcfg.mode != "fsdp":
+        return common
+    reshard = pcfg.reshard_after_forward
+    return (f"reshard after forward {str(reshard).lower() if isinstance(reshard, bool) else reshard}, prefetch "
+            f"{pcfg.forward_prefetch}/{pcfg.backward_prefetch}, {pcfg.blocks_per_group} block(s) per group, "
+            f"{pcfg.param_dtype} compute / {pcfg.reduce_dtype} reduce, reduce-scatter "
+            f"{resolve_reduce_scatter(pcfg.reduce_scatter, device_type)}, {common}")
 
 
 GRAD_SYNC_POLICIES = ("every_micro_batch", "last_micro_batch", "reduce_scatter_every_all_reduce_last")

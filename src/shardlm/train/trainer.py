@@ -54,6 +54,7 @@ from shardlm.parallel import (
 )
 from shardlm.parallel.dist import set_matmul_precision, to_device
 from shardlm.parallel.faults import FaultMonitor, guard_collectives
+from shardlm.parallel.options import describe
 from shardlm.train.build import build_model, unwrap
 from shardlm.train.loss import token_loss_sum
 from shardlm.train.mfu import peak_flops_per_rank
@@ -181,6 +182,7 @@ class Trainer:
             f"  parallel   {cfg.parallel.mode}, world size {info.world_size}, backend {info.backend}, device "
             f"{info.device.type}, mesh {self.mesh.mesh_dim_names if self.mesh is not None else None}"
             f"{tuple(self.mesh.shape) if self.mesh is not None else ''}",
+            f"  settings   {describe(cfg.parallel, info.device.type)}",
             f"  batch      global {cfg.train.global_batch_size} seqs x {cfg.train.seq_len} tokens = "
             f"{cfg.train.global_batch_size * cfg.train.seq_len:,} tokens/step; micro-batch {cfg.train.micro_batch_size}"
             f"/rank; gradient accumulation {self.accum_steps}",

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, cli_error
+from conftest import ROOT, cli_error, cpu_env
 from shardlm.cli.main import main as shardlm_main
 from shardlm.cli.train import parse_args
 from shardlm.config import load_config
@@ -105,6 +109,55 @@ def test_tune_measures_the_fitting_candidates_in_one_launch(tmp_path, small_data
     line = next(line for line in captured.out.splitlines() if line.startswith("dotted overrides: "))
     assert config_candidate(load_config(str(config), line.split(": ", 1)[1].split()), 2) == chosen
     assert tuned.model == cfg.model and tuned.train.global_batch_size == 8 and tuned.run.name == "tiny"
+
+
+def tune_workers() -> dict[int, int]:
+    """{rank: PID} of the running ``shardlm.plan.tune_worker`` ranks (not torchrun itself)."""
+    pids = {}
+    for proc in Path("/proc").iterdir():
+        try:
+            cmd = (proc / "cmdline").read_bytes().split(b"\0")
+            env = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"shardlm.plan.tune_worker" in cmd and b"torch.distributed.run" not in cmd:
+            rank = next(int(v[5:]) for v in env if v.startswith(b"RANK="))
+            pids[rank] = int(proc.name)
+    return pids
+
+
+@pytest.mark.dist
+def test_a_killed_rank_keeps_the_measurements(tmp_path, small_data):
+    """A rank killed (SIGKILL) after two measurements: one error line naming the failed launch, the rows
+    measured before it printed as a table, non-zero exit, no traceback, nothing written."""
+    config = tmp_path / "tiny.toml"
+    config.write_text(TINY.format(data=small_data))
+    out = tmp_path / "tuned.toml"
+    cmd = [sys.executable, "-m", "shardlm", "tune", str(config), "--world-size", "2", "--out", str(out),
+           "--warmup", "1", "--steps", "2", "--parallel.timeout_s=60"]
+    proc = subprocess.Popen(cmd, env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    progress = []
+    for line in proc.stderr:
+        if line.startswith("tune: "):
+            progress.append(line)
+            if len(progress) == 2:
+                workers = tune_workers()
+                assert sorted(workers) == [0, 1]
+                os.kill(workers[1], signal.SIGKILL)
+                break
+    stdout, rest = proc.communicate(timeout=240)
+    err = "".join(progress) + rest
+    assert proc.returncode == 2, err
+    assert "Traceback" not in err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert errors == ["error: the measuring launch failed (rank 1 ended with exit code -9 (SIGKILL)); 2 candidates "
+                     "were measured before the failure"], err
+    assert "measured before the launch failed (nothing was written)" in stdout
+    measured = [r for r in table_rows(stdout) if r["step s"] != "-"]
+    assert len(measured) == 2  # the two announced before the kill (a third cannot finish without rank 1)
+    announced = {float(re.search(r": ([0-9.]+) s/step", line).group(1)) for line in progress}
+    assert announced <= {float(r["step s"]) for r in measured}
+    assert not out.exists()
 
 
 def test_no_candidate_fits_says_what_would(tmp_path, capsys, monkeypatch):

@@ -34,7 +34,14 @@ class ModelDirError(ValueError):
 
 
 class TuneError(ValueError):
-    """``shardlm tune`` cannot choose: no candidate fits the memory, or the measuring launch reported an error."""
+    """``shardlm tune`` cannot choose: no candidate fits the memory, or the measuring launch failed.
+
+    ``rows``: the candidates measured before a launch failed (:class:`shardlm.plan.tune.Row`), empty otherwise.
+    """
+
+    def __init__(self, message: str, rows: list | None = None) -> None:
+        super().__init__(message)
+        self.rows = rows or []
 
 
 class NonFiniteError(RuntimeError):

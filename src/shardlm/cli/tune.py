@@ -10,7 +10,7 @@ import shlex
 import time
 from pathlib import Path
 
-from shardlm.errors import ConfigError
+from shardlm.errors import ConfigError, TuneError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -64,7 +64,10 @@ def cmd_tune(args: argparse.Namespace, overrides: list[str]) -> None:
                            torch.cuda.get_device_name(0) if cuda else None,
                            torch.cuda.get_device_properties(0).total_memory if cuda else 0)
 
+    loaded = []
+
     def announce(cfg, rows) -> None:
+        loaded.append(cfg)
         print(f"tune | {cfg.run.name}: fsdp at world size {args.world_size}, global batch "
               f"{cfg.train.global_batch_size} x {cfg.train.seq_len} tokens; usable memory {size(budget.bytes)} "
               f"per rank ({budget.source}); {sum(r.fits for r in rows)} of {len(rows)} candidates fit "
@@ -72,8 +75,14 @@ def cmd_tune(args: argparse.Namespace, overrides: list[str]) -> None:
               f"), each {args.warmup} warm-up + {args.steps} timed steps x {args.repeats}",
               flush=True)
 
-    result = run_tune(args.config, overrides, args.world_size, budget, args.search, args.warmup, args.steps,
-                      args.repeats, args.confirm, announce)
+    try:
+        result = run_tune(args.config, overrides, args.world_size, budget, args.search, args.warmup, args.steps,
+                          args.repeats, args.confirm, announce)
+    except TuneError as e:  # a failed launch: show what was measured before it failed, then the error
+        if e.rows and loaded:
+            print("measured before the launch failed (nothing was written):")
+            print(format_table(e.rows, loaded[0], args.world_size, None), flush=True)
+        raise
     cfg, rows, best = result.cfg, result.rows, result.picked
     print(format_table(rows, cfg, args.world_size, best.cand if best else None))
     if best is None:  # pragma: no cover - prepare() guarantees one fitting candidate

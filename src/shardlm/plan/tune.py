@@ -52,6 +52,7 @@ import dataclasses
 import itertools
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -472,6 +473,19 @@ def child_env(world_size: int) -> dict[str, str]:
     return env
 
 
+def root_cause(output: list[str]) -> str | None:
+    """The first failed rank and how it ended, from torchrun's "Root Cause" report at the end of ``output``
+    (its lines): ``rank 1 ended with exit code -9 (SIGKILL)``; None when there is no such report."""
+    text = "\n".join(output)
+    cause = text.split("Root Cause", 1)[1] if "Root Cause" in text else ""
+    rank = re.search(r"rank\s*:\s*(\d+)", cause)
+    exit_code = re.search(r"exitcode\s*:\s*(-?\d+)[^\n]*?(\(SIG\w+\))?\s*$", cause, re.M)
+    if rank is None or exit_code is None:
+        return None
+    return f"rank {rank.group(1)} ended with exit code {exit_code.group(1)}" + (
+        f" {exit_code.group(2)}" if exit_code.group(2) else "")
+
+
 def launch(spec: dict[str, Any], world_size: int, workdir: Path) -> list[Row]:
     """Run the measuring workers (one torchrun launch of ``world_size`` ranks) and return their rows.
 
@@ -479,8 +493,9 @@ def launch(spec: dict[str, Any], world_size: int, workdir: Path) -> list[Row]:
     are passed on to stderr as they come; an ``error: ...`` line of a worker becomes this process's error.
 
     Raises:
-        TuneError: a worker reported an error (its message).
-        RuntimeError: the launch failed without one (the end of its output).
+        TuneError: the launch failed: a worker's ``error: ...`` message, else the exit code and the end of its
+            output (a worker killed, a crash). Its ``rows`` are the candidates measured before the failure (the
+            workers write them after each measurement).
     """
     spec_path, out = workdir / "spec.json", workdir / "rows.json"
     spec_path.write_text(json.dumps({**spec, "out": str(out), "workdir": str(workdir)}))
@@ -499,10 +514,12 @@ def launch(spec: dict[str, Any], world_size: int, workdir: Path) -> list[Row]:
             error = line[len("error: "):].strip()
     code = proc.wait()
     if code != 0 or not out.exists():
-        if error is not None:
-            raise TuneError(error)
-        raise RuntimeError(f"the measuring launch ({' '.join(cmd)}) failed with exit code {code}:\n"
-                           + "\n".join(tail))
+        partial = out.with_name(out.name + ".partial")
+        measured = [Row.from_dict(d) for d in json.loads(partial.read_text())] if partial.exists() else []
+        measured = [r for r in measured if r.times]
+        if error is None:
+            error = f"the measuring launch failed ({root_cause(tail) or f'exit code {code}'})"
+        raise TuneError(f"{error}; {len(measured)} candidates were measured before the failure", measured)
     return [Row.from_dict(d) for d in json.loads(out.read_text())]
 
 
@@ -546,7 +563,8 @@ def run_tune(config: str | None, overrides: list[str], world_size: int, budget: 
     in one launch (:func:`launch`); the ``confirm`` fastest are measured once more at the end.
 
     Raises:
-        ConfigError, TuneError: see :func:`prepare`; TuneError also for an error a worker reported.
+        ConfigError, TuneError: see :func:`prepare`; TuneError also when the measuring launch fails (with the
+            rows measured before it, see :func:`launch`).
     """
     if warmup < 0 or steps < 1 or repeats < 1 or confirm < 0:
         raise ConfigError(f"--warmup and --confirm must be >= 0, --steps and --repeats >= 1, got {warmup}, "

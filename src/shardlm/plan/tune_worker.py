@@ -10,7 +10,8 @@ in the same order, so a load that drifts touches every candidate alike. After th
 search, the ranks, which hold the same times, compute the same second-round candidate
 (:func:`shardlm.plan.tune.combine`) and measure it when it fits. Last, the ``confirm`` fastest rows are measured
 once more, one after another, and their times pooled: the pick between close contenders rests on twice the
-steps. Rank 0 writes the rows as JSON and prints one ``tune: ...`` line per measurement.
+steps. Rank 0 writes the rows as JSON and prints one ``tune: ...`` line per measurement; after each measurement
+it also writes the rows so far (``<out>.partial``), so a launch that fails later still shows what was measured.
 """
 
 from __future__ import annotations
@@ -91,6 +92,13 @@ def time_candidate(cfg: Config, info: DistInfo) -> tuple[list[float], int]:
     return values[:-1], int(values[-1])
 
 
+def write_rows(path: Path, rows: list[Row]) -> None:
+    """The rows as JSON at ``path``, through a temporary file and a rename (never half-written)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps([r.to_dict() for r in rows]))
+    tmp.replace(path)
+
+
 def measure(spec: dict[str, Any]) -> None:
     """Measure the spec's candidates (and, in a staged search, the second-round one); rank 0 writes the rows."""
     cfg = load_config(spec["config"], spec["overrides"])
@@ -98,6 +106,7 @@ def measure(spec: dict[str, Any]) -> None:
     rows = [Row.from_dict(d) for d in spec["rows"]]
     warmup = spec["warmup"]
     count = [0]
+    partial = Path(spec["out"] + ".partial")
 
     def run(todo: list[Row], passes: int, what: str = "") -> None:
         for repeat in range(passes):
@@ -107,6 +116,7 @@ def measure(spec: dict[str, Any]) -> None:
                 row.times += times[warmup:]
                 row.measured_peak_bytes = max(row.measured_peak_bytes, peak)
                 if info.is_main:
+                    write_rows(partial, rows)  # before the line: a line seen means the row is kept
                     print(f"tune: {label(row.cand)}: {statistics.median(times[warmup:]):.3f} s/step"
                           + (f" (repeat {repeat + 1})" if passes > 1 else "") + what, flush=True)
 
@@ -124,7 +134,7 @@ def measure(spec: dict[str, Any]) -> None:
         for row in finalists:
             row.confirmed = True
     if info.is_main:
-        Path(spec["out"]).write_text(json.dumps([r.to_dict() for r in rows]))
+        write_rows(Path(spec["out"]), rows)
 
 
 def main(argv: list[str] | None = None) -> int:

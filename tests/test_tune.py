@@ -213,6 +213,19 @@ def test_staged_search_candidates():
     assert combine(measured, base, roomy) == Candidate(False, 0, 0, "none", 2, "last_micro_batch")
 
 
+def test_prefetch_deeper_than_the_other_groups_is_measured_once():
+    """Prefetch depth 2 with 2 block groups runs as depth 1: the config's own row says so, and no two rows of the
+    first round (or of the full grid) are the same settings."""
+    cfg = load_config(str(ROOT / "configs" / "20m.toml"), ["--parallel.blocks_per_group=2",
+                                                           "--parallel.forward_prefetch=2"])
+    own = config_candidate(cfg, 2)
+    assert (own.forward_prefetch, own.backward_prefetch, own.blocks_per_group) == (1, 0, 2)
+    roomy = Planner(cfg, 2, "cpu", 64 * GIB)
+    for search in ("staged", "full"):
+        cands = [r.cand for r in first_round(cfg, roomy, search)]
+        assert len(cands) == len(set(cands)) and own in cands, search
+
+
 def test_config_files_layer_in_order(tmp_path):
     """Several config files: later keys replace earlier ones, the run is named after the first file, command-line
     overrides come last; ``python -m shardlm.train`` takes --config more than once."""

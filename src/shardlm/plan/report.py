@@ -104,7 +104,9 @@ def format_plan(cfg: Config, world_size: int, device_name: str, headroom: float)
         f"  micro-batch {cfg.train.micro_batch_size} x {cfg.train.seq_len} tokens, {plan.micro_batches} "
         f"micro-batch(es)/step; param_dtype {getattr(st, 'param_dtype', None) or 'float32'}, reduce_dtype "
         f"{getattr(st, 'reduce_dtype', None) or 'param_dtype'}; activation checkpointing "
-        f"{getattr(st, 'activation_checkpoint', None) or 'none'}; cpu_offload {getattr(st, 'cpu_offload', False)}",
+        f"{getattr(st, 'activation_checkpoint', None) or 'none'}; cpu_offload {getattr(st, 'cpu_offload', False)}"
+        + (f"; reshard_after_forward {str(st.reshard_after_forward).lower()}, {st.blocks_per_group} block(s) per "
+           "FSDP group" if st.mode == "fsdp" else ""),
         f"  per-rank peak memory (at {plan.phase}):",
     ]
     for part in PARTS:

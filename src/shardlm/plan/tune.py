@@ -218,13 +218,14 @@ def space(cfg: Config, world_size: int) -> dict[str, list[Any]]:
 def config_candidate(cfg: Config, world_size: int) -> Candidate:
     """The config's own settings as a candidate (an N-way ``reshard_after_forward`` counts as true: the planner
     models true and false only; a micro-batch that does not divide G / N becomes the largest smaller one that
-    does; a grad_sync that has no effect with one micro-batch is kept as it is)."""
+    does; a grad_sync that has no effect with one micro-batch is kept as it is; prefetch depths are cut to the
+    other block groups, :meth:`Candidate.normalized`)."""
     p = cfg.parallel
     reshard = p.reshard_after_forward if isinstance(p.reshard_after_forward, bool) else True
     per_rank = local_batch(cfg, world_size)
     micro = max(m for m in range(1, min(per_rank, cfg.train.micro_batch_size) + 1) if per_rank % m == 0)
     return Candidate(reshard, p.forward_prefetch, p.backward_prefetch, p.activation_checkpoint, micro, p.grad_sync,
-                     p.compile, p.blocks_per_group)
+                     p.compile, p.blocks_per_group).normalized(cfg.model.n_layers)
 
 
 def block_bytes(cfg: Config, world_size: int) -> int:

@@ -160,6 +160,21 @@ def test_a_killed_rank_keeps_the_measurements(tmp_path, small_data):
     assert not out.exists()
 
 
+@pytest.mark.dist
+def test_a_crashed_worker_shows_its_output(tmp_path):
+    """A worker that crashes (here: a malformed candidate in the spec) ends the launch with torchrun's root cause
+    and the end of the output, where the worker's traceback says what happened."""
+    spec = {"config": None, "overrides": [], "rows": [{"cand": {"no_such_field": 1}}], "base": {}, "warmup": 1,
+            "steps": 1, "repeats": 1, "confirm": 0, "search": "full", "device": "cpu", "budget": 1e12}
+    with pytest.raises(tune.TuneError) as info:
+        tune.launch(spec, 2, tmp_path)
+    message = str(info.value)
+    assert message.startswith("the measuring launch failed (rank 0 ended with exit code 1); 0 candidates were "
+                              "measured before the failure; the end of the workers' output:\n"), message
+    assert "unexpected keyword argument 'no_such_field'" in message
+    assert info.value.rows == []
+
+
 def test_no_candidate_fits_says_what_would(tmp_path, capsys, monkeypatch):
     """No candidate fits at 2 ranks: one error naming the smallest candidate's need and the world size at which
     the model fits (with its checkpointing and micro-batch); nothing is launched or written."""

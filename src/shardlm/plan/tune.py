@@ -494,9 +494,10 @@ def launch(spec: dict[str, Any], world_size: int, workdir: Path) -> list[Row]:
     are passed on to stderr as they come; an ``error: ...`` line of a worker becomes this process's error.
 
     Raises:
-        TuneError: the launch failed: a worker's ``error: ...`` message, else the exit code and the end of its
-            output (a worker killed, a crash). Its ``rows`` are the candidates measured before the failure (the
-            workers write them after each measurement).
+        TuneError: the launch failed: a worker's ``error: ...`` message, else the rank that failed first and
+            how (torchrun's root cause: a rank killed by a signal), with the end of the launch's output when a
+            rank crashed. Its ``rows`` are the candidates measured before the failure (the workers write them
+            after each measurement).
     """
     spec_path, out = workdir / "spec.json", workdir / "rows.json"
     spec_path.write_text(json.dumps({**spec, "out": str(out), "workdir": str(workdir)}))
@@ -508,7 +509,7 @@ def launch(spec: dict[str, Any], world_size: int, workdir: Path) -> list[Row]:
     error = None
     assert proc.stdout is not None
     for line in proc.stdout:
-        tail = (tail + [line.rstrip()])[-40:]
+        tail = (tail + [line.rstrip()])[-200:]
         if line.startswith(("tune: ", "prepare: ")):  # progress: each candidate's time, the data's preparation
             print(line.rstrip(), file=sys.stderr, flush=True)
         elif line.startswith("error: ") and error is None:
@@ -518,9 +519,14 @@ def launch(spec: dict[str, Any], world_size: int, workdir: Path) -> list[Row]:
         partial = out.with_name(out.name + ".partial")
         measured = [Row.from_dict(d) for d in json.loads(partial.read_text())] if partial.exists() else []
         measured = [r for r in measured if r.times]
+        output = ""
         if error is None:
-            error = f"the measuring launch failed ({root_cause(tail) or f'exit code {code}'})"
-        raise TuneError(f"{error}; {len(measured)} candidates were measured before the failure", measured)
+            cause = root_cause(tail)
+            error = f"the measuring launch failed ({cause or f'exit code {code}'})"
+            if cause is None or "(SIG" not in cause:  # a crash, not a kill: the workers' last words say where
+                report = next((i for i, t in enumerate(tail) if "elastic/multiprocessing" in t), len(tail))
+                output = "; the end of the workers' output:\n" + "\n".join(tail[:report][-30:])  # not torchrun's
+        raise TuneError(f"{error}; {len(measured)} candidates were measured before the failure{output}", measured)
     return [Row.from_dict(d) for d in json.loads(out.read_text())]
 
 

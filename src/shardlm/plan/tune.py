@@ -255,8 +255,8 @@ class Planner:
             plan = plan_memory(cfg, self.world_size, self.device)
             if cand.blocks_per_group not in self._group:
                 self._group[cand.blocks_per_group] = block_bytes(cfg, self.world_size)
-            groups = -(-cfg.model.n_layers // cand.blocks_per_group)
-            depth = min(max(cand.forward_prefetch, cand.backward_prefetch), groups - 1)  # at most the other groups
+            cut = cand.normalized(cfg.model.n_layers)  # a depth holds at most the other groups
+            depth = max(cut.forward_prefetch, cut.backward_prefetch)
             self._cache[cand] = plan.peak + depth * self._group[cand.blocks_per_group]
         return self._cache[cand]
 

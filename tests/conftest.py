@@ -101,6 +101,71 @@ def small_data(tmp_path_factory, small_corpus) -> Path:
     return out
 
 
+#: process-wide switches and functions that tests patch; a test that leaves any of them changed fails
+#: (:func:`process_globals_unchanged`), since every later test in the process would run against the change
+GUARDED_FUNCTIONS = [("torch.cuda", "is_available"), ("torch.cuda", "device_count"), ("torch.cuda", "set_device"),
+                     ("torch.cuda", "reset_peak_memory_stats"), ("torch.distributed", "init_process_group"),
+                     ("torch.distributed", "is_initialized"), ("torch.distributed", "get_rank"),
+                     ("torch.distributed", "get_world_size")]
+
+
+def process_globals() -> dict[str, object]:
+    """The current value of every guarded process-wide setting: the functions of :data:`GUARDED_FUNCTIONS`, the
+    TF32 switches of CUDA matmuls and cuDNN, the float32 matmul precision and the default dtype."""
+    import importlib
+
+    import torch
+
+    values: dict[str, object] = {f"{mod}.{name}": getattr(importlib.import_module(mod), name)
+                                 for mod, name in GUARDED_FUNCTIONS}
+    values["torch.backends.cuda.matmul.allow_tf32"] = torch.backends.cuda.matmul.allow_tf32
+    values["torch.backends.cudnn.allow_tf32"] = torch.backends.cudnn.allow_tf32
+    values["torch.get_float32_matmul_precision()"] = torch.get_float32_matmul_precision()
+    values["torch.get_default_dtype()"] = torch.get_default_dtype()
+    return values
+
+
+def restore_process_globals(before: dict[str, object]) -> list[str]:
+    """Put back every guarded setting that differs from ``before``; return the names of those that did."""
+    import importlib
+
+    import torch
+
+    changed = [k for k, v in process_globals().items() if v != before[k]]
+    for mod, name in GUARDED_FUNCTIONS:
+        setattr(importlib.import_module(mod), name, before[f"{mod}.{name}"])
+    torch.backends.cuda.matmul.allow_tf32 = before["torch.backends.cuda.matmul.allow_tf32"]
+    torch.backends.cudnn.allow_tf32 = before["torch.backends.cudnn.allow_tf32"]
+    torch.set_float32_matmul_precision(before["torch.get_float32_matmul_precision()"])
+    torch.set_default_dtype(before["torch.get_default_dtype()"])
+    return changed
+
+
+@pytest.fixture(autouse=True)
+def process_globals_unchanged():
+    """Fail a test that leaves a guarded process-wide setting changed (after its own fixtures, monkeypatch
+    included, have been undone), and put the setting back so that the tests after it are unaffected."""
+    before = process_globals()
+    yield
+    changed = restore_process_globals(before)
+    if changed:
+        pytest.fail("the test left process-wide settings changed (restored now): " + ", ".join(changed))
+
+
+@pytest.fixture
+def tf32_switches():
+    """Let a test set ``torch.backends.cuda.matmul.allow_tf32`` and ``torch.backends.cudnn.allow_tf32`` freely;
+    both are put back afterwards, whatever happens. (Not with ``monkeypatch``: pytest 9 records the matmul
+    switch, which the module serves through ``__getattr__``, as absent, and its undo then fails on delattr.)"""
+    import torch
+
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
 def tiny_overrides(data_dir: Path, run_dir: Path, extra: dict | None = None) -> list[str]:
     """Overrides for a ~100k-parameter model on ``data_dir``, writing to ``run_dir``."""
     base = {

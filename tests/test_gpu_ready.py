@@ -107,10 +107,10 @@ def test_tf32_on_cuda_unless_disabled():
     assert load_config(None, ["--parallel.tf32=false"]).parallel.tf32 is False
 
 
-def test_set_matmul_precision_switches_pytorch_flags(monkeypatch):
+def test_set_matmul_precision_switches_pytorch_flags(tf32_switches):
     """On a (described) CUDA device the PyTorch switches follow parallel.tf32; on CPU they are left alone."""
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
     set_matmul_precision(torch.device("cpu"), ParallelConfig())
     assert torch.backends.cuda.matmul.allow_tf32 is False
     set_matmul_precision(torch.device("cuda", 0), ParallelConfig())
@@ -177,7 +177,7 @@ def test_init_distributed_refuses_before_any_process_group(monkeypatch):
     assert called == []
 
 
-def test_device_id_is_passed_to_init_process_group(monkeypatch):
+def test_device_id_is_passed_to_init_process_group(monkeypatch, tf32_switches):
     kwargs = process_group_kwargs(torch.device("cuda", 3), "nccl", timedelta(seconds=60))
     assert kwargs == {"backend": "nccl", "timeout": timedelta(seconds=60), "device_id": torch.device("cuda", 3)}
     assert "device_id" not in process_group_kwargs(torch.device("cpu"), "gloo", timedelta(seconds=60))
@@ -185,8 +185,8 @@ def test_device_id_is_passed_to_init_process_group(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
     for key, value in {"LOCAL_RANK": "5", "LOCAL_WORLD_SIZE": "8", "WORLD_SIZE": "8", "RANK": "5"}.items():
         monkeypatch.setenv(key, value)
     monkeypatch.delenv("MASTER_ADDR", raising=False)
@@ -309,3 +309,19 @@ def test_gpu_check_runs_in_cpu_mode(tmp_path):
     speed = rows[0]
     assert 0 < speed["mfu"] < 1 and speed["tokens_per_s"] > 0
     assert rows[1]["max_loss_diff"] <= 1e-4 and rows[2]["max_logits_diff"] <= 1e-3
+
+
+def test_leak_guard_names_and_restores_a_patched_global():
+    """The conftest guard that fails a test leaving a process-wide setting changed: it names the setting and puts
+    it back (checked here by calling it directly on a deliberate leak)."""
+    from conftest import process_globals, restore_process_globals
+
+    before = process_globals()
+    real = torch.cuda.is_available
+    torch.cuda.is_available = lambda: True
+    torch.backends.cudnn.allow_tf32 = not before["torch.backends.cudnn.allow_tf32"]
+    changed = restore_process_globals(before)
+    assert changed == ["torch.cuda.is_available", "torch.backends.cudnn.allow_tf32"]
+    assert torch.cuda.is_available is real and torch.cuda.is_available() is False
+    assert torch.backends.cudnn.allow_tf32 == before["torch.backends.cudnn.allow_tf32"]
+    assert restore_process_globals(before) == []

@@ -7,6 +7,7 @@ import ast
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -137,6 +138,35 @@ def test_cli_help_imports_no_torch():
     assert proc.stdout.strip() == "False"
 
 
+def console_script() -> Path:
+    """The ``shardlm`` executable that the README's install line puts beside this Python."""
+    path = Path(sys.executable).parent / "shardlm"
+    assert path.is_file(), f"no shardlm console script beside {sys.executable}: install with pip install -e ."
+    return path
+
+
+def test_console_script_help_imports_no_torch():
+    """The installed ``shardlm`` command (its ``entry()``), for ``--help`` and every subcommand's ``--help``: exit 0
+    and torch never imported (Python's own import log, ``-X importtime``). Prints the wall time of each."""
+    script = console_script()
+    top = subprocess.run([str(script), "--help"], env=cpu_env(), capture_output=True, text=True, timeout=60)
+    assert top.returncode == 0, top.stderr
+    commands = re.search(r"\{([a-z,-]+)\}", top.stdout).group(1).split(",")
+    assert {"prepare", "generate", "export", "plan", "tune"} <= set(commands), commands
+    env = {**cpu_env(), "PYTHONPROFILEIMPORTTIME": "1"}
+    times = {}
+    for argv in [["--help"]] + [[c, "--help"] for c in commands]:
+        start = time.perf_counter()
+        proc = subprocess.run([str(script), *argv], env=env, capture_output=True, text=True, timeout=60)
+        times[" ".join(argv)] = time.perf_counter() - start
+        assert proc.returncode == 0, (argv, proc.stderr[-2000:])
+        assert "usage: shardlm" in proc.stdout
+        imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+        assert "shardlm.cli.main" in imported, "the import log is empty: the check would not see torch"
+        assert not {m for m in imported if m == "torch" or m.startswith("torch.")}, f"shardlm {' '.join(argv)} imports torch"
+    print("shardlm console script, wall s: " + ", ".join(f"{k} {v:.2f}" for k, v in times.items()))
+
+
 @pytest.mark.parametrize("command", ["generate", "eval", "plan", "tune"])
 def test_help_shows_every_default(command):
     proc = subprocess.run([sys.executable, "-m", "shardlm", command, "--help"], env=cpu_env(), capture_output=True,
@@ -153,3 +183,37 @@ def test_readme_layout_matches_the_folders():
     assert table == folders
     for init in PACKAGE.glob("*/__init__.py"):
         assert ast.get_docstring(ast.parse(init.read_text())), f"{init} has no docstring"
+
+
+def constraints() -> dict[str, str]:
+    """{normalised package name: version} of constraints-test.txt."""
+    pins = {}
+    for line in (ROOT / "constraints-test.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, version = line.split("==")
+            pins[re.sub(r"[-_.]+", "-", name).lower()] = version.strip()
+    return pins
+
+
+def test_test_pins_agree_with_the_constraints_and_the_installed_packages():
+    """The ``test`` extra's exact pins equal constraints-test.txt, and every constrained package that is installed
+    has its constrained version (a package installed or upgraded by hand would hide what a new machine gets)."""
+    import importlib.metadata
+    import tomllib
+
+    pins = constraints()
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["test"]
+    for requirement in extra:
+        name, version = requirement.split("==")
+        assert pins[re.sub(r"[-_.]+", "-", name).lower()] == version, requirement
+    drift = []
+    for name, version in pins.items():
+        try:
+            installed = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        if installed.split("+")[0] != version:
+            drift.append(f"{name} {installed} (constraints-test.txt: {version})")
+    assert not drift, "installed versions differ from constraints-test.txt: " + "; ".join(drift)
+    readme = (ROOT / "README.md").read_text()
+    assert "-c constraints-test.txt" in readme

@@ -83,10 +83,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def entry() -> None:
-    """The ``shardlm`` console script: :func:`main`, then :func:`shardlm.parallel.dist.exit_process`."""
-    from shardlm.parallel.dist import exit_process
-
-    exit_process(main())
+    """The ``shardlm`` console script: :func:`main`, then :func:`shardlm.parallel.dist.exit_process` when the
+    command used it (a process group can only have been started through that module); otherwise a plain exit,
+    so that ``shardlm --help`` never imports torch."""
+    code = main()
+    dist_module = sys.modules.get("shardlm.parallel.dist")
+    if dist_module is None:
+        sys.exit(code)
+    dist_module.exit_process(code)
 
 
 if __name__ == "__main__":

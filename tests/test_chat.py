@@ -340,6 +340,13 @@ def test_masks_of_templates_that_cannot_be_located(tokenizer_json, tmp_path, cap
         "message['content'] + '<|im_end|>'", "message['content'] + (' (last)' if loop.last else '') + '<|im_end|>'")})
     err = cli_error(capsys, _prepare(d, data, out))
     assert err.startswith(f"error: {data}:1: assistant message 1:") and "differently in the whole chat" in err, err
+    # text after the first special token of a reply (a signature, a tool call): which token ends the turn is unknown
+    d = style_dir(tmp_path, tokenizer_json, "signed", **{**STYLES["chatml"], "chat_template": chatml.replace(
+        "message['content'] + '<|im_end|>'",
+        "message['content'] + ('<|endoftext|> (signed)' if message['role'] == 'assistant' else '') + '<|im_end|>'")})
+    err = cli_error(capsys, _prepare(d, data, out))
+    assert err.startswith(f"error: {data}:1: assistant message 1:") and "prints text after the reply's first special " \
+        "token '<|endoftext|>' ('(signed)')" in err, err
     assert not out.exists()
     # a generation-marked template needs transformers for its mask (a prompt without replies does not)
     dm = style_dir(tmp_path, tokenizer_json, "marked", **{**STYLES["chatml"], "chat_template": MARKED["chatml"]})

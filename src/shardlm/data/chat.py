@@ -274,7 +274,8 @@ class ChatTemplate:
         - end: the end of the first special token after the reply (its end-of-turn token: ``<|im_end|>``,
           ``<|eot_id|>``, ``</s>``, ...); text the template prints after it (a ``\\n``) is not included.
           The template must put the same token after the reply when the turn is the last message
-          (``render(messages[:i + 1])``), so a token of the next turn (``[INST]``) is never taken for it.
+          (``render(messages[:i + 1])``), so a token of the next turn (``[INST]``) is never taken for it,
+          and print nothing after it there but whitespace and special tokens (Phi-3's ``\\n<|endoftext|>``).
 
         Nothing assumes that ``render(messages[:i + 1])`` is a prefix of ``text``: templates that render
         a turn differently once more follow (Qwen3 drops ``<think></think>``) are located exactly.
@@ -282,7 +283,8 @@ class ChatTemplate:
         Raises:
             DataError: ``{where}: assistant message {i}: ...``: its prompt and the whole text part
                 before the previous turn's end, its content is not in the text, or no special token ends
-                it (or not the same one as when it is the last message). The message says to mark
+                it (or not the same one as when it is the last message, or text follows it in the
+                turn: a tool call after Llama 3.1's ``<|python_tag|>``). The message says to mark
                 replies with ``{% generation %}`` instead.
         """
         spans: list[tuple[int, int]] = []
@@ -323,6 +325,10 @@ class ChatTemplate:
                 raise DataError(f"{what} ends the reply with {end_of_turn.group()!r} in the whole chat but with "
                                 f"{last_end.group()!r} when it is the last message: cannot tell which token ends "
                                 f"the turn{hint}")
+            rest = self._end_of_turn.sub("", last[last_end.end():])
+            if rest.strip():  # e.g. a tool call after a special token (Llama 3.1's <|python_tag|>)
+                raise DataError(f"{what} prints text after the reply's first special token {last_end.group()!r} "
+                                f"({_one_line(rest)[:60]!r}): cannot tell which token ends the turn{hint}")
             spans.append((start, end_of_turn.end()))
             cursor = end_of_turn.end()
         return spans

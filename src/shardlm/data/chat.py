@@ -281,8 +281,9 @@ class ChatTemplate:
         a turn differently once more follow (Qwen3 drops ``<think></think>``) are located exactly.
 
         Raises:
-            DataError: ``{where}: assistant message {i}: ...``: its prompt and the whole text part
-                before the previous turn's end, its content is not in the text, or no special token ends
+            DataError: ``{where}: assistant message {i}: ...``: the whole text leaves its prompt before
+                the generation prompt (or before the previous turn's end), its content is not in the text
+                after that point, or no special token ends
                 it (or not the same one as when it is the last message, or text follows it in the
                 turn: a tool call after Llama 3.1's ``<|python_tag|>``). The message says to mark
                 replies with ``{% generation %}`` instead.

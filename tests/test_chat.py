@@ -370,3 +370,14 @@ def test_prepare_reports_assistant_turns_per_split(tokenizer_json, tmp_path, cap
     meta = json.loads((tmp_path / "out" / "meta.json").read_text())
     assert meta["assistant_turns"] == {"train": {"found": 6, "supervised": 6}, "val": {"found": 3, "supervised": 3}}
     assert f"prepare: {data}: assistant turns found / supervised: train 6 / 6, val 3 / 3" in err, err
+    # a {% generation %} template that supervises only the last reply: said in the summary, not an error
+    last_only = MARKED["chatml"].replace("{% if message['role'] == 'assistant' %}",
+                                         "{% if message['role'] == 'assistant' and loop.last %}")
+    assert last_only != MARKED["chatml"]
+    dm = style_dir(tmp_path, tokenizer_json, "last-only", **{**STYLES["chatml"], "chat_template": last_only})
+    assert shardlm_main(_prepare(dm, data, tmp_path / "out2") + ["--data.val_fraction=0.25"]) == 0
+    err = capsys.readouterr().err
+    assert json.loads((tmp_path / "out2" / "meta.json").read_text())["assistant_turns"] == {
+        "train": {"found": 6, "supervised": 3}, "val": {"found": 3, "supervised": 1}}
+    assert ("assistant turns found / supervised: train 6 / 3, val 3 / 1 (5 left out by the template's "
+            "{% generation %} blocks)") in err, err

@@ -25,14 +25,14 @@ def instruct_data(small_data, tmp_path_factory) -> Path:
 
 def test_mask_covers_exactly_the_responses(small_data):
     """shardlm's default template on its own tokenizer: each reply (with its leading space) and the
-    end-of-document token that ends it are trained, nothing else."""
+    end-of-document token that ends it are trained, nothing else (not the newline the template prints after it)."""
     for use_transformers in (True, False):
         chat = ChatTemplate(small_data / "tokenizer.json", use_transformers=use_transformers)
         assert chat.special_tokens["eos_token"] == "<|end_of_document|>"
         for line, messages in read_instructions(str(EXAMPLES)):
             ids, mask = chat.encode(messages, False, f"line {line}")
             trained = chat.tokenizer.decode([i for i, m in zip(ids, mask) if m], skip_special_tokens=False)
-            expected = "".join(f" {m['content']}<|end_of_document|>\n" for m in messages if m["role"] == "assistant")
+            expected = "".join(f" {m['content']}<|end_of_document|>" for m in messages if m["role"] == "assistant")
             assert trained == expected and len(ids) == len(mask)
             assert chat.tokenizer.decode(ids, skip_special_tokens=False) == chat.render(messages)
 

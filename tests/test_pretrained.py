@@ -237,7 +237,7 @@ def test_bad_pretrained_input(tmp_path, capsys, smol_dir, small_corpus):
 
 
 def test_smollm2_chat_template_masks_only_the_reply(smol_dir, tmp_path):
-    """With SmolLM2's own chat template: the trained tokens are the reply and its end-of-turn marker, and the
+    """With SmolLM2's own chat template: the trained tokens are the reply and its end-of-turn token, and the
     whole example tokenizes as transformers' apply_chat_template does."""
     from shardlm.data.instruct import InstructionExamples, prepare_instructions
 
@@ -253,7 +253,23 @@ def test_smollm2_chat_template_masks_only_the_reply(smol_dir, tmp_path):
     expected = expected["input_ids"] if isinstance(expected, dict) or hasattr(expected, "keys") else expected
     assert row[0, :len(expected)].tolist() == list(expected)
     trained = [t for t in row[1].tolist() if t != -100]
-    assert tok.decode(trained) == first["response"] + "<|im_end|>\n", tok.decode(trained)
+    # the reply and <|im_end|>, not the newline ChatML prints after it
+    assert tok.decode(trained) == first["response"] + "<|im_end|>", tok.decode(trained)
+    # every example's mask equals transformers' assistant mask of SmolLM2's template with {% generation %} added
+    from shardlm.data.chat import ChatTemplate
+    from shardlm.data.instruct import read_instructions
+
+    turn = "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    assert tok.chat_template.count(turn) == 1
+    marked = tok.chat_template.replace(turn, (
+        "{{'<|im_start|>' + message['role'] + '\n'}}{% if message['role'] == 'assistant' %}{% generation %}"
+        "{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{% else %}{{ message['content'] + '<|im_end|>' }}"
+        "{% endif %}{{ '\n' }}"))
+    chat = ChatTemplate(smol_dir / "tokenizer.json")
+    for _, messages in read_instructions(str(examples)):
+        hf = tok.apply_chat_template(messages, chat_template=marked, tokenize=True, return_dict=True,
+                                     return_assistant_tokens_mask=True)
+        assert sum(hf["assistant_masks"]) and chat.encode(messages) == (list(hf["input_ids"]), hf["assistant_masks"])
 
 
 # ---- end of sequence, chat, exported tokenizer files, strided perplexity ---------------------------

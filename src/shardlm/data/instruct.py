@@ -6,7 +6,10 @@ Each example is rendered and tokenized as ``transformers``' ``apply_chat_templat
 tokenizer's chat template (``chat_template`` in ``tokenizer_config.json`` or ``chat_template.jinja``
 beside ``tokenizer.json``; :data:`~shardlm.data.chat.DEFAULT_CHAT_TEMPLATE` otherwise), see
 :class:`~shardlm.data.chat.ChatTemplate`. Text the template adds for an assistant turn after the
-generation prompt (the reply and its end-of-turn marker) is *response*; everything else is context.
+generation prompt (the reply and its end-of-turn token, not the text printed after that token) is
+*response*; everything else is context (:meth:`~shardlm.data.chat.ChatTemplate.encode_chat`: the
+template's own ``{% generation %}`` blocks when it has them). ``meta.json``'s ``assistant_turns`` counts,
+per split, the assistant turns found and those supervised (also printed).
 The tokenizer's files go into the prepared directory, its ``tokenizer_config.json`` with the
 template the data was built with.
 
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import sys
 from typing import Any
 
 import numpy as np
@@ -90,7 +94,8 @@ def prepare_instructions(corpus: str, out_dir: str, tokenizer_path: str, vocab_s
     Raises:
         DataError: bad data (see :func:`read_instructions`), no tokenizer, a tokenizer with more ids
             than ``vocab_size``, fewer than 2 examples, a chat template that fails (see
-            :meth:`shardlm.data.chat.ChatTemplate.encode`), a special token the tokenizer lacks.
+            :meth:`shardlm.data.chat.ChatTemplate.encode_chat`: naming the JSONL line, e.g. an assistant
+            turn that cannot be located), a special token the tokenizer lacks.
     """
     if not tokenizer_path:
         raise DataError("instruction tuning needs a tokenizer: set data.tokenizer or model.init_from")
@@ -102,12 +107,15 @@ def prepare_instructions(corpus: str, out_dir: str, tokenizer_path: str, vocab_s
         raise DataError(f"tokenizer has {tok.get_vocab_size()} tokens but vocab_size is {vocab_size}: the model's "
                         "embedding must hold every token id")
     chat = ChatTemplate(tokenizer_path)
-    encoded = [(line, *chat.encode(msgs, False, f"{corpus}:{line}")) for line, msgs in examples]
+    chats = [(line, chat.encode_chat(msgs, False, f"{corpus}:{line}")) for line, msgs in examples]
+    encoded = [(line, c.ids, c.mask) for line, c in chats]
     top = max(max(ids) for _, ids, _ in encoded)
     if top >= vocab_size:  # a special token of tokenizer_config.json that tokenizer.json lacks gets a new id
         raise DataError(f"{chat.files.config_path or tokenizer_path}: a special token is not in {tokenizer_path} "
                         f"(the chat gets id {top}, vocab_size is {vocab_size})")
     n_val = max(1, round(len(encoded) * val_fraction))
+    turns = {split: {"found": sum(c.turns for _, c in part), "supervised": sum(c.supervised for _, c in part)}
+             for split, part in (("train", chats[:-n_val]), ("val", chats[-n_val:]))}
     dtype = token_dtype(vocab_size)
     out = pathlib.Path(out_dir).expanduser()
     counts = {}
@@ -128,9 +136,14 @@ def prepare_instructions(corpus: str, out_dir: str, tokenizer_path: str, vocab_s
                 "val_tokens": counts["val"], "train_examples": len(encoded) - n_val, "val_examples": n_val,
                 "corpus": corpus, "special_ids": special_token_ids(tok),
                 "model_special_ids": model_special_ids(tokenizer_path),
-                "unigram_entropy_nats": unigram_entropy(response)}
+                "unigram_entropy_nats": unigram_entropy(response), "assistant_turns": turns}
         write_tokenizer_files(tokenizer_path, tmp, chat_template=chat.template)  # the template trained with
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+    unsupervised = sum(t["found"] - t["supervised"] for t in turns.values())
+    print(f"prepare: {corpus}: assistant turns found / supervised: " + ", ".join(
+        f"{split} {t['found']} / {t['supervised']}" for split, t in turns.items())
+          + (f" ({unsupervised} left out by the template's {{% generation %}} blocks)" if unsupervised else ""),
+          file=sys.stderr, flush=True)
     return meta
 
 

@@ -164,3 +164,52 @@ def test_gguf_without_tokenizer_metadata_is_one_error(tmp_path, capsys):
     err = cli_error(capsys, ["import", "--gguf", str(path), str(tmp_path / "out")])
     assert "no tokenizer metadata" in err and "tokenizer.ggml.tokens" in err, err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("theta,head_dim,factor,low,high,original", [
+    (500000.0, 16, 8.0, 1.0, 4.0, 16),  # test_families' Llama: one in-between dimension
+    (500000.0, 128, 8.0, 1.0, 4.0, 8192),  # Llama 3.1 8B
+    (500000.0, 64, 32.0, 1.0, 4.0, 8192),  # Llama 3.2 1B
+    (10000.0, 32, 4.0, 2.0, 8.0, 512),  # low_freq_factor 2: an equivalent (low, high, original) comes back
+    (500000.0, 8, 16.0, 1.0, 4.0, 8192),  # no in-between dimension
+])
+def test_rope_scaling_rebuilt_from_llama_cpp_factors_gives_the_same_frequencies(theta, head_dim, factor, low, high,
+                                                                                original):
+    from gguf_files import llama_cpp_rope_factors
+    from shardlm.convert.gguf_in import rope_scaling_from_factors
+    from shardlm.model.config import ModelConfig
+    from shardlm.model.llama import rope_inv_freq
+
+    hp = {"rope_scaling": {"rope_type": "llama3", "rope_theta": theta, "factor": factor, "low_freq_factor": low,
+                           "high_freq_factor": high}, "original_max_position_embeddings": original,
+          "head_dim": head_dim, "hidden_size": head_dim * 2, "num_attention_heads": 2}
+    original_cfg = ModelConfig(family="llama", dim=head_dim * 2, n_heads=2, rope_theta=theta,
+                               rope_scaling_factor=factor, rope_low_freq_factor=low, rope_high_freq_factor=high,
+                               rope_original_max_seq_len=original)
+    rebuilt = ModelConfig(family="llama", dim=head_dim * 2, n_heads=2, rope_theta=theta)
+    rope_scaling_from_factors(llama_cpp_rope_factors(hp), rebuilt, "x.gguf")
+    assert rebuilt.rope_scaling_factor == factor
+    ours, theirs = rope_inv_freq(rebuilt).double(), rope_inv_freq(original_cfg).double()
+    assert ((ours - theirs).abs() / theirs).max().item() < 1e-6
+    if low == 1.0 and original == 8192:
+        assert (rebuilt.rope_low_freq_factor, rebuilt.rope_high_freq_factor,
+                rebuilt.rope_original_max_seq_len) == (low, high, original)
+
+
+def test_import_errors_are_one_line(small_data, tmp_path, capsys):
+    model = family_model("qwen2", VOCAB)
+    tok = {**tokenizer_metadata(small_data / "tokenizer.json", "qwen2"), "model": "wordpiece-x"}
+    path = write_gguf(tmp_path / "tok.gguf", model, tok)
+    err = cli_error(capsys, ["import", "--gguf", str(path), str(tmp_path / "o1")])
+    assert "transformers cannot build the tokenizer" in err and "wordpiece-x" in err, err
+    good = write_gguf(tmp_path / "good.gguf", model, tokenizer_metadata(small_data / "tokenizer.json", "qwen2"))
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(good.read_bytes()[: good.stat().st_size * 2 // 3])
+    err = cli_error(capsys, ["import", "--gguf", str(cut), str(tmp_path / "o2")])
+    assert str(cut) in err, err
+    model.save_pretrained(str(tmp_path / "hf"))
+    weights = tmp_path / "hf" / "model.safetensors"
+    weights.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}")
+    err = cli_error(capsys, ["import", str(tmp_path / "hf"), str(tmp_path / "o3")])
+    assert "not a readable safetensors file" in err and str(weights) in err, err
+    assert not any((tmp_path / f"o{i}").exists() for i in (1, 2, 3))

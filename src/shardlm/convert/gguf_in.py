@@ -243,7 +243,12 @@ def dequantize(tensor: Any, source: str) -> np.ndarray:
     except (NotImplementedError, ValueError) as e:
         raise ModelDirError(f"{source}: GGUF tensor {tensor.name} has quantisation type {tensor.tensor_type.name}, "
                             f"which cannot be dequantised ({e})") from None
-    return np.array(array, dtype=np.float32, copy=True).reshape(tuple(reversed(tensor.shape.tolist())))
+    shape = tuple(reversed(tensor.shape.tolist()))
+    try:
+        return np.array(array, dtype=np.float32, copy=True).reshape(shape)
+    except ValueError:
+        raise ModelDirError(f"{source}: GGUF tensor {tensor.name} holds {array.size} values, not the {shape} its "
+                            "header states (a truncated or damaged file)") from None
 
 
 def read_gguf_tensors(path: str | Path) -> tuple[dict[str, torch.Tensor], ModelConfig, Any]:

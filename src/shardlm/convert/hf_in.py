@@ -46,6 +46,19 @@ def _note(message: str) -> None:
         print(f"note: {message}", file=sys.stderr, flush=True)
 
 
+def _tensor_names(file: Path) -> set[str]:
+    """Tensor names in the header of a safetensors file.
+
+    Raises:
+        ModelDirError: the file is not a readable safetensors file (named, with safetensors' reason).
+    """
+    try:
+        with safe_open(str(file), framework="pt") as st:
+            return set(st.keys())
+    except Exception as e:  # safetensors raises SafetensorError (not an OSError) on a corrupt or truncated header
+        raise ModelDirError(f"{file}: not a readable safetensors file ({e})") from None
+
+
 def _index_weight_map(path: Path) -> dict[str, str]:
     """``weight_map`` of ``path/model.safetensors.index.json``: ``{tensor name: file name}``, checked.
 
@@ -87,12 +100,11 @@ def tensor_files(path: str | Path) -> dict[str, Path]:
         raise ModelDirError(f"{path}: no *.safetensors weights found")
     where: dict[str, Path] = {}
     for f in files:
-        with safe_open(str(f), framework="pt") as st:
-            for name in st.keys():
-                if name in where:
-                    raise ModelDirError(f"{path}: tensor {name} is in both {where[name].name} and {f.name} (and no "
-                                        f"{INDEX_NAME} says which to read); remove the file that does not belong")
-                where[name] = f
+        for name in sorted(_tensor_names(f)):
+            if name in where:
+                raise ModelDirError(f"{path}: tensor {name} is in both {where[name].name} and {f.name} (and no "
+                                    f"{INDEX_NAME} says which to read); remove the file that does not belong")
+            where[name] = f
     return where
 
 
@@ -106,8 +118,7 @@ def _indexed_tensor_files(path: Path) -> dict[str, Path]:
         raise ModelDirError(f"{index} names {len(missing)} file(s) that do not exist: {', '.join(missing)} "
                             f"(e.g. holding {next(t for t, f in weight_map.items() if f == missing[0])})")
     for f in named:
-        with safe_open(str(path / f), framework="pt") as st:
-            held = set(st.keys())
+        held = _tensor_names(path / f)
         listed = {t for t, g in weight_map.items() if g == f}
         if listed - held:
             raise ModelDirError(f"{index} lists tensor {sorted(listed - held)[0]} in {f}, which does not hold it")

@@ -148,6 +148,10 @@ def test_gguf_tokenizer_fits_the_model_and_trains_as_is(family, small_data, smal
     text = "To be, or not to be: that is the question."
     assert ours(text, add_special_tokens=False).input_ids == theirs(text, add_special_tokens=False).input_ids
     assert max(ours(text).input_ids) < n
+    capsys.readouterr()  # shardlm generate reads the import as it is
+    assert shardlm_main(["generate", "--model", str(out), "--prompt", "To be", "--max-new-tokens", "4",
+                         "--temperature", "0"]) == 0
+    assert capsys.readouterr().out.startswith("To be")
     run = tmp_path / "run"
     code = train_main([f"--model.init_from={out}", f"--data.corpus={small_corpus}", f"--data.dir={tmp_path / 'd'}",
                        "--train.seq_len=32", "--train.global_batch_size=4", "--train.micro_batch_size=4",

@@ -10,8 +10,10 @@ interleaved RoPE layout, per head: ``w.reshape(n_head, 2, rows // n_head // 2, c
 key-value head count for the key projection (:func:`unpermute_rows` is its inverse); for Gemma, 1 was added to
 every RMSNorm weight (llama.cpp's norm multiplies by the weight, Gemma's by 1 + weight), and is subtracted here.
 Gemma 3 settings that GGUF does not store (local RoPE base 10000, every 6th layer global, query_pre_attn_scalar)
-are llama.cpp's and transformers' defaults. The tokenizer (with its chat template) is rebuilt from the file's
-metadata by ``transformers``.
+are llama.cpp's and transformers' defaults. Llama 3's RoPE scaling, which llama.cpp keeps only as the
+``rope_freqs`` tensor, is rebuilt into the config (:func:`rope_scaling_from_factors`). The tokenizer (with its chat
+template) is rebuilt from the file's metadata by ``transformers``, less the tokens it adds beyond the file's
+vocabulary (:func:`_drop_tokens_not_in_file`).
 """
 
 from __future__ import annotations
@@ -406,7 +408,7 @@ def import_gguf(path: str | Path, out_dir: str | Path) -> Path:
         _drop_tokens_not_in_file(tmp, file_tokens, str(path))
         save_safetensors(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
         special = {k: (int(v) if v is not None else None) for k, v in special.items()}
-        special["pad"] = tok.pad_token_id
+        special["pad"] = tok.pad_token_id if tok.pad_token_id is not None and tok.pad_token_id < file_tokens else None
         config = hf_config(cfg, special)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         gen = generation_config({**special, "eos": [special["eos"]] if special["eos"] is not None else []})

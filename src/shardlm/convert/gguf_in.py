@@ -34,7 +34,7 @@ from shardlm.convert.hf_in import model_dir_special_ids
 from shardlm.data.tokenizer_files import generation_config
 from shardlm.errors import ModelDirError
 from shardlm.model.config import ModelConfig
-from shardlm.model.llama import Llama
+from shardlm.model.llama import Llama, rope_inv_freq
 
 #: GGUF ``general.architecture`` -> our family
 GGUF_FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3"}
@@ -139,8 +139,6 @@ _ROPE_FACTOR_TENSORS = {"rope_freqs.weight": "per-dimension RoPE frequency facto
 
 def _llama3_factors(cfg: ModelConfig, factor: float, low: float, high: float, original: int) -> np.ndarray:
     """The ``rope_freqs`` llama3 scaling (factor, low, high, original) gives ``cfg``'s frequencies, (head_dim/2,)."""
-    from shardlm.model.llama import rope_inv_freq
-
     trial = dataclasses.replace(cfg, rope_scaling_factor=factor, rope_low_freq_factor=low,
                                 rope_high_freq_factor=high, rope_original_max_seq_len=original)
     plain = dataclasses.replace(cfg, rope_scaling_factor=0.0)

@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from conftest import cli_error
 from shardlm.cli.main import main as shardlm_main
+from shardlm.cli.train import main as train_main
 from shardlm.convert.hf_config import read_model_dir_config
 from shardlm.convert.hf_in import INDEX_NAME, load_model_dir, load_pretrained_
 from shardlm.errors import ModelDirError
@@ -140,3 +141,8 @@ def test_one_tensor_in_two_files_without_an_index_is_refused_by_every_reader(sha
     model.to_empty(device="cpu")
     with pytest.raises(ModelDirError, match=expected):  # init_from's loader (train/build.py)
         load_pretrained_(model, d)
+    capsys.readouterr()  # and a training run from it, in this process
+    code = train_main([f"--model.init_from={d}", f"--data.corpus={small_corpus}", f"--data.dir={tmp_path / 'data'}",
+                       "--train.seq_len=16", "--train.steps=1", f"--run.dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    assert code == 2 and expected in err and "Traceback" not in err, err

@@ -8,7 +8,25 @@ import argparse
 
 
 def cmd_import(args: argparse.Namespace, overrides: list[str]) -> None:
-    """Convert ``--gguf FILE`` or an HF model directory into ``OUT_DIR``."""
+    """Convert ``--gguf FILE`` or an HF model directory into ``OUT_DIR``.
+
+    Every failure is one error line: shardlm's own errors as they are, and any other exception raised while
+    reading the source (by ``gguf``, ``safetensors`` or ``transformers``) as a ModelDirError naming the source.
+    """
+    from shardlm.errors import USER_ERRORS, ModelDirError
+
+    try:
+        _import(args, overrides)
+    except (*USER_ERRORS, OSError, ImportError, KeyboardInterrupt):
+        raise
+    except Exception as e:  # a reader library's own exception on a damaged or unusual source
+        source = args.gguf or args.source
+        raise ModelDirError(f"{source}: cannot be imported ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+                            ) from None
+
+
+def _import(args: argparse.Namespace, overrides: list[str]) -> None:
+    """:func:`cmd_import`'s work."""
     from shardlm.config import ConfigError
 
     if overrides:

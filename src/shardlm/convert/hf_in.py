@@ -2,7 +2,9 @@
 (:func:`load_model_dir`) or sharded per rank (:func:`load_pretrained_`).
 
 A directory holds ``config.json`` (``LlamaForCausalLM``, ``Qwen2ForCausalLM``...) and one or more ``*.safetensors``
-files (a sharded checkpoint's ``model-0000N-of-0000M.safetensors``: every file is read, the index is not needed).
+files. A sharded checkpoint's ``model.safetensors.index.json`` decides which file holds each tensor
+(:func:`tensor_files`: files it does not name are ignored, with a note); without one, each tensor must be in
+exactly one file.
 :func:`load_pretrained_` fills a model whose parameters are FSDP shards (``Shard(0)`` DTensors) by
 reading, on each rank, only the rows of its own shard with safetensors' ``safe_open(...).get_slice``,
 so no rank ever materialises a whole tensor; it counts the bytes each rank reads.
@@ -10,13 +12,15 @@ so no rank ever materialises a whole tensor; it counts the bytes each rank reads
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -32,24 +36,102 @@ from shardlm.model.lora import is_nf4, set_from_full_
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
-def tensor_files(path: str | Path) -> dict[str, Path]:
-    """``{tensor name: safetensors file}`` over every ``*.safetensors`` file of the directory.
+#: the file naming which safetensors file holds each tensor of a sharded checkpoint (transformers' SAFE_WEIGHTS_INDEX_NAME)
+INDEX_NAME = "model.safetensors.index.json"
+
+
+def _note(message: str) -> None:
+    """Print ``note: message`` on stderr, once per job (rank 0 only under torchrun)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"note: {message}", file=sys.stderr, flush=True)
+
+
+def _tensor_names(file: Path) -> set[str]:
+    """Tensor names in the header of a safetensors file.
 
     Raises:
-        ModelDirError: no safetensors file, or one tensor name in two files.
+        ModelDirError: the file is not a readable safetensors file (named, with safetensors' reason).
+    """
+    try:
+        with safe_open(str(file), framework="pt") as st:
+            return set(st.keys())
+    except Exception as e:  # safetensors raises SafetensorError (not an OSError) on a corrupt or truncated header
+        raise ModelDirError(f"{file}: not a readable safetensors file ({e})") from None
+
+
+def _index_weight_map(path: Path) -> dict[str, str]:
+    """``weight_map`` of ``path/model.safetensors.index.json``: ``{tensor name: file name}``, checked.
+
+    Raises:
+        ModelDirError: invalid JSON, no ``weight_map`` object, or a value that is not a file name of this directory.
+    """
+    index = path / INDEX_NAME
+    try:
+        weight_map = json.loads(index.read_text()).get("weight_map")
+    except (json.JSONDecodeError, AttributeError) as e:
+        raise ModelDirError(f"{index}: not a safetensors index (invalid JSON or not an object: {e})") from None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ModelDirError(f"{index}: no \"weight_map\" object (tensor name -> file name)")
+    for name, file in weight_map.items():
+        if not isinstance(file, str) or not file or Path(file).name != file:
+            raise ModelDirError(f"{index}: weight_map[{name!r}] = {file!r} is not a file name of {path}")
+    return weight_map
+
+
+def tensor_files(path: str | Path) -> dict[str, Path]:
+    """``{tensor name: safetensors file}`` of an HF model directory (headers only).
+
+    With ``model.safetensors.index.json`` (a sharded checkpoint), the index decides: every file it names must
+    exist, each tensor is taken from the file the index names for it and must be there, a file it names may
+    hold no tensor it does not list, and ``*.safetensors`` files it does not name (mistralai's
+    ``consolidated.safetensors``, a stale ``model.safetensors``) are ignored, with a note on stderr. Without an
+    index, every ``*.safetensors`` file is read and a tensor name may occur in only one of them.
+
+    Raises:
+        ModelDirError: no safetensors file; an invalid index, a file it names that is missing (named), a tensor
+            it lists that is not in its file, or one its files hold that it does not list; without an index, one
+            tensor name in two files (both named).
     """
     path = Path(path)
+    if (path / INDEX_NAME).is_file():
+        return _indexed_tensor_files(path)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelDirError(f"{path}: no *.safetensors weights found")
     where: dict[str, Path] = {}
     for f in files:
-        with safe_open(str(f), framework="pt") as st:
-            for name in st.keys():
-                if name in where:
-                    raise ModelDirError(f"{path}: tensor {name} is in both {where[name].name} and {f.name}")
-                where[name] = f
+        for name in sorted(_tensor_names(f)):
+            if name in where:
+                raise ModelDirError(f"{path}: tensor {name} is in both {where[name].name} and {f.name} (and no "
+                                    f"{INDEX_NAME} says which to read); remove the file that does not belong")
+            where[name] = f
     return where
+
+
+def _indexed_tensor_files(path: Path) -> dict[str, Path]:
+    """:func:`tensor_files` of a directory with ``model.safetensors.index.json``."""
+    index = path / INDEX_NAME
+    weight_map = _index_weight_map(path)
+    named = sorted(set(weight_map.values()))
+    missing = [f for f in named if not (path / f).is_file()]
+    if missing:
+        raise ModelDirError(f"{index} names {len(missing)} file(s) that do not exist: {', '.join(missing)} "
+                            f"(e.g. holding {next(t for t, f in weight_map.items() if f == missing[0])})")
+    for f in named:
+        held = _tensor_names(path / f)
+        listed = {t for t, g in weight_map.items() if g == f}
+        if listed - held:
+            raise ModelDirError(f"{index} lists tensor {sorted(listed - held)[0]} in {f}, which does not hold it")
+        if held - listed:
+            t = sorted(held - listed)[0]
+            elsewhere = f"lists it in {weight_map[t]}" if t in weight_map else "does not list it"
+            raise ModelDirError(f"{path / f} holds tensor {t}, but {index} {elsewhere}; the index and its files "
+                                "disagree")
+    ignored = sorted(f.name for f in path.glob("*.safetensors") if f.name not in set(named))
+    if ignored:
+        _note(f"{path}: ignoring {', '.join(ignored)}: not named by {INDEX_NAME} (the index decides which files "
+              "hold the weights)")
+    return {name: path / f for name, f in weight_map.items()}
 
 
 def check_weights(path: str | Path, model: nn.Module, skip: set[str] | frozenset[str] = frozenset()) -> dict[str, Path]:
@@ -159,24 +241,17 @@ def load_model_dir(path: str | Path, device: torch.device | str = "cpu") -> Llam
     """
     path = Path(path)
     cfg = read_model_dir_config(path)
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ModelDirError(f"{path}: no *.safetensors weights found")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(str(f)))
     with torch.device("meta"):
         model = Llama(cfg)
+    where = check_weights(path, model)  # the index's files, or every file with each tensor in one
     model.to_empty(device=device)
-    expected = dict(model.named_parameters())
-    for name, param in expected.items():
-        if name not in state:
-            raise ModelDirError(f"{path}: tensor {name} is missing from the weights")
-        if tuple(state[name].shape) != tuple(param.shape):
-            raise ModelDirError(
-                f"{path}: tensor {name} has shape {tuple(state[name].shape)}, config.json implies {tuple(param.shape)}")
-        with torch.no_grad():
-            param.copy_(state[name])
+    handles: dict[Path, Any] = {}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if where[name] not in handles:
+                handles[where[name]] = safe_open(str(where[name]), framework="pt")
+            param.copy_(handles[where[name]].get_tensor(name))
+    handles.clear()
     model.init_rotary()
     return model
 

@@ -4,6 +4,8 @@ two turns, the second rendered with the first exchange, each reply equal to gree
 from __future__ import annotations
 
 import io
+import os
+import pty
 import subprocess
 import sys
 
@@ -55,10 +57,18 @@ def test_chat_answers_two_turns_through_stdin_with_the_history(smol_dir, convers
                          timeout=300)
     assert run.returncode == 0, run.stderr
     assert run.stdout == prompts[0] + replies[0] + "\n" + prompts[1] + replies[1] + "\n"
-    run = subprocess.run(cmd, input=stdin + "/exit\nnot read\n", env=cpu_env(), capture_output=True, text=True,
-                         timeout=300)
-    assert run.returncode == 0, run.stderr
-    assert run.stdout == replies[0] + "\n" + replies[1] + "\n"  # only the replies
+    # on a terminal (stdin a pseudo-terminal): a "> " prompt, only the replies, /exit ends before the last line
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(cmd, stdin=slave, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=cpu_env(), text=True)
+    os.close(slave)
+    os.write(master, f"{TURNS[0]}\n{TURNS[1]}\n/exit\nnot read\n".encode())
+    try:
+        out, err = proc.communicate(timeout=300)
+    finally:
+        os.close(master)
+    assert proc.returncode == 0, err
+    assert out == "> " + replies[0] + "\n> " + replies[1] + "\n> ", out
+    assert "/reset clears the history, /exit or Ctrl-D ends" in err
 
 
 def test_chat_reset_and_refusals(smol_dir, conversation, monkeypatch, capsys):

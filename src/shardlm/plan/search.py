@@ -52,13 +52,21 @@ class Choice:
     """One combination of settings: the values the search varies, at one world size."""
 
     world_size: int
+    """Ranks N."""
     mode: str
+    """``parallel.mode``."""
     ac: str
+    """``parallel.activation_checkpoint``."""
     micro_batch: int
+    """``train.micro_batch_size`` (the global batch is the config's)."""
     reshard: bool
+    """``parallel.reshard_after_forward`` (FSDP)."""
     offload: bool
+    """``parallel.cpu_offload`` (FSDP on a GPU)."""
     param_dtype: str
+    """``parallel.param_dtype``; ``bfloat16`` where the config has ``float32`` comes with fp32 reduction."""
     grad_sync: str
+    """``parallel.grad_sync``."""
 
     def saves_at_least(self, other: Choice) -> bool:
         """Whether this combination saves at least as much memory as ``other`` in every varied setting (same
@@ -77,10 +85,15 @@ class Fit:
     """A combination that fits: its flags, predicted peak (bytes), step time (s) and one-line cost."""
 
     choice: Choice
+    """The settings."""
     flags: list[str]
+    """What to add to the ``shardlm plan`` (or training) command line: ``--world-size N`` and overrides."""
     peak: int
+    """Predicted per-rank peak, bytes."""
     step_s: float
+    """Predicted step time, seconds (a lower bound, :func:`step_seconds`)."""
     cost: str
+    """One line: step time against the config's, GPUs, and the price of each change."""
 
 
 def variant(cfg: Config, c: Choice) -> Config:

@@ -3,7 +3,8 @@
 The search varies, together: activation checkpointing (``none``, ``selective``, ``full``), the micro-batch size
 (every divisor of the config's, the global batch kept: more gradient accumulation), ``reshard_after_forward``,
 CPU offload, bf16 parameters (with fp32 reduction), gradient sync on every micro-batch, FSDP instead of DDP or one
-process, and the world size (the config's times 1, 2, 4, ... 64, as far as the global batch divides). Each
+process, and the world size (the config's times 1, 2, 4, ... 64, as far as the global batch divides and an HSDP
+mesh with both ``dp_replicate`` and ``dp_shard`` set allows). Each
 combination's peak comes from :func:`shardlm.plan.memory.plan_memory`, its step time from
 :func:`shardlm.plan.time.plan_time` (FLOPs at the dense peak, communication at the bus bandwidth, overlapped: a
 lower bound) plus, with CPU offload, an estimate of the host work that does not overlap (:func:`offload_seconds`).

@@ -61,10 +61,26 @@ def test_70b_preset_on_8_h100_lists_combinations_that_fit_when_passed_back(capsy
     assert "~33% more compute for full AC" in out and "CPU offload ~" in out
     steps = [float(s) for s in re.findall(r"step >= ([\d.e+]+) s", out)]
     assert steps == sorted(steps, reverse=True) and len(set(steps)) == len(steps)  # more GPUs only when faster
+    _passed_back_they_fit(capsys, argv, fits)
+
+
+def _passed_back_they_fit(capsys, argv: list[str], fits: list[tuple[list[str], float]]) -> None:
     for flags, peak in fits:
         again = plan_out(capsys, argv + flags)
         line = next(ln for ln in again.splitlines() if ln.startswith("  fits:") or ln.startswith("  does not fit:"))
         assert line.startswith(f"  fits: {peak:.1f} GiB of 75.7 GiB"), (flags, line)
+
+
+def test_every_kind_of_flag_passed_back_fits(capsys):
+    """Suggestions that change the dtype, micro-batch, resharding and gradient sync, passed back, fit as printed."""
+    argv = [LLAMA3_8B, "--world-size", "8", "--device", "h100", "--train.micro_batch_size=2",
+            "--train.global_batch_size=16", "--parallel.param_dtype=float32", "--parallel.activation_checkpoint=none",
+            "--parallel.grad_sync=last_micro_batch", "--parallel.reshard_after_forward=false"]
+    fits = suggested(plan_out(capsys, argv))
+    given = {f.split("=")[0] for flags, _ in fits for f in flags if f.startswith("--")}
+    assert {"--parallel.param_dtype", "--parallel.reduce_dtype", "--parallel.activation_checkpoint",
+            "--train.micro_batch_size", "--parallel.reshard_after_forward"} <= given, fits
+    _passed_back_they_fit(capsys, argv, fits)
 
 
 def test_search_finds_what_an_exhaustive_search_finds():

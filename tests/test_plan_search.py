@@ -13,7 +13,7 @@ import torch
 
 from conftest import ROOT, cli_error
 from shardlm.cli.main import main as shardlm_main
-from shardlm.config import load_config
+from shardlm.config import ConfigError, load_config
 from shardlm.plan.devices import get_device
 from shardlm.plan.memory import plan_memory
 from shardlm.plan.presets import PRESETS, preset_config
@@ -97,7 +97,7 @@ def test_search_finds_what_an_exhaustive_search_finds():
         try:
             var = variant(cfg, c)
             peak = plan_memory(var, c.world_size, "h100").peak
-        except Exception:
+        except ConfigError:
             continue
         if peak <= budget:
             t = step_seconds(var, c.world_size, device, params)

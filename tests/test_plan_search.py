@@ -183,5 +183,6 @@ def test_plan_presets_refuse_bad_input(tmp_path, capsys):
     assert "model_type='qwen3_moe'" in cli_error(capsys, ["plan", *argv, "--model-config", str(tmp_path)])
     err = cli_error(capsys, ["plan", *argv, "--model-preset", "smollm2-135m", "--train.seq_len=16384"])
     assert "exceeds the model's maximum model.max_seq_len=8192" in err  # checked against the preset's shape
-    listed = plan_out(capsys, [LLAMA3_8B, "--world-size", "8", "--model-preset", "list"])
+    assert "needs a config and --world-size N" in cli_error(capsys, ["plan", LLAMA3_8B])
+    listed = plan_out(capsys, ["--model-preset", "list"])
     assert len(listed.splitlines()) == len(PRESETS) and "meta-llama/Llama-3.1-405B" in listed

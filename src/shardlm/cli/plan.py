@@ -11,8 +11,8 @@ from shardlm.errors import ConfigError
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``plan`` on the ``shardlm`` command's subparsers."""
     p = sub.add_parser("plan", help="predict per-rank peak memory and step time of a config; what fits if it does not")
-    p.add_argument("config", help="TOML config (overrides follow as --section.key=value)")
-    p.add_argument("--world-size", type=int, required=True, help="number of ranks N")
+    p.add_argument("config", nargs="?", help="TOML config (overrides follow as --section.key=value)")
+    p.add_argument("--world-size", type=int, help="number of ranks N (required with a config)")
     p.add_argument("--device", default="h100", help="h100 (SXM), h100-pcie, h100-96gb, h200, a100-80gb, b200 or cpu")
     p.add_argument("--headroom", type=float, default=0.05,
                    help="fraction of device memory kept free for allocator fragmentation")
@@ -41,6 +41,8 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> None:
             m = preset_config(name)
             print(f"{name:<15} {m.family:<8} {m.n_layers:>3} layers, dim {m.dim:>5}  ({repo})")
         return
+    if args.config is None or args.world_size is None:
+        raise ConfigError("shardlm plan needs a config and --world-size N (or --model-preset list)")
     if args.world_size < 1:
         raise ConfigError(f"--world-size must be >= 1, got {args.world_size}")
     if not 0 <= args.headroom < 1:

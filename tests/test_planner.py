@@ -138,7 +138,7 @@ def test_plan_cli_llama3_8b():
                                 "--parallel.activation_checkpoint=none", "--parallel.grad_sync=last_micro_batch"],
                          env=cpu_env(), capture_output=True, text=True, timeout=120)
     assert big.returncode == 0, big.stderr
-    assert "does not fit" in big.stdout and "to fit, change one of" in big.stdout
+    assert "does not fit" in big.stdout and "fits with" in big.stdout and "  --world-size 8 " in big.stdout
     bad = subprocess.run(cmd + ["--world-size", "8", "--device", "tpu"], env=cpu_env(), capture_output=True,
                          text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.strip().startswith("error: unknown device 'tpu'")

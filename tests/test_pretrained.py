@@ -307,16 +307,19 @@ def test_smollm2_greedy_chat_stops_at_im_end_as_transformers(smol_dir, hf_smol, 
     print(f"\nSmolLM2 greedy answer: {len(ours)} tokens then <|im_end|>; transformers: {len(theirs)} tokens "
           f"with its eos: {tok.decode(ours)!r}")
     assert theirs[-1] == 2 and ours == theirs[:-1] and len(ours) < 47  # stopped at <|im_end|>, not the limit
-    # the CLI: --chat renders the same prompt and prints the same answer; --stop cuts it
+    # the CLI: --chat prints only the same answer (the same rendered prompt with --show-prompt); --stop cuts it
     capsys.readouterr()
     assert shardlm_main(["generate", "--model", str(smol_dir), "--chat", "--prompt", QUESTION[0]["content"],
                          "--temperature", "0", "--max-new-tokens", "48"]) == 0
+    assert capsys.readouterr().out == tok.decode(ours) + "\n"
+    assert shardlm_main(["generate", "--model", str(smol_dir), "--chat", "--prompt", QUESTION[0]["content"],
+                         "--temperature", "0", "--max-new-tokens", "48", "--show-prompt"]) == 0
     assert capsys.readouterr().out == tok.decode(ids) + tok.decode(ours) + "\n"
     answer = tok.decode(ours)
     word = answer.split()[2]
     assert shardlm_main(["generate", "--model", str(smol_dir), "--chat", "--prompt", QUESTION[0]["content"],
                          "--temperature", "0", "--max-new-tokens", "48", "--stop", word]) == 0
-    assert capsys.readouterr().out == tok.decode(ids) + answer[:answer.index(word)] + "\n"
+    assert capsys.readouterr().out == answer[:answer.index(word)] + "\n"
 
 
 def _transformers_strided_nll(hf_model, stream: list[int], max_length: int, stride: int) -> tuple[float, int, float]:

@@ -1,4 +1,5 @@
-"""``shardlm plan``: per-rank peak memory and step time of a config, before launching it."""
+"""``shardlm plan``: per-rank peak memory and step time of a config, before launching it; when it does not fit,
+the combinations of settings that do (``shardlm/plan/search.py``)."""
 
 from __future__ import annotations
 
@@ -9,17 +10,39 @@ from shardlm.errors import ConfigError
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``plan`` on the ``shardlm`` command's subparsers."""
-    p = sub.add_parser("plan", help="predict per-rank peak memory and step time of a config")
-    p.add_argument("config", help="TOML config (overrides follow as --section.key=value)")
-    p.add_argument("--world-size", type=int, required=True, help="number of ranks N")
+    p = sub.add_parser("plan", help="predict per-rank peak memory and step time of a config; what fits if it does not")
+    p.add_argument("config", nargs="?", help="TOML config (overrides follow as --section.key=value)")
+    p.add_argument("--world-size", type=int, help="number of ranks N (required with a config)")
     p.add_argument("--device", default="h100", help="h100 (SXM), h100-pcie, h100-96gb, h200, a100-80gb, b200 or cpu")
     p.add_argument("--headroom", type=float, default=0.05,
                    help="fraction of device memory kept free for allocator fragmentation")
+    shape = p.add_mutually_exclusive_group()
+    shape.add_argument("--model-preset", metavar="NAME",
+                       help="the model shape of a public model (e.g. llama3.1-70b, qwen3-8b, gemma3-27b, smollm2-135m; "
+                            "'list' prints them all), replacing the config's [model] shape (and its model.init_from)")
+    shape.add_argument("--model-config", metavar="FILE",
+                       help="the model shape from a Hugging Face config.json (or a directory holding one), "
+                            "replacing the config's [model] shape (and its model.init_from)")
     p.set_defaults(fn=cmd_plan)
 
 
 def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> None:
-    """Print the plan of ``args.config`` at ``--world-size`` on ``--device``."""
+    """Print the plan of ``args.config`` at ``--world-size`` on ``--device``.
+
+    Raises:
+        ConfigError: a bad world size or headroom, an unknown device or preset, ``--model.*`` overrides together
+            with a preset or ``--model-config`` (which replace the config's shape and its ``model.init_from``).
+        ModelDirError: an unreadable ``--model-config`` or a model the decoder does not build.
+    """
+    if args.model_preset == "list":
+        from shardlm.plan.presets import PRESETS, preset_config
+
+        for name, (repo, _) in PRESETS.items():
+            m = preset_config(name)
+            print(f"{name:<15} {m.family:<8} {m.n_layers:>3} layers, dim {m.dim:>5}  ({repo})")
+        return
+    if args.config is None or args.world_size is None:
+        raise ConfigError("shardlm plan needs a config and --world-size N (or --model-preset list)")
     if args.world_size < 1:
         raise ConfigError(f"--world-size must be >= 1, got {args.world_size}")
     if not 0 <= args.headroom < 1:
@@ -29,5 +52,14 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> None:
     from shardlm.plan.report import format_plan
 
     get_device(args.device)
+    shape_flag = "--model-preset" if args.model_preset else "--model-config" if args.model_config else None
+    if shape_flag:
+        given = [o.split("=", 1)[0] for o in overrides if o.startswith("--model.")]
+        if given:
+            raise ConfigError(f"{' '.join(given)} and {shape_flag} both set the model's shape: give one of them")
+        from shardlm.plan.presets import config_json_config, preset_config, shape_overrides
+
+        shape = preset_config(args.model_preset) if args.model_preset else config_json_config(args.model_config)
+        overrides = shape_overrides(shape) + overrides
     cfg = load_config(args.config, overrides)
     print(format_plan(cfg, args.world_size, args.device, args.headroom))

@@ -205,7 +205,7 @@ def _sliding_fields(cfg: ModelConfig, config: dict[str, Any], family: str, local
     pattern = int(config.get("sliding_window_pattern") or 6)
     if types:
         n_global = types.count("full_attention")
-        pattern = len(types) // n_global if n_global else 0
+        pattern = types.index("full_attention") + 1 if n_global else 0  # every n-th: the first global is the n-th
         built = ["sliding_attention" if (not pattern or (i + 1) % pattern) else "full_attention" for i in range(len(types))]
         if types != built:
             raise ModelDirError(f"{source}: layer_types {types} is not every n-th layer global; not supported")

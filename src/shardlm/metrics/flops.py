@@ -31,14 +31,21 @@ def flops_per_token(n_params: int, n_layers: int, n_heads: int, head_dim: int, s
     return 6 * n_params + 12 * n_layers * n_heads * head_dim * seq_len
 
 
+_N_CACHE: dict[str, int] = {}
+
+
 def model_flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
-    """:func:`flops_per_token` for a Llama of shape ``cfg`` (N computed from the shape, embedding excluded)."""
-    with torch.device("meta"):
-        model = Llama(cfg)
-    n = sum(p.numel() for name, p in model.named_parameters() if name != "model.embed_tokens.weight")
-    if cfg.tie_embeddings:  # the shared table is listed once, as the embedding: count it as the output projection
-        n += model.lm_head.weight.numel()
-    return flops_per_token(n, cfg.n_layers, cfg.n_heads, cfg.head_dim, seq_len)
+    """:func:`flops_per_token` for a Llama of shape ``cfg`` (N computed from the shape, embedding excluded; the
+    meta-device model that counts it is built once per shape)."""
+    key = repr(cfg)
+    if key not in _N_CACHE:
+        with torch.device("meta"):
+            model = Llama(cfg)
+        n = sum(p.numel() for name, p in model.named_parameters() if name != "model.embed_tokens.weight")
+        if cfg.tie_embeddings:  # the shared table is listed once, as the embedding: count it as the output projection
+            n += model.lm_head.weight.numel()
+        _N_CACHE[key] = n
+    return flops_per_token(_N_CACHE[key], cfg.n_layers, cfg.n_heads, cfg.head_dim, seq_len)
 
 
 def measure_matmul_flops(device: torch.device, dtype: torch.dtype = torch.float32, size: int = 1024,

@@ -129,6 +129,20 @@ def meta_model(cfg: Config) -> Llama:
     return model
 
 
+_META_CACHE: dict[str, Llama] = {}
+
+
+def _planner_model(cfg: Config) -> Llama:
+    """:func:`meta_model`, built once per shape (model, LoRA and freezing settings) and shared by the planner's own
+    read-only uses: ``shardlm plan``'s search plans one shape under many parallel settings."""
+    key = repr((cfg.model, cfg.lora, cfg.train.trainable, cfg.train.frozen))
+    if key not in _META_CACHE:
+        if len(_META_CACHE) >= 4:
+            _META_CACHE.clear()
+        _META_CACHE[key] = meta_model(cfg)
+    return _META_CACHE[key]
+
+
 def nf4_bytes(numel: int) -> float:
     """Bytes of an NF4 tensor of ``numel`` values: 4-bit codes, an int8 scale per 64 values, a bf16 factor per
     scaler block (torchao's layout)."""
@@ -148,7 +162,7 @@ def param_groups(cfg: Config, world_size: int, param_bytes: int = 4) -> tuple[li
     Shapes come from the model built on the meta device (no memory, no compute); frozen parameters and a LoRA
     base's storage dtype are taken from :func:`meta_model`.
     """
-    model = meta_model(cfg)
+    model = _planner_model(cfg)
     nf4 = cfg.lora.enabled and cfg.lora.base_dtype == "nf4"
     base_bytes = {"float32": 4, "bfloat16": 2, "nf4": 2}[cfg.lora.base_dtype]
     lora_bases = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, LoRALinear)}
@@ -225,7 +239,7 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
     led = _Ledger({"host"})
     state_part = "host" if offload else None
     # ---- persistent state at step start ------------------------------------------------------
-    n_tensors = sum(1 for p in meta_model(cfg).parameters() if p.requires_grad)
+    n_tensors = sum(1 for p in _planner_model(cfg).parameters() if p.requires_grad)
     stored = sum(g.stored_shard_bytes for g in groups)
     led.add(state_part or "params", stored, "step start")
     led.add(state_part or "optimizer", 2 * 4 * train_local + 4 * n_tensors, "step start")  # exp_avg, exp_avg_sq, step

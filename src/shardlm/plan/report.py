@@ -1,14 +1,13 @@
-"""The report ``shardlm plan`` prints: memory breakdown, fit, suggestions when it does not fit, step time."""
+"""The report ``shardlm plan`` prints: memory breakdown, fit, what fits when it does not (:mod:`.search`), step time."""
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
 
 from shardlm.config import Config
-from shardlm.errors import ConfigError
 from shardlm.plan.devices import get_device
 from shardlm.plan.memory import PARTS, MemoryPlan, plan_memory
+from shardlm.plan.search import format_fits, search
 from shardlm.plan.time import plan_time
 
 GIB = 1024**3
@@ -29,41 +28,6 @@ def _variant(cfg: Config, **changes: object) -> Config:
     for dotted, value in changes.items():
         section, key = dotted.split("__")
         setattr(getattr(out, section), key, value)
-    return out
-
-
-def suggestions(cfg: Config, world_size: int, device: str, budget: float) -> list[str]:
-    """Changes that would make ``cfg`` fit in ``budget`` bytes, each with its predicted peak."""
-    out: list[str] = []
-    p = cfg.parallel
-    tries: list[tuple[str, Callable[[], Config]]] = []
-    if (getattr(p, "activation_checkpoint", "none") or "none") in ("none", False):
-        tries.append(("--parallel.activation_checkpoint=\"selective\"",
-                      lambda: _variant(cfg, parallel__activation_checkpoint="selective")))
-        tries.append(("--parallel.activation_checkpoint=\"full\"",
-                      lambda: _variant(cfg, parallel__activation_checkpoint="full")))
-    if str(getattr(p, "param_dtype", "") or "float32") in ("float32", "fp32"):
-        tries.append(("--parallel.param_dtype=\"bfloat16\" --parallel.reduce_dtype=\"float32\"",
-                      lambda: _variant(cfg, parallel__param_dtype="bfloat16", parallel__reduce_dtype="float32")))
-    if cfg.train.micro_batch_size > 1:
-        tries.append((f"--train.micro_batch_size={cfg.train.micro_batch_size // 2}",
-                      lambda: _variant(cfg, train__micro_batch_size=cfg.train.micro_batch_size // 2)))
-    for text, make in tries:
-        try:
-            plan = plan_memory(make(), world_size, device)
-        except ConfigError:
-            continue
-        if plan.peak <= budget:
-            out.append(f"{text}: {plan.peak / GIB:.1f} GiB")
-    if p.mode == "fsdp":
-        for n in (2 * world_size, 4 * world_size, 8 * world_size):
-            try:
-                plan = plan_memory(cfg, n, device)
-            except ConfigError:
-                continue
-            if plan.peak <= budget:
-                out.append(f"--world-size {n} (shards over more ranks): {plan.peak / GIB:.1f} GiB")
-                break
     return out
 
 
@@ -118,10 +82,7 @@ def format_plan(cfg: Config, world_size: int, device_name: str, headroom: float)
     lines.append(f"  {'fits' if fits else 'does not fit'}: {plan.peak / GIB:.1f} GiB of "
                  f"{budget / GIB:.1f} GiB usable ({headroom:.0%} kept for fragmentation)")
     if not fits:
-        fixes = suggestions(cfg, world_size, device_name, budget)
-        lines.append("  to fit, change one of:" if fixes else "  no single change tried fits; combine "
-                     "activation checkpointing, bf16 parameters, a smaller micro-batch and more ranks")
-        lines.extend(f"    {f}" for f in fixes)
+        lines.extend(format_fits(search(cfg, world_size, device_name, budget)))
     if plan.micro_batches > 1 and st.mode != "single":
         lines.extend(grad_sync_choices(cfg, world_size, device_name, budget))
     lines += [

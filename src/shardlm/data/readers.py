@@ -10,8 +10,9 @@ pieces:
 * the same compressed (``.gz``, ``.zst``): one piece per file (a compressed stream cannot be
   entered in the middle); public corpora ship many such files, which is where the parallelism is;
 * Parquet: consecutive row groups of about ``piece_bytes`` (uncompressed, from the footer);
-* a Hugging Face ``datasets`` directory (``save_to_disk``) or a cached dataset by name
-  (``hf:NAME`` or ``hf:NAME:SPLIT``, offline): row ranges of about ``piece_bytes``.
+* a Hugging Face ``datasets`` directory (``save_to_disk``; a ``DatasetDict``'s split as ``DIR:SPLIT``, its
+  ``train`` split by default) or a cached dataset by name (``hf:NAME`` or ``hf:NAME:SPLIT``, offline): row
+  ranges of about ``piece_bytes``.
 
 Reading a piece yields :class:`Chunk` s of at most ``chunk_chars`` characters. A *document* is a
 ``.txt`` / ``.md`` file, one JSONL line, one Parquet or dataset row; a document longer than a chunk
@@ -45,6 +46,9 @@ __all__ = [
     "Chunk",
     "Piece",
     "DATA_EXTRA_HINT",
+    "dataset_dict_note",
+    "expand_corpus",
+    "hf_dataset",
     "plan_pieces",
     "read_documents",
     "read_piece",
@@ -163,6 +167,8 @@ def _expand(corpus: str) -> tuple[list[pathlib.Path | str], list[str]]:
                 skipped.append(str(p))
         return inputs, skipped
     p = pathlib.Path(corpus).expanduser()
+    if not p.exists() and _split_spec(corpus) is not None:
+        return [corpus], []  # DIR:SPLIT, a split of a saved DatasetDict
     if not p.exists():
         raise DataError(f"corpus path does not exist: {corpus}")
     if p.is_dir():
@@ -173,6 +179,25 @@ def _expand(corpus: str) -> tuple[list[pathlib.Path | str], list[str]]:
             "a datasets save_to_disk directory; hf:NAME)"
         )
     return [p], []
+
+
+def _split_spec(spec: str) -> tuple[str, str] | None:
+    """``(DIR, SPLIT)`` when ``spec`` is ``DIR:SPLIT`` naming a split of an existing datasets directory, else None."""
+    head, sep, split = spec.rpartition(":")
+    if not sep or not head or not split or spec.startswith("hf:") or "/" in split:
+        return None
+    base = pathlib.Path(head).expanduser()
+    return (str(base), split) if base.is_dir() and _is_hf_dir(base) else None
+
+
+def expand_corpus(corpus: str) -> tuple[list[pathlib.Path | str], list[str]]:
+    """The inputs of ``corpus`` in reading order (files, datasets directories, ``DIR:SPLIT`` and ``hf:`` specs as
+    strings), and the files of a directory that are not read.
+
+    Raises:
+        DataError: as :func:`plan_pieces` (a path that does not exist, an unreadable file type, an empty glob).
+    """
+    return _expand(corpus)
 
 
 def _walk(root: pathlib.Path) -> tuple[list[pathlib.Path | str], list[str]]:
@@ -253,15 +278,51 @@ def _hf_dataset(spec: str) -> Any:
         except Exception as exc:  # datasets raises many types for a missing cache entry
             raise DataError(f"{spec}: cannot load the dataset from the local Hugging Face cache "
                             f"(offline): {exc}") from None
+    named = _split_spec(spec) if not pathlib.Path(spec).expanduser().exists() else None
+    path, split = named if named is not None else (spec, "")
     try:
-        ds = datasets.load_from_disk(spec)
+        ds = datasets.load_from_disk(path)
     except Exception as exc:
-        raise DataError(f"{spec}: cannot read the datasets directory ({exc})") from None
+        raise DataError(f"{path}: cannot read the datasets directory ({exc})") from None
     if isinstance(ds, datasets.DatasetDict):
-        if "train" not in ds:
-            raise DataError(f"{spec}: a DatasetDict without a 'train' split (splits: {list(ds)})")
-        ds = ds["train"]
+        if split and split not in ds:
+            raise DataError(f"{spec}: the DatasetDict has no split {split!r} (splits: {', '.join(ds)})")
+        if not split and "train" not in ds:
+            raise DataError(f"{spec}: a DatasetDict without a 'train' split (splits: {', '.join(ds)}); "
+                            f"name one as {spec}:SPLIT")
+        ds = ds[split or "train"]
+    elif split:
+        raise DataError(f"{spec}: {path} is a single dataset, not a DatasetDict with splits: drop ':{split}'")
     return ds
+
+
+def hf_dataset(spec: str) -> Any:
+    """The dataset a ``save_to_disk`` directory, ``DIR:SPLIT`` or ``hf:NAME[:SPLIT]`` names (offline, cached).
+
+    A ``DatasetDict`` directory without a split gives its ``train`` split (see :func:`dataset_dict_note`).
+
+    Raises:
+        DataError: unreadable directory, a missing split (the message lists the splits), a split named on
+            a single dataset, ``hf:NAME`` not in the local cache, the ``datasets`` package missing.
+    """
+    return _hf_dataset(spec)
+
+
+def dataset_dict_note(spec: str) -> str | None:
+    """A note when ``spec`` is a saved ``DatasetDict`` read without naming a split: the split read (``train``)
+    and the splits left out, with how to name one; None otherwise (a single dataset, a named split, one split)."""
+    path = pathlib.Path(spec).expanduser()
+    if spec.startswith("hf:") or not (path / "dataset_dict.json").is_file():
+        return None
+    try:
+        splits = json.loads((path / "dataset_dict.json").read_text(encoding="utf-8"))["splits"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    others = [s for s in splits if s != "train"]
+    if not others:
+        return None
+    return (f"note: {spec} is a DatasetDict with splits {', '.join(splits)}: read 'train', not read "
+            f"{', '.join(repr(s) for s in others)} (name a split as {spec}:SPLIT)")
 
 
 def _plan_file(item: pathlib.Path | str, text_field: str, piece_bytes: int) -> list[Piece]:
@@ -308,7 +369,8 @@ def plan_pieces(corpus: str, text_field: str = "text", piece_bytes: int = 64 << 
 
     Args:
         corpus: ``shakespeare``; a file (``.txt``, ``.md``, ``.jsonl``, each also ``.gz``/``.zst``;
-            ``.parquet``); a ``datasets`` ``save_to_disk`` directory; ``hf:NAME`` or
+            ``.parquet``); a ``datasets`` ``save_to_disk`` directory (``DIR:SPLIT`` names a split of a
+            ``DatasetDict``, ``train`` by default); ``hf:NAME`` or
             ``hf:NAME:SPLIT`` (a dataset in the local Hugging Face cache, offline; split ``train`` by
             default); a directory (read recursively, sorted by relative path); or a glob
             (``data/**/*.jsonl.zst``).
@@ -322,7 +384,8 @@ def plan_pieces(corpus: str, text_field: str = "text", piece_bytes: int = 64 << 
     Raises:
         DataError: the path does not exist; a file type is not readable; a glob matches nothing; a
             directory holds nothing readable (the message names what it holds); a Parquet file or
-            dataset lacks ``text_field``; a format library is missing (names the extra).
+            dataset lacks ``text_field``; a format library is missing (names the extra); a split that
+            the DatasetDict lacks (the splits listed); every dataset of the corpus has 0 rows ("0 rows").
     """
     if piece_bytes <= 0:
         raise DataError(f"piece_bytes must be positive, got {piece_bytes}")
@@ -332,6 +395,10 @@ def plan_pieces(corpus: str, text_field: str = "text", piece_bytes: int = 64 << 
         raise DataError(f"empty corpus: {corpus} holds nothing readable ({held}; readable: .txt, .md, .jsonl, each also "
                         ".gz/.zst; .parquet; datasets directories)")
     pieces = [p for item in inputs for p in _plan_file(item, text_field, piece_bytes)]
+    if not pieces:
+        empty = [str(i) for i in inputs if (isinstance(i, str) or i.is_dir()) and len(_hf_dataset(str(i))) == 0]
+        if empty:
+            raise DataError(f"empty corpus: {corpus} has 0 rows" + (f" ({', '.join(empty)})" if empty != [corpus] else ""))
     return pieces, skipped
 
 

@@ -59,7 +59,7 @@ def sample_sha256(path: str | os.PathLike, size: int) -> str:
 
 def file_identity(path: str | os.PathLike) -> dict[str, Any]:
     """``{"path", "size" (bytes), "mtime_ns", "sample_sha256"}`` of one input file (path made absolute)."""
-    p = pathlib.Path(path).expanduser().absolute()
+    p = pathlib.Path(os.path.abspath(pathlib.Path(path).expanduser()))
     st = p.stat()
     return {"path": str(p), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "sample_sha256": sample_sha256(p, st.st_size)}
 
@@ -73,7 +73,7 @@ def _input_identity(item: pathlib.Path | str) -> dict[str, Any]:
         head, _, split = spec.rpartition(":")
         base = pathlib.Path(head)
     if base.is_dir():
-        root = base.absolute()
+        root = pathlib.Path(os.path.abspath(base.expanduser()))
         files = sorted(p for p in root.rglob("*") if p.is_file())
         return {"path": str(root) + (f":{split}" if split else ""), "files": [file_identity(p) for p in files]}
     return file_identity(base)

@@ -280,20 +280,36 @@ def _hf_dataset(spec: str) -> Any:
                             f"(offline): {exc}") from None
     named = _split_spec(spec) if not pathlib.Path(spec).expanduser().exists() else None
     path, split = named if named is not None else (spec, "")
-    try:
-        ds = datasets.load_from_disk(path)
-    except Exception as exc:
-        raise DataError(f"{path}: cannot read the datasets directory ({exc})") from None
-    if isinstance(ds, datasets.DatasetDict):
-        if split and split not in ds:
-            raise DataError(f"{spec}: the DatasetDict has no split {split!r} (splits: {', '.join(ds)})")
-        if not split and "train" not in ds:
-            raise DataError(f"{spec}: a DatasetDict without a 'train' split (splits: {', '.join(ds)}); "
+    root = pathlib.Path(path).expanduser()
+    splits = _dict_splits(root)
+    if splits is not None:  # a DatasetDict: read only the split it needs
+        if split and split not in splits:
+            raise DataError(f"{spec}: the DatasetDict has no split {split!r} (splits: {', '.join(splits)})")
+        if not split and "train" not in splits:
+            raise DataError(f"{spec}: a DatasetDict without a 'train' split (splits: {', '.join(splits)}); "
                             f"name one as {spec}:SPLIT")
-        ds = ds[split or "train"]
+        root = root / (split or "train")
     elif split:
         raise DataError(f"{spec}: {path} is a single dataset, not a DatasetDict with splits: drop ':{split}'")
-    return ds
+    try:
+        state = json.loads((root / "state.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        state = {}
+    if isinstance(state, dict) and state.get("_data_files") == []:  # datasets saves 0 rows as no file (and cannot load it)
+        raise DataError(f"empty corpus: {spec} has 0 rows")
+    try:
+        return datasets.load_from_disk(str(root))
+    except Exception as exc:
+        raise DataError(f"{root}: cannot read the datasets directory ({exc})") from None
+
+
+def _dict_splits(path: pathlib.Path) -> list[str] | None:
+    """The splits a saved ``DatasetDict`` lists in its ``dataset_dict.json``; None for anything else."""
+    try:
+        splits = json.loads((path / "dataset_dict.json").read_text(encoding="utf-8"))["splits"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return [str(x) for x in splits] if isinstance(splits, list) else None
 
 
 def hf_dataset(spec: str) -> Any:
@@ -311,12 +327,8 @@ def hf_dataset(spec: str) -> Any:
 def dataset_dict_note(spec: str) -> str | None:
     """A note when ``spec`` is a saved ``DatasetDict`` read without naming a split: the split read (``train``)
     and the splits left out, with how to name one; None otherwise (a single dataset, a named split, one split)."""
-    path = pathlib.Path(spec).expanduser()
-    if spec.startswith("hf:") or not (path / "dataset_dict.json").is_file():
-        return None
-    try:
-        splits = json.loads((path / "dataset_dict.json").read_text(encoding="utf-8"))["splits"]
-    except (OSError, ValueError, KeyError, TypeError):
+    splits = None if spec.startswith("hf:") else _dict_splits(pathlib.Path(spec).expanduser())
+    if not splits:
         return None
     others = [s for s in splits if s != "train"]
     if not others:

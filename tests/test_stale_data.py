@@ -269,7 +269,7 @@ def test_two_rank_training_prepares_again_or_refuses_naming_the_change(tmp_path,
             "--train.micro_batch_size=2", "--train.steps=2", "--train.eval_interval=0", "--data.workers=1",
             "--run.name=stale", "--run.overwrite=true", "--train.warmup_steps=0"]
     flipped = bytearray(a.read_bytes())
-    flipped[5] = ord("Z")
+    flipped[flipped.index(b'": "') + 4] = ord("Z")  # a letter of the first text
     config = tokenizer.parent / "tokenizer_config.json"
     edited_config = json.dumps({**json.loads(config.read_text()), "model_max_length": 99})
     steps = [
@@ -282,7 +282,7 @@ def test_two_rank_training_prepares_again_or_refuses_naming_the_change(tmp_path,
         {"name": "tokenizer_config", "overrides": base + ["--data.text_field=body"],
          "write": [str(config), edited_config.encode().hex()]},
         {"name": "chosen_dir", "overrides": base + ["--data.text_field=body", f"--data.dir={tmp_path / 'data' / 'stale'}"],
-         "write": [str(a), docs(1)[0]["text"].encode().hex()], "expect_error": True},
+         "write": [str(a), (json.dumps(docs(1)[0]) + "\n").encode().hex()], "expect_error": True},
     ]
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps({"out": str(tmp_path / "out"), "steps": steps}))

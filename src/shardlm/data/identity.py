@@ -31,6 +31,7 @@ import os
 import pathlib
 from typing import Any
 
+from shardlm.data.chat import DEFAULT_CHAT_TEMPLATE
 from shardlm.data.readers import expand_corpus, hf_dataset
 from shardlm.data.tokenizer_files import TOKENIZER_FILES, read_tokenizer_config
 
@@ -113,8 +114,6 @@ def tokenizer_identity(tokenizer_path: str | None, vocab_size: int, sample_bytes
 def chat_template_identity(tokenizer_path: str) -> dict[str, Any]:
     """``{"sha256", "source"}`` of the chat template instruction data is rendered with (the tokenizer's or
     shardlm's default, as :class:`shardlm.data.chat.ChatTemplate` picks it)."""
-    from shardlm.data.chat import DEFAULT_CHAT_TEMPLATE
-
     if not pathlib.Path(tokenizer_path).expanduser().is_file():
         return {"sha256": None, "source": f"{tokenizer_path} (no such file)"}
     files = read_tokenizer_config(tokenizer_path)

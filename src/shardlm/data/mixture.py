@@ -250,6 +250,7 @@ def prepare_mixture(sources: list[Any], out_dir: str, tokenizer_path: str | None
     stage = staging_dir(root)
     plan = {"sources": [{"name": n, "path": s.path, "weight": s.weight} for n, s in zip(names, sources)],
             "tokenizer": tokenizer_path or "", "vocab_size": vocab_size, "seed": seed,
+            "tokenizer_files": tokenizer_files(tokenizer_path) if tokenizer_path else None,
             "tokenizer_sample_bytes": tokenizer_sample_bytes}
     if rank == 0 and identity is None:
         identity = describe_mixture(sources, names, text_field, tokenizer_path, vocab_size, val_fraction, piece_bytes,

@@ -170,9 +170,9 @@ def _sample_texts(pieces: list[Piece], text_field: str, budget: int, seed: int) 
 
 def _fingerprint(pieces: list[Piece], tokenizer_path: str | None, vocab_size: int, text_field: str,
                  seed: int, sample_bytes: int) -> dict[str, Any]:
-    tok = "train"
-    if tokenizer_path:
-        tok = hashlib.sha256(pathlib.Path(tokenizer_path).expanduser().read_bytes()).hexdigest()
+    tok: Any = "train"
+    if tokenizer_path:  # every file of it: a staged tokenizer_config.json must not outlive an edit
+        tok = tokenizer_files(tokenizer_path)
     return {"version": _VERSION, "tokenizer": tok, "vocab_size": vocab_size, "text_field": text_field,
             "seed": seed if not tokenizer_path else None,
             "tokenizer_sample_bytes": sample_bytes if not tokenizer_path else None,

@@ -104,6 +104,19 @@ def test_prepare_keeps_an_unchanged_corpus_and_prepares_a_changed_one_again(tmp_
     mtimes = token_mtimes(out)
     assert "out of date" not in prepare(capsys, *args, "--data.text_field=body") and token_mtimes(out) == mtimes
 
+    moved = tmp_path / "moved"  # the same tokenizer files elsewhere: the same tokenizer
+    moved.mkdir()
+    for f in tokenizer.parent.iterdir():
+        (moved / f.name).write_bytes(f.read_bytes())
+    same = [f"--data.corpus={corpus}", f"--data.dir={out}", f"--data.tokenizer={moved / 'tokenizer.json'}"]
+    assert "out of date" not in prepare(capsys, *same, "--data.text_field=body") and token_mtimes(out) == mtimes
+    other = tmp_path / "other-tok.json"  # another tokenizer
+    train_tokenizer([r["body"] for r in docs(400)], 270).save(str(other))
+    err = prepare(capsys, f"--data.corpus={corpus}", f"--data.dir={out}", f"--data.tokenizer={other}",
+                  "--data.text_field=body")
+    assert f'data.tokenizer changed "{tokenizer}" -> "{other}" (a tokenizer with other files)' in err, err
+    assert json.loads((out / "meta.json").read_text())["tokenizer_vocab_size"] <= 270
+
 
 def test_training_prepares_its_own_directory_again_and_refuses_a_chosen_one(tmp_path, corpus, tokenizer,
                                                                            monkeypatch, capsys):

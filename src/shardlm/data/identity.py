@@ -2,6 +2,7 @@
 
 An identity is a JSON-able dict:
 
+* ``version``: :data:`IDENTITY_VERSION`;
 * ``sources``: ``[{"name", "corpus", "inputs"}]``, one entry for a corpus (name ``""``), one per source of a
   mixture; ``inputs`` lists every input read, in reading order: a file as ``{"path", "size", "mtime_ns",
   "sample_sha256"}``, a ``datasets`` directory as ``{"path", "files": [...]}`` (its files, same form; the
@@ -12,10 +13,11 @@ An identity is a JSON-able dict:
   and beside it ``tokenizer_config.json``, ``chat_template.jinja``, ``special_tokens_map.json``) to its
   SHA-256: of the given files, or of the trained tokenizer's files as written;
 * ``chat_template`` (instruction data): ``{"sha256", "source"}`` of the template the examples were rendered with;
-* ``settings``: the other data settings that change the tokens, by config key (``data.val_fraction``,
+* ``settings``: the other data settings that change the tokens, by config key (``data.format``, ``data.val_fraction``,
   ``data.piece_bytes``, the token dtype that ``model.vocab_size`` decides; a trained mixture tokenizer also
   the sources' weights).
 
+Paths are absolute and normalised (``os.path.abspath``: another spelling of the same path is the same input).
 A file is the same when its size, modification time and sample hash are (the sample: 16 blocks of 4 KiB
 spread evenly over the file, the whole file when it is smaller; at most 64 KiB read per file, so a check
 costs a ``stat`` and 16 reads per file whatever the corpus size). A tokenizer is the same when its files

@@ -3,8 +3,8 @@
 Usage (from tests/test_stale_data.py): ``torchrun --nproc_per_node=N tests/stale_worker.py SPEC.json`` in the
 directory the default ``data.dir`` (``data/<run name>``) lies in. The spec is ``{"out": DIR, "steps": [{"name",
 "overrides", "write": [PATH, HEX BYTES] (optional: rank 0 writes the file first), "expect_error": bool}]}``. Each
-rank writes ``DIR/<name>/rank<r>.json``: the steps trained, the prepared data's content hash, the token files'
-modification times, or the ConfigError that refused the run.
+rank writes ``DIR/<name>/rank<r>.json``: the steps trained, the prepared data's content hash (None for
+instruction data), the token files' modification times, or the ConfigError that refused the run.
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ def main() -> None:
                 raise
             report["error"] = str(e)
         out = data_dir(cfg)
-        report["content_sha256"] = json.loads((out / "meta.json").read_text())["content_sha256"]
-        report["mtimes"] = {p.name: p.stat().st_mtime_ns for p in sorted((out / "tokens").glob("*.bin"))}
+        report["content_sha256"] = json.loads((out / "meta.json").read_text()).get("content_sha256")
+        report["mtimes"] = {p.name: p.stat().st_mtime_ns for p in sorted([*out.glob("tokens/*.bin"), *out.glob("*.bin")])}
         d = Path(spec["out"]) / step["name"]
         d.mkdir(parents=True, exist_ok=True)
         (d / f"rank{info.rank}.json").write_text(json.dumps(report))

@@ -197,6 +197,10 @@ def test_a_mixture_source_that_changes_is_named(tmp_path, corpus, tokenizer, cap
     assert json.loads((out / "meta.json").read_text())["sources"][1]["name"] == "x"
 
 
+TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% if m['role'] == 'assistant' %}"
+            "{{ eos_token }}{% endif %}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
 def test_instruction_data_is_prepared_again_when_the_template_changes(tmp_path, tokenizer, capsys):
     examples = ROOT / "examples" / "instruct-shakespeare.jsonl"
     out = tmp_path / "inst"
@@ -205,9 +209,7 @@ def test_instruction_data_is_prepared_again_when_the_template_changes(tmp_path, 
     prepare(capsys, *args)
     before = (out / "train.bin").stat().st_mtime_ns
     assert "out of date" not in prepare(capsys, *args) and (out / "train.bin").stat().st_mtime_ns == before
-    (tokenizer.parent / "chat_template.jinja").write_text(
-        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% if m['role'] == 'assistant' %}"
-        "{{ eos_token }}{% endif %}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+    (tokenizer.parent / "chat_template.jinja").write_text(TEMPLATE)
     err = prepare(capsys, *args)
     assert f"out of date: the chat template changed (now from {tokenizer.parent / 'chat_template.jinja'})" in err, err
     assert (out / "train.bin").stat().st_mtime_ns != before
@@ -268,10 +270,11 @@ def test_an_empty_saved_dataset_says_0_rows(tmp_path, tokenizer, capsys):
 
 @pytest.mark.dist
 def test_two_rank_training_prepares_again_or_refuses_naming_the_change(tmp_path, tokenizer):
-    """One torchrun launch at 2 ranks (tests/stale_worker.py): before each run rank 0 changes something, then
-    both ranks build a Trainer and train 2 steps. The default data.dir is prepared again (each rank reports the
-    same new content hash); an unchanged corpus keeps its token files; a data.dir the config names is refused
-    with the same message on both ranks."""
+    """One torchrun launch at 2 ranks (tests/stale_worker.py): before each run rank 0 changes something (a byte
+    of the corpus, a file added, the text field, only tokenizer_config.json, the chat template of instruction
+    data), then both ranks build a Trainer and train 2 steps. The default data.dir is prepared again (each rank
+    reports the same new content hash); unchanged data keeps its token files; a data.dir the config names is
+    refused with the same message on both ranks."""
     corpus = tmp_path / "corpus"
     write_jsonl(corpus / "a.jsonl", docs(400))
     write_jsonl(corpus / "b.jsonl", docs(300, seed=3))
@@ -285,6 +288,9 @@ def test_two_rank_training_prepares_again_or_refuses_naming_the_change(tmp_path,
     flipped[flipped.index(b'": "') + 4] = ord("Z")  # a letter of the first text
     config = tokenizer.parent / "tokenizer_config.json"
     edited_config = json.dumps({**json.loads(config.read_text()), "model_max_length": 99})
+    examples = ROOT / "examples" / "instruct-shakespeare.jsonl"
+    instruct = [*base, f"--data.corpus={examples}", '--data.format="instruct"', "--data.val_fraction=0.2",
+                "--model.max_seq_len=128", "--train.seq_len=96", "--run.name=chat"]
     steps = [
         {"name": "first", "overrides": base},
         {"name": "unchanged", "overrides": base},
@@ -296,6 +302,10 @@ def test_two_rank_training_prepares_again_or_refuses_naming_the_change(tmp_path,
          "write": [str(config), edited_config.encode().hex()]},
         {"name": "chosen_dir", "overrides": base + ["--data.text_field=body", f"--data.dir={tmp_path / 'data' / 'stale'}"],
          "write": [str(a), (json.dumps(docs(1)[0]) + "\n").encode().hex()], "expect_error": True},
+        {"name": "instruct", "overrides": instruct},
+        {"name": "template", "overrides": instruct, "write": [str(tokenizer.parent / "chat_template.jinja"),
+                                                                TEMPLATE.encode().hex()]},
+        {"name": "instruct_unchanged", "overrides": instruct},
     ]
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps({"out": str(tmp_path / "out"), "steps": steps}))
@@ -321,3 +331,7 @@ def test_two_rank_training_prepares_again_or_refuses_naming_the_change(tmp_path,
     assert f"holds data prepared from other inputs or settings than this config describes: data.corpus ({corpus}): " \
            f"{a} changed (size" in error, error
     assert reports["chosen_dir"][0]["mtimes"] == reports["tokenizer_config"][0]["mtimes"]  # left as it was
+    inst = {name: reports[name][0] for name in ("instruct", "template", "instruct_unchanged")}
+    assert inst["template"]["mtimes"] != inst["instruct"]["mtimes"] and inst["template"]["steps"] == 2
+    assert inst["instruct_unchanged"]["mtimes"] == inst["template"]["mtimes"]
+    assert f"chat is out of date: the chat template changed (now from {tokenizer.parent / 'chat_template.jinja'})" in out

@@ -335,3 +335,16 @@ def test_two_rank_training_prepares_again_or_refuses_naming_the_change(tmp_path,
     assert inst["template"]["mtimes"] != inst["instruct"]["mtimes"] and inst["template"]["steps"] == 2
     assert inst["instruct_unchanged"]["mtimes"] == inst["template"]["mtimes"]
     assert f"chat is out of date: the chat template changed (now from {tokenizer.parent / 'chat_template.jinja'})" in out
+
+
+def test_a_resume_compares_the_tokens_not_when_the_inputs_were_touched():
+    """Identical data prepared again (a touched corpus) keeps a run resumable: the checkpoint's meta.json record
+    is compared without its identity (modification times); other tokens are still refused."""
+    from shardlm.checkpoint.resume_config import data_problems
+
+    stored = {"content_sha256": "aa", "train_tokens": 5, "identity": {"sources": [{"inputs": [{"mtime_ns": 1}]}]}}
+    again = {**stored, "identity": {"sources": [{"inputs": [{"mtime_ns": 2}]}]}}
+    assert data_problems({"data": stored}, again, None) == []
+    other = {**again, "content_sha256": "bb"}
+    assert data_problems({"data": stored}, other, None) == [
+        'the prepared data differs from the checkpoint\'s (meta.json: content_sha256 "aa" -> "bb")']

@@ -72,6 +72,7 @@ def test_prepare_keeps_an_unchanged_corpus_and_prepares_a_changed_one_again(tmp_
 
     err = prepare(capsys, *args)  # unchanged: not prepared again
     assert "out of date" not in err and "wrote" not in err, err
+    assert f"prepare: {out} is current (the same inputs, tokenizer and settings): kept as it is" in err, err
     assert token_mtimes(out) == before
     # also not when run from another working directory through another spelling of the same path
     err = prepare(capsys, f"--data.corpus={corpus}/../corpus", f"--data.dir={out}", f"--data.tokenizer={tokenizer}")

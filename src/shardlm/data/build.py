@@ -84,7 +84,9 @@ def verdict(out: Path, describe: Callable[[], dict[str, Any]], corpora: list[str
         raise
     diffs = differences(recorded, expected)
     if not diffs:
-        return {"action": "use", "message": "", "identity": expected}
+        return {"action": "use", "identity": expected,
+                "message": f"prepare: {out} is current (the same inputs, tokenizer and settings): kept as it is"
+                if policy == "prepare" else ""}
     if policy == "prepare":
         return {"action": "prepare", "identity": expected,
                 "message": f"prepare: {out} is out of date: {'; '.join(diffs)}; preparing it again"}

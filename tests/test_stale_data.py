@@ -264,6 +264,10 @@ def test_an_empty_saved_dataset_says_0_rows(tmp_path, tokenizer, capsys):
     datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": []})}).save_to_disk(str(dd))
     with pytest.raises(DataError, match=r"empty corpus: .*dd:train has 0 rows"):
         read_documents(f"{dd}:train")
+    mixed = tmp_path / "mixed"  # an empty dataset beside other data is no error: it adds nothing
+    datasets.Dataset.from_dict({"text": []}).save_to_disk(str(mixed / "empty"))
+    write_jsonl(mixed / "b.jsonl", [{"text": "one"}, {"text": "two"}])
+    assert read_documents(str(mixed)) == ["one", "two"]
 
 
 # ----------------------------------------------------------------------------- 2 ranks

@@ -278,6 +278,22 @@ def _hf_dataset(spec: str) -> Any:
         except Exception as exc:  # datasets raises many types for a missing cache entry
             raise DataError(f"{spec}: cannot load the dataset from the local Hugging Face cache "
                             f"(offline): {exc}") from None
+    root = _saved_root(spec)
+    if _saved_empty(root):
+        raise DataError(f"empty corpus: {spec} has 0 rows")
+    try:
+        return datasets.load_from_disk(str(root))
+    except Exception as exc:
+        raise DataError(f"{root}: cannot read the datasets directory ({exc})") from None
+
+
+def _saved_root(spec: str) -> pathlib.Path:
+    """The directory of the one dataset a ``save_to_disk`` directory or ``DIR:SPLIT`` names (a DatasetDict's split).
+
+    Raises:
+        DataError: a split the DatasetDict lacks, no ``train`` split when none is named, a split named on a
+            single dataset.
+    """
     named = _split_spec(spec) if not pathlib.Path(spec).expanduser().exists() else None
     path, split = named if named is not None else (spec, "")
     root = pathlib.Path(path).expanduser()
@@ -288,19 +304,19 @@ def _hf_dataset(spec: str) -> Any:
         if not split and "train" not in splits:
             raise DataError(f"{spec}: a DatasetDict without a 'train' split (splits: {', '.join(splits)}); "
                             f"name one as {spec}:SPLIT")
-        root = root / (split or "train")
-    elif split:
+        return root / (split or "train")
+    if split:
         raise DataError(f"{spec}: {path} is a single dataset, not a DatasetDict with splits: drop ':{split}'")
+    return root
+
+
+def _saved_empty(root: pathlib.Path) -> bool:
+    """True for a dataset saved with 0 rows: ``datasets`` writes no data file then (and cannot load it back)."""
     try:
         state = json.loads((root / "state.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        state = {}
-    if isinstance(state, dict) and state.get("_data_files") == []:  # datasets saves 0 rows as no file (and cannot load it)
-        raise DataError(f"empty corpus: {spec} has 0 rows")
-    try:
-        return datasets.load_from_disk(str(root))
-    except Exception as exc:
-        raise DataError(f"{root}: cannot read the datasets directory ({exc})") from None
+        return False
+    return isinstance(state, dict) and state.get("_data_files") == []
 
 
 def _dict_splits(path: pathlib.Path) -> list[str] | None:
@@ -340,6 +356,8 @@ def dataset_dict_note(spec: str) -> str | None:
 def _plan_file(item: pathlib.Path | str, text_field: str, piece_bytes: int) -> list[Piece]:
     if isinstance(item, str) or item.is_dir():  # a datasets directory or hf:NAME
         spec = str(item)
+        if not spec.startswith("hf:") and _saved_empty(_saved_root(spec)):
+            return []  # 0 rows (an error only when the whole corpus is empty: see plan_pieces)
         ds = _hf_dataset(spec)
         if text_field not in ds.column_names:
             raise DataError(f"{spec}: no column {text_field!r} (columns: {', '.join(ds.column_names)}); "
@@ -408,7 +426,8 @@ def plan_pieces(corpus: str, text_field: str = "text", piece_bytes: int = 64 << 
                         ".gz/.zst; .parquet; datasets directories)")
     pieces = [p for item in inputs for p in _plan_file(item, text_field, piece_bytes)]
     if not pieces:
-        empty = [str(i) for i in inputs if (isinstance(i, str) or i.is_dir()) and len(_hf_dataset(str(i))) == 0]
+        empty = [str(i) for i in inputs if (isinstance(i, str) or i.is_dir())
+                 and (not str(i).startswith("hf:") and _saved_empty(_saved_root(str(i))) or len(_hf_dataset(str(i))) == 0)]
         if empty:
             raise DataError(f"empty corpus: {corpus} has 0 rows" + (f" ({', '.join(empty)})" if empty != [corpus] else ""))
     return pieces, skipped

@@ -166,8 +166,31 @@ def tf32_switches():
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
+def describing(data_dir: Path, tokenizer_file: bool = False) -> dict[str, str]:
+    """Overrides of the data settings that ``data_dir``'s preparation was made with (from its ``meta.json``
+    identity; empty when it is not prepared yet or is a mixture), so that a run on it is not refused as made
+    from other data. With ``tokenizer_file``, ``data.tokenizer`` names the directory's own tokenizer.json."""
+    meta = Path(data_dir) / "meta.json"
+    ident = json.loads(meta.read_text()).get("identity") if meta.is_file() else None
+    if not ident or len(ident["sources"]) != 1 or ident["sources"][0]["name"]:
+        return {}
+    settings, tok = ident["settings"], ident["tokenizer"]
+    out = {"data.corpus": json.dumps(ident["sources"][0]["corpus"]), "data.format": json.dumps(settings["data.format"]),
+           "data.val_fraction": str(settings["data.val_fraction"])}
+    if settings["data.format"] == "text":
+        out.update({"data.text_field": json.dumps(ident["text_field"]), "data.piece_bytes": str(settings["data.piece_bytes"])})
+    if tokenizer_file:
+        out["data.tokenizer"] = json.dumps(str(Path(data_dir) / "tokenizer.json"))
+    elif tok["setting"]:
+        out["data.tokenizer"] = json.dumps(tok["setting"])
+    else:
+        out.update({"data.tokenizer_vocab_size": str(tok["vocab_size"]), "data.tokenizer_sample_bytes": str(tok["sample_bytes"])})
+    return out
+
+
 def tiny_overrides(data_dir: Path, run_dir: Path, extra: dict | None = None) -> list[str]:
-    """Overrides for a ~100k-parameter model on ``data_dir``, writing to ``run_dir``."""
+    """Overrides for a ~100k-parameter model on ``data_dir``, writing to ``run_dir``; when ``data.dir`` (``data_dir``,
+    or the one ``extra`` names) is prepared already, with the data settings it was made with (:func:`describing`)."""
     base = {
         "model.dim": 64, "model.n_layers": 2, "model.n_heads": 4, "model.n_kv_heads": 2, "model.ffn_hidden": 128,
         "model.vocab_size": 512, "model.max_seq_len": 64, "data.dir": f'"{data_dir}"', "train.seq_len": 32,
@@ -176,6 +199,8 @@ def tiny_overrides(data_dir: Path, run_dir: Path, extra: dict | None = None) -> 
         "train.log_interval": 1, "run.dir": f'"{run_dir}"', "run.overwrite": "true",
     }
     base.update(extra or {})
+    for key, value in describing(Path(json.loads(base["data.dir"]))).items():
+        base.setdefault(key, value)
     return [f"--{k}={v}" for k, v in base.items()]
 
 

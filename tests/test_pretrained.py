@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from conftest import cli_error, smollm2_gguf, torchrun
+from conftest import cli_error, describing, smollm2_gguf, torchrun
 from shardlm.atomic import current_umask
 from shardlm.cli.main import main as shardlm_main
 from shardlm.convert.gguf_in import hf_name
@@ -152,7 +152,8 @@ def finetune(smol_dir, small_corpus, small_data, tmp_path_factory) -> dict:
             "train.micro_batch_size": 2, "train.steps": 2, "train.lr": 1e-4, "train.min_lr": 1e-5,
             "train.eval_interval": 2, "train.eval_tokens": 256, "run.dir": f'"{out / "run-smol"}"'}.items()]},
         {"name": "tiny", "config": None, "overrides": [f"--{k}={v}" for k, v in {
-            **common, "model.init_from": f'"{tiny}"', "data.dir": f'"{small_data}"',  # a 512-token BPE
+            **common, **describing(small_data, tokenizer_file=True),  # its own settings and 512-token BPE
+            "model.init_from": f'"{tiny}"', "data.dir": f'"{small_data}"',
             "train.seq_len": 16, "train.global_batch_size": 2, "train.micro_batch_size": 1, "train.steps": 1,
             "train.eval_interval": 0, "run.dir": f'"{out / "run-tiny"}"'}.items()]},
     ]

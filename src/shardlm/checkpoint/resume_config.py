@@ -138,7 +138,9 @@ def data_problems(manifest: dict[str, Any], meta: dict[str, Any] | None, tokeniz
     """Why the prepared data differs from the one the checkpoint was trained on (empty when the same).
 
     Compares the checkpoint's ``data`` record (the data directory's ``meta.json``) with ``meta``, and its
-    ``tokenizer.json`` checksum with ``tokenizer_sha256``. Missing records (older checkpoints) are skipped.
+    ``tokenizer.json`` checksum with ``tokenizer_sha256``. Missing records (older checkpoints) are skipped, and so
+    is ``meta.json``'s ``identity`` (what the data was made from: modification times change when identical data
+    is prepared again; the tokens themselves are compared through ``content_sha256``).
     """
     problems = []
     stored_tok = manifest.get("files", {}).get("tokenizer.json", {}).get("sha256")
@@ -148,7 +150,7 @@ def data_problems(manifest: dict[str, Any], meta: dict[str, Any] | None, tokeniz
     stored_meta = manifest.get("data")
     if isinstance(stored_meta, dict) and meta is not None:
         differ = [f"{k} {json.dumps(stored_meta.get(k))} -> {json.dumps(meta.get(k))}"
-                  for k in sorted(set(stored_meta) | set(meta)) if stored_meta.get(k) != meta.get(k)]
+                  for k in sorted(set(stored_meta) | set(meta)) if k != "identity" and stored_meta.get(k) != meta.get(k)]
         if differ:
             problems.append("the prepared data differs from the checkpoint's (meta.json: " + ", ".join(differ) + ")")
     return problems

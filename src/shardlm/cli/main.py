@@ -29,7 +29,8 @@ class HelpParser(argparse.ArgumentParser):
 
 
 def cmd_prepare(args: argparse.Namespace, overrides: list[str]) -> None:
-    """Prepare the config's data; under torchrun every rank takes its share of the pieces."""
+    """Prepare the config's data (again when data.dir holds a preparation of other inputs or settings, saying
+    what differs); under torchrun every rank takes its share of the pieces."""
     import os
 
     from shardlm.config import load_config
@@ -47,7 +48,7 @@ def cmd_prepare(args: argparse.Namespace, overrides: list[str]) -> None:
         from shardlm.parallel import init_distributed
 
         info = init_distributed(cfg.parallel)
-    meta = prepare_data(cfg, info)
+    meta = prepare_data(cfg, info, on_stale="prepare")  # its job: make data.dir what the config describes
     if info is None or info.is_main:
         skipped = meta.get("skipped_files") or {}
         print(f"prepared {data_dir(cfg)}: {meta['train_tokens']:,} train / {meta['val_tokens']:,} val tokens "

@@ -1,6 +1,7 @@
 """Data: read corpora (``readers.py``, ``corpus.py``), train/load tokenizers (``tokenizer.py``), encode and write
 token shards (``prepare.py``, ``encode.py``, ranks agreeing through ``sync.py``), instruction data (``instruct.py``),
-a config's prepared data (``build.py``), sample batches and mixtures (``loader.py``, ``mixture.py``).
+what prepared data was made from (``identity.py``), a config's prepared data (``build.py``), sample batches and
+mixtures (``loader.py``, ``mixture.py``).
 
 Names are imported on first use (PEP 562), so the encoding worker processes, which import
 :mod:`shardlm.data.encode`, load neither torch nor the loader.

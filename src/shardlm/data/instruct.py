@@ -36,6 +36,7 @@ import torch
 from shardlm.atomic import atomic_directory
 from shardlm.data.chat import ChatTemplate
 from shardlm.data.corpus import jsonl_objects
+from shardlm.data.identity import describe_instructions
 from shardlm.data.prepare import load_meta, token_dtype, unigram_entropy
 from shardlm.data.tokenizer import load_tokenizer, special_token_ids
 from shardlm.data.tokenizer_files import model_special_ids, write_tokenizer_files
@@ -86,10 +87,12 @@ def read_instructions(path: str) -> list[tuple[int, list[dict[str, str]]]]:
 
 
 def prepare_instructions(corpus: str, out_dir: str, tokenizer_path: str, vocab_size: int,
-                         val_fraction: float) -> dict[str, Any]:
+                         val_fraction: float, identity: dict[str, Any] | None = None) -> dict[str, Any]:
     """Tokenize an instruction ``.jsonl`` into ``out_dir`` (atomically); return the meta dict.
 
-    The last ``max(1, round(n · val_fraction))`` examples are the validation split.
+    The last ``max(1, round(n · val_fraction))`` examples are the validation split. ``meta["identity"]``
+    records what the data is made from: ``identity`` when given (the caller's, taken before reading), else
+    :func:`shardlm.data.identity.describe_instructions` of these arguments.
 
     Raises:
         DataError: bad data (see :func:`read_instructions`), no tokenizer, a tokenizer with more ids
@@ -107,6 +110,8 @@ def prepare_instructions(corpus: str, out_dir: str, tokenizer_path: str, vocab_s
         raise DataError(f"tokenizer has {tok.get_vocab_size()} tokens but vocab_size is {vocab_size}: the model's "
                         "embedding must hold every token id")
     chat = ChatTemplate(tokenizer_path)
+    if identity is None:
+        identity = describe_instructions(corpus, tokenizer_path, vocab_size, val_fraction)
     chats = [(line, chat.encode_chat(msgs, False, f"{corpus}:{line}")) for line, msgs in examples]
     encoded = [(line, c.ids, c.mask) for line, c in chats]
     top = max(max(ids) for _, ids, _ in encoded)
@@ -136,7 +141,8 @@ def prepare_instructions(corpus: str, out_dir: str, tokenizer_path: str, vocab_s
                 "val_tokens": counts["val"], "train_examples": len(encoded) - n_val, "val_examples": n_val,
                 "corpus": corpus, "special_ids": special_token_ids(tok),
                 "model_special_ids": model_special_ids(tokenizer_path),
-                "unigram_entropy_nats": unigram_entropy(response), "assistant_turns": turns}
+                "unigram_entropy_nats": unigram_entropy(response), "assistant_turns": turns,
+                "identity": identity}
         write_tokenizer_files(tokenizer_path, tmp, chat_template=chat.template)  # the template trained with
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
     unsupervised = sum(t["found"] - t["supervised"] for t in turns.values())

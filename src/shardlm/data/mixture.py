@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from shardlm.data.corpus import DataError
+from shardlm.data.identity import describe_mixture, tokenizer_files
 from shardlm.data.loader import GlobalBatchSampler, TokenWindows
 from shardlm.data.prepare import (
     META_FILE,
@@ -226,7 +227,7 @@ def is_mixture_prepared(out_dir: str, sources: list[Any]) -> bool:
 def prepare_mixture(sources: list[Any], out_dir: str, tokenizer_path: str | None, vocab_size: int,
                     val_fraction: float, seed: int = 0, *, text_field: str = "text", workers: int = 1,
                     piece_bytes: int = 64 << 20, tokenizer_sample_bytes: int = 100_000_000,
-                    sync: Sync | None = None) -> dict[str, Any]:
+                    sync: Sync | None = None, identity: dict[str, Any] | None = None) -> dict[str, Any]:
     """Prepare every source of a mixture under ``out_dir`` with one tokenizer (layout: module docstring).
 
     The tokenizer is the given one, or a byte-level BPE trained on a seeded sample of at most
@@ -237,7 +238,8 @@ def prepare_mixture(sources: list[Any], out_dir: str, tokenizer_path: str | None
         The mixture meta (also ``meta.json``): ``format`` ("mixture"), ``sources`` ([{"name", "path"}]),
         ``dtype``, ``vocab_size``, ``tokenizer_vocab_size``, ``special_ids``, ``train_tokens`` and
         ``val_tokens`` (sums), ``unigram_entropy_nats`` (of the first source), ``content_sha256`` (of
-        all sources).
+        all sources), ``identity`` (what it was made from, :func:`shardlm.data.identity.describe_mixture`;
+        ``identity`` given: the caller's, taken before reading; None: rank 0 takes it).
 
     Raises:
         DataError: as :func:`shardlm.data.prepare_corpus`, for any source.
@@ -248,7 +250,11 @@ def prepare_mixture(sources: list[Any], out_dir: str, tokenizer_path: str | None
     stage = staging_dir(root)
     plan = {"sources": [{"name": n, "path": s.path, "weight": s.weight} for n, s in zip(names, sources)],
             "tokenizer": tokenizer_path or "", "vocab_size": vocab_size, "seed": seed,
+            "tokenizer_files": tokenizer_files(tokenizer_path) if tokenizer_path else None,
             "tokenizer_sample_bytes": tokenizer_sample_bytes}
+    if rank == 0 and identity is None:
+        identity = describe_mixture(sources, names, text_field, tokenizer_path, vocab_size, val_fraction, piece_bytes,
+                                    tokenizer_sample_bytes)
     if rank == 0:
         try:
             same = json.loads((stage / "mixture.json").read_text()) == plan
@@ -303,6 +309,10 @@ def prepare_mixture(sources: list[Any], out_dir: str, tokenizer_path: str | None
         if rank == 0:
             sync.wait_count("mixture-ranks", sync.world_size, "the other ranks", lambda: "")
     if rank == 0:
+        assert identity is not None
+        if not tokenizer_path:
+            identity = {**identity, "tokenizer": {**identity["tokenizer"], "files": tokenizer_files(tok_file)}}
+        meta["identity"] = identity
         (stage / "mixture.json").unlink()
         (stage / META_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
         if root.exists():

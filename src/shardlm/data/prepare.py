@@ -50,7 +50,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from shardlm.data.encode import encode_pieces, piece_done, shard_name
-from shardlm.data.readers import Piece, plan_pieces, read_piece
+from shardlm.data.identity import describe_corpus, tokenizer_files
+from shardlm.data.readers import Piece, dataset_dict_note, plan_pieces, read_piece
 from shardlm.data.tokenizer import load_tokenizer, special_token_ids, train_tokenizer
 from shardlm.data.tokenizer_files import model_special_ids, write_tokenizer_files
 from shardlm.errors import DataError
@@ -169,9 +170,9 @@ def _sample_texts(pieces: list[Piece], text_field: str, budget: int, seed: int) 
 
 def _fingerprint(pieces: list[Piece], tokenizer_path: str | None, vocab_size: int, text_field: str,
                  seed: int, sample_bytes: int) -> dict[str, Any]:
-    tok = "train"
-    if tokenizer_path:
-        tok = hashlib.sha256(pathlib.Path(tokenizer_path).expanduser().read_bytes()).hexdigest()
+    tok: Any = "train"
+    if tokenizer_path:  # every file of it: a staged tokenizer_config.json must not outlive an edit
+        tok = tokenizer_files(tokenizer_path)
     return {"version": _VERSION, "tokenizer": tok, "vocab_size": vocab_size, "text_field": text_field,
             "seed": seed if not tokenizer_path else None,
             "tokenizer_sample_bytes": sample_bytes if not tokenizer_path else None,
@@ -312,6 +313,7 @@ def prepare_corpus(
     tokenizer_sample_bytes: int = 100_000_000,
     sync: Sync | None = None,
     log: Callable[[str], None] | None = None,
+    identity: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Tokenize ``corpus`` into token shards under ``out_dir`` (see the module docstring).
 
@@ -337,6 +339,8 @@ def prepare_corpus(
         tokenizer_sample_bytes: Most text the tokenizer is trained on, in bytes.
         sync: How the ranks wait for each other under torchrun; None for one process.
         log: Where progress lines go (default: stderr on rank 0).
+        identity: What the data is made from (:func:`shardlm.data.identity.describe_corpus` of these
+            arguments, taken before reading), when the caller has it already; None: rank 0 takes it.
 
     Returns:
         The meta dict, also written to ``meta.json``: ``format`` ("shards"), ``dtype`` (str),
@@ -346,7 +350,9 @@ def prepare_corpus(
         ``seed``, ``documents``, ``input_bytes``, ``skipped_files`` ({"count", "first"}: files of a
         directory that were not read), ``content_sha256`` (over the tokenizer and every shard),
         ``shards`` ([{"file", "tokens"}] in stream order), ``model_special_ids`` (the bos/eos/pad ids
-        a model trained on it writes, see :func:`shardlm.data.tokenizer_files.model_special_ids`).
+        a model trained on it writes, see :func:`shardlm.data.tokenizer_files.model_special_ids`),
+        ``identity`` (what it was made from: the inputs, tokenizer files, text field and settings, see
+        :mod:`shardlm.data.identity`).
 
     Raises:
         DataError: any reader error (naming the file and line or row), a tokenizer error;
@@ -375,6 +381,13 @@ def prepare_corpus(
         pieces, skipped = plan_pieces(corpus, text_field, piece_bytes)
         dtype = token_dtype(vocab_size)
         if rank == 0:
+            if identity is None:  # before reading: a change made while preparing shows next time
+                identity = describe_corpus(corpus, text_field, tokenizer_path, vocab_size, val_fraction, piece_bytes,
+                                           tokenizer_sample_bytes)
+            for spec in dict.fromkeys(p.path for p in pieces if p.kind == "hf"):
+                note = dataset_dict_note(spec)
+                if note:
+                    say(note)
             stage.parent.mkdir(parents=True, exist_ok=True)
             fingerprint = _fingerprint(pieces, tokenizer_path, vocab_size, text_field, seed, tokenizer_sample_bytes)
             _stage(corpus, stage, fingerprint, pieces, tokenizer_path, vocab_size, text_field, seed,
@@ -438,6 +451,11 @@ def prepare_corpus(
         meta = _finalize(stage, pieces, records, corpus, dtype, vocab_size, tok_vocab, special, val_fraction,
                          seed, text_field, skipped)
         meta["model_special_ids"] = model_special_ids(tokenizer_path or stage / "tokenizer.json")
+        assert identity is not None
+        if not tokenizer_path:  # a trained tokenizer: its files as written
+            identity = {**identity, "tokenizer": {**identity["tokenizer"],
+                                                  "files": tokenizer_files(stage / "tokenizer.json")}}
+        meta["identity"] = identity
         _write_json(stage / META_FILE, meta)
         (stage / _FINGERPRINT).unlink()
         _move_into_place(stage, out)

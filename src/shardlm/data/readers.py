@@ -10,8 +10,9 @@ pieces:
 * the same compressed (``.gz``, ``.zst``): one piece per file (a compressed stream cannot be
   entered in the middle); public corpora ship many such files, which is where the parallelism is;
 * Parquet: consecutive row groups of about ``piece_bytes`` (uncompressed, from the footer);
-* a Hugging Face ``datasets`` directory (``save_to_disk``) or a cached dataset by name
-  (``hf:NAME`` or ``hf:NAME:SPLIT``, offline): row ranges of about ``piece_bytes``.
+* a Hugging Face ``datasets`` directory (``save_to_disk``; a ``DatasetDict``'s split as ``DIR:SPLIT``, its
+  ``train`` split by default) or a cached dataset by name (``hf:NAME`` or ``hf:NAME:SPLIT``, offline): row
+  ranges of about ``piece_bytes``.
 
 Reading a piece yields :class:`Chunk` s of at most ``chunk_chars`` characters. A *document* is a
 ``.txt`` / ``.md`` file, one JSONL line, one Parquet or dataset row; a document longer than a chunk
@@ -45,6 +46,9 @@ __all__ = [
     "Chunk",
     "Piece",
     "DATA_EXTRA_HINT",
+    "dataset_dict_note",
+    "expand_corpus",
+    "hf_dataset",
     "plan_pieces",
     "read_documents",
     "read_piece",
@@ -163,6 +167,8 @@ def _expand(corpus: str) -> tuple[list[pathlib.Path | str], list[str]]:
                 skipped.append(str(p))
         return inputs, skipped
     p = pathlib.Path(corpus).expanduser()
+    if not p.exists() and _split_spec(corpus) is not None:
+        return [corpus], []  # DIR:SPLIT, a split of a saved DatasetDict
     if not p.exists():
         raise DataError(f"corpus path does not exist: {corpus}")
     if p.is_dir():
@@ -173,6 +179,25 @@ def _expand(corpus: str) -> tuple[list[pathlib.Path | str], list[str]]:
             "a datasets save_to_disk directory; hf:NAME)"
         )
     return [p], []
+
+
+def _split_spec(spec: str) -> tuple[str, str] | None:
+    """``(DIR, SPLIT)`` when ``spec`` is ``DIR:SPLIT`` naming a split of an existing datasets directory, else None."""
+    head, sep, split = spec.rpartition(":")
+    if not sep or not head or not split or spec.startswith("hf:") or "/" in split:
+        return None
+    base = pathlib.Path(head).expanduser()
+    return (str(base), split) if base.is_dir() and _is_hf_dir(base) else None
+
+
+def expand_corpus(corpus: str) -> tuple[list[pathlib.Path | str], list[str]]:
+    """The inputs of ``corpus`` in reading order (files, datasets directories, ``DIR:SPLIT`` and ``hf:`` specs as
+    strings), and the files of a directory that are not read.
+
+    Raises:
+        DataError: as :func:`plan_pieces` (a path that does not exist, an unreadable file type, an empty glob).
+    """
+    return _expand(corpus)
 
 
 def _walk(root: pathlib.Path) -> tuple[list[pathlib.Path | str], list[str]]:
@@ -253,20 +278,86 @@ def _hf_dataset(spec: str) -> Any:
         except Exception as exc:  # datasets raises many types for a missing cache entry
             raise DataError(f"{spec}: cannot load the dataset from the local Hugging Face cache "
                             f"(offline): {exc}") from None
+    root = _saved_root(spec)
+    if _saved_empty(root):
+        raise DataError(f"empty corpus: {spec} has 0 rows")
     try:
-        ds = datasets.load_from_disk(spec)
+        return datasets.load_from_disk(str(root))
     except Exception as exc:
-        raise DataError(f"{spec}: cannot read the datasets directory ({exc})") from None
-    if isinstance(ds, datasets.DatasetDict):
-        if "train" not in ds:
-            raise DataError(f"{spec}: a DatasetDict without a 'train' split (splits: {list(ds)})")
-        ds = ds["train"]
-    return ds
+        raise DataError(f"{root}: cannot read the datasets directory ({exc})") from None
+
+
+def _saved_root(spec: str) -> pathlib.Path:
+    """The directory of the one dataset a ``save_to_disk`` directory or ``DIR:SPLIT`` names (a DatasetDict's split).
+
+    Raises:
+        DataError: a split the DatasetDict lacks, no ``train`` split when none is named, a split named on a
+            single dataset.
+    """
+    named = _split_spec(spec) if not pathlib.Path(spec).expanduser().exists() else None
+    path, split = named if named is not None else (spec, "")
+    root = pathlib.Path(path).expanduser()
+    splits = _dict_splits(root)
+    if splits is not None:  # a DatasetDict: read only the split it needs
+        if split and split not in splits:
+            raise DataError(f"{spec}: the DatasetDict has no split {split!r} (splits: {', '.join(splits)})")
+        if not split and "train" not in splits:
+            raise DataError(f"{spec}: a DatasetDict without a 'train' split (splits: {', '.join(splits)}); "
+                            f"name one as {spec}:SPLIT")
+        return root / (split or "train")
+    if split:
+        raise DataError(f"{spec}: {path} is a single dataset, not a DatasetDict with splits: drop ':{split}'")
+    return root
+
+
+def _saved_empty(root: pathlib.Path) -> bool:
+    """True for a dataset saved with 0 rows: ``datasets`` writes no data file then (and cannot load it back)."""
+    try:
+        state = json.loads((root / "state.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(state, dict) and state.get("_data_files") == []
+
+
+def _dict_splits(path: pathlib.Path) -> list[str] | None:
+    """The splits a saved ``DatasetDict`` lists in its ``dataset_dict.json``; None for anything else."""
+    try:
+        splits = json.loads((path / "dataset_dict.json").read_text(encoding="utf-8"))["splits"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return [str(x) for x in splits] if isinstance(splits, list) else None
+
+
+def hf_dataset(spec: str) -> Any:
+    """The dataset a ``save_to_disk`` directory, ``DIR:SPLIT`` or ``hf:NAME[:SPLIT]`` names (offline, cached).
+
+    A ``DatasetDict`` directory without a split gives its ``train`` split (see :func:`dataset_dict_note`).
+
+    Raises:
+        DataError: unreadable directory, a missing split (the message lists the splits), a split named on
+            a single dataset, ``hf:NAME`` not in the local cache, the ``datasets`` package missing.
+    """
+    return _hf_dataset(spec)
+
+
+def dataset_dict_note(spec: str) -> str | None:
+    """A note when ``spec`` is a saved ``DatasetDict`` read without naming a split: the split read (``train``)
+    and the splits left out, with how to name one; None otherwise (a single dataset, a named split, one split)."""
+    splits = None if spec.startswith("hf:") else _dict_splits(pathlib.Path(spec).expanduser())
+    if not splits:
+        return None
+    others = [s for s in splits if s != "train"]
+    if not others:
+        return None
+    return (f"note: {spec} is a DatasetDict with splits {', '.join(splits)}: read 'train', not read "
+            f"{', '.join(repr(s) for s in others)} (name a split as {spec}:SPLIT)")
 
 
 def _plan_file(item: pathlib.Path | str, text_field: str, piece_bytes: int) -> list[Piece]:
     if isinstance(item, str) or item.is_dir():  # a datasets directory or hf:NAME
         spec = str(item)
+        if not spec.startswith("hf:") and _saved_empty(_saved_root(spec)):
+            return []  # 0 rows (an error only when the whole corpus is empty: see plan_pieces)
         ds = _hf_dataset(spec)
         if text_field not in ds.column_names:
             raise DataError(f"{spec}: no column {text_field!r} (columns: {', '.join(ds.column_names)}); "
@@ -308,7 +399,8 @@ def plan_pieces(corpus: str, text_field: str = "text", piece_bytes: int = 64 << 
 
     Args:
         corpus: ``shakespeare``; a file (``.txt``, ``.md``, ``.jsonl``, each also ``.gz``/``.zst``;
-            ``.parquet``); a ``datasets`` ``save_to_disk`` directory; ``hf:NAME`` or
+            ``.parquet``); a ``datasets`` ``save_to_disk`` directory (``DIR:SPLIT`` names a split of a
+            ``DatasetDict``, ``train`` by default); ``hf:NAME`` or
             ``hf:NAME:SPLIT`` (a dataset in the local Hugging Face cache, offline; split ``train`` by
             default); a directory (read recursively, sorted by relative path); or a glob
             (``data/**/*.jsonl.zst``).
@@ -322,7 +414,8 @@ def plan_pieces(corpus: str, text_field: str = "text", piece_bytes: int = 64 << 
     Raises:
         DataError: the path does not exist; a file type is not readable; a glob matches nothing; a
             directory holds nothing readable (the message names what it holds); a Parquet file or
-            dataset lacks ``text_field``; a format library is missing (names the extra).
+            dataset lacks ``text_field``; a format library is missing (names the extra); a split that
+            the DatasetDict lacks (the splits listed); every dataset of the corpus has 0 rows ("0 rows").
     """
     if piece_bytes <= 0:
         raise DataError(f"piece_bytes must be positive, got {piece_bytes}")
@@ -332,6 +425,11 @@ def plan_pieces(corpus: str, text_field: str = "text", piece_bytes: int = 64 << 
         raise DataError(f"empty corpus: {corpus} holds nothing readable ({held}; readable: .txt, .md, .jsonl, each also "
                         ".gz/.zst; .parquet; datasets directories)")
     pieces = [p for item in inputs for p in _plan_file(item, text_field, piece_bytes)]
+    if not pieces:
+        empty = [str(i) for i in inputs if (isinstance(i, str) or i.is_dir())
+                 and (not str(i).startswith("hf:") and _saved_empty(_saved_root(str(i))) or len(_hf_dataset(str(i))) == 0)]
+        if empty:
+            raise DataError(f"empty corpus: {corpus} has 0 rows" + (f" ({', '.join(empty)})" if empty != [corpus] else ""))
     return pieces, skipped
 
 

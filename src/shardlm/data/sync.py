@@ -71,6 +71,15 @@ class StoreSync:
     def publish(self, name: str) -> None:
         self.store.set(self._key(name), "1")
 
+    def share(self, name: str, value: str) -> None:
+        """Publish the text ``value`` under ``name`` (rank 0's decision, read by :meth:`wait_value`)."""
+        self.store.set(self._key(name), value)
+
+    def wait_value(self, name: str, what: str) -> str:
+        """Wait until ``name`` was shared (reporting what it waits for) and return its text."""
+        self.wait(name, what)
+        return self.store.get(self._key(name)).decode()
+
     def count(self, name: str, amount: int = 1) -> int:
         return int(self.store.add(self._key(name), amount))
 

@@ -392,6 +392,9 @@ def _parse_cli_value(text: str) -> Any:
         return text
 
 
+parse_cli_value = _parse_cli_value  # public: what an override's value means (shardlm.cli.train reads --run.dir)
+
+
 def _apply(section_obj: Any, section: str, key: str, value: Any) -> None:
     hints = typing.get_type_hints(type(section_obj))
     attrs = {f.name for f in dataclasses.fields(section_obj)}
@@ -402,10 +405,13 @@ def _apply(section_obj: Any, section: str, key: str, value: Any) -> None:
     setattr(section_obj, attr, _coerce(f"{section}.{key}", value, hints[attr]))
 
 
-def load_config(path: str | list[str] | None = None, overrides: list[str] | None = None) -> Config:
+def load_config(path: str | list[str] | None = None, overrides: list[str] | None = None,
+                base: dict[str, Any] | None = None, base_name: str = "the recorded config") -> Config:
     """Build a :class:`Config` from optional TOML files and ``--section.key=value`` overrides.
 
     Args:
+        base: sections applied first, as ``Config.to_dict()`` writes them (a run directory's ``config.json``, for a
+            resume from the run directory); ``base_name`` names it in errors.
         path: TOML file with sections named like the :class:`Config` fields, a list of such files applied in
             order (a later file's keys replace an earlier one's; e.g. a config, then the settings
             ``shardlm tune`` wrote), or None for defaults. ``run.name`` defaults to the first file's stem.
@@ -418,6 +424,11 @@ def load_config(path: str | list[str] | None = None, overrides: list[str] | None
     cfg = Config()
     sections = {f.name for f in dataclasses.fields(cfg)}
     paths = [] if path is None else [path] if isinstance(path, str) else list(path)
+    for section, table in (base or {}).items():
+        if section not in sections or not isinstance(table, dict):
+            raise ConfigError(f"unknown config section '{section}' in {base_name}")
+        for key, value in table.items():
+            _apply(getattr(cfg, section), section, key, value)
     for file in paths:
         p = Path(file)
         if not p.is_file():

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from shardlm.checkpoint.dcp import Checkpointer, resume_mode
-from shardlm.checkpoint.run import clear_run_dir, write_run_config
+from shardlm.checkpoint.run import clear_run_dir, resume_command, write_run_config
 from shardlm.config import Config, gradient_accumulation_steps
 from shardlm.convert.hf_out import EXPORT_TIMEOUT, gather_full_state_dict, save_model_dir, save_sharded_model_dir
 from shardlm.convert.peft_out import gather_full_params, merge_lora, save_peft_dir
@@ -392,7 +392,7 @@ class Trainer:
                 bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}",
                                 mfu=f"{record['mfu']:.1%}",
                                 **({"val": f"{record['val_loss']:.3f}"} if "val_loss" in record else {}))
-                if save or self.preempted:  # preempted: SIGTERM/SIGUSR1 on any rank before this step's all-reduce
+                if save or self.preempted:  # preempted: SIGINT/SIGTERM/SIGUSR1 on any rank before this step's all-reduce
                     path = self.checkpointer.save(self.model, self.optimizer, self.scheduler, self.step)
                     if info.is_main:
                         bar.write(self.checkpointer.save_line(path))
@@ -405,10 +405,11 @@ class Trainer:
             bar.close()
         self.checkpointer.close()  # waits for a background save still in flight
         if self.preempted:
-            if info.is_main:
-                print(f"preempted: stopped after step {self.step}, checkpoint written; resume with "
-                      "--checkpoint.resume=auto", flush=True)
             self.logger.close("preempted")
+            if info.is_main:  # last, after the trackers' own words: the command to copy
+                print(f"stopped after step {self.step} on a signal; checkpoint "
+                      f"{self.checkpointer.last_save['path'] if self.checkpointer.last_save else 'written'}. "
+                      f"Resume with:\n  {resume_command(self.run_dir)}", flush=True)
             return self.history
         self.export(self.run_dir / "final")
         if info.is_main:

@@ -130,9 +130,9 @@ def outcome(codes: dict[int, int], forwarder: Forwarder | None = None) -> tuple[
     """(exit code, line to print or None) from the failed ranks' exit codes ``{global rank: code}`` (negative: the
     signal that killed it).
 
-    A shardlm exit code (:data:`SHARDLM_EXIT_CODES`; its rank printed its own line) of the lowest such rank wins over
-    ranks that torchrun killed afterwards; otherwise the lowest failed rank's: a crash (its traceback is above) or a
-    kill, exit 128 + signal as a shell would show it.
+    A shardlm exit code (:data:`SHARDLM_EXIT_CODES`; its rank printed its own line) of the lowest such rank wins, then
+    the lowest crashed rank's (its traceback is above), over ranks that torchrun killed afterwards; when every rank
+    was killed, the lowest one's, as exit 128 + signal (as a shell shows it).
     """
     if forwarder is not None and forwarder.interrupted_twice:
         return INTERRUPTED_EXIT_CODE, "error: stopped at once (Ctrl-C twice): this step was not saved; the newest " \
@@ -140,7 +140,8 @@ def outcome(codes: dict[int, int], forwarder: Forwarder | None = None) -> tuple[
     own = sorted(r for r, c in codes.items() if c in SHARDLM_EXIT_CODES)
     if own:
         return codes[own[0]], None
-    rank = min(codes)
+    crashed = sorted(r for r, c in codes.items() if c > 0)  # before the ranks torchrun killed afterwards
+    rank = crashed[0] if crashed else min(codes)
     code = codes[rank]
     if code < 0:
         name = signal.Signals(-code).name if -code in signal.valid_signals() else f"signal {-code}"

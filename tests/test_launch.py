@@ -167,6 +167,9 @@ def test_resume_auto_with_the_run_dir_alone_restores_its_config(tmp_path):
     assert train_config(None, ["--checkpoint.resume=auto", f"--run.dir={tmp_path}"]).model.dim == 96
     with pytest.raises(ConfigError, match=f"{tmp_path / 'missing'}/config.json, which cannot be read"):
         train_config(*parse_args(["--resume=auto", f"--run.dir={tmp_path / 'missing'}"]))
+    # no run there yet, other flags given: they alone, as before (auto then starts fresh)
+    assert train_config(None, ["--checkpoint.resume=auto", f"--run.dir={tmp_path / 'new'}", "--model.dim=32"]
+                        ).model.dim == 32
     # with a config file, the file decides as before
     assert train_config(["configs/shakespeare-tiny.toml"], ["--checkpoint.resume=auto"]).model.dim != 96
 

@@ -44,6 +44,8 @@ def train_config(config_paths: list[str] | None, overrides: list[str]) -> Config
 
     With ``checkpoint.resume = auto`` and no config file the base is the run directory's ``config.json`` (the run
     directory from ``--run.dir``, else ``runs/<--run.name>``, else ``runs/default``), and ``overrides`` apply on top.
+    When that directory holds no ``config.json`` yet and other overrides are given, they alone make the config (as
+    before: ``auto`` then starts fresh).
 
     Raises:
         ConfigError: no config file and the run directory has no readable ``config.json`` (names the path), or
@@ -53,6 +55,9 @@ def train_config(config_paths: list[str] | None, overrides: list[str]) -> Config
         return load_config(config_paths, overrides)
     run_dir = _override(overrides, "run.dir") or f"runs/{_override(overrides, 'run.name') or 'default'}"
     path = Path(str(run_dir)) / "config.json"
+    own = ("--checkpoint.resume=", "--run.dir=", "--run.name=")
+    if not path.exists() and any(not o.startswith(own) for o in overrides):
+        return load_config(None, overrides)  # no run recorded there yet: the flags alone, as a fresh start takes them
     try:
         recorded = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:

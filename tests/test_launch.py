@@ -26,9 +26,11 @@ from shardlm.checkpoint.resume_config import config_changes
 from shardlm.checkpoint.run import LAUNCH_ENV, resume_command, write_run_config
 from shardlm.cli import launch
 from shardlm.cli.main import main as shardlm_main
+from shardlm.cli.train import main as train_main
 from shardlm.cli.train import parse_args, train_config
 from shardlm.config import load_config
 from shardlm.errors import STOPPED_EXIT_CODE, ConfigError
+from shardlm.metrics.report import attempt_seconds, load_run
 from shardlm.parallel.dist import DistInfo
 
 STEPS = 150
@@ -146,6 +148,24 @@ def test_launcher_bad_override_ends_with_the_one_line_error(small_data, tmp_path
     assert proc.returncode == 2
     assert lines[-1].startswith("error: unknown config key 'train.bogus'"), lines[-10:]
     assert not any("Traceback" in line or "torch/distributed/elastic" in line for line in lines), lines
+
+
+@pytest.mark.dist
+def test_console_words_progress_lines_and_the_report_of_a_resumed_run(runs, small_data, tmp_path, capsys):
+    out, root = runs
+    lines = out["launcher"][1] + out["launcher_resume"].stdout.splitlines() + out["launcher_resume"].stderr.splitlines()
+    assert any(line.startswith("  parallel   fsdp, world size 2,") and line.endswith(", mesh dp_shard 2")
+               for line in lines), lines[:12]
+    progress = [line.split(" step ")[0] for line in lines if line.startswith("train ")]
+    assert progress and len(progress) == len(set(progress)), progress  # one line per step count
+    attempts = attempt_seconds(load_run(root / "launcher"))  # the interrupted start, then the resume
+    assert len(attempts) == 2 and all(a > 0 for a in attempts)
+    # fine-tuning from the reference's final model: the step-0 validation loss is printed, not only logged
+    assert train_main(tiny_overrides(small_data, tmp_path / "ft", {
+        "model.init_from": f'"{root / "ref" / "final"}"', "train.steps": 1, "train.eval_interval": 1})) == 0
+    logged = json.loads((tmp_path / "ft" / "metrics.jsonl").read_text().splitlines()[0])
+    assert logged["step"] == 0
+    assert f"step 0 (the pretrained model): val loss {logged['val_loss']:.4f}" in capsys.readouterr().out
 
 
 # ---- one process --------------------------------------------------------------------------------

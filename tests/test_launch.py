@@ -169,7 +169,7 @@ def test_console_words_progress_lines_and_the_report_of_a_resumed_run(runs, smal
 
 
 # ---- one process --------------------------------------------------------------------------------
-def test_resume_auto_with_the_run_dir_alone_restores_its_config(tmp_path):
+def test_resume_auto_with_the_run_dir_alone_restores_its_config(tmp_path, monkeypatch):
     started = load_config("configs/shakespeare-tiny.toml", ["--train.lr=1e-3", "--train.steps=7", "--model.dim=96",
                                                             "--parallel.reshard_after_forward=false",
                                                             f"--run.dir={tmp_path}", "--checkpoint.keep=2"])
@@ -192,6 +192,13 @@ def test_resume_auto_with_the_run_dir_alone_restores_its_config(tmp_path):
                         ).model.dim == 32
     # with a config file, the file decides as before
     assert train_config(["configs/shakespeare-tiny.toml"], ["--checkpoint.resume=auto"]).model.dim != 96
+    # a run in its default directory runs/<name>: naming that directory is no change
+    default = load_config(None, ["--run.name=tiny"])
+    (tmp_path / "runs" / "tiny").mkdir(parents=True)
+    write_run_config(tmp_path / "runs" / "tiny", "20260101-000000-00000001", default.to_dict())
+    monkeypatch.chdir(tmp_path)
+    again = train_config(None, ["--checkpoint.resume=auto", "--run.dir=runs/tiny"])
+    assert again.run.dir == "" and [c.key for c in config_changes(default.to_dict(), again.to_dict())] == []
 
 
 def test_the_resume_setting_is_not_a_change():

@@ -67,6 +67,10 @@ def train_config(config_paths: list[str] | None, overrides: list[str]) -> Config
     if not isinstance(recorded, dict):
         raise ConfigError(f"{path} is not a run's config (not a JSON object): pass --config FILE")
     recorded.pop("run_id", None)
+    run = recorded.get("run") if isinstance(recorded.get("run"), dict) else {}
+    if not run.get("dir") and Path(str(run_dir)).resolve() == Path(f"runs/{run.get('name')}").resolve():
+        # the run's default directory named explicitly: the same setting, not a change
+        overrides = [o for o in overrides if not o.startswith("--run.dir=")]
     return load_config(None, overrides, base=recorded, base_name=str(path))
 
 

@@ -222,7 +222,8 @@ class CheckpointConfig:
     """Sharded checkpoints (torch.distributed.checkpoint) under ``<run dir>/checkpoints/step-<N>/``."""
 
     enabled: bool = True
-    """Write checkpoints (every ``interval`` steps, at the last step, and on SIGTERM/SIGUSR1)."""
+    """Write checkpoints (every ``interval`` steps, at the last step, and on SIGINT/SIGTERM/SIGUSR1: Ctrl-C or
+    preemption then saves and exits 5; false: Ctrl-C stops at once)."""
     interval: int = 100
     """Save every this many steps (and at the last step); 0 saves only at the last step and on preemption."""
     keep: int = 3
@@ -231,7 +232,8 @@ class CheckpointConfig:
     resume: str = ""
     """``""`` starts fresh (unless torchrun restarted the job: then ``auto``), ``auto`` resumes from the newest
     complete checkpoint of the run directory's run (``config.json``'s ``run_id``) if there is one, or a path to
-    a ``step-<N>`` checkpoint directory."""
+    a ``step-<N>`` checkpoint directory. ``--resume=auto`` is the same; with it and no ``--config`` the run's settings
+    come from the run directory's ``config.json`` (:func:`shardlm.cli.train.train_config`)."""
     async_: bool = False
     """``checkpoint.async`` in TOML and on the command line (``async`` is a Python keyword): stage the state to host
     memory (a copy of this rank's shards: ~12 bytes per parameter / world size with AdamW in fp32) and write it in

@@ -266,6 +266,12 @@ def test_launcher_outcome_keeps_the_ranks_exit_code():
     assert code == 1 and line == "error: rank 1 failed with exit code 1 (its traceback is above)"
     code, line = launch.outcome({0: -9, 1: -9})
     assert code == 137 and line.startswith("error: rank 0 was killed by SIGKILL")
+    assert launch.outcome({0: -15, 1: 1})[1] == "error: rank 1 failed with exit code 1 (its traceback is above)"
+    assert launch.outcome({0: -15})[1] == "error: rank 0 was killed by SIGTERM (exit code -15)"
+    early = launch.Forwarder()
+    early.received = [signal.SIGINT]
+    assert launch.outcome({0: -2, 1: -2}, early) == (130, "error: stopped by Ctrl-C before training began (no "
+                                                          "checkpoint written)")
     twice = launch.Forwarder()
     twice.received = [signal.SIGINT, signal.SIGINT]
     assert launch.outcome({0: -2, 1: -2}, twice)[0] == 130

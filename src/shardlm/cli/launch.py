@@ -140,12 +140,16 @@ def outcome(codes: dict[int, int], forwarder: Forwarder | None = None) -> tuple[
     own = sorted(r for r, c in codes.items() if c in SHARDLM_EXIT_CODES)
     if own:
         return codes[own[0]], None
+    if forwarder is not None and signal.SIGINT in forwarder.received and -signal.SIGINT in codes.values():
+        # Ctrl-C before the training loop had started (imports, data, model): nothing to save yet
+        return INTERRUPTED_EXIT_CODE, "error: stopped by Ctrl-C before training began (no checkpoint written)"
     crashed = sorted(r for r, c in codes.items() if c > 0)  # before the ranks torchrun killed afterwards
     rank = crashed[0] if crashed else min(codes)
     code = codes[rank]
     if code < 0:
         name = signal.Signals(-code).name if -code in signal.valid_signals() else f"signal {-code}"
-        return 128 - code, f"error: rank {rank} was killed by {name} (exit code {code}; out of memory?)"
+        hint = "; out of memory?" if code == -signal.SIGKILL else ""
+        return 128 - code, f"error: rank {rank} was killed by {name} (exit code {code}{hint})"
     return code, f"error: rank {rank} failed with exit code {code} (its traceback is above)"
 
 

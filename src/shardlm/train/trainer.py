@@ -414,6 +414,9 @@ class Trainer:
                 print(f"stopped after step {self.step} on a signal; checkpoint "
                       f"{self.checkpointer.last_save['path'] if self.checkpointer.last_save else 'written'}. "
                       f"Resume with:\n  {resume_command(self.run_dir)}", flush=True)
+            # no rank exits before rank 0 has said so: torchrun stops the others when the first one exits, and
+            # after a Ctrl-C their SIGTERM takes its default action
+            torch.distributed.barrier()
             return self.history
         self.export(self.run_dir / "final")
         if info.is_main:

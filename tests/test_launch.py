@@ -1,8 +1,8 @@
 """Ctrl-C that saves, resume from the run directory alone, and the ``shardlm train`` launcher (issue 34 items 1-3).
 
-One module fixture runs five 2-rank launches of the tiny model: ``shardlm train --nproc-per-node 2`` stopped by
-SIGINT and resumed by the command it printed; the same under plain ``torchrun -m shardlm.train``; and an
-uninterrupted plain torchrun run as the reference. The rest are one-process checks.
+One module fixture runs six 2-rank launches of the tiny model: ``shardlm train --nproc-per-node 2`` stopped by
+SIGINT and resumed by the command it printed; the same under plain ``torchrun -m shardlm.train``; one stopped by
+Ctrl-C pressed again and again; and an uninterrupted plain torchrun run as the reference. The rest are one-process checks.
 """
 
 from __future__ import annotations
@@ -57,9 +57,11 @@ def losses(run: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
 
 
-def interrupted(cmd: list[str], run: Path, log: Path, after_step: int = 3) -> tuple[int, list[str]]:
+def interrupted(cmd: list[str], run: Path, log: Path, after_step: int = 3, repeat: bool = False
+                ) -> tuple[int, list[str]]:
     """Start ``cmd``; once ``run``'s metrics reach ``after_step``, send the launcher one SIGINT (what Ctrl-C sends to
-    the terminal's foreground process); return (exit code, output lines)."""
+    the terminal's foreground process), or with ``repeat`` one every 5 ms until it ends (Ctrl-C pressed again while
+    the ranks finish their step and save); return (exit code, output lines)."""
     require_dist_marker()
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, env=env(), stdout=out, stderr=subprocess.STDOUT)
@@ -68,6 +70,9 @@ def interrupted(cmd: list[str], run: Path, log: Path, after_step: int = 3) -> tu
             assert time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.02)
         proc.send_signal(signal.SIGINT)
+        while repeat and proc.poll() is None:
+            time.sleep(0.005)
+            proc.send_signal(signal.SIGINT)
         code = proc.wait(timeout=240)
     return code, log.read_text().splitlines()
 
@@ -92,6 +97,8 @@ def runs(small_data, tmp_path_factory):
                                   root / "torchrun", root / "torchrun.log")
     printed = [line for line in out["torchrun"][1] if "--resume=auto" in line]
     out["torchrun_resume"] = run_alone(printed[-1].strip() if printed else "false", root / "torchrun_resume.log")
+    out["twice"] = interrupted([*SHARDLM, *tiny_overrides(small_data, root / "twice", EXTRA)], root / "twice",
+                               root / "twice.log", repeat=True)
     ref = [*TORCHRUN, *tiny_overrides(small_data, root / "ref", EXTRA)]
     require_dist_marker()
     out["ref"] = subprocess.run(ref, env=env(), capture_output=True, text=True, timeout=300)
@@ -137,6 +144,18 @@ def test_ctrl_c_to_plain_torchrun_saves_and_its_resume_command_alone_resumes_bit
     assert printed == [f"torchrun --standalone --nproc_per_node=2 -m shardlm.train --resume=auto "
                        f"--run.dir={root / 'torchrun'}"]
     assert_stopped_and_resumed_exactly(root, "torchrun", code, lines, out["torchrun_resume"])
+
+
+@pytest.mark.dist
+def test_ctrl_c_twice_stops_at_once_without_saving(runs):
+    out, root = runs
+    code, lines = out["twice"]
+    assert code == 130, lines[-20:]
+    assert lines[-1].startswith("error: stopped at once (Ctrl-C twice)"), lines[-10:]
+    assert not any(line.startswith("stopped after step") for line in lines)
+    ckpts = root / "twice" / "checkpoints"
+    assert not ckpts.exists() or not [p for p in ckpts.iterdir() if p.name.startswith("step-")]
+    assert metrics_steps(root / "twice")  # it was training when stopped
 
 
 @pytest.mark.dist

@@ -109,8 +109,8 @@ class Forwarder:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for sig, handler in self._old.items():
-            signal.signal(sig, handler)
+        for sig, handler in self._old.items():  # once stopping on a signal, more of them change nothing
+            signal.signal(sig, signal.SIG_IGN if self.received else handler)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self.received.append(signum)
@@ -136,7 +136,7 @@ def outcome(codes: dict[int, int], forwarder: Forwarder | None = None) -> tuple[
     """
     if forwarder is not None and forwarder.interrupted_twice:
         return INTERRUPTED_EXIT_CODE, "error: stopped at once (Ctrl-C twice): this step was not saved; the newest " \
-                                      "complete checkpoint is the one to resume from (--resume=auto)"
+                                      "complete checkpoint, if any, is the one --resume=auto takes"
     own = sorted(r for r, c in codes.items() if c in SHARDLM_EXIT_CODES)
     if own:
         return codes[own[0]], None

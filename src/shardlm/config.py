@@ -222,7 +222,8 @@ class CheckpointConfig:
     """Sharded checkpoints (torch.distributed.checkpoint) under ``<run dir>/checkpoints/step-<N>/``."""
 
     enabled: bool = True
-    """Write checkpoints (every ``interval`` steps, at the last step, and on SIGTERM/SIGUSR1)."""
+    """Write checkpoints (every ``interval`` steps, at the last step, and on SIGINT/SIGTERM/SIGUSR1: Ctrl-C or
+    preemption then saves and exits 5; false: Ctrl-C stops at once)."""
     interval: int = 100
     """Save every this many steps (and at the last step); 0 saves only at the last step and on preemption."""
     keep: int = 3
@@ -231,7 +232,8 @@ class CheckpointConfig:
     resume: str = ""
     """``""`` starts fresh (unless torchrun restarted the job: then ``auto``), ``auto`` resumes from the newest
     complete checkpoint of the run directory's run (``config.json``'s ``run_id``) if there is one, or a path to
-    a ``step-<N>`` checkpoint directory."""
+    a ``step-<N>`` checkpoint directory. ``--resume=auto`` is the same; with it and no ``--config`` the run's settings
+    come from the run directory's ``config.json`` (:func:`shardlm.cli.train.train_config`)."""
     async_: bool = False
     """``checkpoint.async`` in TOML and on the command line (``async`` is a Python keyword): stage the state to host
     memory (a copy of this rank's shards: ~12 bytes per parameter / world size with AdamW in fp32) and write it in
@@ -392,6 +394,9 @@ def _parse_cli_value(text: str) -> Any:
         return text
 
 
+parse_cli_value = _parse_cli_value  # public: what an override's value means (shardlm.cli.train reads --run.dir)
+
+
 def _apply(section_obj: Any, section: str, key: str, value: Any) -> None:
     hints = typing.get_type_hints(type(section_obj))
     attrs = {f.name for f in dataclasses.fields(section_obj)}
@@ -402,10 +407,13 @@ def _apply(section_obj: Any, section: str, key: str, value: Any) -> None:
     setattr(section_obj, attr, _coerce(f"{section}.{key}", value, hints[attr]))
 
 
-def load_config(path: str | list[str] | None = None, overrides: list[str] | None = None) -> Config:
+def load_config(path: str | list[str] | None = None, overrides: list[str] | None = None,
+                base: dict[str, Any] | None = None, base_name: str = "the recorded config") -> Config:
     """Build a :class:`Config` from optional TOML files and ``--section.key=value`` overrides.
 
     Args:
+        base: sections applied first, as ``Config.to_dict()`` writes them (a run directory's ``config.json``, for a
+            resume from the run directory); ``base_name`` names it in errors.
         path: TOML file with sections named like the :class:`Config` fields, a list of such files applied in
             order (a later file's keys replace an earlier one's; e.g. a config, then the settings
             ``shardlm tune`` wrote), or None for defaults. ``run.name`` defaults to the first file's stem.
@@ -418,6 +426,11 @@ def load_config(path: str | list[str] | None = None, overrides: list[str] | None
     cfg = Config()
     sections = {f.name for f in dataclasses.fields(cfg)}
     paths = [] if path is None else [path] if isinstance(path, str) else list(path)
+    for section, table in (base or {}).items():
+        if section not in sections or not isinstance(table, dict):
+            raise ConfigError(f"unknown config section '{section}' in {base_name}")
+        for key, value in table.items():
+            _apply(getattr(cfg, section), section, key, value)
     for file in paths:
         p = Path(file)
         if not p.is_file():

@@ -118,16 +118,21 @@ def flatten(config: dict[str, Any]) -> dict[str, Any]:
             for key, value in table.items()}
 
 
+#: fields that say how this attempt starts, not how the run trains: never listed as changes
+NOT_COMPARED = ("checkpoint.resume",)
+
+
 def config_changes(old: dict[str, Any], new: dict[str, Any]) -> list[Change]:
     """Every field of ``new`` (``Config.to_dict()``) whose value differs in ``old`` (the checkpoint's), in order.
 
     A field the checkpoint did not record (written by an older shardlm) counts as changed and takes effect.
+    The fields of :data:`NOT_COMPARED` (``checkpoint.resume``: every resume sets it) are left out.
     """
     before, after = flatten(old), flatten(new)
     changes = []
     for key, value in after.items():
         previous = before.get(key, _MISSING)
-        if previous == value:
+        if previous == value or key in NOT_COMPARED:
             continue
         what, why = rule(key) if previous is not _MISSING else (TAKES_EFFECT, "not recorded in the checkpoint")
         changes.append(Change(key, previous, value, what, why))

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shlex
 import shutil
 import time
 from dataclasses import dataclass
@@ -163,3 +164,51 @@ def clear_run_dir(run_dir: Path) -> list[str]:
             path.unlink()
         removed.append(label)
     return removed
+
+
+#: environment variable in which ``shardlm train`` (:mod:`shardlm.cli.launch`) passes its own launch command (without
+#: the config and overrides) to the ranks, for :func:`resume_command`
+LAUNCH_ENV = "SHARDLM_LAUNCH_COMMAND"
+
+
+def _launcher_prefix() -> list[str]:
+    """The command that started this process up to ``-m shardlm.train`` (exclusive), as the user would type it.
+
+    ``shardlm train ...`` when :data:`LAUNCH_ENV` is set; under torchrun the launcher's own options, read from its
+    ``/proc/<ppid>/cmdline`` (``torchrun --standalone --nproc_per_node=2``), or, without ``/proc``, rebuilt from
+    torchrun's environment; in one process ``python``.
+    """
+    if os.environ.get(LAUNCH_ENV):
+        return shlex.split(os.environ[LAUNCH_ENV])
+    if "LOCAL_WORLD_SIZE" not in os.environ:  # not under torchrun
+        return ["python"]
+    try:
+        argv = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode().split("\0")[:-1]
+    except (OSError, UnicodeDecodeError):
+        argv = []
+    for i in range(len(argv) - 1):
+        if argv[i] == "-m" and argv[i + 1] == "shardlm.train":
+            prefix = argv[:i]
+            if len(prefix) >= 2 and Path(prefix[1]).name == "torchrun":  # python .../bin/torchrun OPTIONS
+                return ["torchrun", *prefix[2:]]
+            if prefix[1:3] == ["-m", "torch.distributed.run"]:
+                return ["torchrun", *prefix[3:]]
+            if prefix and Path(prefix[0]).name == "torchrun":
+                return ["torchrun", *prefix[1:]]
+    local, world = int(os.environ["LOCAL_WORLD_SIZE"]), int(os.environ.get("WORLD_SIZE", "1"))
+    nodes = "--standalone" if local == world else f"--nnodes={world // local} <this job's rendezvous options>"
+    return ["torchrun", nodes, f"--nproc_per_node={local}"]
+
+
+def resume_command(run_dir: Path) -> str:
+    """The command line that resumes the run in ``run_dir`` from its newest checkpoint, as this process was launched.
+
+    The run's settings come back from ``run_dir/config.json`` (``--resume=auto --run.dir=DIR`` and nothing else:
+    see :func:`shardlm.cli.train.train_config`), so the command holds only the launcher, ``--resume=auto`` and the
+    run directory, e.g. ``torchrun --standalone --nproc_per_node=2 -m shardlm.train --resume=auto
+    --run.dir=runs/tiny``. Run it from the same working directory (relative paths in the config stay relative).
+    """
+    prefix = _launcher_prefix()
+    if prefix[:2] != ["shardlm", "train"]:
+        prefix = [*prefix, "-m", "shardlm.train"]
+    return shlex.join([*prefix, "--resume=auto", f"--run.dir={run_dir}"])

@@ -1,4 +1,4 @@
-"""The ``shardlm`` command and its subcommands (training itself runs under torchrun: ``-m shardlm.train``)."""
+"""The ``shardlm`` command and its subcommands (``shardlm train`` starts torchrun for ``-m shardlm.train``)."""
 
 from __future__ import annotations
 
@@ -61,7 +61,8 @@ def cmd_prepare(args: argparse.Namespace, overrides: list[str]) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``shardlm`` console script; returns the exit code."""
     parser = HelpParser(prog="shardlm", description="FSDP2 training of Llama-style models. "
-                        "Train with: torchrun --nproc_per_node=N -m shardlm.train --config FILE")
+                        "Train with: shardlm train --nproc-per-node N --config FILE "
+                        "(or torchrun --nproc_per_node=N -m shardlm.train --config FILE)")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=HelpParser)
     p = sub.add_parser("prepare", help="tokenize a corpus into token-id files (train/val split)")
     p.add_argument("--config", required=True, help="TOML config; its [data] section says what to prepare")
@@ -69,8 +70,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="encoding processes per rank (default data.workers: 0 = the cores this process may use); "
                         "under torchrun (torchrun ... -m shardlm.data --config FILE) every rank takes a share")
     p.set_defaults(fn=cmd_prepare)
-    from shardlm.cli import checkpoint, eval, generate, plan, pretrained, profile, report, tune
+    from shardlm.cli import checkpoint, eval, generate, launch, plan, pretrained, profile, report, tune
 
+    launch.add_parser(sub)  # train
     generate.add_parser(sub)
     eval.add_parser(sub)
     report.add_parser(sub)

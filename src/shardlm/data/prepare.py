@@ -412,9 +412,10 @@ def prepare_corpus(
             sync.count("pieces", reused)
         t0 = time.perf_counter()
         todo_bytes = sum(p.size for _, p in todo)
-        say(f"prepare: {len(pieces)} pieces ({sum(p.size for p in pieces) / 1e6:.1f} MB) from {corpus}"
-            + (f"; {len(skipped)} files not read (e.g. {', '.join(skipped[:3])})" if skipped else "")
-            + f"; rank {rank}/{world}: {len(todo)} to encode, {reused} finished before, {workers} workers")
+        say(f"prepare: {len(pieces)} piece{'s' * (len(pieces) != 1)} ({sum(p.size for p in pieces) / 1e6:.1f} MB) "
+            f"from {corpus}" + (f"; {len(skipped)} files not read (e.g. {', '.join(skipped[:3])})" if skipped else "")
+            + f"; rank {rank}/{world}: {len(todo)} to encode, {reused} finished before, {workers} "
+            f"worker{'s' * (workers != 1)}")
         last = [time.perf_counter()]
         done_bytes = [0]
 

@@ -39,6 +39,7 @@ class PlainProgress:
         self.file = file or sys.stderr
         self._initial, self._start = initial, time.perf_counter()
         self._last_print, self._postfix = self._start, ""
+        self._printed: tuple[int, str] | None = None  # (position, postfix) of the last line printed
 
     def set_postfix(self, **values: Any) -> None:
         """Remember ``key=value`` pairs to show on the next line."""
@@ -68,6 +69,7 @@ class PlainProgress:
 
     def _print(self) -> None:
         self._last_print = time.perf_counter()
+        self._printed = (self.n, self._postfix)
         if not self.disable:
             print(self.line(), file=self.file, flush=True)
 
@@ -77,8 +79,8 @@ class PlainProgress:
             print(text, file=self.file, flush=True)
 
     def close(self) -> None:
-        """Print the final line once."""
-        if self.n != self._initial or self.total:
+        """Print the final line once (not again when the last line printed already showed it)."""
+        if (self.n != self._initial or self.total) and self._printed != (self.n, self._postfix):
             self._print()
         self.disable = True
 

@@ -4,7 +4,8 @@ Reads each run's ``metrics.jsonl`` (and ``config.json`` when present) and draws,
 Agg backend, one PNG per quantity against step: training and validation loss, learning rate,
 tokens/s, and per-rank memory (MiB: RSS on CPU or the allocator on GPU, and shard bytes; a colour per rank).
 Several runs share each picture, one colour per run (per run and rank in the memory picture).
-``summary.md`` lists each run's config, final losses, throughput and wall time.
+``summary.md`` lists each run's config, final losses, throughput and wall time (summed over the attempts of a
+resumed run, each shown).
 """
 
 from __future__ import annotations
@@ -140,8 +141,38 @@ def _fmt(value: Any, spec: str) -> str:
     return format(value, spec) if isinstance(value, (int, float)) else "-"
 
 
+def attempt_seconds(run: Run) -> list[float]:
+    """Wall seconds of each attempt of ``run`` (its fresh start, then every resume), in order.
+
+    Each record's ``elapsed_s`` counts from its attempt's start, so it falls where a resumed attempt begins; an
+    attempt's time is its last kept record's ``elapsed_s`` (records past the checkpoint it was resumed from were
+    dropped at the resume, and so is the time they took).
+    """
+    out: list[float] = []
+    previous = None
+    for r in run.records:
+        t = r.get("elapsed_s")
+        if not isinstance(t, (int, float)):
+            continue
+        if previous is None or t < previous:
+            out.append(float(t))
+        else:
+            out[-1] = float(t)
+        previous = t
+    return out
+
+
+def _wall(run: Run) -> str:
+    """The summary's wall time: the sum over attempts, with how many when more than one."""
+    attempts = attempt_seconds(run)
+    if len(attempts) <= 1:
+        return _fmt(attempts[0] if attempts else None, ".1f")
+    return f"{sum(attempts):.1f} ({len(attempts)} attempts: " + " + ".join(f"{a:.1f}" for a in attempts) + ")"
+
+
 def summary_markdown(runs: list[Run]) -> str:
-    """A Markdown summary: per run, model/batch/parallel config, final losses, mean tokens/s, wall time."""
+    """A Markdown summary: per run, model/batch/parallel config, final losses, mean tokens/s, wall time (over every
+    attempt: :func:`attempt_seconds`)."""
     lines = ["# Run report", "",
              "| run | model (dim x layers) | world size | global batch x seq | steps | final loss | final val loss "
              "| mean tokens/s | wall time (s) |", "|---|---|---|---|---|---|---|---|---|"]
@@ -158,7 +189,7 @@ def summary_markdown(runs: list[Run]) -> str:
             f"| {run.name} | {model.get('dim', '?')} x {model.get('n_layers', '?')} | {ranks or '?'} "
             f"({parallel.get('mode', '?')}) | {train.get('global_batch_size', '?')} x {train.get('seq_len', '?')} "
             f"| {last.get('step', '?')} | {_fmt(last.get('loss'), '.4f')} | {_fmt(val[-1] if val else None, '.4f')} "
-            f"| {_fmt(tps_mean, ',.0f')} | {_fmt(last.get('elapsed_s'), '.1f')} |")
+            f"| {_fmt(tps_mean, ',.0f')} | {_wall(run)} |")
     lines += ["", "Pictures: " + ", ".join(f"`{n}.png`" for n in FIGURES), ""]
     for run in runs:
         if run.config:

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from shardlm.checkpoint.dcp import Checkpointer, resume_mode
-from shardlm.checkpoint.run import clear_run_dir, write_run_config
+from shardlm.checkpoint.run import clear_run_dir, resume_command, write_run_config
 from shardlm.config import Config, gradient_accumulation_steps
 from shardlm.convert.hf_out import EXPORT_TIMEOUT, gather_full_state_dict, save_model_dir, save_sharded_model_dir
 from shardlm.convert.peft_out import gather_full_params, merge_lora, save_peft_dir
@@ -174,19 +174,20 @@ class Trainer:
         model = unwrap(self.model)
         params = shard_bytes(self.model)["params"]
         per_rank = all_gather_ints(params, info.device)
+        samples = "examples" if cfg.data.format == "instruct" else "windows"
         lines = [
             f"shardlm | {cfg.run.name} -> {self.run_dir}",
             f"  model      {num_params(model):,} parameters, {cfg.model.n_layers} layers, dim {cfg.model.dim}, "
             f"heads {cfg.model.n_heads}/{cfg.model.kv_heads} (q/kv), vocab {cfg.model.vocab_size}"
             f"{', tied embeddings' if cfg.model.tie_embeddings else ''}",
             f"  parallel   {cfg.parallel.mode}, world size {info.world_size}, backend {info.backend}, device "
-            f"{info.device.type}, mesh {self.mesh.mesh_dim_names if self.mesh is not None else None}"
-            f"{tuple(self.mesh.shape) if self.mesh is not None else ''}",
+            f"{info.device.type}, mesh " + (" x ".join(f"{name} {size}" for name, size in zip(
+                self.mesh.mesh_dim_names, self.mesh.shape)) if self.mesh is not None else "none"),
             f"  settings   {describe(cfg.parallel, info.device.type)}",
             f"  batch      global {cfg.train.global_batch_size} seqs x {cfg.train.seq_len} tokens = "
             f"{cfg.train.global_batch_size * cfg.train.seq_len:,} tokens/step; micro-batch {cfg.train.micro_batch_size}"
             f"/rank; gradient accumulation {self.accum_steps}",
-            f"  data       {len(self.train_data):,} train windows, {len(self.val_data):,} val windows, "
+            f"  data       {len(self.train_data):,} train {samples}, {len(self.val_data):,} val {samples}, "
             f"unigram entropy {self.meta['unigram_entropy_nats']:.3f} nats",
             f"  MFU        {self.flops_per_token * cfg.train.seq_len:,.0f} model FLOPs per sequence (6N + 12·L·H·Q·T), "
             f"peak {self.peak.flops / 1e12:.2f} TFLOP/s per rank ({self.peak.precision}, {self.peak.source})",
@@ -370,6 +371,8 @@ class Trainer:
             start = {"step": 0, "val_loss": self.evaluate()}
             self.logger.log(start)
             self._remember(start)
+            if info.is_main:
+                print(f"step 0 (the pretrained model): val loss {start['val_loss']:.4f}", flush=True)
         try:  # the bar ends its line even when a step or a save fails, so an error message starts on its own
             while self.step < t.steps:
                 step = self.step + 1  # the step about to run (1-based)
@@ -381,8 +384,8 @@ class Trainer:
                 log = step % t.log_interval == 0 or last or evaluate or save
                 self.checkpointer.check_background(step)  # a failed background save stops the run here
                 record = self.train_step(log=log)
-                bar.update(1)
                 if record is None:
+                    bar.update(1)
                     continue
                 if evaluate:
                     record["val_loss"] = self.evaluate()
@@ -392,7 +395,8 @@ class Trainer:
                 bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}",
                                 mfu=f"{record['mfu']:.1%}",
                                 **({"val": f"{record['val_loss']:.3f}"} if "val_loss" in record else {}))
-                if save or self.preempted:  # preempted: SIGTERM/SIGUSR1 on any rank before this step's all-reduce
+                bar.update(1)  # after the postfix: a plain line printed now shows this step's values
+                if save or self.preempted:  # preempted: SIGINT/SIGTERM/SIGUSR1 on any rank before this step's all-reduce
                     path = self.checkpointer.save(self.model, self.optimizer, self.scheduler, self.step)
                     if info.is_main:
                         bar.write(self.checkpointer.save_line(path))
@@ -405,10 +409,14 @@ class Trainer:
             bar.close()
         self.checkpointer.close()  # waits for a background save still in flight
         if self.preempted:
-            if info.is_main:
-                print(f"preempted: stopped after step {self.step}, checkpoint written; resume with "
-                      "--checkpoint.resume=auto", flush=True)
             self.logger.close("preempted")
+            if info.is_main:  # last, after the trackers' own words: the command to copy
+                print(f"stopped after step {self.step} on a signal; checkpoint "
+                      f"{self.checkpointer.last_save['path'] if self.checkpointer.last_save else 'written'}. "
+                      f"Resume with:\n  {resume_command(self.run_dir)}", flush=True)
+            # no rank exits before rank 0 has said so: torchrun stops the others when the first one exits, and
+            # after a Ctrl-C their SIGTERM takes its default action
+            torch.distributed.barrier()
             return self.history
         self.export(self.run_dir / "final")
         if info.is_main:

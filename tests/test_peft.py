@@ -64,7 +64,7 @@ def peft_runs(tmp_path_factory, small_data) -> tuple[dict, dict, Path]:
     ckpt = runs / "lora" / "checkpoints" / "step-3"
     two = run_launch(2, [
         sc("freeze", small_data, runs, FREEZE),
-        sc("unfreeze", small_data, runs, FREEZE, unfreeze_after=2),
+        sc("unfreeze", small_data, runs, {**FREEZE, "checkpoint.keep": 2}, unfreeze_after=2, save_steps=[1, 3, 4, 5]),
         sc("lora", small_data, runs, LORA),
         sc("lora_bf16", small_data, runs, {**LORA, "lora.base_dtype": "bfloat16"}),
         sc("qlora", small_data, runs, QLORA),
@@ -82,6 +82,10 @@ def peft_runs(tmp_path_factory, small_data) -> tuple[dict, dict, Path]:
         sc("lora_bf16", small_data, runs / "one", {**LORA, **single, "lora.base_dtype": "bfloat16"}),
         sc("qlora", small_data, runs / "one", {**QLORA, **single}),
         sc("lora_resumed_1rank", small_data, runs / "one", {**LORA, "checkpoint.resume": f'"{ckpt}"'}),
+        {"name": "unfreeze_resumed",  # --resume=auto in the run that switched to all-trainable at step 2
+         "overrides": tiny_overrides(small_data, runs / "unfreeze", {
+             **single, "train.steps": STEPS + 1, "train.eval_interval": 0, "checkpoint.keep": 2,
+             "checkpoint.resume": "auto"})},
     ], out / "one")
     return two, one, runs
 
@@ -131,6 +135,34 @@ def test_frozen_first_then_unfrozen(peft_runs):
         assert not all(rank["frozen_unchanged"].values())  # the formerly frozen ones moved after unfreezing
     # the first two steps are the frozen run's
     assert losses(two["unfreeze"])[:2] == losses(two["freeze"])[:2]
+
+
+@pytest.mark.dist
+def test_checkpoint_after_set_trainable_is_the_runs_own(peft_runs, small_data):
+    """A checkpoint saved after ``set_trainable`` (the unfreeze scenario saves after steps 1, 3, 4 and 5, switching
+    after step 2) carries the run id, the data identity and the special ids of the first; retention
+    (``checkpoint.keep = 2``) prunes this run's older saves, the one before the switch included, and
+    ``--resume=auto`` picks the newest."""
+    from shardlm.checkpoint.manifest import read_manifest
+    from shardlm.data import load_meta
+
+    two, one, runs = peft_runs
+    root = runs / "unfreeze" / "checkpoints"
+    kept = sorted(p.name for p in root.iterdir())
+    assert kept == ["step-4", "step-5"], kept  # step-1 (before the switch) and step-3 pruned as this run's
+    run_id = two["unfreeze"][0]["run_id"]
+    meta = load_meta(str(small_data))
+    for name in kept:
+        manifest = read_manifest(root / name)
+        assert manifest["run_id"] == run_id and run_id
+        assert manifest["data"] == meta  # the data identity, as the first checkpointer records it
+        assert manifest["special_ids"] == meta["model_special_ids"]
+        assert manifest["base"] is None  # every parameter trainable after the switch
+        assert manifest["config"]["train"]["trainable"] == ""
+    assert read_manifest(root / "step-4")["save_seq"] < read_manifest(root / "step-5")["save_seq"]
+    resumed = one["unfreeze_resumed"][0]
+    assert resumed["last_load"]["path"] == str(root / "step-5") and resumed["run_id"] == run_id
+    assert [r["step"] for r in resumed["history"] if "loss" in r] == [STEPS + 1]
 
 
 @pytest.mark.dist

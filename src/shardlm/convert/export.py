@@ -128,12 +128,13 @@ def _base_config(path: Path, manifest: dict[str, Any]) -> Any:
     return cfg
 
 
-def load_partial_checkpoint(ckpt: str | Path) -> tuple[dict[str, torch.Tensor], Any, dict[str, Any]]:
+def rebuild_partial_model(ckpt: str | Path) -> tuple[torch.nn.Module, Any, dict[str, Any]]:
     """Rebuild the model of a checkpoint of trainable parameters only (LoRA adapters or unfrozen layers) in this
-    process: its base as training built it (see the module docstring), the checkpoint's trainable tensors read in.
+    process, on the CPU: its base as training built it (see the module docstring), the checkpoint's trainable
+    tensors read in.
 
-    Returns ``({name: full CPU tensor} of every parameter (LoRA: the base under its HF name, an NF4 base
-    dequantised, plus ``*.lora_A/B.weight``), the rebuilding :class:`~shardlm.config.Config`, manifest)``.
+    Returns ``(model (a plain ``Llama``, with ``LoRALinear`` layers under LoRA), the rebuilding
+    :class:`~shardlm.config.Config`, manifest)``.
 
     Raises:
         CheckpointError: not such a checkpoint, damaged, its base missing or changed, or tensors that do not fit.
@@ -156,6 +157,17 @@ def load_partial_checkpoint(ckpt: str | Path) -> tuple[dict[str, torch.Tensor], 
                      no_dist=True)
     except CheckpointException as e:  # derives from BaseException
         raise CheckpointError(f"reading the trainable parameters of {path} failed: {e}") from None
+    return model, cfg, manifest
+
+
+def load_partial_checkpoint(ckpt: str | Path) -> tuple[dict[str, torch.Tensor], Any, dict[str, Any]]:
+    """:func:`rebuild_partial_model`, then every parameter's full value: ``({name: CPU tensor} (LoRA: the base
+    under its HF name, an NF4 base dequantised, plus ``*.lora_A/B.weight``), config, manifest)``.
+
+    Raises:
+        CheckpointError: see :func:`rebuild_partial_model`.
+    """
+    model, cfg, manifest = rebuild_partial_model(ckpt)
     return gather_full_params(model, True), cfg, manifest
 
 

@@ -140,16 +140,16 @@ def test_frozen_first_then_unfrozen(peft_runs):
 @pytest.mark.dist
 def test_checkpoint_after_set_trainable_is_the_runs_own(peft_runs, small_data):
     """A checkpoint saved after ``set_trainable`` (the unfreeze scenario saves after steps 1, 3, 4 and 5, switching
-    after step 2) carries the run id, the data identity and the special ids of the first; retention
-    (``checkpoint.keep = 2``) prunes this run's older saves, the one before the switch included, and
-    ``--resume=auto`` picks the newest."""
+    after step 2) carries the run id, the data identity and the special ids of the first; ``--resume=auto`` (one
+    rank, one more step) picks the newest, step 5, and its save of step 6 is the same run's; retention
+    (``checkpoint.keep = 2``) pruned the older saves of the run, the one before the switch included."""
     from shardlm.checkpoint.manifest import read_manifest
     from shardlm.data import load_meta
 
     two, one, runs = peft_runs
     root = runs / "unfreeze" / "checkpoints"
     kept = sorted(p.name for p in root.iterdir())
-    assert kept == ["step-4", "step-5"], kept  # step-1 (before the switch) and step-3 pruned as this run's
+    assert kept == ["step-5", "step-6"], kept  # steps 1 (before the switch), 3 and 4 pruned as this run's
     run_id = two["unfreeze"][0]["run_id"]
     meta = load_meta(str(small_data))
     for name in kept:
@@ -159,7 +159,7 @@ def test_checkpoint_after_set_trainable_is_the_runs_own(peft_runs, small_data):
         assert manifest["special_ids"] == meta["model_special_ids"]
         assert manifest["base"] is None  # every parameter trainable after the switch
         assert manifest["config"]["train"]["trainable"] == ""
-    assert read_manifest(root / "step-4")["save_seq"] < read_manifest(root / "step-5")["save_seq"]
+    assert read_manifest(root / "step-5")["save_seq"] < read_manifest(root / "step-6")["save_seq"]
     resumed = one["unfreeze_resumed"][0]
     assert resumed["last_load"]["path"] == str(root / "step-5") and resumed["run_id"] == run_id
     assert [r["step"] for r in resumed["history"] if "loss" in r] == [STEPS + 1]

@@ -26,14 +26,17 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from shardlm.checkpoint.dcp import check_shapes, verify_checkpoint
-from shardlm.checkpoint.manifest import sha256_file
+from shardlm.checkpoint.manifest import read_manifest, sha256_file
 from shardlm.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner
+from shardlm.config import Config, LoRAConfig, ParallelConfig, TrainConfig
 from shardlm.convert.hf_out import save_model_dir
 from shardlm.convert.peft_out import base_model_path, gather_full_params, save_merged_dir, save_peft_dir
 from shardlm.errors import CheckpointError, ConfigError
 from shardlm.model.config import ModelConfig
 from shardlm.model.llama import Llama
 from shardlm.model.lora import LoRASpec
+from shardlm.parallel.dist import DistInfo
+from shardlm.train.build import build_model
 
 
 def checkpoint_model_config(manifest: dict[str, Any]) -> ModelConfig:
@@ -95,16 +98,14 @@ def _only_model(metadata: Any, tied: bool) -> Any:
     return md
 
 
-def _base_config(path: Path, manifest: dict[str, Any]) -> Any:
-    """The :class:`shardlm.config.Config` that rebuilds a partial checkpoint's model in one process: the recorded
+def _base_config(path: Path, manifest: dict[str, Any]) -> Config:
+    """The :class:`~shardlm.config.Config` that rebuilds a partial checkpoint's model in one process: the recorded
     model shape, ``[lora]`` and freezing settings and seed, ``parallel.mode = "single"``.
 
     Raises:
         CheckpointError: the manifest lacks them, or the base directory is gone or holds other weights than the
             checkpoint's base (SHA-256 of its safetensors files).
     """
-    from shardlm.config import Config, LoRAConfig, ParallelConfig, TrainConfig
-
     recorded, base = manifest.get("config") or {}, manifest["base"]
     try:
         train = recorded["train"]
@@ -128,7 +129,7 @@ def _base_config(path: Path, manifest: dict[str, Any]) -> Any:
     return cfg
 
 
-def rebuild_partial_model(ckpt: str | Path) -> tuple[torch.nn.Module, Any, dict[str, Any]]:
+def rebuild_partial_model(ckpt: str | Path) -> tuple[torch.nn.Module, Config, dict[str, Any]]:
     """Rebuild the model of a checkpoint of trainable parameters only (LoRA adapters or unfrozen layers) in this
     process, on the CPU: its base as training built it (see the module docstring), the checkpoint's trainable
     tensors read in.
@@ -139,9 +140,6 @@ def rebuild_partial_model(ckpt: str | Path) -> tuple[torch.nn.Module, Any, dict[
     Raises:
         CheckpointError: not such a checkpoint, damaged, its base missing or changed, or tensors that do not fit.
     """
-    from shardlm.parallel.dist import DistInfo
-    from shardlm.train.build import build_model
-
     path = Path(ckpt)
     manifest, metadata = verify_checkpoint(path)
     if manifest.get("base") is None:
@@ -160,7 +158,7 @@ def rebuild_partial_model(ckpt: str | Path) -> tuple[torch.nn.Module, Any, dict[
     return model, cfg, manifest
 
 
-def load_partial_checkpoint(ckpt: str | Path) -> tuple[dict[str, torch.Tensor], Any, dict[str, Any]]:
+def load_partial_checkpoint(ckpt: str | Path) -> tuple[dict[str, torch.Tensor], Config, dict[str, Any]]:
     """:func:`rebuild_partial_model`, then every parameter's full value: ``({name: CPU tensor} (LoRA: the base
     under its HF name, an NF4 base dequantised, plus ``*.lora_A/B.weight``), config, manifest)``.
 
@@ -188,8 +186,8 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path, fmt: str = "hf", me
     path = Path(ckpt)
     tokenizer = path / "tokenizer.json"
     tokenizer_path = tokenizer if tokenizer.is_file() else None
-    manifest = verify_checkpoint(path)[0]
-    lora = ((manifest.get("base") or {}).get("lora") or None)
+    manifest = read_manifest(path)  # which kind of checkpoint; the loaders below verify it
+    lora = (manifest.get("base") or {}).get("lora") or None
     if lora is None and (fmt == "peft" or merge_into):
         raise ConfigError(f"checkpoint {path} has no LoRA adapters: --format peft and --merge-into apply to LoRA "
                           "checkpoints only (export it with --format hf)")

@@ -166,6 +166,35 @@ def test_checkpoint_after_set_trainable_is_the_runs_own(peft_runs, small_data):
 
 
 @pytest.mark.dist
+@pytest.mark.parametrize("name", ["qlora", "freeze"])
+def test_partial_checkpoint_exports_equal_final(peft_runs, tmp_path, name):
+    """``shardlm export`` of the last checkpoint of a QLoRA run (NF4 base rebuilt from the seed, quantised as
+    training did) and of a partly frozen run gives the run's ``final/`` bit for bit; the QLoRA merge records that
+    it went into the dequantised NF4 base."""
+    from shardlm.cli.main import main as shardlm_main
+
+    _, _, runs = peft_runs
+    step = QLORA["train.steps"] if name == "qlora" else STEPS
+    out = tmp_path / "out"
+    assert shardlm_main(["export", str(runs / name / "checkpoints" / f"step-{step}"), str(out)]) == 0
+    got, want = load_file(out / "model.safetensors"), load_file(runs / name / "final" / "model.safetensors")
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in got)
+    if name == "qlora":
+        record = json.loads((out / "lora_merge.json").read_text())
+        assert record == json.loads((runs / name / "final" / "lora_merge.json").read_text())
+        assert record["base_dtype"] == "nf4" and record["merged_into"] == "training_base" and not record["approximate"]
+        assert "dequantised NF4" in record["description"]
+        peft_out = tmp_path / "adapter"
+        assert shardlm_main(["export", str(runs / name / "checkpoints" / f"step-{step}"), str(peft_out),
+                             "--format", "peft"]) == 0
+        a, b = load_file(peft_out / "adapter_model.safetensors"), load_file(
+            runs / name / "final-adapter" / "adapter_model.safetensors")
+        assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    else:
+        assert not (out / "lora_merge.json").exists()
+
+
+@pytest.mark.dist
 def test_lora_two_ranks_equal_one_process(peft_runs):
     two, one, runs = peft_runs
     for name in ("lora", "lora_bf16"):

@@ -2,7 +2,8 @@
 
 Usage (from tests/test_peft.py): ``torchrun --nproc_per_node=N tests/peft_worker.py SPEC.json`` with a spec as
 tests/dist_worker.py's. Scenario keys beyond ``name``/``overrides``: ``unfreeze_after`` (train that many steps,
-then make every parameter trainable with ``Trainer.set_trainable("")`` and go on), ``expect_error`` (building
+then make every parameter trainable with ``Trainer.set_trainable("")`` and go on; ``save_steps``: save a
+checkpoint after each of these steps, before and after the switch), ``expect_error`` (building
 or training must raise: the message is reported). Each rank writes ``<out>/<name>/rank<r>.json``; rank 0 also
 writes ``trainable.safetensors`` (the full trainable parameters after training).
 """
@@ -49,12 +50,19 @@ def run(scenario: dict, trainer: Trainer) -> dict:
     report["tied"] = model.lm_head.weight is model.model.embed_tokens.weight
     if "unfreeze_after" in scenario:
         history = []
-        for _ in range(scenario["unfreeze_after"]):
+        saves = set(scenario.get("save_steps", []))
+
+        def step() -> None:
             history.append(trainer.train_step())
+            if trainer.step in saves:
+                trainer.checkpointer.save(trainer.model, trainer.optimizer, trainer.scheduler, trainer.step)
+
+        for _ in range(scenario["unfreeze_after"]):
+            step()
         trainer.set_trainable("")
         report["after_unfreeze_trainable"] = sum(p.requires_grad for p in model.parameters())
         while trainer.step < trainer.cfg.train.steps:
-            history.append(trainer.train_step())
+            step()
         report["frozen_after_first_phase"] = sorted(frozen0)
     else:
         history = trainer.train()
@@ -68,6 +76,7 @@ def run(scenario: dict, trainer: Trainer) -> dict:
         "frozen_unchanged": {n: torch.equal(v, local_copy(model.get_parameter(n))) for n, v in frozen0.items()},
         "shard_bytes": trainer.local_shard_bytes,
         "step_time_s": [r["step_time_s"] for r in history if "step_time_s" in r],
+        "run_id": trainer.run_id, "last_load": trainer.checkpointer.last_load,
     })
     full = gather_full_params(model, trainer.info.is_main)
     if trainer.info.is_main:

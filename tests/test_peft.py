@@ -64,7 +64,7 @@ def peft_runs(tmp_path_factory, small_data) -> tuple[dict, dict, Path]:
     ckpt = runs / "lora" / "checkpoints" / "step-3"
     two = run_launch(2, [
         sc("freeze", small_data, runs, FREEZE),
-        sc("unfreeze", small_data, runs, FREEZE, unfreeze_after=2),
+        sc("unfreeze", small_data, runs, {**FREEZE, "checkpoint.keep": 2}, unfreeze_after=2, save_steps=[1, 3, 4, 5]),
         sc("lora", small_data, runs, LORA),
         sc("lora_bf16", small_data, runs, {**LORA, "lora.base_dtype": "bfloat16"}),
         sc("qlora", small_data, runs, QLORA),
@@ -82,6 +82,10 @@ def peft_runs(tmp_path_factory, small_data) -> tuple[dict, dict, Path]:
         sc("lora_bf16", small_data, runs / "one", {**LORA, **single, "lora.base_dtype": "bfloat16"}),
         sc("qlora", small_data, runs / "one", {**QLORA, **single}),
         sc("lora_resumed_1rank", small_data, runs / "one", {**LORA, "checkpoint.resume": f'"{ckpt}"'}),
+        {"name": "unfreeze_resumed",  # --resume=auto in the run that switched to all-trainable at step 2
+         "overrides": tiny_overrides(small_data, runs / "unfreeze", {
+             **single, "train.steps": STEPS + 1, "train.eval_interval": 0, "checkpoint.keep": 2,
+             "checkpoint.resume": "auto"})},
     ], out / "one")
     return two, one, runs
 
@@ -131,6 +135,63 @@ def test_frozen_first_then_unfrozen(peft_runs):
         assert not all(rank["frozen_unchanged"].values())  # the formerly frozen ones moved after unfreezing
     # the first two steps are the frozen run's
     assert losses(two["unfreeze"])[:2] == losses(two["freeze"])[:2]
+
+
+@pytest.mark.dist
+def test_checkpoint_after_set_trainable_is_the_runs_own(peft_runs, small_data):
+    """A checkpoint saved after ``set_trainable`` (the unfreeze scenario saves after steps 1, 3, 4 and 5, switching
+    after step 2) carries the run id, the data identity and the special ids of the first; ``--resume=auto`` (one
+    rank, one more step) picks the newest, step 5, and its save of step 6 is the same run's; retention
+    (``checkpoint.keep = 2``) pruned the older saves of the run, the one before the switch included."""
+    from shardlm.checkpoint.manifest import read_manifest
+    from shardlm.data import load_meta
+
+    two, one, runs = peft_runs
+    root = runs / "unfreeze" / "checkpoints"
+    kept = sorted(p.name for p in root.iterdir())
+    assert kept == ["step-5", "step-6"], kept  # steps 1 (before the switch), 3 and 4 pruned as this run's
+    run_id = two["unfreeze"][0]["run_id"]
+    meta = load_meta(str(small_data))
+    for name in kept:
+        manifest = read_manifest(root / name)
+        assert manifest["run_id"] == run_id and run_id
+        assert manifest["data"] == meta  # the data identity, as the first checkpointer records it
+        assert manifest["special_ids"] == meta["model_special_ids"]
+        assert manifest["base"] is None  # every parameter trainable after the switch
+        assert manifest["config"]["train"]["trainable"] == ""
+    assert read_manifest(root / "step-5")["save_seq"] < read_manifest(root / "step-6")["save_seq"]
+    resumed = one["unfreeze_resumed"][0]
+    assert resumed["last_load"]["path"] == str(root / "step-5") and resumed["run_id"] == run_id
+    assert [r["step"] for r in resumed["history"] if "loss" in r] == [STEPS + 1]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("name", ["qlora", "freeze"])
+def test_partial_checkpoint_exports_equal_final(peft_runs, tmp_path, name):
+    """``shardlm export`` of the last checkpoint of a QLoRA run (NF4 base rebuilt from the seed, quantised as
+    training did) and of a partly frozen run gives the run's ``final/`` bit for bit; the QLoRA merge records that
+    it went into the dequantised NF4 base."""
+    from shardlm.cli.main import main as shardlm_main
+
+    _, _, runs = peft_runs
+    step = QLORA["train.steps"] if name == "qlora" else STEPS
+    out = tmp_path / "out"
+    assert shardlm_main(["export", str(runs / name / "checkpoints" / f"step-{step}"), str(out)]) == 0
+    got, want = load_file(out / "model.safetensors"), load_file(runs / name / "final" / "model.safetensors")
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in got)
+    if name == "qlora":
+        record = json.loads((out / "lora_merge.json").read_text())
+        assert record == json.loads((runs / name / "final" / "lora_merge.json").read_text())
+        assert record["base_dtype"] == "nf4" and record["merged_into"] == "training_base" and not record["approximate"]
+        assert "dequantised NF4" in record["description"]
+        peft_out = tmp_path / "adapter"
+        assert shardlm_main(["export", str(runs / name / "checkpoints" / f"step-{step}"), str(peft_out),
+                             "--format", "peft"]) == 0
+        a, b = load_file(peft_out / "adapter_model.safetensors"), load_file(
+            runs / name / "final-adapter" / "adapter_model.safetensors")
+        assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    else:
+        assert not (out / "lora_merge.json").exists()
 
 
 @pytest.mark.dist

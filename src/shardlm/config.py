@@ -302,6 +302,13 @@ class LoRAConfig:
     ``nf4`` (QLoRA: every frozen weight matrix, the token embedding and output projection included, in 4-bit
     NormalFloat via torchao; norms stay fp32; the whole base about 0.26x its bf16 bytes; needs the ``qlora``
     extra). The adapters are fp32; the compute dtype is ``parallel.param_dtype``."""
+    merge_into: Literal["training_base", "original_base"] = "training_base"
+    """Which base weights the merged export (``final/``, ``shardlm export`` of a LoRA checkpoint) adds the scaled
+    adapters to: ``training_base``, the base exactly as training held it (an NF4 base dequantised, a bfloat16 base
+    as rounded): the merged model equals the trained one; or ``original_base``, the weights of ``model.init_from``
+    as stored there (e.g. 16-bit): an approximation of the trained model when the training base was rounded
+    (``nf4``, or ``bfloat16`` of wider weights), since the adapters learnt to correct the rounded base. Recorded in
+    the exported directory's ``lora_merge.json`` and in the log."""
 
 
 @dataclass
@@ -589,6 +596,9 @@ def validate(cfg: Config) -> None:
         if t.trainable or t.frozen:
             raise ConfigError("train.trainable / train.frozen cannot be combined with lora.enabled (LoRA trains the "
                               "adapters only)")
+        if lora.merge_into == "original_base" and not cfg.model.init_from:
+            raise ConfigError("lora.merge_into='original_base' needs model.init_from (the original weights are read "
+                              "from it); a randomly initialised base has only the training base")
     elif lora.base_dtype != "float32":
         raise ConfigError(f"lora.base_dtype={lora.base_dtype!r} needs lora.enabled = true")
     if m.rope_scaling_factor > 0 and m.rope_high_freq_factor <= m.rope_low_freq_factor:

@@ -551,10 +551,18 @@ class Checkpointer:
                                         "weights_sha256": [sha256_file(f) for f in files]}
             else:
                 base = {"seed": cfg.train.seed, "model": cfg.to_dict()["model"]}
-            base["lora"] = cfg.to_dict()["lora"] if cfg.lora.enabled else None
+            lora = cfg.to_dict()["lora"]
+            lora.pop("merge_into", None)  # only what the export merges into: no part of the base
+            base["lora"] = lora if cfg.lora.enabled else None
             base["trainable"], base["frozen"] = cfg.train.trainable, cfg.train.frozen
             self._base = base
         return self._base
+
+    def trainable_changed(self) -> None:
+        """Forget the cached :meth:`base_reference`: ``train.trainable`` / ``train.frozen`` changed during the run
+        (``Trainer.set_trainable``), so the next save records the new ones; the run id, save numbering, data
+        identity and special ids stay the run's."""
+        self._base = None
 
     def check_base(self, path: Path, stored: dict[str, Any] | None) -> None:
         """Refuse to resume a checkpoint of trainable parameters onto another base (every rank raises).

@@ -67,6 +67,7 @@ RULES: dict[str, tuple[str, str]] = {
     "train.peak_flops": (TAKES_EFFECT, "only the MFU that is logged"),
     "train.trainable": (REFUSED, "the checkpoint holds exactly the trainable parameters and their AdamW state"),
     "train.frozen": (REFUSED, "the checkpoint holds exactly the trainable parameters and their AdamW state"),
+    "lora.merge_into": (TAKES_EFFECT, "only which base the merged export adds the adapters to"),
     "lora.*": (REFUSED, "the adapters' shapes and the base they were trained on are fixed by the checkpoint"),
     "parallel.*": (TAKES_EFFECT, "the checkpoint does not depend on the world size or the sharding"),
     "run.*": (TAKES_EFFECT, "where and under which name the run writes"),

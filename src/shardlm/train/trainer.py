@@ -21,7 +21,7 @@ from shardlm.checkpoint.dcp import Checkpointer, resume_mode
 from shardlm.checkpoint.run import clear_run_dir, resume_command, write_run_config
 from shardlm.config import Config, gradient_accumulation_steps
 from shardlm.convert.hf_out import EXPORT_TIMEOUT, gather_full_state_dict, save_model_dir, save_sharded_model_dir
-from shardlm.convert.peft_out import gather_full_params, merge_lora, save_peft_dir
+from shardlm.convert.peft_out import base_model_path, gather_full_params, save_merged_dir, save_peft_dir
 from shardlm.data import GlobalBatchSampler, TokenWindows, eval_windows, load_meta
 from shardlm.data.build import data_dir, prepare_data
 from shardlm.data.instruct import IGNORE_INDEX, InstructionExamples, split_batch
@@ -64,6 +64,20 @@ from shardlm.train.optim import apply_train_config, build_optimizer, build_sched
 def run_dir(cfg: Config) -> Path:
     """The run directory: ``run.dir`` or ``runs/<run name>``."""
     return Path(cfg.run.dir or f"runs/{cfg.run.name}")
+
+
+def model_special_ids_of(meta: dict[str, Any]) -> dict[str, Any] | None:
+    """The bos/eos/pad ids of the model being trained, from the prepared data's ``meta.json``: the one rule for
+    every exported directory (full, merged LoRA, PEFT adapter) and every checkpoint manifest (which
+    ``shardlm export`` of a checkpoint writes).
+
+    ``model_special_ids`` is read at preparation from the tokenizer's model directory
+    (:func:`shardlm.data.tokenizer_files.model_special_ids`: its ``config.json`` / ``generation_config.json``, i.e.
+    ``model.init_from``'s own ids when the data uses its tokenizer, the default). Data prepared before that field
+    existed falls back to the data's ``special_ids`` (end of document as eos). Never the data's ids when the
+    model's are known: a chat model's eos is its end-of-turn token, not the tokenizer's end of text.
+    """
+    return meta.get("model_special_ids") or meta.get("special_ids")
 
 
 class Trainer:
@@ -110,9 +124,8 @@ class Trainer:
         self.model, self.pretrained_load_stats = build_model(cfg, self.info, self.mesh)
         self.optimizer = build_optimizer(self.model, t, self.info.device)
         self.scheduler = build_scheduler(self.optimizer, t)
-        self.special_ids = self.meta.get("model_special_ids") or self.meta.get("special_ids")
-        self.checkpointer = Checkpointer(cfg, self.info, self.run_dir, data_dir(cfg) / "tokenizer.json",
-                                         self.special_ids, self.meta)
+        self.special_ids = model_special_ids_of(self.meta)  # what every export and checkpoint records
+        self.checkpointer = self._build_checkpointer()
         self.step = self.checkpointer.load(self.model, self.optimizer, self.scheduler)  # 0 unless resuming
         if self.checkpointer.last_load is not None:  # the new config's schedule and AdamW settings, from here
             apply_train_config(self.optimizer, self.scheduler, t, self.step)
@@ -167,6 +180,13 @@ class Trainer:
 
         torch.distributed.barrier()  # every rank has looked at the directory before rank 0 changes it
         run_on_main(create, self.info)
+
+    def _build_checkpointer(self) -> Checkpointer:
+        """The run's :class:`Checkpointer`, built here only: the tokenizer and data identity of the prepared data
+        (compared at resume), the model's special ids (:func:`model_special_ids_of`). Its run id is set by
+        ``load``; :meth:`set_trainable` keeps it (and so the run id, save numbering and retention)."""
+        return Checkpointer(self.cfg, self.info, self.run_dir, data_dir(self.cfg) / "tokenizer.json",
+                            self.special_ids, self.meta)
 
     def summary(self) -> str:
         """A one-screen description of the job: model, parallelism, batch, memory per rank."""
@@ -420,7 +440,7 @@ class Trainer:
             return self.history
         self.export(self.run_dir / "final")
         if info.is_main:
-            print(f"model written to {self.run_dir / 'final'} (Hugging Face model directory)", flush=True)
+            print(self.written_line(self.run_dir / "final"), flush=True)
         self.logger.close("finished", self.run_dir / "final")
         return self.history
 
@@ -430,7 +450,9 @@ class Trainer:
         Applies the patterns as ``train.trainable``/``train.frozen`` (:func:`shardlm.model.freeze.apply_freeze`)
         to the sharded parameters (FSDP2 passes ``requires_grad`` on to the unsharded ones at the next
         all-gather), then rebuilds the optimizer over the trainable parameters, keeping the AdamW state of
-        those that had one, and the LR schedule at the current step.
+        those that had one, and the LR schedule at the current step. The run's checkpointer stays (its run id,
+        save numbering, data identity and special ids): the next checkpoint is this run's, for retention and
+        ``--resume=auto``, and records the new ``train.trainable`` / ``train.frozen``.
         """
         self.checkpointer.wait()  # a background save still in flight
         apply_freeze(unwrap(self.model), trainable, frozen)
@@ -444,8 +466,7 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, self.cfg.train)
         for _ in range(self.step):
             self.scheduler.step()
-        self.checkpointer = Checkpointer(self.cfg, self.info, self.run_dir, data_dir(self.cfg) / "tokenizer.json",
-                                         self.meta.get("special_ids"))
+        self.checkpointer.trainable_changed()  # the same run: the next save records the new trainable set
         self.local_shard_bytes = None
 
     def _remember(self, record: dict[str, Any]) -> None:
@@ -482,22 +503,36 @@ class Trainer:
         del state
         self._wait_for_writers(group)
 
+    def written_line(self, out_dir: Path) -> str:
+        """The end-of-run line: every directory :meth:`export` wrote to ``out_dir`` (and ``<out_dir>-adapter``)."""
+        if not self.cfg.lora.enabled:
+            return f"model written to {out_dir} (Hugging Face model directory)"
+        return (f"model written to {out_dir} (Hugging Face model directory, LoRA merged into the "
+                f"{self.cfg.lora.merge_into.replace('_', ' ')}) and {out_dir}-adapter (PEFT adapter on "
+                f"{base_model_path(self.cfg.model.init_from) or 'no pretrained base'})")
+
     def export_lora(self, merged_dir: Path | None, adapter_dir: Path | None) -> None:
         """Write the merged model to ``merged_dir`` and the PEFT adapter to ``adapter_dir`` (either may be None).
 
         The full parameters are gathered to rank 0, which merges and writes both (merging needs base and
         adapters side by side, an NF4 base dequantised whole); the other ranks wait on the export's group.
+        Both carry the model's special ids (:func:`model_special_ids_of`) and the tokenizer; the merge goes
+        into ``lora.merge_into``'s base and is recorded in ``lora_merge.json`` and printed
+        (:func:`shardlm.convert.peft_out.save_merged_dir`); the adapter names the base by its absolute path.
         """
         lora = self.cfg.lora
         spec = LoRASpec(lora.rank, lora.alpha, lora.dropout, lora.targets, lora.base_dtype)
         state = gather_full_params(unwrap(self.model), self.info.is_main)
         group = self._export_group()
+        tokenizer = data_dir(self.cfg) / "tokenizer.json"
         if self.info.is_main:
             if merged_dir is not None:
-                save_model_dir(merge_lora(state, lora.alpha / lora.rank), self.cfg.model, merged_dir,
-                               data_dir(self.cfg) / "tokenizer.json", self.meta.get("special_ids"))
+                record = save_merged_dir(state, self.cfg.model, spec, lora.merge_into, self.cfg.model.init_from,
+                                         merged_dir, tokenizer, self.special_ids)
+                print(f"{merged_dir}: {record['description']}", flush=True)
             if adapter_dir is not None:
-                save_peft_dir(state, spec, adapter_dir, self.cfg.model.init_from)
+                save_peft_dir(state, spec, adapter_dir, base_model_path(self.cfg.model.init_from), tokenizer,
+                              self.special_ids)
         del state
         self._wait_for_writers(group)
 

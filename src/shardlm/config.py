@@ -456,7 +456,7 @@ def load_config(path: str | list[str] | None = None, overrides: list[str] | None
 def apply_init_from(cfg: Config) -> None:
     """Make ``cfg.model`` the shape of ``cfg.model.init_from``'s ``config.json`` (in place).
 
-    Every shape field is replaced (``init_std`` and ``init_from`` are kept): the pretrained weights
+    Every shape field is replaced (``init_std``, ``init_from`` and the attention settings are kept): the pretrained weights
     decide the model. ``data.tokenizer`` defaults to the directory's ``tokenizer.json`` when empty.
 
     Raises:
@@ -464,7 +464,7 @@ def apply_init_from(cfg: Config) -> None:
     """
     src = read_model_dir_config(cfg.model.init_from)
     for f in dataclasses.fields(ModelConfig):
-        if f.name not in ("init_std", "init_from"):
+        if f.name not in ("init_std", "init_from", "attention", "attention_backend"):
             setattr(cfg.model, f.name, getattr(src, f.name))
     tokenizer = Path(cfg.model.init_from) / "tokenizer.json"
     if not cfg.data.tokenizer and tokenizer.is_file():

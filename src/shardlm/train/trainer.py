@@ -26,6 +26,7 @@ from shardlm.data import GlobalBatchSampler, TokenWindows, eval_windows, load_me
 from shardlm.data.build import data_dir, prepare_data
 from shardlm.data.instruct import IGNORE_INDEX, InstructionExamples, split_batch
 from shardlm.data.mixture import MixtureSampler, MixtureWindows, source_names
+from shardlm.data.packing import PackedExamples
 from shardlm.data.sync import check_same_data
 from shardlm.errors import ConfigError, NonFiniteError
 from shardlm.metrics import (
@@ -40,6 +41,7 @@ from shardlm.metrics.memory import expected_shard_bytes, reset_device_peaks
 from shardlm.metrics.per_rank import per_rank_summaries
 from shardlm.metrics.progress import progress
 from shardlm.metrics.trackers import check_packages, start_trackers
+from shardlm.model.attention import resolve_backend
 from shardlm.model.freeze import apply_freeze
 from shardlm.model.llama import num_params
 from shardlm.model.lora import LoRASpec
@@ -102,10 +104,22 @@ class Trainer:
                                            interleave=True)
             self.sampler = MixtureSampler([len(w) for w in self.train_data.windows],
                                           [s.weight for s in cfg.data.sources], t.global_batch_size, t.seed)
+        elif cfg.data.pack:  # rows of several examples (shardlm/data/packing.py); validation stays one per sample
+            self.train_data = PackedExamples(InstructionExamples(str(data_dir(cfg)), "train", t.seq_len,
+                                                                 skip_untrainable=True), t.seed)
+            self.val_data = dataset(str(data_dir(cfg)), "val", t.seq_len)
+            self.sampler = GlobalBatchSampler(len(self.train_data), t.global_batch_size, t.seed)
         else:
             self.train_data = dataset(str(data_dir(cfg)), "train", t.seq_len)
             self.val_data = dataset(str(data_dir(cfg)), "val", t.seq_len)
             self.sampler = GlobalBatchSampler(len(self.train_data), t.global_batch_size, t.seed)
+        #: the kernel of block-causal attention (shardlm/model/attention.py), None under causal attention
+        self.attention_backend = None
+        if cfg.model.attention == "block_causal":
+            try:
+                self.attention_backend = resolve_backend(cfg.model.attention_backend, self.info.device, training=True)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
         self.mesh = build_mesh(self.info, cfg.parallel) if cfg.parallel.mode != "single" else None
         self.model, self.pretrained_load_stats = build_model(cfg, self.info, self.mesh)
         self.optimizer = build_optimizer(self.model, t, self.info.device)
@@ -186,8 +200,11 @@ class Trainer:
             f"  batch      global {cfg.train.global_batch_size} seqs x {cfg.train.seq_len} tokens = "
             f"{cfg.train.global_batch_size * cfg.train.seq_len:,} tokens/step; micro-batch {cfg.train.micro_batch_size}"
             f"/rank; gradient accumulation {self.accum_steps}",
+            f"  attention  {cfg.model.attention}" + (f" (backend {self.attention_backend}, per-document positions)"
+                                                     if self.attention_backend else ""),
             f"  data       {len(self.train_data):,} train windows, {len(self.val_data):,} val windows, "
             f"unigram entropy {self.meta['unigram_entropy_nats']:.3f} nats",
+            *([f"  packing    {self.train_data.summary()}"] if isinstance(self.train_data, PackedExamples) else []),
             f"  MFU        {self.flops_per_token * cfg.train.seq_len:,.0f} model FLOPs per sequence (6N + 12·L·H·Q·T), "
             f"peak {self.peak.flops / 1e12:.2f} TFLOP/s per rank ({self.peak.precision}, {self.peak.source})",
         ]
@@ -244,7 +261,8 @@ class Trainer:
             inputs, targets = split_batch(batch)  # instruction data: targets are -100 off-response
             # parallel.grad_sync: reduce-scatter on every micro-batch or on the last only
             set_gradient_sync(model, last_micro_batch=(i == len(batches) - 1), policy=cfg.parallel.grad_sync)
-            logits = model(inputs)  # per block: all-gather shards, compute, reshard
+            documents = batch[:, 2, :-1] if batch.dim() == 3 and batch.shape[1] == 3 else None  # packed rows
+            logits = model(inputs, documents=documents)  # per block: all-gather shards, compute, reshard
             loss = token_loss_sum(logits, targets)
             (loss * scale).backward()  # per block: all-gather, grads, reduce-scatter (per grad_sync)
             loss_sum += loss.detach()

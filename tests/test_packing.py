@@ -16,8 +16,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import cli_error
+from conftest import cli_error, run_scenarios, scenario
+from shardlm.config import load_config
 from shardlm.data.instruct import InstructionExamples, prepare_instructions, split_batch
+from shardlm.data.loader import GlobalBatchSampler
 from shardlm.data.packing import PackedExamples, best_fit_decreasing
 from shardlm.errors import DataError
 from shardlm.model import attention as doc_attention
@@ -280,3 +282,46 @@ def test_packing_bad_input(packed_data, small_data, tmp_path, capsys):
         PackedExamples(plain, seed=0)
     with pytest.raises(DataError, match="no response token within the first 5 tokens"):  # unpacked: as before
         InstructionExamples(str(packed_data), "train", 4)
+
+
+@pytest.mark.dist
+def test_packed_training_fsdp_equals_one_process_and_resumes(packed_data, tmp_path):
+    """Packed instruction data with block-causal attention, micro-batches of one row (gradient accumulation 4 at
+    1 rank, 2 at 2): the rows are the same at 1 and 2 ranks, the first step's loss equals the mean over the same
+    examples' response tokens computed one by one (1e-6) at both, FSDP at 2 ranks equals one process over 4 steps
+    (1e-6), and a run resumed at step 2 continues bit for bit."""
+    extra = {"data.format": '"instruct"', "data.pack": "true", "model.attention": '"block_causal"',
+             "data.corpus": f'"{packed_data.parent / "chat.jsonl"}"', "data.val_fraction": 0.1,
+             "train.seq_len": SEQ, "train.global_batch_size": 4, "train.micro_batch_size": 1, "train.steps": 4,
+             "train.eval_interval": 4, "train.grad_clip": 0.0, "checkpoint.interval": 2, "checkpoint.keep": 0}
+    runs = tmp_path / "runs"
+    step2 = runs / "packed2" / "checkpoints" / "step-2"
+    out = run_scenarios(1, [scenario("packed1", packed_data, runs, extra)], tmp_path / "out1")
+    out.update(run_scenarios(2, [scenario("packed2", packed_data, runs, extra),
+                                 scenario("packed2_resume", packed_data, runs,
+                                          {**extra, "checkpoint.resume": f'"{step2}"'})], tmp_path / "out2"))
+    cfg = load_config(None, scenario("packed1", packed_data, runs, extra)["overrides"])
+    packed = PackedExamples(InstructionExamples(str(packed_data), "train", SEQ, skip_untrainable=True), cfg.train.seed)
+    assert all(r["rows"] == packed.rows for reports in out.values() for r in reports)  # the same rows everywhere
+    sampler = GlobalBatchSampler(len(packed), 4, cfg.train.seed)
+    for step in range(4):
+        assert [i for r in out["packed2"] for i in r["sample_ids"][str(step)]] == sampler.step_ids(step)
+    # step 1 at the initial weights: the examples of its rows, one by one
+    model = Llama(cfg.model)
+    model.init_weights(cfg.train.seed)
+    examples = [e for i in sampler.step_ids(0) for e in packed.rows[i]]
+    plain = packed.examples
+    with torch.no_grad():
+        alone = sum(token_loss_sum(model(split_batch(plain.get([e]))[0]), split_batch(plain.get([e]))[1]).double()
+                    for e in examples).item() / plain.num_targets(examples)
+    one, two = out["packed1"][0]["history"], out["packed2"][0]["history"]
+    assert abs(one[0]["loss"] - alone) < 1e-6 and abs(two[0]["loss"] - alone) < 1e-6, (one[0]["loss"], alone)
+    assert [h["step"] for h in one] == [1, 2, 3, 4]
+    for a, b in zip(one, two):
+        assert abs(a["loss"] - b["loss"]) <= 1e-6, (a["step"], a["loss"], b["loss"])
+    assert abs(one[-1]["val_loss"] - two[-1]["val_loss"]) <= 1e-6
+    resumed = out["packed2_resume"][0]["history"]
+    assert [h["step"] for h in resumed] == [3, 4]
+    assert [h["loss"] for h in resumed] == [h["loss"] for h in two[2:]]  # same world size: bit for bit
+    print(f"\npacked loss per step, 1 rank: {[h['loss'] for h in one]}; 2 ranks: {[h['loss'] for h in two]}; "
+          f"one by one at step 1: {alone}")

@@ -19,8 +19,9 @@ import torch.nn.functional as F
 from conftest import cli_error, run_scenarios, scenario
 from shardlm.config import load_config
 from shardlm.data.instruct import InstructionExamples, prepare_instructions, split_batch
-from shardlm.data.loader import GlobalBatchSampler
-from shardlm.data.packing import PackedExamples, best_fit_decreasing
+from shardlm.data.loader import GlobalBatchSampler, TokenWindows
+from shardlm.data.packing import DocumentWindows, PackedExamples, best_fit_decreasing
+from shardlm.data.prepare import load_meta, prepare_corpus
 from shardlm.errors import DataError
 from shardlm.model import attention as doc_attention
 from shardlm.model.config import ModelConfig
@@ -284,25 +285,78 @@ def test_packing_bad_input(packed_data, small_data, tmp_path, capsys):
         InstructionExamples(str(packed_data), "train", 4)
 
 
+
+# ---- pre-training windows over document boundaries ---------------------------------------------------------
+@pytest.fixture(scope="module")
+def doc_data(small_data, tmp_path_factory) -> Path:
+    """60 short documents (log-normal word counts, mean ~25 words) prepared as a text stream with the small
+    tokenizer: ``BOS doc0 EOD doc1 EOD ...``."""
+    d = tmp_path_factory.mktemp("docs")
+    rng = np.random.default_rng(5)
+    with (d / "docs.jsonl").open("w") as f:
+        for _ in range(60):
+            f.write(json.dumps({"text": " ".join(rng.choice(WORDS, max(2, int(rng.lognormal(np.log(25), 0.5)))))})
+                    + "\n")
+    prepare_corpus(str(d / "docs.jsonl"), str(d / "data"), str(small_data / "tokenizer.json"), 512, 0.1)
+    return d / "data"
+
+
+def test_window_across_documents_gives_the_second_its_own_logits(doc_data):
+    """A window holding the end of one document and the start of the next: under block-causal attention the next
+    document's logits equal those it has alone (1e-6), the first token of the next document is not a target of
+    the separator, and the target count is the labels'; under causal attention the logits differ."""
+    eod = load_meta(str(doc_data))["special_ids"]["eod"]
+    windows = DocumentWindows(TokenWindows(str(doc_data), "train", SEQ), eod)
+    batch = windows.get(list(range(len(windows))))
+    inputs, targets = split_batch(batch)
+    # a window whose separator leaves at least 8 tokens of the next document inside it
+    w, p = next((w, int(i)) for w in range(len(windows)) for i in torch.nonzero(inputs[w] == eod).flatten()
+                if 0 < i < SEQ - 8)
+    nxt = torch.nonzero(inputs[w, p + 1:] == eod).flatten()
+    end = p + 1 + (int(nxt[0]) + 1 if len(nxt) else SEQ - p - 1)  # the second document, its separator included
+    assert targets[w, p] == -100 and (targets[w, :p] == inputs[w, 1:p + 1]).all()  # only the boundary is dropped
+    assert batch[w, 2, :p + 1].eq(0).all() and batch[w, 2, p + 1:end].eq(1).all()
+    assert windows.num_targets(list(range(len(windows)))) == int((targets != -100).sum())
+    cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128, vocab_size=512, max_seq_len=64,
+                      attention="block_causal")
+    model = Llama(cfg)
+    model.init_weights(0)
+    with torch.no_grad():
+        logits = model(inputs[w:w + 1], documents=batch[w:w + 1, 2, :-1])[0]
+        alone = model(inputs[w:w + 1, p + 1:end])[0]
+        first = model(inputs[w:w + 1, :p + 1])[0]
+        assert (logits[p + 1:end] - alone).abs().max().item() < 1e-6
+        assert (logits[:p + 1] - first).abs().max().item() < 1e-6
+        model.cfg.attention = "causal"
+        assert (model(inputs[w:w + 1])[0, p + 1:end] - alone).abs().max().item() > 1e-4
+
+
 @pytest.mark.dist
-def test_packed_training_fsdp_equals_one_process_and_resumes(packed_data, tmp_path):
+def test_packed_training_fsdp_equals_one_process_and_resumes(packed_data, doc_data, small_data, tmp_path):
     """Packed instruction data with block-causal attention, micro-batches of one row (gradient accumulation 4 at
     1 rank, 2 at 2): the rows are the same at 1 and 2 ranks, the first step's loss equals the mean over the same
     examples' response tokens computed one by one (1e-6) at both, FSDP at 2 ranks equals one process over 4 steps
-    (1e-6), and a run resumed at step 2 continues bit for bit."""
+    (1e-6), and a run resumed at step 2 continues bit for bit. Pre-training with block-causal attention over
+    windows that cross documents: 2 ranks = 1 process over 3 steps (1e-6)."""
     extra = {"data.format": '"instruct"', "data.pack": "true", "model.attention": '"block_causal"',
              "data.corpus": f'"{packed_data.parent / "chat.jsonl"}"', "data.val_fraction": 0.1,
              "train.seq_len": SEQ, "train.global_batch_size": 4, "train.micro_batch_size": 1, "train.steps": 4,
              "train.eval_interval": 4, "train.grad_clip": 0.0, "checkpoint.interval": 2, "checkpoint.keep": 0}
     runs = tmp_path / "runs"
     step2 = runs / "packed2" / "checkpoints" / "step-2"
-    out = run_scenarios(1, [scenario("packed1", packed_data, runs, extra)], tmp_path / "out1")
-    out.update(run_scenarios(2, [scenario("packed2", packed_data, runs, extra),
+    docs = {"model.attention": '"block_causal"', "data.corpus": f'"{doc_data.parent / "docs.jsonl"}"',
+            "data.tokenizer": f'"{small_data / "tokenizer.json"}"', "data.val_fraction": 0.1, "train.seq_len": SEQ,
+            "train.steps": 3, "train.eval_interval": 3, "train.micro_batch_size": 2}
+    out = run_scenarios(1, [scenario("packed1", packed_data, runs, extra), scenario("doc1", doc_data, runs, docs)],
+                        tmp_path / "out1")
+    out.update(run_scenarios(2, [scenario("doc2", doc_data, runs, docs), scenario("packed2", packed_data, runs, extra),
                                  scenario("packed2_resume", packed_data, runs,
                                           {**extra, "checkpoint.resume": f'"{step2}"'})], tmp_path / "out2"))
     cfg = load_config(None, scenario("packed1", packed_data, runs, extra)["overrides"])
     packed = PackedExamples(InstructionExamples(str(packed_data), "train", SEQ, skip_untrainable=True), cfg.train.seed)
-    assert all(r["rows"] == packed.rows for reports in out.values() for r in reports)  # the same rows everywhere
+    assert all(r["rows"] == packed.rows for name in ("packed1", "packed2", "packed2_resume")
+               for r in out[name])  # the same rows at every rank and world size
+    assert out["doc1"][0]["rows"] is None
     sampler = GlobalBatchSampler(len(packed), 4, cfg.train.seed)
     for step in range(4):
         assert [i for r in out["packed2"] for i in r["sample_ids"][str(step)]] == sampler.step_ids(step)
@@ -323,5 +377,10 @@ def test_packed_training_fsdp_equals_one_process_and_resumes(packed_data, tmp_pa
     resumed = out["packed2_resume"][0]["history"]
     assert [h["step"] for h in resumed] == [3, 4]
     assert [h["loss"] for h in resumed] == [h["loss"] for h in two[2:]]  # same world size: bit for bit
+    doc1, doc2 = out["doc1"][0]["history"], out["doc2"][0]["history"]
+    assert [h["step"] for h in doc1] == [1, 2, 3]
+    for a, b in zip(doc1, doc2):
+        assert abs(a["loss"] - b["loss"]) <= 1e-6, (a["step"], a["loss"], b["loss"])
+    assert abs(doc1[-1]["val_loss"] - doc2[-1]["val_loss"]) <= 1e-6
     print(f"\npacked loss per step, 1 rank: {[h['loss'] for h in one]}; 2 ranks: {[h['loss'] for h in two]}; "
           f"one by one at step 1: {alone}")

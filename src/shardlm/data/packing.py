@@ -138,3 +138,46 @@ class PackedExamples:
         if self.dropped:
             text += f"; {len(self.dropped)} left out (no response token within {self.seq_len + 1} tokens)"
         return text
+
+
+class DocumentWindows:
+    """Pre-training windows with document boundaries, for block-causal attention (``model.attention``).
+
+    The prepared stream is ``BOS doc0 EOD doc1 EOD ...`` (:mod:`shardlm.data.prepare`): the separator ``eod``
+    ends each document, so the document starts the prepared data keeps are the positions after each ``eod``
+    (and a window's first token). A window's token i belongs to document ``number of eod tokens before i``; the
+    separator is the last token of the document it ends. A document's first token is never a target (label
+    -100), so no target crosses a boundary: the end of one document does not learn to predict the next.
+
+    Args:
+        windows: :class:`~shardlm.data.loader.TokenWindows` or a mixture of them (``get`` -> (B, seq_len + 1)).
+        eod: the separator id (``meta["special_ids"]["eod"]``).
+    """
+
+    def __init__(self, windows, eod: int) -> None:
+        self.windows = windows
+        self.eod = int(eod)
+        self.seq_len = windows.seq_len
+
+    def __len__(self) -> int:
+        """Number of windows."""
+        return len(self.windows)
+
+    def get(self, ids: list[int]) -> torch.Tensor:
+        """Windows ``ids`` as int64 (len(ids), 3, seq_len + 1): tokens, labels (the tokens, -100 at each document's
+        first token after the window's start), and each token's document index within its window (from 0)."""
+        tokens = self.windows.get(ids)
+        ends = tokens == self.eod
+        documents = torch.zeros_like(tokens)
+        documents[:, 1:] = ends[:, :-1].cumsum(dim=1)
+        labels = tokens.clone()
+        labels[:, 1:][ends[:, :-1]] = IGNORE_INDEX  # the token after a separator starts a document
+        return torch.stack([tokens, labels, documents], dim=1)
+
+    def num_targets(self, ids: list[int]) -> int:
+        """Targets of windows ``ids``: ``seq_len`` each, less the document starts (read on the host: every rank
+        reads the whole global batch's windows, ``G · (seq_len + 1)`` tokens)."""
+        if not len(ids):
+            return 0
+        tokens = self.windows.get(ids)
+        return len(ids) * self.seq_len - int((tokens[:, :-1] == self.eod).sum())

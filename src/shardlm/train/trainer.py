@@ -26,7 +26,7 @@ from shardlm.data import GlobalBatchSampler, TokenWindows, eval_windows, load_me
 from shardlm.data.build import data_dir, prepare_data
 from shardlm.data.instruct import IGNORE_INDEX, InstructionExamples, split_batch
 from shardlm.data.mixture import MixtureSampler, MixtureWindows, source_names
-from shardlm.data.packing import PackedExamples
+from shardlm.data.packing import DocumentWindows, PackedExamples
 from shardlm.data.sync import check_same_data
 from shardlm.errors import ConfigError, NonFiniteError
 from shardlm.metrics import (
@@ -120,6 +120,13 @@ class Trainer:
                 self.attention_backend = resolve_backend(cfg.model.attention_backend, self.info.device, training=True)
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
+        if self.attention_backend and cfg.data.format == "text":  # pre-training: document masking inside windows
+            eod = (self.meta.get("special_ids") or {}).get("eod")
+            if eod is None:
+                raise ConfigError(f"model.attention = 'block_causal' needs document boundaries, but the data in "
+                                  f"{data_dir(cfg)} has no end-of-document token (special_ids.eod): use a tokenizer "
+                                  "with one, or model.attention = 'causal'")
+            self.train_data, self.val_data = DocumentWindows(self.train_data, eod), DocumentWindows(self.val_data, eod)
         self.mesh = build_mesh(self.info, cfg.parallel) if cfg.parallel.mode != "single" else None
         self.model, self.pretrained_load_stats = build_model(cfg, self.info, self.mesh)
         self.optimizer = build_optimizer(self.model, t, self.info.device)
@@ -355,8 +362,9 @@ class Trainer:
         totals = torch.zeros(2, dtype=torch.float64, device=info.device)
         for ids in batches:
             # every rank runs the same number of forwards (FSDP all-gathers); padding batches count zero
-            inputs, targets = split_batch(to_device(self.val_data.get(ids or [0]), info.device))
-            logits = self.model(inputs)
+            batch = to_device(self.val_data.get(ids or [0]), info.device)
+            inputs, targets = split_batch(batch)
+            logits = self.model(inputs, documents=batch[:, 2, :-1] if batch.dim() == 3 and batch.shape[1] == 3 else None)
             loss = token_loss_sum(logits, targets)
             if ids:
                 totals += torch.stack([loss.double(), targets.ne(IGNORE_INDEX).sum().double()])

@@ -28,6 +28,12 @@ from shardlm.data.instruct import IGNORE_INDEX, InstructionExamples
 from shardlm.errors import DataError
 
 
+def batch_documents(batch: torch.Tensor) -> torch.Tensor | None:
+    """The document index of each input token of a batch, (B, T) int64, when it has one (packed rows and
+    :class:`DocumentWindows` are (B, 3, T + 1): tokens, labels, documents); None for plain samples."""
+    return batch[:, 2, :-1] if batch.dim() == 3 and batch.shape[1] == 3 else None
+
+
 def best_fit_decreasing(lengths: np.ndarray, capacity: int, seed: int) -> list[list[int]]:
     """Pack items of ``lengths`` (int, each 1..capacity) into bins of ``capacity``: lists of item indices.
 

@@ -26,7 +26,7 @@ from shardlm.data import GlobalBatchSampler, TokenWindows, eval_windows, load_me
 from shardlm.data.build import data_dir, prepare_data
 from shardlm.data.instruct import IGNORE_INDEX, InstructionExamples, split_batch
 from shardlm.data.mixture import MixtureSampler, MixtureWindows, source_names
-from shardlm.data.packing import DocumentWindows, PackedExamples
+from shardlm.data.packing import DocumentWindows, PackedExamples, batch_documents
 from shardlm.data.sync import check_same_data
 from shardlm.errors import ConfigError, NonFiniteError
 from shardlm.metrics import (
@@ -268,8 +268,7 @@ class Trainer:
             inputs, targets = split_batch(batch)  # instruction data: targets are -100 off-response
             # parallel.grad_sync: reduce-scatter on every micro-batch or on the last only
             set_gradient_sync(model, last_micro_batch=(i == len(batches) - 1), policy=cfg.parallel.grad_sync)
-            documents = batch[:, 2, :-1] if batch.dim() == 3 and batch.shape[1] == 3 else None  # packed rows
-            logits = model(inputs, documents=documents)  # per block: all-gather shards, compute, reshard
+            logits = model(inputs, documents=batch_documents(batch))  # per block: all-gather shards, compute, reshard
             loss = token_loss_sum(logits, targets)
             (loss * scale).backward()  # per block: all-gather, grads, reduce-scatter (per grad_sync)
             loss_sum += loss.detach()
@@ -364,7 +363,7 @@ class Trainer:
             # every rank runs the same number of forwards (FSDP all-gathers); padding batches count zero
             batch = to_device(self.val_data.get(ids or [0]), info.device)
             inputs, targets = split_batch(batch)
-            logits = self.model(inputs, documents=batch[:, 2, :-1] if batch.dim() == 3 and batch.shape[1] == 3 else None)
+            logits = self.model(inputs, documents=batch_documents(batch))
             loss = token_loss_sum(logits, targets)
             if ids:
                 totals += torch.stack([loss.double(), targets.ne(IGNORE_INDEX).sum().double()])

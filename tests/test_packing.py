@@ -334,10 +334,11 @@ def test_window_across_documents_gives_the_second_its_own_logits(doc_data):
 @pytest.mark.dist
 def test_packed_training_fsdp_equals_one_process_and_resumes(packed_data, doc_data, small_data, tmp_path):
     """Packed instruction data with block-causal attention, micro-batches of one row (gradient accumulation 4 at
-    1 rank, 2 at 2): the rows are the same at 1 and 2 ranks, the first step's loss equals the mean over the same
-    examples' response tokens computed one by one (1e-6) at both, FSDP at 2 ranks equals one process over 4 steps
-    (1e-6), and a run resumed at step 2 continues bit for bit. Pre-training with block-causal attention over
-    windows that cross documents: 2 ranks = 1 process over 3 steps (1e-6)."""
+    1 rank, 2 at 2, 1 at 4): the rows and each step's samples are the same at 1, 2 and 4 ranks; the first step's
+    loss equals the mean over the same examples' response tokens computed one by one (1e-6) at 1 and 2 ranks;
+    FSDP at 2 and at 4 ranks equals one process over 4 steps (1e-6); a run resumed at step 2 continues bit for
+    bit. Pre-training with block-causal attention over windows that cross documents: 2 ranks = 1 process over 3
+    steps (1e-6)."""
     extra = {"data.format": '"instruct"', "data.pack": "true", "model.attention": '"block_causal"',
              "data.corpus": f'"{packed_data.parent / "chat.jsonl"}"', "data.val_fraction": 0.1,
              "train.seq_len": SEQ, "train.global_batch_size": 4, "train.micro_batch_size": 1, "train.steps": 4,
@@ -352,14 +353,17 @@ def test_packed_training_fsdp_equals_one_process_and_resumes(packed_data, doc_da
     out.update(run_scenarios(2, [scenario("doc2", doc_data, runs, docs), scenario("packed2", packed_data, runs, extra),
                                  scenario("packed2_resume", packed_data, runs,
                                           {**extra, "checkpoint.resume": f'"{step2}"'})], tmp_path / "out2"))
+    out.update(run_scenarios(4, [scenario("packed4", packed_data, runs, {**extra, "checkpoint.interval": 0})],
+                             tmp_path / "out4"))
     cfg = load_config(None, scenario("packed1", packed_data, runs, extra)["overrides"])
     packed = PackedExamples(InstructionExamples(str(packed_data), "train", SEQ, skip_untrainable=True), cfg.train.seed)
-    assert all(r["rows"] == packed.rows for name in ("packed1", "packed2", "packed2_resume")
+    assert all(r["rows"] == packed.rows for name in ("packed1", "packed2", "packed2_resume", "packed4")
                for r in out[name])  # the same rows at every rank and world size
     assert out["doc1"][0]["rows"] is None
     sampler = GlobalBatchSampler(len(packed), 4, cfg.train.seed)
     for step in range(4):
-        assert [i for r in out["packed2"] for i in r["sample_ids"][str(step)]] == sampler.step_ids(step)
+        for name in ("packed1", "packed2", "packed4"):
+            assert [i for r in out[name] for i in r["sample_ids"][str(step)]] == sampler.step_ids(step), name
     # step 1 at the initial weights: the examples of its rows, one by one
     model = Llama(cfg.model)
     model.init_weights(cfg.train.seed)
@@ -371,8 +375,8 @@ def test_packed_training_fsdp_equals_one_process_and_resumes(packed_data, doc_da
     one, two = out["packed1"][0]["history"], out["packed2"][0]["history"]
     assert abs(one[0]["loss"] - alone) < 1e-6 and abs(two[0]["loss"] - alone) < 1e-6, (one[0]["loss"], alone)
     assert [h["step"] for h in one] == [1, 2, 3, 4]
-    for a, b in zip(one, two):
-        assert abs(a["loss"] - b["loss"]) <= 1e-6, (a["step"], a["loss"], b["loss"])
+    for a, b, c in zip(one, two, out["packed4"][0]["history"], strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-6 and abs(a["loss"] - c["loss"]) <= 1e-6, (a, b, c)
     assert abs(one[-1]["val_loss"] - two[-1]["val_loss"]) <= 1e-6
     resumed = out["packed2_resume"][0]["history"]
     assert [h["step"] for h in resumed] == [3, 4]

@@ -4,6 +4,7 @@ Usage (a script, not a test; it launches torchrun itself, one launch per row so 
 
     python bench/bench_packing.py                       # 2 ranks, seq 1024, 30 layers, 3 steps (1 warm-up)
     python bench/bench_packing.py --layers 4 --steps 3  # a shorter model for a shared machine
+    python bench/bench_packing.py --set parallel.activation_checkpoint=full   # less memory per rank
 
 The corpus is generated deterministically: ``--examples`` chat examples whose lengths in words are log-normal
 (sigma 0.8, capped at 0.9 ``seq_len``) with a mean chosen so that the mean example is about a quarter of ``seq_len``
@@ -114,6 +115,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=30, help="blocks of the SmolLM2-135M shape (30 = the model)")
     parser.add_argument("--examples", type=int, default=600, help="chat examples (documents) generated")
     parser.add_argument("--runs", default=",".join(RUNS), help="comma-separated row names (default: all)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="another config override for every row, e.g. parallel.activation_checkpoint=full")
     args = parser.parse_args()
     chosen = [r.strip() for r in args.runs.split(",")]
     results = {}
@@ -130,7 +133,7 @@ def main() -> None:
                          "checkpoint.enabled": "false", "data.val_fraction": 0.05,
                          "data.corpus": f'"{docs if text else chat}"', "data.tokenizer": f'"{tokenizer}"',
                          "data.dir": f'"{tmp / ("text" if text else "chat")}"', "run.dir": f'"{tmp / "run"}"',
-                         "run.overwrite": "true", **extra}
+                         "run.overwrite": "true", **extra, **dict(kv.split("=", 1) for kv in args.set)}
             spec = tmp / "spec.json"
             spec.write_text(json.dumps({"overrides": [f"--{k}={v}" for k, v in overrides.items()],
                                         "out": str(tmp / "out.json")}))

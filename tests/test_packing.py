@@ -388,3 +388,20 @@ def test_packed_training_fsdp_equals_one_process_and_resumes(packed_data, doc_da
     assert abs(doc1[-1]["val_loss"] - doc2[-1]["val_loss"]) <= 1e-6
     print(f"\npacked loss per step, 1 rank: {[h['loss'] for h in one]}; 2 ranks: {[h['loss'] for h in two]}; "
           f"one by one at step 1: {alone}")
+
+
+@pytest.mark.dist
+def test_training_with_a_backend_this_device_lacks_stops_before_anything(tmp_path):
+    """``shardlm.train`` with the flex backend on CPU (no flex backward): one error line, exit 2, before the data
+    is prepared or the run directory made."""
+    from conftest import torchrun
+
+    proc = torchrun(1, ["-m", "shardlm.train", "--config", str(ROOT / "configs/shakespeare-tiny.toml"),
+                        "--model.attention=block_causal", "--model.attention_backend=flex", "--train.steps=1",
+                        f"--data.dir={tmp_path / 'data'}", f"--run.dir={tmp_path / 'run'}"], check=False)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: model.attention_backend='flex' cannot train on CPU: PyTorch "
+                      f"{torch.__version__}'s flex_attention has no backward there; use 'sdpa' (a dense mask) or "
+                      "'auto'"], proc.stderr[-2000:]
+    assert "exitcode  : 2" in proc.stderr and proc.returncode != 0
+    assert not (tmp_path / "data").exists() and not (tmp_path / "run").exists()

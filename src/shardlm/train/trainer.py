@@ -84,6 +84,13 @@ class Trainer:
         self.info = info or init_distributed(cfg.parallel)
         set_matmul_precision(self.info.device, cfg.parallel)  # TF32 on CUDA unless parallel.tf32 = false
         self.accum_steps = gradient_accumulation_steps(cfg, self.info.world_size)
+        #: the kernel of block-causal attention (shardlm/model/attention.py), None under causal attention
+        self.attention_backend = None
+        if cfg.model.attention == "block_causal":
+            try:
+                self.attention_backend = resolve_backend(cfg.model.attention_backend, self.info.device, training=True)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
         self.run_dir = run_dir(cfg)
         self._check_run_dir()
         start = time.perf_counter()
@@ -113,13 +120,6 @@ class Trainer:
             self.train_data = dataset(str(data_dir(cfg)), "train", t.seq_len)
             self.val_data = dataset(str(data_dir(cfg)), "val", t.seq_len)
             self.sampler = GlobalBatchSampler(len(self.train_data), t.global_batch_size, t.seed)
-        #: the kernel of block-causal attention (shardlm/model/attention.py), None under causal attention
-        self.attention_backend = None
-        if cfg.model.attention == "block_causal":
-            try:
-                self.attention_backend = resolve_backend(cfg.model.attention_backend, self.info.device, training=True)
-            except ValueError as exc:
-                raise ConfigError(str(exc)) from None
         if self.attention_backend and cfg.data.format == "text":  # pre-training: document masking inside windows
             eod = (self.meta.get("special_ids") or {}).get("eod")
             if eod is None:

@@ -102,6 +102,7 @@ def main() -> None:
             "final_digest": local_digests(trainer),
             "mesh": list(trainer.mesh.mesh_dim_names) if trainer.mesh is not None else None,
             "prepare_s": trainer.prepare_s,
+            "rows": getattr(trainer.train_data, "rows", None),  # packed instruction data: example ids per row
         })
         write_rank_report(out, scenario["name"], info.rank, report)
 

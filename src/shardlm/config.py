@@ -61,6 +61,10 @@ class DataConfig:
     format: Literal["text", "instruct"] = "text"
     """``text``: a corpus for language modelling; ``instruct``: a .jsonl of ``messages`` or ``prompt``/``response``
     examples, chat-formatted, loss on response tokens only (see shardlm/data/instruct.py)."""
+    pack: bool = False
+    """Pack several instruction examples into each sample of ``seq_len + 1`` tokens (best-fit decreasing, the rest
+    padded; shardlm/data/packing.py), under ``model.attention = "block_causal"`` so that no example sees another.
+    Only for ``format = "instruct"``: pre-training windows are already full (use block-causal attention there)."""
     sources: list[DataSource] = field(default_factory=list)
     """A mixture, instead of ``corpus``: ``[[data.sources]]`` tables with ``path`` and ``weight`` (and ``name``).
     Each global batch draws its samples from the sources in proportion to the weights; all sources share one
@@ -476,7 +480,7 @@ def load_config(path: str | list[str] | None = None, overrides: list[str] | None
 def apply_init_from(cfg: Config) -> None:
     """Make ``cfg.model`` the shape of ``cfg.model.init_from``'s ``config.json`` (in place).
 
-    Every shape field is replaced (``init_std`` and ``init_from`` are kept): the pretrained weights
+    Every shape field is replaced (``init_std``, ``init_from`` and the attention settings are kept): the pretrained weights
     decide the model. ``data.tokenizer`` defaults to the directory's ``tokenizer.json`` when empty.
 
     Raises:
@@ -484,7 +488,7 @@ def apply_init_from(cfg: Config) -> None:
     """
     src = read_model_dir_config(cfg.model.init_from)
     for f in dataclasses.fields(ModelConfig):
-        if f.name not in ("init_std", "init_from"):
+        if f.name not in ("init_std", "init_from", "attention", "attention_backend"):
             setattr(cfg.model, f.name, getattr(src, f.name))
     tokenizer = Path(cfg.model.init_from) / "tokenizer.json"
     if not cfg.data.tokenizer and tokenizer.is_file():
@@ -548,6 +552,12 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"data.sources names must differ, got {names}")
     if d.sources and d.format != "text":
         raise ConfigError("data.sources (a mixture) needs data.format = 'text'")
+    if d.pack and d.format != "instruct":
+        raise ConfigError("data.pack packs instruction examples: it needs data.format = 'instruct' (text windows are "
+                          "already full; for document masking there set model.attention = 'block_causal')")
+    if d.pack and cfg.model.attention != "block_causal":
+        raise ConfigError("data.pack needs model.attention = 'block_causal': under 'causal' the packed examples would "
+                          "attend to each other")
     if not 0.0 < cfg.data.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction must be in (0, 1), got {cfg.data.val_fraction}")
     if t.min_lr > t.lr or t.lr <= 0:

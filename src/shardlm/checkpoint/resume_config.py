@@ -33,12 +33,15 @@ _ADAMW = "set in AdamW's parameter groups at the resumed step (its moments are k
 
 #: dotted config key (or ``section.*``) -> (rule, why); the first match wins, keys before wildcards
 RULES: dict[str, tuple[str, str]] = {
+    "model.attention": (REFUSED, "a run continues with the attention pattern it was trained with"),
+    "model.attention_backend": (TAKES_EFFECT, "another kernel of the same attention (equal within fp32 rounding)"),
     "model.*": (REFUSED, _SHAPE),
     "data.corpus": (REFUSED, _DATA),
     "data.tokenizer": (REFUSED, _DATA),
     "data.tokenizer_vocab_size": (REFUSED, _DATA),
     "data.val_fraction": (REFUSED, "it sets the train split: " + _ORDER),
     "data.format": (REFUSED, _DATA),
+    "data.pack": (REFUSED, "packing makes the samples: " + _ORDER),
     "data.sources": (REFUSED, "the mixture's sources and weights decide every sample: " + _ORDER),
     "data.text_field": (REFUSED, _DATA),
     "data.tokenizer_sample_bytes": (REFUSED, _DATA),

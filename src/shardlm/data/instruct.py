@@ -158,12 +158,15 @@ class InstructionExamples:
 
     Longer examples are truncated; shorter ones padded (pad token = ``eos`` or 0, label -100).
 
+    ``skip_untrainable``: an example with no response token inside its first ``seq_len + 1`` tokens gets
+    ``target_counts`` 0 instead of an error (packing leaves it out and counts it: :mod:`shardlm.data.packing`).
+
     Raises:
-        DataError: not an instruction directory, or an example with no response token inside its
-            first ``seq_len + 1`` tokens (names the JSONL line: shorten it or raise ``train.seq_len``).
+        DataError: not an instruction directory, or (unless ``skip_untrainable``) an example with no response
+            token inside its first ``seq_len + 1`` tokens (names the JSONL line: shorten it or raise ``train.seq_len``).
     """
 
-    def __init__(self, out_dir: str, split: str, seq_len: int) -> None:
+    def __init__(self, out_dir: str, split: str, seq_len: int, skip_untrainable: bool = False) -> None:
         meta = load_meta(out_dir)
         if meta.get("format") != "instruct":
             raise DataError(f"{out_dir} is not a prepared instruction directory")
@@ -180,7 +183,7 @@ class InstructionExamples:
         for i in range(n):  # the first target is position 1: a response token must fall in 1..seq_len
             start, end = int(self.offsets[i]), int(self.offsets[i + 1])
             self.target_counts[i] = int(np.count_nonzero(self.mask[start + 1:min(end, start + seq_len + 1)]))
-            if not self.target_counts[i]:
+            if not self.target_counts[i] and not skip_untrainable:
                 raise DataError(f"{meta['corpus']}:{int(self.lines[i])}: no response token within the first "
                                 f"{seq_len + 1} tokens (train.seq_len={seq_len}); shorten the prompt or raise seq_len")
 

@@ -98,9 +98,18 @@ class ModelConfig:
     rope_linear_factor: float = 0.0
     """Linear RoPE scaling (position interpolation, Gemma 3 4B+): the global layers' frequencies are divided by
     this factor [rope_scaling.factor, rope_type linear]; 0 means none."""
+    attention: Literal["causal", "block_causal"] = "causal"
+    """Attention pattern over a training sample: ``causal`` (every token sees all earlier ones of the sample) or
+    ``block_causal`` (document masking: a token sees only earlier tokens of its own document, with rotary
+    positions restarting at 0 per document; packed instruction examples, pre-training windows over document
+    boundaries; see shardlm/model/attention.py). Not a shape: kept on ``init_from``."""
+    attention_backend: Literal["auto", "sdpa", "flex"] = "auto"
+    """Kernel of block-causal attention: ``sdpa`` (a dense boolean mask, any device), ``flex`` (flex_attention with
+    a BlockMask: compiled on CUDA, eager on CPU), ``auto`` (flex on CUDA, sdpa elsewhere). Same results."""
     init_from: str = ""
     """Hugging Face model directory (``config.json`` + ``*.safetensors``) to start from instead of a random
-    init; empty means random. When set, the model's shape (every field above except ``init_std``) is read
+    init; empty means random. When set, the model's shape (every field above except ``init_std`` and the two
+    attention settings) is read
     from its ``config.json`` and overrides the TOML and command line; the tokenizer defaults to its
     ``tokenizer.json``. Each rank reads only the rows of its own shards."""
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +33,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from shardlm.model import attention as doc_attention
 from shardlm.model.config import ModelConfig
 
 #: values drawn per generator when initialising (at least one row): a rank draws only the blocks its rows touch
@@ -218,13 +220,15 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps, cfg.arch.gemma_norms)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: LayerKVCache | None = None) -> torch.Tensor:
+                cache: LayerKVCache | None = None, doc_mask: Any = None) -> torch.Tensor:
         """(batch, seq, dim) -> (batch, seq, dim). ``cos``/``sin``: (seq, head_dim), or (batch, 1, seq,
-        head_dim) with a cache. With ``cache``, the new keys/values are written at the cache's current
-        position and attention runs over everything cached so far, under the cache's mask.
+        head_dim) with a cache or per-token positions. With ``cache``, the new keys/values are written at the
+        cache's current position and attention runs over everything cached so far, under the cache's mask.
 
         Without a cache the mask is SDPA's own causal one (``is_causal``, a fused kernel) unless the
-        window is shorter than the sequence; then it is one (seq, seq) boolean mask shared by all rows."""
+        window is shorter than the sequence; then it is one (seq, seq) boolean mask shared by all rows.
+        ``doc_mask`` (block-causal attention, see :mod:`shardlm.model.attention`) replaces both: this layer's
+        dense (batch, 1, seq, seq) boolean mask or flex ``BlockMask``, its window already applied."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
@@ -235,7 +239,9 @@ class Attention(nn.Module):
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         mask = None
-        if cache is not None:
+        if doc_mask is not None:
+            mask = doc_mask
+        elif cache is not None:
             k, v, mask = cache.update(k, v, self.window)
         elif self.window and self.window < t:
             mask = sliding_window_mask(t, self.window, x.device)
@@ -260,8 +266,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     Args:
         q: (batch, n_heads, seq, head_dim); k, v: (batch, n_kv_heads, kv_seq, head_dim), n_kv_heads
             dividing n_heads; query head h reads key/value head h // (n_heads / n_kv_heads).
-        mask: None (causal over equal lengths) or a boolean/additive mask broadcastable to
-            (batch, n_heads, seq, kv_seq).
+        mask: None (causal over equal lengths), a boolean/additive mask broadcastable to
+            (batch, n_heads, seq, kv_seq) (SDPA), or a flex-attention ``BlockMask`` (the flex backend).
         enable_gqa: pass the grouped heads to SDPA as they are (``enable_gqa=True``; no K/V copies, which
             at Llama 3 8B's 32/8 heads would be 4x the K/V memory); False repeats K and V with
             ``repeat_interleave`` first (HF's ``repeat_kv``), for a PyTorch without ``enable_gqa``.
@@ -271,6 +277,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     Returns:
         (batch, n_heads, seq, head_dim), the dtype of ``q``.
     """
+    if doc_attention.BlockMask is not None and isinstance(mask, doc_attention.BlockMask):
+        return doc_attention.flex(q, k, v, mask, scale)
     repeat = q.shape[1] // k.shape[1]
     extra = {}
     if repeat > 1 and enable_gqa:
@@ -323,11 +331,11 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: LayerKVCache | None = None) -> torch.Tensor:
+                cache: LayerKVCache | None = None, doc_mask: Any = None) -> torch.Tensor:
         if hasattr(self, "post_feedforward_layernorm"):  # Gemma: norms before and after
-            h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, cache))
+            h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, cache, doc_mask))
             return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, doc_mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -382,19 +390,42 @@ class Llama(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         return self
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (batch, seq) int64 -> logits (batch, seq, vocab_size).
 
         Without ``cache`` (training, evaluation) the tokens are positions 0..seq-1 under a causal
         mask. With a :class:`KVCache` they continue the cached sequences: each row's positions
         start at the cache's length minus that row's left padding, and the cache advances by seq.
 
+        ``documents`` (batch, seq) int64, non-decreasing per row: the document index of each token of a packed
+        row. Under ``cfg.attention = "block_causal"`` each token attends only to earlier tokens of its own
+        document, and its rotary position restarts at 0 at the document's first token
+        (:mod:`shardlm.model.attention`, backend ``cfg.attention_backend``); under ``"causal"`` it is ignored.
+
         Raises:
-            ValueError: the sequence (or cache length + seq) exceeds ``max_seq_len``.
+            ValueError: the sequence (or cache length + seq) exceeds ``max_seq_len``; ``documents`` with a
+                cache or of another shape than ``tokens``; a backend this PyTorch lacks.
         """
         t = tokens.shape[1]
         decoder = self.model
-        if cache is None:
+        doc_masks = None
+        if documents is not None and self.cfg.attention == "block_causal":
+            if cache is not None or documents.shape != tokens.shape:
+                raise ValueError(f"documents {tuple(documents.shape)} need tokens of the same shape "
+                                 f"{tuple(tokens.shape)} and no cache")
+            if t > self.cfg.max_seq_len:
+                raise ValueError(f"sequence of {t} tokens exceeds max_seq_len={self.cfg.max_seq_len}")
+            backend = doc_attention.resolve_backend(self.cfg.attention_backend, tokens.device,
+                                                      torch.is_grad_enabled())
+            doc_masks = doc_attention.document_masks(
+                documents, {layer.self_attn.window for layer in decoder.layers}, backend)
+            positions = doc_attention.document_positions(documents)  # (batch, seq), 0 at each document start
+            rope = {False: (decoder.rope_cos[positions].unsqueeze(1),  # (batch, 1, seq, head_dim)
+                            decoder.rope_sin[positions].unsqueeze(1))}
+            if hasattr(decoder, "rope_local_cos"):
+                rope[True] = (decoder.rope_local_cos[positions].unsqueeze(1), decoder.rope_local_sin[positions].unsqueeze(1))
+        elif cache is None:
             if t > self.cfg.max_seq_len:
                 raise ValueError(f"sequence of {t} tokens exceeds max_seq_len={self.cfg.max_seq_len}")
             rope = {False: (decoder.rope_cos[:t], decoder.rope_sin[:t])}
@@ -411,7 +442,10 @@ class Llama(nn.Module):
             h = h * torch.tensor(self.cfg.dim ** 0.5).to(h.dtype)
         for i, layer in enumerate(decoder.layers):
             cos, sin = rope[layer.local and len(rope) > 1]
-            h = layer(h, cos, sin) if cache is None else layer(h, cos, sin, cache.layers[i])
+            if doc_masks is not None:
+                h = layer(h, cos, sin, None, doc_masks[layer.self_attn.window])
+            else:
+                h = layer(h, cos, sin) if cache is None else layer(h, cos, sin, cache.layers[i])
         if cache is not None:
             cache.advance(t)
         logits = self.lm_head(decoder.norm(h))

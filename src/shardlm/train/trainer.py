@@ -26,6 +26,7 @@ from shardlm.data import GlobalBatchSampler, TokenWindows, eval_windows, load_me
 from shardlm.data.build import data_dir, prepare_data
 from shardlm.data.instruct import IGNORE_INDEX, InstructionExamples, split_batch
 from shardlm.data.mixture import MixtureSampler, MixtureWindows, source_names
+from shardlm.data.packing import DocumentWindows, PackedExamples, batch_documents
 from shardlm.data.sync import check_same_data
 from shardlm.errors import ConfigError, NonFiniteError
 from shardlm.metrics import (
@@ -40,6 +41,7 @@ from shardlm.metrics.memory import expected_shard_bytes, reset_device_peaks
 from shardlm.metrics.per_rank import per_rank_summaries
 from shardlm.metrics.progress import progress
 from shardlm.metrics.trackers import check_packages, start_trackers
+from shardlm.model.attention import resolve_backend
 from shardlm.model.freeze import apply_freeze
 from shardlm.model.llama import num_params
 from shardlm.model.lora import LoRASpec
@@ -96,6 +98,13 @@ class Trainer:
         self.info = info or init_distributed(cfg.parallel)
         set_matmul_precision(self.info.device, cfg.parallel)  # TF32 on CUDA unless parallel.tf32 = false
         self.accum_steps = gradient_accumulation_steps(cfg, self.info.world_size)
+        #: the kernel of block-causal attention (shardlm/model/attention.py), None under causal attention
+        self.attention_backend = None
+        if cfg.model.attention == "block_causal":
+            try:
+                self.attention_backend = resolve_backend(cfg.model.attention_backend, self.info.device, training=True)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
         self.run_dir = run_dir(cfg)
         self._check_run_dir()
         start = time.perf_counter()
@@ -116,10 +125,22 @@ class Trainer:
                                            interleave=True)
             self.sampler = MixtureSampler([len(w) for w in self.train_data.windows],
                                           [s.weight for s in cfg.data.sources], t.global_batch_size, t.seed)
+        elif cfg.data.pack:  # rows of several examples (shardlm/data/packing.py); validation stays one per sample
+            self.train_data = PackedExamples(InstructionExamples(str(data_dir(cfg)), "train", t.seq_len,
+                                                                 skip_untrainable=True), t.seed)
+            self.val_data = dataset(str(data_dir(cfg)), "val", t.seq_len)
+            self.sampler = GlobalBatchSampler(len(self.train_data), t.global_batch_size, t.seed)
         else:
             self.train_data = dataset(str(data_dir(cfg)), "train", t.seq_len)
             self.val_data = dataset(str(data_dir(cfg)), "val", t.seq_len)
             self.sampler = GlobalBatchSampler(len(self.train_data), t.global_batch_size, t.seed)
+        if self.attention_backend and cfg.data.format == "text":  # pre-training: document masking inside windows
+            eod = (self.meta.get("special_ids") or {}).get("eod")
+            if eod is None:
+                raise ConfigError(f"model.attention = 'block_causal' needs document boundaries, but the data in "
+                                  f"{data_dir(cfg)} has no end-of-document token (special_ids.eod): use a tokenizer "
+                                  "with one, or model.attention = 'causal'")
+            self.train_data, self.val_data = DocumentWindows(self.train_data, eod), DocumentWindows(self.val_data, eod)
         self.mesh = build_mesh(self.info, cfg.parallel) if cfg.parallel.mode != "single" else None
         self.model, self.pretrained_load_stats = build_model(cfg, self.info, self.mesh)
         self.optimizer = build_optimizer(self.model, t, self.info.device)
@@ -194,7 +215,7 @@ class Trainer:
         model = unwrap(self.model)
         params = shard_bytes(self.model)["params"]
         per_rank = all_gather_ints(params, info.device)
-        samples = "examples" if cfg.data.format == "instruct" else "windows"
+        samples = ("packed rows" if cfg.data.pack else "examples") if cfg.data.format == "instruct" else "windows"
         lines = [
             f"shardlm | {cfg.run.name} -> {self.run_dir}",
             f"  model      {num_params(model):,} parameters, {cfg.model.n_layers} layers, dim {cfg.model.dim}, "
@@ -207,8 +228,11 @@ class Trainer:
             f"  batch      global {cfg.train.global_batch_size} seqs x {cfg.train.seq_len} tokens = "
             f"{cfg.train.global_batch_size * cfg.train.seq_len:,} tokens/step; micro-batch {cfg.train.micro_batch_size}"
             f"/rank; gradient accumulation {self.accum_steps}",
+            f"  attention  {cfg.model.attention}" + (f" (backend {self.attention_backend}, per-document positions)"
+                                                     if self.attention_backend else ""),
             f"  data       {len(self.train_data):,} train {samples}, {len(self.val_data):,} val {samples}, "
             f"unigram entropy {self.meta['unigram_entropy_nats']:.3f} nats",
+            *([f"  packing    {self.train_data.summary()}"] if isinstance(self.train_data, PackedExamples) else []),
             f"  MFU        {self.flops_per_token * cfg.train.seq_len:,.0f} model FLOPs per sequence (6N + 12·L·H·Q·T), "
             f"peak {self.peak.flops / 1e12:.2f} TFLOP/s per rank ({self.peak.precision}, {self.peak.source})",
         ]
@@ -265,7 +289,7 @@ class Trainer:
             inputs, targets = split_batch(batch)  # instruction data: targets are -100 off-response
             # parallel.grad_sync: reduce-scatter on every micro-batch or on the last only
             set_gradient_sync(model, last_micro_batch=(i == len(batches) - 1), policy=cfg.parallel.grad_sync)
-            logits = model(inputs)  # per block: all-gather shards, compute, reshard
+            logits = model(inputs, documents=batch_documents(batch))  # per block: all-gather shards, compute, reshard
             loss = token_loss_sum(logits, targets)
             (loss * scale).backward()  # per block: all-gather, grads, reduce-scatter (per grad_sync)
             loss_sum += loss.detach()
@@ -358,8 +382,9 @@ class Trainer:
         totals = torch.zeros(2, dtype=torch.float64, device=info.device)
         for ids in batches:
             # every rank runs the same number of forwards (FSDP all-gathers); padding batches count zero
-            inputs, targets = split_batch(to_device(self.val_data.get(ids or [0]), info.device))
-            logits = self.model(inputs)
+            batch = to_device(self.val_data.get(ids or [0]), info.device)
+            inputs, targets = split_batch(batch)
+            logits = self.model(inputs, documents=batch_documents(batch))
             loss = token_loss_sum(logits, targets)
             if ids:
                 totals += torch.stack([loss.double(), targets.ne(IGNORE_INDEX).sum().double()])

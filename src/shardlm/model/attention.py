@@ -1,0 +1,125 @@
+"""Document masking (block-causal attention) for packed samples, and the attention backends that run it.
+
+A packed row holds several documents back to back. ``documents`` (batch, seq) int64 gives each token the
+index of its document within the row (non-decreasing along the row; padding is a document of its own).
+Under block-causal attention a query attends only to earlier keys of its own document (and, on a local
+layer, only to the last ``window`` of them), and its rotary position counts from 0 at its document's first
+token (:func:`document_positions`), so each document gets the logits it would get alone. This is the mask
+of Llama 3 (Dubey et al., "The Llama 3 Herd of Models", 2024, §3.2: "an attention mask that prevents
+self-attention between different documents within the same sequence") and torchtitan's ``block_causal``.
+
+Backends, behind :func:`shardlm.model.llama.attention` (the mask's type selects the kernel):
+
+=========  =====================================================================================
+``sdpa``   PyTorch ``scaled_dot_product_attention`` with a dense boolean mask (batch, 1, seq, seq): any
+           device, memory ``batch · seq²`` bytes per distinct window. The CPU default and the reference.
+``flex``   ``torch.nn.attention.flex_attention`` with a ``BlockMask`` (Dong et al., "Flex Attention", 2024):
+           compiled on CUDA (the default there), eager elsewhere (slow; forward only on CPU: PyTorch
+           has no flex backward there).
+=========  =====================================================================================
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+try:  # PyTorch >= 2.5
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+except ImportError:  # pragma: no cover - an old PyTorch: the flex backend is refused by resolve_backend
+    BlockMask, create_block_mask, flex_attention = None, None, None
+
+#: the attention patterns ``model.attention`` may name
+ATTENTION_KINDS = ("causal", "block_causal")
+#: the backends ``model.attention_backend`` may name (``auto`` picks one by device)
+BACKENDS = ("auto", "sdpa", "flex")
+
+
+def flex_available() -> bool:
+    """Whether this PyTorch has ``torch.nn.attention.flex_attention`` (PyTorch >= 2.5)."""
+    return flex_attention is not None
+
+
+def resolve_backend(backend: str, device: torch.device | str, training: bool = False) -> str:
+    """The backend that runs block-causal attention on ``device``: ``sdpa`` or ``flex``.
+
+    ``auto`` is ``flex`` on CUDA when this PyTorch has it, ``sdpa`` otherwise (the dense-mask reference).
+    ``training``: gradients are needed; PyTorch's flex attention has no backward on CPU (its
+    ``_validate_device`` refuses it, PyTorch 2.13), so ``flex`` is then refused on CPU.
+
+    Raises:
+        ValueError: an unknown backend, ``flex`` on a PyTorch without ``flex_attention``, or ``flex`` for
+            training on CPU (each message names the cause and the alternative).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"model.attention_backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    device_type = torch.device(device).type
+    if backend == "auto":
+        return "flex" if device_type == "cuda" and flex_available() else "sdpa"
+    if backend == "flex" and not flex_available():
+        raise ValueError(f"model.attention_backend='flex' needs torch.nn.attention.flex_attention, which PyTorch "
+                         f"{torch.__version__} lacks (PyTorch >= 2.5); use 'sdpa' (a dense mask) or 'auto'")
+    if backend == "flex" and training and device_type == "cpu":
+        raise ValueError(f"model.attention_backend='flex' cannot train on CPU: PyTorch {torch.__version__}'s "
+                         "flex_attention has no backward there; use 'sdpa' (a dense mask) or 'auto'")
+    return backend
+
+
+def document_positions(documents: torch.Tensor) -> torch.Tensor:
+    """Position of each token within its document: (batch, seq) int64 -> (batch, seq) int64.
+
+    ``documents`` must be non-decreasing along each row (documents back to back); a token's position is its
+    index minus the index of the first token of its run of equal document ids, so it restarts at 0.
+    """
+    t = documents.shape[1]
+    index = torch.arange(t, device=documents.device).expand_as(documents)
+    starts = torch.ones_like(documents, dtype=torch.bool)
+    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    return index - torch.where(starts, index, 0).cummax(dim=1).values
+
+
+def dense_mask(documents: torch.Tensor, window: int = 0) -> torch.Tensor:
+    """Boolean block-causal mask (batch, 1, seq, seq), True = attend: key j of query i when both are in the same
+    document, j <= i, and (``window`` > 0) i - window < j (HF's sliding window, per document)."""
+    t = documents.shape[1]
+    q = torch.arange(t, device=documents.device).view(t, 1)
+    k = torch.arange(t, device=documents.device).view(1, t)
+    allowed = k <= q
+    if window:
+        allowed = allowed & (k > q - window)
+    return (allowed.unsqueeze(0) & (documents.unsqueeze(2) == documents.unsqueeze(1))).unsqueeze(1)
+
+
+def block_mask(documents: torch.Tensor, window: int = 0) -> Any:
+    """The same pattern as :func:`dense_mask` as a flex-attention ``BlockMask`` (batch, 1 head, seq, seq), built on
+    ``documents``' device (``create_block_mask``'s own default is CUDA)."""
+    b, t = documents.shape
+
+    def mask_mod(batch, head, q, kv):
+        same = documents[batch, q] == documents[batch, kv]
+        keep = same & (kv <= q)
+        return keep & (kv > q - window) if window else keep
+
+    return create_block_mask(mask_mod, b, None, t, t, device=documents.device)
+
+
+def document_masks(documents: torch.Tensor, windows: set[int], backend: str) -> dict[int, Any]:
+    """One mask per distinct window (0 = a global layer) for a forward pass: dense or ``BlockMask`` per backend."""
+    build = block_mask if backend == "flex" else dense_mask
+    return {w: build(documents, w) for w in sorted(windows)}
+
+
+_compiled_flex = None
+
+
+def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, scale: float | None) -> torch.Tensor:
+    """Flex attention of q (batch, n_heads, seq, head_dim) over k, v (batch, n_kv_heads, seq, head_dim) under the
+    ``BlockMask`` ``mask``: compiled on CUDA (the fused kernel), eager elsewhere. Returns q's shape and dtype."""
+    global _compiled_flex
+    fn = flex_attention
+    if q.device.type == "cuda":
+        if _compiled_flex is None:
+            _compiled_flex = torch.compile(flex_attention, dynamic=False)
+        fn = _compiled_flex
+    return fn(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])

@@ -96,7 +96,8 @@ def write_random_data(out: Path, vocab: int, tokens: int, seed: int = 0) -> Path
     tok.save(str(out / "tokenizer.json"))
     meta = {"dtype": np.dtype(dtype).name, "vocab_size": vocab, "tokenizer_vocab_size": vocab,
             "train_tokens": int(tokens - n_val), "val_tokens": int(n_val), "corpus": "random",
-            "special_ids": {"bos": None, "eos": None, "eod": None}, "unigram_entropy_nats": math.log(vocab), "seed": seed}
+            "special_ids": {"bos": None, "eos": None, "eod": None}, "unigram_entropy_nats": math.log(vocab), "seed": seed,
+            "identity": {"external": f"bench/gpu_check.py: seeded random ids, seed {seed}"}}
     (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     return out
 

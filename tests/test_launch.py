@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import cpu_env, require_dist_marker, tiny_overrides
+from conftest import cpu_env, describing, require_dist_marker, tiny_overrides
 from shardlm.checkpoint.dcp import Checkpointer
 from shardlm.checkpoint.resume_config import config_changes
 from shardlm.checkpoint.run import LAUNCH_ENV, resume_command, write_run_config
@@ -180,8 +180,9 @@ def test_console_words_progress_lines_and_the_report_of_a_resumed_run(runs, smal
     attempts = attempt_seconds(load_run(root / "launcher"))  # the interrupted start, then the resume
     assert len(attempts) == 2 and all(a > 0 for a in attempts)
     # fine-tuning from the reference's final model: the step-0 validation loss is printed, not only logged
-    assert train_main(tiny_overrides(small_data, tmp_path / "ft", {
-        "model.init_from": f'"{root / "ref" / "final"}"', "train.steps": 1, "train.eval_interval": 1})) == 0
+    assert train_main(tiny_overrides(small_data, tmp_path / "ft", {  # on the data's own tokenizer (not init_from's)
+        "model.init_from": f'"{root / "ref" / "final"}"', "train.steps": 1, "train.eval_interval": 1,
+        **describing(small_data, tokenizer_file=True)})) == 0
     logged = json.loads((tmp_path / "ft" / "metrics.jsonl").read_text().splitlines()[0])
     assert logged["step"] == 0
     assert f"step 0 (the pretrained model): val loss {logged['val_loss']:.4f}" in capsys.readouterr().out

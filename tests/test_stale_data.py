@@ -162,6 +162,24 @@ def test_a_preparation_without_identity_is_prepared_again_or_refused(tmp_path, c
     prepare_data(cfg)  # now current
 
 
+def test_data_made_by_another_program_is_used_with_a_note_and_never_prepared_again(tmp_path, corpus, tokenizer,
+                                                                                   capsys):
+    """``"identity": {"external": ...}`` in meta.json: training and ``shardlm prepare`` use it as it is, with a
+    note naming what made it; the token files are not touched."""
+    out = tmp_path / "data"
+    args = [f"--data.corpus={corpus}", f"--data.dir={out}", f"--data.tokenizer={tokenizer}"]
+    prepare(capsys, *args)
+    meta = json.loads((out / "meta.json").read_text())
+    meta["identity"] = {"external": "my own tokenizing script"}
+    (out / "meta.json").write_text(json.dumps(meta))
+    before = token_mtimes(out)
+    prepare_data(load_config(TINY, [*args, "--model.vocab_size=300", "--data.text_field=body"]))  # would differ
+    assert "prepared outside shardlm (my own tokenizing script)" in capsys.readouterr().err
+    err = prepare(capsys, *args, "--data.text_field=body")
+    assert "prepared outside shardlm (my own tokenizing script): used as it is" in err, err
+    assert token_mtimes(out) == before and json.loads((out / "meta.json").read_text())["identity"] == meta["identity"]
+
+
 def test_a_trained_tokenizer_is_kept_and_its_settings_compared(tmp_path, corpus, capsys):
     out = tmp_path / "data"
     args = [f"--data.corpus={corpus}", f"--data.dir={out}"]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, cli_error, cpu_env
+from conftest import ROOT, cli_error, cpu_env, describing
 from shardlm.cli.main import main as shardlm_main
 from shardlm.cli.train import parse_args
 from shardlm.config import load_config
@@ -38,6 +38,13 @@ micro_batch_size = 4
 """
 
 
+def tiny_toml(data: Path) -> str:
+    """:data:`TINY` on the prepared ``data``, with the data settings it was made with (conftest's ``describing``),
+    so that a run on it is not refused as made from other data."""
+    settings = "".join(f"{k.removeprefix('data.')} = {v}\n" for k, v in describing(data).items())
+    return TINY.format(data=data).replace(f'dir = "{data}"\n', f'dir = "{data}"\n{settings}', 1)
+
+
 def table_rows(stdout: str) -> list[dict[str, str]]:
     """The rows of the table ``shardlm tune`` printed, as {column: cell}."""
     lines = [line for line in stdout.splitlines() if line.startswith("| ")]
@@ -59,7 +66,7 @@ def test_tune_measures_the_fitting_candidates_in_one_launch(tmp_path, small_data
     fit and is not measured, several others are, in one torchrun launch; the pick is the fastest measured row and
     its TOML, layered on the config, loads as those settings, which fit the budget."""
     config = tmp_path / "tiny.toml"
-    config.write_text(TINY.format(data=small_data))
+    config.write_text(tiny_toml(small_data))
     cfg = load_config(str(config))
     own = config_candidate(cfg, 2)
     probe = Planner(cfg, 2, "cpu", 0)
@@ -131,7 +138,7 @@ def test_a_killed_rank_keeps_the_measurements(tmp_path, small_data):
     """A rank killed (SIGKILL) after two measurements: one error line naming the failed launch, the rows
     measured before it printed as a table, non-zero exit, no traceback, nothing written."""
     config = tmp_path / "tiny.toml"
-    config.write_text(TINY.format(data=small_data))
+    config.write_text(tiny_toml(small_data))
     out = tmp_path / "tuned.toml"
     cmd = [sys.executable, "-m", "shardlm", "tune", str(config), "--world-size", "2", "--out", str(out),
            "--warmup", "1", "--steps", "2", "--parallel.timeout_s=60"]

@@ -13,6 +13,8 @@ the chat template, the settings that change the tokens) and then:
   was set: a directory the user chose is not replaced behind their back; ``shardlm prepare`` with the same
   config prepares it again.
 
+Data written by another program declares so in ``meta.json`` (``"identity": {"external": "what made it"}``):
+it is used as it is, with a note, and never prepared again or refused (nothing to compare it with).
 A directory written by a shardlm that kept no identity counts as different (prepared again, or refused,
 by the same rule). When the config's corpus cannot be read here (prepared elsewhere, the corpus not
 mounted) but names the same corpus as the record, the directory is used with a note. Under torchrun
@@ -74,6 +76,10 @@ def verdict(out: Path, describe: Callable[[], dict[str, Any]], corpora: list[str
     if not _complete(out):
         return {"action": "prepare", "message": "", "identity": None}
     recorded = load_meta(str(out)).get("identity")
+    if isinstance(recorded, dict) and "external" in recorded:
+        return {"action": "use", "identity": None,
+                "message": f"note: {out} was prepared outside shardlm ({recorded['external']}): used as it is; "
+                           "what it was made from is not checked"}
     try:
         expected = describe()
     except DataError as exc:

@@ -193,30 +193,32 @@ def _chunked(h: Tensor, w: Tensor, u: Tensor | None, b: Tensor | None, targets: 
         total = z.sum(1, keepdim=True)
         loss += (zmax.squeeze(1) + total.log().squeeze(1) - z_t).sum()
         if not (need_h or need_w or need_u or need_b):
+            del z  # before the next chunk's logits exist
             continue
         g = z.div_(total)  # softmax
         g[torch.arange(g.shape[0], device=g.device), t_c] -= 1.0
         if deriv is not None:
             g.mul_(deriv)
             del deriv
-        g_mm = g.to(dtype)  # the gradient of the logits in the compute dtype (the plain loss's cast back)
-        if fp32_matmul:
-            g_mm = g_mm.float()
+        if dtype != torch.float32:  # rounded to the compute dtype in place (the plain loss's cast back)
+            g.copy_(g.to(dtype))
+        g_mm = g if fp32_matmul else g.to(dtype)  # the CPU fp32 kernel multiplies the rounded values in fp32
         if need_h:
-            dh_c = g_mm @ w_mm
-            dh[start:start + chunk] = dh_c
-        if need_w:
-            h_mm = h_c.float() if fp32_matmul else h_c
-            if g_mm.dtype == torch.float32:
-                dw.addmm_(g_mm.t(), h_mm.float())
-            else:
-                dw.add_(g_mm.t() @ h_mm)
+            dh[start:start + chunk] = g_mm @ w_mm
+        if need_w and (g_mm.dtype == torch.float32 or g.device.type == "cpu"):
+            # fp32 products of the (rounded) values, summed into the fp32 accumulator in place; on CPU a bf16
+            # product added in would cost a (V, D) bf16 result and an fp32 copy of it per chunk
+            dw.addmm_(g.t(), h_c.float())
+        elif need_w:  # CUDA, bf16: the bf16 product (V, D), added in (cast inside the kernel)
+            dw.add_(g_mm.t() @ h_c)
         if need_u or need_b:
             g_a = g_mm.to(b.dtype) * scaling
             if need_u:
                 du[start:start + chunk] = g_a @ b
             if need_b:
                 db.addmm_(g_a.t(), u[start:start + chunk].to(db.dtype))
+            del g_a
+        del z, g, g_mm  # before the next chunk's logits exist
     return loss, rows, dh, dw, du, db
 
 

@@ -2,13 +2,14 @@
 
 Usage: ``OMP_NUM_THREADS=1 python bench/bench_loss.py [--tokens 4096] [--chunk 256] [--rows 151936x576,...]``.
 
-Each row runs in a fresh subprocess, plain then chunked: fp32 (``--dtype``) hidden states (N, D) and output weight (V, D), both
-requiring gradients, random targets; one step is the loss's forward and backward (``(loss / N).backward()``), after
-one untimed warm-up step of each. Memory is PyTorch's CPU allocator as its profiler records it
-(``torch.profiler.profile(profile_memory=True)``: every allocation and free, in order); the peak is the largest sum
-of live bytes above those that existed before the step (the inputs), so the weight's and the hidden state's
-gradients count. The planner's prediction is :func:`shardlm.plan.loss.loss_peak_bytes`. Time is the wall time of a
-step outside the profiler, the best of ``--repeat``.
+Each row runs in a fresh subprocess: fp32 (``--dtype``) hidden states (N, D) and output weight (V, D), both
+requiring gradients, random targets; one step is the loss's forward and backward (``(loss / N).backward()``).
+Memory is PyTorch's CPU allocator as its profiler records it (``torch.profiler.profile(profile_memory=True)``:
+every allocation and free, in order); the peak is the largest sum of live bytes above those that existed before the
+step (the inputs), so the weight's and the hidden state's gradients count. The planner's prediction is
+:func:`shardlm.plan.loss.loss_peak_bytes`. Time: the steps run plain, chunked (``--repeat`` times), then chunked and
+plain once more under the profiler; each loss's step time is the best of its ``--repeat`` + 1 wall times (the
+profiler records a few hundred events: nothing against a step).
 """
 
 from __future__ import annotations
@@ -67,17 +68,22 @@ def measure_row(vocab: int, dim: int, tokens: int, chunk: int, repeat: int, dtyp
     w = (torch.randn(vocab, dim, generator=gen) * dim ** -0.5).to(dtype).requires_grad_()
     targets = torch.randint(0, vocab, (tokens,), generator=gen)
     out = {"vocab": vocab, "dim": dim, "tokens": tokens, "chunk": chunk}
-    for name, c in (("plain", 0), ("chunked", chunk)):
-        step(h, w, targets, c, softcap)  # warm-up
-        best = float("inf")
-        for _ in range(repeat):
-            h.grad = w.grad = None
-            start = time.perf_counter()
-            step(h, w, targets, c, softcap)
-            best = min(best, time.perf_counter() - start)
+    losses = {"plain": 0, "chunked": chunk}
+    times: dict[str, list[float]] = {"plain": [], "chunked": []}
+    # plain, chunked, then chunked, plain under the profiler (its few hundred events cost nothing against a step):
+    # the two losses take turns, so a change in the machine's load falls on both
+    for name in ("plain", "chunked") * repeat + ("chunked", "plain"):
+        profiled = len(times[name]) == repeat
         h.grad = w.grad = None
-        out[f"{name}_peak"] = peak_bytes(lambda c=c: step(h, w, targets, c, softcap))
-        out[f"{name}_s"] = best
+        start = time.perf_counter()
+        if profiled:
+            out[f"{name}_peak"] = peak_bytes(lambda c=losses[name]: step(h, w, targets, c, softcap))
+        else:
+            step(h, w, targets, losses[name], softcap)
+        times[name].append(time.perf_counter() - start)
+    for name, c in losses.items():
+        out[f"{name}_s"] = min(times[name])
+        out[f"{name}_times"] = times[name]
         out[f"{name}_planned"] = loss_peak_bytes(tokens, vocab, dim, dtype.itemsize, c, bool(softcap))
     return out
 
@@ -87,7 +93,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per micro-batch (default: %(default)s)")
     parser.add_argument("--chunk", type=int, default=256, help="train.loss_chunk_tokens (default: %(default)s)")
     parser.add_argument("--rows", default=ROWS, help="VOCABxDIM,... (default: %(default)s)")
-    parser.add_argument("--repeat", type=int, default=1, help="timed steps per loss, best kept (default: %(default)s)")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="unprofiled steps per loss before the profiled one; the best time is kept (default: 1)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                         help="of the hidden states and the weight (default: %(default)s)")
     parser.add_argument("--softcap", type=float, default=0.0, help="final logit soft-cap, 0 = none (default: 0)")

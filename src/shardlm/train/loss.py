@@ -173,7 +173,7 @@ def _chunked(h: Tensor, w: Tensor, u: Tensor | None, b: Tensor | None, targets: 
     dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_w else None
     du = torch.empty_like(u) if need_u else None
     db = torch.zeros(b.shape, dtype=torch.float32, device=b.device) if need_b else None
-    loss = torch.zeros((), dtype=torch.float32, device=h.device)
+    loss = torch.zeros((), dtype=torch.float64, device=h.device)  # summed in fp64 (as nll_loss on CPU), returned fp32
     for start in range(0, n, chunk):
         h_c, t_c = h[start:start + chunk], targets[start:start + chunk]
         z = (F.linear(h_c.float(), w_mm).to(dtype) if fp32_matmul else F.linear(h_c, w_mm))  # (c, V)
@@ -191,7 +191,9 @@ def _chunked(h: Tensor, w: Tensor, u: Tensor | None, b: Tensor | None, targets: 
         zmax = z.amax(1, keepdim=True)
         z.sub_(zmax).exp_()  # in place: one (c, V) fp32 buffer
         total = z.sum(1, keepdim=True)
-        loss += (zmax.squeeze(1) + total.log().squeeze(1) - z_t).sum()
+        # logsumexp - z_t as (max - z_t) + log Σ exp(z - max): the difference first, so that a confident
+        # prediction (both near the max, the loss small against them) loses no digits to rounding
+        loss += ((zmax.squeeze(1) - z_t) + total.log().squeeze(1)).sum(dtype=torch.float64)
         if not (need_h or need_w or need_u or need_b):
             del z  # before the next chunk's logits exist
             continue
@@ -219,7 +221,7 @@ def _chunked(h: Tensor, w: Tensor, u: Tensor | None, b: Tensor | None, targets: 
                 db.addmm_(g_a.t(), u[start:start + chunk].to(db.dtype))
             del g_a
         del z, g, g_mm  # before the next chunk's logits exist
-    return loss, rows, dh, dw, du, db
+    return loss.float(), rows, dh, dw, du, db
 
 
 class _LinearCrossEntropy(torch.autograd.Function):

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import ROOT
 from shardlm.config import Config, ConfigError, validate
 from shardlm.data.instruct import IGNORE_INDEX
 from shardlm.model.config import ModelConfig
@@ -16,6 +18,8 @@ from shardlm.model.freeze import apply_freeze
 from shardlm.model.llama import Llama
 from shardlm.model.lora import LoRASpec, apply_lora, set_fp32_matmul
 from shardlm.parallel.ac import apply_ac
+from shardlm.plan import plan_memory
+from shardlm.plan.loss import loss_peak_bytes
 from shardlm.train.loss import linear_cross_entropy_sum, model_loss_sum, token_loss_sum
 
 REL = 1e-6  # fp32: ||chunked - plain|| / ||plain|| (2-norm over the tensor), for the loss and each gradient
@@ -179,3 +183,44 @@ def test_negative_chunk_is_one_clear_error():
         validate(cfg)
     with pytest.raises(ValueError, match="must be >= 0"):
         model_loss_sum(tiny(), *batch(), -3)
+
+
+@pytest.mark.parametrize("dtype,softcap", [(torch.float32, 0.0), (torch.float32, 30.0), (torch.bfloat16, 0.0),
+                                           (torch.bfloat16, 30.0)])
+def test_planned_loss_peak_equals_the_allocators(dtype, softcap):
+    """plan/loss.py's peak against PyTorch's CPU allocator (profiler events, as bench/bench_loss.py measures), 300
+    tokens, vocab 20,000: plain and chunks of 128, within 3%; the chunked peak is below half the plain one."""
+    spec = importlib.util.spec_from_file_location("bench_loss", ROOT / "bench" / "bench_loss.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    peak_bytes, step = bench.peak_bytes, bench.step
+
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(300, 64, generator=gen).to(dtype).requires_grad_()
+    w = (torch.randn(20_000, 64, generator=gen) * 0.1).to(dtype).requires_grad_()
+    targets = torch.randint(0, 20_000, (300,), generator=gen)
+    peaks = {}
+    for chunk in (0, 128):
+        h.grad = w.grad = None  # freed before the measurement starts
+        measured = peak_bytes(lambda c=chunk: step(h, w, targets, c, softcap))
+        planned = loss_peak_bytes(300, 20_000, 64, dtype.itemsize, chunk, bool(softcap))
+        assert abs(planned / measured - 1) <= 0.03, (chunk, planned, measured)
+        peaks[chunk] = measured
+    assert peaks[128] < peaks[0] / 2
+
+
+def test_planner_counts_the_loss_by_chunk_size():
+    """shardlm plan: vocab 151,936, 4,096 tokens per micro-batch: the temporaries at the peak are the plain loss's
+    three fp32 (tokens, vocab) buffers when off, and far less with chunks of 256."""
+    cfg = Config()
+    cfg.model.vocab_size, cfg.model.dim, cfg.model.n_layers = 151_936, 576, 2
+    cfg.model.n_heads, cfg.model.n_kv_heads, cfg.model.max_seq_len = 9, 3, 4096
+    cfg.train.seq_len, cfg.train.micro_batch_size, cfg.train.global_batch_size = 4096, 1, 1
+    plans = {}
+    for chunk in (0, 256):
+        cfg.train.loss_chunk_tokens = chunk
+        plans[chunk] = plan_memory(cfg, 1)
+    logits = 4 * 4096 * 151_936
+    assert plans[0].breakdown["temporaries"] >= 3 * logits and "loss backward" in plans[0].phase
+    assert plans[256].breakdown["temporaries"] < logits / 2
+    assert plans[0].peak - plans[256].peak > 2.5 * logits

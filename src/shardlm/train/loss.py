@@ -111,7 +111,8 @@ def linear_cross_entropy_sum(hidden: Tensor, weight: Tensor, targets: Tensor, ch
     Only the positions whose target is not ``IGNORE_INDEX`` are projected (their rows gathered first); the others
     get a zero gradient, as in the plain loss. With gradients enabled and any input requiring one, the gradients
     are computed here, in the forward, and the backward scales them (once: ``retain_graph`` is refused). Frozen
-    inputs (``requires_grad=False``, e.g. a frozen or LoRA-base weight) get no gradient and cost no product.
+    inputs (``requires_grad=False``, e.g. a frozen or LoRA-base weight) get no gradient and cost no product. The
+    number of scored targets is read to the host (one synchronisation per call on a GPU: the chunks are cut there).
 
     Args:
         hidden: (..., D) float, the compute dtype (fp32 or bf16); weight: (V, D), the same dtype.

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import ROOT
+from conftest import ROOT, cli_error
 from shardlm.config import Config, ConfigError, validate
 from shardlm.data.instruct import IGNORE_INDEX
 from shardlm.model.config import ModelConfig
@@ -176,7 +176,10 @@ def test_bf16_within_bf16_noise_of_the_plain_bf16_loss(kernel):
           f"{max(worst)[0]:.1e} / {max(w[1] for w in worst):.1e}")
 
 
-def test_negative_chunk_is_one_clear_error():
+def test_negative_chunk_is_one_clear_error(capsys):
+    err = cli_error(capsys, ["plan", str(ROOT / "configs" / "shakespeare-tiny.toml"), "--world-size", "1",
+                             "--train.loss_chunk_tokens=-1"])
+    assert "train.loss_chunk_tokens must be >= 0" in err and "got -1" in err, err
     cfg = Config()
     cfg.train.loss_chunk_tokens = -1
     with pytest.raises(ConfigError, match=r"train.loss_chunk_tokens must be >= 0 .*0 = the plain loss.*got -1"):

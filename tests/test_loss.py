@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import shardlm.train.loss as loss_module
 from conftest import ROOT, cli_error
 from shardlm.config import Config, ConfigError, validate
 from shardlm.data.instruct import IGNORE_INDEX
@@ -85,9 +86,13 @@ def test_chunked_equals_plain_every_parameter(case):
     print(f"\n{case}: worst relative difference {max(errors.values()):.1e}")
 
 
-def test_hidden_state_and_weight_gradients_and_ignored_chunks():
+@pytest.mark.parametrize("rows", ["gathered", "masked"])
+def test_hidden_state_and_weight_gradients_and_ignored_chunks(rows, monkeypatch):
     """At the function: gradients of the hidden states and the output weight, with a soft-cap, chunks of 7 over 40
-    tokens of which tokens 7..20 (two whole chunks) and every target of one row are ignored; and all ignored."""
+    tokens of which tokens 7..20 (two whole chunks) and every target of one row are ignored; and all ignored.
+    ``masked``: the ignored rows projected and masked, as on a GPU (no host read), instead of gathered out."""
+    if rows == "masked":
+        monkeypatch.setattr(loss_module, "GATHER_SCORED_ROWS_ON", ())
     gen = torch.Generator().manual_seed(3)
     h = (torch.randn(4, 10, 24, generator=gen) * 2).requires_grad_()
     w = torch.randn(VOCAB, 24, generator=gen).requires_grad_()

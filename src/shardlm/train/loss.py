@@ -112,7 +112,8 @@ def linear_cross_entropy_sum(hidden: Tensor, weight: Tensor, targets: Tensor, ch
     get a zero gradient, as in the plain loss. With gradients enabled and any input requiring one, the gradients
     are computed here, in the forward, and the backward scales them (once: ``retain_graph`` is refused). Frozen
     inputs (``requires_grad=False``, e.g. a frozen or LoRA-base weight) get no gradient and cost no product. The
-    number of scored targets is read to the host (one synchronisation per call on a GPU: the chunks are cut there).
+    scored rows are found on the CPU only (:data:`GATHER_SCORED_ROWS_ON`); on a GPU every row is projected and the
+    ignored ones masked, so the loss reads nothing from the device.
 
     Args:
         hidden: (..., D) float, the compute dtype (fp32 or bf16); weight: (V, D), the same dtype.
@@ -147,8 +148,17 @@ def linear_cross_entropy_sum(hidden: Tensor, weight: Tensor, targets: Tensor, ch
                     (False, False, False, False))[0]
 
 
+#: device types on which only the scored rows are projected (found with a host read, free on the CPU); elsewhere
+#: every row is projected and the ignored ones masked, so that the loss never synchronises with the device
+GATHER_SCORED_ROWS_ON = ("cpu",)
+
+
 def _scored_rows(targets: Tensor) -> Tensor | None:
-    """Indices (n,) int64 of the scored targets, or None when every target is scored (no gather needed)."""
+    """Indices (n,) int64 of the scored targets, or None when every row is projected: every target is scored, or
+    ``targets`` is on an accelerator, where finding the rows would read the device from the host (a synchronisation
+    per micro-batch, against the lean step); there the ignored rows are projected and masked instead."""
+    if targets.device.type not in GATHER_SCORED_ROWS_ON:
+        return None
     valid = targets != IGNORE_INDEX
     if bool(valid.all()):
         return None
@@ -188,18 +198,24 @@ def _chunked(h: Tensor, w: Tensor, u: Tensor | None, b: Tensor | None, targets: 
                 deriv = tanh.float().square_().neg_().add_(1.0)  # d(c · tanh(z / c)) / dz
             del tanh
         z = z.float()  # the fp32 softmax (a no-op in fp32)
+        scored = None if rows is not None or h.device.type in GATHER_SCORED_ROWS_ON else t_c != IGNORE_INDEX  # see _scored_rows
+        if scored is not None:
+            t_c = t_c.clamp_min(0)  # an ignored row's target: any id, its loss and gradient masked below
         z_t = z.gather(1, t_c.unsqueeze(1)).squeeze(1)
         zmax = z.amax(1, keepdim=True)
         z.sub_(zmax).exp_()  # in place: one (c, V) fp32 buffer
         total = z.sum(1, keepdim=True)
         # logsumexp - z_t as (max - z_t) + log Σ exp(z - max): the difference first, so that a confident
         # prediction (both near the max, the loss small against them) loses no digits to rounding
-        loss += ((zmax.squeeze(1) - z_t) + total.log().squeeze(1)).sum(dtype=torch.float64)
+        row_loss = (zmax.squeeze(1) - z_t) + total.log().squeeze(1)
+        loss += (row_loss if scored is None else row_loss * scored).sum(dtype=torch.float64)
         if not (need_h or need_w or need_u or need_b):
             del z  # before the next chunk's logits exist
             continue
         g = z.div_(total)  # softmax
         g[torch.arange(g.shape[0], device=g.device), t_c] -= 1.0
+        if scored is not None:
+            g.mul_(scored.unsqueeze(1))  # an ignored row: no gradient, as in the plain loss
         if deriv is not None:
             g.mul_(deriv)
             del deriv

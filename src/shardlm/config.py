@@ -122,6 +122,11 @@ class TrainConfig:
     ``norm``. Empty: everything is trainable (see shardlm/model/freeze.py)."""
     frozen: str = ""
     """Comma-separated name patterns of parameters to freeze (as ``trainable``), applied after it."""
+    loss_chunk_tokens: int = 256
+    """Scored tokens per chunk of the fused output projection and cross-entropy (training and evaluation): each
+    chunk's logits (this many × vocab fp32 values) are made, turned into its loss and gradients, and freed, so the
+    whole logits never exist (``shardlm/train/loss.py``); same results as the plain loss up to summation order.
+    0 = the plain loss (the whole logits, their fp32 log-softmax and gradients)."""
 
 
 @dataclass
@@ -569,6 +574,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"train.peak_flops must be >= 0 (FLOP/s; 0 = automatic), got {t.peak_flops}")
     if t.grad_clip < 0:
         raise ConfigError(f"train.grad_clip must be >= 0, got {t.grad_clip}")
+    if t.loss_chunk_tokens < 0:
+        raise ConfigError(f"train.loss_chunk_tokens must be >= 0 (scored tokens per chunk of the fused output "
+                          f"projection and loss; 0 = the plain loss), got {t.loss_chunk_tokens}")
     for key in ("dp_replicate", "dp_shard"):
         if getattr(cfg.parallel, key) < 1 and getattr(cfg.parallel, key) != -1:
             raise ConfigError(f"parallel.{key} must be >= 1 or -1 (all remaining ranks), "

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from shardlm.config import TrainConfig
 from shardlm.convert.hf_in import load_model_dir
 from shardlm.data import load_tokenizer, read_documents, special_token_ids
 from shardlm.data.instruct import IGNORE_INDEX
@@ -28,7 +29,7 @@ from shardlm.errors import DataError, ModelDirError
 from shardlm.metrics.progress import progress as progress_bar
 from shardlm.model.llama import Llama
 from shardlm.parallel import DistInfo, all_reduce_sum
-from shardlm.train.loss import token_loss_sum
+from shardlm.train.loss import model_loss_sum
 
 
 @dataclass(frozen=True)
@@ -131,9 +132,9 @@ def evaluate_tokens(model: Llama, stream: list[int], info: DistInfo, batch_size:
         targets = tokens[:, 1:].clone()
         for row, (b, _, f) in enumerate(batch):  # target j is token b + j + 1: scored from ``first`` on
             targets[row, :f - b - 1] = IGNORE_INDEX
-        logits = model(tokens[:, :-1].to(info.device))
         targets = targets.to(info.device)
-        loss = token_loss_sum(logits, targets)
+        # the chunked loss at train.loss_chunk_tokens' default: never the whole logits (shardlm/train/loss.py)
+        loss = model_loss_sum(model, tokens[:, :-1].to(info.device), targets, TrainConfig.loss_chunk_tokens)
         n = int((targets != IGNORE_INDEX).sum())
         totals += torch.stack([loss.double(), torch.tensor(float(n), dtype=torch.float64, device=info.device)])
         bar.update(n)

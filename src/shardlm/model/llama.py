@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -391,8 +392,13 @@ class Llama(nn.Module):
         return self
 
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None,
-                documents: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens (batch, seq) int64 -> logits (batch, seq, vocab_size).
+                documents: torch.Tensor | None = None,
+                head: Callable[[Llama, torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+        """tokens (batch, seq) int64 -> logits (batch, seq, vocab_size), or ``head``'s result.
+
+        With ``head`` the output projection is left to it: it gets this model and the final norm's output
+        (batch, seq, dim) in the compute dtype, and its result is returned (the chunked loss of
+        :mod:`shardlm.train.loss` projects and scores a chunk of tokens at a time, never the whole logits).
 
         Without ``cache`` (training, evaluation) the tokens are positions 0..seq-1 under a causal
         mask. With a :class:`KVCache` they continue the cached sequences: each row's positions
@@ -448,7 +454,10 @@ class Llama(nn.Module):
                 h = layer(h, cos, sin) if cache is None else layer(h, cos, sin, cache.layers[i])
         if cache is not None:
             cache.advance(t)
-        logits = self.lm_head(decoder.norm(h))
+        h = decoder.norm(h)
+        if head is not None:
+            return head(self, h)
+        logits = self.lm_head(h)
         if self.cfg.final_logit_softcap:
             c = self.cfg.final_logit_softcap
             logits = torch.tanh(logits / c) * c

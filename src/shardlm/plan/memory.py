@@ -4,8 +4,9 @@ The planner walks one optimizer step in the order :meth:`shardlm.train.Trainer.t
 it (micro-batch forward group by group, loss, backward group by group, clip, AdamW) and keeps a
 ledger of the bytes alive in each category: parameters (sharded fp32 masters + unsharded copies),
 gradients, optimizer state, all-gather and reduce-scatter buffers (DDP: its all-reduce buckets),
-activations (what autograd saves, :mod:`shardlm.plan.activations`) and temporaries (the logits,
-their fp32 copy and log-softmax, and the gradients of both). The peak is the largest total; the
+activations (what autograd saves, :mod:`shardlm.plan.activations`) and temporaries (the loss's, by
+``train.loss_chunk_tokens``, :mod:`shardlm.plan.loss`: the whole logits, their fp32 copy, log-softmax and
+gradients, or one chunk's logits and the fp32 output-weight gradient). The peak is the largest total; the
 breakdown is the ledger at that moment.
 
 FSDP2 behaviour modelled (``torch.distributed.fsdp``, torch 2.13): one all-gather buffer per group
@@ -31,12 +32,14 @@ from dataclasses import dataclass, field
 import torch
 
 from shardlm.config import Config, ConfigError, gradient_accumulation_steps
+from shardlm.model.cpu_matmul import use_fp32_matmul
 from shardlm.model.freeze import apply_freeze
 from shardlm.model.llama import Llama
 from shardlm.model.lora import NF4_BLOCK, LoRALinear, LoRASpec, apply_lora, nf4_scaler_block
 from shardlm.parallel.options import dtype_from_name
 from shardlm.parallel.reduce_scatter import resolve_reduce_scatter
 from shardlm.plan import activations as act
+from shardlm.plan.loss import loss_events
 
 PARTS = ("params", "grads", "optimizer", "all_gather", "reduce_scatter", "activations", "temporaries", "buffers")
 """Categories of the breakdown, in display order."""
@@ -234,6 +237,10 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
     all_to_all = fsdp and n > 1 and resolve_reduce_scatter(
         cfg.parallel.reduce_scatter, "cpu" if device == "cpu" else "cuda") == "all_to_all"
     s = act.shape_of(cfg.model, cfg.train.micro_batch_size, cfg.train.seq_len, pb)
+    softcap = cfg.model.final_logit_softcap > 0
+    fp32_matmul = pb == 2 and device == "cpu" and use_fp32_matmul(cfg.parallel.cpu_bf16_matmul, torch.device("cpu"),
+                                                                  cfg.parallel.param_dtype)
+    head_trains = meta_model(cfg).lm_head.weight.requires_grad
     bd = s.tokens * s.d
     offload = st.cpu_offload and fsdp and device != "cpu"
     led = _Ledger({"host"})
@@ -252,7 +259,6 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
     accumulated: dict[str, bool] = {}
     sharded_grad: dict[str, bool] = {}  # group -> its fp32 gradient shard exists (after its first reduce-scatter)
     retained_rs = [0]  # the last reduce-scatter input, kept alive until the next one (FSDP2 keeps 1)
-    logits_alive = 0
 
     def all_gather(g: Group, phase: str) -> None:
         """Issue the group's all-gather: the flat output buffer (the input is a slice of it)."""
@@ -358,36 +364,30 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
             unshard(by_name["head"], f"{mb} forward output")
         head_acts = act.final_norm_saved(s) + act.last_output_saved(s, st.ac_mode)
         led.add("activations", head_acts, f"{mb} forward output")
-        led.add("temporaries", act.logits_bytes(s), f"{mb} logits")
-        led.free("temporaries", logits_alive)  # the previous micro-batch's logits, kept until now
-        logits_alive = act.logits_bytes(s)
-        # ---- loss: cross_entropy(logits.float()) = nll_loss(log_softmax(.)) ----
-        vbytes = 4 * s.tokens * s.vocab
-        if pb != 4:
-            led.add("temporaries", vbytes, f"{mb} loss")  # the fp32 copy, freed after the loss
-        led.add("temporaries", vbytes, f"{mb} loss")  # log-softmax output, saved
-        if pb != 4:
-            led.free("temporaries", vbytes)
-        # ---- backward ----
-        led.add("temporaries", vbytes, f"{mb} loss backward")  # nll_loss gradient
-        led.add("temporaries", vbytes, f"{mb} loss backward")  # log_softmax gradient
-        led.free("temporaries", 2 * vbytes)  # nll gradient and the saved log-softmax
-        grad_logits = vbytes
-        if pb != 4:
-            led.add("temporaries", act.logits_bytes(s), f"{mb} loss backward")  # cast back
-            led.free("temporaries", vbytes)
-            grad_logits = act.logits_bytes(s)
+        # ---- loss and its backward (plan/loss.py: plain on whole logits, or chunked) ----
+        fwd_events, bwd_events = loss_events(s.tokens, s.vocab, s.d, pb, cfg.train.loss_chunk_tokens, softcap,
+                                             fp32_matmul, head_trains, device != "cpu")
+        for _part, nbytes, what in fwd_events:
+            if nbytes > 0:
+                led.add("temporaries", nbytes, f"{mb} {what}")
+            else:
+                led.free("temporaries", -nbytes)
         head_numel = s.vocab * s.d + s.d  # output projection and final norm weights
-        if fsdp:  # tied: the shared weight's gradient arrives here and stays until the root's turn
-            prefetch(blocks[-1], f"{mb} output backward")
-            grads_arrive(by_name.get("head") or by_name["root"], f"{mb} output backward")
-        elif i == 0:
-            led.add("grads", round(4 * head_numel * train_frac), f"{mb} output backward")
-        else:
-            led.add("grads", round(4 * head_numel * train_frac), f"{mb} output backward")
-            led.free("grads", round(4 * head_numel * train_frac))
-        led.add("temporaries", pb * bd, f"{mb} output backward")  # gradient of the hidden state
-        led.free("temporaries", grad_logits)
+        if not any(part == "grads" for part, _, _ in bwd_events):
+            bwd_events.append(("grads", 0, "output backward"))  # the final norm's, whatever the output's
+        for part, nbytes, what in bwd_events:
+            if part != "grads" and nbytes > 0:  # temporaries, the hidden state's gradient (freed after the blocks)
+                led.add("temporaries", nbytes, f"{mb} {what}")
+            elif part != "grads":
+                led.free("temporaries", -nbytes)
+            elif fsdp:  # tied: the shared weight's gradient arrives here and stays until the root's turn
+                prefetch(blocks[-1], f"{mb} output backward")
+                grads_arrive(by_name.get("head") or by_name["root"], f"{mb} output backward")
+            elif i == 0:
+                led.add("grads", round(4 * head_numel * train_frac), f"{mb} output backward")
+            else:
+                led.add("grads", round(4 * head_numel * train_frac), f"{mb} output backward")
+                led.free("grads", round(4 * head_numel * train_frac))
         led.free("activations", head_acts)
         if fsdp and "head" in by_name:
             post_backward(by_name["head"], sync, f"{mb} output reduce-scatter")
@@ -428,7 +428,7 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
             led.add("grads", rest, f"{mb} backward")
             if i > 0:
                 led.free("grads", rest)
-    # clip_grad_norm_ and fused AdamW work in place (a few scalars): the last logits are still alive
+    # clip_grad_norm_ and fused AdamW work in place (a few scalars)
     led.add("temporaries", 0, "clip and optimizer step")
     breakdown = dict(led.at)
     host = stored + 3 * 4 * train_local + 4 * n_tensors if offload else 0

@@ -58,7 +58,7 @@ from shardlm.parallel.dist import set_matmul_precision, to_device
 from shardlm.parallel.faults import FaultMonitor, guard_collectives
 from shardlm.parallel.options import describe
 from shardlm.train.build import build_model, unwrap
-from shardlm.train.loss import token_loss_sum
+from shardlm.train.loss import model_loss_sum
 from shardlm.train.mfu import peak_flops_per_rank
 from shardlm.train.optim import apply_train_config, build_optimizer, build_scheduler, clip_grad_norm_
 
@@ -289,8 +289,8 @@ class Trainer:
             inputs, targets = split_batch(batch)  # instruction data: targets are -100 off-response
             # parallel.grad_sync: reduce-scatter on every micro-batch or on the last only
             set_gradient_sync(model, last_micro_batch=(i == len(batches) - 1), policy=cfg.parallel.grad_sync)
-            logits = model(inputs, documents=batch_documents(batch))  # per block: all-gather shards, compute, reshard
-            loss = token_loss_sum(logits, targets)
+            # per block: all-gather shards, compute, reshard; then the loss (chunked: never the whole logits)
+            loss = model_loss_sum(model, inputs, targets, cfg.train.loss_chunk_tokens, batch_documents(batch))
             (loss * scale).backward()  # per block: all-gather, grads, reduce-scatter (per grad_sync)
             loss_sum += loss.detach()
         # summed over ranks inside the gradient norm's all-reduce: [loss sum, preemption flag, per-rank slots]
@@ -384,8 +384,7 @@ class Trainer:
             # every rank runs the same number of forwards (FSDP all-gathers); padding batches count zero
             batch = to_device(self.val_data.get(ids or [0]), info.device)
             inputs, targets = split_batch(batch)
-            logits = self.model(inputs, documents=batch_documents(batch))
-            loss = token_loss_sum(logits, targets)
+            loss = model_loss_sum(self.model, inputs, targets, cfg.train.loss_chunk_tokens, batch_documents(batch))
             if ids:
                 totals += torch.stack([loss.double(), targets.ne(IGNORE_INDEX).sum().double()])
         all_reduce_sum(totals)

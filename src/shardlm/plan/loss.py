@@ -1,0 +1,113 @@
+"""The loss's allocations, in order: the plain loss on whole logits, or the chunked one (``train.loss_chunk_tokens``).
+
+Letters as in :mod:`shardlm.plan.activations`: N tokens of the micro-batch (all scored: an upper bound), V the
+vocabulary, D ``dim``, c the bytes of the compute dtype, k the chunk (``min(loss_chunk_tokens, N)``). Derived from
+``shardlm/train/loss.py`` op by op and checked against PyTorch's allocator (``bench/bench_loss.py``).
+
+Plain (``token_loss_sum(lm_head(h))``): the logits (c·N·V; when c = 2 an fp32 copy too, freed after the loss),
+their log-softmax (4·N·V, saved); the logits are freed once the loss is made (nothing holds them: log-softmax
+saves its output); with a soft-cap the tanh output (c·N·V) is saved too. Backward: ``nll_loss``'s gradient and
+log-softmax's (4·N·V each, the high point: 3 × 4·N·V in fp32), then the logits' gradient (4·N·V, cast to c·N·V),
+then the output weight's gradient (c·V·D) and the hidden state's (c·N·D).
+
+Chunked: the hidden state's gradient (c·N·D) and an fp32 weight-gradient accumulator (4·V·D, when the weight
+trains) exist from the forward on; per chunk one fp32 (k, V) buffer holds the logits, then in place the softmax and
+the gradient (:func:`chunk_peak_bytes` for the other dtypes). Backward scales them in place; a bf16 weight
+gradient is a cast of the accumulator.
+"""
+
+from __future__ import annotations
+
+#: an allocation (+bytes) or a free (-bytes), and what it is: ``temporaries``, ``grads`` (the output weight's
+#: gradient) or ``hidden_grad`` (the gradient of the final hidden state, freed by the caller later)
+Event = tuple[str, int, str]
+
+
+def chunk_peak_bytes(chunk: int, vocab: int, dim: int, c: int, softcap: bool, fp32_matmul: bool,
+                     weight_grad: bool, cuda: bool = False) -> int:
+    """Bytes of one chunk's buffers at their high point (``shardlm/train/loss.py::_chunked``).
+
+    fp32: the (k, V) logits, turned in place into the softmax and the gradient (two with a soft-cap: tanh and its
+    derivative). bf16: the bf16 logits and their fp32 copy (6·k·V), then the fp32 gradient and its bf16 cast (on
+    CUDA with the native kernel also the bf16 (V, D) weight-gradient product added into the accumulator); a
+    soft-cap adds its derivative (10·k·V at the high point).
+    """
+    kv = chunk * vocab
+    if c == 4:
+        return (8 if softcap else 4) * kv
+    product = 2 * vocab * dim if cuda and weight_grad and not fp32_matmul else 0
+    return max(10 * kv if softcap else 0, 6 * kv + product)
+
+
+def loss_events(tokens: int, vocab: int, dim: int, c: int, chunk: int, softcap: bool = False,
+                fp32_matmul: bool = False, weight_grad: bool = True,
+                cuda: bool = False) -> tuple[list[Event], list[Event]]:
+    """The loss's allocations as ``(forward events, backward events)``; bytes > 0 allocate, < 0 free.
+
+    Args:
+        tokens: N, tokens of one micro-batch (all scored); vocab: V; dim: D; c: bytes of the compute dtype.
+        chunk: ``train.loss_chunk_tokens`` (0 = plain); softcap: a final logit soft-cap is set;
+        fp32_matmul: bf16 multiplied in fp32 (``parallel.cpu_bf16_matmul`` on CPU); weight_grad: the output
+            weight trains; cuda: on a GPU (see :func:`chunk_peak_bytes`).
+
+    The backward ends with the weight's gradient (``grads``, c·V·D) and the hidden state's (``hidden_grad``,
+    c·N·D) alive; everything else is freed.
+    """
+    nv, vd, nd = tokens * vocab, vocab * dim, tokens * dim
+    fwd: list[Event] = []
+    bwd: list[Event] = []
+    if chunk == 0:
+        logits = c * nv
+        fwd.append(("temporaries", logits, "logits"))
+        if softcap:  # ÷ cap (the projection freed), tanh (saved; the quotient freed), × cap: the logits
+            fwd += [("temporaries", logits, "logits"), ("temporaries", -logits, "logits"),
+                    ("temporaries", logits, "logits"), ("temporaries", -logits, "logits"),
+                    ("temporaries", logits, "logits")]
+        if c != 4:
+            fwd.append(("temporaries", 4 * nv, "loss"))  # the fp32 copy
+        fwd.append(("temporaries", 4 * nv, "loss"))  # log-softmax output, saved
+        if c != 4:
+            fwd.append(("temporaries", -4 * nv, "loss"))
+        fwd.append(("temporaries", -logits, "loss"))  # nothing holds the logits any more
+        bwd += [("temporaries", 4 * nv, "loss backward"), ("temporaries", 4 * nv, "loss backward"),
+                ("temporaries", -8 * nv, "loss backward")]  # nll and log-softmax gradients; nll's and the saved freed
+        grad_logits = 4 * nv
+        if c != 4:
+            bwd += [("temporaries", c * nv, "loss backward"), ("temporaries", -4 * nv, "loss backward")]
+            grad_logits = c * nv
+        if softcap:  # × cap, tanh and ÷ cap backward, each out of place, its input then freed; the saved tanh too
+            bwd += [("temporaries", c * nv, "loss backward"), ("temporaries", -grad_logits, "loss backward"),
+                    ("temporaries", c * nv, "loss backward"), ("temporaries", -2 * c * nv, "loss backward"),
+                    ("temporaries", c * nv, "loss backward"), ("temporaries", -c * nv, "loss backward")]
+            grad_logits = c * nv
+        if weight_grad:
+            bwd.append(("grads", c * vd, "output backward"))
+        bwd += [("hidden_grad", c * nd, "output backward"), ("temporaries", -grad_logits, "output backward")]
+        return fwd, bwd
+    k = min(chunk, tokens)
+    if fp32_matmul and c != 4:
+        fwd.append(("temporaries", 4 * vd, "loss"))  # the weight upcast once
+    fwd.append(("hidden_grad", c * nd, "loss"))
+    if weight_grad:
+        fwd.append(("temporaries", 4 * vd, "loss"))  # the fp32 accumulator
+    peak = chunk_peak_bytes(k, vocab, dim, c, softcap, fp32_matmul, weight_grad, cuda)
+    fwd += [("temporaries", peak, "loss chunk"), ("temporaries", -peak, "loss chunk")]
+    if fp32_matmul and c != 4:
+        fwd.append(("temporaries", -4 * vd, "loss"))
+    if weight_grad and c == 4:  # scaled in place: the accumulator becomes the gradient
+        bwd += [("temporaries", -4 * vd, "output backward"), ("grads", 4 * vd, "output backward")]
+    elif weight_grad:  # cast to the compute dtype, then the accumulator is freed
+        bwd += [("grads", c * vd, "output backward"), ("temporaries", -4 * vd, "output backward")]
+    return fwd, bwd
+
+
+def loss_peak_bytes(tokens: int, vocab: int, dim: int, c: int, chunk: int, softcap: bool = False,
+                    fp32_matmul: bool = False, weight_grad: bool = True, cuda: bool = False) -> int:
+    """The high point, in bytes, of one micro-batch's loss forward and backward over what existed before it (the
+    hidden states and the weight), the gradients it leaves included (see :func:`loss_events`)."""
+    fwd, bwd = loss_events(tokens, vocab, dim, c, chunk, softcap, fp32_matmul, weight_grad, cuda)
+    alive, peak = 0, 0
+    for _, nbytes, _ in fwd + bwd:
+        alive += nbytes
+        peak = max(peak, alive)
+    return peak

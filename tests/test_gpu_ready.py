@@ -90,7 +90,8 @@ def test_llama3_8b_was_too_big_with_the_old_settings():
                            "--parallel.activation_checkpoint=none", "--parallel.grad_sync=last_micro_batch"],
                           env=cpu_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert "does not fit: 149.2 GiB" in proc.stdout
+    need, usable = map(float, re.search(r"does not fit: ([\d.]+) GiB of ([\d.]+) GiB usable", proc.stdout).groups())
+    assert need > 1.5 * usable, proc.stdout  # far from fitting, not a rounding matter
 
 
 # ---- precision --------------------------------------------------------------------------------------------

@@ -229,7 +229,14 @@ def test_staged_search_candidates():
     rows = first_round(cfg, tight, "staged")
     assert rows[0].cand == base and not rows[0].fits  # the config's own row, shown as not fitting
     assert rows[1].cand == base.with_value("ac", "selective") and rows[1].fits
-    assert all(r.cand.activation_checkpoint == "none" for r in rows if r.cand.micro_batch_size < 4)
+    # every other row checkpoints no more than it must: the next lighter mode does not fit (a smaller micro-batch
+    # without checkpointing fits, except where last_micro_batch's unsharded gradients need it)
+    lighter = {"selective": "none", "full": "selective"}
+    for r in rows[1:]:  # a row that fits nowhere is shown at full checkpointing
+        mode = r.cand.activation_checkpoint
+        assert r.fits or mode == "full", r.cand
+        assert mode == "none" or not tight.fits(r.cand.with_value("ac", lighter[mode])), r.cand
+    assert any(r.cand.activation_checkpoint == "none" for r in rows if r.cand.micro_batch_size < 4)
     times = {base.with_value("reshard", False): 1.0, base.with_value("batching", (2, "last_micro_batch")): 1.1,
              base.with_value("prefetch", (1, 1)): 1.5, base: 1.3}
     measured = [Row(c, roomy.bytes(c), True, times=[t]) for c, t in times.items()]

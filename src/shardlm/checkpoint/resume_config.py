@@ -62,6 +62,8 @@ RULES: dict[str, tuple[str, str]] = {
     "train.global_batch_size": (REFUSED, "step b takes samples [b·G, (b+1)·G): " + _ORDER),
     "train.seed": (REFUSED, "it seeds the data order: " + _ORDER),
     "train.micro_batch_size": (TAKES_EFFECT, "the same global batch, split otherwise"),
+    "train.loss_chunk_tokens": (TAKES_EFFECT, "the same loss, computed a chunk of tokens at a time (equal up to "
+                                              "rounding)"),
     "train.grad_clip": (TAKES_EFFECT, "read at every step"),
     "train.eval_interval": (TAKES_EFFECT, "read at every step"),
     "train.eval_tokens": (TAKES_EFFECT, "read at every evaluation"),

@@ -76,14 +76,24 @@ def load_model_weights(ckpt: str | Path) -> tuple[dict[str, torch.Tensor], Model
         dtype = entry.properties.dtype if isinstance(entry, TensorStorageMetadata) else p.dtype
         state[name] = torch.empty(p.shape, dtype=dtype)
     check_shapes(path, _only_model(metadata, cfg.tie_embeddings), {"model": state})
+    _load_model_state(path, state, "the weights")
+    return state, cfg, manifest
+
+
+def _load_model_state(path: Path, state: dict[str, torch.Tensor], what: str) -> None:
+    """Fill ``state`` ({name: tensor}, allocated to the stored shapes) from the ``model.*`` entries of the DCP
+    checkpoint ``path``, in this one process.
+
+    Raises:
+        CheckpointError: DCP could not read them (``what`` names them in the message).
+    """
     try:
         with warnings.catch_warnings():  # DCP warns that it loads in one process: that is the intent
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load({"model": state}, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(),
                      no_dist=True)
     except CheckpointException as e:  # derives from BaseException
-        raise CheckpointError(f"reading the weights of {path} failed: {e}") from None
-    return state, cfg, manifest
+        raise CheckpointError(f"reading {what} of {path} failed: {e}") from None
 
 
 def _only_model(metadata: Any, tied: bool) -> Any:
@@ -148,13 +158,7 @@ def rebuild_partial_model(ckpt: str | Path) -> tuple[torch.nn.Module, Config, di
     model, _ = build_model(cfg, DistInfo(0, 0, 1, torch.device("cpu"), "gloo"), None)
     trainable = {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
     check_shapes(path, _only_model(metadata, cfg.model.tie_embeddings), {"model": trainable})
-    try:
-        with warnings.catch_warnings():  # DCP warns that it loads in one process: that is the intent
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load({"model": trainable}, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(),
-                     no_dist=True)
-    except CheckpointException as e:  # derives from BaseException
-        raise CheckpointError(f"reading the trainable parameters of {path} failed: {e}") from None
+    _load_model_state(path, trainable, "the trainable parameters")
     return model, cfg, manifest
 
 

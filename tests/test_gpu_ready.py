@@ -92,6 +92,7 @@ def test_llama3_8b_was_too_big_with_the_old_settings():
     assert proc.returncode == 0, proc.stderr
     need, usable = map(float, re.search(r"does not fit: ([\d.]+) GiB of ([\d.]+) GiB usable", proc.stdout).groups())
     assert need > 1.5 * usable, proc.stdout  # far from fitting, not a rounding matter
+    assert "does not fit: 136.4 GiB" in proc.stdout  # 149.2 before the chunked loss became the default
 
 
 # ---- precision --------------------------------------------------------------------------------------------

@@ -176,8 +176,3 @@ def last_output_saved(s: Shape, mode: str) -> int:
 def final_norm_saved(s: Shape) -> int:
     """Bytes the final norm saves (the output projection's input included)."""
     return norm_saved(s)
-
-
-def logits_bytes(s: Shape) -> int:
-    """Bytes of one micro-batch's logits (b, t, V) in the compute dtype."""
-    return s.c * s.tokens * s.vocab

@@ -18,6 +18,11 @@ compile                 ``parallel.compile``: false, true (when TorchInductor's 
 grouping                ``parallel.blocks_per_group``: 1, 2, all blocks in one group (and the config's)
 ======================  ==========================================================================
 
+``train.loss_chunk_tokens`` is not tuned: the planner counts the chunked loss by it (:mod:`shardlm.plan.loss`:
+one chunk's fp32 logits beside the output weight's gradient, which the plain loss makes too), and
+``bench/bench_loss.py`` measured 256-token chunks about as fast as the whole logits, so the chunk size changes
+neither what fits nor the pick by more than the loss's own small peak.
+
 Each candidate's per-rank peak memory is :func:`shardlm.plan.memory.plan_memory`'s, plus, for an explicit
 prefetch depth d, d unsharded copies of the largest block group (the groups it all-gathers early, at most all
 other groups; an upper bound).

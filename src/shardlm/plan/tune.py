@@ -309,6 +309,8 @@ class Row:
     """Peak allocated bytes of the busiest rank (CUDA only; -1 elsewhere)."""
     confirmed: bool = False
     """Measured a second time as one of the fastest (its times pooled)."""
+    skipped: bool = False
+    """Fits but was not measured: the time budget (``--time-budget``) was spent."""
 
     @property
     def step_s(self) -> float | None:
@@ -317,12 +319,12 @@ class Row:
     def to_dict(self) -> dict[str, Any]:
         return {"cand": self.cand.to_dict(), "predicted_bytes": self.predicted_bytes, "fits": self.fits,
                 "round": self.round, "times": self.times, "measured_peak_bytes": self.measured_peak_bytes,
-                "confirmed": self.confirmed}
+                "confirmed": self.confirmed, "skipped": self.skipped}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Row:
         return cls(Candidate.from_dict(d["cand"]), d["predicted_bytes"], d["fits"], d["round"], d["times"],
-                   d.get("measured_peak_bytes", -1), d.get("confirmed", False))
+                   d.get("measured_peak_bytes", -1), d.get("confirmed", False), d.get("skipped", False))
 
 
 def first_round(cfg: Config, planner: Planner, search: str) -> list[Row]:
@@ -570,23 +572,31 @@ def prepare(config: str | None, overrides: list[str], world_size: int, budget: B
 
 def run_tune(config: str | None, overrides: list[str], world_size: int, budget: Budget, search: str = "staged",
              warmup: int = 2, steps: int = 3, repeats: int = 1, confirm: int = 2,
-             announce: Callable[[Config, list[Row]], None] | None = None) -> TuneResult:
+             announce: Callable[[Config, list[Row]], None] | None = None,
+             time_budget: float | None = None) -> TuneResult:
     """Enumerate (:func:`prepare`; then ``announce(cfg, rows)`` if given), then measure every fitting candidate
     in one launch (:func:`launch`); the ``confirm`` fastest are measured once more at the end.
 
+    ``time_budget``: seconds of wall time from the launch on; a measurement starts only when the longest one so
+    far still ends within it (the first always runs; see :mod:`shardlm.plan.tune_worker`); the rest are
+    ``skipped``. None: no limit.
+
     Raises:
         ConfigError, TuneError: see :func:`prepare`; TuneError also when the measuring launch fails (with the
-            rows measured before it, see :func:`launch`).
+            rows measured before it, see :func:`launch`). ConfigError: a ``time_budget`` that is not positive.
     """
     if warmup < 0 or steps < 1 or repeats < 1 or confirm < 0:
         raise ConfigError(f"--warmup and --confirm must be >= 0, --steps and --repeats >= 1, got {warmup}, "
                           f"{confirm}, {steps}, {repeats}")
+    if time_budget is not None and not time_budget > 0:
+        raise ConfigError(f"--time-budget must be a positive number of seconds, got {time_budget}")
     cfg, base, rows = prepare(config, overrides, world_size, budget, search)
     if announce is not None:
         announce(cfg, rows)
     spec = {"config": config, "overrides": overrides, "rows": [r.to_dict() for r in rows], "base": base.to_dict(),
             "warmup": warmup, "steps": steps, "repeats": repeats, "confirm": confirm, "search": search,
-            "device": budget.device, "budget": budget.bytes}
+            "device": budget.device, "budget": budget.bytes,
+            "deadline": None if time_budget is None else time.time() + time_budget}
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="shardlm-tune-") as tmp:
         rows = launch(spec, world_size, Path(tmp))
@@ -608,7 +618,8 @@ def format_table(rows: list[Row], cfg: Config, world_size: int, picked: Candidat
         c, step = r.cand, r.step_s
         accum = per_rank // c.micro_batch_size
         note = ", ".join(n for n, on in (("picked", c == picked), ("config", c == own),
-                                         (f"round {r.round}", r.round > 1), ("confirmed", r.confirmed)) if on)
+                                         (f"round {r.round}", r.round > 1), ("confirmed", r.confirmed),
+                                         ("skipped: time budget", r.skipped)) if on)
         cells = [str(i), str(c.reshard_after_forward).lower(), f"{c.forward_prefetch}/{c.backward_prefetch}",
                  c.activation_checkpoint, f"{c.micro_batch_size} x {accum}", c.grad_sync if accum > 1 else "-",
                  str(c.compile).lower(), str(c.blocks_per_group), f"{r.predicted_bytes / MIB:,.1f}",

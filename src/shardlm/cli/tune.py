@@ -1,6 +1,7 @@
 """``shardlm tune``: choose the FSDP settings that fit and run fastest, from the planner and a few measured steps.
 
-See :mod:`shardlm.plan.tune` for the candidates and the search, :mod:`shardlm.plan.tune_worker` for the launch.
+See :mod:`shardlm.plan.tune` for the candidates and the search (:mod:`.tune_candidates`, :mod:`.tune_search`) and the
+launch, :mod:`shardlm.plan.tune_worker` for the measuring workers.
 """
 
 from __future__ import annotations
@@ -69,16 +70,8 @@ def cmd_tune(args: argparse.Namespace, overrides: list[str]) -> None:
     import torch
 
     from shardlm.config import load_config
-    from shardlm.plan.tune import (
-        config_candidate,
-        dotted,
-        format_table,
-        memory_budget,
-        overrides_toml,
-        run_tune,
-        size,
-        write_text_atomic,
-    )
+    from shardlm.plan.tune import format_table, overrides_toml, run_tune, write_text_atomic
+    from shardlm.plan.tune_candidates import config_candidate, dotted, memory_budget, size
 
     on_cpu = load_config(args.config, overrides).parallel.device == "cpu"
     cuda = args.device == "auto" and not on_cpu and torch.cuda.is_available()

@@ -8,7 +8,7 @@ directory), runs ``warmup`` steps, then times ``steps`` steps. A step's time is 
 all-reduce of the times after the candidate, not a collective per step). Repeats measure the whole list again
 in the same order, so a load that drifts touches every candidate alike. After the first round of a staged
 search, the ranks, which hold the same times, compute the same second-round candidate
-(:func:`shardlm.plan.tune.combine`) and measure it when it fits. Last, the ``confirm`` fastest rows are measured
+(:func:`shardlm.plan.tune_search.combine`) and measure it when it fits. Last, the ``confirm`` fastest rows are measured
 once more, one after another, and their times pooled: the pick between close contenders rests on twice the
 steps. Rank 0 writes the rows as JSON and prints one ``tune: ...`` line per measurement; after each measurement
 it also writes the rows so far (``<out>.partial``), so a launch that fails later still shows what was measured.
@@ -36,7 +36,8 @@ from shardlm.cli.errors import run_cli
 from shardlm.config import Config, load_config
 from shardlm.parallel import DistInfo, init_distributed
 from shardlm.parallel.dist import exit_process
-from shardlm.plan.tune import Candidate, Planner, Row, apply, combine
+from shardlm.plan.tune_candidates import Candidate, Planner, apply
+from shardlm.plan.tune_search import Row, combine
 from shardlm.train import Trainer
 
 

@@ -278,7 +278,8 @@ def test_metrics_rewind_drops_later_steps_from_every_sink(tmp_path):
 def test_report_plots_what_metrics_jsonl_holds(runs, tmp_path):
     a, b = load_run(runs["a"]), load_run(runs["b"])
     figs = make_figures([a, b])
-    lines = {name: {ln.get_label(): ln.get_xydata() for ln in fig.axes[0].lines} for name, fig in figs.items()}
+    lines = {name: {ln.get_label(): ln.get_xydata() for ax in fig.axes for ln in ax.lines} for name, fig in figs.items()}
+    assert all(ln.get_label().split()[1] == "shard" for ln in figs["memory"].axes[1].lines)  # their own axis
     for run in (a, b):
         recs = read_metrics(run.path / "metrics.jsonl")
         expect = {
@@ -310,6 +311,26 @@ def test_report_plots_what_metrics_jsonl_holds(runs, tmp_path):
     summary = (tmp_path / "report" / "summary.md").read_text()
     final_a = read_metrics(runs["a"] / "metrics.jsonl")[-1]
     assert f"| a | 64 x 2 | 2 (fsdp) | 8 x 32 | 20 | {final_a['loss']:.4f} | {final_a['val_loss']:.4f}" in summary
+
+
+def test_memory_figure_gives_shard_bytes_their_own_axis(tmp_path):
+    """memory.png: process memory (hundreds of MiB) on the left axis, shard bytes (about 1 MiB, constant) on the
+    right one, each line inside its own axis's range rather than flat on the bottom of a shared one."""
+    from shardlm.metrics.report import Run
+
+    records = [{"step": s, "loss": 1.0, "rss_bytes_per_rank": [(500 + s) * 2**20, (520 + s) * 2**20],
+                "shard_bytes_per_rank": [1.2 * 2**20, 1.1 * 2**20]} for s in range(1, 6)]
+    fig = make_figures([Run("r", tmp_path, records)])["memory"]
+    process, shards = fig.axes
+    assert {ln.get_label() for ln in process.lines} == {"r rss rank0", "r rss rank1"}
+    assert {ln.get_label() for ln in shards.lines} == {"r shard rank0", "r shard rank1"}
+    assert shards.get_ylabel() == "shard MiB (dashed)" and all(ln.get_linestyle() == "--" for ln in shards.lines)
+    for ax in (process, shards):
+        lo, hi = ax.get_ylim()
+        for ln in ax.lines:
+            y = ln.get_xydata()[:, 1]
+            assert 0.02 < (y.min() - lo) / (hi - lo) and (y.max() - lo) / (hi - lo) < 0.98, (ln.get_label(), lo, hi)
+    assert len(shards.get_legend().get_texts()) == 4  # one legend names the lines of both axes
 
 
 # ---- bad input ------------------------------------------------------------------------------------

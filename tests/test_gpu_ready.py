@@ -12,6 +12,7 @@ import shlex
 import subprocess
 import sys
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -150,6 +151,59 @@ def test_datasheet_lookup_by_cuda_device_name():
     assert device_for_cuda_name("NVIDIA A100-SXM4-80GB").name == "a100-80gb"
     assert device_for_cuda_name("NVIDIA B200").name == "b200"
     assert device_for_cuda_name("NVIDIA GeForce RTX 4090") is None
+
+
+def test_cpu_mfu_peak_is_a_fixed_nominal_figure(tmp_path, monkeypatch):
+    """On a CPU, MFU's peak is cores x nominal clock x FLOPs per cycle of the widest instructions the flags name,
+    read from /proc/cpuinfo (here files written for the test): the same on every call, never measured; bf16 uses
+    its own instructions' rate only when it multiplies natively; without a readable clock it falls back to the
+    measured rate (said so in its source)."""
+    from types import SimpleNamespace
+
+    from shardlm.metrics.flops import cpu_clock_ghz, cpu_peak
+    from shardlm.train import mfu
+
+    def cpuinfo(name: str, flags: str, model: str = "Intel(R) Xeon(R) Gold 6348 CPU @ 2.60GHz", mhz: str = "") -> Path:
+        path = tmp_path / name
+        path.write_text("".join(f"processor\t: {i}\nmodel name\t: {model}\n{mhz}flags\t\t: {flags}\n\n"
+                                for i in range(2)))
+        return path
+
+    no_sysfs = tmp_path / "no-cpufreq"
+    avx512 = cpuinfo("avx512", "fpu sse2 avx fma avx2 avx512f avx512_bf16 amx_bf16")
+    assert cpu_clock_ghz(avx512, no_sysfs) == 2.6
+    vm = cpuinfo("vm", "sse2 avx fma avx2", model="Intel(R) Xeon(R) Processor", mhz="cpu MHz\t\t: 2999.998\n")
+    assert cpu_clock_ghz(vm, no_sysfs) == pytest.approx(2.999998)
+    assert cpu_clock_ghz(cpuinfo("none", "sse2", model="Some CPU"), no_sysfs) is None
+    cases = [(avx512, "fp32", False, 64, "avx512f"), (avx512, "bf16", False, 1024, "amx_bf16"),
+             (avx512, "bf16", True, 64, "avx512f"), (vm, "fp32", False, 32, "fma"), (vm, "bf16", False, 32, "fma"),
+             (cpuinfo("arm", "", model="ARM"), "fp32", False, 16, "no x86 vector flags")]
+    for path, precision, fp32_multiply, per_cycle, instructions in cases:
+        peak = cpu_peak(precision, fp32_multiply, 2, path, clock_ghz=2.5)
+        assert (peak.flops, peak.flops_per_cycle, peak.instructions) == (2 * 2.5e9 * per_cycle, per_cycle, instructions)
+    assert cpu_peak("fp32", False, 1, avx512, clock_ghz=2.6).describe() == \
+        "nominal CPU peak: 1 core(s) x 2.60 GHz x 64 FLOP/cycle (avx512f)"
+    # through the trainer's peak: this machine's own cpuinfo, one rank of two sharing the cores, never measured
+    monkeypatch.setattr(mfu, "measure_matmul_flops", lambda *a, **k: pytest.fail("measured"))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(mfu.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(4)
+        assert mfu.cpu_cores_per_rank() == 2  # 4 threads, but 4 cores shared by 2 ranks
+        info = SimpleNamespace(device=torch.device("cpu"), world_size=2)
+        first, second = (mfu.peak_flops_per_rank(load_config(None, []), info) for _ in range(2))
+    finally:
+        torch.set_num_threads(threads)
+    nominal = cpu_peak("fp32", False, 2)
+    if nominal is not None:  # a Linux machine with a readable clock
+        assert first == second and first.flops == nominal.flops and first.source == nominal.describe()
+    monkeypatch.setattr(mfu, "cpu_peak", lambda *a: None)
+    monkeypatch.setattr(mfu, "_MEASURED", {})
+    monkeypatch.setattr(mfu, "measure_matmul_flops", lambda *a, **k: 1.5e11)
+    fallback = mfu.peak_flops_per_rank(load_config(None, ["--parallel.param_dtype=bfloat16",
+                                                           "--parallel.cpu_bf16_matmul=native"]), info)
+    assert (fallback.flops, fallback.source) == (1.5e11, "measured on cpu")
 
 
 # ---- one rank per GPU, device_id, pinned batches ------------------------------------------------------------

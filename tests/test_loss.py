@@ -21,6 +21,7 @@ from shardlm.model.lora import LoRASpec, apply_lora, set_fp32_matmul
 from shardlm.parallel.ac import apply_ac
 from shardlm.plan import plan_memory
 from shardlm.plan.loss import loss_peak_bytes
+from shardlm.plan.report import format_plan
 from shardlm.train.loss import linear_cross_entropy_sum, model_loss_sum, token_loss_sum
 
 REL = 1e-6  # fp32: ||chunked - plain|| / ||plain|| (2-norm over the tensor), for the loss and each gradient
@@ -151,6 +152,35 @@ def test_lora_on_the_output_projection(base):
         <= errors.keys() and "lm_head.weight" not in errors
 
 
+def test_qlora_nf4_output_projection():
+    """QLoRA: an NF4 ``lm_head`` base (torchao's NF4Tensor, dequantised to the compute dtype) with trained adapters on
+    it and on q_proj: the chunked loss and every gradient equal the plain loss's (fp32 compute, 1e-6); the NF4 base
+    is really used (its loss differs from the unquantised head's)."""
+    pytest.importorskip("torchao", reason="pip install -e '.[test]'")
+    from shardlm.model.lora import is_nf4, to_nf4
+
+    cfg = ModelConfig(family="llama", dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, vocab_size=320,
+                      max_seq_len=64)  # 320 x 32 values: whole NF4 scaler blocks
+    init = Llama(cfg)
+    init.init_weights(0)
+    model = Llama(cfg)
+    apply_lora(model, LoRASpec(4, 8.0, 0.0, "lm_head,q_proj", "nf4"))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.2 if "lora_" in name
+                    else init.get_parameter(name).to(p.dtype))
+    model.lm_head.weight = torch.nn.Parameter(to_nf4(init.lm_head.weight.detach()), requires_grad=False)
+    assert is_nf4(model.lm_head.weight)
+    inputs, targets = batch()
+    errors = assert_same(model, inputs, targets, 16)
+    assert {"lm_head.lora_A.weight", "lm_head.lora_B.weight"} <= errors.keys() and "lm_head.weight" not in errors
+    with torch.no_grad():
+        nf4 = model_loss_sum(model, inputs, targets, 16)
+        model.lm_head.weight = torch.nn.Parameter(init.lm_head.weight.detach().clone(), requires_grad=False)
+        full = model_loss_sum(model, inputs, targets, 16)
+    assert rel(nf4, full) > 1e-4, (nf4, full)
+
+
 def test_activation_checkpointing():
     model = tiny()
     apply_ac(model.model.layers, "full")
@@ -228,6 +258,8 @@ def test_planner_counts_the_loss_by_chunk_size():
     for chunk in (0, 256):
         cfg.train.loss_chunk_tokens = chunk
         plans[chunk] = plan_memory(cfg, 1)
+        row = "whole logits, log-softmax, grads" if chunk == 0 else "loss in 256-token chunks, backward"
+        assert f"    temporaries ({row})" in format_plan(cfg, 1, "h100", 0.05)  # the report names what is counted
     logits = 4 * 4096 * 151_936
     assert plans[0].breakdown["temporaries"] >= 3 * logits and "loss backward" in plans[0].phase
     assert plans[256].breakdown["temporaries"] < logits / 2

@@ -133,6 +133,8 @@ def test_plan_cli_llama3_8b():
     assert ok.returncode == 0, ok.stderr
     assert "fits:" in ok.stdout and "activations" in ok.stdout and "step time" in ok.stdout
     assert "reshard_after_forward true, 1 block(s) per FSDP group" in ok.stdout
+    assert "; CPU offload off;" in ok.stdout and "cpu_offload False" not in ok.stdout  # words, not a repr
+    assert "temporaries (loss in 256-token chunks, backward)" in ok.stdout  # the default chunked loss's row
     big = subprocess.run(cmd + ["--world-size", "8", "--device", "h100", "--train.micro_batch_size=2",
                                 "--train.global_batch_size=16", "--parallel.param_dtype=float32",
                                 "--parallel.activation_checkpoint=none", "--parallel.grad_sync=last_micro_batch"],

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from conftest import ROOT, cli_error, cpu_env, describing
 from shardlm.cli.main import main as shardlm_main
@@ -267,3 +271,56 @@ def test_config_files_layer_in_order(tmp_path):
     assert cfg.run.name == "base"
     paths, overrides = parse_args(["--config", str(first), "--config", str(second), "--train.steps=3"])
     assert paths == [str(first), str(second)] and overrides == ["--train.steps=3"]
+
+
+def test_time_budget_measures_what_fits_in_it(tmp_path, capsys, monkeypatch):
+    """``--time-budget 25``, each measurement 10 s (a fake clock; nothing is trained): the first two candidates are
+    measured, the rest skipped and marked so, no confirming pass; the pick is the faster measured one and is
+    written. Without a budget every fitting candidate is measured and the two fastest confirmed. A bad budget is
+    one error line."""
+    from shardlm.plan import tune_worker
+
+    config = tmp_path / "tiny.toml"
+    config.write_text(TINY.format(data=tmp_path / "none"))
+    now = [0.0]
+    step_s = iter(0.1 * (k % 7 + 1) for k in range(1000))  # each measurement's step time
+
+    def fake_time_candidate(cfg, info):
+        now[0] += 10.0
+        return [next(step_s)] * cfg.train.steps, -1
+
+    def in_process_launch(spec, world_size, workdir):
+        assert world_size == 1
+        now[0] = time.time()  # the fake clock starts at the launch
+        tune_worker.measure({**spec, "out": str(workdir / "rows.json"), "workdir": str(workdir)})
+        return [Row.from_dict(d) for d in json.loads((workdir / "rows.json").read_text())]
+
+    monkeypatch.setattr(tune_worker, "time_candidate", fake_time_candidate)
+    one_rank = SimpleNamespace(world_size=1, is_main=True, device=torch.device("cpu"))  # no process group
+    monkeypatch.setattr(tune_worker, "init_distributed", lambda pcfg: one_rank)
+    monkeypatch.setattr(tune_worker, "clock", lambda: now[0])
+    monkeypatch.setattr(tune, "launch", in_process_launch)
+    args = ["tune", str(config), "--world-size", "1", "--search", "full", "--memory-per-rank", "64", "--warmup",
+            "1", "--steps", "2", "--train.global_batch_size=2", "--train.micro_batch_size=2"]
+    results = {}
+    for budget in ("25s", None):
+        out = tmp_path / f"tuned-{budget}.toml"
+        capsys.readouterr()
+        assert shardlm_main(args + ["--out", str(out)] + (["--time-budget", budget] if budget else [])) == 0
+        captured = capsys.readouterr()
+        results[budget] = rows = table_rows(captured.out)
+        assert ("that fit not measured (marked 'skipped')" in captured.out) == (budget is not None)
+        measured = [r for r in rows if r["step s"] != "-"]
+        picked = next(r for r in rows if "picked" in r["note"])
+        assert picked in measured and float(picked["step s"]) == min(float(r["step s"]) for r in measured)
+        assert config_candidate(load_config([str(config), str(out)]), 1) == as_candidate(picked)
+    fitting = [r for r in results[None] if r["fits"] == "yes"]
+    assert len(fitting) > 4 and all(r["step s"] != "-" for r in fitting)
+    assert len([r for r in results[None] if "confirmed" in r["note"]]) == 2
+    limited = results["25s"]
+    assert [r["step s"] != "-" for r in limited if r["fits"] == "yes"] == [True, True] + [False] * (len(fitting) - 2)
+    assert all("skipped: time budget" in r["note"] for r in limited if r["fits"] == "yes" and r["step s"] == "-")
+    assert not any("confirmed" in r["note"] for r in limited)
+    for bad in ("-3m", "0", "5x"):
+        err = cli_error(capsys, ["tune", str(config), "--world-size", "1", f"--time-budget={bad}"])
+        assert "--time-budget must be a positive duration" in err and f"{bad!r}" in err

@@ -281,7 +281,8 @@ class MetricsConfig:
     the final model path, the report PNGs."""
     mlflow_tracking_uri: str = ""
     """MLflow tracking URI (``http://host:5000``, ``file:/path/mlruns``, ``sqlite:///mlflow.db``...); empty means
-    ``MLFLOW_TRACKING_URI`` or ``file:./mlruns`` (a local store in the working directory)."""
+    ``MLFLOW_TRACKING_URI``, else MLflow's default in the working directory: ``sqlite:///mlflow.db``, or
+    ``file:./mlruns`` without sqlalchemy/alembic (said in one line) or when it already holds experiments."""
     mlflow_experiment: str = ""
     """MLflow experiment name; empty means ``MLFLOW_EXPERIMENT_NAME`` or ``shardlm``."""
     mlflow_run_name: str = ""

@@ -37,7 +37,7 @@ class ModelDirError(ValueError):
 class TuneError(ValueError):
     """``shardlm tune`` cannot choose: no candidate fits the memory, or the measuring launch failed.
 
-    ``rows``: the candidates measured before a launch failed (:class:`shardlm.plan.tune.Row`), empty otherwise.
+    ``rows``: the candidates measured before a launch failed (:class:`shardlm.plan.tune_search.Row`), empty otherwise.
     """
 
     def __init__(self, message: str, rows: list | None = None) -> None:

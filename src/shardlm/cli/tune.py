@@ -1,6 +1,7 @@
 """``shardlm tune``: choose the FSDP settings that fit and run fastest, from the planner and a few measured steps.
 
-See :mod:`shardlm.plan.tune` for the candidates and the search, :mod:`shardlm.plan.tune_worker` for the launch.
+See :mod:`shardlm.plan.tune` for the candidates and the search (:mod:`.tune_candidates`, :mod:`.tune_search`) and the
+launch, :mod:`shardlm.plan.tune_worker` for the measuring workers.
 """
 
 from __future__ import annotations
@@ -11,6 +12,23 @@ import time
 from pathlib import Path
 
 from shardlm.errors import ConfigError, TuneError
+
+
+def duration(text: str) -> float:
+    """Seconds from ``600``, ``90s``, ``15m`` or ``1h`` (``--time-budget``).
+
+    Raises:
+        ConfigError: not a positive number with an optional s / m / h unit.
+    """
+    units = {"s": 1, "m": 60, "h": 3600}
+    number, unit = (text[:-1], text[-1]) if text[-1:] in units else (text, "s")
+    try:
+        seconds = float(number) * units[unit]
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0 or seconds == float("inf"):
+        raise ConfigError(f"--time-budget must be a positive duration in seconds, or with s / m / h, got {text!r}")
+    return seconds
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -31,6 +49,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=int, default=1, help="times the candidate list is measured (times pooled)")
     p.add_argument("--confirm", type=int, default=2, help="the fastest this many candidates are measured once "
                    "more at the end and their times pooled (0 or 1: no second pass)")
+    p.add_argument("--time-budget", default=None, metavar="SECONDS",
+                   help="wall time for the measuring (e.g. 600, 90s, 15m, 1h): a candidate starts only when the "
+                   "longest measurement so far still ends within it; the fastest of those measured is picked "
+                   "(default: no limit)")
     p.add_argument("--search", default="staged", choices=["staged", "full"],
                    help="staged: the config's settings, one change at a time, then the best of each combined; "
                         "full: every fitting candidate (slow; the benchmark's grid)")
@@ -41,22 +63,15 @@ def cmd_tune(args: argparse.Namespace, overrides: list[str]) -> None:
     """Enumerate, filter by predicted memory, measure in one launch, print the table, write the pick."""
     if args.world_size < 1:
         raise ConfigError(f"--world-size must be >= 1, got {args.world_size}")
+    time_budget = None if args.time_budget is None else duration(args.time_budget)
     out = Path(args.out or f"{Path(args.config).stem}.tuned.toml")
     if out.is_dir():
         raise ConfigError(f"--out {out} is a directory: name a file")
     import torch
 
     from shardlm.config import load_config
-    from shardlm.plan.tune import (
-        config_candidate,
-        dotted,
-        format_table,
-        memory_budget,
-        overrides_toml,
-        run_tune,
-        size,
-        write_text_atomic,
-    )
+    from shardlm.plan.tune import format_table, overrides_toml, run_tune, write_text_atomic
+    from shardlm.plan.tune_candidates import config_candidate, dotted, memory_budget, size
 
     on_cpu = load_config(args.config, overrides).parallel.device == "cpu"
     cuda = args.device == "auto" and not on_cpu and torch.cuda.is_available()
@@ -72,12 +87,12 @@ def cmd_tune(args: argparse.Namespace, overrides: list[str]) -> None:
               f"{cfg.train.global_batch_size} x {cfg.train.seq_len} tokens; usable memory {size(budget.bytes)} "
               f"per rank ({budget.source}); {sum(r.fits for r in rows)} of {len(rows)} candidates fit "
               f"({args.search} search{'; then their best values combined, when new' if args.search == 'staged' else ''}"
-              f"), each {args.warmup} warm-up + {args.steps} timed steps x {args.repeats}",
-              flush=True)
+              f"), each {args.warmup} warm-up + {args.steps} timed steps x {args.repeats}"
+              + (f"; time budget {time_budget:.0f} s" if time_budget else ""), flush=True)
 
     try:
         result = run_tune(args.config, overrides, args.world_size, budget, args.search, args.warmup, args.steps,
-                          args.repeats, args.confirm, announce)
+                          args.repeats, args.confirm, announce, time_budget)
     except TuneError as e:  # a failed launch: show what was measured before it failed, then the error
         if e.rows and loaded:
             print("measured before the launch failed (nothing was written):")
@@ -99,6 +114,11 @@ def cmd_tune(args: argparse.Namespace, overrides: list[str]) -> None:
               f"predicted peak {size(best.predicted_bytes)} per rank of {size(budget.bytes)} usable",
               f"train: {train}", f"or add: {dotted(best.cand)}"]
     write_text_atomic(out, overrides_toml(best.cand, header))
+    skipped = sum(r.skipped for r in rows)
+    if skipped:
+        print(f"time budget {time_budget:.0f} s: {sum(bool(r.times) for r in rows)} candidates measured in "
+              f"{result.seconds:.0f} s, {skipped} that fit not measured (marked 'skipped'); the pick is the fastest "
+              "of those measured")
     print(f"picked #{rows.index(best) + 1}: {best.step_s:.3f} s/step, {tokens / best.step_s:,.0f} tokens/s{versus}")
     print(f"wrote {out}; train with: {train}")
     print(f"dotted overrides: {dotted(best.cand)}")

@@ -7,13 +7,16 @@ checkpointing does not raise MFU).
 
 from __future__ import annotations
 
+import re
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from shardlm.model.config import ModelConfig
-from shardlm.model.cpu_matmul import bf16_linear_fp32
+from shardlm.model.cpu_matmul import CPUINFO, bf16_linear_fp32
 from shardlm.model.decoder import CausalLM
 
 
@@ -91,6 +94,81 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype = torch.float3
         dist.barrier()
     rates.sort()
     return rates[min(len(rates) - 1, int(0.9 * len(rates)))]
+
+
+#: fp32 FLOPs per cycle and core of the widest vector fused multiply-add, by ``/proc/cpuinfo`` flag, widest first:
+#: two FMA units x lanes x 2 (AVX-512: 2 x 16 x 2; AVX2 + FMA: 2 x 8 x 2), the figure of Intel's server cores
+#: since Skylake-SP and of AMD's Zen 4/5 (AVX-512 over 2 x 256 bits, twice the FMA ports: the same per cycle)
+CPU_FP32_FLOPS_PER_CYCLE = (("avx512f", 64), ("fma", 32), ("avx", 16), ("sse2", 8))
+#: bf16 FLOPs per cycle and core where bf16 runs natively (PyTorch's oneDNN kernels): AMX tiles (16 x 32 x 16
+#: multiply-adds every 16 cycles: 1,024) or AVX512-BF16's dot products (2 x 32 x 2: 128); elsewhere as fp32
+CPU_BF16_FLOPS_PER_CYCLE = (("amx_bf16", 1024), ("avx512_bf16", 128))
+#: without /proc/cpuinfo's flags (not x86 Linux): a 128-bit vector FMA on 2 units (2 x 4 x 2)
+CPU_DEFAULT_FLOPS_PER_CYCLE = 16
+
+
+@dataclass(frozen=True)
+class CpuPeak:
+    """A CPU's nominal dense peak per rank: ``cores`` x ``ghz`` x ``flops_per_cycle`` (per core), and why."""
+
+    cores: int
+    ghz: float
+    flops_per_cycle: int
+    instructions: str
+
+    @property
+    def flops(self) -> float:
+        """FLOP/s."""
+        return self.cores * self.ghz * 1e9 * self.flops_per_cycle
+
+    def describe(self) -> str:
+        return (f"nominal CPU peak: {self.cores} core(s) x {self.ghz:.2f} GHz x {self.flops_per_cycle} FLOP/cycle "
+                f"({self.instructions})")
+
+
+def cpu_clock_ghz(cpuinfo: Path = CPUINFO, sysfs: Path = Path("/sys/devices/system/cpu/cpu0/cpufreq")) -> float | None:
+    """The CPU's nominal clock in GHz, the same on every call: cpufreq's ``base_frequency``, else the ``@ 2.60GHz``
+    of the model name, else cpufreq's ``cpuinfo_max_freq``, else the highest ``cpu MHz`` of ``cpuinfo`` (a
+    virtual machine's constant TSC rate); None when none is readable."""
+    try:
+        return int((sysfs / "base_frequency").read_text()) / 1e6  # kHz
+    except (OSError, ValueError):
+        pass
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        text = ""
+    named = re.search(r"^model name\s*:.*@\s*([\d.]+)\s*GHz", text, re.M)
+    if named:
+        return float(named.group(1))
+    try:
+        return int((sysfs / "cpuinfo_max_freq").read_text()) / 1e6
+    except (OSError, ValueError):
+        pass
+    mhz = [float(m) for m in re.findall(r"^cpu MHz\s*:\s*([\d.]+)", text, re.M)]
+    return max(mhz) / 1e3 if mhz else None
+
+
+def cpu_peak(precision: str, fp32_multiply: bool, cores: int, cpuinfo: Path = CPUINFO,
+             clock_ghz: float | None = None) -> CpuPeak | None:
+    """The nominal dense peak of ``cores`` cores of this CPU in ``precision`` (``bf16`` or ``fp32``): cores x the
+    nominal clock (:func:`cpu_clock_ghz`, or ``clock_ghz``) x FLOPs per cycle and core of the widest instructions
+    its flags name (:data:`CPU_BF16_FLOPS_PER_CYCLE` for bf16 multiplied natively, else
+    :data:`CPU_FP32_FLOPS_PER_CYCLE`). A fixed figure, the same on every run of the machine, unlike a measured
+    rate (the issue behind it: start-up measurements of 0.03-0.10 TFLOP/s on one shared machine); the datasheet's
+    equivalent for a CPU, an upper bound (turbo clocks and AVX-512 down-clocking not counted). None when the
+    clock cannot be read."""
+    ghz = clock_ghz if clock_ghz is not None else cpu_clock_ghz(cpuinfo)
+    if ghz is None:
+        return None
+    try:
+        flags = {f for line in cpuinfo.read_text().splitlines() if line.startswith("flags")
+                 for f in line.partition(":")[2].split()}
+    except OSError:
+        flags = set()
+    table = (CPU_BF16_FLOPS_PER_CYCLE if precision == "bf16" and not fp32_multiply else ()) + CPU_FP32_FLOPS_PER_CYCLE
+    flag, per_cycle = next(((f, n) for f, n in table if f in flags), ("no x86 vector flags", CPU_DEFAULT_FLOPS_PER_CYCLE))
+    return CpuPeak(cores, ghz, per_cycle, flag)
 
 
 def mfu(tokens_per_s_per_rank: float, flops_per_token_: float, peak_flops_per_rank: float) -> float:

@@ -91,6 +91,9 @@ def make_figures(runs: list[Run]) -> dict[str, Any]:
     Lines are labelled ``<run>`` / ``<run> val`` (loss) and ``<run> <key> rank<r>`` (memory from a full
     per-rank list) or ``<run> <key> max`` / ``min`` (from a summary; MiB = bytes / 2**20); their x data are
     steps and their y data the logged values, so ``line.get_xydata()`` gives back what ``metrics.jsonl`` holds.
+    The memory figure has two y axes: process memory (RSS or the device allocator) on the left
+    (``axes[0]``), shard bytes (dashed) on the right (``axes[1]``, each scaled to its own values: the
+    shards are often a hundredth of the process memory and would sit flat on the bottom of a shared axis).
     """
     import matplotlib
 
@@ -100,7 +103,7 @@ def make_figures(runs: list[Run]) -> dict[str, Any]:
     figs: dict[str, Any] = {}
     titles = {"loss": ("loss (nats/token)", "training and validation loss"), "lr": ("learning rate", "learning rate"),
               "tokens_per_s": ("tokens/s (all ranks)", "throughput"),
-              "memory": ("MiB", "per-rank memory: process (solid), shard bytes (dashed)")}
+              "memory": ("process MiB (solid)", "per-rank memory: process (solid), shard bytes (dashed)")}
     for name in FIGURES:
         fig = Figure(figsize=(7, 4), dpi=100)
         ax = fig.add_subplot()
@@ -109,6 +112,8 @@ def make_figures(runs: list[Run]) -> dict[str, Any]:
         ax.set_title(titles[name][1])
         ax.grid(alpha=0.3)
         figs[name] = fig
+    shard_ax = figs["memory"].axes[0].twinx()  # the shard bytes' own scale, on the right
+    shard_ax.set_ylabel("shard MiB (dashed)")
     for i, run in enumerate(runs):
         color = f"C{i % 10}"
         ax = figs["loss"].axes[0]
@@ -125,14 +130,15 @@ def make_figures(runs: list[Run]) -> dict[str, Any]:
             lines = _memory_lines(run, key)
             name = key.removesuffix("_per_rank").removesuffix("_bytes")
             for r, (suffix, rows) in enumerate(lines.items()):
-                figs["memory"].axes[0].plot(
+                ax = shard_ax if key.startswith("shard_bytes") else figs["memory"].axes[0]
+                ax.plot(
                     [s for s, _ in rows], [m for _, m in rows], color=f"C{(i * len(lines) + r) % 10}", linestyle=style,
                     marker=markers[r % len(markers)], markersize=3, markevery=max(len(rows) // 10, 1),
                     label=f"{run.name} {name} {suffix}")
     for fig in figs.values():
-        ax = fig.axes[0]
-        if ax.lines:
-            ax.legend(fontsize=7, loc="best")
+        lines = [line for ax in fig.axes for line in ax.lines]
+        if lines:  # one legend for both axes of the memory figure
+            fig.axes[-1].legend(lines, [line.get_label() for line in lines], fontsize=7, loc="best")
         fig.tight_layout()
     return figs
 

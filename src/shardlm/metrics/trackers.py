@@ -250,18 +250,38 @@ class WandbTracker(Tracker):
             self.run = None
 
 
+def default_mlflow_uri(cwd: Path) -> tuple[str, str | None]:
+    """MLflow's own default store, as an absolute URI, and a note when it falls back; MLflow 3's rule
+    (``mlflow.tracking._tracking_service.utils._get_default_tracking_uri``): a file store ``./mlruns`` that
+    already holds experiments is kept; otherwise the SQLite database ``./mlflow.db``. SQLite needs the
+    ``sqlalchemy`` and ``alembic`` packages (the full ``mlflow`` package has them, ``mlflow-skinny`` not):
+    without them the file store ``./mlruns``, with the note saying so and how to get SQLite.
+    """
+    mlruns = cwd / "mlruns"
+    if any((d / "meta.yaml").exists() for d in mlruns.glob("[0-9]*") if d.is_dir()):
+        return f"file:{mlruns}", None
+    if all(importlib.util.find_spec(m) is not None for m in ("sqlalchemy", "alembic")):
+        return f"sqlite:///{cwd / 'mlflow.db'}", None
+    return f"file:{mlruns}", (f"no sqlalchemy/alembic: logging to the file store {mlruns} (MLflow 3 keeps it in "
+                              "maintenance mode); pip install sqlalchemy alembic for MLflow's default, the SQLite "
+                              "store mlflow.db")
+
+
 class MlflowTracker(Tracker):
     """MLflow through ``MlflowClient`` (``mlflow-skinny``): parameters, metrics, tags and artefacts of one run.
 
-    Settings: ``metrics.mlflow_tracking_uri`` (else ``MLFLOW_TRACKING_URI``, else ``file:./mlruns``, a
-    local store in the working directory), ``mlflow_experiment`` (else ``MLFLOW_EXPERIMENT_NAME``, else
-    ``shardlm``), ``mlflow_run_name`` (else ``run.name``). The config goes in as parameters (``train.lr``
-    ...) and as the artefact ``config.json``. HTTP requests use MLflow's own retry settings, with
+    Settings: ``metrics.mlflow_tracking_uri`` (else ``MLFLOW_TRACKING_URI``, else the store this run used
+    before, from ``trackers.json``, else MLflow's own default: :func:`default_mlflow_uri`), ``mlflow_experiment``
+    (else ``MLFLOW_EXPERIMENT_NAME``, else ``shardlm``), ``mlflow_run_name`` (else ``run.name``). The config goes
+    in as parameters (``train.lr`` ...) and as the artefact ``config.json``. HTTP requests use MLflow's own retry settings, with
     shorter defaults unless set in the environment (``MLFLOW_HTTP_REQUEST_MAX_RETRIES=2``,
     ``MLFLOW_HTTP_REQUEST_TIMEOUT=20`` seconds): a tracker that cannot reach its server must not hold
     training up for minutes. A local ``file:`` store needs ``MLFLOW_ALLOW_FILE_STORE=true`` in MLflow 3
     (its file store is in maintenance mode): it is set for this process when the URI is a file store.
     """
+
+    #: printed once when the default falls back to the file store (no sqlalchemy / alembic)
+    note: str | None = None
 
     name = "mlflow"
 
@@ -270,15 +290,23 @@ class MlflowTracker(Tracker):
         self.client: Any = None
         self.run_id: str | None = None
 
-    def tracking_uri(self) -> str:
-        """The tracking URI this run uses (see the class docstring)."""
+    def tracking_uri(self, ids: dict[str, Any] | None = None) -> str:
+        """The tracking URI this run uses (see the class docstring); ``ids``: this tracker's ``trackers.json``
+        entry (a resumed run keeps the default store it started in)."""
         uri = self.cfg.metrics.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "")
-        return uri or "file:" + str(Path("mlruns").resolve())
+        if uri:
+            return uri
+        if ids and ids.get("tracking_uri"):
+            return ids["tracking_uri"]
+        uri, self.note = default_mlflow_uri(Path.cwd())
+        return uri
 
     def _start(self, config: dict[str, Any], ids: dict[str, Any], resume_step: int | None) -> None:
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
-        uri = self.tracking_uri()
+        uri = self.tracking_uri(ids)
+        if self.note:
+            print(f"mlflow: {self.note}", file=sys.stderr, flush=True)
         if uri.startswith("file:") or "://" not in uri:
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         from mlflow.entities import Param, RunStatus

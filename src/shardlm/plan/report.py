@@ -18,9 +18,17 @@ LABELS = {
     "all_gather": "all-gather buffers",
     "reduce_scatter": "reduce-scatter buffers (DDP: buckets)",
     "activations": "activations (saved for backward)",
-    "temporaries": "temporaries (logits, fp32 log-softmax, grads)",
+    "temporaries": "temporaries (loss, backward transients)",  # the loss's part: loss_label()
     "buffers": "buffers (RoPE tables)",
 }
+
+
+def loss_label(chunk_tokens: int) -> str:
+    """The temporaries row's label for ``train.loss_chunk_tokens``: what the loss's part of it holds
+    (:mod:`shardlm.plan.loss`)."""
+    if chunk_tokens == 0:
+        return "temporaries (whole logits, log-softmax, grads)"
+    return f"temporaries (loss in {chunk_tokens}-token chunks, backward)"
 
 
 def _variant(cfg: Config, **changes: object) -> Config:
@@ -68,13 +76,15 @@ def format_plan(cfg: Config, world_size: int, device_name: str, headroom: float)
         f"  micro-batch {cfg.train.micro_batch_size} x {cfg.train.seq_len} tokens, {plan.micro_batches} "
         f"micro-batch(es)/step; param_dtype {getattr(st, 'param_dtype', None) or 'float32'}, reduce_dtype "
         f"{getattr(st, 'reduce_dtype', None) or 'param_dtype'}; activation checkpointing "
-        f"{getattr(st, 'activation_checkpoint', None) or 'none'}; cpu_offload {getattr(st, 'cpu_offload', False)}"
+        f"{getattr(st, 'activation_checkpoint', None) or 'none'}; CPU offload "
+        f"{'on' if getattr(st, 'cpu_offload', False) else 'off'}"
         + (f"; reshard_after_forward {str(st.reshard_after_forward).lower()}, {st.blocks_per_group} block(s) per "
            "FSDP group" if st.mode == "fsdp" else ""),
         f"  per-rank peak memory (at {plan.phase}):",
     ]
     for part in PARTS:
-        lines.append(f"    {LABELS[part]:<48} {plan.breakdown.get(part, 0) / GIB:9.3f} GiB")
+        label = loss_label(cfg.train.loss_chunk_tokens) if part == "temporaries" else LABELS[part]
+        lines.append(f"    {label:<48} {plan.breakdown.get(part, 0) / GIB:9.3f} GiB")
     lines.append(f"    {'total':<48} {plan.peak / GIB:9.3f} GiB")
     if plan.host_bytes:
         lines.append(f"    (in host memory, CPU offload: {plan.host_bytes / GIB:.3f} GiB)")

@@ -8,10 +8,15 @@ directory), runs ``warmup`` steps, then times ``steps`` steps. A step's time is 
 all-reduce of the times after the candidate, not a collective per step). Repeats measure the whole list again
 in the same order, so a load that drifts touches every candidate alike. After the first round of a staged
 search, the ranks, which hold the same times, compute the same second-round candidate
-(:func:`shardlm.plan.tune.combine`) and measure it when it fits. Last, the ``confirm`` fastest rows are measured
+(:func:`shardlm.plan.tune_search.combine`) and measure it when it fits. Last, the ``confirm`` fastest rows are measured
 once more, one after another, and their times pooled: the pick between close contenders rests on twice the
 steps. Rank 0 writes the rows as JSON and prints one ``tune: ...`` line per measurement; after each measurement
 it also writes the rows so far (``<out>.partial``), so a launch that fails later still shows what was measured.
+
+With a time budget (the spec's ``deadline``, wall-clock seconds since the epoch, set by ``shardlm tune
+--time-budget``) a candidate is started only when the time now plus the longest measurement so far (its
+trainer's build, warm-up and timed steps) is before the deadline; the ranks agree on it (the latest rank's
+clock counts). The first candidate is always measured (a pick needs one); the others are marked ``skipped``.
 """
 
 from __future__ import annotations
@@ -31,7 +36,8 @@ from shardlm.cli.errors import run_cli
 from shardlm.config import Config, load_config
 from shardlm.parallel import DistInfo, init_distributed
 from shardlm.parallel.dist import exit_process
-from shardlm.plan.tune import Candidate, Planner, Row, apply, combine
+from shardlm.plan.tune_candidates import Candidate, Planner, apply
+from shardlm.plan.tune_search import Row, combine
 from shardlm.train import Trainer
 
 
@@ -99,6 +105,10 @@ def write_rows(path: Path, rows: list[Row]) -> None:
     tmp.replace(path)
 
 
+#: wall-clock seconds since the epoch (the budget's deadline is on this clock)
+clock = time.time
+
+
 def measure(spec: dict[str, Any]) -> None:
     """Measure the spec's candidates (and, in a staged search, the second-round one); rank 0 writes the rows."""
     cfg = load_config(spec["config"], spec["overrides"])
@@ -106,13 +116,32 @@ def measure(spec: dict[str, Any]) -> None:
     rows = [Row.from_dict(d) for d in spec["rows"]]
     warmup = spec["warmup"]
     count = [0]
+    longest = [0.0]  # seconds of the longest measurement so far
     partial = Path(spec["out"] + ".partial")
+    deadline = spec.get("deadline")
+
+    def in_time() -> bool:
+        """Whether the next measurement may start (see the module docstring); the same answer on every rank."""
+        if deadline is None or count[0] == 0:
+            return True
+        t = torch.tensor([clock() + longest[0]], dtype=torch.float64, device=info.device)
+        if info.world_size > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.item() <= deadline
 
     def run(todo: list[Row], passes: int, what: str = "") -> None:
         for repeat in range(passes):
             for row in todo:
+                if not in_time():
+                    if not row.times:
+                        row.skipped = True
+                    if info.is_main:
+                        print(f"tune: {label(row.cand)}: skipped (time budget)" + what, flush=True)
+                    continue
                 count[0] += 1
+                start = clock()
                 times, peak = time_candidate(run_config(cfg, row.cand, spec, count[0]), info)
+                longest[0] = max(longest[0], clock() - start)
                 row.times += times[warmup:]
                 row.measured_peak_bytes = max(row.measured_peak_bytes, peak)
                 if info.is_main:
@@ -129,9 +158,11 @@ def measure(spec: dict[str, Any]) -> None:
             if rows[-1].fits:
                 run([rows[-1]], spec["repeats"])
     finalists = sorted((r for r in rows if r.times), key=lambda r: r.step_s)[:spec.get("confirm", 0)]
-    if len(finalists) > 1:  # the closest contenders once more, one after the other: their times pooled
+    if len(finalists) > 1 and in_time():  # the closest contenders once more, one after the other: times pooled
+        before = [len(r.times) for r in finalists]
         run(finalists, 1, " (confirming)")
-        for row in finalists:
+        confirmed = [r for r, n in zip(finalists, before) if len(r.times) > n]
+        for row in confirmed if len(confirmed) > 1 else []:  # a lone confirmation decides nothing
             row.confirmed = True
     if info.is_main:
         write_rows(Path(spec["out"]), rows)

@@ -1,0 +1,271 @@
+"""``shardlm tune``'s candidates: the tuned settings (:class:`Candidate`), their values (:func:`space`), the config's
+own (:func:`config_candidate`), each one's predicted peak (:class:`Planner`) and the memory they must fit
+(:func:`memory_budget`). The dimensions and the search are described in :mod:`shardlm.plan.tune`.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from shardlm.config import Config, ConfigError
+from shardlm.parallel.ac import find_cxx_compiler
+from shardlm.plan.devices import GIB, MIB, device_for_cuda_name, get_device
+from shardlm.plan.memory import param_groups, plan_memory
+
+#: activation checkpointing modes, lightest (least recomputation) first: a staged search's candidates take the first
+#: that fits
+AC_ORDER = ("none", "selective", "every_n", "full")
+PREFETCH_DEPTHS = (0, 1, 2)
+SEARCHES = ("staged", "full")
+DIMENSIONS = ("reshard", "prefetch", "ac", "batching", "compile", "grouping")
+#: what the staged search varies; the checkpointing follows: the lightest mode that fits
+STAGED_DIMENSIONS = ("reshard", "prefetch", "batching", "compile", "grouping")
+
+@dataclass(frozen=True)
+class Candidate:
+    """One setting of the tuned fields."""
+
+    reshard_after_forward: bool
+    forward_prefetch: int
+    backward_prefetch: int
+    activation_checkpoint: str
+    micro_batch_size: int
+    grad_sync: str
+    compile: bool = False
+    blocks_per_group: int = 1
+
+    def key(self, dimension: str) -> Any:
+        """This candidate's value in ``dimension`` (one of :data:`DIMENSIONS`)."""
+        return {"reshard": self.reshard_after_forward, "prefetch": (self.forward_prefetch, self.backward_prefetch),
+                "ac": self.activation_checkpoint, "batching": (self.micro_batch_size, self.grad_sync),
+                "compile": self.compile, "grouping": self.blocks_per_group}[dimension]
+
+    def with_value(self, dimension: str, value: Any) -> Candidate:
+        """A copy with ``dimension`` set to ``value`` (as :meth:`key` returns it)."""
+        if dimension == "reshard":
+            return dataclasses.replace(self, reshard_after_forward=value)
+        if dimension == "prefetch":
+            return dataclasses.replace(self, forward_prefetch=value[0], backward_prefetch=value[1])
+        if dimension == "ac":
+            return dataclasses.replace(self, activation_checkpoint=value)
+        if dimension == "compile":
+            return dataclasses.replace(self, compile=value)
+        if dimension == "grouping":
+            return dataclasses.replace(self, blocks_per_group=value)
+        return dataclasses.replace(self, micro_batch_size=value[0], grad_sync=value[1])
+
+    def normalized(self, n_layers: int) -> Candidate:
+        """The same settings with each prefetch depth at most the number of other block groups (a deeper
+        prefetch all-gathers nothing more: with all blocks in one group there is nothing to prefetch)."""
+        others = -(-n_layers // self.blocks_per_group) - 1
+        return dataclasses.replace(self, forward_prefetch=min(self.forward_prefetch, others),
+                                   backward_prefetch=min(self.backward_prefetch, others))
+
+    def overrides(self) -> dict[str, Any]:
+        """The dotted config keys this candidate sets, with their values."""
+        return {
+            "parallel.reshard_after_forward": self.reshard_after_forward,
+            "parallel.forward_prefetch": self.forward_prefetch,
+            "parallel.backward_prefetch": self.backward_prefetch,
+            "parallel.activation_checkpoint": self.activation_checkpoint,
+            "parallel.grad_sync": self.grad_sync,
+            "train.micro_batch_size": self.micro_batch_size,
+            "parallel.compile": self.compile,
+            "parallel.blocks_per_group": self.blocks_per_group,
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Candidate:
+        return cls(**d)
+
+
+def size(nbytes: float) -> str:
+    """``nbytes`` for a message: GiB with two decimals from 1 GiB on, MiB with one below."""
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / MIB:.1f} MiB"
+
+
+def toml_value(value: Any) -> str:
+    """``value`` as a TOML value (bool, int, float or string)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    return json.dumps(str(value))  # a TOML basic string
+
+
+def dotted(cand: Candidate) -> str:
+    """The candidate as command-line overrides: ``--parallel.reshard_after_forward=false ...``."""
+    return " ".join(f"--{k}={toml_value(v)}" for k, v in cand.overrides().items())
+
+
+def apply(cfg: Config, cand: Candidate) -> Config:
+    """A copy of ``cfg`` with the candidate's settings."""
+    out = copy.deepcopy(cfg)
+    for key, value in cand.overrides().items():
+        section, name = key.split(".")
+        setattr(getattr(out, section), name, value)
+    return out
+
+
+def local_batch(cfg: Config, world_size: int) -> int:
+    """Sequences per rank per step, G / N.
+
+    Raises:
+        ConfigError: N does not divide the global batch.
+    """
+    g = cfg.train.global_batch_size
+    if world_size < 1:
+        raise ConfigError(f"--world-size must be >= 1, got {world_size}")
+    if g % world_size:
+        raise ConfigError(f"train.global_batch_size={g} must be divisible by the world size {world_size}")
+    return g // world_size
+
+
+def sync_policies(cfg: Config) -> list[str]:
+    """The ``parallel.grad_sync`` values worth trying under accumulation (the third one only with HSDP)."""
+    out = ["every_micro_batch", "last_micro_batch"]
+    if cfg.parallel.dp_replicate != 1:
+        out.append("reduce_scatter_every_all_reduce_last")
+    return out
+
+
+def space(cfg: Config, world_size: int) -> dict[str, list[Any]]:
+    """The values of each dimension (see the module docstring), the config's own first where it is one of them."""
+    p = cfg.parallel
+    per_rank = local_batch(cfg, world_size)
+    micro = sorted({per_rank >> j for j in range(4) if per_rank % (1 << j) == 0}
+                   | ({cfg.train.micro_batch_size} if per_rank % cfg.train.micro_batch_size == 0 else set()),
+                   reverse=True)
+    batching: list[tuple[int, str]] = []
+    for m in micro:
+        if per_rank // m == 1:  # one micro-batch: the gradient sync policy changes nothing
+            batching.append((m, p.grad_sync))
+        else:
+            batching += [(m, s) for s in sync_policies(cfg)]
+    depth_cap = max(0, cfg.model.n_layers - 1)
+    prefetch = [(d, d) for d in PREFETCH_DEPTHS if d <= depth_cap]
+    if (p.forward_prefetch, p.backward_prefetch) not in prefetch:
+        prefetch.append((p.forward_prefetch, p.backward_prefetch))
+    compile_values = [p.compile, not p.compile] if find_cxx_compiler() else [p.compile]
+    grouping = [p.blocks_per_group] + [k for k in sorted({1, min(2, cfg.model.n_layers), cfg.model.n_layers})
+                                       if k != p.blocks_per_group]
+    return {"reshard": [True, False], "prefetch": prefetch, "ac": list(AC_ORDER), "batching": batching,
+            "compile": compile_values, "grouping": grouping}
+
+
+def config_candidate(cfg: Config, world_size: int) -> Candidate:
+    """The config's own settings as a candidate (an N-way ``reshard_after_forward`` counts as true: the planner
+    models true and false only; a micro-batch that does not divide G / N becomes the largest smaller one that
+    does; a grad_sync that has no effect with one micro-batch is kept as it is; prefetch depths are cut to the
+    other block groups, :meth:`Candidate.normalized`)."""
+    p = cfg.parallel
+    reshard = p.reshard_after_forward if isinstance(p.reshard_after_forward, bool) else True
+    per_rank = local_batch(cfg, world_size)
+    micro = max(m for m in range(1, min(per_rank, cfg.train.micro_batch_size) + 1) if per_rank % m == 0)
+    return Candidate(reshard, p.forward_prefetch, p.backward_prefetch, p.activation_checkpoint, micro, p.grad_sync,
+                     p.compile, p.blocks_per_group).normalized(cfg.model.n_layers)
+
+
+def block_bytes(cfg: Config, world_size: int) -> int:
+    """Bytes of the largest block group's unsharded parameters in the compute dtype (what one prefetch holds)."""
+    param_bytes = 2 if cfg.parallel.param_dtype == "bfloat16" else 4
+    groups, _, _ = param_groups(cfg, world_size, param_bytes)
+    blocks = [g for g in groups if g.name.startswith("block")] or groups
+    return max(round(g.numel * param_bytes * g.gather_factor) for g in blocks)
+
+
+class Planner:
+    """Predicted per-rank peak bytes of candidates of one config, cached (each prediction builds a meta model)."""
+
+    def __init__(self, cfg: Config, world_size: int, device: str, budget: float) -> None:
+        self.cfg, self.world_size, self.device, self.budget = cfg, world_size, device, budget
+        self._cache: dict[Candidate, int] = {}
+        self._group: dict[int, int] = {}  # blocks per group -> bytes of the largest block group
+
+    def bytes(self, cand: Candidate) -> int:
+        """Predicted peak bytes per rank of ``cand``: the planner's, plus the explicit prefetch's blocks.
+
+        Raises:
+            ConfigError: the planner refuses the candidate (e.g. global batch not divisible).
+        """
+        if cand not in self._cache:
+            cfg = apply(self.cfg, cand)
+            plan = plan_memory(cfg, self.world_size, self.device)
+            if cand.blocks_per_group not in self._group:
+                self._group[cand.blocks_per_group] = block_bytes(cfg, self.world_size)
+            cut = cand.normalized(cfg.model.n_layers)  # a depth holds at most the other groups
+            depth = max(cut.forward_prefetch, cut.backward_prefetch)
+            self._cache[cand] = plan.peak + depth * self._group[cand.blocks_per_group]
+        return self._cache[cand]
+
+    def fits(self, cand: Candidate) -> bool:
+        return self.bytes(cand) <= self.budget
+
+
+# ---- memory budget ----------------------------------------------------------------------------
+def available_host_memory() -> int:
+    """Bytes of RAM available now (``MemAvailable`` of /proc/meminfo; free pages elsewhere)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Usable bytes per rank, the planner's device name, and how the figure was found (for the report)."""
+
+    bytes: float
+    device: str
+    source: str
+
+
+def memory_budget(device: str, world_size: int, headroom: float, memory_per_rank_gib: float | None,
+                  cuda_name: str | None = None, cuda_total_bytes: int = 0) -> Budget:
+    """The usable memory per rank.
+
+    Args:
+        device: ``cpu``, a name of :data:`shardlm.plan.devices.DEVICES`, or ``auto`` (the GPU described by
+            ``cuda_name``/``cuda_total_bytes`` when given, else the CPU).
+        world_size: ranks sharing the host's RAM on a CPU.
+        headroom: fraction kept free (allocator fragmentation, the process itself).
+        memory_per_rank_gib: overrides the device's memory per rank when given.
+
+    Raises:
+        ConfigError: unknown device name, or a headroom outside [0, 1).
+    """
+    if not 0 <= headroom < 1:
+        raise ConfigError(f"--headroom must be in [0, 1), got {headroom}")
+    if device == "auto":
+        device = "cpu"
+        if cuda_name is not None:  # the planner needs a GPU name (only offload depends on it): an unknown one
+            known = device_for_cuda_name(cuda_name)  # counts as an H100, with its own memory size
+            device = known.name if known is not None else "h100"
+    dev = get_device(device)
+    if memory_per_rank_gib is not None:
+        if memory_per_rank_gib <= 0:
+            raise ConfigError(f"--memory-per-rank must be positive (GiB), got {memory_per_rank_gib}")
+        total, source = memory_per_rank_gib * GIB, "--memory-per-rank"
+    elif device == "cpu":
+        total = available_host_memory() / world_size
+        source = f"RAM available now / {world_size} ranks"
+    elif cuda_total_bytes:
+        total, source = cuda_total_bytes, f"{cuda_name} memory"
+    else:
+        total, source = dev.memory_bytes, f"{dev.name} memory"
+    return Budget(total * (1 - headroom), device,
+                  f"{size(total)} per rank ({source}) less {headroom:.0%} headroom")
+
+

@@ -239,6 +239,29 @@ def test_packed_rows_hold_the_examples(packed_data):
     assert int((rows[:, 1, 1:] != -100).sum()) == packed.num_targets(list(range(len(packed))))
     assert PackedExamples(plain, seed=3).rows == packed.rows
     assert "1 truncated to 65 tokens (lines 4); 1 left out" in packed.summary() and packed.fill > 0.9
+    placed = sum(min(int(lengths[e]), SEQ + 1) for r in packed.rows for e in r)
+    assert packed.padding == int((rows[:, 2] == torch.tensor([len(r) for r in packed.rows])[:, None]).sum())
+    assert packed.unpacked_padding == (len(plain) - len(packed.dropped)) * (SEQ + 1) - placed
+
+
+def test_prepare_prints_the_packing_and_the_documents(packed_data, doc_data, small_data, tmp_path, capsys):
+    """``shardlm prepare`` with data.pack prints the packing at train.seq_len (rows, fill, padding saved); on text
+    data it prints the recorded documents."""
+    from shardlm.cli.main import main as shardlm_main
+
+    base = ["prepare", "--config", str(ROOT / "configs/shakespeare-tiny.toml"), f"--train.seq_len={SEQ}",
+            f"--data.tokenizer={small_data / 'tokenizer.json'}", "--data.val_fraction=0.1", "--model.vocab_size=512"]
+    capsys.readouterr()
+    assert shardlm_main(base + ["--data.format=instruct", "--data.pack=true", "--model.attention=block_causal",
+                                f"--data.corpus={packed_data.parent / 'chat.jsonl'}", f"--data.dir={tmp_path / 'i'}"]) == 0
+    out = capsys.readouterr().out
+    packed = PackedExamples(InstructionExamples(str(tmp_path / "i"), "train", SEQ, skip_untrainable=True), 0)
+    assert f"  packing   {packed.summary()}" in out.splitlines()
+    assert f"padding {packed.padding:,} tokens instead of {packed.unpacked_padding:,} unpacked" in out
+    assert shardlm_main(base + [f"--data.corpus={doc_data.parent / 'docs.jsonl'}", f"--data.dir={tmp_path / 't'}"]) == 0
+    meta = load_meta(str(tmp_path / "t"))
+    mean = (meta["train_tokens"] + meta["val_tokens"]) / 60
+    assert f"  documents 60 (mean {mean:,.1f} tokens; their starts recorded in document_starts.bin" in capsys.readouterr().out
 
 
 def test_packed_batch_loss_equals_examples_one_by_one(packed_data):
@@ -405,3 +428,35 @@ def test_training_with_a_backend_this_device_lacks_stops_before_anything(tmp_pat
                       "'auto'"], proc.stderr[-2000:]
     assert "exitcode  : 2" in proc.stderr and proc.returncode != 0
     assert not (tmp_path / "data").exists() and not (tmp_path / "run").exists()
+
+
+def test_prepared_data_records_where_documents_start(doc_data, small_data, tmp_path):
+    """meta.json records one start per document; they are the positions after each separator; a document whose
+    text holds the separator's own string stays one document (the separator rule would cut it: the control);
+    data without the record (prepared before it) falls back to the separator."""
+    meta = load_meta(str(doc_data))
+    starts = np.fromfile(doc_data / meta["document_starts"]["file"], dtype="<i8")
+    assert meta["document_starts"]["count"] == meta["documents"] == 60 == len(starts)
+    stream = np.concatenate([np.fromfile(doc_data / s["file"], dtype=meta["dtype"]) for s in meta["shards"]])
+    eod = meta["special_ids"]["eod"]
+    assert starts.tolist() == [0] + (np.flatnonzero(stream == eod) + 1).tolist()[:-1]
+    # a document holding the separator's string: one document for the record, two for the separator rule
+    texts = [" ".join(WORDS[i:i + 12]) for i in range(0, 36, 12)]
+    texts[1] = texts[1][:20] + " <|end_of_document|> " + texts[1][20:]
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    prepare_corpus(str(tmp_path / "c.jsonl"), str(tmp_path / "d"), str(small_data / "tokenizer.json"), 512, 0.05)
+    windows = TokenWindows(str(tmp_path / "d"), "train", 80)
+    recorded, by_eod = DocumentWindows(windows, eod), DocumentWindows(windows, eod)
+    by_eod.source = "eod"  # the rule data without a record falls back to
+    assert recorded.source == "recorded"
+    tokens = windows.get([0])[0]
+    assert int((tokens == eod).sum()) >= 3  # the literal string became the separator's id
+    assert recorded.get([0])[0, 2].max() < by_eod.get([0])[0, 2].max()
+    assert recorded.num_targets([0]) == by_eod.num_targets([0]) + 1
+    meta = load_meta(str(tmp_path / "d"))
+    del meta["document_starts"]
+    (tmp_path / "d" / "meta.json").write_text(json.dumps(meta))
+    old = DocumentWindows(TokenWindows(str(tmp_path / "d"), "train", 80), eod)
+    assert old.source == "eod" and torch.equal(old.get([0]), by_eod.get([0]))
+    with pytest.raises(DataError, match="records no document starts and has no end-of-document token"):
+        DocumentWindows(TokenWindows(str(tmp_path / "d"), "train", 80), None)

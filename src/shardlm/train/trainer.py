@@ -135,11 +135,7 @@ class Trainer:
             self.val_data = dataset(str(data_dir(cfg)), "val", t.seq_len)
             self.sampler = GlobalBatchSampler(len(self.train_data), t.global_batch_size, t.seed)
         if self.attention_backend and cfg.data.format == "text":  # pre-training: document masking inside windows
-            eod = (self.meta.get("special_ids") or {}).get("eod")
-            if eod is None:
-                raise ConfigError(f"model.attention = 'block_causal' needs document boundaries, but the data in "
-                                  f"{data_dir(cfg)} has no end-of-document token (special_ids.eod): use a tokenizer "
-                                  "with one, or model.attention = 'causal'")
+            eod = (self.meta.get("special_ids") or {}).get("eod")  # when the data records no document starts
             self.train_data, self.val_data = DocumentWindows(self.train_data, eod), DocumentWindows(self.val_data, eod)
         self.mesh = build_mesh(self.info, cfg.parallel) if cfg.parallel.mode != "single" else None
         self.model, self.pretrained_load_stats = build_model(cfg, self.info, self.mesh)

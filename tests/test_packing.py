@@ -153,6 +153,31 @@ def test_document_positions_and_mask():
     assert mask[8].tolist() == [False] * 7 + [True, True]
 
 
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+def test_dense_mask_is_saved_once_per_window_and_equals_the_boolean_mask(name, monkeypatch):
+    """The sdpa backend's additive mask is made once per forward: backward keeps one (batch, 1, seq, seq) mask per
+    distinct window (Gemma 3: local and global), not one per layer (SDPA's own copy of a boolean mask, as before),
+    and the logits and gradients are bit for bit those of the boolean mask."""
+    tokens, documents, _ = packed_rows()
+    model = random_model(name)
+    masks = {}
+
+    def keep(t):
+        if t.shape[-2:] == (ROW, ROW):
+            masks[t.untyped_storage().data_ptr()] = t.dtype
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        logits = model(tokens, documents=documents)
+    assert list(masks.values()) == [torch.float32] * (2 if name == "gemma3" else 1)  # 2 layers each
+    grads = summed_loss_grads(model, logits, tokens)
+    monkeypatch.setattr(doc_attention, "document_masks", lambda d, windows, backend, dtype: {
+        w: doc_attention.dense_mask(d, w) for w in windows})  # the boolean mask, converted by SDPA per layer
+    boolean = model(tokens, documents=documents)
+    assert torch.equal(boolean, logits)
+    boolean_grads = summed_loss_grads(model, boolean, tokens)
+    assert all(torch.equal(g, boolean_grads[n]) for n, g in grads.items())
+
+
 def test_missing_flex_backend_is_one_clear_error(monkeypatch):
     """A backend this PyTorch lacks: one message naming it and the alternative."""
     monkeypatch.setattr(doc_attention, "flex_attention", None)

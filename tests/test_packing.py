@@ -485,3 +485,97 @@ def test_prepared_data_records_where_documents_start(doc_data, small_data, tmp_p
     assert old.source == "eod" and torch.equal(old.get([0]), by_eod.get([0]))
     with pytest.raises(DataError, match="records no document starts and has no end-of-document token"):
         DocumentWindows(TokenWindows(str(tmp_path / "d"), "train", 80), None)
+
+
+def test_planner_counts_packing_block_causal_flops_and_the_mask(packed_data, doc_data):
+    """The planner reads the prepared data: the attention context Σ n² / T of the samples equals the documents
+    the training batches carry (pre-training windows and packed rows); FLOPs per token drop by 12·L·H·Q·(T -
+    context); the planned peak grows by the dense mask, which is the bytes the model's sdpa masks hold; the
+    report states fill, trained tokens, context and mask. Causal attention is unchanged."""
+    from shardlm.data.packing import batch_documents
+    from shardlm.plan import plan_memory
+    from shardlm.plan.documents import document_mask_bytes, document_shape, window_context
+    from shardlm.plan.report import format_plan
+    from shardlm.plan.time import flops_per_token
+
+    assert window_context(np.array([0, 4, 12, 13]), 2, 9) == pytest.approx((16 + 25 + 4 + 1 + 36) / 18)
+
+    def context_of(batch):  # Σ n² / T of the documents the model gets
+        docs = batch_documents(batch)
+        return float(sum((torch.unique_consecutive(r, return_counts=True)[1].double() ** 2).sum() for r in docs)
+                     / docs.numel())
+    base = [f"--train.seq_len={SEQ}", "--model.attention=block_causal", "--train.micro_batch_size=2",
+            "--train.global_batch_size=4", "--parallel.mode=single"]
+    text = load_config(str(ROOT / "configs/shakespeare-tiny.toml"), base + [f"--data.dir={doc_data}"])
+    windows = DocumentWindows(TokenWindows(str(doc_data), "train", SEQ), load_meta(str(doc_data))["special_ids"]["eod"])
+    shape = document_shape(text)
+    every = list(range(len(windows)))
+    assert shape.samples == len(windows) and shape.context == pytest.approx(context_of(windows.get(every)))
+    assert shape.targets == pytest.approx(windows.num_targets(every) / len(windows)) and shape.context < 0.8 * SEQ
+    packed_cfg = load_config(str(ROOT / "configs/shakespeare-tiny.toml"), base + [
+        f"--data.dir={packed_data}", "--data.format=instruct", "--data.pack=true"])
+    packed = PackedExamples(InstructionExamples(str(packed_data), "train", SEQ, skip_untrainable=True),
+                            packed_cfg.train.seed)
+    pshape = document_shape(packed_cfg)
+    rows = packed.get(list(range(len(packed))))
+    assert pshape.context == pytest.approx(context_of(rows)) and pshape.fill == packed.fill
+    assert pshape.targets == pytest.approx(packed.num_targets(list(range(len(packed)))) / len(packed))
+    causal = load_config(str(ROOT / "configs/shakespeare-tiny.toml"), base + [f"--data.dir={doc_data}",
+                                                                             "--model.attention=causal"])
+    m = text.model
+    assert flops_per_token(causal) - flops_per_token(text) == pytest.approx(
+        12 * m.n_layers * m.n_heads * m.head_dim * (SEQ - shape.context))
+    assert document_shape(causal).context == SEQ
+    mask = document_mask_bytes(text, 4, "cpu")
+    real = doc_attention.document_masks(batch_documents(windows.get([0, 1])), {0}, "sdpa")
+    assert mask == sum(t.nbytes for t in real.values()) == 2 * SEQ * SEQ * 4
+    assert plan_memory(text, 1).peak - plan_memory(causal, 1).peak == mask
+    report = format_plan(text, 1, "cpu", 0.05)
+    assert f"block-causal attention: context {shape.context:,.1f} of {SEQ} tokens per sequence" in report, report
+    assert f"fill {100 * pshape.fill:.1f}%" in format_plan(packed_cfg, 1, "cpu", 0.05)
+    assert "block-causal" not in format_plan(causal, 1, "cpu", 0.05)
+
+
+def test_block_causal_eval_equals_each_document_alone(doc_data, small_data, tmp_path, monkeypatch, capsys):
+    """``evaluate_tokens`` with document starts (windows of several documents packed into one row, block-causal)
+    equals evaluating each document alone (loss 1e-6 relative, the same token count) in fewer forward rows; the
+    whole stream under causal attention differs (the control); ``shardlm eval --attention block_causal`` on an
+    exported model gives the same figures from text."""
+    from shardlm.convert.hf_out import save_model_dir
+    from shardlm.data import load_tokenizer, read_documents, special_token_ids
+    from shardlm.eval import perplexity
+    from shardlm.parallel import DistInfo
+
+    monkeypatch.setattr(perplexity, "all_reduce_sum", lambda t: t)  # one process, no process group
+    info = DistInfo(0, 0, 1, torch.device("cpu"), "gloo")
+    cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128, vocab_size=512, max_seq_len=64)
+    model = Llama(cfg)
+    model.init_weights(0)
+    tok = load_tokenizer(str(small_data / "tokenizer.json"))
+    corpus = doc_data.parent / "docs.jsonl"
+    stream, starts = perplexity.document_stream(read_documents(str(corpus)), tok, special_token_ids(tok))
+    assert starts == np.fromfile(doc_data / "document_starts.bin", dtype="<i8").tolist()  # as prepared
+    for context, stride in ((64, 32), (24, 10)):  # documents shorter and longer than the context
+        packed = perplexity.evaluate_tokens(model, stream, info, 4, context, False, stride, starts)
+        bounds = [*starts, len(stream)]
+        model.cfg.attention = "causal"
+        alone = [perplexity.evaluate_tokens(model, stream[s:t], info, 4, context, False, stride)
+                 for s, t in zip(bounds[:-1], bounds[1:])]
+        assert packed.tokens == sum(a.tokens for a in alone) == len(stream) - len(starts)
+        assert abs(packed.loss_sum / sum(a.loss_sum for a in alone) - 1) < 1e-6, (context, stride)
+        assert packed.windows == sum(a.windows for a in alone)
+        whole = perplexity.evaluate_tokens(model, stream, info, 4, context, False, stride)
+        assert abs(whole.mean_loss - packed.mean_loss) > 1e-4  # (measured 5.9e-4 at 64 / 32; the tolerance is 1e-6)
+    windows = perplexity.document_windows(starts, len(stream), 64, 32)
+    assert len(perplexity._rows(windows, 64, True)) < len(windows)  # short ones share a row (measured 99 rows, 104)
+    model_dir = save_model_dir(model.state_dict(), cfg, tmp_path / "m", small_data / "tokenizer.json")
+    from shardlm.cli.main import main as shardlm_main
+
+    capsys.readouterr()
+    assert shardlm_main(["eval", "--model", str(model_dir), "--data", str(corpus), "--context", "64", "--json",
+                         "--attention", "block_causal"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    model.cfg.attention = "causal"
+    ref = perplexity.evaluate_tokens(model, stream, info, 8, 64, False, 32, starts)
+    assert out["attention"] == "block_causal" and out["tokens"] == ref.tokens
+    assert abs(out["mean_loss"] / ref.mean_loss - 1) < 1e-6

@@ -579,3 +579,21 @@ def test_block_causal_eval_equals_each_document_alone(doc_data, small_data, tmp_
     ref = perplexity.evaluate_tokens(model, stream, info, 8, 64, False, 32, starts)
     assert out["attention"] == "block_causal" and out["tokens"] == ref.tokens
     assert abs(out["mean_loss"] / ref.mean_loss - 1) < 1e-6
+
+
+def test_a_checkpoint_without_the_attention_field_resumes_only_as_causal():
+    """A checkpoint written before ``model.attention`` existed trained with causal attention: resuming it under
+    block-causal (or packed) is refused with the field named, under causal it is no change; a prepared data
+    record without document starts (older) is not a data difference; other document starts are."""
+    from shardlm.checkpoint.resume_config import REFUSED, config_changes, data_problems
+
+    old = load_config(None, []).to_dict()
+    del old["model"]["attention"], old["data"]["pack"]
+    assert config_changes(old, load_config(None, ["--model.attention=causal"]).to_dict()) == []
+    (change,) = config_changes(old, load_config(None, ["--model.attention=block_causal"]).to_dict())
+    assert (change.key, change.old, change.new, change.rule) == ("model.attention", "causal", "block_causal", REFUSED)
+    assert "model.attention: \"causal\" -> \"block_causal\" (refused: a run continues with the attention" in change.line()
+    meta = {"content_sha256": "ab", "document_starts": {"file": "document_starts.bin", "count": 3}}
+    assert data_problems({"data": {"content_sha256": "ab"}}, meta, None) == []
+    other = {**meta, "document_starts": {"file": "document_starts.bin", "count": 4}}
+    assert data_problems({"data": meta}, other, None) != []

@@ -179,7 +179,8 @@ def test_dense_mask_is_saved_once_per_window_and_equals_the_boolean_mask(name, m
 
 
 def test_missing_flex_backend_is_one_clear_error(monkeypatch):
-    """A backend this PyTorch lacks: one message naming it and the alternative."""
+    """A backend this PyTorch lacks, or shardlm has not built (varlen): one message naming it and the
+    alternative."""
     monkeypatch.setattr(doc_attention, "flex_attention", None)
     with pytest.raises(ValueError, match="flex_attention.*use 'sdpa'"):
         doc_attention.resolve_backend("flex", "cpu")
@@ -188,6 +189,10 @@ def test_missing_flex_backend_is_one_clear_error(monkeypatch):
     with pytest.raises(ValueError, match="flex"):
         random_model("llama", backend="flex")(tokens, documents=documents)
     monkeypatch.undo()
+    for device in ("cpu", "cuda"):  # varlen flash attention: refused by name everywhere (CUDA only, untested)
+        with pytest.raises(ValueError, match=r"'varlen' \(variable-length flash attention over cu_seqlens.*not "
+                                             r"built.*only on CUDA.*use 'flex'"):
+            doc_attention.resolve_backend("varlen", device)
     with pytest.raises(ValueError, match="cannot train on CPU.*no backward.*use 'sdpa'"):
         random_model("llama", backend="flex")(tokens, documents=documents)  # gradients enabled
 
@@ -380,13 +385,13 @@ def test_window_across_documents_gives_the_second_its_own_logits(doc_data):
 
 
 @pytest.mark.dist
-def test_packed_training_fsdp_equals_one_process_and_resumes(packed_data, doc_data, small_data, tmp_path):
+def test_packed_training_fsdp_equals_one_process_and_resumes(packed_data, doc_data, mixture_data, small_data, tmp_path):
     """Packed instruction data with block-causal attention, micro-batches of one row (gradient accumulation 4 at
     1 rank, 2 at 2, 1 at 4): the rows and each step's samples are the same at 1, 2 and 4 ranks; the first step's
     loss equals the mean over the same examples' response tokens computed one by one (1e-6) at 1 and 2 ranks;
     FSDP at 2 and at 4 ranks equals one process over 4 steps (1e-6); a run resumed at step 2 continues bit for
-    bit. Pre-training with block-causal attention over windows that cross documents: 2 ranks = 1 process over 3
-    steps (1e-6)."""
+    bit. Pre-training with block-causal attention over windows that cross documents, from one corpus and from a
+    mixture of two sources: 2 ranks = 1 process over 3 steps (1e-6)."""
     extra = {"data.format": '"instruct"', "data.pack": "true", "model.attention": '"block_causal"',
              "data.corpus": f'"{packed_data.parent / "chat.jsonl"}"', "data.val_fraction": 0.1,
              "train.seq_len": SEQ, "train.global_batch_size": 4, "train.micro_batch_size": 1, "train.steps": 4,
@@ -396,9 +401,13 @@ def test_packed_training_fsdp_equals_one_process_and_resumes(packed_data, doc_da
     docs = {"model.attention": '"block_causal"', "data.corpus": f'"{doc_data.parent / "docs.jsonl"}"',
             "data.tokenizer": f'"{small_data / "tokenizer.json"}"', "data.val_fraction": 0.1, "train.seq_len": SEQ,
             "train.steps": 3, "train.eval_interval": 3, "train.micro_batch_size": 2}
-    out = run_scenarios(1, [scenario("packed1", packed_data, runs, extra), scenario("doc1", doc_data, runs, docs)],
-                        tmp_path / "out1")
+    mix = {**docs, "data.corpus": '""', "data.val_fraction": 0.2, "data.sources":
+           f'[{{path = "{mixture_data.parent / "a.jsonl"}", weight = 0.7, name = "a"}}, '
+           f'{{path = "{mixture_data.parent / "b.jsonl"}", weight = 0.3, name = "b"}}]'}
+    out = run_scenarios(1, [scenario("packed1", packed_data, runs, extra), scenario("doc1", doc_data, runs, docs),
+                            scenario("mix1", mixture_data, runs, mix)], tmp_path / "out1")
     out.update(run_scenarios(2, [scenario("doc2", doc_data, runs, docs), scenario("packed2", packed_data, runs, extra),
+                                 scenario("mix2", mixture_data, runs, mix),
                                  scenario("packed2_resume", packed_data, runs,
                                           {**extra, "checkpoint.resume": f'"{step2}"'})], tmp_path / "out2"))
     out.update(run_scenarios(4, [scenario("packed4", packed_data, runs, {**extra, "checkpoint.interval": 0})],
@@ -434,6 +443,11 @@ def test_packed_training_fsdp_equals_one_process_and_resumes(packed_data, doc_da
     for a, b in zip(doc1, doc2):
         assert abs(a["loss"] - b["loss"]) <= 1e-6, (a["step"], a["loss"], b["loss"])
     assert abs(doc1[-1]["val_loss"] - doc2[-1]["val_loss"]) <= 1e-6
+    mix1, mix2 = out["mix1"][0]["history"], out["mix2"][0]["history"]  # a mixture of two sources, block-causal
+    assert [h["step"] for h in mix1] == [1, 2, 3] and mix1[0]["loss"] != doc1[0]["loss"]
+    for a, b in zip(mix1, mix2, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-6, (a["step"], a["loss"], b["loss"])
+    assert abs(mix1[-1]["val_loss"] - mix2[-1]["val_loss"]) <= 1e-6
     print(f"\npacked loss per step, 1 rank: {[h['loss'] for h in one]}; 2 ranks: {[h['loss'] for h in two]}; "
           f"one by one at step 1: {alone}")
 
@@ -597,3 +611,37 @@ def test_a_checkpoint_without_the_attention_field_resumes_only_as_causal():
     assert data_problems({"data": {"content_sha256": "ab"}}, meta, None) == []
     other = {**meta, "document_starts": {"file": "document_starts.bin", "count": 4}}
     assert data_problems({"data": meta}, other, None) != []
+
+
+@pytest.fixture(scope="module")
+def mixture_data(doc_data, small_data, tmp_path_factory) -> Path:
+    """The 60 documents as a mixture of two sources (30 each, weights 0.7 / 0.3), with the small tokenizer."""
+    from shardlm.config import DataSource
+    from shardlm.data.mixture import prepare_mixture
+
+    d = tmp_path_factory.mktemp("mix")
+    lines = (doc_data.parent / "docs.jsonl").read_text().splitlines(keepends=True)
+    (d / "a.jsonl").write_text("".join(lines[:30]))
+    (d / "b.jsonl").write_text("".join(lines[30:]))
+    prepare_mixture([DataSource(str(d / "a.jsonl"), 0.7, "a"), DataSource(str(d / "b.jsonl"), 0.3, "b")],
+                    str(d / "data"), str(small_data / "tokenizer.json"), 512, 0.2)
+    return d / "data"
+
+
+def test_mixture_windows_keep_each_sources_documents(mixture_data):
+    """Block-causal windows over a mixture (train and interleaved validation): each window's tokens, labels and
+    document index are those of its source's own window, from that source's recorded document starts."""
+    from shardlm.data.mixture import MixtureWindows
+
+    eod = load_meta(str(mixture_data / "a"))["special_ids"]["eod"]
+    for split, interleave in (("train", False), ("val", True)):
+        sources = [TokenWindows(str(mixture_data / n), split, SEQ) for n in ("a", "b")]
+        mixed = DocumentWindows(MixtureWindows(sources, interleave=interleave), eod)
+        assert mixed.source == "recorded"
+        ids = list(range(len(mixed)))
+        batch = mixed.get(ids)
+        for j in ids:
+            src, w = mixed.windows._locate(j)
+            assert torch.equal(batch[j], DocumentWindows(sources[src], eod).get([w])[0]), (split, j)
+        assert batch[:, 2].max() > 0  # windows cross documents
+        assert mixed.num_targets(ids) == int((batch[:, 1, 1:] != -100).sum())

@@ -17,6 +17,9 @@ Backends, behind :func:`shardlm.model.llama.attention` (the mask's type selects 
 ``flex``   ``torch.nn.attention.flex_attention`` with a ``BlockMask`` (Dong et al., "Flex Attention", 2024):
            compiled on CUDA (the default there), eager elsewhere (slow; forward only on CPU: PyTorch
            has no flex backward there).
+``varlen`` refused by name: PyTorch's variable-length flash attention (``cu_seqlens``, no padding at all)
+           runs only on CUDA, where it has not been tested; ``bench/gpu_check.py`` checks ``sdpa`` and
+           compiled ``flex`` on a GPU instead.
 =========  =====================================================================================
 """
 
@@ -33,8 +36,8 @@ except ImportError:  # pragma: no cover - an old PyTorch: the flex backend is re
 
 #: the attention patterns ``model.attention`` may name
 ATTENTION_KINDS = ("causal", "block_causal")
-#: the backends ``model.attention_backend`` may name (``auto`` picks one by device)
-BACKENDS = ("auto", "sdpa", "flex")
+#: the backends ``model.attention_backend`` may name (``auto`` picks one by device; ``varlen`` is refused by name)
+BACKENDS = ("auto", "sdpa", "flex", "varlen")
 
 
 def flex_available() -> bool:
@@ -55,6 +58,10 @@ def resolve_backend(backend: str, device: torch.device | str, training: bool = F
     """
     if backend not in BACKENDS:
         raise ValueError(f"model.attention_backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if backend == "varlen":
+        raise ValueError("model.attention_backend='varlen' (variable-length flash attention over cu_seqlens, "
+                         "torch.nn.attention.varlen.varlen_attn) is not built: PyTorch runs it only on CUDA, where "
+                         "shardlm cannot test it yet; use 'flex' (compiled on CUDA, skips masked blocks) or 'sdpa'")
     device_type = torch.device(device).type
     if backend == "auto":
         return "flex" if device_type == "cuda" and flex_available() else "sdpa"

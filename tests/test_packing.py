@@ -554,7 +554,8 @@ def test_block_causal_eval_equals_each_document_alone(doc_data, small_data, tmp_
     """``evaluate_tokens`` with document starts (windows of several documents packed into one row, block-causal)
     equals evaluating each document alone (loss 1e-6 relative, the same token count) in fewer forward rows; the
     whole stream under causal attention differs (the control); ``shardlm eval --attention block_causal`` on an
-    exported model gives the same figures from text."""
+    exported model gives the same figures from text, and on the prepared data's validation split (its recorded
+    document starts); prepared data of another tokenizer is refused."""
     from shardlm.convert.hf_out import save_model_dir
     from shardlm.data import load_tokenizer, read_documents, special_token_ids
     from shardlm.eval import perplexity
@@ -593,6 +594,20 @@ def test_block_causal_eval_equals_each_document_alone(doc_data, small_data, tmp_
     ref = perplexity.evaluate_tokens(model, stream, info, 8, 64, False, 32, starts)
     assert out["attention"] == "block_causal" and out["tokens"] == ref.tokens
     assert abs(out["mean_loss"] / ref.mean_loss - 1) < 1e-6
+    # on the prepared data: its validation split, cut at the recorded document starts
+    val = TokenWindows(str(doc_data), "val", 1).stream
+    tokens = val.read(0, val.num_tokens).tolist()
+    val_starts = [0] + [int(i) for i in val.starts_in(0, val.num_tokens) if i > 0]
+    assert shardlm_main(["eval", "--model", str(model_dir), "--data", str(doc_data), "--context", "64", "--json",
+                         "--attention", "block_causal"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    model.cfg.attention = "causal"
+    ref = perplexity.evaluate_tokens(model, tokens, info, 8, 64, False, 32, val_starts)
+    assert out["tokens"] == ref.tokens == len(tokens) - len(val_starts) and len(val_starts) > 3
+    assert abs(out["mean_loss"] / ref.mean_loss - 1) < 1e-6
+    (model_dir / "tokenizer.json").write_text((model_dir / "tokenizer.json").read_text() + "\n")
+    err = cli_error(capsys, ["eval", "--model", str(model_dir), "--data", str(doc_data)])
+    assert "was prepared with another tokenizer.json than the model's" in err
 
 
 def test_a_checkpoint_without_the_attention_field_resumes_only_as_causal():

@@ -23,7 +23,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="model directory (config.json, *.safetensors, tokenizer.json)")
-    p.add_argument("--data", required=True, help="a .txt/.md/.jsonl file, a directory of them, or 'shakespeare'")
+    p.add_argument("--data", required=True, help="a .txt/.md/.jsonl file, a directory of them, 'shakespeare', or a "
+                                                 "prepared pre-training directory (its validation split)")
     p.add_argument("--batch-size", type=int, default=8, help="windows per forward pass, per rank")
     p.add_argument("--context", type=int, default=None,
                    help="window length in tokens (default: the model's max_seq_len)")

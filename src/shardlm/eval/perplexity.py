@@ -18,6 +18,7 @@ its own windows, none reaching into the previous document, packed several to a r
 
 from __future__ import annotations
 
+import hashlib
 import math
 import time
 from dataclasses import dataclass
@@ -30,7 +31,9 @@ from shardlm.config import TrainConfig
 from shardlm.convert.hf_in import load_model_dir
 from shardlm.data import load_tokenizer, read_documents, special_token_ids
 from shardlm.data.instruct import IGNORE_INDEX
+from shardlm.data.loader import TokenStream
 from shardlm.data.packing import best_fit_decreasing
+from shardlm.data.prepare import FORMAT, is_prepared, load_meta
 from shardlm.errors import DataError, ModelDirError
 from shardlm.metrics.progress import progress as progress_bar
 from shardlm.model.llama import Llama
@@ -197,10 +200,33 @@ def evaluate_tokens(model: Llama, stream: list[int], info: DistInfo, batch_size:
                       context=context, stride=stride)
 
 
+def prepared_val_stream(data: str, tokenizer_path: Path) -> tuple[list[int], list[int]]:
+    """The validation split of the prepared directory ``data`` (token ids) and where its documents start (0 first:
+    the split may begin inside one), from the preparation's record, else after each end-of-document token.
+
+    Raises:
+        DataError: the directory was prepared with another ``tokenizer.json`` than ``tokenizer_path``.
+    """
+    def sha(path: Path) -> str:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    if sha(Path(data) / "tokenizer.json") != sha(Path(tokenizer_path)):
+        raise DataError(f"{data} was prepared with another tokenizer.json than the model's ({tokenizer_path}): its "
+                        "token ids would mean other tokens; evaluate on the text itself, or on data prepared with "
+                        "the model's tokenizer")
+    split = TokenStream(data, "val")
+    stream = split.read(0, split.num_tokens).astype(np.int64)
+    recorded = split.starts_in(0, split.num_tokens)
+    if recorded is None:
+        eod = (load_meta(data).get("special_ids") or {}).get("eod")
+        recorded = np.flatnonzero(stream[:-1] == eod) + 1 if eod is not None else np.zeros(0, dtype=np.int64)
+    return stream.tolist(), [0] + [int(i) for i in recorded if i > 0]
+
+
 def evaluate_model(model_dir: str, data: str, info: DistInfo, batch_size: int = 8, context: int | None = None,
                    progress: bool = True, stride: int | None = None, attention: str = "causal") -> EvalResult:
     """Perplexity of the HF-style model directory ``model_dir`` on ``data`` (anything
-    :func:`shardlm.data.read_documents` reads), tokenized with the directory's ``tokenizer.json``;
+    :func:`shardlm.data.read_documents` reads), tokenized with the directory's ``tokenizer.json``, or on the
+    validation split of a prepared pre-training directory (:func:`prepared_val_stream`);
     ``attention = "block_causal"``: each document alone (see :func:`evaluate_tokens`' ``starts``).
 
     Raises:
@@ -216,7 +242,10 @@ def evaluate_model(model_dir: str, data: str, info: DistInfo, batch_size: int = 
         raise ValueError(f"context {context} exceeds the model's max_seq_len={model.cfg.max_seq_len}")
     model.eval()
     tok = load_tokenizer(str(tok_path))
-    stream, starts = document_stream(read_documents(data), tok, special_token_ids(tok))
+    if is_prepared(data) and load_meta(data).get("format") == FORMAT:  # prepared pre-training data: its val split
+        stream, starts = prepared_val_stream(data, tok_path)
+    else:
+        stream, starts = document_stream(read_documents(data), tok, special_token_ids(tok))
     if max(stream) >= model.cfg.vocab_size:
         raise DataError(f"the tokenizer produced id {max(stream)} but the model's vocabulary has "
                         f"{model.cfg.vocab_size} ids")

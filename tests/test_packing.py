@@ -547,6 +547,17 @@ def test_planner_counts_packing_block_causal_flops_and_the_mask(packed_data, doc
     report = format_plan(text, 1, "cpu", 0.05)
     assert f"block-causal attention: context {shape.context:,.1f} of {SEQ} tokens per sequence" in report, report
     assert f"fill {100 * pshape.fill:.1f}%" in format_plan(packed_cfg, 1, "cpu", 0.05)
+    unpacked = load_config(str(ROOT / "configs/shakespeare-tiny.toml"), base + [
+        f"--data.dir={packed_data}", "--data.format=instruct"])
+    assert "no response token within the first 65 tokens" in document_shape(unpacked).source  # as training says
+    unpacked = load_config(str(ROOT / "configs/shakespeare-tiny.toml"), base + [
+        f"--data.dir={packed_data}", "--data.format=instruct", "--train.seq_len=256", "--model.max_seq_len=256"])
+    ushape = document_shape(unpacked)
+    plain = InstructionExamples(str(packed_data), "train", 256)
+    assert ushape.samples == len(plain) and ushape.context == 256
+    lengths = np.minimum(np.diff(plain.offsets), 257)
+    assert ushape.fill == pytest.approx(lengths.sum() / (len(plain) * 257)) and ushape.fill < pshape.fill
+    assert "data.pack = true would put several examples in a row" in format_plan(unpacked, 1, "cpu", 0.05)
     assert "block-causal" not in format_plan(causal, 1, "cpu", 0.05)
 
 

@@ -82,8 +82,8 @@ def _shape(out: str, fmt: str, pack: bool, block_causal: bool, seq_len: int, see
                 return DocumentShape(f"the examples of {out}", len(examples), float(placed.mean()) / row,
                                      float(examples.target_counts.mean()), float(seq_len))
             packed = PackedExamples(examples, seed)
-        except DataError:
-            return full
+        except DataError as exc:  # the trainer stops on it too
+            return DocumentShape(f"{exc}; sequences counted as full", 0, 1.0, float(seq_len), float(seq_len))
         lengths = np.diff(examples.offsets)
         context = 0.0
         for members in packed.rows:

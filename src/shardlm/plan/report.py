@@ -60,14 +60,16 @@ def grad_sync_choices(cfg: Config, world_size: int, device_name: str, budget: fl
 def document_lines(cfg: Config, world_size: int, device_name: str, step_flops: float) -> list[str]:
     """The report's lines on packing and block-causal attention (:mod:`shardlm.plan.documents`): the tokens of a
     step that are not padding, its trained tokens, the attention context the FLOPs count, the mask's memory."""
-    if not (cfg.data.pack or has_documents(cfg)):
+    if not (cfg.data.format == "instruct" or has_documents(cfg)):
         return []
     shape = document_shape(cfg)
     t = cfg.train
     row = t.seq_len + 1
     lines = [f"  data ({shape.source}): {t.global_batch_size * row * shape.fill:,.0f} of "
              f"{t.global_batch_size * row:,} tokens per step are examples' or documents' (fill "
-             f"{100 * shape.fill:.1f}%), {t.global_batch_size * shape.targets:,.0f} trained"]
+             f"{100 * shape.fill:.1f}%), {t.global_batch_size * shape.targets:,.0f} trained"
+             + ("; data.pack = true would put several examples in a row" if cfg.data.format == "instruct"
+                and not cfg.data.pack and shape.samples else "")]
     if has_documents(cfg):
         causal = _variant(cfg, model__attention="causal")
         ratio = step_flops / plan_time(causal, world_size, get_device(device_name), 0).flops

@@ -176,8 +176,8 @@ def test_block_causal_eval_equals_each_document_alone(doc_data, small_data, tmp_
     assert starts == np.fromfile(doc_data / "document_starts.bin", dtype="<i8").tolist()  # as prepared
     for context, stride in ((64, 32), (24, 10)):  # documents shorter and longer than the context
         packed = perplexity.evaluate_tokens(model, stream, info, 4, context, False, stride, starts)
+        assert model.cfg.attention == "causal"  # the caller's model is left as it was
         bounds = [*starts, len(stream)]
-        model.cfg.attention = "causal"
         alone = [perplexity.evaluate_tokens(model, stream[s:t], info, 4, context, False, stride)
                  for s, t in zip(bounds[:-1], bounds[1:])]
         assert packed.tokens == sum(a.tokens for a in alone) == len(stream) - len(starts)
@@ -194,7 +194,6 @@ def test_block_causal_eval_equals_each_document_alone(doc_data, small_data, tmp_
     assert shardlm_main(["eval", "--model", str(model_dir), "--data", str(corpus), "--context", "64", "--json",
                          "--attention", "block_causal"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    model.cfg.attention = "causal"
     ref = perplexity.evaluate_tokens(model, stream, info, 8, 64, False, 32, starts)
     assert out["attention"] == "block_causal" and out["tokens"] == ref.tokens
     assert abs(out["mean_loss"] / ref.mean_loss - 1) < 1e-6
@@ -205,7 +204,6 @@ def test_block_causal_eval_equals_each_document_alone(doc_data, small_data, tmp_
     assert shardlm_main(["eval", "--model", str(model_dir), "--data", str(doc_data), "--context", "64", "--json",
                          "--attention", "block_causal"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    model.cfg.attention = "causal"
     ref = perplexity.evaluate_tokens(model, tokens, info, 8, 64, False, 32, val_starts)
     assert out["tokens"] == ref.tokens == len(tokens) - len(val_starts) and len(val_starts) > 3
     assert abs(out["mean_loss"] / ref.mean_loss - 1) < 1e-6

@@ -156,17 +156,30 @@ def evaluate_tokens(model: Llama, stream: list[int], info: DistInfo, batch_size:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     context = context or model.cfg.max_seq_len
     stride = stride or max(1, context // 2)
-    if starts is None:
-        windows = strided_windows(len(stream), context, stride)
-    else:
-        windows = document_windows(starts, len(stream), context, stride)
-        model.cfg.attention = "block_causal"  # the packed rows' document index takes effect
+    windows = (strided_windows(len(stream), context, stride) if starts is None
+               else document_windows(starts, len(stream), context, stride))
     if not windows:
         raise ValueError(f"the text has {len(stream)} tokens: at least 2 are needed to predict one")
     rows = _rows(windows, context, starts is not None)[info.rank::info.world_size]
-    full = [r for r in rows if sum(windows[i][1] - windows[i][0] for i in r) == context]
-    batches = [full[i:i + batch_size] for i in range(0, len(full), batch_size)]
-    batches += [[r] for r in rows if sum(windows[i][1] - windows[i][0] for i in r) != context]  # short ones alone
+    if starts is None:
+        full = [r for r in rows if sum(windows[i][1] - windows[i][0] for i in r) == context]
+        batches = [full[i:i + batch_size] for i in range(0, len(full), batch_size)]
+        batches += [[r] for r in rows if sum(windows[i][1] - windows[i][0] for i in r) != context]  # the short one
+    else:  # padding is a document of its own: rows of any length share a batch
+        batches = [rows[i:i + batch_size] for i in range(0, len(rows), batch_size)]
+    attention, model.cfg.attention = model.cfg.attention, "causal" if starts is None else "block_causal"
+    try:
+        totals = _score(model, stream, windows, batches, info, progress, rows, starts is not None)
+    finally:
+        model.cfg.attention = attention  # the caller's model as it was
+    all_reduce_sum(totals)
+    return EvalResult(loss_sum=totals[0].item(), tokens=int(totals[1].item()), windows=len(windows),
+                      context=context, stride=stride)
+
+
+def _score(model: Llama, stream: list[int], windows: list[tuple[int, int, int]], batches: list[list[list[int]]],
+           info: DistInfo, progress: bool, rows: list[list[int]], documents: bool) -> torch.Tensor:
+    """This rank's (loss sum, scored tokens), float64 on ``info.device``, over ``batches`` of rows of windows."""
     data = torch.tensor(stream, dtype=torch.long)
     totals = torch.zeros(2, dtype=torch.float64, device=info.device)
     bar = progress_bar(sum(windows[i][1] - windows[i][2] for r in rows for i in r), "eval", "tok",
@@ -175,18 +188,18 @@ def evaluate_tokens(model: Llama, stream: list[int], info: DistInfo, batch_size:
     for batch in batches:
         length = max(sum(windows[i][1] - windows[i][0] for i in r) for r in batch)
         tokens = torch.zeros((len(batch), length), dtype=torch.long)
-        documents = torch.full((len(batch), length), len(windows), dtype=torch.long)  # padding: its own
+        document_index = torch.full((len(batch), length), len(windows), dtype=torch.long)  # padding: its own
         targets = torch.full((len(batch), length - 1), IGNORE_INDEX, dtype=torch.long)
         for row, members in enumerate(batch):
             pos = 0
             for d, i in enumerate(members):  # target j is the row's token j + 1: scored from ``first`` on
                 b, e, f = windows[i]
                 tokens[row, pos:pos + e - b] = data[b:e]
-                documents[row, pos:pos + e - b] = d
+                document_index[row, pos:pos + e - b] = d
                 targets[row, pos + f - b - 1:pos + e - b - 1] = data[f:e]
                 pos += e - b
         targets = targets.to(info.device)
-        docs = documents[:, :-1].to(info.device) if starts is not None else None
+        docs = document_index[:, :-1].to(info.device) if documents else None
         # the chunked loss at train.loss_chunk_tokens' default: never the whole logits (shardlm/train/loss.py)
         loss = model_loss_sum(model, tokens[:, :-1].to(info.device), targets, TrainConfig.loss_chunk_tokens, docs)
         n = int((targets != IGNORE_INDEX).sum())
@@ -195,9 +208,7 @@ def evaluate_tokens(model: Llama, stream: list[int], info: DistInfo, batch_size:
         bar.set_postfix(loss=f"{(totals[0] / totals[1]).item():.3f}",
                         tok_s=f"{bar.n / max(time.perf_counter() - start, 1e-9):.0f}")
     bar.close()
-    all_reduce_sum(totals)
-    return EvalResult(loss_sum=totals[0].item(), tokens=int(totals[1].item()), windows=len(windows),
-                      context=context, stride=stride)
+    return totals
 
 
 def prepared_val_stream(data: str, tokenizer_path: Path) -> tuple[list[int], list[int]]:

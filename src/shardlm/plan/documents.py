@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -68,7 +69,8 @@ def window_context(starts: np.ndarray, windows: int, seq_len: int) -> float:
 
 
 @functools.lru_cache(maxsize=16)
-def _shape(out: str, fmt: str, pack: bool, block_causal: bool, seq_len: int, seed: int) -> DocumentShape:
+def _shape(out: str, fmt: str, pack: bool, block_causal: bool, seq_len: int, seed: int,
+           version: int = 0) -> DocumentShape:  # version: meta.json's mtime, so that data prepared again is read again
     full = DocumentShape(f"{out} is not prepared: sequences counted as full", 0, 1.0, float(seq_len), float(seq_len))
     if not is_prepared(out):
         return full
@@ -114,7 +116,10 @@ def document_shape(cfg: Config) -> DocumentShape:
     t = cfg.train
     if cfg.data.sources:
         return DocumentShape("a mixture: windows counted as full", 0, 1.0, float(t.seq_len), float(t.seq_len))
-    return _shape(out, cfg.data.format, cfg.data.pack, cfg.model.attention == "block_causal", t.seq_len, t.seed)
+    meta = Path(out) / "meta.json"
+    version = meta.stat().st_mtime_ns if meta.is_file() else 0
+    return _shape(out, cfg.data.format, cfg.data.pack, cfg.model.attention == "block_causal", t.seq_len, t.seed,
+                  version)
 
 
 def has_documents(cfg: Config) -> bool:

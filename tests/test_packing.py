@@ -427,6 +427,7 @@ def test_packed_training_fsdp_equals_one_process_and_resumes(packed_data, doc_da
     assert all(r["rows"] == packed.rows for name in ("packed1", "packed2", "packed2_resume", "packed4")
                for r in out[name])  # the same rows at every rank and world size
     assert out["doc1"][0]["rows"] is None
+    assert out["doc1"][0]["document_source"] == out["mix2"][1]["document_source"] == "recorded"
     sampler = GlobalBatchSampler(len(packed), 4, cfg.train.seed)
     for step in range(4):
         for name in ("packed1", "packed2", "packed4"):

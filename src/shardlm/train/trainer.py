@@ -225,7 +225,10 @@ class Trainer:
             f"{cfg.train.global_batch_size * cfg.train.seq_len:,} tokens/step; micro-batch {cfg.train.micro_batch_size}"
             f"/rank; gradient accumulation {self.accum_steps}",
             f"  attention  {cfg.model.attention}" + (f" (backend {self.attention_backend}, per-document positions)"
-                                                     if self.attention_backend else ""),
+                                                     if self.attention_backend else "")
+            + ({"recorded": "; documents from the recorded starts", "eod": "; documents cut at each end-of-document "
+                "token (the data records no starts: prepare it again for exact boundaries)"}[self.train_data.source]
+               if isinstance(self.train_data, DocumentWindows) else ""),
             f"  data       {len(self.train_data):,} train {samples}, {len(self.val_data):,} val {samples}, "
             f"unigram entropy {self.meta['unigram_entropy_nats']:.3f} nats",
             *([f"  packing    {self.train_data.summary()}"] if isinstance(self.train_data, PackedExamples) else []),

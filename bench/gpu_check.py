@@ -24,6 +24,9 @@ c. export: a checkpoint of the tiny run written on the device, ``shardlm export`
 d. resume: 4 steps with a checkpoint after step 2, then a new trainer resumed from it runs steps 3-4 on the
    device: losses and parameters bitwise equal to the uninterrupted run (deterministic algorithms on, so that
    a difference can only come from the checkpoint).
+e. block-causal attention (``model.attention = "block_causal"``), one row per backend: a packed row of three
+   examples against each alone (fp32, TF32 off), forward and backward: ``sdpa`` (dense mask; CUDA's
+   memory-efficient kernel) and ``flex`` compiled (the CUDA default; on CPU eager and forward only).
 """
 
 from __future__ import annotations
@@ -181,6 +184,55 @@ def check_numerics(device: torch.device, backend: str, work: Path, data: Path) -
     return rows
 
 
+def check_block_causal(device: torch.device) -> list[dict]:
+    """(e) block-causal attention on the device, fp32 with TF32 off: a packed row of three examples (Mistral's
+    sliding window of 32, shorter than two of them) against each example alone from position 0, per backend that
+    trains there (``sdpa``; ``flex`` compiled on CUDA; on CPU ``flex`` is forward only): logits within 1e-5,
+    gradients of the summed loss within 1e-4 (relative, all parameters)."""
+    from shardlm.model.config import ModelConfig
+    from shardlm.model.llama import Llama
+
+    gen = torch.Generator().manual_seed(0)
+    examples = [torch.randint(0, 512, (n,), generator=gen) for n in (40, 70, 30)]
+    tokens = torch.cat([*examples, torch.zeros(20, dtype=torch.long)])[None].to(device)
+    documents = torch.cat([torch.full((len(e),), d) for d, e in enumerate([*examples, range(20)])])[None].to(device)
+    targets = torch.cat([torch.cat([e[1:], torch.tensor([-100])]) for e in examples] + [torch.full((20,), -100)])
+    saved = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")  # TF32 off: fp32 against fp32
+    rows = []
+    try:
+        for backend in ("sdpa", "flex"):
+            train = backend == "sdpa" or device.type == "cuda"
+            cfg = ModelConfig(family="mistral", dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=256,
+                              vocab_size=512, max_seq_len=256, sliding_window=32, attention="block_causal",
+                              attention_backend=backend)
+            model = Llama(cfg).to(device)
+            model.init_weights(0)
+            with torch.set_grad_enabled(train):
+                logits = model(tokens, documents=documents)[0]
+                alone = [model(e[None].to(device))[0] for e in examples]
+            starts = np.cumsum([0] + [len(e) for e in examples])
+            diff = max((logits[a:b] - ref).abs().max().item() for a, b, ref in zip(starts[:-1], starts[1:], alone))
+            grad = float("nan")
+            if train:
+                loss = torch.nn.functional.cross_entropy(logits, targets.to(device), reduction="sum")
+                packed = torch.autograd.grad(loss, list(model.parameters()))
+                total = sum(torch.nn.functional.cross_entropy(ref[:-1], e[1:].to(device), reduction="sum")
+                            for ref, e in zip(alone, examples))
+                one_by_one = torch.autograd.grad(total, list(model.parameters()))
+                grad = (torch.cat([(a - b).flatten() for a, b in zip(packed, one_by_one)]).norm()
+                        / torch.cat([b.flatten() for b in one_by_one]).norm()).item()
+            ok = diff <= 1e-5 and (not train or grad <= 1e-4)
+            rows.append({"check": f"e. block-causal {backend}: packed row = each example alone",
+                         "max_logits_diff": diff, "grad_rel_diff": grad,
+                         "result": f"logits {diff:.1e} (limit 1e-5), gradients "
+                                   + (f"{grad:.1e} (limit 1e-4)" if train else "not run (no flex backward on CPU)"),
+                         "pass": ok})
+    finally:
+        torch.set_float32_matmul_precision(saved)
+    return rows
+
+
 def check_resume_and_export(device: torch.device, backend: str, work: Path, data: Path) -> list[dict]:
     """(d) save after step 2 and resume on the device, bitwise; (c) export that checkpoint and compare logits."""
     from shardlm.convert.hf_in import load_model_dir
@@ -256,7 +308,8 @@ def main() -> int:
         tiny_data = write_random_data(work / "data-tiny", tiny_vocab(device), 400_000 if device.type == "cuda" else 20_000)
         checks = {"a. speed": lambda: [check_speed(device, info.backend, work, args.steps)],
                   "b. fp32 device vs CPU": lambda: check_numerics(device, info.backend, work, tiny_data),
-                  "c/d. export, resume": lambda: check_resume_and_export(device, info.backend, work, tiny_data)}
+                  "c/d. export, resume": lambda: check_resume_and_export(device, info.backend, work, tiny_data),
+                  "e. block-causal attention": lambda: check_block_causal(device)}
         for label, check in checks.items():
             t0 = time.perf_counter()
             try:

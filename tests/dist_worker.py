@@ -103,6 +103,7 @@ def main() -> None:
             "mesh": list(trainer.mesh.mesh_dim_names) if trainer.mesh is not None else None,
             "prepare_s": trainer.prepare_s,
             "rows": getattr(trainer.train_data, "rows", None),  # packed instruction data: example ids per row
+            "document_source": getattr(trainer.train_data, "source", None),  # block-causal windows: starts or eod
         })
         write_rank_report(out, scenario["name"], info.rank, report)
 

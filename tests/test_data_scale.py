@@ -314,6 +314,14 @@ def test_workers_and_ranks_give_identical_token_files(tmp_path, corpora, tokeniz
     assert len(digests["2 ranks"]) == len(pieces) > 20
     assert digests["1 workers"] == digests["2 workers"] == digests["2 ranks"]
     assert shard_digest(tmp_path / "w1") == shard_digest(tmp_path / "r2")
+    # where documents start (block-causal attention): the same file, one start after each separator but the last
+    starts = [(tmp_path / d / "document_starts.bin").read_bytes() for d in ("w1", "w2", "r2")]
+    assert starts[0] == starts[1] == starts[2]
+    meta = json.loads((tmp_path / "r2" / "meta.json").read_text())
+    stream = np.concatenate([np.fromfile(tmp_path / "r2" / s["file"], dtype=meta["dtype"]) for s in meta["shards"]])
+    recorded = np.frombuffer(starts[0], dtype="<i8")
+    assert recorded.tolist() == [0] + (np.flatnonzero(stream == 2) + 1).tolist()[:-1]
+    assert len(recorded) == meta["documents"] == meta["document_starts"]["count"]
     # the stream is BOS doc EOD doc EOD ...: check the first format (hf, sorted first) against the tokenizer
     tok = load_tokenizer(str(tokenizer_file))
     expected = [0]

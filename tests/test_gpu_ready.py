@@ -360,8 +360,10 @@ def test_gpu_check_runs_in_cpu_mode(tmp_path):
     print(table)
     rows = json.loads(out.read_text())["rows"]
     assert [r["check"] for r in rows] == ["a. speed", "b. fp32 device vs CPU", "c. export -> transformers",
-                                          "d. checkpoint + resume"]
-    assert all(r["pass"] for r in rows) and table.count("| ok |") == 4
+                                          "d. checkpoint + resume", "e. block-causal sdpa: packed row = each example "
+                                          "alone", "e. block-causal flex: packed row = each example alone"]
+    assert all(r["pass"] for r in rows) and table.count("| ok |") == 6
+    assert rows[4]["max_logits_diff"] <= 1e-5 and rows[4]["grad_rel_diff"] <= 1e-4
     speed = rows[0]
     assert 0 < speed["mfu"] < 1 and speed["tokens_per_s"] > 0
     assert rows[1]["max_loss_diff"] <= 1e-4 and rows[2]["max_logits_diff"] <= 1e-3

@@ -153,8 +153,34 @@ def test_document_positions_and_mask():
     assert mask[8].tolist() == [False] * 7 + [True, True]
 
 
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+def test_dense_mask_is_saved_once_per_window_and_equals_the_boolean_mask(name, monkeypatch):
+    """The sdpa backend's additive mask is made once per forward: backward keeps one (batch, 1, seq, seq) mask per
+    distinct window (Gemma 3: local and global), not one per layer (SDPA's own copy of a boolean mask, as before),
+    and the logits and gradients are bit for bit those of the boolean mask."""
+    tokens, documents, _ = packed_rows()
+    model = random_model(name)
+    masks = {}
+
+    def keep(t):
+        if t.shape[-2:] == (ROW, ROW):
+            masks[t.untyped_storage().data_ptr()] = t.dtype
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        logits = model(tokens, documents=documents)
+    assert list(masks.values()) == [torch.float32] * (2 if name == "gemma3" else 1)  # 2 layers each
+    grads = summed_loss_grads(model, logits, tokens)
+    monkeypatch.setattr(doc_attention, "document_masks", lambda d, windows, backend, dtype: {
+        w: doc_attention.dense_mask(d, w) for w in windows})  # the boolean mask, converted by SDPA per layer
+    boolean = model(tokens, documents=documents)
+    assert torch.equal(boolean, logits)
+    boolean_grads = summed_loss_grads(model, boolean, tokens)
+    assert all(torch.equal(g, boolean_grads[n]) for n, g in grads.items())
+
+
 def test_missing_flex_backend_is_one_clear_error(monkeypatch):
-    """A backend this PyTorch lacks: one message naming it and the alternative."""
+    """A backend this PyTorch lacks, or shardlm has not built (varlen): one message naming it and the
+    alternative."""
     monkeypatch.setattr(doc_attention, "flex_attention", None)
     with pytest.raises(ValueError, match="flex_attention.*use 'sdpa'"):
         doc_attention.resolve_backend("flex", "cpu")
@@ -163,6 +189,10 @@ def test_missing_flex_backend_is_one_clear_error(monkeypatch):
     with pytest.raises(ValueError, match="flex"):
         random_model("llama", backend="flex")(tokens, documents=documents)
     monkeypatch.undo()
+    for device in ("cpu", "cuda"):  # varlen flash attention: refused by name everywhere (CUDA only, untested)
+        with pytest.raises(ValueError, match=r"'varlen' \(variable-length flash attention over cu_seqlens.*not "
+                                             r"built.*only on CUDA.*use 'flex'"):
+            doc_attention.resolve_backend("varlen", device)
     with pytest.raises(ValueError, match="cannot train on CPU.*no backward.*use 'sdpa'"):
         random_model("llama", backend="flex")(tokens, documents=documents)  # gradients enabled
 
@@ -189,13 +219,43 @@ def write_chat_corpus(path: Path, n: int, seed: int, mean_words: float = 3.0) ->
 SEQ = 64
 
 
+def prepare_chat_data(d: Path, tokenizer: Path) -> Path:
+    """40 chat examples (``d/chat.jsonl``) prepared as instruction data in ``d/data`` (two longer than SEQ)."""
+    corpus = write_chat_corpus(d / "chat.jsonl", 40, 0)
+    prepare_instructions(str(corpus), str(d / "data"), str(tokenizer), 512, 0.1)
+    return d / "data"
+
+
+def prepare_doc_data(d: Path, tokenizer: Path) -> Path:
+    """60 short documents (``d/docs.jsonl``, log-normal word counts, mean ~25 words) prepared as a text stream in
+    ``d/data``: ``BOS doc0 EOD doc1 EOD ...``."""
+    rng = np.random.default_rng(5)
+    with (d / "docs.jsonl").open("w") as f:
+        for _ in range(60):
+            f.write(json.dumps({"text": " ".join(rng.choice(WORDS, max(2, int(rng.lognormal(np.log(25), 0.5)))))})
+                    + "\n")
+    prepare_corpus(str(d / "docs.jsonl"), str(d / "data"), str(tokenizer), 512, 0.1)
+    return d / "data"
+
+
+def prepare_mixture_data(d: Path, docs: Path, tokenizer: Path) -> Path:
+    """The documents of ``docs`` (a JSONL file) as a mixture in ``d/data`` of two sources (``d/a.jsonl``: the first
+    30, ``d/b.jsonl``: the rest; weights 0.7 / 0.3)."""
+    from shardlm.config import DataSource
+    from shardlm.data.mixture import prepare_mixture
+
+    lines = docs.read_text().splitlines(keepends=True)
+    (d / "a.jsonl").write_text("".join(lines[:30]))
+    (d / "b.jsonl").write_text("".join(lines[30:]))
+    prepare_mixture([DataSource(str(d / "a.jsonl"), 0.7, "a"), DataSource(str(d / "b.jsonl"), 0.3, "b")],
+                    str(d / "data"), str(tokenizer), 512, 0.2)
+    return d / "data"
+
+
 @pytest.fixture(scope="module")
 def packed_data(small_data, tmp_path_factory) -> Path:
-    """40 chat examples prepared as instruction data with the small corpus' tokenizer (two longer than SEQ)."""
-    d = tmp_path_factory.mktemp("packed")
-    corpus = write_chat_corpus(d / "chat.jsonl", 40, 0)
-    prepare_instructions(str(corpus), str(d / "data"), str(small_data / "tokenizer.json"), 512, 0.1)
-    return d / "data"
+    """:func:`prepare_chat_data` with the small corpus' tokenizer."""
+    return prepare_chat_data(tmp_path_factory.mktemp("packed"), small_data / "tokenizer.json")
 
 
 def test_best_fit_decreasing():
@@ -239,6 +299,9 @@ def test_packed_rows_hold_the_examples(packed_data):
     assert int((rows[:, 1, 1:] != -100).sum()) == packed.num_targets(list(range(len(packed))))
     assert PackedExamples(plain, seed=3).rows == packed.rows
     assert "1 truncated to 65 tokens (lines 4); 1 left out" in packed.summary() and packed.fill > 0.9
+    placed = sum(min(int(lengths[e]), SEQ + 1) for r in packed.rows for e in r)
+    assert packed.padding == int((rows[:, 2] == torch.tensor([len(r) for r in packed.rows])[:, None]).sum())
+    assert packed.unpacked_padding == (len(plain) - len(packed.dropped)) * (SEQ + 1) - placed
 
 
 def test_packed_batch_loss_equals_examples_one_by_one(packed_data):
@@ -289,16 +352,15 @@ def test_packing_bad_input(packed_data, small_data, tmp_path, capsys):
 # ---- pre-training windows over document boundaries ---------------------------------------------------------
 @pytest.fixture(scope="module")
 def doc_data(small_data, tmp_path_factory) -> Path:
-    """60 short documents (log-normal word counts, mean ~25 words) prepared as a text stream with the small
-    tokenizer: ``BOS doc0 EOD doc1 EOD ...``."""
-    d = tmp_path_factory.mktemp("docs")
-    rng = np.random.default_rng(5)
-    with (d / "docs.jsonl").open("w") as f:
-        for _ in range(60):
-            f.write(json.dumps({"text": " ".join(rng.choice(WORDS, max(2, int(rng.lognormal(np.log(25), 0.5)))))})
-                    + "\n")
-    prepare_corpus(str(d / "docs.jsonl"), str(d / "data"), str(small_data / "tokenizer.json"), 512, 0.1)
-    return d / "data"
+    """:func:`prepare_doc_data` with the small corpus' tokenizer."""
+    return prepare_doc_data(tmp_path_factory.mktemp("docs"), small_data / "tokenizer.json")
+
+
+@pytest.fixture(scope="module")
+def mixture_data(doc_data, small_data, tmp_path_factory) -> Path:
+    """:func:`prepare_mixture_data` of ``doc_data``'s documents."""
+    return prepare_mixture_data(tmp_path_factory.mktemp("mix"), doc_data.parent / "docs.jsonl",
+                                small_data / "tokenizer.json")
 
 
 def test_window_across_documents_gives_the_second_its_own_logits(doc_data):
@@ -332,13 +394,14 @@ def test_window_across_documents_gives_the_second_its_own_logits(doc_data):
 
 
 @pytest.mark.dist
-def test_packed_training_fsdp_equals_one_process_and_resumes(packed_data, doc_data, small_data, tmp_path):
+def test_packed_training_fsdp_equals_one_process_and_resumes(packed_data, doc_data, mixture_data, small_data, tmp_path):
     """Packed instruction data with block-causal attention, micro-batches of one row (gradient accumulation 4 at
     1 rank, 2 at 2, 1 at 4): the rows and each step's samples are the same at 1, 2 and 4 ranks; the first step's
     loss equals the mean over the same examples' response tokens computed one by one (1e-6) at 1 and 2 ranks;
     FSDP at 2 and at 4 ranks equals one process over 4 steps (1e-6); a run resumed at step 2 continues bit for
-    bit. Pre-training with block-causal attention over windows that cross documents: 2 ranks = 1 process over 3
-    steps (1e-6)."""
+    bit. Pre-training with block-causal attention over windows that cross documents, from one corpus and from a
+    mixture of two sources: 2 ranks = 1 process over 3 steps (1e-6); the trained model's block-causal evaluation
+    (``shardlm.eval --attention block_causal``) at 2 ranks = 1 process."""
     extra = {"data.format": '"instruct"', "data.pack": "true", "model.attention": '"block_causal"',
              "data.corpus": f'"{packed_data.parent / "chat.jsonl"}"', "data.val_fraction": 0.1,
              "train.seq_len": SEQ, "train.global_batch_size": 4, "train.micro_batch_size": 1, "train.steps": 4,
@@ -348,9 +411,13 @@ def test_packed_training_fsdp_equals_one_process_and_resumes(packed_data, doc_da
     docs = {"model.attention": '"block_causal"', "data.corpus": f'"{doc_data.parent / "docs.jsonl"}"',
             "data.tokenizer": f'"{small_data / "tokenizer.json"}"', "data.val_fraction": 0.1, "train.seq_len": SEQ,
             "train.steps": 3, "train.eval_interval": 3, "train.micro_batch_size": 2}
-    out = run_scenarios(1, [scenario("packed1", packed_data, runs, extra), scenario("doc1", doc_data, runs, docs)],
-                        tmp_path / "out1")
+    mix = {**docs, "data.corpus": '""', "data.val_fraction": 0.2, "data.sources":
+           f'[{{path = "{mixture_data.parent / "a.jsonl"}", weight = 0.7, name = "a"}}, '
+           f'{{path = "{mixture_data.parent / "b.jsonl"}", weight = 0.3, name = "b"}}]'}
+    out = run_scenarios(1, [scenario("packed1", packed_data, runs, extra), scenario("doc1", doc_data, runs, docs),
+                            scenario("mix1", mixture_data, runs, mix)], tmp_path / "out1")
     out.update(run_scenarios(2, [scenario("doc2", doc_data, runs, docs), scenario("packed2", packed_data, runs, extra),
+                                 scenario("mix2", mixture_data, runs, mix),
                                  scenario("packed2_resume", packed_data, runs,
                                           {**extra, "checkpoint.resume": f'"{step2}"'})], tmp_path / "out2"))
     out.update(run_scenarios(4, [scenario("packed4", packed_data, runs, {**extra, "checkpoint.interval": 0})],
@@ -360,6 +427,7 @@ def test_packed_training_fsdp_equals_one_process_and_resumes(packed_data, doc_da
     assert all(r["rows"] == packed.rows for name in ("packed1", "packed2", "packed2_resume", "packed4")
                for r in out[name])  # the same rows at every rank and world size
     assert out["doc1"][0]["rows"] is None
+    assert out["doc1"][0]["document_source"] == out["mix2"][1]["document_source"] == "recorded"
     sampler = GlobalBatchSampler(len(packed), 4, cfg.train.seed)
     for step in range(4):
         for name in ("packed1", "packed2", "packed4"):
@@ -386,8 +454,23 @@ def test_packed_training_fsdp_equals_one_process_and_resumes(packed_data, doc_da
     for a, b in zip(doc1, doc2):
         assert abs(a["loss"] - b["loss"]) <= 1e-6, (a["step"], a["loss"], b["loss"])
     assert abs(doc1[-1]["val_loss"] - doc2[-1]["val_loss"]) <= 1e-6
+    mix1, mix2 = out["mix1"][0]["history"], out["mix2"][0]["history"]  # a mixture of two sources, block-causal
+    assert [h["step"] for h in mix1] == [1, 2, 3] and mix1[0]["loss"] != doc1[0]["loss"]
+    for a, b in zip(mix1, mix2, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-6, (a["step"], a["loss"], b["loss"])
+    assert abs(mix1[-1]["val_loss"] - mix2[-1]["val_loss"]) <= 1e-6
+    # the trained model's block-causal evaluation of the prepared data: 2 ranks = 1 process
+    from conftest import torchrun
+
+    args = ["--model", str(runs / "doc1" / "final"), "--data", str(doc_data), "--attention", "block_causal",
+            "--context", str(SEQ), "--batch-size", "2", "--json"]
+    e1 = json.loads(torchrun(1, ["-m", "shardlm.eval", *args]).stdout.strip().splitlines()[-1])
+    e2 = json.loads(torchrun(2, ["-m", "shardlm.eval", *args]).stdout.strip().splitlines()[-1])
+    assert e1["tokens"] == e2["tokens"] > 0 and e2["world_size"] == 2
+    assert abs(e1["mean_loss"] - e2["mean_loss"]) <= 1e-6, (e1, e2)
     print(f"\npacked loss per step, 1 rank: {[h['loss'] for h in one]}; 2 ranks: {[h['loss'] for h in two]}; "
-          f"one by one at step 1: {alone}")
+          f"one by one at step 1: {alone}; block-causal eval {e1['mean_loss']:.6f} (1 rank), {e2['mean_loss']:.6f} "
+          f"(2 ranks), {e1['tokens']} tokens")
 
 
 @pytest.mark.dist

@@ -127,14 +127,19 @@ def flatten(config: dict[str, Any]) -> dict[str, Any]:
 #: fields that say how this attempt starts, not how the run trains: never listed as changes
 NOT_COMPARED = ("checkpoint.resume",)
 
+#: fields whose value in a checkpoint written before they existed is known (what every such run trained with):
+#: compared as that value, so a default that changes later cannot switch an old run without a word
+BEFORE_RECORDED: dict[str, Any] = {"model.attention": "causal", "data.pack": False}
+
 
 def config_changes(old: dict[str, Any], new: dict[str, Any]) -> list[Change]:
     """Every field of ``new`` (``Config.to_dict()``) whose value differs in ``old`` (the checkpoint's), in order.
 
-    A field the checkpoint did not record (written by an older shardlm) counts as changed and takes effect.
-    The fields of :data:`NOT_COMPARED` (``checkpoint.resume``: every resume sets it) are left out.
+    A field the checkpoint did not record (written by an older shardlm) counts as changed and takes effect,
+    except those of :data:`BEFORE_RECORDED`, compared as the value they had then. The fields of
+    :data:`NOT_COMPARED` (``checkpoint.resume``: every resume sets it) are left out.
     """
-    before, after = flatten(old), flatten(new)
+    before, after = {**BEFORE_RECORDED, **flatten(old)}, flatten(new)
     changes = []
     for key, value in after.items():
         previous = before.get(key, _MISSING)
@@ -151,7 +156,8 @@ def data_problems(manifest: dict[str, Any], meta: dict[str, Any] | None, tokeniz
     Compares the checkpoint's ``data`` record (the data directory's ``meta.json``) with ``meta``, and its
     ``tokenizer.json`` checksum with ``tokenizer_sha256``. Missing records (older checkpoints) are skipped, and so
     is ``meta.json``'s ``identity`` (what the data was made from: modification times change when identical data
-    is prepared again; the tokens themselves are compared through ``content_sha256``).
+    is prepared again; the tokens themselves are compared through ``content_sha256``), and ``document_starts``
+    when the checkpoint's record predates it (the same tokens prepared again now record where documents start).
     """
     problems = []
     stored_tok = manifest.get("files", {}).get("tokenizer.json", {}).get("sha256")
@@ -161,7 +167,8 @@ def data_problems(manifest: dict[str, Any], meta: dict[str, Any] | None, tokeniz
     stored_meta = manifest.get("data")
     if isinstance(stored_meta, dict) and meta is not None:
         differ = [f"{k} {json.dumps(stored_meta.get(k))} -> {json.dumps(meta.get(k))}"
-                  for k in sorted(set(stored_meta) | set(meta)) if k != "identity" and stored_meta.get(k) != meta.get(k)]
+                  for k in sorted(set(stored_meta) | set(meta)) if k != "identity" and stored_meta.get(k) != meta.get(k)
+                  and not (k == "document_starts" and k not in stored_meta)]
         if differ:
             problems.append("the prepared data differs from the checkpoint's (meta.json: " + ", ".join(differ) + ")")
     return problems

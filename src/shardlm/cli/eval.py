@@ -23,13 +23,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="model directory (config.json, *.safetensors, tokenizer.json)")
-    p.add_argument("--data", required=True, help="a .txt/.md/.jsonl file, a directory of them, or 'shakespeare'")
+    p.add_argument("--data", required=True, help="a .txt/.md/.jsonl file, a directory of them, 'shakespeare', or a "
+                                                 "prepared pre-training directory (its validation split)")
     p.add_argument("--batch-size", type=int, default=8, help="windows per forward pass, per rank")
     p.add_argument("--context", type=int, default=None,
                    help="window length in tokens (default: the model's max_seq_len)")
     p.add_argument("--stride", type=int, default=None,
                    help="tokens the window moves each step; each window scores only the tokens the previous "
                         "did not (default: half the window; the window length gives non-overlapping windows)")
+    p.add_argument("--attention", choices=("causal", "block_causal"), default="causal",
+                   help="block_causal: each document alone (no window reaches into the previous document; "
+                        "windows of short documents packed into one row with document masking)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
 
 
@@ -49,7 +53,8 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> None:
         raise ConfigError(f"--stride must be >= 1 token, got {args.stride}")
     info = init_distributed(ParallelConfig())
     try:
-        result = evaluate_model(args.model, args.data, info, args.batch_size, args.context, stride=args.stride)
+        result = evaluate_model(args.model, args.data, info, args.batch_size, args.context, stride=args.stride,
+                                attention=args.attention)
     except ValueError as e:
         if type(e) is ValueError:  # the evaluator's own checks (context too long...): user input
             raise ConfigError(str(e)) from e
@@ -57,15 +62,15 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> None:
     if info.is_main:
         out = {"model": args.model, "data": args.data, "mean_loss": result.mean_loss,
                "perplexity": result.perplexity, "tokens": result.tokens, "windows": result.windows,
-               "stride": result.stride, "context": result.context,
+               "stride": result.stride, "context": result.context, "attention": args.attention,
                "world_size": info.world_size}
         if args.json:
             print(json.dumps(out))
         else:
             print(f"{args.data}: mean loss {result.mean_loss:.4f} nats/token, perplexity {result.perplexity:.3f} "
                   f"({result.tokens:,} tokens predicted, {_count(result.windows, 'window')} of {result.context} "
-                  f"tokens every {result.stride}, "
-                  f"{_count(info.world_size, 'rank')})")
+                  f"tokens every {result.stride}, " + ("each document alone, " if args.attention != "causal" else "")
+                  + f"{_count(info.world_size, 'rank')})")
 
 
 def main(argv: list[str] | None = None) -> int:

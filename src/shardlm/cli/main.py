@@ -56,6 +56,26 @@ def cmd_prepare(args: argparse.Namespace, overrides: list[str]) -> None:
               f"unigram entropy {meta['unigram_entropy_nats']:.3f} nats"
               + (f"; {skipped['count']} files not read: {', '.join(skipped['first'])}"
                  + (" ..." if skipped["count"] > len(skipped["first"]) else "") if skipped.get("count") else ""))
+        print_data_layout(cfg, meta)
+
+
+def print_data_layout(cfg, meta: dict) -> None:
+    """The preparation summary's packing line (``data.pack``: rows, fill, padding saved at ``train.seq_len``) or
+    document line (text data that records its document starts: documents and their mean length)."""
+    from shardlm.data.build import data_dir
+
+    if cfg.data.pack:
+        from shardlm.data.instruct import InstructionExamples
+        from shardlm.data.packing import PackedExamples
+
+        examples = InstructionExamples(str(data_dir(cfg)), "train", cfg.train.seq_len, skip_untrainable=True)
+        print(f"  packing   {PackedExamples(examples, cfg.train.seed).summary()}")
+    elif (meta.get("document_starts") or {}).get("count"):
+        n = int(meta["document_starts"]["count"])
+        tokens = int(meta["train_tokens"]) + int(meta["val_tokens"])
+        print(f"  documents {n:,} (mean {tokens / n:,.1f} tokens; their starts recorded in "
+              f"{meta['document_starts']['file']}, for model.attention = 'block_causal': "
+              f"{cfg.train.seq_len / (tokens / n):.1f} documents per window of {cfg.train.seq_len} on average)")
 
 
 def main(argv: list[str] | None = None) -> int:

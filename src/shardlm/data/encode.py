@@ -12,8 +12,10 @@ this process (also single-threaded), which gives the same bytes.
 
 Shard file of piece ``i``: ``tokens/<i:06d>.bin``, raw little-endian token ids; piece 0 starts with
 BOS, each document ends with EOD (when the tokenizer has them). It is written as ``.bin.tmp`` and
-renamed when complete; then ``tokens/<i:06d>.json`` records ``tokens``, ``documents`` and the
-file's ``sha256``. A piece is finished exactly when that record exists and matches the file size.
+renamed when complete, beside ``tokens/<i:06d>.ends`` (int64, little-endian: the position within the piece
+just after each document that ends in it, its EOD included; where documents start, kept whether or not the
+tokenizer has an EOD); then ``tokens/<i:06d>.json`` records ``tokens``, ``documents`` and the token file's
+``sha256``. A piece is finished exactly when that record exists and matches both files' sizes.
 """
 
 from __future__ import annotations
@@ -33,7 +35,11 @@ from tokenizers import Tokenizer
 
 from shardlm.data.readers import Chunk, Piece, read_piece
 
-__all__ = ["encode_pieces", "piece_done", "shard_name", "PieceRecord"]
+__all__ = ["encode_pieces", "piece_done", "shard_name", "write_document_starts", "PieceRecord", "DOCUMENT_STARTS"]
+
+DOCUMENT_STARTS = "document_starts.bin"
+"""File of a prepared directory: int64 stream positions where each document starts (see
+:func:`write_document_starts`)."""
 
 _tok: Tokenizer | None = None
 _dtype: np.dtype | None = None
@@ -57,25 +63,30 @@ def _init(tokenizer_json: str, dtype: str, eod: int | None) -> None:
     _eod = eod
 
 
-def encode_batch(texts: list[str], ends: list[bool]) -> np.ndarray:
+def encode_batch(texts: list[str], ends: list[bool]) -> tuple[np.ndarray, np.ndarray]:
     """Token ids of ``texts`` concatenated, EOD after each text whose ``ends`` is True.
 
     Returns:
-        1-D array of the worker's dtype (uint16 or uint32).
+        1-D array of the worker's dtype (uint16 or uint32), and int64 positions in it just after each
+        document that ends (one per True of ``ends``; its EOD, when there is one, before that position).
     """
     assert _tok is not None and _dtype is not None
     encodings = _tok.encode_batch_fast(texts, add_special_tokens=False)
     lengths = [len(e.ids) for e in encodings]
     n_eod = sum(ends) if _eod is not None else 0
     out = np.empty(sum(lengths) + n_eod, dtype=_dtype)
-    pos = 0
+    doc_ends = np.empty(sum(ends), dtype=np.int64)
+    pos = k = 0
     for enc, n, end in zip(encodings, lengths, ends):
         out[pos : pos + n] = enc.ids
         pos += n
         if end and _eod is not None:
             out[pos] = _eod
             pos += 1
-    return out
+        if end:
+            doc_ends[k] = pos
+            k += 1
+    return out, doc_ends
 
 
 def piece_done(root: pathlib.Path, index: int, itemsize: int) -> PieceRecord | None:
@@ -84,7 +95,8 @@ def piece_done(root: pathlib.Path, index: int, itemsize: int) -> PieceRecord | N
     bin_path = root / shard_name(index)
     try:
         rec = json.loads(rec_path.read_text())
-        if bin_path.stat().st_size == int(rec["tokens"]) * itemsize:
+        if (bin_path.stat().st_size == int(rec["tokens"]) * itemsize
+                and bin_path.with_suffix(".ends").stat().st_size == int(rec["documents"]) * 8):
             return rec
     except (OSError, ValueError, KeyError, TypeError):
         pass
@@ -99,21 +111,28 @@ class _Writer:
         self.path = root / shard_name(index)
         self.tmp = self.path.with_suffix(".bin.tmp")
         self.file = open(self.tmp, "wb")
+        self.ends_path = self.path.with_suffix(".ends")
+        self.ends_tmp = self.path.with_suffix(".ends.tmp")
+        self.ends_file = open(self.ends_tmp, "wb")
         self.sha = hashlib.sha256()
         self.tokens = 0
         self.documents = 0
         if first is not None:
-            self.write(first, 0)
+            self.write((first, np.empty(0, dtype=np.int64)))
 
-    def write(self, ids: np.ndarray, documents: int) -> None:
+    def write(self, encoded: tuple[np.ndarray, np.ndarray]) -> None:
+        ids, doc_ends = encoded
         data = ids.tobytes()
         self.file.write(data)
         self.sha.update(data)
+        self.ends_file.write((doc_ends + self.tokens).astype("<i8").tobytes())
         self.tokens += int(ids.size)
-        self.documents += documents
+        self.documents += int(doc_ends.size)
 
     def finish(self) -> PieceRecord:
         self.file.close()
+        self.ends_file.close()
+        os.replace(self.ends_tmp, self.ends_path)
         os.replace(self.tmp, self.path)
         rec = {"tokens": self.tokens, "documents": self.documents, "sha256": self.sha.hexdigest()}
         rec_path = self.path.with_suffix(".json")
@@ -124,15 +143,16 @@ class _Writer:
 
     def abort(self) -> None:
         self.file.close()
+        self.ends_file.close()
 
 
 class _Ready:
     """A finished result with the ``Future.result`` interface (the in-process path)."""
 
-    def __init__(self, value: np.ndarray) -> None:
+    def __init__(self, value: tuple[np.ndarray, np.ndarray]) -> None:
         self.value = value
 
-    def result(self) -> np.ndarray:
+    def result(self) -> tuple[np.ndarray, np.ndarray]:
         return self.value
 
 
@@ -188,19 +208,19 @@ def encode_pieces(
     else:
         saved = os.environ.get("TOKENIZERS_PARALLELISM")
         _init(tokenizer_json, dtype.name, eod)
-    inflight: collections.deque[tuple[_Writer, Any, int]] = collections.deque()
+    inflight: collections.deque[tuple[_Writer, Any]] = collections.deque()
     limit = 2 * max(1, workers)
     writers: list[_Writer] = []
 
     def drain_one() -> None:
-        writer, result, docs = inflight.popleft()
+        writer, result = inflight.popleft()
         if result is None:
             rec = writer.finish()
             writers.remove(writer)
             if on_piece is not None:
                 on_piece(writer.index, rec)
         else:
-            writer.write(result.result(), docs)
+            writer.write(result.result())
 
     try:
         for index, piece in todo:
@@ -212,10 +232,10 @@ def encode_pieces(
                     result: Any = pool.submit(encode_batch, texts, ends)
                 else:
                     result = _Ready(encode_batch(texts, ends))
-                inflight.append((writer, result, sum(ends)))
+                inflight.append((writer, result))
                 while len(inflight) >= limit:
                     drain_one()
-            inflight.append((writer, None, 0))
+            inflight.append((writer, None))
         while inflight:
             drain_one()
     finally:
@@ -227,3 +247,25 @@ def encode_pieces(
             os.environ.pop("TOKENIZERS_PARALLELISM", None)
         else:
             os.environ["TOKENIZERS_PARALLELISM"] = saved
+
+
+def write_document_starts(root: pathlib.Path, records: list[PieceRecord]) -> int:
+    """Write ``root/document_starts.bin``: int64 little-endian, the stream position where each document starts
+    (0 first; then just after each document's end, except the stream's end), from the pieces' ``.ends`` files.
+
+    Returns:
+        The number of starts written (the documents of the stream).
+    """
+    total = sum(int(r["tokens"]) for r in records)
+    tmp = root / (DOCUMENT_STARTS + ".tmp")
+    count, offset = 1, 0
+    with open(tmp, "wb") as f:
+        f.write(np.zeros(1, dtype="<i8").tobytes())
+        for i, rec in enumerate(records):
+            ends = np.fromfile(root / shard_name(i).replace(".bin", ".ends"), dtype="<i8") + offset
+            ends = ends[ends < total]
+            f.write(ends.tobytes())
+            count += int(ends.size)
+            offset += int(rec["tokens"])
+    os.replace(tmp, root / DOCUMENT_STARTS)
+    return count

@@ -65,6 +65,16 @@ class TokenStream:
             pos += n
         self.num_tokens = length
         self._ends = np.asarray([o + len(m) for o, m in zip(self.offsets, self.maps)], dtype=np.int64)
+        #: int64 positions (in the whole stream) where a document starts, memory-mapped, when the preparation
+        #: recorded them (``meta["document_starts"]``); None for data prepared before that, or elsewhere
+        self.document_starts: np.ndarray | None = None
+        self._start = start  # the split's first stream position
+        rec = meta.get("document_starts")
+        if isinstance(rec, dict) and meta.get("format") == FORMAT:
+            path = root / rec["file"]
+            if not path.is_file() or path.stat().st_size != int(rec["count"]) * 8:
+                raise DataError(f"{path}: missing or not {rec['count']} int64 document starts: prepare the data again")
+            self.document_starts = np.memmap(path, dtype="<i8", mode="r", shape=(int(rec["count"]),))
 
     def read(self, start: int, length: int) -> np.ndarray:
         """Tokens ``[start, start + length)`` of the split (copied; may span shards)."""
@@ -79,6 +89,15 @@ class TokenStream:
             filled += take
             i += 1
         return out
+
+    def starts_in(self, start: int, length: int) -> np.ndarray | None:
+        """Positions (int64, relative to ``start``) in tokens ``[start, start + length)`` of the split where a
+        recorded document starts, ascending; None when the preparation recorded none."""
+        if self.document_starts is None:
+            return None
+        lo, hi = self._start + start, self._start + start + length
+        a, b = np.searchsorted(self.document_starts, [lo, hi])
+        return np.asarray(self.document_starts[a:b], dtype=np.int64) - lo
 
 
 class TokenWindows:
@@ -149,6 +168,16 @@ class TokenWindows:
         for row, i in enumerate(idx.tolist()):
             out[row] = self.stream.read(i * self.window, self.window)
         return torch.from_numpy(out)
+
+    def document_starts(self, ids: list[int]) -> torch.Tensor | None:
+        """Where recorded documents start in windows ``ids``: bool (len(ids), seq_len + 1), True at a document's
+        first token; None when the preparation recorded no document starts (see :class:`TokenStream`)."""
+        if self.stream.document_starts is None:
+            return None
+        out = torch.zeros((len(ids), self.window), dtype=torch.bool)
+        for row, i in enumerate(ids):
+            out[row, torch.from_numpy(self.stream.starts_in(int(i) * self.window, self.window))] = True
+        return out
 
     def __repr__(self) -> str:
         return (

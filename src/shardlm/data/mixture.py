@@ -205,6 +205,14 @@ class MixtureWindows:
             return torch.empty((0, self.seq_len + 1), dtype=torch.int64)
         return torch.cat(rows)
 
+    def document_starts(self, ids: list[int]) -> torch.Tensor | None:
+        """Where recorded documents start in windows ``ids``: bool (len(ids), seq_len + 1); None when a source
+        recorded none (see :meth:`TokenWindows.document_starts`)."""
+        rows = [self.windows[src].document_starts([w]) for src, w in (self._locate(int(j)) for j in ids)]
+        if any(r is None for r in rows):
+            return None
+        return torch.cat(rows) if rows else torch.zeros((0, self.seq_len + 1), dtype=torch.bool)
+
 
 def source_names(sources: list[Any]) -> list[str]:
     """Each source's name: its ``name`` or ``source<i>``."""

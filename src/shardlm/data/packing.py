@@ -82,7 +82,8 @@ class PackedExamples:
         seed: the order of equally long examples (``train.seed``).
 
     Attributes: ``rows`` (example ids per row), ``fill`` (example tokens / row tokens), ``truncated`` (ids of
-    examples cut to ``seq_len + 1`` tokens), ``dropped`` (ids left out: no response token in the window).
+    examples cut to ``seq_len + 1`` tokens), ``dropped`` (ids left out: no response token in the window),
+    ``padding`` / ``unpacked_padding`` (padding tokens of the rows / of the same examples one per sample).
 
     Raises:
         DataError: no example has a response token within its first ``seq_len + 1`` tokens (the count and
@@ -104,6 +105,9 @@ class PackedExamples:
         placed = np.minimum(lengths[keep], row)
         self.rows = [[int(keep[j]) for j in b] for b in best_fit_decreasing(placed, row, seed)]
         self.fill = float(placed.sum()) / (len(self.rows) * row)
+        #: padding tokens of the rows, and of the same examples one per sample (``seq_len + 1`` tokens each)
+        self.padding = len(self.rows) * row - int(placed.sum())
+        self.unpacked_padding = len(keep) * row - int(placed.sum())
         self.row_targets = np.asarray([examples.num_targets(r) for r in self.rows], dtype=np.int64)
 
     def __len__(self) -> int:
@@ -135,11 +139,14 @@ class PackedExamples:
         return out
 
     def summary(self) -> str:
-        """One line for the start-up summary: rows, examples, fill ratio, truncations (their JSONL lines), drops."""
+        """One line for the start-up and preparation summaries: rows, examples, fill ratio, padding saved,
+        truncations (their JSONL lines), drops."""
         lines = self.examples.lines
         named = ", ".join(str(int(lines[i])) for i in self.truncated[:5]) + (", ..." if len(self.truncated) > 5 else "")
-        text = (f"packed {sum(len(r) for r in self.rows):,} examples into {len(self.rows):,} rows of "
-                f"{self.seq_len + 1} tokens, fill {100 * self.fill:.1f}%; {len(self.truncated)} truncated to "
+        n = sum(len(r) for r in self.rows)
+        text = (f"packed {n:,} examples into {len(self.rows):,} rows of {self.seq_len + 1} tokens, fill "
+                f"{100 * self.fill:.1f}%; padding {self.padding:,} tokens instead of {self.unpacked_padding:,} "
+                f"unpacked ({100 * (1 - len(self.rows) / n):.1f}% fewer samples); {len(self.truncated)} truncated to "
                 f"{self.seq_len + 1} tokens" + (f" (lines {named})" if self.truncated else ""))
         if self.dropped:
             text += f"; {len(self.dropped)} left out (no response token within {self.seq_len + 1} tokens)"
@@ -149,41 +156,61 @@ class PackedExamples:
 class DocumentWindows:
     """Pre-training windows with document boundaries, for block-causal attention (``model.attention``).
 
-    The prepared stream is ``BOS doc0 EOD doc1 EOD ...`` (:mod:`shardlm.data.prepare`): the separator ``eod``
-    ends each document, so the document starts the prepared data keeps are the positions after each ``eod``
-    (and a window's first token). A window's token i belongs to document ``number of eod tokens before i``; the
-    separator is the last token of the document it ends. A document's first token is never a target (label
-    -100), so no target crosses a boundary: the end of one document does not learn to predict the next.
+    Where documents start comes from the preparation's record (``meta["document_starts"]``, read by
+    :meth:`~shardlm.data.loader.TokenWindows.document_starts`: exact even when a document's text holds the
+    separator's string). Data prepared before that record existed, or by another program, falls back to the
+    separator: the stream is ``BOS doc0 EOD doc1 EOD ...`` (:mod:`shardlm.data.prepare`), so a document starts
+    after each ``eod``. Either way a window's first token is in its document 0, the separator is the last
+    token of the document it ends, and a document's first token is never a target (label -100), so no target
+    crosses a boundary: the end of one document does not learn to predict the next.
 
     Args:
         windows: :class:`~shardlm.data.loader.TokenWindows` or a mixture of them (``get`` -> (B, seq_len + 1)).
-        eod: the separator id (``meta["special_ids"]["eod"]``).
+        eod: the separator id (``meta["special_ids"]["eod"]``), or None.
+
+    Attributes: ``source`` (``"recorded"`` or ``"eod"``: where the boundaries come from).
+
+    Raises:
+        DataError: the data records no document starts and ``eod`` is None (no boundary to go by).
     """
 
-    def __init__(self, windows, eod: int) -> None:
+    def __init__(self, windows, eod: int | None) -> None:
         self.windows = windows
-        self.eod = int(eod)
+        self.eod = None if eod is None else int(eod)
         self.seq_len = windows.seq_len
+        self.source = "recorded" if len(windows) and windows.document_starts([0]) is not None else "eod"
+        if self.source == "eod" and self.eod is None:
+            raise DataError("model.attention = 'block_causal' needs document boundaries, but the prepared data "
+                            "records no document starts and has no end-of-document token (special_ids.eod): "
+                            "prepare it again with this shardlm, or set model.attention = 'causal'")
 
     def __len__(self) -> int:
         """Number of windows."""
         return len(self.windows)
 
+    def starts(self, ids: list[int], tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """bool (len(ids), seq_len + 1): True at the first token of a document after each window's first token."""
+        if self.source == "recorded":
+            starts = self.windows.document_starts(ids)
+        else:
+            tokens = self.windows.get(ids) if tokens is None else tokens
+            starts = torch.zeros_like(tokens, dtype=torch.bool)
+            starts[:, 1:] = tokens[:, :-1] == self.eod
+        starts[:, 0] = False
+        return starts
+
     def get(self, ids: list[int]) -> torch.Tensor:
         """Windows ``ids`` as int64 (len(ids), 3, seq_len + 1): tokens, labels (the tokens, -100 at each document's
         first token after the window's start), and each token's document index within its window (from 0)."""
         tokens = self.windows.get(ids)
-        ends = tokens == self.eod
-        documents = torch.zeros_like(tokens)
-        documents[:, 1:] = ends[:, :-1].cumsum(dim=1)
+        starts = self.starts(ids, tokens)
         labels = tokens.clone()
-        labels[:, 1:][ends[:, :-1]] = IGNORE_INDEX  # the token after a separator starts a document
-        return torch.stack([tokens, labels, documents], dim=1)
+        labels[starts] = IGNORE_INDEX  # never the target of the previous document's last token
+        return torch.stack([tokens, labels, starts.cumsum(dim=1)], dim=1)
 
     def num_targets(self, ids: list[int]) -> int:
         """Targets of windows ``ids``: ``seq_len`` each, less the document starts (read on the host: every rank
-        reads the whole global batch's windows, ``G · (seq_len + 1)`` tokens)."""
+        reads the whole global batch's starts, or windows for the separator rule)."""
         if not len(ids):
             return 0
-        tokens = self.windows.get(ids)
-        return len(ids) * self.seq_len - int((tokens[:, :-1] == self.eod).sum())
+        return len(ids) * self.seq_len - int(self.starts(ids).sum())

@@ -4,8 +4,10 @@ Layout of a prepared directory::
 
     out_dir/
         tokens/000000.bin  raw little-endian uint16 (or uint32) token ids of piece 0, no header
+        tokens/000000.ends int64 positions in piece 0 just after each document that ends there
         tokens/000000.json {"tokens", "documents", "sha256"} of piece 0
         ...
+        document_starts.bin int64 stream positions where each document starts (meta ``document_starts``)
         tokenizer.json     the tokenizer used, with its tokenizer_config.json (and chat_template.jinja)
         meta.json          see :func:`prepare_corpus`; ``shards`` lists the files in stream order
 
@@ -49,7 +51,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from shardlm.data.encode import encode_pieces, piece_done, shard_name
+from shardlm.data.encode import DOCUMENT_STARTS, encode_pieces, piece_done, shard_name, write_document_starts
 from shardlm.data.identity import describe_corpus, tokenizer_files
 from shardlm.data.readers import Piece, dataset_dict_note, plan_pieces, read_piece
 from shardlm.data.tokenizer import load_tokenizer, special_token_ids, train_tokenizer
@@ -74,7 +76,7 @@ FORMAT = "shards"
 """``meta["format"]`` of a directory written by :func:`prepare_corpus`."""
 _LEGACY_FILES = ("train.bin", "val.bin", "tokenizer.json", META_FILE)
 _FINGERPRINT = "plan.json"
-_VERSION = 2  # bump when the bytes a piece encodes to change
+_VERSION = 3  # bump when the bytes a piece encodes to change
 _SAMPLE_CAP = 1 << 20  # bytes of text a tokenizer sample takes from a piece at least
 
 
@@ -292,6 +294,7 @@ def _finalize(stage: pathlib.Path, pieces: list[Piece], records: list[dict[str, 
         "skipped_files": {"count": len(skipped), "first": skipped[:10]},
         "content_sha256": content.hexdigest(),
         "shards": shards,
+        "document_starts": {"file": DOCUMENT_STARTS, "count": write_document_starts(stage, records)},
     }
 
 
@@ -349,7 +352,8 @@ def prepare_corpus(
         ``unigram_entropy_nats`` (entropy of the train unigram distribution, natural log),
         ``seed``, ``documents``, ``input_bytes``, ``skipped_files`` ({"count", "first"}: files of a
         directory that were not read), ``content_sha256`` (over the tokenizer and every shard),
-        ``shards`` ([{"file", "tokens"}] in stream order), ``model_special_ids`` (the bos/eos/pad ids
+        ``shards`` ([{"file", "tokens"}] in stream order), ``document_starts`` ({"file", "count"}: where
+        each document starts, for block-causal attention), ``model_special_ids`` (the bos/eos/pad ids
         a model trained on it writes, see :func:`shardlm.data.tokenizer_files.model_special_ids`),
         ``identity`` (what it was made from: the inputs, tokenizer files, text field and settings, see
         :mod:`shardlm.data.identity`).

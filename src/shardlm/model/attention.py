@@ -11,11 +11,15 @@ self-attention between different documents within the same sequence") and torcht
 Backends, behind :func:`shardlm.model.decoder.attention` (the mask's type selects the kernel):
 
 =========  =====================================================================================
-``sdpa``   PyTorch ``scaled_dot_product_attention`` with a dense boolean mask (batch, 1, seq, seq): any
-           device, memory ``batch · seq²`` bytes per distinct window. The CPU default and the reference.
+``sdpa``   PyTorch ``scaled_dot_product_attention`` with a dense additive mask (batch, 1, seq, seq) made
+           once per forward in the compute dtype: any device, memory ``batch · seq²`` elements per
+           distinct window, saved for backward once (not per layer). The CPU default and the reference.
 ``flex``   ``torch.nn.attention.flex_attention`` with a ``BlockMask`` (Dong et al., "Flex Attention", 2024):
            compiled on CUDA (the default there), eager elsewhere (slow; forward only on CPU: PyTorch
            has no flex backward there).
+``varlen`` refused by name: PyTorch's variable-length flash attention (``cu_seqlens``, no padding at all)
+           runs only on CUDA, where it has not been tested; ``bench/gpu_check.py`` checks ``sdpa`` and
+           compiled ``flex`` on a GPU instead.
 =========  =====================================================================================
 """
 
@@ -32,8 +36,8 @@ except ImportError:  # pragma: no cover - an old PyTorch: the flex backend is re
 
 #: the attention patterns ``model.attention`` may name
 ATTENTION_KINDS = ("causal", "block_causal")
-#: the backends ``model.attention_backend`` may name (``auto`` picks one by device)
-BACKENDS = ("auto", "sdpa", "flex")
+#: the backends ``model.attention_backend`` may name (``auto`` picks one by device; ``varlen`` is refused by name)
+BACKENDS = ("auto", "sdpa", "flex", "varlen")
 
 
 def flex_available() -> bool:
@@ -54,6 +58,10 @@ def resolve_backend(backend: str, device: torch.device | str, training: bool = F
     """
     if backend not in BACKENDS:
         raise ValueError(f"model.attention_backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if backend == "varlen":
+        raise ValueError("model.attention_backend='varlen' (variable-length flash attention over cu_seqlens, "
+                         "torch.nn.attention.varlen.varlen_attn) is not built: PyTorch runs it only on CUDA, where "
+                         "shardlm cannot test it yet; use 'flex' (compiled on CUDA, skips masked blocks) or 'sdpa'")
     device_type = torch.device(device).type
     if backend == "auto":
         return "flex" if device_type == "cuda" and flex_available() else "sdpa"
@@ -91,6 +99,17 @@ def dense_mask(documents: torch.Tensor, window: int = 0) -> torch.Tensor:
     return (allowed.unsqueeze(0) & (documents.unsqueeze(2) == documents.unsqueeze(1))).unsqueeze(1)
 
 
+def additive_mask(documents: torch.Tensor, window: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """:func:`dense_mask` as SDPA's additive mask (batch, 1, seq, seq) in ``dtype``: 0 = attend, -inf = not.
+
+    SDPA turns a boolean mask into exactly this, in the query's dtype, on every call, and on CPU (flash) and
+    CUDA (memory-efficient) keeps that copy for backward: one per layer, ``batch · seq²`` elements each.
+    Made once per forward, every layer reads and saves the same tensor. Equal bit for bit to the boolean mask.
+    """
+    allowed = dense_mask(documents, window)
+    return torch.zeros(allowed.shape, dtype=dtype, device=documents.device).masked_fill_(~allowed, float("-inf"))
+
+
 def block_mask(documents: torch.Tensor, window: int = 0) -> Any:
     """The same pattern as :func:`dense_mask` as a flex-attention ``BlockMask`` (batch, 1 head, seq, seq), built on
     ``documents``' device (``create_block_mask``'s own default is CUDA)."""
@@ -104,10 +123,13 @@ def block_mask(documents: torch.Tensor, window: int = 0) -> Any:
     return create_block_mask(mask_mod, b, None, t, t, device=documents.device)
 
 
-def document_masks(documents: torch.Tensor, windows: set[int], backend: str) -> dict[int, Any]:
-    """One mask per distinct window (0 = a global layer) for a forward pass: dense or ``BlockMask`` per backend."""
-    build = block_mask if backend == "flex" else dense_mask
-    return {w: build(documents, w) for w in sorted(windows)}
+def document_masks(documents: torch.Tensor, windows: set[int], backend: str,
+                   dtype: torch.dtype = torch.float32) -> dict[int, Any]:
+    """One mask per distinct window (0 = a global layer) for a forward pass: a ``BlockMask`` (``flex``) or an
+    additive mask in ``dtype``, the attention's compute dtype (``sdpa``, :func:`additive_mask`)."""
+    if backend == "flex":
+        return {w: block_mask(documents, w) for w in sorted(windows)}
+    return {w: additive_mask(documents, w, dtype) for w in sorted(windows)}
 
 
 _compiled_flex = None

@@ -80,9 +80,10 @@ class ModelConfig:
     ``block_causal`` (document masking: a token sees only earlier tokens of its own document, with rotary
     positions restarting at 0 per document; packed instruction examples, pre-training windows over document
     boundaries; see shardlm/model/attention.py). Not a shape: kept on ``init_from``."""
-    attention_backend: Literal["auto", "sdpa", "flex"] = "auto"
-    """Kernel of block-causal attention: ``sdpa`` (a dense boolean mask, any device), ``flex`` (flex_attention with
-    a BlockMask: compiled on CUDA, eager on CPU), ``auto`` (flex on CUDA, sdpa elsewhere). Same results."""
+    attention_backend: Literal["auto", "sdpa", "flex", "varlen"] = "auto"
+    """Kernel of block-causal attention: ``sdpa`` (a dense additive mask, any device), ``flex`` (flex_attention with
+    a BlockMask: compiled on CUDA, eager on CPU), ``auto`` (flex on CUDA, sdpa elsewhere). Same results.
+    ``varlen`` (flash attention over cu_seqlens, CUDA only) is refused by name: not built until it can be tested."""
     init_from: str = ""
     """Hugging Face model directory (``config.json`` + ``*.safetensors``) to start from instead of a random
     init; empty means random. When set, the model's shape (every field above except ``init_std`` and the two

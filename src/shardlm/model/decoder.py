@@ -176,6 +176,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
         v = v.repeat_interleave(repeat, dim=1)
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, **extra)
+    if mask.is_floating_point() and mask.dtype != q.dtype:  # an additive mask made in another dtype than q's
+        mask = mask.to(q.dtype)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, **extra)
 
 
@@ -302,7 +304,8 @@ class CausalLM(nn.Module):
             backend = doc_attention.resolve_backend(self.cfg.attention_backend, tokens.device,
                                                       torch.is_grad_enabled())
             doc_masks = doc_attention.document_masks(
-                documents, {layer.self_attn.window for layer in decoder.layers}, backend)
+                documents, {layer.self_attn.window for layer in decoder.layers}, backend,
+                decoder.embed_tokens.weight.dtype)
             positions = doc_attention.document_positions(documents)  # (batch, seq), 0 at each document start
             rope = {False: (decoder.rope_cos[positions].unsqueeze(1),  # (batch, 1, seq, head_dim)
                             decoder.rope_sin[positions].unsqueeze(1))}

@@ -4,7 +4,8 @@ The planner walks one optimizer step in the order :meth:`shardlm.train.Trainer.t
 it (micro-batch forward group by group, loss, backward group by group, clip, AdamW) and keeps a
 ledger of the bytes alive in each category: parameters (sharded fp32 masters + unsharded copies),
 gradients, optimizer state, all-gather and reduce-scatter buffers (DDP: its all-reduce buckets),
-activations (what autograd saves, :mod:`shardlm.plan.activations`) and temporaries (the loss's, by
+activations (what autograd saves, :mod:`shardlm.plan.activations`; with block-causal attention the dense
+mask, :func:`shardlm.plan.documents.document_mask_bytes`) and temporaries (the loss's, by
 ``train.loss_chunk_tokens``, :mod:`shardlm.plan.loss`: the whole logits, their fp32 copy, log-softmax and
 gradients, or one chunk's logits and the fp32 output-weight gradient). The peak is the largest total; the
 breakdown is the ledger at that moment.
@@ -39,6 +40,7 @@ from shardlm.model.lora import NF4_BLOCK, LoRALinear, LoRASpec, apply_lora, nf4_
 from shardlm.parallel.options import dtype_from_name
 from shardlm.parallel.reduce_scatter import resolve_reduce_scatter
 from shardlm.plan import activations as act
+from shardlm.plan.documents import document_mask_bytes
 from shardlm.plan.loss import loss_events
 
 PARTS = ("params", "grads", "optimizer", "all_gather", "reduce_scatter", "activations", "temporaries", "buffers")
@@ -241,6 +243,7 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
     fp32_matmul = pb == 2 and device == "cpu" and use_fp32_matmul(cfg.parallel.cpu_bf16_matmul, torch.device("cpu"),
                                                                   cfg.parallel.param_dtype)
     head_trains = meta_model(cfg).lm_head.weight.requires_grad
+    mask_bytes = document_mask_bytes(cfg, pb, device)  # block-causal: sdpa's dense mask, forward to backward
     bd = s.tokens * s.d
     offload = st.cpu_offload and fsdp and device != "cpu"
     led = _Ledger({"host"})
@@ -352,7 +355,7 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
                 unshard(g, f"{mb} forward")
         if fsdp and "embed" in by_name and st.reshard_after_forward:
             reshard(by_name["embed"])
-        led.add("activations", act.embedding_saved(s, st.ac_mode), f"{mb} forward")
+        led.add("activations", act.embedding_saved(s, st.ac_mode) + mask_bytes, f"{mb} forward")
         saved = [act.block_saved(s, st.ac_mode, layer, st.ac_every_n) for layer in range(s.n_layers)]
         for layer in range(s.n_layers):
             if fsdp:
@@ -409,7 +412,7 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
             led.free("activations", saved[layer] + recompute)
             if fsdp and first_in_group[layer]:
                 post_backward(blocks[layer], sync, f"{mb} block {layer} reduce-scatter")
-        led.free("activations", act.embedding_saved(s, st.ac_mode))
+        led.free("activations", act.embedding_saved(s, st.ac_mode) + mask_bytes)
         led.free("temporaries", pb * bd)
         if fsdp and "embed" in by_name:
             unshard(by_name["embed"], f"{mb} backward embedding")

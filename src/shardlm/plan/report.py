@@ -5,8 +5,10 @@ from __future__ import annotations
 import copy
 
 from shardlm.config import Config
+from shardlm.metrics.memory import format_bytes
 from shardlm.plan.devices import get_device
-from shardlm.plan.memory import PARTS, MemoryPlan, plan_memory
+from shardlm.plan.documents import document_mask_bytes, document_shape, has_documents
+from shardlm.plan.memory import PARTS, MemoryPlan, Settings, plan_memory
 from shardlm.plan.search import format_fits, search
 from shardlm.plan.time import plan_time
 
@@ -63,6 +65,30 @@ def grad_sync_choices(cfg: Config, world_size: int, device_name: str, budget: fl
     return lines
 
 
+def document_lines(cfg: Config, world_size: int, device_name: str, step_flops: float) -> list[str]:
+    """The report's lines on packing and block-causal attention (:mod:`shardlm.plan.documents`): the tokens of a
+    step that are not padding, its trained tokens, the attention context the FLOPs count, the mask's memory."""
+    if not (cfg.data.format == "instruct" or has_documents(cfg)):
+        return []
+    shape = document_shape(cfg)
+    t = cfg.train
+    row = t.seq_len + 1
+    lines = [f"  data ({shape.source}): {t.global_batch_size * row * shape.fill:,.0f} of "
+             f"{t.global_batch_size * row:,} tokens per step are examples' or documents' (fill "
+             f"{100 * shape.fill:.1f}%), {t.global_batch_size * shape.targets:,.0f} trained"
+             + ("; data.pack = true would put several examples in a row" if cfg.data.format == "instruct"
+                and not cfg.data.pack and shape.samples else "")]
+    if has_documents(cfg):
+        causal = _variant(cfg, model__attention="causal")
+        ratio = step_flops / plan_time(causal, world_size, get_device(device_name), 0).flops
+        pb = Settings.from_config(cfg).param_bytes if cfg.parallel.mode == "fsdp" else 4  # as plan_memory
+        mask = document_mask_bytes(cfg, pb, device_name)
+        lines.append(f"  block-causal attention: context {shape.context:,.1f} of {t.seq_len} tokens per sequence "
+                     f"(Σ n² / T), step FLOPs {ratio:.3f}x causal's; dense mask {format_bytes(mask)} per "
+                     "micro-batch (in activations)")
+    return lines
+
+
 def format_plan(cfg: Config, world_size: int, device_name: str, headroom: float) -> str:
     """The report ``shardlm plan`` prints."""
     device = get_device(device_name)
@@ -95,6 +121,7 @@ def format_plan(cfg: Config, world_size: int, device_name: str, headroom: float)
         lines.extend(format_fits(search(cfg, world_size, device_name, budget)))
     if plan.micro_batches > 1 and st.mode != "single":
         lines.extend(grad_sync_choices(cfg, world_size, device_name, budget))
+    lines += document_lines(cfg, world_size, device_name, times.flops)
     lines += [
         f"  step time: compute {times.compute_s:.3f} s ({times.flops:.3e} FLOPs at the {times.precision} peak, "
         f"{times.peak_flops / 1e12:.0f} TFLOP/s), communication "

@@ -2,7 +2,8 @@
 
 FLOPs per token (PaLM, Chowdhery et al. 2022, appendix B; the MFU definition torchtitan uses):
 6·N + 12·L·H·Q·T, with N the parameters without the input embedding, L layers, H heads, Q the
-head dimension, T the sequence length. Full activation checkpointing recomputes the blocks'
+head dimension, T the sequence length (under block-causal attention the attention context Σ n² / T of the
+documents, :mod:`shardlm.plan.documents`). Full activation checkpointing recomputes the blocks'
 forward: + (2·N_blocks + 4·L·H·Q·T) per token (one more forward of the blocks).
 
 Communication per rank per step (ring collectives; Patarasuk & Yuan 2009 for the (N−1)/N factor):
@@ -26,6 +27,7 @@ from shardlm.config import Config, gradient_accumulation_steps
 from shardlm.metrics.flops import model_flops_per_token
 from shardlm.parallel.dist import compute_precision, dp_mesh_shape
 from shardlm.plan.devices import Device
+from shardlm.plan.documents import attention_context
 from shardlm.plan.memory import Settings
 
 
@@ -53,14 +55,17 @@ def ddp_comm_bytes(n: int, params: int, syncs: int, grad_bytes: int = 4) -> floa
 
 def flops_per_token(cfg: Config, recompute: str = "none") -> float:
     """Training FLOPs per token: 6·N + 12·L·H·Q·T (:func:`shardlm.metrics.flops.model_flops_per_token`),
-    plus one more forward of the blocks (2·N_blocks + 4·L·H·Q·T) under full activation checkpointing."""
+    plus one more forward of the blocks (2·N_blocks + 4·L·H·Q·T) under full activation checkpointing. Under
+    block-causal attention over documents T is the attention context Σ n² / T of the prepared data's
+    samples (:func:`shardlm.plan.documents.attention_context`), ``train.seq_len`` otherwise."""
     m = cfg.model
-    total = float(model_flops_per_token(m, cfg.train.seq_len))
+    context = attention_context(cfg)
+    total = float(model_flops_per_token(m, context))
     if recompute == "full":
         q = m.head_dim
         kv = m.kv_heads * q
         block = 2 * m.dim * m.n_heads * q + 2 * m.dim * kv + 3 * m.dim * m.ffn_dim + 2 * m.dim
-        total += 2 * m.n_layers * block + 4 * m.n_layers * m.n_heads * q * cfg.train.seq_len
+        total += 2 * m.n_layers * block + 4 * m.n_layers * m.n_heads * q * context
     return total
 
 

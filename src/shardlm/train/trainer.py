@@ -135,11 +135,7 @@ class Trainer:
             self.val_data = dataset(str(data_dir(cfg)), "val", t.seq_len)
             self.sampler = GlobalBatchSampler(len(self.train_data), t.global_batch_size, t.seed)
         if self.attention_backend and cfg.data.format == "text":  # pre-training: document masking inside windows
-            eod = (self.meta.get("special_ids") or {}).get("eod")
-            if eod is None:
-                raise ConfigError(f"model.attention = 'block_causal' needs document boundaries, but the data in "
-                                  f"{data_dir(cfg)} has no end-of-document token (special_ids.eod): use a tokenizer "
-                                  "with one, or model.attention = 'causal'")
+            eod = (self.meta.get("special_ids") or {}).get("eod")  # when the data records no document starts
             self.train_data, self.val_data = DocumentWindows(self.train_data, eod), DocumentWindows(self.val_data, eod)
         self.mesh = build_mesh(self.info, cfg.parallel) if cfg.parallel.mode != "single" else None
         self.model, self.pretrained_load_stats = build_model(cfg, self.info, self.mesh)
@@ -229,7 +225,10 @@ class Trainer:
             f"{cfg.train.global_batch_size * cfg.train.seq_len:,} tokens/step; micro-batch {cfg.train.micro_batch_size}"
             f"/rank; gradient accumulation {self.accum_steps}",
             f"  attention  {cfg.model.attention}" + (f" (backend {self.attention_backend}, per-document positions)"
-                                                     if self.attention_backend else ""),
+                                                     if self.attention_backend else "")
+            + ({"recorded": "; documents from the recorded starts", "eod": "; documents cut at each end-of-document "
+                "token (the data records no starts: prepare it again for exact boundaries)"}[self.train_data.source]
+               if isinstance(self.train_data, DocumentWindows) else ""),
             f"  data       {len(self.train_data):,} train {samples}, {len(self.val_data):,} val {samples}, "
             f"unigram entropy {self.meta['unigram_entropy_nats']:.3f} nats",
             *([f"  packing    {self.train_data.summary()}"] if isinstance(self.train_data, PackedExamples) else []),

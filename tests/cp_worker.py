@@ -57,6 +57,7 @@ def run_case(cp: ContextParallel, t: int, window: int, runs: list[int] | None) -
     causal = attention(q, k, v, dense_mask(torch.zeros(b, t, dtype=torch.int64)))
 
     ql, kl, vl = (cp.shard(x, 0, dim=2).requires_grad_() for x in (q, k, v))
+    cp._additive.clear()
     cp_mask = cp.masks(t, docs, {window}, q.device)[window]
     out = cp.attend(ql, kl, vl, cp_mask)
     (out * cp.shard(w, 0, dim=2)).sum().backward()
@@ -69,7 +70,7 @@ def run_case(cp: ContextParallel, t: int, window: int, runs: list[int] | None) -
 
     return {"out": diff(out.detach(), ref.detach()), "dq": diff(ql.grad, qf.grad), "dk": diff(kl.grad, kf.grad),
             "dv": diff(vl.grad, vf.grad), "vs_causal": (ref.detach() - causal).abs().max().item(),
-            "padding": int((~real).sum())}
+            "padding": int((~real).sum()), "dense_mask": cp_mask is not None}
 
 
 def main() -> None:

@@ -32,6 +32,7 @@ def test_one_rank_split_is_the_identity_and_masks_are_the_reference():
     assert torch.equal(cp.shard(x), x)
     docs = torch.tensor([[0, 0, 1, 1, 1, 2, 2], [0, 1, 1, 1, 1, 1, 1]])
     assert torch.equal(cp.masks(7, docs, {3}, "cpu")[3], dense_mask(docs, 3))
+    assert cp.masks(7, None, {0, 7}, "cpu") == {0: None, 7: None}  # causal by position: no mask needed
     assert torch.equal(cp.rope_positions(2, 7, docs, "cpu"), torch.tensor([[0, 1, 0, 1, 2, 0, 1], [0, 0, 1, 2, 3, 4, 5]]))
 
 
@@ -52,6 +53,63 @@ def test_cp2_attention_equals_one_rank_forward_and_grads(tmp_path):
     for name, r in results.items():
         for key in ("out", "dq", "dk", "dv"):
             assert r[key] <= 1e-6, (name, key, r[key])
+    assert not results["causal_odd"]["dense_mask"]  # plain causal: SDPA's causal kernel, no T x T mask
+    assert all(results[n]["dense_mask"] for n in ("block_causal_odd", "sliding_window", "sliding_block_causal_odd"))
     assert results["causal_odd"]["padding_total"] == 3 and results["sliding_block_causal_odd"]["padding_total"] == 1
     for name in ("block_causal_odd", "sliding_window", "sliding_block_causal_odd"):
         assert results[name]["vs_causal"] > 0.1, name  # documents and windows change the result
+
+
+# ---- training: CP 2 and FSDP 2 x CP 2 equal one process; a CP 2 checkpoint resumes at CP 1 ---------------------
+STEPS = {"train.steps": 3, "train.seq_len": 30, "train.eval_interval": 3, "train.eval_tokens": 960,
+         "train.warmup_steps": 1, "checkpoint.interval": 1, "checkpoint.keep": 0}
+
+
+@pytest.fixture(scope="module")
+def cp_runs(small_data, tmp_path_factory):
+    from conftest import run_scenarios, scenario, tiny_overrides
+    from shardlm.cli.train import main as train_main
+
+    runs = tmp_path_factory.mktemp("cp")
+    assert train_main(tiny_overrides(small_data, runs / "one", STEPS)) == 0  # one process, in this one
+    out = run_scenarios(2, [
+        scenario("cp2", small_data, runs, {**STEPS, "parallel.cp": 2}),
+        # the CP 2 run's step-2 checkpoint, resumed with FSDP 2 and no CP: step 3 as the CP 2 run made it
+        scenario("resumed_fsdp2", small_data, runs, {**STEPS, "train.micro_batch_size": 4,
+                                                     "checkpoint.resume": f'"{runs / "cp2" / "checkpoints/step-2"}"'}),
+    ], runs)
+    out.update(run_scenarios(4, [scenario("fsdp2_cp2", small_data, runs, {**STEPS, "parallel.cp": 2,
+                                                                          "train.micro_batch_size": 4})], runs))
+    return runs, out
+
+
+def logged(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("name", ["cp2", "fsdp2_cp2"])
+def test_cp_training_equals_one_process(cp_runs, name):
+    from safetensors.torch import load_file
+    runs, out = cp_runs
+    ref, hist = logged(runs / "one"), out[name][0]["history"]
+    assert [r["step"] for r in hist] == [r["step"] for r in ref if "loss" in r] == [1, 2, 3]
+    ref_loss = [r["loss"] for r in ref if "loss" in r]
+    assert max(abs(a["loss"] - b) for a, b in zip(hist, ref_loss)) <= 1e-6, (hist, ref_loss)
+    ref_val = [r["val_loss"] for r in ref if "val_loss" in r]
+    assert len(ref_val) == 1 and abs(hist[-1]["val_loss"] - ref_val[0]) <= 1e-6
+    assert hist[0]["loss"] != hist[-1]["loss"]  # it trained
+    p, q = load_file(str(runs / name / "final" / "model.safetensors")), load_file(str(runs / "one" / "final" /
+                                                                                        "model.safetensors"))
+    assert p.keys() == q.keys() and max((p[k] - q[k]).abs().max().item() for k in p) <= 1e-5
+
+
+@pytest.mark.dist
+def test_cp2_checkpoint_resumes_at_cp1_fsdp2_exactly(cp_runs):
+    from safetensors.torch import load_file
+    runs, out = cp_runs
+    resumed, cp2 = out["resumed_fsdp2"][0]["history"], out["cp2"][0]["history"]
+    assert [r["step"] for r in resumed] == [3]
+    assert abs(resumed[0]["loss"] - cp2[-1]["loss"]) <= 1e-6
+    p, q = (load_file(str(runs / n / "final" / "model.safetensors")) for n in ("resumed_fsdp2", "cp2"))
+    assert max((p[k] - q[k]).abs().max().item() for k in p) <= 1e-5

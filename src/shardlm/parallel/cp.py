@@ -28,9 +28,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
 from shardlm.errors import ConfigError
 from shardlm.model.attention import document_positions
+from shardlm.model.llama import attention
+from shardlm.parallel.dist import DistInfo
+
+#: the target id the loss ignores (padding tokens' labels), as ``shardlm.data.instruct.IGNORE_INDEX``
+IGNORE_INDEX = -100
 
 
 def padded_length(seq_len: int, cp: int) -> int:
@@ -99,6 +105,12 @@ class ContextParallel:
         self.group = group
         self.size = group.size() if group is not None else 1
         self.rank = dist.get_rank(group) if group is not None else 0
+        #: the attention windows of the model's layers (0 = global), set by :func:`apply_cp`
+        self.windows: set[int] = {0}
+        #: whether the model attends block-causally (document masks), set by :func:`apply_cp`
+        self.block_causal = False
+        #: the additive forms of this batch's boolean masks, by (id(mask), dtype) (see :meth:`attend`)
+        self._additive: dict[tuple[int, torch.dtype], torch.Tensor] = {}
 
     def check_sequence(self, seq_len: int, max_seq_len: int) -> None:
         """Refuse a split whose padded length passes the model's rotary tables.
@@ -141,14 +153,18 @@ class ContextParallel:
         return self.shard(positions, 0)
 
     def masks(self, seq_len: int, documents: torch.Tensor | None, windows: set[int],
-              device: torch.device | str) -> dict[int, torch.Tensor]:
-        """Boolean attention masks of this rank's queries over the gathered keys, one per window (0 = global):
-        (1 or batch, 1, 2·c, T_pad), True = attend.
+              device: torch.device | str) -> dict[int, torch.Tensor | None]:
+        """Attention masks of this rank's queries over the gathered keys, one per window (0 = global): None where
+        the mask is plain causal by global position (no documents, no window shorter than the sequence; then
+        :meth:`attend` needs no mask), else a boolean (1 or batch, 1, 2·c, T_pad) mask, True = attend.
 
         Query i sees key j when j <= i (global indices), i - window < j (``window`` > 0) and, with
         ``documents`` (batch, seq_len) int64, both are in the same document; padding (index >= seq_len) is a
         document of its own per token, so no real query sees it.
         """
+        causal_only = documents is None and all(w == 0 or w >= seq_len for w in windows)
+        if causal_only:
+            return dict.fromkeys(windows)
         q = self.local_indices(seq_len, device).view(-1, 1)
         k = gathered_indices(seq_len, self.size).to(device).view(1, -1)
         base = k <= q
@@ -166,6 +182,18 @@ class ContextParallel:
             out[w] = allowed.unsqueeze(1)
         return out
 
+    def shard_batch(self, inputs: torch.Tensor, targets: torch.Tensor,
+                    documents: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        """This rank's share of a batch: inputs and targets (B, T) int64 -> (B, 2·c) each (padding: token 0, target
+        ``IGNORE_INDEX``), and the model's keyword arguments ``positions`` (:meth:`rope_positions`) and ``masks``
+        (:meth:`masks`). ``documents`` (B, T) is used under block-causal attention only."""
+        b, t = inputs.shape
+        self._additive.clear()  # the previous batch's masks
+        docs = documents if self.block_causal else None
+        extra = {"positions": self.rope_positions(b, t, docs, inputs.device),
+                 "masks": self.masks(t, docs, self.windows, inputs.device)}
+        return self.shard(inputs, 0), self.shard(targets, IGNORE_INDEX), extra
+
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """All-gather keys or values (batch, heads, 2·c, head_dim) into (batch, heads, T_pad, head_dim) in the
         order of :func:`gathered_indices`, with an exact backward (see :class:`_GatherSequence`)."""
@@ -177,12 +205,37 @@ class ContextParallel:
                scale: float | None = None) -> torch.Tensor:
         """Attention of this rank's queries q (batch, n_heads, 2·c, head_dim) over the keys and values of the
         whole sequence: k, v (batch, n_kv_heads, 2·c, head_dim) are all-gathered, then attended to under
-        ``mask`` (from :meth:`masks`, required). Returns q's shape and dtype."""
-        from shardlm.model.llama import attention  # the model's one-rank kernel (SDPA, grouped heads)
+        ``mask`` from :meth:`masks`. Returns q's shape and dtype.
 
+        A boolean mask (documents, windows) runs SDPA over all ``T_pad`` keys with it, as an additive mask made
+        once per mask and dtype and shared by the layers (SDPA on CPU would otherwise save a float copy per
+        layer): memory ``T_pad² / cp`` mask values. ``None`` is causal by global position, with no mask: the keys
+        are put in global order and cut after this rank's last token, this rank's queries are scattered into
+        zeros at their global places, and SDPA's own causal kernel runs (``is_causal``; the zero queries'
+        outputs are dropped and give the keys no gradient). It costs up to ``T_pad`` query rows of work on rank
+        0 (fewer on the others) and memory linear in ``T_pad``.
+        """
+        k, v = self.gather(k), self.gather(v)
         if mask is None:
-            raise ValueError("context-parallel attention needs the mask of ContextParallel.masks")
-        return attention(q, self.gather(k), self.gather(v), mask, scale=scale)
+            return self._causal(q, k, v, scale)
+        if mask.dtype == torch.bool:
+            key = (id(mask), q.dtype)
+            if key not in self._additive:
+                self._additive[key] = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(
+                    ~mask, float("-inf"))
+            mask = self._additive[key]
+        return attention(q, k, v, mask, scale=scale)
+
+    def _causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
+        """Causal attention by global position of this rank's q (b, h, 2·c, d) over gathered k, v (see :meth:`attend`)."""
+        b, h, n, d = q.shape
+        t_pad = n * self.size
+        length = (2 * self.size - self.rank) * (n // 2)  # up to the end of this rank's tail chunk
+        order = torch.argsort(gathered_indices(t_pad, self.size))[:length].to(q.device)
+        local = self.local_indices(t_pad, q.device)
+        queries = q.new_zeros(b, h, length, d).index_copy(2, local, q)
+        out = attention(queries, k.index_select(2, order), v.index_select(2, order), None, scale=scale)
+        return out.index_select(2, local)
 
 
 def apply_cp(model: nn.Module, cp: ContextParallel) -> nn.Module:
@@ -191,8 +244,31 @@ def apply_cp(model: nn.Module, cp: ContextParallel) -> nn.Module:
     The model then expects each rank's tokens as :meth:`ContextParallel.shard` gives them, with
     ``positions`` from :meth:`ContextParallel.rope_positions` and ``masks`` from :meth:`ContextParallel.masks`.
     Returns the same model.
+
+    Raises:
+        ValueError: the model has no attention layer with an ``attend`` hook.
     """
+    cp.block_causal = model.cfg.attention == "block_causal"
+    cp.windows = set()
     for module in model.modules():
         if hasattr(module, "attend") and hasattr(module, "q_proj"):
             module.attend = cp.attend
+            cp.windows.add(module.window)
+    if not cp.windows:
+        raise ValueError(f"{type(model).__name__} has no attention layer with an ``attend`` hook to route through CP")
     return model
+
+
+def build_context_parallel(info: DistInfo, cp: int) -> ContextParallel:
+    """The CP group of this rank: ranks ``[g·cp, (g+1)·cp)`` hold the same samples (``parallel.cp``; the inner
+    dimension of torchtitan's mesh order, beside the data-parallel one). One rank's (no collective) at ``cp = 1``.
+
+    Raises:
+        ConfigError: ``cp`` does not divide the world size.
+    """
+    if cp == 1:
+        return ContextParallel(None)
+    if info.world_size % cp:
+        raise ConfigError(f"parallel.cp={cp} must divide the world size {info.world_size}")
+    mesh = init_device_mesh(info.device.type, (info.world_size // cp, cp), mesh_dim_names=("dp_cp_outer", "cp"))
+    return ContextParallel(mesh.get_group("cp"))

@@ -101,7 +101,7 @@ def test_cp_training_equals_one_process(cp_runs, name):
     assert hist[0]["loss"] != hist[-1]["loss"]  # it trained
     p, q = load_file(str(runs / name / "final" / "model.safetensors")), load_file(str(runs / "one" / "final" /
                                                                                         "model.safetensors"))
-    assert p.keys() == q.keys() and max((p[k] - q[k]).abs().max().item() for k in p) <= 1e-5
+    assert p.keys() == q.keys() and max((p[k] - q[k]).abs().max().item() for k in p) <= 1e-4  # as test_fsdp_parity
 
 
 @pytest.mark.dist
@@ -112,4 +112,4 @@ def test_cp2_checkpoint_resumes_at_cp1_fsdp2_exactly(cp_runs):
     assert [r["step"] for r in resumed] == [3]
     assert abs(resumed[0]["loss"] - cp2[-1]["loss"]) <= 1e-6
     p, q = (load_file(str(runs / n / "final" / "model.safetensors")) for n in ("resumed_fsdp2", "cp2"))
-    assert max((p[k] - q[k]).abs().max().item() for k in p) <= 1e-5
+    assert max((p[k] - q[k]).abs().max().item() for k in p) <= 1e-4

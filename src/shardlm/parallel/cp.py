@@ -76,7 +76,7 @@ class _GatherSequence(torch.autograd.Function):
         world = group.size()
         b, h, s, d = x.shape
         out = torch.empty((world * b, h, s, d), dtype=x.dtype, device=x.device)
-        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        dist.all_gather_single(out, x.contiguous(), group=group)
         return out.view(world, b, h, s, d).permute(1, 2, 0, 3, 4).reshape(b, h, world * s, d)
 
     @staticmethod

@@ -63,6 +63,8 @@ def test_cp2_attention_equals_one_rank_forward_and_grads(tmp_path):
 # ---- training: CP 2 and FSDP 2 x CP 2 equal one process; a CP 2 checkpoint resumes at CP 1 ---------------------
 STEPS = {"train.steps": 3, "train.seq_len": 30, "train.eval_interval": 3, "train.eval_tokens": 960,
          "train.warmup_steps": 1, "checkpoint.interval": 1, "checkpoint.keep": 0}
+#: Mistral's sliding window (8 of the 30 tokens): CP's masked path in training
+WINDOW = {**STEPS, "model.family": '"mistral"', "model.sliding_window": 8}
 
 
 @pytest.fixture(scope="module")
@@ -72,8 +74,10 @@ def cp_runs(small_data, tmp_path_factory):
 
     runs = tmp_path_factory.mktemp("cp")
     assert train_main(tiny_overrides(small_data, runs / "one", STEPS)) == 0  # one process, in this one
+    assert train_main(tiny_overrides(small_data, runs / "one_window", WINDOW)) == 0
     out = run_scenarios(2, [
         scenario("cp2", small_data, runs, {**STEPS, "parallel.cp": 2}),
+        scenario("cp2_window", small_data, runs, {**WINDOW, "parallel.cp": 2}),
         # the CP 2 run's step-2 checkpoint, resumed with FSDP 2 and no CP: step 3 as the CP 2 run made it
         scenario("resumed_fsdp2", small_data, runs, {**STEPS, "train.micro_batch_size": 4,
                                                      "checkpoint.resume": f'"{runs / "cp2" / "checkpoints/step-2"}"'}),
@@ -88,19 +92,20 @@ def logged(run: Path) -> list[dict]:
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("name", ["cp2", "fsdp2_cp2"])
-def test_cp_training_equals_one_process(cp_runs, name):
+@pytest.mark.parametrize("name,reference", [("cp2", "one"), ("fsdp2_cp2", "one"), ("cp2_window", "one_window")])
+def test_cp_training_equals_one_process(cp_runs, name, reference):
     from safetensors.torch import load_file
     runs, out = cp_runs
-    ref, hist = logged(runs / "one"), out[name][0]["history"]
+    ref, hist = logged(runs / reference), out[name][0]["history"]
     assert [r["step"] for r in hist] == [r["step"] for r in ref if "loss" in r] == [1, 2, 3]
     ref_loss = [r["loss"] for r in ref if "loss" in r]
-    assert max(abs(a["loss"] - b) for a, b in zip(hist, ref_loss)) <= 1e-6, (hist, ref_loss)
+    loss_diff = max(abs(a["loss"] - b) for a, b in zip(hist, ref_loss))
+    print(f"\n{name} vs {reference}: max loss diff {loss_diff:.2e} over {len(hist)} steps")
+    assert loss_diff <= 1e-6, (hist, ref_loss)
     ref_val = [r["val_loss"] for r in ref if "val_loss" in r]
     assert len(ref_val) == 1 and abs(hist[-1]["val_loss"] - ref_val[0]) <= 1e-6
     assert hist[0]["loss"] != hist[-1]["loss"]  # it trained
-    p, q = load_file(str(runs / name / "final" / "model.safetensors")), load_file(str(runs / "one" / "final" /
-                                                                                        "model.safetensors"))
+    p, q = (load_file(str(runs / n / "final" / "model.safetensors")) for n in (name, reference))
     assert p.keys() == q.keys() and max((p[k] - q[k]).abs().max().item() for k in p) <= 1e-4  # as test_fsdp_parity
 
 

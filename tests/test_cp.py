@@ -44,6 +44,34 @@ def test_padding_past_the_rotary_tables_is_refused():
         cp.check_sequence(25, 30)
 
 
+def test_cp_not_dividing_the_world_size_is_one_clear_error():
+    from shardlm.config import Config, ParallelConfig, validate
+    from shardlm.parallel.dist import dp_mesh_shape
+
+    with pytest.raises(ConfigError, match=r"parallel.cp=3 must divide the world size 4 \(each sequence is split"):
+        dp_mesh_shape(ParallelConfig(cp=3), 4, 4)
+    assert dp_mesh_shape(ParallelConfig(cp=2), 4, 4) == (1, 2)  # 2 data-parallel ranks of 2 CP ranks each
+    cfg = Config()
+    cfg.parallel.cp, cfg.parallel.mode = 2, "single"
+    with pytest.raises(ConfigError, match="parallel.cp must be >= 1 .* and 1 in parallel.mode='single', got 2"):
+        validate(cfg)
+
+
+def test_planner_counts_a_rank_s_share_of_the_sequence():
+    from shardlm.config import Config
+    from shardlm.plan import plan_memory
+
+    cfg = Config()
+    cfg.train.seq_len = cfg.model.max_seq_len = 1024
+    cfg.train.global_batch_size, cfg.train.micro_batch_size = 2, 1
+    fsdp = plan_memory(cfg, 2, "cpu")
+    cfg.parallel.cp, cfg.train.global_batch_size = 2, 1
+    cp = plan_memory(cfg, 2, "cpu")
+    # same parameters and state per rank; activations of 512 tokens per rank plus attention over all 1024
+    assert cp.breakdown["params"] == fsdp.breakdown["params"] and cp.breakdown["optimizer"] == fsdp.breakdown["optimizer"]
+    assert 0.5 * fsdp.breakdown["activations"] < cp.breakdown["activations"] < 0.8 * fsdp.breakdown["activations"]
+
+
 @pytest.mark.dist
 def test_cp2_attention_equals_one_rank_forward_and_grads(tmp_path):
     out = tmp_path / "cp.json"

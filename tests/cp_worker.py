@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from shardlm.model.attention import dense_mask
-from shardlm.model.llama import attention
+from shardlm.model.decoder import attention
 from shardlm.parallel import exit_process
 from shardlm.parallel.cp import ContextParallel
 

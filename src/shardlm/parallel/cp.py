@@ -32,7 +32,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from shardlm.errors import ConfigError
 from shardlm.model.attention import document_positions
-from shardlm.model.llama import attention
+from shardlm.model.decoder import attention
 from shardlm.parallel.dist import DistInfo
 
 #: the target id the loss ignores (padding tokens' labels), as ``shardlm.data.instruct.IGNORE_INDEX``

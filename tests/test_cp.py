@@ -36,12 +36,17 @@ def test_one_rank_split_is_the_identity_and_masks_are_the_reference():
     assert torch.equal(cp.rope_positions(2, 7, docs, "cpu"), torch.tensor([[0, 1, 0, 1, 2, 0, 1], [0, 0, 1, 2, 3, 4, 5]]))
 
 
-def test_padding_past_the_rotary_tables_is_refused():
+def test_a_sequence_shorter_than_cp_is_refused_and_padding_may_pass_the_tables():
     cp = ContextParallel(None)
     cp.size = 4
-    cp.check_sequence(24, 24)
-    with pytest.raises(ConfigError, match=r"train.seq_len=25 split over parallel.cp=4 pads to 32 .* at most 24"):
-        cp.check_sequence(25, 30)
+    cp.check_sequence(4)
+    with pytest.raises(ConfigError, match=r"train.seq_len=3 is shorter than parallel.cp=4: .* at least 4 tokens"):
+        cp.check_sequence(3)
+    # a 63-token sequence of a 64-position model pads to 64 at cp 4 and to 72 at cp 6: padding takes position 0
+    cp.size = 6
+    assert cp.shard(torch.arange(63).view(1, 63)).shape == (1, 12)
+    cp.rank = 0
+    assert cp.rope_positions(1, 63, None, "cpu").max().item() < 64
 
 
 def test_cp_not_dividing_the_world_size_is_one_clear_error():

@@ -112,19 +112,17 @@ class ContextParallel:
         #: the additive forms of this batch's boolean masks, by (id(mask), dtype) (see :meth:`attend`)
         self._additive: dict[tuple[int, torch.dtype], torch.Tensor] = {}
 
-    def check_sequence(self, seq_len: int, max_seq_len: int) -> None:
-        """Refuse a split whose padded length passes the model's rotary tables.
+    def check_sequence(self, seq_len: int) -> None:
+        """Refuse a sequence too short to split: with fewer than ``cp`` tokens some rank would hold padding only.
+        (Any longer length is split: it is padded to a multiple of 2·cp, and padding takes rotary position 0, so
+        ``T_pad`` may pass ``model.max_seq_len``.)
 
         Raises:
-            ConfigError: ``padded_length(seq_len, cp)`` exceeds ``max_seq_len`` (the padding would need rotary
-                positions past the tables), naming both and the nearest lengths that fit.
+            ConfigError: ``seq_len < cp``, naming both.
         """
-        t_pad = padded_length(seq_len, self.size)
-        if t_pad > max_seq_len:
-            fit = (max_seq_len // (2 * self.size)) * 2 * self.size
-            raise ConfigError(f"train.seq_len={seq_len} split over parallel.cp={self.size} pads to {t_pad} tokens "
-                              f"(a multiple of 2 x cp = {2 * self.size}), past model.max_seq_len={max_seq_len}: "
-                              f"use a seq_len of at most {fit} or a multiple of {2 * self.size}")
+        if seq_len < self.size:
+            raise ConfigError(f"train.seq_len={seq_len} is shorter than parallel.cp={self.size}: a sequence split over "
+                              f"{self.size} ranks needs at least {self.size} tokens (one per rank)")
 
     def local_indices(self, seq_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """Global indices (2·c,) int64 of this rank's tokens (:func:`chunk_indices`)."""

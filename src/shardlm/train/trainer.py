@@ -147,7 +147,7 @@ class Trainer:
         self.mesh = build_mesh(self.info, cfg.parallel) if cfg.parallel.mode != "single" else None
         #: this rank's context-parallel group (shardlm/parallel/cp.py); one rank's, no split, at parallel.cp = 1
         self.cp = build_context_parallel(self.info, cfg.parallel.cp)
-        self.cp.check_sequence(t.seq_len, cfg.model.max_seq_len)
+        self.cp.check_sequence(t.seq_len)
         self.model, self.pretrained_load_stats = build_model(cfg, self.info, self.mesh, self.cp)
         self.optimizer = build_optimizer(self.model, t, self.info.device)
         self.scheduler = build_scheduler(self.optimizer, t)

@@ -77,6 +77,7 @@ def worker(spec_path: str) -> None:
         peaks = all_gather_ints(peak["peak"], info.device)
         starts = all_gather_ints(peak["start"], info.device)
         if info.is_main:
+            print(f"bench: {case['name']}: step {statistics.median(seconds):.2f} s, peaks {peaks}", flush=True)
             plan = plan_memory(cfg, info.world_size, "cpu")
             results.append({"name": case["name"], "seq": cfg.train.seq_len, "cp": cfg.parallel.cp,
                             "step_s": statistics.median(seconds), "peaks": peaks, "starts": starts,

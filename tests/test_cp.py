@@ -151,3 +151,21 @@ def test_cp2_checkpoint_resumes_at_cp1_fsdp2_exactly(cp_runs):
     assert abs(resumed[0]["loss"] - cp2[-1]["loss"]) <= 1e-6
     p, q = (load_file(str(runs / n / "final" / "model.safetensors")) for n in ("resumed_fsdp2", "cp2"))
     assert max((p[k] - q[k]).abs().max().item() for k in p) <= 1e-4
+
+
+def test_plan_llama3_8b_at_128k_tokens_on_8_h100s_with_cp8(capsys):
+    from shardlm.cli.main import main as shardlm_main
+
+    config = str(Path(__file__).resolve().parents[1] / "configs" / "llama3-8b.toml")
+    args = ["plan", config, "--world-size", "8", "--device", "h100", "--train.seq_len=131072",
+            "--model.max_seq_len=131072", "--train.global_batch_size=1", "--train.micro_batch_size=1",
+            "--parallel.activation_checkpoint=full"]
+    capsys.readouterr()
+    assert shardlm_main([*args, "--parallel.cp=8"]) == 0
+    out = capsys.readouterr().out
+    assert "context parallel 8: each sequence split over 8 ranks, 16,384 tokens per rank" in out and "  fits:" in out
+    cp8 = float(out.split("activations (saved for backward)")[1].split()[0])
+    assert shardlm_main([*args, "--train.global_batch_size=8"]) == 0  # no CP: a 128k sequence on every rank
+    out = capsys.readouterr().out
+    assert "does not fit" in out
+    assert float(out.split("activations (saved for backward)")[1].split()[0]) > 5 * cp8  # 55.6 against 9.3 GiB

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 
 from shardlm.config import Config
+from shardlm.parallel.cp import padded_length
 from shardlm.plan.devices import get_device
 from shardlm.plan.memory import PARTS, MemoryPlan, plan_memory
 from shardlm.plan.search import format_fits, search
@@ -70,7 +71,9 @@ def format_plan(cfg: Config, world_size: int, device_name: str, headroom: float)
         f"{getattr(st, 'reduce_dtype', None) or 'param_dtype'}; activation checkpointing "
         f"{getattr(st, 'activation_checkpoint', None) or 'none'}; cpu_offload {getattr(st, 'cpu_offload', False)}"
         + (f"; reshard_after_forward {str(st.reshard_after_forward).lower()}, {st.blocks_per_group} block(s) per "
-           "FSDP group" if st.mode == "fsdp" else ""),
+           "FSDP group" if st.mode == "fsdp" else "")
+        + (f"; context parallel {st.cp}: each sequence split over {st.cp} ranks, "
+           f"{padded_length(cfg.train.seq_len, st.cp) // st.cp:,} tokens per rank" if st.cp > 1 else ""),
         f"  per-rank peak memory (at {plan.phase}):",
     ]
     for part in PARTS:

@@ -243,6 +243,14 @@ class Decoder(nn.Module):
         for name, table in rope_buffers(cfg).items():
             self.register_buffer(name, table, persistent=False)
 
+    def rope_at(self, positions: torch.Tensor) -> dict[bool, tuple[torch.Tensor, torch.Tensor]]:
+        """The rotary cos and sin of per-token ``positions`` (batch, seq) int64, each (batch, 1, seq, head_dim)
+        float32, by ``local`` (True: the local layers' own tables, present only when they have their own base)."""
+        rope = {False: (self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1))}
+        if hasattr(self, "rope_local_cos"):
+            rope[True] = (self.rope_local_cos[positions].unsqueeze(1), self.rope_local_sin[positions].unsqueeze(1))
+        return rope
+
 
 class CausalLM(nn.Module):
     """Causal language model of any family of :data:`~shardlm.model.families.FAMILIES` (HF's ``*ForCausalLM``).
@@ -307,10 +315,7 @@ class CausalLM(nn.Module):
             raise ValueError("positions and masks come together, without a cache or documents")
         if masks is not None:  # a part of a longer sequence: positions and masks made outside
             doc_masks = masks
-            rope = {False: (decoder.rope_cos[positions].unsqueeze(1),  # (batch, 1, seq, head_dim)
-                            decoder.rope_sin[positions].unsqueeze(1))}
-            if hasattr(decoder, "rope_local_cos"):
-                rope[True] = (decoder.rope_local_cos[positions].unsqueeze(1), decoder.rope_local_sin[positions].unsqueeze(1))
+            rope = decoder.rope_at(positions)
         elif documents is not None and self.cfg.attention == "block_causal":
             if cache is not None or documents.shape != tokens.shape:
                 raise ValueError(f"documents {tuple(documents.shape)} need tokens of the same shape "
@@ -322,10 +327,7 @@ class CausalLM(nn.Module):
             doc_masks = doc_attention.document_masks(
                 documents, {layer.self_attn.window for layer in decoder.layers}, backend)
             positions = doc_attention.document_positions(documents)  # (batch, seq), 0 at each document start
-            rope = {False: (decoder.rope_cos[positions].unsqueeze(1),  # (batch, 1, seq, head_dim)
-                            decoder.rope_sin[positions].unsqueeze(1))}
-            if hasattr(decoder, "rope_local_cos"):
-                rope[True] = (decoder.rope_local_cos[positions].unsqueeze(1), decoder.rope_local_sin[positions].unsqueeze(1))
+            rope = decoder.rope_at(positions)
         elif cache is None:
             if t > self.cfg.max_seq_len:
                 raise ValueError(f"sequence of {t} tokens exceeds max_seq_len={self.cfg.max_seq_len}")
@@ -334,10 +336,7 @@ class CausalLM(nn.Module):
                 rope[True] = (decoder.rope_local_cos[:t], decoder.rope_local_sin[:t])
         else:
             positions = cache.positions(t)  # (batch, seq), raises past the cache's capacity
-            rope = {False: (decoder.rope_cos[positions].unsqueeze(1),  # (batch, 1, seq, head_dim)
-                            decoder.rope_sin[positions].unsqueeze(1))}
-            if hasattr(decoder, "rope_local_cos"):
-                rope[True] = (decoder.rope_local_cos[positions].unsqueeze(1), decoder.rope_local_sin[positions].unsqueeze(1))
+            rope = decoder.rope_at(positions)
         h = decoder.embed_tokens(tokens)
         if self.cfg.arch.gemma_norms:  # Gemma: sqrt(dim), rounded to the embedding's dtype first (as HF)
             h = h * torch.tensor(self.cfg.dim ** 0.5).to(h.dtype)

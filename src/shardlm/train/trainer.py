@@ -229,11 +229,13 @@ class Trainer:
             f"{', tied embeddings' if cfg.model.tie_embeddings else ''}",
             f"  parallel   {cfg.parallel.mode}, world size {info.world_size}, backend {info.backend}, device "
             f"{info.device.type}, mesh " + (" x ".join(f"{name} {size}" for name, size in zip(
-                self.mesh.mesh_dim_names, self.mesh.shape)) if self.mesh is not None else "none"),
+                self.mesh.mesh_dim_names, self.mesh.shape)) if self.mesh is not None else "none")
+            + (f"; context parallel {self.cp.size}: each sequence split over {self.cp.size} ranks "
+               f"({info.world_size // self.cp.size} data-parallel)" if self.cp.size > 1 else ""),
             f"  settings   {describe(cfg.parallel, info.device.type)}",
             f"  batch      global {cfg.train.global_batch_size} seqs x {cfg.train.seq_len} tokens = "
             f"{cfg.train.global_batch_size * cfg.train.seq_len:,} tokens/step; micro-batch {cfg.train.micro_batch_size}"
-            f"/rank; gradient accumulation {self.accum_steps}",
+            f"/{'data-parallel ' if self.cp.size > 1 else ''}rank; gradient accumulation {self.accum_steps}",
             f"  attention  {cfg.model.attention}" + (f" (backend {self.attention_backend}, per-document positions)"
                                                      if self.attention_backend else ""),
             f"  data       {len(self.train_data):,} train {samples}, {len(self.val_data):,} val {samples}, "

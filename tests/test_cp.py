@@ -115,8 +115,9 @@ def cp_runs(small_data, tmp_path_factory):
         scenario("resumed_fsdp2", small_data, runs, {**STEPS, "train.micro_batch_size": 4,
                                                      "checkpoint.resume": f'"{runs / "cp2" / "checkpoints/step-2"}"'}),
     ], runs)
-    out.update(run_scenarios(4, [scenario("fsdp2_cp2", small_data, runs, {**STEPS, "parallel.cp": 2,
-                                                                          "train.micro_batch_size": 4})], runs))
+    # FSDP 2 x CP 2, with full activation checkpointing (the all-gather of K and V runs again in the recompute)
+    out.update(run_scenarios(4, [scenario("fsdp2_cp2", small_data, runs, {
+        **STEPS, "parallel.cp": 2, "train.micro_batch_size": 4, "parallel.activation_checkpoint": '"full"'})], runs))
     return runs, out
 
 

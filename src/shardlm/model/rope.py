@@ -1,5 +1,6 @@
 """Rotary position embeddings (Su et al., "RoFormer", 2021) as Hugging Face computes them: the inverse frequencies
-of each RoPE type (default, linear, Llama 3.1's llama3 scaling), the cos/sin tables, rotate-half.
+of each RoPE type (default, linear, Llama 3.1's llama3 scaling, YaRN with its attention factor on the tables,
+dynamic NTK within the context), the cos/sin tables, rotate-half.
 
 Tables are float32 (max_seq_len, head_dim), the angle vector concatenated with itself (HF's rotate-half layout,
 not the interleaved one of the RoFormer paper); the decoder keeps them as buffers (:func:`rope_buffers`).

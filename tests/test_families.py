@@ -236,9 +236,9 @@ def test_bad_input(family_dirs, tmp_path, capsys):
     moe = write("moe", {**base, "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 8})
     err = cli_error(capsys, ["import", str(moe), str(tmp_path / "o1")])
     assert "model_type='qwen3_moe'" in err and "not built" in err
-    yarn = write("yarn", {**base, "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}})
-    err = cli_error(capsys, ["import", str(yarn), str(tmp_path / "o2")])
-    assert "rope_type 'yarn' is not supported" in err
+    longrope = write("longrope", {**base, "rope_parameters": {"rope_type": "longrope", "factor": 4.0, "rope_theta": 1e6}})
+    err = cli_error(capsys, ["import", str(longrope), str(tmp_path / "o2")])
+    assert "rope_type 'longrope' is not supported (built: default, linear, llama3, yarn, dynamic)" in err
     softcap = write("softcap", {**json.loads((family_dirs["gemma3"] / "config.json").read_text()),
                                 "attn_logit_softcapping": 50.0},
                     load_file(str(family_dirs["gemma3"] / "model.safetensors")))

@@ -147,7 +147,12 @@ class ParallelConfig:
     -1 = world size / ``dp_shard`` (one replica per shard group, follows the node count)."""
     dp_shard: int = -1
     """Ranks per shard group (HSDP's shard dimension, usually the GPUs of a node); -1 = all remaining ranks,
-    world size / ``dp_replicate``. ``dp_replicate × dp_shard`` must equal the world size."""
+    world size / ``dp_replicate``. ``dp_replicate × dp_shard`` must equal the world size (divided by ``cp``)."""
+    cp: int = 1
+    """Context parallelism: the ranks each sequence is split over (``shardlm/parallel/cp.py``: each holds a head and a
+    tail chunk, attention all-gathers keys and values). The ``cp`` ranks of a group are consecutive and take the same
+    samples (one data-parallel rank); FSDP shards parameters over ``dp_shard × cp`` (torchtitan's mesh order
+    ``dp_replicate, dp_shard, cp``). Must divide the world size; 1 = no split."""
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     """FSDP compute dtype (``MixedPrecisionPolicy.param_dtype``): shards stay fp32, all-gathered weights are cast."""
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
@@ -583,6 +588,9 @@ def validate(cfg: Config) -> None:
                               f"got {getattr(cfg.parallel, key)}")
     if cfg.parallel.dp_replicate == cfg.parallel.dp_shard == -1:
         raise ConfigError("parallel.dp_replicate and parallel.dp_shard cannot both be -1: set one of them")
+    if cfg.parallel.cp < 1 or (cfg.parallel.cp > 1 and cfg.parallel.mode == "single"):
+        raise ConfigError(f"parallel.cp must be >= 1 (ranks per sequence), and 1 in parallel.mode='single', "
+                          f"got {cfg.parallel.cp}")
     for key in ("interval", "keep"):
         if getattr(cfg.checkpoint, key) < 0:
             raise ConfigError(f"checkpoint.{key} must be >= 0, got {getattr(cfg.checkpoint, key)}")
@@ -622,6 +630,19 @@ def validate(cfg: Config) -> None:
     if m.rope_scaling_factor > 0 and m.rope_high_freq_factor <= m.rope_low_freq_factor:
         raise ConfigError(f"model.rope_high_freq_factor={m.rope_high_freq_factor} must exceed "
                           f"model.rope_low_freq_factor={m.rope_low_freq_factor}")
+    scalings = [key for key in ("rope_scaling_factor", "rope_linear_factor", "rope_yarn_factor", "rope_dynamic_factor")
+                if getattr(m, key) != 0]
+    if len(scalings) > 1:
+        raise ConfigError(f"one RoPE scaling at a time: model.{' and model.'.join(scalings)} are all set")
+    for key in scalings:
+        if getattr(m, key) < 1:
+            raise ConfigError(f"model.{key} must be >= 1 (0 = no scaling), got {getattr(m, key)}")
+    if m.rope_yarn_factor and (m.rope_yarn_beta_fast < m.rope_yarn_beta_slow or m.rope_yarn_attention_factor < 0
+                               or m.rope_original_max_seq_len < 1):
+        raise ConfigError(f"YaRN needs model.rope_yarn_beta_fast >= rope_yarn_beta_slow (got {m.rope_yarn_beta_fast} "
+                          f"and {m.rope_yarn_beta_slow}), rope_yarn_attention_factor >= 0 (got "
+                          f"{m.rope_yarn_attention_factor}) and rope_original_max_seq_len >= 1 (got "
+                          f"{m.rope_original_max_seq_len})")
 
 
 def gradient_accumulation_steps(cfg: Config, dp_world_size: int) -> int:

@@ -8,6 +8,7 @@ field, what the model does not build. Imports no torch: the configuration reads 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +73,16 @@ def hf_config(cfg: ModelConfig, special_ids: dict[str, Any] | None = None,
         }
     elif cfg.rope_linear_factor > 0:
         config["rope_scaling"] = {"rope_type": "linear", "factor": cfg.rope_linear_factor}
+    elif cfg.rope_yarn_factor > 0:
+        config["rope_scaling"] = {
+            "rope_type": "yarn", "factor": cfg.rope_yarn_factor,
+            "original_max_position_embeddings": cfg.rope_original_max_seq_len, "beta_fast": cfg.rope_yarn_beta_fast,
+            "beta_slow": cfg.rope_yarn_beta_slow, "truncate": cfg.rope_yarn_truncate,
+        }
+        if cfg.rope_yarn_attention_factor > 0:
+            config["rope_scaling"]["attention_factor"] = cfg.rope_yarn_attention_factor
+    elif cfg.rope_dynamic_factor > 0:
+        config["rope_scaling"] = {"rope_type": "dynamic", "factor": cfg.rope_dynamic_factor}
     return config
 
 
@@ -90,8 +101,37 @@ def _rope_fields(cfg: ModelConfig, rope: dict[str, Any], source: str, key: str) 
         if "factor" not in rope:
             raise ModelDirError(f"{source}: {key} (linear) lacks field 'factor'")
         cfg.rope_linear_factor = float(rope["factor"])
+    elif rope_type == "yarn":
+        _yarn_fields(cfg, rope)
+    elif rope_type == "dynamic":
+        if "factor" not in rope:
+            raise ModelDirError(f"{source}: {key} (dynamic) lacks field 'factor'")
+        cfg.rope_dynamic_factor = float(rope["factor"])
     elif rope_type != "default":
-        raise ModelDirError(f"{source}: {key} rope_type {rope_type!r} is not supported (built: default, linear, llama3)")
+        raise ModelDirError(f"{source}: {key} rope_type {rope_type!r} is not supported (built: default, linear, llama3, "
+                            "yarn, dynamic)")
+
+
+def _yarn_fields(cfg: ModelConfig, rope: dict[str, Any]) -> None:
+    """Set ``cfg``'s YaRN fields from a ``rope_type = "yarn"`` dict as transformers 5.24 reads it
+    (``_compute_yarn_parameters``): ``original_max_position_embeddings`` defaults to ``max_position_embeddings``,
+    a missing ``factor`` is their ratio, ``beta_fast`` / ``beta_slow`` default to 32 / 1, ``truncate`` to true; the
+    attention factor is ``attention_factor``, else DeepSeek's ``mscale(s, mscale) / mscale(s, mscale_all_dim)`` with
+    ``mscale(s, m) = 0.1 · m · ln(s) + 1`` (1 when s <= 1) when both are set, else left to the default (0)."""
+    original = int(rope.get("original_max_position_embeddings") or cfg.max_seq_len)
+    factor = float(rope["factor"]) if rope.get("factor") is not None else cfg.max_seq_len / original
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = rope.get("attention_factor")
+    if attention is None and rope.get("mscale") and rope.get("mscale_all_dim"):
+        attention = mscale(factor, float(rope["mscale"])) / mscale(factor, float(rope["mscale_all_dim"]))
+    cfg.rope_yarn_factor, cfg.rope_original_max_seq_len = factor, original
+    cfg.rope_yarn_attention_factor = float(attention or 0.0)
+    cfg.rope_yarn_beta_fast = float(rope.get("beta_fast") or 32)
+    cfg.rope_yarn_beta_slow = float(rope.get("beta_slow") or 1)
+    cfg.rope_yarn_truncate = bool(rope.get("truncate", True))
 
 
 def model_config_from_hf_dict(config: dict[str, Any], source: str = "config.json") -> ModelConfig:

@@ -71,10 +71,29 @@ class ModelConfig:
     rope_high_freq_factor: float = 4.0
     """Llama 3.1 RoPE scaling ``high_freq_factor`` [rope_scaling.high_freq_factor]; used when rope_scaling_factor > 0."""
     rope_original_max_seq_len: int = 8192
-    """Llama 3.1 pre-training context, in tokens [rope_scaling.original_max_position_embeddings]."""
+    """Pre-training context that llama3 and YaRN scaling extend, in tokens
+    [rope_scaling.original_max_position_embeddings]."""
     rope_linear_factor: float = 0.0
     """Linear RoPE scaling (position interpolation, Gemma 3 4B+): the global layers' frequencies are divided by
     this factor [rope_scaling.factor, rope_type linear]; 0 means none."""
+    rope_yarn_factor: float = 0.0
+    """YaRN RoPE scaling (Peng et al., "YaRN", 2023; Qwen3 128k, gpt-oss, DeepSeek): the context
+    ``rope_original_max_seq_len`` is extended ``factor`` times [rope_scaling.factor, rope_type yarn]; 0 means none."""
+    rope_yarn_beta_fast: float = 32.0
+    """YaRN: rotations over the original context above which a frequency is kept (extrapolated) [beta_fast]."""
+    rope_yarn_beta_slow: float = 1.0
+    """YaRN: rotations over the original context below which a frequency is divided by the factor (interpolated)
+    [beta_slow]."""
+    rope_yarn_attention_factor: float = 0.0
+    """YaRN: factor of the cos and sin tables (the attention temperature ``sqrt(1/t)``) [attention_factor]; 0 means
+    HF's default ``0.1 · ln(factor) + 1`` (an import resolves DeepSeek's ``mscale`` / ``mscale_all_dim`` into it)."""
+    rope_yarn_truncate: bool = True
+    """YaRN: round the correction range of dimensions outward to integers, as HF does by default (gpt-oss: false)
+    [truncate]."""
+    rope_dynamic_factor: float = 0.0
+    """Dynamic NTK RoPE scaling [rope_scaling.factor, rope_type dynamic]: HF changes the base only for sequences past
+    ``max_seq_len``, which this model never runs, so within it the frequencies are the default ones; kept for export.
+    0 means none."""
     attention: Literal["causal", "block_causal"] = "causal"
     """Attention pattern over a training sample: ``causal`` (every token sees all earlier ones of the sample) or
     ``block_causal`` (document masking: a token sees only earlier tokens of its own document, with rotary

@@ -106,6 +106,9 @@ class Attention(nn.Module):
         if cfg.arch.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps, cfg.arch.gemma_norms)
             self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps, cfg.arch.gemma_norms)
+        #: the attention kernel ``attend(q, k, v, mask, scale=...)``: :func:`attention`, or a hook set from outside
+        #: (context parallelism's, ``shardlm/parallel/cp.py``: attention across a sequence split over ranks)
+        self.attend = attention
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: LayerKVCache | None = None, doc_mask: Any = None) -> torch.Tensor:
@@ -133,7 +136,7 @@ class Attention(nn.Module):
             k, v, mask = cache.update(k, v, self.window)
         elif self.window and self.window < t:
             mask = sliding_window_mask(t, self.window, x.device)
-        out = attention(q, k, v, mask, scale=self.scale)
+        out = self.attend(q, k, v, mask, scale=self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -242,6 +245,14 @@ class Decoder(nn.Module):
         for name, table in rope_buffers(cfg).items():
             self.register_buffer(name, table, persistent=False)
 
+    def rope_at(self, positions: torch.Tensor) -> dict[bool, tuple[torch.Tensor, torch.Tensor]]:
+        """The rotary cos and sin of per-token ``positions`` (batch, seq) int64, each (batch, 1, seq, head_dim)
+        float32, by ``local`` (True: the local layers' own tables, present only when they have their own base)."""
+        rope = {False: (self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1))}
+        if hasattr(self, "rope_local_cos"):
+            rope[True] = (self.rope_local_cos[positions].unsqueeze(1), self.rope_local_sin[positions].unsqueeze(1))
+        return rope
+
 
 class CausalLM(nn.Module):
     """Causal language model of any family of :data:`~shardlm.model.families.FAMILIES` (HF's ``*ForCausalLM``).
@@ -272,7 +283,8 @@ class CausalLM(nn.Module):
 
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None,
                 documents: torch.Tensor | None = None,
-                head: Callable[[CausalLM, torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+                head: Callable[[CausalLM, torch.Tensor], torch.Tensor] | None = None,
+                positions: torch.Tensor | None = None, masks: dict[int, Any] | None = None) -> torch.Tensor:
         """tokens (batch, seq) int64 -> logits (batch, seq, vocab_size), or ``head``'s result.
 
         With ``head`` the output projection is left to it: it gets this model and the final norm's output
@@ -288,14 +300,25 @@ class CausalLM(nn.Module):
         document, and its rotary position restarts at 0 at the document's first token
         (:mod:`shardlm.model.attention`, backend ``cfg.attention_backend``); under ``"causal"`` it is ignored.
 
+        ``positions`` (batch, seq) int64 and ``masks`` (by window, 0 = global layers) come together: the rotary
+        position of each token and each layer's attention mask, made outside for tokens that are a part of a
+        longer sequence (context parallelism, :meth:`shardlm.parallel.cp.ContextParallel.shard_batch`); they
+        replace the causal and block-causal set-up above, and each layer hands its mask to its ``attend`` hook.
+
         Raises:
             ValueError: the sequence (or cache length + seq) exceeds ``max_seq_len``; ``documents`` with a
-                cache or of another shape than ``tokens``; a backend this PyTorch lacks.
+                cache or of another shape than ``tokens``; a backend this PyTorch lacks; ``positions`` without
+                ``masks`` (or the other way round), or with a cache or ``documents``.
         """
         t = tokens.shape[1]
         decoder = self.model
         doc_masks = None
-        if documents is not None and self.cfg.attention == "block_causal":
+        if (positions is None) != (masks is None) or (masks is not None and (cache is not None or documents is not None)):
+            raise ValueError("positions and masks come together, without a cache or documents")
+        if masks is not None:  # a part of a longer sequence: positions and masks made outside
+            doc_masks = masks
+            rope = decoder.rope_at(positions)
+        elif documents is not None and self.cfg.attention == "block_causal":
             if cache is not None or documents.shape != tokens.shape:
                 raise ValueError(f"documents {tuple(documents.shape)} need tokens of the same shape "
                                  f"{tuple(tokens.shape)} and no cache")
@@ -307,10 +330,7 @@ class CausalLM(nn.Module):
                 documents, {layer.self_attn.window for layer in decoder.layers}, backend,
                 decoder.embed_tokens.weight.dtype)
             positions = doc_attention.document_positions(documents)  # (batch, seq), 0 at each document start
-            rope = {False: (decoder.rope_cos[positions].unsqueeze(1),  # (batch, 1, seq, head_dim)
-                            decoder.rope_sin[positions].unsqueeze(1))}
-            if hasattr(decoder, "rope_local_cos"):
-                rope[True] = (decoder.rope_local_cos[positions].unsqueeze(1), decoder.rope_local_sin[positions].unsqueeze(1))
+            rope = decoder.rope_at(positions)
         elif cache is None:
             if t > self.cfg.max_seq_len:
                 raise ValueError(f"sequence of {t} tokens exceeds max_seq_len={self.cfg.max_seq_len}")
@@ -319,10 +339,7 @@ class CausalLM(nn.Module):
                 rope[True] = (decoder.rope_local_cos[:t], decoder.rope_local_sin[:t])
         else:
             positions = cache.positions(t)  # (batch, seq), raises past the cache's capacity
-            rope = {False: (decoder.rope_cos[positions].unsqueeze(1),  # (batch, 1, seq, head_dim)
-                            decoder.rope_sin[positions].unsqueeze(1))}
-            if hasattr(decoder, "rope_local_cos"):
-                rope[True] = (decoder.rope_local_cos[positions].unsqueeze(1), decoder.rope_local_sin[positions].unsqueeze(1))
+            rope = decoder.rope_at(positions)
         h = decoder.embed_tokens(tokens)
         if self.cfg.arch.gemma_norms:  # Gemma: sqrt(dim), rounded to the embedding's dtype first (as HF)
             h = h * torch.tensor(self.cfg.dim ** 0.5).to(h.dtype)

@@ -202,7 +202,8 @@ def local_world_size() -> int:
 
 
 def dp_mesh_shape(pcfg: ParallelConfig, world_size: int, ranks_per_node: int) -> tuple[int, int]:
-    """The data-parallel mesh shape ``(dp_replicate, dp_shard)`` for ``world_size`` ranks.
+    """The data-parallel mesh shape ``(dp_replicate, dp_shard)`` for ``world_size`` ranks (``world_size / cp`` data-
+    parallel ranks under context parallelism, ``parallel.cp``).
 
     ``dp_shard = -1`` takes all remaining ranks, ``world_size // dp_replicate`` (``dp_replicate = -1``
     likewise ``world_size // dp_shard``, so one config fits any node count). torchrun numbers
@@ -213,10 +214,16 @@ def dp_mesh_shape(pcfg: ParallelConfig, world_size: int, ranks_per_node: int) ->
     collective.
 
     Raises:
-        ConfigError: ``dp_replicate × dp_shard`` differs from the world size; a shard group that
+        ConfigError: ``parallel.cp`` does not divide the world size; ``dp_replicate × dp_shard`` differs from
+            the (data-parallel) world size; a shard group that
             would hold part of a node; HSDP (``dp_replicate > 1``) outside ``parallel.mode='fsdp'``.
     """
     r, s = pcfg.dp_replicate, pcfg.dp_shard
+    cp = pcfg.cp  # context parallel: cp consecutive ranks per data-parallel rank (parallel/cp.py)
+    if world_size % cp:
+        raise ConfigError(f"parallel.cp={cp} must divide the world size {world_size} (each sequence is split over "
+                          f"{cp} ranks)")
+    world_size, ranks_per_node = world_size // cp, max(1, ranks_per_node // cp)
     if r == s == -1:
         raise ConfigError("parallel.dp_replicate and parallel.dp_shard cannot both be -1: set one of them")
     if s == -1:
@@ -248,12 +255,15 @@ def build_mesh(info: DistInfo, pcfg: ParallelConfig | None = None) -> DeviceMesh
     stay ``Shard(0)`` and no one-rank all-reduce runs. With ``dp_replicate = R > 1`` it is the
     ``R × S`` mesh whose row i holds ranks ``[i·S, (i+1)·S)`` (one shard group, usually one node);
     ``fully_shard`` on it gives HSDP: placements ``(Replicate(), Shard(0))``, gradients
-    reduce-scattered within the row, then all-reduced down each column (across replicas).
+    reduce-scattered within the row, then all-reduced down each column (across replicas). With ``parallel.cp``
+    the shard dimension is ``dp_shard × cp`` (CP ranks join the shard group; the CP groups themselves come from
+    :func:`shardlm.parallel.cp.build_context_parallel`).
 
     Raises:
         ConfigError: see :func:`dp_mesh_shape`.
     """
     r, s = (1, info.world_size) if pcfg is None else dp_mesh_shape(pcfg, info.world_size, local_world_size())
+    s *= pcfg.cp if pcfg is not None else 1  # FSDP shards over dp_shard × cp: a CP group's ranks are consecutive in a shard row
     if r == 1:
         return init_device_mesh(info.device.type, (s,), mesh_dim_names=("dp_shard",))
     return init_device_mesh(info.device.type, (r, s), mesh_dim_names=("dp_replicate", "dp_shard"))

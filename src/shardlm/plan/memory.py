@@ -37,9 +37,11 @@ from shardlm.model.cpu_matmul import use_fp32_matmul
 from shardlm.model.decoder import CausalLM
 from shardlm.model.freeze import apply_freeze
 from shardlm.model.lora import NF4_BLOCK, LoRALinear, LoRASpec, apply_lora, nf4_scaler_block
+from shardlm.parallel.cp import padded_length
 from shardlm.parallel.options import dtype_from_name
 from shardlm.parallel.reduce_scatter import resolve_reduce_scatter
 from shardlm.plan import activations as act
+from shardlm.plan.context_parallel import cp_backward_transient, cp_block_extra_saved, cp_forward_saved
 from shardlm.plan.documents import document_mask_bytes
 from shardlm.plan.loss import loss_events
 
@@ -214,21 +216,27 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
 
     Args:
         cfg: the run's configuration (model, micro-batch, sequence length, parallel settings).
-        world_size: N, ranks in the shard group (FSDP) or replicas (DDP); must be 1 for ``single``.
+        world_size: N, ranks in the shard group (FSDP) or replicas (DDP); must be 1 for ``single``. Under
+            ``parallel.cp`` the shard group is all N ranks and N / cp of them are data-parallel; each rank's
+            activations are those of its ``T_pad / cp`` tokens (:mod:`shardlm.plan.context_parallel`).
         device: ``cpu`` or a GPU name; only decides whether CPU offload moves state off the device.
 
     Returns:
         A :class:`MemoryPlan` (bytes).
 
     Raises:
-        ConfigError: bad world size, global batch not divisible, unknown dtype or AC mode.
+        ConfigError: bad world size (or one ``parallel.cp`` does not divide), global batch not divisible, unknown
+            dtype or AC mode.
     """
     st = Settings.from_config(cfg)
     if world_size < 1:
         raise ConfigError(f"--world-size must be >= 1, got {world_size}")
     if st.mode == "single" and world_size != 1:
         raise ConfigError(f"parallel.mode='single' runs one process, but the world size is {world_size}")
-    k = gradient_accumulation_steps(cfg, world_size)
+    cp = cfg.parallel.cp  # context parallel: a sequence over cp ranks, each with t_l = T_pad / cp of its tokens
+    if world_size % cp:
+        raise ConfigError(f"parallel.cp={cp} must divide the world size {world_size}")
+    k = gradient_accumulation_steps(cfg, world_size // cp)
     fsdp = st.mode == "fsdp"
     n = world_size if fsdp else 1
     pb = st.param_bytes if fsdp else 4
@@ -238,12 +246,20 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
     rb = st.reduce_bytes if fsdp else 4
     all_to_all = fsdp and n > 1 and resolve_reduce_scatter(
         cfg.parallel.reduce_scatter, "cpu" if device == "cpu" else "cuda") == "all_to_all"
-    s = act.shape_of(cfg.model, cfg.train.micro_batch_size, cfg.train.seq_len, pb)
+    t_pad = padded_length(cfg.train.seq_len, cp)
+    s = act.shape_of(cfg.model, cfg.train.micro_batch_size, t_pad // cp, pb)
+    windows = {cfg.model.sliding_window if cfg.model.is_local(i) else 0 for i in range(s.n_layers)}
+    # CP's masked path (documents or a window shorter than the sequence), else its causal one (plan/context_parallel.py)
+    cp_dense = cfg.model.attention == "block_causal" or any(0 < w < cfg.train.seq_len for w in windows)
+    cp_block = cp_block_extra_saved(s, t_pad, cp_dense) if cp > 1 else 0
+    cp_forward = cp_forward_saved(s, t_pad, len(windows) if cp_dense else 0) if cp > 1 else 0
+    cp_transient = cp_backward_transient(s, t_pad) if cp > 1 else 0
     softcap = cfg.model.final_logit_softcap > 0
     fp32_matmul = pb == 2 and device == "cpu" and use_fp32_matmul(cfg.parallel.cpu_bf16_matmul, torch.device("cpu"),
                                                                   cfg.parallel.param_dtype)
     head_trains = meta_model(cfg).lm_head.weight.requires_grad
-    mask_bytes = document_mask_bytes(cfg, pb, device)  # block-causal: sdpa's dense mask, forward to backward
+    # block-causal: sdpa's dense mask, forward to backward (under CP its own masks are in cp_forward)
+    mask_bytes = document_mask_bytes(cfg, pb, device) if cp == 1 else 0
     bd = s.tokens * s.d
     offload = st.cpu_offload and fsdp and device != "cpu"
     led = _Ledger({"host"})
@@ -355,8 +371,10 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
                 unshard(g, f"{mb} forward")
         if fsdp and "embed" in by_name and st.reshard_after_forward:
             reshard(by_name["embed"])
-        led.add("activations", act.embedding_saved(s, st.ac_mode) + mask_bytes, f"{mb} forward")
+        led.add("activations", act.embedding_saved(s, st.ac_mode) + mask_bytes + cp_forward, f"{mb} forward")
         saved = [act.block_saved(s, st.ac_mode, layer, st.ac_every_n) for layer in range(s.n_layers)]
+        # a fully checkpointed block keeps only its input (CP's attention comes back in its recompute)
+        saved = [n if n == act.block_saved(s, "full", layer) else n + cp_block for layer, n in enumerate(saved)]
         for layer in range(s.n_layers):
             if fsdp:
                 unshard(blocks[layer], f"{mb} forward block {layer}")
@@ -402,17 +420,18 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
                 unshard(blocks[layer], phase)
                 prefetch(blocks[first - 1] if first else by_name.get("embed"), phase)
                 grads_arrive(blocks[layer], phase, mlp_down)
-            recompute = act.block_saved_none(s) - saved[layer] if saved[layer] < act.block_saved_none(s) else 0
+            whole = act.block_saved_none(s) + cp_block
+            recompute = whole - saved[layer] if saved[layer] < whole else 0
             led.add("activations", recompute, phase)
-            led.add("temporaries", act.block_backward_transient(s), phase)
-            led.free("temporaries", act.block_backward_transient(s))
+            led.add("temporaries", act.block_backward_transient(s) + cp_transient, phase)
+            led.free("temporaries", act.block_backward_transient(s) + cp_transient)
             if fsdp:  # the rest of this block's gradients (all that is left, at the group's first block)
                 block_numel = blocks[layer].numel // (min(first + per_group, s.n_layers) - first)
                 grads_arrive(blocks[layer], phase, None if first_in_group[layer] else block_numel - mlp_down)
             led.free("activations", saved[layer] + recompute)
             if fsdp and first_in_group[layer]:
                 post_backward(blocks[layer], sync, f"{mb} block {layer} reduce-scatter")
-        led.free("activations", act.embedding_saved(s, st.ac_mode) + mask_bytes)
+        led.free("activations", act.embedding_saved(s, st.ac_mode) + mask_bytes + cp_forward)
         led.free("temporaries", pb * bd)
         if fsdp and "embed" in by_name:
             unshard(by_name["embed"], f"{mb} backward embedding")

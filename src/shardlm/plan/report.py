@@ -6,6 +6,7 @@ import copy
 
 from shardlm.config import Config
 from shardlm.metrics.memory import format_bytes
+from shardlm.parallel.cp import padded_length
 from shardlm.plan.devices import get_device
 from shardlm.plan.documents import document_mask_bytes, document_shape, has_documents
 from shardlm.plan.memory import PARTS, MemoryPlan, Settings, plan_memory
@@ -105,7 +106,9 @@ def format_plan(cfg: Config, world_size: int, device_name: str, headroom: float)
         f"{getattr(st, 'activation_checkpoint', None) or 'none'}; CPU offload "
         f"{'on' if getattr(st, 'cpu_offload', False) else 'off'}"
         + (f"; reshard_after_forward {str(st.reshard_after_forward).lower()}, {st.blocks_per_group} block(s) per "
-           "FSDP group" if st.mode == "fsdp" else ""),
+           "FSDP group" if st.mode == "fsdp" else "")
+        + (f"; context parallel {st.cp}: each sequence split over {st.cp} ranks, "
+           f"{padded_length(cfg.train.seq_len, st.cp) // st.cp:,} tokens per rank" if st.cp > 1 else ""),
         f"  per-rank peak memory (at {plan.phase}):",
     ]
     for part in PARTS:

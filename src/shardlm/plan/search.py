@@ -147,7 +147,7 @@ def offload_seconds(cfg: Config, world_size: int) -> float:
     """
     if not (cfg.parallel.cpu_offload and cfg.parallel.mode == "fsdp"):
         return 0.0
-    k = gradient_accumulation_steps(cfg, world_size)
+    k = gradient_accumulation_steps(cfg, world_size // cfg.parallel.cp)
     groups, _, _ = param_groups(cfg, world_size)
     stored = sum(g.stored_shard_bytes for g in groups)
     trainable = sum(g.grad_shard_numel for g in groups)
@@ -176,7 +176,7 @@ def cost_line(cfg: Config, world_size: int, c: Choice, var: Config, step_s: floa
         else:
             parts.append(f"no recompute ({-extra:.0%} less compute)")
     if c.micro_batch != cfg.train.micro_batch_size:
-        k = gradient_accumulation_steps(var, c.world_size)
+        k = gradient_accumulation_steps(var, c.world_size // var.parallel.cp)
         parts.append(f"micro-batch {c.micro_batch}" + (f" x {k} accumulation steps (same global batch; smaller "
                      "matmuls run further below peak; one all-gather round per micro-batch)" if k > 1 else
                      " (smaller matmuls run further below peak)"))

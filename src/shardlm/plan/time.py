@@ -113,14 +113,16 @@ def plan_time(cfg: Config, world_size: int, device: Device, params: int) -> Time
     (:func:`shardlm.parallel.dist.compute_precision`).
     """
     st = Settings.from_config(cfg)
-    k = gradient_accumulation_steps(cfg, world_size)
-    tokens = k * cfg.train.micro_batch_size * cfg.train.seq_len
+    cp = cfg.parallel.cp  # context parallel: each rank computes 1/cp of a sequence's tokens (K/V traffic not counted)
+    k = gradient_accumulation_steps(cfg, world_size // cp)
+    tokens = k * cfg.train.micro_batch_size * cfg.train.seq_len / cp
     flops = flops_per_token(cfg, st.ac_mode) * tokens
     precision = compute_precision(torch.device("cpu" if device.name == "cpu" else "cuda"), cfg.parallel)
     peak = device.peak_flops(precision)
     every = st.grad_sync != "last_micro_batch"  # reduce-scatter on every micro-batch
     if st.mode == "fsdp":
         replicas, shard = dp_mesh_shape(cfg.parallel, world_size, world_size)
+        shard *= cp  # FSDP shards over dp_shard x cp
         comm = fsdp_comm_bytes(shard, params, k, st.reshard_after_forward, every, st.param_bytes, st.reduce_bytes)
         comm += hsdp_all_reduce_bytes(replicas, shard, params, st.reduce_bytes)
     elif st.mode == "ddp":

@@ -28,13 +28,15 @@ from shardlm.model.lora import (
     set_from_full_,
 )
 from shardlm.parallel.ac import apply_ac, apply_compile
+from shardlm.parallel.cp import ContextParallel, apply_cp
 from shardlm.parallel.dist import DistInfo
 from shardlm.parallel.fsdp import apply_fsdp
 from shardlm.parallel.options import dtype_from_name, mixed_precision_policy, offload_policy
 from shardlm.parallel.reduce_scatter import resolve_reduce_scatter
 
 
-def build_model(cfg: Config, info: DistInfo, mesh: DeviceMesh | None) -> tuple[nn.Module, dict[str, Any] | None]:
+def build_model(cfg: Config, info: DistInfo, mesh: DeviceMesh | None,
+                cp: ContextParallel | None = None) -> tuple[nn.Module, dict[str, Any] | None]:
     """Build the model on the meta device, wrap it for ``cfg.parallel.mode``, materialise, initialise.
 
     First the parameter-efficient set-up, on the meta device: ``train.trainable``/``train.frozen`` freeze
@@ -42,7 +44,8 @@ def build_model(cfg: Config, info: DistInfo, mesh: DeviceMesh | None) -> tuple[n
     :class:`~shardlm.model.lora.LoRALinear` (base frozen, stored fp32/bf16/NF4, adapters fp32; with NF4 every
     frozen weight matrix, the token embedding included, is NF4). Then the CPU's
     bf16 matrix-multiply kernel (``cpu_bf16_matmul``, :mod:`shardlm.model.cpu_matmul`), activation
-    checkpointing, compile, then :func:`apply_fsdp` (or DDP), as torchtitan orders them.
+    checkpointing, compile, then :func:`apply_fsdp` (or DDP), as torchtitan orders them. With a ``cp`` group of
+    more than one rank, every attention layer first runs through it (:func:`~shardlm.parallel.cp.apply_cp`).
 
     No rank ever holds the whole unsharded model: under ``fsdp`` only each rank's shards are
     allocated (``to_empty``) and filled by ``init_weights``, each rank drawing only its own shard's rows
@@ -74,6 +77,8 @@ def build_model(cfg: Config, info: DistInfo, mesh: DeviceMesh | None) -> tuple[n
     if use_fp32_matmul(pcfg.cpu_bf16_matmul, info.device, pcfg.param_dtype):  # a CPU kernel choice, names unchanged
         apply_fp32_matmul(model)
         set_fp32_matmul(model)
+    if cp is not None and cp.size > 1:  # attention across the sequence split (before AC wraps the blocks)
+        apply_cp(model, cp)
     apply_ac(model.model.layers, pcfg.activation_checkpoint, pcfg.activation_checkpoint_n)  # torchtitan's order:
     if pcfg.compile:                                                                        # AC, compile, FSDP
         apply_compile(model.model.layers)

@@ -48,7 +48,7 @@ def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def model_loss_sum(model: nn.Module, inputs: Tensor, targets: Tensor, chunk_tokens: int,
-                   documents: Tensor | None = None) -> Tensor:
+                   documents: Tensor | None = None, **model_kwargs: Any) -> Tensor:
     """The summed token loss of ``model`` on ``inputs``: plain (``chunk_tokens == 0``) or chunked.
 
     Args:
@@ -59,6 +59,7 @@ def model_loss_sum(model: nn.Module, inputs: Tensor, targets: Tensor, chunk_toke
             when this returns); > 0 = :func:`output_loss_sum` through the model's ``head`` argument.
         documents: (B, T) int64 document index per token for block-causal attention (packed rows; see
             ``Llama.forward``), or None for a plain causal mask.
+        model_kwargs: passed on to the model's forward (context parallelism's ``positions`` and ``masks``).
 
     Returns a 0-dim fp32 tensor (nats, summed over the scored targets).
 
@@ -68,12 +69,12 @@ def model_loss_sum(model: nn.Module, inputs: Tensor, targets: Tensor, chunk_toke
     if chunk_tokens < 0:
         raise ValueError(f"loss chunk of {chunk_tokens} tokens: must be >= 0 (0 = the plain loss)")
     if chunk_tokens == 0:
-        return token_loss_sum(model(inputs, documents=documents), targets)
+        return token_loss_sum(model(inputs, documents=documents, **model_kwargs), targets)
 
     def head(llama: nn.Module, hidden: Tensor) -> Tensor:
         return output_loss_sum(llama, hidden, targets, chunk_tokens)
 
-    return model(inputs, documents=documents, head=head)
+    return model(inputs, documents=documents, head=head, **model_kwargs)
 
 
 def output_loss_sum(llama: nn.Module, hidden: Tensor, targets: Tensor, chunk_tokens: int) -> Tensor:

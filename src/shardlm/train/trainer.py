@@ -54,6 +54,7 @@ from shardlm.parallel import (
     run_on_main,
     set_gradient_sync,
 )
+from shardlm.parallel.cp import build_context_parallel
 from shardlm.parallel.dist import set_matmul_precision, to_device
 from shardlm.parallel.faults import FaultMonitor, guard_collectives
 from shardlm.parallel.options import describe
@@ -97,7 +98,9 @@ class Trainer:
         self.keep_history = keep_history
         self.info = info or init_distributed(cfg.parallel)
         set_matmul_precision(self.info.device, cfg.parallel)  # TF32 on CUDA unless parallel.tf32 = false
-        self.accum_steps = gradient_accumulation_steps(cfg, self.info.world_size)
+        #: this rank's data-parallel coordinate: the ``parallel.cp`` ranks of a CP group take the same samples
+        self.dp_rank, self.dp_size = self.info.rank // cfg.parallel.cp, self.info.world_size // cfg.parallel.cp
+        self.accum_steps = gradient_accumulation_steps(cfg, self.dp_size)
         #: the kernel of block-causal attention (shardlm/model/attention.py), None under causal attention
         self.attention_backend = None
         if cfg.model.attention == "block_causal":
@@ -138,7 +141,10 @@ class Trainer:
             eod = (self.meta.get("special_ids") or {}).get("eod")  # when the data records no document starts
             self.train_data, self.val_data = DocumentWindows(self.train_data, eod), DocumentWindows(self.val_data, eod)
         self.mesh = build_mesh(self.info, cfg.parallel) if cfg.parallel.mode != "single" else None
-        self.model, self.pretrained_load_stats = build_model(cfg, self.info, self.mesh)
+        #: this rank's context-parallel group (shardlm/parallel/cp.py); one rank's, no split, at parallel.cp = 1
+        self.cp = build_context_parallel(self.info, cfg.parallel.cp)
+        self.cp.check_sequence(t.seq_len)
+        self.model, self.pretrained_load_stats = build_model(cfg, self.info, self.mesh, self.cp)
         self.optimizer = build_optimizer(self.model, t, self.info.device)
         self.scheduler = build_scheduler(self.optimizer, t)
         self.special_ids = model_special_ids_of(self.meta)  # what every export and checkpoint records
@@ -219,11 +225,13 @@ class Trainer:
             f"{', tied embeddings' if cfg.model.tie_embeddings else ''}",
             f"  parallel   {cfg.parallel.mode}, world size {info.world_size}, backend {info.backend}, device "
             f"{info.device.type}, mesh " + (" x ".join(f"{name} {size}" for name, size in zip(
-                self.mesh.mesh_dim_names, self.mesh.shape)) if self.mesh is not None else "none"),
+                self.mesh.mesh_dim_names, self.mesh.shape)) if self.mesh is not None else "none")
+            + (f"; context parallel {self.cp.size}: each sequence split over {self.cp.size} ranks "
+               f"({info.world_size // self.cp.size} data-parallel)" if self.cp.size > 1 else ""),
             f"  settings   {describe(cfg.parallel, info.device.type)}",
             f"  batch      global {cfg.train.global_batch_size} seqs x {cfg.train.seq_len} tokens = "
             f"{cfg.train.global_batch_size * cfg.train.seq_len:,} tokens/step; micro-batch {cfg.train.micro_batch_size}"
-            f"/rank; gradient accumulation {self.accum_steps}",
+            f"/{'data-parallel ' if self.cp.size > 1 else ''}rank; gradient accumulation {self.accum_steps}",
             f"  attention  {cfg.model.attention}" + (f" (backend {self.attention_backend}, per-document positions)"
                                                      if self.attention_backend else "")
             + ({"recorded": "; documents from the recorded starts", "eod": "; documents cut at each end-of-document "
@@ -272,7 +280,7 @@ class Trainer:
         """
         cfg, info, model = self.cfg, self.info, self.model
         start = time.perf_counter()
-        micro_ids = self.sampler.micro_batches(self.step, info.rank, info.world_size, cfg.train.micro_batch_size)
+        micro_ids = self.sampler.micro_batches(self.step, self.dp_rank, self.dp_size, cfg.train.micro_batch_size)
         if self.keep_history:
             self.sample_ids[self.step] = [i for ids in micro_ids for i in ids]
         # The loss is the mean over every target token of the global batch, so the update equals one
@@ -285,11 +293,10 @@ class Trainer:
         if cfg.lora.enabled and cfg.lora.dropout > 0:  # LoRA dropout: seeded per step and rank (resume is exact)
             torch.manual_seed((cfg.train.seed * 1_000_003 + self.step) * 4099 + info.rank)
         for i, batch in enumerate(batches):
-            inputs, targets = split_batch(batch)  # instruction data: targets are -100 off-response
             # parallel.grad_sync: reduce-scatter on every micro-batch or on the last only
             set_gradient_sync(model, last_micro_batch=(i == len(batches) - 1), policy=cfg.parallel.grad_sync)
             # per block: all-gather shards, compute, reshard; then the loss (chunked: never the whole logits)
-            loss = model_loss_sum(model, inputs, targets, cfg.train.loss_chunk_tokens, batch_documents(batch))
+            loss, _ = self._loss_sum(batch)
             (loss * scale).backward()  # per block: all-gather, grads, reduce-scatter (per grad_sync)
             loss_sum += loss.detach()
         # summed over ranks inside the gradient norm's all-reduce: [loss sum, preemption flag, per-rank slots]
@@ -339,6 +346,17 @@ class Trainer:
                 record[f"epoch/{name}"] = int(n) / source.num_windows
         return record
 
+    def _loss_sum(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The summed token loss of this rank's share of ``batch`` (its sequence chunks under ``parallel.cp``) and
+        the targets it scored: (0-dim fp32, (B, T / cp) int64, -100 where nothing is scored)."""
+        inputs, targets = split_batch(batch)  # instruction data: targets are -100 off-response
+        documents, extra = batch_documents(batch), {}
+        if self.cp.size > 1:  # this rank's head and tail chunks, rotary positions and masks by global position
+            inputs, targets, extra = self.cp.shard_batch(inputs, targets, documents)
+            documents = None
+        loss = model_loss_sum(self.model, inputs, targets, self.cfg.train.loss_chunk_tokens, documents, **extra)
+        return loss, targets
+
     def _global_targets(self, step: int) -> int:
         """Target tokens of global batch ``step`` over all ranks, counted on the host (every rank knows every id
         of the batch; windows count ``seq_len`` each, instruction examples their precomputed response tokens)."""
@@ -377,13 +395,12 @@ class Trainer:
         """Mean loss (nats/token) over the fixed validation set, split over ranks; same at any world size."""
         cfg, info = self.cfg, self.info
         batches = eval_windows(len(self.val_data), cfg.train.eval_tokens, cfg.train.seq_len,
-                               info.rank, info.world_size, cfg.train.micro_batch_size)
+                               self.dp_rank, self.dp_size, cfg.train.micro_batch_size)
         totals = torch.zeros(2, dtype=torch.float64, device=info.device)
         for ids in batches:
             # every rank runs the same number of forwards (FSDP all-gathers); padding batches count zero
             batch = to_device(self.val_data.get(ids or [0]), info.device)
-            inputs, targets = split_batch(batch)
-            loss = model_loss_sum(self.model, inputs, targets, cfg.train.loss_chunk_tokens, batch_documents(batch))
+            loss, targets = self._loss_sum(batch)
             if ids:
                 totals += torch.stack([loss.double(), targets.ne(IGNORE_INDEX).sum().double()])
         all_reduce_sum(totals)

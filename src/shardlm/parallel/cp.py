@@ -1,0 +1,272 @@
+"""Context parallelism: each sequence split over the ``cp`` ranks of a group, attention across the split.
+
+The split is the load-balanced one of torchtitan and Megatron-LM ("zigzag"): a sequence of T tokens, padded to
+``T_pad`` (the next multiple of ``2·cp``), is cut into ``2·cp`` chunks of ``c = T_pad / (2·cp)`` tokens; CP rank
+r holds chunk r (the head) and chunk ``2·cp - 1 - r`` (the tail). Under a causal mask a query's work grows with
+its position, so a head chunk and its mirrored tail chunk together cost every rank the same.
+
+Attention across the split all-gathers keys and values over the CP group (as torchtitan's flex-attention CP path
+does) and runs each rank's queries against all ``T_pad`` keys under a dense boolean mask built from the global
+token indices: key j of query i when j <= i, within the window (i - window < j) and in the same document
+(block-causal). The all-gather's backward reduce-scatters the key/value gradients (one all-to-all and a local
+sum, as :mod:`shardlm.parallel.reduce_scatter`), so gradients are exact. Every CP rank of a group holds the same
+batch (they are one data-parallel replica), so each builds its masks and rotary positions locally, with no
+collective; only K and V travel. Padding tokens sit after every real token: no real query attends to them, their
+labels are ignored (-100), and each pad token forms a document of its own.
+
+Memory per rank: K and V of all ``T_pad`` tokens for one layer at a time (freed after the layer's backward
+unless saved), the mask ``T_pad²/cp`` booleans per distinct window, and activations of ``T_pad / cp`` tokens.
+
+PyTorch's own ``torch.distributed.tensor.experimental.context_parallel`` maps only CUDA's flash / efficient /
+cuDNN SDPA kernels and refuses CPU SDPA, hence this implementation (checked against one-rank attention).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from shardlm.errors import ConfigError
+from shardlm.model.attention import document_positions
+from shardlm.model.decoder import attention
+from shardlm.parallel.dist import DistInfo
+
+#: the target id the loss ignores (padding tokens' labels), as ``shardlm.data.instruct.IGNORE_INDEX``
+IGNORE_INDEX = -100
+
+
+def padded_length(seq_len: int, cp: int) -> int:
+    """``seq_len`` rounded up to a multiple of ``2·cp`` (the load-balanced split's chunk count); ``seq_len`` itself
+    at ``cp = 1`` (no split)."""
+    if cp == 1:
+        return seq_len
+    return -(-seq_len // (2 * cp)) * (2 * cp)
+
+
+def chunk_indices(seq_len: int, cp: int, cp_rank: int) -> torch.Tensor:
+    """Global indices (2·c,) int64 of the tokens CP rank ``cp_rank`` holds: its head chunk, then its tail chunk.
+
+    ``c = padded_length(seq_len, cp) / (2·cp)``; indices at or past ``seq_len`` are padding. At ``cp = 1``:
+    ``0 .. seq_len - 1`` in order.
+    """
+    if cp == 1:
+        return torch.arange(seq_len)
+    c = padded_length(seq_len, cp) // (2 * cp)
+    head = torch.arange(cp_rank * c, (cp_rank + 1) * c)
+    tail = torch.arange((2 * cp - 1 - cp_rank) * c, (2 * cp - cp_rank) * c)
+    return torch.cat([head, tail])
+
+
+def gathered_indices(seq_len: int, cp: int) -> torch.Tensor:
+    """Global indices (T_pad,) int64 of the keys after the all-gather: rank 0's chunks, rank 1's, ... in order."""
+    return torch.cat([chunk_indices(seq_len, cp, r) for r in range(cp)])
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather (batch, heads, s, d) over the CP group into (batch, heads, cp·s, d) in rank order; the backward
+    sums each rank's slice of the gradient over the group (a reduce-scatter by one all-to-all, in rank order)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        world = group.size()
+        b, h, s, d = x.shape
+        out = torch.empty((world * b, h, s, d), dtype=x.dtype, device=x.device)
+        dist.all_gather_single(out, x.contiguous(), group=group)
+        return out.view(world, b, h, s, d).permute(1, 2, 0, 3, 4).reshape(b, h, world * s, d)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        world = ctx.group.size()
+        b, h, ws, d = grad.shape
+        pieces = grad.reshape(b, h, world, ws // world, d).permute(2, 0, 1, 3, 4).contiguous()
+        received = torch.empty_like(pieces)
+        dist.all_to_all_single(received.view(world * b, h, ws // world, d), pieces.view(world * b, h, ws // world, d),
+                               group=ctx.group)
+        out = received[0].clone()
+        for piece in received[1:]:
+            out.add_(piece)
+        return out, None
+
+
+class ContextParallel:
+    """One CP group's split of a sequence and its attention across the split (see the module docstring).
+
+    Args:
+        group: the CP process group (its ranks hold the same batch); None for one rank (no split, no
+            collective: the same code path runs unchanged).
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+        self.size = group.size() if group is not None else 1
+        self.rank = dist.get_rank(group) if group is not None else 0
+        #: the attention windows of the model's layers (0 = global), set by :func:`apply_cp`
+        self.windows: set[int] = {0}
+        #: whether the model attends block-causally (document masks), set by :func:`apply_cp`
+        self.block_causal = False
+        #: the additive forms of this batch's boolean masks, by (id(mask), dtype) (see :meth:`attend`)
+        self._additive: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+
+    def check_sequence(self, seq_len: int) -> None:
+        """Refuse a sequence too short to split: with fewer than ``cp`` tokens some rank would hold padding only.
+        (Any longer length is split: it is padded to a multiple of 2·cp, and padding takes rotary position 0, so
+        ``T_pad`` may pass ``model.max_seq_len``.)
+
+        Raises:
+            ConfigError: ``seq_len < cp``, naming both.
+        """
+        if seq_len < self.size:
+            raise ConfigError(f"train.seq_len={seq_len} is shorter than parallel.cp={self.size}: a sequence split over "
+                              f"{self.size} ranks needs at least {self.size} tokens (one per rank)")
+
+    def local_indices(self, seq_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """Global indices (2·c,) int64 of this rank's tokens (:func:`chunk_indices`)."""
+        return chunk_indices(seq_len, self.size, self.rank).to(device)
+
+    def shard(self, x: torch.Tensor, pad_value: int | float = 0, dim: int = 1) -> torch.Tensor:
+        """This rank's tokens of ``x`` along ``dim`` (the sequence), padded with ``pad_value`` to ``T_pad`` first:
+        (..., T, ...) -> (..., 2·c, ...), same dtype."""
+        t = x.shape[dim]
+        extra = padded_length(t, self.size) - t
+        if extra:
+            pad_shape = list(x.shape)
+            pad_shape[dim] = extra
+            x = torch.cat([x, torch.full(pad_shape, pad_value, dtype=x.dtype, device=x.device)], dim=dim)
+        return x.index_select(dim, self.local_indices(t, x.device))
+
+    def rope_positions(self, batch: int, seq_len: int, documents: torch.Tensor | None,
+                       device: torch.device | str) -> torch.Tensor:
+        """Rotary positions (batch, 2·c) int64 of this rank's tokens by their global place: the global index, or
+        under block-causal attention (``documents`` (batch, seq_len)) the index within the token's document.
+        A padding token takes position 0 (its output is never used)."""
+        if documents is None:
+            positions = torch.arange(seq_len, device=device).expand(batch, seq_len)
+        else:
+            positions = document_positions(documents)
+        return self.shard(positions, 0)
+
+    def masks(self, seq_len: int, documents: torch.Tensor | None, windows: set[int],
+              device: torch.device | str) -> dict[int, torch.Tensor | None]:
+        """Attention masks of this rank's queries over the gathered keys, one per window (0 = global): None where
+        the mask is plain causal by global position (no documents, no window shorter than the sequence; then
+        :meth:`attend` needs no mask), else a boolean (1 or batch, 1, 2·c, T_pad) mask, True = attend.
+
+        Query i sees key j when j <= i (global indices), i - window < j (``window`` > 0) and, with
+        ``documents`` (batch, seq_len) int64, both are in the same document; padding (index >= seq_len) is a
+        document of its own per token, so no real query sees it.
+        """
+        causal_only = documents is None and all(w == 0 or w >= seq_len for w in windows)
+        if causal_only:
+            return dict.fromkeys(windows)
+        q = self.local_indices(seq_len, device).view(-1, 1)
+        k = gathered_indices(seq_len, self.size).to(device).view(1, -1)
+        base = k <= q
+        if documents is not None:
+            t_pad = padded_length(seq_len, self.size)
+            docs = torch.cat([documents, torch.arange(-1, seq_len - t_pad - 1, -1, device=device)
+                              .expand(documents.shape[0], -1)], dim=1)  # pad tokens: ids -1, -2, ...
+            q_doc, k_doc = docs[:, q.view(-1)], docs[:, k.view(-1)]
+            base = base.unsqueeze(0) & (q_doc.unsqueeze(2) == k_doc.unsqueeze(1))
+        else:
+            base = base.unsqueeze(0)
+        out = {}
+        for w in sorted(windows):
+            allowed = base & (k > q - w) if w else base
+            out[w] = allowed.unsqueeze(1)
+        return out
+
+    def shard_batch(self, inputs: torch.Tensor, targets: torch.Tensor,
+                    documents: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        """This rank's share of a batch: inputs and targets (B, T) int64 -> (B, 2·c) each (padding: token 0, target
+        ``IGNORE_INDEX``), and the model's keyword arguments ``positions`` (:meth:`rope_positions`) and ``masks``
+        (:meth:`masks`). ``documents`` (B, T) is used under block-causal attention only."""
+        b, t = inputs.shape
+        self._additive.clear()  # the previous batch's masks
+        docs = documents if self.block_causal else None
+        extra = {"positions": self.rope_positions(b, t, docs, inputs.device),
+                 "masks": self.masks(t, docs, self.windows, inputs.device)}
+        return self.shard(inputs, 0), self.shard(targets, IGNORE_INDEX), extra
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """All-gather keys or values (batch, heads, 2·c, head_dim) into (batch, heads, T_pad, head_dim) in the
+        order of :func:`gathered_indices`, with an exact backward (see :class:`_GatherSequence`)."""
+        if self.group is None or self.size == 1:
+            return x
+        return _GatherSequence.apply(x, self.group)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any = None,
+               scale: float | None = None) -> torch.Tensor:
+        """Attention of this rank's queries q (batch, n_heads, 2·c, head_dim) over the keys and values of the
+        whole sequence: k, v (batch, n_kv_heads, 2·c, head_dim) are all-gathered, then attended to under
+        ``mask`` from :meth:`masks`. Returns q's shape and dtype.
+
+        A boolean mask (documents, windows) runs SDPA over all ``T_pad`` keys with it, as an additive mask made
+        once per mask and dtype and shared by the layers (SDPA on CPU would otherwise save a float copy per
+        layer): memory ``T_pad² / cp`` mask values. ``None`` is causal by global position, with no mask: the keys
+        are put in global order and cut after this rank's last token, this rank's queries are scattered into
+        zeros at their global places, and SDPA's own causal kernel runs (``is_causal``; the zero queries'
+        outputs are dropped and give the keys no gradient). It costs up to ``T_pad`` query rows of work on rank
+        0 (fewer on the others) and memory linear in ``T_pad``.
+        """
+        k, v = self.gather(k), self.gather(v)
+        if mask is None:
+            return self._causal(q, k, v, scale)
+        if mask.dtype == torch.bool:
+            key = (id(mask), q.dtype)
+            if key not in self._additive:
+                self._additive[key] = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(
+                    ~mask, float("-inf"))
+            mask = self._additive[key]
+        return attention(q, k, v, mask, scale=scale)
+
+    def _causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
+        """Causal attention by global position of this rank's q (b, h, 2·c, d) over gathered k, v (see :meth:`attend`)."""
+        b, h, n, d = q.shape
+        t_pad = n * self.size
+        length = (2 * self.size - self.rank) * (n // 2)  # up to the end of this rank's tail chunk
+        order = torch.argsort(gathered_indices(t_pad, self.size))[:length].to(q.device)
+        local = self.local_indices(t_pad, q.device)
+        queries = q.new_zeros(b, h, length, d).index_copy(2, local, q)
+        out = attention(queries, k.index_select(2, order), v.index_select(2, order), None, scale=scale)
+        return out.index_select(2, local)
+
+
+def apply_cp(model: nn.Module, cp: ContextParallel) -> nn.Module:
+    """Route every attention layer of ``model`` through ``cp.attend`` (the recipe: one hook per layer).
+
+    The model then expects each rank's tokens as :meth:`ContextParallel.shard` gives them, with
+    ``positions`` from :meth:`ContextParallel.rope_positions` and ``masks`` from :meth:`ContextParallel.masks`.
+    Returns the same model.
+
+    Raises:
+        ValueError: the model has no attention layer with an ``attend`` hook.
+    """
+    cp.block_causal = model.cfg.attention == "block_causal"
+    cp.windows = set()
+    for module in model.modules():
+        if hasattr(module, "attend") and hasattr(module, "q_proj"):
+            module.attend = cp.attend
+            cp.windows.add(module.window)
+    if not cp.windows:
+        raise ValueError(f"{type(model).__name__} has no attention layer with an ``attend`` hook to route through CP")
+    return model
+
+
+def build_context_parallel(info: DistInfo, cp: int) -> ContextParallel:
+    """The CP group of this rank: ranks ``[g·cp, (g+1)·cp)`` hold the same samples (``parallel.cp``; the inner
+    dimension of torchtitan's mesh order, beside the data-parallel one). One rank's (no collective) at ``cp = 1``.
+
+    Raises:
+        ConfigError: ``cp`` does not divide the world size.
+    """
+    if cp == 1:
+        return ContextParallel(None)
+    if info.world_size % cp:
+        raise ConfigError(f"parallel.cp={cp} must divide the world size {info.world_size}")
+    mesh = init_device_mesh(info.device.type, (info.world_size // cp, cp), mesh_dim_names=("dp_cp_outer", "cp"))
+    return ContextParallel(mesh.get_group("cp"))

@@ -148,6 +148,12 @@ class ParallelConfig:
     dp_shard: int = -1
     """Ranks per shard group (HSDP's shard dimension, usually the GPUs of a node); -1 = all remaining ranks,
     world size / ``dp_replicate``. ``dp_replicate × dp_shard`` must equal the world size."""
+    tp: int = 1
+    """Tensor-parallel degree: each block's q/k/v and gate/up projections split by columns (heads, FFN width), o and
+    down by rows, the embedding and output projection by vocabulary rows, norms and residuals sharded along the
+    sequence between the blocks (sequence parallel), the loss vocabulary-parallel (``shardlm/parallel/tp.py``).
+    The innermost mesh dimension (consecutive ranks, within one node); ``dp_replicate × dp_shard × tp`` must equal
+    the world size. Needs ``mode = "fsdp"``; 1 = off."""
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     """FSDP compute dtype (``MixedPrecisionPolicy.param_dtype``): shards stay fp32, all-gathered weights are cast."""
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
@@ -581,6 +587,11 @@ def validate(cfg: Config) -> None:
         if getattr(cfg.parallel, key) < 1 and getattr(cfg.parallel, key) != -1:
             raise ConfigError(f"parallel.{key} must be >= 1 or -1 (all remaining ranks), "
                               f"got {getattr(cfg.parallel, key)}")
+    if cfg.parallel.tp < 1:
+        raise ConfigError(f"parallel.tp must be >= 1 (1 = no tensor parallel), got {cfg.parallel.tp}")
+    if cfg.parallel.tp > 1 and cfg.parallel.mode != "fsdp":
+        raise ConfigError(f"parallel.tp={cfg.parallel.tp} needs parallel.mode='fsdp' (FSDP over the data-parallel "
+                          f"ranks), not {cfg.parallel.mode!r}")
     if cfg.parallel.dp_replicate == cfg.parallel.dp_shard == -1:
         raise ConfigError("parallel.dp_replicate and parallel.dp_shard cannot both be -1: set one of them")
     for key in ("interval", "keep"):

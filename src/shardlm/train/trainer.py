@@ -54,7 +54,7 @@ from shardlm.parallel import (
     run_on_main,
     set_gradient_sync,
 )
-from shardlm.parallel.dist import set_matmul_precision, to_device
+from shardlm.parallel.dist import data_parallel_rank, set_matmul_precision, to_device
 from shardlm.parallel.faults import FaultMonitor, guard_collectives
 from shardlm.parallel.options import describe
 from shardlm.train.build import build_model, unwrap
@@ -97,7 +97,9 @@ class Trainer:
         self.keep_history = keep_history
         self.info = info or init_distributed(cfg.parallel)
         set_matmul_precision(self.info.device, cfg.parallel)  # TF32 on CUDA unless parallel.tf32 = false
-        self.accum_steps = gradient_accumulation_steps(cfg, self.info.world_size)
+        #: this rank's index among the ranks that read different samples, and their number (tp peers share samples)
+        self.dp_rank, self.dp_size = data_parallel_rank(self.info, cfg.parallel)
+        self.accum_steps = gradient_accumulation_steps(cfg, self.dp_size)
         #: the kernel of block-causal attention (shardlm/model/attention.py), None under causal attention
         self.attention_backend = None
         if cfg.model.attention == "block_causal":
@@ -273,14 +275,14 @@ class Trainer:
         """
         cfg, info, model = self.cfg, self.info, self.model
         start = time.perf_counter()
-        micro_ids = self.sampler.micro_batches(self.step, info.rank, info.world_size, cfg.train.micro_batch_size)
+        micro_ids = self.sampler.micro_batches(self.step, self.dp_rank, self.dp_size, cfg.train.micro_batch_size)
         if self.keep_history:
             self.sample_ids[self.step] = [i for ids in micro_ids for i in ids]
         # The loss is the mean over every target token of the global batch, so the update equals one
-        # step on the whole batch in one process. FSDP/DDP average gradients over ranks, hence × N.
-        # scale = N / n_tokens in fp32, rounded as ``N / torch.tensor([n_tokens])`` rounds (1/n, then × N)
+        # step on the whole batch in one process. FSDP/DDP average gradients over the N data-parallel ranks, hence
+        # × N. scale = N / n_tokens in fp32, rounded as ``N / torch.tensor([n_tokens])`` rounds (1/n, then × N)
         n_tokens = np.float32(self._global_targets(self.step))
-        scale = float((np.float32(1.0) / n_tokens) * np.float32(info.world_size))
+        scale = float((np.float32(1.0) / n_tokens) * np.float32(self.dp_size))
         batches = [to_device(self.train_data.get(ids), info.device) for ids in micro_ids]  # pinned, async on CUDA
         loss_sum = torch.zeros((), dtype=torch.float64, device=info.device)
         if cfg.lora.enabled and cfg.lora.dropout > 0:  # LoRA dropout: seeded per step and rank (resume is exact)
@@ -296,7 +298,7 @@ class Trainer:
         # summed over ranks inside the gradient norm's all-reduce: [loss sum, preemption flag, per-rank slots]
         per_rank = self._per_rank_values() if log else {}
         extras = torch.zeros(2 + info.world_size * len(per_rank), dtype=torch.float64, device=info.device)
-        extras[0] = loss_sum
+        extras[0] = loss_sum if self._counts_loss() else 0.0  # a tensor-parallel group's loss, once
         extras[1].fill_(float(self.checkpointer.signal_received()))
         for j, value in enumerate(per_rank.values()):  # this rank's slots (fills: no host-to-device copy)
             extras[2 + info.rank * len(per_rank) + j].fill_(float(value))
@@ -353,6 +355,11 @@ class Trainer:
         reset_device_peaks(self.info.device)  # the next record's peaks cover its own logging interval
         return out
 
+    def _counts_loss(self) -> bool:
+        """Whether this rank's loss enters the sums over ranks: one rank per tensor-parallel group (its first), whose
+        ranks all hold the same loss of the same samples."""
+        return self.info.rank % self.cfg.parallel.tp == 0
+
     def _skip_if_nonfinite(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         """On the device: remember the first step whose loss or gradient norm is not finite, and from it on make
         the optimizer skip its updates (fused AdamW's ``found_inf``; its step counts do not advance)."""
@@ -378,14 +385,14 @@ class Trainer:
         """Mean loss (nats/token) over the fixed validation set, split over ranks; same at any world size."""
         cfg, info = self.cfg, self.info
         batches = eval_windows(len(self.val_data), cfg.train.eval_tokens, cfg.train.seq_len,
-                               info.rank, info.world_size, cfg.train.micro_batch_size)
+                               self.dp_rank, self.dp_size, cfg.train.micro_batch_size)
         totals = torch.zeros(2, dtype=torch.float64, device=info.device)
         for ids in batches:
             # every rank runs the same number of forwards (FSDP all-gathers); padding batches count zero
             batch = to_device(self.val_data.get(ids or [0]), info.device)
             inputs, targets = split_batch(batch)
             loss = model_loss_sum(self.model, inputs, targets, cfg.train.loss_chunk_tokens, batch_documents(batch))
-            if ids:
+            if ids and self._counts_loss():
                 totals += torch.stack([loss.double(), targets.ne(IGNORE_INDEX).sum().double()])
         all_reduce_sum(totals)
         return (totals[0] / totals[1]).item()

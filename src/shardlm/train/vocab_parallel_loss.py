@@ -101,7 +101,7 @@ def _chunks(h: Tensor, w: Tensor, targets: Tensor, chunk: int, softcap: float, g
             del z
             continue
         g = z.div_(total.unsqueeze(1))  # this rank's columns of the softmax
-        g[mine.nonzero().squeeze(1), local_t[mine]] -= 1.0
+        g.scatter_add_(1, local_t.unsqueeze(1), -mine.to(g.dtype).unsqueeze(1))  # - onehot (no host read)
         g.mul_(scored.unsqueeze(1))
         if deriv is not None:
             g.mul_(deriv)

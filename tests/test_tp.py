@@ -191,3 +191,24 @@ def test_tp_refusals_in_the_config():
         load_config(None, ["--parallel.tp=0"])
     with pytest.raises(ConfigError, match="parallel.tp=2 needs parallel.mode='fsdp'"):
         load_config(None, ["--parallel.tp=2", '--parallel.mode="ddp"'])
+
+
+def test_async_tp_is_refused_on_cpu_before_the_process_group(monkeypatch):
+    from shardlm.parallel.dist import init_distributed
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    pcfg = ParallelConfig(tp=2, async_tp=True, compile=True, device="cpu")
+    with pytest.raises(ConfigError, match="parallel.async_tp needs CUDA .* this rank's device is cpu"):
+        init_distributed(pcfg)
+    assert not torch.distributed.is_initialized()
+    with pytest.raises(ConfigError, match="parallel.async_tp needs tensor parallel .* and parallel.compile = true"):
+        load_config(None, ["--parallel.tp=2", "--parallel.async_tp=true"])
+
+
+def test_the_planner_refuses_tensor_parallel_by_name():
+    from shardlm.plan import plan_memory
+
+    cfg = load_config(None, ["--parallel.tp=2"])
+    with pytest.raises(ConfigError, match="parallel.tp=2: the memory planner does not model tensor parallel yet"):
+        plan_memory(cfg, 4)

@@ -154,6 +154,10 @@ class ParallelConfig:
     sequence between the blocks (sequence parallel), the loss vocabulary-parallel (``shardlm/parallel/tp.py``).
     The innermost mesh dimension (consecutive ranks, within one node); ``dp_replicate × dp_shard × tp`` must equal
     the world size. Needs ``mode = "fsdp"``; 1 = off."""
+    async_tp: bool = False
+    """Asynchronous tensor parallel on CUDA: TorchInductor splits each TP all-gather / reduce-scatter and the matrix
+    multiply beside it into micro-pipelined pieces over symmetric memory (``torch._inductor.config._micro_pipeline_tp``),
+    hiding the collectives. Needs ``tp > 1``, ``compile = true`` and CUDA (refused on CPU)."""
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     """FSDP compute dtype (``MixedPrecisionPolicy.param_dtype``): shards stay fp32, all-gathered weights are cast."""
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
@@ -592,6 +596,9 @@ def validate(cfg: Config) -> None:
     if cfg.parallel.tp > 1 and cfg.parallel.mode != "fsdp":
         raise ConfigError(f"parallel.tp={cfg.parallel.tp} needs parallel.mode='fsdp' (FSDP over the data-parallel "
                           f"ranks), not {cfg.parallel.mode!r}")
+    if cfg.parallel.async_tp and (cfg.parallel.tp == 1 or not cfg.parallel.compile):
+        raise ConfigError("parallel.async_tp needs tensor parallel (parallel.tp > 1) and parallel.compile = true "
+                          "(TorchInductor builds the micro-pipelined collectives)")
     if cfg.parallel.dp_replicate == cfg.parallel.dp_shard == -1:
         raise ConfigError("parallel.dp_replicate and parallel.dp_shard cannot both be -1: set one of them")
     for key in ("interval", "keep"):

@@ -155,14 +155,17 @@ def init_distributed(pcfg: ParallelConfig, cpu_collectives: bool = False) -> Dis
     Raises:
         ConfigError: a CUDA device was requested but is missing, or this node runs more ranks than it
             has GPUs (:func:`pick_device`); the ``dp_replicate × dp_shard × tp``
-            mesh does not fit the world size or the ranks per node (:func:`dp_mesh_shape`), checked
-            before the process group starts.
+            mesh does not fit the world size or the ranks per node (:func:`dp_mesh_shape`); ``parallel.async_tp``
+            on a device other than CUDA; all checked before the process group starts.
     """
     global _started_process_group
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     dp_mesh_shape(pcfg, world_size, local_world_size())  # bad mesh: one ConfigError, before any collective
     device = pick_device(pcfg.device, local_rank, local_world_size())
+    if pcfg.async_tp and device.type != "cuda":
+        raise ConfigError(f"parallel.async_tp needs CUDA (TorchInductor's micro-pipelined TP runs on symmetric "
+                          f"GPU memory), but this rank's device is {device.type}: set parallel.async_tp = false")
     backend = pick_backend(device, pcfg.backend, cpu_collectives or pcfg.cpu_offload)
     if device.type == "cuda":
         torch.cuda.set_device(device)

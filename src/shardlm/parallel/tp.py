@@ -94,6 +94,11 @@ def block_plan(cfg: ModelConfig) -> dict:
     return plan
 
 
+#: TorchInductor options that make compiled blocks micro-pipeline their TP collectives with the matrix multiplies
+#: beside them (torchtitan's async TP; passed to ``block.compile(options=...)`` by ``apply_compile``)
+ASYNC_TP_COMPILE_OPTIONS = {"_micro_pipeline_tp": True}
+
+
 def apply_tp(model: Llama, tp_mesh: DeviceMesh) -> Llama:
     """Split ``model`` over the 1-D tensor-parallel mesh ``tp_mesh`` (before activation checkpointing, compile and
     FSDP, torchtitan's order); see the module docstring for the layout.
@@ -103,6 +108,9 @@ def apply_tp(model: Llama, tp_mesh: DeviceMesh) -> Llama:
     3. final norm: sequence parallel; output projection: vocabulary rows, logits left sharded over the vocabulary
        (a DTensor ``Shard(-1)``; the chunked loss reads the projection's weight itself);
     4. tied embeddings: the output projection takes the embedding's (already split) weight back.
+
+    Async TP (``parallel.async_tp``, CUDA only) is a compile option of the blocks afterwards:
+    :data:`ASYNC_TP_COMPILE_OPTIONS`.
 
     Returns the same object; its parameters are DTensors on ``tp_mesh``.
     """

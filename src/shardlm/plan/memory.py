@@ -219,9 +219,14 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
         A :class:`MemoryPlan` (bytes).
 
     Raises:
-        ConfigError: bad world size, global batch not divisible, unknown dtype or AC mode.
+        ConfigError: bad world size, global batch not divisible, unknown dtype or AC mode; tensor parallel
+            (``parallel.tp > 1``, not modelled).
     """
     st = Settings.from_config(cfg)
+    if cfg.parallel.tp > 1:
+        raise ConfigError(f"parallel.tp={cfg.parallel.tp}: the memory planner does not model tensor parallel yet "
+                          "(its sharded projections, sequence-parallel activations and vocabulary-parallel loss); "
+                          "plan with parallel.tp = 1")
     if world_size < 1:
         raise ConfigError(f"--world-size must be >= 1, got {world_size}")
     if st.mode == "single" and world_size != 1:

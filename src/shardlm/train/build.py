@@ -32,7 +32,7 @@ from shardlm.parallel.dist import DistInfo, dp_submesh
 from shardlm.parallel.fsdp import apply_fsdp
 from shardlm.parallel.options import dtype_from_name, mixed_precision_policy, offload_policy
 from shardlm.parallel.reduce_scatter import resolve_reduce_scatter
-from shardlm.parallel.tp import apply_tp, check_tp
+from shardlm.parallel.tp import ASYNC_TP_COMPILE_OPTIONS, apply_tp, check_tp
 
 
 def build_model(cfg: Config, info: DistInfo, mesh: DeviceMesh | None) -> tuple[nn.Module, dict[str, Any] | None]:
@@ -82,8 +82,8 @@ def build_model(cfg: Config, info: DistInfo, mesh: DeviceMesh | None) -> tuple[n
     if pcfg.tp > 1:  # torchtitan's order: TP, AC, compile, FSDP over the data-parallel dimensions
         apply_tp(model, mesh["tp"])
     apply_ac(model.model.layers, pcfg.activation_checkpoint, pcfg.activation_checkpoint_n)
-    if pcfg.compile:
-        apply_compile(model.model.layers)
+    if pcfg.compile:  # async TP (CUDA): TorchInductor pipelines the blocks' TP collectives with their multiplies
+        apply_compile(model.model.layers, ASYNC_TP_COMPILE_OPTIONS if pcfg.async_tp else None)
     if mode == "fsdp":
         apply_fsdp(model, dp_submesh(mesh), mixed_precision_policy(pcfg), pcfg.reshard_after_forward,
                    offload=offload_policy(pcfg, info.device), forward_prefetch=pcfg.forward_prefetch,

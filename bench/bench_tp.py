@@ -40,9 +40,10 @@ SHAPE = dict(dim=512, n_layers=4, n_heads=8, ffn_hidden=1536, vocab_size=8192, m
 SEQ_LEN, GLOBAL = 256, 8
 LAYOUTS = {"FSDP 4": {"tp": 1}, "FSDP 2 x TP 2": {"tp": 2}}
 #: wrapped collectives: name -> which argument holds the larger buffer (0: the first tensor argument, "out": output)
-DIST = {"all_gather_into_tensor": 0, "reduce_scatter_tensor": 1, "all_reduce": 0, "all_to_all_single": 1,
-        "all_gather": 1, "reduce_scatter": 1, "broadcast": 0}
-FUNCOL = {"all_gather_tensor": "out", "reduce_scatter_tensor": 0, "all_reduce": 0, "all_to_all_single": 0}
+DIST = {"all_gather_single": 0, "all_gather_into_tensor": 0, "reduce_scatter_single": 1, "reduce_scatter_tensor": 1,
+        "all_reduce": 0, "all_to_all_single": 1, "broadcast": 0}
+FUNCOL = {"all_gather_single": "out", "all_gather_tensor": "out", "reduce_scatter_single": 0,
+          "reduce_scatter_tensor": 0, "all_reduce": 0, "all_to_all_single": 0}
 
 
 def count_bytes(counts: dict[str, int]) -> None:
@@ -70,19 +71,22 @@ def count_bytes(counts: dict[str, int]) -> None:
 
         setattr(owner, name, counted)
 
-    for name, where in DIST.items():
-        wrap(dist, name, where, "")
+    for name, where in DIST.items():  # (torch 2.13 names FSDP2's all-gather / reduce-scatter ``*_single``)
+        if hasattr(dist, name):
+            wrap(dist, name, where, "")
     for name, where in FUNCOL.items():
-        wrap(funcol, name, where, "dtensor ")
+        if hasattr(funcol, name):
+            wrap(funcol, name, where, "dtensor ")
 
 
 def worker(spec_path: str) -> None:
     import torch
 
     from shardlm.config import Config, ModelConfig
-    from shardlm.metrics import SavedActivationCounter, shard_bytes
+    from shardlm.metrics import shard_bytes
     from shardlm.parallel import build_mesh, init_distributed
     from shardlm.parallel.dist import data_parallel_rank, exit_process
+    from shardlm.parallel.saved_activations import SavedActivationCounter
     from shardlm.train.build import build_model
     from shardlm.train.loss import model_loss_sum
     from shardlm.train.optim import build_optimizer, clip_grad_norm_

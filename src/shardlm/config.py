@@ -542,8 +542,7 @@ def validate(cfg: Config) -> None:
                 "final_logit_softcap", "rope_linear_factor"):
         if getattr(m, key) < 0:
             raise ConfigError(f"model.{key} must be >= 0, got {getattr(m, key)}")
-    if m.sliding_window and m.family not in ("mistral", "gemma3"):
-        raise ConfigError(f"model.sliding_window applies to model.family 'mistral' or 'gemma3' (family is {m.family!r})")
+    m.arch.check(m)  # the family's refusals (an unregistered model.family is refused by ``arch`` itself)
     if m.rope_linear_factor > 0 and m.rope_scaling_factor > 0:
         raise ConfigError("model.rope_linear_factor and model.rope_scaling_factor (llama3) cannot both be set")
     kv = m.kv_heads

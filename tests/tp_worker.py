@@ -25,7 +25,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from shardlm.data.instruct import IGNORE_INDEX
 from shardlm.model.config import ModelConfig
-from shardlm.model.llama import Llama
+from shardlm.model.decoder import CausalLM
 from shardlm.parallel import exit_process
 from shardlm.parallel.tp import apply_tp
 from shardlm.train.loss import model_loss_sum, token_loss_sum
@@ -45,10 +45,10 @@ FAMILIES = {
 def compare(name: str, overrides: dict, mesh, seed: int = 0) -> dict[str, float]:
     cfg = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, vocab_size=96, max_seq_len=32,
                       **overrides)
-    ref = Llama(cfg)
+    ref = CausalLM(cfg)
     ref.init_weights(seed)
     with torch.device("meta"):
-        model = Llama(cfg)
+        model = CausalLM(cfg)
     apply_tp(model, mesh)
     model.to_empty(device="cpu")
     model.init_weights(seed)

@@ -36,7 +36,7 @@ from torch.distributed.tensor.parallel import (
 
 from shardlm.errors import ConfigError
 from shardlm.model.config import ModelConfig
-from shardlm.model.llama import Llama
+from shardlm.model.decoder import CausalLM
 
 #: the positional arguments of ``Attention.forward`` after x: cos, sin, cache, doc_mask (plain tensors or None)
 _ATTENTION_EXTRA_ARGS = 4
@@ -99,7 +99,7 @@ def block_plan(cfg: ModelConfig) -> dict:
 ASYNC_TP_COMPILE_OPTIONS = {"_micro_pipeline_tp": True}
 
 
-def apply_tp(model: Llama, tp_mesh: DeviceMesh) -> Llama:
+def apply_tp(model: CausalLM, tp_mesh: DeviceMesh) -> CausalLM:
     """Split ``model`` over the 1-D tensor-parallel mesh ``tp_mesh`` (before activation checkpointing, compile and
     FSDP, torchtitan's order); see the module docstring for the layout.
 

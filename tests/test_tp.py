@@ -227,3 +227,23 @@ def test_the_planner_refuses_tensor_parallel_by_name():
     cfg = load_config(None, ["--parallel.tp=2"])
     with pytest.raises(ConfigError, match="parallel.tp=2: the memory planner does not model tensor parallel yet"):
         plan_memory(cfg, 4)
+
+
+@pytest.mark.dist
+def test_export_and_generate_from_a_tensor_parallel_checkpoint(runs, tmp_path, capsys):
+    """``shardlm export`` of the FSDP 2 x TP 2 step-3 checkpoint (DCP, read in one process) equals the export of FSDP
+    4's step-3 checkpoint (1e-4: the same training), and ``shardlm generate`` runs on it."""
+    from shardlm.cli.main import main as shardlm_main
+
+    _, root = runs
+    for name in ("fsdp2_tp2", "fsdp4"):
+        assert shardlm_main(["export", str(root / name / "checkpoints" / "step-3"), str(tmp_path / name)]) == 0
+    p, q = (load_file(str(tmp_path / n / "model.safetensors")) for n in ("fsdp2_tp2", "fsdp4"))
+    assert p.keys() == q.keys()
+    diff = max((p[k] - q[k]).abs().max().item() for k in q)
+    print(f"export of the FSDP 2 x TP 2 checkpoint vs FSDP 4's: {diff:.1e}")
+    assert diff <= 1e-4
+    capsys.readouterr()
+    assert shardlm_main(["generate", "--model", str(tmp_path / "fsdp2_tp2"), "--prompt", "KING", "--temperature", "0",
+                         "--max-new-tokens", "8"]) == 0
+    assert capsys.readouterr().out.strip()

@@ -221,12 +221,33 @@ def test_async_tp_is_refused_on_cpu_before_the_process_group(monkeypatch):
         load_config(None, ["--parallel.tp=2", "--parallel.async_tp=true"])
 
 
-def test_the_planner_refuses_tensor_parallel_by_name():
+def test_the_planner_plans_tensor_parallel():
+    """Per rank FSDP 2 x TP 2 holds the same quarter of the model state as FSDP 4 and less activation memory per
+    micro-batch of the same size; the 70B config (FSDP 8 x TP 8 on 64 H100s) prints its layout and fits; what it does not model
+    is refused by name."""
     from shardlm.plan import plan_memory
+    from shardlm.plan.report import format_plan
 
-    cfg = load_config(None, ["--parallel.tp=2"])
-    with pytest.raises(ConfigError, match="parallel.tp=2: the memory planner does not model tensor parallel yet"):
-        plan_memory(cfg, 4)
+    mb = ["--train.micro_batch_size=2"]
+    fsdp4, tp2 = (plan_memory(load_config(None, mb + o), 4) for o in ([], ["--parallel.tp=2"]))
+    assert tp2.breakdown["optimizer"] == pytest.approx(fsdp4.breakdown["optimizer"], rel=0.01)  # 1/4 of AdamW each
+    assert tp2.breakdown["activations"] < fsdp4.breakdown["activations"]  # sequence parallel, split heads and FFN
+    report = format_plan(load_config(str(ROOT / "configs" / "llama3-70b.toml")), 64, "h100", 0.05)
+    print(report)
+    assert "layout     mesh dp_shard 8 x tp 8: tensor parallel 8" in report
+    assert "\n  fits: " in report
+    with pytest.raises(ConfigError, match="parallel.tp=2: the memory planner models tensor parallel .* 'selective'"):
+        plan_memory(load_config(None, mb + ["--parallel.tp=2", '--parallel.activation_checkpoint="selective"']), 4)
+
+
+def test_tp_communication_formula():
+    """The activation collectives of bench/bench_tp.py's FSDP 2 x TP 2 step, counted there: 18 all-gathers and 18
+    reduce-scatters of 4 x 256 x 512 fp32 values, of which a ring moves half per rank: 36 MiB."""
+    from shardlm.plan.time import tp_comm_bytes
+
+    assert tp_comm_bytes(2, 4, 4 * 256, 512, 4) == 36 * 2**20
+    assert tp_comm_bytes(1, 4, 4 * 256, 512, 4) == 0
+    assert tp_comm_bytes(2, 4, 4 * 256, 512, 4, recompute=True) == 52 * 2**20  # + the blocks' 16 forward ones
 
 
 @pytest.mark.dist

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 
 from shardlm.config import Config
+from shardlm.parallel.dist import mesh_dims
 from shardlm.plan.devices import get_device
 from shardlm.plan.memory import PARTS, MemoryPlan, plan_memory
 from shardlm.plan.search import format_fits, search
@@ -73,6 +74,11 @@ def format_plan(cfg: Config, world_size: int, device_name: str, headroom: float)
            "FSDP group" if st.mode == "fsdp" else ""),
         f"  per-rank peak memory (at {plan.phase}):",
     ]
+    if st.mode == "fsdp" and st.tp > 1:  # the mesh, outermost first (parallel/dist.py's mesh_dims)
+        dims = mesh_dims(st, world_size, world_size)
+        lines.insert(2, "  layout     mesh " + " x ".join(f"{name} {size}" for name, size in dims) + f": tensor "
+                     f"parallel {st.tp} (q/k/v, gate/up by columns, o/down by rows, vocabulary-parallel embedding, "
+                     "output and loss, sequence-parallel norms), FSDP over the data-parallel dimensions")
     for part in PARTS:
         lines.append(f"    {LABELS[part]:<48} {plan.breakdown.get(part, 0) / GIB:9.3f} GiB")
     lines.append(f"    {'total':<48} {plan.peak / GIB:9.3f} GiB")

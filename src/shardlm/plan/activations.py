@@ -212,5 +212,7 @@ def block_saved_tp(s: Shape, tp: int, mode: str) -> int:
 
 def block_backward_transient_tp(s: Shape, tp: int) -> int:
     """Extra bytes at the high point of a block's backward under tensor parallel: the SwiGLU product's gradients on
-    the local FFN width (2·c·B·f/T) and the gathered input's partial gradient (c·B·d) before its reduce-scatter."""
-    return 2 * s.c * s.tokens * (s.f // tp) + s.c * s.tokens * s.d
+    the local FFN width (2·c·B·f/T), the output gradient all-gathered over the sequence for the row-split down_proj
+    (c·B·d, RowwiseParallel's backward) and the gathered input's partial gradient (c·B·d) before its
+    reduce-scatter."""
+    return 2 * s.c * s.tokens * (s.f // tp) + 2 * s.c * s.tokens * s.d

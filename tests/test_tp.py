@@ -132,14 +132,15 @@ def test_export_of_a_tensor_parallel_run_loads_in_transformers(runs):
 @pytest.mark.dist
 def test_every_family_at_tp2_equals_one_process(tmp_path):
     """Llama (untied and tied), Qwen2 (q/k/v biases), Qwen3 (q/k norms, explicit head width), Mistral (sliding
-    window), Gemma 3 (q/k norms, four norms per block, local/global layers, soft-cap, tied): logits within 1e-5; the
+    window; also with block-causal document masking), Gemma 3 (q/k norms, four norms per block, local/global
+    layers, soft-cap, tied): logits within 1e-5; the
     vocabulary-parallel loss (chunked, one chunk) and PyTorch's ``loss_parallel`` within 1e-6 relative of the plain
     loss; gradients within 1e-5 relative. Heads are split (2 of 4 per rank) and tied weights stay one tensor."""
     out = tmp_path / "families.json"
     torchrun(2, [str(ROOT / "tests" / "tp_worker.py"), str(out)], timeout=300)
     results = json.loads(out.read_text())
     print(json.dumps(results, indent=1), file=sys.stderr)
-    assert set(results) == {"llama", "llama_tied", "qwen2", "qwen3", "mistral", "gemma3"}
+    assert set(results) == {"llama", "llama_tied", "qwen2", "qwen3", "mistral", "gemma3", "mistral_block_causal"}
     for name, r in results.items():
         assert r["logits"] <= 1e-5, name
         assert r["logits_are_split"] == 1.0 and r["local_heads"] == 2, name

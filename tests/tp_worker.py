@@ -39,6 +39,8 @@ FAMILIES = {
     "mistral": dict(family="mistral", sliding_window=5),
     "gemma3": dict(family="gemma3", sliding_window=5, sliding_window_pattern=2, rope_local_theta=10000.0,
                    query_pre_attn_scalar=16.0, final_logit_softcap=3.0, tie_embeddings=True),
+    # packed rows: document masking and per-document positions (model/attention.py), with a window
+    "mistral_block_causal": dict(family="mistral", sliding_window=5, attention="block_causal"),
 }
 
 
@@ -62,21 +64,22 @@ def compare(name: str, overrides: dict, mesh, seed: int = 0) -> dict[str, float]
     tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=gen)
     targets = torch.randint(0, cfg.vocab_size, (2, 16), generator=gen)
     targets[0, :3] = IGNORE_INDEX
+    docs = torch.tensor([[0] * 5 + [1] * 6 + [2] * 5, [0] * 9 + [1] * 7]) if cfg.attention == "block_causal" else None
     out: dict[str, float] = {}
     with torch.no_grad():
-        logits = model(tokens)
-        out["logits"] = (logits.full_tensor() - ref(tokens)).abs().max().item()
+        logits = model(tokens, documents=docs)
+        out["logits"] = (logits.full_tensor() - ref(tokens, documents=docs)).abs().max().item()
         out["logits_are_split"] = float(isinstance(logits, DTensor) and logits.placements[0].is_shard(2))
         with loss_parallel():
             lp = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
-    plain = token_loss_sum(ref(tokens), targets)
+    plain = token_loss_sum(ref(tokens, documents=docs), targets)
     plain.backward()
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
     out["loss_parallel_rel"] = abs(lp.full_tensor().item() - plain.item()) / plain.item()
     with torch.no_grad():
-        one_chunk = model_loss_sum(model, tokens, targets, 0)
+        one_chunk = model_loss_sum(model, tokens, targets, 0, docs)
     out["one_chunk_rel"] = abs(one_chunk.item() - plain.item()) / plain.item()
-    loss = model_loss_sum(model, tokens, targets, 7)  # chunks of 7 of the 29 scored tokens
+    loss = model_loss_sum(model, tokens, targets, 7, docs)  # chunks of 7 of the 29 scored tokens
     loss.backward()
     out["chunked_rel"] = abs(loss.item() - plain.item()) / plain.item()
     diff = sum((p.grad.full_tensor() - ref_grads[n]).double().square().sum() for n, p in model.named_parameters())

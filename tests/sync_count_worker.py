@@ -2,7 +2,8 @@
 
 Usage: ``torchrun --nproc_per_node=N tests/sync_count_worker.py SPEC.json`` (a spec as tests/dist_worker.py's).
 Every ``torch.distributed`` collective is wrapped to count calls made while a step runs, except those made
-from inside FSDP (``torch/distributed/fsdp/``: its all-gathers and reduce-scatters); ``Tensor.item``,
+from inside FSDP or tensor parallel (:data:`PARALLELISM_FILES`: their all-gathers, reduce-scatters and the
+vocabulary-parallel loss's all-reduces); ``Tensor.item``,
 ``Tensor.tolist`` and ``Tensor.cpu`` are wrapped to count host reads (except those called from ``shardlm/data/``,
 whose tensors are host tensors by construction: the sampler's CPU-generator permutation). Each rank writes
 ``OUT/<name>/rank<r>.json``: ``{"steps": [{"step", "logged", "collectives": [names], "host_reads": [names]}, and
@@ -30,10 +31,15 @@ HOST_READS = ("item", "tolist", "cpu")
 counts: dict[str, list[str]] | None = None  # None: not inside a step
 
 
+#: callers whose collectives belong to a parallelism, not to the step: FSDP's all-gathers and reduce-scatters,
+#: tensor parallel's (DTensor redistributions, the vocabulary-parallel loss's two all-reduces per chunk)
+PARALLELISM_FILES = ("/torch/distributed/fsdp/", "/torch/distributed/tensor/", "/shardlm/train/vocab_parallel_loss.py")
+
+
 def inside_fsdp() -> bool:
     frame = sys._getframe(2)
     while frame is not None:
-        if "/torch/distributed/fsdp/" in frame.f_code.co_filename:
+        if any(part in frame.f_code.co_filename for part in PARALLELISM_FILES):
             return True
         frame = frame.f_back
     return False

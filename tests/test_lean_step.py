@@ -19,13 +19,13 @@ PER_RANK = {"train.log_per_rank": "true", "train.peak_flops": 1e12}
 
 @pytest.fixture(scope="module")
 def counted(tmp_path_factory, small_data) -> dict[str, list[dict]]:
-    """Six steps at 2 ranks, logging every third step, no evaluation or checkpoint in between: FSDP, DDP, and FSDP
-    with frozen parameters and with LoRA adapters (dropout on: a seeded draw per step), the last two with
-    per-rank lists and a peak for MFU."""
+    """Six steps at 2 ranks, logging every third step, no evaluation or checkpoint in between: FSDP, DDP, tensor
+    parallel (TP 2, beyond its own collectives), and FSDP with frozen parameters and with LoRA adapters (dropout
+    on: a seeded draw per step), the last two with per-rank lists and a peak for MFU."""
     out = tmp_path_factory.mktemp("lean")
     common = {"train.steps": 6, "train.micro_batch_size": 2, "train.log_interval": 3, "train.eval_interval": 0,
               "checkpoint.enabled": "false"}
-    extra = {"fsdp": {}, "ddp": {"parallel.mode": "ddp"}, "frozen": {**FREEZE, **PER_RANK},
+    extra = {"fsdp": {}, "ddp": {"parallel.mode": "ddp"}, "tp": {"parallel.tp": 2}, "frozen": {**FREEZE, **PER_RANK},
              "lora": {"lora.enabled": "true", "lora.rank": 4, "lora.alpha": 8.0, "lora.dropout": 0.1, **PER_RANK}}
     scenarios = [{"name": name, "overrides": tiny_overrides(small_data, out / name, {**common, **more})}
                  for name, more in extra.items()]
@@ -37,7 +37,7 @@ def counted(tmp_path_factory, small_data) -> dict[str, list[dict]]:
             for s in scenarios}
 
 
-@pytest.mark.parametrize("mode", ["fsdp", "ddp", "frozen", "lora"])
+@pytest.mark.parametrize("mode", ["fsdp", "ddp", "tp", "frozen", "lora"])
 def test_one_collective_per_step_and_host_reads_only_when_logging(counted, mode):
     for rank, report in enumerate(counted[mode]):
         steps = report["steps"]

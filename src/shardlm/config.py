@@ -147,12 +147,22 @@ class ParallelConfig:
     -1 = world size / ``dp_shard`` (one replica per shard group, follows the node count)."""
     dp_shard: int = -1
     """Ranks per shard group (HSDP's shard dimension, usually the GPUs of a node); -1 = all remaining ranks,
-    world size / ``dp_replicate``. ``dp_replicate × dp_shard`` must equal the world size (divided by ``cp``)."""
+    world size / ``dp_replicate``. ``dp_replicate × dp_shard × tp`` must equal the world size (divided by ``cp``)."""
     cp: int = 1
     """Context parallelism: the ranks each sequence is split over (``shardlm/parallel/cp.py``: each holds a head and a
     tail chunk, attention all-gathers keys and values). The ``cp`` ranks of a group are consecutive and take the same
     samples (one data-parallel rank); FSDP shards parameters over ``dp_shard × cp`` (torchtitan's mesh order
     ``dp_replicate, dp_shard, cp``). Must divide the world size; 1 = no split."""
+    tp: int = 1
+    """Tensor-parallel degree: each block's q/k/v and gate/up projections split by columns (heads, FFN width), o and
+    down by rows, the embedding and output projection by vocabulary rows, norms and residuals sharded along the
+    sequence between the blocks (sequence parallel), the loss vocabulary-parallel (``shardlm/parallel/tp.py``).
+    The innermost mesh dimension (consecutive ranks, within one node); ``dp_replicate × dp_shard × tp`` must equal
+    the world size. Needs ``mode = "fsdp"``; 1 = off."""
+    async_tp: bool = False
+    """Asynchronous tensor parallel on CUDA: TorchInductor splits each TP all-gather / reduce-scatter and the matrix
+    multiply beside it into micro-pipelined pieces over symmetric memory (``torch._inductor.config._micro_pipeline_tp``),
+    hiding the collectives. Needs ``tp > 1``, ``compile = true`` and CUDA (refused on CPU)."""
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     """FSDP compute dtype (``MixedPrecisionPolicy.param_dtype``): shards stay fp32, all-gathered weights are cast."""
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
@@ -586,6 +596,14 @@ def validate(cfg: Config) -> None:
         if getattr(cfg.parallel, key) < 1 and getattr(cfg.parallel, key) != -1:
             raise ConfigError(f"parallel.{key} must be >= 1 or -1 (all remaining ranks), "
                               f"got {getattr(cfg.parallel, key)}")
+    if cfg.parallel.tp < 1:
+        raise ConfigError(f"parallel.tp must be >= 1 (1 = no tensor parallel), got {cfg.parallel.tp}")
+    if cfg.parallel.tp > 1 and cfg.parallel.mode != "fsdp":
+        raise ConfigError(f"parallel.tp={cfg.parallel.tp} needs parallel.mode='fsdp' (FSDP over the data-parallel "
+                          f"ranks), not {cfg.parallel.mode!r}")
+    if cfg.parallel.async_tp and (cfg.parallel.tp == 1 or not cfg.parallel.compile):
+        raise ConfigError("parallel.async_tp needs tensor parallel (parallel.tp > 1) and parallel.compile = true "
+                          "(TorchInductor builds the micro-pipelined collectives)")
     if cfg.parallel.dp_replicate == cfg.parallel.dp_shard == -1:
         raise ConfigError("parallel.dp_replicate and parallel.dp_shard cannot both be -1: set one of them")
     if cfg.parallel.cp < 1 or (cfg.parallel.cp > 1 and cfg.parallel.mode == "single"):
@@ -657,5 +675,7 @@ def gradient_accumulation_steps(cfg: Config, dp_world_size: int) -> int:
         raise ConfigError(
             f"train.global_batch_size={g} must be divisible by world size × train.micro_batch_size "
             f"= {dp_world_size} × {mbs} = {per_step}"
+            + (f" (the data-parallel world size: world size / parallel.tp={cfg.parallel.tp})" if cfg.parallel.tp > 1
+               else "")
         )
     return g // per_step

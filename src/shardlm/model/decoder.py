@@ -121,9 +121,11 @@ class Attention(nn.Module):
         ``doc_mask`` (block-causal attention, see :mod:`shardlm.model.attention`) replaces both: this layer's
         dense (batch, 1, seq, seq) boolean mask or flex ``BlockMask``, its window already applied."""
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        # the head counts from the projections' widths: all heads here, or this rank's share when the projections are
+        # split by columns from outside (tensor parallel, shardlm/parallel/tp.py)
+        q = self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = cos.to(q.dtype), sin.to(q.dtype)

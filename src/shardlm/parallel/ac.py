@@ -101,8 +101,10 @@ def find_cxx_compiler() -> str | None:
     return shutil.which(cxx_compiler_name())
 
 
-def apply_compile(blocks: nn.ModuleList) -> None:
+def apply_compile(blocks: nn.ModuleList, options: dict | None = None) -> None:
     """Compile each block in place with ``block.compile()`` (TorchInductor), keeping parameter names.
+
+    ``options``: TorchInductor options for ``torch.compile(options=...)`` (async TP's, ``parallel/tp.py``); None: none.
 
     Raises:
         ConfigError: TorchInductor's C++ compiler (``$CXX``, else ``g++``) is not found; checked here, at
@@ -112,6 +114,6 @@ def apply_compile(blocks: nn.ModuleList) -> None:
         raise ConfigError(f"parallel.compile=true needs a C++ compiler for TorchInductor, and {cxx_compiler_name()!r} "
                           "was not found (set CXX or install g++), or set parallel.compile=false")
     for block in blocks:
-        block.compile()
+        block.compile(**({"options": options} if options else {}))
 
 

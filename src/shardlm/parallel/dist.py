@@ -154,15 +154,18 @@ def init_distributed(pcfg: ParallelConfig, cpu_collectives: bool = False) -> Dis
 
     Raises:
         ConfigError: a CUDA device was requested but is missing, or this node runs more ranks than it
-            has GPUs (:func:`pick_device`); the ``dp_replicate × dp_shard``
-            mesh does not fit the world size or the ranks per node (:func:`dp_mesh_shape`), checked
-            before the process group starts.
+            has GPUs (:func:`pick_device`); the ``dp_replicate × dp_shard × tp``
+            mesh does not fit the world size or the ranks per node (:func:`dp_mesh_shape`); ``parallel.async_tp``
+            on a device other than CUDA; all checked before the process group starts.
     """
     global _started_process_group
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     dp_mesh_shape(pcfg, world_size, local_world_size())  # bad mesh: one ConfigError, before any collective
     device = pick_device(pcfg.device, local_rank, local_world_size())
+    if pcfg.async_tp and device.type != "cuda":
+        raise ConfigError(f"parallel.async_tp needs CUDA (TorchInductor's micro-pipelined TP runs on symmetric "
+                          f"GPU memory), but this rank's device is {device.type}: set parallel.async_tp = false")
     backend = pick_backend(device, pcfg.backend, cpu_collectives or pcfg.cpu_offload)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -205,68 +208,122 @@ def dp_mesh_shape(pcfg: ParallelConfig, world_size: int, ranks_per_node: int) ->
     """The data-parallel mesh shape ``(dp_replicate, dp_shard)`` for ``world_size`` ranks (``world_size / cp`` data-
     parallel ranks under context parallelism, ``parallel.cp``).
 
-    ``dp_shard = -1`` takes all remaining ranks, ``world_size // dp_replicate`` (``dp_replicate = -1``
-    likewise ``world_size // dp_shard``, so one config fits any node count). torchrun numbers
-    ranks node by node, so shard group g holds ranks ``[g·S, (g+1)·S)``: it stays inside one node
-    (S divides the ranks of a node, the HSDP layout: all-gathers and reduce-scatters on the fast
-    intra-node links, only the all-reduce across replicas between nodes) or spans whole nodes
-    (S a multiple of them); plain FSDP (S = world size) may span any nodes. Pure arithmetic, no
-    collective.
+    The data-parallel ranks are the world divided by the inner (model-parallel) dimensions, ``parallel.tp``
+    (:func:`mesh_dims`); ``dp_shard = -1`` takes all remaining ones, ``dp_ranks // dp_replicate``
+    (``dp_replicate = -1`` likewise ``dp_ranks // dp_shard``, so one config fits any node count). torchrun numbers
+    ranks node by node and the inner dimensions are innermost, so shard group g with its tensor-parallel peers
+    holds the consecutive ranks ``[g·S·T, (g+1)·S·T)``: it stays inside one node (S·T divides the ranks of a
+    node, the HSDP layout: all-gathers and reduce-scatters on the fast intra-node links, only the all-reduce
+    across replicas between nodes) or spans whole nodes (S·T a multiple of them); plain FSDP (S·T = world size)
+    may span any nodes. A tensor-parallel group (T consecutive ranks) must lie inside one node. Pure arithmetic,
+    no collective.
 
     Raises:
-        ConfigError: ``parallel.cp`` does not divide the world size; ``dp_replicate × dp_shard`` differs from
-            the (data-parallel) world size; a shard group that
-            would hold part of a node; HSDP (``dp_replicate > 1``) outside ``parallel.mode='fsdp'``.
+        ConfigError: ``parallel.cp`` does not divide the world size; ``parallel.cp`` and ``parallel.tp`` both
+            above 1 (not built together yet); ``dp_replicate × dp_shard × tp`` differs from the (data-parallel)
+            world size; ``tp`` larger than a node or not dividing its ranks; a shard group that would hold part of
+            a node; HSDP (``dp_replicate > 1``) outside ``parallel.mode='fsdp'``.
     """
-    r, s = pcfg.dp_replicate, pcfg.dp_shard
+    r, s, tp = pcfg.dp_replicate, pcfg.dp_shard, pcfg.tp
     cp = pcfg.cp  # context parallel: cp consecutive ranks per data-parallel rank (parallel/cp.py)
+    if cp > 1 and tp > 1:
+        raise ConfigError(f"parallel.cp={cp} with parallel.tp={tp}: context and tensor parallelism together are not "
+                          "built yet; use one of them")
     if world_size % cp:
         raise ConfigError(f"parallel.cp={cp} must divide the world size {world_size} (each sequence is split over "
                           f"{cp} ranks)")
     world_size, ranks_per_node = world_size // cp, max(1, ranks_per_node // cp)
     if r == s == -1:
         raise ConfigError("parallel.dp_replicate and parallel.dp_shard cannot both be -1: set one of them")
+    if world_size % tp:
+        raise ConfigError(f"parallel.tp={tp} must divide the world size {world_size} (dp_replicate × dp_shard × tp "
+                          "must cover every rank exactly once)")
+    if tp > ranks_per_node or ranks_per_node % tp:
+        raise ConfigError(f"parallel.tp={tp} must divide the {ranks_per_node} ranks of a node: a tensor-parallel "
+                          "group exchanges activations in every layer and must stay on one node's links")
+    dp_ranks = world_size // tp
+    ranks = (f"the {dp_ranks} data-parallel ranks (the world size {world_size} / parallel.tp={tp})" if tp > 1
+             else f"the world size {world_size}")
     if s == -1:
-        if world_size % r:
-            raise ConfigError(f"parallel.dp_replicate={r} must divide the world size {world_size} "
+        if dp_ranks % r:
+            raise ConfigError(f"parallel.dp_replicate={r} must divide {ranks} "
                               "(parallel.dp_shard=-1 takes the remaining ranks)")
-        s = world_size // r
+        s = dp_ranks // r
     if r == -1:
-        if world_size % s:
-            raise ConfigError(f"parallel.dp_shard={s} must divide the world size {world_size} "
+        if dp_ranks % s:
+            raise ConfigError(f"parallel.dp_shard={s} must divide {ranks} "
                               "(parallel.dp_replicate=-1 takes the remaining ranks)")
-        r = world_size // s
-    if r * s != world_size:
-        raise ConfigError(f"parallel.dp_replicate × parallel.dp_shard = {r} × {s} = {r * s}, but the world size "
+        r = dp_ranks // s
+    if r * s * tp != world_size:
+        product = f"{r} × {s} × {tp} = {r * s * tp}" if tp > 1 else f"{r} × {s} = {r * s}"
+        names = "parallel.dp_replicate × parallel.dp_shard" + (" × parallel.tp" if tp > 1 else "")
+        raise ConfigError(f"{names} = {product}, but the world size "
                           f"is {world_size}: the mesh must cover every rank exactly once")
-    if s != world_size and ranks_per_node % s and s % ranks_per_node:
-        raise ConfigError(f"parallel.dp_shard={s} does not divide the {ranks_per_node} ranks of a node (nor is it a "
-                          "multiple of them): a shard group would straddle nodes; pick a divisor of the ranks per "
-                          "node (HSDP) or whole nodes")
+    block = s * tp  # consecutive ranks of one shard group and its tensor-parallel peers
+    if block != world_size and ranks_per_node % block and block % ranks_per_node:
+        raise ConfigError(f"parallel.dp_shard={s}{f' × parallel.tp={tp}' if tp > 1 else ''} does not divide the "
+                          f"{ranks_per_node} ranks of a node (nor is it a multiple of them): a shard group would "
+                          "straddle nodes; pick a divisor of the ranks per node (HSDP) or whole nodes")
     if r > 1 and pcfg.mode != "fsdp":
         raise ConfigError(f"parallel.dp_replicate={r} (HSDP) needs parallel.mode='fsdp', not {pcfg.mode!r}")
     return r, s
 
 
-def build_mesh(info: DistInfo, pcfg: ParallelConfig | None = None) -> DeviceMesh:
-    """The data-parallel device mesh: 1-D ``("dp_shard",)``, or 2-D ``("dp_replicate", "dp_shard")`` for HSDP.
+def mesh_dims(pcfg: ParallelConfig | None, world_size: int, ranks_per_node: int) -> list[tuple[str, int]]:
+    """The device mesh's named dimensions, outermost first: ``dp_replicate`` (HSDP only), ``dp_shard`` (always),
+    then the inner, model-parallel ones (``tp``, when > 1), torchtitan's order; sizes multiply to the world size.
 
-    With ``dp_replicate = 1`` (or no ``pcfg``) the mesh is 1-D over all ranks, so FSDP's placements
-    stay ``Shard(0)`` and no one-rank all-reduce runs. With ``dp_replicate = R > 1`` it is the
-    ``R × S`` mesh whose row i holds ranks ``[i·S, (i+1)·S)`` (one shard group, usually one node);
-    ``fully_shard`` on it gives HSDP: placements ``(Replicate(), Shard(0))``, gradients
-    reduce-scattered within the row, then all-reduced down each column (across replicas). With ``parallel.cp``
+    Raises:
+        ConfigError: see :func:`dp_mesh_shape`.
+    """
+    if pcfg is None:
+        return [("dp_shard", world_size)]
+    r, s = dp_mesh_shape(pcfg, world_size, ranks_per_node)
+    s *= pcfg.cp  # FSDP shards over dp_shard × cp: a CP group's ranks are consecutive in a shard row
+    dims = [("dp_replicate", r), ("dp_shard", s), ("tp", pcfg.tp)]
+    return [(name, size) for name, size in dims if size > 1 or name == "dp_shard"]
+
+
+#: mesh dimensions over which the data (samples) differ; the others (``tp``) see the same samples
+DATA_PARALLEL_DIMS = ("dp_replicate", "dp_shard")
+
+
+def data_parallel_rank(info: DistInfo, pcfg: ParallelConfig | None) -> tuple[int, int]:
+    """``(dp_rank, dp_size)``: this rank's index among the ranks that read different samples, and their number.
+
+    The model-parallel dimensions (``tp``) are innermost (:func:`mesh_dims`), so the ``tp`` consecutive ranks of a
+    tensor-parallel group read the same samples: ``dp_rank = rank // tp``, ``dp_size = world_size // tp``; so do
+    the ``cp`` consecutive ranks of a context-parallel group, which split each sequence (``parallel.cp``).
+    """
+    inner = pcfg.tp * pcfg.cp if pcfg is not None else 1
+    return info.rank // inner, info.world_size // inner
+
+
+def build_mesh(info: DistInfo, pcfg: ParallelConfig | None = None) -> DeviceMesh:
+    """The device mesh with :func:`mesh_dims`' named dimensions: 1-D ``("dp_shard",)``, ``("dp_replicate",
+    "dp_shard")`` for HSDP, and ``"tp"`` innermost with tensor parallel.
+
+    With ``dp_replicate = 1`` (or no ``pcfg``) there is no replicate dimension, so FSDP's placements
+    stay ``Shard(0)`` and no one-rank all-reduce runs. With ``dp_replicate = R > 1`` row i of the
+    ``R × S`` data-parallel mesh holds one shard group (usually one node); ``fully_shard`` on it gives HSDP:
+    placements ``(Replicate(), Shard(0))``, gradients reduce-scattered within the row, then all-reduced down each
+    column (across replicas). FSDP takes :func:`dp_submesh`, tensor parallel ``mesh["tp"]``. With ``parallel.cp``
     the shard dimension is ``dp_shard × cp`` (CP ranks join the shard group; the CP groups themselves come from
     :func:`shardlm.parallel.cp.build_context_parallel`).
 
     Raises:
         ConfigError: see :func:`dp_mesh_shape`.
     """
-    r, s = (1, info.world_size) if pcfg is None else dp_mesh_shape(pcfg, info.world_size, local_world_size())
-    s *= pcfg.cp if pcfg is not None else 1  # FSDP shards over dp_shard × cp: a CP group's ranks are consecutive in a shard row
-    if r == 1:
-        return init_device_mesh(info.device.type, (s,), mesh_dim_names=("dp_shard",))
-    return init_device_mesh(info.device.type, (r, s), mesh_dim_names=("dp_replicate", "dp_shard"))
+    dims = mesh_dims(pcfg, info.world_size, local_world_size())
+    return init_device_mesh(info.device.type, tuple(size for _, size in dims),
+                            mesh_dim_names=tuple(name for name, _ in dims))
+
+
+def dp_submesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The data-parallel part of ``mesh`` (its ``dp_replicate`` / ``dp_shard`` dimensions), the mesh FSDP shards on;
+    ``mesh`` itself when it has no other dimension."""
+    names = tuple(n for n in mesh.mesh_dim_names if n in DATA_PARALLEL_DIMS)
+    return mesh if names == tuple(mesh.mesh_dim_names) else mesh[names]
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:

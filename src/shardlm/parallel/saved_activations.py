@@ -42,11 +42,14 @@ class SavedActivationCounter:
             return
         if hasattr(t, "to_local"):
             t = t.to_local()
-        storage = t.untyped_storage()
-        key = storage.data_ptr()
+        try:
+            storage = t.untyped_storage()
+            key, nbytes = storage.data_ptr(), storage.nbytes()
+        except RuntimeError:  # a wrapper subclass without storage of its own (a pending collective's result under TP)
+            key, nbytes = id(t), t.numel() * t.element_size()
         if key not in self._seen:
             self._seen.add(key)
-            self.bytes += storage.nbytes()
+            self.bytes += nbytes
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         self.add(t)

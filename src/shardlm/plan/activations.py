@@ -176,3 +176,43 @@ def last_output_saved(s: Shape, mode: str) -> int:
 def final_norm_saved(s: Shape) -> int:
     """Bytes the final norm saves (the output projection's input included)."""
     return norm_saved(s)
+
+
+# ---- tensor parallel with sequence parallel (parallel.tp = T; shardlm/parallel/tp.py) ----------------------------
+# Between the blocks every rank holds B/T tokens (the residual stream, the norms); each norm's output is all-gathered
+# into the B tokens the column-split q/k/v (or gate/up) multiply, which saves that gathered input; inside attention
+# and the MLP every rank holds h/T query heads, kv/T key/value heads and f/T of the FFN width over all B tokens.
+# Modelled for activation checkpointing ``none`` and ``full``.
+
+def sp_norm_saved(s: Shape, tp: int) -> int:
+    """Bytes a sequence-parallel norm before attention or the MLP saves: its normalised x and rsqrt on B/T tokens
+    (and the fp32 copy in bf16), and the all-gathered B tokens the next (column-split) matmul saves."""
+    rows = s.tokens // tp
+    own = 4 * rows * s.d + 4 * rows + (2 * rows * s.d if s.c != 4 else 0)
+    return own + s.c * s.tokens * s.d
+
+
+def block_saved_tp(s: Shape, tp: int, mode: str) -> int:
+    """Bytes one block keeps saved for backward at tensor-parallel degree ``tp`` (``mode``: ``none`` or ``full``)."""
+    rows, c = s.tokens // tp, s.c
+    if mode == "full":
+        return c * rows * s.d
+    if mode != "none":
+        raise ValueError(f"the planner models tensor parallel with activation checkpointing none or full, not {mode!r}")
+    h, kv, f = s.h // tp, s.kv // tp, s.f // tp
+    attn = 2 * c * s.tokens * h * s.hd + 2 * c * s.tokens * kv * s.hd + 4 * s.b * h * s.t
+    if c != 4:
+        attn += 2 * s.t * s.hd * c
+    extra = 2 * norm_saved(s, rows=rows) if s.gemma_norms else 0  # Gemma's post-norms, on the local tokens
+    if s.qk_norm:
+        extra += norm_saved(s, s.hd, s.tokens * h) + norm_saved(s, s.hd, s.tokens * kv)
+    residuals = 2 * c * rows * s.d if c == 4 else 0
+    return 2 * sp_norm_saved(s, tp) + extra + attn + residuals + 4 * c * s.tokens * f
+
+
+def block_backward_transient_tp(s: Shape, tp: int) -> int:
+    """Extra bytes at the high point of a block's backward under tensor parallel: the SwiGLU product's gradients on
+    the local FFN width (2·c·B·f/T), the output gradient all-gathered over the sequence for the row-split down_proj
+    (c·B·d, RowwiseParallel's backward) and the gathered input's partial gradient (c·B·d) before its
+    reduce-scatter."""
+    return 2 * s.c * s.tokens * (s.f // tp) + 2 * s.c * s.tokens * s.d

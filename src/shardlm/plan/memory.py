@@ -163,11 +163,25 @@ def block_group_name(layer: int, blocks_per_group: int, n_layers: int) -> str:
     return f"block{first}" if first == last else f"blocks{first}-{last}"
 
 
-def param_groups(cfg: Config, world_size: int, param_bytes: int = 4) -> tuple[list[Group], int, int]:
+def tp_local_shape(name: str, shape: torch.Size, tp: int) -> tuple[int, int]:
+    """(rows, elements) of this rank's tensor-parallel piece of parameter ``name`` (``parallel/tp.py``'s plan): norm
+    weights are replicated; o_proj and down_proj are split by input columns (rows kept); every other weight and
+    bias (q/k/v, gate/up, the embedding and output projection) by rows."""
+    numel = math.prod(shape)
+    if tp == 1 or name.endswith("norm.weight"):
+        return shape[0], numel
+    if name.endswith(("o_proj.weight", "down_proj.weight")):
+        return shape[0], numel // tp
+    return shape[0] // tp, numel // tp
+
+
+def param_groups(cfg: Config, world_size: int, param_bytes: int = 4, tp: int = 1) -> tuple[list[Group], int, int]:
     """FSDP groups in forward order as ``apply_fsdp`` builds them, and (P, padded local numel).
 
     Shapes come from the model built on the meta device (no memory, no compute); frozen parameters and a LoRA
-    base's storage dtype are taken from :func:`meta_model`.
+    base's storage dtype are taken from :func:`meta_model`. With tensor parallel (``tp`` > 1) a group's sizes are
+    this rank's tensor-parallel pieces (:func:`tp_local_shape`), which FSDP shards over ``world_size`` ranks; P
+    stays the whole model's count.
     """
     model = _planner_model(cfg)
     nf4 = cfg.lora.enabled and cfg.lora.base_dtype == "nf4"
@@ -179,8 +193,8 @@ def param_groups(cfg: Config, world_size: int, param_bytes: int = 4) -> tuple[li
     gathered: dict[str, float] = defaultdict(float)
     total, local = 0, 0
     for name, p in model.named_parameters():
-        rows = p.shape[0]
-        shard = math.ceil(rows / world_size) * (p.numel() // rows)
+        rows, numel = tp_local_shape(name, p.shape, tp)
+        shard = math.ceil(rows / world_size) * (numel // rows)
         if name.startswith("model.layers."):
             key = block_group_name(int(name.split(".")[2]), cfg.parallel.blocks_per_group, cfg.model.n_layers)
         elif cfg.model.tie_embeddings:
@@ -190,17 +204,17 @@ def param_groups(cfg: Config, world_size: int, param_bytes: int = 4) -> tuple[li
         else:
             key = "head"
         g = groups.setdefault(key, Group(key, 0, 0))
-        g.numel += p.numel()
+        g.numel += numel
         g.shard_numel += shard
         if p.requires_grad:
-            g.grad_numel += p.numel()
+            g.grad_numel += numel
             g.grad_shard_numel += shard
         if name in lora_bases and nf4:
-            g.stored_shard_bytes += round(nf4_bytes(p.numel()) * shard / p.numel())
-            gathered[key] += nf4_bytes(p.numel())
+            g.stored_shard_bytes += round(nf4_bytes(numel) * shard / numel)
+            gathered[key] += nf4_bytes(numel)
         else:
             g.stored_shard_bytes += shard * (base_bytes if name in lora_bases else 4)
-            gathered[key] += p.numel() * param_bytes
+            gathered[key] += numel * param_bytes
         total += p.numel()
         local += shard
     for key, g in groups.items():
@@ -226,9 +240,14 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
 
     Raises:
         ConfigError: bad world size (or one ``parallel.cp`` does not divide), global batch not divisible, unknown
-            dtype or AC mode.
+            dtype or AC mode; tensor parallel on a world size it does not divide, or with selective / every-n
+            checkpointing (not modelled).
     """
     st = Settings.from_config(cfg)
+    tp = cfg.parallel.tp
+    if tp > 1 and (world_size % tp or st.ac_mode not in ("none", "full")):
+        raise ConfigError(f"parallel.tp={tp}: the memory planner models tensor parallel on a world size it divides "
+                          f"(got {world_size}) with parallel.activation_checkpoint none or full (got {st.ac_mode!r})")
     if world_size < 1:
         raise ConfigError(f"--world-size must be >= 1, got {world_size}")
     if st.mode == "single" and world_size != 1:
@@ -236,11 +255,11 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
     cp = cfg.parallel.cp  # context parallel: a sequence over cp ranks, each with t_l = T_pad / cp of its tokens
     if world_size % cp:
         raise ConfigError(f"parallel.cp={cp} must divide the world size {world_size}")
-    k = gradient_accumulation_steps(cfg, world_size // cp)
+    k = gradient_accumulation_steps(cfg, world_size // (cp * tp))
     fsdp = st.mode == "fsdp"
-    n = world_size if fsdp else 1
+    n = world_size // tp if fsdp else 1  # FSDP's shard group: the data-parallel ranks
     pb = st.param_bytes if fsdp else 4
-    groups, p_total, _ = param_groups(cfg, n, pb)
+    groups, p_total, _ = param_groups(cfg, n, pb, tp)
     train_local = sum(g.grad_shard_numel for g in groups)
     train_frac = sum(g.grad_numel for g in groups) / p_total  # for the unsharded (DDP, one process) gradients
     rb = st.reduce_bytes if fsdp else 4
@@ -261,6 +280,8 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
     # block-causal: sdpa's dense mask, forward to backward (under CP its own masks are in cp_forward)
     mask_bytes = document_mask_bytes(cfg, pb, device) if cp == 1 else 0
     bd = s.tokens * s.d
+    # the embedding output the first block keeps (fp32, no checkpointing): on the local tokens under TP
+    embed_saved = act.embedding_saved(s, st.ac_mode) // tp
     offload = st.cpu_offload and fsdp and device != "cpu"
     led = _Ledger({"host"})
     state_part = "host" if offload else None
@@ -371,8 +392,9 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
                 unshard(g, f"{mb} forward")
         if fsdp and "embed" in by_name and st.reshard_after_forward:
             reshard(by_name["embed"])
-        led.add("activations", act.embedding_saved(s, st.ac_mode) + mask_bytes + cp_forward, f"{mb} forward")
-        saved = [act.block_saved(s, st.ac_mode, layer, st.ac_every_n) for layer in range(s.n_layers)]
+        led.add("activations", embed_saved + mask_bytes + cp_forward, f"{mb} forward")
+        saved = [act.block_saved_tp(s, tp, st.ac_mode) if tp > 1 else act.block_saved(s, st.ac_mode, layer, st.ac_every_n)
+                 for layer in range(s.n_layers)]
         # a fully checkpointed block keeps only its input (CP's attention comes back in its recompute)
         saved = [n if n == act.block_saved(s, "full", layer) else n + cp_block for layer, n in enumerate(saved)]
         for layer in range(s.n_layers):
@@ -384,10 +406,18 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
         if fsdp and "head" in by_name:
             unshard(by_name["head"], f"{mb} forward output")
         head_acts = act.final_norm_saved(s) + act.last_output_saved(s, st.ac_mode)
+        if tp > 1:  # on the local tokens; the loss all-gathers the hidden states (a temporary, below)
+            local = s.tokens // tp * s.d
+            head_acts = 4 * local + 4 * s.tokens // tp + (s.c * local if st.ac_mode != "none" else 0)
         led.add("activations", head_acts, f"{mb} forward output")
-        # ---- loss and its backward (plan/loss.py: plain on whole logits, or chunked) ----
-        fwd_events, bwd_events = loss_events(s.tokens, s.vocab, s.d, pb, cfg.train.loss_chunk_tokens, softcap,
+        # ---- loss and its backward (plan/loss.py: plain on whole logits, or chunked; under TP vocabulary-parallel:
+        # the vocabulary's local rows, every token, the hidden states all-gathered) ----
+        chunk = cfg.train.loss_chunk_tokens or (s.tokens if tp > 1 else 0)
+        fwd_events, bwd_events = loss_events(s.tokens, s.vocab // tp, s.d, pb, chunk, softcap,
                                              fp32_matmul, head_trains, device != "cpu")
+        if tp > 1:
+            fwd_events = [("temporaries", pb * bd, "loss: hidden states all-gathered"), *fwd_events,
+                          ("temporaries", -pb * bd, "loss")]
         for _part, nbytes, what in fwd_events:
             if nbytes > 0:
                 led.add("temporaries", nbytes, f"{mb} {what}")
@@ -420,18 +450,20 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
                 unshard(blocks[layer], phase)
                 prefetch(blocks[first - 1] if first else by_name.get("embed"), phase)
                 grads_arrive(blocks[layer], phase, mlp_down)
-            whole = act.block_saved_none(s) + cp_block
+            whole = (act.block_saved_tp(s, tp, "none") if tp > 1 else act.block_saved_none(s)) + cp_block
             recompute = whole - saved[layer] if saved[layer] < whole else 0
             led.add("activations", recompute, phase)
-            led.add("temporaries", act.block_backward_transient(s) + cp_transient, phase)
-            led.free("temporaries", act.block_backward_transient(s) + cp_transient)
+            transient = (act.block_backward_transient_tp(s, tp) if tp > 1 else act.block_backward_transient(s))
+            transient += cp_transient
+            led.add("temporaries", transient, phase)
+            led.free("temporaries", transient)
             if fsdp:  # the rest of this block's gradients (all that is left, at the group's first block)
                 block_numel = blocks[layer].numel // (min(first + per_group, s.n_layers) - first)
                 grads_arrive(blocks[layer], phase, None if first_in_group[layer] else block_numel - mlp_down)
             led.free("activations", saved[layer] + recompute)
             if fsdp and first_in_group[layer]:
                 post_backward(blocks[layer], sync, f"{mb} block {layer} reduce-scatter")
-        led.free("activations", act.embedding_saved(s, st.ac_mode) + mask_bytes + cp_forward)
+        led.free("activations", embed_saved + mask_bytes + cp_forward)
         led.free("temporaries", pb * bd)
         if fsdp and "embed" in by_name:
             unshard(by_name["embed"], f"{mb} backward embedding")

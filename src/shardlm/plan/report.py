@@ -7,6 +7,7 @@ import copy
 from shardlm.config import Config
 from shardlm.metrics.memory import format_bytes
 from shardlm.parallel.cp import padded_length
+from shardlm.parallel.dist import mesh_dims
 from shardlm.plan.devices import get_device
 from shardlm.plan.documents import document_mask_bytes, document_shape, has_documents
 from shardlm.plan.memory import PARTS, MemoryPlan, Settings, plan_memory
@@ -111,6 +112,11 @@ def format_plan(cfg: Config, world_size: int, device_name: str, headroom: float)
            f"{padded_length(cfg.train.seq_len, st.cp) // st.cp:,} tokens per rank" if st.cp > 1 else ""),
         f"  per-rank peak memory (at {plan.phase}):",
     ]
+    if st.mode == "fsdp" and st.tp > 1:  # the mesh, outermost first (parallel/dist.py's mesh_dims)
+        dims = mesh_dims(st, world_size, world_size)
+        lines.insert(2, "  layout     mesh " + " x ".join(f"{name} {size}" for name, size in dims) + f": tensor "
+                     f"parallel {st.tp} (q/k/v, gate/up by columns, o/down by rows, vocabulary-parallel embedding, "
+                     "output and loss, sequence-parallel norms), FSDP over the data-parallel dimensions")
     for part in PARTS:
         label = loss_label(cfg.train.loss_chunk_tokens) if part == "temporaries" else LABELS[part]
         lines.append(f"    {label:<48} {plan.breakdown.get(part, 0) / GIB:9.3f} GiB")

@@ -29,10 +29,11 @@ from shardlm.model.lora import (
 )
 from shardlm.parallel.ac import apply_ac, apply_compile
 from shardlm.parallel.cp import ContextParallel, apply_cp
-from shardlm.parallel.dist import DistInfo
+from shardlm.parallel.dist import DistInfo, dp_submesh
 from shardlm.parallel.fsdp import apply_fsdp
 from shardlm.parallel.options import dtype_from_name, mixed_precision_policy, offload_policy
 from shardlm.parallel.reduce_scatter import resolve_reduce_scatter
+from shardlm.parallel.tp import ASYNC_TP_COMPILE_OPTIONS, apply_tp, check_tp
 
 
 def build_model(cfg: Config, info: DistInfo, mesh: DeviceMesh | None,
@@ -43,9 +44,10 @@ def build_model(cfg: Config, info: DistInfo, mesh: DeviceMesh | None,
     parameters (:mod:`shardlm.model.freeze`), or ``[lora]`` replaces the targeted linear layers by
     :class:`~shardlm.model.lora.LoRALinear` (base frozen, stored fp32/bf16/NF4, adapters fp32; with NF4 every
     frozen weight matrix, the token embedding included, is NF4). Then the CPU's
-    bf16 matrix-multiply kernel (``cpu_bf16_matmul``, :mod:`shardlm.model.cpu_matmul`), activation
-    checkpointing, compile, then :func:`apply_fsdp` (or DDP), as torchtitan orders them. With a ``cp`` group of
-    more than one rank, every attention layer first runs through it (:func:`~shardlm.parallel.cp.apply_cp`).
+    bf16 matrix-multiply kernel (``cpu_bf16_matmul``, :mod:`shardlm.model.cpu_matmul`), tensor parallel
+    (``parallel.tp``, :func:`~shardlm.parallel.tp.apply_tp` on ``mesh["tp"]``), activation checkpointing, compile,
+    then :func:`apply_fsdp` over the data-parallel dimensions (or DDP), as torchtitan orders them. With a ``cp``
+    group of more than one rank, every attention layer first runs through it (:func:`~shardlm.parallel.cp.apply_cp`).
 
     No rank ever holds the whole unsharded model: under ``fsdp`` only each rank's shards are
     allocated (``to_empty``) and filled by ``init_weights``, each rank drawing only its own shard's rows
@@ -58,12 +60,14 @@ def build_model(cfg: Config, info: DistInfo, mesh: DeviceMesh | None,
     around it, and :func:`shardlm.convert.hf_in.load_pretrained_`'s byte counts (None for a random init).
 
     Raises:
-        ConfigError: ``single`` mode with more than one rank.
+        ConfigError: ``single`` mode with more than one rank; a model ``parallel.tp`` cannot split, or LoRA with
+            tensor parallel (:func:`~shardlm.parallel.tp.check_tp`).
     """
     mode = cfg.parallel.mode
     if mode == "single" and info.world_size > 1:
         raise ConfigError(f"parallel.mode='single' runs one process, but the world size is {info.world_size}")
     pcfg = cfg.parallel
+    check_tp(cfg.model, pcfg.tp, cfg.train.seq_len, cfg.lora.enabled)  # a model tp cannot split: one message
     with torch.device("meta"):
         model = Llama(cfg.model)
     lora = cfg.lora
@@ -74,16 +78,19 @@ def build_model(cfg: Config, info: DistInfo, mesh: DeviceMesh | None,
             quantize_base_meta_(model, "cpu" if pcfg.cpu_offload else info.device, compute)
     elif cfg.train.trainable or cfg.train.frozen:
         apply_freeze(model, cfg.train.trainable, cfg.train.frozen)
-    if use_fp32_matmul(pcfg.cpu_bf16_matmul, info.device, pcfg.param_dtype):  # a CPU kernel choice, names unchanged
+    # a CPU kernel choice, names unchanged (not under TP: its custom operator has no DTensor sharding rule)
+    if use_fp32_matmul(pcfg.cpu_bf16_matmul, info.device, pcfg.param_dtype) and pcfg.tp == 1:
         apply_fp32_matmul(model)
         set_fp32_matmul(model)
+    if pcfg.tp > 1:  # torchtitan's order: TP, (CP's attention), AC, compile, FSDP over the data-parallel dimensions
+        apply_tp(model, mesh["tp"])
     if cp is not None and cp.size > 1:  # attention across the sequence split (before AC wraps the blocks)
         apply_cp(model, cp)
-    apply_ac(model.model.layers, pcfg.activation_checkpoint, pcfg.activation_checkpoint_n)  # torchtitan's order:
-    if pcfg.compile:                                                                        # AC, compile, FSDP
-        apply_compile(model.model.layers)
+    apply_ac(model.model.layers, pcfg.activation_checkpoint, pcfg.activation_checkpoint_n)
+    if pcfg.compile:  # async TP (CUDA): TorchInductor pipelines the blocks' TP collectives with their multiplies
+        apply_compile(model.model.layers, ASYNC_TP_COMPILE_OPTIONS if pcfg.async_tp else None)
     if mode == "fsdp":
-        apply_fsdp(model, mesh, mixed_precision_policy(pcfg), pcfg.reshard_after_forward,
+        apply_fsdp(model, dp_submesh(mesh), mixed_precision_policy(pcfg), pcfg.reshard_after_forward,
                    offload=offload_policy(pcfg, info.device), forward_prefetch=pcfg.forward_prefetch,
                    backward_prefetch=pcfg.backward_prefetch, async_all_gather=pcfg.async_all_gather,
                    reduce_scatter=resolve_reduce_scatter(pcfg.reduce_scatter, info.device.type),

@@ -27,10 +27,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from shardlm.data.instruct import IGNORE_INDEX
 from shardlm.model.cpu_matmul import Fp32MatmulLinear
 from shardlm.model.lora import LoRALinear
+from shardlm.parallel.tp import tp_degree
+from shardlm.train.vocab_parallel_loss import vocab_parallel_loss_sum
 
 
 def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -56,7 +59,9 @@ def model_loss_sum(model: nn.Module, inputs: Tensor, targets: Tensor, chunk_toke
             hooks run (FSDP's all-gather of the output projection with the final norm, as for the plain loss).
         inputs: (B, T) int64 token ids; targets: (B, T) int64, ``IGNORE_INDEX`` where nothing is scored.
         chunk_tokens: ``train.loss_chunk_tokens``: 0 = logits, then :func:`token_loss_sum` (the logits are freed
-            when this returns); > 0 = :func:`output_loss_sum` through the model's ``head`` argument.
+            when this returns); > 0 = :func:`output_loss_sum` through the model's ``head`` argument. Under tensor
+            parallel (the output projection split over the vocabulary) 0 means one chunk of all the tokens: the
+            vocabulary-parallel loss (:mod:`shardlm.train.vocab_parallel_loss`), whose logits stay split.
         documents: (B, T) int64 document index per token for block-causal attention (packed rows; see
             ``Llama.forward``), or None for a plain causal mask.
         model_kwargs: passed on to the model's forward (context parallelism's ``positions`` and ``masks``).
@@ -68,6 +73,8 @@ def model_loss_sum(model: nn.Module, inputs: Tensor, targets: Tensor, chunk_toke
     """
     if chunk_tokens < 0:
         raise ValueError(f"loss chunk of {chunk_tokens} tokens: must be >= 0 (0 = the plain loss)")
+    if chunk_tokens == 0 and tp_degree(getattr(model, "module", model).lm_head.weight) > 1:  # (DDP: .module)
+        chunk_tokens = inputs.numel()  # the logits are split over the vocabulary: one chunk of every token
     if chunk_tokens == 0:
         return token_loss_sum(model(inputs, documents=documents, **model_kwargs), targets)
 
@@ -83,7 +90,8 @@ def output_loss_sum(llama: nn.Module, hidden: Tensor, targets: Tensor, chunk_tok
     Reads the head as the model's own forward would apply it: ``lm_head`` (an ``nn.Linear``, its CPU
     fp32-multiply form :class:`~shardlm.model.cpu_matmul.Fp32MatmulLinear`, or a
     :class:`~shardlm.model.lora.LoRALinear` with a frozen, possibly bf16 or NF4, base), tied or not, and
-    ``cfg.final_logit_softcap``. An NF4 or narrower weight is dequantised / cast once to the compute dtype.
+    ``cfg.final_logit_softcap``. An NF4 or narrower weight is dequantised / cast once to the compute dtype. A weight
+    split over the vocabulary (a DTensor in the forward: tensor parallel) goes to :func:`vocab_parallel_loss_sum`.
 
     Args:
         hidden: (B, T, D), the final norm's output, compute dtype; targets: (B, T) int64.
@@ -92,6 +100,8 @@ def output_loss_sum(llama: nn.Module, hidden: Tensor, targets: Tensor, chunk_tok
     """
     head = llama.lm_head
     weight = head.weight
+    if isinstance(weight, DTensor):  # tensor parallel: this rank's vocabulary rows (no LoRA, parallel/tp.py)
+        return vocab_parallel_loss_sum(hidden, weight, targets, chunk_tokens, llama.cfg.final_logit_softcap)
     lora = None
     fp32_matmul = isinstance(head, Fp32MatmulLinear)
     if isinstance(head, LoRALinear):

@@ -104,44 +104,31 @@ def sum_of_squares_fp64(t: torch.Tensor) -> torch.Tensor:
     return total
 
 
-@torch.no_grad()
-def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float,
-                    extras: torch.Tensor | None = None) -> torch.Tensor:
-    """Clip gradients in place by their global L2 norm; return that norm, computed so that it does not depend
-    on how the gradients are sharded.
+def _world_sum_of_squares(grads: list[DTensor], local: list[torch.Tensor], extras: torch.Tensor | None) -> torch.Tensor:
+    """The global fp64 sum of squares when every gradient's mesh spans all ranks (FSDP, HSDP, FSDP × TP), in one
+    all-reduce over the world that also carries ``extras``: each rank adds its local values of a gradient only when
+    its coordinate is 0 on every mesh dimension where that gradient is ``Replicate`` (the other coordinates hold
+    copies), so each value is counted exactly once."""
+    total = torch.zeros((), dtype=torch.float64, device=local[0].device)
+    for g, t in zip(grads, local):
+        coordinate = g.device_mesh.get_coordinate()
+        if all(c == 0 for c, p in zip(coordinate, g.placements) if p.is_replicate()):  # (FSDP × TP: _StridedShard,
+            # not a Shard subclass, on the dp dimension)
+            total += sum_of_squares_fp64(t).to(total.device)
+    buf = total.reshape(1) if extras is None else torch.cat([total.reshape(1), extras.to(total.device)])
+    dist.all_reduce(buf)
+    if extras is not None:
+        extras.copy_(buf[1:])
+    return buf[0]
 
-    Each rank sums the squares of its local gradient values in fp64 (for a DTensor gradient, its local
-    shard), then one all-reduce per group of DTensor gradients with the same mesh sums over the mesh
-    dimensions on which they are sharded (all ranks for FSDP, the shard group for HSDP; none for DDP or one
-    process, whose gradients are whole on every rank). Summing fp64 squares makes the result independent
-    of the partition to ~1e-16 relative, where ``torch.nn.utils.clip_grad_norm_`` sums fp32 norms and
-    differs by ~1e-5 between world sizes. Gradients are then multiplied by
-    ``min(1, max_norm / (norm + 1e-6))``, the rule of ``torch.nn.utils.clip_grad_norm_``.
 
-    ``extras`` lets a caller sum a few other values over all ranks without a collective of its own: they
-    travel in the norm's all-reduce when that one spans every rank (FSDP's one-dimensional mesh: one
-    collective per step for both), and in one all-reduce of their own otherwise (DDP, HSDP, a
-    multi-group model). Nothing here reads a value to the host.
-
-    Args:
-        parameters: the model's parameters (plain tensors or DTensors; those without ``.grad`` are skipped).
-        max_norm: the largest allowed norm; ``math.inf`` only measures.
-        extras: optional 1-D float64 tensor on the gradients' device, summed over all ranks in place.
-
-    Returns:
-        A 0-dim float64 tensor on the gradients' device: the global norm before clipping (NaN or inf when a
-        gradient is not finite; the caller decides what to do).
-    """
-    grads = [p.grad for p in parameters if p.grad is not None]
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if not grads:
-        if extras is not None and world > 1:
-            dist.all_reduce(extras)
-        return torch.zeros((), dtype=torch.float64)
-    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+def _grouped_sum_of_squares(grads: list[torch.Tensor], local: list[torch.Tensor], extras: torch.Tensor | None,
+                            world: int) -> torch.Tensor:
+    """The global fp64 sum of squares otherwise (DDP, one process, meshes not spanning every rank): one all-reduce
+    per (mesh, sharded dimension) group, ``extras`` packed into one spanning every rank, else all-reduced alone."""
     squares: dict[tuple, torch.Tensor] = {}  # (mesh, sharded mesh dims) -> fp64 sum of squares on this rank
     for g, t in zip(grads, local):
-        key = (g.device_mesh, tuple(i for i, p in enumerate(g.placements) if p.is_shard())) \
+        key = (g.device_mesh, tuple(i for i, p in enumerate(g.placements) if not p.is_replicate())) \
             if isinstance(g, DTensor) else (None, ())
         sq = sum_of_squares_fp64(t)
         squares[key] = squares[key] + sq if key in squares else sq
@@ -161,6 +148,50 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float,
         total += sq.to(total.device)
     if not packed:
         dist.all_reduce(extras)
+    return total
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float,
+                    extras: torch.Tensor | None = None) -> torch.Tensor:
+    """Clip gradients in place by their global L2 norm; return that norm, computed so that it does not depend
+    on how the gradients are sharded.
+
+    Each rank sums the squares of its local gradient values in fp64 (for a DTensor gradient, its local
+    shard). When every gradient is a DTensor on a mesh of all ranks (FSDP, HSDP, FSDP × TP), one all-reduce
+    over the world sums them, each rank counting a gradient only where its mesh coordinate is 0 on the
+    dimensions that gradient is replicated on (a norm weight under TP, the replicas of HSDP), so every value
+    is counted once. Otherwise (DDP, one process, meshes of part of the ranks) one all-reduce per group of
+    gradients with the same mesh sums over the dimensions on which they are sharded. Summing fp64 squares
+    makes the result independent of the partition to ~1e-16 relative, where ``torch.nn.utils.clip_grad_norm_``
+    sums fp32 norms and differs by ~1e-5 between world sizes. Gradients are then multiplied by
+    ``min(1, max_norm / (norm + 1e-6))``, the rule of ``torch.nn.utils.clip_grad_norm_``.
+
+    ``extras`` lets a caller sum a few other values over all ranks without a collective of its own: they
+    travel in the norm's all-reduce when that one spans every rank (FSDP, HSDP, FSDP × TP: one collective
+    per step for both), and in one all-reduce of their own otherwise (DDP, a multi-group model). Nothing
+    here reads a value to the host.
+
+    Args:
+        parameters: the model's parameters (plain tensors or DTensors; those without ``.grad`` are skipped).
+        max_norm: the largest allowed norm; ``math.inf`` only measures.
+        extras: optional 1-D float64 tensor on the gradients' device, summed over all ranks in place.
+
+    Returns:
+        A 0-dim float64 tensor on the gradients' device: the global norm before clipping (NaN or inf when a
+        gradient is not finite; the caller decides what to do).
+    """
+    grads = [p.grad for p in parameters if p.grad is not None]
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if not grads:
+        if extras is not None and world > 1:
+            dist.all_reduce(extras)
+        return torch.zeros((), dtype=torch.float64)
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    if world > 1 and all(isinstance(g, DTensor) and g.device_mesh.size() == world for g in grads):
+        total = _world_sum_of_squares(grads, local, extras)  # every mesh spans the world: one all-reduce
+    else:
+        total = _grouped_sum_of_squares(grads, local, extras, world)
     norm = total.sqrt()
     if math.isfinite(max_norm):
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)

@@ -55,7 +55,7 @@ from shardlm.parallel import (
     set_gradient_sync,
 )
 from shardlm.parallel.cp import build_context_parallel
-from shardlm.parallel.dist import set_matmul_precision, to_device
+from shardlm.parallel.dist import data_parallel_rank, set_matmul_precision, to_device
 from shardlm.parallel.faults import FaultMonitor, guard_collectives
 from shardlm.parallel.options import describe
 from shardlm.train.build import build_model, unwrap
@@ -98,8 +98,9 @@ class Trainer:
         self.keep_history = keep_history
         self.info = info or init_distributed(cfg.parallel)
         set_matmul_precision(self.info.device, cfg.parallel)  # TF32 on CUDA unless parallel.tf32 = false
-        #: this rank's data-parallel coordinate: the ``parallel.cp`` ranks of a CP group take the same samples
-        self.dp_rank, self.dp_size = self.info.rank // cfg.parallel.cp, self.info.world_size // cfg.parallel.cp
+        #: this rank's index among the ranks that read different samples, and their number (the ranks of a
+        #: tensor-parallel or context-parallel group share samples)
+        self.dp_rank, self.dp_size = data_parallel_rank(self.info, cfg.parallel)
         self.accum_steps = gradient_accumulation_steps(cfg, self.dp_size)
         #: the kernel of block-causal attention (shardlm/model/attention.py), None under causal attention
         self.attention_backend = None
@@ -284,10 +285,11 @@ class Trainer:
         if self.keep_history:
             self.sample_ids[self.step] = [i for ids in micro_ids for i in ids]
         # The loss is the mean over every target token of the global batch, so the update equals one
-        # step on the whole batch in one process. FSDP/DDP average gradients over ranks, hence × N.
+        # step on the whole batch in one process. FSDP/DDP average gradients over the N ranks of their mesh (the
+        # data-parallel ranks, with the CP ranks that join the shard group; not the TP peers), hence × N.
         # scale = N / n_tokens in fp32, rounded as ``N / torch.tensor([n_tokens])`` rounds (1/n, then × N)
         n_tokens = np.float32(self._global_targets(self.step))
-        scale = float((np.float32(1.0) / n_tokens) * np.float32(info.world_size))
+        scale = float((np.float32(1.0) / n_tokens) * np.float32(info.world_size // cfg.parallel.tp))
         batches = [to_device(self.train_data.get(ids), info.device) for ids in micro_ids]  # pinned, async on CUDA
         loss_sum = torch.zeros((), dtype=torch.float64, device=info.device)
         if cfg.lora.enabled and cfg.lora.dropout > 0:  # LoRA dropout: seeded per step and rank (resume is exact)
@@ -302,7 +304,7 @@ class Trainer:
         # summed over ranks inside the gradient norm's all-reduce: [loss sum, preemption flag, per-rank slots]
         per_rank = self._per_rank_values() if log else {}
         extras = torch.zeros(2 + info.world_size * len(per_rank), dtype=torch.float64, device=info.device)
-        extras[0] = loss_sum
+        extras[0] = loss_sum if self._counts_loss() else 0.0  # a tensor-parallel group's loss, once
         extras[1].fill_(float(self.checkpointer.signal_received()))
         for j, value in enumerate(per_rank.values()):  # this rank's slots (fills: no host-to-device copy)
             extras[2 + info.rank * len(per_rank) + j].fill_(float(value))
@@ -370,6 +372,11 @@ class Trainer:
         reset_device_peaks(self.info.device)  # the next record's peaks cover its own logging interval
         return out
 
+    def _counts_loss(self) -> bool:
+        """Whether this rank's loss enters the sums over ranks: one rank per tensor-parallel group (its first), whose
+        ranks all hold the same loss of the same samples."""
+        return self.info.rank % self.cfg.parallel.tp == 0
+
     def _skip_if_nonfinite(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         """On the device: remember the first step whose loss or gradient norm is not finite, and from it on make
         the optimizer skip its updates (fused AdamW's ``found_inf``; its step counts do not advance)."""
@@ -401,7 +408,7 @@ class Trainer:
             # every rank runs the same number of forwards (FSDP all-gathers); padding batches count zero
             batch = to_device(self.val_data.get(ids or [0]), info.device)
             loss, targets = self._loss_sum(batch)
-            if ids:
+            if ids and self._counts_loss():
                 totals += torch.stack([loss.double(), targets.ne(IGNORE_INDEX).sum().double()])
         all_reduce_sum(totals)
         return (totals[0] / totals[1]).item()

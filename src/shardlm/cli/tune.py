@@ -1,6 +1,6 @@
 """``shardlm tune``: choose the FSDP settings that fit and run fastest, from the planner and a few measured steps.
 
-See :mod:`shardlm.plan.tune` for the candidates and the search, :mod:`shardlm.plan.tune_worker` for the launch.
+See :mod:`shardlm.plan.tune` for the candidates and the search, :mod:`shardlm.cli.tune_worker` for the launch.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Data: read corpora (``readers.py``, ``corpus.py``), train/load tokenizers (``tokenizer.py``), encode and write
+"""Data: read corpora (``pieces.py`` cuts them, ``streams.py`` reads bytes, ``readers.py`` formats, ``corpus.py``),
+train/load tokenizers (``tokenizer.py``), encode and write
 token shards (``prepare.py``, ``encode.py``, ranks agreeing through ``sync.py``), instruction data (``instruct.py``),
 what prepared data was made from (``identity.py``), a config's prepared data (``build.py``), sample batches and
 mixtures (``loader.py``, ``mixture.py``).
@@ -14,7 +15,7 @@ from typing import Any
 
 _EXPORTS = {
     "DataError": "corpus", "SHAKESPEARE": "corpus", "shakespeare_dir": "corpus", "strip_markdown": "corpus",
-    "read_documents": "readers", "plan_pieces": "readers", "read_piece": "readers",
+    "read_documents": "readers", "plan_pieces": "pieces", "read_piece": "readers",
     "GlobalBatchSampler": "loader", "TokenStream": "loader", "TokenWindows": "loader", "eval_windows": "loader",
     "MixtureSampler": "mixture", "MixtureWindows": "mixture",
     "is_prepared": "prepare", "load_meta": "prepare", "prepare_corpus": "prepare", "token_dtype": "prepare",

@@ -129,7 +129,8 @@ def test_no_branch_on_a_family_name_outside_the_families_package():
 #: ``shardlm.convert.export`` sits above the rest of ``convert``); every ``__main__`` (a program, which nothing
 #: imports) is in the top layer with the CLI.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("shardlm", "shardlm.errors", "shardlm.atomic", "shardlm.devices"),  # leaves: error types, atomic writes, devices
+    # leaves: error types, atomic writes, checked JSON reads, the device table
+    ("shardlm", "shardlm.errors", "shardlm.atomic", "shardlm.json_file", "shardlm.devices"),
     # the model, no distributed code; config.json <-> ModelConfig (reads only model/, imports no torch)
     ("shardlm.model", "shardlm.convert.hf_config"),
     ("shardlm.config",),  # the run's configuration: sections, loading, checks

@@ -4,13 +4,13 @@ token dtype, and whether the directory is complete (:func:`is_prepared`). Writin
 
 from __future__ import annotations
 
-import json
 import pathlib
 from typing import Any
 
 import numpy as np
 
 from shardlm.errors import DataError
+from shardlm.json_file import read_json
 
 META_FILE = "meta.json"
 FORMAT = "shards"
@@ -40,12 +40,7 @@ def load_meta(out_dir: str) -> dict[str, Any]:
     path = pathlib.Path(out_dir).expanduser() / META_FILE
     if not path.is_file():
         raise DataError(f"{path} not found: run data preparation first (shardlm prepare)")
-    try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise DataError(f"{path}: cannot read meta ({exc})") from exc
-    if not isinstance(meta, dict):
-        raise DataError(f"{path}: expected a JSON object")
+    meta = read_json(path, DataError)
     for key in ("dtype", "vocab_size", "train_tokens", "val_tokens"):
         if key not in meta:
             raise DataError(f"{path}: missing field {key!r}")

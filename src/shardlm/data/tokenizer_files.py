@@ -19,6 +19,7 @@ from typing import Any
 
 from shardlm.data.tokenizer import load_tokenizer, special_token_ids
 from shardlm.errors import DataError
+from shardlm.json_file import read_json
 
 __all__ = ["SPECIAL_TOKEN_KEYS", "TOKENIZER_FILES", "TokenizerConfig", "eos_ids_of", "generation_config",
            "json_line", "model_special_ids", "read_tokenizer_config", "synthesized_config", "token_text",
@@ -87,12 +88,7 @@ def read_tokenizer_config(tokenizer_path: str | pathlib.Path) -> TokenizerConfig
     if not path.is_file():
         out.config = synthesized_config(load_tokenizer(str(tok)))
     else:
-        try:
-            config = json.loads(path.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise DataError(f"{path}: not valid JSON ({e})") from None
-        if not isinstance(config, dict):
-            raise DataError(f"{path}: expected a JSON object")
+        config = read_json(path, DataError)
         out.config, out.config_path = config, path
         template = config.get("chat_template")
         if isinstance(template, list):
@@ -149,13 +145,8 @@ def _ids(value: Any) -> list[int]:
 
 
 def _json(path: pathlib.Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise DataError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise DataError(f"{path}: expected a JSON object")
-    return data
+    """The JSON object in ``path``; DataError naming it otherwise."""
+    return read_json(path, DataError)
 
 
 def eos_ids_of(directory: str | pathlib.Path) -> dict[str, list[int]]:

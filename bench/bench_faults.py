@@ -62,8 +62,8 @@ def worker(spec_path: str) -> None:
     """Train as the spec says, logging each step's sample ids; kill this rank where the spec's ``kill`` says."""
     import torch.distributed as dist
 
-    from shardlm.checkpoint import dcp as dcp_module
     from shardlm.checkpoint import fs_errors
+    from shardlm.checkpoint import saving as saving_module  # the save path: its manifest and retention
     from shardlm.config import load_config
     from shardlm.parallel import exit_process, init_distributed
     from shardlm.train import Trainer
@@ -115,7 +115,7 @@ def worker(spec_path: str) -> None:
 
     fs_errors._RecordingFile.write = counting_write
     if mine and kill["kind"] == "manifest":
-        write_manifest = dcp_module.write_manifest
+        write_manifest = saving_module.write_manifest
 
         def killing_manifest(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
             path = write_manifest(*args, **kwargs)
@@ -123,9 +123,9 @@ def worker(spec_path: str) -> None:
                 die()
             return path
 
-        dcp_module.write_manifest = killing_manifest
+        saving_module.write_manifest = killing_manifest
     elif mine and kill["kind"] == "retention":
-        remove, removed = dcp_module.remove_directory, [0]
+        remove, removed = saving_module.remove_directory, [0]
 
         def killing_remove(path: Path) -> None:
             removed[0] += 1
@@ -134,7 +134,7 @@ def worker(spec_path: str) -> None:
             os.replace(path, path.with_name(f".tmp-deleting-{path.name}"))  # as remove_directory does first
             die()
 
-        dcp_module.remove_directory = killing_remove
+        saving_module.remove_directory = killing_remove
     trainer.train()
     note({"done": True, "time": time.time()})
     log.close()

@@ -150,11 +150,11 @@ def test_cuts_leave_byte_level_tokens_unchanged(tmp_path, monkeypatch, smol_dir)
     the whole text in one call, for shardlm's tokenizer, the same with Llama 3's pre-tokenizer regex, SmolLM2's."""
     from tokenizers import Regex, pre_tokenizers
 
-    from shardlm.data import readers
+    from shardlm.data import pieces as data_pieces
 
     text = _awkward_text(6000)
     (tmp_path / "big.txt").write_text(text, newline="")
-    monkeypatch.setattr(readers, "_READ_BLOCK", 1000)
+    monkeypatch.setattr(data_pieces, "READ_BLOCK", 1000)
     pieces, _ = plan_pieces(str(tmp_path / "big.txt"), piece_bytes=10_000)
     chunks = [c.text for p in pieces for c in read_piece(p, chunk_chars=1200)]
     assert len(pieces) > 10 and len(chunks) > 100
@@ -185,9 +185,9 @@ def test_cuts_leave_byte_level_tokens_unchanged(tmp_path, monkeypatch, smol_dir)
 def test_a_line_longer_than_the_read_limit_is_cut_between_characters(tmp_path, monkeypatch):
     """A line longer than 4 read blocks: cut anywhere but inside a UTF-8 character or a CRLF; and such a line
     does not stop the piece cuts of the rest of the file."""
-    from shardlm.data import readers
+    from shardlm.data import pieces as data_pieces
 
-    monkeypatch.setattr(readers, "_READ_BLOCK", 1000)
+    monkeypatch.setattr(data_pieces, "READ_BLOCK", 1000)
     text = "ab漢é" * 3001 + "\r\nend\n"  # one 33 KB line of 1-, 2- and 3-byte characters
     (tmp_path / "long.txt").write_text(text, newline="")
     pieces, _ = plan_pieces(str(tmp_path / "long.txt"))

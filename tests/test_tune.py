@@ -123,7 +123,7 @@ def test_tune_measures_the_fitting_candidates_in_one_launch(tmp_path, small_data
 
 
 def tune_workers() -> dict[int, int]:
-    """{rank: PID} of the running ``shardlm.plan.tune_worker`` ranks (not torchrun itself)."""
+    """{rank: PID} of the running ``shardlm.cli.tune_worker`` ranks (not torchrun itself)."""
     pids = {}
     for proc in Path("/proc").iterdir():
         try:
@@ -131,7 +131,7 @@ def tune_workers() -> dict[int, int]:
             env = (proc / "environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"shardlm.plan.tune_worker" in cmd and b"torch.distributed.run" not in cmd:
+        if b"shardlm.cli.tune_worker" in cmd and b"torch.distributed.run" not in cmd:
             rank = next(int(v[5:]) for v in env if v.startswith(b"RANK="))
             pids[rank] = int(proc.name)
     return pids

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from shardlm.errors import CheckpointError
+from shardlm.json_file import read_json
 
 MANIFEST = "manifest.json"
 FORMAT = "shardlm-checkpoint"
@@ -87,10 +88,7 @@ def read_manifest(ckpt_dir: str | os.PathLike) -> dict[str, Any]:
     if not (path / MANIFEST).is_file():
         raise CheckpointError(f"{path} is not a complete shardlm checkpoint: {MANIFEST} not found "
                               "(not a checkpoint, or a save that did not finish)")
-    try:
-        manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path / MANIFEST} is not valid JSON: {e}") from None
+    manifest = read_json(path / MANIFEST, CheckpointError, expect=object)
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not isinstance(manifest.get("files"), dict):
         raise CheckpointError(f"{path / MANIFEST} is not a {FORMAT} manifest")
     if manifest.get("version") != VERSION:

@@ -1,7 +1,7 @@
 """``shardlm tune``: choose the FSDP settings that fit and run fastest, from the planner and a few measured steps.
 
 See :mod:`shardlm.plan.tune` for the candidates and the search (:mod:`.tune_candidates`, :mod:`.tune_search`) and the
-launch, :mod:`shardlm.plan.tune_worker` for the measuring workers.
+launch, :mod:`shardlm.cli.tune_worker` for the measuring workers.
 """
 
 from __future__ import annotations

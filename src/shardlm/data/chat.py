@@ -35,7 +35,7 @@ from datetime import datetime
 from typing import Any
 
 from shardlm.data.tokenizer import load_tokenizer
-from shardlm.data.tokenizer_files import read_tokenizer_config
+from shardlm.data.tokenizer_files import OpenedTokenizer, read_tokenizer_config
 from shardlm.errors import DataError
 
 __all__ = ["DEFAULT_CHAT_TEMPLATE", "ChatTemplate", "EncodedChat"]
@@ -139,7 +139,8 @@ class ChatTemplate:
 
     Args:
         tokenizer_path: a ``tokenizer.json``; ``tokenizer_config.json`` / ``chat_template.jinja``
-            beside it are read (see :func:`read_tokenizer_config`).
+            beside it are read (see :func:`read_tokenizer_config`); or an :class:`OpenedTokenizer` (nothing
+            read again).
         use_transformers: render and tokenize through ``transformers`` when it is installed (default);
             False forces the ``jinja2`` + ``tokenizers`` path.
 
@@ -148,12 +149,15 @@ class ChatTemplate:
             file, the template's line and jinja's message).
     """
 
-    def __init__(self, tokenizer_path: str | pathlib.Path, use_transformers: bool = True) -> None:
-        self.files = read_tokenizer_config(tokenizer_path)
+    def __init__(self, tokenizer_path: str | pathlib.Path | OpenedTokenizer, use_transformers: bool = True) -> None:
+        if isinstance(tokenizer_path, OpenedTokenizer):
+            self.files, self.tokenizer = tokenizer_path.files, tokenizer_path.tokenizer
+        else:
+            self.files = read_tokenizer_config(tokenizer_path)
+            self.tokenizer = load_tokenizer(str(self.files.tokenizer_path))
         self.template = self.files.chat_template or DEFAULT_CHAT_TEMPLATE
         self.source = str(self.files.template_source or "shardlm's default chat template")
         self.special_tokens = self.files.special_tokens
-        self.tokenizer = load_tokenizer(str(self.files.tokenizer_path))
         import jinja2
 
         try:

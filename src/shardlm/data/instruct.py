@@ -38,8 +38,8 @@ from shardlm.data.chat import ChatTemplate
 from shardlm.data.corpus import jsonl_objects
 from shardlm.data.identity import describe_instructions
 from shardlm.data.prepare import load_meta, token_dtype, unigram_entropy
-from shardlm.data.tokenizer import load_tokenizer, special_token_ids
-from shardlm.data.tokenizer_files import model_special_ids, write_tokenizer_files
+from shardlm.data.tokenizer import special_token_ids
+from shardlm.data.tokenizer_files import model_special_ids, open_tokenizer, write_tokenizer_files
 from shardlm.errors import DataError
 
 IGNORE_INDEX = -100
@@ -105,11 +105,12 @@ def prepare_instructions(corpus: str, out_dir: str, tokenizer_path: str, vocab_s
     examples = read_instructions(corpus)
     if len(examples) < 2:
         raise DataError(f"{corpus}: {len(examples)} example(s); need at least 2 (train and validation)")
-    tok = load_tokenizer(tokenizer_path)
+    opened = open_tokenizer(tokenizer_path)  # read once, handed to every step below
+    tok = opened.tokenizer
     if tok.get_vocab_size() > vocab_size:
         raise DataError(f"tokenizer has {tok.get_vocab_size()} tokens but vocab_size is {vocab_size}: the model's "
                         "embedding must hold every token id")
-    chat = ChatTemplate(tokenizer_path)
+    chat = ChatTemplate(opened)
     if identity is None:
         identity = describe_instructions(corpus, tokenizer_path, vocab_size, val_fraction)
     chats = [(line, chat.encode_chat(msgs, False, f"{corpus}:{line}")) for line, msgs in examples]
@@ -140,10 +141,10 @@ def prepare_instructions(corpus: str, out_dir: str, tokenizer_path: str, vocab_s
                 "tokenizer_vocab_size": int(tok.get_vocab_size()), "train_tokens": counts["train"],
                 "val_tokens": counts["val"], "train_examples": len(encoded) - n_val, "val_examples": n_val,
                 "corpus": corpus, "special_ids": special_token_ids(tok),
-                "model_special_ids": model_special_ids(tokenizer_path),
+                "model_special_ids": model_special_ids(opened),
                 "unigram_entropy_nats": unigram_entropy(response), "assistant_turns": turns,
                 "identity": identity}
-        write_tokenizer_files(tokenizer_path, tmp, chat_template=chat.template)  # the template trained with
+        write_tokenizer_files(opened, tmp, chat_template=chat.template)  # the template trained with
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
     unsupervised = sum(t["found"] - t["supervised"] for t in turns.values())
     print(f"prepare: {corpus}: assistant turns found / supervised: " + ", ".join(

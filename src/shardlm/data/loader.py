@@ -15,7 +15,7 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from shardlm.data.prepare import FORMAT, load_meta
+from shardlm.data.meta import FORMAT, load_meta
 from shardlm.errors import DataError
 
 __all__ = ["TokenStream", "TokenWindows", "GlobalBatchSampler", "eval_windows"]

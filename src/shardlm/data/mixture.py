@@ -36,7 +36,6 @@ from shardlm.data.identity import describe_mixture, tokenizer_files
 from shardlm.data.loader import GlobalBatchSampler, TokenWindows
 from shardlm.data.prepare import (
     META_FILE,
-    Sync,
     _sample_texts,
     is_prepared,
     load_meta,
@@ -44,6 +43,7 @@ from shardlm.data.prepare import (
     staging_dir,
 )
 from shardlm.data.readers import plan_pieces
+from shardlm.data.sync import Sync
 from shardlm.data.tokenizer import train_tokenizer
 
 __all__ = ["MIXTURE", "MixtureSampler", "MixtureWindows", "prepare_mixture", "is_mixture_prepared"]

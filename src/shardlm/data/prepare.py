@@ -21,7 +21,7 @@ How it runs (:func:`prepare_corpus`):
 1. every rank cuts the corpus into the same pieces (:func:`shardlm.data.readers.plan_pieces`);
 2. rank 0 trains the tokenizer on a bounded, seeded sample of the pieces (or copies the given one)
    into a staging directory ``.<out_dir name>.partial`` beside ``out_dir``; the other ranks wait
-   for it through the :class:`Sync` (the TCP store, never a collective);
+   for it through the :class:`~shardlm.data.sync.Sync` (the TCP store, never a collective);
 3. rank ``r`` of ``W`` encodes the pieces ``i`` with ``i % W == r`` that are not finished yet, with
    ``workers`` processes (:func:`shardlm.data.encode.encode_pieces`);
 4. rank 0 waits until every piece is finished, writes ``meta.json`` and renames the staging
@@ -47,21 +47,24 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from shardlm.data.encode import DOCUMENT_STARTS, encode_pieces, piece_done, shard_name, write_document_starts
 from shardlm.data.identity import describe_corpus, tokenizer_files
+from shardlm.data.meta import FORMAT, META_FILE, is_prepared, load_meta, token_dtype
 from shardlm.data.readers import Piece, dataset_dict_note, plan_pieces, read_piece
 from shardlm.data.tokenizer import load_tokenizer, special_token_ids, train_tokenizer
 from shardlm.data.tokenizer_files import model_special_ids, write_tokenizer_files
 from shardlm.errors import DataError
 
-__all__ = [
+if TYPE_CHECKING:
+    from shardlm.data.sync import Sync
+
+__all__ = [  # with the prepared-data names of meta.py, importable from here as before
     "META_FILE",
     "FORMAT",
-    "Sync",
     "prepare_corpus",
     "load_meta",
     "is_prepared",
@@ -71,22 +74,9 @@ __all__ = [
     "staging_dir",
 ]
 
-META_FILE = "meta.json"
-FORMAT = "shards"
-"""``meta["format"]`` of a directory written by :func:`prepare_corpus`."""
-_LEGACY_FILES = ("train.bin", "val.bin", "tokenizer.json", META_FILE)
 _FINGERPRINT = "plan.json"
 _VERSION = 3  # bump when the bytes a piece encodes to change
 _SAMPLE_CAP = 1 << 20  # bytes of text a tokenizer sample takes from a piece at least
-
-
-def token_dtype(vocab_size: int) -> np.dtype:
-    """Smallest unsigned dtype that holds every id of a ``vocab_size`` vocabulary.
-
-    Returns:
-        ``np.dtype("uint16")`` if ``vocab_size <= 65536`` else ``np.dtype("uint32")``.
-    """
-    return np.dtype(np.uint16 if vocab_size <= 65536 else np.uint32)
 
 
 def default_workers() -> int:
@@ -108,35 +98,6 @@ def _entropy(counts: np.ndarray) -> float:
     counts = counts[counts > 0].astype(np.float64)
     p = counts / counts.sum()
     return float(-(p * np.log(p)).sum())
-
-
-class Sync(Protocol):
-    """How the ranks of one preparation wait for each other (a single process needs none).
-
-    :class:`shardlm.data.sync.StoreSync` implements it over the TCP store with its own long
-    timeout, so no rank ever waits inside a collective bounded by ``parallel.timeout_s``.
-    """
-
-    rank: int
-    world_size: int
-
-    def publish(self, name: str) -> None:
-        """Mark the event ``name`` as happened."""
-
-    def wait(self, name: str, what: str) -> None:
-        """Wait until ``name`` was published, reporting what it waits for; raise if another rank failed."""
-
-    def count(self, name: str, amount: int = 1) -> int:
-        """Add ``amount`` to the counter ``name`` and return its new value."""
-
-    def wait_count(self, name: str, target: int, what: str, total: Callable[[], str]) -> None:
-        """Wait until the counter ``name`` reaches ``target``, reporting ``total()`` as progress."""
-
-    def fail(self, message: str) -> None:
-        """Tell the other ranks that this one failed."""
-
-    def sub(self, name: str) -> Sync:
-        """A Sync for a preparation nested in this one (keys of its own)."""
 
 
 def staging_dir(out_dir: str | os.PathLike) -> pathlib.Path:
@@ -474,54 +435,3 @@ def prepare_corpus(
         if sync is not None and isinstance(exc, Exception):
             sync.fail(f"{type(exc).__name__}: {exc}")
         raise
-
-
-def load_meta(out_dir: str) -> dict[str, Any]:
-    """Read ``<out_dir>/meta.json`` written by :func:`prepare_corpus`.
-
-    Returns:
-        The meta dict.
-
-    Raises:
-        DataError: the file is missing, not JSON, or lacks ``dtype``/``train_tokens``
-            /``val_tokens``/``vocab_size``.
-    """
-    path = pathlib.Path(out_dir).expanduser() / META_FILE
-    if not path.is_file():
-        raise DataError(f"{path} not found: run data preparation first (shardlm prepare)")
-    try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise DataError(f"{path}: cannot read meta ({exc})") from exc
-    if not isinstance(meta, dict):
-        raise DataError(f"{path}: expected a JSON object")
-    for key in ("dtype", "vocab_size", "train_tokens", "val_tokens"):
-        if key not in meta:
-            raise DataError(f"{path}: missing field {key!r}")
-    return meta
-
-
-def is_prepared(out_dir: str) -> bool:
-    """True if ``out_dir`` holds a complete prepared dataset: a readable ``meta.json``, the tokenizer,
-    and token files whose sizes match the counts the meta records (shards, or ``train.bin``/``val.bin``)."""
-    root = pathlib.Path(out_dir).expanduser()
-    try:
-        meta = load_meta(out_dir)
-        itemsize = np.dtype(meta["dtype"]).itemsize
-        if not (root / "tokenizer.json").is_file():
-            return False
-        if meta.get("format") == FORMAT:
-            shards = meta["shards"]
-            if sum(int(s["tokens"]) for s in shards) != int(meta["train_tokens"]) + int(meta["val_tokens"]):
-                return False
-            return all((root / s["file"]).is_file() and (root / s["file"]).stat().st_size == int(s["tokens"]) * itemsize
-                       for s in shards)
-    except (DataError, TypeError, KeyError, ValueError, OSError):
-        return False
-    if not all((root / name).is_file() for name in _LEGACY_FILES):
-        return False
-    return (
-        (root / "train.bin").stat().st_size == int(meta["train_tokens"]) * itemsize
-        and (root / "val.bin").stat().st_size == int(meta["val_tokens"]) * itemsize
-    )
-

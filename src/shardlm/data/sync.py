@@ -18,13 +18,13 @@ import socket
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch.distributed as dist
 
 from shardlm.data.corpus import DataError
 
-__all__ = ["StoreSync", "check_same_data", "data_fingerprint", "default_store"]
+__all__ = ["StoreSync", "Sync", "check_same_data", "data_fingerprint", "default_store"]
 
 
 def default_store() -> Any:
@@ -38,8 +38,37 @@ def default_store() -> Any:
     return dist.distributed_c10d._get_default_store()
 
 
+class Sync(Protocol):
+    """How the ranks of one preparation wait for each other (a single process needs none).
+
+    :class:`StoreSync` implements it over the TCP store with its own long
+    timeout, so no rank ever waits inside a collective bounded by ``parallel.timeout_s``.
+    """
+
+    rank: int
+    world_size: int
+
+    def publish(self, name: str) -> None:
+        """Mark the event ``name`` as happened."""
+
+    def wait(self, name: str, what: str) -> None:
+        """Wait until ``name`` was published, reporting what it waits for; raise if another rank failed."""
+
+    def count(self, name: str, amount: int = 1) -> int:
+        """Add ``amount`` to the counter ``name`` and return its new value."""
+
+    def wait_count(self, name: str, target: int, what: str, total: Callable[[], str]) -> None:
+        """Wait until the counter ``name`` reaches ``target``, reporting ``total()`` as progress."""
+
+    def fail(self, message: str) -> None:
+        """Tell the other ranks that this one failed."""
+
+    def sub(self, name: str) -> Sync:
+        """A Sync for a preparation nested in this one (keys of its own)."""
+
+
 class StoreSync:
-    """:class:`shardlm.data.prepare.Sync` over a ``torch.distributed`` store.
+    """:class:`Sync` over a ``torch.distributed`` store.
 
     Args:
         store: A ``torch.distributed.Store`` (TCPStore, or a PrefixStore over one).

@@ -17,8 +17,9 @@ import shutil
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardlm.data.tokenizer import load_tokenizer, special_token_ids
+from shardlm.data.tokenizer import Tokenizer, load_tokenizer, special_token_ids
 from shardlm.errors import DataError
+from shardlm.json_file import read_json
 
 __all__ = ["SPECIAL_TOKEN_KEYS", "TOKENIZER_FILES", "TokenizerConfig", "eos_ids_of", "generation_config",
            "json_line", "model_special_ids", "read_tokenizer_config", "synthesized_config", "token_text",
@@ -69,10 +70,11 @@ class TokenizerConfig:
         return out
 
 
-def read_tokenizer_config(tokenizer_path: str | pathlib.Path) -> TokenizerConfig:
+def read_tokenizer_config(tokenizer_path: str | pathlib.Path, tokenizer: Tokenizer | None = None) -> TokenizerConfig:
     """Read ``tokenizer_config.json`` and ``chat_template.jinja`` beside ``tokenizer_path`` (both optional).
 
-    Without a ``tokenizer_config.json`` the config is :func:`synthesized_config` (``config_path`` None).
+    Without a ``tokenizer_config.json`` the config is :func:`synthesized_config` (``config_path`` None), made from
+    ``tokenizer`` when given (``tokenizer_path`` already loaded), else from the file.
 
     A ``chat_template`` given as a list of ``{"name", "template"}`` (several named templates) yields
     the one named ``default``.
@@ -85,14 +87,9 @@ def read_tokenizer_config(tokenizer_path: str | pathlib.Path) -> TokenizerConfig
     out = TokenizerConfig(tokenizer_path=tok)
     path = tok.parent / "tokenizer_config.json"
     if not path.is_file():
-        out.config = synthesized_config(load_tokenizer(str(tok)))
+        out.config = synthesized_config(tokenizer if tokenizer is not None else load_tokenizer(str(tok)))
     else:
-        try:
-            config = json.loads(path.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise DataError(f"{path}: not valid JSON ({e})") from None
-        if not isinstance(config, dict):
-            raise DataError(f"{path}: expected a JSON object")
+        config = read_json(path, DataError)
         out.config, out.config_path = config, path
         template = config.get("chat_template")
         if isinstance(template, list):
@@ -149,13 +146,8 @@ def _ids(value: Any) -> list[int]:
 
 
 def _json(path: pathlib.Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise DataError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise DataError(f"{path}: expected a JSON object")
-    return data
+    """The JSON object in ``path``; DataError naming it otherwise."""
+    return read_json(path, DataError)
 
 
 def eos_ids_of(directory: str | pathlib.Path) -> dict[str, list[int]]:
@@ -171,8 +163,38 @@ def eos_ids_of(directory: str | pathlib.Path) -> dict[str, list[int]]:
     return out
 
 
-def model_special_ids(tokenizer_path: str | pathlib.Path) -> dict[str, Any]:
-    """The special token ids of the model whose tokenizer is ``tokenizer_path``.
+@dataclass
+class OpenedTokenizer:
+    """A tokenizer opened once (:func:`open_tokenizer`) and handed to every step of a preparation, so that none
+    reads its files again: the ``tokenizers`` object, its files (``tokenizer_config.json``, chat template) and the
+    special ids a model trained with it writes (:func:`model_special_ids`)."""
+
+    tokenizer: Tokenizer
+    """The ``tokenizer.json``, loaded."""
+    files: TokenizerConfig
+    """What ``transformers`` reads beside it (:func:`read_tokenizer_config`)."""
+    model_special_ids: dict[str, Any]
+    """``{"bos", "eos", "pad"}`` of the model whose tokenizer it is (see :func:`model_special_ids`)."""
+
+    @property
+    def path(self) -> pathlib.Path:
+        """The ``tokenizer.json`` (user directory expanded)."""
+        return self.files.tokenizer_path
+
+
+def open_tokenizer(tokenizer_path: str | pathlib.Path) -> OpenedTokenizer:
+    """Load ``tokenizer_path`` and read the files beside it, once.
+
+    Raises:
+        DataError: the file is missing or not a tokenizer, or its config files are unreadable (naming the file).
+    """
+    tok = load_tokenizer(str(tokenizer_path))
+    files = read_tokenizer_config(tokenizer_path, tok)
+    return OpenedTokenizer(tok, files, _model_special_ids(files, tok))
+
+
+def model_special_ids(tokenizer_path: str | pathlib.Path | OpenedTokenizer) -> dict[str, Any]:
+    """The special token ids of the model whose tokenizer is ``tokenizer_path`` (or an opened one's, read once).
 
     Returns ``{"bos": int | None, "eos": [int, ...], "pad": int | None}``: ``eos`` lists the
     ``eos_token_id`` of ``config.json``, then of ``generation_config.json`` (when the tokenizer lies
@@ -183,8 +205,14 @@ def model_special_ids(tokenizer_path: str | pathlib.Path) -> dict[str, Any]:
     Raises:
         DataError: unreadable tokenizer files (see :func:`read_tokenizer_config`).
     """
+    if isinstance(tokenizer_path, OpenedTokenizer):
+        return dict(tokenizer_path.model_special_ids)
     files = read_tokenizer_config(tokenizer_path)
-    tok = load_tokenizer(str(files.tokenizer_path))
+    return _model_special_ids(files, load_tokenizer(str(files.tokenizer_path)))
+
+
+def _model_special_ids(files: TokenizerConfig, tok: Tokenizer) -> dict[str, Any]:
+    """:func:`model_special_ids` of a tokenizer read and loaded."""
 
     def token_id(key: str) -> int | None:
         text = token_text(files.config.get(key))
@@ -215,7 +243,7 @@ def generation_config(special: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def write_tokenizer_files(tokenizer_path: str | pathlib.Path, out_dir: str | pathlib.Path,
+def write_tokenizer_files(tokenizer_path: str | pathlib.Path | OpenedTokenizer, out_dir: str | pathlib.Path,
                           chat_template: str | None = None, model_max_length: int | None = None,
                           copy_tokenizer: bool = True) -> None:
     """Copy a tokenizer into ``out_dir``: ``tokenizer.json``, ``tokenizer_config.json`` (the source's, or
@@ -228,7 +256,7 @@ def write_tokenizer_files(tokenizer_path: str | pathlib.Path, out_dir: str | pat
     Raises:
         DataError: unreadable tokenizer files.
     """
-    files = read_tokenizer_config(tokenizer_path)
+    files = tokenizer_path.files if isinstance(tokenizer_path, OpenedTokenizer) else read_tokenizer_config(tokenizer_path)
     out = pathlib.Path(out_dir)
     config = dict(files.config)
     if chat_template is not None and files.chat_template is None:

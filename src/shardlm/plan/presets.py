@@ -16,6 +16,7 @@ from typing import Any
 
 from shardlm.convert.hf_config import model_config_from_hf_dict
 from shardlm.errors import ConfigError, ModelDirError
+from shardlm.json_file import read_json
 from shardlm.model.config import ModelConfig
 
 
@@ -132,12 +133,7 @@ def config_json_config(path: str | Path) -> ModelConfig:
         file = file / "config.json"
     if not file.is_file():
         raise ModelDirError(f"--model-config {path}: no such file")
-    try:
-        config = json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ModelDirError(f"{file}: invalid JSON ({e})") from None
-    if not isinstance(config, dict):
-        raise ModelDirError(f"{file}: not a JSON object")
+    config = read_json(file, ModelDirError)
     if config.get("model_type") == "gemma3" and isinstance(config.get("text_config"), dict):
         config = {"model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"], **config["text_config"]}
     return model_config_from_hf_dict(config, str(file))

@@ -43,7 +43,7 @@ Search (``--search``):
 Prefetch depths beyond the other block groups are cut to their number (:meth:`Candidate.normalized`), so that
 settings that run the same are measured once.
 
-All candidates are measured in one torchrun launch (:mod:`shardlm.plan.tune_worker`): for each in turn the
+All candidates are measured in one torchrun launch (:mod:`shardlm.cli.tune_worker`): for each in turn the
 workers build the run's :class:`shardlm.train.Trainer` (same data, model, optimizer), run ``warmup`` steps,
 then time ``steps`` steps; a step's time is the slowest rank's; a candidate's time is the median. The pick is
 the candidate with the most tokens/s (global batch × sequence length / step time); before it is made, the
@@ -130,7 +130,7 @@ def launch(spec: dict[str, Any], world_size: int, workdir: Path) -> list[Row]:
     spec_path, out = workdir / "spec.json", workdir / "rows.json"
     spec_path.write_text(json.dumps({**spec, "out": str(out), "workdir": str(workdir)}))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size}",
-           "-m", "shardlm.plan.tune_worker", str(spec_path)]
+           "-m", "shardlm.cli.tune_worker", str(spec_path)]
     proc = subprocess.Popen(cmd, env=child_env(world_size), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, bufsize=1)
     tail: list[str] = []
@@ -199,7 +199,7 @@ def run_tune(config: str | None, overrides: list[str], world_size: int, budget: 
     in one launch (:func:`launch`); the ``confirm`` fastest are measured once more at the end.
 
     ``time_budget``: seconds of wall time from the launch on; a measurement starts only when the longest one so
-    far still ends within it (the first always runs; see :mod:`shardlm.plan.tune_worker`); the rest are
+    far still ends within it (the first always runs; see :mod:`shardlm.cli.tune_worker`); the rest are
     ``skipped``. None: no limit.
 
     Raises:

@@ -5,7 +5,7 @@ FLOPs per token from :func:`shardlm.metrics.flops.model_flops_per_token`). The p
 the precision that actually runs (:func:`shardlm.parallel.dist.compute_precision`), or MFU means nothing:
 
 1. ``train.peak_flops`` when set (> 0): the user's figure;
-2. on a GPU in the datasheet table (:data:`shardlm.plan.devices.DEVICES`: H100 SXM/PCIe, H200, A100, B200),
+2. on a GPU in the datasheet table (:data:`shardlm.devices.DEVICES`: H100 SXM/PCIe, H200, A100, B200),
    its dense peak for bf16, TF32 or fp32;
 3. on a CPU its nominal peak in that precision (:func:`shardlm.metrics.flops.cpu_peak`): the cores this rank
    runs on (its threads, at most the available cores shared by the node's ranks) x the nominal clock x the
@@ -25,10 +25,10 @@ from dataclasses import dataclass
 import torch
 
 from shardlm.config import Config
+from shardlm.devices import device_for_cuda_name
 from shardlm.metrics.flops import cpu_peak, measure_matmul_flops
 from shardlm.model.cpu_matmul import use_fp32_matmul
 from shardlm.parallel.dist import DistInfo, compute_precision, local_world_size
-from shardlm.plan.devices import device_for_cuda_name
 
 #: (device, precision, fp32 multiply, world size) -> measured FLOP/s: one measurement per process and setting
 _MEASURED: dict[tuple, float] = {}

@@ -1,6 +1,6 @@
 """The measuring side of ``shardlm tune``: one torchrun launch that builds and times each candidate in turn.
 
-Started by :func:`shardlm.plan.tune.launch` as ``torchrun ... -m shardlm.plan.tune_worker SPEC.json``. Every
+Started by :func:`shardlm.plan.tune.launch` as ``torchrun ... -m shardlm.cli.tune_worker SPEC.json``. Every
 rank reads the spec (config, overrides, the candidates to measure, the staged search's base, warm-up and
 measured steps, repeats), builds the run's :class:`shardlm.train.Trainer` for each candidate (its data, model,
 optimizer; no checkpoints, no evaluation, no trackers; a run directory of its own under the launch's work
@@ -169,7 +169,7 @@ def measure(spec: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point: ``python -m shardlm.plan.tune_worker SPEC.json`` under torchrun; returns the exit code."""
+    """Entry point: ``python -m shardlm.cli.tune_worker SPEC.json`` under torchrun; returns the exit code."""
     args = sys.argv[1:] if argv is None else argv
     return run_cli(lambda: measure(json.loads(Path(args[0]).read_text())))
 

@@ -278,7 +278,7 @@ def test_time_budget_measures_what_fits_in_it(tmp_path, capsys, monkeypatch):
     measured, the rest skipped and marked so, no confirming pass; the pick is the faster measured one and is
     written. Without a budget every fitting candidate is measured and the two fastest confirmed. A bad budget is
     one error line."""
-    from shardlm.plan import tune_worker
+    from shardlm.cli import tune_worker
 
     config = tmp_path / "tiny.toml"
     config.write_text(TINY.format(data=tmp_path / "none"))

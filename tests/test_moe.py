@@ -1,0 +1,72 @@
+"""The MoE layer (shardlm/model/moe.py) against transformers' sparse MoE blocks, and its grouped matmul."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardlm.model.moe import MoE, grouped_linear, route
+
+transformers = pytest.importorskip("transformers")
+
+
+def _hf_block(family: str, norm_topk_prob: bool = False):
+    if family == "qwen3_moe":
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+        cfg = transformers.Qwen3MoeConfig(hidden_size=32, moe_intermediate_size=24, num_experts=8,
+                                          num_experts_per_tok=2, norm_topk_prob=norm_topk_prob)
+        return Qwen3MoeSparseMoeBlock(cfg)
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+    cfg = transformers.MixtralConfig(hidden_size=32, intermediate_size=24, num_local_experts=8, num_experts_per_tok=2)
+    return MixtralSparseMoeBlock(cfg)
+
+
+@pytest.mark.parametrize("family,norm", [("qwen3_moe", False), ("qwen3_moe", True), ("mixtral", True)])
+def test_moe_block_equals_transformers(family, norm):
+    torch.manual_seed(0)
+    hf = _hf_block(family, norm)
+    for p in hf.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    ours = MoE(32, 8, 24, 2, "softmax_topk", norm_topk_prob=norm)
+    with torch.no_grad():
+        ours.gate.weight.copy_(hf.gate.weight)
+        ours.experts.gate_up_proj.copy_(hf.experts.gate_up_proj)
+        ours.experts.down_proj.copy_(hf.experts.down_proj)
+    x = torch.randn(2, 40, 32, requires_grad=True)
+    x_hf = x.detach().clone().requires_grad_(True)
+    y, y_hf = ours(x), hf(x_hf)
+    torch.testing.assert_close(y, y_hf, atol=1e-6, rtol=1e-5)
+    g = torch.randn_like(y)
+    (y * g).sum().backward()
+    (y_hf * g).sum().backward()
+    for a, b in [(x.grad, x_hf.grad), (ours.experts.gate_up_proj.grad, hf.experts.gate_up_proj.grad),
+                 (ours.experts.down_proj.grad, hf.experts.down_proj.grad), (ours.gate.weight.grad, hf.gate.weight.grad)]:
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    stats = ours.stats
+    assert stats.tokens == 80 and stats.counts.sum() == 160
+    assert stats.counts.tolist() == torch.bincount(hf.gate(x.reshape(-1, 32))[2].reshape(-1), minlength=8).tolist()
+
+
+def test_topk_softmax_routing_is_softmax_over_the_top_k_logits():
+    logits = torch.tensor([[1.0, 3.0, 2.0, -1.0]])
+    weights, experts, probs = route(logits, 2, "topk_softmax", False)
+    assert experts.tolist() == [[1, 2]]
+    torch.testing.assert_close(weights, torch.softmax(torch.tensor([[3.0, 2.0]]), -1))
+    torch.testing.assert_close(probs, torch.softmax(logits, -1))
+    with pytest.raises(ValueError, match="routing 'group_limited' is not built"):
+        route(logits, 2, "group_limited", False)
+
+
+def test_grouped_linear_loop_equals_grouped_mm_and_an_empty_expert_gets_zero_grads():
+    torch.manual_seed(0)
+    x = torch.randn(10, 16)
+    w = torch.randn(3, 8, 16, requires_grad=True)
+    counts = torch.tensor([3, 0, 7])
+    y = grouped_linear(x, w, counts)
+    ref = torch.cat([x[:3] @ w[0].T, x[3:] @ w[2].T])
+    torch.testing.assert_close(y, ref)
+    # torch._grouped_mm (the CUDA kernel) runs its forward on CPU too: the same values
+    mm = torch._grouped_mm(x, w.detach().transpose(-2, -1), offs=torch.cumsum(counts, 0, dtype=torch.int32))
+    torch.testing.assert_close(y.detach(), mm, atol=1e-5, rtol=1e-5)
+    y.sum().backward()
+    assert w.grad is not None and w.grad[1].abs().max() == 0 and w.grad[0].abs().max() > 0

@@ -500,6 +500,30 @@ def apply_init_from(cfg: Config) -> None:
         cfg.data.tokenizer = str(tokenizer)
 
 
+def validate_moe(m: ModelConfig) -> None:
+    """Check the mixture-of-experts fields of ``m`` (``n_experts`` and its companions); raise ConfigError naming the key."""
+    if m.arch.moe != (m.n_experts > 0):
+        raise ConfigError(f"model.n_experts={m.n_experts}: model.family {m.family!r} is "
+                          + ("a mixture of experts: set model.n_experts > 0" if m.arch.moe else
+                             "dense (the mixtures of experts are 'qwen3_moe' and 'mixtral'): leave it 0"))
+    if not m.n_experts:
+        return
+    if not 1 <= m.n_experts_per_token <= m.n_experts:
+        raise ConfigError(f"model.n_experts_per_token={m.n_experts_per_token} must be between 1 and "
+                          f"model.n_experts={m.n_experts}")
+    for key in ("moe_layer_step",):
+        if getattr(m, key) < 1:
+            raise ConfigError(f"model.{key} must be >= 1, got {getattr(m, key)}")
+    if m.moe_ffn_hidden < 0:
+        raise ConfigError(f"model.moe_ffn_hidden must be >= 0 (0 = model.ffn_hidden), got {m.moe_ffn_hidden}")
+    bad = [i for i in m.dense_layers if not 0 <= i < m.n_layers]
+    if bad:
+        raise ConfigError(f"model.dense_layers {list(m.dense_layers)}: layer {bad[0]} is not in [0, {m.n_layers})")
+    for key in ("router_aux_loss_coef", "router_z_loss_coef"):
+        if getattr(m, key) < 0:
+            raise ConfigError(f"model.{key} must be >= 0, got {getattr(m, key)}")
+
+
 def validate(cfg: Config) -> None:
     """Check values that do not depend on the world size; raise ConfigError naming the key."""
     m, t = cfg.model, cfg.train
@@ -532,8 +556,10 @@ def validate(cfg: Config) -> None:
                 "final_logit_softcap", "rope_linear_factor"):
         if getattr(m, key) < 0:
             raise ConfigError(f"model.{key} must be >= 0, got {getattr(m, key)}")
-    if m.sliding_window and m.family not in ("mistral", "gemma3"):
-        raise ConfigError(f"model.sliding_window applies to model.family 'mistral' or 'gemma3' (family is {m.family!r})")
+    if m.sliding_window and m.family not in ("mistral", "gemma3", "mixtral"):
+        raise ConfigError(f"model.sliding_window applies to model.family 'mistral', 'gemma3' or 'mixtral' (family is "
+                          f"{m.family!r})")
+    validate_moe(m)
     if m.rope_linear_factor > 0 and m.rope_scaling_factor > 0:
         raise ConfigError("model.rope_linear_factor and model.rope_scaling_factor (llama3) cannot both be set")
     kv = m.kv_heads

@@ -32,6 +32,12 @@ class Family:
     attention and the MLP (four per block), the embedding multiplied by sqrt(dim) in its dtype."""
     activation: Literal["silu", "gelu_tanh"] = "silu"
     """Gate activation of the gated MLP: SiLU (SwiGLU) or tanh-approximated GELU (GeGLU) [hidden_act]."""
+    moe: bool = False
+    """A mixture of experts: the MLP of its sparse layers is :class:`shardlm.model.moe.MoE` (``n_experts`` > 0)."""
+    routing: Literal["softmax_topk", "topk_softmax"] = "softmax_topk"
+    """Top-k routing of the MoE layers (:func:`shardlm.model.moe.route`)."""
+    always_norm_topk: bool = False
+    """The top-k routing weights are always renormalised to sum to 1 (Mixtral), whatever ``norm_topk_prob`` says."""
 
 
 #: every family the decoder builds, by ``ModelConfig.family``
@@ -41,6 +47,8 @@ FAMILIES: dict[str, Family] = {
     "qwen3": Family("qwen3", "Qwen3ForCausalLM", qk_norm=True),
     "mistral": Family("mistral", "MistralForCausalLM"),
     "gemma3": Family("gemma3_text", "Gemma3ForCausalLM", qk_norm=True, gemma_norms=True, activation="gelu_tanh"),
+    "qwen3_moe": Family("qwen3_moe", "Qwen3MoeForCausalLM", qk_norm=True, moe=True),
+    "mixtral": Family("mixtral", "MixtralForCausalLM", moe=True, always_norm_topk=True),
 }
 
 
@@ -48,7 +56,7 @@ FAMILIES: dict[str, Family] = {
 class ModelConfig:
     """Shape of the decoder (Hugging Face config names in brackets)."""
 
-    family: Literal["llama", "qwen2", "qwen3", "mistral", "gemma3"] = "llama"
+    family: Literal["llama", "qwen2", "qwen3", "mistral", "gemma3", "qwen3_moe", "mixtral"] = "llama"
     """Model family, the fixed traits of :data:`FAMILIES` [model_type]."""
     dim: int = 256
     """Hidden size, the width of the residual stream [hidden_size]."""
@@ -98,6 +106,22 @@ class ModelConfig:
     rope_linear_factor: float = 0.0
     """Linear RoPE scaling (position interpolation, Gemma 3 4B+): the global layers' frequencies are divided by
     this factor [rope_scaling.factor, rope_type linear]; 0 means none."""
+    n_experts: int = 0
+    """Experts of each MoE layer [num_experts / num_local_experts]; 0 means a dense model (families with ``moe``)."""
+    n_experts_per_token: int = 2
+    """Experts each token is routed to, the k of top-k [num_experts_per_tok]."""
+    moe_ffn_hidden: int = 0
+    """Hidden size of one expert's SwiGLU [moe_intermediate_size; Mixtral: intermediate_size]; 0 means ``ffn_dim``."""
+    norm_topk_prob: bool = False
+    """Renormalise the top-k routing probabilities to sum to 1 [norm_topk_prob] (Mixtral always does)."""
+    moe_layer_step: int = 1
+    """Every ``moe_layer_step``-th layer (1-based) is a MoE layer, the others dense [decoder_sparse_step]."""
+    dense_layers: tuple[int, ...] = ()
+    """Layers (0-based) that stay dense MLPs whatever ``moe_layer_step`` says [mlp_only_layers]."""
+    router_aux_loss_coef: float = 0.001
+    """Weight of the load-balancing loss added to the training loss [router_aux_loss_coef]; 0 means none."""
+    router_z_loss_coef: float = 0.0
+    """Weight of the router z-loss (ST-MoE) added to the training loss; 0 means none (transformers has none)."""
     attention: Literal["causal", "block_causal"] = "causal"
     """Attention pattern over a training sample: ``causal`` (every token sees all earlier ones of the sample) or
     ``block_causal`` (document masking: a token sees only earlier tokens of its own document, with rotary
@@ -133,6 +157,16 @@ class ModelConfig:
         if not self.sliding_window:
             return False
         return not self.sliding_window_pattern or (layer + 1) % self.sliding_window_pattern != 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether block ``layer`` (0-based) has a MoE feed-forward (HF ``Qwen3MoeDecoderLayer``'s rule)."""
+        return (self.arch.moe and self.n_experts > 0 and layer not in self.dense_layers
+                and (layer + 1) % self.moe_layer_step == 0)
+
+    @property
+    def expert_ffn_dim(self) -> int:
+        """Hidden size of one expert: ``moe_ffn_hidden``, or :attr:`ffn_dim` when 0."""
+        return self.moe_ffn_hidden or self.ffn_dim
 
     @property
     def kv_heads(self) -> int:

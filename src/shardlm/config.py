@@ -148,6 +148,10 @@ class ParallelConfig:
     dp_shard: int = -1
     """Ranks per shard group (HSDP's shard dimension, usually the GPUs of a node); -1 = all remaining ranks,
     world size / ``dp_replicate``. ``dp_replicate × dp_shard`` must equal the world size."""
+    ep: int = 1
+    """Expert parallelism (mixtures of experts, ``parallel/ep.py``): each of ``ep`` ranks holds ``n_experts / ep``
+    whole experts and tokens travel to them by all-to-all; the experts are FSDP-sharded over the other
+    world size / ``ep`` ranks. 1 = none (the experts are FSDP-sharded like every other parameter)."""
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     """FSDP compute dtype (``MixedPrecisionPolicy.param_dtype``): shards stay fp32, all-gathered weights are cast."""
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"

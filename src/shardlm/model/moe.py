@@ -148,3 +148,14 @@ class MoE(nn.Module):
         self.stats = RouterStats(probs.sum(0), counts.detach().float(),
                                  torch.logsumexp(logits.float(), dim=-1).pow(2).sum(), x.shape[0])
         return y.reshape(shape)
+
+
+def inactive_expert_params(model: nn.Module) -> int:
+    """Parameters a token does not use: per MoE layer, the experts it is not routed to,
+    ``numel(experts) · (E - k) / E``. Total minus this is the *active* count (Qwen3-30B-A3B's "A3B"); works on
+    meta-device models."""
+    out = 0
+    for m in model.modules():
+        if isinstance(m, MoE):
+            out += sum(p.numel() for p in m.experts.parameters()) * (m.n_experts - m.top_k) // m.n_experts
+    return out

@@ -1,0 +1,101 @@
+"""Qwen3-MoE and Mixtral against transformers 5.24: logits, the load-balancing loss, import of the hub's
+per-expert layout (sharded safetensors + index) and export that transformers loads."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from shardlm.convert.hf_config import read_model_dir_config
+from shardlm.convert.hf_in import load_model_dir
+from shardlm.convert.hf_out import save_model_dir
+from shardlm.errors import ConfigError, ModelDirError
+from shardlm.train.moe_loss import moe_loss_term
+
+transformers = pytest.importorskip("transformers")
+
+TOKENS = torch.randint(0, 128, (2, 40), generator=torch.Generator().manual_seed(0))
+
+
+def hf_config(family: str):
+    common = dict(vocab_size=128, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=128, initializer_range=0.1, rms_norm_eps=1e-6, tie_word_embeddings=False)
+    if family == "qwen3_moe":  # layer 1 dense (mlp_only_layers), the others MoE; top-2 renormalised
+        return transformers.Qwen3MoeConfig(**common, num_hidden_layers=3, head_dim=16, intermediate_size=96,
+                                           moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                                           norm_topk_prob=True, mlp_only_layers=[1], router_aux_loss_coef=0.01)
+    # Mixtral: a sliding window shorter than the 40-token sequence
+    return transformers.MixtralConfig(**common, num_hidden_layers=2, intermediate_size=32, num_local_experts=4,
+                                      num_experts_per_tok=2, sliding_window=16, router_aux_loss_coef=0.02)
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
+def hf_dir(request, tmp_path_factory):
+    torch.manual_seed(1)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config(request.param)).eval()
+    out = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(out, max_shard_size="100KB")  # several files and an index, per-expert tensors
+    return request.param, out, model
+
+
+def test_logits_and_aux_loss_equal_transformers(hf_dir):
+    family, path, hf = hf_dir
+    assert (path / "model.safetensors.index.json").is_file()
+    weight_map = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    assert any(".experts.3." in k for k in weight_map)  # the hub's per-expert layout on disk
+    ours = load_model_dir(path)
+    assert ours.cfg.family == family
+    with torch.no_grad():
+        want = hf(TOKENS, output_router_logits=True)
+        got = ours(TOKENS)
+    torch.testing.assert_close(got, want.logits, atol=1e-5, rtol=0)
+    term = moe_loss_term(ours, ours.cfg.router_aux_loss_coef)
+    assert abs(term.aux.item() - want.aux_loss.item()) <= 1e-6, (term.aux.item(), want.aux_loss.item())
+    assert abs(term.term.item() - hf.config.router_aux_loss_coef * want.aux_loss.item()) <= 1e-7
+    if family == "qwen3_moe":
+        assert type(ours.model.layers[1].mlp).__name__ == "MLP" and type(ours.model.layers[0].mlp).__name__ == "MoE"
+    else:
+        assert ours.cfg.sliding_window == 16
+
+
+def test_export_loads_in_transformers_with_identical_logits(hf_dir, tmp_path):
+    family, path, hf = hf_dir
+    ours = load_model_dir(path)
+    out = save_model_dir(dict(ours.state_dict()), ours.cfg, tmp_path / "export")
+    keys = set()
+    for f in out.glob("*.safetensors"):
+        from safetensors import safe_open
+        with safe_open(str(f), "pt") as st:
+            keys |= set(st.keys())
+    assert any(".experts.0." in k for k in keys) and not any("gate_up_proj" in k for k in keys)
+    back, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    with torch.no_grad():
+        torch.testing.assert_close(back.eval()(TOKENS).logits, hf(TOKENS).logits, atol=0, rtol=0)
+    assert read_model_dir_config(out) == ours.cfg
+
+
+def test_refused_routing_and_attention_name_the_cause(tmp_path):
+    from shardlm.convert.hf_config import model_config_from_hf_dict
+    ds = {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 64,
+          "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 96, "vocab_size": 128,
+          "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4, "kv_lora_rank": 512}
+    with pytest.raises(ModelDirError, match="deepseek_v3.*group-limited routing.*MLA"):
+        model_config_from_hf_dict(ds)
+    q = hf_config("qwen3_moe").to_dict()
+    q["use_sliding_window"] = True
+    with pytest.raises(ModelDirError, match="use_sliding_window"):
+        model_config_from_hf_dict(q)
+
+
+def test_moe_config_checks_name_the_key():
+    from shardlm.config import load_config
+    base = ["--model.family=\"qwen3_moe\"", "--model.n_heads=4", "--model.dim=64"]
+    with pytest.raises(ConfigError, match="model.n_experts=0: model.family 'qwen3_moe' is a mixture of experts"):
+        load_config(None, base)
+    with pytest.raises(ConfigError, match="model.n_experts_per_token=5 must be between 1 and model.n_experts=4"):
+        load_config(None, base + ["--model.n_experts=4", "--model.n_experts_per_token=5"])
+    with pytest.raises(ConfigError, match="model.n_experts=4: model.family 'llama' is dense"):
+        load_config(None, ["--model.n_experts=4"])

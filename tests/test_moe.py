@@ -70,3 +70,13 @@ def test_grouped_linear_loop_equals_grouped_mm_and_an_empty_expert_gets_zero_gra
     torch.testing.assert_close(y.detach(), mm, atol=1e-5, rtol=1e-5)
     y.sum().backward()
     assert w.grad is not None and w.grad[1].abs().max() == 0 and w.grad[0].abs().max() > 0
+
+
+def test_lora_on_experts_is_refused_by_name():
+    from shardlm.errors import ConfigError
+    from shardlm.model.lora import LoRASpec, apply_lora
+    model = torch.nn.Module()
+    model.mlp = MoE(16, 4, 8, 2)
+    with pytest.raises(ConfigError, match="lora.targets gate_proj,down_proj: LoRA on the experts of a mixture of "
+                                          "experts is not built"):
+        apply_lora(model, LoRASpec(4, 8.0, 0.0, "q_proj,gate_proj,down_proj", "float32"))

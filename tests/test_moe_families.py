@@ -99,3 +99,42 @@ def test_moe_config_checks_name_the_key():
         load_config(None, base + ["--model.n_experts=4", "--model.n_experts_per_token=5"])
     with pytest.raises(ConfigError, match="model.n_experts=4: model.family 'llama' is dense"):
         load_config(None, ["--model.n_experts=4"])
+
+
+#: the public config.json shapes (Hugging Face hub) of the MoE models the planner is checked on
+PUBLIC = {
+    "Qwen3-30B-A3B": ("qwen3_moe", dict(hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
+                                        num_key_value_heads=4, head_dim=128, intermediate_size=6144,
+                                        moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                                        vocab_size=151936, norm_topk_prob=True, tie_word_embeddings=False)),
+    "Qwen3-235B-A22B": ("qwen3_moe", dict(hidden_size=4096, num_hidden_layers=94, num_attention_heads=64,
+                                          num_key_value_heads=4, head_dim=128, intermediate_size=12288,
+                                          moe_intermediate_size=1536, num_experts=128, num_experts_per_tok=8,
+                                          vocab_size=151936, norm_topk_prob=True, tie_word_embeddings=False)),
+    "Mixtral-8x7B": ("mixtral", dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                                     num_key_value_heads=8, intermediate_size=14336, num_local_experts=8,
+                                     num_experts_per_tok=2, vocab_size=32000, tie_word_embeddings=False)),
+}
+
+
+@pytest.mark.parametrize("name", list(PUBLIC))
+def test_planner_parameter_counts_equal_transformers_meta_models(name):
+    from shardlm.config import Config
+    from shardlm.convert.hf_config import model_config_from_hf_dict
+    from shardlm.model.moe import inactive_expert_params
+    from shardlm.plan.memory import meta_model, param_groups
+    family, shape = PUBLIC[name]
+    hf_cfg = (transformers.Qwen3MoeConfig if family == "qwen3_moe" else transformers.MixtralConfig)(**shape)
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(hf_cfg)
+    want = sum(p.numel() for p in hf.parameters())
+    cfg = Config()
+    cfg.model = model_config_from_hf_dict(hf_cfg.to_dict())
+    _, total, _ = param_groups(cfg, 8)
+    active = total - inactive_expert_params(meta_model(cfg))
+    print(f"{name}: {total:,} parameters ({want:,} in transformers), {active:,} active")
+    assert total == want
+    # active: every layer runs k of its E experts, each 3 matrices of dim x expert width
+    e, k = hf_cfg.num_experts if family == "qwen3_moe" else hf_cfg.num_local_experts, hf_cfg.num_experts_per_tok
+    width = hf_cfg.moe_intermediate_size if family == "qwen3_moe" else hf_cfg.intermediate_size
+    assert active == want - hf_cfg.num_hidden_layers * (e - k) * 3 * hf_cfg.hidden_size * width

@@ -53,10 +53,12 @@ def top_level_graph() -> dict[str, set[str]]:
     for name, tree in trees.items():
         deps: set[str] = set()
         stack: list[ast.AST] = list(tree.body)
-        while stack:  # module level, including if/try blocks, but not function or class bodies
+        while stack:  # module level, including if/try blocks, but not function or class bodies or TYPE_CHECKING
             node = stack.pop()
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 deps |= imported(node, known)
+            elif isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+                stack += node.orelse  # imports for type annotations only: never run
             elif isinstance(node, (ast.If, ast.Try)):
                 stack += [*node.body, *node.orelse, *getattr(node, "finalbody", []),
                           *[s for h in getattr(node, "handlers", []) for s in h.body]]
@@ -99,6 +101,27 @@ def test_no_import_cycle():
     assert len(graph) > 40 and "shardlm.train.trainer" in graph
     assert "shardlm.convert.hf_in" in graph["shardlm.train.build"]
     assert find_cycle(graph) is None, f"import cycle: {' -> '.join(find_cycle(graph))}"
+
+
+def family_branches(tree: ast.Module) -> list[str]:
+    """Comparisons of a family's name (``x.family == ...``, ``family in (...)``, ``family not in ...``) in ``tree``."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare) and any(isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn))
+                                                 for op in node.ops):
+            names = [node.left, *node.comparators]
+            if any(isinstance(n, ast.Name) and n.id == "family" or isinstance(n, ast.Attribute) and n.attr == "family"
+                   for n in names):
+                found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_branch_on_a_family_name_outside_the_families_package():
+    """What is particular to a family is in its file under ``model/families/``, read through the registry."""
+    assert family_branches(ast.parse("if cfg.family == 'gemma3':\n    pass\nok = family not in BUILT"))
+    branches = {name: found for name, tree in modules().items()
+                if not name.startswith("shardlm.model.families") and (found := family_branches(tree))}
+    assert not branches, branches
 
 
 def test_imports_at_the_top_outside_the_cli():

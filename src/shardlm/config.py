@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from shardlm.convert.hf_config import read_model_dir_config
 from shardlm.errors import ConfigError
-from shardlm.model.config import ModelConfig
+from shardlm.model.config import FAMILIES, ModelConfig
 
 
 @dataclass
@@ -507,9 +507,10 @@ def apply_init_from(cfg: Config) -> None:
 def validate_moe(m: ModelConfig) -> None:
     """Check the mixture-of-experts fields of ``m`` (``n_experts`` and its companions); raise ConfigError naming the key."""
     if m.arch.moe != (m.n_experts > 0):
+        moe_families = " and ".join(repr(f.name) for f in FAMILIES.values() if f.moe)
         raise ConfigError(f"model.n_experts={m.n_experts}: model.family {m.family!r} is "
                           + ("a mixture of experts: set model.n_experts > 0" if m.arch.moe else
-                             "dense (the mixtures of experts are 'qwen3_moe' and 'mixtral'): leave it 0"))
+                             f"dense (the mixtures of experts are {moe_families}): leave it 0"))
     if not m.n_experts:
         return
     if not 1 <= m.n_experts_per_token <= m.n_experts:
@@ -560,9 +561,7 @@ def validate(cfg: Config) -> None:
                 "final_logit_softcap", "rope_linear_factor"):
         if getattr(m, key) < 0:
             raise ConfigError(f"model.{key} must be >= 0, got {getattr(m, key)}")
-    if m.sliding_window and m.family not in ("mistral", "gemma3", "mixtral"):
-        raise ConfigError(f"model.sliding_window applies to model.family 'mistral', 'gemma3' or 'mixtral' (family is "
-                          f"{m.family!r})")
+    m.arch.check(m)  # the family's refusals (an unregistered model.family is refused by ``arch`` itself)
     validate_moe(m)
     if m.rope_linear_factor > 0 and m.rope_scaling_factor > 0:
         raise ConfigError("model.rope_linear_factor and model.rope_scaling_factor (llama3) cannot both be set")

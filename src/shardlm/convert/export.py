@@ -33,7 +33,7 @@ from shardlm.convert.hf_out import save_model_dir
 from shardlm.convert.peft_out import base_model_path, gather_full_params, save_merged_dir, save_peft_dir
 from shardlm.errors import CheckpointError, ConfigError
 from shardlm.model.config import ModelConfig
-from shardlm.model.llama import Llama
+from shardlm.model.decoder import CausalLM
 from shardlm.model.lora import LoRASpec
 from shardlm.parallel.dist import DistInfo
 from shardlm.train.build import build_model
@@ -68,7 +68,7 @@ def load_model_weights(ckpt: str | Path) -> tuple[dict[str, torch.Tensor], Model
                               "layers) on top of a base it refers to: read it with load_partial_checkpoint")
     cfg = checkpoint_model_config(manifest)
     with torch.device("meta"):
-        model = Llama(cfg)
+        model = CausalLM(cfg)
     stored = metadata.state_dict_metadata
     state: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():  # tied weights are listed once
@@ -144,7 +144,7 @@ def rebuild_partial_model(ckpt: str | Path) -> tuple[torch.nn.Module, Config, di
     process, on the CPU: its base as training built it (see the module docstring), the checkpoint's trainable
     tensors read in.
 
-    Returns ``(model (a plain ``Llama``, with ``LoRALinear`` layers under LoRA), the rebuilding
+    Returns ``(model (a plain ``CausalLM``, with ``LoRALinear`` layers under LoRA), the rebuilding
     :class:`~shardlm.config.Config`, manifest)``.
 
     Raises:

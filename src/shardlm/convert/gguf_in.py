@@ -33,31 +33,23 @@ from shardlm.convert.hf_config import hf_config
 from shardlm.convert.hf_in import model_dir_special_ids
 from shardlm.data.tokenizer_files import generation_config
 from shardlm.errors import ModelDirError
+from shardlm.model import families
 from shardlm.model.config import ModelConfig
-from shardlm.model.llama import Llama, rope_inv_freq
+from shardlm.model.decoder import CausalLM
+from shardlm.model.rope import rope_inv_freq
 
-#: GGUF ``general.architecture`` -> our family
-GGUF_FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3"}
-
-_BLOCK_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-}
-#: Gemma's four norms per block: llama.cpp names the norm before the MLP ``ffn_norm``
-_GEMMA_BLOCK_NAMES = {**_BLOCK_NAMES, "post_attention_norm": "post_attention_layernorm",
-                      "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+#: llama.cpp's names of the tensors outside the blocks -> HF's
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
 def hf_name(gguf_name: str, family: str = "llama") -> str | None:
-    """HF parameter name of a GGUF tensor name (``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``).
+    """HF parameter name of a GGUF tensor name (``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``)
+    in ``family``'s naming (:attr:`~shardlm.model.families.Family.gguf_block_names`).
 
     Returns None for tensors with no HF counterpart (``rope_freqs``...).
     """
     parts = gguf_name.split(".")
-    names = _GEMMA_BLOCK_NAMES if family == "gemma3" else _BLOCK_NAMES
+    names = families.get(family).gguf_block_names
     if parts[0] == "blk" and len(parts) == 4 and parts[2] in names:
         return f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
     if len(parts) == 2 and parts[0] in _TOP_NAMES:
@@ -90,14 +82,11 @@ def gguf_model_config(reader: Any, source: str, tied: bool) -> ModelConfig:
     """Our :class:`ModelConfig` from a GGUF file's ``<architecture>.*`` metadata.
 
     Raises:
-        ModelDirError: ``general.architecture`` is not a built family (:data:`GGUF_FAMILIES`), a required key is
+        ModelDirError: ``general.architecture`` is not a built family's (``Family.gguf_architecture``), a required key is
             missing, or a RoPE scaling type is not built (named).
     """
     arch = _field(reader, "general.architecture")
-    if arch not in GGUF_FAMILIES:
-        raise ModelDirError(f"{source}: general.architecture={arch!r}; the GGUF architectures built are "
-                            f"{', '.join(GGUF_FAMILIES)}")
-    family = GGUF_FAMILIES[arch]
+    family = families.by_gguf_architecture(arch, source)
 
     def need(key: str) -> Any:
         value = _field(reader, f"{arch}.{key}")
@@ -108,7 +97,7 @@ def gguf_model_config(reader: Any, source: str, tied: bool) -> ModelConfig:
     dim, heads = int(need("embedding_length")), int(need("attention.head_count"))
     head_width = int(_field(reader, f"{arch}.attention.key_length", 0) or 0)
     cfg = ModelConfig(
-        family=family, dim=dim, n_layers=int(need("block_count")), n_heads=heads,
+        family=family.name, dim=dim, n_layers=int(need("block_count")), n_heads=heads,
         n_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
         head_width=0 if head_width == dim // heads and dim % heads == 0 else head_width,
         ffn_hidden=int(need("feed_forward_length")), max_seq_len=int(need("context_length")),
@@ -117,17 +106,14 @@ def gguf_model_config(reader: Any, source: str, tied: bool) -> ModelConfig:
     )
     scaling = _field(reader, f"{arch}.rope.scaling.type")
     factor = _field(reader, f"{arch}.rope.scaling.factor")
-    if family == "gemma3":
-        cfg.sliding_window = int(_field(reader, f"{arch}.attention.sliding_window", 4096))
-        cfg.sliding_window_pattern, cfg.rope_local_theta = 6, 10000.0
-        if cfg.n_layers == 62:  # Gemma 3 27B scales by hidden / heads, not the head width (llama.cpp's rule)
-            cfg.query_pre_attn_scalar = float(dim // heads)
-        if scaling == "linear" and factor:
+    if scaling == "linear" and family.gguf_linear_rope:
+        if factor:
             cfg.rope_linear_factor = float(factor)
     elif factor is not None and scaling not in (None, "none", "llama3"):
         raise ModelDirError(f"{source}: GGUF metadata {arch}.rope.scaling.type={scaling!r} is not supported")
-    if scaling == "linear" and family != "gemma3":
+    elif scaling == "linear":
         raise ModelDirError(f"{source}: GGUF metadata {arch}.rope.scaling.type='linear' is not supported for {arch}")
+    family.gguf_fields_in(cfg, lambda key, default=None: _field(reader, f"{arch}.{key}", default))
     return cfg
 
 
@@ -198,7 +184,7 @@ def rope_scaling_from_factors(factors: np.ndarray, cfg: ModelConfig, source: str
     the inverse frequency ``1 / theta^(2i / head_dim)`` is divided (``ggml_rope_ext``'s ``freq_factors``): 1 for
     short wavelengths, ``factor`` for long ones, interpolated between. The scaling is rebuilt (``factor`` = the
     largest factor; low/high/original from :func:`_llama3_candidates`) and accepted only if HF's llama3 rule
-    (:func:`shardlm.model.llama.rope_inv_freq`) gives every factor back within 1e-5 (relative). All factors 1: no
+    (:func:`shardlm.model.rope.rope_inv_freq`) gives every factor back within 1e-5 (relative). All factors 1: no
     scaling.
 
     Raises:
@@ -273,7 +259,7 @@ def read_gguf_tensors(path: str | Path) -> tuple[dict[str, torch.Tensor], ModelC
     for t in reader.tensors:
         name = hf_name(t.name, cfg.family)
         if name is None:
-            if t.name == "rope_freqs.weight" and cfg.family == "llama":  # Llama 3's scaling, rebuilt into cfg
+            if t.name == "rope_freqs.weight" and cfg.arch.gguf_rope_freqs:  # Llama 3's scaling, rebuilt into cfg
                 rope_scaling_from_factors(dequantize(t, str(path)), cfg, str(path))
                 continue
             if t.name in _ROPE_FACTOR_TENSORS:
@@ -281,12 +267,12 @@ def read_gguf_tensors(path: str | Path) -> tuple[dict[str, torch.Tensor], ModelC
                                     f"for {cfg.family}; shardlm's {cfg.family} RoPE has no per-dimension factors")
             raise ModelDirError(f"{path}: GGUF tensor {t.name} has no {cfg.family} counterpart")
         w = torch.from_numpy(dequantize(t, str(path)))
-        if cfg.family == "llama" and name.endswith("q_proj.weight"):
+        if cfg.arch.gguf_qk_permuted and name.endswith("q_proj.weight"):
             w = unpermute_rows(w, cfg.n_heads)
-        elif cfg.family == "llama" and name.endswith("k_proj.weight"):
+        elif cfg.arch.gguf_qk_permuted and name.endswith("k_proj.weight"):
             w = unpermute_rows(w, cfg.kv_heads)
-        elif cfg.arch.gemma_norms and name.endswith("norm.weight"):
-            w = w - 1.0
+        elif cfg.arch.gguf_norm_offset and name.endswith("norm.weight"):
+            w = w - cfg.arch.gguf_norm_offset
         tensors[name] = w.contiguous()
     cfg.vocab_size = tensors["model.embed_tokens.weight"].shape[0] if "model.embed_tokens.weight" in tensors else 0
     if not cfg.vocab_size:
@@ -371,7 +357,7 @@ def _drop_tokens_not_in_file(tok_dir: Path, file_tokens: int, source: str) -> No
 
 
 def import_gguf(path: str | Path, out_dir: str | Path) -> Path:
-    """Convert a GGUF file of a built family into an HF model directory ``out_dir`` (written atomically).
+    """Convert a GGUF file (of a family with a GGUF architecture) to an HF model directory ``out_dir`` (written atomically).
 
     Writes ``model.safetensors`` (float32), ``config.json`` and ``generation_config.json`` (the
     file's bos/eos ids, the tokenizer's pad id) and the tokenizer files (``tokenizer.json``,
@@ -390,7 +376,7 @@ def import_gguf(path: str | Path, out_dir: str | Path) -> Path:
     path, out = Path(path), Path(out_dir)
     tensors, cfg, reader = read_gguf_tensors(path)
     with torch.device("meta"):
-        expected = {n: tuple(p.shape) for n, p in Llama(cfg).named_parameters()}
+        expected = {n: tuple(p.shape) for n, p in CausalLM(cfg).named_parameters()}
     for name, shape in expected.items():
         if name not in tensors:
             raise ModelDirError(f"{path}: tensor {name} is missing from the GGUF file")

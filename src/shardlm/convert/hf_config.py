@@ -12,7 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from shardlm.errors import ModelDirError
-from shardlm.model.config import FAMILIES, ModelConfig
+from shardlm.model.config import ModelConfig
+from shardlm.model.families import by_model_type
+from shardlm.model.families.registry import HF_ACTIVATIONS
 
 
 def written_special_ids(special_ids: dict[str, Any] | None) -> dict[str, Any]:
@@ -32,7 +34,7 @@ def written_special_ids(special_ids: dict[str, Any] | None) -> dict[str, Any]:
 def hf_config(cfg: ModelConfig, special_ids: dict[str, Any] | None = None,
               dtype: object = "float32") -> dict:
     """The ``config.json`` dict for a model of shape ``cfg``, in its family's layout (``model_type`` from
-    :data:`~shardlm.model.config.FAMILIES`).
+    :data:`~shardlm.model.families.FAMILIES`).
 
     ``special_ids`` gives the ``bos``/``eos``/``pad`` token ids (see :func:`written_special_ids`);
     ``dtype`` (a ``torch.dtype`` or its name) is recorded as ``torch_dtype``. RoPE is written in the
@@ -59,25 +61,9 @@ def hf_config(cfg: ModelConfig, special_ids: dict[str, Any] | None = None,
         "pad_token_id": special_ids.get("pad"),
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
-    if cfg.family == "gemma3":
-        config.update({
-            "hidden_activation": "gelu_pytorch_tanh",
-            "query_pre_attn_scalar": _int_if_whole(cfg.query_pre_attn_scalar or cfg.head_dim),
-            "sliding_window": cfg.sliding_window or None, "rope_local_base_freq": cfg.rope_local_theta or cfg.rope_theta,
-            "layer_types": ["sliding_attention" if cfg.is_local(i) else "full_attention" for i in range(cfg.n_layers)],
-            "final_logit_softcapping": cfg.final_logit_softcap or None, "attn_logit_softcapping": None,
-            "attention_bias": False,
-        })
-    else:
-        config["hidden_act"] = "silu"
-        if cfg.family == "mistral":
-            config["sliding_window"] = cfg.sliding_window or None
-        elif cfg.family in ("qwen2", "qwen3"):
-            config["use_sliding_window"] = False
-            if cfg.family == "qwen3":
-                config["attention_bias"] = False
-        else:
-            config.update(attention_bias=False, mlp_bias=False)
+    config[arch.hf_activation_key] = HF_ACTIVATIONS[arch.activation]
+    config.update({flag: False for flag in arch.hf_false_flags})
+    config.update(arch.hf_fields_out(cfg))
     if cfg.rope_scaling_factor > 0:  # Llama 3.1 RoPE scaling, in HF's format
         config["rope_scaling"] = {
             "rope_type": "llama3", "factor": cfg.rope_scaling_factor, "low_freq_factor": cfg.rope_low_freq_factor,
@@ -87,15 +73,6 @@ def hf_config(cfg: ModelConfig, special_ids: dict[str, Any] | None = None,
     elif cfg.rope_linear_factor > 0:
         config["rope_scaling"] = {"rope_type": "linear", "factor": cfg.rope_linear_factor}
     return config
-
-
-def _int_if_whole(x: float) -> int | float:
-    """``x`` as an int when it is whole (transformers' config classes type some fields as int)."""
-    return int(x) if float(x).is_integer() else x
-
-
-#: config.json ``model_type`` -> our family name
-_FAMILY_OF = {f.model_type: name for name, f in FAMILIES.items()}
 
 
 def _rope_fields(cfg: ModelConfig, rope: dict[str, Any], source: str, key: str) -> None:
@@ -119,7 +96,7 @@ def _rope_fields(cfg: ModelConfig, rope: dict[str, Any], source: str, key: str) 
 
 def model_config_from_hf_dict(config: dict[str, Any], source: str = "config.json") -> ModelConfig:
     """Our :class:`ModelConfig` from an HF ``config.json`` dict (transformers 4.x or 5.x layout) of a built family:
-    ``llama``, ``qwen2``, ``qwen3``, ``mistral`` or ``gemma3_text`` (:data:`~shardlm.model.config.FAMILIES`).
+    ``llama``, ``qwen2``, ``qwen3``, ``mistral`` or ``gemma3_text`` (:data:`~shardlm.model.families.FAMILIES`).
 
     Reads the shape (with an explicit ``head_dim``), ``rope_theta`` (top level or in ``rope_parameters``, per
     layer type for Gemma 3), RoPE scaling (``llama3``, ``linear``), the sliding window and which layers use it,
@@ -131,23 +108,16 @@ def model_config_from_hf_dict(config: dict[str, Any], source: str = "config.json
             attention soft-capping, or a layer pattern other than Gemma's every-n-th-global.
     """
     model_type = config.get("model_type")
-    family = _FAMILY_OF.get(model_type)
-    arch = config.get("architectures") or [FAMILIES[family].architecture if family else None]
-    if family is None or arch != [FAMILIES[family].architecture]:
-        built = ", ".join(f"{f.model_type!r} ({f.architecture})" for f in FAMILIES.values())
-        raise ModelDirError(f"{source}: model_type={model_type!r}, architectures={arch}: not built; the built "
-                            f"families are {built}")
+    arch = by_model_type(model_type, config.get("architectures"), source)
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
         if key not in config:
             raise ModelDirError(f"{source}: missing field {key!r}")
     dim, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
-    act_key = "hidden_activation" if family == "gemma3" else "hidden_act"
-    act = config.get(act_key) or ("gelu_pytorch_tanh" if family == "gemma3" else "silu")
-    if act != {"gemma3": "gelu_pytorch_tanh"}.get(family, "silu"):
+    act_key, built_act = arch.hf_activation_key, HF_ACTIVATIONS[arch.activation]
+    act = config.get(act_key) or built_act
+    if act != built_act:
         raise ModelDirError(f"{source}: {act_key}={act!r} is not supported for {model_type}")
-    biases = {"llama": ("attention_bias", "mlp_bias"), "qwen3": ("attention_bias",), "mistral": (),
-              "qwen2": (), "gemma3": ("attention_bias",)}[family]
-    for key in biases:
+    for key in arch.hf_false_flags:
         if config.get(key):
             raise ModelDirError(f"{source}: {key}=true is not supported for {model_type}")
     for key in ("attn_logit_softcapping",):
@@ -157,60 +127,24 @@ def model_config_from_hf_dict(config: dict[str, Any], source: str = "config.json
     per_layer_type = "full_attention" in rope or "sliding_attention" in rope  # Gemma 3 in the 5.x layout
     global_rope = dict(rope.get("full_attention") or {}) if per_layer_type else rope
     local_rope = dict(rope.get("sliding_attention") or {}) if per_layer_type else {}
-    theta = config.get("rope_theta", global_rope.get("rope_theta", 1_000_000.0 if family == "gemma3" else 10000.0))
-    head_width = int(config.get("head_dim") or 0)
-    if family == "gemma3" and not head_width:
-        head_width = 256  # Gemma3TextConfig's default
+    theta = config.get("rope_theta", global_rope.get("rope_theta", arch.hf_default_rope_theta))
+    head_width = int(config.get("head_dim") or 0) or arch.hf_default_head_dim
     cfg = ModelConfig(
-        family=family, dim=dim, n_layers=int(config["num_hidden_layers"]), n_heads=heads,
+        family=arch.name, dim=dim, n_layers=int(config["num_hidden_layers"]), n_heads=heads,
         n_kv_heads=int(config.get("num_key_value_heads") or heads),
         head_width=0 if head_width == dim // heads and dim % heads == 0 else head_width,
         ffn_hidden=int(config["intermediate_size"]),
         vocab_size=int(config["vocab_size"]), max_seq_len=int(config.get("max_position_embeddings", 2048)),
         rope_theta=float(theta), norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-        tie_embeddings=bool(config.get("tie_word_embeddings", family == "gemma3")),
+        tie_embeddings=bool(config.get("tie_word_embeddings", arch.hf_default_tie)),
     )
     scaling = config.get("rope_scaling")
     _rope_fields(cfg, dict(scaling) if scaling else global_rope, source, "rope_scaling" if scaling else "rope_parameters")
     if local_rope.get("rope_type", "default") != "default":
         raise ModelDirError(f"{source}: rope_parameters.sliding_attention rope_type {local_rope['rope_type']!r} "
                             "is not supported (local layers: default only)")
-    _sliding_fields(cfg, config, family, local_rope, source)
-    if family == "gemma3":
-        cfg.query_pre_attn_scalar = float(config.get("query_pre_attn_scalar") or 256)
-        if cfg.query_pre_attn_scalar == cfg.head_dim:
-            cfg.query_pre_attn_scalar = 0.0
-        cfg.final_logit_softcap = float(config.get("final_logit_softcapping") or 0.0)
+    arch.hf_fields_in(cfg, config, local_rope, source)
     return cfg
-
-
-def _sliding_fields(cfg: ModelConfig, config: dict[str, Any], family: str, local_rope: dict[str, Any],
-                    source: str) -> None:
-    """Set the sliding window, which layers use it and their RoPE base, as transformers decides them per family."""
-    window = config.get("sliding_window")
-    if family in ("qwen2", "qwen3"):
-        if config.get("use_sliding_window"):
-            raise ModelDirError(f"{source}: use_sliding_window=true is not supported for {family}")
-        return
-    if family == "llama" or not window:
-        return
-    cfg.sliding_window = int(window)
-    if family == "mistral":
-        if config.get("layer_types") and set(config["layer_types"]) != {"sliding_attention"}:
-            raise ModelDirError(f"{source}: layer_types with full-attention layers is not supported for mistral")
-        return
-    if config.get("use_bidirectional_attention"):
-        raise ModelDirError(f"{source}: use_bidirectional_attention=true is not supported")
-    types = config.get("layer_types")
-    pattern = int(config.get("sliding_window_pattern") or 6)
-    if types:
-        n_global = types.count("full_attention")
-        pattern = types.index("full_attention") + 1 if n_global else 0  # every n-th: the first global is the n-th
-        built = ["sliding_attention" if (not pattern or (i + 1) % pattern) else "full_attention" for i in range(len(types))]
-        if types != built:
-            raise ModelDirError(f"{source}: layer_types {types} is not every n-th layer global; not supported")
-    cfg.sliding_window_pattern = pattern
-    cfg.rope_local_theta = float(config.get("rope_local_base_freq", local_rope.get("rope_theta", 10000.0)))
 
 
 def read_model_dir_config(path: str | Path) -> ModelConfig:

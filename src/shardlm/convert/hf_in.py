@@ -1,4 +1,4 @@
-"""Reading Hugging Face model directories (every family of ``shardlm.model.config.FAMILIES``): whole
+"""Reading Hugging Face model directories (every family of ``shardlm.model.families.FAMILIES``): whole
 (:func:`load_model_dir`) or sharded per rank (:func:`load_pretrained_`).
 
 A directory holds ``config.json`` (``LlamaForCausalLM``, ``Qwen2ForCausalLM``...) and one or more ``*.safetensors``
@@ -30,7 +30,7 @@ from shardlm.convert.hf_experts import disk_shapes, read_rows
 from shardlm.data.tokenizer import load_tokenizer
 from shardlm.data.tokenizer_files import eos_ids_of, json_line, model_special_ids, read_tokenizer_config, token_text
 from shardlm.errors import DataError, ModelDirError
-from shardlm.model.llama import Llama
+from shardlm.model.decoder import CausalLM
 from shardlm.model.lora import is_nf4, set_from_full_
 
 #: tensors some older HF checkpoints carry that hold no weights (recomputed, never loaded)
@@ -254,8 +254,8 @@ def _itemsize(safetensors_dtype: str) -> int:
             "BOOL": 1}[safetensors_dtype]
 
 
-def load_model_dir(path: str | Path, device: torch.device | str = "cpu") -> Llama:
-    """Load an HF model directory (``config.json`` + ``*.safetensors``) into a whole :class:`Llama` of its family.
+def load_model_dir(path: str | Path, device: torch.device | str = "cpu") -> CausalLM:
+    """Load an HF model directory (``config.json`` + ``*.safetensors``) into a whole :class:`CausalLM` of its family.
 
     Weights are read with safetensors (no pickle). Raises ModelDirError naming the missing file, a
     missing or unexpected tensor, or a shape mismatch (tensor name and both shapes).
@@ -263,7 +263,7 @@ def load_model_dir(path: str | Path, device: torch.device | str = "cpu") -> Llam
     path = Path(path)
     cfg = read_model_dir_config(path)
     with torch.device("meta"):
-        model = Llama(cfg)
+        model = CausalLM(cfg)
     where = check_weights(path, model)  # the index's files, or every file with each tensor in one
     model.to_empty(device=device)
     handles: dict[Path, Any] = {}

@@ -30,7 +30,7 @@ from shardlm.convert.hf_in import check_weights, model_dir_special_ids
 from shardlm.data.tokenizer_files import generation_config, write_tokenizer_files
 from shardlm.errors import ModelDirError
 from shardlm.model.config import ModelConfig
-from shardlm.model.llama import Llama
+from shardlm.model.decoder import CausalLM
 
 
 def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -235,7 +235,7 @@ def copy_model_dir(src: str | Path, out_dir: str | Path, dtype: torch.dtype | No
         raise ModelDirError(f"output directory {out} is the source directory")
     special = model_dir_special_ids(src)
     with torch.device("meta"):
-        model = Llama(cfg)
+        model = CausalLM(cfg)
     where = check_weights(src, model)
     state: dict[str, torch.Tensor] = {}
 

@@ -27,7 +27,7 @@ from shardlm.data import load_tokenizer, read_documents, special_token_ids
 from shardlm.data.instruct import IGNORE_INDEX
 from shardlm.errors import DataError, ModelDirError
 from shardlm.metrics.progress import progress as progress_bar
-from shardlm.model.llama import Llama
+from shardlm.model.decoder import CausalLM
 from shardlm.parallel import DistInfo, all_reduce_sum
 from shardlm.train.loss import model_loss_sum
 
@@ -99,7 +99,7 @@ def context_windows(n_tokens: int, context: int) -> list[tuple[int, int]]:
 
 
 @torch.no_grad()
-def evaluate_tokens(model: Llama, stream: list[int], info: DistInfo, batch_size: int = 8,
+def evaluate_tokens(model: CausalLM, stream: list[int], info: DistInfo, batch_size: int = 8,
                     context: int | None = None, progress: bool = True, stride: int | None = None) -> EvalResult:
     """Loss sums of ``model`` over ``stream`` (token ids), this rank's windows, all-reduced over ranks.
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from shardlm.model.config import ModelConfig
 from shardlm.model.cpu_matmul import bf16_linear_fp32
-from shardlm.model.llama import Llama
+from shardlm.model.decoder import CausalLM
 from shardlm.model.moe import inactive_expert_params
 
 
@@ -42,7 +42,7 @@ def model_flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
     key = repr(cfg)
     if key not in _N_CACHE:
         with torch.device("meta"):
-            model = Llama(cfg)
+            model = CausalLM(cfg)
         n = sum(p.numel() for name, p in model.named_parameters() if name != "model.embed_tokens.weight")
         if cfg.tie_embeddings:  # the shared table is listed once, as the embedding: count it as the output projection
             n += model.lm_head.weight.numel()

@@ -8,7 +8,7 @@ token (:func:`document_positions`), so each document gets the logits it would ge
 of Llama 3 (Dubey et al., "The Llama 3 Herd of Models", 2024, §3.2: "an attention mask that prevents
 self-attention between different documents within the same sequence") and torchtitan's ``block_causal``.
 
-Backends, behind :func:`shardlm.model.llama.attention` (the mask's type selects the kernel):
+Backends, behind :func:`shardlm.model.decoder.attention` (the mask's type selects the kernel):
 
 =========  =====================================================================================
 ``sdpa``   PyTorch ``scaled_dot_product_attention`` with a dense boolean mask (batch, 1, seq, seq): any

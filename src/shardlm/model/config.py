@@ -4,8 +4,9 @@ Field names follow the Llama papers; Hugging Face ``config.json`` names are give
 derived from the fields (head width, key/value heads, MLP width) are properties, computed in one place.
 
 The model families (Llama, Qwen2/2.5, Qwen3, Mistral, Gemma 3) are one decoder with a few switches:
-:data:`FAMILIES` lists, per family, the fixed traits of its architecture (biases, q/k norm, Gemma's norms
-and GeGLU); the sizes a family varies (head width, sliding window, RoPE bases) are fields.
+:data:`~shardlm.model.families.FAMILIES` holds, per family, the fixed traits of its architecture (biases, q/k
+norm, Gemma's norms and GeGLU) and its particulars (:mod:`shardlm.model.families`); the sizes a family varies
+(head width, sliding window, RoPE bases) are fields.
 """
 
 from __future__ import annotations
@@ -14,50 +15,18 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+from shardlm.model.families import FAMILIES, Family, get
 
-@dataclass(frozen=True)
-class Family:
-    """The fixed architectural traits of one model family (what no config field varies)."""
-
-    model_type: str
-    """Hugging Face ``config.json`` ``model_type`` written on export."""
-    architecture: str
-    """Hugging Face ``architectures[0]`` (the ``*ForCausalLM`` class)."""
-    qkv_bias: bool = False
-    """Bias on the query, key and value projections (Qwen2)."""
-    qk_norm: bool = False
-    """RMSNorm over each query and key head (width ``head_dim``) before RoPE (Qwen3, Gemma 3)."""
-    gemma_norms: bool = False
-    """Gemma's conventions: RMSNorm scales by ``1 + weight`` (weights start at 0), a norm before *and* after the
-    attention and the MLP (four per block), the embedding multiplied by sqrt(dim) in its dtype."""
-    activation: Literal["silu", "gelu_tanh"] = "silu"
-    """Gate activation of the gated MLP: SiLU (SwiGLU) or tanh-approximated GELU (GeGLU) [hidden_act]."""
-    moe: bool = False
-    """A mixture of experts: the MLP of its sparse layers is :class:`shardlm.model.moe.MoE` (``n_experts`` > 0)."""
-    routing: Literal["softmax_topk", "topk_softmax"] = "softmax_topk"
-    """Top-k routing of the MoE layers (:func:`shardlm.model.moe.route`)."""
-    always_norm_topk: bool = False
-    """The top-k routing weights are always renormalised to sum to 1 (Mixtral), whatever ``norm_topk_prob`` says."""
-
-
-#: every family the decoder builds, by ``ModelConfig.family``
-FAMILIES: dict[str, Family] = {
-    "llama": Family("llama", "LlamaForCausalLM"),
-    "qwen2": Family("qwen2", "Qwen2ForCausalLM", qkv_bias=True),
-    "qwen3": Family("qwen3", "Qwen3ForCausalLM", qk_norm=True),
-    "mistral": Family("mistral", "MistralForCausalLM"),
-    "gemma3": Family("gemma3_text", "Gemma3ForCausalLM", qk_norm=True, gemma_norms=True, activation="gelu_tanh"),
-    "qwen3_moe": Family("qwen3_moe", "Qwen3MoeForCausalLM", qk_norm=True, moe=True),
-    "mixtral": Family("mixtral", "MixtralForCausalLM", moe=True, always_norm_topk=True),
-}
+__all__ = ["FAMILIES", "Family", "ModelConfig"]  # the registry, importable from here as before
 
 
 @dataclass
 class ModelConfig:
     """Shape of the decoder (Hugging Face config names in brackets)."""
 
-    family: Literal["llama", "qwen2", "qwen3", "mistral", "gemma3", "qwen3_moe", "mixtral"] = "llama"
-    """Model family, the fixed traits of :data:`FAMILIES` [model_type]."""
+    family: str = "llama"
+    """Model family, a name registered in :data:`~shardlm.model.families.FAMILIES` (``llama``, ``qwen2``, ``qwen3``,
+    ``mistral``, ``gemma3``, ``qwen3_moe``, ``mixtral``): its fixed traits and particulars [model_type]."""
     dim: int = 256
     """Hidden size, the width of the residual stream [hidden_size]."""
     n_layers: int = 4
@@ -139,8 +108,12 @@ class ModelConfig:
 
     @property
     def arch(self) -> Family:
-        """The family's fixed traits, :data:`FAMILIES` ``[family]``."""
-        return FAMILIES[self.family]
+        """The family's record (traits and particulars), :data:`~shardlm.model.families.FAMILIES` ``[family]``.
+
+        Raises:
+            ConfigError: ``family`` is not registered.
+        """
+        return get(self.family)
 
     @property
     def head_dim(self) -> int:

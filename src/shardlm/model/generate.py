@@ -1,6 +1,6 @@
 """Sampling text from a trained model (one process, no distributed code), with a key-value cache.
 
-Batched prompts are left-padded to a common length; the :class:`~shardlm.model.llama.KVCache` masks
+Batched prompts are left-padded to a common length; the :class:`~shardlm.model.kv_cache.KVCache` masks
 the padding and gives each row positions from 0, so a row's tokens do not depend on the others.
 Sampling: temperature scaling, then top-k, then top-p (nucleus, Holtzman et al. 2020) filtering.
 """
@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from shardlm.model.llama import KVCache, Llama
+from shardlm.model.decoder import CausalLM
+from shardlm.model.kv_cache import KVCache
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,7 @@ def check_prompts(prompts: list[list[int]], max_seq_len: int) -> None:
 
 
 @torch.no_grad()
-def decode_steps(model: Llama, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingConfig,
+def decode_steps(model: CausalLM, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingConfig,
                  use_cache: bool = True) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Yield ``(logits, next_ids)`` per step: (batch, vocab) float32 logits of the last position, (batch,) int64.
 
@@ -108,7 +109,7 @@ def decode_steps(model: Llama, prompts: list[list[int]], max_new_tokens: int, sa
         feed = nxt.unsqueeze(1)
 
 
-def generate(model: Llama, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingConfig,
+def generate(model: CausalLM, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingConfig,
              eos_id: int | Sequence[int] | None = None, use_cache: bool = True,
              on_token: Callable[[int, int], None] | None = None,
              stop: Callable[[int, list[int]], bool] | None = None) -> list[list[int]]:
@@ -139,7 +140,7 @@ def generate(model: Llama, prompts: list[list[int]], max_new_tokens: int, sampli
     return out
 
 
-def sample(model: Llama, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.8,
+def sample(model: CausalLM, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.8,
            top_k: int = 0, eos_id: int | None = None, seed: int = 0) -> list[int]:
     """One prompt: :func:`generate` with a KV cache; returns the new ids. Raises ValueError on bad input."""
     return generate(model, [prompt_ids], max_new_tokens, SamplingConfig(temperature, top_k, 1.0, seed), eos_id)[0]

@@ -1,4 +1,4 @@
-"""Bytes autograd saves for backward, derived op by op from ``shardlm/model/llama.py``.
+"""Bytes autograd saves for backward, derived op by op from ``shardlm/model/decoder.py``.
 
 Notation: b micro-batch size, t sequence length, B = b·t tokens, d ``dim``, f the SwiGLU hidden size,
 h query heads, hd the head dimension (d/h unless the family sets ``head_dim``), a = h·hd the attention width,
@@ -15,7 +15,7 @@ RMSNorm ``weight * (x.float() * rsqrt(mean(x.float()²) + eps)).to(dtype)``:
   (4·B), the normalised value in the compute dtype (c·B·d; with c = 2 a separate bf16 copy after
   the fp32 product 4·B·d, which is then freed) and the output, the next matmul's input (c·B·d).
 Attention: q after RoPE (c·B·a); k and v after RoPE at their own head count (c·B·kv·hd each: SDPA's
-  ``enable_gqa=True`` reads the grouped heads without repeating them, ``model/llama.py::attention``);
+  ``enable_gqa=True`` reads the grouped heads without repeating them, ``model/decoder.py::attention``);
   RoPE's ``cos``/``sin`` cast to the compute dtype (2·t·hd·c, only when c ≠ 4; otherwise views of the
   fp32 buffers); SDPA (flash on CUDA, the flash kernel on CPU) saves q, k, v, its output (c·B·a, which
   ``o_proj`` also saves as

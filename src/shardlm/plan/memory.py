@@ -33,8 +33,8 @@ import torch
 
 from shardlm.config import Config, ConfigError, gradient_accumulation_steps
 from shardlm.model.cpu_matmul import use_fp32_matmul
+from shardlm.model.decoder import CausalLM
 from shardlm.model.freeze import apply_freeze
-from shardlm.model.llama import Llama
 from shardlm.model.lora import NF4_BLOCK, LoRALinear, LoRASpec, apply_lora, nf4_scaler_block
 from shardlm.parallel.options import dtype_from_name
 from shardlm.parallel.reduce_scatter import resolve_reduce_scatter
@@ -120,10 +120,10 @@ class _Ledger:
         self.now[part] -= nbytes
 
 
-def meta_model(cfg: Config) -> Llama:
+def meta_model(cfg: Config) -> CausalLM:
     """The model on the meta device with the run's LoRA adapters or frozen parameters applied (as build_model)."""
     with torch.device("meta"):
-        model = Llama(cfg.model)
+        model = CausalLM(cfg.model)
     lora = cfg.lora
     if lora.enabled:
         apply_lora(model, LoRASpec(lora.rank, lora.alpha, lora.dropout, lora.targets, lora.base_dtype))
@@ -132,10 +132,10 @@ def meta_model(cfg: Config) -> Llama:
     return model
 
 
-_META_CACHE: dict[str, Llama] = {}
+_META_CACHE: dict[str, CausalLM] = {}
 
 
-def _planner_model(cfg: Config) -> Llama:
+def _planner_model(cfg: Config) -> CausalLM:
     """:func:`meta_model`, built once per shape (model, LoRA and freezing settings) and shared by the planner's own
     read-only uses: ``shardlm plan``'s search plans one shape under many parallel settings."""
     key = repr((cfg.model, cfg.lora, cfg.train.trainable, cfg.train.frozen))

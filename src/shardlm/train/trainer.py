@@ -284,7 +284,7 @@ class Trainer:
         scale = float((np.float32(1.0) / n_tokens) * np.float32(info.world_size))
         batches = [to_device(self.train_data.get(ids), info.device) for ids in micro_ids]  # pinned, async on CUDA
         loss_sum = torch.zeros((), dtype=torch.float64, device=info.device)
-        moe_sums = torch.zeros(0, dtype=torch.float64, device=info.device)  # [aux, z, counts (layers, E)]
+        moe_sums = torch.zeros(0, dtype=torch.float64, device=info.device)  # [aux, z, counts (layers, E)], MoE
         if cfg.lora.enabled and cfg.lora.dropout > 0:  # LoRA dropout: seeded per step and rank (resume is exact)
             torch.manual_seed((cfg.train.seed * 1_000_003 + self.step) * 4099 + info.rank)
         for i, batch in enumerate(batches):
@@ -299,7 +299,8 @@ class Trainer:
             objective = loss * scale
             if moe is not None:
                 objective = objective + moe.term * (info.world_size / len(batches))
-                moe_sums = moe_sums + torch.cat([torch.stack([moe.aux, moe.z]), moe.counts.reshape(-1)]).double()
+                sums = torch.cat([torch.stack([moe.aux, moe.z]), moe.counts.reshape(-1)]).double()
+                moe_sums = sums if i == 0 else moe_sums + sums
             objective.backward()  # per block: all-gather, grads, reduce-scatter (per grad_sync)
             loss_sum += loss.detach()
         # summed over ranks inside the gradient norm's all-reduce: [loss sum, preemption flag, per-rank slots]

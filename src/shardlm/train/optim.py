@@ -105,6 +105,12 @@ def sum_of_squares_fp64(t: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
+def is_sharded(placement: object) -> bool:
+    """Whether a DTensor placement splits the tensor over its mesh dimension: ``Shard``, or FSDP's ``_StridedShard``
+    over an expert-parallel ``Shard`` (which PyTorch does not count as ``is_shard()``)."""
+    return placement.is_shard() or type(placement).__name__ == "_StridedShard"
+
+
 def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float,
                     extras: torch.Tensor | None = None) -> torch.Tensor:
     """Clip gradients in place by their global L2 norm; return that norm, computed so that it does not depend
@@ -141,7 +147,7 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float,
     local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
     squares: dict[tuple, torch.Tensor] = {}  # (mesh, sharded mesh dims) -> fp64 sum of squares on this rank
     for g, t in zip(grads, local):
-        key = (g.device_mesh, tuple(i for i, p in enumerate(g.placements) if p.is_shard())) \
+        key = (g.device_mesh, tuple(i for i, p in enumerate(g.placements) if is_sharded(p))) \
             if isinstance(g, DTensor) else (None, ())
         sq = sum_of_squares_fp64(t)
         squares[key] = squares[key] + sq if key in squares else sq

@@ -80,3 +80,17 @@ def test_lora_on_experts_is_refused_by_name():
     with pytest.raises(ConfigError, match="lora.targets gate_proj,down_proj: LoRA on the experts of a mixture of "
                                           "experts is not built"):
         apply_lora(model, LoRASpec(4, 8.0, 0.0, "q_proj,gate_proj,down_proj", "float32"))
+
+
+@pytest.mark.parametrize("n_experts,ep,world,mode,message", [
+    (8, 3, 6, "fsdp", "parallel.ep=3 must divide model.n_experts=8"),
+    (8, 4, 6, "fsdp", "parallel.ep=4 must divide the data-parallel ranks \\(6\\)"),
+    (8, 2, 2, "ddp", "parallel.ep=2 needs parallel.mode='fsdp' \\(got 'ddp'\\)"),
+    (0, 2, 2, "fsdp", "parallel.ep=2 needs a mixture of experts"),
+])
+def test_bad_expert_parallel_layouts_are_refused_by_name(n_experts, ep, world, mode, message):
+    from shardlm.errors import ConfigError
+    from shardlm.parallel.ep import check_ep
+    with pytest.raises(ConfigError, match=message):
+        check_ep(n_experts, ep, world, mode)
+    check_ep(n_experts or 8, 2, 4, "fsdp")  # a layout that is built passes

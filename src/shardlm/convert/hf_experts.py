@@ -3,7 +3,7 @@
 In memory (transformers 5.x and shardlm) a MoE layer's experts are two 3-D tensors: ``mlp.experts.gate_up_proj``
 (E, 2·hidden, dim), expert e's gate rows then its up rows, and ``mlp.experts.down_proj`` (E, dim, hidden). On
 disk (what ``save_pretrained`` writes and hub checkpoints hold) each expert has its own 2-D tensors, named per
-family (transformers' ``conversion_mapping.py``):
+family (transformers' ``conversion_mapping.py``; the family's ``hf_expert_names``):
 
 =============  ==============================================  ===================================
 family         expert e of layer i (prefix ``model.layers.i.``)  router
@@ -25,11 +25,6 @@ import torch
 
 from shardlm.model.config import ModelConfig
 
-#: per family: (the MoE module's name on disk, gate, up, down tensor names of one expert)
-_DISK = {
-    "qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
-    "mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
-}
 _STACKED = re.compile(r"^(model\.layers\.\d+\.)mlp\.experts\.(gate_up_proj|down_proj)$")
 _ROUTER = re.compile(r"^(model\.layers\.\d+\.)mlp\.gate\.(weight|bias)$")
 
@@ -40,9 +35,9 @@ def disk_shapes(cfg: ModelConfig, name: str, shape: tuple[int, ...]) -> dict[str
     A stacked expert tensor (E, rows, cols) is ``E`` (gate_up: ``2E``) per-expert tensors; a Mixtral router is
     renamed; any other parameter is itself.
     """
-    if cfg.family not in _DISK:
+    if not cfg.arch.hf_expert_names:
         return {name: tuple(shape)}
-    module, gate, up, down = _DISK[cfg.family]
+    module, gate, up, down = cfg.arch.hf_expert_names
     stacked = _STACKED.match(name)
     if stacked:
         prefix, which = stacked.groups()
@@ -66,7 +61,7 @@ def read_rows(cfg: ModelConfig, name: str, shape: tuple[int, ...], start: int, s
     slices it (callers with row access read plain tensors themselves). Shapes as :func:`disk_shapes`.
     """
     names = list(disk_shapes(cfg, name, shape))
-    if not _STACKED.match(name) or cfg.family not in _DISK:
+    if not _STACKED.match(name) or not cfg.arch.hf_expert_names:
         return read(names[0])[start:stop]
     per = len(names) // shape[0]  # tensors per expert: 2 (gate, up) or 1 (down)
     experts = [torch.cat([read(n) for n in names[e * per:(e + 1) * per]]) for e in range(start, stop)]
@@ -81,7 +76,7 @@ def to_disk(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch
     out: dict[str, torch.Tensor] = {}
     for name, t in state.items():
         names = list(disk_shapes(cfg, name, tuple(t.shape)))
-        if not (_STACKED.match(name) and cfg.family in _DISK):
+        if not (_STACKED.match(name) and cfg.arch.hf_expert_names):
             out[names[0]] = t
             continue
         pieces = [piece for e in range(t.shape[0]) for piece in (t[e].chunk(len(names) // t.shape[0]))]

@@ -49,5 +49,5 @@ def hf_fields_in(cfg: ModelConfig, config: dict[str, Any], local_rope: dict[str,
 FAMILY = Family(
     "qwen3_moe", "qwen3_moe", "Qwen3MoeForCausalLM", qk_norm=True, moe=True,
     hf_false_flags=("use_sliding_window", "attention_bias"),
-    hf_fields_out=hf_fields_out, hf_fields_in=hf_fields_in,
+    hf_fields_out=hf_fields_out, hf_fields_in=hf_fields_in, hf_expert_names=("mlp", "gate_proj", "up_proj", "down_proj"),
 )

@@ -82,6 +82,9 @@ class Family:
     """Top-k routing of the MoE layers (:func:`shardlm.model.moe.route`): softmax then top-k, or top-k then softmax."""
     always_norm_topk: bool = False
     """The top-k routing weights are always renormalised to sum to 1 (Mixtral), whatever ``norm_topk_prob`` says."""
+    hf_expert_names: tuple[str, ...] = ()
+    """The hub's on-disk names of a MoE layer's experts, ``(module, gate, up, down)``: expert e's gate matrix is
+    ``model.layers.i.<module>.experts.e.<gate>.weight`` (:mod:`shardlm.convert.hf_experts`); empty: no experts."""
 
     # ---- Hugging Face config.json: read by convert/hf_config.py ---------------------------------------------
     hf_activation_key: str = "hidden_act"

@@ -84,6 +84,7 @@ def worker(spec_path: str) -> None:
         optimizer = build_optimizer(model, cfg.train, info.device)
         gen = torch.Generator().manual_seed(1000 + info.rank)
         times, gathered, a2a, largest, shards = [], [], [], 0, 0
+        counted["largest"] = 0
         for step in range(spec["warmup"] + spec["steps"]):
             counted.update(gather=0, a2a=0, on=True)
             start = time.perf_counter()

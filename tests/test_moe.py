@@ -94,3 +94,27 @@ def test_bad_expert_parallel_layouts_are_refused_by_name(n_experts, ep, world, m
     with pytest.raises(ConfigError, match=message):
         check_ep(n_experts, ep, world, mode)
     check_ep(n_experts or 8, 2, 4, "fsdp")  # a layout that is built passes
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_keeps_moe_gradients_and_aux_loss(mode):
+    from shardlm.model.config import ModelConfig
+    from shardlm.model.decoder import CausalLM
+    from shardlm.parallel.ac import apply_ac
+    from shardlm.train.moe_loss import moe_loss_term
+    cfg = ModelConfig(family="qwen3_moe", dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, vocab_size=64,
+                      max_seq_len=32, n_experts=4, n_experts_per_token=2, moe_ffn_hidden=16)
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for ac in ("none", mode):
+        model = CausalLM(cfg)
+        model.init_weights(0)
+        apply_ac(model.model.layers, ac, 1)
+        logits = model(tokens[:, :-1])
+        term = moe_loss_term(model, 0.1, 0.01)
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()) + term.term
+        loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    assert grads[0].keys() == grads[1].keys() and any("experts.gate_up_proj" in n for n in grads[0])
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-6, rtol=1e-5, msg=name)

@@ -118,3 +118,11 @@ def test_activation_checkpointing_keeps_moe_gradients_and_aux_loss(mode):
     assert grads[0].keys() == grads[1].keys() and any("experts.gate_up_proj" in n for n in grads[0])
     for name in grads[0]:
         torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_expert_parallel_refusal_is_one_line_and_exit_2(small_data, tmp_path, capsys):
+    from conftest import cli_error, tiny_overrides
+    moe = {"model.family": '"qwen3_moe"', "model.n_experts": 4, "model.head_width": 16, "parallel.ep": 3,
+           "train.steps": 1}
+    err = cli_error(capsys, ["train", *tiny_overrides(small_data, tmp_path / "run", moe)])
+    assert err == "error: parallel.ep=3 must divide model.n_experts=4 (each ep rank holds n_experts / ep whole experts)"

@@ -126,3 +126,18 @@ def test_expert_parallel_refusal_is_one_line_and_exit_2(small_data, tmp_path, ca
            "train.steps": 1}
     err = cli_error(capsys, ["train", *tiny_overrides(small_data, tmp_path / "run", moe)])
     assert err == "error: parallel.ep=3 must divide model.n_experts=4 (each ep rank holds n_experts / ep whole experts)"
+
+
+def test_a_rank_reads_only_its_experts_tensors():
+    from shardlm.convert.hf_experts import disk_shapes, read_rows, to_disk
+    from shardlm.model.config import ModelConfig
+    cfg = ModelConfig(family="mixtral", dim=8, n_layers=1, n_heads=2, ffn_hidden=4, n_experts=4)
+    name, shape = "model.layers.0.mlp.experts.gate_up_proj", (4, 8, 8)
+    full = torch.arange(4 * 8 * 8, dtype=torch.float32).reshape(shape)
+    disk = to_disk(cfg, {name: full, "model.layers.0.mlp.gate.weight": torch.zeros(4, 8)})
+    assert set(disk) == set(disk_shapes(cfg, name, shape)) | {"model.layers.0.block_sparse_moe.gate.weight"}
+    assert torch.equal(disk["model.layers.0.block_sparse_moe.experts.2.w3.weight"], full[2, 4:])  # up rows
+    read = []
+    rows = read_rows(cfg, name, shape, 1, 3, lambda n: read.append(n) or disk[n])  # a shard holding experts 1, 2
+    assert torch.equal(rows, full[1:3])
+    assert read == [f"model.layers.0.block_sparse_moe.experts.{e}.{w}.weight" for e in (1, 2) for w in ("w1", "w3")]

@@ -100,3 +100,17 @@ def test_export_of_an_ep_run_loads_in_transformers_with_identical_logits(results
 def test_expert_parallel_layer_with_an_ep_rank_without_tokens_equals_one_process(tmp_path):
     proc = torchrun(4, [str(WORKER.parent / "ep_worker.py")], timeout=300)
     assert proc.stdout.count("OK") == 4 * 3, proc.stdout[-3000:]
+
+
+@pytest.mark.dist
+def test_shardlm_generate_reads_an_ep_runs_export_cached_equal_to_uncached(results, capsys):
+    from shardlm.cli.main import main as shardlm_main
+    _, runs = results
+    argv = ["generate", "--model", str(runs / "ep2_fsdp2" / "final"), "--prompt", "To be, or not",
+            "--temperature", "0", "--max-new-tokens", "12"]
+    outputs = []
+    for extra in ([], ["--no-cache"]):
+        capsys.readouterr()
+        assert shardlm_main(argv + extra) == 0
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0] == outputs[1] and "To be, or not" in outputs[0], outputs

@@ -33,6 +33,8 @@ def results(small_data, tmp_path_factory):
     out.update(run_scenarios(2, [
         scenario("fsdp2", small_data, runs, moe(micro=2)),
         scenario("ep2", small_data, runs, moe({"parallel.ep": 2}, micro=2)),
+        # full activation checkpointing: each block's dispatch and combine run again in backward
+        scenario("ep2_ac", small_data, runs, moe({"parallel.ep": 2, "parallel.activation_checkpoint": '"full"'}, micro=2)),
     ], runs))
     step2 = runs / "ep2" / "checkpoints" / "step-2"
     out.update(run_scenarios(1, [
@@ -52,7 +54,7 @@ def losses(reports, key="loss"):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("name", ["fsdp2", "ep2", "ep2_fsdp2"])
+@pytest.mark.parametrize("name", ["fsdp2", "ep2", "ep2_ac", "ep2_fsdp2"])
 def test_fsdp_and_expert_parallel_equal_one_process(results, name):
     from safetensors.torch import load_file
     out, runs = results

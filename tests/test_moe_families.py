@@ -26,15 +26,25 @@ def hf_config(family: str):
         return transformers.Qwen3MoeConfig(**common, num_hidden_layers=3, head_dim=16, intermediate_size=96,
                                            moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
                                            norm_topk_prob=True, mlp_only_layers=[1], router_aux_loss_coef=0.01)
+    if family == "gpt_oss":  # sinks, biases, clamped SwiGLU; layer 0 sliding (window 8 < 40), layer 1 full
+        return transformers.GptOssConfig(**common, num_hidden_layers=2, head_dim=16, intermediate_size=32,
+                                         num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+                                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                                         router_aux_loss_coef=0.02, swiglu_limit=0.5,  # the clamps bite
+                                         attn_implementation="eager")
     # Mixtral: a sliding window shorter than the 40-token sequence
     return transformers.MixtralConfig(**common, num_hidden_layers=2, intermediate_size=32, num_local_experts=4,
                                       num_experts_per_tok=2, sliding_window=16, router_aux_loss_coef=0.02)
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral", "gpt_oss"])
 def hf_dir(request, tmp_path_factory):
     torch.manual_seed(1)
     model = transformers.AutoModelForCausalLM.from_config(hf_config(request.param)).eval()
+    with torch.no_grad():  # biases and norm weights start at 0 and 1: perturb them so that they are tested
+        for name, p in model.named_parameters():
+            if name.endswith(("bias", "norm.weight")):
+                p.add_(torch.randn_like(p) * 0.1)
     out = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(out, max_shard_size="100KB")  # several files and an index, per-expert tensors
     return request.param, out, model
@@ -44,7 +54,8 @@ def test_logits_and_aux_loss_equal_transformers(hf_dir):
     family, path, hf = hf_dir
     assert (path / "model.safetensors.index.json").is_file()
     weight_map = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
-    assert any(".experts.3." in k for k in weight_map)  # the hub's per-expert layout on disk
+    # the hub's per-expert layout on disk (gpt-oss: its stacked tensors)
+    assert any((".experts.gate_up_proj" if family == "gpt_oss" else ".experts.3.") in k for k in weight_map)
     ours = load_model_dir(path)
     assert ours.cfg.family == family
     with torch.no_grad():
@@ -56,8 +67,10 @@ def test_logits_and_aux_loss_equal_transformers(hf_dir):
     assert abs(term.term.item() - hf.config.router_aux_loss_coef * want.aux_loss.item()) <= 1e-7
     if family == "qwen3_moe":
         assert type(ours.model.layers[1].mlp).__name__ == "MLP" and type(ours.model.layers[0].mlp).__name__ == "MoE"
-    else:
+    elif family == "mixtral":
         assert ours.cfg.sliding_window == 16
+    else:
+        assert ours.cfg.sliding_window == 8 and [b.local for b in ours.model.layers] == [True, False]
 
 
 def test_export_loads_in_transformers_with_identical_logits(hf_dir, tmp_path):
@@ -69,7 +82,8 @@ def test_export_loads_in_transformers_with_identical_logits(hf_dir, tmp_path):
         from safetensors import safe_open
         with safe_open(str(f), "pt") as st:
             keys |= set(st.keys())
-    assert any(".experts.0." in k for k in keys) and not any("gate_up_proj" in k for k in keys)
+    if family != "gpt_oss":
+        assert any(".experts.0." in k for k in keys) and not any("gate_up_proj" in k for k in keys)
     back, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     with torch.no_grad():
@@ -111,6 +125,12 @@ PUBLIC = {
                                           num_key_value_heads=4, head_dim=128, intermediate_size=12288,
                                           moe_intermediate_size=1536, num_experts=128, num_experts_per_tok=8,
                                           vocab_size=151936, norm_topk_prob=True, tie_word_embeddings=False)),
+    # gpt-oss-20b's RoPE is YaRN (not built): counted with default RoPE, which holds no parameters
+    "gpt-oss-20b": ("gpt_oss", dict(hidden_size=2880, num_hidden_layers=24, num_attention_heads=64,
+                                    num_key_value_heads=8, head_dim=64, intermediate_size=2880, num_local_experts=32,
+                                    num_experts_per_tok=4, vocab_size=201088, sliding_window=128,
+                                    tie_word_embeddings=False,
+                                    rope_parameters={"rope_type": "default", "rope_theta": 150000.0})),
     "Mixtral-8x7B": ("mixtral", dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
                                      num_key_value_heads=8, intermediate_size=14336, num_local_experts=8,
                                      num_experts_per_tok=2, vocab_size=32000, tie_word_embeddings=False)),
@@ -124,7 +144,8 @@ def test_planner_parameter_counts_equal_transformers_meta_models(name):
     from shardlm.model.moe import inactive_expert_params
     from shardlm.plan.memory import meta_model, param_groups
     family, shape = PUBLIC[name]
-    hf_cfg = (transformers.Qwen3MoeConfig if family == "qwen3_moe" else transformers.MixtralConfig)(**shape)
+    hf_cfg = {"qwen3_moe": transformers.Qwen3MoeConfig, "mixtral": transformers.MixtralConfig,
+              "gpt_oss": transformers.GptOssConfig}[family](**shape)
     with torch.device("meta"):
         hf = transformers.AutoModelForCausalLM.from_config(hf_cfg)
     want = sum(p.numel() for p in hf.parameters())
@@ -137,4 +158,5 @@ def test_planner_parameter_counts_equal_transformers_meta_models(name):
     # active: every layer runs k of its E experts, each 3 matrices of dim x expert width
     e, k = hf_cfg.num_experts if family == "qwen3_moe" else hf_cfg.num_local_experts, hf_cfg.num_experts_per_tok
     width = hf_cfg.moe_intermediate_size if family == "qwen3_moe" else hf_cfg.intermediate_size
-    assert active == want - hf_cfg.num_hidden_layers * (e - k) * 3 * hf_cfg.hidden_size * width
+    per_expert = 3 * hf_cfg.hidden_size * width + (2 * width + hf_cfg.hidden_size if family == "gpt_oss" else 0)
+    assert active == want - hf_cfg.num_hidden_layers * (e - k) * per_expert

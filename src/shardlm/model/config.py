@@ -91,6 +91,10 @@ class ModelConfig:
     """Weight of the load-balancing loss added to the training loss [router_aux_loss_coef]; 0 means none."""
     router_z_loss_coef: float = 0.0
     """Weight of the router z-loss (ST-MoE) added to the training loss; 0 means none (transformers has none)."""
+    swiglu_alpha: float = 1.702
+    """gpt-oss experts: the gate's sigmoid slope, ``glu = gate · sigmoid(alpha · gate)`` [swiglu_alpha]."""
+    swiglu_limit: float = 7.0
+    """gpt-oss experts: gate clamped to at most ``limit``, up to [-limit, limit] [swiglu_limit]."""
     attention: Literal["causal", "block_causal"] = "causal"
     """Attention pattern over a training sample: ``causal`` (every token sees all earlier ones of the sample) or
     ``block_causal`` (document masking: a token sees only earlier tokens of its own document, with rotary

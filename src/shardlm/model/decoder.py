@@ -41,7 +41,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from shardlm.model import attention as doc_attention
 from shardlm.model.config import ModelConfig
 from shardlm.model.kv_cache import KVCache, LayerKVCache
-from shardlm.model.moe import MoE
+from shardlm.model.moe import build_moe
 from shardlm.model.rope import rope_buffers, rope_inv_freq, rotary_tables, rotate_half
 
 __all__ = [  # with the KV cache and RoPE names that ``shardlm.model.llama`` had before they moved out
@@ -105,7 +105,9 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(cfg.dim, self.n_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.dim, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.dim, bias=cfg.arch.attention_out_bias)
+        if cfg.arch.attention_sinks:  # gpt-oss: one learned logit per head in every query's softmax
+            self.sinks = nn.Parameter(torch.zeros(self.n_heads))
         if cfg.arch.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps, cfg.arch.gemma_norms)
             self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps, cfg.arch.gemma_norms)
@@ -136,7 +138,10 @@ class Attention(nn.Module):
             k, v, mask = cache.update(k, v, self.window)
         elif self.window and self.window < t:
             mask = sliding_window_mask(t, self.window, x.device)
-        out = attention(q, k, v, mask, scale=self.scale)
+        if hasattr(self, "sinks"):
+            out = doc_attention.sink_attention(q, k, v, mask, self.sinks, self.scale)
+        else:
+            out = attention(q, k, v, mask, scale=self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -220,11 +225,7 @@ class Block(nn.Module):
         if plus_one:
             self.pre_feedforward_layernorm = RMSNorm(cfg.dim, cfg.norm_eps, plus_one)
             self.post_feedforward_layernorm = RMSNorm(cfg.dim, cfg.norm_eps, plus_one)
-        if cfg.is_moe_layer(layer):  # a mixture of experts' sparse layer (shardlm/model/moe.py)
-            self.mlp = MoE(cfg.dim, cfg.n_experts, cfg.expert_ffn_dim, cfg.n_experts_per_token, cfg.arch.routing,
-                           cfg.norm_topk_prob or cfg.arch.always_norm_topk)
-        else:
-            self.mlp = MLP(cfg)
+        self.mlp = build_moe(cfg) if cfg.is_moe_layer(layer) else MLP(cfg)  # MoE: shardlm/model/moe.py
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: LayerKVCache | None = None, doc_mask: Any = None) -> torch.Tensor:
@@ -371,7 +372,7 @@ class CausalLM(nn.Module):
         if name.endswith("norm.weight"):
             fill = torch.zeros if self.cfg.arch.gemma_norms else torch.ones
             return fill((stop - start, *shape[1:]), device=device)
-        if name.endswith(".bias"):
+        if name.endswith((".bias", "_bias")):
             return torch.zeros((stop - start, *shape[1:]), device=device)
         std = self.cfg.init_std
         if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):

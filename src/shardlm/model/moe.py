@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardlm.model.config import ModelConfig
+
 #: routing functions the layer builds (``Family.routing``)
 ROUTINGS = ("softmax_topk", "topk_softmax")
 
@@ -92,6 +94,34 @@ class Experts(nn.Module):
         return grouped_linear(F.silu(gate) * up, down, tokens_per_expert)
 
 
+class ClampedSwiGLUExperts(nn.Module):
+    """gpt-oss's experts (HF ``GptOssExperts``): stacked tensors with biases, gate and up interleaved by column.
+
+    ``gate_up_proj`` (n, dim, 2·hidden) with ``gate_up_proj_bias`` (n, 2·hidden): columns 0, 2, 4... are the gate,
+    1, 3, 5... the up projection; ``down_proj`` (n, hidden, dim), ``down_proj_bias`` (n, dim). Per token:
+    ``gate = min(gate, limit)``, ``up = clamp(up, -limit, limit)``, ``h = (up + 1) · gate · sigmoid(alpha · gate)``,
+    output ``h @ down + bias``. ``forward(x_sorted, tokens_per_expert)`` as :class:`Experts`.
+    """
+
+    def __init__(self, n_experts: int, dim: int, hidden: int, alpha: float, limit: float) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(n_experts, dim, 2 * hidden))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(n_experts, 2 * hidden))
+        self.down_proj = nn.Parameter(torch.empty(n_experts, hidden, dim))
+        self.down_proj_bias = nn.Parameter(torch.empty(n_experts, dim))
+        self.alpha, self.limit = alpha, limit
+
+    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        rows = int(x.shape[0])
+        gate_up = grouped_linear(x, local_tensor(self.gate_up_proj).transpose(-2, -1), tokens_per_expert)
+        gate_up = gate_up + local_tensor(self.gate_up_proj_bias).repeat_interleave(tokens_per_expert, 0,
+                                                                                     output_size=rows)
+        gate, up = gate_up[..., ::2].clamp(max=self.limit), gate_up[..., 1::2].clamp(-self.limit, self.limit)
+        h = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+        out = grouped_linear(h, local_tensor(self.down_proj).transpose(-2, -1), tokens_per_expert)
+        return out + local_tensor(self.down_proj_bias).repeat_interleave(tokens_per_expert, 0, output_size=rows)
+
+
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """``t`` itself, or a DTensor's local part: under expert parallelism a rank computes with its own experts."""
     return t.to_local() if hasattr(t, "to_local") else t
@@ -115,13 +145,16 @@ class MoE(nn.Module):
     """Sparse MoE feed-forward (HF ``Qwen3MoeSparseMoeBlock`` / ``MixtralSparseMoeBlock``): (batch, seq, dim) ->
     (batch, seq, dim).
 
-    ``gate``: the router, ``nn.Linear(dim, n_experts)`` (bias only for gpt-oss); ``experts``: :class:`Experts`.
+    ``gate`` (gpt-oss: ``router``, ``router_name``): ``nn.Linear(dim, n_experts)`` (bias only for gpt-oss);
+    ``experts``: :class:`Experts`, or the module given (:class:`ClampedSwiGLUExperts`), called as
+    ``experts(x_sorted, tokens_per_expert)``. :func:`build_moe` makes a family's layer.
     After each forward :attr:`stats` holds this forward's :class:`RouterStats`.
     """
 
     def __init__(self, dim: int, n_experts: int, hidden: int, top_k: int,
                  routing: Literal["softmax_topk", "topk_softmax"] = "softmax_topk",
-                 norm_topk_prob: bool = False, router_bias: bool = False) -> None:
+                 norm_topk_prob: bool = False, router_bias: bool = False, router_name: str = "gate",
+                 experts: nn.Module | None = None) -> None:
         super().__init__()
         if routing not in ROUTINGS:
             raise ValueError(f"routing {routing!r} is not built (built: {', '.join(ROUTINGS)})")
@@ -129,14 +162,15 @@ class MoE(nn.Module):
             raise ValueError(f"top_k={top_k} must be between 1 and n_experts={n_experts}")
         self.n_experts, self.top_k = n_experts, top_k
         self.routing, self.norm_topk_prob = routing, norm_topk_prob
-        self.gate = nn.Linear(dim, n_experts, bias=router_bias)
-        self.experts = Experts(n_experts, dim, hidden)
+        self.router_name = router_name
+        setattr(self, router_name, nn.Linear(dim, n_experts, bias=router_bias))
+        self.experts = experts if experts is not None else Experts(n_experts, dim, hidden)
         self.stats: RouterStats | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        logits = self.gate(x)  # (tokens, E)
+        logits = getattr(self, self.router_name)(x)  # (tokens, E)
         weights, chosen, probs = route(logits, self.top_k, self.routing, self.norm_topk_prob)
         flat = chosen.reshape(-1)  # (tokens · k,): slot j of token t at t·k + j
         order = torch.argsort(flat, stable=True)
@@ -159,3 +193,13 @@ def inactive_expert_params(model: nn.Module) -> int:
         if isinstance(m, MoE):
             out += sum(p.numel() for p in m.experts.parameters()) * (m.n_experts - m.top_k) // m.n_experts
     return out
+
+
+def build_moe(cfg: ModelConfig) -> MoE:
+    """A MoE layer of shape ``cfg`` with its family's traits (routing, router name and bias, experts' MLP)."""
+    arch = cfg.arch
+    experts = None
+    if arch.experts == "clamped_swiglu":
+        experts = ClampedSwiGLUExperts(cfg.n_experts, cfg.dim, cfg.expert_ffn_dim, cfg.swiglu_alpha, cfg.swiglu_limit)
+    return MoE(cfg.dim, cfg.n_experts, cfg.expert_ffn_dim, cfg.n_experts_per_token, arch.routing,
+               cfg.norm_topk_prob or arch.always_norm_topk, arch.router_bias, arch.router_name, experts)

@@ -82,6 +82,17 @@ class Family:
     """Top-k routing of the MoE layers (:func:`shardlm.model.moe.route`): softmax then top-k, or top-k then softmax."""
     always_norm_topk: bool = False
     """The top-k routing weights are always renormalised to sum to 1 (Mixtral), whatever ``norm_topk_prob`` says."""
+    router_bias: bool = False
+    """The MoE router has a bias (gpt-oss)."""
+    router_name: str = "gate"
+    """Attribute (and parameter) name of the MoE router under ``mlp``: ``gate`` (Qwen3-MoE, Mixtral), ``router``."""
+    experts: Literal["swiglu", "clamped_swiglu"] = "swiglu"
+    """The experts' MLP: SwiGLU without biases, or gpt-oss's clamped SwiGLU with biases and interleaved gate/up
+    columns (:class:`shardlm.model.moe.ClampedSwiGLUExperts`)."""
+    attention_sinks: bool = False
+    """A learned sink logit per head joins each query's softmax and takes probability mass (gpt-oss)."""
+    attention_out_bias: bool = False
+    """Bias on the attention's output projection ``o_proj`` (gpt-oss)."""
     hf_expert_names: tuple[str, ...] = ()
     """The hub's on-disk names of a MoE layer's experts, ``(module, gate, up, down)``: expert e's gate matrix is
     ``model.layers.i.<module>.experts.e.<gate>.weight`` (:mod:`shardlm.convert.hf_experts`); empty: no experts."""
@@ -178,7 +189,6 @@ NOT_BUILT: dict[str, str] = {
                    "shared experts and multi-head latent attention (MLA) are not built",
     "kimi_k2": "Kimi K2 is DeepSeek V3's architecture: group-limited routing and multi-head latent attention (MLA) are "
                "not built",
-    "gpt_oss": "gpt-oss's attention sinks, clamped SwiGLU, expert biases and YaRN RoPE are not built",
     "qwen2_moe": "Qwen2-MoE's shared expert and its gate are not built",
 }
 

@@ -160,3 +160,14 @@ def test_planner_parameter_counts_equal_transformers_meta_models(name):
     width = hf_cfg.moe_intermediate_size if family == "qwen3_moe" else hf_cfg.intermediate_size
     per_expert = 3 * hf_cfg.hidden_size * width + (2 * width + hf_cfg.hidden_size if family == "gpt_oss" else 0)
     assert active == want - hf_cfg.num_hidden_layers * (e - k) * per_expert
+
+
+def test_kv_cached_decoding_equals_the_full_forward(hf_dir):
+    from shardlm.model.kv_cache import KVCache
+    family, path, _ = hf_dir
+    ours = load_model_dir(path)
+    with torch.no_grad():
+        full = ours(TOKENS)
+        cache = KVCache(ours.cfg, torch.zeros(2, dtype=torch.long), torch.float32, "cpu", capacity=40)
+        steps = [ours(TOKENS[:, :30], cache=cache)] + [ours(TOKENS[:, i:i + 1], cache=cache) for i in range(30, 40)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=0)

@@ -135,7 +135,13 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     broadcastable to (batch, n_heads, seq, kv_seq); ``sinks`` (n_heads,). Each query's scores ``q·k · scale`` get
     the head's sink as one more logit; the softmax runs over all (max subtracted first, as transformers), the
     sink's probability is dropped, the rest weight v. Returns (batch, n_heads, seq, head_dim) in q's dtype.
+
+    Raises:
+        ValueError: a flex-attention ``BlockMask`` (sinks are built for dense masks only).
     """
+    if BlockMask is not None and isinstance(mask, BlockMask):
+        raise ValueError("attention sinks (gpt-oss) are built with dense masks only: set model.attention_backend = "
+                         "'sdpa' for block-causal attention")
     repeat = q.shape[1] // k.shape[1]
     if repeat > 1:
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)

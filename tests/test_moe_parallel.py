@@ -38,12 +38,12 @@ def results(small_data, tmp_path_factory):
     ], runs))
     step2 = runs / "ep2" / "checkpoints" / "step-2"
     out.update(run_scenarios(1, [
-        scenario("single", small_data, runs, moe({"parallel.mode": '"single"'})),
+        scenario("single", small_data, runs, moe({"parallel.mode": '"single"', "train.log_moe_layers": "true"})),
         scenario("resume_single", small_data, runs, moe({"parallel.mode": '"single"',
                                                          "checkpoint.resume": f'"{step2}"'})),
     ], runs))
     out.update(run_scenarios(4, [
-        scenario("ep2_fsdp2", small_data, runs, moe({"parallel.ep": 2}, micro=1)),
+        scenario("ep2_fsdp2", small_data, runs, moe({"parallel.ep": 2, "train.log_moe_layers": "true"}, micro=1)),
         scenario("resume_fsdp4", small_data, runs, moe({"checkpoint.resume": f'"{step2}"'}, micro=1)),
     ], runs))
     return out, runs
@@ -67,6 +67,11 @@ def test_fsdp_and_expert_parallel_equal_one_process(results, name):
     for key in ("tokens_per_expert_min", "tokens_per_expert_max", "tokens_per_expert_mean"):
         assert [a[key] for a in got] == [b[key] for b in want]
     assert want[0]["tokens_per_expert_mean"] == 4 * 8 * 2 / 8  # tokens · k / E per (layer, expert)
+    layers = [(r["tokens_per_expert_min/layer0"], r["tokens_per_expert_max/layer1"]) for r in want]
+    assert all(r["tokens_per_expert_min"] == min(r["tokens_per_expert_min/layer0"], r["tokens_per_expert_min/layer1"])
+               for r in want) and len(layers) == 3  # train.log_moe_layers: per layer, consistent with the whole
+    if name == "ep2_fsdp2":
+        assert [(r["tokens_per_expert_min/layer0"], r["tokens_per_expert_max/layer1"]) for r in got] == layers
     assert want[0]["moe_aux_loss"] > 0.9  # ~1 when balanced (E · Σ f·P)
     p = {k: v for f in (runs / name / "final").glob("*.safetensors") for k, v in load_file(str(f)).items()}
     q = {k: v for f in (runs / "single" / "final").glob("*.safetensors") for k, v in load_file(str(f)).items()}

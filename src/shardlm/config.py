@@ -109,6 +109,9 @@ class TrainConfig:
     log_per_rank: bool = False
     """Also write each per-rank figure as a full list over ranks (``<key>_per_rank`` in metrics.jsonl, one
     TensorBoard tag per rank); otherwise only its summary (min, max, mean, rank of the max)."""
+    log_moe_layers: bool = False
+    """A mixture of experts: also write tokens per expert for each MoE layer (``tokens_per_expert_min/layer<i>``,
+    ``_max/layer<i>``, i the block index); otherwise only over all layers and experts together."""
     seed: int = 0
     """Seed of the initialisation and the data order."""
     peak_flops: float = 0.0

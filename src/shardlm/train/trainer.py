@@ -350,6 +350,12 @@ class Trainer:
             record.update({"moe_aux_loss": moe_values[0] / len(batches), "moe_z_loss": moe_values[1] / len(batches),
                            "tokens_per_expert_min": min(counts), "tokens_per_expert_max": max(counts),
                            "tokens_per_expert_mean": sum(counts) / len(counts)})
+            if cfg.train.log_moe_layers:  # per MoE layer (block index), min and max over its experts
+                layers = [i for i in range(cfg.model.n_layers) if cfg.model.is_moe_layer(i)]
+                for j, i in enumerate(layers):
+                    row = counts[j * cfg.model.n_experts:(j + 1) * cfg.model.n_experts]
+                    record[f"tokens_per_expert_min/layer{i}"] = min(row)
+                    record[f"tokens_per_expert_max/layer{i}"] = max(row)
         if isinstance(self.sampler, MixtureSampler):  # per source: tokens seen so far and its own epoch
             drawn = self.sampler.drawn_before(self.step * cfg.train.global_batch_size)
             for name, n, source in zip(source_names(cfg.data.sources), drawn, self.sampler.sources):

@@ -171,3 +171,33 @@ def test_kv_cached_decoding_equals_the_full_forward(hf_dir):
         cache = KVCache(ours.cfg, torch.zeros(2, dtype=torch.long), torch.float32, "cpu", capacity=40)
         steps = [ours(TOKENS[:, :30], cache=cache)] + [ours(TOKENS[:, i:i + 1], cache=cache) for i in range(30, 40)]
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=0)
+
+
+def test_lora_on_a_moe_models_attention_exports_to_peft_and_merged(tmp_path):
+    peft = pytest.importorskip("peft")
+    from shardlm.config import load_config
+    from shardlm.convert.peft_out import gather_full_params, merge_lora, save_peft_dir
+    from shardlm.model.lora import LoRASpec, lora_modules
+    from shardlm.parallel.dist import DistInfo
+    from shardlm.train.build import build_model
+    targets = "q_proj,k_proj,v_proj,o_proj"
+    cfg = load_config(None, ["--model.family=\"qwen3_moe\"", "--model.dim=64", "--model.n_layers=2", "--model.n_heads=4",
+                             "--model.n_kv_heads=2", "--model.head_width=16", "--model.ffn_hidden=64",
+                             "--model.n_experts=4", "--model.moe_ffn_hidden=32", "--model.vocab_size=128",
+                             "--lora.enabled=true", "--lora.rank=4", "--lora.alpha=8.0", f"--lora.targets={targets}",
+                             "--parallel.mode=single", "--train.seq_len=32", "--model.max_seq_len=64"])
+    model, _ = build_model(cfg, DistInfo(0, 0, 1, torch.device("cpu"), "gloo"), None)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # trained-looking adapters
+        for _, m in lora_modules(model):
+            m.lora_B.weight.copy_(torch.randn(m.lora_B.weight.shape, generator=gen) * 0.05)
+    want = model(TOKENS)
+    state = gather_full_params(model, True)
+    merged = load_model_dir(save_model_dir(merge_lora(state, 8.0 / 4), model.cfg, tmp_path / "merged"))
+    torch.testing.assert_close(merged(TOKENS), want, atol=1e-5, rtol=0)
+    base_dir = save_model_dir({k: v for k, v in state.items() if ".lora_" not in k}, model.cfg, tmp_path / "base")
+    adapter = save_peft_dir(state, LoRASpec(4, 8.0, 0.0, targets), tmp_path / "adapter", str(base_dir))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(base_dir), torch_dtype=torch.float32)
+    with torch.no_grad():
+        got = peft.PeftModel.from_pretrained(hf, str(adapter)).eval()(TOKENS).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)

@@ -63,6 +63,7 @@ def apply_fsdp(model: Llama, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy |
         fully_shard(module, mesh=expert_mesh, reshard_after_forward=bool(reshard_after_forward),
                     **{k: v for k, v in common.items() if k != "mesh"})
         module.set_gradient_divide_factor(float(world))
+        # a one-rank group divides by the factor without a collective; forcing the sum there divided twice (measured)
         module.set_force_sum_reduction_for_comms(expert_mesh.size() > 1)
     layers = list(decoder.layers)
     block_groups = [layers[i:i + blocks_per_group] for i in range(0, len(layers), blocks_per_group)]

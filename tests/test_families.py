@@ -233,9 +233,13 @@ def test_bad_input(family_dirs, tmp_path, capsys):
         save_file(weights, str(d / "model.safetensors"))
         return d
 
-    moe = write("moe", {**base, "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 8})
+    moe = write("moe", {**base, "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "n_group": 8})
     err = cli_error(capsys, ["import", str(moe), str(tmp_path / "o1")])
-    assert "model_type='qwen3_moe'" in err and "not built" in err
+    assert "model_type='deepseek_v3'" in err and "not built" in err and "group-limited routing" in err
+    # a Qwen3-MoE config.json beside a dense Qwen3's weights: the first tensor it lacks is named
+    moe = write("moe3", {**base, "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 8})
+    err = cli_error(capsys, ["import", str(moe), str(tmp_path / "o1")])
+    assert err.endswith("tensor model.layers.0.mlp.gate.weight is missing from the weights"), err
     longrope = write("longrope", {**base, "rope_parameters": {"rope_type": "longrope", "factor": 4.0, "rope_theta": 1e6}})
     err = cli_error(capsys, ["import", str(longrope), str(tmp_path / "o2")])
     assert "rope_type 'longrope' is not supported (built: default, linear, llama3, yarn, dynamic)" in err

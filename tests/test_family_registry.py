@@ -62,7 +62,7 @@ def test_a_toy_family_needs_only_a_registry_entry(toy):
     assert hf_name("blk.1.attn_q_norm.weight", "toy") == "model.layers.1.self_attn.q_norm.weight"
     assert families.by_gguf_architecture("toy", "x.gguf") is TOY
     with pytest.raises(ConfigError, match="model.sliding_window applies to model.family 'mistral' or 'gemma3' "
-                                          r"\(family is 'toy'\)"):
+                                          r"or 'mixtral' or 'gpt_oss' \(family is 'toy'\)"):
         load_config(None, ["--model.family=toy", "--model.sliding_window=8"])
     assert load_config(None, ["--model.family=toy"]).model.arch is TOY
     qwen3 = shape_of(small("qwen3"), 1, 16, 4)
@@ -70,14 +70,15 @@ def test_a_toy_family_needs_only_a_registry_entry(toy):
 
 
 def test_the_registry_refuses_clashes_and_unknown_names():
-    assert list(families.FAMILIES) == ["llama", "qwen2", "qwen3", "mistral", "gemma3"]
+    assert list(families.FAMILIES) == ["llama", "qwen2", "qwen3", "mistral", "gemma3", "qwen3_moe", "mixtral",
+                                      "gpt_oss"]
     with pytest.raises(ValueError, match="model_type 'qwen2' is already registered by 'qwen2'"):
         families.register(dataclasses.replace(TOY, model_type="qwen2"))
     with pytest.raises(ValueError, match="gguf_architecture 'llama' is already registered by 'llama'"):
         families.register(dataclasses.replace(TOY, gguf_architecture="llama"))
     assert "toy" not in families.FAMILIES
     with pytest.raises(ConfigError, match=r"model.family: 'toy' is not one of \['llama', 'qwen2', 'qwen3', 'mistral', "
-                                          r"'gemma3'\]"):
+                                          r"'gemma3', 'qwen3_moe', 'mixtral', 'gpt_oss'\]"):
         load_config(None, ["--model.family=toy"])
     with pytest.raises(ModelDirError, match="model_type='toy_lm'.*not built"):
         model_config_from_hf_dict({"model_type": "toy_lm"})

@@ -179,8 +179,8 @@ def test_plan_presets_refuse_bad_input(tmp_path, capsys):
     err = cli_error(capsys, ["plan", *argv, "--model-preset", "qwen3-8b", "--model.n_layers=4"])
     assert "--model.n_layers and --model-preset both set the model's shape" in err
     assert "no such file" in cli_error(capsys, ["plan", *argv, "--model-config", str(tmp_path / "none.json")])
-    (tmp_path / "config.json").write_text('{"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]}')
-    assert "model_type='qwen3_moe'" in cli_error(capsys, ["plan", *argv, "--model-config", str(tmp_path)])
+    (tmp_path / "config.json").write_text('{"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"]}')
+    assert "model_type='deepseek_v3': not built" in cli_error(capsys, ["plan", *argv, "--model-config", str(tmp_path)])
     err = cli_error(capsys, ["plan", *argv, "--model-preset", "smollm2-135m", "--train.seq_len=16384"])
     assert "exceeds the model's maximum model.max_seq_len=8192" in err  # checked against the preset's shape
     assert "needs a config and --world-size N" in cli_error(capsys, ["plan", LLAMA3_8B])

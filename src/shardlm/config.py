@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from shardlm.convert.hf_config import read_model_dir_config
 from shardlm.errors import ConfigError
-from shardlm.model.config import ModelConfig
+from shardlm.model.config import FAMILIES, ModelConfig
 
 
 @dataclass
@@ -109,6 +109,9 @@ class TrainConfig:
     log_per_rank: bool = False
     """Also write each per-rank figure as a full list over ranks (``<key>_per_rank`` in metrics.jsonl, one
     TensorBoard tag per rank); otherwise only its summary (min, max, mean, rank of the max)."""
+    log_moe_layers: bool = False
+    """A mixture of experts: also write tokens per expert for each MoE layer (``tokens_per_expert_min/layer<i>``,
+    ``_max/layer<i>``, i the block index); otherwise only over all layers and experts together."""
     seed: int = 0
     """Seed of the initialisation and the data order."""
     peak_flops: float = 0.0
@@ -163,6 +166,10 @@ class ParallelConfig:
     """Asynchronous tensor parallel on CUDA: TorchInductor splits each TP all-gather / reduce-scatter and the matrix
     multiply beside it into micro-pipelined pieces over symmetric memory (``torch._inductor.config._micro_pipeline_tp``),
     hiding the collectives. Needs ``tp > 1``, ``compile = true`` and CUDA (refused on CPU)."""
+    ep: int = 1
+    """Expert parallelism (mixtures of experts, ``parallel/ep.py``): each of ``ep`` ranks holds ``n_experts / ep``
+    whole experts and tokens travel to them by all-to-all; the experts are FSDP-sharded over the other
+    world size / ``ep`` ranks. 1 = none (the experts are FSDP-sharded like every other parameter)."""
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     """FSDP compute dtype (``MixedPrecisionPolicy.param_dtype``): shards stay fp32, all-gathered weights are cast."""
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
@@ -516,6 +523,31 @@ def apply_init_from(cfg: Config) -> None:
         cfg.data.tokenizer = str(tokenizer)
 
 
+def validate_moe(m: ModelConfig) -> None:
+    """Check the mixture-of-experts fields of ``m`` (``n_experts`` and its companions); raise ConfigError naming the key."""
+    if m.arch.moe != (m.n_experts > 0):
+        moe_families = " and ".join(repr(f.name) for f in FAMILIES.values() if f.moe)
+        raise ConfigError(f"model.n_experts={m.n_experts}: model.family {m.family!r} is "
+                          + ("a mixture of experts: set model.n_experts > 0" if m.arch.moe else
+                             f"dense (the mixtures of experts are {moe_families}): leave it 0"))
+    if not m.n_experts:
+        return
+    if not 1 <= m.n_experts_per_token <= m.n_experts:
+        raise ConfigError(f"model.n_experts_per_token={m.n_experts_per_token} must be between 1 and "
+                          f"model.n_experts={m.n_experts}")
+    for key in ("moe_layer_step",):
+        if getattr(m, key) < 1:
+            raise ConfigError(f"model.{key} must be >= 1, got {getattr(m, key)}")
+    if m.moe_ffn_hidden < 0:
+        raise ConfigError(f"model.moe_ffn_hidden must be >= 0 (0 = model.ffn_hidden), got {m.moe_ffn_hidden}")
+    bad = [i for i in m.dense_layers if not 0 <= i < m.n_layers]
+    if bad:
+        raise ConfigError(f"model.dense_layers {list(m.dense_layers)}: layer {bad[0]} is not in [0, {m.n_layers})")
+    for key in ("router_aux_loss_coef", "router_z_loss_coef"):
+        if getattr(m, key) < 0:
+            raise ConfigError(f"model.{key} must be >= 0, got {getattr(m, key)}")
+
+
 def validate(cfg: Config) -> None:
     """Check values that do not depend on the world size; raise ConfigError naming the key."""
     m, t = cfg.model, cfg.train
@@ -549,6 +581,7 @@ def validate(cfg: Config) -> None:
         if getattr(m, key) < 0:
             raise ConfigError(f"model.{key} must be >= 0, got {getattr(m, key)}")
     m.arch.check(m)  # the family's refusals (an unregistered model.family is refused by ``arch`` itself)
+    validate_moe(m)
     if m.rope_linear_factor > 0 and m.rope_scaling_factor > 0:
         raise ConfigError("model.rope_linear_factor and model.rope_scaling_factor (llama3) cannot both be set")
     kv = m.kv_heads
@@ -609,6 +642,10 @@ def validate(cfg: Config) -> None:
     if cfg.parallel.cp < 1 or (cfg.parallel.cp > 1 and cfg.parallel.mode == "single"):
         raise ConfigError(f"parallel.cp must be >= 1 (ranks per sequence), and 1 in parallel.mode='single', "
                           f"got {cfg.parallel.cp}")
+    split = [f"parallel.{k}={getattr(cfg.parallel, k)}" for k in ("tp", "cp") if getattr(cfg.parallel, k) > 1]
+    if cfg.model.n_experts and split:
+        raise ConfigError(f"{' and '.join(split)} on a mixture-of-experts model (model.n_experts="
+                          f"{cfg.model.n_experts}) is not built yet: use expert parallelism (parallel.ep) with FSDP")
     for key in ("interval", "keep"):
         if getattr(cfg.checkpoint, key) < 0:
             raise ConfigError(f"checkpoint.{key} must be >= 0, got {getattr(cfg.checkpoint, key)}")

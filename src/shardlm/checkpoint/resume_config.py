@@ -69,6 +69,7 @@ RULES: dict[str, tuple[str, str]] = {
     "train.eval_tokens": (TAKES_EFFECT, "read at every evaluation"),
     "train.log_interval": (TAKES_EFFECT, "read at every step"),
     "train.log_per_rank": (TAKES_EFFECT, "read at every logged step"),
+    "train.log_moe_layers": (TAKES_EFFECT, "read at every logged step"),
     "train.peak_flops": (TAKES_EFFECT, "only the MFU that is logged"),
     "train.trainable": (REFUSED, "the checkpoint holds exactly the trainable parameters and their AdamW state"),
     "train.frozen": (REFUSED, "the checkpoint holds exactly the trainable parameters and their AdamW state"),

@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from shardlm.convert.hf_config import read_model_dir_config
+from shardlm.convert.hf_experts import disk_shapes, read_rows
 from shardlm.data.tokenizer import load_tokenizer
 from shardlm.data.tokenizer_files import eos_ids_of, json_line, model_special_ids, read_tokenizer_config, token_text
 from shardlm.errors import DataError, ModelDirError
@@ -137,12 +138,18 @@ def _indexed_tensor_files(path: Path) -> dict[str, Path]:
 def check_weights(path: str | Path, model: nn.Module, skip: set[str] | frozenset[str] = frozenset()) -> dict[str, Path]:
     """Check that the directory holds exactly the model's tensors with the model's shapes (headers only).
 
-    Parameters named in ``skip`` (LoRA adapters) are not expected in the files. Returns :func:`tensor_files`.
-    Raises ModelDirError naming a missing, unexpected or wrongly-shaped tensor (with both shapes).
+    Parameters named in ``skip`` (LoRA adapters) are not expected in the files; a mixture of experts' stacked
+    tensors are expected in the hub's per-expert layout (:func:`shardlm.convert.hf_experts.disk_shapes`).
+    Returns :func:`tensor_files`. Raises ModelDirError naming a missing, unexpected or wrongly-shaped tensor
+    (with both shapes).
     """
     where = tensor_files(path)
-    expected = {name: tuple(p.shape) for name, p in model.named_parameters() if name not in skip}
-    tied = getattr(getattr(model, "cfg", None), "tie_embeddings", False)
+    cfg = getattr(model, "cfg", None)
+    expected = {}
+    for name, p in model.named_parameters():
+        if name not in skip:
+            expected.update(disk_shapes(cfg, name, tuple(p.shape)) if cfg is not None else {name: tuple(p.shape)})
+    tied = getattr(cfg, "tie_embeddings", False)
     for name, shape in expected.items():
         if name not in where:
             raise ModelDirError(f"{path}: tensor {name} is missing from the weights")
@@ -199,13 +206,20 @@ def load_pretrained_(model: nn.Module, path: str | Path, skip: set[str] | frozen
         for name, param in model.named_parameters():
             if name in skip:
                 continue
-            f = where[name]
-            if f not in handles:
-                handles[f] = safe_open(str(f), framework="pt")
-            tslice = handles[f].get_slice(name)
-            full_rows = param.shape[0]
+            disk = disk_shapes(model.cfg, name, tuple(param.shape))
             start, rows = local_rows(param)
             local = param.to_local() if isinstance(param, DTensor) else param
+            if next(iter(disk)) != name:  # a MoE layer's stacked experts: only this rank's experts' tensors
+                piece = read_rows(model.cfg, name, tuple(param.shape), start, start + rows,
+                                  lambda n: _open(handles, where[n]).get_tensor(n))
+                stats["bytes_read"] += piece.numel() * piece.element_size()
+                stats["max_slice_bytes"] = max(stats["max_slice_bytes"], piece.numel() * piece.element_size())
+                stats["total_bytes"] += math.prod(param.shape) * piece.element_size()
+                local.copy_(piece.to(local.dtype))
+                continue
+            f = where[name]
+            tslice = _open(handles, f).get_slice(name)
+            full_rows = param.shape[0]
             if is_nf4(local):  # quantised from the whole tensor: the same codes at any world size
                 full = tslice[:]
                 set_from_full_(param, full)
@@ -225,6 +239,13 @@ def load_pretrained_(model: nn.Module, path: str | Path, skip: set[str] | frozen
         handles.clear()
     model.init_rotary()
     return stats
+
+
+def _open(handles: dict[Path, Any], file: Path) -> Any:
+    """The open safetensors handle of ``file`` (opened once, kept in ``handles``)."""
+    if file not in handles:
+        handles[file] = safe_open(str(file), framework="pt")
+    return handles[file]
 
 
 def _itemsize(safetensors_dtype: str) -> int:
@@ -248,9 +269,8 @@ def load_model_dir(path: str | Path, device: torch.device | str = "cpu") -> Caus
     handles: dict[Path, Any] = {}
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if where[name] not in handles:
-                handles[where[name]] = safe_open(str(where[name]), framework="pt")
-            param.copy_(handles[where[name]].get_tensor(name))
+            param.copy_(read_rows(cfg, name, tuple(param.shape), 0, param.shape[0],
+                                  lambda n: _open(handles, where[n]).get_tensor(n)))
     handles.clear()
     model.init_rotary()
     return model

@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from shardlm.atomic import atomic_directory, save_safetensors
 from shardlm.convert.hf_config import hf_config, read_model_dir_config, written_special_ids
+from shardlm.convert.hf_experts import disk_shapes, read_rows, to_disk
 from shardlm.convert.hf_in import check_weights, model_dir_special_ids
 from shardlm.data.tokenizer_files import generation_config, write_tokenizer_files
 from shardlm.errors import ModelDirError
@@ -61,6 +62,7 @@ def save_model_dir(state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: st
     tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
     if cfg.tie_embeddings:
         tensors.pop("lm_head.weight", None)
+    tensors = to_disk(cfg, tensors)  # a mixture of experts: the hub's per-expert tensors
     dtype = next(iter(tensors.values())).dtype
     with atomic_directory(out) as tmp:
         save_safetensors(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
@@ -159,8 +161,8 @@ def save_sharded_model_dir(named_params: list[tuple[str, torch.Tensor]], cfg: Mo
     for (name, p), owner in zip(named_params, owners):
         full = gather_full(p, owner, rank)  # a collective: every rank, in the same order
         if owner == rank:  # a copy only when it is not already this rank's own CPU tensor
-            mine[name] = full.detach().cpu().contiguous() if isinstance(p, DTensor) else full.detach().to(
-                "cpu", copy=True).contiguous()
+            mine.update(to_disk(cfg, {name: full.detach().cpu().contiguous() if isinstance(p, DTensor) else
+                                      full.detach().to("cpu", copy=True).contiguous()}))
         del full
     dtype = named_params[0][1].dtype
 
@@ -189,7 +191,8 @@ def save_sharded_model_dir(named_params: list[tuple[str, torch.Tensor]], cfg: Mo
             with atomic_directory(out) as tmp:
                 write(tmp)
                 index = {"metadata": {"total_size": sum(sizes)},
-                         "weight_map": {name: files[o] for (name, _), o in zip(named_params, owners)}}
+                         "weight_map": {disk: files[o] for (name, p), o in zip(named_params, owners)
+                                        for disk in disk_shapes(cfg, name, tuple(p.shape))}}
                 (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
                 write_model_files(tmp, cfg, dtype, tokenizer_path, special_ids)
         else:
@@ -235,9 +238,13 @@ def copy_model_dir(src: str | Path, out_dir: str | Path, dtype: torch.dtype | No
         model = CausalLM(cfg)
     where = check_weights(src, model)
     state: dict[str, torch.Tensor] = {}
-    for name, _ in model.named_parameters():
+
+    def read(name: str) -> torch.Tensor:
         with safe_open(str(where[name]), framework="pt") as st:
-            t = st.get_tensor(name)
+            return st.get_tensor(name)
+
+    for name, p in model.named_parameters():
+        t = read_rows(cfg, name, tuple(p.shape), 0, p.shape[0], read)
         state[name] = t if dtype is None else t.to(dtype)
     source_config = json.loads((src / "config.json").read_text())
     for key, name in (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("pad", "pad_token_id")):

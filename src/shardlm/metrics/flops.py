@@ -18,6 +18,7 @@ import torch.distributed as dist
 from shardlm.model.config import ModelConfig
 from shardlm.model.cpu_matmul import CPUINFO, bf16_linear_fp32
 from shardlm.model.decoder import CausalLM
+from shardlm.model.moe import inactive_expert_params
 
 
 def flops_per_token(n_params: int, n_layers: int, n_heads: int, head_dim: int, seq_len: int) -> int:
@@ -39,7 +40,8 @@ _N_CACHE: dict[str, int] = {}
 
 def model_flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
     """:func:`flops_per_token` for a Llama of shape ``cfg`` (N computed from the shape, embedding excluded; the
-    meta-device model that counts it is built once per shape)."""
+    meta-device model that counts it is built once per shape). A mixture of experts counts its *active*
+    parameters: each token runs k of a layer's E experts (:func:`shardlm.model.moe.inactive_expert_params`)."""
     key = repr(cfg)
     if key not in _N_CACHE:
         with torch.device("meta"):
@@ -47,7 +49,7 @@ def model_flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
         n = sum(p.numel() for name, p in model.named_parameters() if name != "model.embed_tokens.weight")
         if cfg.tie_embeddings:  # the shared table is listed once, as the embedding: count it as the output projection
             n += model.lm_head.weight.numel()
-        _N_CACHE[key] = n
+        _N_CACHE[key] = n - inactive_expert_params(model)
     return flops_per_token(_N_CACHE[key], cfg.n_layers, cfg.n_heads, cfg.head_dim, seq_len)
 
 

@@ -145,3 +145,35 @@ def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, scale: fl
             _compiled_flex = torch.compile(flex_attention, dynamic=False)
         fn = _compiled_flex
     return fn(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                   sinks: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention with a learned sink logit per head (gpt-oss; Xiao et al., "Efficient Streaming Language Models with
+    Attention Sinks", 2023), as transformers' ``GptOssAttention`` computes it (eager: SDPA has no sinks).
+
+    q (batch, n_heads, seq, head_dim); k, v (batch, n_kv_heads, kv_seq, head_dim), grouped as in
+    :func:`shardlm.model.decoder.attention`; ``mask``: None (causal, seq == kv_seq) or boolean (True = attend),
+    broadcastable to (batch, n_heads, seq, kv_seq); ``sinks`` (n_heads,). Each query's scores ``q·k · scale`` get
+    the head's sink as one more logit; the softmax runs over all (max subtracted first, as transformers), the
+    sink's probability is dropped, the rest weight v. Returns (batch, n_heads, seq, head_dim) in q's dtype.
+
+    Raises:
+        ValueError: a flex-attention ``BlockMask`` (sinks are built for dense masks only).
+    """
+    if BlockMask is not None and isinstance(mask, BlockMask):
+        raise ValueError("attention sinks (gpt-oss) are built with dense masks only: set model.attention_backend = "
+                         "'sdpa' for block-causal attention")
+    repeat = q.shape[1] // k.shape[1]
+    if repeat > 1:
+        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+    scores = torch.matmul(q, k.transpose(2, 3)) * scale
+    if mask is None:
+        t = q.shape[2]
+        mask = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    sink = sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1)
+    logits = torch.cat([scores, sink], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(logits, dim=-1)[..., :-1]
+    return torch.matmul(probs.to(v.dtype), v)

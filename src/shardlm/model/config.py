@@ -26,7 +26,7 @@ class ModelConfig:
 
     family: str = "llama"
     """Model family, a name registered in :data:`~shardlm.model.families.FAMILIES` (``llama``, ``qwen2``, ``qwen3``,
-    ``mistral``, ``gemma3``): its fixed traits and particulars [model_type]."""
+    ``mistral``, ``gemma3``, ``qwen3_moe``, ``mixtral``): its fixed traits and particulars [model_type]."""
     dim: int = 256
     """Hidden size, the width of the residual stream [hidden_size]."""
     n_layers: int = 4
@@ -94,6 +94,26 @@ class ModelConfig:
     """Dynamic NTK RoPE scaling [rope_scaling.factor, rope_type dynamic]: HF changes the base only for sequences past
     ``max_seq_len``, which this model never runs, so within it the frequencies are the default ones; kept for export.
     0 means none."""
+    n_experts: int = 0
+    """Experts of each MoE layer [num_experts / num_local_experts]; 0 means a dense model (families with ``moe``)."""
+    n_experts_per_token: int = 2
+    """Experts each token is routed to, the k of top-k [num_experts_per_tok]."""
+    moe_ffn_hidden: int = 0
+    """Hidden size of one expert's SwiGLU [moe_intermediate_size; Mixtral: intermediate_size]; 0 means ``ffn_dim``."""
+    norm_topk_prob: bool = False
+    """Renormalise the top-k routing probabilities to sum to 1 [norm_topk_prob] (Mixtral always does)."""
+    moe_layer_step: int = 1
+    """Every ``moe_layer_step``-th layer (1-based) is a MoE layer, the others dense [decoder_sparse_step]."""
+    dense_layers: tuple[int, ...] = ()
+    """Layers (0-based) that stay dense MLPs whatever ``moe_layer_step`` says [mlp_only_layers]."""
+    router_aux_loss_coef: float = 0.001
+    """Weight of the load-balancing loss added to the training loss [router_aux_loss_coef]; 0 means none."""
+    router_z_loss_coef: float = 0.0
+    """Weight of the router z-loss (ST-MoE) added to the training loss; 0 means none (transformers has none)."""
+    swiglu_alpha: float = 1.702
+    """gpt-oss experts: the gate's sigmoid slope, ``glu = gate · sigmoid(alpha · gate)`` [swiglu_alpha]."""
+    swiglu_limit: float = 7.0
+    """gpt-oss experts: gate clamped to at most ``limit``, up to [-limit, limit] [swiglu_limit]."""
     attention: Literal["causal", "block_causal"] = "causal"
     """Attention pattern over a training sample: ``causal`` (every token sees all earlier ones of the sample) or
     ``block_causal`` (document masking: a token sees only earlier tokens of its own document, with rotary
@@ -134,6 +154,16 @@ class ModelConfig:
         if not self.sliding_window:
             return False
         return not self.sliding_window_pattern or (layer + 1) % self.sliding_window_pattern != 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether block ``layer`` (0-based) has a MoE feed-forward (HF ``Qwen3MoeDecoderLayer``'s rule)."""
+        return (self.arch.moe and self.n_experts > 0 and layer not in self.dense_layers
+                and (layer + 1) % self.moe_layer_step == 0)
+
+    @property
+    def expert_ffn_dim(self) -> int:
+        """Hidden size of one expert: ``moe_ffn_hidden``, or :attr:`ffn_dim` when 0."""
+        return self.moe_ffn_hidden or self.ffn_dim
 
     @property
     def kv_heads(self) -> int:

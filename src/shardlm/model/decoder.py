@@ -16,6 +16,8 @@ Qwen3      + RMSNorm over each q and k head before RoPE; explicit ``head_dim``
 Mistral    + sliding-window attention in every layer
 Gemma 3    + q/k norm, (1 + weight) RMSNorm, norms before and after attention and MLP, GeGLU (tanh),
            embedding × sqrt(dim), local (sliding, own RoPE base) and global layers, query_pre_attn_scalar
+Qwen3-MoE  Qwen3's attention; sparse layers' MLP a mixture of experts (:mod:`shardlm.model.moe`)
+Mixtral    Mistral's attention; every layer's MLP a mixture of experts, top-k renormalised
 =========  =====================================================================================
 
 References: Touvron et al., "LLaMA" (2023) and the Llama 3 report (2024); RoPE: Su et al. (2021);
@@ -39,6 +41,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from shardlm.model import attention as doc_attention
 from shardlm.model.config import ModelConfig
 from shardlm.model.kv_cache import KVCache, LayerKVCache
+from shardlm.model.moe import build_moe
 from shardlm.model.rope import rope_buffers, rope_inv_freq, rotary_tables, rotate_half
 
 __all__ = [  # with the KV cache and RoPE names that ``shardlm.model.llama`` had before they moved out
@@ -102,7 +105,9 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(cfg.dim, self.n_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.dim, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.dim, bias=cfg.arch.attention_out_bias)
+        if cfg.arch.attention_sinks:  # gpt-oss: one learned logit per head in every query's softmax
+            self.sinks = nn.Parameter(torch.zeros(self.n_heads))
         if cfg.arch.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps, cfg.arch.gemma_norms)
             self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps, cfg.arch.gemma_norms)
@@ -138,7 +143,10 @@ class Attention(nn.Module):
             k, v, mask = cache.update(k, v, self.window)
         elif self.window and self.window < t:
             mask = sliding_window_mask(t, self.window, x.device)
-        out = self.attend(q, k, v, mask, scale=self.scale)
+        if hasattr(self, "sinks"):
+            out = doc_attention.sink_attention(q, k, v, mask, self.sinks, self.scale)
+        else:
+            out = self.attend(q, k, v, mask, scale=self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -210,7 +218,8 @@ class Block(nn.Module):
     Gemma (``cfg.arch.gemma_norms``) adds a norm after each: x + norm(attn(norm(x))), then
     h + norm(mlp(norm(h))); its names are HF's (``post_attention_layernorm`` is then the norm *after*
     attention, ``pre_feedforward_layernorm`` / ``post_feedforward_layernorm`` those around the MLP).
-    Block ``layer`` is local (sliding window) when ``cfg.is_local(layer)``.
+    Block ``layer`` is local (sliding window) when ``cfg.is_local(layer)``, and its ``mlp`` a mixture of experts
+    (:class:`~shardlm.model.moe.MoE`) when ``cfg.is_moe_layer(layer)``.
     """
 
     def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
@@ -223,7 +232,7 @@ class Block(nn.Module):
         if plus_one:
             self.pre_feedforward_layernorm = RMSNorm(cfg.dim, cfg.norm_eps, plus_one)
             self.post_feedforward_layernorm = RMSNorm(cfg.dim, cfg.norm_eps, plus_one)
-        self.mlp = MLP(cfg)
+        self.mlp = build_moe(cfg) if cfg.is_moe_layer(layer) else MLP(cfg)  # MoE: shardlm/model/moe.py
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: LayerKVCache | None = None, doc_mask: Any = None) -> torch.Tensor:
@@ -385,10 +394,10 @@ class CausalLM(nn.Module):
         if name.endswith("norm.weight"):
             fill = torch.zeros if self.cfg.arch.gemma_norms else torch.ones
             return fill((stop - start, *shape[1:]), device=device)
-        if name.endswith(".bias"):
+        if name.endswith((".bias", "_bias")):
             return torch.zeros((stop - start, *shape[1:]), device=device)
         std = self.cfg.init_std
-        if name.endswith(("o_proj.weight", "down_proj.weight")):
+        if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
             std = std / math.sqrt(2 * self.cfg.n_layers)
         block = max(1, INIT_BLOCK_ELEMENTS // max(1, math.prod(shape[1:])))  # rows per generator
         base = seed * 1_000_003 + zlib.crc32(name.encode())

@@ -193,10 +193,17 @@ def apply_lora(model: nn.Module, spec: LoRASpec) -> list[str]:
     (:func:`shardlm.train.build.build_model`). Returns the replaced modules' names.
 
     Raises:
-        ConfigError: a target name that matches no linear layer (listing the names there are), or a rank
+        ConfigError: a target name that matches no linear layer (listing the names there are), an MLP name in a
+            mixture of experts (LoRA on experts is not built), or a rank
             < 1 or above a targeted layer's smaller dimension.
     """
     names = target_names(spec.targets)
+    has_experts = any(n.endswith("mlp.experts") for n, _ in model.named_modules())
+    expert_targets = [t for t in names if t in ("gate_proj", "up_proj", "down_proj", "gate_up_proj", "experts")]
+    if has_experts and expert_targets:
+        raise ConfigError(f"lora.targets {','.join(expert_targets)}: LoRA on the experts of a mixture of experts is "
+                          "not built (one adapter per expert); target the attention projections, e.g. "
+                          "lora.targets = \"q_proj,k_proj,v_proj,o_proj\"")
     linears = {n: m for n, m in model.named_modules() if type(m) is nn.Linear}
     leaf = {n: n.rsplit(".", 1)[-1] for n in linears}
     available = sorted(set(leaf.values()))

@@ -9,6 +9,7 @@ reduce-scattered (averaged over ranks) when backward leaves the group.
 
 from __future__ import annotations
 
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -20,7 +21,8 @@ from shardlm.parallel.reduce_scatter import use_all_to_all_reduce_scatter
 def apply_fsdp(model: Llama, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None = None,
                reshard_after_forward: bool | int = True, *, offload: OffloadPolicy | None = None,
                forward_prefetch: int = 0, backward_prefetch: int = 0, async_all_gather: bool = False,
-               reduce_scatter: str = "native", blocks_per_group: int = 1) -> Llama:
+               reduce_scatter: str = "native", blocks_per_group: int = 1,
+               experts: list[nn.Module] = (), expert_mesh: DeviceMesh | None = None) -> Llama:
     """Shard ``model`` in torchtitan's grouping: embedding, each block, final norm + output, root.
 
     1. the token embedding is one group (unless tied: then it stays with the output projection);
@@ -40,6 +42,11 @@ def apply_fsdp(model: Llama, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy |
     With ``reduce_scatter = "all_to_all"`` (gloo's default, see ``shardlm/parallel/reduce_scatter.py``)
     every group reduce-scatters its gradients through one all-to-all; ``"native"`` keeps the backend's.
 
+    Expert parallelism (:func:`shardlm.parallel.ep.apply_ep` ran first): each module of ``experts`` becomes a
+    group of its own over ``expert_mesh`` (the ``efsdp`` ranks that hold the same experts) before its block's;
+    its gradients are divided by the world size rather than the group's size, since every rank's tokens reach
+    an expert (summed, not averaged, in the collective: gloo has no pre-multiplied sum).
+
     Returns the same object, now also an ``FSDPModule``.
 
     Raises:
@@ -51,6 +58,13 @@ def apply_fsdp(model: Llama, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy |
     decoder = model.model
     if not model.cfg.tie_embeddings:
         fully_shard(decoder.embed_tokens, reshard_after_forward=reshard_after_forward, **common)
+    world = mesh.size()
+    for module in experts:
+        fully_shard(module, mesh=expert_mesh, reshard_after_forward=bool(reshard_after_forward),
+                    **{k: v for k, v in common.items() if k != "mesh"})
+        module.set_gradient_divide_factor(float(world))
+        # a one-rank group divides by the factor without a collective; forcing the sum there divided twice (measured)
+        module.set_force_sum_reduction_for_comms(expert_mesh.size() > 1)
     layers = list(decoder.layers)
     block_groups = [layers[i:i + blocks_per_group] for i in range(0, len(layers), blocks_per_group)]
     for group in block_groups:  # one module or a list: a list is one group (one all-gather, one reduce-scatter)

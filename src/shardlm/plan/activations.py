@@ -75,8 +75,13 @@ class Shape:
 
 
 def shape_of(mcfg: ModelConfig, micro_batch_size: int, seq_len: int, compute_bytes: int) -> Shape:
-    """The :class:`Shape` of a micro-batch of ``micro_batch_size`` × ``seq_len`` tokens."""
-    return Shape(micro_batch_size, seq_len, mcfg.dim, mcfg.ffn_dim, mcfg.n_heads,
+    """The :class:`Shape` of a micro-batch of ``micro_batch_size`` × ``seq_len`` tokens.
+
+    A mixture of experts counts its MLP width per token as the k experts a token visits (f = k · expert width), as
+    if every layer were sparse: the experts' activations, not yet their sorted token copies or all-to-all buffers.
+    """
+    f = mcfg.n_experts_per_token * mcfg.expert_ffn_dim if mcfg.arch.moe and mcfg.n_experts else mcfg.ffn_dim
+    return Shape(micro_batch_size, seq_len, mcfg.dim, f, mcfg.n_heads,
                  mcfg.kv_heads, mcfg.vocab_size, mcfg.n_layers, compute_bytes, mcfg.head_dim,
                  mcfg.arch.gemma_norms, mcfg.arch.qk_norm)
 

@@ -192,9 +192,12 @@ def param_groups(cfg: Config, world_size: int, param_bytes: int = 4, tp: int = 1
     groups: dict[str, Group] = {}
     gathered: dict[str, float] = defaultdict(float)
     total, local = 0, 0
+    ep = getattr(cfg.parallel, "ep", 1)
     for name, p in model.named_parameters():
         rows, numel = tp_local_shape(name, p.shape, tp)
         shard = math.ceil(rows / world_size) * (numel // rows)
+        # expert parallelism: a rank all-gathers only its ep rank's n_experts / ep experts (parallel/ep.py)
+        gathered_numel = numel // ep if ".mlp.experts." in name else numel
         if name.startswith("model.layers."):
             key = block_group_name(int(name.split(".")[2]), cfg.parallel.blocks_per_group, cfg.model.n_layers)
         elif cfg.model.tie_embeddings:
@@ -204,17 +207,17 @@ def param_groups(cfg: Config, world_size: int, param_bytes: int = 4, tp: int = 1
         else:
             key = "head"
         g = groups.setdefault(key, Group(key, 0, 0))
-        g.numel += numel
+        g.numel += gathered_numel
         g.shard_numel += shard
         if p.requires_grad:
-            g.grad_numel += numel
+            g.grad_numel += gathered_numel
             g.grad_shard_numel += shard
         if name in lora_bases and nf4:
             g.stored_shard_bytes += round(nf4_bytes(numel) * shard / numel)
             gathered[key] += nf4_bytes(numel)
         else:
             g.stored_shard_bytes += shard * (base_bytes if name in lora_bases else 4)
-            gathered[key] += numel * param_bytes
+            gathered[key] += gathered_numel * param_bytes
         total += p.numel()
         local += shard
     for key, g in groups.items():

@@ -6,11 +6,12 @@ import copy
 
 from shardlm.config import Config
 from shardlm.metrics.memory import format_bytes
+from shardlm.model.moe import inactive_expert_params
 from shardlm.parallel.cp import padded_length
 from shardlm.parallel.dist import mesh_dims
 from shardlm.plan.devices import get_device
 from shardlm.plan.documents import document_mask_bytes, document_shape, has_documents
-from shardlm.plan.memory import PARTS, MemoryPlan, Settings, plan_memory
+from shardlm.plan.memory import PARTS, MemoryPlan, Settings, meta_model, plan_memory
 from shardlm.plan.search import format_fits, search
 from shardlm.plan.time import plan_time
 
@@ -98,8 +99,11 @@ def format_plan(cfg: Config, world_size: int, device_name: str, headroom: float)
     times = plan_time(cfg, world_size, device, plan.params)
     budget = device.memory_bytes * (1 - headroom)
     st = cfg.parallel
+    active = plan.params - inactive_expert_params(meta_model(cfg))  # a mixture of experts: k of E per token
     lines = [
-        f"plan | {cfg.run.name}: {plan.params:,} parameters, {st.mode} at world size {world_size} on "
+        f"plan | {cfg.run.name}: {plan.params:,} parameters"
+        + (f" ({active:,} active per token, expert parallel {getattr(st, 'ep', 1)})" if active != plan.params else "")
+        + f", {st.mode} at world size {world_size} on "
         f"{device.name} ({device.memory_bytes / GIB:.1f} GiB)",
         f"  micro-batch {cfg.train.micro_batch_size} x {cfg.train.seq_len} tokens, {plan.micro_batches} "
         f"micro-batch(es)/step; param_dtype {getattr(st, 'param_dtype', None) or 'float32'}, reduce_dtype "

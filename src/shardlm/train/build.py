@@ -30,6 +30,7 @@ from shardlm.model.lora import (
 from shardlm.parallel.ac import apply_ac, apply_compile
 from shardlm.parallel.cp import ContextParallel, apply_cp
 from shardlm.parallel.dist import DistInfo, dp_submesh
+from shardlm.parallel.ep import apply_ep, build_ep_mesh, check_ep
 from shardlm.parallel.fsdp import apply_fsdp
 from shardlm.parallel.options import dtype_from_name, mixed_precision_policy, offload_policy
 from shardlm.parallel.reduce_scatter import resolve_reduce_scatter
@@ -89,12 +90,20 @@ def build_model(cfg: Config, info: DistInfo, mesh: DeviceMesh | None,
     apply_ac(model.model.layers, pcfg.activation_checkpoint, pcfg.activation_checkpoint_n)
     if pcfg.compile:  # async TP (CUDA): TorchInductor pipelines the blocks' TP collectives with their multiplies
         apply_compile(model.model.layers, ASYNC_TP_COMPILE_OPTIONS if pcfg.async_tp else None)
+    check_ep(cfg.model.n_experts, pcfg.ep, info.world_size, mode)
+    experts, expert_mesh = [], None
+    fsdp_mesh = dp_submesh(mesh) if mode == "fsdp" else None  # FSDP over the data-parallel dimensions
+    if pcfg.ep > 1:  # experts split over ep ranks, then FSDP-sharded over the rest; all else FSDP over every rank
+        if pcfg.dp_replicate != 1:
+            raise ConfigError(f"parallel.ep={pcfg.ep} with parallel.dp_replicate={pcfg.dp_replicate} (HSDP) is not built")
+        ep_mesh = build_ep_mesh(info.device.type, info.world_size, pcfg.ep)
+        experts, fsdp_mesh, expert_mesh = apply_ep(model, ep_mesh), ep_mesh["dp_shard"], ep_mesh["efsdp"]
     if mode == "fsdp":
-        apply_fsdp(model, dp_submesh(mesh), mixed_precision_policy(pcfg), pcfg.reshard_after_forward,
+        apply_fsdp(model, fsdp_mesh, mixed_precision_policy(pcfg), pcfg.reshard_after_forward,
                    offload=offload_policy(pcfg, info.device), forward_prefetch=pcfg.forward_prefetch,
                    backward_prefetch=pcfg.backward_prefetch, async_all_gather=pcfg.async_all_gather,
                    reduce_scatter=resolve_reduce_scatter(pcfg.reduce_scatter, info.device.type),
-                   blocks_per_group=pcfg.blocks_per_group)
+                   blocks_per_group=pcfg.blocks_per_group, experts=experts, expert_mesh=expert_mesh)
     # with CPU offload the shards live in CPU memory; buffers (rotary tables) still go to the device
     model.to_empty(device="cpu" if pcfg.cpu_offload else info.device)
     load_stats = None

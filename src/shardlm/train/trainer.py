@@ -61,6 +61,7 @@ from shardlm.parallel.options import describe
 from shardlm.train.build import build_model, unwrap
 from shardlm.train.loss import model_loss_sum
 from shardlm.train.mfu import peak_flops_per_rank
+from shardlm.train.moe_loss import moe_loss_term
 from shardlm.train.optim import apply_train_config, build_optimizer, build_scheduler, clip_grad_norm_
 
 
@@ -292,6 +293,7 @@ class Trainer:
         scale = float((np.float32(1.0) / n_tokens) * np.float32(info.world_size // cfg.parallel.tp))
         batches = [to_device(self.train_data.get(ids), info.device) for ids in micro_ids]  # pinned, async on CUDA
         loss_sum = torch.zeros((), dtype=torch.float64, device=info.device)
+        moe_sums = torch.zeros(0, dtype=torch.float64, device=info.device)  # [aux, z, counts (layers, E)], MoE
         if cfg.lora.enabled and cfg.lora.dropout > 0:  # LoRA dropout: seeded per step and rank (resume is exact)
             torch.manual_seed((cfg.train.seed * 1_000_003 + self.step) * 4099 + info.rank)
         for i, batch in enumerate(batches):
@@ -299,7 +301,15 @@ class Trainer:
             set_gradient_sync(model, last_micro_batch=(i == len(batches) - 1), policy=cfg.parallel.grad_sync)
             # per block: all-gather shards, compute, reshard; then the loss (chunked: never the whole logits)
             loss, _ = self._loss_sum(batch)
-            (loss * scale).backward()  # per block: all-gather, grads, reduce-scatter (per grad_sync)
+            # a mixture of experts: + the load-balancing loss over all ranks' tokens of this micro-step (one
+            # all-reduce), averaged over the micro-steps; its shares sum to it over ranks, hence × N as the loss
+            moe = moe_loss_term(model, cfg.model.router_aux_loss_coef, cfg.model.router_z_loss_coef)
+            objective = loss * scale
+            if moe is not None:
+                objective = objective + moe.term * (info.world_size / len(batches))
+                sums = torch.cat([torch.stack([moe.aux, moe.z]), moe.counts.reshape(-1)]).double()
+                moe_sums = sums if i == 0 else moe_sums + sums
+            objective.backward()  # per block: all-gather, grads, reduce-scatter (per grad_sync)
             loss_sum += loss.detach()
         # summed over ranks inside the gradient norm's all-reduce: [loss sum, preemption flag, per-rank slots]
         per_rank = self._per_rank_values() if log else {}
@@ -325,7 +335,9 @@ class Trainer:
             return None
         # the one host read of the step: global values, the sticky non-finite record, the per-rank slots
         values = torch.cat([torch.stack([loss_mean, grad_norm.to(loss_mean.device), extras[1]]),
-                            self._nonfinite, extras[2:]]).tolist()
+                            self._nonfinite, extras[2:], moe_sums]).tolist()
+        moe_values = values[len(values) - len(moe_sums):]
+        values = values[:len(values) - len(moe_sums)]
         loss_value, grad_norm_value, signals = values[:3]
         self._raise_if_nonfinite(values[3:6])
         self.preempted = self.preempted or signals > 0
@@ -341,6 +353,17 @@ class Trainer:
             "mfu": flops / (elapsed * self.peak.flops), "world_size": info.world_size,
         }
         record.update(per_rank_summaries(list(per_rank), values[6:], info.world_size, cfg.train.log_per_rank))
+        if moe_values:  # a mixture of experts: the step's means over micro-steps; tokens per (layer, expert) pair
+            counts = moe_values[2:]
+            record.update({"moe_aux_loss": moe_values[0] / len(batches), "moe_z_loss": moe_values[1] / len(batches),
+                           "tokens_per_expert_min": min(counts), "tokens_per_expert_max": max(counts),
+                           "tokens_per_expert_mean": sum(counts) / len(counts)})
+            if cfg.train.log_moe_layers:  # per MoE layer (block index), min and max over its experts
+                layers = [i for i in range(cfg.model.n_layers) if cfg.model.is_moe_layer(i)]
+                for j, i in enumerate(layers):
+                    row = counts[j * cfg.model.n_experts:(j + 1) * cfg.model.n_experts]
+                    record[f"tokens_per_expert_min/layer{i}"] = min(row)
+                    record[f"tokens_per_expert_max/layer{i}"] = max(row)
         if isinstance(self.sampler, MixtureSampler):  # per source: tokens seen so far and its own epoch
             drawn = self.sampler.drawn_before(self.step * cfg.train.global_batch_size)
             for name, n, source in zip(source_names(cfg.data.sources), drawn, self.sampler.sources):

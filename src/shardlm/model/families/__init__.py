@@ -7,11 +7,11 @@ through the registry (``cfg.arch``), never by its name. A new family: a file her
 :data:`BUILT` below; a new trait: see :mod:`.registry`. Imports no torch.
 """
 
-from shardlm.model.families import gemma3, llama, mistral, qwen2, qwen3
+from shardlm.model.families import gemma3, gpt_oss, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe
 from shardlm.model.families.registry import FAMILIES, Family, by_gguf_architecture, by_model_type, get, register
 
 #: the built families' modules, registered in this order (the order in which messages list them)
-BUILT = (llama, qwen2, qwen3, mistral, gemma3)
+BUILT = (llama, qwen2, qwen3, mistral, gemma3, qwen3_moe, mixtral, gpt_oss)
 for _module in BUILT:
     register(_module.FAMILY)
 

@@ -75,6 +75,27 @@ class Family:
     """Gate activation of the gated MLP: SiLU (SwiGLU) or tanh-approximated GELU (GeGLU) [hidden_act]."""
     sliding_window: bool = False
     """The family has sliding-window (local) layers, so ``model.sliding_window`` may be set (Mistral, Gemma 3)."""
+    moe: bool = False
+    """A mixture of experts: the feed-forward of its sparse layers is :class:`shardlm.model.moe.MoE`, so
+    ``model.n_experts`` must be set (Qwen3-MoE, Mixtral)."""
+    routing: Literal["softmax_topk", "topk_softmax"] = "softmax_topk"
+    """Top-k routing of the MoE layers (:func:`shardlm.model.moe.route`): softmax then top-k, or top-k then softmax."""
+    always_norm_topk: bool = False
+    """The top-k routing weights are always renormalised to sum to 1 (Mixtral), whatever ``norm_topk_prob`` says."""
+    router_bias: bool = False
+    """The MoE router has a bias (gpt-oss)."""
+    router_name: str = "gate"
+    """Attribute (and parameter) name of the MoE router under ``mlp``: ``gate`` (Qwen3-MoE, Mixtral), ``router``."""
+    experts: Literal["swiglu", "clamped_swiglu"] = "swiglu"
+    """The experts' MLP: SwiGLU without biases, or gpt-oss's clamped SwiGLU with biases and interleaved gate/up
+    columns (:class:`shardlm.model.moe.ClampedSwiGLUExperts`)."""
+    attention_sinks: bool = False
+    """A learned sink logit per head joins each query's softmax and takes probability mass (gpt-oss)."""
+    attention_out_bias: bool = False
+    """Bias on the attention's output projection ``o_proj`` (gpt-oss)."""
+    hf_expert_names: tuple[str, ...] = ()
+    """The hub's on-disk names of a MoE layer's experts, ``(module, gate, up, down)``: expert e's gate matrix is
+    ``model.layers.i.<module>.experts.e.<gate>.weight`` (:mod:`shardlm.convert.hf_experts`); empty: no experts."""
 
     # ---- Hugging Face config.json: read by convert/hf_config.py ---------------------------------------------
     hf_activation_key: str = "hidden_act"
@@ -162,12 +183,25 @@ def get(name: str) -> Family:
         raise ConfigError(f"model.family: {name!r} is not one of {list(FAMILIES)}") from None
 
 
+#: ``model_type`` of families that are not built -> what of them is missing (named in the refusal)
+NOT_BUILT: dict[str, str] = {
+    "deepseek_v3": "DeepSeek V3's group-limited routing (n_group / topk_group, noaux_tc with a score-correction bias), "
+                   "shared experts and multi-head latent attention (MLA) are not built",
+    "kimi_k2": "Kimi K2 is DeepSeek V3's architecture: group-limited routing and multi-head latent attention (MLA) are "
+               "not built",
+    "qwen2_moe": "Qwen2-MoE's shared expert and its gate are not built",
+}
+
+
 def by_model_type(model_type: Any, architectures: Any, source: str) -> Family:
     """The family of a ``config.json``'s ``model_type`` and ``architectures`` (absent: the family's own).
 
     Raises:
-        ModelDirError: naming both, when no registered family has them (e.g. a mixture of experts).
+        ModelDirError: naming both, when no registered family has them (for a known architecture of
+            :data:`NOT_BUILT`, also what of it is not built).
     """
+    if model_type in NOT_BUILT and not any(f.model_type == model_type for f in FAMILIES.values()):
+        raise ModelDirError(f"{source}: model_type={model_type!r}: not built: {NOT_BUILT[model_type]}")
     family = next((f for f in FAMILIES.values() if f.model_type == model_type), None)
     arch = architectures or [family.architecture if family else None]
     if family is None or arch != [family.architecture]:

@@ -1,0 +1,60 @@
+"""gpt-oss (OpenAI, 2025; transformers' ``GptOssForCausalLM``): attention with learned sinks and biases on q/k/v/o,
+sliding-window layers alternating with full ones, and a mixture of experts in every layer: a router with a
+bias, top-k then softmax, experts with biases and a clamped SwiGLU (``swiglu_alpha``, ``swiglu_limit``).
+
+``config.json``: ``num_local_experts``, ``num_experts_per_tok``, ``intermediate_size`` (each expert's width),
+``swiglu_alpha``, ``swiglu_limit``, ``sliding_window`` with ``layer_types`` alternating sliding / full (built only
+so), ``router_aux_loss_coef``. The released checkpoints use YaRN RoPE, which is not built: their
+``rope_parameters`` are refused by name (a default-RoPE config imports). On disk the experts have the in-memory
+names (``mlp.experts.gate_up_proj``...); MXFP4-quantised files are not read.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from shardlm.errors import ModelDirError
+from shardlm.model.families.registry import Family
+
+if TYPE_CHECKING:
+    from shardlm.model.config import ModelConfig
+
+
+def hf_fields_out(cfg: ModelConfig) -> dict[str, Any]:
+    """gpt-oss's ``config.json`` fields beyond the shared ones."""
+    return {"num_local_experts": cfg.n_experts, "num_experts_per_tok": cfg.n_experts_per_token,
+            "intermediate_size": cfg.expert_ffn_dim, "swiglu_alpha": cfg.swiglu_alpha,
+            "swiglu_limit": cfg.swiglu_limit, "router_aux_loss_coef": cfg.router_aux_loss_coef,
+            "attention_bias": True, "sliding_window": cfg.sliding_window or None,
+            "layer_types": ["sliding_attention" if cfg.is_local(i) else "full_attention" for i in range(cfg.n_layers)],
+            "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta}}
+
+
+def hf_fields_in(cfg: ModelConfig, config: dict[str, Any], local_rope: dict[str, Any], source: str) -> None:
+    """Set ``cfg``'s experts, clamped SwiGLU and alternating windows from ``config.json``, in place.
+
+    Raises:
+        ModelDirError: ``attention_bias`` false, or ``layer_types`` other than sliding / full alternating.
+    """
+    if config.get("attention_bias") is False:
+        raise ModelDirError(f"{source}: attention_bias=false is not supported for gpt_oss")
+    cfg.n_experts = int(config.get("num_local_experts", 128))
+    cfg.n_experts_per_token = int(config.get("num_experts_per_tok", 4))
+    cfg.swiglu_alpha = float(config.get("swiglu_alpha", 1.702))
+    cfg.swiglu_limit = float(config.get("swiglu_limit", 7.0))
+    cfg.router_aux_loss_coef = float(config.get("router_aux_loss_coef", 0.9))
+    cfg.sliding_window = int(config.get("sliding_window") or 0)
+    types = config.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                                          for i in range(cfg.n_layers)]
+    built = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(cfg.n_layers)]
+    if types != built:
+        raise ModelDirError(f"{source}: layer_types {types} is not sliding / full alternating; not supported")
+    cfg.sliding_window_pattern = 2 if cfg.sliding_window else 0
+
+
+FAMILY = Family(
+    "gpt_oss", "gpt_oss", "GptOssForCausalLM", qkv_bias=True, sliding_window=True, moe=True,
+    routing="topk_softmax", router_bias=True, router_name="router", experts="clamped_swiglu",
+    attention_sinks=True, attention_out_bias=True, hf_default_rope_theta=150000.0, hf_default_head_dim=64,
+    hf_fields_out=hf_fields_out, hf_fields_in=hf_fields_in,
+)

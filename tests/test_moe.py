@@ -1,0 +1,143 @@
+"""The MoE layer (shardlm/model/moe.py) against transformers' sparse MoE blocks, and its grouped matmul."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardlm.model.moe import MoE, grouped_linear, route
+
+transformers = pytest.importorskip("transformers")
+
+
+def _hf_block(family: str, norm_topk_prob: bool = False):
+    if family == "qwen3_moe":
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+        cfg = transformers.Qwen3MoeConfig(hidden_size=32, moe_intermediate_size=24, num_experts=8,
+                                          num_experts_per_tok=2, norm_topk_prob=norm_topk_prob)
+        return Qwen3MoeSparseMoeBlock(cfg)
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+    cfg = transformers.MixtralConfig(hidden_size=32, intermediate_size=24, num_local_experts=8, num_experts_per_tok=2)
+    return MixtralSparseMoeBlock(cfg)
+
+
+@pytest.mark.parametrize("family,norm", [("qwen3_moe", False), ("qwen3_moe", True), ("mixtral", True)])
+def test_moe_block_equals_transformers(family, norm):
+    torch.manual_seed(0)
+    hf = _hf_block(family, norm)
+    for p in hf.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    ours = MoE(32, 8, 24, 2, "softmax_topk", norm_topk_prob=norm)
+    with torch.no_grad():
+        ours.gate.weight.copy_(hf.gate.weight)
+        ours.experts.gate_up_proj.copy_(hf.experts.gate_up_proj)
+        ours.experts.down_proj.copy_(hf.experts.down_proj)
+    x = torch.randn(2, 40, 32, requires_grad=True)
+    x_hf = x.detach().clone().requires_grad_(True)
+    y, y_hf = ours(x), hf(x_hf)
+    torch.testing.assert_close(y, y_hf, atol=1e-6, rtol=1e-5)
+    g = torch.randn_like(y)
+    (y * g).sum().backward()
+    (y_hf * g).sum().backward()
+    for a, b in [(x.grad, x_hf.grad), (ours.experts.gate_up_proj.grad, hf.experts.gate_up_proj.grad),
+                 (ours.experts.down_proj.grad, hf.experts.down_proj.grad), (ours.gate.weight.grad, hf.gate.weight.grad)]:
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    stats = ours.stats
+    assert stats.tokens == 80 and stats.counts.sum() == 160
+    assert stats.counts.tolist() == torch.bincount(hf.gate(x.reshape(-1, 32))[2].reshape(-1), minlength=8).tolist()
+
+
+def test_topk_softmax_routing_is_softmax_over_the_top_k_logits():
+    logits = torch.tensor([[1.0, 3.0, 2.0, -1.0]])
+    weights, experts, probs = route(logits, 2, "topk_softmax", False)
+    assert experts.tolist() == [[1, 2]]
+    torch.testing.assert_close(weights, torch.softmax(torch.tensor([[3.0, 2.0]]), -1))
+    torch.testing.assert_close(probs, torch.softmax(logits, -1))
+    with pytest.raises(ValueError, match="routing 'group_limited' is not built"):
+        route(logits, 2, "group_limited", False)
+
+
+def test_grouped_linear_loop_equals_grouped_mm_and_an_empty_expert_gets_zero_grads():
+    torch.manual_seed(0)
+    x = torch.randn(10, 16)
+    w = torch.randn(3, 8, 16, requires_grad=True)
+    counts = torch.tensor([3, 0, 7])
+    y = grouped_linear(x, w, counts)
+    ref = torch.cat([x[:3] @ w[0].T, x[3:] @ w[2].T])
+    torch.testing.assert_close(y, ref)
+    # torch._grouped_mm (the CUDA kernel) runs its forward on CPU too: the same values
+    mm = torch._grouped_mm(x, w.detach().transpose(-2, -1), offs=torch.cumsum(counts, 0, dtype=torch.int32))
+    torch.testing.assert_close(y.detach(), mm, atol=1e-5, rtol=1e-5)
+    y.sum().backward()
+    assert w.grad is not None and w.grad[1].abs().max() == 0 and w.grad[0].abs().max() > 0
+
+
+def test_lora_on_experts_is_refused_by_name():
+    from shardlm.errors import ConfigError
+    from shardlm.model.lora import LoRASpec, apply_lora
+    model = torch.nn.Module()
+    model.mlp = MoE(16, 4, 8, 2)
+    with pytest.raises(ConfigError, match="lora.targets gate_proj,down_proj: LoRA on the experts of a mixture of "
+                                          "experts is not built"):
+        apply_lora(model, LoRASpec(4, 8.0, 0.0, "q_proj,gate_proj,down_proj", "float32"))
+
+
+@pytest.mark.parametrize("n_experts,ep,world,mode,message", [
+    (8, 3, 6, "fsdp", "parallel.ep=3 must divide model.n_experts=8"),
+    (8, 4, 6, "fsdp", "parallel.ep=4 must divide the data-parallel ranks \\(6\\)"),
+    (8, 2, 2, "ddp", "parallel.ep=2 needs parallel.mode='fsdp' \\(got 'ddp'\\)"),
+    (0, 2, 2, "fsdp", "parallel.ep=2 needs a mixture of experts"),
+])
+def test_bad_expert_parallel_layouts_are_refused_by_name(n_experts, ep, world, mode, message):
+    from shardlm.errors import ConfigError
+    from shardlm.parallel.ep import check_ep
+    with pytest.raises(ConfigError, match=message):
+        check_ep(n_experts, ep, world, mode)
+    check_ep(n_experts or 8, 2, 4, "fsdp")  # a layout that is built passes
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_keeps_moe_gradients_and_aux_loss(mode):
+    from shardlm.model.config import ModelConfig
+    from shardlm.model.decoder import CausalLM
+    from shardlm.parallel.ac import apply_ac
+    from shardlm.train.moe_loss import moe_loss_term
+    cfg = ModelConfig(family="qwen3_moe", dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, vocab_size=64,
+                      max_seq_len=32, n_experts=4, n_experts_per_token=2, moe_ffn_hidden=16)
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for ac in ("none", mode):
+        model = CausalLM(cfg)
+        model.init_weights(0)
+        apply_ac(model.model.layers, ac, 1)
+        logits = model(tokens[:, :-1])
+        term = moe_loss_term(model, 0.1, 0.01)
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()) + term.term
+        loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    assert grads[0].keys() == grads[1].keys() and any("experts.gate_up_proj" in n for n in grads[0])
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_expert_parallel_refusal_is_one_line_and_exit_2(small_data, tmp_path, capsys):
+    from conftest import cli_error, tiny_overrides
+    moe = {"model.family": '"qwen3_moe"', "model.n_experts": 4, "model.head_width": 16, "parallel.ep": 3,
+           "train.steps": 1}
+    err = cli_error(capsys, ["train", *tiny_overrides(small_data, tmp_path / "run", moe)])
+    assert err == "error: parallel.ep=3 must divide model.n_experts=4 (each ep rank holds n_experts / ep whole experts)"
+
+
+def test_a_rank_reads_only_its_experts_tensors():
+    from shardlm.convert.hf_experts import disk_shapes, read_rows, to_disk
+    from shardlm.model.config import ModelConfig
+    cfg = ModelConfig(family="mixtral", dim=8, n_layers=1, n_heads=2, ffn_hidden=4, n_experts=4)
+    name, shape = "model.layers.0.mlp.experts.gate_up_proj", (4, 8, 8)
+    full = torch.arange(4 * 8 * 8, dtype=torch.float32).reshape(shape)
+    disk = to_disk(cfg, {name: full, "model.layers.0.mlp.gate.weight": torch.zeros(4, 8)})
+    assert set(disk) == set(disk_shapes(cfg, name, shape)) | {"model.layers.0.block_sparse_moe.gate.weight"}
+    assert torch.equal(disk["model.layers.0.block_sparse_moe.experts.2.w3.weight"], full[2, 4:])  # up rows
+    read = []
+    rows = read_rows(cfg, name, shape, 1, 3, lambda n: read.append(n) or disk[n])  # a shard holding experts 1, 2
+    assert torch.equal(rows, full[1:3])
+    assert read == [f"model.layers.0.block_sparse_moe.experts.{e}.{w}.weight" for e in (1, 2) for w in ("w1", "w3")]

@@ -8,7 +8,7 @@ token (:func:`document_positions`), so each document gets the logits it would ge
 of Llama 3 (Dubey et al., "The Llama 3 Herd of Models", 2024, §3.2: "an attention mask that prevents
 self-attention between different documents within the same sequence") and torchtitan's ``block_causal``.
 
-Backends, behind :func:`shardlm.model.decoder.attention` (the mask's type selects the kernel):
+Backends, behind :func:`attention` (the mask's type selects the kernel):
 
 =========  =====================================================================================
 ``sdpa``   PyTorch ``scaled_dot_product_attention`` with a dense additive mask (batch, 1, seq, seq) made
@@ -28,6 +28,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 try:  # PyTorch >= 2.5
     from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
@@ -153,7 +154,7 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     Attention Sinks", 2023), as transformers' ``GptOssAttention`` computes it (eager: SDPA has no sinks).
 
     q (batch, n_heads, seq, head_dim); k, v (batch, n_kv_heads, kv_seq, head_dim), grouped as in
-    :func:`shardlm.model.decoder.attention`; ``mask``: None (causal, seq == kv_seq) or boolean (True = attend),
+    :func:`attention`; ``mask``: None (causal, seq == kv_seq) or boolean (True = attend),
     broadcastable to (batch, n_heads, seq, kv_seq); ``sinks`` (n_heads,). Each query's scores ``q·k · scale`` get
     the head's sink as one more logit; the softmax runs over all (max subtracted first, as transformers), the
     sink's probability is dropped, the rest weight v. Returns (batch, n_heads, seq, head_dim) in q's dtype.
@@ -177,3 +178,47 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     logits = logits - logits.max(dim=-1, keepdim=True).values
     probs = torch.softmax(logits, dim=-1)[..., :-1]
     return torch.matmul(probs.to(v.dtype), v)
+
+
+def sdpa_has_enable_gqa() -> bool:
+    """Whether this PyTorch's ``scaled_dot_product_attention`` takes ``enable_gqa`` (PyTorch >= 2.5)."""
+    doc = F.scaled_dot_product_attention.__doc__ or ""
+    return "enable_gqa" in doc.split("->", 1)[0]
+
+
+#: SDPA reads grouped key/value heads itself (no repeated copies of K and V)
+SDPA_ENABLE_GQA = sdpa_has_enable_gqa()
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+              enable_gqa: bool = SDPA_ENABLE_GQA, scale: float | None = None) -> torch.Tensor:
+    """Scaled dot-product attention with grouped query heads; causal when ``mask`` is None.
+
+    Args:
+        q: (batch, n_heads, seq, head_dim); k, v: (batch, n_kv_heads, kv_seq, head_dim), n_kv_heads
+            dividing n_heads; query head h reads key/value head h // (n_heads / n_kv_heads).
+        mask: None (causal over equal lengths), a boolean/additive mask broadcastable to
+            (batch, n_heads, seq, kv_seq) (SDPA), or a flex-attention ``BlockMask`` (the flex backend).
+        enable_gqa: pass the grouped heads to SDPA as they are (``enable_gqa=True``; no K/V copies, which
+            at Llama 3 8B's 32/8 heads would be 4x the K/V memory); False repeats K and V with
+            ``repeat_interleave`` first (HF's ``repeat_kv``), for a PyTorch without ``enable_gqa``.
+            Both give the same result (tested within 1e-6 in fp32).
+        scale: factor of the scores q·k; None means ``head_dim ** -0.5`` (Gemma: ``query_pre_attn_scalar ** -0.5``).
+
+    Returns:
+        (batch, n_heads, seq, head_dim), the dtype of ``q``.
+    """
+    if BlockMask is not None and isinstance(mask, BlockMask):
+        return flex(q, k, v, mask, scale)
+    repeat = q.shape[1] // k.shape[1]
+    extra = {}
+    if repeat > 1 and enable_gqa:
+        extra["enable_gqa"] = True
+    elif repeat > 1:
+        k = k.repeat_interleave(repeat, dim=1)
+        v = v.repeat_interleave(repeat, dim=1)
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, **extra)
+    if mask.is_floating_point() and mask.dtype != q.dtype:  # an additive mask made in another dtype than q's
+        mask = mask.to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, **extra)

@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from shardlm.model import attention as doc_attention
+from shardlm.model.attention import SDPA_ENABLE_GQA, attention, sdpa_has_enable_gqa
 from shardlm.model.config import ModelConfig
 from shardlm.model.kv_cache import KVCache, LayerKVCache
 from shardlm.model.moe import build_moe
@@ -148,50 +149,6 @@ class Attention(nn.Module):
         else:
             out = self.attend(q, k, v, mask, scale=self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
-
-
-def sdpa_has_enable_gqa() -> bool:
-    """Whether this PyTorch's ``scaled_dot_product_attention`` takes ``enable_gqa`` (PyTorch >= 2.5)."""
-    doc = F.scaled_dot_product_attention.__doc__ or ""
-    return "enable_gqa" in doc.split("->", 1)[0]
-
-
-#: SDPA reads grouped key/value heads itself (no repeated copies of K and V)
-SDPA_ENABLE_GQA = sdpa_has_enable_gqa()
-
-
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
-              enable_gqa: bool = SDPA_ENABLE_GQA, scale: float | None = None) -> torch.Tensor:
-    """Scaled dot-product attention with grouped query heads; causal when ``mask`` is None.
-
-    Args:
-        q: (batch, n_heads, seq, head_dim); k, v: (batch, n_kv_heads, kv_seq, head_dim), n_kv_heads
-            dividing n_heads; query head h reads key/value head h // (n_heads / n_kv_heads).
-        mask: None (causal over equal lengths), a boolean/additive mask broadcastable to
-            (batch, n_heads, seq, kv_seq) (SDPA), or a flex-attention ``BlockMask`` (the flex backend).
-        enable_gqa: pass the grouped heads to SDPA as they are (``enable_gqa=True``; no K/V copies, which
-            at Llama 3 8B's 32/8 heads would be 4x the K/V memory); False repeats K and V with
-            ``repeat_interleave`` first (HF's ``repeat_kv``), for a PyTorch without ``enable_gqa``.
-            Both give the same result (tested within 1e-6 in fp32).
-        scale: factor of the scores q·k; None means ``head_dim ** -0.5`` (Gemma: ``query_pre_attn_scalar ** -0.5``).
-
-    Returns:
-        (batch, n_heads, seq, head_dim), the dtype of ``q``.
-    """
-    if doc_attention.BlockMask is not None and isinstance(mask, doc_attention.BlockMask):
-        return doc_attention.flex(q, k, v, mask, scale)
-    repeat = q.shape[1] // k.shape[1]
-    extra = {}
-    if repeat > 1 and enable_gqa:
-        extra["enable_gqa"] = True
-    elif repeat > 1:
-        k = k.repeat_interleave(repeat, dim=1)
-        v = v.repeat_interleave(repeat, dim=1)
-    if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, **extra)
-    if mask.is_floating_point() and mask.dtype != q.dtype:  # an additive mask made in another dtype than q's
-        mask = mask.to(q.dtype)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, **extra)
 
 
 class MLP(nn.Module):

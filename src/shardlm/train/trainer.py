@@ -27,6 +27,7 @@ from shardlm.data.build import data_dir, prepare_data
 from shardlm.data.instruct import IGNORE_INDEX, InstructionExamples, split_batch
 from shardlm.data.mixture import MixtureSampler, MixtureWindows, source_names
 from shardlm.data.packing import DocumentWindows, PackedExamples, batch_documents
+from shardlm.data.preference import PREFERENCE, PreferencePairs
 from shardlm.data.sync import check_same_data
 from shardlm.errors import ConfigError, NonFiniteError
 from shardlm.metrics import (
@@ -61,6 +62,7 @@ from shardlm.train.build import build_model, unwrap
 from shardlm.train.loss import model_loss_sum
 from shardlm.train.mfu import peak_flops_per_rank
 from shardlm.train.optim import apply_train_config, build_optimizer, build_scheduler, clip_grad_norm_
+from shardlm.train.preference_step import PreferenceObjective
 
 
 def run_dir(cfg: Config) -> Path:
@@ -125,6 +127,10 @@ class Trainer:
                                            interleave=True)
             self.sampler = MixtureSampler([len(w) for w in self.train_data.windows],
                                           [s.weight for s in cfg.data.sources], t.global_batch_size, t.seed)
+        elif cfg.data.format == PREFERENCE:  # pairs: the global batch counts pairs; validation: the chosen's NLL
+            self.train_data = PreferencePairs(str(data_dir(cfg)), "train", t.seq_len)
+            self.val_data = PreferencePairs(str(data_dir(cfg)), "val", t.seq_len).chosen_examples()
+            self.sampler = GlobalBatchSampler(len(self.train_data), t.global_batch_size, t.seed)
         elif cfg.data.pack:  # rows of several examples (shardlm/data/packing.py); validation stays one per sample
             self.train_data = PackedExamples(InstructionExamples(str(data_dir(cfg)), "train", t.seq_len,
                                                                  skip_untrainable=True), t.seed)
@@ -143,6 +149,9 @@ class Trainer:
             self.train_data, self.val_data = DocumentWindows(self.train_data, eod), DocumentWindows(self.val_data, eod)
         self.mesh = build_mesh(self.info, cfg.parallel) if cfg.parallel.mode != "single" else None
         self.model, self.pretrained_load_stats = build_model(cfg, self.info, self.mesh)
+        #: the preference objective and its reference (shardlm/train/preference_step.py), None for token losses
+        self.preference = (PreferenceObjective.build(cfg, self.info, self.mesh, self.model, self.train_data,
+                                                     self.run_dir) if cfg.data.format == PREFERENCE else None)
         self.optimizer = build_optimizer(self.model, t, self.info.device)
         self.scheduler = build_scheduler(self.optimizer, t)
         self.special_ids = model_special_ids_of(self.meta)  # what every export and checkpoint records
@@ -215,7 +224,8 @@ class Trainer:
         model = unwrap(self.model)
         params = shard_bytes(self.model)["params"]
         per_rank = all_gather_ints(params, info.device)
-        samples = ("packed rows" if cfg.data.pack else "examples") if cfg.data.format == "instruct" else "windows"
+        samples = {"instruct": "packed rows" if cfg.data.pack else "examples", PREFERENCE: "pairs"}.get(
+            cfg.data.format, "windows")
         lines = [
             f"shardlm | {cfg.run.name} -> {self.run_dir}",
             f"  model      {num_params(model):,} parameters, {cfg.model.n_layers} layers, dim {cfg.model.dim}, "
@@ -233,6 +243,7 @@ class Trainer:
             f"  data       {len(self.train_data):,} train {samples}, {len(self.val_data):,} val {samples}, "
             f"unigram entropy {self.meta['unigram_entropy_nats']:.3f} nats",
             *([f"  packing    {self.train_data.summary()}"] if isinstance(self.train_data, PackedExamples) else []),
+            *([f"  preference {self.preference.describe()}"] if self.preference is not None else []),
             f"  MFU        {self.flops_per_token * cfg.train.seq_len:,.0f} model FLOPs per sequence (6N + 12·L·H·Q·T), "
             f"peak {self.peak.flops / 1e12:.2f} TFLOP/s per rank ({self.peak.precision}, {self.peak.source})",
         ]
@@ -279,10 +290,13 @@ class Trainer:
         # The loss is the mean over every target token of the global batch, so the update equals one
         # step on the whole batch in one process. FSDP/DDP average gradients over ranks, hence × N.
         # scale = N / n_tokens in fp32, rounded as ``N / torch.tensor([n_tokens])`` rounds (1/n, then × N)
-        n_tokens = np.float32(self._global_targets(self.step))
+        pref = self.preference  # its micro-batch losses are already shares of the global mean: divided by 1 here
+        norm = pref.normalisers(self.sampler.step_ids(self.step)) if pref is not None else None
+        n_tokens = np.float32(1 if pref is not None else self._global_targets(self.step))
         scale = float((np.float32(1.0) / n_tokens) * np.float32(info.world_size))
         batches = [to_device(self.train_data.get(ids), info.device) for ids in micro_ids]  # pinned, async on CUDA
         loss_sum = torch.zeros((), dtype=torch.float64, device=info.device)
+        stats = PreferenceObjective.zero_stats(info.device) if pref is not None else None
         if cfg.lora.enabled and cfg.lora.dropout > 0:  # LoRA dropout: seeded per step and rank (resume is exact)
             torch.manual_seed((cfg.train.seed * 1_000_003 + self.step) * 4099 + info.rank)
         for i, batch in enumerate(batches):
@@ -290,16 +304,23 @@ class Trainer:
             # parallel.grad_sync: reduce-scatter on every micro-batch or on the last only
             set_gradient_sync(model, last_micro_batch=(i == len(batches) - 1), policy=cfg.parallel.grad_sync)
             # per block: all-gather shards, compute, reshard; then the loss (chunked: never the whole logits)
-            loss = model_loss_sum(model, inputs, targets, cfg.train.loss_chunk_tokens, batch_documents(batch))
+            if pref is None:
+                loss = model_loss_sum(model, inputs, targets, cfg.train.loss_chunk_tokens, batch_documents(batch))
+            else:  # chosen and rejected rows in one forward; the reference's log-probs first, without gradients
+                loss, batch_stats = pref.loss(model, batch, micro_ids[i], norm)
+                stats += batch_stats
             (loss * scale).backward()  # per block: all-gather, grads, reduce-scatter (per grad_sync)
             loss_sum += loss.detach()
         # summed over ranks inside the gradient norm's all-reduce: [loss sum, preemption flag, per-rank slots]
         per_rank = self._per_rank_values() if log else {}
-        extras = torch.zeros(2 + info.world_size * len(per_rank), dtype=torch.float64, device=info.device)
+        n_stats = 0 if stats is None else len(stats)  # the preference metrics' sums, in the last slots
+        extras = torch.zeros(2 + info.world_size * len(per_rank) + n_stats, dtype=torch.float64, device=info.device)
         extras[0] = loss_sum
         extras[1].fill_(float(self.checkpointer.signal_received()))
         for j, value in enumerate(per_rank.values()):  # this rank's slots (fills: no host-to-device copy)
             extras[2 + info.rank * len(per_rank) + j].fill_(float(value))
+        if stats is not None:
+            extras[len(extras) - n_stats:] = stats
         max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else math.inf
         grad_norm = clip_grad_norm_(model.parameters(), max_norm, extras)  # fp64: the same at any sharding
         loss_mean = extras[0] / float(n_tokens)
@@ -332,7 +353,10 @@ class Trainer:
             "step_time_s": elapsed, "flops_per_step_per_rank": flops, "peak_flops_per_rank": self.peak.flops,
             "mfu": flops / (elapsed * self.peak.flops), "world_size": info.world_size,
         }
-        record.update(per_rank_summaries(list(per_rank), values[6:], info.world_size, cfg.train.log_per_rank))
+        record.update(per_rank_summaries(list(per_rank), values[6:len(values) - n_stats], info.world_size,
+                                         cfg.train.log_per_rank))
+        if pref is not None:  # TRL's names: rewards/*, logps/*, logits/*
+            record.update(pref.metrics(values[len(values) - n_stats:], norm[0]))
         if isinstance(self.sampler, MixtureSampler):  # per source: tokens seen so far and its own epoch
             drawn = self.sampler.drawn_before(self.step * cfg.train.global_batch_size)
             for name, n, source in zip(source_names(cfg.data.sources), drawn, self.sampler.sources):

@@ -310,6 +310,39 @@ def test_bad_preference_input(tok_dir, tmp_path, capsys):
     assert not (tmp_path / "x").exists()
 
 
+def test_bad_preference_settings_and_a_reference_with_another_tokenizer(tok_dir, hf_dirs, tmp_path, capsys):
+    from conftest import cli_error
+    from shardlm.config import load_config
+    from shardlm.errors import ConfigError
+    from shardlm.train.preference_step import check_reference_tokenizer
+
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", pairs_from_examples(4))
+    base = ["--data.format=preference", f"--data.corpus={pairs}", f"--data.tokenizer={tok_dir / 'tokenizer.json'}"]
+    for extra, message in (
+            (["--data.pack=true", "--model.attention=block_causal"], "data.pack does not apply to data.format = "
+                                                                      "'preference': preference pairs are not packed"),
+            (["--preference.loss=ipo", "--preference.label_smoothing=0.1"],
+             "preference.label_smoothing applies to loss 'dpo' or 'simpo' (loss is 'ipo')"),
+            (["--preference.reference=lora_base"], "preference.reference = 'lora_base' needs lora.enabled = true"),
+            (["--preference.beta=0"], "preference.beta must be positive, got 0.0")):
+        with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            load_config(None, base + extra)
+    err = cli_error(capsys, ["prepare", "--config", str(ROOT / "configs/shakespeare-tiny.toml"), *base,
+                             "--data.pack=true", "--model.attention=block_causal"])
+    assert "data.pack does not apply" in err
+    check_reference_tokenizer(str(hf_dirs["reference"]), str(tok_dir / "tokenizer.json"))  # the same: accepted
+    other = tmp_path / "other"
+    other.mkdir()
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(["a different corpus entirely"] * 10, trainers.BpeTrainer(vocab_size=300, show_progress=False))
+    tok.save(str(other / "tokenizer.json"))
+    with pytest.raises(ConfigError, match=r"preference.reference_from .*other: its tokenizer differs from the policy's"):
+        check_reference_tokenizer(str(other), str(tok_dir / "tokenizer.json"))
+    with pytest.raises(ConfigError, match="has no tokenizer.json"):
+        check_reference_tokenizer(str(tmp_path), str(tok_dir / "tokenizer.json"))
+
+
 # ---- the step under FSDP: 2 ranks == 1 process, references (a) == (b), resume, LoRA (two torchrun launches) ------
 def dist_overrides(data: Path, tokenizer: Path, run: Path, extra: dict) -> list[str]:
     base = {"model.dim": 64, "model.n_layers": 2, "model.n_heads": 4, "model.n_kv_heads": 2, "model.ffn_hidden": 128,

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file
+from tokenizers import Tokenizer
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -70,8 +71,6 @@ def check_reference_tokenizer(reference_dir: str, tokenizer_path: str) -> None:
         ConfigError: ``reference_dir`` has no ``tokenizer.json``, or its vocabulary (ids and added tokens)
             differs from ``tokenizer_path``'s.
     """
-    from tokenizers import Tokenizer
-
     theirs = Path(reference_dir) / "tokenizer.json"
     if not theirs.is_file():
         raise ConfigError(f"preference.reference_from {reference_dir} has no tokenizer.json: cannot check that the "

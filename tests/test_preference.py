@@ -327,6 +327,8 @@ def test_bad_preference_settings_and_a_reference_with_another_tokenizer(tok_dir,
             (["--preference.beta=0"], "preference.beta must be positive, got 0.0")):
         with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
             load_config(None, base + extra)
+    with pytest.raises(ConfigError, match="preference.beta applies to data.format = 'preference' .format is 'text'."):
+        load_config(None, ["--preference.beta=0.3"])  # a [preference] setting that would be ignored
     err = cli_error(capsys, ["prepare", "--config", str(ROOT / "configs/shakespeare-tiny.toml"), *base,
                              "--data.pack=true", "--model.attention=block_causal"])
     assert "data.pack does not apply" in err

@@ -665,6 +665,9 @@ def validate_preference(cfg: Config) -> None:
     """Check ``[preference]`` against the rest of the config; raise ConfigError naming the key."""
     pref, d = cfg.preference, cfg.data
     if d.format != "preference":
+        changed = [f.name for f in dataclasses.fields(pref) if getattr(pref, f.name) != f.default]
+        if changed:
+            raise ConfigError(f"preference.{changed[0]} applies to data.format = 'preference' (format is {d.format!r})")
         return
     if d.pack:
         raise ConfigError("data.pack does not apply to data.format = 'preference': preference pairs are not packed "

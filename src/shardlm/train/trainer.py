@@ -345,7 +345,7 @@ class Trainer:
         seconds, steps = self._interval["seconds"], self._interval["steps"]
         self._interval = {"seconds": 0.0, "steps": 0}
         elapsed = seconds / steps  # mean host time per step since the last record (synchronised by the read)
-        tokens = cfg.train.global_batch_size * cfg.train.seq_len
+        tokens = cfg.train.global_batch_size * cfg.train.seq_len * (2 if pref is not None else 1)  # a pair: 2 rows
         flops = self.flops_per_token * tokens / info.world_size  # this rank's model FLOPs (host arithmetic)
         record = {
             "step": self.step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm_value,

@@ -382,6 +382,8 @@ def test_two_ranks_equal_one_process_references_agree_and_resume_is_exact(tok_di
             {"name": "pre_resumed", "overrides": dist_overrides(data, tokenizer, runs / "pre", {
                 **common, "preference.precompute_reference": "true",
                 "checkpoint.resume": f'"{runs / "pre" / "checkpoints" / "step-2"}"'})},
+            {"name": "pre_second", "overrides": dist_overrides(data, tokenizer, runs / "pre", {  # a new run, same dir
+                **common, "preference.precompute_reference": "true"})},
             {"name": "lora", "overrides": dist_overrides(data, tokenizer, runs / "lora", {**common, **lora})},
             {"name": "ipo_rpo", "overrides": dist_overrides(data, tokenizer, runs / "ipo", {
                 **common, "preference.loss": '"ipo"', "preference.rpo_alpha": 0.3})},
@@ -392,7 +394,8 @@ def test_two_ranks_equal_one_process_references_agree_and_resume_is_exact(tok_di
         spec = out / "spec.json"
         spec.write_text(json.dumps({"out": str(out), "scenarios": scenarios}))
         proc = torchrun(nproc, [str(ROOT / "tests" / "peft_worker.py"), str(spec)], timeout=600)
-        assert proc.stdout.count("log-probs precomputed (reused)") == 1, proc.stdout[-3000:]  # the resumed run
+        # the resumed run and the second run read the table the first one wrote
+        assert proc.stdout.count("log-probs precomputed (reused)") == 2, proc.stdout[-3000:]
         reports[nproc] = {s["name"]: json.loads((out / s["name"] / "rank0.json").read_text())["history"]
                           for s in scenarios}
         tables = sorted((runs / "pre" / "reference_logps").glob("*.safetensors"))
@@ -419,4 +422,5 @@ def test_two_ranks_equal_one_process_references_agree_and_resume_is_exact(tok_di
     assert abs(two["model"][0]["loss"] - two["pre"][0]["loss"]) < TOL  # reference (a) == (b) at step 1
     assert abs(two["model"][0]["loss"] - math.log(2)) < TOL  # the reference is the initial policy
     assert two["pre_resumed"][-1]["step"] == 3 and two["pre_resumed"][-1]["loss"] == two["pre"][-1]["loss"]
+    assert [r["loss"] for r in two["pre_second"]] == [r["loss"] for r in two["pre"]]
     assert two["lora"][1]["rewards/margins"] != 0 and two["orpo"][0]["loss"] != two["orpo"][1]["loss"]  # it trains

@@ -224,6 +224,7 @@ class Trainer:
         model = unwrap(self.model)
         params = shard_bytes(self.model)["params"]
         per_rank = all_gather_ints(params, info.device)
+        rows = cfg.train.global_batch_size * (2 if self.preference else 1)  # sequences per step
         samples = {"instruct": "packed rows" if cfg.data.pack else "examples", PREFERENCE: "pairs"}.get(
             cfg.data.format, "windows")
         lines = [
@@ -235,9 +236,10 @@ class Trainer:
             f"{info.device.type}, mesh " + (" x ".join(f"{name} {size}" for name, size in zip(
                 self.mesh.mesh_dim_names, self.mesh.shape)) if self.mesh is not None else "none"),
             f"  settings   {describe(cfg.parallel, info.device.type)}",
-            f"  batch      global {cfg.train.global_batch_size} {'pairs (2 sequences each)' if self.preference else 'seqs'}"
-            f" x {cfg.train.seq_len} tokens = {cfg.train.global_batch_size * cfg.train.seq_len:,} tokens/step; "
-            f"micro-batch {cfg.train.micro_batch_size}/rank; gradient accumulation {self.accum_steps}",
+            f"  batch      global {cfg.train.global_batch_size} "
+            + (f"pairs ({2 * cfg.train.global_batch_size} seqs)" if self.preference else "seqs")
+            + f" x {cfg.train.seq_len} tokens = {rows * cfg.train.seq_len:,} tokens/step; micro-batch "
+            f"{cfg.train.micro_batch_size}/rank; gradient accumulation {self.accum_steps}",
             f"  attention  {cfg.model.attention}" + (f" (backend {self.attention_backend}, per-document positions)"
                                                      if self.attention_backend else ""),
             f"  data       {len(self.train_data):,} train {samples}, {len(self.val_data):,} val {samples}, "

@@ -424,3 +424,18 @@ def test_two_ranks_equal_one_process_references_agree_and_resume_is_exact(tok_di
     assert two["pre_resumed"][-1]["step"] == 3 and two["pre_resumed"][-1]["loss"] == two["pre"][-1]["loss"]
     assert [r["loss"] for r in two["pre_second"]] == [r["loss"] for r in two["pre"]]
     assert two["lora"][1]["rewards/margins"] != 0 and two["orpo"][0]["loss"] != two["orpo"][1]["loss"]  # it trains
+
+
+def test_plan_of_a_preference_config_plans_both_rows_and_names_the_reference(capsys):
+    from shardlm.cli.main import main as shardlm_main
+    from shardlm.config import Config, load_config
+    from shardlm.plan.memory import meta_model
+
+    argv = [str(ROOT / "configs" / "smollm2-135m-dpo.toml"), "--world-size", "2", "--device", "cpu",
+            '--model.init_from=""']
+    assert shardlm_main(["plan", *argv]) == 0
+    out = capsys.readouterr().out
+    assert "micro-batch 4 x 96 tokens" in out and "planned as 4 rows per micro-batch (chosen and rejected of 2 pairs)" in out
+    cfg = load_config(argv[0], argv[5:])
+    n = sum(p.numel() for p in meta_model(Config(model=cfg.model)).parameters())
+    assert f"a frozen copy NOT in the total above: +{4 * n / 2 / 2**30:.3f} GiB of fp32 shards per rank" in out

@@ -396,6 +396,13 @@ def test_two_ranks_equal_one_process_references_agree_and_resume_is_exact(tok_di
         proc = torchrun(nproc, [str(ROOT / "tests" / "peft_worker.py"), str(spec)], timeout=600)
         # the resumed run and the second run read the table the first one wrote
         assert proc.stdout.count("log-probs precomputed (reused)") == 2, proc.stdout[-3000:]
+        if nproc == 2:  # TRL's metrics reach TensorBoard (W&B and MLflow take every number of a record)
+            from conftest import tensorboard_scalars
+
+            history = json.loads((out / "model" / "rank0.json").read_text())["history"]
+            for key in ("rewards/accuracies", "rewards/margins", "logits/chosen"):
+                assert [v for _, v in tensorboard_scalars(runs / "model" / "tensorboard", f"train/{key}")] == \
+                    pytest.approx([r[key] for r in history], rel=1e-6)
         reports[nproc] = {s["name"]: json.loads((out / s["name"] / "rank0.json").read_text())["history"]
                           for s in scenarios}
         tables = sorted((runs / "pre" / "reference_logps").glob("*.safetensors"))

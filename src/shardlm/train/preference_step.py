@@ -42,6 +42,7 @@ from shardlm.data.instruct import split_batch
 from shardlm.data.preference import PreferencePairs
 from shardlm.data.prepare import load_meta
 from shardlm.errors import ConfigError
+from shardlm.metrics import format_bytes, local_bytes
 from shardlm.parallel.dist import DistInfo, all_reduce_sum, to_device
 from shardlm.train.build import build_model
 from shardlm.train.preference import (
@@ -148,6 +149,8 @@ class PreferenceObjective:
         p = self.cfg.preference
         ref = {"none": "no reference", "model": "reference: a frozen model", "lora_base": "reference: the base with "
                "the LoRA adapters off"}[self.kind]
+        if self.reference is not None:
+            ref += f" ({format_bytes(sum(local_bytes(q) for q in self.reference.parameters()))} of shards on this rank)"
         if self.table is not None:
             ref += ", log-probs precomputed" + (" (reused)" if self.reused else "")
         return (f"{p.loss}, beta {p.beta:g}" + (f", gamma {p.simpo_gamma:g}" if p.loss == "simpo" else "")

@@ -200,6 +200,7 @@ def test_dpo_ipo_hinge_equal_trls_dpo_trainer(loss_type, prepared, hf_dirs, tok_
         # the losses are β-scaled differences of summed log-probs (~100 nats here, whose fp32 rounding by summation
         # order is ~1e-5): the tolerance is 1e-6 relative to those
         loss_tol = TOL * max(1.0, beta * abs(theirs["logps/chosen"]))
+        print(f"{loss_type} chunk {chunk}: |loss - TRL's| = {abs(ours_loss.item() - trl_loss.item()):.2e}")
         assert abs(ours_loss.item() - trl_loss.item()) < loss_tol, (chunk, ours_loss.item(), trl_loss.item())
         for key in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
                     "logps/rejected", "logits/chosen", "logits/rejected"):

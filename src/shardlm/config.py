@@ -58,9 +58,10 @@ class DataConfig:
     """Fraction of the token stream (its tail) held out for validation."""
     dir: str = ""
     """Directory of the prepared token ids; empty means ``data/<config name>``."""
-    format: Literal["text", "instruct"] = "text"
+    format: Literal["text", "instruct", "preference"] = "text"
     """``text``: a corpus for language modelling; ``instruct``: a .jsonl of ``messages`` or ``prompt``/``response``
-    examples, chat-formatted, loss on response tokens only (see shardlm/data/instruct.py)."""
+    examples, chat-formatted, loss on response tokens only (see shardlm/data/instruct.py); ``preference``: a .jsonl of
+    ``prompt``/``chosen``/``rejected`` pairs for the ``[preference]`` objective (shardlm/data/preference.py)."""
     pack: bool = False
     """Pack several instruction examples into each sample of ``seq_len + 1`` tokens (best-fit decreasing, the rest
     padded; shardlm/data/packing.py), under ``model.attention = "block_causal"`` so that no example sees another.
@@ -344,6 +345,40 @@ class LoRAConfig:
 
 
 @dataclass
+class PreferenceConfig:
+    """Preference tuning on ``data.format = "preference"`` pairs (shardlm/train/preference.py, formulas and sources
+    there). The global batch and the micro-batch count pairs; each pair is two sequences in one forward."""
+
+    loss: Literal["dpo", "ipo", "hinge", "simpo", "orpo"] = "dpo"
+    """``dpo`` (Rafailov et al. 2023; TRL's ``sigmoid``), ``ipo`` (Azar et al. 2023, per-token averaged as TRL),
+    ``hinge`` (SLiC, Zhao et al. 2023), and the reference-free ``simpo`` (Meng et al. 2024) and ``orpo`` (Hong et al.
+    2024)."""
+    beta: float = 0.1
+    """β: the inverse temperature of the implicit reward (dpo, hinge, simpo), IPO's τ, and ORPO's λ (the weight of
+    the odds-ratio term, as TRL's ``ORPOConfig.beta``)."""
+    label_smoothing: float = 0.0
+    """ε of conservative DPO (Mitchell 2023): the loss ``-(1-ε)·logσ(βΔ) - ε·logσ(-βΔ)``; dpo and simpo only, in
+    [0, 0.5)."""
+    simpo_gamma: float = 0.5
+    """SimPO's target reward margin γ (the loss is ``-logσ(β·(avg logp_c - avg logp_r) - γ)``)."""
+    rpo_alpha: float = 0.0
+    """Weight α of an added NLL term on the chosen completions (mean over their tokens of the global batch; RPO,
+    Pang et al. 2024; TRL's ``loss_type=["sigmoid", "sft"]`` with weights ``[1, α]``, CPO's ``cpo_alpha``). ORPO
+    always has this term with weight 1; α adds to it."""
+    reference: Literal["auto", "model", "lora_base"] = "auto"
+    """The reference policy of dpo / ipo / hinge: ``model``, a frozen copy FSDP-sharded beside the policy (eval, no
+    gradients), loaded from ``reference_from``; ``lora_base``, the policy itself with its LoRA adapters switched off
+    (needs ``lora.enabled``; no second copy); ``auto`` is ``lora_base`` under LoRA, else ``model``."""
+    reference_from: str = ""
+    """HF model directory of the reference model; empty means ``model.init_from`` (or, without it, the policy's
+    own random initialisation). Its tokenizer must equal the policy's."""
+    precompute_reference: bool = False
+    """Compute the reference log-probs of every training pair once, before step 1 (FSDP-sharded, the pairs split
+    over ranks), store them in the run directory keyed by the reference's identity and the data, and reuse them on
+    resume or a second run; the reference model is freed before training."""
+
+
+@dataclass
 class Config:
     """The whole configuration of a run: one section per dataclass."""
 
@@ -355,6 +390,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    preference: PreferenceConfig = field(default_factory=PreferenceConfig)
 
     def to_dict(self) -> dict[str, Any]:
         """The config as nested plain dicts (tuples become lists), for JSON/TOML output; keys are the TOML keys
@@ -605,6 +641,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"data.sources names must differ, got {names}")
     if d.sources and d.format != "text":
         raise ConfigError("data.sources (a mixture) needs data.format = 'text'")
+    validate_preference(cfg)
     if d.pack and d.format != "instruct":
         raise ConfigError("data.pack packs instruction examples: it needs data.format = 'instruct' (text windows are "
                           "already full; for document masking there set model.attention = 'block_causal')")
@@ -643,6 +680,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"parallel.cp must be >= 1 (ranks per sequence), and 1 in parallel.mode='single', "
                           f"got {cfg.parallel.cp}")
     split = [f"parallel.{k}={getattr(cfg.parallel, k)}" for k in ("tp", "cp") if getattr(cfg.parallel, k) > 1]
+    if cfg.data.format == "preference" and (split or cfg.model.n_experts):
+        what = " and ".join(split) if split else f"a mixture-of-experts model (model.n_experts={cfg.model.n_experts})"
+        raise ConfigError(f"preference tuning (data.format = 'preference') with {what} is not built yet: use FSDP "
+                          "(parallel.mode = 'fsdp'), with LoRA if the model is large")
     if cfg.model.n_experts and split:
         raise ConfigError(f"{' and '.join(split)} on a mixture-of-experts model (model.n_experts="
                           f"{cfg.model.n_experts}) is not built yet: use expert parallelism (parallel.ep) with FSDP")
@@ -698,6 +739,35 @@ def validate(cfg: Config) -> None:
                           f"and {m.rope_yarn_beta_slow}), rope_yarn_attention_factor >= 0 (got "
                           f"{m.rope_yarn_attention_factor}) and rope_original_max_seq_len >= 1 (got "
                           f"{m.rope_original_max_seq_len})")
+
+
+def validate_preference(cfg: Config) -> None:
+    """Check ``[preference]`` against the rest of the config; raise ConfigError naming the key."""
+    pref, d = cfg.preference, cfg.data
+    if d.format != "preference":
+        changed = [f.name for f in dataclasses.fields(pref) if getattr(pref, f.name) != f.default]
+        if changed:
+            raise ConfigError(f"preference.{changed[0]} applies to data.format = 'preference' (format is {d.format!r})")
+        return
+    if d.pack:
+        raise ConfigError("data.pack does not apply to data.format = 'preference': preference pairs are not packed "
+                          "(each sequence is one row of the concatenated chosen/rejected forward)")
+    if cfg.model.attention != "causal":
+        raise ConfigError("data.format = 'preference' needs model.attention = 'causal' (pairs are not packed)")
+    if not pref.beta > 0:
+        raise ConfigError(f"preference.beta must be positive, got {pref.beta}")
+    if not 0.0 <= pref.label_smoothing < 0.5:
+        raise ConfigError(f"preference.label_smoothing must be in [0, 0.5), got {pref.label_smoothing}")
+    if pref.label_smoothing and pref.loss not in ("dpo", "simpo"):
+        raise ConfigError(f"preference.label_smoothing applies to loss 'dpo' or 'simpo' (loss is {pref.loss!r})")
+    if pref.rpo_alpha < 0:
+        raise ConfigError(f"preference.rpo_alpha must be >= 0, got {pref.rpo_alpha}")
+    if pref.reference == "lora_base" and not cfg.lora.enabled:
+        raise ConfigError("preference.reference = 'lora_base' needs lora.enabled = true (the base with the adapters "
+                          "off is the reference)")
+    if pref.reference == "lora_base" and pref.reference_from:
+        raise ConfigError("preference.reference_from names a reference model: it needs preference.reference = "
+                          "'model' (or 'auto' without LoRA), not 'lora_base'")
 
 
 def gradient_accumulation_steps(cfg: Config, dp_world_size: int) -> int:

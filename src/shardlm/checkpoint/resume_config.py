@@ -75,6 +75,9 @@ RULES: dict[str, tuple[str, str]] = {
     "train.frozen": (REFUSED, "the checkpoint holds exactly the trainable parameters and their AdamW state"),
     "lora.merge_into": (TAKES_EFFECT, "only which base the merged export adds the adapters to"),
     "lora.*": (REFUSED, "the adapters' shapes and the base they were trained on are fixed by the checkpoint"),
+    "preference.precompute_reference": (TAKES_EFFECT, "the same reference log-probs, computed once before training "
+                                                      "or at every step"),
+    "preference.*": (REFUSED, "the objective (loss, its parameters, the reference) a run optimises is fixed"),
     "parallel.*": (TAKES_EFFECT, "the checkpoint does not depend on the world size or the sharding"),
     "run.*": (TAKES_EFFECT, "where and under which name the run writes"),
     "checkpoint.*": (TAKES_EFFECT, "read at every step"),

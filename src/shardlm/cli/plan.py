@@ -4,8 +4,12 @@ the combinations of settings that do (``shardlm/plan/search.py``)."""
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from shardlm.errors import ConfigError
+
+if TYPE_CHECKING:
+    from shardlm.config import Config
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -62,4 +66,29 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> None:
         shape = preset_config(args.model_preset) if args.model_preset else config_json_config(args.model_config)
         overrides = shape_overrides(shape) + overrides
     cfg = load_config(args.config, overrides)
-    print(format_plan(cfg, args.world_size, args.device, args.headroom))
+    note = ""
+    if cfg.data.format == "preference":  # a step runs both sequences of each pair: plan the rows
+        note = preference_note(cfg, args.world_size)
+        cfg.train.micro_batch_size *= 2
+        cfg.train.global_batch_size *= 2
+    print(format_plan(cfg, args.world_size, args.device, args.headroom) + note)
+
+
+def preference_note(cfg: Config, world_size: int) -> str:
+    """What the plan of a preference config counts and what it leaves out (``data.format = "preference"``)."""
+    from shardlm.model.config import ModelConfig
+    from shardlm.plan.memory import meta_model
+    from shardlm.train.preference_step import reference_kind
+
+    kind = reference_kind(cfg)
+    text = (f"\n  preference: planned as {2 * cfg.train.micro_batch_size} rows per micro-batch (chosen and rejected of "
+            f"{cfg.train.micro_batch_size} pairs); reference: {kind}")
+    if kind == "model" and not cfg.preference.precompute_reference:
+        shape: ModelConfig = cfg.model
+        n = sum(p.numel() for p in meta_model(type(cfg)(model=shape)).parameters())
+        shards = 4 * n / (world_size if cfg.parallel.mode == "fsdp" else 1)
+        text += (f", a frozen copy NOT in the total above: +{shards / 2**30:.3f} GiB of fp32 shards per rank, plus "
+                 "one block unsharded and its forward's activations at a time (no gradients)")
+    elif cfg.preference.precompute_reference:
+        text += ", precomputed: no second model during training (the reference pass runs before step 1)"
+    return text

@@ -33,6 +33,7 @@ from shardlm.config import Config
 from shardlm.data.identity import describe_corpus, describe_instructions, describe_mixture, differences
 from shardlm.data.instruct import prepare_instructions
 from shardlm.data.mixture import MIXTURE, prepare_mixture, source_names
+from shardlm.data.preference import PREFERENCE, describe_preferences, prepare_preferences
 from shardlm.data.prepare import default_workers, is_prepared, load_meta, prepare_corpus
 from shardlm.data.sync import StoreSync, default_store
 from shardlm.errors import ConfigError, DataError
@@ -138,16 +139,19 @@ def prepare_data(cfg: Config, info: DistInfo | None = None, on_stale: str = "") 
     if policy not in ("prepare", "refuse"):
         raise ValueError(f"on_stale must be 'prepare' or 'refuse', got {on_stale!r}")
     distributed = info is not None and info.world_size > 1
-    if d.format == "instruct":
+    if d.format in ("instruct", PREFERENCE):  # small: rank 0 prepares alone
+        prepare, describe_one = ((prepare_instructions, describe_instructions) if d.format == "instruct" else
+                                 (prepare_preferences, describe_preferences))
+
         def instruct() -> None:
             if not d.tokenizer:  # its own clear error
-                prepare_instructions(d.corpus, str(out), d.tokenizer, cfg.model.vocab_size, d.val_fraction)
-            decision = verdict(out, lambda: describe_instructions(d.corpus, d.tokenizer, cfg.model.vocab_size,
-                                                                  d.val_fraction), [d.corpus], policy)
+                prepare(d.corpus, str(out), d.tokenizer, cfg.model.vocab_size, d.val_fraction)
+            decision = verdict(out, lambda: describe_one(d.corpus, d.tokenizer, cfg.model.vocab_size,
+                                                         d.val_fraction), [d.corpus], policy)
             _announce(decision)
             if decision["action"] == "prepare":
-                prepare_instructions(d.corpus, str(out), d.tokenizer, cfg.model.vocab_size, d.val_fraction,
-                                     identity=decision["identity"])
+                prepare(d.corpus, str(out), d.tokenizer, cfg.model.vocab_size, d.val_fraction,
+                        identity=decision["identity"])
         run_on_main(instruct, info) if distributed else instruct()
         return load_meta(str(out))
     sync = None

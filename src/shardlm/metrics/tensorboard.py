@@ -4,7 +4,8 @@ Uses ``torch.utils.tensorboard.SummaryWriter``. Tags: ``train/loss``, ``val/loss
 ``train/grad_norm``, ``perf/tokens_per_s``, ``perf/tokens_per_s_per_rank``, ``perf/step_time_s``, ``perf/mfu``,
 ``memory/<key>_MiB/{min,max,mean}`` for each per-rank summary of bytes in a record (``shard_bytes``,
 ``max_allocated_bytes``, ``rss_bytes``...), and ``memory/<key>_MiB/rank<r>`` for a full per-rank list
-(``<key>_per_rank``, written with ``train.log_per_rank``). View with ``tensorboard --logdir runs/``.
+(``<key>_per_rank``, written with ``train.log_per_rank``); a preference run's TRL metrics as ``train/<name>``
+(``train/rewards/chosen``, ``train/logps/rejected``, ``train/nll_loss``...). View with ``tensorboard --logdir runs/``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ SCALAR_TAGS = {
     "tokens_per_s": "perf/tokens_per_s", "tokens_per_s_per_rank": "perf/tokens_per_s_per_rank",
     "step_time_s": "perf/step_time_s", "mfu": "perf/mfu",
 }
+
+
+#: a preference run's record keys (TRL's names) that go to ``train/<key>``: those with these prefixes, and ``nll_loss``
+PREFERENCE_PREFIXES = ("rewards/", "logps/", "logits/")
 
 
 def summary_writer_class() -> type | None:
@@ -62,6 +67,9 @@ class TensorBoardWriter:
         for key, value in record.items():
             if key in SCALAR_TAGS and isinstance(value, (int, float)) and math.isfinite(value):
                 self._writer.add_scalar(SCALAR_TAGS[key], value, step)
+            elif ((key.startswith(PREFERENCE_PREFIXES) or key == "nll_loss") and isinstance(value, (int, float))
+                  and math.isfinite(value)):
+                self._writer.add_scalar(f"train/{key}", value, step)
             elif key.endswith("bytes") and isinstance(value, dict):
                 for stat in ("min", "max", "mean"):
                     self._writer.add_scalar(f"memory/{key.removesuffix('_bytes')}_MiB/{stat}", value[stat] / 2**20, step)

@@ -91,6 +91,8 @@ class LoRALinear(nn.Module):
         self.scaling = alpha / rank
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.fp32_matmul = False
+        self.adapters_enabled = True
+        """False: the layer is its base alone (a preference run's reference pass, shardlm/train/preference.py)."""
 
     def base(self, x: Tensor) -> Tensor:
         """The frozen map x · Wᵀ (+ b) in ``x``'s dtype (an NF4 or narrower base is dequantised / upcast first)."""
@@ -110,6 +112,8 @@ class LoRALinear(nn.Module):
         return (F.linear(F.linear(h, a), self.lora_B.weight) * self.scaling).to(x.dtype)
 
     def forward(self, x: Tensor) -> Tensor:
+        if not self.adapters_enabled:
+            return self.base(x)
         return self.base(x) + self.delta(x)
 
     def initial_adapters(self, name: str, seed: int) -> tuple[Tensor, Tensor]:

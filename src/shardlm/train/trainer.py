@@ -27,6 +27,7 @@ from shardlm.data.build import data_dir, prepare_data
 from shardlm.data.instruct import IGNORE_INDEX, InstructionExamples, split_batch
 from shardlm.data.mixture import MixtureSampler, MixtureWindows, source_names
 from shardlm.data.packing import DocumentWindows, PackedExamples, batch_documents
+from shardlm.data.preference import PREFERENCE, PreferencePairs
 from shardlm.data.sync import check_same_data
 from shardlm.errors import ConfigError, NonFiniteError
 from shardlm.metrics import (
@@ -63,6 +64,7 @@ from shardlm.train.loss import model_loss_sum
 from shardlm.train.mfu import peak_flops_per_rank
 from shardlm.train.moe_loss import moe_loss_term
 from shardlm.train.optim import apply_train_config, build_optimizer, build_scheduler, clip_grad_norm_
+from shardlm.train.preference_step import PreferenceObjective
 
 
 def run_dir(cfg: Config) -> Path:
@@ -130,6 +132,10 @@ class Trainer:
                                            interleave=True)
             self.sampler = MixtureSampler([len(w) for w in self.train_data.windows],
                                           [s.weight for s in cfg.data.sources], t.global_batch_size, t.seed)
+        elif cfg.data.format == PREFERENCE:  # pairs: the global batch counts pairs; validation: the chosen's NLL
+            self.train_data = PreferencePairs(str(data_dir(cfg)), "train", t.seq_len)
+            self.val_data = PreferencePairs(str(data_dir(cfg)), "val", t.seq_len).chosen_examples()
+            self.sampler = GlobalBatchSampler(len(self.train_data), t.global_batch_size, t.seed)
         elif cfg.data.pack:  # rows of several examples (shardlm/data/packing.py); validation stays one per sample
             self.train_data = PackedExamples(InstructionExamples(str(data_dir(cfg)), "train", t.seq_len,
                                                                  skip_untrainable=True), t.seed)
@@ -147,6 +153,9 @@ class Trainer:
         self.cp = build_context_parallel(self.info, cfg.parallel.cp)
         self.cp.check_sequence(t.seq_len)
         self.model, self.pretrained_load_stats = build_model(cfg, self.info, self.mesh, self.cp)
+        #: the preference objective and its reference (shardlm/train/preference_step.py), None for token losses
+        self.preference = (PreferenceObjective.build(cfg, self.info, self.mesh, self.model, self.train_data,
+                                                     self.run_dir) if cfg.data.format == PREFERENCE else None)
         self.optimizer = build_optimizer(self.model, t, self.info.device)
         self.scheduler = build_scheduler(self.optimizer, t)
         self.special_ids = model_special_ids_of(self.meta)  # what every export and checkpoint records
@@ -219,7 +228,9 @@ class Trainer:
         model = unwrap(self.model)
         params = shard_bytes(self.model)["params"]
         per_rank = all_gather_ints(params, info.device)
-        samples = ("packed rows" if cfg.data.pack else "examples") if cfg.data.format == "instruct" else "windows"
+        rows = cfg.train.global_batch_size * (2 if self.preference else 1)  # sequences per step
+        samples = {"instruct": "packed rows" if cfg.data.pack else "examples", PREFERENCE: "pairs"}.get(
+            cfg.data.format, "windows")
         lines = [
             f"shardlm | {cfg.run.name} -> {self.run_dir}",
             f"  model      {num_params(model):,} parameters, {cfg.model.n_layers} layers, dim {cfg.model.dim}, "
@@ -231,9 +242,11 @@ class Trainer:
             + (f"; context parallel {self.cp.size}: each sequence split over {self.cp.size} ranks "
                f"({info.world_size // self.cp.size} data-parallel)" if self.cp.size > 1 else ""),
             f"  settings   {describe(cfg.parallel, info.device.type)}",
-            f"  batch      global {cfg.train.global_batch_size} seqs x {cfg.train.seq_len} tokens = "
-            f"{cfg.train.global_batch_size * cfg.train.seq_len:,} tokens/step; micro-batch {cfg.train.micro_batch_size}"
-            f"/{'data-parallel ' if self.cp.size > 1 else ''}rank; gradient accumulation {self.accum_steps}",
+            f"  batch      global {cfg.train.global_batch_size} "
+            + (f"pairs ({2 * cfg.train.global_batch_size} seqs)" if self.preference else "seqs")
+            + f" x {cfg.train.seq_len} tokens = {rows * cfg.train.seq_len:,} tokens/step; micro-batch "
+            f"{cfg.train.micro_batch_size}/{'data-parallel ' if self.cp.size > 1 else ''}rank; gradient accumulation "
+            f"{self.accum_steps}",
             f"  attention  {cfg.model.attention}" + (f" (backend {self.attention_backend}, per-document positions)"
                                                      if self.attention_backend else "")
             + ({"recorded": "; documents from the recorded starts", "eod": "; documents cut at each end-of-document "
@@ -242,6 +255,7 @@ class Trainer:
             f"  data       {len(self.train_data):,} train {samples}, {len(self.val_data):,} val {samples}, "
             f"unigram entropy {self.meta['unigram_entropy_nats']:.3f} nats",
             *([f"  packing    {self.train_data.summary()}"] if isinstance(self.train_data, PackedExamples) else []),
+            *([f"  preference {self.preference.describe()}"] if self.preference is not None else []),
             f"  MFU        {self.flops_per_token * cfg.train.seq_len:,.0f} model FLOPs per sequence (6N + 12·L·H·Q·T), "
             f"peak {self.peak.flops / 1e12:.2f} TFLOP/s per rank ({self.peak.precision}, {self.peak.source})",
         ]
@@ -289,18 +303,25 @@ class Trainer:
         # step on the whole batch in one process. FSDP/DDP average gradients over the N ranks of their mesh (the
         # data-parallel ranks, with the CP ranks that join the shard group; not the TP peers), hence × N.
         # scale = N / n_tokens in fp32, rounded as ``N / torch.tensor([n_tokens])`` rounds (1/n, then × N)
-        n_tokens = np.float32(self._global_targets(self.step))
+        pref = self.preference  # its micro-batch losses are already shares of the global mean: divided by 1 here
+        norm = pref.normalisers(self.sampler.step_ids(self.step)) if pref is not None else None
+        n_tokens = np.float32(1 if pref is not None else self._global_targets(self.step))
         scale = float((np.float32(1.0) / n_tokens) * np.float32(info.world_size // cfg.parallel.tp))
         batches = [to_device(self.train_data.get(ids), info.device) for ids in micro_ids]  # pinned, async on CUDA
         loss_sum = torch.zeros((), dtype=torch.float64, device=info.device)
         moe_sums = torch.zeros(0, dtype=torch.float64, device=info.device)  # [aux, z, counts (layers, E)], MoE
+        stats = PreferenceObjective.zero_stats(info.device) if pref is not None else None
         if cfg.lora.enabled and cfg.lora.dropout > 0:  # LoRA dropout: seeded per step and rank (resume is exact)
             torch.manual_seed((cfg.train.seed * 1_000_003 + self.step) * 4099 + info.rank)
         for i, batch in enumerate(batches):
             # parallel.grad_sync: reduce-scatter on every micro-batch or on the last only
             set_gradient_sync(model, last_micro_batch=(i == len(batches) - 1), policy=cfg.parallel.grad_sync)
             # per block: all-gather shards, compute, reshard; then the loss (chunked: never the whole logits)
-            loss, _ = self._loss_sum(batch)
+            if pref is None:
+                loss, _ = self._loss_sum(batch)
+            else:  # chosen and rejected rows in one forward; the reference's log-probs first, without gradients
+                loss, batch_stats = pref.loss(model, batch, micro_ids[i], norm)
+                stats += batch_stats
             # a mixture of experts: + the load-balancing loss over all ranks' tokens of this micro-step (one
             # all-reduce), averaged over the micro-steps; its shares sum to it over ranks, hence × N as the loss
             moe = moe_loss_term(model, cfg.model.router_aux_loss_coef, cfg.model.router_z_loss_coef)
@@ -313,11 +334,14 @@ class Trainer:
             loss_sum += loss.detach()
         # summed over ranks inside the gradient norm's all-reduce: [loss sum, preemption flag, per-rank slots]
         per_rank = self._per_rank_values() if log else {}
-        extras = torch.zeros(2 + info.world_size * len(per_rank), dtype=torch.float64, device=info.device)
+        n_stats = 0 if stats is None else len(stats)  # the preference metrics' sums, in the last slots
+        extras = torch.zeros(2 + info.world_size * len(per_rank) + n_stats, dtype=torch.float64, device=info.device)
         extras[0] = loss_sum if self._counts_loss() else 0.0  # a tensor-parallel group's loss, once
         extras[1].fill_(float(self.checkpointer.signal_received()))
         for j, value in enumerate(per_rank.values()):  # this rank's slots (fills: no host-to-device copy)
             extras[2 + info.rank * len(per_rank) + j].fill_(float(value))
+        if stats is not None:
+            extras[len(extras) - n_stats:] = stats
         max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else math.inf
         grad_norm = clip_grad_norm_(model.parameters(), max_norm, extras)  # fp64: the same at any sharding
         loss_mean = extras[0] / float(n_tokens)
@@ -344,7 +368,7 @@ class Trainer:
         seconds, steps = self._interval["seconds"], self._interval["steps"]
         self._interval = {"seconds": 0.0, "steps": 0}
         elapsed = seconds / steps  # mean host time per step since the last record (synchronised by the read)
-        tokens = cfg.train.global_batch_size * cfg.train.seq_len
+        tokens = cfg.train.global_batch_size * cfg.train.seq_len * (2 if pref is not None else 1)  # a pair: 2 rows
         flops = self.flops_per_token * tokens / info.world_size  # this rank's model FLOPs (host arithmetic)
         record = {
             "step": self.step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm_value,
@@ -352,7 +376,10 @@ class Trainer:
             "step_time_s": elapsed, "flops_per_step_per_rank": flops, "peak_flops_per_rank": self.peak.flops,
             "mfu": flops / (elapsed * self.peak.flops), "world_size": info.world_size,
         }
-        record.update(per_rank_summaries(list(per_rank), values[6:], info.world_size, cfg.train.log_per_rank))
+        record.update(per_rank_summaries(list(per_rank), values[6:len(values) - n_stats], info.world_size,
+                                         cfg.train.log_per_rank))
+        if pref is not None:  # TRL's names: rewards/*, logps/*, logits/*
+            record.update(pref.metrics(values[len(values) - n_stats:], norm[0]))
         if moe_values:  # a mixture of experts: the step's means over micro-steps; tokens per (layer, expert) pair
             counts = moe_values[2:]
             record.update({"moe_aux_loss": moe_values[0] / len(batches), "moe_z_loss": moe_values[1] / len(batches),

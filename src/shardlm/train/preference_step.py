@@ -1,0 +1,244 @@
+"""The preference objective of a training step, and its reference policy.
+
+:class:`PreferenceObjective` is what the trainer asks, per micro-batch, for the loss (its share of the global
+batch's mean, see :mod:`shardlm.train.preference`) and the metric sums; it owns the reference, one of:
+
+* ``model`` (reference (b)): a frozen copy built like the policy (FSDP-sharded on the same mesh, no LoRA, every
+  parameter ``requires_grad=False``, eval mode) from ``preference.reference_from`` or ``model.init_from`` (or the
+  policy's own random initialisation), run under ``torch.no_grad`` on the same rows before the policy's forward;
+* ``lora_base`` (reference (c)): the policy itself with its adapters switched off
+  (:func:`~shardlm.train.preference.adapters_off`): the base, no second copy;
+* either of them precomputed (reference (a), ``preference.precompute_reference``): one pass over every training
+  pair before step 1, the pairs split over the ranks (each rank the same number of forwards), the table summed
+  over ranks, written to ``<run dir>/reference_logps/<key>.safetensors`` where the key is the SHA-256 of the
+  reference's identity (the model directory's files, or the random initialisation's seed and shape, and which
+  reference) and of the prepared data (its identity and ``train.seq_len``); a resume or a second run with the same
+  key reads it instead. The reference model is freed before training.
+
+simpo and orpo have no reference.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+from tokenizers import Tokenizer
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from shardlm.atomic import save_safetensors
+from shardlm.config import Config, apply_init_from
+from shardlm.data.build import data_dir
+from shardlm.data.instruct import split_batch
+from shardlm.data.preference import PreferencePairs
+from shardlm.data.prepare import load_meta
+from shardlm.errors import ConfigError
+from shardlm.metrics import format_bytes, local_bytes
+from shardlm.parallel.dist import DistInfo, all_reduce_sum, to_device
+from shardlm.train.build import build_model
+from shardlm.train.preference import (
+    NEEDS_REFERENCE,
+    STAT_NAMES,
+    adapters_off,
+    completion_logps,
+    metrics_of,
+    micro_batch_loss,
+)
+
+
+def reference_kind(cfg: Config) -> str:
+    """``model`` or ``lora_base`` (``preference.reference`` with ``auto`` resolved), or ``none`` (simpo, orpo)."""
+    pref = cfg.preference
+    if pref.loss not in NEEDS_REFERENCE:
+        return "none"
+    if pref.reference == "auto":
+        return "lora_base" if cfg.lora.enabled and not pref.reference_from else "model"
+    return pref.reference
+
+
+def check_reference_tokenizer(reference_dir: str, tokenizer_path: str) -> None:
+    """Refuse a reference model whose tokenizer is not the policy's (its log-probs would be of other tokens).
+
+    Raises:
+        ConfigError: ``reference_dir`` has no ``tokenizer.json``, or its vocabulary (ids and added tokens)
+            differs from ``tokenizer_path``'s.
+    """
+    theirs = Path(reference_dir) / "tokenizer.json"
+    if not theirs.is_file():
+        raise ConfigError(f"preference.reference_from {reference_dir} has no tokenizer.json: cannot check that the "
+                          "reference reads the same token ids as the policy")
+    a, b = Tokenizer.from_file(str(theirs)), Tokenizer.from_file(str(tokenizer_path))
+    added_a = {i: t.content for i, t in a.get_added_tokens_decoder().items()}
+    added_b = {i: t.content for i, t in b.get_added_tokens_decoder().items()}
+    if a.get_vocab(with_added_tokens=True) != b.get_vocab(with_added_tokens=True) or added_a != added_b:
+        raise ConfigError(f"preference.reference_from {reference_dir}: its tokenizer differs from the policy's "
+                          f"({tokenizer_path}; {a.get_vocab_size()} vs {b.get_vocab_size()} tokens): the reference "
+                          "would score other tokens than the policy; use a reference with the policy's tokenizer")
+
+
+def reference_identity(cfg: Config, kind: str) -> dict[str, Any]:
+    """What the reference log-probs depend on besides the data: the model directory's files (name, size, mtime),
+    or the random initialisation (seed and model shape), and the kind of reference."""
+    src = cfg.preference.reference_from or cfg.model.init_from
+    if src:
+        files = {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in sorted(Path(src).iterdir())
+                 if p.suffix in (".safetensors", ".json") and p.is_file()}
+        return {"kind": kind, "model_dir": str(Path(src).resolve()), "files": files}
+    return {"kind": kind, "random_init": cfg.train.seed, "model": dataclasses.asdict(cfg.model)}
+
+
+class PreferenceObjective:
+    """The per-micro-batch preference loss of a run (see the module docstring for the reference).
+
+    Args:
+        cfg: the run's config (``[preference]``, ``train.loss_chunk_tokens``).
+        data: the training pairs (the sampler's ids index them).
+        reference: the frozen reference model (kind ``model``, not precomputed), else None.
+        table: (n, 2) fp64 precomputed reference log-probs (chosen, rejected) of every training pair, else None.
+    """
+
+    def __init__(self, cfg: Config, data: PreferencePairs, kind: str, reference: nn.Module | None = None,
+                 table: torch.Tensor | None = None) -> None:
+        self.cfg, self.data, self.kind, self.reference, self.table = cfg, data, kind, reference, table
+        self.reused = False  # the table was read from an earlier pass (set by build)
+
+    @classmethod
+    def build(cls, cfg: Config, info: DistInfo, mesh: DeviceMesh | None, policy: nn.Module, data: PreferencePairs,
+              run_dir: Path) -> PreferenceObjective:
+        """The objective with its reference built (and, with ``precompute_reference``, its table computed or read).
+
+        Raises:
+            ConfigError: a reference model whose tokenizer differs from the policy's (:func:`check_reference_tokenizer`).
+        """
+        kind = reference_kind(cfg)
+        pref = cfg.preference
+        if kind == "none":
+            return cls(cfg, data, kind)
+        if kind == "model" and pref.reference_from:
+            check_reference_tokenizer(pref.reference_from, cfg.data.tokenizer)
+        reference = build_reference(cfg, info, mesh) if kind == "model" else None
+        if not pref.precompute_reference:
+            return cls(cfg, data, kind, reference)
+        path = reference_table_path(cfg, kind, run_dir, data)
+        if path.is_file():
+            objective = cls(cfg, data, kind, None, load_file(str(path))["ref_logps"].to(info.device))
+            objective.reused = True
+            return objective
+        ref_model = reference if reference is not None else policy
+        table = precompute_reference(ref_model, kind == "lora_base", data, cfg.train.micro_batch_size,
+                                     cfg.train.loss_chunk_tokens, info)
+        if info.is_main:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            save_safetensors({"ref_logps": table.cpu()}, path, metadata={"key": path.stem})
+            print(f"preference: reference log-probs of {len(data):,} pairs written to {path}", file=sys.stderr,
+                  flush=True)
+        del reference
+        return cls(cfg, data, kind, None, table)
+
+    def describe(self) -> str:
+        """One line for the run summary."""
+        p = self.cfg.preference
+        ref = {"none": "no reference", "model": "reference: a frozen model", "lora_base": "reference: the base with "
+               "the LoRA adapters off"}[self.kind]
+        if self.reference is not None:
+            ref += f" ({format_bytes(sum(local_bytes(q) for q in self.reference.parameters()))} of shards on this rank)"
+        if self.table is not None:
+            ref += ", log-probs precomputed" + (" (reused)" if self.reused else "")
+        return (f"{p.loss}, beta {p.beta:g}" + (f", gamma {p.simpo_gamma:g}" if p.loss == "simpo" else "")
+                + (f", label smoothing {p.label_smoothing:g}" if p.label_smoothing else "")
+                + (f", rpo_alpha {p.rpo_alpha:g}" if p.rpo_alpha else "") + f"; {ref}; {self.data.summary()}")
+
+    def normalisers(self, step_ids: list[int]) -> tuple[int, int]:
+        """The pairs and the scored chosen tokens of a global batch (host arithmetic)."""
+        return len(step_ids), self.data.num_chosen_targets(step_ids)
+
+    def reference_logps(self, model: nn.Module, batch: torch.Tensor, ids: list[int]) -> torch.Tensor | None:
+        """(2P,) fp32 reference log-probs of a micro-batch's rows (chosen first), or None without a reference."""
+        if self.kind == "none":
+            return None
+        if self.table is not None:
+            rows = self.table[torch.as_tensor(ids, device=self.table.device)]
+            return torch.cat([rows[:, 0], rows[:, 1]]).float().to(batch.device)
+        inputs, targets = split_batch(batch)
+        chunk = self.cfg.train.loss_chunk_tokens
+        with torch.no_grad():
+            if self.kind == "lora_base":
+                with adapters_off(model):
+                    return completion_logps(model, inputs, targets, chunk)[0]
+            return completion_logps(self.reference, inputs, targets, chunk)[0]
+
+    def loss(self, model: nn.Module, batch: torch.Tensor, ids: list[int], norm: tuple[int, int]
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This micro-batch's share of the step's loss (0-dim, with gradient) and its metric sums (fp64)."""
+        p = self.cfg.preference
+        ref = self.reference_logps(model, batch, ids)
+        return micro_batch_loss(model, batch, p.loss, p.beta, p.label_smoothing, p.simpo_gamma, p.rpo_alpha,
+                                self.cfg.train.loss_chunk_tokens, ref, norm[0], norm[1])
+
+    @staticmethod
+    def zero_stats(device: torch.device) -> torch.Tensor:
+        """The metric sums' accumulator: (len(STAT_NAMES),) fp64 zeros."""
+        return torch.zeros(len(STAT_NAMES), dtype=torch.float64, device=device)
+
+    @staticmethod
+    def metrics(sums: list[float], pairs: int) -> dict[str, float]:
+        """TRL's metrics from the step's all-reduced sums (:func:`shardlm.train.preference.metrics_of`)."""
+        return metrics_of(sums, pairs)
+
+
+def build_reference(cfg: Config, info: DistInfo, mesh: DeviceMesh | None) -> nn.Module:
+    """The frozen reference model: built as the policy would be (same parallelism, mesh and seed) without LoRA or
+    freezing, from ``preference.reference_from`` (its own shape) or ``model.init_from``; eval mode, no gradients."""
+    ref_cfg = copy.deepcopy(cfg)
+    ref_cfg.lora = type(cfg.lora)()
+    ref_cfg.train.trainable = ref_cfg.train.frozen = ""
+    ref_cfg.parallel.activation_checkpoint = "none"  # no backward: nothing to recompute
+    if cfg.preference.reference_from:
+        ref_cfg.model.init_from = cfg.preference.reference_from
+        apply_init_from(ref_cfg)
+    model, _ = build_model(ref_cfg, info, mesh)
+    model.requires_grad_(False)
+    return model.eval()
+
+
+def reference_table_path(cfg: Config, kind: str, run_dir: Path, data: PreferencePairs) -> Path:
+    """``<run dir>/reference_logps/<key>.safetensors``, the key the SHA-256 (16 hex digits) of the reference's
+    identity and the data's (see the module docstring)."""
+    meta = load_meta(str(data_dir(cfg)))
+    key = json.dumps({"reference": reference_identity(cfg, kind), "data": meta.get("identity"),
+                      "pairs": len(data), "seq_len": cfg.train.seq_len}, sort_keys=True)
+    return run_dir / "reference_logps" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.safetensors"
+
+
+@torch.no_grad()
+def precompute_reference(model: nn.Module, lora_base: bool, data: PreferencePairs, micro_batch_size: int,
+                         chunk_tokens: int, info: DistInfo) -> torch.Tensor:
+    """(len(data), 2) fp64 reference log-probs (chosen, rejected) of every pair: rank r takes pairs r, r + N, ...,
+    in micro-batches; every rank runs the same number of forwards (FSDP all-gathers: a rank with none left runs
+    one on pair 0 and discards it); the table is summed over ranks (one all-reduce)."""
+    n = len(data)
+    table = torch.zeros((n, 2), dtype=torch.float64, device=info.device)
+    mine = list(range(info.rank, n, info.world_size))
+    most = math.ceil(n / info.world_size)  # pairs of the rank with the most
+    steps = math.ceil(most / micro_batch_size)
+    context = adapters_off(model) if lora_base else torch.no_grad()
+    with context:
+        for b in range(steps):
+            ids = mine[b * micro_batch_size:(b + 1) * micro_batch_size]
+            batch = to_device(data.get(ids or [0]), info.device)
+            inputs, targets = split_batch(batch)
+            logps = completion_logps(model, inputs, targets, chunk_tokens)[0]
+            if ids:
+                p = len(ids)
+                table[torch.as_tensor(ids, device=info.device)] = torch.stack([logps[:p], logps[p:]], 1).double()
+    return all_reduce_sum(table)
+

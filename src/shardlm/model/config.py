@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+from shardlm.errors import ConfigError
 from shardlm.model.families import FAMILIES, Family, get
 
 __all__ = ["FAMILIES", "Family", "ModelConfig"]  # the registry, importable from here as before
@@ -138,6 +139,85 @@ class ModelConfig:
             ConfigError: ``family`` is not registered.
         """
         return get(self.family)
+
+    def check(self) -> None:
+        """Check the model's own fields (sizes, the family's refusals, the mixture of experts, RoPE scaling); the
+        rules across sections (``train.seq_len`` against ``max_seq_len``, ...) are in :mod:`shardlm.config.checks`.
+
+        Raises:
+            ConfigError: naming the first key that breaks a rule (``model.<field>``), or an unregistered family.
+        """
+        m = self
+        positive = {
+            "model.dim": m.dim, "model.n_layers": m.n_layers, "model.n_heads": m.n_heads,
+            "model.vocab_size": m.vocab_size, "model.max_seq_len": m.max_seq_len,
+        }
+        for key, value in positive.items():
+            if value <= 0:
+                raise ConfigError(f"{key} must be positive, got {value}")
+        if m.head_width < 0:
+            raise ConfigError(f"model.head_width must be >= 0, got {m.head_width}")
+        if not m.head_width and m.dim % m.n_heads:
+            raise ConfigError(f"model.n_heads={m.n_heads} must divide model.dim={m.dim} (or set model.head_width)")
+        if m.head_dim % 2:
+            raise ConfigError(f"the head width {m.head_dim} (model.head_width, or model.dim / model.n_heads) must be even "
+                              "for rotary embeddings")
+        for key in ("sliding_window", "sliding_window_pattern", "rope_local_theta", "query_pre_attn_scalar",
+                    "final_logit_softcap", "rope_linear_factor"):
+            if getattr(m, key) < 0:
+                raise ConfigError(f"model.{key} must be >= 0, got {getattr(m, key)}")
+        m.arch.check(m)  # the family's refusals (an unregistered model.family is refused by ``arch`` itself)
+        m.check_moe()
+        if m.rope_linear_factor > 0 and m.rope_scaling_factor > 0:
+            raise ConfigError("model.rope_linear_factor and model.rope_scaling_factor (llama3) cannot both be set")
+        kv = m.kv_heads
+        if kv < 0 or m.n_heads % kv:
+            raise ConfigError(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads}")
+        if m.rope_scaling_factor > 0 and m.rope_high_freq_factor <= m.rope_low_freq_factor:
+            raise ConfigError(f"model.rope_high_freq_factor={m.rope_high_freq_factor} must exceed "
+                              f"model.rope_low_freq_factor={m.rope_low_freq_factor}")
+        scalings = [key for key in ("rope_scaling_factor", "rope_linear_factor", "rope_yarn_factor", "rope_dynamic_factor")
+                    if getattr(m, key) != 0]
+        if len(scalings) > 1:
+            raise ConfigError(f"one RoPE scaling at a time: model.{' and model.'.join(scalings)} are all set")
+        for key in scalings:
+            if getattr(m, key) < 1:
+                raise ConfigError(f"model.{key} must be >= 1 (0 = no scaling), got {getattr(m, key)}")
+        if m.rope_yarn_factor and (m.rope_yarn_beta_fast < m.rope_yarn_beta_slow or m.rope_yarn_attention_factor < 0
+                                   or m.rope_original_max_seq_len < 1):
+            raise ConfigError(f"YaRN needs model.rope_yarn_beta_fast >= rope_yarn_beta_slow (got {m.rope_yarn_beta_fast} "
+                              f"and {m.rope_yarn_beta_slow}), rope_yarn_attention_factor >= 0 (got "
+                              f"{m.rope_yarn_attention_factor}) and rope_original_max_seq_len >= 1 (got "
+                              f"{m.rope_original_max_seq_len})")
+
+    def check_moe(self) -> None:
+        """Check the mixture-of-experts fields (``n_experts`` and its companions) against the family.
+
+        Raises:
+            ConfigError: naming the key.
+        """
+        m = self
+        if m.arch.moe != (m.n_experts > 0):
+            moe_families = " and ".join(repr(f.name) for f in FAMILIES.values() if f.moe)
+            raise ConfigError(f"model.n_experts={m.n_experts}: model.family {m.family!r} is "
+                              + ("a mixture of experts: set model.n_experts > 0" if m.arch.moe else
+                                 f"dense (the mixtures of experts are {moe_families}): leave it 0"))
+        if not m.n_experts:
+            return
+        if not 1 <= m.n_experts_per_token <= m.n_experts:
+            raise ConfigError(f"model.n_experts_per_token={m.n_experts_per_token} must be between 1 and "
+                              f"model.n_experts={m.n_experts}")
+        for key in ("moe_layer_step",):
+            if getattr(m, key) < 1:
+                raise ConfigError(f"model.{key} must be >= 1, got {getattr(m, key)}")
+        if m.moe_ffn_hidden < 0:
+            raise ConfigError(f"model.moe_ffn_hidden must be >= 0 (0 = model.ffn_hidden), got {m.moe_ffn_hidden}")
+        bad = [i for i in m.dense_layers if not 0 <= i < m.n_layers]
+        if bad:
+            raise ConfigError(f"model.dense_layers {list(m.dense_layers)}: layer {bad[0]} is not in [0, {m.n_layers})")
+        for key in ("router_aux_loss_coef", "router_z_loss_coef"):
+            if getattr(m, key) < 0:
+                raise ConfigError(f"model.{key} must be >= 0, got {getattr(m, key)}")
 
     @property
     def head_dim(self) -> int:

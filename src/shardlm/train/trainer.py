@@ -1,4 +1,4 @@
-"""The training job: set-up, the training step, evaluation, logging and the final export.
+"""The training job: set-up, the training step, evaluation, logging, and the final export (in ``final_export.py``).
 
 One optimizer step over a global batch of G sequences reads, on each of N ranks, k = G / (N · m)
 micro-batches of m sequences. Per micro-batch, FSDP all-gathers each block's shards before its
@@ -17,73 +17,47 @@ from typing import Any
 import numpy as np
 import torch
 
-from shardlm.checkpoint.dcp import Checkpointer, resume_mode
-from shardlm.checkpoint.run import clear_run_dir, resume_command, write_run_config
+from shardlm.checkpoint.dcp import Checkpointer
+from shardlm.checkpoint.run import resume_command, write_run_config
 from shardlm.config import Config, gradient_accumulation_steps
-from shardlm.convert.hf_out import EXPORT_TIMEOUT, gather_full_state_dict, save_model_dir, save_sharded_model_dir
-from shardlm.convert.peft_out import base_model_path, gather_full_params, save_merged_dir, save_peft_dir
-from shardlm.data import GlobalBatchSampler, TokenWindows, eval_windows, load_meta
+from shardlm.data import eval_windows, load_meta
 from shardlm.data.build import data_dir, prepare_data
-from shardlm.data.instruct import IGNORE_INDEX, InstructionExamples, split_batch
-from shardlm.data.mixture import MixtureSampler, MixtureWindows, source_names
-from shardlm.data.packing import DocumentWindows, PackedExamples, batch_documents
-from shardlm.data.preference import PREFERENCE, PreferencePairs
+from shardlm.data.instruct import IGNORE_INDEX, split_batch
+from shardlm.data.mixture import MixtureSampler
+from shardlm.data.packing import batch_documents
+from shardlm.data.preference import PREFERENCE
 from shardlm.data.sync import check_same_data
 from shardlm.errors import ConfigError, NonFiniteError
-from shardlm.metrics import (
-    MetricsLogger,
-    device_memory,
-    format_bytes,
-    local_bytes,
-    model_flops_per_token,
-    shard_bytes,
-)
+from shardlm.metrics import MetricsLogger, device_memory, model_flops_per_token, shard_bytes
 from shardlm.metrics.memory import expected_shard_bytes, reset_device_peaks
 from shardlm.metrics.per_rank import per_rank_summaries
 from shardlm.metrics.progress import progress
 from shardlm.metrics.trackers import check_packages, start_trackers
 from shardlm.model.attention import resolve_backend
 from shardlm.model.freeze import apply_freeze
-from shardlm.model.llama import num_params
-from shardlm.model.lora import LoRASpec
 from shardlm.parallel import (
     DistInfo,
-    all_gather_ints,
     all_reduce_sum,
     build_mesh,
     init_distributed,
-    run_on_main,
     set_gradient_sync,
 )
 from shardlm.parallel.cp import build_context_parallel
 from shardlm.parallel.dist import data_parallel_rank, set_matmul_precision, to_device
 from shardlm.parallel.faults import FaultMonitor, guard_collectives
-from shardlm.parallel.options import describe
 from shardlm.train.build import build_model, unwrap
+from shardlm.train.datasets import build_datasets
+from shardlm.train.final_export import export_model, model_special_ids_of, written_line
 from shardlm.train.loss import model_loss_sum
 from shardlm.train.mfu import peak_flops_per_rank
 from shardlm.train.moe_loss import moe_loss_term
 from shardlm.train.optim import apply_train_config, build_optimizer, build_scheduler, clip_grad_norm_
 from shardlm.train.preference_step import PreferenceObjective
+from shardlm.train.run_dir import prepare_run_dir, run_dir
+from shardlm.train.step_metrics import mixture_metrics, moe_metrics
+from shardlm.train.summary import job_summary
 
-
-def run_dir(cfg: Config) -> Path:
-    """The run directory: ``run.dir`` or ``runs/<run name>``."""
-    return Path(cfg.run.dir or f"runs/{cfg.run.name}")
-
-
-def model_special_ids_of(meta: dict[str, Any]) -> dict[str, Any] | None:
-    """The bos/eos/pad ids of the model being trained, from the prepared data's ``meta.json``: the one rule for
-    every exported directory (full, merged LoRA, PEFT adapter) and every checkpoint manifest (which
-    ``shardlm export`` of a checkpoint writes).
-
-    ``model_special_ids`` is read at preparation from the tokenizer's model directory
-    (:func:`shardlm.data.tokenizer_files.model_special_ids`: its ``config.json`` / ``generation_config.json``, i.e.
-    ``model.init_from``'s own ids when the data uses its tokenizer, the default). Data prepared before that field
-    existed falls back to the data's ``special_ids`` (end of document as eos). Never the data's ids when the
-    model's are known: a chat model's eos is its end-of-turn token, not the tokenizer's end of text.
-    """
-    return meta.get("model_special_ids") or meta.get("special_ids")
+__all__ = ["Trainer", "model_special_ids_of", "run_dir"]  # both importable from here as before
 
 
 class Trainer:
@@ -113,7 +87,7 @@ class Trainer:
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
         self.run_dir = run_dir(cfg)
-        self._check_run_dir()
+        prepare_run_dir(cfg, self.info, self.run_dir)  # refused unless empty, resuming or run.overwrite
         start = time.perf_counter()
         prepare_data(cfg, self.info)  # every rank encodes its share; waiting is on the store, not a collective
         self.prepare_s = time.perf_counter() - start  # seconds spent preparing (or finding prepared) data
@@ -124,30 +98,8 @@ class Trainer:
                 f"the tokenizer has {self.meta['tokenizer_vocab_size']} tokens but model.vocab_size is "
                 f"{cfg.model.vocab_size}: raise model.vocab_size or use a smaller tokenizer")
         t = cfg.train
-        dataset = InstructionExamples if cfg.data.format == "instruct" else TokenWindows
-        if cfg.data.sources:  # a mixture: one dataset per source, drawn by weight
-            names = source_names(cfg.data.sources)
-            self.train_data = MixtureWindows([TokenWindows(str(data_dir(cfg) / n), "train", t.seq_len) for n in names])
-            self.val_data = MixtureWindows([TokenWindows(str(data_dir(cfg) / n), "val", t.seq_len) for n in names],
-                                           interleave=True)
-            self.sampler = MixtureSampler([len(w) for w in self.train_data.windows],
-                                          [s.weight for s in cfg.data.sources], t.global_batch_size, t.seed)
-        elif cfg.data.format == PREFERENCE:  # pairs: the global batch counts pairs; validation: the chosen's NLL
-            self.train_data = PreferencePairs(str(data_dir(cfg)), "train", t.seq_len)
-            self.val_data = PreferencePairs(str(data_dir(cfg)), "val", t.seq_len).chosen_examples()
-            self.sampler = GlobalBatchSampler(len(self.train_data), t.global_batch_size, t.seed)
-        elif cfg.data.pack:  # rows of several examples (shardlm/data/packing.py); validation stays one per sample
-            self.train_data = PackedExamples(InstructionExamples(str(data_dir(cfg)), "train", t.seq_len,
-                                                                 skip_untrainable=True), t.seed)
-            self.val_data = dataset(str(data_dir(cfg)), "val", t.seq_len)
-            self.sampler = GlobalBatchSampler(len(self.train_data), t.global_batch_size, t.seed)
-        else:
-            self.train_data = dataset(str(data_dir(cfg)), "train", t.seq_len)
-            self.val_data = dataset(str(data_dir(cfg)), "val", t.seq_len)
-            self.sampler = GlobalBatchSampler(len(self.train_data), t.global_batch_size, t.seed)
-        if self.attention_backend and cfg.data.format == "text":  # pre-training: document masking inside windows
-            eod = (self.meta.get("special_ids") or {}).get("eod")  # when the data records no document starts
-            self.train_data, self.val_data = DocumentWindows(self.train_data, eod), DocumentWindows(self.val_data, eod)
+        # train/val samples and the sampler, per data format (train/datasets.py)
+        self.train_data, self.val_data, self.sampler = build_datasets(cfg, self.meta, self.attention_backend is not None)
         self.mesh = build_mesh(self.info, cfg.parallel) if cfg.parallel.mode != "single" else None
         #: this rank's context-parallel group (shardlm/parallel/cp.py); one rank's, no split, at parallel.cp = 1
         self.cp = build_context_parallel(self.info, cfg.parallel.cp)
@@ -190,31 +142,6 @@ class Trainer:
         self.fault_monitor = FaultMonitor.start(self.info, cfg.parallel)
 
     # ---- set-up helpers ------------------------------------------------------------------
-    def _check_run_dir(self) -> None:
-        """Refuse a non-empty run directory unless resuming or ``run.overwrite``; rank 0 then creates it.
-
-        A fresh start with ``run.overwrite`` begins a new run: rank 0 removes the previous run's files
-        (checkpoints, metrics, config, final model; see :func:`shardlm.checkpoint.run.clear_run_dir`) and
-        says which, so nothing of the old run can be resumed into the new one.
-        """
-        d = self.run_dir
-        if d.exists() and not d.is_dir():
-            raise ConfigError(f"run directory {d} exists and is not a directory: choose another --run.dir")
-        resuming = bool(resume_mode(self.cfg))  # resuming continues this run dir: metrics are truncated, not wiped
-        if d.exists() and any(d.iterdir()) and not self.cfg.run.overwrite and not resuming:
-            raise ConfigError(f"run directory {d} is not empty: pass --run.overwrite=true or choose --run.dir")
-
-        def create() -> None:
-            d.mkdir(parents=True, exist_ok=True)
-            if not resuming:
-                removed = clear_run_dir(d)
-                if removed:
-                    print(f"run.overwrite: starting a new run in {d}; removed the previous run's "
-                          + ", ".join(removed), flush=True)
-
-        torch.distributed.barrier()  # every rank has looked at the directory before rank 0 changes it
-        run_on_main(create, self.info)
-
     def _build_checkpointer(self) -> Checkpointer:
         """The run's :class:`Checkpointer`, built here only: the tokenizer and data identity of the prepared data
         (compared at resume), the model's special ids (:func:`model_special_ids_of`). Its run id is set by
@@ -223,64 +150,9 @@ class Trainer:
                             self.special_ids, self.meta)
 
     def summary(self) -> str:
-        """A one-screen description of the job: model, parallelism, batch, memory per rank."""
-        cfg, info = self.cfg, self.info
-        model = unwrap(self.model)
-        params = shard_bytes(self.model)["params"]
-        per_rank = all_gather_ints(params, info.device)
-        rows = cfg.train.global_batch_size * (2 if self.preference else 1)  # sequences per step
-        samples = {"instruct": "packed rows" if cfg.data.pack else "examples", PREFERENCE: "pairs"}.get(
-            cfg.data.format, "windows")
-        lines = [
-            f"shardlm | {cfg.run.name} -> {self.run_dir}",
-            f"  model      {num_params(model):,} parameters, {cfg.model.n_layers} layers, dim {cfg.model.dim}, "
-            f"heads {cfg.model.n_heads}/{cfg.model.kv_heads} (q/kv), vocab {cfg.model.vocab_size}"
-            f"{', tied embeddings' if cfg.model.tie_embeddings else ''}",
-            f"  parallel   {cfg.parallel.mode}, world size {info.world_size}, backend {info.backend}, device "
-            f"{info.device.type}, mesh " + (" x ".join(f"{name} {size}" for name, size in zip(
-                self.mesh.mesh_dim_names, self.mesh.shape)) if self.mesh is not None else "none")
-            + (f"; context parallel {self.cp.size}: each sequence split over {self.cp.size} ranks "
-               f"({info.world_size // self.cp.size} data-parallel)" if self.cp.size > 1 else ""),
-            f"  settings   {describe(cfg.parallel, info.device.type)}",
-            f"  batch      global {cfg.train.global_batch_size} "
-            + (f"pairs ({2 * cfg.train.global_batch_size} seqs)" if self.preference else "seqs")
-            + f" x {cfg.train.seq_len} tokens = {rows * cfg.train.seq_len:,} tokens/step; micro-batch "
-            f"{cfg.train.micro_batch_size}/{'data-parallel ' if self.cp.size > 1 else ''}rank; gradient accumulation "
-            f"{self.accum_steps}",
-            f"  attention  {cfg.model.attention}" + (f" (backend {self.attention_backend}, per-document positions)"
-                                                     if self.attention_backend else "")
-            + ({"recorded": "; documents from the recorded starts", "eod": "; documents cut at each end-of-document "
-                "token (the data records no starts: prepare it again for exact boundaries)"}[self.train_data.source]
-               if isinstance(self.train_data, DocumentWindows) else ""),
-            f"  data       {len(self.train_data):,} train {samples}, {len(self.val_data):,} val {samples}, "
-            f"unigram entropy {self.meta['unigram_entropy_nats']:.3f} nats",
-            *([f"  packing    {self.train_data.summary()}"] if isinstance(self.train_data, PackedExamples) else []),
-            *([f"  preference {self.preference.describe()}"] if self.preference is not None else []),
-            f"  MFU        {self.flops_per_token * cfg.train.seq_len:,.0f} model FLOPs per sequence (6N + 12·L·H·Q·T), "
-            f"peak {self.peak.flops / 1e12:.2f} TFLOP/s per rank ({self.peak.precision}, {self.peak.source})",
-        ]
-        trainable = [p for p in model.parameters() if p.requires_grad]
-        if len(trainable) == len(list(model.parameters())):
-            lines.append("  per rank   parameter shards " + ", ".join(format_bytes(b) for b in per_rank)
-                         + f" (+ grads and AdamW state: ~{format_bytes(4 * max(per_rank))} per rank)")
-        else:  # frozen parameters: no gradient, no optimizer state
-            n_train = sum(p.numel() for p in trainable)
-            train_bytes = all_gather_ints(sum(local_bytes(p) for p in trainable), info.device)
-            lines += [
-                f"  trainable  {n_train:,} of {num_params(model):,} parameters ({100 * n_train / num_params(model):.2f}%)"
-                + (f"; LoRA r={cfg.lora.rank} alpha={cfg.lora.alpha:g} on {cfg.lora.targets}, base "
-                   f"{cfg.lora.base_dtype}" if cfg.lora.enabled else ""),
-                "  per rank   parameter shards " + ", ".join(format_bytes(b) for b in per_rank) + " (frozen base "
-                + ", ".join(format_bytes(a - b) for a, b in zip(per_rank, train_bytes)) + "; trainable "
-                + ", ".join(format_bytes(b) for b in train_bytes) + f", + grads and AdamW state ~"
-                f"{format_bytes(3 * max(train_bytes))} per rank)",
-            ]
-        stats = self.pretrained_load_stats
-        if stats is not None:  # model.init_from: bytes each rank read from the safetensors files
-            read = all_gather_ints(stats["bytes_read"], info.device)
-            lines.append(f"  pretrained {cfg.model.init_from}: read " + ", ".join(format_bytes(b) for b in read)
-                         + f" per rank of {format_bytes(stats['total_bytes'])}")
-        return "\n".join(lines)
+        """A one-screen description of the job: model, parallelism, batch, memory per rank (a collective;
+        :func:`shardlm.train.summary.job_summary`)."""
+        return job_summary(self)
 
     # ---- the training step ----------------------------------------------------------------
     def train_step(self, log: bool = True) -> dict[str, Any] | None:
@@ -381,21 +253,9 @@ class Trainer:
         if pref is not None:  # TRL's names: rewards/*, logps/*, logits/*
             record.update(pref.metrics(values[len(values) - n_stats:], norm[0]))
         if moe_values:  # a mixture of experts: the step's means over micro-steps; tokens per (layer, expert) pair
-            counts = moe_values[2:]
-            record.update({"moe_aux_loss": moe_values[0] / len(batches), "moe_z_loss": moe_values[1] / len(batches),
-                           "tokens_per_expert_min": min(counts), "tokens_per_expert_max": max(counts),
-                           "tokens_per_expert_mean": sum(counts) / len(counts)})
-            if cfg.train.log_moe_layers:  # per MoE layer (block index), min and max over its experts
-                layers = [i for i in range(cfg.model.n_layers) if cfg.model.is_moe_layer(i)]
-                for j, i in enumerate(layers):
-                    row = counts[j * cfg.model.n_experts:(j + 1) * cfg.model.n_experts]
-                    record[f"tokens_per_expert_min/layer{i}"] = min(row)
-                    record[f"tokens_per_expert_max/layer{i}"] = max(row)
+            record.update(moe_metrics(moe_values, len(batches), cfg.model, cfg.train.log_moe_layers))
         if isinstance(self.sampler, MixtureSampler):  # per source: tokens seen so far and its own epoch
-            drawn = self.sampler.drawn_before(self.step * cfg.train.global_batch_size)
-            for name, n, source in zip(source_names(cfg.data.sources), drawn, self.sampler.sources):
-                record[f"tokens_seen/{name}"] = int(n) * cfg.train.seq_len
-                record[f"epoch/{name}"] = int(n) / source.num_windows
+            record.update(mixture_metrics(self.sampler, self.step, cfg))
         return record
 
     def _loss_sum(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -537,7 +397,7 @@ class Trainer:
             return self.history
         self.export(self.run_dir / "final")
         if info.is_main:
-            print(self.written_line(self.run_dir / "final"), flush=True)
+            print(written_line(cfg, self.run_dir / "final"), flush=True)
         self.logger.close("finished", self.run_dir / "final")
         return self.history
 
@@ -573,76 +433,6 @@ class Trainer:
         self.history.append(record)
 
     def export(self, out_dir: Path) -> None:
-        """Write the trained weights as an HF model directory: one ``model.safetensors`` gathered on rank 0 for a
-        model up to ``run.export_single_file_bytes``, else every rank writing its own shard file plus the index
-        (:func:`shardlm.convert.hf_out.save_sharded_model_dir`). Either way the other ranks wait for the
-        writers on a process group with the export's own long timeout, not the training one.
-
-        With LoRA the directory holds the merged weights (base + scaled B·A, fp32), and ``<out_dir>-adapter``
-        the adapters in PEFT's format (:mod:`shardlm.convert.peft_out`), both written by rank 0 whatever the
-        size (:meth:`export_lora`).
-        """
-        if self.cfg.lora.enabled:
-            self.export_lora(out_dir, Path(f"{out_dir}-adapter"))
-            return
-        info = self.info
-        named = list(unwrap(self.model).named_parameters())
-        total = sum(p.numel() * p.element_size() for _, p in named)
-        tokenizer = data_dir(self.cfg) / "tokenizer.json"
-        if total > self.cfg.run.export_single_file_bytes:
-            save_sharded_model_dir(named, self.cfg.model, out_dir, info.rank, info.world_size, tokenizer,
-                                   self.special_ids)
-            return
-        state = gather_full_state_dict(self.model)
-        group = self._export_group()
-        if info.is_main:
-            save_model_dir(state, self.cfg.model, out_dir, tokenizer, self.special_ids)
-        del state
-        self._wait_for_writers(group)
-
-    def written_line(self, out_dir: Path) -> str:
-        """The end-of-run line: every directory :meth:`export` wrote to ``out_dir`` (and ``<out_dir>-adapter``)."""
-        if not self.cfg.lora.enabled:
-            return f"model written to {out_dir} (Hugging Face model directory)"
-        return (f"model written to {out_dir} (Hugging Face model directory, LoRA merged into the "
-                f"{self.cfg.lora.merge_into.replace('_', ' ')}) and {out_dir}-adapter (PEFT adapter on "
-                f"{base_model_path(self.cfg.model.init_from) or 'no pretrained base'})")
-
-    def export_lora(self, merged_dir: Path | None, adapter_dir: Path | None) -> None:
-        """Write the merged model to ``merged_dir`` and the PEFT adapter to ``adapter_dir`` (either may be None).
-
-        The full parameters are gathered to rank 0, which merges and writes both (merging needs base and
-        adapters side by side, an NF4 base dequantised whole); the other ranks wait on the export's group.
-        Both carry the model's special ids (:func:`model_special_ids_of`) and the tokenizer; the merge goes
-        into ``lora.merge_into``'s base and is recorded in ``lora_merge.json`` and printed
-        (:func:`shardlm.convert.peft_out.save_merged_dir`); the adapter names the base by its absolute path.
-        """
-        lora = self.cfg.lora
-        spec = LoRASpec(lora.rank, lora.alpha, lora.dropout, lora.targets, lora.base_dtype)
-        state = gather_full_params(unwrap(self.model), self.info.is_main)
-        group = self._export_group()
-        tokenizer = data_dir(self.cfg) / "tokenizer.json"
-        if self.info.is_main:
-            if merged_dir is not None:
-                record = save_merged_dir(state, self.cfg.model, spec, lora.merge_into, self.cfg.model.init_from,
-                                         merged_dir, tokenizer, self.special_ids)
-                print(f"{merged_dir}: {record['description']}", flush=True)
-            if adapter_dir is not None:
-                save_peft_dir(state, spec, adapter_dir, base_model_path(self.cfg.model.init_from), tokenizer,
-                              self.special_ids)
-        del state
-        self._wait_for_writers(group)
-
-    def _export_group(self) -> torch.distributed.ProcessGroup | None:
-        """A gloo group with :data:`~shardlm.convert.hf_out.EXPORT_TIMEOUT` for the ranks to wait on while rank 0
-        writes (a collective; None in one process)."""
-        if self.info.world_size == 1:
-            return None
-        return torch.distributed.new_group(backend="gloo", timeout=EXPORT_TIMEOUT)
-
-    @staticmethod
-    def _wait_for_writers(group: torch.distributed.ProcessGroup | None) -> None:
-        """Wait on ``group`` until rank 0 has written (under the export's timeout), then destroy the group."""
-        if group is not None:
-            torch.distributed.barrier(group=group)
-            torch.distributed.destroy_process_group(group)
+        """Write the trained weights as an HF model directory (with LoRA: merged, and the PEFT adapter in
+        ``<out_dir>-adapter``); a collective (:func:`shardlm.train.final_export.export_model`)."""
+        export_model(self.model, self.cfg, self.info, out_dir, self.special_ids)

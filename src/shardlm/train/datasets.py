@@ -1,0 +1,67 @@
+"""A run's training and validation data and its sampler, per data format: text windows, instruction examples
+(one per sample, or packed into rows), preference pairs, or a mixture of text sources drawn by weight."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from shardlm.config import Config
+from shardlm.data import GlobalBatchSampler, TokenWindows
+from shardlm.data.build import data_dir
+from shardlm.data.instruct import InstructionExamples
+from shardlm.data.mixture import MixtureSampler, MixtureWindows, source_names
+from shardlm.data.packing import DocumentWindows, PackedExamples
+from shardlm.data.preference import PREFERENCE, PreferencePairs
+
+
+class RunData(NamedTuple):
+    """What a training step and an evaluation read: samples by id, and the ids of each global batch."""
+
+    train: Any
+    """The training samples: ``get(ids)``, int64 (len(ids), seq_len + 1) text windows or (len(ids), 2, seq_len + 1)
+    tokens and labels (preference pairs: 2·len(ids) rows, chosen then rejected), and ``num_targets(ids)``, the
+    target tokens those samples hold (known on the host)."""
+    val: Any
+    """The validation samples (one per row; the chosen completions of preference pairs)."""
+    sampler: GlobalBatchSampler
+    """The world-size-independent order of the training samples (:class:`~shardlm.data.mixture.MixtureSampler`
+    for a mixture)."""
+
+
+def build_datasets(cfg: Config, meta: dict[str, Any], document_masking: bool) -> RunData:
+    """The training and validation data of ``cfg``'s prepared data directory and the sampler over it.
+
+    Args:
+        cfg: the run's config (``data.format``, ``data.sources``, ``data.pack``, ``train.seq_len``,
+            ``train.global_batch_size``, ``train.seed``).
+        meta: the prepared data's ``meta.json`` (its ``special_ids``' ``eod`` cuts documents when the data
+            records no document starts).
+        document_masking: block-causal attention: text windows then carry their documents
+            (:class:`~shardlm.data.packing.DocumentWindows`).
+    """
+    t = cfg.train
+    dataset = InstructionExamples if cfg.data.format == "instruct" else TokenWindows
+    if cfg.data.sources:  # a mixture: one dataset per source, drawn by weight
+        names = source_names(cfg.data.sources)
+        train_data = MixtureWindows([TokenWindows(str(data_dir(cfg) / n), "train", t.seq_len) for n in names])
+        val_data = MixtureWindows([TokenWindows(str(data_dir(cfg) / n), "val", t.seq_len) for n in names],
+                                  interleave=True)
+        sampler = MixtureSampler([len(w) for w in train_data.windows],
+                                 [s.weight for s in cfg.data.sources], t.global_batch_size, t.seed)
+    elif cfg.data.format == PREFERENCE:  # pairs: the global batch counts pairs; validation: the chosen's NLL
+        train_data = PreferencePairs(str(data_dir(cfg)), "train", t.seq_len)
+        val_data = PreferencePairs(str(data_dir(cfg)), "val", t.seq_len).chosen_examples()
+        sampler = GlobalBatchSampler(len(train_data), t.global_batch_size, t.seed)
+    elif cfg.data.pack:  # rows of several examples (shardlm/data/packing.py); validation stays one per sample
+        train_data = PackedExamples(InstructionExamples(str(data_dir(cfg)), "train", t.seq_len,
+                                                        skip_untrainable=True), t.seed)
+        val_data = dataset(str(data_dir(cfg)), "val", t.seq_len)
+        sampler = GlobalBatchSampler(len(train_data), t.global_batch_size, t.seed)
+    else:
+        train_data = dataset(str(data_dir(cfg)), "train", t.seq_len)
+        val_data = dataset(str(data_dir(cfg)), "val", t.seq_len)
+        sampler = GlobalBatchSampler(len(train_data), t.global_batch_size, t.seed)
+    if document_masking and cfg.data.format == "text":  # pre-training: document masking inside windows
+        eod = (meta.get("special_ids") or {}).get("eod")  # when the data records no document starts
+        train_data, val_data = DocumentWindows(train_data, eod), DocumentWindows(val_data, eod)
+    return RunData(train_data, val_data, sampler)

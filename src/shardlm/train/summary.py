@@ -1,0 +1,82 @@
+"""The start-up summary of a training job: one screen on the model, the parallelism, the batch, the data and the
+memory per rank, printed by rank 0 before step 1."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from shardlm.data.packing import DocumentWindows, PackedExamples
+from shardlm.data.preference import PREFERENCE
+from shardlm.metrics import format_bytes, local_bytes, shard_bytes
+from shardlm.model.llama import num_params
+from shardlm.parallel import all_gather_ints
+from shardlm.parallel.options import describe
+from shardlm.train.build import unwrap
+
+if TYPE_CHECKING:
+    from shardlm.train.trainer import Trainer
+
+
+def job_summary(trainer: Trainer) -> str:
+    """A one-screen description of ``trainer``'s job: model, parallelism, batch, data, MFU's peak, memory per rank.
+
+    A collective: every rank must call it (it all-gathers each rank's shard bytes, and with ``model.init_from``
+    the bytes each rank read); every rank gets the same text.
+    """
+    cfg, info = trainer.cfg, trainer.info
+    model = unwrap(trainer.model)
+    params = shard_bytes(trainer.model)["params"]
+    per_rank = all_gather_ints(params, info.device)
+    rows = cfg.train.global_batch_size * (2 if trainer.preference else 1)  # sequences per step
+    samples = {"instruct": "packed rows" if cfg.data.pack else "examples", PREFERENCE: "pairs"}.get(
+        cfg.data.format, "windows")
+    lines = [
+        f"shardlm | {cfg.run.name} -> {trainer.run_dir}",
+        f"  model      {num_params(model):,} parameters, {cfg.model.n_layers} layers, dim {cfg.model.dim}, "
+        f"heads {cfg.model.n_heads}/{cfg.model.kv_heads} (q/kv), vocab {cfg.model.vocab_size}"
+        f"{', tied embeddings' if cfg.model.tie_embeddings else ''}",
+        f"  parallel   {cfg.parallel.mode}, world size {info.world_size}, backend {info.backend}, device "
+        f"{info.device.type}, mesh " + (" x ".join(f"{name} {size}" for name, size in zip(
+            trainer.mesh.mesh_dim_names, trainer.mesh.shape)) if trainer.mesh is not None else "none")
+        + (f"; context parallel {trainer.cp.size}: each sequence split over {trainer.cp.size} ranks "
+           f"({info.world_size // trainer.cp.size} data-parallel)" if trainer.cp.size > 1 else ""),
+        f"  settings   {describe(cfg.parallel, info.device.type)}",
+        f"  batch      global {cfg.train.global_batch_size} "
+        + (f"pairs ({2 * cfg.train.global_batch_size} seqs)" if trainer.preference else "seqs")
+        + f" x {cfg.train.seq_len} tokens = {rows * cfg.train.seq_len:,} tokens/step; micro-batch "
+        f"{cfg.train.micro_batch_size}/{'data-parallel ' if trainer.cp.size > 1 else ''}rank; gradient accumulation "
+        f"{trainer.accum_steps}",
+        f"  attention  {cfg.model.attention}" + (f" (backend {trainer.attention_backend}, per-document positions)"
+                                                 if trainer.attention_backend else "")
+        + ({"recorded": "; documents from the recorded starts", "eod": "; documents cut at each end-of-document "
+            "token (the data records no starts: prepare it again for exact boundaries)"}[trainer.train_data.source]
+           if isinstance(trainer.train_data, DocumentWindows) else ""),
+        f"  data       {len(trainer.train_data):,} train {samples}, {len(trainer.val_data):,} val {samples}, "
+        f"unigram entropy {trainer.meta['unigram_entropy_nats']:.3f} nats",
+        *([f"  packing    {trainer.train_data.summary()}"] if isinstance(trainer.train_data, PackedExamples) else []),
+        *([f"  preference {trainer.preference.describe()}"] if trainer.preference is not None else []),
+        f"  MFU        {trainer.flops_per_token * cfg.train.seq_len:,.0f} model FLOPs per sequence (6N + 12·L·H·Q·T), "
+        f"peak {trainer.peak.flops / 1e12:.2f} TFLOP/s per rank ({trainer.peak.precision}, {trainer.peak.source})",
+    ]
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if len(trainable) == len(list(model.parameters())):
+        lines.append("  per rank   parameter shards " + ", ".join(format_bytes(b) for b in per_rank)
+                     + f" (+ grads and AdamW state: ~{format_bytes(4 * max(per_rank))} per rank)")
+    else:  # frozen parameters: no gradient, no optimizer state
+        n_train = sum(p.numel() for p in trainable)
+        train_bytes = all_gather_ints(sum(local_bytes(p) for p in trainable), info.device)
+        lines += [
+            f"  trainable  {n_train:,} of {num_params(model):,} parameters ({100 * n_train / num_params(model):.2f}%)"
+            + (f"; LoRA r={cfg.lora.rank} alpha={cfg.lora.alpha:g} on {cfg.lora.targets}, base "
+               f"{cfg.lora.base_dtype}" if cfg.lora.enabled else ""),
+            "  per rank   parameter shards " + ", ".join(format_bytes(b) for b in per_rank) + " (frozen base "
+            + ", ".join(format_bytes(a - b) for a, b in zip(per_rank, train_bytes)) + "; trainable "
+            + ", ".join(format_bytes(b) for b in train_bytes) + f", + grads and AdamW state ~"
+            f"{format_bytes(3 * max(train_bytes))} per rank)",
+        ]
+    stats = trainer.pretrained_load_stats
+    if stats is not None:  # model.init_from: bytes each rank read from the safetensors files
+        read = all_gather_ints(stats["bytes_read"], info.device)
+        lines.append(f"  pretrained {cfg.model.init_from}: read " + ", ".join(format_bytes(b) for b in read)
+                     + f" per rank of {format_bytes(stats['total_bytes'])}")
+    return "\n".join(lines)

@@ -6,7 +6,8 @@ derived from the fields (head width, key/value heads, MLP width) are properties,
 The model families (Llama, Qwen2/2.5, Qwen3, Mistral, Gemma 3) are one decoder with a few switches:
 :data:`~shardlm.model.families.FAMILIES` holds, per family, the fixed traits of its architecture (biases, q/k
 norm, Gemma's norms and GeGLU) and its particulars (:mod:`shardlm.model.families`); the sizes a family varies
-(head width, sliding window, RoPE bases) are fields.
+(head width, sliding window, RoPE bases) are fields. The model's own rules are :meth:`ModelConfig.check`, beside
+its fields; a run's config calls it among its checks (:func:`shardlm.config.checks.validate`).
 """
 
 from __future__ import annotations

@@ -161,6 +161,11 @@ def test_gpt_oss_with_yarn_equals_transformers_past_the_original_context_and_exp
     with torch.no_grad():
         torch.testing.assert_close(back.eval()(TOKENS).logits, want.logits, atol=0, rtol=0)
     assert read_model_dir_config(out) == c
+    from shardlm.model.kv_cache import KVCache
+    with torch.no_grad():  # decoding with a KV cache reads the same scaled tables by position
+        cache = KVCache(c, torch.zeros(2, dtype=torch.long), torch.float32, "cpu", capacity=40)
+        steps = [ours(TOKENS[:, :30], cache=cache)] + [ours(TOKENS[:, i:i + 1], cache=cache) for i in range(30, 40)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), got, atol=1e-5, rtol=0)
 
 
 def test_the_released_gpt_oss_rope_imports_and_mxfp4_weights_are_refused():
@@ -177,6 +182,8 @@ def test_the_released_gpt_oss_rope_imports_and_mxfp4_weights_are_refused():
     assert transformers.GptOssConfig(**shape).rope_parameters == {**RELEASED_YARN, "rope_theta": 150000.0}
     assert model_config_from_hf_dict(bare) == cfg
     assert model_config_from_hf_dict(transformers.GptOssConfig(**shape).to_dict()) == cfg
+    no_window = {k: v for k, v in bare.items() if k != "sliding_window"}  # transformers' default window: 128
+    assert model_config_from_hf_dict(no_window).sliding_window == transformers.GptOssConfig().sliding_window == 128
     with pytest.raises(ModelDirError, match=r"quantization_config \(quant_method 'mxfp4'\) is not supported: "
                                             r"quantised expert weights \(MXFP4\) are not read; dequantise"):
         model_config_from_hf_dict({**hub, "quantization_config": {"quant_method": "mxfp4",

@@ -56,7 +56,7 @@ def hf_fields_in(cfg: ModelConfig, config: dict[str, Any], local_rope: dict[str,
     cfg.swiglu_alpha = float(config.get("swiglu_alpha", 1.702))
     cfg.swiglu_limit = float(config.get("swiglu_limit", 7.0))
     cfg.router_aux_loss_coef = float(config.get("router_aux_loss_coef", 0.001))  # transformers 5.24 default
-    cfg.sliding_window = int(config.get("sliding_window") or 0)
+    cfg.sliding_window = int(config.get("sliding_window", 128) or 0)  # transformers 5.24's default when absent
     types = config.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
                                           for i in range(cfg.n_layers)]
     built = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(cfg.n_layers)]

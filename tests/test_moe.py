@@ -141,3 +141,40 @@ def test_a_rank_reads_only_its_experts_tensors():
     rows = read_rows(cfg, name, shape, 1, 3, lambda n: read.append(n) or disk[n])  # a shard holding experts 1, 2
     assert torch.equal(rows, full[1:3])
     assert read == [f"model.layers.0.block_sparse_moe.experts.{e}.{w}.weight" for e in (1, 2) for w in ("w1", "w3")]
+
+
+def test_the_logged_aux_loss_under_accumulation_is_the_mean_of_transformers_per_forward(small_data, tmp_path):
+    """With gradient accumulation the load-balancing statistics are pooled per micro-step (one forward per rank),
+    not over the global batch: one process, 2 micro-batches of 2. The step's ``moe_aux_loss`` is the mean over the
+    micro-batches of transformers' ``aux_loss`` of each forward (on the step's starting weights), and differs
+    from the ``aux_loss`` of the whole batch in one forward (what gradient accumulation does not give)."""
+    from conftest import tiny_overrides
+    from shardlm.config import load_config
+    from shardlm.convert.hf_out import save_model_dir
+    from shardlm.parallel import init_distributed
+    from shardlm.train import Trainer
+    cfg = load_config(None, tiny_overrides(small_data, tmp_path / "run", {
+        "model.family": '"qwen3_moe"', "model.n_experts": 8, "model.n_experts_per_token": 2, "model.head_width": 16,
+        "model.moe_ffn_hidden": 32, "model.norm_topk_prob": "true", "model.router_aux_loss_coef": 0.05,
+        "parallel.mode": '"single"', "train.seq_len": 16, "train.global_batch_size": 4, "train.micro_batch_size": 2}))
+    started = torch.distributed.is_initialized()
+    try:
+        trainer = Trainer(cfg, init_distributed(cfg.parallel))  # a process group of one rank
+        inputs = []
+        hook = trainer.model.register_forward_pre_hook(lambda _m, args: inputs.append(args[0].detach().clone()))
+        start = save_model_dir({k: v.detach().clone() for k, v in trainer.model.state_dict().items()}, cfg.model,
+                               tmp_path / "start")
+        record = trainer.train_step()
+        hook.remove()
+    finally:
+        if not started and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    assert len(inputs) == 2 and inputs[0].shape == (2, 16)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(start), dtype=torch.float32).eval()
+    with torch.no_grad():
+        per_forward = [hf(ids, output_router_logits=True).aux_loss.item() for ids in inputs]
+        whole = hf(torch.cat(inputs), output_router_logits=True).aux_loss.item()
+    print(f"\naux loss: logged {record['moe_aux_loss']:.8f}, transformers per forward {per_forward}, "
+          f"whole batch {whole:.8f}")
+    assert abs(record["moe_aux_loss"] - sum(per_forward) / 2) <= 1e-6
+    assert abs(whole - sum(per_forward) / 2) > 1e-5  # the pooling unit matters: the test can tell them apart

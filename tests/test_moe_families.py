@@ -115,6 +115,81 @@ def test_moe_config_checks_name_the_key():
         load_config(None, ["--model.n_experts=4"])
 
 
+#: gpt-oss-20b's and -120b's RoPE on the hub (``rope_scaling`` of their config.json)
+RELEASED_YARN = {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+                 "beta_slow": 1.0, "truncate": False}
+
+
+def test_gpt_oss_with_yarn_equals_transformers_past_the_original_context_and_exports(tmp_path):
+    # the released recipe over an original context of 32 tokens (not 4096): 40 tokens are past it, the window is 8;
+    # at 32 (not at 16) the ramp of truncate=false differs from the rounded one, so that field is tested too
+    yarn = {**RELEASED_YARN, "original_max_position_embeddings": 32, "rope_theta": 10000.0}
+    hf_cfg = transformers.GptOssConfig.from_dict({**hf_config("gpt_oss").to_dict(), "rope_parameters": yarn,
+                                                  "max_position_embeddings": 32 * 32})
+    torch.manual_seed(2)
+    hf = transformers.AutoModelForCausalLM.from_config(hf_cfg).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith(("bias", "norm.weight")):
+                p.add_(torch.randn_like(p) * 0.1)
+    hf.save_pretrained(tmp_path / "src")
+    ours = load_model_dir(tmp_path / "src")
+    c = ours.cfg
+    assert (c.rope_yarn_factor, c.rope_original_max_seq_len, c.rope_yarn_beta_fast, c.rope_yarn_beta_slow,
+            c.rope_yarn_truncate, c.rope_yarn_attention_factor) == (32.0, 32, 32.0, 1.0, False, 0.0)
+    with torch.no_grad():
+        want = hf(TOKENS, output_router_logits=True)
+        got = ours(TOKENS)
+        plain = transformers.GptOssConfig.from_dict({**hf_cfg.to_dict(), "rope_parameters": {
+            "rope_type": "default", "rope_theta": 10000.0}})
+        unscaled = transformers.AutoModelForCausalLM.from_config(plain).eval()
+        unscaled.load_state_dict(hf.state_dict())
+        assert (unscaled(TOKENS).logits - want.logits).abs().max() > 1e-2  # YaRN changes these logits
+        rounded = transformers.GptOssConfig.from_dict({**hf_cfg.to_dict(), "rope_parameters": {**yarn, "truncate": True}})
+        rounded = transformers.AutoModelForCausalLM.from_config(rounded).eval()
+        rounded.load_state_dict(hf.state_dict())
+        assert (rounded(TOKENS).logits - want.logits).abs().max() > 1e-2  # and so does truncate
+    print(f"\ngpt-oss YaRN: fp32 logits vs transformers, max abs diff {(got - want.logits).abs().max():.2e}")
+    torch.testing.assert_close(got, want.logits, atol=1e-5, rtol=0)
+    assert abs(moe_loss_term(ours, c.router_aux_loss_coef).aux.item() - want.aux_loss.item()) <= 1e-6
+    out = save_model_dir(dict(ours.state_dict()), c, tmp_path / "export")
+    written = json.loads((out / "config.json").read_text())
+    assert written["rope_scaling"] == {k: v for k, v in yarn.items() if k != "rope_theta"}
+    assert "rope_parameters" not in written and written["rope_theta"] == 10000.0
+    back, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    with torch.no_grad():
+        torch.testing.assert_close(back.eval()(TOKENS).logits, want.logits, atol=0, rtol=0)
+    assert read_model_dir_config(out) == c
+    from shardlm.model.kv_cache import KVCache
+    with torch.no_grad():  # decoding with a KV cache reads the same scaled tables by position
+        cache = KVCache(c, torch.zeros(2, dtype=torch.long), torch.float32, "cpu", capacity=40)
+        steps = [ours(TOKENS[:, :30], cache=cache)] + [ours(TOKENS[:, i:i + 1], cache=cache) for i in range(30, 40)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), got, atol=1e-5, rtol=0)
+
+
+def test_the_released_gpt_oss_rope_imports_and_mxfp4_weights_are_refused():
+    from shardlm.convert.hf_config import model_config_from_hf_dict
+    shape = dict(PUBLIC["gpt-oss-20b"][1])
+    del shape["rope_parameters"]
+    hub = {"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"], **shape, "rms_norm_eps": 1e-5, "rope_theta": 150000,
+           "rope_scaling": RELEASED_YARN}  # the hub's 4.x layout
+    cfg = model_config_from_hf_dict(hub)
+    assert (cfg.rope_yarn_factor, cfg.rope_original_max_seq_len, cfg.rope_theta, cfg.rope_yarn_truncate) == (
+        32.0, 4096, 150000.0, False)
+    # no RoPE fields at all: transformers' GptOssConfig default, the same YaRN
+    bare = {k: v for k, v in hub.items() if k not in ("rope_theta", "rope_scaling")}
+    assert transformers.GptOssConfig(**shape).rope_parameters == {**RELEASED_YARN, "rope_theta": 150000.0}
+    assert model_config_from_hf_dict(bare) == cfg
+    assert model_config_from_hf_dict(transformers.GptOssConfig(**shape).to_dict()) == cfg
+    no_window = {k: v for k, v in bare.items() if k != "sliding_window"}  # transformers' default window: 128
+    assert model_config_from_hf_dict(no_window).sliding_window == transformers.GptOssConfig().sliding_window == 128
+    with pytest.raises(ModelDirError, match=r"quantization_config \(quant_method 'mxfp4'\) is not supported: "
+                                            r"quantised expert weights \(MXFP4\) are not read; dequantise"):
+        model_config_from_hf_dict({**hub, "quantization_config": {"quant_method": "mxfp4",
+                                                                  "modules_to_not_convert": ["model.layers.*.self_attn"]}})
+
+
 #: the public config.json shapes (Hugging Face hub) of the MoE models the planner is checked on
 PUBLIC = {
     "Qwen3-30B-A3B": ("qwen3_moe", dict(hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
@@ -125,12 +200,11 @@ PUBLIC = {
                                           num_key_value_heads=4, head_dim=128, intermediate_size=12288,
                                           moe_intermediate_size=1536, num_experts=128, num_experts_per_tok=8,
                                           vocab_size=151936, norm_topk_prob=True, tie_word_embeddings=False)),
-    # gpt-oss-20b's RoPE is YaRN (not built): counted with default RoPE, which holds no parameters
     "gpt-oss-20b": ("gpt_oss", dict(hidden_size=2880, num_hidden_layers=24, num_attention_heads=64,
                                     num_key_value_heads=8, head_dim=64, intermediate_size=2880, num_local_experts=32,
                                     num_experts_per_tok=4, vocab_size=201088, sliding_window=128,
-                                    tie_word_embeddings=False,
-                                    rope_parameters={"rope_type": "default", "rope_theta": 150000.0})),
+                                    tie_word_embeddings=False, max_position_embeddings=131072,
+                                    rope_parameters={**RELEASED_YARN, "rope_theta": 150000.0})),
     "Mixtral-8x7B": ("mixtral", dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
                                      num_key_value_heads=8, intermediate_size=14336, num_local_experts=8,
                                      num_experts_per_tok=2, vocab_size=32000, tie_word_embeddings=False)),

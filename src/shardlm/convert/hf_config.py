@@ -65,25 +65,32 @@ def hf_config(cfg: ModelConfig, special_ids: dict[str, Any] | None = None,
     config[arch.hf_activation_key] = HF_ACTIVATIONS[arch.activation]
     config.update({flag: False for flag in arch.hf_false_flags})
     config.update(arch.hf_fields_out(cfg))
-    if cfg.rope_scaling_factor > 0:  # Llama 3.1 RoPE scaling, in HF's format
-        config["rope_scaling"] = {
-            "rope_type": "llama3", "factor": cfg.rope_scaling_factor, "low_freq_factor": cfg.rope_low_freq_factor,
-            "high_freq_factor": cfg.rope_high_freq_factor,
-            "original_max_position_embeddings": cfg.rope_original_max_seq_len,
-        }
-    elif cfg.rope_linear_factor > 0:
-        config["rope_scaling"] = {"rope_type": "linear", "factor": cfg.rope_linear_factor}
-    elif cfg.rope_yarn_factor > 0:
-        config["rope_scaling"] = {
-            "rope_type": "yarn", "factor": cfg.rope_yarn_factor,
-            "original_max_position_embeddings": cfg.rope_original_max_seq_len, "beta_fast": cfg.rope_yarn_beta_fast,
-            "beta_slow": cfg.rope_yarn_beta_slow, "truncate": cfg.rope_yarn_truncate,
-        }
-        if cfg.rope_yarn_attention_factor > 0:
-            config["rope_scaling"]["attention_factor"] = cfg.rope_yarn_attention_factor
-    elif cfg.rope_dynamic_factor > 0:
-        config["rope_scaling"] = {"rope_type": "dynamic", "factor": cfg.rope_dynamic_factor}
+    scaling = rope_scaling_out(cfg)
+    if scaling or arch.hf_default_rope:  # a family whose transformers default is a scaling: say "default"
+        config["rope_scaling"] = scaling or {"rope_type": "default"}
     return config
+
+
+def rope_scaling_out(cfg: ModelConfig) -> dict[str, Any]:
+    """``cfg``'s RoPE scaling as a transformers ``rope_scaling`` dict (llama3, linear, yarn or dynamic, with the
+    fields :func:`_rope_fields` reads back); {} without scaling."""
+    if cfg.rope_scaling_factor > 0:  # Llama 3.1 RoPE scaling
+        return {"rope_type": "llama3", "factor": cfg.rope_scaling_factor, "low_freq_factor": cfg.rope_low_freq_factor,
+                "high_freq_factor": cfg.rope_high_freq_factor,
+                "original_max_position_embeddings": cfg.rope_original_max_seq_len}
+    if cfg.rope_linear_factor > 0:
+        return {"rope_type": "linear", "factor": cfg.rope_linear_factor}
+    if cfg.rope_yarn_factor > 0:
+        yarn = {"rope_type": "yarn", "factor": cfg.rope_yarn_factor,
+                "original_max_position_embeddings": cfg.rope_original_max_seq_len,
+                "beta_fast": cfg.rope_yarn_beta_fast, "beta_slow": cfg.rope_yarn_beta_slow,
+                "truncate": cfg.rope_yarn_truncate}
+        if cfg.rope_yarn_attention_factor > 0:
+            yarn["attention_factor"] = cfg.rope_yarn_attention_factor
+        return yarn
+    if cfg.rope_dynamic_factor > 0:
+        return {"rope_type": "dynamic", "factor": cfg.rope_dynamic_factor}
+    return {}
 
 
 def _rope_fields(cfg: ModelConfig, rope: dict[str, Any], source: str, key: str) -> None:
@@ -179,6 +186,8 @@ def model_config_from_hf_dict(config: dict[str, Any], source: str = "config.json
         tie_embeddings=bool(config.get("tie_word_embeddings", arch.hf_default_tie)),
     )
     scaling = config.get("rope_scaling")
+    if not scaling and config.get("rope_parameters") is None:  # transformers' default for the family (gpt-oss: YaRN)
+        scaling = arch.hf_default_rope
     _rope_fields(cfg, dict(scaling) if scaling else global_rope, source, "rope_scaling" if scaling else "rope_parameters")
     if local_rope.get("rope_type", "default") != "default":
         raise ModelDirError(f"{source}: rope_parameters.sliding_attention rope_type {local_rope['rope_type']!r} "

@@ -109,7 +109,11 @@ class ModelConfig:
     dense_layers: tuple[int, ...] = ()
     """Layers (0-based) that stay dense MLPs whatever ``moe_layer_step`` says [mlp_only_layers]."""
     router_aux_loss_coef: float = 0.001
-    """Weight of the load-balancing loss added to the training loss [router_aux_loss_coef]; 0 means none."""
+    """Weight of the load-balancing loss added to the training loss [router_aux_loss_coef]; 0 means none. Its
+    statistics (tokens per expert, mean router probabilities) are pooled per micro-step over the micro-batches of
+    all ranks (one forward each): the whole global batch with one micro-batch per rank; under gradient
+    accumulation each micro-step's term is transformers' ``aux_loss`` of that micro-step's tokens in one forward,
+    and the step adds (and logs) their mean, not the whole batch's ``aux_loss``."""
     router_z_loss_coef: float = 0.0
     """Weight of the router z-loss (ST-MoE) added to the training loss; 0 means none (transformers has none)."""
     swiglu_alpha: float = 1.702

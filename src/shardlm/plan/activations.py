@@ -78,7 +78,8 @@ def shape_of(mcfg: ModelConfig, micro_batch_size: int, seq_len: int, compute_byt
     """The :class:`Shape` of a micro-batch of ``micro_batch_size`` × ``seq_len`` tokens.
 
     A mixture of experts counts its MLP width per token as the k experts a token visits (f = k · expert width), as
-    if every layer were sparse: the experts' activations, not yet their sorted token copies or all-to-all buffers.
+    if every layer were sparse: the experts' activations; the router, the sorted token copies and the all-to-all
+    buffers are :mod:`shardlm.plan.moe`'s.
     """
     f = mcfg.n_experts_per_token * mcfg.expert_ffn_dim if mcfg.arch.moe and mcfg.n_experts else mcfg.ffn_dim
     return Shape(micro_batch_size, seq_len, mcfg.dim, f, mcfg.n_heads,

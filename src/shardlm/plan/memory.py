@@ -44,6 +44,7 @@ from shardlm.plan import activations as act
 from shardlm.plan.context_parallel import cp_backward_transient, cp_block_extra_saved, cp_forward_saved
 from shardlm.plan.documents import document_mask_bytes
 from shardlm.plan.loss import loss_events
+from shardlm.plan.moe import all_to_all_transient, moe_layer_saved
 
 PARTS = ("params", "grads", "optimizer", "all_gather", "reduce_scatter", "activations", "temporaries", "buffers")
 """Categories of the breakdown, in display order."""
@@ -276,6 +277,11 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
     cp_block = cp_block_extra_saved(s, t_pad, cp_dense) if cp > 1 else 0
     cp_forward = cp_forward_saved(s, t_pad, len(windows) if cp_dense else 0) if cp > 1 else 0
     cp_transient = cp_backward_transient(s, t_pad) if cp > 1 else 0
+    # a MoE layer's router, sorted token copies and, under EP, all-to-all buffers (plan/moe.py)
+    ep = getattr(cfg.parallel, "ep", 1)
+    is_moe = [cfg.model.is_moe_layer(i) for i in range(s.n_layers)]
+    moe_saved = [moe_layer_saved(s, cfg.model, ep) if m else 0 for m in is_moe]
+    moe_a2a = [all_to_all_transient(s, cfg.model, ep) if m else 0 for m in is_moe]
     softcap = cfg.model.final_logit_softcap > 0
     fp32_matmul = pb == 2 and device == "cpu" and use_fp32_matmul(cfg.parallel.cpu_bf16_matmul, torch.device("cpu"),
                                                                   cfg.parallel.param_dtype)
@@ -399,11 +405,14 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
         saved = [act.block_saved_tp(s, tp, st.ac_mode) if tp > 1 else act.block_saved(s, st.ac_mode, layer, st.ac_every_n)
                  for layer in range(s.n_layers)]
         # a fully checkpointed block keeps only its input (CP's attention comes back in its recompute)
-        saved = [n if n == act.block_saved(s, "full", layer) else n + cp_block for layer, n in enumerate(saved)]
+        saved = [n if n == act.block_saved(s, "full", layer) else n + cp_block + moe_saved[layer]
+                 for layer, n in enumerate(saved)]
         for layer in range(s.n_layers):
             if fsdp:
                 unshard(blocks[layer], f"{mb} forward block {layer}")
             led.add("activations", saved[layer], f"{mb} forward block {layer}")
+            led.add("temporaries", moe_a2a[layer], f"{mb} forward block {layer} all-to-all")
+            led.free("temporaries", moe_a2a[layer])
             if fsdp and st.reshard_after_forward and last_in_group[layer]:
                 reshard(blocks[layer])
         if fsdp and "head" in by_name:
@@ -454,6 +463,7 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
                 prefetch(blocks[first - 1] if first else by_name.get("embed"), phase)
                 grads_arrive(blocks[layer], phase, mlp_down)
             whole = (act.block_saved_tp(s, tp, "none") if tp > 1 else act.block_saved_none(s)) + cp_block
+            whole += moe_saved[layer]
             recompute = whole - saved[layer] if saved[layer] < whole else 0
             led.add("activations", recompute, phase)
             transient = (act.block_backward_transient_tp(s, tp) if tp > 1 else act.block_backward_transient(s))

@@ -105,6 +105,10 @@ class Family:
     ``use_sliding_window``): written false on export, refused naming the field when true on import."""
     hf_default_rope_theta: float = 10000.0
     """``rope_theta`` when ``config.json`` has none (the family's transformers default)."""
+    hf_default_rope: Mapping[str, Any] = field(default_factory=dict, compare=False)
+    """The RoPE scaling dict (``rope_type``...) that transformers gives the family when ``config.json`` has neither
+    ``rope_scaling`` nor ``rope_parameters`` (gpt-oss: YaRN); empty: plain RoPE. A family that has one gets an
+    explicit ``rope_type = "default"`` on export when the model has no scaling."""
     hf_default_head_dim: int = 0
     """``head_dim`` when ``config.json`` has none; 0 means ``hidden_size / num_attention_heads``."""
     hf_default_tie: bool = False

@@ -83,7 +83,9 @@ def cmd_tune(args: argparse.Namespace, overrides: list[str]) -> None:
 
     def announce(cfg, rows) -> None:
         loaded.append(cfg)
-        print(f"tune | {cfg.run.name}: fsdp at world size {args.world_size}, global batch "
+        layouts = "".join(f", {d} {'/'.join(map(str, sorted({r.cand.key(d) for r in rows})))}" for d in ("tp", "ep")
+                          if len({r.cand.key(d) for r in rows}) > 1)  # the tensor / expert-parallel degrees tried
+        print(f"tune | {cfg.run.name}: fsdp at world size {args.world_size}{layouts}, global batch "
               f"{cfg.train.global_batch_size} x {cfg.train.seq_len} tokens; usable memory {size(budget.bytes)} "
               f"per rank ({budget.source}); {sum(r.fits for r in rows)} of {len(rows)} candidates fit "
               f"({args.search} search{'; then their best values combined, when new' if args.search == 'staged' else ''}"

@@ -336,6 +336,8 @@ def test_tensor_and_expert_parallel_candidates():
     no tp: tensor parallel on MoE is not built). Each such row's prediction is the planner's for that layout (a
     tp-way model's pieces, ep-way experts), a tp row checkpoints only as the planner models it (none or full), its
     micro-batches are tp times more (N / tp data-parallel ranks), and the full grid holds no other mode with tp."""
+    from shardlm.errors import ConfigError
+    from shardlm.parallel.ep import check_ep
     from shardlm.plan.memory import plan_memory
     from shardlm.plan.tune_candidates import apply
 
@@ -367,6 +369,10 @@ def test_tensor_and_expert_parallel_candidates():
     dims = space(cfg, 4)
     assert (dims["tp"], dims["ep"]) == ([1], [1, 2, 4])
     assert space(load_config(dense, moe + ["--model.n_experts=6"]), 4)["ep"] == [1, 2]
+    hsdp = load_config(dense, moe + ["--parallel.dp_replicate=2"])  # EP under HSDP is not built: refused by name
+    assert space(hsdp, 4)["ep"] == [1]
+    with pytest.raises(ConfigError, match=r"parallel.ep=2 with parallel.dp_replicate=2 \(HSDP\) is not built"):
+        check_ep(8, 2, 4, "fsdp", 2)
     roomy, own = Planner(cfg, 4, "cpu", 64 * GIB), config_candidate(cfg, 4)
     rows = {r.cand.ep: r for r in first_round(cfg, roomy, "staged") if r.cand.with_value("ep", 1) == own}
     assert sorted(rows) == [1, 2, 4]

@@ -33,8 +33,8 @@ def duration(text: str) -> float:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``tune`` on the ``shardlm`` command's subparsers."""
-    p = sub.add_parser("tune", help="measure candidate FSDP settings that fit (one torchrun launch) and write the "
-                       "fastest as config overrides")
+    p = sub.add_parser("tune", help="measure candidate FSDP settings (and tensor / expert-parallel degrees) that fit "
+                       "(one torchrun launch) and write the fastest as config overrides")
     p.add_argument("config", help="TOML config (overrides follow as --section.key=value)")
     p.add_argument("--world-size", type=int, required=True, help="number of ranks N (on this machine)")
     p.add_argument("--out", default=None, help="TOML file for the chosen settings (default: <config stem>.tuned.toml "

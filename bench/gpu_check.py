@@ -27,6 +27,10 @@ d. resume: 4 steps with a checkpoint after step 2, then a new trainer resumed fr
 e. block-causal attention (``model.attention = "block_causal"``), one row per backend: a packed row of three
    examples against each alone (fp32, TF32 off), forward and backward: ``sdpa`` (dense mask; CUDA's
    memory-efficient kernel) and ``flex`` compiled (the CUDA default; on CPU eager and forward only).
+f-h. tensor parallel 2 (and async TP with compile) and context parallel 2 against one process, the MoE grouped
+   matmul (``torch._grouped_mm``) against the loop: ``bench/gpu_check_parallel.py``. A row that needs more GPUs
+   than the machine has is skipped with the reason (so on one GPU: TP and CP skipped, the grouped matmul run; with
+   ``--device cpu`` TP 2 runs on gloo and the CUDA-only rows are skipped).
 """
 
 from __future__ import annotations
@@ -44,11 +48,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "bench"))  # gpu_check_parallel beside this script
 # cuBLAS is deterministic only with a fixed workspace (set before the first CUDA matmul); check d needs it
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from gpu_check_parallel import check_context_parallel, check_grouped_mm, check_tensor_parallel  # noqa: E402
 
 from shardlm.config import Config, ParallelConfig, load_config  # noqa: E402
 from shardlm.parallel.dist import DistInfo, exit_process, init_distributed  # noqa: E402
@@ -309,7 +315,10 @@ def main() -> int:
         checks = {"a. speed": lambda: [check_speed(device, info.backend, work, args.steps)],
                   "b. fp32 device vs CPU": lambda: check_numerics(device, info.backend, work, tiny_data),
                   "c/d. export, resume": lambda: check_resume_and_export(device, info.backend, work, tiny_data),
-                  "e. block-causal attention": lambda: check_block_causal(device)}
+                  "e. block-causal attention": lambda: check_block_causal(device),
+                  "f. tensor parallel": lambda: check_tensor_parallel(device, work, tiny_data, tiny(device)),
+                  "g. MoE grouped matmul": lambda: check_grouped_mm(device),
+                  "h. context parallel": lambda: check_context_parallel(device, work, tiny_data, tiny(device))}
         for label, check in checks.items():
             t0 = time.perf_counter()
             try:
@@ -324,7 +333,8 @@ def main() -> int:
     print(f"\nshardlm gpu_check on {name} (torch {torch.__version__}, backend {info.backend}), {total:.0f} s")
     print("| check | result | s | status |\n|---|---|---|---|")
     for r in rows:
-        print(f"| {r['check']} | {r['result']} | {r['seconds']:.0f} | {'ok' if r['pass'] else 'FAIL'} |")
+        status = "skipped" if r.get("skipped") else "ok" if r["pass"] else "FAIL"
+        print(f"| {r['check']} | {r['result']} | {r['seconds']:.0f} | {status} |")
     if args.out:
         Path(args.out).write_text(json.dumps({"device": name, "torch": torch.__version__, "seconds": total,
                                               "rows": rows}, indent=2, default=str) + "\n")

@@ -40,8 +40,11 @@ CONFIGS = {
     "fsdp4_mb4": (4, {"train.global_batch_size": 16, "train.micro_batch_size": 4}, "none"),
     # FSDP 2 x TP 2 (parallel/tp.py): TP-local parameter pieces, sequence-parallel activations, vocabulary-parallel
     # loss. Measured when added: -3.6 % and -6.6 %, -1.0 % and +1.9 % in two launches. Known gaps, left out:
-    # micro-batch 4 with one loss chunk of all 256 tokens -10.6 %, micro-batch 8 with full checkpointing -12.2 %
-    # (the ~250 KB the planner misses at any layout here, see fsdp4_mb4, weigh more against TP's smaller peak).
+    # micro-batch 4 with one loss chunk of all 256 tokens -10.6 %, micro-batch 8 with full checkpointing -12.2 %.
+    # Since the loss chunk's (k, D) hidden-gradient product is counted (plan/loss.py) they are -12.2 % and -10.6 to
+    # -14.1 % against the busiest rank: on gloo the peak moves between ranks and steps (2.37-3.12 MB over 4 ranks
+    # with full checkpointing) with the timing of TP's collectives (gloo's reduce_scatter_tensor clones its input;
+    # all-gathered inputs wait for their collectives). See README, "Tensor parallel".
     "fsdp2_tp2_mb8": (4, {"parallel.tp": 2, "train.global_batch_size": 16, "train.micro_batch_size": 8}, "none"),
     "fsdp2_tp2_mb4_chunk64": (4, {"parallel.tp": 2, "train.micro_batch_size": 4, "train.loss_chunk_tokens": 64},
                               "none"),

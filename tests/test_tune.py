@@ -61,7 +61,7 @@ def as_candidate(row: dict[str, str]) -> Candidate:
     micro = int(row["micro-batch x accum"].split(" x ")[0])
     return Candidate(row["reshard"] == "true", int(forward), int(backward), row["AC"], micro,
                      row["grad sync"] if row["grad sync"] != "-" else "every_micro_batch", row["compile"] == "true",
-                     int(row["blocks/group"]))
+                     int(row["blocks/group"]), int(row["tp"]), int(row["ep"]))
 
 
 @pytest.mark.dist
@@ -97,6 +97,9 @@ def test_tune_measures_the_fitting_candidates_in_one_launch(tmp_path, small_data
     assert len(measured) >= 4 and all(r["fits"] == "yes" for r in measured)
     assert {r["compile"] for r in measured} == {"false", "true"}  # compiled blocks measured too (gcc is here)
     assert {r["blocks/group"] for r in measured} == {"1", "2"}  # and both blocks in one FSDP group
+    tensor_parallel = [r for r in measured if r["tp"] == "2"]  # and tensor parallel over both ranks: the same
+    assert tensor_parallel and all(r["micro-batch x accum"].endswith(" x 2") for r in tensor_parallel)  # 8 rows
+    assert all(r["AC"] in ("none", "full") for r in tensor_parallel) and {r["ep"] for r in rows} == {"1"}
     progress = re.findall(r"^tune: reshard=.*$", captured.err, re.M)  # one line per measurement
     assert len([line for line in progress if not line.endswith("(confirming)")]) == len(measured)
     assert len([line for line in progress if line.endswith("(confirming)")]) == 2  # the 2 fastest, once more
@@ -221,10 +224,11 @@ def test_staged_search_candidates():
         base, base.with_value("reshard", False), base.with_value("prefetch", (1, 1)),
         base.with_value("prefetch", (2, 2)), *[base.with_value("batching", (m, s)) for m in (2, 1)
                                                for s in ("every_micro_batch", "last_micro_batch")],
-        base.with_value("compile", True), base.with_value("grouping", 2), base.with_value("grouping", 4)]
+        base.with_value("compile", True), base.with_value("grouping", 2), base.with_value("grouping", 4),
+        base.with_value("tp", 2)]
     assert all(r.fits for r in rows)
-    # the full grid: reshard x prefetch x AC x batching x compile x grouping (1, 2, all 4 blocks)
-    assert [len(v) for v in space(cfg, 2).values()] == [2, 3, 4, 5, 2, 3]
+    # the full grid: reshard x prefetch x AC x batching x compile x grouping (1, 2, all 4 blocks) x tp x ep
+    assert [len(v) for v in space(cfg, 2).values()] == [2, 3, 4, 5, 2, 3, 2, 1]
     # a group of 2 blocks prefetched holds 2 blocks more; one group of 4 more still than 2 groups of 2
     prefetched = base.with_value("prefetch", (1, 1))
     assert roomy.bytes(prefetched.with_value("grouping", 2)) > roomy.bytes(prefetched)
@@ -324,3 +328,55 @@ def test_time_budget_measures_what_fits_in_it(tmp_path, capsys, monkeypatch):
     for bad in ("-3m", "0", "5x"):
         err = cli_error(capsys, ["tune", str(config), "--world-size", "1", f"--time-budget={bad}"])
         assert "--time-budget must be a positive duration" in err and f"{bad!r}" in err
+
+
+def test_tensor_and_expert_parallel_candidates():
+    """At 4 ranks tune offers each tp the trainer accepts (the 20m model: 1, 2, 4; 2 key/value heads: 1, 2; with
+    LoRA: 1) and, for a mixture of experts, each ep dividing its experts and the ranks (8 experts: 1, 2, 4; 6: 1, 2;
+    no tp: tensor parallel on MoE is not built). Each such row's prediction is the planner's for that layout (a
+    tp-way model's pieces, ep-way experts), a tp row checkpoints only as the planner models it (none or full), its
+    micro-batches are tp times more (N / tp data-parallel ranks), and the full grid holds no other mode with tp."""
+    from shardlm.errors import ConfigError
+    from shardlm.parallel.ep import check_ep
+    from shardlm.plan.memory import plan_memory
+    from shardlm.plan.tune_candidates import apply
+
+    dense = str(ROOT / "configs" / "20m.toml")
+    cases = {(): ([1, 2, 4], [1]), ("--model.n_kv_heads=2",): ([1, 2], [1]),
+             ("--lora.enabled=true",): ([1], [1]), ("--train.seq_len=254",): ([1, 2], [1])}
+    for overrides, (tp, ep) in cases.items():
+        dims = space(load_config(dense, list(overrides)), 4)
+        assert (dims["tp"], dims["ep"]) == (tp, ep), overrides
+    cfg = load_config(dense)
+    roomy, own = Planner(cfg, 4, "cpu", 64 * GIB), config_candidate(cfg, 4)  # own: the staged search's base here
+    rows = {r.cand.tp: r for r in first_round(cfg, roomy, "staged") if r.cand.with_value("tp", 1) == own}
+    assert sorted(rows) == [1, 2, 4]
+    for r in rows.values():
+        assert r.predicted_bytes == plan_memory(apply(cfg, r.cand), 4).peak
+    assert rows[4].predicted_bytes < rows[2].predicted_bytes < rows[1].predicted_bytes
+    tight = Planner(cfg, 4, "cpu", (roomy.bytes(own) + roomy.bytes(own.with_value("ac", "selective"))) / 2)
+    under_tp = [r.cand for r in first_round(cfg, tight, "staged") if r.cand.tp > 1]
+    assert under_tp and all(c.activation_checkpoint in ("none", "full") for c in under_tp)
+    grid = [r.cand for r in first_round(cfg, roomy, "full")]
+    assert {c.tp for c in grid} == {1, 2, 4}
+    assert {c.activation_checkpoint for c in grid if c.tp > 1} == {"none", "full"}
+    table = tune.format_table([rows[2]], cfg, 4, None)
+    assert table_rows(table)[0]["micro-batch x accum"] == "2 x 2" and table_rows(table)[0]["tp"] == "2"
+
+    moe = ["--model.family=qwen3_moe", "--model.n_experts=8", "--model.n_experts_per_token=2",
+           "--model.moe_ffn_hidden=128", "--model.dim=128", "--model.vocab_size=512"]
+    cfg = load_config(dense, moe)
+    dims = space(cfg, 4)
+    assert (dims["tp"], dims["ep"]) == ([1], [1, 2, 4])
+    assert space(load_config(dense, moe + ["--model.n_experts=6"]), 4)["ep"] == [1, 2]
+    hsdp = load_config(dense, moe + ["--parallel.dp_replicate=2"])  # EP under HSDP is not built: refused by name
+    assert space(hsdp, 4)["ep"] == [1]
+    with pytest.raises(ConfigError, match=r"parallel.ep=2 with parallel.dp_replicate=2 \(HSDP\) is not built"):
+        check_ep(8, 2, 4, "fsdp", 2)
+    roomy, own = Planner(cfg, 4, "cpu", 64 * GIB), config_candidate(cfg, 4)
+    rows = {r.cand.ep: r for r in first_round(cfg, roomy, "staged") if r.cand.with_value("ep", 1) == own}
+    assert sorted(rows) == [1, 2, 4]
+    for r in rows.values():
+        assert r.predicted_bytes == plan_memory(apply(cfg, r.cand), 4).peak
+    # an ep rank all-gathers only its experts: less memory the more ranks split them
+    assert rows[4].predicted_bytes < rows[2].predicted_bytes < rows[1].predicted_bytes

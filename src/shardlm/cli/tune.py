@@ -33,8 +33,8 @@ def duration(text: str) -> float:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``tune`` on the ``shardlm`` command's subparsers."""
-    p = sub.add_parser("tune", help="measure candidate FSDP settings that fit (one torchrun launch) and write the "
-                       "fastest as config overrides")
+    p = sub.add_parser("tune", help="measure candidate FSDP settings (and tensor / expert-parallel degrees) that fit "
+                       "(one torchrun launch) and write the fastest as config overrides")
     p.add_argument("config", help="TOML config (overrides follow as --section.key=value)")
     p.add_argument("--world-size", type=int, required=True, help="number of ranks N (on this machine)")
     p.add_argument("--out", default=None, help="TOML file for the chosen settings (default: <config stem>.tuned.toml "
@@ -83,7 +83,9 @@ def cmd_tune(args: argparse.Namespace, overrides: list[str]) -> None:
 
     def announce(cfg, rows) -> None:
         loaded.append(cfg)
-        print(f"tune | {cfg.run.name}: fsdp at world size {args.world_size}, global batch "
+        layouts = "".join(f", {d} {'/'.join(map(str, sorted({r.cand.key(d) for r in rows})))}" for d in ("tp", "ep")
+                          if len({r.cand.key(d) for r in rows}) > 1)  # the tensor / expert-parallel degrees tried
+        print(f"tune | {cfg.run.name}: fsdp at world size {args.world_size}{layouts}, global batch "
               f"{cfg.train.global_batch_size} x {cfg.train.seq_len} tokens; usable memory {size(budget.bytes)} "
               f"per rank ({budget.source}); {sum(r.fits for r in rows)} of {len(rows)} candidates fit "
               f"({args.search} search{'; then their best values combined, when new' if args.search == 'staged' else ''}"

@@ -25,18 +25,22 @@ Event = tuple[str, int, str]
 
 def chunk_peak_bytes(chunk: int, vocab: int, dim: int, c: int, softcap: bool, fp32_matmul: bool,
                      weight_grad: bool, cuda: bool = False) -> int:
-    """Bytes of one chunk's buffers at their high point (``shardlm/train/loss.py::_chunked``).
+    """Bytes of one chunk's buffers at their high point (``shardlm/train/loss.py::_chunked``, and the
+    vocabulary-parallel ``shardlm/train/vocab_parallel_loss.py::_chunks`` on a rank's V / tp rows).
 
     fp32: the (k, V) logits, turned in place into the softmax and the gradient (two with a soft-cap: tanh and its
-    derivative). bf16: the bf16 logits and their fp32 copy (6·k·V), then the fp32 gradient and its bf16 cast (on
-    CUDA with the native kernel also the bf16 (V, D) weight-gradient product added into the accumulator); a
-    soft-cap adds its derivative (10·k·V at the high point).
+    derivative), and beside the gradient the chunk's hidden-state gradient product ``g @ w`` (k, D) before it is
+    copied into the (N, D) gradient: 4·k·V + 4·k·D. bf16: the bf16 logits and their fp32 copy (6·k·V), then the
+    fp32 gradient and its bf16 cast with either the (k, D) product or (on CUDA with the native kernel) the bf16
+    (V, D) weight-gradient product added into the accumulator; a soft-cap adds its derivative (10·k·V at the high
+    point). Measured (tests/test_loss.py, fp32, V = 512, D = 256, chunks of 128): without the (k, D) product the
+    planned peak was 10.9 % under the allocator's, with it 0.2 %.
     """
-    kv = chunk * vocab
+    kv, kd = chunk * vocab, chunk * dim
     if c == 4:
-        return (8 if softcap else 4) * kv
+        return max(8 * kv if softcap else 0, 4 * kv + 4 * kd)
     product = 2 * vocab * dim if cuda and weight_grad and not fp32_matmul else 0
-    return max(10 * kv if softcap else 0, 6 * kv + product)
+    return max(10 * kv if softcap else 0, 6 * kv + max(product, c * kd))
 
 
 def loss_events(tokens: int, vocab: int, dim: int, c: int, chunk: int, softcap: bool = False,

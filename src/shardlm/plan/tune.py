@@ -16,6 +16,14 @@ batching                ``train.micro_batch_size`` m with G / (N·m) micro-batch
 compile                 ``parallel.compile``: false, true (when TorchInductor's C++ compiler is found;
                         the compiled blocks are built in each candidate's untimed warm-up steps)
 grouping                ``parallel.blocks_per_group``: 1, 2, all blocks in one group (and the config's)
+tensor parallel         ``parallel.tp``: the config's, and each divisor of N that the trainer accepts (it
+                        divides the query and key/value heads, the FFN width, the vocabulary, the sequence
+                        and the ranks of the node, which is this machine; mode fsdp; no LoRA, MoE, context
+                        parallel or preference tuning). A tp candidate's data-parallel ranks are N / tp: the
+                        same micro-batch means tp times the micro-batches. Checkpointing under tp: none or
+                        full (the modes the planner models there)
+expert parallel         ``parallel.ep`` (mixtures of experts): the config's, and each divisor of N and of
+                        ``model.n_experts`` that the trainer accepts (no HSDP)
 ======================  ==========================================================================
 
 ``train.loss_chunk_tokens`` is not tuned: the planner counts the chunked loss by it (:mod:`shardlm.plan.loss`:
@@ -36,7 +44,7 @@ Search (``--search``):
   this). The *base* is the config's reshard, prefetch and batching (or, when nothing fits with those, its
   smaller micro-batches, then the same with resharding and no prefetch). Round 1 measures the config's own
   settings (when they fit), the base, and every candidate that differs from the base in one of reshard,
-  prefetch, batching, compile, grouping; round 2 takes the fastest value of each of these and measures their
+  prefetch, batching, compile, grouping, tp, ep; round 2 takes the fastest value of each of these and measures their
   combination when it is new and fits.
 * ``full``: every fitting candidate of the whole product (the benchmark's grid, ``bench/bench_tune.py``).
 
@@ -227,28 +235,28 @@ def run_tune(config: str | None, overrides: list[str], world_size: int, budget: 
 def format_table(rows: list[Row], cfg: Config, world_size: int, picked: Candidate | None) -> str:
     """The table ``shardlm tune`` prints: one line per candidate, measured or not (``-``)."""
     head = ["#", "reshard", "prefetch f/b", "AC", "micro-batch x accum", "grad sync", "compile", "blocks/group",
-            "predicted MiB/rank", "fits", "step s", "tokens/s", "note"]
+            "tp", "ep", "predicted MiB/rank", "fits", "step s", "tokens/s", "note"]
     gpu = any(r.measured_peak_bytes >= 0 for r in rows)
     if gpu:
-        head.insert(10, "measured MiB")
+        head.insert(12, "measured MiB")
     own = config_candidate(cfg, world_size)
-    per_rank = local_batch(cfg, world_size)
     tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_len
     lines = []
     for i, r in enumerate(rows, 1):
         c, step = r.cand, r.step_s
-        accum = per_rank // c.micro_batch_size
+        accum = local_batch(cfg, world_size, c.tp) // c.micro_batch_size
         note = ", ".join(n for n, on in (("picked", c == picked), ("config", c == own),
                                          (f"round {r.round}", r.round > 1), ("confirmed", r.confirmed),
                                          ("skipped: time budget", r.skipped)) if on)
         cells = [str(i), str(c.reshard_after_forward).lower(), f"{c.forward_prefetch}/{c.backward_prefetch}",
                  c.activation_checkpoint, f"{c.micro_batch_size} x {accum}", c.grad_sync if accum > 1 else "-",
-                 str(c.compile).lower(), str(c.blocks_per_group), f"{r.predicted_bytes / MIB:,.1f}",
+                 str(c.compile).lower(), str(c.blocks_per_group), str(c.tp), str(c.ep),
+                 f"{r.predicted_bytes / MIB:,.1f}",
                  "yes" if r.fits else "no",
                  f"{step:.3f}" if step is not None else "-",
                  f"{tokens_per_step / step:,.0f}" if step is not None else "-", note]
         if gpu:
-            cells.insert(10, f"{r.measured_peak_bytes / MIB:,.1f}" if r.measured_peak_bytes >= 0 else "-")
+            cells.insert(12, f"{r.measured_peak_bytes / MIB:,.1f}" if r.measured_peak_bytes >= 0 else "-")
         lines.append(cells)
     widths = [max(len(h), *(len(cells[i]) for cells in lines)) for i, h in enumerate(head)]
 

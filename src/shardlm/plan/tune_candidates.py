@@ -13,8 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shardlm.config import Config, ConfigError
+from shardlm.config import Config, ConfigError, validate
 from shardlm.parallel.ac import find_cxx_compiler
+from shardlm.parallel.dist import dp_mesh_shape
+from shardlm.parallel.ep import check_ep
+from shardlm.parallel.tp import check_tp
 from shardlm.plan.devices import GIB, MIB, device_for_cuda_name, get_device
 from shardlm.plan.memory import param_groups, plan_memory
 
@@ -23,9 +26,17 @@ from shardlm.plan.memory import param_groups, plan_memory
 AC_ORDER = ("none", "selective", "every_n", "full")
 PREFETCH_DEPTHS = (0, 1, 2)
 SEARCHES = ("staged", "full")
-DIMENSIONS = ("reshard", "prefetch", "ac", "batching", "compile", "grouping")
+DIMENSIONS = ("reshard", "prefetch", "ac", "batching", "compile", "grouping", "tp", "ep")
 #: what the staged search varies; the checkpointing follows: the lightest mode that fits
-STAGED_DIMENSIONS = ("reshard", "prefetch", "batching", "compile", "grouping")
+STAGED_DIMENSIONS = ("reshard", "prefetch", "batching", "compile", "grouping", "tp", "ep")
+#: the checkpointing modes the memory planner models under tensor parallel (:func:`shardlm.plan.memory.plan_memory`)
+TP_AC_MODES = ("none", "full")
+
+
+def ac_modes(tp: int) -> tuple[str, ...]:
+    """The checkpointing modes a candidate of tensor-parallel degree ``tp`` may take, lightest first: those the
+    planner can predict (:data:`TP_AC_MODES` under tensor parallel, all of :data:`AC_ORDER` without)."""
+    return AC_ORDER if tp == 1 else tuple(m for m in AC_ORDER if m in TP_AC_MODES)
 
 @dataclass(frozen=True)
 class Candidate:
@@ -39,12 +50,16 @@ class Candidate:
     grad_sync: str
     compile: bool = False
     blocks_per_group: int = 1
+    tp: int = 1
+    """Tensor-parallel degree (``parallel.tp``); the data-parallel ranks are N / tp."""
+    ep: int = 1
+    """Expert-parallel degree (``parallel.ep``, mixtures of experts only)."""
 
     def key(self, dimension: str) -> Any:
         """This candidate's value in ``dimension`` (one of :data:`DIMENSIONS`)."""
         return {"reshard": self.reshard_after_forward, "prefetch": (self.forward_prefetch, self.backward_prefetch),
                 "ac": self.activation_checkpoint, "batching": (self.micro_batch_size, self.grad_sync),
-                "compile": self.compile, "grouping": self.blocks_per_group}[dimension]
+                "compile": self.compile, "grouping": self.blocks_per_group, "tp": self.tp, "ep": self.ep}[dimension]
 
     def with_value(self, dimension: str, value: Any) -> Candidate:
         """A copy with ``dimension`` set to ``value`` (as :meth:`key` returns it)."""
@@ -58,6 +73,8 @@ class Candidate:
             return dataclasses.replace(self, compile=value)
         if dimension == "grouping":
             return dataclasses.replace(self, blocks_per_group=value)
+        if dimension in ("tp", "ep"):
+            return dataclasses.replace(self, **{dimension: value})
         return dataclasses.replace(self, micro_batch_size=value[0], grad_sync=value[1])
 
     def normalized(self, n_layers: int) -> Candidate:
@@ -78,6 +95,8 @@ class Candidate:
             "train.micro_batch_size": self.micro_batch_size,
             "parallel.compile": self.compile,
             "parallel.blocks_per_group": self.blocks_per_group,
+            "parallel.tp": self.tp,
+            "parallel.ep": self.ep,
         }
 
     def to_dict(self) -> dict[str, Any]:
@@ -116,8 +135,9 @@ def apply(cfg: Config, cand: Candidate) -> Config:
     return out
 
 
-def local_batch(cfg: Config, world_size: int) -> int:
-    """Sequences per rank per step, G / N.
+def local_batch(cfg: Config, world_size: int, tp: int = 1) -> int:
+    """Sequences per data-parallel rank per step, G / (N / tp) (the ``tp`` ranks of a tensor-parallel group take
+    the same sequences).
 
     Raises:
         ConfigError: N does not divide the global batch.
@@ -127,7 +147,36 @@ def local_batch(cfg: Config, world_size: int) -> int:
         raise ConfigError(f"--world-size must be >= 1, got {world_size}")
     if g % world_size:
         raise ConfigError(f"train.global_batch_size={g} must be divisible by the world size {world_size}")
-    return g // world_size
+    return g * tp // world_size
+
+
+def layout_allowed(cfg: Config, world_size: int, tp: int, ep: int) -> bool:
+    """Whether a run of ``cfg`` at ``world_size`` ranks (one node: the machine ``shardlm tune`` measures on) accepts
+    ``parallel.tp = tp`` and ``parallel.ep = ep``: the trainer's own checks, which refuse a tp that does not divide
+    the query or key/value heads, the FFN width, the vocabulary, the sequence or the ranks of the node, tp with
+    LoRA, a mixture of experts, context parallel or preference tuning (:func:`shardlm.config.validate`,
+    :func:`shardlm.parallel.tp.check_tp`, :func:`shardlm.parallel.dist.dp_mesh_shape`), and an ep that does not
+    divide the experts or the ranks, or ep without experts, outside FSDP or with HSDP
+    (:func:`shardlm.parallel.ep.check_ep`)."""
+    out = copy.deepcopy(cfg)
+    out.parallel.tp, out.parallel.ep = tp, ep
+    try:
+        validate(out)
+        check_tp(out.model, tp, out.train.seq_len, out.lora.enabled)
+        check_ep(out.model.n_experts, ep, world_size, out.parallel.mode, out.parallel.dp_replicate)
+        dp_mesh_shape(out.parallel, world_size, world_size)
+    except ConfigError:
+        return False
+    return True
+
+
+def degrees(cfg: Config, world_size: int, dimension: str) -> list[int]:
+    """The values of ``dimension`` (``tp`` or ``ep``): the config's own, then every other divisor of the world size
+    that :func:`layout_allowed` accepts with the config's value of the other one."""
+    own = {"tp": cfg.parallel.tp, "ep": cfg.parallel.ep}
+    allowed = [d for d in range(1, world_size + 1) if world_size % d == 0 and d != own[dimension]
+               and layout_allowed(cfg, world_size, **{**own, dimension: d})]
+    return [own[dimension], *allowed]
 
 
 def sync_policies(cfg: Config) -> list[str]:
@@ -141,7 +190,8 @@ def sync_policies(cfg: Config) -> list[str]:
 def space(cfg: Config, world_size: int) -> dict[str, list[Any]]:
     """The values of each dimension (see the module docstring), the config's own first where it is one of them."""
     p = cfg.parallel
-    per_rank = local_batch(cfg, world_size)
+    tp_values = degrees(cfg, world_size, "tp")
+    per_rank = local_batch(cfg, world_size, min(tp_values))  # its divisors divide the batch at every tp value
     micro = sorted({per_rank >> j for j in range(4) if per_rank % (1 << j) == 0}
                    | ({cfg.train.micro_batch_size} if per_rank % cfg.train.micro_batch_size == 0 else set()),
                    reverse=True)
@@ -159,7 +209,7 @@ def space(cfg: Config, world_size: int) -> dict[str, list[Any]]:
     grouping = [p.blocks_per_group] + [k for k in sorted({1, min(2, cfg.model.n_layers), cfg.model.n_layers})
                                        if k != p.blocks_per_group]
     return {"reshard": [True, False], "prefetch": prefetch, "ac": list(AC_ORDER), "batching": batching,
-            "compile": compile_values, "grouping": grouping}
+            "compile": compile_values, "grouping": grouping, "tp": tp_values, "ep": degrees(cfg, world_size, "ep")}
 
 
 def config_candidate(cfg: Config, world_size: int) -> Candidate:
@@ -169,16 +219,18 @@ def config_candidate(cfg: Config, world_size: int) -> Candidate:
     other block groups, :meth:`Candidate.normalized`)."""
     p = cfg.parallel
     reshard = p.reshard_after_forward if isinstance(p.reshard_after_forward, bool) else True
-    per_rank = local_batch(cfg, world_size)
+    per_rank = local_batch(cfg, world_size, p.tp)
     micro = max(m for m in range(1, min(per_rank, cfg.train.micro_batch_size) + 1) if per_rank % m == 0)
     return Candidate(reshard, p.forward_prefetch, p.backward_prefetch, p.activation_checkpoint, micro, p.grad_sync,
-                     p.compile, p.blocks_per_group).normalized(cfg.model.n_layers)
+                     p.compile, p.blocks_per_group, p.tp, p.ep).normalized(cfg.model.n_layers)
 
 
 def block_bytes(cfg: Config, world_size: int) -> int:
-    """Bytes of the largest block group's unsharded parameters in the compute dtype (what one prefetch holds)."""
+    """Bytes of the largest block group's unsharded parameters in the compute dtype (what one prefetch holds; under
+    tensor parallel this rank's pieces, FSDP-sharded over the N / tp data-parallel ranks)."""
     param_bytes = 2 if cfg.parallel.param_dtype == "bfloat16" else 4
-    groups, _, _ = param_groups(cfg, world_size, param_bytes)
+    tp = cfg.parallel.tp
+    groups, _, _ = param_groups(cfg, world_size // tp, param_bytes, tp)
     blocks = [g for g in groups if g.name.startswith("block")] or groups
     return max(round(g.numel * param_bytes * g.gather_factor) for g in blocks)
 
@@ -189,7 +241,7 @@ class Planner:
     def __init__(self, cfg: Config, world_size: int, device: str, budget: float) -> None:
         self.cfg, self.world_size, self.device, self.budget = cfg, world_size, device, budget
         self._cache: dict[Candidate, int] = {}
-        self._group: dict[int, int] = {}  # blocks per group -> bytes of the largest block group
+        self._group: dict[tuple[int, int, int], int] = {}  # (blocks per group, tp, ep) -> the largest group's bytes
 
     def bytes(self, cand: Candidate) -> int:
         """Predicted peak bytes per rank of ``cand``: the planner's, plus the explicit prefetch's blocks.
@@ -200,15 +252,22 @@ class Planner:
         if cand not in self._cache:
             cfg = apply(self.cfg, cand)
             plan = plan_memory(cfg, self.world_size, self.device)
-            if cand.blocks_per_group not in self._group:
-                self._group[cand.blocks_per_group] = block_bytes(cfg, self.world_size)
+            group = (cand.blocks_per_group, cand.tp, cand.ep)
+            if group not in self._group:
+                self._group[group] = block_bytes(cfg, self.world_size)
             cut = cand.normalized(cfg.model.n_layers)  # a depth holds at most the other groups
             depth = max(cut.forward_prefetch, cut.backward_prefetch)
-            self._cache[cand] = plan.peak + depth * self._group[cand.blocks_per_group]
+            self._cache[cand] = plan.peak + depth * self._group[group]
         return self._cache[cand]
 
     def fits(self, cand: Candidate) -> bool:
         return self.bytes(cand) <= self.budget
+
+    def allowed(self, cand: Candidate) -> bool:
+        """Whether the planner predicts ``cand`` at all: a micro-batch that divides the batch of a data-parallel
+        rank at its ``tp`` (:func:`local_batch`), a checkpointing mode it models at that ``tp`` (:func:`ac_modes`)."""
+        per_rank = local_batch(self.cfg, self.world_size, cand.tp)
+        return per_rank % cand.micro_batch_size == 0 and cand.activation_checkpoint in ac_modes(cand.tp)
 
 
 # ---- memory budget ----------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from shardlm.plan.tune_candidates import (
     STAGED_DIMENSIONS,
     Candidate,
     Planner,
+    ac_modes,
     apply,
     config_candidate,
     size,
@@ -29,9 +30,9 @@ from shardlm.plan.tune_candidates import (
 
 
 def lightest_fitting(cand: Candidate, planner: Planner) -> Candidate:
-    """``cand`` with the lightest activation checkpointing mode (:data:`AC_ORDER`) that fits with its other
-    settings; ``cand`` with ``full`` when none fits."""
-    for ac in AC_ORDER:
+    """``cand`` with the lightest activation checkpointing mode (:data:`AC_ORDER`; under tensor parallel those the
+    planner models, :func:`ac_modes`) that fits with its other settings; ``cand`` with ``full`` when none fits."""
+    for ac in ac_modes(cand.tp):
         variant = cand.with_value("ac", ac)
         if planner.fits(variant):
             return variant
@@ -98,9 +99,10 @@ def first_round(cfg: Config, planner: Planner, search: str) -> list[Row]:
     dims = space(cfg, planner.world_size)
     if search == "full":
         product = itertools.product(dims["reshard"], dims["prefetch"], dims["ac"], dims["batching"],
-                                    dims["compile"], dims["grouping"])
-        cands = list(dict.fromkeys(Candidate(r, f, b, ac, m, s, c, g).normalized(cfg.model.n_layers)
-                                   for r, (f, b), ac, (m, s), c, g in product))  # the same settings once
+                                    dims["compile"], dims["grouping"], dims["tp"], dims["ep"])
+        cands = list(dict.fromkeys(Candidate(r, f, b, ac, m, s, c, g, t, e).normalized(cfg.model.n_layers)
+                                   for r, (f, b), ac, (m, s), c, g, t, e in product))  # the same settings once
+        cands = [c for c in cands if planner.allowed(c)]
         rows = [Row(c, planner.bytes(c), planner.fits(c)) for c in cands]
         if not any(r.fits for r in rows):
             raise TuneError(no_fit_message(cfg, planner))
@@ -113,7 +115,10 @@ def first_round(cfg: Config, planner: Planner, search: str) -> list[Row]:
     cands.append(base)
     for dim in STAGED_DIMENSIONS:
         for value in dims[dim]:
-            cand = lightest_fitting(base.with_value(dim, value).normalized(cfg.model.n_layers), planner)
+            changed = base.with_value(dim, value).normalized(cfg.model.n_layers)
+            if not planner.allowed(changed.with_value("ac", ac_modes(changed.tp)[0])):
+                continue  # e.g. tp = 1 from a tensor-parallel base whose micro-batch does not divide G / N
+            cand = lightest_fitting(changed, planner)
             if cand not in cands:
                 cands.append(cand)
     return [Row(c, planner.bytes(c), planner.fits(c)) for c in cands]
@@ -121,14 +126,17 @@ def first_round(cfg: Config, planner: Planner, search: str) -> list[Row]:
 
 def combine(rows: list[Row], base: Candidate, planner: Planner) -> Candidate:
     """Round 2 of the staged search: for each of :data:`STAGED_DIMENSIONS`, the value of the fastest measured
-    row among those that agree with the base in the other dimensions; these values combined, with the lightest
-    checkpointing that fits."""
+    row among those that agree with the base in the other dimensions; these values combined (a value the planner
+    cannot predict beside those before it, :meth:`Planner.allowed`, is left out), with the lightest checkpointing
+    that fits."""
     best = base
     for dim in STAGED_DIMENSIONS:
         alike = [r for r in rows if r.times and all(r.cand.key(d) == base.key(d) for d in STAGED_DIMENSIONS
                                                     if d != dim)]
         if alike:
-            best = best.with_value(dim, min(alike, key=lambda r: r.step_s).cand.key(dim))
+            value = min(alike, key=lambda r: r.step_s).cand.key(dim)
+            if planner.allowed(best.with_value(dim, value).with_value("ac", "full")):
+                best = best.with_value(dim, value)
     return lightest_fitting(best.normalized(planner.cfg.model.n_layers), planner)
 
 

@@ -90,12 +90,10 @@ def build_model(cfg: Config, info: DistInfo, mesh: DeviceMesh | None,
     apply_ac(model.model.layers, pcfg.activation_checkpoint, pcfg.activation_checkpoint_n)
     if pcfg.compile:  # async TP (CUDA): TorchInductor pipelines the blocks' TP collectives with their multiplies
         apply_compile(model.model.layers, ASYNC_TP_COMPILE_OPTIONS if pcfg.async_tp else None)
-    check_ep(cfg.model.n_experts, pcfg.ep, info.world_size, mode)
+    check_ep(cfg.model.n_experts, pcfg.ep, info.world_size, mode, pcfg.dp_replicate)
     experts, expert_mesh = [], None
     fsdp_mesh = dp_submesh(mesh) if mode == "fsdp" else None  # FSDP over the data-parallel dimensions
     if pcfg.ep > 1:  # experts split over ep ranks, then FSDP-sharded over the rest; all else FSDP over every rank
-        if pcfg.dp_replicate != 1:
-            raise ConfigError(f"parallel.ep={pcfg.ep} with parallel.dp_replicate={pcfg.dp_replicate} (HSDP) is not built")
         ep_mesh = build_ep_mesh(info.device.type, info.world_size, pcfg.ep)
         experts, fsdp_mesh, expert_mesh = apply_ep(model, ep_mesh), ep_mesh["dp_shard"], ep_mesh["efsdp"]
     if mode == "fsdp":

@@ -44,8 +44,10 @@ from shardlm.plan import activations as act
 from shardlm.plan.context_parallel import cp_backward_transient, cp_block_extra_saved, cp_forward_saved
 from shardlm.plan.documents import document_mask_bytes
 from shardlm.plan.loss import loss_events
+from shardlm.plan.preference import no_grad_block_bytes, no_grad_head_bytes, reference_memory
 
-PARTS = ("params", "grads", "optimizer", "all_gather", "reduce_scatter", "activations", "temporaries", "buffers")
+PARTS = ("params", "grads", "optimizer", "all_gather", "reduce_scatter", "activations", "temporaries", "buffers",
+         "reference")
 """Categories of the breakdown, in display order."""
 
 @dataclass
@@ -296,6 +298,22 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
     led.add("buffers", 2 * 4 * cfg.model.max_seq_len * s.hd, "step start")  # rotary cos, sin tables
     if st.mode == "ddp":
         led.add("reduce_scatter", round(4 * p_total * train_frac), "step start")  # DDP's all-reduce buckets
+    # ---- preference tuning's reference (plan/preference.py): a frozen model's shards, and the groups FSDP2 leaves
+    # unsharded after its no-grad forward (the root's, the final norm + output's; every group without resharding) --
+    ref = reference_memory(cfg)
+    ref_groups: list[Group] = []
+    if ref.live_model:
+        from shardlm.train.preference_step import reference_config
+
+        ref_cfg = reference_config(cfg)
+        ref_groups = param_groups(ref_cfg, n, pb, tp)[0]
+        ref_s = act.shape_of(ref_cfg.model, cfg.train.micro_batch_size, t_pad // cp, pb)
+        led.add("reference", sum(g.stored_shard_bytes for g in ref_groups), "step start")
+        led.add("reference", 2 * 4 * ref_cfg.model.max_seq_len * ref_s.hd, "step start")  # its own RoPE tables
+        if fsdp:
+            led.add("reference", sum(round(g.numel * pb * g.gather_factor) for g in ref_groups
+                                     if g.name in ("root", "head") or not st.reshard_after_forward), "step start")
+    led.add("reference", ref.table_bytes, "step start")
 
     unsharded: dict[str, bool] = {}
     prefetched: dict[str, int] = {}  # group -> bytes of its all-gather buffer awaiting copy-out
@@ -387,6 +405,35 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
     for i in range(k):
         mb = f"micro-batch {i + 1}/{k}"
         sync = sync_every or i == k - 1
+        if ref.live_model:  # ---- the reference model's forward, no grad: group by group, nothing saved ----
+            phase = f"{mb} reference forward"
+            led.add("reference", pb * ref_s.tokens * ref_s.d, phase)  # the hidden states
+            for g in ref_groups:
+                held = round(g.numel * pb * g.gather_factor) if fsdp and st.reshard_after_forward and g.name not in (
+                    "root", "head") else 0
+                buffer = round(n * g.shard_numel * pb * g.gather_factor) if held else 0
+                led.add("reference", buffer + held, phase)  # all-gathered, copied out
+                led.free("reference", buffer)
+                work = no_grad_block_bytes(ref_s.tokens, ref_s.d, ref_s.f, pb) if g.name.startswith("block") else 0
+                led.add("reference", work, phase)
+                led.free("reference", work + held)
+            scored = ref.loss_tokens(ref_s.tokens, ref_s.b)
+            work = no_grad_head_bytes(scored, ref_s.vocab, ref_s.d, pb, cfg.train.loss_chunk_tokens)
+            led.add("reference", work, f"{mb} reference log-probs")  # the root's, the head's weights kept unsharded
+            led.free("reference", work + pb * ref_s.tokens * ref_s.d)
+        elif ref.policy_forward:  # ---- the policy's own forward with its adapters off, no grad ----
+            phase = f"{mb} reference forward (adapters off)"
+            led.add("temporaries", pb * bd, phase)
+            for g in groups if fsdp else []:
+                unshard(g, phase)
+                work = no_grad_block_bytes(s.tokens, s.d, s.f, pb) if g.name.startswith("block") else 0
+                led.add("temporaries", work, phase)
+                led.free("temporaries", work)
+                if st.reshard_after_forward and g.name not in ("root", "head"):
+                    reshard(g)
+            work = no_grad_head_bytes(ref.loss_tokens(s.tokens, s.b), s.vocab, s.d, pb, cfg.train.loss_chunk_tokens)
+            led.add("temporaries", work, phase)
+            led.free("temporaries", work + pb * bd)
         # ---- forward ----
         for g in groups if fsdp else []:
             if g.name.startswith("block"):
@@ -416,8 +463,12 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
         # ---- loss and its backward (plan/loss.py: plain on whole logits, or chunked; under TP vocabulary-parallel:
         # the vocabulary's local rows, every token, the hidden states all-gathered) ----
         chunk = cfg.train.loss_chunk_tokens or (s.tokens if tp > 1 else 0)
-        fwd_events, bwd_events = loss_events(s.tokens, s.vocab // tp, s.d, pb, chunk, softcap,
+        scored = ref.loss_tokens(s.tokens, s.b)  # preference: only the completions' tokens are projected
+        fwd_events, bwd_events = loss_events(scored, s.vocab // tp, s.d, pb, chunk, softcap,
                                              fp32_matmul, head_trains, device != "cpu")
+        if ref.kind:  # preference: the scored tokens' hidden states, selected (kept for the output's backward)
+            fwd_events = [("temporaries", pb * scored * s.d, "log-probs: hidden states selected"), *fwd_events]
+            bwd_events = [*bwd_events, ("temporaries", -pb * scored * s.d, "output backward")]
         if tp > 1:
             fwd_events = [("temporaries", pb * bd, "loss: hidden states all-gathered"), *fwd_events,
                           ("temporaries", -pb * bd, "loss")]

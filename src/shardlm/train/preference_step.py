@@ -195,9 +195,13 @@ class PreferenceObjective:
         return metrics_of(sums, pairs)
 
 
-def build_reference(cfg: Config, info: DistInfo, mesh: DeviceMesh | None) -> nn.Module:
-    """The frozen reference model: built as the policy would be (same parallelism, mesh and seed) without LoRA or
-    freezing, from ``preference.reference_from`` (its own shape) or ``model.init_from``; eval mode, no gradients."""
+def reference_config(cfg: Config) -> Config:
+    """The frozen reference model's config: the policy's (same parallelism, mesh and seed) without LoRA, freezing or
+    activation checkpointing, in the shape of ``preference.reference_from`` when set.
+
+    Raises:
+        ModelDirError: ``preference.reference_from`` has no readable ``config.json`` (:func:`apply_init_from`).
+    """
     ref_cfg = copy.deepcopy(cfg)
     ref_cfg.lora = type(cfg.lora)()
     ref_cfg.train.trainable = ref_cfg.train.frozen = ""
@@ -205,7 +209,13 @@ def build_reference(cfg: Config, info: DistInfo, mesh: DeviceMesh | None) -> nn.
     if cfg.preference.reference_from:
         ref_cfg.model.init_from = cfg.preference.reference_from
         apply_init_from(ref_cfg)
-    model, _ = build_model(ref_cfg, info, mesh)
+    return ref_cfg
+
+
+def build_reference(cfg: Config, info: DistInfo, mesh: DeviceMesh | None) -> nn.Module:
+    """The frozen reference model: built as the policy would be (:func:`reference_config`) from
+    ``preference.reference_from`` (its own shape) or ``model.init_from``; eval mode, no gradients."""
+    model, _ = build_model(reference_config(cfg), info, mesh)
     model.requires_grad_(False)
     return model.eval()
 

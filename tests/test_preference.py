@@ -278,6 +278,48 @@ def test_lora_reference_is_the_base_with_adapters_off(prepared, hf_dirs):
     assert all(m.adapters_enabled for m in policy.modules() if hasattr(m, "adapters_enabled"))  # restored
 
 
+def test_precomputed_table_is_keyed_by_the_references_and_the_datas_content(prepared, hf_dirs, tok_dir, tmp_path):
+    """A reference whose weights changed (same size, same modification time) gets another table key, so its table
+    is not reused; the same files elsewhere or touched get the same key (reused); so do the prepared tokens."""
+    import os
+    import shutil
+
+    from shardlm.config import load_config
+    from shardlm.data.preference import PreferencePairs
+    from shardlm.parallel.dist import DistInfo
+    from shardlm.train.preference_step import reference_table_path
+
+    _, data = prepared
+    info = DistInfo(0, 0, 1, torch.device("cpu"), "gloo")
+
+    def table(ref: Path, data_dir: Path = data) -> Path:
+        cfg = load_config(None, ["--data.format=preference", f"--data.dir={data_dir}", "--model.vocab_size=512",
+                                 f"--data.tokenizer={tok_dir / 'tokenizer.json'}", f"--preference.reference_from={ref}",
+                                 "--train.seq_len=127"])
+        return reference_table_path(cfg, "model", tmp_path / "run", PreferencePairs(str(data_dir), "train", 127), info)
+
+    copy = tmp_path / "copy"
+    shutil.copytree(hf_dirs["reference"], copy)
+    key = table(hf_dirs["reference"])
+    assert table(copy) == key  # same content, another directory and modification times: reused
+    weights = copy / "model.safetensors"
+    os.utime(weights, ns=(0, 0))
+    assert table(copy) == key  # touched: reused
+    raw = bytearray(weights.read_bytes())
+    raw[-1] ^= 1  # one weight's last byte: same size
+    weights.write_bytes(bytes(raw))
+    os.utime(weights, ns=(0, 0))  # and the same modification time as before
+    assert table(copy) != key  # not reused
+    assert table(hf_dirs["policy"]) != key
+    other = tmp_path / "data2"
+    shutil.copytree(data, other)
+    assert table(hf_dirs["reference"], other) == key  # the same prepared tokens elsewhere
+    tokens = bytearray((other / "train.bin").read_bytes())
+    tokens[-1] ^= 1
+    (other / "train.bin").write_bytes(bytes(tokens))
+    assert table(hf_dirs["reference"], other) != key
+
+
 def test_pair_stats_count_ties_as_wrong_and_average_logits_per_token():
     logps = torch.tensor([-3.0, -5.0, -4.0, -5.0])
     terms = pair_losses("dpo", 0.5, 0.0, 0.0, logps, torch.tensor([3, 2, 4, 2]), torch.tensor([-4.0, -5.0, -4.0, -5.0]))

@@ -210,6 +210,46 @@ def test_dpo_ipo_hinge_equal_trls_dpo_trainer(loss_type, prepared, hf_dirs, tok_
     assert 0 < theirs["rewards/accuracies"] < 1  # a batch where the metric can be wrong either way
 
 
+def test_conservative_dpo_equals_trls_label_smoothing(prepared, hf_dirs, tok_dir, tmp_path):
+    """``preference.label_smoothing`` with dpo (cDPO, Mitchell 2023): TRL 1.16's DPOTrainer uses its
+    ``label_smoothing`` only in ``robust`` and ``exo_pair`` (its ``sigmoid`` loss ignores it, asserted here), so the
+    reference is TRL's own code of the cDPO form: CPOTrainer's ``sigmoid`` loss with ``label_smoothing``, given the
+    policy-minus-reference log-ratios that DPOTrainer computes (its TRL forward, its reference model)."""
+    from trl.experimental.cpo import CPOTrainer
+
+    rows, out = prepared
+    beta, eps = 0.3, 0.2
+    trainer = trl_trainer(hf_dirs, tok_dir, rows[:8], tmp_path, beta=beta, label_smoothing=eps)
+    inputs = trainer.data_collator([trainer.train_dataset[i] for i in range(8)])
+    plain = trl_trainer(hf_dirs, tok_dir, rows[:8], tmp_path / "plain", beta=beta)
+    assert trainer._compute_loss(trainer.model, inputs, False).item() == pytest.approx(
+        plain._compute_loss(plain.model, inputs, False).item(), abs=1e-7)  # DPOTrainer's sigmoid: ε ignored
+    labels = inputs["input_ids"].masked_fill(inputs["completion_mask"] == 0, -100)
+    with torch.no_grad():
+        logps = [m(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], labels=labels,
+                   fused_lm_head=True).log_probs.sum(1) for m in (trainer.model, trainer.ref_model)]
+    ratios = logps[0] - logps[1]
+    ns = SimpleNamespace(alpha=0.0, loss_type="sigmoid", beta=beta, label_smoothing=eps,
+                         accelerator=SimpleNamespace(device=torch.device("cpu")))
+    expected, c_rew, r_rew = CPOTrainer.cpo_loss(ns, ratios[:8], ratios[8:])
+    assert expected.mean() > plain._compute_loss(plain.model, inputs, False) + 1e-3  # ε changes the loss
+
+    data = PreferencePairs(str(out), "train", SEQ_LEN)
+    batch = data.get(list(range(8)))
+    policy, reference = shardlm_model(hf_dirs["policy"]), shardlm_model(hf_dirs["reference"])
+    inp, tgt = split_batch(batch)
+    with torch.no_grad():
+        ref_logps, _ = completion_logps(reference, inp, tgt, 0)
+    for chunk in (0, 7):
+        ours_loss, stats = micro_batch_loss(policy, batch, "dpo", beta, eps, 0.5, 0.0, chunk, ref_logps, 8,
+                                            data.num_chosen_targets(list(range(8))))
+        loss_tol = TOL * max(1.0, beta * abs(logps[0][:8].mean().item()))  # as in the DPO test above
+        print(f"cDPO chunk {chunk}: |loss - TRL's| = {abs(ours_loss.item() - expected.mean().item()):.2e}")
+        assert abs(ours_loss.item() - expected.mean().item()) < loss_tol
+        ours = metrics_of(stats.tolist(), 8)
+        assert abs(ours["rewards/margins"] - (c_rew - r_rew).mean().item()) < loss_tol  # CPO's β·log-ratios
+
+
 def trl_concatenated_forward(hf_dirs: dict[str, Path], batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers' logits of the concatenated batch and TRL-style labels (-100 off-completion), unshifted."""
     model = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dirs["policy"]), dtype=torch.float32)

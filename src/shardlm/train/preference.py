@@ -5,7 +5,9 @@ Per pair, with ``logp`` the summed log-probability of a completion's scored toke
 difference (c: chosen, r: rejected)::
 
     dpo     -(1-ε)·logσ(β·Δ(logp - ref)) - ε·logσ(-β·Δ(logp - ref))   Rafailov et al. 2023, Eq. 7; ε: Mitchell 2023
-                                                                     (TRL DPOTrainer ``sigmoid``; CPOTrainer's form)
+                                                                     (TRL DPOTrainer ``sigmoid`` at ε = 0; with ε
+                                                                     CPOTrainer's ``sigmoid`` on the log-ratios:
+                                                                     TRL 1.16's DPOTrainer ignores ε there)
     ipo     (Δ((logp - ref) / n) - 1/(2β))²                           Azar et al. 2023, Eq. 17, per-token averaged as
                                                                      TRL's DPOTrainer (confirmed with the authors)
     hinge   max(0, 1 - β·Δ(logp - ref))                               SLiC-HF, Zhao et al. 2023 (TRL ``hinge``)
@@ -18,7 +20,9 @@ mean over the chosen tokens of the whole global batch; each micro-batch contribu
 global counts (known on the host), so N ranks equal one process. Rewards as TRL logs them: ``β·(logp - ref)``
 (dpo / ipo / hinge), ``β·avg`` (simpo / orpo); ``logps/*`` are ``logp`` (dpo / ipo / hinge) or ``avg`` (simpo /
 orpo), as the trainers return them; ``logits/*`` the mean over the completions' scored tokens of the logits' mean
-over the vocabulary (DPOTrainer's definition, used for every loss here).
+over the vocabulary (DPOTrainer's definition, used for every loss here: TRL 1.16's CPOTrainer and ORPOTrainer log
+the mean over every position of the padded chosen / rejected logits, prompt and padding included, a figure that
+moves with the batch's padding; not reproduced).
 
 Log-probs are computed from the final hidden states a chunk of ``train.loss_chunk_tokens`` scored tokens at a time
 (:func:`completion_logps`): each chunk's logits are made, reduced to one log-prob per token and freed, and are made

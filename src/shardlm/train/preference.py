@@ -53,8 +53,13 @@ STAT_NAMES = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewar
 
 def _token_logps(llama: nn.Module, hidden: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
     """Log-probability (c,) fp32 of each target under the model's output head on ``hidden`` (c, D), and the mean
-    over the vocabulary of each row's logits (c,) fp32 (a metric, without gradient)."""
-    logits = llama.lm_head(hidden)
+    over the vocabulary of each row's logits (c,) fp32 (a metric, without gradient).
+
+    ``lm_head.forward`` is called, not the module: under FSDP2 each call of a group's module registers one more
+    post-backward (a reduce-scatter), and the number of chunks differs between ranks (their completions' lengths
+    do); the output group is unsharded by the final norm's call (same group, never resharded after forward) and
+    reduce-scattered once, after the norm's backward, when every chunk's gradient is in."""
+    logits = llama.lm_head.forward(hidden)
     cap = llama.cfg.final_logit_softcap
     if cap:
         logits = torch.tanh(logits / cap) * cap

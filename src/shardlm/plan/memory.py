@@ -44,7 +44,7 @@ from shardlm.plan import activations as act
 from shardlm.plan.context_parallel import cp_backward_transient, cp_block_extra_saved, cp_forward_saved
 from shardlm.plan.documents import document_mask_bytes
 from shardlm.plan.loss import loss_events
-from shardlm.plan.preference import no_grad_block_bytes, no_grad_head_bytes, reference_memory
+from shardlm.plan.preference import no_grad_block_bytes, no_grad_head_bytes, reference_config, reference_memory
 
 PARTS = ("params", "grads", "optimizer", "all_gather", "reduce_scatter", "activations", "temporaries", "buffers",
          "reference")
@@ -303,8 +303,6 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
     ref = reference_memory(cfg)
     ref_groups: list[Group] = []
     if ref.live_model:
-        from shardlm.train.preference_step import reference_config
-
         ref_cfg = reference_config(cfg)
         ref_groups = param_groups(ref_cfg, n, pb, tp)[0]
         ref_s = act.shape_of(ref_cfg.model, cfg.train.micro_batch_size, t_pad // cp, pb)

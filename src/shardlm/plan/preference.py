@@ -27,6 +27,10 @@ from shardlm.config import Config
 from shardlm.data.build import data_dir
 from shardlm.data.preference import PREFERENCE, PreferencePairs
 from shardlm.data.prepare import is_prepared, load_meta
+from shardlm.train.preference_step import reference_config, reference_kind
+
+__all__ = ["ReferenceMemory", "no_grad_block_bytes", "no_grad_head_bytes", "preference_rows", "reference_config",
+           "reference_memory"]
 
 
 def preference_rows(cfg: Config) -> Config:
@@ -65,11 +69,9 @@ class ReferenceMemory:
 
 def reference_memory(cfg: Config) -> ReferenceMemory:
     """The reference of ``cfg`` as the planner counts it (see the module docstring); the kind is
-    :func:`shardlm.train.preference_step.reference_kind`'s (imported here only for preference data)."""
+    :func:`shardlm.train.preference_step.reference_kind`'s."""
     if cfg.data.format != "preference":
         return ReferenceMemory("", False, 0, False)
-    from shardlm.train.preference_step import reference_kind
-
     kind = reference_kind(cfg)
     pre = kind in ("model", "lora_base") and cfg.preference.precompute_reference
     pairs, scored = 0, 0.0

@@ -360,6 +360,26 @@ def test_precomputed_table_is_keyed_by_the_references_and_the_datas_content(prep
     assert table(hf_dirs["reference"], other) != key
 
 
+@pytest.mark.parametrize("chunk", [0, 3])
+def test_rows_without_scored_tokens_still_give_the_head_a_gradient(chunk):
+    """No scored token in a micro-batch: log-probs 0, and the output weight still gets a (zero) gradient, as on the
+    ranks that have some (under FSDP2 a parameter without one would change the group's reduce-scatter)."""
+    from shardlm.config import load_config
+    from shardlm.model.decoder import CausalLM
+    from shardlm.train.preference import head_logps
+
+    cfg = load_config(None, ["--model.dim=32", "--model.n_layers=1", "--model.n_heads=2", "--model.n_kv_heads=1",
+                             "--model.ffn_hidden=64", "--model.vocab_size=64", "--model.max_seq_len=16",
+                             "--train.seq_len=8"])
+    model = CausalLM(cfg.model)
+    hidden = torch.randn(2, 5, 32, requires_grad=True)
+    logps, means = head_logps(model, hidden, torch.full((2, 5), IGNORE_INDEX), chunk)
+    logps.sum().backward()
+    assert logps.tolist() == [0.0, 0.0] and means.tolist() == [0.0, 0.0]
+    assert model.lm_head.weight.grad is not None and not model.lm_head.weight.grad.any()
+    assert hidden.grad is not None and not hidden.grad.any()
+
+
 def test_pair_stats_count_ties_as_wrong_and_average_logits_per_token():
     logps = torch.tensor([-3.0, -5.0, -4.0, -5.0])
     terms = pair_losses("dpo", 0.5, 0.0, 0.0, logps, torch.tensor([3, 2, 4, 2]), torch.tensor([-4.0, -5.0, -4.0, -5.0]))

@@ -88,7 +88,7 @@ def head_logps(llama: nn.Module, hidden: Tensor, targets: Tensor, chunk_tokens: 
     n = h.shape[0]
     chunk = chunk_tokens or max(n, 1)
     logps, means = [], []
-    for start in range(0, n, chunk):
+    for start in range(0, max(n, 1), chunk):  # no scored token: one empty chunk (the head's weights get zero grads)
         h_c, t_c = h[start:start + chunk], tgt[start:start + chunk]
         if torch.is_grad_enabled() and chunk < n:
             lp, mean = checkpoint(_token_logps, llama, h_c, t_c, use_reentrant=False)
@@ -98,8 +98,6 @@ def head_logps(llama: nn.Module, hidden: Tensor, targets: Tensor, chunk_tokens: 
         means.append(mean)
     seq = rows // t
     out = torch.zeros(r, dtype=torch.float32, device=hidden.device)
-    if n == 0:
-        return out + hidden.sum() * 0, out.clone()  # keeps the graph (every rank runs the same backward)
     return out.index_add(0, seq, torch.cat(logps)), out.index_add(0, seq, torch.cat(means))
 
 

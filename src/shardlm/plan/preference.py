@@ -20,8 +20,10 @@ reference (:mod:`shardlm.train.preference_step`).
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 from shardlm.config import Config
 from shardlm.data.build import data_dir
@@ -74,14 +76,22 @@ def reference_memory(cfg: Config) -> ReferenceMemory:
         return ReferenceMemory("", False, 0, False)
     kind = reference_kind(cfg)
     pre = kind in ("model", "lora_base") and cfg.preference.precompute_reference
-    pairs, scored = 0, 0.0
     out = str(data_dir(cfg))
-    if is_prepared(out) and load_meta(out).get("format") == PREFERENCE:
-        train = PreferencePairs(out, "train", cfg.train.seq_len)
-        pairs = len(train)
-        scored = float(train.chosen_counts.mean() + train.rejected_counts.mean()) / 2
+    pairs, scored = (_train_pairs(out, cfg.train.seq_len, (Path(out) / "meta.json").stat().st_mtime_ns)
+                     if is_prepared(out) else (0, 0.0))
     return ReferenceMemory(kind, kind == "model" and not pre, 16 * pairs if pre else 0,
                            kind == "lora_base" and not pre, scored)
+
+
+@functools.lru_cache(maxsize=8)
+def _train_pairs(out: str, seq_len: int, version: int) -> tuple[int, float]:
+    """(pairs, mean scored tokens per row) of a prepared preference directory's train split, read once per
+    ``version`` (``meta.json``'s mtime: data prepared again is read again; ``shardlm plan``'s search asks often);
+    (0, 0.0) for other prepared data."""
+    if load_meta(out).get("format") != PREFERENCE:
+        return 0, 0.0
+    train = PreferencePairs(out, "train", seq_len)
+    return len(train), float(train.chosen_counts.mean() + train.rejected_counts.mean()) / 2
 
 
 def no_grad_block_bytes(tokens: int, dim: int, ffn: int, c: int) -> int:

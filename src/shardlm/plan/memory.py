@@ -22,6 +22,10 @@ Frozen parameters (``train.trainable``/``train.frozen``, or LoRA's base) have no
 and no AdamW state; a LoRA base is stored in ``lora.base_dtype`` (fp32 or bf16: the targeted layers' weights;
 NF4: every frozen weight matrix, the token embedding and output projection included, at ~0.52 bytes per value,
 all-gathered as such and dequantised one layer at a time, a transient not modelled; norms stay fp32).
+
+Preference tuning (:mod:`shardlm.plan.preference`): the reference's bytes are the ``reference`` part; a frozen
+reference model's no-grad forward is replayed at the start of each micro-batch, LoRA's base (the policy with its
+adapters off) as the policy's own no-grad forward.
 """
 
 from __future__ import annotations
@@ -44,7 +48,8 @@ from shardlm.plan import activations as act
 from shardlm.plan.context_parallel import cp_backward_transient, cp_block_extra_saved, cp_forward_saved
 from shardlm.plan.documents import document_mask_bytes
 from shardlm.plan.loss import loss_events
-from shardlm.plan.preference import no_grad_block_bytes, no_grad_head_bytes, reference_config, reference_memory
+from shardlm.plan.preference import no_grad_block_bytes, no_grad_head_bytes, reference_memory
+from shardlm.train.preference_step import reference_config
 
 PARTS = ("params", "grads", "optimizer", "all_gather", "reduce_scatter", "activations", "temporaries", "buffers",
          "reference")
@@ -234,7 +239,10 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
     """Predict this config's per-rank peak memory for one steady-state step at ``world_size`` ranks.
 
     Args:
-        cfg: the run's configuration (model, micro-batch, sequence length, parallel settings).
+        cfg: the run's configuration (model, micro-batch, sequence length, parallel settings); preference data
+            (``data.format = "preference"``) with its batch sizes in rows,
+            :func:`shardlm.plan.preference.preference_rows`: then the reference is in the peak (its ``reference``
+            part) and the log-probs' head projects the completions' tokens only.
         world_size: N, ranks in the shard group (FSDP) or replicas (DDP); must be 1 for ``single``. Under
             ``parallel.cp`` the shard group is all N ranks and N / cp of them are data-parallel; each rank's
             activations are those of its ``T_pad / cp`` tokens (:mod:`shardlm.plan.context_parallel`).

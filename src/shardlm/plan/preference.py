@@ -29,10 +29,7 @@ from shardlm.config import Config
 from shardlm.data.build import data_dir
 from shardlm.data.preference import PREFERENCE, PreferencePairs
 from shardlm.data.prepare import is_prepared, load_meta
-from shardlm.train.preference_step import reference_config, reference_kind
-
-__all__ = ["ReferenceMemory", "no_grad_block_bytes", "no_grad_head_bytes", "preference_rows", "reference_config",
-           "reference_memory"]
+from shardlm.train.preference_step import reference_kind
 
 
 def preference_rows(cfg: Config) -> Config:

@@ -173,3 +173,11 @@ def test_plan_of_a_preference_config_plans_both_rows_and_names_the_reference(cap
     total = [float(next(line for line in o.splitlines() if line.strip().startswith("total")).split()[-2])
              for o in (out, out_pre)]
     assert total[0] - total[1] >= 4 * n / 2 / 2**30 - 1e-3  # without the frozen copy: its shards less
+    from shardlm.plan import plan_memory
+    from shardlm.plan.preference import preference_rows
+
+    on_gpu = plan_memory(preference_rows(cfg), 2, "h100")
+    cfg.parallel.cpu_offload = True  # the reference is built with the policy's offload: its shards in host memory
+    offloaded = plan_memory(preference_rows(cfg), 2, "h100")
+    shards = on_gpu.breakdown["reference"] - offloaded.breakdown["reference"]
+    assert abs(shards - 4 * n / 2) < 0.01 * 4 * n / 2 and offloaded.host_bytes > shards

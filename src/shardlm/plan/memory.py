@@ -310,11 +310,13 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
     # unsharded after its no-grad forward (the root's, the final norm + output's; every group without resharding) --
     ref = reference_memory(cfg)
     ref_groups: list[Group] = []
+    ref_stored = 0
     if ref.live_model:
         ref_cfg = reference_config(cfg)
         ref_groups = param_groups(ref_cfg, n, pb, tp)[0]
         ref_s = act.shape_of(ref_cfg.model, cfg.train.micro_batch_size, t_pad // cp, pb)
-        led.add("reference", sum(g.stored_shard_bytes for g in ref_groups), "step start")
+        ref_stored = sum(g.stored_shard_bytes for g in ref_groups)
+        led.add("host" if offload else "reference", ref_stored, "step start")  # built with the policy's offload
         led.add("reference", 2 * 4 * ref_cfg.model.max_seq_len * ref_s.hd, "step start")  # its own RoPE tables
         if fsdp:
             led.add("reference", sum(round(g.numel * pb * g.gather_factor) for g in ref_groups
@@ -545,5 +547,5 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
     # clip_grad_norm_ and fused AdamW work in place (a few scalars)
     led.add("temporaries", 0, "clip and optimizer step")
     breakdown = dict(led.at)
-    host = stored + 3 * 4 * train_local + 4 * n_tensors if offload else 0
+    host = stored + 3 * 4 * train_local + 4 * n_tensors + ref_stored if offload else 0
     return MemoryPlan(led.peak, breakdown, led.phase, host, p_total, k)

@@ -25,6 +25,7 @@ from shardlm.config import load_config
 from shardlm.metrics.peak import measure_train_step_peak
 from shardlm.parallel import all_gather_ints, exit_process, init_distributed
 from shardlm.plan import plan_memory
+from shardlm.plan.preference import preference_rows
 from shardlm.train import Trainer
 
 
@@ -44,7 +45,7 @@ def main() -> None:
         peaks = [sorted(step[r] for step in each)[1] for r in range(info.world_size)]
         starts = all_gather_ints(steps[0]["start"], info.device)
         if info.is_main:
-            plan = plan_memory(cfg, info.world_size, "cpu")
+            plan = plan_memory(preference_rows(cfg), info.world_size, "cpu")  # pairs: 2 rows each
             (out / f"{scenario['name']}.json").write_text(json.dumps({
                 "measured_peaks": peaks, "measured_step_peaks": each, "measured_starts": starts, "predicted": plan.peak,
                 "breakdown": plan.breakdown, "phase": plan.phase, "world_size": info.world_size,

@@ -210,6 +210,46 @@ def test_dpo_ipo_hinge_equal_trls_dpo_trainer(loss_type, prepared, hf_dirs, tok_
     assert 0 < theirs["rewards/accuracies"] < 1  # a batch where the metric can be wrong either way
 
 
+def test_conservative_dpo_equals_trls_label_smoothing(prepared, hf_dirs, tok_dir, tmp_path):
+    """``preference.label_smoothing`` with dpo (cDPO, Mitchell 2023): TRL 1.16's DPOTrainer uses its
+    ``label_smoothing`` only in ``robust`` and ``exo_pair`` (its ``sigmoid`` loss ignores it, asserted here), so the
+    reference is TRL's own code of the cDPO form: CPOTrainer's ``sigmoid`` loss with ``label_smoothing``, given the
+    policy-minus-reference log-ratios that DPOTrainer computes (its TRL forward, its reference model)."""
+    from trl.experimental.cpo import CPOTrainer
+
+    rows, out = prepared
+    beta, eps = 0.3, 0.2
+    trainer = trl_trainer(hf_dirs, tok_dir, rows[:8], tmp_path, beta=beta, label_smoothing=eps)
+    inputs = trainer.data_collator([trainer.train_dataset[i] for i in range(8)])
+    plain = trl_trainer(hf_dirs, tok_dir, rows[:8], tmp_path / "plain", beta=beta)
+    assert trainer._compute_loss(trainer.model, inputs, False).item() == pytest.approx(
+        plain._compute_loss(plain.model, inputs, False).item(), abs=1e-7)  # DPOTrainer's sigmoid: ε ignored
+    labels = inputs["input_ids"].masked_fill(inputs["completion_mask"] == 0, -100)
+    with torch.no_grad():
+        logps = [m(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], labels=labels,
+                   fused_lm_head=True).log_probs.sum(1) for m in (trainer.model, trainer.ref_model)]
+    ratios = logps[0] - logps[1]
+    ns = SimpleNamespace(alpha=0.0, loss_type="sigmoid", beta=beta, label_smoothing=eps,
+                         accelerator=SimpleNamespace(device=torch.device("cpu")))
+    expected, c_rew, r_rew = CPOTrainer.cpo_loss(ns, ratios[:8], ratios[8:])
+    assert expected.mean() > plain._compute_loss(plain.model, inputs, False) + 1e-3  # ε changes the loss
+
+    data = PreferencePairs(str(out), "train", SEQ_LEN)
+    batch = data.get(list(range(8)))
+    policy, reference = shardlm_model(hf_dirs["policy"]), shardlm_model(hf_dirs["reference"])
+    inp, tgt = split_batch(batch)
+    with torch.no_grad():
+        ref_logps, _ = completion_logps(reference, inp, tgt, 0)
+    for chunk in (0, 7):
+        ours_loss, stats = micro_batch_loss(policy, batch, "dpo", beta, eps, 0.5, 0.0, chunk, ref_logps, 8,
+                                            data.num_chosen_targets(list(range(8))))
+        loss_tol = TOL * max(1.0, beta * abs(logps[0][:8].mean().item()))  # as in the DPO test above
+        print(f"cDPO chunk {chunk}: |loss - TRL's| = {abs(ours_loss.item() - expected.mean().item()):.2e}")
+        assert abs(ours_loss.item() - expected.mean().item()) < loss_tol
+        ours = metrics_of(stats.tolist(), 8)
+        assert abs(ours["rewards/margins"] - (c_rew - r_rew).mean().item()) < loss_tol  # CPO's β·log-ratios
+
+
 def trl_concatenated_forward(hf_dirs: dict[str, Path], batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers' logits of the concatenated batch and TRL-style labels (-100 off-completion), unshifted."""
     model = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dirs["policy"]), dtype=torch.float32)
@@ -276,6 +316,68 @@ def test_lora_reference_is_the_base_with_adapters_off(prepared, hf_dirs):
     assert adapters_are_off_in_reference_and_on_in_policy(reference(policy, switch_off=True))
     assert not adapters_are_off_in_reference_and_on_in_policy(reference(policy, switch_off=False))  # the control
     assert all(m.adapters_enabled for m in policy.modules() if hasattr(m, "adapters_enabled"))  # restored
+
+
+def test_precomputed_table_is_keyed_by_the_references_and_the_datas_content(prepared, hf_dirs, tok_dir, tmp_path):
+    """A reference whose weights changed (same size, same modification time) gets another table key, so its table
+    is not reused; the same files elsewhere or touched get the same key (reused); so do the prepared tokens."""
+    import os
+    import shutil
+
+    from shardlm.config import load_config
+    from shardlm.data.preference import PreferencePairs
+    from shardlm.parallel.dist import DistInfo
+    from shardlm.train.preference_step import reference_table_path
+
+    _, data = prepared
+    info = DistInfo(0, 0, 1, torch.device("cpu"), "gloo")
+
+    def table(ref: Path, data_dir: Path = data) -> Path:
+        cfg = load_config(None, ["--data.format=preference", f"--data.dir={data_dir}", "--model.vocab_size=512",
+                                 f"--data.tokenizer={tok_dir / 'tokenizer.json'}", f"--preference.reference_from={ref}",
+                                 "--train.seq_len=127"])
+        return reference_table_path(cfg, "model", tmp_path / "run", PreferencePairs(str(data_dir), "train", 127), info)
+
+    copy = tmp_path / "copy"
+    shutil.copytree(hf_dirs["reference"], copy)
+    key = table(hf_dirs["reference"])
+    assert table(copy) == key  # same content, another directory and modification times: reused
+    weights = copy / "model.safetensors"
+    os.utime(weights, ns=(0, 0))
+    assert table(copy) == key  # touched: reused
+    raw = bytearray(weights.read_bytes())
+    raw[-1] ^= 1  # one weight's last byte: same size
+    weights.write_bytes(bytes(raw))
+    os.utime(weights, ns=(0, 0))  # and the same modification time as before
+    assert table(copy) != key  # not reused
+    assert table(hf_dirs["policy"]) != key
+    other = tmp_path / "data2"
+    shutil.copytree(data, other)
+    assert table(hf_dirs["reference"], other) == key  # the same prepared tokens elsewhere
+    tokens = bytearray((other / "train.bin").read_bytes())
+    tokens[-1] ^= 1
+    (other / "train.bin").write_bytes(bytes(tokens))
+    assert table(hf_dirs["reference"], other) != key
+
+
+@pytest.mark.parametrize("chunk", [0, 3])
+def test_rows_without_scored_tokens_still_give_the_head_a_gradient(chunk):
+    """No scored token in a micro-batch: log-probs 0, and the output weight still gets a (zero) gradient, as on the
+    ranks that have some (under FSDP2 a parameter without one would change the group's reduce-scatter)."""
+    from shardlm.config import load_config
+    from shardlm.model.decoder import CausalLM
+    from shardlm.train.preference import head_logps
+
+    cfg = load_config(None, ["--model.dim=32", "--model.n_layers=1", "--model.n_heads=2", "--model.n_kv_heads=1",
+                             "--model.ffn_hidden=64", "--model.vocab_size=64", "--model.max_seq_len=16",
+                             "--train.seq_len=8"])
+    model = CausalLM(cfg.model)
+    hidden = torch.randn(2, 5, 32, requires_grad=True)
+    logps, means = head_logps(model, hidden, torch.full((2, 5), IGNORE_INDEX), chunk)
+    logps.sum().backward()
+    assert logps.tolist() == [0.0, 0.0] and means.tolist() == [0.0, 0.0]
+    assert model.lm_head.weight.grad is not None and not model.lm_head.weight.grad.any()
+    assert hidden.grad is not None and not hidden.grad.any()
 
 
 def test_pair_stats_count_ties_as_wrong_and_average_logits_per_token():

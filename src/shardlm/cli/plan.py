@@ -66,29 +66,27 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> None:
         shape = preset_config(args.model_preset) if args.model_preset else config_json_config(args.model_config)
         overrides = shape_overrides(shape) + overrides
     cfg = load_config(args.config, overrides)
-    note = ""
-    if cfg.data.format == "preference":  # a step runs both sequences of each pair: plan the rows
-        note = preference_note(cfg, args.world_size)
-        cfg.train.micro_batch_size *= 2
-        cfg.train.global_batch_size *= 2
-    print(format_plan(cfg, args.world_size, args.device, args.headroom) + note)
+    note = preference_note(cfg) if cfg.data.format == "preference" else ""
+    from shardlm.plan.preference import preference_rows
+
+    print(format_plan(preference_rows(cfg), args.world_size, args.device, args.headroom) + note)
 
 
-def preference_note(cfg: Config, world_size: int) -> str:
-    """What the plan of a preference config counts and what it leaves out (``data.format = "preference"``)."""
-    from shardlm.model.config import ModelConfig
-    from shardlm.plan.memory import meta_model
-    from shardlm.train.preference_step import reference_kind
+def preference_note(cfg: Config) -> str:
+    """What the plan of a preference config counts (``data.format = "preference"``): both rows of each pair, and
+    the reference in the peak (its row of the breakdown, :mod:`shardlm.plan.preference`)."""
+    from shardlm.plan.preference import reference_memory
 
-    kind = reference_kind(cfg)
+    ref = reference_memory(cfg)
     text = (f"\n  preference: planned as {2 * cfg.train.micro_batch_size} rows per micro-batch (chosen and rejected of "
-            f"{cfg.train.micro_batch_size} pairs); reference: {kind}")
-    if kind == "model" and not cfg.preference.precompute_reference:
-        shape: ModelConfig = cfg.model
-        n = sum(p.numel() for p in meta_model(type(cfg)(model=shape)).parameters())
-        shards = 4 * n / (world_size if cfg.parallel.mode == "fsdp" else 1)
-        text += (f", a frozen copy NOT in the total above: +{shards / 2**30:.3f} GiB of fp32 shards per rank, plus "
-                 "one block unsharded and its forward's activations at a time (no gradients)")
-    elif cfg.preference.precompute_reference:
-        text += ", precomputed: no second model during training (the reference pass runs before step 1)"
+            f"{cfg.train.micro_batch_size} pairs); reference: {ref.kind}")
+    if ref.live_model:
+        text += (", a frozen copy in the peak (its fp32 shards, its final norm + output unsharded after its first "
+                 "forward, one group all-gathered at a time in its no-grad forward; no gradients or AdamW state)")
+    elif cfg.preference.precompute_reference and ref.kind != "none":
+        text += (", precomputed: no second model during training (the reference pass runs before step 1); the "
+                 f"table in the peak ({ref.table_bytes:,} bytes" + (")" if ref.table_bytes else
+                                                                    ", the data not prepared yet)"))
+    elif ref.policy_forward:
+        text += ": the policy with its adapters off (no second copy; its no-grad forward's transients in the plan)"
     return text

@@ -22,6 +22,10 @@ Frozen parameters (``train.trainable``/``train.frozen``, or LoRA's base) have no
 and no AdamW state; a LoRA base is stored in ``lora.base_dtype`` (fp32 or bf16: the targeted layers' weights;
 NF4: every frozen weight matrix, the token embedding and output projection included, at ~0.52 bytes per value,
 all-gathered as such and dequantised one layer at a time, a transient not modelled; norms stay fp32).
+
+Preference tuning (:mod:`shardlm.plan.preference`): the reference's bytes are the ``reference`` part; a frozen
+reference model's no-grad forward is replayed at the start of each micro-batch, LoRA's base (the policy with its
+adapters off) as the policy's own no-grad forward.
 """
 
 from __future__ import annotations
@@ -45,8 +49,11 @@ from shardlm.plan.context_parallel import cp_backward_transient, cp_block_extra_
 from shardlm.plan.documents import document_mask_bytes
 from shardlm.plan.loss import loss_events
 from shardlm.plan.moe import all_to_all_transient, moe_layer_saved
+from shardlm.plan.preference import no_grad_block_bytes, no_grad_head_bytes, reference_memory
+from shardlm.train.preference_step import reference_config
 
-PARTS = ("params", "grads", "optimizer", "all_gather", "reduce_scatter", "activations", "temporaries", "buffers")
+PARTS = ("params", "grads", "optimizer", "all_gather", "reduce_scatter", "activations", "temporaries", "buffers",
+         "reference")
 """Categories of the breakdown, in display order."""
 
 @dataclass
@@ -233,7 +240,10 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
     """Predict this config's per-rank peak memory for one steady-state step at ``world_size`` ranks.
 
     Args:
-        cfg: the run's configuration (model, micro-batch, sequence length, parallel settings).
+        cfg: the run's configuration (model, micro-batch, sequence length, parallel settings); preference data
+            (``data.format = "preference"``) with its batch sizes in rows,
+            :func:`shardlm.plan.preference.preference_rows`: then the reference is in the peak (its ``reference``
+            part) and the log-probs' head projects the completions' tokens only.
         world_size: N, ranks in the shard group (FSDP) or replicas (DDP); must be 1 for ``single``. Under
             ``parallel.cp`` the shard group is all N ranks and N / cp of them are data-parallel; each rank's
             activations are those of its ``T_pad / cp`` tokens (:mod:`shardlm.plan.context_parallel`).
@@ -302,6 +312,22 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
     led.add("buffers", 2 * 4 * cfg.model.max_seq_len * s.hd, "step start")  # rotary cos, sin tables
     if st.mode == "ddp":
         led.add("reduce_scatter", round(4 * p_total * train_frac), "step start")  # DDP's all-reduce buckets
+    # ---- preference tuning's reference (plan/preference.py): a frozen model's shards, and the groups FSDP2 leaves
+    # unsharded after its no-grad forward (the root's, the final norm + output's; every group without resharding) --
+    ref = reference_memory(cfg)
+    ref_groups: list[Group] = []
+    ref_stored = 0
+    if ref.live_model:
+        ref_cfg = reference_config(cfg)
+        ref_groups = param_groups(ref_cfg, n, pb, tp)[0]
+        ref_s = act.shape_of(ref_cfg.model, cfg.train.micro_batch_size, t_pad // cp, pb)
+        ref_stored = sum(g.stored_shard_bytes for g in ref_groups)
+        led.add("host" if offload else "reference", ref_stored, "step start")  # built with the policy's offload
+        led.add("reference", 2 * 4 * ref_cfg.model.max_seq_len * ref_s.hd, "step start")  # its own RoPE tables
+        if fsdp:
+            led.add("reference", sum(round(g.numel * pb * g.gather_factor) for g in ref_groups
+                                     if g.name in ("root", "head") or not st.reshard_after_forward), "step start")
+    led.add("reference", ref.table_bytes, "step start")
 
     unsharded: dict[str, bool] = {}
     prefetched: dict[str, int] = {}  # group -> bytes of its all-gather buffer awaiting copy-out
@@ -393,6 +419,35 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
     for i in range(k):
         mb = f"micro-batch {i + 1}/{k}"
         sync = sync_every or i == k - 1
+        if ref.live_model:  # ---- the reference model's forward, no grad: group by group, nothing saved ----
+            phase = f"{mb} reference forward"
+            led.add("reference", pb * ref_s.tokens * ref_s.d, phase)  # the hidden states
+            for g in ref_groups:
+                held = round(g.numel * pb * g.gather_factor) if fsdp and st.reshard_after_forward and g.name not in (
+                    "root", "head") else 0
+                buffer = round(n * g.shard_numel * pb * g.gather_factor) if held else 0
+                led.add("reference", buffer + held, phase)  # all-gathered, copied out
+                led.free("reference", buffer)
+                work = no_grad_block_bytes(ref_s.tokens, ref_s.d, ref_s.f, pb) if g.name.startswith("block") else 0
+                led.add("reference", work, phase)
+                led.free("reference", work + held)
+            scored = ref.loss_tokens(ref_s.tokens, ref_s.b)
+            work = no_grad_head_bytes(scored, ref_s.vocab, ref_s.d, pb, cfg.train.loss_chunk_tokens)
+            led.add("reference", work, f"{mb} reference log-probs")  # the root's, the head's weights kept unsharded
+            led.free("reference", work + pb * ref_s.tokens * ref_s.d)
+        elif ref.policy_forward:  # ---- the policy's own forward with its adapters off, no grad ----
+            phase = f"{mb} reference forward (adapters off)"
+            led.add("temporaries", pb * bd, phase)
+            for g in groups if fsdp else []:
+                unshard(g, phase)
+                work = no_grad_block_bytes(s.tokens, s.d, s.f, pb) if g.name.startswith("block") else 0
+                led.add("temporaries", work, phase)
+                led.free("temporaries", work)
+                if st.reshard_after_forward and g.name not in ("root", "head"):
+                    reshard(g)
+            work = no_grad_head_bytes(ref.loss_tokens(s.tokens, s.b), s.vocab, s.d, pb, cfg.train.loss_chunk_tokens)
+            led.add("temporaries", work, phase)
+            led.free("temporaries", work + pb * bd)
         # ---- forward ----
         for g in groups if fsdp else []:
             if g.name.startswith("block"):
@@ -425,8 +480,12 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
         # ---- loss and its backward (plan/loss.py: plain on whole logits, or chunked; under TP vocabulary-parallel:
         # the vocabulary's local rows, every token, the hidden states all-gathered) ----
         chunk = cfg.train.loss_chunk_tokens or (s.tokens if tp > 1 else 0)
-        fwd_events, bwd_events = loss_events(s.tokens, s.vocab // tp, s.d, pb, chunk, softcap,
+        scored = ref.loss_tokens(s.tokens, s.b)  # preference: only the completions' tokens are projected
+        fwd_events, bwd_events = loss_events(scored, s.vocab // tp, s.d, pb, chunk, softcap,
                                              fp32_matmul, head_trains, device != "cpu")
+        if ref.kind:  # preference: the scored tokens' hidden states, selected (kept for the output's backward)
+            fwd_events = [("temporaries", pb * scored * s.d, "log-probs: hidden states selected"), *fwd_events]
+            bwd_events = [*bwd_events, ("temporaries", -pb * scored * s.d, "output backward")]
         if tp > 1:
             fwd_events = [("temporaries", pb * bd, "loss: hidden states all-gathered"), *fwd_events,
                           ("temporaries", -pb * bd, "loss")]
@@ -498,5 +557,5 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
     # clip_grad_norm_ and fused AdamW work in place (a few scalars)
     led.add("temporaries", 0, "clip and optimizer step")
     breakdown = dict(led.at)
-    host = stored + 3 * 4 * train_local + 4 * n_tensors if offload else 0
+    host = stored + 3 * 4 * train_local + 4 * n_tensors + ref_stored if offload else 0
     return MemoryPlan(led.peak, breakdown, led.phase, host, p_total, k)

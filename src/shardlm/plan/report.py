@@ -25,6 +25,7 @@ LABELS = {
     "activations": "activations (saved for backward)",
     "temporaries": "temporaries (loss, backward transients)",  # the loss's part: loss_label()
     "buffers": "buffers (RoPE tables)",
+    "reference": "preference reference (frozen model / table)",
 }
 
 

@@ -5,7 +5,9 @@ Per pair, with ``logp`` the summed log-probability of a completion's scored toke
 difference (c: chosen, r: rejected)::
 
     dpo     -(1-ε)·logσ(β·Δ(logp - ref)) - ε·logσ(-β·Δ(logp - ref))   Rafailov et al. 2023, Eq. 7; ε: Mitchell 2023
-                                                                     (TRL DPOTrainer ``sigmoid``; CPOTrainer's form)
+                                                                     (TRL DPOTrainer ``sigmoid`` at ε = 0; with ε
+                                                                     CPOTrainer's ``sigmoid`` on the log-ratios:
+                                                                     TRL 1.16's DPOTrainer ignores ε there)
     ipo     (Δ((logp - ref) / n) - 1/(2β))²                           Azar et al. 2023, Eq. 17, per-token averaged as
                                                                      TRL's DPOTrainer (confirmed with the authors)
     hinge   max(0, 1 - β·Δ(logp - ref))                               SLiC-HF, Zhao et al. 2023 (TRL ``hinge``)
@@ -18,7 +20,9 @@ mean over the chosen tokens of the whole global batch; each micro-batch contribu
 global counts (known on the host), so N ranks equal one process. Rewards as TRL logs them: ``β·(logp - ref)``
 (dpo / ipo / hinge), ``β·avg`` (simpo / orpo); ``logps/*`` are ``logp`` (dpo / ipo / hinge) or ``avg`` (simpo /
 orpo), as the trainers return them; ``logits/*`` the mean over the completions' scored tokens of the logits' mean
-over the vocabulary (DPOTrainer's definition, used for every loss here).
+over the vocabulary (DPOTrainer's definition, used for every loss here: TRL 1.16's CPOTrainer and ORPOTrainer log
+the mean over every position of the padded chosen / rejected logits, prompt and padding included, a figure that
+moves with the batch's padding; not reproduced).
 
 Log-probs are computed from the final hidden states a chunk of ``train.loss_chunk_tokens`` scored tokens at a time
 (:func:`completion_logps`): each chunk's logits are made, reduced to one log-prob per token and freed, and are made
@@ -49,8 +53,13 @@ STAT_NAMES = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewar
 
 def _token_logps(llama: nn.Module, hidden: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
     """Log-probability (c,) fp32 of each target under the model's output head on ``hidden`` (c, D), and the mean
-    over the vocabulary of each row's logits (c,) fp32 (a metric, without gradient)."""
-    logits = llama.lm_head(hidden)
+    over the vocabulary of each row's logits (c,) fp32 (a metric, without gradient).
+
+    ``lm_head.forward`` is called, not the module: under FSDP2 each call of a group's module registers one more
+    post-backward (a reduce-scatter), and the number of chunks differs between ranks (their completions' lengths
+    do); the output group is unsharded by the final norm's call (same group, never resharded after forward) and
+    reduce-scattered once, after the norm's backward, when every chunk's gradient is in."""
+    logits = llama.lm_head.forward(hidden)
     cap = llama.cfg.final_logit_softcap
     if cap:
         logits = torch.tanh(logits / cap) * cap
@@ -79,7 +88,7 @@ def head_logps(llama: nn.Module, hidden: Tensor, targets: Tensor, chunk_tokens: 
     n = h.shape[0]
     chunk = chunk_tokens or max(n, 1)
     logps, means = [], []
-    for start in range(0, n, chunk):
+    for start in range(0, max(n, 1), chunk):  # no scored token: one empty chunk (the head's weights get zero grads)
         h_c, t_c = h[start:start + chunk], tgt[start:start + chunk]
         if torch.is_grad_enabled() and chunk < n:
             lp, mean = checkpoint(_token_logps, llama, h_c, t_c, use_reentrant=False)
@@ -89,8 +98,6 @@ def head_logps(llama: nn.Module, hidden: Tensor, targets: Tensor, chunk_tokens: 
         means.append(mean)
     seq = rows // t
     out = torch.zeros(r, dtype=torch.float32, device=hidden.device)
-    if n == 0:
-        return out + hidden.sum() * 0, out.clone()  # keeps the graph (every rank runs the same backward)
     return out.index_add(0, seq, torch.cat(logps)), out.index_add(0, seq, torch.cat(means))
 
 

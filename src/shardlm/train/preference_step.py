@@ -11,9 +11,10 @@ batch's mean, see :mod:`shardlm.train.preference`) and the metric sums; it owns 
 * either of them precomputed (reference (a), ``preference.precompute_reference``): one pass over every training
   pair before step 1, the pairs split over the ranks (each rank the same number of forwards), the table summed
   over ranks, written to ``<run dir>/reference_logps/<key>.safetensors`` where the key is the SHA-256 of the
-  reference's identity (the model directory's files, or the random initialisation's seed and shape, and which
-  reference) and of the prepared data (its identity and ``train.seq_len``); a resume or a second run with the same
-  key reads it instead. The reference model is freed before training.
+  reference's identity by content (the SHA-256 of the model directory's weights and settings files, or the random
+  initialisation's seed and shape, and which reference) and of the prepared pairs' tokens (their files' SHA-256,
+  ``train.seq_len``); a resume or a second run with the same key reads it instead, a changed model or changed
+  data (of any size or date) makes another key. The reference model is freed before training.
 
 simpo and orpo have no reference.
 """
@@ -36,14 +37,14 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from shardlm.atomic import save_safetensors
+from shardlm.checkpoint.manifest import sha256_file
 from shardlm.config import Config, apply_init_from
 from shardlm.data.build import data_dir
 from shardlm.data.instruct import split_batch
 from shardlm.data.preference import PreferencePairs
-from shardlm.data.prepare import load_meta
 from shardlm.errors import ConfigError
 from shardlm.metrics import format_bytes, local_bytes
-from shardlm.parallel.dist import DistInfo, all_reduce_sum, to_device
+from shardlm.parallel.dist import DistInfo, all_reduce_sum, run_on_main, to_device
 from shardlm.train.build import build_model
 from shardlm.train.preference import (
     NEEDS_REFERENCE,
@@ -86,14 +87,28 @@ def check_reference_tokenizer(reference_dir: str, tokenizer_path: str) -> None:
 
 
 def reference_identity(cfg: Config, kind: str) -> dict[str, Any]:
-    """What the reference log-probs depend on besides the data: the model directory's files (name, size, mtime),
-    or the random initialisation (seed and model shape), and the kind of reference."""
+    """What the reference log-probs depend on besides the data, by content: the SHA-256 of every file of the
+    reference's model directory that holds weights or their settings (``*.safetensors``, ``*.json``, ``*.gguf``;
+    the whole file, streamed: about a second per GB), or of the file itself; for a random initialisation its seed
+    and the model shape; and the kind of reference. Another directory with the same content has the same identity."""
     src = cfg.preference.reference_from or cfg.model.init_from
     if src:
-        files = {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in sorted(Path(src).iterdir())
-                 if p.suffix in (".safetensors", ".json") and p.is_file()}
-        return {"kind": kind, "model_dir": str(Path(src).resolve()), "files": files}
+        root = Path(src)
+        files = [root] if root.is_file() else sorted(p for p in root.iterdir() if p.is_file() and p.suffix in
+                                                     (".safetensors", ".json", ".gguf"))
+        return {"kind": kind, "files": {p.name: sha256_file(p) for p in files}}
     return {"kind": kind, "random_init": cfg.train.seed, "model": dataclasses.asdict(cfg.model)}
+
+
+def table_key(cfg: Config, kind: str, data: PreferencePairs) -> str:
+    """The precomputed table's key: the hex SHA-256 of the reference's identity (:func:`reference_identity`) and
+    of the scored data by content (the SHA-256 of the prepared ``train.bin`` and ``train.idx``, the number of
+    pairs, ``train.seq_len``)."""
+    root = data_dir(cfg)
+    tokens = {name: sha256_file(root / name) for name in ("train.bin", "train.idx")}
+    key = json.dumps({"reference": reference_identity(cfg, kind), "data": tokens, "pairs": len(data),
+                      "seq_len": cfg.train.seq_len}, sort_keys=True)
+    return hashlib.sha256(key.encode()).hexdigest()
 
 
 class PreferenceObjective:
@@ -128,7 +143,7 @@ class PreferenceObjective:
         reference = build_reference(cfg, info, mesh) if kind == "model" else None
         if not pref.precompute_reference:
             return cls(cfg, data, kind, reference)
-        path = reference_table_path(cfg, kind, run_dir, data)
+        path = reference_table_path(cfg, kind, run_dir, data, info)
         if path.is_file():
             objective = cls(cfg, data, kind, None, load_file(str(path))["ref_logps"].to(info.device))
             objective.reused = True
@@ -195,9 +210,13 @@ class PreferenceObjective:
         return metrics_of(sums, pairs)
 
 
-def build_reference(cfg: Config, info: DistInfo, mesh: DeviceMesh | None) -> nn.Module:
-    """The frozen reference model: built as the policy would be (same parallelism, mesh and seed) without LoRA or
-    freezing, from ``preference.reference_from`` (its own shape) or ``model.init_from``; eval mode, no gradients."""
+def reference_config(cfg: Config) -> Config:
+    """The frozen reference model's config: the policy's (same parallelism, mesh and seed) without LoRA, freezing or
+    activation checkpointing, in the shape of ``preference.reference_from`` when set.
+
+    Raises:
+        ModelDirError: ``preference.reference_from`` has no readable ``config.json`` (:func:`apply_init_from`).
+    """
     ref_cfg = copy.deepcopy(cfg)
     ref_cfg.lora = type(cfg.lora)()
     ref_cfg.train.trainable = ref_cfg.train.frozen = ""
@@ -205,18 +224,31 @@ def build_reference(cfg: Config, info: DistInfo, mesh: DeviceMesh | None) -> nn.
     if cfg.preference.reference_from:
         ref_cfg.model.init_from = cfg.preference.reference_from
         apply_init_from(ref_cfg)
-    model, _ = build_model(ref_cfg, info, mesh)
+    return ref_cfg
+
+
+def build_reference(cfg: Config, info: DistInfo, mesh: DeviceMesh | None) -> nn.Module:
+    """The frozen reference model: built as the policy would be (:func:`reference_config`) from
+    ``preference.reference_from`` (its own shape) or ``model.init_from``; eval mode, no gradients."""
+    model, _ = build_model(reference_config(cfg), info, mesh)
     model.requires_grad_(False)
     return model.eval()
 
 
-def reference_table_path(cfg: Config, kind: str, run_dir: Path, data: PreferencePairs) -> Path:
-    """``<run dir>/reference_logps/<key>.safetensors``, the key the SHA-256 (16 hex digits) of the reference's
-    identity and the data's (see the module docstring)."""
-    meta = load_meta(str(data_dir(cfg)))
-    key = json.dumps({"reference": reference_identity(cfg, kind), "data": meta.get("identity"),
-                      "pairs": len(data), "seq_len": cfg.train.seq_len}, sort_keys=True)
-    return run_dir / "reference_logps" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.safetensors"
+def reference_table_path(cfg: Config, kind: str, run_dir: Path, data: PreferencePairs, info: DistInfo) -> Path:
+    """``<run dir>/reference_logps/<key>.safetensors``, the key the first 16 hex digits of :func:`table_key`:
+    computed on rank 0 (it reads the reference's files once) and broadcast as its 32 bytes.
+
+    Raises:
+        RankFailed: on the other ranks when rank 0 could not read the files (rank 0 raises its own error).
+    """
+    key = run_on_main(lambda: table_key(cfg, kind, data), info)
+    digest = torch.zeros(32, dtype=torch.uint8, device=info.device)
+    if info.is_main:
+        digest.copy_(torch.tensor(list(bytes.fromhex(key)), dtype=torch.uint8))
+    if info.world_size > 1:
+        torch.distributed.broadcast(digest, src=0)
+    return run_dir / "reference_logps" / f"{bytes(digest.tolist()).hex()[:16]}.safetensors"
 
 
 @torch.no_grad()

@@ -100,6 +100,21 @@ def _read_text(path: pathlib.Path) -> str:
         raise DataError(f"{path}: cannot read file ({exc})") from exc
 
 
+def jsonl_file(path: str, what: str) -> pathlib.Path:
+    """``path`` (``~`` expanded) once it is an existing ``.jsonl`` file; ``what`` names the data in the message
+    (e.g. ``"instruction data"``).
+
+    Raises:
+        DataError: the file does not exist, or is a directory or not named ``*.jsonl``.
+    """
+    p = pathlib.Path(path).expanduser()
+    if not p.exists():
+        raise DataError(f"{what} not found: {path} (a relative path is read from the working directory)")
+    if not p.is_file() or p.suffix.lower() != ".jsonl":
+        raise DataError(f"{what} must be a .jsonl file: {path}")
+    return p
+
+
 def jsonl_objects(path: pathlib.Path, expected: str) -> Iterator[tuple[int, dict]]:
     """``(line number, object)`` for each non-blank line of a UTF-8 ``.jsonl`` file, in order.
 

@@ -35,7 +35,7 @@ import torch
 
 from shardlm.atomic import atomic_directory
 from shardlm.data.chat import ChatTemplate
-from shardlm.data.corpus import jsonl_objects
+from shardlm.data.corpus import jsonl_file, jsonl_objects
 from shardlm.data.identity import describe_instructions
 from shardlm.data.prepare import load_meta, token_dtype, unigram_entropy
 from shardlm.data.tokenizer import special_token_ids
@@ -53,11 +53,7 @@ def read_instructions(path: str) -> list[tuple[int, list[dict[str, str]]]]:
             ``prompt``/``response``, a message without string ``role``/``content``, no assistant
             message, an empty response, or no examples at all.
     """
-    p = pathlib.Path(path).expanduser()
-    if not p.exists():
-        raise DataError(f"instruction data not found: {path} (a relative path is read from the working directory)")
-    if not p.is_file() or p.suffix.lower() != ".jsonl":
-        raise DataError(f"instruction data must be a .jsonl file: {path}")
+    p = jsonl_file(path, "instruction data")
     examples = []
     for lineno, record in jsonl_objects(p, "a JSON object with 'messages' or 'prompt'/'response'"):
         where = f"{path}:{lineno}"

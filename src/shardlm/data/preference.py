@@ -42,7 +42,7 @@ import torch
 
 from shardlm.atomic import atomic_directory
 from shardlm.data.chat import ChatTemplate
-from shardlm.data.corpus import jsonl_objects
+from shardlm.data.corpus import jsonl_file, jsonl_objects
 from shardlm.data.identity import chat_template_identity, corpus_identity, source_identity, tokenizer_identity
 from shardlm.data.instruct import IGNORE_INDEX
 from shardlm.data.prepare import load_meta, token_dtype, unigram_entropy
@@ -73,11 +73,7 @@ def read_preferences(path: str) -> list[tuple[int, Messages, Messages, Messages]
             ``prompt``, ``chosen`` or ``rejected``, fields of mixed or wrong types, a completion without an
             ``assistant`` message or with empty content, or no pairs at all.
     """
-    p = pathlib.Path(path).expanduser()
-    if not p.exists():
-        raise DataError(f"preference data not found: {path} (a relative path is read from the working directory)")
-    if not p.is_file() or p.suffix.lower() != ".jsonl":
-        raise DataError(f"preference data must be a .jsonl file: {path}")
+    p = jsonl_file(path, "preference data")
     pairs = []
     for lineno, row in jsonl_objects(p, "a JSON object with 'prompt', 'chosen' and 'rejected'"):
         where = f"{path}:{lineno}"

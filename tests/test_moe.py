@@ -178,3 +178,23 @@ def test_the_logged_aux_loss_under_accumulation_is_the_mean_of_transformers_per_
           f"whole batch {whole:.8f}")
     assert abs(record["moe_aux_loss"] - sum(per_forward) / 2) <= 1e-6
     assert abs(whole - sum(per_forward) / 2) > 1e-5  # the pooling unit matters: the test can tell them apart
+
+
+def test_start_up_summary_names_the_experts_and_the_active_parameters():
+    """The summary's model line: experts, top-k, MoE layers and the active count, which equals the total less
+    the (E - k) / E share of each MoE layer's expert weights (computed here from the shapes)."""
+    from shardlm.config import load_config
+    from shardlm.model.llama import Llama, num_params
+    from shardlm.train.summary import model_experts
+
+    cfg = load_config(None, ["--model.family=qwen3_moe", "--model.n_experts=8", "--model.n_experts_per_token=2",
+                             "--model.moe_ffn_hidden=32", "--model.dim=64", "--model.n_layers=3", "--model.n_heads=4",
+                             "--model.vocab_size=256", "--model.dense_layers=[1]"])
+    with torch.device("meta"):
+        model = Llama(cfg.model)
+    experts = 3 * 64 * 32  # gate, up and down of one expert
+    active = num_params(model) - 2 * experts * (8 - 2)  # two MoE layers, 6 of 8 experts idle per token
+    assert model_experts(cfg, model) == (f"; mixture of experts: 8 experts, top-2, in 2 of 3 layers, {active:,} "
+                                         "parameters active per token")
+    dense = load_config(None, [])
+    assert model_experts(dense, model) == ""

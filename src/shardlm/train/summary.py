@@ -9,11 +9,15 @@ from shardlm.data.packing import DocumentWindows, PackedExamples
 from shardlm.data.preference import PREFERENCE
 from shardlm.metrics import format_bytes, local_bytes, shard_bytes
 from shardlm.model.llama import num_params
+from shardlm.model.moe import inactive_expert_params
 from shardlm.parallel import all_gather_ints
 from shardlm.parallel.options import describe
 from shardlm.train.build import unwrap
 
 if TYPE_CHECKING:
+    from torch import nn
+
+    from shardlm.config import Config
     from shardlm.train.trainer import Trainer
 
 
@@ -34,12 +38,15 @@ def job_summary(trainer: Trainer) -> str:
         f"shardlm | {cfg.run.name} -> {trainer.run_dir}",
         f"  model      {num_params(model):,} parameters, {cfg.model.n_layers} layers, dim {cfg.model.dim}, "
         f"heads {cfg.model.n_heads}/{cfg.model.kv_heads} (q/kv), vocab {cfg.model.vocab_size}"
-        f"{', tied embeddings' if cfg.model.tie_embeddings else ''}",
+        f"{', tied embeddings' if cfg.model.tie_embeddings else ''}" + model_experts(cfg, model),
         f"  parallel   {cfg.parallel.mode}, world size {info.world_size}, backend {info.backend}, device "
         f"{info.device.type}, mesh " + (" x ".join(f"{name} {size}" for name, size in zip(
             trainer.mesh.mesh_dim_names, trainer.mesh.shape)) if trainer.mesh is not None else "none")
         + (f"; context parallel {trainer.cp.size}: each sequence split over {trainer.cp.size} ranks "
-           f"({info.world_size // trainer.cp.size} data-parallel)" if trainer.cp.size > 1 else ""),
+           f"({info.world_size // trainer.cp.size} data-parallel)" if trainer.cp.size > 1 else "")
+        + (f"; expert parallel {cfg.parallel.ep} (experts' mesh efsdp {info.world_size // cfg.parallel.ep} x ep "
+           f"{cfg.parallel.ep}): {cfg.model.n_experts // cfg.parallel.ep} of {cfg.model.n_experts} experts per rank"
+           if cfg.parallel.ep > 1 else ""),
         f"  settings   {describe(cfg.parallel, info.device.type)}",
         f"  batch      global {cfg.train.global_batch_size} "
         + (f"pairs ({2 * cfg.train.global_batch_size} seqs)" if trainer.preference else "seqs")
@@ -80,3 +87,13 @@ def job_summary(trainer: Trainer) -> str:
         lines.append(f"  pretrained {cfg.model.init_from}: read " + ", ".join(format_bytes(b) for b in read)
                      + f" per rank of {format_bytes(stats['total_bytes'])}")
     return "\n".join(lines)
+
+
+def model_experts(cfg: Config, model: nn.Module) -> str:
+    """The model line's mixture-of-experts part: experts, top-k, MoE layers and the parameters a token uses."""
+    m = cfg.model
+    if not m.n_experts:
+        return ""
+    moe_layers = sum(m.is_moe_layer(i) for i in range(m.n_layers))
+    return (f"; mixture of experts: {m.n_experts} experts, top-{m.n_experts_per_token}, in {moe_layers} of "
+            f"{m.n_layers} layers, {num_params(model) - inactive_expert_params(model):,} parameters active per token")

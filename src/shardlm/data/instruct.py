@@ -39,7 +39,7 @@ from shardlm.data.corpus import jsonl_file, jsonl_objects
 from shardlm.data.identity import describe_instructions
 from shardlm.data.prepare import load_meta, token_dtype, unigram_entropy
 from shardlm.data.tokenizer import special_token_ids
-from shardlm.data.tokenizer_files import model_special_ids, open_tokenizer, write_tokenizer_files
+from shardlm.data.tokenizer_files import OpenedTokenizer, model_special_ids, open_tokenizer, write_tokenizer_files
 from shardlm.errors import DataError
 
 IGNORE_INDEX = -100
@@ -82,6 +82,21 @@ def read_instructions(path: str) -> list[tuple[int, list[dict[str, str]]]]:
     return examples
 
 
+
+def open_chat_tokenizer(tokenizer_path: str, vocab_size: int) -> tuple[OpenedTokenizer, ChatTemplate]:
+    """The tokenizer at ``tokenizer_path``, read once, and its chat template, for chat-formatted data.
+
+    Raises:
+        DataError: the tokenizer has more tokens than ``vocab_size`` (the model's embedding must hold every id);
+            the errors of :func:`~shardlm.data.tokenizer_files.open_tokenizer` and :class:`ChatTemplate`.
+    """
+    opened = open_tokenizer(tokenizer_path)
+    n = opened.tokenizer.get_vocab_size()
+    if n > vocab_size:
+        raise DataError(f"tokenizer has {n} tokens but vocab_size is {vocab_size}: the model's "
+                        "embedding must hold every token id")
+    return opened, ChatTemplate(opened)
+
 def prepare_instructions(corpus: str, out_dir: str, tokenizer_path: str, vocab_size: int,
                          val_fraction: float, identity: dict[str, Any] | None = None) -> dict[str, Any]:
     """Tokenize an instruction ``.jsonl`` into ``out_dir`` (atomically); return the meta dict.
@@ -101,12 +116,8 @@ def prepare_instructions(corpus: str, out_dir: str, tokenizer_path: str, vocab_s
     examples = read_instructions(corpus)
     if len(examples) < 2:
         raise DataError(f"{corpus}: {len(examples)} example(s); need at least 2 (train and validation)")
-    opened = open_tokenizer(tokenizer_path)  # read once, handed to every step below
+    opened, chat = open_chat_tokenizer(tokenizer_path, vocab_size)  # read once, handed to every step below
     tok = opened.tokenizer
-    if tok.get_vocab_size() > vocab_size:
-        raise DataError(f"tokenizer has {tok.get_vocab_size()} tokens but vocab_size is {vocab_size}: the model's "
-                        "embedding must hold every token id")
-    chat = ChatTemplate(opened)
     if identity is None:
         identity = describe_instructions(corpus, tokenizer_path, vocab_size, val_fraction)
     chats = [(line, chat.encode_chat(msgs, False, f"{corpus}:{line}")) for line, msgs in examples]

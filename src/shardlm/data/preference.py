@@ -44,9 +44,9 @@ from shardlm.atomic import atomic_directory
 from shardlm.data.chat import ChatTemplate
 from shardlm.data.corpus import jsonl_file, jsonl_objects
 from shardlm.data.identity import chat_template_identity, corpus_identity, source_identity, tokenizer_identity
-from shardlm.data.instruct import IGNORE_INDEX
+from shardlm.data.instruct import IGNORE_INDEX, open_chat_tokenizer
 from shardlm.data.prepare import load_meta, token_dtype, unigram_entropy
-from shardlm.data.tokenizer import load_tokenizer, special_token_ids
+from shardlm.data.tokenizer import special_token_ids
 from shardlm.data.tokenizer_files import model_special_ids, write_tokenizer_files
 from shardlm.errors import DataError
 
@@ -145,11 +145,8 @@ def prepare_preferences(corpus: str, out_dir: str, tokenizer_path: str, vocab_si
     if not tokenizer_path:
         raise DataError("preference data needs a tokenizer: set data.tokenizer or model.init_from")
     rows = read_preferences(corpus)
-    tok = load_tokenizer(tokenizer_path)
-    if tok.get_vocab_size() > vocab_size:
-        raise DataError(f"tokenizer has {tok.get_vocab_size()} tokens but vocab_size is {vocab_size}: the model's "
-                        "embedding must hold every token id")
-    chat = ChatTemplate(tokenizer_path)
+    opened, chat = open_chat_tokenizer(tokenizer_path, vocab_size)  # read once
+    tok = opened.tokenizer
     if identity is None:
         identity = describe_preferences(corpus, tokenizer_path, vocab_size, val_fraction)
     pairs, identical, not_prefix = [], [], 0

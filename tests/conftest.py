@@ -1,4 +1,8 @@
-"""Shared fixtures: a small prepared corpus, and a helper that launches torchrun on CPU/gloo."""
+"""Shared fixtures: a small prepared corpus, and a helper that launches torchrun on CPU/gloo.
+
+The tests live in three folders: ``unit/`` (single-process, no torchrun), ``dist/`` (marked ``dist``: they launch
+torchrun) and ``workers/`` (the scripts torchrun runs); a test of one kind in the other's folder fails the
+collection (:func:`pytest_collection_modifyitems`)."""
 
 from __future__ import annotations
 
@@ -14,16 +18,52 @@ import pytest
 from shardlm.convert.gguf_in import import_gguf
 from shardlm.data import prepare_corpus, read_documents
 
+#: the guard of the single-process tests in tests/unit (no torchrun, no process group of several ranks)
+pytest_plugins = ["single_process"]
+
 ROOT = Path(__file__).resolve().parents[1]
-WORKER = Path(__file__).resolve().parent / "dist_worker.py"
+TESTS = ROOT / "tests"
+#: the scripts that torchrun runs (a worker imports its siblings, e.g. ``dist_worker``, from its own folder)
+WORKERS = TESTS / "workers"
+WORKER = WORKERS / "dist_worker.py"
 
 
 def cpu_env() -> dict[str, str]:
-    """Environment for child processes: one thread per rank, the package importable."""
+    """Environment for child processes: one thread per rank, the package and tests/ (its shared helpers, e.g.
+    ``gguf_files``) importable; a worker's own folder is on its path as the script's."""
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = "1"
-    env["PYTHONPATH"] = str(ROOT / "src") + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(TESTS), env.get("PYTHONPATH", "")])
     return env
+
+
+def folder_of(item: pytest.Item) -> str | None:
+    """``unit``, ``dist`` or ``workers``: the folder under tests/ that holds ``item``'s file (None: another)."""
+    try:
+        parts = Path(str(item.path)).resolve().relative_to(TESTS).parts
+    except ValueError:
+        return None
+    return parts[0] if len(parts) > 1 else None
+
+
+def misplaced(items: list[pytest.Item]) -> list[str]:
+    """The tests in the wrong folder: a ``dist`` one outside tests/dist, an unmarked one in tests/dist, any test
+    in tests/workers or directly in tests/."""
+    wrong = []
+    for item in items:
+        folder, dist = folder_of(item), item.get_closest_marker("dist") is not None
+        if dist and folder != "dist":
+            wrong.append(f"{item.nodeid}: marked dist, so it belongs in tests/dist")
+        elif not dist and folder != "unit":
+            wrong.append(f"{item.nodeid}: not marked dist, so it belongs in tests/unit")
+    return wrong
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Refuse the run when a collected test is in the wrong folder (see :func:`misplaced`)."""
+    wrong = misplaced(items)
+    if wrong:
+        raise pytest.UsageError("tests in the wrong folder:\n" + "\n".join(wrong))
 
 
 #: the test being set up or run (set by pytest_runtest_setup): launches check that it is marked ``dist``
@@ -59,7 +99,7 @@ def scenario(name: str, data: Path, runs: Path, extra: dict | None = None, run: 
 
 
 def run_scenarios(nproc: int, scenarios: list[dict], out: Path, timeout: float = 600) -> dict[str, list[dict]]:
-    """Run scenarios in one torchrun launch (see tests/dist_worker.py); return {name: [rank reports]}."""
+    """Run scenarios in one torchrun launch (see tests/workers/dist_worker.py); return {name: [rank reports]}."""
     out.mkdir(parents=True, exist_ok=True)
     spec = out / f"spec-{nproc}.json"
     spec.write_text(json.dumps({"out": str(out), "scenarios": scenarios}))

@@ -1,0 +1,71 @@
+"""Every model family under FSDP: 2 ranks equal one process over 3 steps and the final export loads; activation
+checkpointing, CPU offload and the bf16 kernel per family. The families' models are tests/unit/test_families.py's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import run_scenarios, scenario
+from shardlm.convert.hf_in import load_model_dir
+from test_families import (
+    FAMILY_CASES,
+    IDS,
+    family_dirs,  # noqa: F401 (fixtures)
+    hf_model,
+)
+
+
+@pytest.fixture(scope="module")
+def parity(family_dirs, small_data, tmp_path_factory):
+    """3 steps of each family from its imported weights, at 1 process and FSDP 2 ranks (two torchrun launches)."""
+    runs = tmp_path_factory.mktemp("family_parity")
+    extra = {"train.steps": 3, "train.warmup_steps": 1, "train.eval_interval": 3, "train.eval_tokens": 512,
+             "train.seq_len": 32, "checkpoint.interval": 0}
+    out = {}
+    for world, mode in ((1, '"single"'), (2, '"fsdp"')):
+        scenarios = [scenario(f"{name}_{world}", small_data, runs,
+                              {**extra, "parallel.mode": mode, "model.init_from": f'"{family_dirs[name]}"',
+                               "train.micro_batch_size": 8 // world})
+                     for name in FAMILY_CASES]
+        if world == 2:  # per family, the other techniques: AC + CPU offload (exact), bf16 through the CPU kernel
+            scenarios += [
+                scenario("gemma3_ac_offload", small_data, runs, {
+                    **extra, "model.init_from": f'"{family_dirs["gemma3"]}"', "train.micro_batch_size": 4,
+                    "parallel.activation_checkpoint": '"selective"', "parallel.cpu_offload": "true"}),
+                scenario("qwen2_bf16", small_data, runs, {
+                    **extra, "model.init_from": f'"{family_dirs["qwen2_untied"]}"', "train.micro_batch_size": 4,
+                    "parallel.param_dtype": '"bfloat16"', "parallel.cpu_bf16_matmul": '"fp32"'}),
+            ]
+        out.update(run_scenarios(world, scenarios, runs))
+    return out, runs
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("name", FAMILY_CASES)
+def test_fsdp_two_ranks_equal_one_process_and_final_loads(parity, name):
+    out, runs = parity
+    one, two = ([h for h in out[f"{name}_{world}"][0]["history"] if "loss" in h] for world in (1, 2))
+    assert len(one) == len(two) == 3
+    diff = max(abs(a["loss"] - b["loss"]) for a, b in zip(one, two))
+    print(f"\n{name}: FSDP 2 ranks vs one process, max loss diff over 3 steps {diff:.2e} "
+          f"(losses {[round(h['loss'], 4) for h in one]})")
+    assert diff <= 1e-6
+    final = runs / f"{name}_2" / "final"
+    hf, info = hf_model(final)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    ours = load_model_dir(final).eval()
+    with torch.no_grad():
+        assert (hf(IDS).logits - ours(IDS)).abs().max().item() < 1e-5
+
+
+@pytest.mark.dist
+def test_checkpointing_offload_and_bf16_kernel_per_family(parity):
+    """Gemma 3 with selective activation checkpointing and CPU offload equals the plain run exactly; Qwen2 (biased
+    q/k/v, which keep nn.Linear's path) trains in bf16 with the fp32-multiply CPU kernel on the other layers."""
+    out, _ = parity
+    losses = {n: [h["loss"] for h in out[n][0]["history"] if "loss" in h] for n in
+              ("gemma3_2", "gemma3_ac_offload", "qwen2_untied_2", "qwen2_bf16")}
+    print(f"\n{losses}")
+    assert losses["gemma3_ac_offload"] == losses["gemma3_2"]
+    assert max(abs(a - b) for a, b in zip(losses["qwen2_bf16"], losses["qwen2_untied_2"])) < 0.05

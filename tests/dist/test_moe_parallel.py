@@ -1,0 +1,123 @@
+"""A mixture of experts under FSDP and expert parallelism equals one process (3 steps, the aux loss included);
+a checkpoint written under EP resumes at another layout; an EP run's export loads in transformers.
+
+Three torchrun launches (2, 1 and 4 ranks) on a ~200k-parameter Qwen3-MoE (8 experts, top-2, 8-token
+sequences, so that experts go without tokens in some micro-batches), plus one launch of the expert-parallel layer
+alone with a routing that leaves an EP rank without any token, and gpt-oss's experts under EP (tests/workers/ep_worker.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import WORKER, run_scenarios, scenario, torchrun
+
+LOSS_TOL, PARAM_TOL = 1e-6, 1e-4
+
+MOE = {"model.family": '"qwen3_moe"', "model.n_experts": 8, "model.n_experts_per_token": 2, "model.head_width": 16,
+       "model.moe_ffn_hidden": 32, "model.norm_topk_prob": "true", "model.router_aux_loss_coef": 0.05,
+       "model.router_z_loss_coef": 0.001, "train.seq_len": 8, "train.global_batch_size": 4, "train.steps": 3,
+       "train.warmup_steps": 1, "train.eval_interval": 0, "checkpoint.interval": 2, "checkpoint.keep": 0}
+
+
+def moe(extra: dict | None = None, micro: int = 4) -> dict:
+    # one micro-batch per rank and step: the aux loss's statistics are those of the whole global batch
+    return {**MOE, "train.micro_batch_size": micro, **(extra or {})}
+
+
+@pytest.fixture(scope="module")
+def results(small_data, tmp_path_factory):
+    runs = tmp_path_factory.mktemp("moe")
+    out = {}
+    out.update(run_scenarios(2, [
+        scenario("fsdp2", small_data, runs, moe(micro=2)),
+        scenario("ep2", small_data, runs, moe({"parallel.ep": 2}, micro=2)),
+        # full activation checkpointing: each block's dispatch and combine run again in backward
+        scenario("ep2_ac", small_data, runs, moe({"parallel.ep": 2, "parallel.activation_checkpoint": '"full"'}, micro=2)),
+    ], runs))
+    step2 = runs / "ep2" / "checkpoints" / "step-2"
+    out.update(run_scenarios(1, [
+        scenario("single", small_data, runs, moe({"parallel.mode": '"single"', "train.log_moe_layers": "true"})),
+        scenario("resume_single", small_data, runs, moe({"parallel.mode": '"single"',
+                                                         "checkpoint.resume": f'"{step2}"'})),
+    ], runs))
+    out.update(run_scenarios(4, [
+        scenario("ep2_fsdp2", small_data, runs, moe({"parallel.ep": 2, "train.log_moe_layers": "true"}, micro=1)),
+        scenario("resume_fsdp4", small_data, runs, moe({"checkpoint.resume": f'"{step2}"'}, micro=1)),
+    ], runs))
+    return out, runs
+
+
+def losses(reports, key="loss"):
+    return [r[key] for r in reports[0]["history"]]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("name", ["fsdp2", "ep2", "ep2_ac", "ep2_fsdp2"])
+def test_fsdp_and_expert_parallel_equal_one_process(results, name):
+    from safetensors.torch import load_file
+    out, runs = results
+    got, want = out[name][0]["history"], out["single"][0]["history"]
+    assert len(got) == len(want) == 3
+    for key in ("loss", "moe_aux_loss", "moe_z_loss", "grad_norm"):
+        diff = max(abs(a[key] - b[key]) for a, b in zip(got, want))
+        print(f"{name} {key}: max diff {diff:.2e}")
+        assert diff <= LOSS_TOL * max(1.0, abs(want[0][key])), (key, [a[key] for a in got], [b[key] for b in want])
+    for key in ("tokens_per_expert_min", "tokens_per_expert_max", "tokens_per_expert_mean"):
+        assert [a[key] for a in got] == [b[key] for b in want]
+    assert want[0]["tokens_per_expert_mean"] == 4 * 8 * 2 / 8  # tokens · k / E per (layer, expert)
+    layers = [(r["tokens_per_expert_min/layer0"], r["tokens_per_expert_max/layer1"]) for r in want]
+    assert all(r["tokens_per_expert_min"] == min(r["tokens_per_expert_min/layer0"], r["tokens_per_expert_min/layer1"])
+               for r in want) and len(layers) == 3  # train.log_moe_layers: per layer, consistent with the whole
+    if name == "ep2_fsdp2":
+        assert [(r["tokens_per_expert_min/layer0"], r["tokens_per_expert_max/layer1"]) for r in got] == layers
+    assert want[0]["moe_aux_loss"] > 0.9  # ~1 when balanced (E · Σ f·P)
+    p = {k: v for f in (runs / name / "final").glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    q = {k: v for f in (runs / "single" / "final").glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    assert p.keys() == q.keys() and any(".mlp.experts.7.down_proj.weight" in k for k in p)
+    assert max((p[k] - q[k]).abs().max().item() for k in p) <= PARAM_TOL
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("name", ["resume_single", "resume_fsdp4"])
+def test_checkpoint_at_ep2_resumes_at_another_layout(results, name):
+    out, _ = results
+    resumed, ep2 = out[name][0]["history"], out["ep2"][0]["history"]
+    assert [r["step"] for r in resumed] == [3]
+    assert abs(resumed[0]["loss"] - ep2[2]["loss"]) <= LOSS_TOL, (resumed[0]["loss"], ep2[2]["loss"])
+    assert abs(resumed[0]["moe_aux_loss"] - ep2[2]["moe_aux_loss"]) <= LOSS_TOL
+
+
+@pytest.mark.dist
+def test_export_of_an_ep_run_loads_in_transformers_with_identical_logits(results):
+    transformers = pytest.importorskip("transformers")
+    from shardlm.convert.hf_in import load_model_dir
+    _, runs = results
+    final = runs / "ep2_fsdp2" / "final"
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(final, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    tokens = torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(0))
+    ours = load_model_dir(final)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), hf.eval()(tokens).logits, atol=1e-5, rtol=0)
+
+
+@pytest.mark.dist
+def test_expert_parallel_layer_with_an_ep_rank_without_tokens_equals_one_process(tmp_path):
+    proc = torchrun(4, [str(WORKER.parent / "ep_worker.py")], timeout=300)
+    assert proc.stdout.count("OK") == 4 * 4, proc.stdout[-3000:]
+
+
+@pytest.mark.dist
+def test_shardlm_generate_reads_an_ep_runs_export_cached_equal_to_uncached(results, capsys):
+    from shardlm.cli.main import main as shardlm_main
+    _, runs = results
+    argv = ["generate", "--model", str(runs / "ep2_fsdp2" / "final"), "--prompt", "To be, or not",
+            "--temperature", "0", "--max-new-tokens", "12"]
+    outputs = []
+    for extra in ([], ["--no-cache"]):
+        capsys.readouterr()
+        assert shardlm_main(argv + extra) == 0
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0] == outputs[1] and "To be, or not" in outputs[0], outputs

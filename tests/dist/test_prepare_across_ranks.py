@@ -1,0 +1,163 @@
+"""Data preparation across ranks: byte-identical token files at any workers and ranks, a restart after
+SIGKILL reuses the finished pieces, and training prepares an unprepared mixture on every rank
+(tests/workers/prepare_worker.py)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, cpu_env, torchrun
+from shardlm.data import (
+    TokenStream,
+    is_prepared,
+    load_tokenizer,
+    prepare_corpus,
+)
+from shardlm.data.mixture import MixtureSampler
+from shardlm.data.prepare import staging_dir
+from shardlm.data.readers import plan_pieces
+from test_data_scale import FORMATS, WORDS, corpora, jsonl_text, make_docs, tokenizer_file, write_format  # noqa: F401 (fixtures)
+
+
+def shard_digest(out: Path) -> str:
+    """SHA-256 over every token shard of a prepared directory, in stream order."""
+    meta = json.loads((out / "meta.json").read_text())
+    h = hashlib.sha256()
+    for s in meta["shards"]:
+        h.update((out / s["file"]).read_bytes())
+    return h.hexdigest()
+
+
+# ----------------------------------------------------------------------------- identical bytes
+
+
+@pytest.mark.dist
+def test_workers_and_ranks_give_identical_token_files(tmp_path, corpora, tokenizer_file):
+    # one directory holding a small corpus of each format: its pieces are each format's pieces, in order
+    corpus = corpora["jsonl"].parent.parent
+    pieces, _ = plan_pieces(str(corpus), piece_bytes=12_000)
+    kinds = {(p.kind, p.compression) for p in pieces}
+    assert kinds == {("jsonl", ""), ("jsonl", "gz"), ("jsonl", "zst"), ("parquet", ""), ("text", ""),
+                     ("text", "zst"), ("hf", "")}
+    digests = {}
+    for workers in (1, 2):
+        out = tmp_path / f"w{workers}"
+        prepare_corpus(str(corpus), str(out), str(tokenizer_file), 400, 0.1, piece_bytes=12_000, workers=workers)
+        digests[f"{workers} workers"] = [hashlib.sha256((out / s["file"]).read_bytes()).hexdigest()
+                                         for s in json.loads((out / "meta.json").read_text())["shards"]]
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"jobs": [{"corpus": str(corpus), "out": str(tmp_path / "r2"),
+                                          "tokenizer": str(tokenizer_file), "vocab_size": 400, "piece_bytes": 12_000}]}))
+    torchrun(2, [str(ROOT / "tests" / "workers" / "prepare_worker.py"), str(spec)], timeout=300)
+    digests["2 ranks"] = [hashlib.sha256((tmp_path / "r2" / s["file"]).read_bytes()).hexdigest()
+                          for s in json.loads((tmp_path / "r2" / "meta.json").read_text())["shards"]]
+    assert len(digests["2 ranks"]) == len(pieces) > 20
+    assert digests["1 workers"] == digests["2 workers"] == digests["2 ranks"]
+    assert shard_digest(tmp_path / "w1") == shard_digest(tmp_path / "r2")
+    # where documents start (block-causal attention): the same file, one start after each separator but the last
+    starts = [(tmp_path / d / "document_starts.bin").read_bytes() for d in ("w1", "w2", "r2")]
+    assert starts[0] == starts[1] == starts[2]
+    meta = json.loads((tmp_path / "r2" / "meta.json").read_text())
+    stream = np.concatenate([np.fromfile(tmp_path / "r2" / s["file"], dtype=meta["dtype"]) for s in meta["shards"]])
+    recorded = np.frombuffer(starts[0], dtype="<i8")
+    assert recorded.tolist() == [0] + (np.flatnonzero(stream == 2) + 1).tolist()[:-1]
+    assert len(recorded) == meta["documents"] == meta["document_starts"]["count"]
+    # the stream is BOS doc EOD doc EOD ...: check the first format (hf, sorted first) against the tokenizer
+    tok = load_tokenizer(str(tokenizer_file))
+    expected = [0]
+    for doc in make_docs(200):
+        expected += tok.encode(doc, add_special_tokens=False).ids + [2]
+    s = TokenStream(str(tmp_path / "r2"), "train")
+    assert s.read(0, len(expected)).tolist() == expected
+
+
+# ----------------------------------------------------------------------------- restart
+
+
+@pytest.mark.dist
+def test_sigkill_part_way_then_restart_reuses_finished_pieces(tmp_path, tokenizer_file):
+    corpus = write_format(tmp_path / "c", "jsonl", make_docs(3000, seed=7))
+    ref = tmp_path / "ref"
+    prepare_corpus(str(corpus), str(ref), str(tokenizer_file), 400, 0.1, piece_bytes=5_000)
+    out = tmp_path / "out"
+    # the preparation alone, without the CLI's torch import (the CLI path is tested with bad input above)
+    cmd = [sys.executable, "-c", "import sys; from shardlm.data.prepare import prepare_corpus; "
+           f"prepare_corpus({str(corpus)!r}, {str(out)!r}, {str(tokenizer_file)!r}, 400, 0.1, piece_bytes=5_000)"]
+    proc = subprocess.Popen(cmd, env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    tokens = staging_dir(out) / "tokens"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and len(list(tokens.glob("*.json"))) < 3 and proc.poll() is None:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    # a piece is finished once its record (.json) is written after its .bin: a kill between the two leaves a
+    # .bin that the restart encodes again
+    finished = {p.name: p.stat().st_mtime_ns for p in tokens.glob("*.bin") if p.with_suffix(".json").exists()}
+    n_pieces = len(plan_pieces(str(corpus), piece_bytes=5_000)[0])
+    assert 3 <= len(finished) < n_pieces, (len(finished), n_pieces)
+    assert not (out / "meta.json").exists() and not is_prepared(str(out))  # half-written: never complete
+    again = subprocess.run(cmd, env=cpu_env(), capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert f"{len(finished)} finished before" in again.stderr
+    assert shard_digest(out) == shard_digest(ref)
+    assert json.loads((out / "meta.json").read_text())["content_sha256"] == \
+        json.loads((ref / "meta.json").read_text())["content_sha256"]
+    for name, mtime in finished.items():  # the finished pieces were kept, not encoded again
+        assert (out / "tokens" / name).stat().st_mtime_ns == mtime
+    assert not staging_dir(out).exists()
+
+
+@pytest.mark.dist
+def test_training_prepares_an_unprepared_mixture_on_every_rank(tmp_path):
+    """2 ranks start on unprepared data with parallel.timeout_s=2, below the preparation time: both ranks
+    prepare and train. The sample ids are the sampler's (the same at any world size), a run resumed at step 6
+    continues exactly, and the metrics count tokens seen per source."""
+    from conftest import run_scenarios, tiny_overrides
+    from shardlm.data import TokenWindows, shakespeare_dir
+
+    extra_src = write_format(tmp_path / "src_b", "jsonl", make_docs(4000, seed=11))
+    plays = shakespeare_dir() / "*" / "*.md"  # the 38 plays, 5.3 MB, through a glob
+    sources = f'[{{path = "{plays}", weight = 0.7, name = "plays"}}, {{path = "{extra_src}", weight = 0.3}}]'
+    data, runs = tmp_path / "data", tmp_path / "runs"
+    common = {"data.sources": sources, "train.steps": 12, "train.eval_interval": 6, "checkpoint.interval": 6,
+              "checkpoint.keep": 0, "data.workers": 1, "train.micro_batch_size": 4, "parallel.timeout_s": 2}
+
+    def scenario(name, extra=None):
+        return {"name": name, "config": None, "overrides": tiny_overrides(data, runs / name, {**common, **(extra or {})})}
+
+    step6 = runs / "mix2" / "checkpoints" / "step-6"
+    out = run_scenarios(2, [scenario("mix2"), scenario("mix2_resume", {"checkpoint.resume": f'"{step6}"'})],
+                        tmp_path / "out")
+    first = out["mix2"]
+    prepare_s = [r["prepare_s"] for r in first]
+    print(f"preparation took {prepare_s} s on the two ranks; parallel.timeout_s = 2")
+    assert min(prepare_s) > 2  # longer than parallel.timeout_s: a collective waiting for it would have timed out
+    meta = json.loads((data / "meta.json").read_text())
+    assert meta["format"] == "mixture" and [s["name"] for s in meta["sources"]] == ["plays", "source1"]
+    windows = [len(TokenWindows(str(data / name), "train", 32)) for name in ("plays", "source1")]
+    sampler = MixtureSampler(windows, [0.7, 0.3], 8, 0)
+    for step in range(12):
+        merged = [i for r in range(2) for i in first[r]["sample_ids"][str(step)]]
+        assert merged == sampler.step_ids(step) == sampler.rank_ids(step, 0, 1), step  # = the 1-rank ids
+        if step >= 6:
+            assert [i for r in range(2) for i in out["mix2_resume"][r]["sample_ids"][str(step)]] == merged
+    full = {h["step"]: h for h in first[0]["history"]}
+    resumed = out["mix2_resume"][0]["history"]
+    assert [h["step"] for h in resumed] == list(range(7, 13))
+    for h in resumed:
+        assert h["loss"] == full[h["step"]]["loss"], h["step"]  # same world size: bit-exact resume
+        assert h["tokens_seen/plays"] == full[h["step"]]["tokens_seen/plays"]
+    last = full[12]
+    drawn = sampler.drawn_before(12 * 8)
+    assert [last["tokens_seen/plays"], last["tokens_seen/source1"]] == [int(drawn[0]) * 32, int(drawn[1]) * 32]
+    assert drawn.tolist() == [67, 29]  # 96 samples: 9 periods of 7/3, then the 10th period's first 6 slots
+    assert last["epoch/source1"] == pytest.approx(29 / windows[1])

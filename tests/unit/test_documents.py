@@ -1,0 +1,249 @@
+"""Document boundaries beyond the model: where prepared data records them, what ``shardlm prepare`` prints, what the
+planner counts (packing, block-causal FLOPs, the mask), block-causal evaluation, resume of older checkpoints, and
+mixtures. The data fixtures and helpers are tests/unit/test_packing.py's."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import cli_error
+from shardlm.config import load_config
+from shardlm.data.instruct import InstructionExamples
+from shardlm.data.loader import TokenWindows
+from shardlm.data.packing import DocumentWindows, PackedExamples
+from shardlm.data.prepare import load_meta, prepare_corpus
+from shardlm.errors import DataError
+from shardlm.model import attention as doc_attention
+from shardlm.model.config import ModelConfig
+from shardlm.model.llama import Llama
+from test_packing import ROOT, SEQ, WORDS, prepare_chat_data, prepare_doc_data, prepare_mixture_data
+
+
+@pytest.fixture(scope="module")
+def packed_data(small_data, tmp_path_factory):
+    """tests/unit/test_packing.py's chat examples, prepared as instruction data."""
+    return prepare_chat_data(tmp_path_factory.mktemp("packed"), small_data / "tokenizer.json")
+
+
+@pytest.fixture(scope="module")
+def doc_data(small_data, tmp_path_factory):
+    """tests/unit/test_packing.py's 60 documents, prepared as a text stream."""
+    return prepare_doc_data(tmp_path_factory.mktemp("docs"), small_data / "tokenizer.json")
+
+
+@pytest.fixture(scope="module")
+def mixture_data(doc_data, small_data, tmp_path_factory):
+    """The same documents as a mixture of two sources."""
+    return prepare_mixture_data(tmp_path_factory.mktemp("mix"), doc_data.parent / "docs.jsonl",
+                                small_data / "tokenizer.json")
+
+
+def test_prepare_prints_the_packing_and_the_documents(packed_data, doc_data, small_data, tmp_path, capsys):
+    """``shardlm prepare`` with data.pack prints the packing at train.seq_len (rows, fill, padding saved); on text
+    data it prints the recorded documents."""
+    from shardlm.cli.main import main as shardlm_main
+
+    base = ["prepare", "--config", str(ROOT / "configs/shakespeare-tiny.toml"), f"--train.seq_len={SEQ}",
+            f"--data.tokenizer={small_data / 'tokenizer.json'}", "--data.val_fraction=0.1", "--model.vocab_size=512"]
+    capsys.readouterr()
+    assert shardlm_main(base + ["--data.format=instruct", "--data.pack=true", "--model.attention=block_causal",
+                                f"--data.corpus={packed_data.parent / 'chat.jsonl'}", f"--data.dir={tmp_path / 'i'}"]) == 0
+    out = capsys.readouterr().out
+    packed = PackedExamples(InstructionExamples(str(tmp_path / "i"), "train", SEQ, skip_untrainable=True), 0)
+    assert f"  packing   {packed.summary()}" in out.splitlines()
+    assert f"padding {packed.padding:,} tokens instead of {packed.unpacked_padding:,} unpacked" in out
+    assert shardlm_main(base + [f"--data.corpus={doc_data.parent / 'docs.jsonl'}", f"--data.dir={tmp_path / 't'}"]) == 0
+    meta = load_meta(str(tmp_path / "t"))
+    mean = (meta["train_tokens"] + meta["val_tokens"]) / 60
+    assert f"  documents 60 (mean {mean:,.1f} tokens; their starts recorded in document_starts.bin" in capsys.readouterr().out
+
+
+def test_prepared_data_records_where_documents_start(doc_data, small_data, tmp_path):
+    """meta.json records one start per document; they are the positions after each separator; a document whose
+    text holds the separator's own string stays one document (the separator rule would cut it: the control);
+    data without the record (prepared before it) falls back to the separator."""
+    meta = load_meta(str(doc_data))
+    starts = np.fromfile(doc_data / meta["document_starts"]["file"], dtype="<i8")
+    assert meta["document_starts"]["count"] == meta["documents"] == 60 == len(starts)
+    stream = np.concatenate([np.fromfile(doc_data / s["file"], dtype=meta["dtype"]) for s in meta["shards"]])
+    eod = meta["special_ids"]["eod"]
+    assert starts.tolist() == [0] + (np.flatnonzero(stream == eod) + 1).tolist()[:-1]
+    # a document holding the separator's string: one document for the record, two for the separator rule
+    texts = [" ".join(WORDS[i:i + 12]) for i in range(0, 36, 12)]
+    texts[1] = texts[1][:20] + " <|end_of_document|> " + texts[1][20:]
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    prepare_corpus(str(tmp_path / "c.jsonl"), str(tmp_path / "d"), str(small_data / "tokenizer.json"), 512, 0.05)
+    windows = TokenWindows(str(tmp_path / "d"), "train", 80)
+    recorded, by_eod = DocumentWindows(windows, eod), DocumentWindows(windows, eod)
+    by_eod.source = "eod"  # the rule data without a record falls back to
+    assert recorded.source == "recorded"
+    tokens = windows.get([0])[0]
+    assert int((tokens == eod).sum()) >= 3  # the literal string became the separator's id
+    assert recorded.get([0])[0, 2].max() < by_eod.get([0])[0, 2].max()
+    assert recorded.num_targets([0]) == by_eod.num_targets([0]) + 1
+    meta = load_meta(str(tmp_path / "d"))
+    del meta["document_starts"]
+    (tmp_path / "d" / "meta.json").write_text(json.dumps(meta))
+    old = DocumentWindows(TokenWindows(str(tmp_path / "d"), "train", 80), eod)
+    assert old.source == "eod" and torch.equal(old.get([0]), by_eod.get([0]))
+    with pytest.raises(DataError, match="records no document starts and has no end-of-document token"):
+        DocumentWindows(TokenWindows(str(tmp_path / "d"), "train", 80), None)
+
+
+def test_planner_counts_packing_block_causal_flops_and_the_mask(packed_data, doc_data):
+    """The planner reads the prepared data: the attention context Σ n² / T of the samples equals the documents
+    the training batches carry (pre-training windows and packed rows); FLOPs per token drop by 12·L·H·Q·(T -
+    context); the planned peak grows by the dense mask, which is the bytes the model's sdpa masks hold; the
+    report states fill, trained tokens, context and mask. Causal attention is unchanged."""
+    from shardlm.data.packing import batch_documents
+    from shardlm.plan import plan_memory
+    from shardlm.plan.documents import document_mask_bytes, document_shape, window_context
+    from shardlm.plan.report import format_plan
+    from shardlm.plan.time import flops_per_token
+
+    assert window_context(np.array([0, 4, 12, 13]), 2, 9) == pytest.approx((16 + 25 + 4 + 1 + 36) / 18)
+
+    def context_of(batch):  # Σ n² / T of the documents the model gets
+        docs = batch_documents(batch)
+        return float(sum((torch.unique_consecutive(r, return_counts=True)[1].double() ** 2).sum() for r in docs)
+                     / docs.numel())
+    base = [f"--train.seq_len={SEQ}", "--model.attention=block_causal", "--train.micro_batch_size=2",
+            "--train.global_batch_size=4", "--parallel.mode=single"]
+    text = load_config(str(ROOT / "configs/shakespeare-tiny.toml"), base + [f"--data.dir={doc_data}"])
+    windows = DocumentWindows(TokenWindows(str(doc_data), "train", SEQ), load_meta(str(doc_data))["special_ids"]["eod"])
+    shape = document_shape(text)
+    every = list(range(len(windows)))
+    assert shape.samples == len(windows) and shape.context == pytest.approx(context_of(windows.get(every)))
+    assert shape.targets == pytest.approx(windows.num_targets(every) / len(windows)) and shape.context < 0.8 * SEQ
+    packed_cfg = load_config(str(ROOT / "configs/shakespeare-tiny.toml"), base + [
+        f"--data.dir={packed_data}", "--data.format=instruct", "--data.pack=true"])
+    packed = PackedExamples(InstructionExamples(str(packed_data), "train", SEQ, skip_untrainable=True),
+                            packed_cfg.train.seed)
+    pshape = document_shape(packed_cfg)
+    rows = packed.get(list(range(len(packed))))
+    assert pshape.context == pytest.approx(context_of(rows)) and pshape.fill == packed.fill
+    assert pshape.targets == pytest.approx(packed.num_targets(list(range(len(packed)))) / len(packed))
+    causal = load_config(str(ROOT / "configs/shakespeare-tiny.toml"), base + [f"--data.dir={doc_data}",
+                                                                             "--model.attention=causal"])
+    m = text.model
+    assert flops_per_token(causal) - flops_per_token(text) == pytest.approx(
+        12 * m.n_layers * m.n_heads * m.head_dim * (SEQ - shape.context))
+    assert document_shape(causal).context == SEQ
+    mask = document_mask_bytes(text, 4, "cpu")
+    real = doc_attention.document_masks(batch_documents(windows.get([0, 1])), {0}, "sdpa")
+    assert mask == sum(t.nbytes for t in real.values()) == 2 * SEQ * SEQ * 4
+    assert plan_memory(text, 1).peak - plan_memory(causal, 1).peak == mask
+    report = format_plan(text, 1, "cpu", 0.05)
+    assert f"block-causal attention: context {shape.context:,.1f} of {SEQ} tokens per sequence" in report, report
+    assert f"fill {100 * pshape.fill:.1f}%" in format_plan(packed_cfg, 1, "cpu", 0.05)
+    unpacked = load_config(str(ROOT / "configs/shakespeare-tiny.toml"), base + [
+        f"--data.dir={packed_data}", "--data.format=instruct"])
+    assert "no response token within the first 65 tokens" in document_shape(unpacked).source  # as training says
+    unpacked = load_config(str(ROOT / "configs/shakespeare-tiny.toml"), base + [
+        f"--data.dir={packed_data}", "--data.format=instruct", "--train.seq_len=256", "--model.max_seq_len=256"])
+    ushape = document_shape(unpacked)
+    plain = InstructionExamples(str(packed_data), "train", 256)
+    assert ushape.samples == len(plain) and ushape.context == 256
+    lengths = np.minimum(np.diff(plain.offsets), 257)
+    assert ushape.fill == pytest.approx(lengths.sum() / (len(plain) * 257)) and ushape.fill < pshape.fill
+    assert "data.pack = true would put several examples in a row" in format_plan(unpacked, 1, "cpu", 0.05)
+    assert "block-causal" not in format_plan(causal, 1, "cpu", 0.05)
+
+
+def test_block_causal_eval_equals_each_document_alone(doc_data, small_data, tmp_path, monkeypatch, capsys):
+    """``evaluate_tokens`` with document starts (windows of several documents packed into one row, block-causal)
+    equals evaluating each document alone (loss 1e-6 relative, the same token count) in fewer forward rows; the
+    whole stream under causal attention differs (the control); ``shardlm eval --attention block_causal`` on an
+    exported model gives the same figures from text, and on the prepared data's validation split (its recorded
+    document starts); prepared data of another tokenizer is refused."""
+    from shardlm.convert.hf_out import save_model_dir
+    from shardlm.data import load_tokenizer, read_documents, special_token_ids
+    from shardlm.eval import perplexity
+    from shardlm.parallel import DistInfo
+
+    monkeypatch.setattr(perplexity, "all_reduce_sum", lambda t: t)  # one process, no process group
+    info = DistInfo(0, 0, 1, torch.device("cpu"), "gloo")
+    cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128, vocab_size=512, max_seq_len=64)
+    model = Llama(cfg)
+    model.init_weights(0)
+    tok = load_tokenizer(str(small_data / "tokenizer.json"))
+    corpus = doc_data.parent / "docs.jsonl"
+    stream, starts = perplexity.document_stream(read_documents(str(corpus)), tok, special_token_ids(tok))
+    assert starts == np.fromfile(doc_data / "document_starts.bin", dtype="<i8").tolist()  # as prepared
+    for context, stride in ((64, 32), (24, 10)):  # documents shorter and longer than the context
+        packed = perplexity.evaluate_tokens(model, stream, info, 4, context, False, stride, starts)
+        assert model.cfg.attention == "causal"  # the caller's model is left as it was
+        bounds = [*starts, len(stream)]
+        alone = [perplexity.evaluate_tokens(model, stream[s:t], info, 4, context, False, stride)
+                 for s, t in zip(bounds[:-1], bounds[1:])]
+        assert packed.tokens == sum(a.tokens for a in alone) == len(stream) - len(starts)
+        assert abs(packed.loss_sum / sum(a.loss_sum for a in alone) - 1) < 1e-6, (context, stride)
+        assert packed.windows == sum(a.windows for a in alone)
+        whole = perplexity.evaluate_tokens(model, stream, info, 4, context, False, stride)
+        assert abs(whole.mean_loss - packed.mean_loss) > 1e-4  # (measured 5.9e-4 at 64 / 32; the tolerance is 1e-6)
+    windows = perplexity.document_windows(starts, len(stream), 64, 32)
+    assert len(perplexity._rows(windows, 64, True)) < len(windows)  # short ones share a row (measured 99 rows, 104)
+    model_dir = save_model_dir(model.state_dict(), cfg, tmp_path / "m", small_data / "tokenizer.json")
+    from shardlm.cli.main import main as shardlm_main
+
+    capsys.readouterr()
+    assert shardlm_main(["eval", "--model", str(model_dir), "--data", str(corpus), "--context", "64", "--json",
+                         "--attention", "block_causal"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    ref = perplexity.evaluate_tokens(model, stream, info, 8, 64, False, 32, starts)
+    assert out["attention"] == "block_causal" and out["tokens"] == ref.tokens
+    assert abs(out["mean_loss"] / ref.mean_loss - 1) < 1e-6
+    # on the prepared data: its validation split, cut at the recorded document starts
+    val = TokenWindows(str(doc_data), "val", 1).stream
+    tokens = val.read(0, val.num_tokens).tolist()
+    val_starts = [0] + [int(i) for i in val.starts_in(0, val.num_tokens) if i > 0]
+    assert shardlm_main(["eval", "--model", str(model_dir), "--data", str(doc_data), "--context", "64", "--json",
+                         "--attention", "block_causal"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    ref = perplexity.evaluate_tokens(model, tokens, info, 8, 64, False, 32, val_starts)
+    assert out["tokens"] == ref.tokens == len(tokens) - len(val_starts) and len(val_starts) > 3
+    assert abs(out["mean_loss"] / ref.mean_loss - 1) < 1e-6
+    (model_dir / "tokenizer.json").write_text((model_dir / "tokenizer.json").read_text() + "\n")
+    err = cli_error(capsys, ["eval", "--model", str(model_dir), "--data", str(doc_data)])
+    assert "was prepared with another tokenizer.json than the model's" in err
+
+
+def test_a_checkpoint_without_the_attention_field_resumes_only_as_causal():
+    """A checkpoint written before ``model.attention`` existed trained with causal attention: resuming it under
+    block-causal (or packed) is refused with the field named, under causal it is no change; a prepared data
+    record without document starts (older) is not a data difference; other document starts are."""
+    from shardlm.checkpoint.resume_config import REFUSED, config_changes, data_problems
+
+    old = load_config(None, []).to_dict()
+    del old["model"]["attention"], old["data"]["pack"]
+    assert config_changes(old, load_config(None, ["--model.attention=causal"]).to_dict()) == []
+    (change,) = config_changes(old, load_config(None, ["--model.attention=block_causal"]).to_dict())
+    assert (change.key, change.old, change.new, change.rule) == ("model.attention", "causal", "block_causal", REFUSED)
+    assert "model.attention: \"causal\" -> \"block_causal\" (refused: a run continues with the attention" in change.line()
+    meta = {"content_sha256": "ab", "document_starts": {"file": "document_starts.bin", "count": 3}}
+    assert data_problems({"data": {"content_sha256": "ab"}}, meta, None) == []
+    other = {**meta, "document_starts": {"file": "document_starts.bin", "count": 4}}
+    assert data_problems({"data": meta}, other, None) != []
+
+
+def test_mixture_windows_keep_each_sources_documents(mixture_data):
+    """Block-causal windows over a mixture (train and interleaved validation): each window's tokens, labels and
+    document index are those of its source's own window, from that source's recorded document starts."""
+    from shardlm.data.mixture import MixtureWindows
+
+    eod = load_meta(str(mixture_data / "a"))["special_ids"]["eod"]
+    for split, interleave in (("train", False), ("val", True)):
+        sources = [TokenWindows(str(mixture_data / n), split, SEQ) for n in ("a", "b")]
+        mixed = DocumentWindows(MixtureWindows(sources, interleave=interleave), eod)
+        assert mixed.source == "recorded"
+        ids = list(range(len(mixed)))
+        batch = mixed.get(ids)
+        for j in ids:
+            src, w = mixed.windows._locate(j)
+            assert torch.equal(batch[j], DocumentWindows(sources[src], eod).get([w])[0]), (split, j)
+        assert batch[:, 2].max() > 0  # windows cross documents
+        assert mixed.num_targets(ids) == int((batch[:, 1, 1:] != -100).sum())

@@ -1,0 +1,96 @@
+"""The main job's failures in one process: bad input with one clear error, ``exit_process`` keeping the code
+and the output, and a non-finite loss that stops the run and writes nothing. The job end to end under torchrun is
+tests/dist/test_main_job.py."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from conftest import cpu_env, tiny_overrides
+from shardlm.cli.train import main as train_main
+from shardlm.data import prepare_corpus
+
+
+@pytest.fixture
+def tokenizer_600(tmp_path, small_corpus):
+    out = tmp_path / "tok600"
+    prepare_corpus(str(small_corpus), str(out), None, 600, 0.1)
+    return out / "tokenizer.json"
+
+
+def bad_cases(tmp_path, small_data, small_corpus, tokenizer_600):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n\n")
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "keep.txt").write_text("precious")
+    fresh = tmp_path / "fresh"
+    return {
+        "unknown key": (["--train.bogus=1"], "unknown config key 'train.bogus'"),
+        "wrong type": (["--train.steps=ten"], "train.steps: expected an integer"),
+        "batch not divisible": (["--train.global_batch_size=7", "--train.micro_batch_size=2"],
+                                "global_batch_size=7 must be divisible"),
+        "seq too long": (["--train.seq_len=128"], "exceeds the model's maximum"),
+        "missing corpus": ([f"--data.corpus={tmp_path / 'nope.txt'}", f"--data.dir={fresh / 'd1'}"], "nope.txt"),
+        "empty corpus": ([f"--data.corpus={empty}", f"--data.dir={fresh / 'd2'}"], "empty"),
+        "tokenizer too big": ([f"--data.corpus={small_corpus}", f"--data.tokenizer={tokenizer_600}",
+                               f"--data.dir={fresh / 'd3'}"], "600"),
+        "run dir not empty": ([f"--run.dir={busy}", "--run.overwrite=false"], "not empty"),
+        "run dir is a file": ([f"--run.dir={busy / 'keep.txt'}"], "is not a directory"),
+        "lr is nan": (["--train.lr=nan"], "train.lr must be a finite number"),
+        "timeout not positive": (["--parallel.timeout_s=-1"], "parallel.timeout_s must be positive"),
+        "data dir under a file": ([f"--data.corpus={small_corpus}", f"--data.dir={busy / 'keep.txt' / 'data'}"],
+                                  f"cannot create {busy / 'keep.txt' / 'data'}: a parent is a file"),
+    }
+
+
+@pytest.mark.parametrize("case", ["unknown key", "wrong type", "batch not divisible", "seq too long",
+                                  "missing corpus", "empty corpus", "tokenizer too big", "run dir not empty",
+                                  "run dir is a file", "lr is nan", "timeout not positive",
+                                  "data dir under a file"])
+def test_bad_input_one_clear_error(case, tmp_path, small_data, small_corpus, tokenizer_600, capsys):
+    overrides, needle = bad_cases(tmp_path, small_data, small_corpus, tokenizer_600)[case]
+    base = tiny_overrides(small_data, tmp_path / "run")
+    code = train_main(base + overrides)
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.count("error:") == 1 and needle in err, err
+    assert "Traceback" not in err
+    if case == "run dir not empty":
+        assert (tmp_path / "busy" / "keep.txt").read_text() == "precious"
+    if case in ("missing corpus", "empty corpus", "tokenizer too big"):
+        assert not (tmp_path / "fresh").exists() or not any((tmp_path / "fresh").rglob("*.bin"))
+
+
+@pytest.mark.parametrize("start_group", [True, False])
+def test_exit_process_keeps_the_code_and_the_output(start_group):
+    """``exit_process`` (which skips the interpreter's teardown once a process group was started) still
+    exits with the given code, with buffered output written and the process group destroyed first."""
+    script = ("import sys\nfrom shardlm.config import ParallelConfig\n"
+              "from shardlm.parallel import exit_process, init_distributed\n"
+              f"if {start_group}: init_distributed(ParallelConfig())\n"
+              "print('buffered line'); print('to stderr', file=sys.stderr)\n"
+              "exit_process(5)\n")
+    proc = subprocess.run([sys.executable, "-c", script], env=cpu_env(), capture_output=True, text=True,
+                          timeout=60, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 5, proc.stderr
+    assert proc.stdout == "buffered line\n" and proc.stderr.endswith("to stderr\n"), (proc.stdout, proc.stderr)
+
+
+def test_non_finite_loss_stops_and_writes_nothing(tmp_path, small_data, capsys):
+    run = tmp_path / "run"
+    # an absurd learning rate blows the weights up within a few steps: the loss becomes inf/NaN
+    code = train_main(tiny_overrides(small_data, run, {"train.lr": 1e30, "train.min_lr": 1e30,
+                                                       "train.warmup_steps": 0, "train.grad_clip": 0.0}))
+    err = capsys.readouterr().err
+    assert code == 3
+    assert err.count("error:") == 1 and "is not finite" in err, err
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) < 20
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in records)
+    assert not (run / "final").exists()

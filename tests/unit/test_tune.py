@@ -1,0 +1,244 @@
+"""``shardlm tune``'s search in one process: candidates from the planner, the staged search, the time budget,
+config layering, TP and EP candidates. The measuring launch is tests/dist/test_tune_launch.py."""
+
+from __future__ import annotations
+
+import json
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import ROOT, cli_error
+from shardlm.cli.main import main as shardlm_main
+from shardlm.cli.train import parse_args
+from shardlm.config import load_config
+from shardlm.plan import tune
+from shardlm.plan.devices import GIB
+from shardlm.plan.tune import Candidate, Planner, Row, combine, config_candidate, first_round, space
+
+TINY = """[model]
+dim = 64
+n_layers = 2
+n_heads = 4
+n_kv_heads = 2
+ffn_hidden = 128
+vocab_size = 512
+max_seq_len = 64
+
+[data]
+dir = "{data}"
+
+[train]
+seq_len = 32
+global_batch_size = 8
+micro_batch_size = 4
+"""
+
+
+def table_rows(stdout: str) -> list[dict[str, str]]:
+    """The rows of the table ``shardlm tune`` printed, as {column: cell}."""
+    lines = [line for line in stdout.splitlines() if line.startswith("| ")]
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    return [dict(zip(head, (c.strip() for c in line.strip("|").split("|")))) for line in lines[1:]]
+
+
+def as_candidate(row: dict[str, str]) -> Candidate:
+    forward, backward = row["prefetch f/b"].split("/")
+    micro = int(row["micro-batch x accum"].split(" x ")[0])
+    return Candidate(row["reshard"] == "true", int(forward), int(backward), row["AC"], micro,
+                     row["grad sync"] if row["grad sync"] != "-" else "every_micro_batch", row["compile"] == "true",
+                     int(row["blocks/group"]), int(row["tp"]), int(row["ep"]))
+
+
+def test_no_candidate_fits_says_what_would(tmp_path, capsys, monkeypatch):
+    """No candidate fits at 2 ranks: one error naming the smallest candidate's need and the world size at which
+    the model fits (with its checkpointing and micro-batch); nothing is launched or written."""
+    config = tmp_path / "wide.toml"
+    config.write_text(TINY.format(data=tmp_path / "none").replace("dim = 64", "dim = 512")
+                      .replace("vocab_size = 512", "vocab_size = 8192"))  # 11M parameters: state dominates
+    cfg = load_config(str(config))
+    smallest = Candidate(True, 0, 0, "full", 1, "every_micro_batch")
+    at2, at4 = Planner(cfg, 2, "cpu", 0).bytes(smallest), Planner(cfg, 4, "cpu", 0).bytes(smallest)
+    assert at4 < at2
+    monkeypatch.setattr(tune.subprocess, "Popen", lambda *a, **k: pytest.fail("launched"))
+    out = tmp_path / "tuned.toml"
+    err = cli_error(capsys, ["tune", str(config), "--world-size", "2", "--out", str(out),
+                             "--memory-per-rank", f"{at4 * 1.001 / GIB:.9f}", "--headroom", "0"])
+    assert "no candidate fits at world size 2" in err and f"{tune.size(at2)} per rank" in err
+    assert "more ranks: --world-size 4, with activation checkpointing" in err and "micro-batch" in err
+    assert not out.exists()
+    err = cli_error(capsys, ["tune", str(config), "--world-size", "3"])
+    assert "train.global_batch_size=8 must be divisible by the world size 3" in err
+    err = cli_error(capsys, ["tune", str(config), "--world-size", "2", "--parallel.mode=ddp"])
+    assert "parallel.mode must be 'fsdp'" in err
+
+
+def test_staged_search_candidates():
+    """The 20m config at 2 ranks: the config's settings as base and one change at a time, no checkpointing where
+    none is needed; with less memory the lightest checkpointing that fits; round 2 combines the fastest values."""
+    cfg = load_config(str(ROOT / "configs" / "20m.toml"))
+    roomy = Planner(cfg, 2, "cpu", 64 * GIB)
+    rows = first_round(cfg, roomy, "staged")
+    base = Candidate(True, 0, 0, "none", 4, "every_micro_batch")
+    assert [r.cand for r in rows] == [
+        base, base.with_value("reshard", False), base.with_value("prefetch", (1, 1)),
+        base.with_value("prefetch", (2, 2)), *[base.with_value("batching", (m, s)) for m in (2, 1)
+                                               for s in ("every_micro_batch", "last_micro_batch")],
+        base.with_value("compile", True), base.with_value("grouping", 2), base.with_value("grouping", 4),
+        base.with_value("tp", 2)]
+    assert all(r.fits for r in rows)
+    # the full grid: reshard x prefetch x AC x batching x compile x grouping (1, 2, all 4 blocks) x tp x ep
+    assert [len(v) for v in space(cfg, 2).values()] == [2, 3, 4, 5, 2, 3, 2, 1]
+    # a group of 2 blocks prefetched holds 2 blocks more; one group of 4 more still than 2 groups of 2
+    prefetched = base.with_value("prefetch", (1, 1))
+    assert roomy.bytes(prefetched.with_value("grouping", 2)) > roomy.bytes(prefetched)
+    assert roomy.bytes(base.with_value("grouping", 4)) > roomy.bytes(base.with_value("grouping", 2))
+    tight = Planner(cfg, 2, "cpu", (roomy.bytes(base) + roomy.bytes(base.with_value("ac", "selective"))) / 2)
+    rows = first_round(cfg, tight, "staged")
+    assert rows[0].cand == base and not rows[0].fits  # the config's own row, shown as not fitting
+    assert rows[1].cand == base.with_value("ac", "selective") and rows[1].fits
+    # every other row checkpoints no more than it must: the next lighter mode does not fit (a smaller micro-batch
+    # without checkpointing fits, except where last_micro_batch's unsharded gradients need it)
+    lighter = {"selective": "none", "full": "selective"}
+    for r in rows[1:]:  # a row that fits nowhere is shown at full checkpointing
+        mode = r.cand.activation_checkpoint
+        assert r.fits or mode == "full", r.cand
+        assert mode == "none" or not tight.fits(r.cand.with_value("ac", lighter[mode])), r.cand
+    assert any(r.cand.activation_checkpoint == "none" for r in rows if r.cand.micro_batch_size < 4)
+    times = {base.with_value("reshard", False): 1.0, base.with_value("batching", (2, "last_micro_batch")): 1.1,
+             base.with_value("prefetch", (1, 1)): 1.5, base: 1.3}
+    measured = [Row(c, roomy.bytes(c), True, times=[t]) for c, t in times.items()]
+    assert combine(measured, base, roomy) == Candidate(False, 0, 0, "none", 2, "last_micro_batch")
+
+
+def test_prefetch_deeper_than_the_other_groups_is_measured_once():
+    """Prefetch depth 2 with 2 block groups runs as depth 1: the config's own row says so, and no two rows of the
+    first round (or of the full grid) are the same settings."""
+    cfg = load_config(str(ROOT / "configs" / "20m.toml"), ["--parallel.blocks_per_group=2",
+                                                           "--parallel.forward_prefetch=2"])
+    own = config_candidate(cfg, 2)
+    assert (own.forward_prefetch, own.backward_prefetch, own.blocks_per_group) == (1, 0, 2)
+    roomy = Planner(cfg, 2, "cpu", 64 * GIB)
+    for search in ("staged", "full"):
+        cands = [r.cand for r in first_round(cfg, roomy, search)]
+        assert len(cands) == len(set(cands)) and own in cands, search
+
+
+def test_config_files_layer_in_order(tmp_path):
+    """Several config files: later keys replace earlier ones, the run is named after the first file, command-line
+    overrides come last; ``python -m shardlm.train`` takes --config more than once."""
+    first, second = tmp_path / "base.toml", tmp_path / "tuned.toml"
+    first.write_text("[train]\nmicro_batch_size = 4\nsteps = 7\n[parallel]\nreshard_after_forward = true\n")
+    second.write_text("[train]\nmicro_batch_size = 2\n[parallel]\nreshard_after_forward = false\n")
+    cfg = load_config([str(first), str(second)], ["--train.steps=9"])
+    assert (cfg.train.micro_batch_size, cfg.train.steps, cfg.parallel.reshard_after_forward) == (2, 9, False)
+    assert cfg.run.name == "base"
+    paths, overrides = parse_args(["--config", str(first), "--config", str(second), "--train.steps=3"])
+    assert paths == [str(first), str(second)] and overrides == ["--train.steps=3"]
+
+
+def test_time_budget_measures_what_fits_in_it(tmp_path, capsys, monkeypatch):
+    """``--time-budget 25``, each measurement 10 s (a fake clock; nothing is trained): the first two candidates are
+    measured, the rest skipped and marked so, no confirming pass; the pick is the faster measured one and is
+    written. Without a budget every fitting candidate is measured and the two fastest confirmed. A bad budget is
+    one error line."""
+    from shardlm.cli import tune_worker
+
+    config = tmp_path / "tiny.toml"
+    config.write_text(TINY.format(data=tmp_path / "none"))
+    now = [0.0]
+    step_s = iter(0.1 * (k % 7 + 1) for k in range(1000))  # each measurement's step time
+
+    def fake_time_candidate(cfg, info):
+        now[0] += 10.0
+        return [next(step_s)] * cfg.train.steps, -1
+
+    def in_process_launch(spec, world_size, workdir):
+        assert world_size == 1
+        now[0] = time.time()  # the fake clock starts at the launch
+        tune_worker.measure({**spec, "out": str(workdir / "rows.json"), "workdir": str(workdir)})
+        return [Row.from_dict(d) for d in json.loads((workdir / "rows.json").read_text())]
+
+    monkeypatch.setattr(tune_worker, "time_candidate", fake_time_candidate)
+    one_rank = SimpleNamespace(world_size=1, is_main=True, device=torch.device("cpu"))  # no process group
+    monkeypatch.setattr(tune_worker, "init_distributed", lambda pcfg: one_rank)
+    monkeypatch.setattr(tune_worker, "clock", lambda: now[0])
+    monkeypatch.setattr(tune, "launch", in_process_launch)
+    args = ["tune", str(config), "--world-size", "1", "--search", "full", "--memory-per-rank", "64", "--warmup",
+            "1", "--steps", "2", "--train.global_batch_size=2", "--train.micro_batch_size=2"]
+    results = {}
+    for budget in ("25s", None):
+        out = tmp_path / f"tuned-{budget}.toml"
+        capsys.readouterr()
+        assert shardlm_main(args + ["--out", str(out)] + (["--time-budget", budget] if budget else [])) == 0
+        captured = capsys.readouterr()
+        results[budget] = rows = table_rows(captured.out)
+        assert ("that fit not measured (marked 'skipped')" in captured.out) == (budget is not None)
+        measured = [r for r in rows if r["step s"] != "-"]
+        picked = next(r for r in rows if "picked" in r["note"])
+        assert picked in measured and float(picked["step s"]) == min(float(r["step s"]) for r in measured)
+        assert config_candidate(load_config([str(config), str(out)]), 1) == as_candidate(picked)
+    fitting = [r for r in results[None] if r["fits"] == "yes"]
+    assert len(fitting) > 4 and all(r["step s"] != "-" for r in fitting)
+    assert len([r for r in results[None] if "confirmed" in r["note"]]) == 2
+    limited = results["25s"]
+    assert [r["step s"] != "-" for r in limited if r["fits"] == "yes"] == [True, True] + [False] * (len(fitting) - 2)
+    assert all("skipped: time budget" in r["note"] for r in limited if r["fits"] == "yes" and r["step s"] == "-")
+    assert not any("confirmed" in r["note"] for r in limited)
+    for bad in ("-3m", "0", "5x"):
+        err = cli_error(capsys, ["tune", str(config), "--world-size", "1", f"--time-budget={bad}"])
+        assert "--time-budget must be a positive duration" in err and f"{bad!r}" in err
+
+
+def test_tensor_and_expert_parallel_candidates():
+    """At 4 ranks tune offers each tp the trainer accepts (the 20m model: 1, 2, 4; 2 key/value heads: 1, 2; with
+    LoRA: 1) and, for a mixture of experts, each ep dividing its experts and the ranks (8 experts: 1, 2, 4; 6: 1, 2;
+    no tp: tensor parallel on MoE is not built). Each such row's prediction is the planner's for that layout (a
+    tp-way model's pieces, ep-way experts), a tp row checkpoints only as the planner models it (none or full), its
+    micro-batches are tp times more (N / tp data-parallel ranks), and the full grid holds no other mode with tp."""
+    from shardlm.errors import ConfigError
+    from shardlm.parallel.ep import check_ep
+    from shardlm.plan.memory import plan_memory
+    from shardlm.plan.tune_candidates import apply
+
+    dense = str(ROOT / "configs" / "20m.toml")
+    cases = {(): ([1, 2, 4], [1]), ("--model.n_kv_heads=2",): ([1, 2], [1]),
+             ("--lora.enabled=true",): ([1], [1]), ("--train.seq_len=254",): ([1, 2], [1])}
+    for overrides, (tp, ep) in cases.items():
+        dims = space(load_config(dense, list(overrides)), 4)
+        assert (dims["tp"], dims["ep"]) == (tp, ep), overrides
+    cfg = load_config(dense)
+    roomy, own = Planner(cfg, 4, "cpu", 64 * GIB), config_candidate(cfg, 4)  # own: the staged search's base here
+    rows = {r.cand.tp: r for r in first_round(cfg, roomy, "staged") if r.cand.with_value("tp", 1) == own}
+    assert sorted(rows) == [1, 2, 4]
+    for r in rows.values():
+        assert r.predicted_bytes == plan_memory(apply(cfg, r.cand), 4).peak
+    assert rows[4].predicted_bytes < rows[2].predicted_bytes < rows[1].predicted_bytes
+    tight = Planner(cfg, 4, "cpu", (roomy.bytes(own) + roomy.bytes(own.with_value("ac", "selective"))) / 2)
+    under_tp = [r.cand for r in first_round(cfg, tight, "staged") if r.cand.tp > 1]
+    assert under_tp and all(c.activation_checkpoint in ("none", "full") for c in under_tp)
+    grid = [r.cand for r in first_round(cfg, roomy, "full")]
+    assert {c.tp for c in grid} == {1, 2, 4}
+    assert {c.activation_checkpoint for c in grid if c.tp > 1} == {"none", "full"}
+    table = tune.format_table([rows[2]], cfg, 4, None)
+    assert table_rows(table)[0]["micro-batch x accum"] == "2 x 2" and table_rows(table)[0]["tp"] == "2"
+
+    moe = ["--model.family=qwen3_moe", "--model.n_experts=8", "--model.n_experts_per_token=2",
+           "--model.moe_ffn_hidden=128", "--model.dim=128", "--model.vocab_size=512"]
+    cfg = load_config(dense, moe)
+    dims = space(cfg, 4)
+    assert (dims["tp"], dims["ep"]) == ([1], [1, 2, 4])
+    assert space(load_config(dense, moe + ["--model.n_experts=6"]), 4)["ep"] == [1, 2]
+    hsdp = load_config(dense, moe + ["--parallel.dp_replicate=2"])  # EP under HSDP is not built: refused by name
+    assert space(hsdp, 4)["ep"] == [1]
+    with pytest.raises(ConfigError, match=r"parallel.ep=2 with parallel.dp_replicate=2 \(HSDP\) is not built"):
+        check_ep(8, 2, 4, "fsdp", 2)
+    roomy, own = Planner(cfg, 4, "cpu", 64 * GIB), config_candidate(cfg, 4)
+    rows = {r.cand.ep: r for r in first_round(cfg, roomy, "staged") if r.cand.with_value("ep", 1) == own}
+    assert sorted(rows) == [1, 2, 4]
+    for r in rows.values():
+        assert r.predicted_bytes == plan_memory(apply(cfg, r.cand), 4).peak
+    # an ep rank all-gathers only its experts: less memory the more ranks split them
+    assert rows[4].predicted_bytes < rows[2].predicted_bytes < rows[1].predicted_bytes

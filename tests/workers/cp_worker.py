@@ -1,0 +1,93 @@
+"""Context-parallel attention against one-rank attention, in one torchrun launch.
+
+Usage: ``torchrun --nproc_per_node=N tests/workers/cp_worker.py OUT.json``. Every rank builds the same full q, k, v
+(seeded), computes one-rank attention under the dense reference mask and its gradients, then its own CP share
+(:class:`shardlm.parallel.cp.ContextParallel`) and their gradients, and records the largest differences on its
+tokens per case. Rank 0 writes ``OUT.json``: ``{case: {"out": diff, "dq": .., "dk": .., "dv": .., "masked": ..}}``
+with each diff the maximum over ranks; ``vs_causal`` is how far the case's attention is from plain causal attention
+(documents and windows must make a difference, so a case cannot pass by ignoring them).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from shardlm.model.attention import dense_mask
+from shardlm.model.decoder import attention
+from shardlm.parallel import exit_process
+from shardlm.parallel.cp import ContextParallel
+
+#: (name, sequence length, window, block-causal documents as run lengths or None)
+CASES = [
+    ("causal_odd", 13, 0, None),
+    ("block_causal_odd", 13, 0, [4, 6, 3]),
+    ("sliding_window", 16, 5, None),
+    ("sliding_block_causal_odd", 15, 4, [7, 8]),
+]
+
+
+def documents_of(runs: list[int] | None, batch: int, t: int) -> torch.Tensor | None:
+    """(batch, t) int64 document ids from run lengths (row b shifts the boundaries by b, so rows differ)."""
+    if runs is None:
+        return None
+    rows = []
+    for b in range(batch):
+        ids = torch.repeat_interleave(torch.arange(len(runs)), torch.tensor(runs))
+        rows.append(torch.cat([ids[:1].expand(b), ids])[:t])
+    return torch.stack(rows)
+
+
+def run_case(cp: ContextParallel, t: int, window: int, runs: list[int] | None) -> dict[str, float]:
+    b, h, kvh, d = 2, 4, 2, 8
+    gen = torch.Generator().manual_seed(t * 100 + window)
+    q, k, v, w = (torch.randn(b, n, t, d, generator=gen, dtype=torch.float64).float()
+                  for n in (h, kvh, kvh, h))
+    w = w / t  # the upstream gradient of a mean over the tokens, as a loss gives it
+    docs = documents_of(runs, b, t)
+    ref_docs = docs if docs is not None else torch.zeros(b, t, dtype=torch.int64)
+    mask = dense_mask(ref_docs, window)
+    qf, kf, vf = (x.clone().requires_grad_() for x in (q, k, v))
+    ref = attention(qf, kf, vf, mask)
+    (ref * w).sum().backward()
+    causal = attention(q, k, v, dense_mask(torch.zeros(b, t, dtype=torch.int64)))
+
+    ql, kl, vl = (cp.shard(x, 0, dim=2).requires_grad_() for x in (q, k, v))
+    cp._additive.clear()
+    cp_mask = cp.masks(t, docs, {window}, q.device)[window]
+    out = cp.attend(ql, kl, vl, cp_mask)
+    (out * cp.shard(w, 0, dim=2)).sum().backward()
+
+    real = cp.local_indices(t) < t  # this rank's real (not padding) tokens
+    idx = cp.local_indices(t)[real]
+
+    def diff(mine: torch.Tensor, full: torch.Tensor) -> float:
+        return (mine[:, :, real] - full[:, :, idx]).abs().max().item()
+
+    return {"out": diff(out.detach(), ref.detach()), "dq": diff(ql.grad, qf.grad), "dk": diff(kl.grad, kf.grad),
+            "dv": diff(vl.grad, vf.grad), "vs_causal": (ref.detach() - causal).abs().max().item(),
+            "padding": int((~real).sum()), "dense_mask": cp_mask is not None}
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    cp = ContextParallel(dist.group.WORLD)
+    results = {}
+    for name, t, window, runs in CASES:
+        r = run_case(cp, t, window, runs)
+        gathered = [None] * cp.size
+        dist.all_gather_object(gathered, r)
+        results[name] = {key: max(g[key] for g in gathered) for key in r}
+        results[name]["padding_total"] = sum(g["padding"] for g in gathered)
+    if dist.get_rank() == 0:
+        Path(sys.argv[1]).write_text(json.dumps(results))
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()
+    exit_process(0)

@@ -1,8 +1,8 @@
 """Shared fixtures: a small prepared corpus, and a helper that launches torchrun on CPU/gloo.
 
-The tests live in three folders: ``unit/`` (single-process, no torchrun), ``dist/`` (marked ``dist``: they launch
-torchrun) and ``workers/`` (the scripts torchrun runs); a test of one kind in the other's folder fails the
-collection (:func:`pytest_collection_modifyitems`)."""
+The tests live in three folders: ``unit/`` (single-process, no torchrun), ``dist/`` (marked ``dist``: they
+launch torchrun) and ``workers/`` (the scripts torchrun runs); a test of one kind in the other's folder fails
+the collection (:func:`pytest_collection_modifyitems`)."""
 
 from __future__ import annotations
 
@@ -38,7 +38,8 @@ def cpu_env() -> dict[str, str]:
 
 
 def folder_of(item: pytest.Item) -> str | None:
-    """``unit``, ``dist`` or ``workers``: the folder under tests/ that holds ``item``'s file (None: another)."""
+    """``unit``, ``dist`` or ``workers``: the folder under tests/ that holds ``item``'s file (None: any
+    other)."""
     try:
         parts = Path(str(item.path)).resolve().relative_to(TESTS).parts
     except ValueError:
@@ -47,8 +48,8 @@ def folder_of(item: pytest.Item) -> str | None:
 
 
 def misplaced(items: list[pytest.Item]) -> list[str]:
-    """The tests in the wrong folder: a ``dist`` one outside tests/dist, an unmarked one in tests/dist, any test
-    in tests/workers or directly in tests/."""
+    """The tests in the wrong folder: a ``dist`` one outside tests/dist, an unmarked one in tests/dist, any
+    test in tests/workers or directly in tests/."""
     wrong = []
     for item in items:
         folder, dist = folder_of(item), item.get_closest_marker("dist") is not None
@@ -77,7 +78,8 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 def require_dist_marker() -> None:
     """Fail a test that launches processes but is not marked ``dist`` (so ``-m "not dist"`` stays fast)."""
     if _current and _current[0].get_closest_marker("dist") is None:
-        raise AssertionError(f"{_current[0].nodeid} launches torchrun: mark it @pytest.mark.dist")
+        raise AssertionError(f"{_current[0].nodeid} launches torchrun: mark it @pytest.mark.dist "
+                             "(in tests/dist)")
 
 
 def torchrun(nproc: int, args: list[str], timeout: float = 300, check: bool = True,

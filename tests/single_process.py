@@ -2,9 +2,9 @@
 torchrun or a worker script, none joins a process group of more than one rank, and none leaves a process group
 behind (:func:`single_process`).
 
-A test here may still run shardlm's trainer in this process, as ``shardlm train`` without torchrun does: it opens a
-process group of one rank on an in-process store (``HashStore``, world size 1: no other process, no port) and
-closes it before it returns.
+A test here may still run shardlm's trainer in this process, as ``shardlm train`` without torchrun does: it
+opens a process group of one rank on an in-process store (``HashStore``, world size 1: no other process, no
+port) and closes it before it returns.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ def refuse_launches(event: str, args: tuple) -> None:
     """Audit hook: a ``subprocess.Popen`` of torchrun or a worker while a unit test runs raises RuntimeError,
     which stops the launch before any process starts."""
     if event == "subprocess.Popen" and _guarding[0] and (word := launch_in(args[1])):
-        raise RuntimeError(f"a test in tests/unit launches {word!r}: launches belong in tests/dist (mark it dist)")
+        raise RuntimeError(f"a test in tests/unit launches {word!r}: launches belong in tests/dist (mark it "
+                           "dist)")
 
 
 sys.addaudithook(refuse_launches)  # an audit hook cannot be removed; it does nothing outside a unit test
@@ -46,14 +47,16 @@ one_rank_groups: list[str] = []
 
 
 def one_rank_only(init_process_group, nodeid: str = ""):
-    """``init_process_group`` wrapped to refuse a world size above 1 (a group that other processes would join)."""
+    """``init_process_group`` wrapped to refuse a world size above 1 (a group that other processes
+    would join)."""
 
     def init(*args, **kwargs):
         world = kwargs.get("world_size", args[3] if len(args) > 3 else -1)
         if world == -1:
             world = int(os.environ.get("WORLD_SIZE", "1"))
         if world != 1:
-            raise RuntimeError(f"a test in tests/unit starts a process group of {world} ranks: that is a dist test")
+            raise RuntimeError(f"a test in tests/unit starts a process group of {world} ranks: that is a "
+                               "dist test")
         if nodeid and nodeid not in one_rank_groups:
             one_rank_groups.append(nodeid)
         return init_process_group(*args, **kwargs)
@@ -71,8 +74,9 @@ def pytest_terminal_summary(terminalreporter) -> None:
 
 @pytest.fixture(autouse=True)
 def single_process(request):
-    """For a test in tests/unit: refuse torchrun and worker launches and groups of several ranks during the test;
-    fail it when it leaves a process group initialized (destroyed here, so that the next test starts clean)."""
+    """For a test in tests/unit: refuse torchrun and worker launches and groups of several ranks during the
+    test; fail it when it leaves a process group initialized (destroyed here, so that the next test
+    starts clean)."""
     if Path(str(request.node.path)).resolve().parent != UNIT:
         yield
         return

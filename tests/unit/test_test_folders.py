@@ -1,6 +1,7 @@
-"""The tests' own layout: single-process tests in tests/unit, torchrun tests (marked ``dist``) in tests/dist, the
-scripts torchrun runs in tests/workers, and the guards that keep it so (tests/conftest.py refuses a misplaced test
-at collection; tests/single_process.py refuses a launch or a process group of several ranks from tests/unit)."""
+"""The tests' own layout: single-process tests in tests/unit, torchrun tests (marked ``dist``) in tests/dist,
+the scripts torchrun runs in tests/workers, and the guards that keep it so (tests/conftest.py refuses a
+misplaced test at collection; tests/single_process.py refuses a launch or a process group of several ranks
+from tests/unit)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,9 @@ def is_dist(node: ast.FunctionDef, tree: ast.Module) -> bool:
     """Whether a test function is marked ``dist``: by a decorator or by the module's ``pytestmark``."""
     module = [ast.unparse(n.value) for n in tree.body if isinstance(n, ast.Assign)
               and any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in n.targets)]
-    return any("mark.dist" in m for m in module) or any("mark.dist" in ast.unparse(d) for d in node.decorator_list)
+    return any("mark.dist" in m for m in module) or any(
+        "mark.dist" in ast.unparse(d) for d in node.decorator_list
+    )
 
 
 def functions_of(path: Path) -> list[tuple[str, bool]]:
@@ -48,8 +51,9 @@ def imported_modules(path: Path) -> set[str]:
 
 
 def test_every_test_is_in_the_folder_of_its_kind():
-    """tests/ holds no test or worker file itself; tests/unit no ``dist`` test, tests/dist only ``dist`` tests;
-    tests/workers only ``*_worker.py`` scripts; a file name is used once (pytest imports modules by it)."""
+    """tests/ holds no test or worker file itself; tests/unit no ``dist`` test, tests/dist only ``dist``
+    tests; tests/workers only ``*_worker.py`` scripts; a file name is used once (pytest imports modules
+    by it)."""
     assert not files_in(TESTS) and not sorted(TESTS.glob("*_worker.py"))
     unit, dist = files_in(UNIT), files_in(DIST)
     assert len(unit) > 20 and len(dist) > 20
@@ -81,8 +85,11 @@ def test_unit_tests_import_no_torchrun_helper_dist_module_or_worker():
 def test_the_collection_check_names_a_misplaced_test():
     def item(folder: str, dist: bool) -> SimpleNamespace:
         path = TESTS / folder / "test_x.py" if folder else TESTS / "test_x.py"
-        return SimpleNamespace(path=path, nodeid=f"{folder}/test_x.py::t",
-                               get_closest_marker=lambda name, dist=dist: object() if dist and name == "dist" else None)
+        return SimpleNamespace(
+            path=path,
+            nodeid=f"{folder}/test_x.py::t",
+            get_closest_marker=lambda name, dist=dist: object() if dist and name == "dist" else None,
+        )
 
     assert misplaced([item("unit", False), item("dist", True)]) == []
     assert misplaced([item("unit", True), item("dist", False), item("workers", False), item("", True)]) == [
@@ -94,8 +101,10 @@ def test_the_collection_check_names_a_misplaced_test():
 
 def test_a_unit_test_cannot_launch_torchrun_or_a_worker():
     for argv in ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "x.py"],
-                 ["torchrun", "--standalone", "x.py"], [sys.executable, str(WORKERS / "dist_worker.py"), "spec.json"]):
-        with pytest.raises(RuntimeError, match="a test in tests/unit launches .*: launches belong in tests/dist"):
+                 ["torchrun", "--standalone", "x.py"],
+                 [sys.executable, str(WORKERS / "dist_worker.py"), "spec.json"]):
+        with pytest.raises(RuntimeError, match="a test in tests/unit launches .*: launches belong in "
+                                               "tests/dist"):
             subprocess.run(argv, capture_output=True, timeout=30)
     proc = subprocess.run([sys.executable, "-c", "print(6 * 7)"], capture_output=True, text=True, timeout=30)
     assert proc.stdout.strip() == "42"  # any other subprocess runs

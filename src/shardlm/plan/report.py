@@ -11,7 +11,9 @@ from shardlm.parallel.cp import padded_length
 from shardlm.parallel.dist import mesh_dims
 from shardlm.plan.devices import get_device
 from shardlm.plan.documents import document_mask_bytes, document_shape, has_documents
-from shardlm.plan.memory import PARTS, MemoryPlan, Settings, meta_model, plan_memory
+from shardlm.plan.ledger import PARTS, MemoryPlan
+from shardlm.plan.memory import Settings, plan_memory
+from shardlm.plan.param_groups import meta_model
 from shardlm.plan.search import format_fits, search
 from shardlm.plan.time import plan_time
 

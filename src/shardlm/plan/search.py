@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 from shardlm.config import Config, ConfigError, gradient_accumulation_steps, validate
 from shardlm.plan.devices import Device, get_device
-from shardlm.plan.memory import param_groups, plan_memory
+from shardlm.plan.memory import plan_memory
+from shardlm.plan.param_groups import param_groups
 from shardlm.plan.time import flops_per_token, plan_time
 
 GIB = 1024**3

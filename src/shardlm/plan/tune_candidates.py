@@ -19,7 +19,8 @@ from shardlm.parallel.dist import dp_mesh_shape
 from shardlm.parallel.ep import check_ep
 from shardlm.parallel.tp import check_tp
 from shardlm.plan.devices import GIB, MIB, device_for_cuda_name, get_device
-from shardlm.plan.memory import param_groups, plan_memory
+from shardlm.plan.memory import plan_memory
+from shardlm.plan.param_groups import param_groups
 
 #: activation checkpointing modes, lightest (least recomputation) first: a staged search's candidates take the first
 #: that fits

@@ -25,12 +25,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from shardlm.convert.hf_config import read_model_dir_config
 from shardlm.convert.hf_experts import disk_shapes, read_rows
 from shardlm.data.tokenizer import load_tokenizer
 from shardlm.data.tokenizer_files import eos_ids_of, json_line, model_special_ids, read_tokenizer_config, token_text
 from shardlm.errors import DataError, ModelDirError
 from shardlm.model.decoder import CausalLM
+from shardlm.model.hf_config import read_model_dir_config
 from shardlm.model.lora import is_nf4, set_from_full_
 
 #: tensors some older HF checkpoints carry that hold no weights (recomputed, never loaded)

@@ -28,6 +28,7 @@ from shardlm.convert.hf_experts import disk_shapes, read_rows, to_disk
 from shardlm.convert.hf_in import check_weights, model_dir_special_ids
 from shardlm.data.tokenizer_files import generation_config, write_tokenizer_files
 from shardlm.errors import ModelDirError
+from shardlm.json_file import read_json
 from shardlm.model.config import ModelConfig
 from shardlm.model.decoder import CausalLM
 from shardlm.model.hf_config import hf_config, read_model_dir_config, written_special_ids
@@ -246,7 +247,7 @@ def copy_model_dir(src: str | Path, out_dir: str | Path, dtype: torch.dtype | No
     for name, p in model.named_parameters():
         t = read_rows(cfg, name, tuple(p.shape), 0, p.shape[0], read)
         state[name] = t if dtype is None else t.to(dtype)
-    source_config = json.loads((src / "config.json").read_text())
+    source_config = read_json(src / "config.json", ModelDirError)
     for key, name in (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("pad", "pad_token_id")):
         if source_config.get(name) is not None:
             special[key] = source_config[name]

@@ -9,12 +9,12 @@ field, what the model does not build. Imports no torch and nothing above ``model
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
 
 from shardlm.errors import ModelDirError
+from shardlm.json_file import read_json
 from shardlm.model.config import ModelConfig
 from shardlm.model.families import by_model_type
 from shardlm.model.families.registry import HF_ACTIVATIONS
@@ -208,8 +208,4 @@ def read_model_dir_config(path: str | Path) -> ModelConfig:
     file = path / "config.json"
     if not file.is_file():
         raise ModelDirError(f"{path} is not a model directory: config.json not found")
-    try:
-        config = json.loads(file.read_text())
-    except json.JSONDecodeError as e:
-        raise ModelDirError(f"{file}: invalid JSON ({e})") from None
-    return model_config_from_hf_dict(config, str(file))
+    return model_config_from_hf_dict(read_json(file, ModelDirError), str(file))

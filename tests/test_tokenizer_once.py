@@ -1,16 +1,22 @@
 """The tokenizer opened once per instruction preparation (``shardlm.data.tokenizer_files.open_tokenizer``) and
 handed to each step: ``tokenizer.json`` is parsed once by shardlm (and once by transformers for its own chat
-rendering), where each step used to read it again (7 parses for a tokenizer without ``tokenizer_config.json``)."""
+rendering), where each step used to read it again (7 parses for a tokenizer without ``tokenizer_config.json``).
+Pre-training preparation likewise: once per rank (it was 5 parses for a given tokenizer, 3 for a trained one,
+5 per source of a mixture)."""
 
 from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import tokenizers
 
+from shardlm.config import DataSource
 from shardlm.data.instruct import prepare_instructions
-from shardlm.data.tokenizer import train_tokenizer
+from shardlm.data.mixture import prepare_mixture
+from shardlm.data.prepare import prepare_corpus
+from shardlm.data.tokenizer import load_tokenizer, special_token_ids, train_tokenizer
 from shardlm.data.tokenizer_files import model_special_ids, open_tokenizer
 
 transformers = pytest.importorskip("transformers", reason="pip install -e '.[test]'")
@@ -31,3 +37,39 @@ def test_instruction_preparation_parses_the_tokenizer_once(tmp_path, monkeypatch
     opened = open_tokenizer(tmp_path / "tokenizer.json")  # the same answers as reading the files again
     assert meta["model_special_ids"] == model_special_ids(opened) == model_special_ids(tmp_path / "tokenizer.json")
     assert (tmp_path / "out" / "tokenizer_config.json").is_file()
+
+
+def test_pre_training_preparation_parses_the_tokenizer_once(tmp_path, monkeypatch):
+    """A given tokenizer is parsed once (its special ids, config files and encoding all from that object); a
+    trained one not at all (the object in memory, whose saved file encodes the same ids); a mixture's once
+    for all its sources."""
+    words = "the of and to in is that it was for on are as with his they at be this from".split()
+    docs = [" ".join(words[(i * 7 + j) % len(words)] for j in range(40 + i)) for i in range(30)]
+    corpus = tmp_path / "docs.jsonl"
+    corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    given = tmp_path / "tok" / "tokenizer.json"
+    given.parent.mkdir()
+    train_tokenizer(docs[:10], 300).save(str(given))
+    parsed = []
+    from_file = tokenizers.Tokenizer.from_file
+    monkeypatch.setattr(tokenizers.Tokenizer, "from_file", lambda path, *a, **k: parsed.append(path) or from_file(path, *a, **k))
+    quiet = {"log": lambda _m: None}
+    given_meta = prepare_corpus(str(corpus), str(tmp_path / "given"), str(given), 512, 0.2, **quiet)
+    assert parsed == [str(given)], parsed
+    assert given_meta["model_special_ids"] == model_special_ids(given) == {"bos": 0, "eos": [2], "pad": 2}
+    assert json.loads((tmp_path / "given" / "tokenizer_config.json").read_text())["eos_token"] == "<|end_of_document|>"
+    parsed.clear()
+    meta = prepare_corpus(str(corpus), str(tmp_path / "trained"), None, 400, 0.2, **quiet)
+    assert parsed == [], parsed  # the trained object itself, not its file read back
+    saved = load_tokenizer(str(tmp_path / "trained" / "tokenizer.json"))
+    assert meta["model_special_ids"] == model_special_ids(tmp_path / "trained" / "tokenizer.json")
+    special = special_token_ids(saved)
+    stream = np.fromfile(tmp_path / "trained" / meta["shards"][0]["file"], dtype=np.uint16).tolist()
+    first = saved.encode(docs[0]).ids  # BOS doc0 EOD doc1 ...: the saved file encodes what was written
+    assert stream[:len(first) + 2] == [special["bos"], *first, special["eod"]] and len(first) > 20
+    parsed.clear()
+    sources = [DataSource(str(corpus), 0.5, "a"), DataSource(str(corpus), 0.5, "b")]
+    mixture = prepare_mixture(sources, str(tmp_path / "mixture"), str(given), 512, 0.2)
+    assert len(parsed) == 1 and parsed[0].endswith(".mixture.partial/tokenizer.json"), parsed  # its staged copy
+    # both sources are the corpus, encoded with the given tokenizer: the same content as its own preparation
+    assert mixture["content_sha256"] == 2 * given_meta["content_sha256"][:16]

@@ -45,6 +45,7 @@ from shardlm.data.prepare import (
 from shardlm.data.readers import plan_pieces
 from shardlm.data.sync import Sync
 from shardlm.data.tokenizer import train_tokenizer
+from shardlm.data.tokenizer_files import open_tokenizer
 
 __all__ = ["MIXTURE", "MixtureSampler", "MixtureWindows", "prepare_mixture", "is_mixture_prepared"]
 
@@ -292,12 +293,14 @@ def prepare_mixture(sources: list[Any], out_dir: str, tokenizer_path: str | None
             sync.publish("mixture-tokenizer")
         else:
             sync.wait("mixture-tokenizer", "the mixture's tokenizer (rank 0)")
+    opened = open_tokenizer(tok_file)  # read once on each rank, handed to every source's preparation
     metas = []
     for name, source in zip(names, sources):
         sub_sync = sync.sub(name) if sync is not None else None
         metas.append(prepare_corpus(source.path, str(stage / name), str(tok_file), vocab_size, val_fraction, seed,
                                     text_field=text_field, workers=workers, piece_bytes=piece_bytes,
-                                    tokenizer_sample_bytes=tokenizer_sample_bytes, sync=sub_sync))
+                                    tokenizer_sample_bytes=tokenizer_sample_bytes, sync=sub_sync,
+                                    tokenizer=opened))
     first = metas[0]
     meta = {
         "format": MIXTURE,

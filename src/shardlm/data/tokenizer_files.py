@@ -182,13 +182,16 @@ class OpenedTokenizer:
         return self.files.tokenizer_path
 
 
-def open_tokenizer(tokenizer_path: str | pathlib.Path) -> OpenedTokenizer:
+def open_tokenizer(tokenizer_path: str | pathlib.Path, tokenizer: Tokenizer | None = None) -> OpenedTokenizer:
     """Load ``tokenizer_path`` and read the files beside it, once.
+
+    ``tokenizer``: the content of ``tokenizer_path`` already in memory (a tokenizer just trained, saved
+    there or about to be): it is not parsed again.
 
     Raises:
         DataError: the file is missing or not a tokenizer, or its config files are unreadable (naming the file).
     """
-    tok = load_tokenizer(str(tokenizer_path))
+    tok = tokenizer if tokenizer is not None else load_tokenizer(str(tokenizer_path))
     files = read_tokenizer_config(tokenizer_path, tok)
     return OpenedTokenizer(tok, files, _model_special_ids(files, tok))
 

@@ -73,3 +73,30 @@ def test_pre_training_preparation_parses_the_tokenizer_once(tmp_path, monkeypatc
     assert len(parsed) == 1 and parsed[0].endswith(".mixture.partial/tokenizer.json"), parsed  # its staged copy
     # both sources are the corpus, encoded with the given tokenizer: the same content as its own preparation
     assert mixture["content_sha256"] == 2 * given_meta["content_sha256"][:16]
+
+
+def test_a_restart_reads_the_tokenizer_an_earlier_run_trained_once(tmp_path, monkeypatch):
+    """Killed after staging its trained tokenizer, a preparation run again reads that staged file once and
+    writes the data a clean run writes."""
+    import shardlm.data.prepare as prepare
+
+    corpus = tmp_path / "docs.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"document {i} " + "words in a row " * (i + 5)}) + "\n"
+                              for i in range(20)))
+    clean = prepare_corpus(str(corpus), str(tmp_path / "clean"), None, 400, 0.2, log=lambda _m: None)
+
+    def killed(*_a, **_k):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(prepare, "encode_pieces", killed)
+        with pytest.raises(KeyboardInterrupt):
+            prepare_corpus(str(corpus), str(tmp_path / "out"), None, 400, 0.2, log=lambda _m: None)
+    staged = prepare.staging_dir(tmp_path / "out") / "tokenizer.json"
+    assert staged.is_file() and not (tmp_path / "out").exists()
+    parsed = []
+    from_file = tokenizers.Tokenizer.from_file
+    monkeypatch.setattr(tokenizers.Tokenizer, "from_file", lambda path, *a, **k: parsed.append(path) or from_file(path, *a, **k))
+    again = prepare_corpus(str(corpus), str(tmp_path / "out"), None, 400, 0.2, log=lambda _m: None)
+    assert parsed == [str(staged)], parsed
+    assert again["content_sha256"] == clean["content_sha256"] and again["model_special_ids"] == clean["model_special_ids"]

@@ -1,6 +1,6 @@
-"""``shardlm.json_file.read_json``: one message naming the file for each way reading a JSON file fails, in the
-caller's error type (or in the caller's own words around the reason), and the readers that use it (prepared data's
-meta.json, a checkpoint's manifest, a model directory's config.json, a run's config.json)."""
+"""``shardlm.json_file.read_json``: one message naming the file for each way reading a JSON file fails, in
+the caller's error type (or in the caller's own words around the reason), and the readers that use it
+(prepared data's meta.json, a checkpoint's manifest, a model directory's config.json, a run's config.json)."""
 
 from __future__ import annotations
 
@@ -54,9 +54,9 @@ def test_its_readers_keep_their_error_types(tmp_path):
 def test_a_caller_s_message_frames_the_reason(tmp_path):
     bad = tmp_path / "index.json"
     bad.write_text("{")
-    with pytest.raises(DataError, match=rf"^{tmp_path}/index\.json: not an index \(not valid JSON \(Expecting"):
+    with pytest.raises(DataError, match=rf"^{tmp_path}/index\.json: not an index \(not valid JSON \(Expect"):
         read_json(bad, DataError, message="{path}: not an index ({reason})")
-    with pytest.raises(DataError, match=r"^resume index\.json: Expecting property name enclosed in double quotes"):
+    with pytest.raises(DataError, match=r"^resume index\.json: Expecting property name enclosed in double"):
         read_json(bad, DataError, message="resume {path.name}: {cause}")
     with pytest.raises(DataError, match=r"^gone\.json is gone \(No such file or directory\); see --help$"):
         read_json(tmp_path / "gone.json", DataError, message="{path.name} is gone ({cause}); see --help")
@@ -66,8 +66,8 @@ def test_a_caller_s_message_frames_the_reason(tmp_path):
 
 
 def test_readers_of_model_directories_and_runs_name_the_file(tmp_path):
-    """A model directory's config.json (init_from, import, export), a run directory's for ``shardlm report`` and
-    for ``--resume=auto`` without a config: their error type, the file named, the JSON decoder's cause."""
+    """A model directory's config.json (init_from, import, export), a run directory's for ``shardlm report``
+    and for ``--resume=auto`` without a config: their error type, the file named, the JSON decoder's cause."""
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text('{"model_type": ')
@@ -86,5 +86,5 @@ def test_readers_of_model_directories_and_runs_name_the_file(tmp_path):
     assert load_run(run).name == "x" and load_run(run).records[0]["loss"] == 2.0
     (run / "config.json").write_text("{")
     with pytest.raises(ConfigError, match=f"recorded in {run}/config.json, which cannot be read \\(Expecting "
-                                          "property name enclosed in double quotes: .*\\): pass --run.dir=DIR"):
+                       "property name enclosed in double quotes: .*\\): pass --run.dir=DIR"):
         train_config(None, ["--checkpoint.resume=auto", f"--run.dir={run}"])

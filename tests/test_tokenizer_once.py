@@ -39,6 +39,15 @@ def test_instruction_preparation_parses_the_tokenizer_once(tmp_path, monkeypatch
     assert (tmp_path / "out" / "tokenizer_config.json").is_file()
 
 
+def count_parses(monkeypatch) -> list[str]:
+    """The paths ``tokenizers.Tokenizer.from_file`` parses from now on, in order (filled in as it runs)."""
+    parsed: list[str] = []
+    from_file = tokenizers.Tokenizer.from_file
+    monkeypatch.setattr(tokenizers.Tokenizer, "from_file",
+                        lambda path, *a, **k: parsed.append(path) or from_file(path, *a, **k))
+    return parsed
+
+
 def test_pre_training_preparation_parses_the_tokenizer_once(tmp_path, monkeypatch):
     """A given tokenizer is parsed once (its special ids, config files and encoding all from that object); a
     trained one not at all (the object in memory, whose saved file encodes the same ids); a mixture's once
@@ -50,14 +59,13 @@ def test_pre_training_preparation_parses_the_tokenizer_once(tmp_path, monkeypatc
     given = tmp_path / "tok" / "tokenizer.json"
     given.parent.mkdir()
     train_tokenizer(docs[:10], 300).save(str(given))
-    parsed = []
-    from_file = tokenizers.Tokenizer.from_file
-    monkeypatch.setattr(tokenizers.Tokenizer, "from_file", lambda path, *a, **k: parsed.append(path) or from_file(path, *a, **k))
+    parsed = count_parses(monkeypatch)
     quiet = {"log": lambda _m: None}
     given_meta = prepare_corpus(str(corpus), str(tmp_path / "given"), str(given), 512, 0.2, **quiet)
     assert parsed == [str(given)], parsed
     assert given_meta["model_special_ids"] == model_special_ids(given) == {"bos": 0, "eos": [2], "pad": 2}
-    assert json.loads((tmp_path / "given" / "tokenizer_config.json").read_text())["eos_token"] == "<|end_of_document|>"
+    staged_config = json.loads((tmp_path / "given" / "tokenizer_config.json").read_text())
+    assert staged_config["eos_token"] == "<|end_of_document|>"
     parsed.clear()
     meta = prepare_corpus(str(corpus), str(tmp_path / "trained"), None, 400, 0.2, **quiet)
     assert parsed == [], parsed  # the trained object itself, not its file read back
@@ -70,7 +78,7 @@ def test_pre_training_preparation_parses_the_tokenizer_once(tmp_path, monkeypatc
     parsed.clear()
     sources = [DataSource(str(corpus), 0.5, "a"), DataSource(str(corpus), 0.5, "b")]
     mixture = prepare_mixture(sources, str(tmp_path / "mixture"), str(given), 512, 0.2)
-    assert len(parsed) == 1 and parsed[0].endswith(".mixture.partial/tokenizer.json"), parsed  # its staged copy
+    assert len(parsed) == 1 and parsed[0].endswith(".mixture.partial/tokenizer.json"), parsed  # its stage's
     # both sources are the corpus, encoded with the given tokenizer: the same content as its own preparation
     assert mixture["content_sha256"] == 2 * given_meta["content_sha256"][:16]
 
@@ -94,9 +102,8 @@ def test_a_restart_reads_the_tokenizer_an_earlier_run_trained_once(tmp_path, mon
             prepare_corpus(str(corpus), str(tmp_path / "out"), None, 400, 0.2, log=lambda _m: None)
     staged = prepare.staging_dir(tmp_path / "out") / "tokenizer.json"
     assert staged.is_file() and not (tmp_path / "out").exists()
-    parsed = []
-    from_file = tokenizers.Tokenizer.from_file
-    monkeypatch.setattr(tokenizers.Tokenizer, "from_file", lambda path, *a, **k: parsed.append(path) or from_file(path, *a, **k))
+    parsed = count_parses(monkeypatch)
     again = prepare_corpus(str(corpus), str(tmp_path / "out"), None, 400, 0.2, log=lambda _m: None)
     assert parsed == [str(staged)], parsed
-    assert again["content_sha256"] == clean["content_sha256"] and again["model_special_ids"] == clean["model_special_ids"]
+    assert again["content_sha256"] == clean["content_sha256"]
+    assert again["model_special_ids"] == clean["model_special_ids"]

@@ -24,8 +24,8 @@ def read_json(path: str | os.PathLike, error: type[Exception], expect: type = di
 
     Raises:
         error: ``"<path>: cannot be read (<reason>)"`` (missing, a directory, no permission),
-            ``"<path>: not valid JSON (<reason>)"`` (or not UTF-8), ``"<path>: expected a JSON object"`` (another
-            type; the type's name for an ``expect`` other than dict), or ``message`` filled in.
+            ``"<path>: not valid JSON (<reason>)"`` (or not UTF-8), ``"<path>: expected a JSON object"``
+            (another type; the type's name for an ``expect`` other than dict), or ``message`` filled in.
     """
     path = Path(path)
 

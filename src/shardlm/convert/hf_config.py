@@ -1,5 +1,5 @@
-"""The old home of :mod:`shardlm.model.hf_config` (HF ``config.json`` <-> ``ModelConfig``), which moved below the
-configuration that reads it: its names stay importable from here."""
+"""The old home of :mod:`shardlm.model.hf_config` (HF ``config.json`` <-> ``ModelConfig``), which moved
+below the configuration that reads it: its names stay importable from here."""
 
 from shardlm.model.hf_config import (
     hf_config,

@@ -1,9 +1,9 @@
-"""Hugging Face ``config.json`` <-> :class:`ModelConfig`, both directions, for the built families (each family's
-own fields are its entry of :mod:`shardlm.model.families`).
+"""Hugging Face ``config.json`` <-> :class:`ModelConfig`, both directions, for the built families (each
+family's own fields are its entry of :mod:`shardlm.model.families`).
 
 Reads transformers 4.x and 5.x layouts (``rope_scaling`` or ``rope_parameters``) and refuses, naming the
-field, what the model does not build. Imports no torch and nothing above ``model/``: the configuration reads it
-(``model.init_from``'s shape, :func:`shardlm.config.load.apply_init_from`), and so do the converters of
+field, what the model does not build. Imports no torch and nothing above ``model/``: the configuration reads
+it (``model.init_from``'s shape, :func:`shardlm.config.load.apply_init_from`), and so do the converters of
 ``convert/`` and the planner's presets.
 """
 

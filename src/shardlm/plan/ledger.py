@@ -1,6 +1,6 @@
-"""The replay's bookkeeping and its result: the parts of the breakdown (:data:`PARTS`), a :class:`Ledger` of the
-bytes alive in each and the peak it has seen, and the :class:`MemoryPlan` that :func:`shardlm.plan.memory.plan_memory`
-returns (all in bytes, per rank)."""
+"""The replay's bookkeeping and its result: the parts of the breakdown (:data:`PARTS`), a :class:`Ledger` of
+the bytes alive in each and the peak it has seen, and the :class:`MemoryPlan` that
+:func:`shardlm.plan.memory.plan_memory` returns (all in bytes, per rank)."""
 
 from __future__ import annotations
 

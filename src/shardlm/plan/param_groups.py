@@ -1,11 +1,12 @@
-"""The model's parameters as the planner counts them: the FSDP groups ``apply_fsdp`` builds, in forward order,
-with each group's full and per-rank (padded) element counts, its trainable share and the bytes of its stored shards.
+"""The model's parameters as the planner counts them: the FSDP groups ``apply_fsdp`` builds, in forward
+order, with each group's full and per-rank (padded) element counts, its trainable share and the bytes of its
+stored shards.
 
 Shapes come from the model built on the meta device (no memory, no compute) with the run's LoRA adapters or
 frozen parameters applied. Each parameter's shard is ``ceil(rows / N)`` rows (dim-0 padding, as FSDP2's
-``Shard(0)``); under tensor parallel a group holds this rank's tensor-parallel pieces (``parallel/tp.py``'s plan),
-under expert parallel only its ep rank's experts are all-gathered (``parallel/ep.py``). A LoRA base is stored in
-``lora.base_dtype`` (fp32 or bf16: the targeted layers' weights; NF4: every frozen weight matrix, the token
+``Shard(0)``); under tensor parallel a group holds this rank's tensor-parallel pieces (``parallel/tp.py``'s
+plan), under expert parallel only its ep rank's experts are all-gathered (``parallel/ep.py``). A LoRA base is
+stored in ``lora.base_dtype`` (fp32 or bf16: the targeted layers' weights; NF4: every frozen weight matrix, the token
 embedding and output projection included, at ~0.52 bytes per value, all-gathered as such; norms stay fp32).
 """
 

@@ -1,8 +1,8 @@
 """The tokenizer opened once per instruction preparation (``shardlm.data.tokenizer_files.open_tokenizer``) and
 handed to each step: ``tokenizer.json`` is parsed once by shardlm (and once by transformers for its own chat
 rendering), where each step used to read it again (7 parses for a tokenizer without ``tokenizer_config.json``).
-Pre-training preparation likewise: once per rank (it was 5 parses for a given tokenizer, 3 for a trained one,
-5 per source of a mixture)."""
+Preference and pre-training preparation likewise (pre-training: once per rank; it was 5 parses for a given
+tokenizer, 3 for a trained one, 5 per source of a mixture)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import tokenizers
 from shardlm.config import DataSource
 from shardlm.data.instruct import prepare_instructions
 from shardlm.data.mixture import prepare_mixture
+from shardlm.data.preference import prepare_preferences
 from shardlm.data.prepare import prepare_corpus
 from shardlm.data.tokenizer import load_tokenizer, special_token_ids, train_tokenizer
 from shardlm.data.tokenizer_files import model_special_ids, open_tokenizer
@@ -37,6 +38,22 @@ def test_instruction_preparation_parses_the_tokenizer_once(tmp_path, monkeypatch
     opened = open_tokenizer(tmp_path / "tokenizer.json")  # the same answers as reading the files again
     assert meta["model_special_ids"] == model_special_ids(opened) == model_special_ids(tmp_path / "tokenizer.json")
     assert (tmp_path / "out" / "tokenizer_config.json").is_file()
+
+
+def test_preference_preparation_parses_the_tokenizer_once(tmp_path, monkeypatch):
+    """As instruction data: shardlm's one parse and transformers' own for its chat rendering (it was 5)."""
+    tokenizer = tmp_path / "tokenizer.json"
+    train_tokenizer(["hello world, this is a test of the tokenizer " * 50], 300).save(str(tokenizer))
+    rows = [{"prompt": f"hi {i}", "chosen": f"hello {i}", "rejected": f"go away {i}"} for i in range(4)]
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    parsed = count_parses(monkeypatch)
+    meta = prepare_preferences(str(tmp_path / "pairs.jsonl"), str(tmp_path / "out"), str(tokenizer), 512,
+                               0.25, identity={"test": True})
+    assert parsed == [str(tokenizer)] * 2, parsed  # shardlm's one, transformers' own
+    assert meta["train_pairs"] == 3 and meta["val_pairs"] == 1
+    assert meta["model_special_ids"] == model_special_ids(tokenizer) == {"bos": 0, "eos": [2], "pad": 2}
+    written = json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())
+    assert written["eos_token"] == "<|end_of_document|>" and "chat_template" in written
 
 
 def count_parses(monkeypatch) -> list[str]:

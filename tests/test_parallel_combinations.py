@@ -1,5 +1,9 @@
 """Combinations of the parallelisms and objectives that are not built together yet: each is refused with one
-message naming both settings, before any process group starts (``config.validate``, ``parallel/dist.py``)."""
+message naming both settings, before any process group starts (``config.validate``, ``parallel/dist.py``,
+``parallel/tp.py``). Refused today: tensor or context parallel on a mixture-of-experts model; preference tuning
+with tensor or context parallel or on a mixture of experts; tensor parallel under context parallel when a CP
+rank's tokens do not split evenly over the tensor-parallel ranks. Context parallel with TP, HSDP and DDP is built
+(trained against one process in tests/test_cp.py); its layouts are checked here."""
 
 from __future__ import annotations
 
@@ -7,17 +11,36 @@ import pytest
 
 from shardlm.config import ParallelConfig, load_config
 from shardlm.errors import ConfigError
-from shardlm.parallel.dist import dp_mesh_shape
+from shardlm.model.config import ModelConfig
+from shardlm.parallel.dist import dp_mesh_shape, mesh_dims
+from shardlm.parallel.tp import check_tp
 
 MOE = ["--model.family=qwen3_moe", "--model.n_experts=4", "--model.n_experts_per_token=2"]
 
 
-def test_context_and_tensor_parallel_together_are_refused():
-    with pytest.raises(ConfigError, match=r"parallel.cp=2 with parallel.tp=2: context and tensor parallelism "
-                                          r"together are not built yet"):
-        dp_mesh_shape(ParallelConfig(cp=2, tp=2), 8, 8)
-    assert dp_mesh_shape(ParallelConfig(cp=2), 8, 8) == (1, 4)  # the control: each alone builds
-    assert dp_mesh_shape(ParallelConfig(tp=2), 8, 8) == (1, 4)
+def test_context_parallel_composes_with_tensor_parallel_hsdp_and_ddp():
+    """The mesh is torchtitan's (dp_replicate, dp_shard × cp, tp), tp innermost; CP groups are built beside it."""
+    assert mesh_dims(ParallelConfig(cp=2, tp=2), 8, 8) == [("dp_shard", 4), ("tp", 2)]
+    assert dp_mesh_shape(ParallelConfig(cp=2, tp=2), 8, 8) == (1, 2)  # 2 data-parallel ranks of 2 x 2
+    assert mesh_dims(ParallelConfig(cp=2, dp_replicate=2), 4, 4) == [("dp_replicate", 2), ("dp_shard", 2)]
+    assert mesh_dims(ParallelConfig(cp=2, mode="ddp"), 4, 4) == [("dp_shard", 4)]
+    # a tensor-parallel group stays on one node; a shard group with its CP and TP peers must not straddle nodes
+    with pytest.raises(ConfigError, match=r"parallel.tp=4 must divide the 2 ranks of a node"):
+        dp_mesh_shape(ParallelConfig(cp=2, tp=4), 8, 2)
+    with pytest.raises(ConfigError, match=r"parallel.dp_shard=3 × parallel.cp=2 × parallel.tp=2 does not divide "
+                                          r"the 8 ranks of a node"):
+        dp_mesh_shape(ParallelConfig(cp=2, tp=2, dp_shard=3, dp_replicate=-1), 24, 8)
+    assert dp_mesh_shape(ParallelConfig(cp=2, tp=2, dp_shard=2, dp_replicate=-1), 16, 8) == (2, 2)  # HSDP x CP x TP
+
+
+def test_tp_under_cp_needs_a_cp_rank_s_tokens_to_split_evenly():
+    cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=4, ffn_hidden=128, vocab_size=512)
+    check_tp(cfg, 4, 12)  # without CP: 12 tokens over 4 ranks
+    # under CP 2: 12 tokens pad to 12, 6 per CP rank: not a multiple of tp = 4
+    with pytest.raises(ConfigError, match=r"parallel.tp=4 must divide the tokens per context-parallel rank "
+                                          r"\(train.seq_len=12 .*/ parallel.cp=2; sequence parallel splits them\) = 6"):
+        check_tp(cfg, 4, 12, cp=2)
+    check_tp(cfg, 2, 12, cp=2)  # the control: 6 tokens per CP rank over 2
 
 
 @pytest.mark.parametrize("split", ["--parallel.tp=2", "--parallel.cp=2"])

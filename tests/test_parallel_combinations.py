@@ -57,3 +57,16 @@ def test_preference_tuning_with_tp_cp_or_moe_is_refused(extra, what):
     with pytest.raises(ConfigError, match=rf"preference tuning \(data.format = 'preference'\) with {what} is not "
                                           "built yet"):
         load_config(None, ["--data.format=preference", *extra])
+
+
+def test_a_global_batch_that_cp_x_tp_data_parallel_ranks_cannot_split_names_both():
+    from shardlm.config import Config, gradient_accumulation_steps
+
+    cfg = Config()
+    cfg.parallel.cp, cfg.parallel.tp, cfg.train.global_batch_size, cfg.train.micro_batch_size = 2, 2, 3, 1
+    with pytest.raises(ConfigError, match=r"train.global_batch_size=3 must be divisible by world size × "
+                                          r"train.micro_batch_size = 2 × 1 = 2 \(the data-parallel world size: "
+                                          r"world size / parallel.cp=2 × parallel.tp=2\)"):
+        gradient_accumulation_steps(cfg, 2)
+    cfg.train.global_batch_size = 4
+    assert gradient_accumulation_steps(cfg, 2) == 2

@@ -177,7 +177,8 @@ def gradient_accumulation_steps(cfg: Config, dp_world_size: int) -> int:
         raise ConfigError(
             f"train.global_batch_size={g} must be divisible by world size × train.micro_batch_size "
             f"= {dp_world_size} × {mbs} = {per_step}"
-            + (f" (the data-parallel world size: world size / parallel.tp={cfg.parallel.tp})" if cfg.parallel.tp > 1
-               else "")
+            + (" (the data-parallel world size: world size / " + " × ".join(
+                f"parallel.{k}={getattr(cfg.parallel, k)}" for k in ("cp", "tp") if getattr(cfg.parallel, k) > 1) + ")"
+               if cfg.parallel.tp > 1 or cfg.parallel.cp > 1 else "")
         )
     return g // per_step

@@ -252,14 +252,14 @@ def test_mixture_windows_keep_each_sources_documents(mixture_data):
 @pytest.mark.parametrize("attention", ["causal", "block_causal"])
 def test_documents_longer_than_a_window_continue_in_the_next_windows(doc_data, attention):
     """The rule for pre-training documents longer than ``train.seq_len`` (windows of L + 1 tokens, L = 8 here,
-    through the trainer's own ``build_datasets``): window i is stream tokens [i(L+1), (i+1)(L+1)), so every token
-    of the split is in exactly one window (only a partial last window is dropped) and a long document's pieces sit
-    in consecutive windows. In each window every token but the first is a target, once: the first token of each
-    window is never a target (its predecessor ends the previous window, as torchtitan's non-overlapping windows)
-    and, under block-causal attention, neither is a document's first token. A piece continuing a document is its
-    window's document 0: rotary positions restart at 0 at the window's first token and it attends only within the
-    window. Under causal attention windows carry no documents: positions are 0 .. L-1 and attention crosses the
-    documents inside a window."""
+    through the trainer's own ``build_datasets``): window i is stream tokens [i(L+1), (i+1)(L+1)), so every
+    token of the split is in exactly one window (only a partial last window is dropped) and a long document's
+    pieces sit in consecutive windows. In each window every token but the first is a target, once: the first
+    token of each window is never a target (its predecessor ends the previous window, as torchtitan's
+    non-overlapping windows) and, under block-causal attention, neither is a document's first token. A piece
+    continuing a document is its window's document 0: rotary positions restart at 0 at the window's first
+    token and it attends only within the window. Under causal attention windows carry no documents: positions
+    are 0 .. L-1 and attention crosses the documents inside a window."""
     from shardlm.config import Config
     from shardlm.data.instruct import split_batch
     from shardlm.data.packing import batch_documents
@@ -278,8 +278,8 @@ def test_documents_longer_than_a_window_continue_in_the_next_windows(doc_data, a
     assert 0 <= stream.num_tokens - n * window < window  # nothing lost but a partial last window
     assert torch.equal(torch.cat([inputs, (batch[:, 0] if batch.dim() == 3 else batch)[:, -1:]], 1).flatten(),
                        tokens[:n * window])  # each token once, in order
-    # the trained pairs (input j -> target j + 1 of the stream): all but the window-crossing ones (and, block-causal,
-    # those whose target starts a document); none twice
+    # the trained pairs (input j -> target j + 1 of the stream): all but the window-crossing ones (and,
+    # block-causal, those whose target starts a document); none twice
     starts = torch.zeros(stream.num_tokens, dtype=torch.bool)
     starts[torch.from_numpy(stream.starts_in(0, stream.num_tokens))] = True
     position = torch.arange(n * window).view(n, window)

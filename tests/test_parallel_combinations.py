@@ -1,10 +1,10 @@
 """Combinations of the parallelisms and objectives that are not built together yet: each is refused with one
 message naming both settings, before any process group starts (``config.validate``, ``parallel/dist.py``,
-``parallel/tp.py``). Refused today: tensor or context parallel on a mixture-of-experts model; preference tuning
-with tensor or context parallel or on a mixture of experts; tensor parallel under context parallel when a CP
-rank's tokens do not split evenly over the tensor-parallel ranks; the memory planner (``shardlm plan``) on context
-and tensor parallel together. Context parallel with TP, HSDP and DDP is built (trained against one process in
-tests/test_cp.py); its layouts are checked here."""
+``parallel/tp.py``). Refused today: tensor or context parallel on a mixture-of-experts model; preference
+tuning with tensor or context parallel or on a mixture of experts; tensor parallel under context parallel when
+a CP rank's tokens do not split evenly over the tensor-parallel ranks; the memory planner (``shardlm plan``)
+on context and tensor parallel together. Context parallel with TP, HSDP and DDP is built (trained against one
+process in tests/test_cp.py); its layouts are checked here."""
 
 from __future__ import annotations
 
@@ -20,18 +20,20 @@ MOE = ["--model.family=qwen3_moe", "--model.n_experts=4", "--model.n_experts_per
 
 
 def test_context_parallel_composes_with_tensor_parallel_hsdp_and_ddp():
-    """The mesh is torchtitan's (dp_replicate, dp_shard × cp, tp), tp innermost; CP groups are built beside it."""
+    """The mesh is torchtitan's (dp_replicate, dp_shard × cp, tp), tp innermost; CP groups are built beside
+    it."""
     assert mesh_dims(ParallelConfig(cp=2, tp=2), 8, 8) == [("dp_shard", 4), ("tp", 2)]
     assert dp_mesh_shape(ParallelConfig(cp=2, tp=2), 8, 8) == (1, 2)  # 2 data-parallel ranks of 2 x 2
     assert mesh_dims(ParallelConfig(cp=2, dp_replicate=2), 4, 4) == [("dp_replicate", 2), ("dp_shard", 2)]
     assert mesh_dims(ParallelConfig(cp=2, mode="ddp"), 4, 4) == [("dp_shard", 4)]
-    # a tensor-parallel group stays on one node; a shard group with its CP and TP peers must not straddle nodes
+    # a tensor-parallel group stays on one node; a shard group with its CP and TP peers may not straddle nodes
     with pytest.raises(ConfigError, match=r"parallel.tp=4 must divide the 2 ranks of a node"):
         dp_mesh_shape(ParallelConfig(cp=2, tp=4), 8, 2)
-    with pytest.raises(ConfigError, match=r"parallel.dp_shard=3 × parallel.cp=2 × parallel.tp=2 does not divide "
-                                          r"the 8 ranks of a node"):
+    with pytest.raises(ConfigError, match=r"parallel.dp_shard=3 × parallel.cp=2 × parallel.tp=2 does not "
+                                          r"divide the 8 ranks of a node"):
         dp_mesh_shape(ParallelConfig(cp=2, tp=2, dp_shard=3, dp_replicate=-1), 24, 8)
-    assert dp_mesh_shape(ParallelConfig(cp=2, tp=2, dp_shard=2, dp_replicate=-1), 16, 8) == (2, 2)  # HSDP x CP x TP
+    hsdp = ParallelConfig(cp=2, tp=2, dp_shard=2, dp_replicate=-1)
+    assert dp_mesh_shape(hsdp, 16, 8) == (2, 2)  # HSDP x CP x TP: a shard group and its peers fill a node
 
 
 def test_tp_under_cp_needs_a_cp_rank_s_tokens_to_split_evenly():
@@ -39,7 +41,8 @@ def test_tp_under_cp_needs_a_cp_rank_s_tokens_to_split_evenly():
     check_tp(cfg, 4, 12)  # without CP: 12 tokens over 4 ranks
     # under CP 2: 12 tokens pad to 12, 6 per CP rank: not a multiple of tp = 4
     with pytest.raises(ConfigError, match=r"parallel.tp=4 must divide the tokens per context-parallel rank "
-                                          r"\(train.seq_len=12 .*/ parallel.cp=2; sequence parallel splits them\) = 6"):
+                                          r"\(train.seq_len=12 .*/ parallel.cp=2; sequence parallel splits "
+                                          r"them\) = 6"):
         check_tp(cfg, 4, 12, cp=2)
     check_tp(cfg, 2, 12, cp=2)  # the control: 6 tokens per CP rank over 2
 
@@ -66,8 +69,8 @@ def test_a_global_batch_that_cp_x_tp_data_parallel_ranks_cannot_split_names_both
     cfg = Config()
     cfg.parallel.cp, cfg.parallel.tp, cfg.train.global_batch_size, cfg.train.micro_batch_size = 2, 2, 3, 1
     with pytest.raises(ConfigError, match=r"train.global_batch_size=3 must be divisible by world size × "
-                                          r"train.micro_batch_size = 2 × 1 = 2 \(the data-parallel world size: "
-                                          r"world size / parallel.cp=2 × parallel.tp=2\)"):
+                                          r"train.micro_batch_size = 2 × 1 = 2 \(the data-parallel world "
+                                          r"size: world size / parallel.cp=2 × parallel.tp=2\)"):
         gradient_accumulation_steps(cfg, 2)
     cfg.train.global_batch_size = 4
     assert gradient_accumulation_steps(cfg, 2) == 2
@@ -81,8 +84,9 @@ def test_the_planner_refuses_context_with_tensor_parallel_by_name():
     cfg.train.seq_len = cfg.model.max_seq_len = 1024
     cfg.train.global_batch_size, cfg.train.micro_batch_size = 1, 1
     cfg.parallel.cp, cfg.parallel.tp = 2, 2
-    with pytest.raises(ConfigError, match=r"parallel.cp=2 with parallel.tp=2: the memory planner does not model "
-                                          r"context parallel with tensor parallel yet \(training runs it\)"):
+    with pytest.raises(ConfigError, match=r"parallel.cp=2 with parallel.tp=2: the memory planner does not "
+                                          r"model context parallel with tensor parallel yet \(training runs "
+                                          r"it\)"):
         plan_memory(cfg, 4, "cpu")
     cfg.parallel.tp, cfg.train.global_batch_size = 1, 2
     assert plan_memory(cfg, 4, "cpu").peak > 0  # the control: CP alone is planned

@@ -219,10 +219,10 @@ def test_moe_layer_saved_bytes_equal_what_autograd_saves():
 
 
 def test_plan_llama3_2_1b_one_32k_sequence_on_one_h100(capsys):
-    """configs/llama3.2-1b-32k.toml: one 32,768-token sequence of Llama 3.2 1B per micro-batch on one H100 (bf16
-    compute, 8 micro-batches). Full activation checkpointing with the chunked loss fits with room; without
-    checkpointing the activations are over 10 times as large and the peak comes within 3% of the budget; with the
-    whole logits too (``train.loss_chunk_tokens = 0``) it does not fit."""
+    """configs/llama3.2-1b-32k.toml: one 32,768-token sequence of Llama 3.2 1B per micro-batch on one H100
+    (bf16 compute, 8 micro-batches). Full activation checkpointing with the chunked loss fits with room;
+    without checkpointing the activations are over 10 times as large and the peak comes within 3% of the
+    budget; with the whole logits too (``train.loss_chunk_tokens = 0``) it does not fit."""
     from shardlm.cli.main import main as shardlm_main
 
     config = str(ROOT / "configs" / "llama3.2-1b-32k.toml")

@@ -173,12 +173,12 @@ def gradient_accumulation_steps(cfg: Config, dp_world_size: int) -> int:
     """
     g, mbs = cfg.train.global_batch_size, cfg.train.micro_batch_size
     per_step = dp_world_size * mbs
+    inner = " × ".join(f"parallel.{k}={getattr(cfg.parallel, k)}" for k in ("cp", "tp")
+                       if getattr(cfg.parallel, k) > 1)  # the dimensions whose ranks share samples
     if g % per_step:
         raise ConfigError(
             f"train.global_batch_size={g} must be divisible by world size × train.micro_batch_size "
             f"= {dp_world_size} × {mbs} = {per_step}"
-            + (" (the data-parallel world size: world size / " + " × ".join(
-                f"parallel.{k}={getattr(cfg.parallel, k)}" for k in ("cp", "tp") if getattr(cfg.parallel, k) > 1) + ")"
-               if cfg.parallel.tp > 1 or cfg.parallel.cp > 1 else "")
+            + (f" (the data-parallel world size: world size / {inner})" if inner else "")
         )
     return g // per_step

@@ -28,9 +28,9 @@ class ParallelConfig:
     cp: int = 1
     """Context parallelism: the ranks each sequence is split over (``shardlm/parallel/cp.py``: each holds a head and a
     tail chunk, attention all-gathers keys and values). The ``cp`` ranks of a group take the same samples (one
-    data-parallel rank): consecutive, or ``tp`` apart under tensor parallel (torchtitan's mesh order ``dp_replicate,
-    dp_shard, cp, tp``); FSDP shards parameters over ``dp_shard × cp``. Composes with HSDP, DDP and ``tp``. Must
-    divide the world size; 1 = no split."""
+    data-parallel rank): consecutive, or ``tp`` apart under tensor parallel (torchtitan's mesh order
+    ``dp_replicate, dp_shard, cp, tp``); FSDP shards parameters over ``dp_shard × cp``. Composes with HSDP,
+    DDP and ``tp``. Must divide the world size; 1 = no split."""
     tp: int = 1
     """Tensor-parallel degree: each block's q/k/v and gate/up projections split by columns (heads, FFN width), o and
     down by rows, the embedding and output projection by vocabulary rows, norms and residuals sharded along the

@@ -258,11 +258,11 @@ def apply_cp(model: nn.Module, cp: ContextParallel) -> nn.Module:
 
 
 def build_context_parallel(info: DistInfo, cp: int, tp: int = 1) -> ContextParallel:
-    """The CP group of this rank (``parallel.cp``): in torchtitan's mesh order ``(dp, cp, tp)``, tp innermost, the
-    ``cp`` ranks with this rank's data-parallel and tensor-parallel coordinates, ``tp`` apart: rank
-    ``(d·cp + c)·tp + t`` for c = 0 .. cp - 1. They hold the same samples; under tensor parallel (``tp`` > 1) each
-    holds its ``n_heads / tp`` local heads, and the keys and values gathered over the CP group are those heads' over
-    the whole sequence. One rank's (no collective) at ``cp = 1``.
+    """The CP group of this rank (``parallel.cp``): in torchtitan's mesh order ``(dp, cp, tp)``, tp innermost,
+    the ``cp`` ranks with this rank's data-parallel and tensor-parallel coordinates, ``tp`` apart: rank
+    ``(d·cp + c)·tp + t`` for c = 0 .. cp - 1. They hold the same samples; under tensor parallel (``tp`` > 1)
+    each holds its ``n_heads / tp`` local heads, and the keys and values gathered over the CP group are those
+    heads' over the whole sequence. One rank's (no collective) at ``cp = 1``.
 
     Raises:
         ConfigError: ``cp × tp`` does not divide the world size.

@@ -210,18 +210,20 @@ def dp_mesh_shape(pcfg: ParallelConfig, world_size: int, ranks_per_node: int) ->
 
     The data-parallel ranks are the world divided by the inner dimensions, ``parallel.cp`` and ``parallel.tp``
     (:func:`mesh_dims`); ``dp_shard = -1`` takes all remaining ones, ``dp_ranks // dp_replicate``
-    (``dp_replicate = -1`` likewise ``dp_ranks // dp_shard``, so one config fits any node count). torchrun numbers
-    ranks node by node and the inner dimensions are innermost (``tp`` the innermost, torchtitan's order), so shard
-    group g with its context- and tensor-parallel peers holds the consecutive ranks ``[g·S·C·T, (g+1)·S·C·T)``:
-    it stays inside one node (S·C·T divides the ranks of a node, the HSDP layout: all-gathers and reduce-scatters
-    on the fast intra-node links, only the all-reduce across replicas between nodes) or spans whole nodes (S·C·T
-    a multiple of them); plain FSDP (S·C·T = world size) may span any nodes. A tensor-parallel group (T
-    consecutive ranks) must lie inside one node. Pure arithmetic, no collective.
+    (``dp_replicate = -1`` likewise ``dp_ranks // dp_shard``, so one config fits any node count). torchrun
+    numbers ranks node by node and the inner dimensions are innermost (``tp`` the innermost, torchtitan's
+    order), so shard group g with its context- and tensor-parallel peers holds the consecutive ranks
+    ``[g·S·C·T, (g+1)·S·C·T)``: it stays inside one node (S·C·T divides the ranks of a node, the HSDP layout:
+    all-gathers and reduce-scatters on the fast intra-node links, only the all-reduce across replicas between
+    nodes) or spans whole nodes (S·C·T a multiple of them); plain FSDP (S·C·T = world size) may span any
+    nodes. A tensor-parallel group (T consecutive ranks) must lie inside one node. Pure arithmetic, no
+    collective.
 
     Raises:
-        ConfigError: ``parallel.cp`` does not divide the world size; ``dp_replicate × dp_shard × tp`` differs from
-            the (data-parallel) world size; ``tp`` larger than a node or not dividing its ranks; a shard group that
-            would hold part of a node; HSDP (``dp_replicate > 1``) outside ``parallel.mode='fsdp'``.
+        ConfigError: ``parallel.cp`` does not divide the world size; ``dp_replicate × dp_shard × tp`` differs
+            from the (data-parallel) world size; ``tp`` larger than a node or not dividing its ranks; a shard
+            group that would hold part of a node; HSDP (``dp_replicate > 1``) outside
+            ``parallel.mode='fsdp'``.
     """
     r, s, tp = pcfg.dp_replicate, pcfg.dp_shard, pcfg.tp
     cp = pcfg.cp  # context parallel: cp ranks (tp apart) per data-parallel rank (parallel/cp.py)
@@ -258,19 +260,20 @@ def dp_mesh_shape(pcfg: ParallelConfig, world_size: int, ranks_per_node: int) ->
     block = s * cp * tp  # consecutive ranks of one shard group and its context- and tensor-parallel peers
     if block != world_size * cp and node_ranks % block and block % node_ranks:
         inner = "".join(f" × parallel.{k}={v}" for k, v in (("cp", cp), ("tp", tp)) if v > 1)
-        raise ConfigError(f"parallel.dp_shard={s}{inner} does not divide the {node_ranks} ranks of a node (nor is "
-                          "it a multiple of them): a shard group would straddle nodes; pick a divisor of the ranks "
-                          "per node (HSDP) or whole nodes")
+        raise ConfigError(f"parallel.dp_shard={s}{inner} does not divide the {node_ranks} ranks of a node "
+                          "(nor is it a multiple of them): a shard group would straddle nodes; pick a "
+                          "divisor of the ranks per node (HSDP) or whole nodes")
     if r > 1 and pcfg.mode != "fsdp":
         raise ConfigError(f"parallel.dp_replicate={r} (HSDP) needs parallel.mode='fsdp', not {pcfg.mode!r}")
     return r, s
 
 
 def mesh_dims(pcfg: ParallelConfig | None, world_size: int, ranks_per_node: int) -> list[tuple[str, int]]:
-    """The device mesh's named dimensions, outermost first: ``dp_replicate`` (HSDP only), ``dp_shard`` (always,
-    with ``parallel.cp`` folded in: FSDP shards parameters over ``dp_shard × cp``), then the inner, model-parallel
-    one (``tp``, when > 1), torchtitan's order; sizes multiply to the world size. The CP groups are built beside it
-    (:func:`shardlm.parallel.cp.build_context_parallel`: the ``cp`` ranks of one dp and tp coordinate).
+    """The device mesh's named dimensions, outermost first: ``dp_replicate`` (HSDP only), ``dp_shard``
+    (always, with ``parallel.cp`` folded in: FSDP shards parameters over ``dp_shard × cp``), then the inner,
+    model-parallel one (``tp``, when > 1), torchtitan's order; sizes multiply to the world size. The CP groups
+    are built beside it (:func:`shardlm.parallel.cp.build_context_parallel`: the ``cp`` ranks of one dp and tp
+    coordinate).
 
     Raises:
         ConfigError: see :func:`dp_mesh_shape`.
@@ -292,8 +295,8 @@ def data_parallel_rank(info: DistInfo, pcfg: ParallelConfig | None) -> tuple[int
 
     The model-parallel dimensions (``cp``, then ``tp``) are innermost (:func:`mesh_dims`), so the ``cp × tp``
     consecutive ranks of one data-parallel coordinate read the same samples: ``dp_rank = rank // (cp × tp)``,
-    ``dp_size = world_size // (cp × tp)``; a tensor-parallel group computes on the same tokens, a context-parallel
-    group splits each sequence (``parallel.cp``).
+    ``dp_size = world_size // (cp × tp)``; a tensor-parallel group computes on the same tokens, a
+    context-parallel group splits each sequence (``parallel.cp``).
     """
     inner = pcfg.tp * pcfg.cp if pcfg is not None else 1
     return info.rank // inner, info.world_size // inner

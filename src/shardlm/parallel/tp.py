@@ -59,8 +59,8 @@ def check_tp(cfg: ModelConfig, tp: int, seq_len: int, lora: bool = False, cp: in
     if tp == 1:
         return
     tokens = ("train.seq_len (sequence parallel splits the tokens)", seq_len) if cp == 1 else (
-        f"the tokens per context-parallel rank (train.seq_len={seq_len} padded to a multiple of 2 × parallel.cp, "
-        f"/ parallel.cp={cp}; sequence parallel splits them)", padded_length(seq_len, cp) // cp)
+        f"the tokens per context-parallel rank (train.seq_len={seq_len} padded to a multiple of 2 × "
+        f"parallel.cp, / parallel.cp={cp}; sequence parallel splits them)", padded_length(seq_len, cp) // cp)
     sizes = {"model.n_heads": cfg.n_heads, "the key/value heads (model.n_kv_heads)": cfg.kv_heads,
              "the FFN width (model.ffn_hidden)": cfg.ffn_dim, "model.vocab_size": cfg.vocab_size,
              tokens[0]: tokens[1]}

@@ -158,7 +158,8 @@ def layout_allowed(cfg: Config, world_size: int, tp: int, ep: int) -> bool:
     :func:`shardlm.parallel.tp.check_tp`, :func:`shardlm.parallel.dist.dp_mesh_shape`), and an ep that does not
     divide the experts or the ranks, or ep without experts, outside FSDP or with HSDP
     (:func:`shardlm.parallel.ep.check_ep`). A tp > 1 under context parallel (``parallel.cp`` > 1) is not a
-    candidate: the trainer builds TP x CP, but tune's batch per rank (:func:`local_batch`) does not count cp."""
+    candidate: the trainer builds TP x CP, but tune's batch per rank (:func:`local_batch`) does not count
+    cp."""
     if tp > 1 and cfg.parallel.cp > 1:
         return False
     out = copy.deepcopy(cfg)

@@ -247,3 +247,64 @@ def test_mixture_windows_keep_each_sources_documents(mixture_data):
             assert torch.equal(batch[j], DocumentWindows(sources[src], eod).get([w])[0]), (split, j)
         assert batch[:, 2].max() > 0  # windows cross documents
         assert mixed.num_targets(ids) == int((batch[:, 1, 1:] != -100).sum())
+
+
+@pytest.mark.parametrize("attention", ["causal", "block_causal"])
+def test_documents_longer_than_a_window_continue_in_the_next_windows(doc_data, attention):
+    """The rule for pre-training documents longer than ``train.seq_len`` (windows of L + 1 tokens, L = 8 here,
+    through the trainer's own ``build_datasets``): window i is stream tokens [i(L+1), (i+1)(L+1)), so every
+    token of the split is in exactly one window (only a partial last window is dropped) and a long document's
+    pieces sit in consecutive windows. In each window every token but the first is a target, once: the first
+    token of each window is never a target (its predecessor ends the previous window, as torchtitan's
+    non-overlapping windows) and, under block-causal attention, neither is a document's first token. A piece
+    continuing a document is its window's document 0: rotary positions restart at 0 at the window's first
+    token and it attends only within the window. Under causal attention windows carry no documents: positions
+    are 0 .. L-1 and attention crosses the documents inside a window."""
+    from shardlm.config import Config
+    from shardlm.data.instruct import split_batch
+    from shardlm.data.packing import batch_documents
+    from shardlm.train.datasets import build_datasets
+
+    seq = 8
+    cfg = Config()
+    cfg.data.dir, cfg.train.seq_len, cfg.model.attention = str(doc_data), seq, attention
+    meta = load_meta(str(doc_data))
+    data = build_datasets(cfg, meta, attention == "block_causal").train
+    n, window = len(data), seq + 1
+    stream = data.windows.stream if attention == "block_causal" else data.stream
+    tokens = torch.from_numpy(stream.read(0, stream.num_tokens).astype(np.int64))
+    batch = data.get(list(range(n)))  # every window, in stream order
+    inputs, targets = split_batch(batch)
+    assert 0 <= stream.num_tokens - n * window < window  # nothing lost but a partial last window
+    assert torch.equal(torch.cat([inputs, (batch[:, 0] if batch.dim() == 3 else batch)[:, -1:]], 1).flatten(),
+                       tokens[:n * window])  # each token once, in order
+    # the trained pairs (input j -> target j + 1 of the stream): all but the window-crossing ones (and,
+    # block-causal, those whose target starts a document); none twice
+    starts = torch.zeros(stream.num_tokens, dtype=torch.bool)
+    starts[torch.from_numpy(stream.starts_in(0, stream.num_tokens))] = True
+    position = torch.arange(n * window).view(n, window)
+    scored = targets != -100
+    expected = torch.ones(n, seq, dtype=torch.bool)
+    if attention == "block_causal":
+        expected &= ~starts[position[:, 1:]]
+    assert torch.equal(scored, expected) and torch.equal(targets[scored], tokens[position[:, 1:]][scored])
+    assert data.num_targets(list(range(n))) == int(scored.sum())
+    # documents longer than two windows: their pieces in consecutive windows, each piece after the first its
+    # window's document 0 with positions from 0 at the window's first token
+    doc_starts = stream.starts_in(0, stream.num_tokens).tolist() + [stream.num_tokens]
+    long = [(a, b) for a, b in zip(doc_starts, doc_starts[1:]) if b - a > 2 * window and b <= n * window]
+    assert len(long) >= 3
+    documents = batch_documents(batch)
+    assert (documents is None) == (attention == "causal")
+    for a, b in long:
+        first, last = a // window, (b - 1) // window
+        assert last - first >= 2
+        for w in range(first + 1, last + 1):  # the windows the document continues into
+            piece = min(b, (w + 1) * window) - w * window  # its tokens in window w, from the window's first
+            assert torch.equal(batch[w, 0, :piece] if batch.dim() == 3 else batch[w, :piece],
+                               tokens[w * window:w * window + piece])
+            if attention == "block_causal":
+                inputs_of_piece = min(piece, seq)
+                assert documents[w, :inputs_of_piece].eq(0).all()
+                positions = doc_attention.document_positions(documents[w:w + 1])[0, :inputs_of_piece]
+                assert torch.equal(positions, torch.arange(inputs_of_piece))

@@ -216,3 +216,32 @@ def test_moe_layer_saved_bytes_equal_what_autograd_saves():
     experts = 4 * 4 * s.tokens * s.f  # the SwiGLU of width f = k · expert width, as plan/activations.py counts it
     print(f"\nMoE layer: autograd saves {sum(saved.values()):,} bytes; planner {experts + moe_layer_saved(s, mcfg):,}")
     assert sum(saved.values()) == experts + moe_layer_saved(s, mcfg)
+
+
+def test_plan_llama3_2_1b_one_32k_sequence_on_one_h100(capsys):
+    """configs/llama3.2-1b-32k.toml: one 32,768-token sequence of Llama 3.2 1B per micro-batch on one H100
+    (bf16 compute, 8 micro-batches). Full activation checkpointing with the chunked loss fits with room;
+    without checkpointing the activations are over 10 times as large and the peak comes within 3% of the
+    budget; with the whole logits too (``train.loss_chunk_tokens = 0``) it does not fit."""
+    from shardlm.cli.main import main as shardlm_main
+
+    config = str(ROOT / "configs" / "llama3.2-1b-32k.toml")
+
+    def plan(*extra: str) -> tuple[str, float, float, float]:
+        capsys.readouterr()
+        assert shardlm_main(["plan", config, "--world-size", "1", "--device", "h100", *extra]) == 0
+        out = capsys.readouterr().out
+        assert "micro-batch 1 x 32768 tokens, 8 micro-batch(es)/step" in out
+        verdict = next(line.strip() for line in out.splitlines() if "GiB usable" in line)
+        usable = float(verdict.split(" GiB usable")[0].split()[-1])
+        total = float(out.split("\n    total")[1].split()[0])
+        return verdict, total, usable, float(out.split("activations (saved for backward)")[1].split()[0])
+
+    verdict, total, usable, ac_acts = plan()  # the config: full checkpointing, the loss in 256-token chunks
+    assert verdict.startswith("fits:") and total < 0.4 * usable, verdict
+    verdict, total, usable, acts = plan("--parallel.activation_checkpoint=none")
+    assert verdict.startswith("fits:") and usable - total < 0.03 * usable and acts > 10 * ac_acts, verdict
+    verdict, _, _, _ = plan("--parallel.activation_checkpoint=none", "--train.loss_chunk_tokens=0")
+    assert verdict.startswith("does not fit:"), verdict
+    verdict, _, _, _ = plan("--train.loss_chunk_tokens=0")  # checkpointing alone, the whole logits
+    assert verdict.startswith("fits:"), verdict

@@ -173,11 +173,12 @@ def gradient_accumulation_steps(cfg: Config, dp_world_size: int) -> int:
     """
     g, mbs = cfg.train.global_batch_size, cfg.train.micro_batch_size
     per_step = dp_world_size * mbs
+    inner = " × ".join(f"parallel.{k}={getattr(cfg.parallel, k)}" for k in ("cp", "tp")
+                       if getattr(cfg.parallel, k) > 1)  # the dimensions whose ranks share samples
     if g % per_step:
         raise ConfigError(
             f"train.global_batch_size={g} must be divisible by world size × train.micro_batch_size "
             f"= {dp_world_size} × {mbs} = {per_step}"
-            + (f" (the data-parallel world size: world size / parallel.tp={cfg.parallel.tp})" if cfg.parallel.tp > 1
-               else "")
+            + (f" (the data-parallel world size: world size / {inner})" if inner else "")
         )
     return g // per_step

@@ -257,16 +257,21 @@ def apply_cp(model: nn.Module, cp: ContextParallel) -> nn.Module:
     return model
 
 
-def build_context_parallel(info: DistInfo, cp: int) -> ContextParallel:
-    """The CP group of this rank: ranks ``[g·cp, (g+1)·cp)`` hold the same samples (``parallel.cp``; the inner
-    dimension of torchtitan's mesh order, beside the data-parallel one). One rank's (no collective) at ``cp = 1``.
+def build_context_parallel(info: DistInfo, cp: int, tp: int = 1) -> ContextParallel:
+    """The CP group of this rank (``parallel.cp``): in torchtitan's mesh order ``(dp, cp, tp)``, tp innermost,
+    the ``cp`` ranks with this rank's data-parallel and tensor-parallel coordinates, ``tp`` apart: rank
+    ``(d·cp + c)·tp + t`` for c = 0 .. cp - 1. They hold the same samples; under tensor parallel (``tp`` > 1)
+    each holds its ``n_heads / tp`` local heads, and the keys and values gathered over the CP group are those
+    heads' over the whole sequence. One rank's (no collective) at ``cp = 1``.
 
     Raises:
-        ConfigError: ``cp`` does not divide the world size.
+        ConfigError: ``cp × tp`` does not divide the world size.
     """
     if cp == 1:
         return ContextParallel(None)
-    if info.world_size % cp:
-        raise ConfigError(f"parallel.cp={cp} must divide the world size {info.world_size}")
-    mesh = init_device_mesh(info.device.type, (info.world_size // cp, cp), mesh_dim_names=("dp_cp_outer", "cp"))
+    if info.world_size % (cp * tp):
+        inner = f"parallel.cp={cp} × parallel.tp={tp} = {cp * tp}" if tp > 1 else f"parallel.cp={cp}"
+        raise ConfigError(f"{inner} must divide the world size {info.world_size}")
+    mesh = init_device_mesh(info.device.type, (info.world_size // (cp * tp), cp, tp),
+                            mesh_dim_names=("dp_outer", "cp", "tp_inner"))
     return ContextParallel(mesh.get_group("cp"))

@@ -96,14 +96,18 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
 
     Raises:
         ConfigError: bad world size (or one ``parallel.cp`` does not divide), global batch not divisible, unknown
-            dtype or AC mode; tensor parallel on a world size it does not divide, or with selective / every-n
-            checkpointing (not modelled).
+            dtype or AC mode; tensor parallel on a world size it does not divide, with selective / every-n
+            checkpointing or with context parallel (not modelled).
     """
     st = Settings.from_config(cfg)
     tp = cfg.parallel.tp
     if tp > 1 and (world_size % tp or st.ac_mode not in ("none", "full")):
         raise ConfigError(f"parallel.tp={tp}: the memory planner models tensor parallel on a world size it divides "
                           f"(got {world_size}) with parallel.activation_checkpoint none or full (got {st.ac_mode!r})")
+    if tp > 1 and cfg.parallel.cp > 1:  # the trainer builds it; CP attention's terms count all the heads
+        raise ConfigError(f"parallel.cp={cfg.parallel.cp} with parallel.tp={tp}: the memory planner does not "
+                          "model context parallel with tensor parallel yet (training runs it); plan one of "
+                          "them")
     if world_size < 1:
         raise ConfigError(f"--world-size must be >= 1, got {world_size}")
     if st.mode == "single" and world_size != 1:

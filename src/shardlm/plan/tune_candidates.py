@@ -155,15 +155,19 @@ def layout_allowed(cfg: Config, world_size: int, tp: int, ep: int) -> bool:
     """Whether a run of ``cfg`` at ``world_size`` ranks (one node: the machine ``shardlm tune`` measures on) accepts
     ``parallel.tp = tp`` and ``parallel.ep = ep``: the trainer's own checks, which refuse a tp that does not divide
     the query or key/value heads, the FFN width, the vocabulary, the sequence or the ranks of the node, tp with
-    LoRA, a mixture of experts, context parallel or preference tuning (:func:`shardlm.config.validate`,
+    LoRA, a mixture of experts or preference tuning (:func:`shardlm.config.validate`,
     :func:`shardlm.parallel.tp.check_tp`, :func:`shardlm.parallel.dist.dp_mesh_shape`), and an ep that does not
     divide the experts or the ranks, or ep without experts, outside FSDP or with HSDP
-    (:func:`shardlm.parallel.ep.check_ep`)."""
+    (:func:`shardlm.parallel.ep.check_ep`). A tp > 1 under context parallel (``parallel.cp`` > 1) is not a
+    candidate: the trainer builds TP x CP, but tune's batch per rank (:func:`local_batch`) does not count
+    cp."""
+    if tp > 1 and cfg.parallel.cp > 1:
+        return False
     out = copy.deepcopy(cfg)
     out.parallel.tp, out.parallel.ep = tp, ep
     try:
         validate(out)
-        check_tp(out.model, tp, out.train.seq_len, out.lora.enabled)
+        check_tp(out.model, tp, out.train.seq_len, out.lora.enabled, out.parallel.cp)
         check_ep(out.model.n_experts, ep, world_size, out.parallel.mode, out.parallel.dp_replicate)
         dp_mesh_shape(out.parallel, world_size, world_size)
     except ConfigError:

@@ -102,7 +102,7 @@ class Trainer:
         self.train_data, self.val_data, self.sampler = build_datasets(cfg, self.meta, self.attention_backend is not None)
         self.mesh = build_mesh(self.info, cfg.parallel) if cfg.parallel.mode != "single" else None
         #: this rank's context-parallel group (shardlm/parallel/cp.py); one rank's, no split, at parallel.cp = 1
-        self.cp = build_context_parallel(self.info, cfg.parallel.cp)
+        self.cp = build_context_parallel(self.info, cfg.parallel.cp, cfg.parallel.tp)
         self.cp.check_sequence(t.seq_len)
         self.model, self.pretrained_load_stats = build_model(cfg, self.info, self.mesh, self.cp)
         #: the preference objective and its reference (shardlm/train/preference_step.py), None for token losses

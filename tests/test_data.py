@@ -315,6 +315,37 @@ def test_a_mixture_records_its_model_tokenizers_special_ids_and_files_as_one_cor
     assert (tok.eos_token_id, tok.pad_token_id) == (1, 1)
 
 
+
+def test_a_model_trained_on_a_mixture_exports_its_tokenizers_model_ids(tmp_path: pathlib.Path,
+                                                                       model_tokenizer: pathlib.Path) -> None:
+    """The ids' consumer: a tiny model trained for 2 steps (one process) on a mixture prepared with a model
+    directory's tokenizer; its final export stops at the model's eos ids [1, 2] and pads with 1 (transformers'
+    GenerationConfig), and its tokenizer has the model's eos token and chat template (AutoTokenizer)."""
+    transformers = pytest.importorskip("transformers")
+    from conftest import tiny_overrides
+    from shardlm.config import load_config
+    from shardlm.parallel import init_distributed
+    from shardlm.train import Trainer
+
+    a, b = _two_sources(tmp_path, lines=120)
+    sources = f'[{{path = "{a.path}", weight = 0.7, name = "a"}}, {{path = "{b.path}", weight = 0.3, name = "b"}}]'
+    cfg = load_config(None, tiny_overrides(tmp_path / "mix", tmp_path / "run", {
+        "data.sources": sources, "data.tokenizer": f'"{model_tokenizer}"', "data.workers": 1,
+        "parallel.mode": '"single"', "train.steps": 2, "train.eval_interval": 0, "checkpoint.interval": 0}))
+    started = torch.distributed.is_initialized()
+    try:
+        Trainer(cfg, init_distributed(cfg.parallel)).train()
+    finally:
+        if not started and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    final = tmp_path / "run" / "final"
+    gen = transformers.GenerationConfig.from_pretrained(str(final))
+    assert (gen.bos_token_id, gen.eos_token_id, gen.pad_token_id) == (0, [1, 2], 1)
+    assert json.loads((final / "config.json").read_text())["eos_token_id"] == [1, 2]
+    tok = transformers.AutoTokenizer.from_pretrained(str(final))
+    assert (tok.eos_token, tok.eos_token_id, tok.pad_token_id, tok.chat_template) == (EOS, 1, 1, CHAT_TEMPLATE)
+
+
 # ----------------------------------------------------------------------------- loader
 
 

@@ -401,3 +401,9 @@ def test_a_resume_compares_the_tokens_not_when_the_inputs_were_touched():
     other = {**again, "content_sha256": "bb"}
     assert data_problems({"data": stored}, other, None) == [
         'the prepared data differs from the checkpoint\'s (meta.json: content_sha256 "aa" -> "bb")']
+    # an older mixture prepared again records its tokenizer's model ids: the same tokens, still resumable
+    ids = {"bos": 0, "eos": [1, 2], "pad": 1}
+    assert data_problems({"data": stored}, {**again, "model_special_ids": ids}, None) == []
+    assert data_problems({"data": {**stored, "model_special_ids": ids}}, {**again, "model_special_ids": {}}, None) == [
+        'the prepared data differs from the checkpoint\'s (meta.json: model_special_ids {"bos": 0, "eos": [1, 2], '
+        '"pad": 1} -> {})']

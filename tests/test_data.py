@@ -320,7 +320,8 @@ def test_a_model_trained_on_a_mixture_exports_its_tokenizers_model_ids(tmp_path:
                                                                        model_tokenizer: pathlib.Path) -> None:
     """The ids' consumer: a tiny model trained for 2 steps (one process) on a mixture prepared with a model
     directory's tokenizer; its final export stops at the model's eos ids [1, 2] and pads with 1 (transformers'
-    GenerationConfig), and its tokenizer has the model's eos token and chat template (AutoTokenizer)."""
+    GenerationConfig), and its tokenizer has the model's eos token and chat template (AutoTokenizer); so does
+    ``shardlm export`` of its checkpoint, and ``shardlm generate``'s reader of a model directory stops at [1, 2]."""
     transformers = pytest.importorskip("transformers")
     from conftest import tiny_overrides
     from shardlm.config import load_config
@@ -331,19 +332,25 @@ def test_a_model_trained_on_a_mixture_exports_its_tokenizers_model_ids(tmp_path:
     sources = f'[{{path = "{a.path}", weight = 0.7, name = "a"}}, {{path = "{b.path}", weight = 0.3, name = "b"}}]'
     cfg = load_config(None, tiny_overrides(tmp_path / "mix", tmp_path / "run", {
         "data.sources": sources, "data.tokenizer": f'"{model_tokenizer}"', "data.workers": 1,
-        "parallel.mode": '"single"', "train.steps": 2, "train.eval_interval": 0, "checkpoint.interval": 0}))
+        "parallel.mode": '"single"', "train.steps": 2, "train.eval_interval": 0, "checkpoint.interval": 2}))
     started = torch.distributed.is_initialized()
     try:
         Trainer(cfg, init_distributed(cfg.parallel)).train()
     finally:
         if not started and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-    final = tmp_path / "run" / "final"
-    gen = transformers.GenerationConfig.from_pretrained(str(final))
-    assert (gen.bos_token_id, gen.eos_token_id, gen.pad_token_id) == (0, [1, 2], 1)
-    assert json.loads((final / "config.json").read_text())["eos_token_id"] == [1, 2]
-    tok = transformers.AutoTokenizer.from_pretrained(str(final))
-    assert (tok.eos_token, tok.eos_token_id, tok.pad_token_id, tok.chat_template) == (EOS, 1, 1, CHAT_TEMPLATE)
+    from shardlm.cli.main import main as cli_main
+    from shardlm.convert.hf_in import model_dir_special_ids
+
+    exported = tmp_path / "exported"  # `shardlm export` of the checkpoint: the ids its manifest recorded
+    assert cli_main(["export", str(tmp_path / "run" / "checkpoints" / "step-2"), str(exported)]) == 0
+    for final in (tmp_path / "run" / "final", exported):
+        gen = transformers.GenerationConfig.from_pretrained(str(final))
+        assert (gen.bos_token_id, gen.eos_token_id, gen.pad_token_id) == (0, [1, 2], 1), final
+        assert json.loads((final / "config.json").read_text())["eos_token_id"] == [1, 2]
+        tok = transformers.AutoTokenizer.from_pretrained(str(final))
+        assert (tok.eos_token, tok.eos_token_id, tok.pad_token_id, tok.chat_template) == (EOS, 1, 1, CHAT_TEMPLATE)
+        assert model_dir_special_ids(final)["eos"] == [1, 2]  # where `shardlm generate` stops
 
 
 # ----------------------------------------------------------------------------- loader

@@ -1,8 +1,8 @@
 """Prepares several corpora inside one torchrun launch, every rank taking its share of each.
 
 Usage (from tests): ``torchrun --nproc_per_node=N tests/prepare_worker.py SPEC.json``; the spec is
-``{"jobs": [{"corpus": ..., "out": ..., "tokenizer": ..., "vocab_size": ..., "piece_bytes": ...}]}``; a job with
-``"sources": [{"path", "weight", "name"}]`` instead of ``corpus`` prepares a mixture.
+``{"jobs": [{"corpus": ..., "out": ..., "tokenizer": ..., "vocab_size": ..., "piece_bytes": ...}]}``; a job
+with ``"sources": [{"path", "weight", "name"}]`` instead of ``corpus`` prepares a mixture.
 """
 
 from __future__ import annotations

@@ -256,21 +256,22 @@ def test_prepare_errors(tmp_path: pathlib.Path, small_corpus: pathlib.Path) -> N
 
 CHAT_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
 MODEL_IDS = {"bos": 0, "eos": [1, 2], "pad": 1}
-"""The special ids of :func:`model_tokenizer`'s model (config.json, tokenizer_config.json), not a shardlm default."""
+"""The special ids of :func:`model_tokenizer`'s model (config.json, tokenizer_config.json): not shardlm's."""
 
 
 @pytest.fixture()
 def model_tokenizer(tmp_path: pathlib.Path) -> pathlib.Path:
-    """A model directory's tokenizer: its tokenizer_config.json makes <|end_of_text|> (id 1) eos and pad and has a
-    chat template; config.json / generation_config.json stop at [1, 2]. A tokenizer without these files would get
-    shardlm's made-up ids (eos = pad = <|end_of_document|>, id 2)."""
+    """A model directory's tokenizer: its tokenizer_config.json makes <|end_of_text|> (id 1) eos and pad and
+    has a chat template; config.json / generation_config.json stop at [1, 2]. A tokenizer without these files
+    would get shardlm's made-up ids (eos = pad = <|end_of_document|>, id 2)."""
     d = tmp_path / "model"
     d.mkdir()
     train_tokenizer([_text(200, seed=9)], 300).save(str(d / "tokenizer.json"))
     (d / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS, "pad_token": EOS,
         "chat_template": CHAT_TEMPLATE, "model_max_length": 2048}))
-    (d / "config.json").write_text(json.dumps({"model_type": "llama", "bos_token_id": 0, "eos_token_id": [1, 2]}))
+    (d / "config.json").write_text(json.dumps({"model_type": "llama", "bos_token_id": 0,
+                                               "eos_token_id": [1, 2]}))
     (d / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": [1, 2]}))
     return d / "tokenizer.json"
 
@@ -285,10 +286,11 @@ def _two_sources(tmp_path: pathlib.Path, lines: int = 60) -> list:
 
 def test_a_mixture_records_its_model_tokenizers_special_ids_and_files_as_one_corpus_does(
         tmp_path: pathlib.Path, model_tokenizer: pathlib.Path) -> None:
-    """A mixture prepared with a model directory's tokenizer: the mixture's meta.json and each source's record the
-    model's special ids (eos [1, 2], pad 1), and every directory holds the tokenizer files a single corpus prepared
-    with that tokenizer holds, byte for byte (its tokenizer_config.json with the chat template); transformers
-    reads the model's eos, pad and template from the mixture's directory (what an export copies)."""
+    """A mixture prepared with a model directory's tokenizer: the mixture's meta.json and each source's
+    record the model's special ids (eos [1, 2], pad 1), and every directory holds the tokenizer files a
+    single corpus prepared with that tokenizer holds, byte for byte (its tokenizer_config.json with the chat
+    template); transformers reads the model's eos, pad and template from the mixture's directory (what an
+    export copies)."""
     transformers = pytest.importorskip("transformers")
     from shardlm.data.mixture import prepare_mixture
     from shardlm.data.tokenizer_files import TOKENIZER_FILES
@@ -319,9 +321,10 @@ def test_a_mixture_records_its_model_tokenizers_special_ids_and_files_as_one_cor
 def test_a_model_trained_on_a_mixture_exports_its_tokenizers_model_ids(tmp_path: pathlib.Path,
                                                                        model_tokenizer: pathlib.Path) -> None:
     """The ids' consumer: a tiny model trained for 2 steps (one process) on a mixture prepared with a model
-    directory's tokenizer; its final export stops at the model's eos ids [1, 2] and pads with 1 (transformers'
-    GenerationConfig), and its tokenizer has the model's eos token and chat template (AutoTokenizer); so does
-    ``shardlm export`` of its checkpoint, and ``shardlm generate``'s reader of a model directory stops at [1, 2]."""
+    directory's tokenizer; its final export stops at the model's eos ids [1, 2] and pads with 1
+    (transformers' GenerationConfig), and its tokenizer has the model's eos token and chat template
+    (AutoTokenizer); so does ``shardlm export`` of its checkpoint, and ``shardlm generate``'s reader of a
+    model directory stops at [1, 2]."""
     transformers = pytest.importorskip("transformers")
     from conftest import tiny_overrides
     from shardlm.config import load_config
@@ -329,7 +332,8 @@ def test_a_model_trained_on_a_mixture_exports_its_tokenizers_model_ids(tmp_path:
     from shardlm.train import Trainer
 
     a, b = _two_sources(tmp_path, lines=120)
-    sources = f'[{{path = "{a.path}", weight = 0.7, name = "a"}}, {{path = "{b.path}", weight = 0.3, name = "b"}}]'
+    sources = (f'[{{path = "{a.path}", weight = 0.7, name = "a"}}, '
+               f'{{path = "{b.path}", weight = 0.3, name = "b"}}]')
     cfg = load_config(None, tiny_overrides(tmp_path / "mix", tmp_path / "run", {
         "data.sources": sources, "data.tokenizer": f'"{model_tokenizer}"', "data.workers": 1,
         "parallel.mode": '"single"', "train.steps": 2, "train.eval_interval": 0, "checkpoint.interval": 2}))
@@ -349,7 +353,8 @@ def test_a_model_trained_on_a_mixture_exports_its_tokenizers_model_ids(tmp_path:
         assert (gen.bos_token_id, gen.eos_token_id, gen.pad_token_id) == (0, [1, 2], 1), final
         assert json.loads((final / "config.json").read_text())["eos_token_id"] == [1, 2]
         tok = transformers.AutoTokenizer.from_pretrained(str(final))
-        assert (tok.eos_token, tok.eos_token_id, tok.pad_token_id, tok.chat_template) == (EOS, 1, 1, CHAT_TEMPLATE)
+        assert (tok.eos_token, tok.eos_token_id, tok.pad_token_id) == (EOS, 1, 1)
+        assert tok.chat_template == CHAT_TEMPLATE
         assert model_dir_special_ids(final)["eos"] == [1, 2]  # where `shardlm generate` stops
 
 

@@ -310,17 +310,17 @@ def test_workers_and_ranks_give_identical_token_files(tmp_path, corpora, tokeniz
     model = tmp_path / "model"
     model.mkdir()
     (model / "tokenizer.json").write_bytes(tokenizer_file.read_bytes())
-    (model / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|end_of_text|>",
-                                                             "pad_token": "<|end_of_text|>", "chat_template": "{{ x }}"}))
+    (model / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": "<|end_of_text|>", "pad_token": "<|end_of_text|>", "chat_template": "{{ x }}"}))
     (model / "config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": [1, 2]}))
     mixture = [{"path": str(corpora["jsonl"]), "weight": 0.7, "name": "a"},
                {"path": str(corpora["txt"]), "weight": 0.3, "name": "b"}]
-    prepare_mixture([DataSource(**m) for m in mixture], str(tmp_path / "m1"), str(model / "tokenizer.json"), 400,
-                    0.1, piece_bytes=12_000)
+    prepare_mixture([DataSource(**m) for m in mixture], str(tmp_path / "m1"), str(model / "tokenizer.json"),
+                    400, 0.1, piece_bytes=12_000)
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps({"jobs": [
-        {"corpus": str(corpus), "out": str(tmp_path / "r2"), "tokenizer": str(tokenizer_file), "vocab_size": 400,
-         "piece_bytes": 12_000},
+        {"corpus": str(corpus), "out": str(tmp_path / "r2"), "tokenizer": str(tokenizer_file),
+         "vocab_size": 400, "piece_bytes": 12_000},
         {"sources": mixture, "out": str(tmp_path / "m2"), "tokenizer": str(model / "tokenizer.json"),
          "vocab_size": 400, "piece_bytes": 12_000}]}))
     torchrun(2, [str(ROOT / "tests" / "prepare_worker.py"), str(spec)], timeout=300)

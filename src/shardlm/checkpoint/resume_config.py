@@ -160,9 +160,10 @@ def data_problems(manifest: dict[str, Any], meta: dict[str, Any] | None, tokeniz
     Compares the checkpoint's ``data`` record (the data directory's ``meta.json``) with ``meta``, and its
     ``tokenizer.json`` checksum with ``tokenizer_sha256``. Missing records (older checkpoints) are skipped, and so
     is ``meta.json``'s ``identity`` (what the data was made from: modification times change when identical data
-    is prepared again; the tokens themselves are compared through ``content_sha256``), and ``document_starts`` and
-    ``model_special_ids`` when the checkpoint's record predates them (the same tokens prepared again now record
-    where documents start, and a mixture its tokenizer's model's special ids: the run exports those from then on).
+    is prepared again; the tokens themselves are compared through ``content_sha256``), and
+    ``document_starts`` and ``model_special_ids`` when the checkpoint's record predates them (the same
+    tokens prepared again now record where documents start, and a mixture its tokenizer's model's special
+    ids: the run exports those from then on).
     """
     problems = []
     stored_tok = manifest.get("files", {}).get("tokenizer.json", {}).get("sha256")

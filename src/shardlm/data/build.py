@@ -44,9 +44,9 @@ from shardlm.parallel.dist import DistInfo, run_on_main
 
 __all__ = ["data_dir", "prepare_data", "verdict"]
 
-_OLD_MIXTURE = ("it was prepared by an older shardlm that did not record the special ids of the tokenizer's model "
-                "for a mixture (meta.json has no model_special_ids; its sources may record made-up ones, which an "
-                "export would write)")
+_OLD_MIXTURE = ("it was prepared by an older shardlm that did not record the special ids of the tokenizer's "
+                "model for a mixture (meta.json has no model_special_ids; its sources may record made-up "
+                "ones, which an export would write)")
 _CALLS: dict[str, int] = {}  # prepare_data calls per directory in this process: fresh store keys for each
 
 

@@ -242,9 +242,10 @@ def prepare_mixture(sources: list[Any], out_dir: str, tokenizer_path: str | None
 
     The tokenizer is the given one, or a byte-level BPE trained on a seeded sample of at most
     ``tokenizer_sample_bytes`` from every source, each source giving a share proportional to its
-    weight. Each source is then :func:`shardlm.data.prepare_corpus` d (distributed, restartable) with that
-    tokenizer: a given one is read where it lies, so that the sources and the mixture record its model's special
-    ids (its directory's ``config.json`` / ``tokenizer_config.json``) and hold its config files, as one corpus does.
+    weight. Each source is then :func:`shardlm.data.prepare_corpus` d (distributed, restartable) with
+    that tokenizer: a given one is read where it lies, so that the sources and the mixture record its
+    model's special ids (its directory's ``config.json`` / ``tokenizer_config.json``) and hold its config
+    files, as one corpus does.
 
     Returns:
         The mixture meta (also ``meta.json``): ``format`` ("mixture"), ``sources`` ([{"name", "path"}]),
@@ -300,12 +301,12 @@ def prepare_mixture(sources: list[Any], out_dir: str, tokenizer_path: str | None
             sync.publish("mixture-tokenizer")
         else:
             sync.wait("mixture-tokenizer", "the mixture's tokenizer (rank 0)")
-    opened = opened or open_tokenizer(tok_file)  # read once on each rank, handed to every source's preparation
+    opened = opened or open_tokenizer(tok_file)  # read once on each rank, handed to each source's preparation
     metas = []
     for name, source in zip(names, sources):
         sub_sync = sync.sub(name) if sync is not None else None
-        metas.append(prepare_corpus(source.path, str(stage / name), tokenizer_path or str(tok_file), vocab_size,
-                                    val_fraction, seed, text_field=text_field, workers=workers,
+        metas.append(prepare_corpus(source.path, str(stage / name), tokenizer_path or str(tok_file),
+                                    vocab_size, val_fraction, seed, text_field=text_field, workers=workers,
                                     piece_bytes=piece_bytes, tokenizer_sample_bytes=tokenizer_sample_bytes,
                                     sync=sub_sync, tokenizer=opened))
     first = metas[0]

@@ -178,7 +178,7 @@ def _stage(corpus: str, stage: pathlib.Path, fingerprint: dict[str, Any], pieces
                 f"{sample_bytes / 1e6:.0f} MB in {time.perf_counter() - t0:.1f} s")
             opened = open_tokenizer(staged, tok)  # in memory, not read back; its files are made for it
         assert opened is not None
-        stage_tokenizer(opened, stage)  # its tokenizer_config.json (the source's, or one made for it), then itself
+        stage_tokenizer(opened, stage)  # its tokenizer_config.json (the source's, or one made), then itself
     elif not tokenizer_path:
         opened = open_tokenizer(staged)  # trained by an earlier run of this plan
     _write_json(old, fingerprint)

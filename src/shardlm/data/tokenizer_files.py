@@ -279,11 +279,11 @@ def write_tokenizer_files(tokenizer_path: str | pathlib.Path | OpenedTokenizer, 
 
 
 def stage_tokenizer(opened: OpenedTokenizer, stage: str | pathlib.Path) -> None:
-    """Write an opened tokenizer into a preparation's staging directory ``stage``, as every prepared directory holds
-    it: its config files first (:func:`write_tokenizer_files`), then ``tokenizer.json``, atomically, whose
-    presence marks the staged tokenizer complete (a restart keeps it). ``tokenizer.json`` is the file
-    ``opened`` was read from, copied byte for byte, or, for a tokenizer trained in memory whose path is the
-    staged file itself, that object saved.
+    """Write an opened tokenizer into a preparation's staging directory ``stage``, as every prepared
+    directory holds it: its config files first (:func:`write_tokenizer_files`), then ``tokenizer.json``,
+    atomically, whose presence marks the staged tokenizer complete (a restart keeps it). ``tokenizer.json``
+    is the file ``opened`` was read from, copied byte for byte, or, for a tokenizer trained in memory whose
+    path is the staged file itself, that object saved.
 
     One rule for a corpus and a mixture (its top level and each source): the given tokenizer's
     ``tokenizer_config.json`` (special tokens, chat template) goes with it, never a made-up one.

@@ -21,6 +21,7 @@ import zstandard
 
 from conftest import ROOT, cpu_env, torchrun
 from shardlm.cli.main import main as cli_main
+from shardlm.config import DataSource
 from shardlm.data import (
     DataError,
     TokenStream,
@@ -30,7 +31,7 @@ from shardlm.data import (
     read_documents,
     train_tokenizer,
 )
-from shardlm.data.mixture import MixtureSampler
+from shardlm.data.mixture import MixtureSampler, prepare_mixture
 from shardlm.data.prepare import _sample_texts, staging_dir
 from shardlm.data.readers import plan_pieces, read_piece
 
@@ -305,10 +306,31 @@ def test_workers_and_ranks_give_identical_token_files(tmp_path, corpora, tokeniz
         prepare_corpus(str(corpus), str(out), str(tokenizer_file), 400, 0.1, piece_bytes=12_000, workers=workers)
         digests[f"{workers} workers"] = [hashlib.sha256((out / s["file"]).read_bytes()).hexdigest()
                                          for s in json.loads((out / "meta.json").read_text())["shards"]]
+    # a mixture with a model directory's tokenizer (eos [1, 2] in its config.json, pad 1), in the same launch
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "tokenizer.json").write_bytes(tokenizer_file.read_bytes())
+    (model / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": "<|end_of_text|>", "pad_token": "<|end_of_text|>", "chat_template": "{{ x }}"}))
+    (model / "config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": [1, 2]}))
+    mixture = [{"path": str(corpora["jsonl"]), "weight": 0.7, "name": "a"},
+               {"path": str(corpora["txt"]), "weight": 0.3, "name": "b"}]
+    prepare_mixture([DataSource(**m) for m in mixture], str(tmp_path / "m1"), str(model / "tokenizer.json"),
+                    400, 0.1, piece_bytes=12_000)
     spec = tmp_path / "spec.json"
-    spec.write_text(json.dumps({"jobs": [{"corpus": str(corpus), "out": str(tmp_path / "r2"),
-                                          "tokenizer": str(tokenizer_file), "vocab_size": 400, "piece_bytes": 12_000}]}))
+    spec.write_text(json.dumps({"jobs": [
+        {"corpus": str(corpus), "out": str(tmp_path / "r2"), "tokenizer": str(tokenizer_file),
+         "vocab_size": 400, "piece_bytes": 12_000},
+        {"sources": mixture, "out": str(tmp_path / "m2"), "tokenizer": str(model / "tokenizer.json"),
+         "vocab_size": 400, "piece_bytes": 12_000}]}))
     torchrun(2, [str(ROOT / "tests" / "prepare_worker.py"), str(spec)], timeout=300)
+    m1, m2 = (json.loads((tmp_path / m / "meta.json").read_text()) for m in ("m1", "m2"))
+    assert m2["model_special_ids"] == m1["model_special_ids"] == {"bos": 0, "eos": [1, 2], "pad": 1}
+    assert m2["content_sha256"] == m1["content_sha256"] and m2["special_ids"] == m1["special_ids"]
+    for sub in ("", "a", "b"):  # 2 ranks stage the model's files and record its ids as one process does
+        d1, d2 = tmp_path / "m1" / sub, tmp_path / "m2" / sub
+        assert (d2 / "tokenizer_config.json").read_bytes() == (d1 / "tokenizer_config.json").read_bytes(), sub
+        assert json.loads((d2 / "meta.json").read_text())["model_special_ids"] == m1["model_special_ids"], sub
     digests["2 ranks"] = [hashlib.sha256((tmp_path / "r2" / s["file"]).read_bytes()).hexdigest()
                           for s in json.loads((tmp_path / "r2" / "meta.json").read_text())["shards"]]
     assert len(digests["2 ranks"]) == len(pieces) > 20

@@ -95,7 +95,8 @@ def test_pre_training_preparation_parses_the_tokenizer_once(tmp_path, monkeypatc
     parsed.clear()
     sources = [DataSource(str(corpus), 0.5, "a"), DataSource(str(corpus), 0.5, "b")]
     mixture = prepare_mixture(sources, str(tmp_path / "mixture"), str(given), 512, 0.2)
-    assert len(parsed) == 1 and parsed[0].endswith(".mixture.partial/tokenizer.json"), parsed  # its stage's
+    assert parsed == [str(given)], parsed  # read where it lies (its model's files), once for all its sources
+    assert mixture["model_special_ids"] == given_meta["model_special_ids"]
     # both sources are the corpus, encoded with the given tokenizer: the same content as its own preparation
     assert mixture["content_sha256"] == 2 * given_meta["content_sha256"][:16]
 

@@ -56,7 +56,7 @@ from shardlm.data.identity import describe_corpus, tokenizer_files
 from shardlm.data.meta import FORMAT, META_FILE, is_prepared, load_meta, token_dtype
 from shardlm.data.readers import Piece, dataset_dict_note, plan_pieces, read_piece
 from shardlm.data.tokenizer import load_tokenizer, special_token_ids, train_tokenizer
-from shardlm.data.tokenizer_files import model_special_ids, open_tokenizer, write_tokenizer_files
+from shardlm.data.tokenizer_files import model_special_ids, open_tokenizer, stage_tokenizer
 from shardlm.errors import DataError
 
 if TYPE_CHECKING:
@@ -163,13 +163,11 @@ def _stage(corpus: str, stage: pathlib.Path, fingerprint: dict[str, Any], pieces
         if not same:
             shutil.rmtree(stage)
     (stage / "tokens").mkdir(parents=True, exist_ok=True)
-    staged, tmp = stage / "tokenizer.json", stage / "tokenizer.json.tmp"
+    staged = stage / "tokenizer.json"
     if tokenizer_path:
         opened = opened or open_tokenizer(tokenizer_path)
     if not staged.is_file():
-        if tokenizer_path:
-            shutil.copyfile(pathlib.Path(tokenizer_path).expanduser(), tmp)
-        else:
+        if not tokenizer_path:
             t0 = time.perf_counter()
             texts = _sample_texts(pieces, text_field, sample_bytes, seed)
             first = next(texts, None)
@@ -178,11 +176,9 @@ def _stage(corpus: str, stage: pathlib.Path, fingerprint: dict[str, Any], pieces
             tok = train_tokenizer(itertools.chain([first], texts), vocab_size)
             log(f"prepare: trained a {tok.get_vocab_size()}-token BPE on a sample of at most "
                 f"{sample_bytes / 1e6:.0f} MB in {time.perf_counter() - t0:.1f} s")
-            tok.save(str(tmp))
             opened = open_tokenizer(staged, tok)  # in memory, not read back; its files are made for it
-        # its tokenizer_config.json (the source's, or one made for it), then the tokenizer itself
-        write_tokenizer_files(opened, stage, copy_tokenizer=False)
-        os.replace(tmp, staged)
+        assert opened is not None
+        stage_tokenizer(opened, stage)  # its tokenizer_config.json (the source's, or one made), then itself
     elif not tokenizer_path:
         opened = open_tokenizer(staged)  # trained by an earlier run of this plan
     _write_json(old, fingerprint)

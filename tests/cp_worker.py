@@ -3,12 +3,13 @@
 Usage: ``torchrun --nproc_per_node=N tests/cp_worker.py OUT.json``. Every rank builds the same full q, k, v
 (seeded), computes one-rank attention under the dense reference mask and its gradients, then its own CP share
 (:class:`shardlm.parallel.cp.ContextParallel`) and their gradients, and records the largest differences on its
-tokens per case. Rank 0 writes ``OUT.json``: ``{case: {"out": diff, "dq": .., "dk": .., "dv": .., "masked": ..}}``
-with each diff the maximum over ranks; ``vs_causal`` is how far the case's attention is from plain causal attention
-(documents and windows must make a difference, so a case cannot pass by ignoring them). Each case runs twice: the
-blockwise path (``CASE``) and the fallback (``CASE/fallback``, the one without a log-sum-exp kernel); ``saved_rows``
-is the longest sequence dimension of any tensor attention saved for its backward (counted by
-``torch.autograd.graph.saved_tensors_hooks``), ``saved_bytes`` their sum, and ``t_pad`` the padded length.
+tokens per case. Rank 0 writes ``OUT.json``: ``{case: {"out": diff, "dq": .., "dk": .., "dv": .., "masked":
+..}}`` with each diff the maximum over ranks; ``vs_causal`` is how far the case's attention is from plain
+causal attention (documents and windows must make a difference, so a case cannot pass by ignoring them). Each
+case runs twice: the blockwise path (``CASE``) and the fallback (``CASE/fallback``, the one without a
+log-sum-exp kernel); ``saved_rows`` is the longest sequence dimension of any tensor attention saved for its
+backward (counted by ``torch.autograd.graph.saved_tensors_hooks``), ``saved_bytes`` their sum, and ``t_pad``
+the padded length.
 """
 
 from __future__ import annotations
@@ -81,7 +82,8 @@ def run_case(cp: ContextParallel, t: int, window: int, runs: list[int] | None) -
 
     return {"out": diff(out.detach(), ref.detach()), "dq": diff(ql.grad, qf.grad), "dk": diff(kl.grad, kf.grad),
             "dv": diff(vl.grad, vf.grad), "vs_causal": (ref.detach() - causal).abs().max().item(),
-            "padding": int((~real).sum()), "dense_mask": cp_mask is not None, "t_pad": padded_length(t, cp.size),
+            "padding": int((~real).sum()), "dense_mask": cp_mask is not None,
+            "t_pad": padded_length(t, cp.size),
             "saved_rows": max(max(x.shape[2:]) for x in saved if x.dim() >= 3),
             "saved_bytes": sum(x.numel() * x.element_size() for x in {id(x): x for x in saved}.values())}
 

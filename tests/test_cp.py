@@ -38,8 +38,8 @@ def test_one_rank_split_is_the_identity_and_masks_are_the_reference():
 
 @pytest.mark.parametrize("window,with_docs", [(0, False), (0, True), (5, False), (3, True)])
 def test_blockwise_blocks_cover_exactly_the_keys_each_query_sees(window, with_docs):
-    """Each rank's blocks (diagonal first, masks one block at a time, hidden blocks skipped) put together are its
-    rows of the one-rank reference mask over the padded sequence, at cp 2 and 3."""
+    """Each rank's blocks (diagonal first, masks one block at a time, hidden blocks skipped) put together
+    are its rows of the one-rank reference mask over the padded sequence, at cp 2 and 3."""
     from shardlm.model.attention import dense_mask
     from shardlm.parallel.cp_attention import blocks, global_chunk
 
@@ -61,10 +61,12 @@ def test_blockwise_blocks_cover_exactly_the_keys_each_query_sees(window, with_do
             seen = list(blocks(size, rank, c, spec, torch.device("cpu")))
             for blk in seen:
                 k0, rows = global_chunk(blk.key, size) * c, slice(blk.query * c, (blk.query + 1) * c)
-                part = torch.ones(c, c, dtype=torch.bool).tril() if blk.causal else torch.ones(c, c, dtype=torch.bool)
+                part = torch.ones(c, c, dtype=torch.bool)
+                part = part.tril() if blk.causal else part
                 built[:, rows, k0:k0 + c] = part if blk.mask is None else blk.mask[:, 0]
             firsts = [b for i, b in enumerate(seen) if i == 0 or seen[i - 1].query != b.query]
-            assert [global_chunk(b.key, size) for b in firsts] == [rank, 2 * size - 1 - rank]  # diagonal first
+            # the diagonal block first
+            assert [global_chunk(b.key, size) for b in firsts] == [rank, 2 * size - 1 - rank]
             assert torch.equal(built, reference[:, cp.local_indices(t_pad)]), (size, rank)
             skipped += sum(1 for q_chunk in (rank, 2 * size - 1 - rank) for p in range(2 * size)
                            if global_chunk(p, size) <= q_chunk) - len(seen)
@@ -130,9 +132,10 @@ def test_cp2_attention_equals_one_rank_forward_and_grads(tmp_path):
     for name, r in results.items():
         for key in ("out", "dq", "dk", "dv"):
             assert r[key] <= 1e-6, (name, key, r[key])
-    for name in cases:  # blockwise: nothing of T_pad rows saved for the backward; the fallback keeps gathered K/V
+    for name in cases:  # blockwise: nothing of T_pad rows saved for the backward; the fallback keeps K/V
         blockwise, fallback = results[name], results[f"{name}/fallback"]
-        assert blockwise["saved_rows"] == blockwise["t_pad"] // 2 < fallback["saved_rows"] == fallback["t_pad"], name
+        assert blockwise["saved_rows"] == blockwise["t_pad"] // 2, name
+        assert fallback["saved_rows"] == fallback["t_pad"], name
         assert blockwise["saved_bytes"] < fallback["saved_bytes"], name
     assert not results["causal_odd"]["dense_mask"]  # plain causal: SDPA's causal kernel, no T x T mask
     assert all(results[n]["dense_mask"] for n in ("block_causal_odd", "sliding_window", "sliding_block_causal_odd"))

@@ -5,23 +5,23 @@ The split is the load-balanced one of torchtitan and Megatron-LM ("zigzag"): a s
 r holds chunk r (the head) and chunk ``2·cp - 1 - r`` (the tail). Under a causal mask a query's work grows with
 its position, so a head chunk and its mirrored tail chunk together cost every rank the same.
 
-Attention across the split (:meth:`ContextParallel.attend`) is blockwise where a kernel with a log-sum-exp exists
-(CPU, :mod:`shardlm.parallel.cp_attention`): K and V all-gathered for the layer only, each of the rank's chunks
-attended to the key chunks it may see, the parts merged by their log-sum-exp, and only the rank's own q, k, v, output
-and log-sum-exp saved for the backward. Elsewhere (CUDA, not wired) the fallback all-gathers keys and values through
-an autograd function (saved for the backward) and runs this rank's queries against all ``T_pad`` keys under a
-dense boolean mask built from the global token indices. Either way query i sees key j when j <= i (global indices),
-within the window (i - window < j) and in the same document (block-causal), and the key/value gradients are
-reduce-scattered over the group (one all-to-all and a local sum, as :mod:`shardlm.parallel.reduce_scatter`), so
-gradients are exact. Every CP rank of a group holds the same batch (they are one data-parallel replica), so each
-builds its masks and rotary positions locally, with no collective; only K and V travel. Padding tokens sit after
-every real token: no real query attends to them, their labels are ignored (-100), and each pad token forms a
-document of its own.
+Attention across the split (:meth:`ContextParallel.attend`) is blockwise where a kernel with a log-sum-exp
+exists (CPU, :mod:`shardlm.parallel.cp_attention`): K and V all-gathered for the layer only, each of the
+rank's chunks attended to the key chunks it may see, the parts merged by their log-sum-exp, and only the
+rank's own q, k, v, output and log-sum-exp saved for the backward. Elsewhere (CUDA, not wired) the fallback
+all-gathers keys and values through an autograd function (saved for the backward) and runs this rank's queries
+against all ``T_pad`` keys under a dense boolean mask built from the global token indices. Either way query i
+sees key j when j <= i (global indices), within the window (i - window < j) and in the same document
+(block-causal), and the key/value gradients are reduce-scattered over the group (one all-to-all and a local
+sum, as :mod:`shardlm.parallel.reduce_scatter`), so gradients are exact. Every CP rank of a group holds the
+same batch (they are one data-parallel replica), so each builds its masks and rotary positions locally, with
+no collective; only K and V travel. Padding tokens sit after every real token: no real query attends to them,
+their labels are ignored (-100), and each pad token forms a document of its own.
 
-Memory per rank, blockwise: activations of ``T_pad / cp`` tokens (attention's saved tensors included); K and V of
-all ``T_pad`` tokens for one layer's forward or backward at a time; one block's mask (``c²`` values) at a time.
-The fallback keeps the gathered K and V of every layer for the backward, a ``T_pad²/cp`` mask per window, and on
-the causal path query and output rows up to the end of the rank's tail chunk.
+Memory per rank, blockwise: activations of ``T_pad / cp`` tokens (attention's saved tensors included); K and V
+of all ``T_pad`` tokens for one layer's forward or backward at a time; one block's mask (``c²`` values) at a
+time. The fallback keeps the gathered K and V of every layer for the backward, a ``T_pad²/cp`` mask per
+window, and on the causal path query and output rows up to the end of the rank's tail chunk.
 
 PyTorch's own ``torch.distributed.tensor.experimental.context_parallel`` maps only CUDA's flash / efficient /
 cuDNN SDPA kernels and refuses CPU SDPA, hence this implementation (checked against one-rank attention).
@@ -80,8 +80,9 @@ def gathered_indices(seq_len: int, cp: int) -> torch.Tensor:
 
 
 class _GatherSequence(torch.autograd.Function):
-    """All-gather (batch, heads, s, d) over the CP group into (batch, heads, cp·s, d) in rank order; the backward
-    sums each rank's slice of the gradient over the group (the fallback path of :meth:`ContextParallel.attend`)."""
+    """All-gather (batch, heads, s, d) over the CP group into (batch, heads, cp·s, d) in rank order; the
+    backward sums each rank's slice of the gradient over the group (the fallback path of
+    :meth:`ContextParallel.attend`)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -106,7 +107,7 @@ class ContextParallel:
         self.group = group
         self.size = group.size() if group is not None else 1
         self.rank = dist.get_rank(group) if group is not None else 0
-        #: the blockwise path's kernels (:func:`~shardlm.parallel.cp_attention.lse_kernels`); None: the fallback
+        #: the blockwise path's kernels (:func:`~shardlm.parallel.cp_attention.lse_kernels`), None: fallback
         self.kernels = lse_kernels(device_type)
         #: the attention windows of the model's layers (0 = global), set by :func:`apply_cp`
         self.windows: set[int] = {0}
@@ -120,7 +121,8 @@ class ContextParallel:
         """How :meth:`attend` runs, in words (the start-up summary names it)."""
         if self.kernels is not None:
             return "blockwise attention merged by log-sum-exp"
-        return "fallback attention: gathered K/V kept for the backward, dense masks (no log-sum-exp kernel wired)"
+        return ("fallback attention: gathered K/V kept for the backward, dense masks (no log-sum-exp kernel "
+                "wired)")
 
     def check_sequence(self, seq_len: int) -> None:
         """Refuse a sequence too short to split: with fewer than ``cp`` tokens some rank would hold padding only.
@@ -162,8 +164,8 @@ class ContextParallel:
 
     def masks(self, seq_len: int, documents: torch.Tensor | None, windows: set[int],
               device: torch.device | str) -> dict[int, SequenceMask | None]:
-        """The attention masks of this batch, one per window (0 = global): None where attention is plain causal by
-        global position (no documents, no window shorter than the sequence), else a
+        """The attention masks of this batch, one per window (0 = global): None where attention is plain
+        causal by global position (no documents, no window shorter than the sequence), else a
         :class:`~shardlm.parallel.cp_attention.SequenceMask` (the padded documents and the window), from which
         :meth:`attend` builds each block's mask (or the fallback its dense one, :meth:`dense_mask`).
 
@@ -181,8 +183,9 @@ class ContextParallel:
         return {w: SequenceMask(docs, w if 0 < w < seq_len else 0) for w in sorted(windows)}
 
     def dense_mask(self, spec: SequenceMask, t_pad: int, device: torch.device | str) -> torch.Tensor:
-        """The fallback's boolean (1 or batch, 1, 2·c, T_pad) mask of this rank's queries over the gathered keys,
-        True = attend: key j of query i when j <= i (global indices), i - window < j and in the same document."""
+        """The fallback's boolean (1 or batch, 1, 2·c, T_pad) mask of this rank's queries over the gathered
+        keys, True = attend: key j of query i when j <= i (global indices), i - window < j and in the same
+        document."""
         q = self.local_indices(t_pad, device).view(-1, 1)
         k = gathered_indices(t_pad, self.size).to(device).view(1, -1)
         allowed = k <= q
@@ -216,15 +219,16 @@ class ContextParallel:
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: SequenceMask | None = None,
                scale: float | None = None) -> torch.Tensor:
         """Attention of this rank's queries q (batch, n_heads, 2·c, head_dim) over the keys and values of the
-        whole sequence: k, v (batch, n_kv_heads, 2·c, head_dim) are all-gathered, then attended to under ``mask``
-        from :meth:`masks` (None: causal by global position). Returns q's shape and dtype.
+        whole sequence: k, v (batch, n_kv_heads, 2·c, head_dim) are all-gathered, then attended to under
+        ``mask`` from :meth:`masks` (None: causal by global position). Returns q's shape and dtype.
 
         Blockwise (:class:`~shardlm.parallel.cp_attention.BlockwiseAttention`) where :attr:`kernels` exist:
         memory linear in ``T_pad`` and transient. Else the fallback: the all-gather saves K and V of all
-        ``T_pad`` keys; a mask runs SDPA over them under the dense mask (:meth:`dense_mask`, as an additive mask
-        made once per batch and dtype and shared by the layers: ``T_pad² / cp`` values), and causal attention
-        scatters this rank's queries into zeros at their global places up to the end of its tail chunk and runs
-        SDPA's causal kernel (the zero queries' outputs are dropped and give the keys no gradient).
+        ``T_pad`` keys; a mask runs SDPA over them under the dense mask (:meth:`dense_mask`, as an additive
+        mask made once per batch and dtype and shared by the layers: ``T_pad² / cp`` values), and causal
+        attention scatters this rank's queries into zeros at their global places up to the end of its tail
+        chunk and runs SDPA's causal kernel (the zero queries' outputs are dropped and give the keys no
+        gradient).
         """
         if self.kernels is not None and self.group is not None and self.size > 1:
             return BlockwiseAttention.apply(q, k, v, mask, self.group, self.rank, scale, self.kernels)

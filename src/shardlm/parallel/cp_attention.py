@@ -1,21 +1,22 @@
 """Context-parallel attention that saves only the rank's own tensors: blockwise, merged by log-sum-exp.
 
-The pattern of PyTorch's own ``context_parallel`` and of Megatron-LM / torchtitan's ring attention, with the keys
-and values all-gathered instead of passed around a ring. CP rank r holds two query chunks of ``c`` tokens, global
-chunks ``r`` (head) and ``2·cp - 1 - r`` (tail) of the ``2·cp`` chunks (:mod:`shardlm.parallel.cp`). The forward
-all-gathers K and V (transient: freed when the layer's forward ends), attends each query chunk to every key chunk
-it may see with a kernel that returns the log-sum-exp of its scores, and merges the partial outputs exactly:
-``lse = log(Σ_m exp(lse_m))``, ``out = Σ_m exp(lse_m - lse)·out_m`` (Milakov & Gimelshein 2018, "Online
-normalizer calculation for softmax"; FlashAttention-2, Dao 2023, §3.1). Per block: the diagonal block (a chunk
-against itself) under the kernel's causal flag, earlier chunks unmasked, later ones skipped; under documents or a
-window a boolean mask of that block only, built from the global indices and document ids, and a block with no
-visible key skipped. It saves q, the local k and v, the output and the log-sum-exp: nothing of ``T_pad`` rows.
+The pattern of PyTorch's own ``context_parallel`` and of Megatron-LM / torchtitan's ring attention, with the
+keys and values all-gathered instead of passed around a ring. CP rank r holds two query chunks of ``c``
+tokens, global chunks ``r`` (head) and ``2·cp - 1 - r`` (tail) of the ``2·cp`` chunks
+(:mod:`shardlm.parallel.cp`). The forward all-gathers K and V (transient: freed when the layer's forward
+ends), attends each query chunk to every key chunk it may see with a kernel that returns the log-sum-exp of
+its scores, and merges the partial outputs exactly: ``lse = log(Σ_m exp(lse_m))``, ``out = Σ_m exp(lse_m -
+lse)·out_m`` (Milakov & Gimelshein 2018, "Online normalizer calculation for softmax"; FlashAttention-2, Dao
+2023, §3.1). Per block: the diagonal block (a chunk against itself) under the kernel's causal flag, earlier
+chunks unmasked, later ones skipped; under documents or a window a boolean mask of that block only, built from
+the global indices and document ids, and a block with no visible key skipped. It saves q, the local k and v,
+the output and the log-sum-exp: nothing of ``T_pad`` rows.
 
 The backward all-gathers K and V again and runs the kernel's backward per block with the merged output and
 log-sum-exp, which is exact: with ``P = exp(S - lse)`` and ``D = rowsum(dO ∘ O)`` of the whole row, every
 block's ``dS = P ∘ (dP - D)`` is the block of the full row's (FlashAttention-2, Algorithm 2). The gathered key
-and value gradients are summed over the CP group onto their owners (a reduce-scatter: one all-to-all and a local
-sum, as :mod:`shardlm.parallel.reduce_scatter`).
+and value gradients are summed over the CP group onto their owners (a reduce-scatter: one all-to-all and a
+local sum, as :mod:`shardlm.parallel.reduce_scatter`).
 """
 
 from __future__ import annotations
@@ -33,20 +34,22 @@ Backward = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 def lse_kernels(device_type: str) -> tuple[Forward, Backward] | None:
-    """The attention kernel with a log-sum-exp, and its backward, for ``device_type``; None where shardlm has none
-    (then :class:`~shardlm.parallel.cp.ContextParallel` keeps its all-gather path under a dense mask).
+    """The attention kernel with a log-sum-exp, and its backward, for ``device_type``; None where shardlm has
+    none (then :class:`~shardlm.parallel.cp.ContextParallel` keeps its all-gather path under a dense mask).
 
-    CPU: ``torch.ops.aten._scaled_dot_product_flash_attention_for_cpu`` and its ``_backward``, private ATen ops
-    pinned by torch==2.13.0 (the project's pin). Measured there: they read grouped K/V heads as they are (no
-    repeat), take an additive ``attn_mask`` of q's dtype (not a boolean one) broadcast over batch and heads, and
-    return out 0 and lse 0 for a row whose keys are all masked (:func:`blockwise_attention` sets such rows' lse to
-    -inf). CUDA's counterparts (``_scaled_dot_product_flash_attention`` / ``_efficient_attention``, which PyTorch's
-    ``context_parallel`` uses) are not wired: no GPU has run them here, so CUDA keeps the tested fallback.
+    CPU: ``torch.ops.aten._scaled_dot_product_flash_attention_for_cpu`` and its ``_backward``, private ATen
+    ops pinned by torch==2.13.0 (the project's pin). Measured there: they read grouped K/V heads as they are
+    (no repeat), take an additive ``attn_mask`` of q's dtype (not a boolean one) broadcast over batch and
+    heads, and return out 0 and lse 0 for a row whose keys are all masked (:class:`BlockwiseAttention` sets
+    such rows' lse to -inf). CUDA's counterparts (``_scaled_dot_product_flash_attention`` /
+    ``_efficient_attention``, which PyTorch's ``context_parallel`` uses) are not wired: no GPU has run them
+    here, so CUDA keeps the tested fallback.
     """
     ops = torch.ops.aten
     if device_type != "cpu" or not hasattr(ops, "_scaled_dot_product_flash_attention_for_cpu_backward"):
         return None
-    fwd_op, bwd_op = ops._scaled_dot_product_flash_attention_for_cpu, ops._scaled_dot_product_flash_attention_for_cpu_backward
+    fwd_op = ops._scaled_dot_product_flash_attention_for_cpu
+    bwd_op = ops._scaled_dot_product_flash_attention_for_cpu_backward
 
     def forward(q, k, v, causal, mask, scale):
         return fwd_op(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
@@ -59,17 +62,18 @@ def lse_kernels(device_type: str) -> tuple[Forward, Backward] | None:
 
 @dataclass(frozen=True)
 class SequenceMask:
-    """What a masked CP attention needs to build any block's mask: the whole sequence's document ids and a window."""
+    """What masked CP attention needs to build any block's mask: the sequence's document ids and a window."""
 
     documents: torch.Tensor | None
-    """(batch, T_pad) int64 document ids of the padded sequence (each padding token a document of its own: ids -1,
-    -2, ...), or None (one document)."""
+    """(batch, T_pad) int64 document ids of the padded sequence (each padding token a document of its own:
+    ids -1, -2, ...), or None (one document)."""
     window: int
     """Sliding window in tokens: query i sees key j only when i - window < j (0 = no window)."""
 
 
 def all_gather_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """(batch, heads, s, d) on each rank -> (batch, heads, cp·s, d), the ranks' slices in rank order (no autograd)."""
+    """(batch, heads, s, d) on each rank -> (batch, heads, cp·s, d), the ranks' slices in rank order (no
+    autograd)."""
     world = group.size()
     b, h, s, d = x.shape
     out = torch.empty((world * b, h, s, d), dtype=x.dtype, device=x.device)
@@ -78,14 +82,14 @@ def all_gather_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tens
 
 
 def reduce_scatter_sequence(grad: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """(batch, heads, cp·s, d) -> (batch, heads, s, d): this rank's slice summed over the group (one all-to-all and
-    a local sum in rank order, so every rank adds in the same order)."""
+    """(batch, heads, cp·s, d) -> (batch, heads, s, d): this rank's slice summed over the group (one
+    all-to-all and a local sum in rank order, so every rank adds in the same order)."""
     world = group.size()
     b, h, ws, d = grad.shape
     pieces = grad.reshape(b, h, world, ws // world, d).permute(2, 0, 1, 3, 4).contiguous()
     received = torch.empty_like(pieces)
-    dist.all_to_all_single(received.view(world * b, h, ws // world, d), pieces.view(world * b, h, ws // world, d),
-                           group=group)
+    shape = (world * b, h, ws // world, d)
+    dist.all_to_all_single(received.view(shape), pieces.view(shape), group=group)
     out = received[0].clone()
     for piece in received[1:]:
         out.add_(piece)
@@ -93,8 +97,8 @@ def reduce_scatter_sequence(grad: torch.Tensor, group: dist.ProcessGroup) -> tor
 
 
 def global_chunk(position: int, cp: int) -> int:
-    """The global chunk index of chunk ``position`` (0 .. 2·cp-1) of the gathered order: rank p // 2's head (even
-    positions) or tail (odd positions)."""
+    """The global chunk index of chunk ``position`` (0 .. 2·cp-1) of the gathered order: rank p // 2's
+    head (even positions) or tail (odd positions)."""
     rank, tail = divmod(position, 2)
     return 2 * cp - 1 - rank if tail else rank
 
@@ -114,9 +118,10 @@ class Block:
 
 
 def blocks(cp: int, rank: int, c: int, spec: SequenceMask | None, device: torch.device) -> Iterator[Block]:
-    """The blocks this rank computes, per query chunk the diagonal one first (every query sees itself there, so
-    the merge starts from a finite log-sum-exp), masks built one block at a time. ``spec`` None: causal by global
-    position. Blocks whose keys all lie after the chunk, outside the window, or in other documents are skipped."""
+    """The blocks this rank computes, per query chunk the diagonal one first (every query sees itself there,
+    so the merge starts from a finite log-sum-exp), masks built one block at a time. ``spec`` None: causal by
+    global position. Blocks whose keys all lie after the chunk, outside the window, or in other documents are
+    skipped."""
     for query, q_chunk in enumerate((rank, 2 * cp - 1 - rank)):
         keys = sorted((p for p in range(2 * cp) if global_chunk(p, cp) <= q_chunk),
                       key=lambda p: global_chunk(p, cp) != q_chunk)
@@ -149,8 +154,9 @@ def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | N
 
 
 class BlockwiseAttention(torch.autograd.Function):
-    """See the module docstring. ``forward(q, k, v, spec, group, rank, scale, kernels)``: q (b, h, 2·c, d), k, v
-    (b, kv_h, 2·c, d) this rank's tokens (head chunk, tail chunk) -> (b, h, 2·c, d) in q's dtype."""
+    """See the module docstring. ``forward(q, k, v, spec, group, rank, scale, kernels)``: q (b, h, 2·c, d),
+    k, v (b, kv_h, 2·c, d) this rank's tokens (head chunk, tail chunk) -> (b, h, 2·c, d) in q's dtype;
+    ``spec`` a :class:`SequenceMask` or None (causal), ``kernels`` from :func:`lse_kernels`."""
 
     @staticmethod
     def forward(ctx, q, k, v, spec, group, rank, scale, kernels):
@@ -158,13 +164,13 @@ class BlockwiseAttention(torch.autograd.Function):
         cp, c = group.size(), q.shape[2] // 2
         k_all, v_all = all_gather_sequence(k, group), all_gather_sequence(v, group)
         b, h, n, d = q.shape
-        out = q.new_empty(b, n, h, d).transpose(1, 2)  # (b, n, h, d) in memory: o_proj's reshape is a view of it
+        out = q.new_empty(b, n, h, d).transpose(1, 2)  # (b, n, h, d) in memory: o_proj's input is a view
         lse = torch.empty(b, h, n, dtype=torch.float32, device=q.device)
-        merged: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # per chunk, in float64 (transient, one chunk's)
+        merged: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # per chunk, float64 (one chunk's rows)
         for blk in blocks(cp, rank, c, spec, q.device):
             rows, keys = slice(blk.query * c, (blk.query + 1) * c), slice(blk.key * c, (blk.key + 1) * c)
-            o, m = fwd(q[:, :, rows], k_all[:, :, keys], v_all[:, :, keys], blk.causal, _additive(blk.mask, q.dtype),
-                       scale)
+            o, m = fwd(q[:, :, rows], k_all[:, :, keys], v_all[:, :, keys], blk.causal,
+                       _additive(blk.mask, q.dtype), scale)
             if blk.mask is not None:  # rows with no visible key: the kernel's lse 0 means "no mass" here
                 m = m.masked_fill(~blk.mask.any(-1), float("-inf"))
             if blk.query not in merged:
@@ -192,8 +198,8 @@ class BlockwiseAttention(torch.autograd.Function):
         dv_all = torch.zeros(v_all.shape, dtype=torch.float32, device=q.device)
         for blk in blocks(cp, ctx.rank, c, ctx.spec, q.device):
             rows, keys = slice(blk.query * c, (blk.query + 1) * c), slice(blk.key * c, (blk.key + 1) * c)
-            gq, gk, gv = bwd(d_out[:, :, rows].contiguous(), q[:, :, rows], k_all[:, :, keys], v_all[:, :, keys],
-                             out[:, :, rows], lse[:, :, rows].contiguous(), blk.causal,
+            gq, gk, gv = bwd(d_out[:, :, rows].contiguous(), q[:, :, rows], k_all[:, :, keys],
+                             v_all[:, :, keys], out[:, :, rows], lse[:, :, rows].contiguous(), blk.causal,
                              _additive(blk.mask, q.dtype), ctx.scale)
             dq[:, :, rows] += gq
             dk_all[:, :, keys] += gk

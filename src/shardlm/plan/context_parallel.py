@@ -1,26 +1,27 @@
 """The planner's activation model under context parallelism (``parallel.cp``, ``shardlm/parallel/cp.py``).
 
-Each rank holds ``t_l = T_pad / cp`` tokens of a sequence (``T_pad``: the sequence padded to a multiple of 2·cp), so
-every per-token activation of :mod:`shardlm.plan.activations` is counted at ``t_l`` tokens (the caller builds the
-:class:`~shardlm.plan.activations.Shape` with ``t = t_l``). Attention differs by its path
+Each rank holds ``t_l = T_pad / cp`` tokens of a sequence (``T_pad``: the sequence padded to a multiple of
+2·cp), so every per-token activation of :mod:`shardlm.plan.activations` is counted at ``t_l`` tokens (the
+caller builds the :class:`~shardlm.plan.activations.Shape` with ``t = t_l``). Attention differs by its path
 (:meth:`shardlm.parallel.cp.ContextParallel.attend`), and this module adds the difference.
 
-Blockwise (where :func:`~shardlm.parallel.cp_attention.lse_kernels` has kernels: the CPU): attention saves what
-SDPA saves without CP at ``t_l`` rows (q, the local k and v, the output shared with ``o_proj``, the log-sum-exp), so a
-block saves nothing more. Once per forward: the rotary cos and sin of this rank's tokens gathered per token
-(2·4·b·t_l·hd bytes) and, under documents, the padded document ids (8·b·T_pad). Transient in one block's backward:
-the gathered keys and values (2·c·b·T_pad·kv·hd) and their float32 gradients (2·4·b·T_pad·kv·hd) while the blocks
-run, then, the gathered K/V freed, the gradients with the reduce-scatter's send and receive buffers of one of them
-(4 × 4·b·T_pad·kv·hd). The forward's gathered K/V (2·c·b·T_pad·kv·hd, one layer at a time) is below that
-backward high point and not counted; per-block masks and partial outputs are ``c = T_pad / (2·cp)`` rows each.
+Blockwise (where :func:`~shardlm.parallel.cp_attention.lse_kernels` has kernels: the CPU): attention saves
+what SDPA saves without CP at ``t_l`` rows (q, the local k and v, the output shared with ``o_proj``, the
+log-sum-exp), so a block saves nothing more. Once per forward: the rotary cos and sin of this rank's tokens
+gathered per token (2·4·b·t_l·hd bytes) and, under documents, the padded document ids (8·b·T_pad). Transient
+in one block's backward: the gathered keys and values (2·c·b·T_pad·kv·hd) and their float32 gradients
+(2·4·b·T_pad·kv·hd) while the blocks run, then, the gathered K/V freed, the gradients with the
+reduce-scatter's send and receive buffers of one of them (4 × 4·b·T_pad·kv·hd). The forward's gathered K/V
+(2·c·b·T_pad·kv·hd, one layer at a time) is below that backward high point and not counted; per-block masks
+and partial outputs are ``c = T_pad / (2·cp)`` rows each.
 
 Fallback (CUDA; on CP rank 0, whose tail chunk is the sequence's last):
 
-- causal attention runs SDPA's causal kernel over this rank's queries scattered into ``L = T_pad`` rows and the
-  gathered keys and values in global order cut at ``L``: SDPA saves the padded queries and its padded output
-  (c·b·L·a each), the ordered keys and values (c·b·L·kv·hd each) and the log-sum-exp (4·b·h·L); ``o_proj`` saves its
-  own copy of this rank's output rows (c·b·t_l·a). The local q, k and v after RoPE are not saved, so they are taken
-  off the local count;
+- causal attention runs SDPA's causal kernel over this rank's queries scattered into ``L = T_pad`` rows and
+  the gathered keys and values in global order cut at ``L``: SDPA saves the padded queries and its padded
+  output (c·b·L·a each), the ordered keys and values (c·b·L·kv·hd each) and the log-sum-exp (4·b·h·L);
+  ``o_proj`` saves its own copy of this rank's output rows (c·b·t_l·a). The local q, k and v after RoPE are
+  not saved, so they are taken off the local count;
 - block-causal or windowed attention runs SDPA over all ``T_pad`` keys under a dense mask of this rank's rows,
   ``b·t_l·T_pad`` booleans plus their additive copy in the compute dtype, one per distinct window, shared by
   the layers; SDPA then saves q and its output at ``t_l`` rows and the gathered keys and values at ``T_pad``;
@@ -40,23 +41,27 @@ def cp_is_blockwise(device: str) -> bool:
 
 
 def cp_block_extra_saved(s: Shape, t_pad: int, dense: bool, blockwise: bool) -> int:
-    """Bytes one block saves under CP beyond :func:`~shardlm.plan.activations.block_saved_none` at ``s.t = t_l``
-    tokens (see the module docstring). ``dense``: documents or a window; ``blockwise``: :func:`cp_is_blockwise`."""
+    """Bytes one block saves under CP beyond :func:`~shardlm.plan.activations.block_saved_none` at ``s.t =
+    t_l`` tokens (see the module docstring). ``dense``: documents or a window; ``blockwise``:
+    :func:`cp_is_blockwise`."""
     if blockwise:
         return 0
     c, b, t_l = s.c, s.b, s.t
     kv_width = s.kv * s.hd
-    local = 2 * c * b * t_l * s.a + 2 * c * b * t_l * kv_width + 4 * b * s.h * t_l  # counted: q, out, k, v, lse
+    # counted without CP: q, out, k, v, lse
+    local = 2 * c * b * t_l * s.a + 2 * c * b * t_l * kv_width + 4 * b * s.h * t_l
     if dense:
         cp_saved = 2 * c * b * t_l * s.a + 2 * c * b * t_pad * kv_width + 4 * b * s.h * t_l
     else:
-        cp_saved = 2 * c * b * t_pad * s.a + 2 * c * b * t_pad * kv_width + 4 * b * s.h * t_pad + c * b * t_l * s.a
+        cp_saved = (2 * c * b * t_pad * s.a + 2 * c * b * t_pad * kv_width + 4 * b * s.h * t_pad
+                    + c * b * t_l * s.a)
     return cp_saved - local
 
 
 def cp_forward_saved(s: Shape, t_pad: int, dense_windows: int, blockwise: bool, documents: bool) -> int:
-    """Bytes saved once per forward under CP: the per-token rotary cos and sin; blockwise the padded document ids
-    (``documents``), the fallback ``dense_windows`` masks (boolean and additive) of ``b·t_l·T_pad`` values each."""
+    """Bytes saved once per forward under CP: the per-token rotary cos and sin; blockwise the padded document
+    ids (``documents``), the fallback ``dense_windows`` masks (boolean and additive) of ``b·t_l·T_pad`` values
+    each."""
     rope = 2 * 4 * s.b * s.t * s.hd
     if blockwise:
         return rope + (8 * s.b * t_pad if documents else 0)

@@ -291,7 +291,8 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
     cp_dense = cfg.model.attention == "block_causal" or any(0 < w < cfg.train.seq_len for w in windows)
     cp_blockwise, cp_docs = cp_is_blockwise(device), cfg.model.attention == "block_causal"
     cp_block = cp_block_extra_saved(s, t_pad, cp_dense, cp_blockwise) if cp > 1 else 0
-    cp_forward = cp_forward_saved(s, t_pad, len(windows) if cp_dense else 0, cp_blockwise, cp_docs) if cp > 1 else 0
+    cp_windows = len(windows) if cp_dense else 0
+    cp_forward = cp_forward_saved(s, t_pad, cp_windows, cp_blockwise, cp_docs) if cp > 1 else 0
     cp_transient = cp_backward_transient(s, t_pad, cp_blockwise) if cp > 1 else 0
     # a MoE layer's router, sorted token copies and, under EP, all-to-all buffers (plan/moe.py)
     ep = getattr(cfg.parallel, "ep", 1)

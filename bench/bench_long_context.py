@@ -17,8 +17,10 @@ layout (speed and memory do not depend on them). Each rank trains one sequence p
 Per configuration: 2 warm-up steps (AdamW state exists), then ``--steps`` timed steps (the median host time) and one
 step measured by :func:`shardlm.metrics.peak.measure_train_step_peak` (the allocator's events under the profiler:
 never RSS), the largest rank's peak. Beside it the planner's prediction (``shardlm.plan.plan_memory``) for the same
-config, computed without running anything. The machine's 2 cores are shared by both ranks (and, here, by other
-users): step times are noisy; memory figures are not.
+config, computed without running anything. The activation share is the peak above the memory live before the
+step's first forward (``above start``: parameters, gradients and AdamW state are in that start), CP's over
+FSDP's. The machine's 2 cores are shared by both ranks (and, here, by other users): step times are noisy; memory
+figures are not.
 """
 
 from __future__ import annotations
@@ -121,6 +123,15 @@ def main() -> None:
         above = max(p - s for p, s in zip(r["peaks"], r["starts"]))
         print(f"{r['name'].split()[0]:<12} {r['seq']:>7} {r['step_s']:>7.2f} {peak / mib:>14.1f} {above / mib:>12.1f} "
               f"{r['predicted'] / mib:>12.1f} {r['predicted'] / peak:>10.3f}")
+    # the activation share: what a step adds above the memory live before its first forward (parameters, their
+    # gradients' storage and AdamW state are in that start), CP's against FSDP's at the same sequence length
+    above = {(r["seq"], r["cp"]): max(p - s for p, s in zip(r["peaks"], r["starts"])) for r in results}
+    planned = {(r["seq"], r["cp"]): r["breakdown"]["activations"] for r in results}
+    for seq in args.seq:
+        if (seq, 1) in above and (seq, args.world) in above:
+            measured, plan = above[seq, args.world] / above[seq, 1], planned[seq, args.world] / planned[seq, 1]
+            print(f"cp{args.world} / fsdp{args.world} at {seq} tokens: above start {measured:.3f}, planned "
+                  f"activations {plan:.3f}")
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
 

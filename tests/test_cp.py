@@ -125,21 +125,24 @@ def test_planner_counts_a_rank_s_share_of_the_sequence():
 @pytest.mark.dist
 def test_cp2_attention_equals_one_rank_forward_and_grads(tmp_path):
     out = tmp_path / "cp.json"
-    torchrun(2, [str(WORKER), str(out)], timeout=240)
+    torchrun(4, [str(WORKER), str(out)], timeout=240)  # CP 2 (two groups of 2 ranks) and CP 4
     results = json.loads(out.read_text())
     cases = {"causal_odd", "block_causal_odd", "sliding_window", "sliding_block_causal_odd"}
-    assert set(results) == cases | {f"{c}/fallback" for c in cases}
+    assert set(results) == cases | {f"{c}/fallback" for c in cases} | {f"{c}@cp4" for c in cases}
     for name, r in results.items():
         for key in ("out", "dq", "dk", "dv"):
             assert r[key] <= 1e-6, (name, key, r[key])
     for name in cases:  # blockwise: nothing of T_pad rows saved for the backward; the fallback keeps K/V
-        blockwise, fallback = results[name], results[f"{name}/fallback"]
-        assert blockwise["saved_rows"] == blockwise["t_pad"] // 2, name
+        blockwise, fallback, cp4 = results[name], results[f"{name}/fallback"], results[f"{name}@cp4"]
+        assert blockwise["cp"] == fallback["cp"] == 2 and cp4["cp"] == 4
+        assert blockwise["saved_rows"] == blockwise["t_pad"] // 2 and cp4["saved_rows"] == cp4["t_pad"] // 4, name
         assert fallback["saved_rows"] == fallback["t_pad"], name
         assert blockwise["saved_bytes"] < fallback["saved_bytes"], name
     assert not results["causal_odd"]["dense_mask"]  # plain causal: SDPA's causal kernel, no T x T mask
     assert all(results[n]["dense_mask"] for n in ("block_causal_odd", "sliding_window", "sliding_block_causal_odd"))
-    assert results["causal_odd"]["padding_total"] == 3 and results["sliding_block_causal_odd"]["padding_total"] == 1
+    for suffix in ("", "/fallback", "@cp4"):
+        assert results[f"causal_odd{suffix}"]["padding_total"] == 3
+        assert results[f"sliding_block_causal_odd{suffix}"]["padding_total"] == 1
     for name in ("block_causal_odd", "sliding_window", "sliding_block_causal_odd"):
         assert results[name]["vs_causal"] > 0.1, name  # documents and windows change the result
 

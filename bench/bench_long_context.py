@@ -43,10 +43,11 @@ MODEL = {"model.dim": 256, "model.n_layers": 4, "model.n_heads": 4, "model.n_kv_
          "model.vocab_size": 512}
 
 
-def overrides(seq: int, cp: int, data: Path, run: Path) -> list[str]:
-    """The command-line overrides of one configuration (see the module docstring)."""
+def overrides(seq: int, cp: int, world: int, data: Path, run: Path) -> list[str]:
+    """The command-line overrides of one configuration at ``world`` ranks (see the module docstring): one
+    sequence per CP group per step."""
     values = {**MODEL, "model.max_seq_len": seq, "train.seq_len": seq, "parallel.cp": cp,
-              "train.global_batch_size": 2 // cp, "train.micro_batch_size": 1, "train.steps": 100,
+              "train.global_batch_size": world // cp, "train.micro_batch_size": 1, "train.steps": 100,
               "train.warmup_steps": 1, "train.eval_interval": 0, "train.log_interval": 1, "checkpoint.interval": 0,
               "data.dir": f'"{data}"', "run.dir": f'"{run}"', "run.overwrite": "true", "parallel.device": "cpu"}
     return [f"--{k}={v}" for k, v in values.items()]
@@ -106,7 +107,7 @@ def main() -> None:
         work = Path(tmp)
         data = write_random_data(work / "data", MODEL["model.vocab_size"], 4 * max(args.seq) * 16)
         cases = [{"name": f"{'cp' if cp > 1 else 'fsdp'}{args.world} {seq}", "overrides":
-                  overrides(seq, cp, data, work / f"run-{seq}-{cp}")}
+                  overrides(seq, cp, args.world, data, work / f"run-{seq}-{cp}")}
                  for seq in args.seq for cp in (1, args.world)]
         spec, out = work / "spec.json", work / "results.json"
         spec.write_text(json.dumps({"cases": cases, "steps": args.steps, "out": str(out)}))

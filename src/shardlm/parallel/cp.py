@@ -6,22 +6,24 @@ r holds chunk r (the head) and chunk ``2·cp - 1 - r`` (the tail). Under a causa
 its position, so a head chunk and its mirrored tail chunk together cost every rank the same.
 
 Attention across the split (:meth:`ContextParallel.attend`) is blockwise where a kernel with a log-sum-exp
-exists (CPU, :mod:`shardlm.parallel.cp_attention`): K and V all-gathered for the layer only, each of the
-rank's chunks attended to the key chunks it may see, the parts merged by their log-sum-exp, and only the
-rank's own q, k, v, output and log-sum-exp saved for the backward. Elsewhere (CUDA, not wired) the fallback
-all-gathers keys and values through an autograd function (saved for the backward) and runs this rank's queries
-against all ``T_pad`` keys under a dense boolean mask built from the global token indices. Either way query i
-sees key j when j <= i (global indices), within the window (i - window < j) and in the same document
-(block-causal), and the key/value gradients are reduce-scattered over the group (one all-to-all and a local
-sum, as :mod:`shardlm.parallel.reduce_scatter`), so gradients are exact. Every CP rank of a group holds the
-same batch (they are one data-parallel replica), so each builds its masks and rotary positions locally, with
-no collective; only K and V travel. Padding tokens sit after every real token: no real query attends to them,
-their labels are ignored (-100), and each pad token forms a document of its own.
+exists (CPU, :mod:`shardlm.parallel.cp_attention`): K and V passed around the CP group's ring one rank's
+chunks at a time, each of the rank's chunks attended to the key chunks it may see, the parts merged by their
+log-sum-exp, and only the rank's own q, k, v, output and log-sum-exp saved for the backward. Elsewhere (CUDA,
+not wired) the fallback all-gathers keys and values through an autograd function (saved for the backward) and
+runs this rank's queries against all ``T_pad`` keys under a dense boolean mask built from the global token
+indices. Either way query i sees key j when j <= i (global indices), within the window (i - window < j) and in
+the same document (block-causal), and the key/value gradients reach their owners summed over the group (around
+the ring, or by a reduce-scatter: one all-to-all and a local sum, as :mod:`shardlm.parallel.reduce_scatter`),
+so gradients are exact. Every CP rank of a group holds the same batch (they are one data-parallel replica), so
+each builds its masks and rotary positions locally, with no collective; only K and V travel. Padding tokens
+sit after every real token: no real query attends to them, their labels are ignored (-100), and each pad token
+forms a document of its own.
 
 Memory per rank, blockwise: activations of ``T_pad / cp`` tokens (attention's saved tensors included); K and V
-of all ``T_pad`` tokens for one layer's forward or backward at a time; one block's mask (``c²`` values) at a
-time. The fallback keeps the gathered K and V of every layer for the backward, a ``T_pad²/cp`` mask per
-window, and on the causal path query and output rows up to the end of the rank's tail chunk.
+of two ranks' tokens (held and incoming) and in the backward their gradients, for one layer at a time; one
+block's mask (``c²`` values) at a time. The fallback keeps the gathered K and V of every layer for the
+backward, a ``T_pad²/cp`` mask per window, and on the causal path query and output rows up to the end of the
+rank's tail chunk.
 
 PyTorch's own ``torch.distributed.tensor.experimental.context_parallel`` maps only CUDA's flash / efficient /
 cuDNN SDPA kernels and refuses CPU SDPA, hence this implementation (checked against one-rank attention).
@@ -39,13 +41,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from shardlm.errors import ConfigError
 from shardlm.model.attention import document_positions
 from shardlm.model.decoder import attention
-from shardlm.parallel.cp_attention import (
-    BlockwiseAttention,
-    SequenceMask,
-    all_gather_sequence,
-    lse_kernels,
-    reduce_scatter_sequence,
-)
+from shardlm.parallel.cp_attention import BlockwiseAttention, SequenceMask, lse_kernels
 from shardlm.parallel.dist import DistInfo
 
 #: the target id the loss ignores (padding tokens' labels), as ``shardlm.data.instruct.IGNORE_INDEX``
@@ -81,17 +77,30 @@ def gathered_indices(seq_len: int, cp: int) -> torch.Tensor:
 
 class _GatherSequence(torch.autograd.Function):
     """All-gather (batch, heads, s, d) over the CP group into (batch, heads, cp·s, d) in rank order; the
-    backward sums each rank's slice of the gradient over the group (the fallback path of
-    :meth:`ContextParallel.attend`)."""
+    backward sums each rank's slice of the gradient over the group (a reduce-scatter by one all-to-all, in rank
+    order). The fallback path of :meth:`ContextParallel.attend`."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         ctx.group = group
-        return all_gather_sequence(x, group)
+        world = group.size()
+        b, h, s, d = x.shape
+        out = torch.empty((world * b, h, s, d), dtype=x.dtype, device=x.device)
+        dist.all_gather_single(out, x.contiguous(), group=group)
+        return out.view(world, b, h, s, d).permute(1, 2, 0, 3, 4).reshape(b, h, world * s, d)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return reduce_scatter_sequence(grad, ctx.group), None
+        world = ctx.group.size()
+        b, h, ws, d = grad.shape
+        pieces = grad.reshape(b, h, world, ws // world, d).permute(2, 0, 1, 3, 4).contiguous()
+        received = torch.empty_like(pieces)
+        shape = (world * b, h, ws // world, d)
+        dist.all_to_all_single(received.view(shape), pieces.view(shape), group=ctx.group)
+        out = received[0].clone()
+        for piece in received[1:]:
+            out.add_(piece)
+        return out, None
 
 
 class ContextParallel:

@@ -1,22 +1,24 @@
 """Context-parallel attention that saves only the rank's own tensors: blockwise, merged by log-sum-exp.
 
-The pattern of PyTorch's own ``context_parallel`` and of Megatron-LM / torchtitan's ring attention, with the
-keys and values all-gathered instead of passed around a ring. CP rank r holds two query chunks of ``c``
-tokens, global chunks ``r`` (head) and ``2·cp - 1 - r`` (tail) of the ``2·cp`` chunks
-(:mod:`shardlm.parallel.cp`). The forward all-gathers K and V (transient: freed when the layer's forward
-ends), attends each query chunk to every key chunk it may see with a kernel that returns the log-sum-exp of
-its scores, and merges the partial outputs exactly: ``lse = log(Σ_m exp(lse_m))``, ``out = Σ_m exp(lse_m -
-lse)·out_m`` (Milakov & Gimelshein 2018, "Online normalizer calculation for softmax"; FlashAttention-2, Dao
-2023, §3.1). Per block: the diagonal block (a chunk against itself) under the kernel's causal flag, earlier
-chunks unmasked, later ones skipped; under documents or a window a boolean mask of that block only, built from
-the global indices and document ids, and a block with no visible key skipped. It saves q, the local k and v,
-the output and the log-sum-exp: nothing of ``T_pad`` rows.
+The ring attention of Megatron-LM / torchtitan and of PyTorch's own ``context_parallel``. CP rank r holds two
+query chunks of ``c`` tokens, global chunks ``r`` (head) and ``2·cp - 1 - r`` (tail) of the ``2·cp`` chunks
+(:mod:`shardlm.parallel.cp`). The forward passes each rank's K and V around the CP group's ring
+(point-to-point, :func:`ring_pass`: at step s this rank holds CP rank ``(r - s) % cp``'s two chunks, sends
+them on while it computes, and drops them after), attends each query chunk to every key chunk it may see with
+a kernel that returns the log-sum-exp of its scores, and merges the partial outputs exactly: ``lse = log(Σ_m
+exp(lse_m))``, ``out = Σ_m exp(lse_m - lse)·out_m`` (Milakov & Gimelshein 2018, "Online normalizer calculation
+for softmax"; FlashAttention-2, Dao 2023, §3.1), in float64 per chunk. Per block: the diagonal block (a chunk
+against itself) under the kernel's causal flag, earlier chunks unmasked, later ones skipped; under documents
+or a window a boolean mask of that block only, built from the global indices and document ids, and a block
+with no visible key skipped. It saves q, the local k and v, the output and the log-sum-exp: nothing of
+``T_pad`` rows.
 
-The backward all-gathers K and V again and runs the kernel's backward per block with the merged output and
-log-sum-exp, which is exact: with ``P = exp(S - lse)`` and ``D = rowsum(dO ∘ O)`` of the whole row, every
-block's ``dS = P ∘ (dP - D)`` is the block of the full row's (FlashAttention-2, Algorithm 2). The gathered key
-and value gradients are summed over the CP group onto their owners (a reduce-scatter: one all-to-all and a
-local sum, as :mod:`shardlm.parallel.reduce_scatter`).
+The backward passes K and V around the ring again and runs the kernel's backward per block with the merged
+output and log-sum-exp, which is exact: with ``P = exp(S - lse)`` and ``D = rowsum(dO ∘ O)`` of the whole row,
+every block's ``dS = P ∘ (dP - D)`` is the block of the full row's (FlashAttention-2, Algorithm 2). The key
+and value gradients (float32) travel with their K and V and reach their owner after ``cp`` passes, each summed
+in ring order. Memory beyond the saved tensors: two ranks' K/V (the held and the incoming) and in the backward
+their gradients, ``4·c`` rows each, whatever ``cp``.
 """
 
 from __future__ import annotations
@@ -69,31 +71,6 @@ class SequenceMask:
     ids -1, -2, ...), or None (one document)."""
     window: int
     """Sliding window in tokens: query i sees key j only when i - window < j (0 = no window)."""
-
-
-def all_gather_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """(batch, heads, s, d) on each rank -> (batch, heads, cp·s, d), the ranks' slices in rank order (no
-    autograd)."""
-    world = group.size()
-    b, h, s, d = x.shape
-    out = torch.empty((world * b, h, s, d), dtype=x.dtype, device=x.device)
-    dist.all_gather_single(out, x.contiguous(), group=group)
-    return out.view(world, b, h, s, d).permute(1, 2, 0, 3, 4).reshape(b, h, world * s, d)
-
-
-def reduce_scatter_sequence(grad: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """(batch, heads, cp·s, d) -> (batch, heads, s, d): this rank's slice summed over the group (one
-    all-to-all and a local sum in rank order, so every rank adds in the same order)."""
-    world = group.size()
-    b, h, ws, d = grad.shape
-    pieces = grad.reshape(b, h, world, ws // world, d).permute(2, 0, 1, 3, 4).contiguous()
-    received = torch.empty_like(pieces)
-    shape = (world * b, h, ws // world, d)
-    dist.all_to_all_single(received.view(shape), pieces.view(shape), group=group)
-    out = received[0].clone()
-    for piece in received[1:]:
-        out.add_(piece)
-    return out
 
 
 def global_chunk(position: int, cp: int) -> int:
@@ -153,36 +130,79 @@ def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | N
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
+def ring_steps(cp: int, rank: int, c: int, spec: SequenceMask | None,
+               device: torch.device) -> list[list[Block]]:
+    """:func:`blocks` by ring step: step s holds the keys and values of CP rank ``(rank - s) % cp`` (its
+    chunks: gathered positions ``2·src`` and ``2·src + 1``); step 0 (this rank's own) starts with the diagonal
+    blocks, so each query chunk's merge still starts from its diagonal."""
+    steps: list[list[Block]] = [[] for _ in range(cp)]
+    for blk in blocks(cp, rank, c, spec, device):
+        steps[(rank - blk.key // 2) % cp].append(blk)
+    steps[0].sort(key=lambda blk: global_chunk(blk.key, cp) != (rank, 2 * cp - 1 - rank)[blk.query])
+    return steps
+
+
+def ring_pass(x: torch.Tensor, group: dist.ProcessGroup, rank: int) -> tuple[torch.Tensor, list[dist.Work]]:
+    """Send ``x`` to the next CP rank of the ring and receive the previous one's (same shape and dtype) into a
+    new tensor; returns it and the requests to wait on (point-to-point, overlapping the caller's compute)."""
+    cp = group.size()
+    received = torch.empty_like(x)
+    works = dist.batch_isend_irecv([
+        dist.P2POp(dist.isend, x, group=group, group_peer=(rank + 1) % cp),
+        dist.P2POp(dist.irecv, received, group=group, group_peer=(rank - 1) % cp)])
+    return received, works
+
+
+def _wait(works: list[dist.Work]) -> None:
+    for work in works:
+        work.wait()
+
+
+def _rows(chunk: int, c: int) -> slice:
+    """The sequence slice of a rank's chunk 0 (head) or 1 (tail), ``c`` tokens each."""
+    return slice(chunk * c, (chunk + 1) * c)
+
+
 class BlockwiseAttention(torch.autograd.Function):
     """See the module docstring. ``forward(q, k, v, spec, group, rank, scale, kernels)``: q (b, h, 2·c, d),
     k, v (b, kv_h, 2·c, d) this rank's tokens (head chunk, tail chunk) -> (b, h, 2·c, d) in q's dtype;
-    ``spec`` a :class:`SequenceMask` or None (causal), ``kernels`` from :func:`lse_kernels`."""
+    ``spec`` a :class:`SequenceMask` or None (causal), ``kernels`` from :func:`lse_kernels`.
+
+    K and V travel around the ring (:func:`ring_pass`): at step s this rank holds CP rank ``(rank - s) %
+    cp``'s two chunks and sends them on while it attends to them; in the backward their float32 gradients
+    travel with them and reach their owner after ``cp`` passes (each rank's K/V gradient summed in ring
+    order)."""
 
     @staticmethod
     def forward(ctx, q, k, v, spec, group, rank, scale, kernels):
         fwd = kernels[0]
         cp, c = group.size(), q.shape[2] // 2
-        k_all, v_all = all_gather_sequence(k, group), all_gather_sequence(v, group)
         b, h, n, d = q.shape
         out = q.new_empty(b, n, h, d).transpose(1, 2)  # (b, n, h, d) in memory: o_proj's input is a view
         lse = torch.empty(b, h, n, dtype=torch.float32, device=q.device)
         merged: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # per chunk, float64 (one chunk's rows)
-        for blk in blocks(cp, rank, c, spec, q.device):
-            rows, keys = slice(blk.query * c, (blk.query + 1) * c), slice(blk.key * c, (blk.key + 1) * c)
-            o, m = fwd(q[:, :, rows], k_all[:, :, keys], v_all[:, :, keys], blk.causal,
-                       _additive(blk.mask, q.dtype), scale)
-            if blk.mask is not None:  # rows with no visible key: the kernel's lse 0 means "no mass" here
-                m = m.masked_fill(~blk.mask.any(-1), float("-inf"))
-            if blk.query not in merged:
-                merged[blk.query] = (o.double(), m.double())
-                continue
-            o_acc, m_acc = merged[blk.query]
-            m_new = torch.logaddexp(m_acc, m.double())
-            o_acc = o_acc * (m_acc - m_new).exp().unsqueeze(-1) + o.double() * (m - m_new).exp().unsqueeze(-1)
-            merged[blk.query] = (o_acc, m_new)
+        kv = torch.stack([k, v])  # (2, b, kv_h, 2·c, d): the chunks of the step's source rank
+        for step, step_blocks in enumerate(ring_steps(cp, rank, c, spec, q.device)):
+            received, works = ring_pass(kv, group, rank) if step < cp - 1 else (None, [])
+            for blk in step_blocks:
+                rows, keys = _rows(blk.query, c), _rows(blk.key % 2, c)
+                o, m = fwd(q[:, :, rows], kv[0, :, :, keys], kv[1, :, :, keys], blk.causal,
+                           _additive(blk.mask, q.dtype), scale)
+                if blk.mask is not None:  # rows with no visible key: the kernel's lse 0 means "no mass" here
+                    m = m.masked_fill(~blk.mask.any(-1), float("-inf"))
+                if blk.query not in merged:
+                    merged[blk.query] = (o.double(), m.double())
+                    continue
+                o_acc, m_acc = merged[blk.query]
+                m_new = torch.logaddexp(m_acc, m.double())
+                o_acc = (o_acc * (m_acc - m_new).exp().unsqueeze(-1)
+                         + o.double() * (m - m_new).exp().unsqueeze(-1))
+                merged[blk.query] = (o_acc, m_new)
+            _wait(works)
+            kv = received
         for query, (o_acc, m_acc) in merged.items():
-            out[:, :, query * c:(query + 1) * c] = o_acc
-            lse[:, :, query * c:(query + 1) * c] = m_acc
+            out[:, :, _rows(query, c)] = o_acc
+            lse[:, :, _rows(query, c)] = m_acc
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.spec, ctx.group, ctx.rank, ctx.scale, ctx.kernels = spec, group, rank, scale, kernels
         return out
@@ -190,21 +210,23 @@ class BlockwiseAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out):
         q, k, v, out, lse = ctx.saved_tensors
-        bwd, group = ctx.kernels[1], ctx.group
+        bwd, group, rank = ctx.kernels[1], ctx.group, ctx.rank
         cp, c = group.size(), q.shape[2] // 2
-        k_all, v_all = all_gather_sequence(k, group), all_gather_sequence(v, group)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        dk_all = torch.zeros(k_all.shape, dtype=torch.float32, device=q.device)
-        dv_all = torch.zeros(v_all.shape, dtype=torch.float32, device=q.device)
-        for blk in blocks(cp, ctx.rank, c, ctx.spec, q.device):
-            rows, keys = slice(blk.query * c, (blk.query + 1) * c), slice(blk.key * c, (blk.key + 1) * c)
-            gq, gk, gv = bwd(d_out[:, :, rows].contiguous(), q[:, :, rows], k_all[:, :, keys],
-                             v_all[:, :, keys], out[:, :, rows], lse[:, :, rows].contiguous(), blk.causal,
-                             _additive(blk.mask, q.dtype), ctx.scale)
-            dq[:, :, rows] += gq
-            dk_all[:, :, keys] += gk
-            dv_all[:, :, keys] += gv
-        del k_all, v_all
-        dk = reduce_scatter_sequence(dk_all, group).to(k.dtype)
-        dv = reduce_scatter_sequence(dv_all, group).to(v.dtype)
-        return dq.to(q.dtype), dk, dv, None, None, None, None, None
+        kv = torch.stack([k, v])
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # the gradient of the step's kv
+        for step, step_blocks in enumerate(ring_steps(cp, rank, c, ctx.spec, q.device)):
+            received, works = ring_pass(kv, group, rank) if step < cp - 1 else (None, [])
+            for blk in step_blocks:
+                rows, keys = _rows(blk.query, c), _rows(blk.key % 2, c)
+                gq, gk, gv = bwd(d_out[:, :, rows].contiguous(), q[:, :, rows], kv[0, :, :, keys],
+                                 kv[1, :, :, keys], out[:, :, rows], lse[:, :, rows].contiguous(), blk.causal,
+                                 _additive(blk.mask, q.dtype), ctx.scale)
+                dq[:, :, rows] += gq
+                dkv[0, :, :, keys] += gk
+                dkv[1, :, :, keys] += gv
+            _wait(works)
+            kv = received
+            dkv, works = ring_pass(dkv, group, rank)  # on to the next rank; the last pass brings ours home
+            _wait(works)
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None

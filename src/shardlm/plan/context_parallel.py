@@ -9,11 +9,11 @@ Blockwise (where :func:`~shardlm.parallel.cp_attention.lse_kernels` has kernels:
 what SDPA saves without CP at ``t_l`` rows (q, the local k and v, the output shared with ``o_proj``, the
 log-sum-exp), so a block saves nothing more. Once per forward: the rotary cos and sin of this rank's tokens
 gathered per token (2·4·b·t_l·hd bytes) and, under documents, the padded document ids (8·b·T_pad). Transient
-in one block's backward: the gathered keys and values (2·c·b·T_pad·kv·hd) and their float32 gradients
-(2·4·b·T_pad·kv·hd) while the blocks run, then, the gathered K/V freed, the gradients with the
-reduce-scatter's send and receive buffers of one of them (4 × 4·b·T_pad·kv·hd). The forward's gathered K/V
-(2·c·b·T_pad·kv·hd, one layer at a time) is below that backward high point and not counted; per-block masks
-and partial outputs are ``c = T_pad / (2·cp)`` rows each.
+in one block's backward, K and V travelling the ring one rank's ``t_l`` tokens at a time: the held and the
+incoming K/V (2·c·b·t_l·kv·hd each) with the float32 gradient of the held one (2·4·b·t_l·kv·hd) while a step
+computes, or the new K/V with the gradient and its incoming copy when the gradient moves on, whichever is
+more; and the float32 query gradient (4·b·t_l·a). The forward's K/V in flight are below that backward high
+point and not counted; per-block masks and partial outputs are ``c = T_pad / (2·cp)`` rows each.
 
 Fallback (CUDA; on CP rank 0, whose tail chunk is the sequence's last):
 
@@ -70,7 +70,7 @@ def cp_forward_saved(s: Shape, t_pad: int, dense_windows: int, blockwise: bool, 
 
 def cp_backward_transient(s: Shape, t_pad: int, blockwise: bool) -> int:
     """Extra bytes alive in one block's backward under CP (the module docstring's high point of each path)."""
-    kv = s.b * t_pad * s.kv * s.hd
-    if blockwise:
-        return max(2 * s.c * kv + 2 * 4 * kv, 4 * 4 * kv)
-    return 4 * 2 * s.c * kv
+    if blockwise:  # per rank's K/V: held + incoming and their gradient, or K/V + gradient + incoming gradient
+        kv = s.b * s.t * s.kv * s.hd
+        return max(4 * s.c * kv + 2 * 4 * kv, 2 * s.c * kv + 4 * 4 * kv) + 4 * s.b * s.t * s.a
+    return 4 * 2 * s.c * s.b * t_pad * s.kv * s.hd

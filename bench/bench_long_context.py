@@ -5,6 +5,7 @@ Usage (a script, not a test; it launches torchrun itself, once)::
     python bench/bench_long_context.py                       # 8k and 16k tokens, 2 ranks, 3 timed steps (~4 min idle)
     python bench/bench_long_context.py --seq 8192 --steps 1  # quickest look
     python bench/bench_long_context.py --out bench/long_context.json
+    python bench/bench_long_context.py --seq 8192 --world 4 --steps 1  # CP 4 against FSDP 4 (~3 min idle)
 
 Model: a small Llama (dim 256, 4 layers, 4 query / 2 key-value heads, FFN 768, vocab 512: 3.4M parameters), fp32,
 no activation checkpointing, the chunked loss (the default). Data: seeded random token ids in the prepared-data
@@ -13,6 +14,8 @@ layout (speed and memory do not depend on them). Each rank trains one sequence p
 - ``fsdp2``: FSDP over 2 ranks, each rank a sequence of its own (global batch 2, ``parallel.cp = 1``);
 - ``cp2``: FSDP over the same 2 ranks with ``parallel.cp = 2``: both ranks share one sequence (global batch 1),
   each holding half of its tokens (a head and a tail chunk) and attending over all of them.
+
+With ``--world N``: ``fsdpN`` (global batch N) against ``cpN`` (``parallel.cp = N``, global batch 1).
 
 Per configuration: 2 warm-up steps (AdamW state exists), then ``--steps`` timed steps (the median host time) and one
 step measured by :func:`shardlm.metrics.peak.measure_train_step_peak` (the allocator's events under the profiler:

@@ -41,7 +41,7 @@ def test_blockwise_blocks_cover_exactly_the_keys_each_query_sees(window, with_do
     """Each rank's blocks (diagonal first, masks one block at a time, hidden blocks skipped) put together
     are its rows of the one-rank reference mask over the padded sequence, at cp 2 and 3."""
     from shardlm.model.attention import dense_mask
-    from shardlm.parallel.cp_attention import blocks, global_chunk
+    from shardlm.parallel.cp_attention import blocks, global_chunk, ring_steps
 
     t = 23
     docs = torch.tensor([[0] * 9 + [1] * 3 + [2] * 11, [0] * 10 + [1] * 13]) if with_docs else None
@@ -58,15 +58,19 @@ def test_blockwise_blocks_cover_exactly_the_keys_each_query_sees(window, with_do
         for rank in range(size):
             cp.rank = rank
             built = torch.zeros(2, 2 * c, t_pad, dtype=torch.bool)
-            seen = list(blocks(size, rank, c, spec, torch.device("cpu")))
+            steps = ring_steps(size, rank, c, spec, torch.device("cpu"))
+            # ring step s holds CP rank (rank - s) % size's two chunks; the same blocks as all at once
+            assert all(blk.key // 2 == (rank - s) % size for s, step in enumerate(steps) for blk in step)
+            seen = [blk for step in steps for blk in step]
+            assert sorted((b.query, b.key) for b in seen) == sorted(
+                (b.query, b.key) for b in blocks(size, rank, c, spec, torch.device("cpu")))
             for blk in seen:
                 k0, rows = global_chunk(blk.key, size) * c, slice(blk.query * c, (blk.query + 1) * c)
                 part = torch.ones(c, c, dtype=torch.bool)
                 part = part.tril() if blk.causal else part
                 built[:, rows, k0:k0 + c] = part if blk.mask is None else blk.mask[:, 0]
-            firsts = [b for i, b in enumerate(seen) if i == 0 or seen[i - 1].query != b.query]
-            # the diagonal block first
-            assert [global_chunk(b.key, size) for b in firsts] == [rank, 2 * size - 1 - rank]
+            firsts = {b.query: b for b in reversed(seen)}  # each query chunk's first block: its diagonal
+            assert [global_chunk(firsts[q].key, size) for q in (0, 1)] == [rank, 2 * size - 1 - rank]
             assert torch.equal(built, reference[:, cp.local_indices(t_pad)]), (size, rank)
             skipped += sum(1 for q_chunk in (rank, 2 * size - 1 - rank) for p in range(2 * size)
                            if global_chunk(p, size) <= q_chunk) - len(seen)

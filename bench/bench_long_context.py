@@ -5,6 +5,7 @@ Usage (a script, not a test; it launches torchrun itself, once)::
     python bench/bench_long_context.py                       # 8k and 16k tokens, 2 ranks, 3 timed steps (~4 min idle)
     python bench/bench_long_context.py --seq 8192 --steps 1  # quickest look
     python bench/bench_long_context.py --out bench/long_context.json
+    python bench/bench_long_context.py --seq 8192 --world 4 --steps 1  # CP 4 against FSDP 4 (~3 min idle)
 
 Model: a small Llama (dim 256, 4 layers, 4 query / 2 key-value heads, FFN 768, vocab 512: 3.4M parameters), fp32,
 no activation checkpointing, the chunked loss (the default). Data: seeded random token ids in the prepared-data
@@ -14,11 +15,15 @@ layout (speed and memory do not depend on them). Each rank trains one sequence p
 - ``cp2``: FSDP over the same 2 ranks with ``parallel.cp = 2``: both ranks share one sequence (global batch 1),
   each holding half of its tokens (a head and a tail chunk) and attending over all of them.
 
+With ``--world N``: ``fsdpN`` (global batch N) against ``cpN`` (``parallel.cp = N``, global batch 1).
+
 Per configuration: 2 warm-up steps (AdamW state exists), then ``--steps`` timed steps (the median host time) and one
 step measured by :func:`shardlm.metrics.peak.measure_train_step_peak` (the allocator's events under the profiler:
 never RSS), the largest rank's peak. Beside it the planner's prediction (``shardlm.plan.plan_memory``) for the same
-config, computed without running anything. The machine's 2 cores are shared by both ranks (and, here, by other
-users): step times are noisy; memory figures are not.
+config, computed without running anything. The activation share is the peak above the memory live before the
+step's first forward (``above start``: parameters, gradients and AdamW state are in that start), CP's over
+FSDP's. The machine's 2 cores are shared by both ranks (and, here, by other users): step times are noisy; memory
+figures are not.
 """
 
 from __future__ import annotations
@@ -41,10 +46,11 @@ MODEL = {"model.dim": 256, "model.n_layers": 4, "model.n_heads": 4, "model.n_kv_
          "model.vocab_size": 512}
 
 
-def overrides(seq: int, cp: int, data: Path, run: Path) -> list[str]:
-    """The command-line overrides of one configuration (see the module docstring)."""
+def overrides(seq: int, cp: int, world: int, data: Path, run: Path) -> list[str]:
+    """The command-line overrides of one configuration at ``world`` ranks (see the module docstring): one
+    sequence per CP group per step."""
     values = {**MODEL, "model.max_seq_len": seq, "train.seq_len": seq, "parallel.cp": cp,
-              "train.global_batch_size": 2 // cp, "train.micro_batch_size": 1, "train.steps": 100,
+              "train.global_batch_size": world // cp, "train.micro_batch_size": 1, "train.steps": 100,
               "train.warmup_steps": 1, "train.eval_interval": 0, "train.log_interval": 1, "checkpoint.interval": 0,
               "data.dir": f'"{data}"', "run.dir": f'"{run}"', "run.overwrite": "true", "parallel.device": "cpu"}
     return [f"--{k}={v}" for k, v in values.items()]
@@ -104,7 +110,7 @@ def main() -> None:
         work = Path(tmp)
         data = write_random_data(work / "data", MODEL["model.vocab_size"], 4 * max(args.seq) * 16)
         cases = [{"name": f"{'cp' if cp > 1 else 'fsdp'}{args.world} {seq}", "overrides":
-                  overrides(seq, cp, data, work / f"run-{seq}-{cp}")}
+                  overrides(seq, cp, args.world, data, work / f"run-{seq}-{cp}")}
                  for seq in args.seq for cp in (1, args.world)]
         spec, out = work / "spec.json", work / "results.json"
         spec.write_text(json.dumps({"cases": cases, "steps": args.steps, "out": str(out)}))
@@ -121,6 +127,15 @@ def main() -> None:
         above = max(p - s for p, s in zip(r["peaks"], r["starts"]))
         print(f"{r['name'].split()[0]:<12} {r['seq']:>7} {r['step_s']:>7.2f} {peak / mib:>14.1f} {above / mib:>12.1f} "
               f"{r['predicted'] / mib:>12.1f} {r['predicted'] / peak:>10.3f}")
+    # the activation share: what a step adds above the memory live before its first forward (parameters, their
+    # gradients' storage and AdamW state are in that start), CP's against FSDP's at the same sequence length
+    above = {(r["seq"], r["cp"]): max(p - s for p, s in zip(r["peaks"], r["starts"])) for r in results}
+    planned = {(r["seq"], r["cp"]): r["breakdown"]["activations"] for r in results}
+    for seq in args.seq:
+        if (seq, 1) in above and (seq, args.world) in above:
+            measured, plan = above[seq, args.world] / above[seq, 1], planned[seq, args.world] / planned[seq, 1]
+            print(f"cp{args.world} / fsdp{args.world} at {seq} tokens: above start {measured:.3f}, planned "
+                  f"activations {plan:.3f}")
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
 

@@ -31,9 +31,50 @@ def test_one_rank_split_is_the_identity_and_masks_are_the_reference():
     x = torch.arange(2 * 7).view(2, 7)
     assert torch.equal(cp.shard(x), x)
     docs = torch.tensor([[0, 0, 1, 1, 1, 2, 2], [0, 1, 1, 1, 1, 1, 1]])
-    assert torch.equal(cp.masks(7, docs, {3}, "cpu")[3], dense_mask(docs, 3))
+    assert torch.equal(cp.dense_mask(cp.masks(7, docs, {3}, "cpu")[3], 7, "cpu"), dense_mask(docs, 3))
     assert cp.masks(7, None, {0, 7}, "cpu") == {0: None, 7: None}  # causal by position: no mask needed
     assert torch.equal(cp.rope_positions(2, 7, docs, "cpu"), torch.tensor([[0, 1, 0, 1, 2, 0, 1], [0, 0, 1, 2, 3, 4, 5]]))
+
+
+@pytest.mark.parametrize("window,with_docs", [(0, False), (0, True), (5, False), (3, True)])
+def test_blockwise_blocks_cover_exactly_the_keys_each_query_sees(window, with_docs):
+    """Each rank's blocks (diagonal first, masks one block at a time, hidden blocks skipped) put together
+    are its rows of the one-rank reference mask over the padded sequence, at cp 2 and 3."""
+    from shardlm.model.attention import dense_mask
+    from shardlm.parallel.cp_attention import blocks, global_chunk, ring_steps
+
+    t = 23
+    docs = torch.tensor([[0] * 9 + [1] * 3 + [2] * 11, [0] * 10 + [1] * 13]) if with_docs else None
+    for size in (2, 3):
+        cp = ContextParallel(None)
+        cp.size = size
+        t_pad, c = padded_length(t, size), padded_length(t, size) // (2 * size)
+        spec = cp.masks(t, docs, {window}, "cpu")[window]
+        assert (spec is None) == (window == 0 and not with_docs)
+        # without documents padding attends causally like any token (no real query sees it: it comes last)
+        padded = spec.documents if with_docs else torch.zeros(2, t_pad, dtype=torch.int64)
+        reference = dense_mask(padded, window)[:, 0]
+        skipped = 0
+        for rank in range(size):
+            cp.rank = rank
+            built = torch.zeros(2, 2 * c, t_pad, dtype=torch.bool)
+            steps = ring_steps(size, rank, c, spec, torch.device("cpu"))
+            # ring step s holds CP rank (rank - s) % size's two chunks; the same blocks as all at once
+            assert all(blk.key // 2 == (rank - s) % size for s, step in enumerate(steps) for blk in step)
+            seen = [blk for step in steps for blk in step]
+            assert sorted((b.query, b.key) for b in seen) == sorted(
+                (b.query, b.key) for b in blocks(size, rank, c, spec, torch.device("cpu")))
+            for blk in seen:
+                k0, rows = global_chunk(blk.key, size) * c, slice(blk.query * c, (blk.query + 1) * c)
+                part = torch.ones(c, c, dtype=torch.bool)
+                part = part.tril() if blk.causal else part
+                built[:, rows, k0:k0 + c] = part if blk.mask is None else blk.mask[:, 0]
+            firsts = {b.query: b for b in reversed(seen)}  # each query chunk's first block: its diagonal
+            assert [global_chunk(firsts[q].key, size) for q in (0, 1)] == [rank, 2 * size - 1 - rank]
+            assert torch.equal(built, reference[:, cp.local_indices(t_pad)]), (size, rank)
+            skipped += sum(1 for q_chunk in (rank, 2 * size - 1 - rank) for p in range(2 * size)
+                           if global_chunk(p, size) <= q_chunk) - len(seen)
+        assert (skipped > 0) == (window > 0 or with_docs)  # windows and documents leave blocks out
 
 
 def test_a_sequence_shorter_than_cp_is_refused_and_padding_may_pass_the_tables():
@@ -72,23 +113,40 @@ def test_planner_counts_a_rank_s_share_of_the_sequence():
     fsdp = plan_memory(cfg, 2, "cpu")
     cfg.parallel.cp, cfg.train.global_batch_size = 2, 1
     cp = plan_memory(cfg, 2, "cpu")
-    # same parameters and state per rank; activations of 512 tokens per rank plus attention over all 1024
+    # same parameters and state per rank; blockwise attention (the CPU's): activations of 512 tokens per rank
     assert cp.breakdown["params"] == fsdp.breakdown["params"] and cp.breakdown["optimizer"] == fsdp.breakdown["optimizer"]
-    assert 0.5 * fsdp.breakdown["activations"] < cp.breakdown["activations"] < 0.8 * fsdp.breakdown["activations"]
+    assert 0.5 < cp.breakdown["activations"] / fsdp.breakdown["activations"] < 0.51
+    # the fallback (a GPU: no log-sum-exp kernel wired) keeps attention over all 1024 tokens on CP rank 0
+    gpu_cp = plan_memory(cfg, 2, "h100")
+    cfg.parallel.cp, cfg.train.global_batch_size = 1, 2
+    gpu_fsdp = plan_memory(cfg, 2, "h100")
+    assert 0.55 < gpu_cp.breakdown["activations"] / gpu_fsdp.breakdown["activations"] < 0.8
+    assert ContextParallel(None, "cpu").kernels is not None and ContextParallel(None, "cuda").kernels is None
+    assert "blockwise" in ContextParallel(None, "cpu").attention_path
+    assert "fallback" in ContextParallel(None, "cuda").attention_path
 
 
 @pytest.mark.dist
 def test_cp2_attention_equals_one_rank_forward_and_grads(tmp_path):
     out = tmp_path / "cp.json"
-    torchrun(2, [str(WORKER), str(out)], timeout=240)
+    torchrun(4, [str(WORKER), str(out)], timeout=240)  # CP 2 (two groups of 2 ranks) and CP 4
     results = json.loads(out.read_text())
-    assert set(results) == {"causal_odd", "block_causal_odd", "sliding_window", "sliding_block_causal_odd"}
+    cases = {"causal_odd", "block_causal_odd", "sliding_window", "sliding_block_causal_odd"}
+    assert set(results) == cases | {f"{c}/fallback" for c in cases} | {f"{c}@cp4" for c in cases}
     for name, r in results.items():
         for key in ("out", "dq", "dk", "dv"):
             assert r[key] <= 1e-6, (name, key, r[key])
+    for name in cases:  # blockwise: nothing of T_pad rows saved for the backward; the fallback keeps K/V
+        blockwise, fallback, cp4 = results[name], results[f"{name}/fallback"], results[f"{name}@cp4"]
+        assert blockwise["cp"] == fallback["cp"] == 2 and cp4["cp"] == 4
+        assert blockwise["saved_rows"] == blockwise["t_pad"] // 2 and cp4["saved_rows"] == cp4["t_pad"] // 4, name
+        assert fallback["saved_rows"] == fallback["t_pad"], name
+        assert blockwise["saved_bytes"] < fallback["saved_bytes"], name
     assert not results["causal_odd"]["dense_mask"]  # plain causal: SDPA's causal kernel, no T x T mask
     assert all(results[n]["dense_mask"] for n in ("block_causal_odd", "sliding_window", "sliding_block_causal_odd"))
-    assert results["causal_odd"]["padding_total"] == 3 and results["sliding_block_causal_odd"]["padding_total"] == 1
+    for suffix in ("", "/fallback", "@cp4"):
+        assert results[f"causal_odd{suffix}"]["padding_total"] == 3
+        assert results[f"sliding_block_causal_odd{suffix}"]["padding_total"] == 1
     for name in ("block_causal_odd", "sliding_window", "sliding_block_causal_odd"):
         assert results[name]["vs_causal"] > 0.1, name  # documents and windows change the result
 

@@ -41,7 +41,12 @@ from shardlm.parallel.cp import padded_length
 from shardlm.parallel.options import dtype_from_name
 from shardlm.parallel.reduce_scatter import resolve_reduce_scatter
 from shardlm.plan import activations as act
-from shardlm.plan.context_parallel import cp_backward_transient, cp_block_extra_saved, cp_forward_saved
+from shardlm.plan.context_parallel import (
+    cp_backward_transient,
+    cp_block_extra_saved,
+    cp_forward_saved,
+    cp_is_blockwise,
+)
 from shardlm.plan.documents import document_mask_bytes
 from shardlm.plan.ledger import PARTS, Ledger, MemoryPlan
 from shardlm.plan.loss import loss_events
@@ -130,9 +135,11 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
     windows = {cfg.model.sliding_window if cfg.model.is_local(i) else 0 for i in range(s.n_layers)}
     # CP's masked path (documents or a window shorter than the sequence), else its causal one (plan/context_parallel.py)
     cp_dense = cfg.model.attention == "block_causal" or any(0 < w < cfg.train.seq_len for w in windows)
-    cp_block = cp_block_extra_saved(s, t_pad, cp_dense) if cp > 1 else 0
-    cp_forward = cp_forward_saved(s, t_pad, len(windows) if cp_dense else 0) if cp > 1 else 0
-    cp_transient = cp_backward_transient(s, t_pad) if cp > 1 else 0
+    cp_blockwise, cp_docs = cp_is_blockwise(device), cfg.model.attention == "block_causal"
+    cp_block = cp_block_extra_saved(s, t_pad, cp_dense, cp_blockwise) if cp > 1 else 0
+    cp_windows = len(windows) if cp_dense else 0
+    cp_forward = cp_forward_saved(s, t_pad, cp_windows, cp_blockwise, cp_docs) if cp > 1 else 0
+    cp_transient = cp_backward_transient(s, t_pad, cp_blockwise) if cp > 1 else 0
     # a MoE layer's router, sorted token copies and, under EP, all-to-all buffers (plan/moe.py)
     ep = getattr(cfg.parallel, "ep", 1)
     is_moe = [cfg.model.is_moe_layer(i) for i in range(s.n_layers)]

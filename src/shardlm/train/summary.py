@@ -43,7 +43,8 @@ def job_summary(trainer: Trainer) -> str:
         f"{info.device.type}, mesh " + (" x ".join(f"{name} {size}" for name, size in zip(
             trainer.mesh.mesh_dim_names, trainer.mesh.shape)) if trainer.mesh is not None else "none")
         + (f"; context parallel {trainer.cp.size}: each sequence split over {trainer.cp.size} ranks "
-           f"({trainer.dp_size} data-parallel)" if trainer.cp.size > 1 else "")
+           f"({trainer.dp_size} data-parallel), {trainer.cp.attention_path}"
+           if trainer.cp.size > 1 else "")
         + (f"; expert parallel {cfg.parallel.ep} (experts' mesh efsdp {info.world_size // cfg.parallel.ep} x ep "
            f"{cfg.parallel.ep}): {cfg.model.n_experts // cfg.parallel.ep} of {cfg.model.n_experts} experts per rank"
            if cfg.parallel.ep > 1 else ""),

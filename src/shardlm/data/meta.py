@@ -70,3 +70,17 @@ def is_prepared(out_dir: str) -> bool:
         (root / "train.bin").stat().st_size == int(meta["train_tokens"]) * itemsize
         and (root / "val.bin").stat().st_size == int(meta["val_tokens"]) * itemsize
     )
+
+
+def lacking_document_starts(out_dir: str | pathlib.Path) -> list[pathlib.Path]:
+    """The prepared text directories of ``out_dir`` (itself, or each source a mixture's ``meta.json`` lists) whose
+    ``meta.json`` records no document starts (``document_starts``: written since 2026-12-01; legacy and external
+    data have none); directories not (completely) prepared are not listed."""
+    root = pathlib.Path(out_dir).expanduser()
+    try:
+        meta = read_json(root / META_FILE, DataError)
+    except DataError:
+        return []
+    dirs = [root / str(s.get("name")) for s in meta.get("sources", [])] if meta.get("format") == "mixture" else [root]
+    return [d for d in dirs if is_prepared(str(d)) and not (load_meta(str(d)).get("format") == FORMAT and isinstance(
+        load_meta(str(d)).get("document_starts"), dict))]

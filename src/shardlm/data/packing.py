@@ -167,6 +167,9 @@ class DocumentWindows:
     Args:
         windows: :class:`~shardlm.data.loader.TokenWindows` or a mixture of them (``get`` -> (B, seq_len + 1)).
         eod: the separator id (``meta["special_ids"]["eod"]``), or None.
+        plain_within_one_document: ``get`` returns the plain windows (B, seq_len + 1) when none of them holds a
+            document start (training's samples): block-causal attention within one document is causal
+            attention, so the model then runs the causal kernel, no mask, the same outputs bit for bit.
 
     Attributes: ``source`` (``"recorded"`` or ``"eod"``: where the boundaries come from).
 
@@ -174,8 +177,9 @@ class DocumentWindows:
         DataError: the data records no document starts and ``eod`` is None (no boundary to go by).
     """
 
-    def __init__(self, windows, eod: int | None) -> None:
+    def __init__(self, windows, eod: int | None, plain_within_one_document: bool = False) -> None:
         self.windows = windows
+        self.plain_within_one_document = plain_within_one_document
         self.eod = None if eod is None else int(eod)
         self.seq_len = windows.seq_len
         self.source = "recorded" if len(windows) and windows.document_starts([0]) is not None else "eod"
@@ -201,9 +205,12 @@ class DocumentWindows:
 
     def get(self, ids: list[int]) -> torch.Tensor:
         """Windows ``ids`` as int64 (len(ids), 3, seq_len + 1): tokens, labels (the tokens, -100 at each document's
-        first token after the window's start), and each token's document index within its window (from 0)."""
+        first token after the window's start), and each token's document index within its window (from 0); or
+        the plain windows when none holds a start and ``plain_within_one_document``."""
         tokens = self.windows.get(ids)
         starts = self.starts(ids, tokens)
+        if self.plain_within_one_document and not starts.any():
+            return tokens
         labels = tokens.clone()
         labels[starts] = IGNORE_INDEX  # never the target of the previous document's last token
         return torch.stack([tokens, labels, starts.cumsum(dim=1)], dim=1)

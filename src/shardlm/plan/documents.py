@@ -26,8 +26,10 @@ from pathlib import Path
 import numpy as np
 
 from shardlm.config import Config
+from shardlm.data.attention_choice import AUTO, choose_attention
 from shardlm.data.build import data_dir
 from shardlm.data.instruct import InstructionExamples
+from shardlm.data.meta import lacking_document_starts
 from shardlm.data.packing import PackedExamples
 from shardlm.data.prepare import is_prepared, load_meta
 from shardlm.errors import DataError
@@ -118,14 +120,29 @@ def document_shape(cfg: Config) -> DocumentShape:
         return DocumentShape("a mixture: windows counted as full", 0, 1.0, float(t.seq_len), float(t.seq_len))
     meta = Path(out) / "meta.json"
     version = meta.stat().st_mtime_ns if meta.is_file() else 0
-    return _shape(out, cfg.data.format, cfg.data.pack, cfg.model.attention == "block_causal", t.seq_len, t.seed,
-                  version)
+    return _shape(out, cfg.data.format, cfg.data.pack, planned_attention(cfg) == "block_causal", t.seq_len,
+                  t.seed, version)
+
+
+def planned_attention(cfg: Config) -> str:
+    """``cfg``'s attention as training resolves it for a new run: ``model.attention``, or for ``auto`` the rule
+    of :func:`shardlm.data.attention_choice.choose_attention` on the prepared data (``block_causal`` for text data
+    not prepared yet: its preparation records the document starts)."""
+    if cfg.model.attention != AUTO or cfg.data.format != "text":  # known from the config alone
+        return choose_attention(cfg).attention
+    meta = data_dir(cfg) / "meta.json"
+    return _text_attention(str(data_dir(cfg)), meta.stat().st_mtime_ns if meta.is_file() else 0)
+
+
+@functools.lru_cache(maxsize=16)
+def _text_attention(out: str, version: int) -> str:  # version: meta.json's mtime, as for _shape
+    return "causal" if lacking_document_starts(out) else "block_causal"
 
 
 def has_documents(cfg: Config) -> bool:
     """Whether ``cfg``'s samples carry documents that block-causal attention masks: pre-training windows or packed
-    rows under ``model.attention = "block_causal"`` (an unpacked instruction sample is one example)."""
-    return cfg.model.attention == "block_causal" and (cfg.data.format != "instruct" or cfg.data.pack)
+    rows under block-causal attention (:func:`planned_attention`; an unpacked instruction sample is one example)."""
+    return planned_attention(cfg) == "block_causal" and (cfg.data.format != "instruct" or cfg.data.pack)
 
 
 def attention_context(cfg: Config) -> float:

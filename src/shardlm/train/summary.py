@@ -54,7 +54,7 @@ def job_summary(trainer: Trainer) -> str:
         f"{cfg.train.micro_batch_size}/{'data-parallel ' if trainer.cp.size > 1 else ''}rank; gradient accumulation "
         f"{trainer.accum_steps}",
         f"  attention  {cfg.model.attention}" + (f" (backend {trainer.attention_backend}, per-document positions)"
-                                                 if trainer.attention_backend else "")
+                                                 if trainer.attention_backend else "") + f"; {trainer.attention.why}"
         + ({"recorded": "; documents from the recorded starts", "eod": "; documents cut at each end-of-document "
             "token (the data records no starts: prepare it again for exact boundaries)"}[trainer.train_data.source]
            if isinstance(trainer.train_data, DocumentWindows) else ""),

@@ -247,3 +247,99 @@ def test_mixture_windows_keep_each_sources_documents(mixture_data):
             assert torch.equal(batch[j], DocumentWindows(sources[src], eod).get([w])[0]), (split, j)
         assert batch[:, 2].max() > 0  # windows cross documents
         assert mixed.num_targets(ids) == int((batch[:, 1, 1:] != -100).sum())
+
+
+def _trainer_steps(overrides: list[str], steps: int):
+    """A one-process Trainer of ``overrides`` (its process group of one rank) and the records of ``steps`` steps."""
+    from shardlm.parallel import init_distributed
+    from shardlm.train import Trainer
+
+    cfg = load_config(None, overrides)
+    started = torch.distributed.is_initialized()
+    try:
+        trainer = Trainer(cfg, init_distributed(cfg.parallel))
+        summary = trainer.summary()
+        records = [trainer.train_step() for _ in range(steps)]
+        if steps and cfg.checkpoint.enabled:
+            trainer.checkpointer.save(trainer.model, trainer.optimizer, trainer.scheduler, trainer.step)
+            trainer.checkpointer.close()
+    finally:
+        if not started and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    return trainer, summary, records
+
+
+def test_new_runs_train_block_causal_by_their_data_and_resumed_runs_keep_theirs(
+        doc_data, packed_data, small_data, tmp_path, capsys):
+    """``model.attention = "auto"`` (the default): a new run on pre-training data that records its document starts
+    trains block-causal (the summary says so; its losses equal an explicit block_causal run's bit for bit and
+    differ from causal's, the batch crossing documents); packed instruction data (``data.pack`` alone) trains
+    block-causal, unpacked instruction data causal; data whose preparation recorded no starts falls back to
+    causal with one warning naming the missing file and the fix, and ``shardlm prepare`` then records them;
+    resuming a causal checkpoint without the setting continues causal bit for bit; windows within one document
+    (the small corpus is one document) train exactly as explicit causal; the planner resolves ``auto`` the same."""
+    import shutil
+
+    from conftest import tiny_overrides
+    from shardlm.cli.main import main as shardlm_main
+    from shardlm.plan.documents import planned_attention
+    from shardlm.train.datasets import resolve_attention
+
+    common = {"train.seq_len": SEQ, "train.global_batch_size": 4, "train.micro_batch_size": 2,
+              "train.eval_interval": 0, "parallel.mode": '"single"', "checkpoint.interval": 0}
+    runs = tmp_path / "runs"
+
+    def overrides(data, name, **extra):
+        return tiny_overrides(data, runs / name, {**common, **extra})
+
+    auto, summary, a = _trainer_steps(overrides(doc_data, "auto"), 2)
+    assert auto.cfg.model.attention == "block_causal" and planned_attention(load_config(None, overrides(
+        doc_data, "x"))) == "block_causal"
+    assert ("attention  block_causal (backend sdpa, per-document positions); auto: pre-training data with "
+            "recorded document starts; documents from the recorded starts") in summary, summary
+    assert auto.train_data.get(auto.sampler.step_ids(0))[:, 2].max() > 0  # step 1's windows cross documents
+    _, _, b = _trainer_steps(overrides(doc_data, "block", **{"model.attention": '"block_causal"'}), 2)
+    causal, summary, c = _trainer_steps(overrides(doc_data, "causal", **{"model.attention": '"causal"'}), 2)
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]
+    assert abs(a[0]["loss"] - c[0]["loss"]) > 1e-4 and "attention  causal; set in model.attention" in summary
+    # resuming the causal run's checkpoint without the setting: causal, bit for bit as its own next step
+    _, _, c3 = _trainer_steps(overrides(doc_data, "causal3", **{"model.attention": '"causal"'}), 3)
+    step2 = runs / "causal" / "checkpoints" / "step-2"
+    resumed, summary, r = _trainer_steps(overrides(doc_data, "causal", **{"checkpoint.resume": f'"{step2}"'}), 1)
+    assert resumed.step == 3 and resumed.cfg.model.attention == "causal" and r[0]["loss"] == c3[2]["loss"]
+    assert "auto: the resumed checkpoint's" in summary
+    assert resolve_attention(load_config(None, []), {}).attention == "causal"  # a checkpoint from before the field
+    # instruction data: packed -> block-causal (data.pack alone), one example per sample -> causal
+    chat = {"data.format": '"instruct"', "data.corpus": f'"{packed_data.parent / "chat.jsonl"}"',
+            "data.val_fraction": 0.1, "checkpoint.enabled": "false"}
+    packed, summary, _ = _trainer_steps(overrides(packed_data, "packed", **chat, **{"data.pack": "true"}), 0)
+    assert packed.cfg.model.attention == "block_causal" and "auto: packed instruction examples" in summary
+    unpacked, summary, _ = _trainer_steps(overrides(packed_data, "unpacked", **chat, **{
+        "train.seq_len": 256, "model.max_seq_len": 256}), 0)
+    assert unpacked.cfg.model.attention == "causal" and "auto: one instruction example per sample" in summary
+    # data prepared before document starts were recorded: causal, with the warning; `shardlm prepare` fixes it
+    old = tmp_path / "old"
+    shutil.copytree(doc_data, old)
+    meta = json.loads((old / "meta.json").read_text())
+    del meta["document_starts"]
+    (old / "meta.json").write_text(json.dumps(meta))
+    (old / "document_starts.bin").unlink()
+    capsys.readouterr()
+    fallback, summary, f = _trainer_steps(overrides(old, "old", **{"checkpoint.enabled": "false"}), 1)
+    err = capsys.readouterr().err
+    warnings = [line for line in err.splitlines() if "document_starts.bin missing" in line]
+    assert warnings == [f"warning: {old / 'document_starts.bin'} missing (the data was prepared before shardlm "
+                        "recorded where documents start): training with causal attention across documents; run "
+                        "`shardlm prepare` with this config again to train block-causal (or set model.attention)"]
+    assert fallback.cfg.model.attention == "causal" and f[0]["loss"] == c[0]["loss"]  # the same tokens, causal
+    assert planned_attention(load_config(None, overrides(old, "x"))) == "causal"
+    assert shardlm_main(["prepare", "--config", str(ROOT / "configs/shakespeare-tiny.toml"),
+                         *overrides(old, "x")]) == 0
+    assert "records no document starts; preparing it again" in capsys.readouterr().err
+    assert (old / "document_starts.bin").is_file()
+    assert planned_attention(load_config(None, overrides(old, "x"))) == "block_causal"
+    # one document per window (the small corpus is one text): block-causal windows are causal's, bit for bit
+    one, _, o = _trainer_steps(overrides(small_data, "one", **{"checkpoint.enabled": "false"}), 2)
+    _, _, oc = _trainer_steps(overrides(small_data, "onec", **{"checkpoint.enabled": "false",
+                                                               "model.attention": '"causal"'}), 2)
+    assert one.cfg.model.attention == "block_causal" and [x["loss"] for x in o] == [x["loss"] for x in oc]

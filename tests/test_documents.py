@@ -343,3 +343,55 @@ def test_new_runs_train_block_causal_by_their_data_and_resumed_runs_keep_theirs(
     _, _, oc = _trainer_steps(overrides(small_data, "onec", **{"checkpoint.enabled": "false",
                                                                "model.attention": '"causal"'}), 2)
     assert one.cfg.model.attention == "block_causal" and [x["loss"] for x in o] == [x["loss"] for x in oc]
+
+
+def test_logged_flops_count_the_attention_of_each_document(packed_data, doc_data, tmp_path):
+    """The trainer's FLOPs (and so its MFU) count block-causal attention per document: a batch of known document
+    lengths gives exactly 6·N·tokens + 12·L·H·Q·Σ n² computed by hand; a logged packed step and a block-causal
+    window step equal that formula on their rows' documents exactly; causal's figure is the old 6N + 12·L·H·Q·T
+    per token bit for bit; the planner's FLOPs per step equal the trainer's on the same (whole) data."""
+    from conftest import tiny_overrides
+    from shardlm.metrics.flops import model_flops, model_flops_per_token, squared_document_lengths
+    from shardlm.plan.time import flops_per_token
+    from shardlm.train.step_metrics import step_model_flops
+
+    cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=96, vocab_size=128, max_seq_len=64)
+    n = sum(p.numel() for name, p in Llama(cfg).named_parameters() if name != "model.embed_tokens.weight")
+    documents = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2], [0] * 8])  # lengths 3, 2, 3 and 8
+    assert squared_document_lengths(documents) == 9 + 4 + 9 + 64
+    assert model_flops(cfg, 16, 86) == 6 * n * 16 + 12 * 2 * 4 * 16 * 86
+    assert model_flops(cfg, 16, 2 * 64) == model_flops_per_token(cfg, 8) * 16  # causal: Σ n² = T² per sequence
+
+    common = {"train.seq_len": SEQ, "train.global_batch_size": 4, "train.micro_batch_size": 2,
+              "train.eval_interval": 0, "parallel.mode": '"single"', "checkpoint.enabled": "false"}
+    chat = {"data.format": '"instruct"', "data.corpus": f'"{packed_data.parent / "chat.jsonl"}"',
+            "data.val_fraction": 0.1, "data.pack": "true"}
+
+    def hand(model, squares):  # the formula, written out: 6·N·tokens + 12·L·H·Q·Σ n²
+        return 6 * (sum(p.numel() for name, p in Llama(model).named_parameters()
+                        if name != "model.embed_tokens.weight")) * 4 * SEQ + 12 * model.n_layers * model.n_heads \
+            * model.head_dim * squares
+
+    packed, _, (p,) = _trainer_steps(tiny_overrides(packed_data, tmp_path / "p", {**common, **chat}), 1)
+    rows, lengths = packed.train_data.rows, np.diff(packed.train_data.examples.offsets)
+    squares = 0
+    for r in packed.sampler.step_ids(0):
+        placed = [min(int(lengths[e]), SEQ + 1) for e in rows[r]]
+        placed = [x for x in placed + [SEQ + 1 - sum(placed)] if x]  # the padding: a document of its own
+        placed[-1] -= 1  # the inputs are the row's first SEQ tokens
+        squares += sum(x * x for x in placed)
+    assert squares < 4 * SEQ * SEQ and p["flops_per_step_per_rank"] == hand(packed.cfg.model, squares)
+    assert p["mfu"] == p["flops_per_step_per_rank"] / (p["step_time_s"] * p["peak_flops_per_rank"])
+    windows, _, (w,) = _trainer_steps(tiny_overrides(doc_data, tmp_path / "w", common), 1)
+    docs = windows.train_data.get(windows.sampler.step_ids(0))[:, 2, :-1]
+    squares = sum(int((torch.unique_consecutive(row, return_counts=True)[1] ** 2).sum()) for row in docs)
+    assert squares < 4 * SEQ * SEQ and w["flops_per_step_per_rank"] == hand(windows.cfg.model, squares)
+    causal, _, (c,) = _trainer_steps(tiny_overrides(doc_data, tmp_path / "c", {
+        **common, "model.attention": '"causal"'}), 1)
+    assert c["flops_per_step_per_rank"] == model_flops_per_token(causal.cfg.model, SEQ) * 4 * SEQ / 1
+    # the planner and the trainer on the same batch: every training sample at once
+    for trainer in (packed, windows, causal):
+        every = list(range(len(trainer.train_data)))
+        planned = flops_per_token(trainer.cfg) * len(every) * SEQ
+        assert planned == pytest.approx(step_model_flops(trainer.cfg, trainer.train_data, every, len(every)),
+                                        rel=1e-12)

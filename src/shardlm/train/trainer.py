@@ -56,7 +56,7 @@ from shardlm.train.moe_loss import moe_loss_term
 from shardlm.train.optim import apply_train_config, build_optimizer, build_scheduler, clip_grad_norm_
 from shardlm.train.preference_step import PreferenceObjective
 from shardlm.train.run_dir import prepare_run_dir, run_dir
-from shardlm.train.step_metrics import mixture_metrics, moe_metrics
+from shardlm.train.step_metrics import mixture_metrics, moe_metrics, step_model_flops
 from shardlm.train.summary import job_summary
 
 __all__ = ["Trainer", "model_special_ids_of", "run_dir"]  # both importable from here as before
@@ -124,7 +124,7 @@ class Trainer:
             apply_train_config(self.optimizer, self.scheduler, t, self.step)
         #: this run's id: new on a fresh start, the checkpoint's when resuming (shardlm/checkpoint/run.py)
         self.run_id: str = self.checkpointer.run_id
-        # MFU: model FLOPs per token (6N + 12·L·H·Q·T) and the peak of the precision that runs (train/mfu.py)
+        # MFU: model FLOPs per token (6N + 12·L·H·Q·T; per step: step_metrics.py) and the peak that runs (mfu.py)
         self.flops_per_token = model_flops_per_token(cfg.model, t.seq_len)
         self.peak = peak_flops_per_rank(cfg, self.info)
         self.preempted = False
@@ -248,7 +248,9 @@ class Trainer:
         self._interval = {"seconds": 0.0, "steps": 0}
         elapsed = seconds / steps  # mean host time per step since the last record (synchronised by the read)
         tokens = cfg.train.global_batch_size * cfg.train.seq_len * (2 if pref is not None else 1)  # a pair: 2 rows
-        flops = self.flops_per_token * tokens / info.world_size  # this rank's model FLOPs (host arithmetic)
+        # this rank's share of the step's model FLOPs: 6N per token + attention per document (step_metrics.py)
+        ids, rows = self.sampler.step_ids(self.step - 1), tokens // cfg.train.seq_len
+        flops = step_model_flops(cfg, self.train_data, ids, rows) / info.world_size
         record = {
             "step": self.step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm_value,
             "tokens_per_s": tokens / elapsed, "tokens_per_s_per_rank": tokens / elapsed / info.world_size,

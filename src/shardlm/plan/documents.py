@@ -141,8 +141,13 @@ def _text_attention(out: str, version: int) -> str:  # version: meta.json's mtim
 
 def has_documents(cfg: Config) -> bool:
     """Whether ``cfg``'s samples carry documents that block-causal attention masks: pre-training windows or packed
-    rows under block-causal attention (:func:`planned_attention`; an unpacked instruction sample is one example)."""
-    return planned_attention(cfg) == "block_causal" and (cfg.data.format != "instruct" or cfg.data.pack)
+    rows under block-causal attention (:func:`planned_attention`; an unpacked instruction sample is one example).
+    False for prepared text windows none of which crosses a document start: the trainer gives those to the model as
+    plain windows (causal attention, no mask; :class:`shardlm.data.packing.DocumentWindows`)."""
+    if planned_attention(cfg) != "block_causal" or (cfg.data.format == "instruct" and not cfg.data.pack):
+        return False
+    shape = document_shape(cfg)
+    return not (cfg.data.format == "text" and shape.samples and shape.context == cfg.train.seq_len)
 
 
 def attention_context(cfg: Config) -> float:

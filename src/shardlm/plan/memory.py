@@ -46,7 +46,7 @@ from shardlm.parallel.options import dtype_from_name
 from shardlm.parallel.reduce_scatter import resolve_reduce_scatter
 from shardlm.plan import activations as act
 from shardlm.plan.context_parallel import cp_backward_transient, cp_block_extra_saved, cp_forward_saved
-from shardlm.plan.documents import document_mask_bytes, planned_attention
+from shardlm.plan.documents import document_mask_bytes, has_documents
 from shardlm.plan.loss import loss_events
 from shardlm.plan.moe import all_to_all_transient, moe_layer_saved
 from shardlm.plan.preference import no_grad_block_bytes, no_grad_head_bytes, reference_memory
@@ -283,7 +283,7 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
     s = act.shape_of(cfg.model, cfg.train.micro_batch_size, t_pad // cp, pb)
     windows = {cfg.model.sliding_window if cfg.model.is_local(i) else 0 for i in range(s.n_layers)}
     # CP's masked path (documents or a window shorter than the sequence), else its causal one (plan/context_parallel.py)
-    cp_dense = planned_attention(cfg) == "block_causal" or any(0 < w < cfg.train.seq_len for w in windows)
+    cp_dense = has_documents(cfg) or any(0 < w < cfg.train.seq_len for w in windows)
     cp_block = cp_block_extra_saved(s, t_pad, cp_dense) if cp > 1 else 0
     cp_forward = cp_forward_saved(s, t_pad, len(windows) if cp_dense else 0) if cp > 1 else 0
     cp_transient = cp_backward_transient(s, t_pad) if cp > 1 else 0

@@ -343,6 +343,7 @@ def test_new_runs_train_block_causal_by_their_data_and_resumed_runs_keep_theirs(
     _, _, oc = _trainer_steps(overrides(small_data, "onec", **{"checkpoint.enabled": "false",
                                                                "model.attention": '"causal"'}), 2)
     assert one.cfg.model.attention == "block_causal" and [x["loss"] for x in o] == [x["loss"] for x in oc]
+    assert [x["flops_per_step_per_rank"] for x in o] == [x["flops_per_step_per_rank"] for x in oc]
 
 
 def test_logged_flops_count_the_attention_of_each_document(packed_data, doc_data, tmp_path):

@@ -81,14 +81,14 @@ def squared_document_lengths(documents: torch.Tensor) -> int:
     """Σ over rows of Σ n² over each row's documents (runs of equal index), for :func:`model_flops`.
 
     Args:
-        documents: (B, T) int64, non-decreasing per row: each input token's document index (0 from each row's
-            first token; :func:`shardlm.data.packing.batch_documents`).
+        documents: (B, T) int64 on the host, non-decreasing per row: each input token's document index (0 from
+            each row's first token; :func:`shardlm.data.packing.batch_documents`).
     """
     if documents.numel() == 0:
         return 0
     b, t = documents.shape
     keys = (documents - documents[:, :1]) + torch.arange(b, dtype=torch.int64).unsqueeze(1) * (t + 1)
-    counts = torch.unique_consecutive(keys.flatten().cpu(), return_counts=True)[1]
+    counts = torch.unique_consecutive(keys.flatten(), return_counts=True)[1]  # host tensors: no device read
     return int((counts * counts).sum())
 
 

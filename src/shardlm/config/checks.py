@@ -55,7 +55,7 @@ def validate(cfg: Config) -> None:
     validate_preference(cfg)
     if d.pack and d.format != "instruct":
         raise ConfigError("data.pack packs instruction examples: it needs data.format = 'instruct' (text windows are "
-                          "already full; for document masking there set model.attention = 'block_causal')")
+                          "already full, and block-causal by default where the data records document starts)")
     if d.pack and cfg.model.attention == "causal":
         raise ConfigError("data.pack needs model.attention = 'block_causal' (or 'auto', the default): under 'causal' "
                           "the packed examples would attend to each other")

@@ -282,6 +282,7 @@ def test_new_runs_train_block_causal_by_their_data_and_resumed_runs_keep_theirs(
 
     from conftest import tiny_overrides
     from shardlm.cli.main import main as shardlm_main
+    from shardlm.data.attention_choice import choose_attention
     from shardlm.plan.documents import planned_attention
     from shardlm.train.datasets import resolve_attention
 
@@ -302,6 +303,7 @@ def test_new_runs_train_block_causal_by_their_data_and_resumed_runs_keep_theirs(
     causal, summary, c = _trainer_steps(overrides(doc_data, "causal", **{"model.attention": '"causal"'}), 2)
     assert [r["loss"] for r in a] == [r["loss"] for r in b]
     assert abs(a[0]["loss"] - c[0]["loss"]) > 1e-4 and "attention  causal; set in model.attention" in summary
+    assert type(causal.train_data) is TokenWindows  # explicit causal: today's plain windows, no document channel
     # resuming the causal run's checkpoint without the setting: causal, bit for bit as its own next step
     _, _, c3 = _trainer_steps(overrides(doc_data, "causal3", **{"model.attention": '"causal"'}), 3)
     step2 = runs / "causal" / "checkpoints" / "step-2"
@@ -309,6 +311,9 @@ def test_new_runs_train_block_causal_by_their_data_and_resumed_runs_keep_theirs(
     assert resumed.step == 3 and resumed.cfg.model.attention == "causal" and r[0]["loss"] == c3[2]["loss"]
     assert "auto: the resumed checkpoint's" in summary
     assert resolve_attention(load_config(None, []), {}).attention == "causal"  # a checkpoint from before the field
+    pairs = load_config(None, [])
+    pairs.data.format = "preference"
+    assert choose_attention(pairs).attention == "causal" and planned_attention(pairs) == "causal"
     # instruction data: packed -> block-causal (data.pack alone), one example per sample -> causal
     chat = {"data.format": '"instruct"', "data.corpus": f'"{packed_data.parent / "chat.jsonl"}"',
             "data.val_fraction": 0.1, "checkpoint.enabled": "false"}

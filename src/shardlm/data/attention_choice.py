@@ -70,4 +70,3 @@ def may_be_block_causal(cfg: Config) -> bool:
     so, or ``auto`` on text data or packed instruction data."""
     a, d = cfg.model.attention, cfg.data
     return a == "block_causal" or (a == AUTO and (d.format == "text" or (d.format == "instruct" and d.pack)))
-

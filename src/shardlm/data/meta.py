@@ -81,6 +81,10 @@ def lacking_document_starts(out_dir: str | pathlib.Path) -> list[pathlib.Path]:
         meta = read_json(root / META_FILE, DataError)
     except DataError:
         return []
-    dirs = [root / str(s.get("name")) for s in meta.get("sources", [])] if meta.get("format") == "mixture" else [root]
-    return [d for d in dirs if is_prepared(str(d)) and not (load_meta(str(d)).get("format") == FORMAT and isinstance(
-        load_meta(str(d)).get("document_starts"), dict))]
+    mixture = meta.get("format") == "mixture"  # shardlm.data.mixture.MIXTURE (which imports this module)
+    dirs = [root / str(s.get("name")) for s in meta.get("sources", [])] if mixture else [root]
+
+    def records(d: pathlib.Path) -> bool:
+        m = load_meta(str(d))
+        return m.get("format") == FORMAT and isinstance(m.get("document_starts"), dict)
+    return [d for d in dirs if is_prepared(str(d)) and not records(d)]

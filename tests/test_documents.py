@@ -401,3 +401,22 @@ def test_logged_flops_count_the_attention_of_each_document(packed_data, doc_data
         planned = flops_per_token(trainer.cfg) * len(every) * SEQ
         assert planned == pytest.approx(step_model_flops(trainer.cfg, trainer.train_data, every, len(every)),
                                         rel=1e-12)
+
+
+def test_auto_attention_reads_every_mixture_source(mixture_data, tmp_path):
+    """``auto`` on a mixture: block-causal when every source records its document starts; causal, naming the one
+    source that does not, otherwise."""
+    import shutil
+
+    from shardlm.data.attention_choice import choose_attention
+
+    assert choose_attention(load_config(None, [f"--data.dir={mixture_data}"])).attention == "block_causal"
+    copy = tmp_path / "mix"
+    shutil.copytree(mixture_data, copy)
+    meta = json.loads((copy / "b" / "meta.json").read_text())
+    del meta["document_starts"]
+    (copy / "b" / "meta.json").write_text(json.dumps(meta))
+    choice = choose_attention(load_config(None, [f"--data.dir={copy}"]))
+    assert choice.attention == "causal" and choice.warning.startswith(f"warning: {copy / 'b' / 'document_starts.bin'} "
+                                                                      "missing (the data was prepared before")
+    assert str(copy / "a") not in choice.warning

@@ -101,6 +101,7 @@ class PackedExamples:
                             f"their first {row} tokens (train.seq_len={self.seq_len}); raise train.seq_len or "
                             "shorten the prompts")
         lengths = np.diff(examples.offsets)
+        self._placed = np.minimum(lengths, row)  # each example's tokens in its row
         self.truncated = [int(i) for i in keep if lengths[i] > row]
         placed = np.minimum(lengths[keep], row)
         self.rows = [[int(keep[j]) for j in b] for b in best_fit_decreasing(placed, row, seed)]
@@ -117,6 +118,18 @@ class PackedExamples:
     def num_targets(self, ids: list[int]) -> int:
         """Response targets of rows ``ids`` (the sum of their examples' unpacked counts), known on the host."""
         return int(self.row_targets[np.asarray(ids, dtype=np.int64)].sum()) if len(ids) else 0
+
+    def squared_lengths(self, ids) -> int:
+        """Σ n² over the documents of the inputs (each row's first ``seq_len`` tokens) of rows ``ids``: each
+        example as placed, and the padding as a document of its own (block-causal attention's work,
+        :func:`shardlm.metrics.flops.model_flops`)."""
+        row, total = self.seq_len + 1, 0
+        for i in ids:
+            placed = [int(self._placed[e]) for e in self.rows[i]]
+            placed = [n for n in placed + [row - sum(placed)] if n]
+            placed[-1] -= 1  # the row's last token is only a target
+            total += sum(n * n for n in placed)
+        return total
 
     def get(self, ids: list[int]) -> torch.Tensor:
         """Rows ``ids``: int64 (len(ids), 3, seq_len + 1): tokens, labels (-100 off-response, on each example's

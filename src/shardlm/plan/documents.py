@@ -52,12 +52,6 @@ class DocumentShape:
     """Attention context per sequence, tokens: Σ n² / T over its documents (T = ``train.seq_len`` under causal)."""
 
 
-def segment_context(lengths: np.ndarray, seq_len: int) -> float:
-    """Σ n² / T of one sequence's documents ``lengths`` (their sum is T = ``seq_len``), as float."""
-    lengths = np.asarray(lengths, dtype=np.float64)
-    return float((lengths ** 2).sum() / seq_len)
-
-
 def window_context(starts: np.ndarray, windows: int, seq_len: int) -> float:
     """Mean Σ n² / T over the first ``windows`` pre-training windows of ``seq_len + 1`` tokens, given the stream
     positions where documents start (int64, ascending; relative to the split); the inputs of a window are its
@@ -88,15 +82,9 @@ def _shape(out: str, fmt: str, pack: bool, block_causal: bool, seq_len: int, see
             packed = PackedExamples(examples, seed)
         except DataError as exc:  # the trainer stops on it too
             return DocumentShape(f"{exc}; sequences counted as full", 0, 1.0, float(seq_len), float(seq_len))
-        lengths = np.diff(examples.offsets)
-        context = 0.0
-        for members in packed.rows:
-            placed = [min(int(lengths[e]), row) for e in members]
-            placed = [n for n in placed + [row - sum(placed)] if n]  # the padding: a document of its own
-            placed[-1] -= 1  # the inputs are the row's first seq_len tokens
-            context += segment_context(placed, seq_len)
+        context = packed.squared_lengths(range(len(packed))) / (len(packed) * seq_len)  # as the trainer counts
         return DocumentShape(f"the packed rows of {out}", len(packed), packed.fill,
-                             float(packed.row_targets.mean()), context / len(packed))
+                             float(packed.row_targets.mean()), context)
     windows = int(meta["train_tokens"]) // (seq_len + 1)
     record = meta.get("document_starts")
     if not block_causal or not windows:

@@ -8,7 +8,7 @@ from typing import Any
 
 from shardlm.config import Config
 from shardlm.data.mixture import MixtureSampler, source_names
-from shardlm.data.packing import DocumentWindows, batch_documents
+from shardlm.data.packing import DocumentWindows, PackedExamples
 from shardlm.metrics.flops import model_flops, squared_document_lengths
 from shardlm.model.config import ModelConfig
 
@@ -54,14 +54,13 @@ def step_model_flops(cfg: Config, data: Any, ids: list[int], rows: int) -> int:
     ranks together: :func:`shardlm.metrics.flops.model_flops` of its ``rows`` sequences of ``train.seq_len``
     tokens (2 per preference pair), Σ n² over the documents of each sequence the model is given: ``seq_len²``
     each under causal attention (or a sample of one document), each document's length squared under
-    block-causal attention (packed rows: each example and the padding; windows: cut at each document start).
-    Reads the batch's document indices on the host (the windows' recorded starts, or the packed rows)."""
+    block-causal attention (packed rows: each example and the padding, from the rows' lengths; windows: cut at
+    each document start, read on the host as the step's target count reads them)."""
     t = cfg.train.seq_len
     squared = rows * t * t
     if cfg.model.attention == "block_causal" and rows == len(ids):
-        if isinstance(data, DocumentWindows):
-            documents = data.starts(ids)[:, :t].cumsum(dim=1)  # the inputs' documents, as ``get`` numbers them
-        else:
-            documents = batch_documents(data.get(ids))
-        squared = squared_document_lengths(documents) if documents is not None else squared
+        if isinstance(data, PackedExamples):
+            squared = data.squared_lengths(ids)
+        elif isinstance(data, DocumentWindows):  # the inputs' documents, as ``get`` numbers them
+            squared = squared_document_lengths(data.starts(ids)[:, :t].cumsum(dim=1))
     return model_flops(cfg.model, rows * t, squared)

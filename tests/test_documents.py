@@ -16,7 +16,7 @@ from shardlm.data.instruct import InstructionExamples
 from shardlm.data.loader import TokenWindows
 from shardlm.data.packing import DocumentWindows, PackedExamples
 from shardlm.data.prepare import load_meta, prepare_corpus
-from shardlm.errors import DataError
+from shardlm.errors import ConfigError, DataError
 from shardlm.model import attention as doc_attention
 from shardlm.model.config import ModelConfig
 from shardlm.model.llama import Llama
@@ -310,6 +310,12 @@ def test_new_runs_train_block_causal_by_their_data_and_resumed_runs_keep_theirs(
     resumed, summary, r = _trainer_steps(overrides(doc_data, "causal", **{"checkpoint.resume": f'"{step2}"'}), 1)
     assert resumed.step == 3 and resumed.cfg.model.attention == "causal" and r[0]["loss"] == c3[2]["loss"]
     assert "auto: the resumed checkpoint's" in summary
+    auto_ckpt = runs / "auto" / "checkpoints" / "step-2"  # the resolved value is what the run records
+    assert json.loads((auto_ckpt / "manifest.json").read_text())["config"]["model"]["attention"] == "block_causal"
+    assert json.loads((runs / "auto" / "config.json").read_text())["model"]["attention"] == "block_causal"
+    with pytest.raises(ConfigError, match='model.attention changed "block_causal" -> "causal"'):
+        _trainer_steps(overrides(doc_data, "auto", **{"checkpoint.resume": f'"{auto_ckpt}"',
+                                                      "model.attention": '"causal"'}), 0)
     assert resolve_attention(load_config(None, []), {}).attention == "causal"  # a checkpoint from before the field
     pairs = load_config(None, [])
     pairs.data.format = "preference"

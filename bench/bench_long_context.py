@@ -43,7 +43,8 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 MODEL = {"model.dim": 256, "model.n_layers": 4, "model.n_heads": 4, "model.n_kv_heads": 2, "model.ffn_hidden": 768,
-         "model.vocab_size": 512}
+         "model.vocab_size": 512,
+         "model.attention": '"causal"'}  # one random document per sequence: causal (not the default "auto")
 
 
 def overrides(seq: int, cp: int, world: int, data: Path, run: Path) -> list[str]:

@@ -109,6 +109,7 @@ def test_planner_counts_a_rank_s_share_of_the_sequence():
 
     cfg = Config()
     cfg.train.seq_len = cfg.model.max_seq_len = 1024
+    cfg.model.attention = "causal"  # the causal path (unprepared text data under "auto" plans block-causal)
     cfg.train.global_batch_size, cfg.train.micro_batch_size = 2, 1
     fsdp = plan_memory(cfg, 2, "cpu")
     cfg.parallel.cp, cfg.train.global_batch_size = 2, 1
@@ -290,7 +291,7 @@ def test_plan_llama3_8b_at_128k_tokens_on_8_h100s_with_cp8(capsys):
     config = str(Path(__file__).resolve().parents[1] / "configs" / "llama3-8b.toml")
     args = ["plan", config, "--world-size", "8", "--device", "h100", "--train.seq_len=131072",
             "--model.max_seq_len=131072", "--train.global_batch_size=1", "--train.micro_batch_size=1",
-            "--parallel.activation_checkpoint=full"]
+            "--parallel.activation_checkpoint=full", "--model.attention=causal"]  # CP's causal path (no mask)
     capsys.readouterr()
     assert shardlm_main([*args, "--parallel.cp=8"]) == 0
     out = capsys.readouterr().out

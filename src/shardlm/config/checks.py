@@ -55,10 +55,10 @@ def validate(cfg: Config) -> None:
     validate_preference(cfg)
     if d.pack and d.format != "instruct":
         raise ConfigError("data.pack packs instruction examples: it needs data.format = 'instruct' (text windows are "
-                          "already full; for document masking there set model.attention = 'block_causal')")
-    if d.pack and cfg.model.attention != "block_causal":
-        raise ConfigError("data.pack needs model.attention = 'block_causal': under 'causal' the packed examples would "
-                          "attend to each other")
+                          "already full, and block-causal by default where the data records document starts)")
+    if d.pack and cfg.model.attention == "causal":
+        raise ConfigError("data.pack needs model.attention = 'block_causal' (or 'auto', the default): under 'causal' "
+                          "the packed examples would attend to each other")
     if not 0.0 < cfg.data.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction must be in (0, 1), got {cfg.data.val_fraction}")
     if t.min_lr > t.lr or t.lr <= 0:
@@ -147,8 +147,9 @@ def validate_preference(cfg: Config) -> None:
     if d.pack:
         raise ConfigError("data.pack does not apply to data.format = 'preference': preference pairs are not packed "
                           "(each sequence is one row of the concatenated chosen/rejected forward)")
-    if cfg.model.attention != "causal":
-        raise ConfigError("data.format = 'preference' needs model.attention = 'causal' (pairs are not packed)")
+    if cfg.model.attention == "block_causal":
+        raise ConfigError("data.format = 'preference' needs model.attention = 'causal' or 'auto' (pairs are not "
+                          "packed)")
     if not pref.beta > 0:
         raise ConfigError(f"preference.beta must be positive, got {pref.beta}")
     if not 0.0 <= pref.label_smoothing < 0.5:

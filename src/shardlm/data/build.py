@@ -35,6 +35,7 @@ from typing import Any
 from shardlm.config import Config
 from shardlm.data.identity import describe_corpus, describe_instructions, describe_mixture, differences
 from shardlm.data.instruct import prepare_instructions
+from shardlm.data.meta import lacking_document_starts
 from shardlm.data.mixture import MIXTURE, prepare_mixture, source_names
 from shardlm.data.preference import PREFERENCE, describe_preferences, prepare_preferences
 from shardlm.data.prepare import default_workers, is_prepared, load_meta, prepare_corpus
@@ -68,7 +69,8 @@ def _complete(out: Path) -> bool:
     return is_prepared(str(out))
 
 
-def verdict(out: Path, describe: Callable[[], dict[str, Any]], corpora: list[str], policy: str) -> dict[str, Any]:
+def verdict(out: Path, describe: Callable[[], dict[str, Any]], corpora: list[str], policy: str,
+            documents: bool = False) -> dict[str, Any]:
     """What to do with ``out``: ``{"action": "use" | "prepare" | "refuse", "message": str, "identity": dict | None}``.
 
     Args:
@@ -76,6 +78,9 @@ def verdict(out: Path, describe: Callable[[], dict[str, Any]], corpora: list[str
         describe: Returns what the config would prepare now (an identity, :mod:`shardlm.data.identity`).
         corpora: The config's corpus (or each source's path), to tell a corpus that is not readable here.
         policy: ``prepare`` (prepare a differing directory again) or ``refuse``.
+        documents: text data: under ``prepare`` a directory that records no document starts (prepared before
+            shardlm recorded them) is prepared again, so that ``model.attention = "auto"`` can train block-causal;
+            under ``refuse`` it is used as it is (training then falls back to causal attention with a warning).
 
     Raises:
         DataError: the corpus cannot be read and the directory does not record the same corpus.
@@ -99,6 +104,8 @@ def verdict(out: Path, describe: Callable[[], dict[str, Any]], corpora: list[str
                                "cannot be checked here)"}
         raise
     diffs = differences(recorded, expected)
+    if documents and not diffs and policy == "prepare":
+        diffs = [f"{d / 'meta.json'} records no document starts" for d in lacking_document_starts(out)]
     if not diffs:
         return {"action": "use", "identity": expected,
                 "message": f"prepare: {out} is current (the same inputs, tokenizer and settings): kept as it is"
@@ -191,7 +198,7 @@ def prepare_data(cfg: Config, info: DistInfo | None = None, on_stale: str = "") 
         corpora = [d.corpus]
     if sync is None or sync.rank == 0:
         try:
-            decision = verdict(out, describe, corpora, policy)
+            decision = verdict(out, describe, corpora, policy, documents=True)
         except Exception as exc:
             if sync is not None:
                 sync.fail(f"{type(exc).__name__}: {exc}")

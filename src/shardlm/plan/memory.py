@@ -47,7 +47,7 @@ from shardlm.plan.context_parallel import (
     cp_forward_saved,
     cp_is_blockwise,
 )
-from shardlm.plan.documents import document_mask_bytes
+from shardlm.plan.documents import document_mask_bytes, has_documents
 from shardlm.plan.ledger import PARTS, Ledger, MemoryPlan
 from shardlm.plan.loss import loss_events
 from shardlm.plan.moe import all_to_all_transient, moe_layer_saved
@@ -134,8 +134,8 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
     s = act.shape_of(cfg.model, cfg.train.micro_batch_size, t_pad // cp, pb)
     windows = {cfg.model.sliding_window if cfg.model.is_local(i) else 0 for i in range(s.n_layers)}
     # CP's masked path (documents or a window shorter than the sequence), else its causal one (plan/context_parallel.py)
-    cp_dense = cfg.model.attention == "block_causal" or any(0 < w < cfg.train.seq_len for w in windows)
-    cp_blockwise, cp_docs = cp_is_blockwise(device), cfg.model.attention == "block_causal"
+    cp_dense = has_documents(cfg) or any(0 < w < cfg.train.seq_len for w in windows)
+    cp_blockwise, cp_docs = cp_is_blockwise(device), has_documents(cfg)
     cp_block = cp_block_extra_saved(s, t_pad, cp_dense, cp_blockwise) if cp > 1 else 0
     cp_windows = len(windows) if cp_dense else 0
     cp_forward = cp_forward_saved(s, t_pad, cp_windows, cp_blockwise, cp_docs) if cp > 1 else 0

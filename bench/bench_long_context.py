@@ -7,10 +7,12 @@ Usage (a script, not a test; it launches torchrun itself, once)::
     python bench/bench_long_context.py --out bench/long_context.json
     python bench/bench_long_context.py --seq 8192 --world 4 --steps 1  # CP 4 against FSDP 4 (~3 min idle)
     python bench/bench_long_context.py --seq 4096 --world 4 --tp 2 --steps 1  # TP 2 x CP 2 against FSDP 4
+    python bench/bench_long_context.py --seq 4096 --world 4 --tp 2 --ac full --steps 1  # both fully checkpointed
 
 Model: a small Llama (dim 256, 4 layers, 4 query / 2 key-value heads, FFN 768, vocab 512: 3.4M parameters), fp32,
-no activation checkpointing, the chunked loss (the default). Data: seeded random token ids in the prepared-data
-layout (speed and memory do not depend on them). Each rank trains one sequence per step:
+no activation checkpointing (``--ac`` sets another mode for every configuration), the chunked loss (the default).
+Data: seeded random token ids in the prepared-data layout (speed and memory do not depend on them). Each rank trains one
+sequence per step:
 
 - ``fsdp2``: FSDP over 2 ranks, each rank a sequence of its own (global batch 2, ``parallel.cp = 1``);
 - ``cp2``: FSDP over the same 2 ranks with ``parallel.cp = 2``: both ranks share one sequence (global batch 1),
@@ -50,10 +52,11 @@ MODEL = {"model.dim": 256, "model.n_layers": 4, "model.n_heads": 4, "model.n_kv_
          "model.vocab_size": 512}
 
 
-def overrides(seq: int, cp: int, world: int, data: Path, run: Path, tp: int = 1) -> list[str]:
+def overrides(seq: int, cp: int, world: int, data: Path, run: Path, tp: int = 1, ac: str = "none") -> list[str]:
     """The command-line overrides of one configuration at ``world`` ranks (see the module docstring): one
     sequence per CP group (of TP groups) per step."""
     values = {**MODEL, "model.max_seq_len": seq, "train.seq_len": seq, "parallel.cp": cp, "parallel.tp": tp,
+              "parallel.activation_checkpoint": ac,
               "train.global_batch_size": world // (cp * tp), "train.micro_batch_size": 1, "train.steps": 100,
               "train.warmup_steps": 1, "train.eval_interval": 0, "train.log_interval": 1, "checkpoint.interval": 0,
               "data.dir": f'"{data}"', "run.dir": f'"{run}"', "run.overwrite": "true", "parallel.device": "cpu"}
@@ -106,6 +109,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="timed steps per configuration")
     parser.add_argument("--world", type=int, default=2, help="ranks (CP uses all of them)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree of the CP case (CP = world / tp)")
+    parser.add_argument("--ac", default="none", help="parallel.activation_checkpoint of every configuration")
     parser.add_argument("--threads", type=int, default=1, help="OMP threads per rank")
     parser.add_argument("--out", default="", help="write the results as JSON here too")
     args = parser.parse_args()
@@ -117,7 +121,7 @@ def main() -> None:
         cp = args.world // args.tp
         split = f"cp{cp}xtp{args.tp}" if args.tp > 1 else f"cp{cp}"
         cases = [{"name": f"{name} {seq}", "overrides": overrides(seq, c, args.world, data, work / f"run-{seq}-{c}",
-                                                                  t)}
+                                                                  t, args.ac)}
                  for seq in args.seq for name, c, t in ((f"fsdp{args.world}", 1, 1), (split, cp, args.tp))]
         spec, out = work / "spec.json", work / "results.json"
         spec.write_text(json.dumps({"cases": cases, "steps": args.steps, "out": str(out)}))

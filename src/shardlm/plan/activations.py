@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from shardlm.config import ModelConfig
 
 AC_MODES = ("none", "full", "selective", "every_n")
+TP_AC_MODES = ("none", "full")
+"""The checkpointing modes modelled under tensor parallel (:func:`block_saved_tp`)."""
 
 
 @dataclass(frozen=True)

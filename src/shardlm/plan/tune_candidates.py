@@ -18,6 +18,7 @@ from shardlm.parallel.ac import find_cxx_compiler
 from shardlm.parallel.dist import dp_mesh_shape
 from shardlm.parallel.ep import check_ep
 from shardlm.parallel.tp import check_tp
+from shardlm.plan.activations import TP_AC_MODES
 from shardlm.plan.devices import GIB, MIB, device_for_cuda_name, get_device
 from shardlm.plan.memory import plan_memory
 from shardlm.plan.param_groups import param_groups
@@ -30,8 +31,6 @@ SEARCHES = ("staged", "full")
 DIMENSIONS = ("reshard", "prefetch", "ac", "batching", "compile", "grouping", "tp", "ep")
 #: what the staged search varies; the checkpointing follows: the lightest mode that fits
 STAGED_DIMENSIONS = ("reshard", "prefetch", "batching", "compile", "grouping", "tp", "ep")
-#: the checkpointing modes the memory planner models under tensor parallel (:func:`shardlm.plan.memory.plan_memory`)
-TP_AC_MODES = ("none", "full")
 
 
 def ac_modes(tp: int) -> tuple[str, ...]:

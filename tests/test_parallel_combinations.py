@@ -86,4 +86,4 @@ def test_the_planner_refuses_a_world_size_that_cp_x_tp_does_not_divide_naming_bo
     cfg.parallel.cp, cfg.parallel.tp = 2, 2
     with pytest.raises(ConfigError, match=r"parallel.cp=2 × parallel.tp=2 = 4 must divide the world size 6"):
         plan_memory(cfg, 6, "cpu")  # 6 is a multiple of cp and of tp, not of both
-    assert plan_memory(cfg, 4, "cpu").peak > 0  # the control: CP x TP is planned (tests/test_cp.py checks how)
+    assert plan_memory(cfg, 4, "cpu").peak > 0  # the control: CP x TP is planned (tests/test_cp.py: how)

@@ -401,6 +401,6 @@ def test_tensor_parallel_candidates_under_context_parallel_count_the_cp_ranks():
     assert rows[2].predicted_bytes < rows[1].predicted_bytes
     assert table_rows(tune.format_table([rows[2]], cfg, 4, None))[0]["micro-batch x accum"] == "4 x 2"
     cfg.train.global_batch_size = 1  # one sequence cannot feed the 2 data-parallel ranks of CP 2 at 4 ranks
-    with pytest.raises(ConfigError, match=r"train.global_batch_size=1 must be divisible by the world size 4 / "
-                                          r"parallel.cp=2 = 2 \(the ranks of a CP group share a sequence\)"):
+    with pytest.raises(ConfigError, match=r"train.global_batch_size=1 must be divisible by the world "
+                                          r"size 4 / parallel.cp=2 = 2 \(the ranks of a CP group share"):
         local_batch(cfg, 4)

@@ -152,8 +152,8 @@ def block_saved(s: Shape, mode: str, layer: int, every_n: int = 2) -> int:
 
 
 def fully_checkpointed(mode: str, layer: int, every_n: int = 2) -> bool:
-    """Whether block ``layer`` (0-based) keeps only its input under AC ``mode``: every block under ``full``, blocks
-    n, 2n, ... (1-based) under ``every_n``."""
+    """Whether block ``layer`` (0-based) keeps only its input under AC ``mode``: every block under ``full``,
+    blocks n, 2n, ... (1-based) under ``every_n``."""
     return mode == "full" or (mode == "every_n" and (layer + 1) % max(1, every_n) == 0)
 
 

@@ -107,7 +107,7 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
     """
     st = Settings.from_config(cfg)
     tp = cfg.parallel.tp
-    if tp > 1 and (world_size % tp or st.ac_mode not in ("none", "full")):
+    if tp > 1 and (world_size % tp or st.ac_mode not in act.TP_AC_MODES):
         raise ConfigError(f"parallel.tp={tp}: the memory planner models tensor parallel on a world size it divides "
                           f"(got {world_size}) with parallel.activation_checkpoint none or full (got {st.ac_mode!r})")
     if world_size < 1:
@@ -134,7 +134,7 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
     # CP's masked path (documents or a window shorter than the sequence), else its causal one (plan/context_parallel.py)
     cp_dense = cfg.model.attention == "block_causal" or any(0 < w < cfg.train.seq_len for w in windows)
     cp_blockwise, cp_docs = cp_is_blockwise(device), cfg.model.attention == "block_causal"
-    s_cp = tp_local_heads(s, tp)  # CP's attention on a tensor-parallel rank's heads, over the CP share's tokens
+    s_cp = tp_local_heads(s, tp)  # CP's attention on a TP rank's heads, over the CP share's tokens
     cp_block = cp_block_extra_saved(s_cp, t_pad, cp_dense, cp_blockwise) if cp > 1 else 0
     cp_windows = len(windows) if cp_dense else 0
     cp_forward = cp_forward_saved(s_cp, t_pad, cp_windows, cp_blockwise, cp_docs) if cp > 1 else 0
@@ -312,8 +312,8 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
         saved = [act.block_saved_tp(s, tp, st.ac_mode) if tp > 1 else act.block_saved(s, st.ac_mode, layer, st.ac_every_n)
                  for layer in range(s.n_layers)]
         # a fully checkpointed block keeps only its input (CP's attention comes back in its recompute)
-        saved = [n if act.fully_checkpointed(st.ac_mode, layer, st.ac_every_n) else n + cp_block + moe_saved[layer]
-                 for layer, n in enumerate(saved)]
+        saved = [n if act.fully_checkpointed(st.ac_mode, layer, st.ac_every_n)
+                 else n + cp_block + moe_saved[layer] for layer, n in enumerate(saved)]
         for layer in range(s.n_layers):
             if fsdp:
                 unshard(blocks[layer], f"{mb} forward block {layer}")

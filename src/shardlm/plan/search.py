@@ -1,7 +1,7 @@
 """What fits when a config does not: ``shardlm plan``'s search over combinations of memory-saving settings.
 
-The search varies, together: activation checkpointing (``none``, ``selective``, ``full``; under tensor parallel
-``none`` and ``full``, the modes the planner models there), the micro-batch size
+The search varies, together: activation checkpointing (``none``, ``selective``, ``full``; under tensor
+parallel ``none`` and ``full``, the modes the planner models there), the micro-batch size
 (every divisor of the config's, the global batch kept: more gradient accumulation), ``reshard_after_forward``,
 CPU offload, bf16 parameters (with fp32 reduction), gradient sync on every micro-batch, FSDP instead of DDP or one
 process, and the world size (the config's times 1, 2, 4, ... 64, as far as the global batch divides and an HSDP

@@ -141,8 +141,8 @@ def local_batch(cfg: Config, world_size: int, tp: int = 1) -> int:
     (:func:`shardlm.config.gradient_accumulation_steps`' data-parallel world size).
 
     Raises:
-        ConfigError: ``parallel.cp`` does not divide N, or N / cp (the data-parallel ranks at tp 1, so that the
-            batch divides at every tp) does not divide the global batch.
+        ConfigError: ``parallel.cp`` does not divide N, or N / cp (the data-parallel ranks at tp 1, so that
+            the batch divides at every tp) does not divide the global batch.
     """
     g, cp = cfg.train.global_batch_size, cfg.parallel.cp
     if world_size < 1:
@@ -151,9 +151,9 @@ def local_batch(cfg: Config, world_size: int, tp: int = 1) -> int:
         raise ConfigError(f"parallel.cp={cp} must divide the world size {world_size}")
     dp = world_size // cp
     if g % dp:
-        raise ConfigError(f"train.global_batch_size={g} must be divisible by the world size {world_size}"
-                          + (f" / parallel.cp={cp} = {dp} (the ranks of a CP group share a sequence)" if cp > 1
-                             else ""))
+        shared = f" / parallel.cp={cp} = {dp} (the ranks of a CP group share a sequence)" if cp > 1 else ""
+        raise ConfigError(f"train.global_batch_size={g} must be divisible by the world size "
+                          f"{world_size}{shared}")
     return g * tp // dp
 
 

@@ -349,7 +349,8 @@ def test_plan_llama3_8b_at_128k_on_8_h100s_with_cp4_x_tp2_is_near_cp8_and_fits(c
         out = capsys.readouterr().out
         assert "  fits:" in out, out
         planned[len(layout)] = float(out.split("activations (saved for backward)")[1].split()[0])
-    assert "context parallel 4: each sequence split over 4 ranks, 32,768 tokens per rank" in out
+    assert ("context parallel 4: each sequence split over 4 ranks, 32,768 tokens per rank (16,384 between the "
+            "blocks: sequence parallel over tp 2)") in out
     assert "mesh dp_shard 4 x tp 2: tensor parallel 2" in out
     # both hold 16,384 tokens per rank between the blocks (the 32 checkpointed inputs: 4 GiB each way); in
     # the recomputed block CP 4 x TP 2 has twice the tokens on half the heads and FFN width (the same bytes)

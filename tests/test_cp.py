@@ -301,3 +301,61 @@ def test_plan_llama3_8b_at_128k_tokens_on_8_h100s_with_cp8(capsys):
     out = capsys.readouterr().out
     assert "does not fit" in out
     assert float(out.split("activations (saved for backward)")[1].split()[0]) > 5 * cp8  # 55.6 against 9.3 GiB
+
+
+LLAMA3_8B_128K = ["--train.seq_len=131072", "--model.max_seq_len=131072", "--train.micro_batch_size=1",
+                  "--parallel.activation_checkpoint=full", "--model.attention=causal"]  # CP's causal path
+
+
+@pytest.mark.parametrize("cp,tp", [(8, 1), (4, 2), (2, 4)])
+def test_plan_of_cp_x_tp_is_tp_s_at_a_cp_rank_s_tokens_plus_one_block_of_cp_attention_on_its_heads(cp, tp):
+    """Under full checkpointing every block keeps only its input, so CP adds to what the same TP layout
+    holds at a CP rank's 131072 / cp tokens only the forward's rotary gathers and, in the one block
+    recomputed at the peak, the fallback's attention rows (a GPU: on CP rank 0 q and output up to T_pad, the
+    gathered K/V) on that rank's n_heads / tp and kv / tp heads. At tp = 1 this is plain CP's rule."""
+    from shardlm.config import load_config
+    from shardlm.plan import activations as act
+    from shardlm.plan import plan_memory
+    from shardlm.plan.context_parallel import cp_block_extra_saved, cp_forward_saved
+
+    config = str(Path(__file__).resolve().parents[1] / "configs" / "llama3-8b.toml")
+    split = load_config(config, [*LLAMA3_8B_128K, f"--parallel.cp={cp}", f"--parallel.tp={tp}",
+                                 "--train.global_batch_size=1"])
+    local = load_config(config, [*LLAMA3_8B_128K, f"--parallel.tp={tp}", f"--train.seq_len={131072 // cp}",
+                                 f"--train.global_batch_size={8 // tp}"])
+    with_cp, without = plan_memory(split, 8, "h100"), plan_memory(local, 8, "h100")
+    assert with_cp.phase == without.phase == "micro-batch 1/1 backward block 31"
+    # a model of the local heads, built as its own config (not by the planner's tp_local_heads)
+    heads = load_config(config, [f"--model.n_heads={32 // tp}", f"--model.n_kv_heads={8 // tp}",
+                                 "--model.head_width=128"])
+    s = act.shape_of(heads.model, 1, 131072 // cp, 2)
+    assert (s.h, s.kv, s.hd) == (32 // tp, 8 // tp, 128)
+    extra = cp_block_extra_saved(s, 131072, False, False) + cp_forward_saved(s, 131072, 0, False, False)
+    assert extra > 0.25 * 2**30 // tp  # the fallback's rows up to T_pad: not a negligible term
+    assert with_cp.breakdown["activations"] - without.breakdown["activations"] == extra
+    assert with_cp.breakdown["params"] == without.breakdown["params"]
+    assert with_cp.breakdown["optimizer"] == without.breakdown["optimizer"]
+
+
+def test_plan_llama3_8b_at_128k_on_8_h100s_with_cp4_x_tp2_is_near_cp8_and_fits(capsys):
+    from shardlm.cli.main import main as shardlm_main
+
+    config = str(Path(__file__).resolve().parents[1] / "configs" / "llama3-8b.toml")
+    args = ["plan", config, "--world-size", "8", "--device", "h100", *LLAMA3_8B_128K,
+            "--train.global_batch_size=1"]
+    capsys.readouterr()
+    planned = {}
+    for layout in (["--parallel.cp=8"], ["--parallel.cp=4", "--parallel.tp=2"]):
+        assert shardlm_main([*args, *layout]) == 0
+        out = capsys.readouterr().out
+        assert "  fits:" in out, out
+        planned[len(layout)] = float(out.split("activations (saved for backward)")[1].split()[0])
+    assert ("context parallel 4: each sequence split over 4 ranks, 32,768 tokens per rank (16,384 between the "
+            "blocks: sequence parallel over tp 2)") in out
+    assert "mesh dp_shard 4 x tp 2: tensor parallel 2" in out
+    # both hold 16,384 tokens per rank between the blocks (the 32 checkpointed inputs: 4 GiB each way); in
+    # the recomputed block CP 4 x TP 2 has twice the tokens on half the heads and FFN width (the same bytes)
+    # but all-gathers its norms' outputs over 32,768 tokens, while the fallback's rows up to T_pad (CP rank
+    # 0's q and output, the gathered K/V) are on half the heads: 8.30 against 9.29 GiB (was 75.6: CP's
+    # attention charged to all 32 checkpointed blocks, on all the heads)
+    assert 0.8 < planned[2] / planned[1] < 1.0, planned

@@ -2,9 +2,9 @@
 message naming both settings, before any process group starts (``config.validate``, ``parallel/dist.py``,
 ``parallel/tp.py``). Refused today: tensor or context parallel on a mixture-of-experts model; preference
 tuning with tensor or context parallel or on a mixture of experts; tensor parallel under context parallel when
-a CP rank's tokens do not split evenly over the tensor-parallel ranks; the memory planner (``shardlm plan``)
-on context and tensor parallel together. Context parallel with TP, HSDP and DDP is built (trained against one
-process in tests/test_cp.py); its layouts are checked here."""
+a CP rank's tokens do not split evenly over the tensor-parallel ranks. Context parallel with TP, HSDP and DDP
+is built (trained against one process in tests/test_cp.py, and planned by ``shardlm plan``); its layouts are
+checked here."""
 
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ def test_a_global_batch_that_cp_x_tp_data_parallel_ranks_cannot_split_names_both
     assert gradient_accumulation_steps(cfg, 2) == 2
 
 
-def test_the_planner_refuses_context_with_tensor_parallel_by_name():
+def test_the_planner_refuses_a_world_size_that_cp_x_tp_does_not_divide_naming_both():
     from shardlm.config import Config
     from shardlm.plan import plan_memory
 
@@ -84,9 +84,6 @@ def test_the_planner_refuses_context_with_tensor_parallel_by_name():
     cfg.train.seq_len = cfg.model.max_seq_len = 1024
     cfg.train.global_batch_size, cfg.train.micro_batch_size = 1, 1
     cfg.parallel.cp, cfg.parallel.tp = 2, 2
-    with pytest.raises(ConfigError, match=r"parallel.cp=2 with parallel.tp=2: the memory planner does not "
-                                          r"model context parallel with tensor parallel yet \(training runs "
-                                          r"it\)"):
-        plan_memory(cfg, 4, "cpu")
-    cfg.parallel.tp, cfg.train.global_batch_size = 1, 2
-    assert plan_memory(cfg, 4, "cpu").peak > 0  # the control: CP alone is planned
+    with pytest.raises(ConfigError, match=r"parallel.cp=2 × parallel.tp=2 = 4 must divide the world size 6"):
+        plan_memory(cfg, 6, "cpu")  # 6 is a multiple of cp and of tp, not of both
+    assert plan_memory(cfg, 4, "cpu").peak > 0  # the control: CP x TP is planned (tests/test_cp.py: how)

@@ -15,6 +15,12 @@ computes, or the new K/V with the gradient and its incoming copy when the gradie
 more; and the float32 query gradient (4·b·t_l·a). The forward's K/V in flight are below that backward high
 point and not counted; per-block masks and partial outputs are ``c = T_pad / (2·cp)`` rows each.
 
+Under tensor parallel (``parallel.tp`` = T; CP groups T ranks apart,
+:func:`shardlm.parallel.cp.build_context_parallel`) a rank's attention runs over its CP share of the tokens
+with its ``h / T`` query and ``kv / T`` key/value heads only, and the ring or the all-gather passes those
+heads' keys and values: every term below is counted on the shape :func:`tp_local_heads` gives (the per-token
+rotary tables and the dense masks do not depend on the heads).
+
 Fallback (CUDA; on CP rank 0, whose tail chunk is the sequence's last):
 
 - causal attention runs SDPA's causal kernel over this rank's queries scattered into ``L = T_pad`` rows and
@@ -31,6 +37,8 @@ Fallback (CUDA; on CP rank 0, whose tail chunk is the sequence's last):
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from shardlm.parallel.cp_attention import lse_kernels
 from shardlm.plan.activations import Shape
 
@@ -38,6 +46,14 @@ from shardlm.plan.activations import Shape
 def cp_is_blockwise(device: str) -> bool:
     """Whether CP attention runs blockwise on the planner's ``device`` (``cpu`` or a GPU name)."""
     return lse_kernels("cpu" if device == "cpu" else "cuda") is not None
+
+
+def tp_local_heads(s: Shape, tp: int) -> Shape:
+    """``s`` with a tensor-parallel rank's ``h / tp`` query and ``kv / tp`` key/value heads (the head
+    dimension kept): the heads CP's attention sees on that rank; ``s`` itself at ``tp = 1``."""
+    if tp == 1:
+        return s
+    return replace(s, h=s.h // tp, kv=s.kv // tp, head_dim=s.hd)
 
 
 def cp_block_extra_saved(s: Shape, t_pad: int, dense: bool, blockwise: bool) -> int:

@@ -46,6 +46,7 @@ from shardlm.plan.context_parallel import (
     cp_block_extra_saved,
     cp_forward_saved,
     cp_is_blockwise,
+    tp_local_heads,
 )
 from shardlm.plan.documents import document_mask_bytes, has_documents
 from shardlm.plan.ledger import PARTS, Ledger, MemoryPlan
@@ -101,25 +102,22 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
 
     Raises:
         ConfigError: bad world size (or one ``parallel.cp`` does not divide), global batch not divisible, unknown
-            dtype or AC mode; tensor parallel on a world size it does not divide, with selective / every-n
-            checkpointing or with context parallel (not modelled).
+            dtype or AC mode; tensor parallel on a world size it does not divide or with selective / every-n
+            checkpointing (not modelled).
     """
     st = Settings.from_config(cfg)
     tp = cfg.parallel.tp
-    if tp > 1 and (world_size % tp or st.ac_mode not in ("none", "full")):
+    if tp > 1 and (world_size % tp or st.ac_mode not in act.TP_AC_MODES):
         raise ConfigError(f"parallel.tp={tp}: the memory planner models tensor parallel on a world size it divides "
                           f"(got {world_size}) with parallel.activation_checkpoint none or full (got {st.ac_mode!r})")
-    if tp > 1 and cfg.parallel.cp > 1:  # the trainer builds it; CP attention's terms count all the heads
-        raise ConfigError(f"parallel.cp={cfg.parallel.cp} with parallel.tp={tp}: the memory planner does not "
-                          "model context parallel with tensor parallel yet (training runs it); plan one of "
-                          "them")
     if world_size < 1:
         raise ConfigError(f"--world-size must be >= 1, got {world_size}")
     if st.mode == "single" and world_size != 1:
         raise ConfigError(f"parallel.mode='single' runs one process, but the world size is {world_size}")
     cp = cfg.parallel.cp  # context parallel: a sequence over cp ranks, each with t_l = T_pad / cp of its tokens
-    if world_size % cp:
-        raise ConfigError(f"parallel.cp={cp} must divide the world size {world_size}")
+    if world_size % (cp * tp):
+        inner = f"parallel.cp={cp} × parallel.tp={tp} = {cp * tp}" if tp > 1 else f"parallel.cp={cp}"
+        raise ConfigError(f"{inner} must divide the world size {world_size}")
     k = gradient_accumulation_steps(cfg, world_size // (cp * tp))
     fsdp = st.mode == "fsdp"
     n = world_size // tp if fsdp else 1  # FSDP's shard group: the data-parallel ranks
@@ -136,10 +134,11 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
     # CP's masked path (documents or a window shorter than the sequence), else its causal one (plan/context_parallel.py)
     cp_dense = has_documents(cfg) or any(0 < w < cfg.train.seq_len for w in windows)
     cp_blockwise, cp_docs = cp_is_blockwise(device), has_documents(cfg)
-    cp_block = cp_block_extra_saved(s, t_pad, cp_dense, cp_blockwise) if cp > 1 else 0
+    s_cp = tp_local_heads(s, tp)  # CP's attention on a TP rank's heads, over the CP share's tokens
+    cp_block = cp_block_extra_saved(s_cp, t_pad, cp_dense, cp_blockwise) if cp > 1 else 0
     cp_windows = len(windows) if cp_dense else 0
-    cp_forward = cp_forward_saved(s, t_pad, cp_windows, cp_blockwise, cp_docs) if cp > 1 else 0
-    cp_transient = cp_backward_transient(s, t_pad, cp_blockwise) if cp > 1 else 0
+    cp_forward = cp_forward_saved(s_cp, t_pad, cp_windows, cp_blockwise, cp_docs) if cp > 1 else 0
+    cp_transient = cp_backward_transient(s_cp, t_pad, cp_blockwise) if cp > 1 else 0
     # a MoE layer's router, sorted token copies and, under EP, all-to-all buffers (plan/moe.py)
     ep = getattr(cfg.parallel, "ep", 1)
     is_moe = [cfg.model.is_moe_layer(i) for i in range(s.n_layers)]
@@ -313,8 +312,8 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
         saved = [act.block_saved_tp(s, tp, st.ac_mode) if tp > 1 else act.block_saved(s, st.ac_mode, layer, st.ac_every_n)
                  for layer in range(s.n_layers)]
         # a fully checkpointed block keeps only its input (CP's attention comes back in its recompute)
-        saved = [n if n == act.block_saved(s, "full", layer) else n + cp_block + moe_saved[layer]
-                 for layer, n in enumerate(saved)]
+        saved = [n if act.fully_checkpointed(st.ac_mode, layer, st.ac_every_n)
+                 else n + cp_block + moe_saved[layer] for layer, n in enumerate(saved)]
         for layer in range(s.n_layers):
             if fsdp:
                 unshard(blocks[layer], f"{mb} forward block {layer}")

@@ -116,7 +116,9 @@ def format_plan(cfg: Config, world_size: int, device_name: str, headroom: float)
         + (f"; reshard_after_forward {str(st.reshard_after_forward).lower()}, {st.blocks_per_group} block(s) per "
            "FSDP group" if st.mode == "fsdp" else "")
         + (f"; context parallel {st.cp}: each sequence split over {st.cp} ranks, "
-           f"{padded_length(cfg.train.seq_len, st.cp) // st.cp:,} tokens per rank" if st.cp > 1 else ""),
+           f"{padded_length(cfg.train.seq_len, st.cp) // st.cp:,} tokens per rank" if st.cp > 1 else "")
+        + (f" ({padded_length(cfg.train.seq_len, st.cp) // (st.cp * st.tp):,} between the blocks: sequence "
+           f"parallel over tp {st.tp})" if st.cp > 1 and st.tp > 1 else ""),
         f"  per-rank peak memory (at {plan.phase}):",
     ]
     if st.mode == "fsdp" and st.tp > 1:  # the mesh, outermost first (parallel/dist.py's mesh_dims)

@@ -127,6 +127,22 @@ def test_planner_counts_a_rank_s_share_of_the_sequence():
     assert "fallback" in ContextParallel(None, "cuda").attention_path
 
 
+@pytest.mark.parametrize("ep", [1, 2])
+def test_planner_counts_a_rank_s_share_of_a_mixture_of_experts_sequence(ep):
+    """A MoE model (with and without expert parallel) under CP 2: the router, sorted token copies and all-to-all
+    buffers of plan/moe.py are counted at the rank's 512 of 1024 tokens, as the rest of its activations."""
+    from shardlm.config import load_config
+    from shardlm.plan import plan_memory
+
+    moe = ["--model.family=qwen3_moe", "--model.n_experts=8", "--model.n_experts_per_token=2",
+           "--model.moe_ffn_hidden=256", "--train.seq_len=1024", "--model.max_seq_len=1024",
+           "--model.attention=causal", "--train.micro_batch_size=1", f"--parallel.ep={ep}"]
+    fsdp = plan_memory(load_config(None, [*moe, "--train.global_batch_size=2"]), 2, "cpu")
+    cp = plan_memory(load_config(None, [*moe, "--train.global_batch_size=1", "--parallel.cp=2"]), 2, "cpu")
+    assert cp.breakdown["params"] == fsdp.breakdown["params"] and cp.breakdown["optimizer"] == fsdp.breakdown["optimizer"]
+    assert 0.5 < cp.breakdown["activations"] / fsdp.breakdown["activations"] < 0.51
+
+
 @pytest.mark.dist
 def test_cp2_attention_equals_one_rank_forward_and_grads(tmp_path):
     out = tmp_path / "cp.json"

@@ -127,6 +127,23 @@ def test_planner_counts_a_rank_s_share_of_the_sequence():
     assert "fallback" in ContextParallel(None, "cuda").attention_path
 
 
+def test_a_cp_rank_s_moe_layers_count_only_its_real_tokens():
+    """shard_batch marks CP's padding for the router statistics of each MoE layer: 10 tokens padded to 12 at CP 2,
+    rank 0 holds global positions 0-2 and 9-11 (10 and 11 padding), rank 1 positions 3-8 (no padding)."""
+    from shardlm.model.moe import MoE
+    inputs = torch.arange(20).view(2, 10)
+    for rank, counted in ((0, [True] * 4 + [False] * 2), (1, None)):
+        cp = ContextParallel(None)
+        cp.size, cp.rank = 2, rank
+        cp.moe_layers = [MoE(8, 4, 8, 2), MoE(8, 4, 8, 2)]
+        x, _, _ = cp.shard_batch(inputs, inputs, None)
+        assert x.shape == (2, 6)
+        for layer in cp.moe_layers:
+            assert (layer.counted.tolist() if layer.counted is not None else None) == counted
+            layer(torch.randn(2, 6, 8))
+            assert layer.stats.tokens == (8 if rank == 0 else 12)
+
+
 @pytest.mark.parametrize("ep", [1, 2])
 def test_planner_counts_a_rank_s_share_of_a_mixture_of_experts_sequence(ep):
     """A MoE model (with and without expert parallel) under CP 2: the router, sorted token copies and all-to-all

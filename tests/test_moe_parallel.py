@@ -54,9 +54,12 @@ def results(small_data, tmp_path_factory):
     out.update(run_scenarios(4, [
         scenario("ep2_fsdp2", small_data, runs, moe({"parallel.ep": 2, "train.log_moe_layers": "true"}, micro=1)),
         scenario("resume_fsdp4", small_data, runs, moe({"checkpoint.resume": f'"{step2}"'}, micro=1)),
-        # context parallel: FSDP 2 x CP 2, CP 4 (6 of 16 padded positions per sequence), and with expert
+        # context parallel: FSDP 2 x CP 2 (full activation checkpointing), HSDP 2 x CP 2, CP 4 (6 of 16 positions
+        # padding), and with expert
         # parallel: EP 2 (the EP groups are the CP groups) and EP 4 (across both CP groups)
-        scenario("fsdp2_cp2", small_data, runs, moe({**PADDED, "parallel.cp": 2}, micro=2)),
+        scenario("fsdp2_cp2", small_data, runs, moe({**PADDED, "parallel.cp": 2,
+                                                     "parallel.activation_checkpoint": '"full"'}, micro=2)),
+        scenario("hsdp2_cp2", small_data, runs, moe({**PADDED, "parallel.cp": 2, "parallel.dp_replicate": 2}, micro=2)),
         scenario("cp4", small_data, runs, moe({**PADDED, "parallel.cp": 4})),
         scenario("cp2_ep2", small_data, runs, moe({**PADDED, "parallel.cp": 2, "parallel.ep": 2,
                                                    "train.log_moe_layers": "true"}, micro=2)),
@@ -72,7 +75,7 @@ def losses(reports, key="loss"):
 @pytest.mark.dist
 @pytest.mark.parametrize("name,reference", [
     ("fsdp2", "single"), ("ep2", "single"), ("ep2_ac", "single"), ("ep2_fsdp2", "single"),
-    ("cp2", "single_padded"), ("fsdp2_cp2", "single_padded"), ("cp4", "single_padded"),
+    ("cp2", "single_padded"), ("fsdp2_cp2", "single_padded"), ("hsdp2_cp2", "single_padded"), ("cp4", "single_padded"),
     ("cp2_ep2", "single_padded"), ("cp2_ep4", "single_padded")])
 def test_fsdp_expert_and_context_parallel_equal_one_process(results, name, reference):
     """Loss, aux and z-loss, gradient norm, tokens per expert and the final weights as one process's. Under CP

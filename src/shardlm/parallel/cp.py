@@ -17,7 +17,8 @@ the ring, or by a reduce-scatter: one all-to-all and a local sum, as :mod:`shard
 so gradients are exact. Every CP rank of a group holds the same batch (they are one data-parallel replica), so
 each builds its masks and rotary positions locally, with no collective; only K and V travel. Padding tokens
 sit after every real token: no real query attends to them, their labels are ignored (-100), and each pad token
-forms a document of its own.
+forms a document of its own. A mixture of experts needs nothing more for its outputs (routing is per token);
+its router statistics leave the padding out (:meth:`ContextParallel.shard_batch`).
 
 Memory per rank, blockwise: activations of ``T_pad / cp`` tokens (attention's saved tensors included); K and V
 of two ranks' tokens (held and incoming) and in the backward their gradients, for one layer at a time; one

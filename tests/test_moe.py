@@ -48,8 +48,8 @@ def test_moe_block_equals_transformers(family, norm):
 
 
 def test_padding_left_out_of_the_router_statistics_gives_transformers_masked_aux_loss():
-    """``MoE.count_only`` (context parallel's padding): the output is unchanged, the statistics are those of the
-    counted positions only, and the aux loss is transformers' ``load_balancing_loss_func`` under the same
+    """``MoE.count_only`` (context parallel's padding): the output is unchanged, the statistics are those of
+    the counted positions only, and the aux loss is transformers' ``load_balancing_loss_func`` under the same
     ``attention_mask``; an input of another length is refused."""
     from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
@@ -73,8 +73,8 @@ def test_padding_left_out_of_the_router_statistics_gives_transformers_masked_aux
     assert abs(got.aux.item() - want.item()) <= 1e-6 and abs(full.aux.item() - want.item()) > 1e-4
     z = torch.logsumexp(logits[mask.reshape(-1)], -1).pow(2).mean()
     torch.testing.assert_close(got.z, z)
-    assert got.counts.tolist() == [torch.bincount(layer.gate(x[mask]).topk(2).indices.reshape(-1), minlength=8)
-                                   .float().tolist()]
+    chosen = layer.gate(x[mask]).topk(2).indices.reshape(-1)
+    assert got.counts.tolist() == [torch.bincount(chosen, minlength=8).float().tolist()]
     with pytest.raises(ValueError, match="counts 7 positions per sequence"):
         layer(torch.randn(3, 8, 32))
     layer.count_only(None)

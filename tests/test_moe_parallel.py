@@ -1,6 +1,6 @@
-"""A mixture of experts under FSDP, expert parallelism and context parallelism (alone, with FSDP and with EP)
-equals one process (3 steps, the aux loss included); a checkpoint written under EP resumes at another layout; an
-EP run's export loads in transformers.
+"""A mixture of experts under FSDP, expert parallelism and context parallelism (alone, with FSDP, HSDP and
+with EP) equals one process (3 steps, the aux loss included); a checkpoint written under EP resumes at another
+layout; an EP run's export loads in transformers.
 
 Three torchrun launches (2, 1 and 4 ranks) on a ~200k-parameter Qwen3-MoE (8 experts, top-2, 8-token
 sequences, so that experts go without tokens in some micro-batches), plus one launch of the expert-parallel layer
@@ -54,12 +54,13 @@ def results(small_data, tmp_path_factory):
     out.update(run_scenarios(4, [
         scenario("ep2_fsdp2", small_data, runs, moe({"parallel.ep": 2, "train.log_moe_layers": "true"}, micro=1)),
         scenario("resume_fsdp4", small_data, runs, moe({"checkpoint.resume": f'"{step2}"'}, micro=1)),
-        # context parallel: FSDP 2 x CP 2 (full activation checkpointing), HSDP 2 x CP 2, CP 4 (6 of 16 positions
-        # padding), and with expert
-        # parallel: EP 2 (the EP groups are the CP groups) and EP 4 (across both CP groups)
+        # context parallel: FSDP 2 x CP 2 (full activation checkpointing), HSDP 2 x CP 2, CP 4 (6 of 16
+        # positions padding), and with expert parallel: EP 2 (the EP groups are the CP groups) and EP 4 (across
+        # both CP groups)
         scenario("fsdp2_cp2", small_data, runs, moe({**PADDED, "parallel.cp": 2,
                                                      "parallel.activation_checkpoint": '"full"'}, micro=2)),
-        scenario("hsdp2_cp2", small_data, runs, moe({**PADDED, "parallel.cp": 2, "parallel.dp_replicate": 2}, micro=2)),
+        scenario("hsdp2_cp2", small_data, runs, moe({**PADDED, "parallel.cp": 2, "parallel.dp_replicate": 2},
+                                                    micro=2)),
         scenario("cp4", small_data, runs, moe({**PADDED, "parallel.cp": 4})),
         scenario("cp2_ep2", small_data, runs, moe({**PADDED, "parallel.cp": 2, "parallel.ep": 2,
                                                    "train.log_moe_layers": "true"}, micro=2)),
@@ -75,8 +76,7 @@ def losses(reports, key="loss"):
 @pytest.mark.dist
 @pytest.mark.parametrize("name,reference", [
     ("fsdp2", "single"), ("ep2", "single"), ("ep2_ac", "single"), ("ep2_fsdp2", "single"),
-    ("cp2", "single_padded"), ("fsdp2_cp2", "single_padded"), ("hsdp2_cp2", "single_padded"), ("cp4", "single_padded"),
-    ("cp2_ep2", "single_padded"), ("cp2_ep4", "single_padded")])
+    *[(name, "single_padded") for name in ("cp2", "fsdp2_cp2", "hsdp2_cp2", "cp4", "cp2_ep2", "cp2_ep4")]])
 def test_fsdp_expert_and_context_parallel_equal_one_process(results, name, reference):
     """Loss, aux and z-loss, gradient norm, tokens per expert and the final weights as one process's. Under CP
     each rank routes its share of every sequence; the router statistics are pooled over all ranks (data- and
@@ -100,7 +100,8 @@ def test_fsdp_expert_and_context_parallel_equal_one_process(results, name, refer
         assert [(r["tokens_per_expert_min/layer0"], r["tokens_per_expert_max/layer1"]) for r in got] == layers
     assert want[0]["moe_aux_loss"] > 0.9  # ~1 when balanced (E · Σ f·P)
     p = {k: v for f in (runs / name / "final").glob("*.safetensors") for k, v in load_file(str(f)).items()}
-    q = {k: v for f in (runs / reference / "final").glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    q = {k: v for f in (runs / reference / "final").glob("*.safetensors")
+         for k, v in load_file(str(f)).items()}
     assert p.keys() == q.keys() and any(".mlp.experts.7.down_proj.weight" in k for k in p)
     assert max((p[k] - q[k]).abs().max().item() for k in p) <= PARAM_TOL
 

@@ -49,12 +49,12 @@ def test_tp_under_cp_needs_a_cp_rank_s_tokens_to_split_evenly():
 
 
 def test_tensor_parallel_on_a_mixture_of_experts_is_refused_context_parallel_loads():
-    with pytest.raises(ConfigError, match=r"parallel.tp=2 on a mixture-of-experts model \(model.n_experts=4\) is not "
-                                          "built yet"):
+    message = r"parallel.tp=2 on a mixture-of-experts model \(model.n_experts=4\) is not built yet"
+    with pytest.raises(ConfigError, match=message):
         load_config(None, [*MOE, "--parallel.tp=2"])
     with pytest.raises(ConfigError, match=r"parallel.tp=2 on a mixture-of-experts"):
         load_config(None, [*MOE, "--parallel.tp=2", "--parallel.cp=2"])  # CP does not lift TP's refusal
-    load_config(None, MOE)  # the controls: the MoE model alone loads, and with CP (trained in test_moe_parallel)
+    load_config(None, MOE)  # the controls: the MoE model alone loads, and with CP (test_moe_parallel)
     assert load_config(None, [*MOE, "--parallel.cp=2", "--parallel.ep=2"]).parallel.cp == 2
 
 

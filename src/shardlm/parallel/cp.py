@@ -280,9 +280,9 @@ def apply_cp(model: nn.Module, cp: ContextParallel) -> nn.Module:
     """Route every attention layer of ``model`` through ``cp.attend`` (the recipe: one hook per layer).
 
     The model then expects each rank's tokens as :meth:`ContextParallel.shard` gives them, with
-    ``positions`` from :meth:`ContextParallel.rope_positions` and ``masks`` from :meth:`ContextParallel.masks`;
-    its MoE layers (routing is per token, so their outputs need nothing) leave CP's padding out of their router
-    statistics (:meth:`ContextParallel.shard_batch`). Returns the same model.
+    ``positions`` from :meth:`ContextParallel.rope_positions` and ``masks`` from
+    :meth:`ContextParallel.masks`; its MoE layers (routing is per token, so their outputs need nothing) leave
+    CP's padding out of their router statistics (:meth:`ContextParallel.shard_batch`). Returns the same model.
 
     Raises:
         ValueError: the model has no attention layer with an ``attend`` hook.

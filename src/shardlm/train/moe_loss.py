@@ -10,9 +10,9 @@ Its gradient flows through S only (C counts discrete choices). Computed over the
 ranks together: one all-reduce of every layer's (C, S, z) and the token count (no gradient) after the forward;
 then each rank's differentiable term is ``E · Σ_e (C_e / R) · (S_e^local / R)``, whose sum over ranks is the
 aux loss of the ranks' tokens together, so N ranks equal one process that sees the same tokens in one forward.
-Under context parallelism the ranks of a CP group hold parts of the same sequences: pooled over every rank (the
-default group), without CP's padding (:meth:`shardlm.model.moe.MoE.count_only`), the statistics are those of
-the whole sequences.
+Under context parallelism the ranks of a CP group hold parts of the same sequences: pooled over every rank
+(the default group), without CP's padding (:meth:`shardlm.model.moe.MoE.count_only`), the statistics are
+those of the whole sequences.
 Optional router z-loss (Zoph et al., "ST-MoE", 2022, eq. 5): the mean over (layer, token) rows of
 logsumexp(router logits)².
 """

@@ -127,6 +127,41 @@ def test_planner_counts_a_rank_s_share_of_the_sequence():
     assert "fallback" in ContextParallel(None, "cuda").attention_path
 
 
+def test_a_cp_rank_s_moe_layers_count_only_its_real_tokens():
+    """shard_batch marks CP's padding for the router statistics of each MoE layer: 10 tokens padded to 12 at
+    CP 2, rank 0 holds global positions 0-2 and 9-11 (10 and 11 padding), rank 1 positions 3-8 (no padding)."""
+    from shardlm.model.moe import MoE
+    inputs = torch.arange(20).view(2, 10)
+    for rank, counted in ((0, [True] * 4 + [False] * 2), (1, None)):
+        cp = ContextParallel(None)
+        cp.size, cp.rank = 2, rank
+        cp.moe_layers = [MoE(8, 4, 8, 2), MoE(8, 4, 8, 2)]
+        x, _, _ = cp.shard_batch(inputs, inputs, None)
+        assert x.shape == (2, 6)
+        for layer in cp.moe_layers:
+            assert (layer.counted.tolist() if layer.counted is not None else None) == counted
+            layer(torch.randn(2, 6, 8))
+            assert layer.stats.tokens == (8 if rank == 0 else 12)
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_planner_counts_a_rank_s_share_of_a_mixture_of_experts_sequence(ep):
+    """A MoE model (with and without expert parallel) under CP 2: the router, sorted token copies and
+    all-to-all buffers of plan/moe.py are counted at the rank's 512 of 1024 tokens, as the rest of its
+    activations."""
+    from shardlm.config import load_config
+    from shardlm.plan import plan_memory
+
+    moe = ["--model.family=qwen3_moe", "--model.n_experts=8", "--model.n_experts_per_token=2",
+           "--model.moe_ffn_hidden=256", "--train.seq_len=1024", "--model.max_seq_len=1024",
+           "--model.attention=causal", "--train.micro_batch_size=1", f"--parallel.ep={ep}"]
+    fsdp = plan_memory(load_config(None, [*moe, "--train.global_batch_size=2"]), 2, "cpu")
+    cp = plan_memory(load_config(None, [*moe, "--train.global_batch_size=1", "--parallel.cp=2"]), 2, "cpu")
+    for part in ("params", "optimizer"):
+        assert cp.breakdown[part] == fsdp.breakdown[part]
+    assert 0.5 < cp.breakdown["activations"] / fsdp.breakdown["activations"] < 0.51
+
+
 @pytest.mark.dist
 def test_cp2_attention_equals_one_rank_forward_and_grads(tmp_path):
     out = tmp_path / "cp.json"

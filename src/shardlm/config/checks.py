@@ -95,8 +95,8 @@ def validate(cfg: Config) -> None:
         what = " and ".join(split) if split else f"a mixture-of-experts model (model.n_experts={cfg.model.n_experts})"
         raise ConfigError(f"preference tuning (data.format = 'preference') with {what} is not built yet: use FSDP "
                           "(parallel.mode = 'fsdp'), with LoRA if the model is large")
-    if cfg.model.n_experts and split:
-        raise ConfigError(f"{' and '.join(split)} on a mixture-of-experts model (model.n_experts="
+    if cfg.model.n_experts and cfg.parallel.tp > 1:  # CP is built for MoE (router statistics pooled)
+        raise ConfigError(f"parallel.tp={cfg.parallel.tp} on a mixture-of-experts model (model.n_experts="
                           f"{cfg.model.n_experts}) is not built yet: use expert parallelism (parallel.ep) with FSDP")
     for key in ("interval", "keep"):
         if getattr(cfg.checkpoint, key) < 0:

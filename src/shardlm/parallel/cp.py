@@ -17,7 +17,8 @@ the ring, or by a reduce-scatter: one all-to-all and a local sum, as :mod:`shard
 so gradients are exact. Every CP rank of a group holds the same batch (they are one data-parallel replica), so
 each builds its masks and rotary positions locally, with no collective; only K and V travel. Padding tokens
 sit after every real token: no real query attends to them, their labels are ignored (-100), and each pad token
-forms a document of its own.
+forms a document of its own. A mixture of experts needs nothing more for its outputs (routing is per token);
+its router statistics leave the padding out (:meth:`ContextParallel.shard_batch`).
 
 Memory per rank, blockwise: activations of ``T_pad / cp`` tokens (attention's saved tensors included); K and V
 of two ranks' tokens (held and incoming) and in the backward their gradients, for one layer at a time; one
@@ -41,6 +42,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from shardlm.errors import ConfigError
 from shardlm.model.attention import document_positions
 from shardlm.model.decoder import attention
+from shardlm.model.moe import MoE
 from shardlm.parallel.cp_attention import BlockwiseAttention, SequenceMask, lse_kernels
 from shardlm.parallel.dist import DistInfo
 
@@ -124,6 +126,9 @@ class ContextParallel:
         self.block_causal = False
         #: the fallback's additive dense masks of this batch, by (id(mask), dtype) (see :meth:`attend`)
         self._additive: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        #: the model's mixture-of-experts layers, set by :func:`apply_cp`: their router statistics count this
+        #: rank's real tokens only (:meth:`shard_batch`)
+        self.moe_layers: list[MoE] = []
 
     @property
     def attention_path(self) -> str:
@@ -210,9 +215,17 @@ class ContextParallel:
                     documents: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
         """This rank's share of a batch: inputs and targets (B, T) int64 -> (B, 2·c) each (padding: token 0, target
         ``IGNORE_INDEX``), and the model's keyword arguments ``positions`` (:meth:`rope_positions`) and ``masks``
-        (:meth:`masks`). ``documents`` (B, T) is used under block-causal attention only."""
+        (:meth:`masks`). ``documents`` (B, T) is used under block-causal attention only.
+
+        A mixture of experts' layers count only this rank's real tokens in their router statistics
+        (:meth:`~shardlm.model.moe.MoE.count_only`): the load-balancing and z-loss, pooled over every rank
+        (:func:`shardlm.train.moe_loss.moe_loss_term`), are then those of the unsplit sequences."""
         b, t = inputs.shape
         self._additive.clear()  # the previous batch's masks
+        if self.moe_layers:
+            real = chunk_indices(t, self.size, self.rank) < t  # (2·c,) bool, on the host
+            for layer in self.moe_layers:
+                layer.count_only(None if bool(real.all()) else real)
         docs = documents if self.block_causal else None
         extra = {"positions": self.rope_positions(b, t, docs, inputs.device),
                  "masks": self.masks(t, docs, self.windows, inputs.device)}
@@ -267,13 +280,15 @@ def apply_cp(model: nn.Module, cp: ContextParallel) -> nn.Module:
     """Route every attention layer of ``model`` through ``cp.attend`` (the recipe: one hook per layer).
 
     The model then expects each rank's tokens as :meth:`ContextParallel.shard` gives them, with
-    ``positions`` from :meth:`ContextParallel.rope_positions` and ``masks`` from :meth:`ContextParallel.masks`.
-    Returns the same model.
+    ``positions`` from :meth:`ContextParallel.rope_positions` and ``masks`` from
+    :meth:`ContextParallel.masks`; its MoE layers (routing is per token, so their outputs need nothing) leave
+    CP's padding out of their router statistics (:meth:`ContextParallel.shard_batch`). Returns the same model.
 
     Raises:
         ValueError: the model has no attention layer with an ``attend`` hook.
     """
     cp.block_causal = model.cfg.attention == "block_causal"
+    cp.moe_layers = [m for m in model.modules() if isinstance(m, MoE)]
     cp.windows = set()
     for module in model.modules():
         if hasattr(module, "attend") and hasattr(module, "q_proj"):

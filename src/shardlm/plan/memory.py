@@ -38,6 +38,7 @@ import torch
 from shardlm.config import Config, ConfigError, gradient_accumulation_steps
 from shardlm.model.cpu_matmul import use_fp32_matmul
 from shardlm.parallel.cp import padded_length
+from shardlm.parallel.ep import check_ep
 from shardlm.parallel.options import dtype_from_name
 from shardlm.parallel.reduce_scatter import resolve_reduce_scatter
 from shardlm.plan import activations as act
@@ -101,7 +102,8 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
 
     Raises:
         ConfigError: bad world size (or one ``parallel.cp`` does not divide), global batch not divisible, unknown
-            dtype or AC mode; tensor parallel on a world size it does not divide, with selective / every-n
+            dtype or AC mode; an expert-parallel layout the trainer refuses
+            (:func:`shardlm.parallel.ep.check_ep`); tensor parallel on a world size it does not divide, with selective / every-n
             checkpointing or with context parallel (not modelled).
     """
     st = Settings.from_config(cfg)
@@ -142,6 +144,7 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
     cp_transient = cp_backward_transient(s, t_pad, cp_blockwise) if cp > 1 else 0
     # a MoE layer's router, sorted token copies and, under EP, all-to-all buffers (plan/moe.py)
     ep = getattr(cfg.parallel, "ep", 1)
+    check_ep(cfg.model.n_experts, ep, world_size, st.mode, cfg.parallel.dp_replicate)  # as the trainer refuses
     is_moe = [cfg.model.is_moe_layer(i) for i in range(s.n_layers)]
     moe_saved = [moe_layer_saved(s, cfg.model, ep) if m else 0 for m in is_moe]
     moe_a2a = [all_to_all_transient(s, cfg.model, ep) if m else 0 for m in is_moe]

@@ -156,8 +156,8 @@ MOE_4 = ["--model.family=qwen3_moe", "--model.n_experts=4", "--model.n_experts_p
      r"train.seq_len=1 is shorter than parallel.cp=2"),
 ])
 def test_plan_refuses_what_training_refuses(overrides, message, capsys):
-    """`shardlm plan` on an expert-parallel or context-parallel layout that training refuses: one error, exit 2
-    (it printed a plan of a layout that cannot run before)."""
+    """`shardlm plan` on an expert-parallel or context-parallel layout that training refuses: one error,
+    exit 2 (it printed a plan of a layout that cannot run before)."""
     from shardlm.cli.main import main
 
     config = str(ROOT / "configs" / "debug-shape.toml")

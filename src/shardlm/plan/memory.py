@@ -103,7 +103,8 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
     Raises:
         ConfigError: bad world size (or one ``parallel.cp`` does not divide), global batch not divisible, unknown
             dtype or AC mode; an expert-parallel layout the trainer refuses
-            (:func:`shardlm.parallel.ep.check_ep`); tensor parallel on a world size it does not divide, with selective / every-n
+            (:func:`shardlm.parallel.ep.check_ep`); tensor parallel on a world size it does not divide,
+            with selective / every-n
             checkpointing or with context parallel (not modelled).
     """
     st = Settings.from_config(cfg)
@@ -144,7 +145,7 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
     cp_transient = cp_backward_transient(s, t_pad, cp_blockwise) if cp > 1 else 0
     # a MoE layer's router, sorted token copies and, under EP, all-to-all buffers (plan/moe.py)
     ep = getattr(cfg.parallel, "ep", 1)
-    check_ep(cfg.model.n_experts, ep, world_size, st.mode, cfg.parallel.dp_replicate)  # as the trainer refuses
+    check_ep(cfg.model.n_experts, ep, world_size, st.mode, cfg.parallel.dp_replicate)  # as training refuses
     is_moe = [cfg.model.is_moe_layer(i) for i in range(s.n_layers)]
     moe_saved = [moe_layer_saved(s, cfg.model, ep) if m else 0 for m in is_moe]
     moe_a2a = [all_to_all_transient(s, cfg.model, ep) if m else 0 for m in is_moe]

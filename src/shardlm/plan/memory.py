@@ -104,8 +104,7 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
         ConfigError: bad world size (or one ``parallel.cp`` does not divide), global batch not divisible, unknown
             dtype or AC mode; an expert-parallel layout the trainer refuses
             (:func:`shardlm.parallel.ep.check_ep`); tensor parallel on a world size it does not divide,
-            with selective / every-n
-            checkpointing or with context parallel (not modelled).
+            with selective / every-n checkpointing or with context parallel (not modelled).
     """
     st = Settings.from_config(cfg)
     tp = cfg.parallel.tp

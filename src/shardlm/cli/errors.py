@@ -66,9 +66,9 @@ def run_cli(fn: Callable[[], int | None]) -> int:
         _report(f"{e.strerror or type(e).__name__}: {os.fsdecode(e.filename)}", rank)
         return 2
     except KeyboardInterrupt as e:  # a command may say what is kept in e.args[0]
-        if "TORCHELASTIC_RUN_ID" not in os.environ:  # under torchrun its launcher (cli/launch.py) says it once
-            print(f"error: stopped by Ctrl-C{': ' if e.args else ''}{e.args[0] if e.args else ''}", file=sys.stderr,
-                  flush=True)
+        if "TORCHELASTIC_RUN_ID" not in os.environ:  # under torchrun the launcher (cli/launch.py) says it
+            kept = f": {e.args[0]}" if e.args else ""
+            print(f"error: stopped by Ctrl-C{kept}", file=sys.stderr, flush=True)
         return 130
     finally:
         shutdown()

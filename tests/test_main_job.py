@@ -101,10 +101,10 @@ def test_bad_input_one_clear_error(case, tmp_path, small_data, small_corpus, tok
         assert not (tmp_path / "fresh").exists() or not any((tmp_path / "fresh").rglob("*.bin"))
 
 
-def test_bad_input_with_run_overwrite_keeps_the_previous_run(tmp_path, small_data, small_corpus, tokenizer_600,
-                                                               capsys):
-    """run.overwrite=true with data that cannot be trained on: the error, and the previous run's files kept (the
-    directory was cleared before the data and the model were checked, so a typo cost the previous run)."""
+def test_bad_input_with_run_overwrite_keeps_the_previous_run(tmp_path, small_data, small_corpus,
+                                                               tokenizer_600, capsys):
+    """run.overwrite=true with data that cannot be trained on: the error, and the previous run's files kept
+    (the directory was cleared before the data and the model were checked: a typo cost the previous run)."""
     run = tmp_path / "run"
     (run / "final").mkdir(parents=True)
     previous = {"metrics.jsonl": '{"step": 1}\n', "config.json": "{}", "final/model.safetensors": "weights"}

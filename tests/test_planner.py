@@ -154,9 +154,12 @@ MOE_4 = ["--model.family=qwen3_moe", "--model.n_experts=4", "--model.n_experts_p
     (MOE_4 + ["--parallel.ep=4"], r"parallel.ep=4 must divide the data-parallel ranks \(2\)"),
     (["--parallel.cp=2", "--train.seq_len=1", "--train.global_batch_size=1"],
      r"train.seq_len=1 is shorter than parallel.cp=2"),
+    (["--parallel.tp=2", "--model.n_kv_heads=1"], r"parallel.tp=2 must divide the key/value heads"),
+    (["--parallel.tp=2", "--model.ffn_hidden=767"], r"parallel.tp=2 must divide the FFN width"),
+    (["--parallel.tp=2", "--lora.enabled=true"], r"parallel.tp=2 with lora.enabled is not supported"),
 ])
 def test_plan_refuses_what_training_refuses(overrides, message, capsys):
-    """`shardlm plan` on an expert-parallel or context-parallel layout that training refuses: one error,
+    """`shardlm plan` on an expert-, tensor- or context-parallel layout that training refuses: one error,
     exit 2 (it printed a plan of a layout that cannot run before)."""
     from shardlm.cli.main import main
 

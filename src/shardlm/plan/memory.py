@@ -41,6 +41,7 @@ from shardlm.parallel.cp import padded_length
 from shardlm.parallel.ep import check_ep
 from shardlm.parallel.options import dtype_from_name
 from shardlm.parallel.reduce_scatter import resolve_reduce_scatter
+from shardlm.parallel.tp import check_tp
 from shardlm.plan import activations as act
 from shardlm.plan.context_parallel import (
     cp_backward_transient,
@@ -102,12 +103,14 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
 
     Raises:
         ConfigError: bad world size (or one ``parallel.cp`` does not divide), global batch not divisible, unknown
-            dtype or AC mode; an expert-parallel layout the trainer refuses
-            (:func:`shardlm.parallel.ep.check_ep`); tensor parallel on a world size it does not divide,
-            with selective / every-n checkpointing or with context parallel (not modelled).
+            dtype or AC mode; an expert- or tensor-parallel layout the trainer refuses
+            (:func:`shardlm.parallel.ep.check_ep`, :func:`shardlm.parallel.tp.check_tp`); tensor parallel
+            on a world size it does not divide, with selective / every-n checkpointing or with context
+            parallel (not modelled).
     """
     st = Settings.from_config(cfg)
     tp = cfg.parallel.tp
+    check_tp(cfg.model, tp, cfg.train.seq_len, cfg.lora.enabled, cfg.parallel.cp)  # as training
     if tp > 1 and (world_size % tp or st.ac_mode not in ("none", "full")):
         raise ConfigError(f"parallel.tp={tp}: the memory planner models tensor parallel on a world size it divides "
                           f"(got {world_size}) with parallel.activation_checkpoint none or full (got {st.ac_mode!r})")

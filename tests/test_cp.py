@@ -97,6 +97,11 @@ def test_cp_not_dividing_the_world_size_is_one_clear_error():
     with pytest.raises(ConfigError, match=r"parallel.cp=3 must divide the world size 4 \(each sequence is split"):
         dp_mesh_shape(ParallelConfig(cp=3), 4, 4)
     assert dp_mesh_shape(ParallelConfig(cp=2), 4, 4) == (1, 2)  # 2 data-parallel ranks of 2 CP ranks each
+    # the mesh under CP covers world / cp ranks: the message names both (it said "the world size 1" at 2)
+    with pytest.raises(ConfigError, match=r"parallel.tp=2 must divide the world size 2 / parallel.cp=2 = 1"):
+        dp_mesh_shape(ParallelConfig(cp=2, tp=2), 2, 2)
+    with pytest.raises(ConfigError, match=r"= 1 × 3 = 3, but the world size is 4 / parallel.cp=2 = 2: the"):
+        dp_mesh_shape(ParallelConfig(cp=2, dp_shard=3), 4, 4)
     cfg = Config()
     cfg.parallel.cp, cfg.parallel.mode = 2, "single"
     with pytest.raises(ConfigError, match="parallel.cp must be >= 1 .* and 1 in parallel.mode='single', got 2"):

@@ -389,6 +389,40 @@ def test_sigkill_part_way_then_restart_reuses_finished_pieces(tmp_path, tokenize
     assert not staging_dir(out).exists()
 
 
+@pytest.mark.dist
+def test_ctrl_c_part_way_is_one_line_exit_130_and_the_same_prepare_continues(tmp_path, tokenizer_file):
+    """Ctrl-C (SIGINT to the process group, as a terminal sends it) while `shardlm prepare` encodes with 2
+    workers: one `error:` line, no traceback (the workers printed theirs, the parent none), exit 130; the
+    same command then continues from the finished pieces."""
+    import os
+
+    corpus = write_format(tmp_path / "c", "jsonl", make_docs(3000, seed=7))
+    out = tmp_path / "out"
+    config = tmp_path / "prep.toml"
+    config.write_text(f'[model]\nvocab_size = 400\n[data]\ncorpus = "{corpus}"\ndir = "{out}"\n'
+                      f'tokenizer = "{tokenizer_file}"\npiece_bytes = 5000\nworkers = 2\n')
+    cmd = [sys.executable, "-m", "shardlm", "prepare", "--config", str(config)]
+    proc = subprocess.Popen(cmd, env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    tokens = staging_dir(out) / "tokens"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and len(list(tokens.glob("*.json"))) < 2 and proc.poll() is None:
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err, err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert errors == [err.strip().splitlines()[-1]]
+    assert errors[0].startswith(f"error: stopped by Ctrl-C: {out} is unchanged; the pieces encoded so far")
+    assert not (out / "meta.json").exists()
+    finished = len(list(tokens.glob("*.json")))
+    again = subprocess.run(cmd, env=cpu_env(), capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert f"{finished} finished before" in again.stderr + again.stdout
+    assert is_prepared(str(out))
+
+
 # ----------------------------------------------------------------------------- mixtures
 
 

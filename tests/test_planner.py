@@ -12,6 +12,7 @@ live storages at the start of step 3 + the peak running sum of the allocator's e
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -142,6 +143,31 @@ def test_plan_rejects_bad_settings():
     cfg.parallel.reshard_after_forward = 2  # an N-way reshard is refused, not planned as `true`
     with pytest.raises(ConfigError, match="reshard_after_forward=2.*N-way"):
         plan_memory(cfg, 4)
+
+
+MOE_4 = ["--model.family=qwen3_moe", "--model.n_experts=4", "--model.n_experts_per_token=2",
+         "--model.moe_ffn_hidden=32"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (MOE_4 + ["--parallel.ep=3"], r"parallel.ep=3 must divide model.n_experts=4"),
+    (MOE_4 + ["--parallel.ep=4"], r"parallel.ep=4 must divide the data-parallel ranks \(2\)"),
+    (["--parallel.cp=2", "--train.seq_len=1", "--train.global_batch_size=1"],
+     r"train.seq_len=1 is shorter than parallel.cp=2"),
+    (["--parallel.tp=2", "--model.n_kv_heads=1"], r"parallel.tp=2 must divide the key/value heads"),
+    (["--parallel.tp=2", "--model.ffn_hidden=767"], r"parallel.tp=2 must divide the FFN width"),
+    (["--parallel.tp=2", "--lora.enabled=true"], r"parallel.tp=2 with lora.enabled is not supported"),
+])
+def test_plan_refuses_what_training_refuses(overrides, message, capsys):
+    """`shardlm plan` on an expert-, tensor- or context-parallel layout that training refuses: one error,
+    exit 2 (it printed a plan of a layout that cannot run before)."""
+    from shardlm.cli.main import main
+
+    config = str(ROOT / "configs" / "debug-shape.toml")
+    assert main(["plan", config, "--world-size", "2", "--device", "cpu", *overrides]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ")
+    assert re.search(message, err[0]), err[0]
 
 
 def test_plan_cli_llama3_8b():

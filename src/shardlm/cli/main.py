@@ -48,7 +48,11 @@ def cmd_prepare(args: argparse.Namespace, overrides: list[str]) -> None:
         from shardlm.parallel import init_distributed
 
         info = init_distributed(cfg.parallel)
-    meta = prepare_data(cfg, info, on_stale="prepare")  # its job: make data.dir what the config describes
+    try:
+        meta = prepare_data(cfg, info, on_stale="prepare")  # its job: make data.dir what the config describes
+    except KeyboardInterrupt:
+        raise KeyboardInterrupt(f"{data_dir(cfg)} is unchanged; the pieces encoded so far are kept beside "
+                                "it, and the same shardlm prepare continues from them") from None
     if info is None or info.is_main:
         skipped = meta.get("skipped_files") or {}
         print(f"prepared {data_dir(cfg)}: {meta['train_tokens']:,} train / {meta['val_tokens']:,} val tokens "

@@ -90,6 +90,10 @@ def validate(cfg: Config) -> None:
     if cfg.parallel.cp < 1 or (cfg.parallel.cp > 1 and cfg.parallel.mode == "single"):
         raise ConfigError(f"parallel.cp must be >= 1 (ranks per sequence), and 1 in parallel.mode='single', "
                           f"got {cfg.parallel.cp}")
+    cp = cfg.parallel.cp
+    if cp > t.seq_len:  # as ContextParallel refuses it in training: here for plan and tune too
+        raise ConfigError(f"train.seq_len={t.seq_len} is shorter than parallel.cp={cp}: a sequence "
+                          f"split over {cp} ranks needs at least {cp} tokens (one per rank)")
     split = [f"parallel.{k}={getattr(cfg.parallel, k)}" for k in ("tp", "cp") if getattr(cfg.parallel, k) > 1]
     if cfg.data.format == "preference" and (split or cfg.model.n_experts):
         what = " and ".join(split) if split else f"a mixture-of-experts model (model.n_experts={cfg.model.n_experts})"

@@ -95,27 +95,47 @@ def rope_scaling_out(cfg: ModelConfig) -> dict[str, Any]:
     return {}
 
 
+def _rope_number(rope: dict[str, Any], name: str, where: str) -> float:
+    """``rope[name]`` as a float: a RoPE scaling dict's factor or length (``where`` names the dict in errors).
+
+    Raises:
+        ModelDirError: the field is missing, not a number (``null``, a string, a boolean), not finite, or not
+            positive: every factor and length transformers reads there is > 0 (0 here would mean "off").
+    """
+    if name not in rope:
+        raise ModelDirError(f"{where} lacks field {name!r}")
+    value = rope[name]
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not number or not math.isfinite(value) or value <= 0:
+        raise ModelDirError(f"{where} field {name!r} must be a positive number, got {value!r}")
+    return float(value)
+
+
 def _rope_fields(cfg: ModelConfig, rope: dict[str, Any], source: str, key: str) -> None:
-    """Set ``cfg``'s RoPE scaling from a ``rope_scaling`` / ``rope_parameters`` dict (``key`` names it in errors)."""
+    """Set ``cfg``'s RoPE scaling from a ``rope_scaling`` / ``rope_parameters`` dict (``key`` names it).
+
+    Raises:
+        ModelDirError: a rope type not built, or a factor or length missing, not a number or not positive.
+    """
     rope_type = rope.get("rope_type", rope.get("type", "default"))
+    where = f"{source}: {key} ({rope_type})"
     if rope_type == "llama3":
-        try:
-            cfg.rope_scaling_factor = float(rope["factor"])
-            cfg.rope_low_freq_factor = float(rope["low_freq_factor"])
-            cfg.rope_high_freq_factor = float(rope["high_freq_factor"])
-        except KeyError as e:
-            raise ModelDirError(f"{source}: {key} (llama3) lacks field {e.args[0]!r}") from None
-        cfg.rope_original_max_seq_len = int(rope.get("original_max_position_embeddings", cfg.max_seq_len))
+        cfg.rope_scaling_factor = _rope_number(rope, "factor", where)
+        cfg.rope_low_freq_factor = _rope_number(rope, "low_freq_factor", where)
+        cfg.rope_high_freq_factor = _rope_number(rope, "high_freq_factor", where)
+        if "original_max_position_embeddings" in rope:
+            cfg.rope_original_max_seq_len = int(_rope_number(rope, "original_max_position_embeddings", where))
+        else:
+            cfg.rope_original_max_seq_len = cfg.max_seq_len
     elif rope_type == "linear":
-        if "factor" not in rope:
-            raise ModelDirError(f"{source}: {key} (linear) lacks field 'factor'")
-        cfg.rope_linear_factor = float(rope["factor"])
+        cfg.rope_linear_factor = _rope_number(rope, "factor", where)
     elif rope_type == "yarn":
+        for name in ("factor", "original_max_position_embeddings"):  # may be absent or null (_yarn_fields)
+            if rope.get(name) is not None:
+                _rope_number(rope, name, where)
         _yarn_fields(cfg, rope)
     elif rope_type == "dynamic":
-        if "factor" not in rope:
-            raise ModelDirError(f"{source}: {key} (dynamic) lacks field 'factor'")
-        cfg.rope_dynamic_factor = float(rope["factor"])
+        cfg.rope_dynamic_factor = _rope_number(rope, "factor", where)
     elif rope_type != "default":
         raise ModelDirError(f"{source}: {key} rope_type {rope_type!r} is not supported (built: default, linear, llama3, "
                             "yarn, dynamic)")
@@ -188,6 +208,9 @@ def model_config_from_hf_dict(config: dict[str, Any], source: str = "config.json
         tie_embeddings=bool(config.get("tie_word_embeddings", arch.hf_default_tie)),
     )
     scaling = config.get("rope_scaling")
+    if scaling is not None and not isinstance(scaling, dict):
+        raise ModelDirError(f"{source}: rope_scaling must be an object (a dict with rope_type), "
+                            f"got {scaling!r}")
     if not scaling and config.get("rope_parameters") is None:  # transformers' default for the family (gpt-oss: YaRN)
         scaling = arch.hf_default_rope
     _rope_fields(cfg, dict(scaling) if scaling else global_rope, source, "rope_scaling" if scaling else "rope_parameters")

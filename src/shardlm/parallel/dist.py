@@ -230,18 +230,20 @@ def dp_mesh_shape(pcfg: ParallelConfig, world_size: int, ranks_per_node: int) ->
     if world_size % cp:
         raise ConfigError(f"parallel.cp={cp} must divide the world size {world_size} (each sequence is split over "
                           f"{cp} ranks)")
+    # under CP the mesh below covers world / cp ranks: the messages say so (not "the world size 1" at world 2)
+    per_cp = f" / parallel.cp={cp} = {world_size // cp}" if cp > 1 else ""
+    world, world_is = f"the world size {world_size}{per_cp}", f"the world size is {world_size}{per_cp}"
     node_ranks, world_size = ranks_per_node, world_size // cp
     if r == s == -1:
         raise ConfigError("parallel.dp_replicate and parallel.dp_shard cannot both be -1: set one of them")
     if world_size % tp:
-        raise ConfigError(f"parallel.tp={tp} must divide the world size {world_size} (dp_replicate × dp_shard × tp "
+        raise ConfigError(f"parallel.tp={tp} must divide {world} (dp_replicate × dp_shard × tp "
                           "must cover every rank exactly once)")
     if tp > node_ranks or node_ranks % tp:
         raise ConfigError(f"parallel.tp={tp} must divide the {node_ranks} ranks of a node: a tensor-parallel "
                           "group exchanges activations in every layer and must stay on one node's links")
     dp_ranks = world_size // tp
-    ranks = (f"the {dp_ranks} data-parallel ranks (the world size {world_size} / parallel.tp={tp})" if tp > 1
-             else f"the world size {world_size}")
+    ranks = f"the {dp_ranks} data-parallel ranks ({world} / parallel.tp={tp})" if tp > 1 else world
     if s == -1:
         if dp_ranks % r:
             raise ConfigError(f"parallel.dp_replicate={r} must divide {ranks} "
@@ -255,8 +257,7 @@ def dp_mesh_shape(pcfg: ParallelConfig, world_size: int, ranks_per_node: int) ->
     if r * s * tp != world_size:
         product = f"{r} × {s} × {tp} = {r * s * tp}" if tp > 1 else f"{r} × {s} = {r * s}"
         names = "parallel.dp_replicate × parallel.dp_shard" + (" × parallel.tp" if tp > 1 else "")
-        raise ConfigError(f"{names} = {product}, but the world size "
-                          f"is {world_size}: the mesh must cover every rank exactly once")
+        raise ConfigError(f"{names} = {product}, but {world_is}: the mesh must cover every rank exactly once")
     block = s * cp * tp  # consecutive ranks of one shard group and its context- and tensor-parallel peers
     if block != world_size * cp and node_ranks % block and block % node_ranks:
         inner = "".join(f" × parallel.{k}={v}" for k, v in (("cp", cp), ("tp", tp)) if v > 1)

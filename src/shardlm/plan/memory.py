@@ -38,8 +38,10 @@ import torch
 from shardlm.config import Config, ConfigError, gradient_accumulation_steps
 from shardlm.model.cpu_matmul import use_fp32_matmul
 from shardlm.parallel.cp import padded_length
+from shardlm.parallel.ep import check_ep
 from shardlm.parallel.options import dtype_from_name
 from shardlm.parallel.reduce_scatter import resolve_reduce_scatter
+from shardlm.parallel.tp import check_tp
 from shardlm.plan import activations as act
 from shardlm.plan.context_parallel import (
     cp_backward_transient,
@@ -102,11 +104,13 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
 
     Raises:
         ConfigError: bad world size (or one ``parallel.cp`` does not divide), global batch not divisible, unknown
-            dtype or AC mode; tensor parallel on a world size it does not divide or with selective / every-n
-            checkpointing (not modelled).
+            dtype or AC mode; an expert- or tensor-parallel layout the trainer refuses
+            (:func:`shardlm.parallel.ep.check_ep`, :func:`shardlm.parallel.tp.check_tp`); tensor parallel
+            on a world size it does not divide or with selective / every-n checkpointing (not modelled).
     """
     st = Settings.from_config(cfg)
     tp = cfg.parallel.tp
+    check_tp(cfg.model, tp, cfg.train.seq_len, cfg.lora.enabled, cfg.parallel.cp)  # as training
     if tp > 1 and (world_size % tp or st.ac_mode not in act.TP_AC_MODES):
         raise ConfigError(f"parallel.tp={tp}: the memory planner models tensor parallel on a world size it divides "
                           f"(got {world_size}) with parallel.activation_checkpoint none or full (got {st.ac_mode!r})")
@@ -141,6 +145,7 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
     cp_transient = cp_backward_transient(s_cp, t_pad, cp_blockwise) if cp > 1 else 0
     # a MoE layer's router, sorted token copies and, under EP, all-to-all buffers (plan/moe.py)
     ep = getattr(cfg.parallel, "ep", 1)
+    check_ep(cfg.model.n_experts, ep, world_size, st.mode, cfg.parallel.dp_replicate)  # as training refuses
     is_moe = [cfg.model.is_moe_layer(i) for i in range(s.n_layers)]
     moe_saved = [moe_layer_saved(s, cfg.model, ep) if m else 0 for m in is_moe]
     moe_a2a = [all_to_all_transient(s, cfg.model, ep) if m else 0 for m in is_moe]

@@ -55,7 +55,7 @@ from shardlm.train.mfu import peak_flops_per_rank
 from shardlm.train.moe_loss import moe_loss_term
 from shardlm.train.optim import apply_train_config, build_optimizer, build_scheduler, clip_grad_norm_
 from shardlm.train.preference_step import PreferenceObjective
-from shardlm.train.run_dir import prepare_run_dir, run_dir
+from shardlm.train.run_dir import check_run_dir, prepare_run_dir, run_dir
 from shardlm.train.step_metrics import mixture_metrics, moe_metrics, step_model_flops
 from shardlm.train.summary import job_summary
 
@@ -89,7 +89,7 @@ class Trainer:
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
         self.run_dir = run_dir(cfg)
-        prepare_run_dir(cfg, self.info, self.run_dir)  # refused unless empty, resuming or run.overwrite
+        check_run_dir(cfg, self.run_dir)  # refused unless empty, resuming or run.overwrite; cleared below
         start = time.perf_counter()
         prepare_data(cfg, self.info)  # every rank encodes its share; waiting is on the store, not a collective
         self.prepare_s = time.perf_counter() - start  # seconds spent preparing (or finding prepared) data
@@ -114,6 +114,8 @@ class Trainer:
         self.cp = build_context_parallel(self.info, cfg.parallel.cp, cfg.parallel.tp)
         self.cp.check_sequence(t.seq_len)
         self.model, self.pretrained_load_stats = build_model(cfg, self.info, self.mesh, self.cp)
+        # the data and the model are checked: only now may run.overwrite remove the previous run's files
+        prepare_run_dir(cfg, self.info, self.run_dir)
         #: the preference objective and its reference (shardlm/train/preference_step.py), None for token losses
         self.preference = (PreferenceObjective.build(cfg, self.info, self.mesh, self.model, self.train_data,
                                                      self.run_dir) if cfg.data.format == PREFERENCE else None)

@@ -79,7 +79,7 @@ def print_data_layout(cfg, meta: dict) -> None:
         tokens = int(meta["train_tokens"]) + int(meta["val_tokens"])
         print(f"  documents {n:,} (mean {tokens / n:,.1f} tokens; their starts recorded in "
               f"{meta['document_starts']['file']}, for model.attention = 'block_causal': "
-              f"{cfg.train.seq_len / (tokens / n):.1f} documents per window of {cfg.train.seq_len} on average)")
+              f"{cfg.train.seq_len / (tokens / n):.3g} documents per window of {cfg.train.seq_len} on average)")
 
 
 def main(argv: list[str] | None = None) -> int:

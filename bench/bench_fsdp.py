@@ -98,7 +98,6 @@ def worker(spec_path: str) -> None:
 
     from shardlm.config import Config, ModelConfig, ParallelConfig
     from shardlm.metrics import (
-        SavedActivationCounter,
         device_memory,
         measure_matmul_flops,
         mfu,
@@ -109,6 +108,7 @@ def worker(spec_path: str) -> None:
     from shardlm.parallel import all_gather_ints, build_mesh, init_distributed, set_gradient_sync
     from shardlm.parallel.dist import exit_process
     from shardlm.parallel.options import DTYPES
+    from shardlm.parallel.saved_activations import SavedActivationCounter
     from shardlm.train.build import build_model
     from shardlm.train.optim import build_optimizer
 

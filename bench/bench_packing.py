@@ -40,7 +40,7 @@ RUNS = {
     "fine-tuning padded (one example per sample)": {"data.format": '"instruct"'},
     "fine-tuning packed (block-causal sdpa)": {"data.format": '"instruct"', "data.pack": "true",
                                                "model.attention": '"block_causal"'},
-    "pre-training causal": {"data.format": '"text"'},
+    "pre-training causal": {"data.format": '"text"', "model.attention": '"causal"'},  # not the default "auto"
     "pre-training block-causal (sdpa)": {"data.format": '"text"', "model.attention": '"block_causal"'},
 }
 

@@ -11,7 +11,7 @@ g. the MoE experts' grouped matmul: :func:`shardlm.model.moe.grouped_linear` tak
    outputs and the gradients of x and the stacked weights within :data:`GROUPED_MM_TOL` of the loop's largest
    magnitude (bf16 rounding: both accumulate in fp32).
 h. context parallel: 3 steps at ``parallel.cp = 2`` on 2 ranks against one process (fp32, TF32 off): losses
-   within :data:`PARALLEL_LOSS_TOL`. On a CPU it is skipped (``tests/test_cp.py`` checks it on gloo).
+   within :data:`PARALLEL_LOSS_TOL`. On a CPU it is skipped (``tests/dist/test_cp_parity.py`` checks it on gloo).
 
 A row that needs more GPUs than the machine has is skipped with the reason (``"skipped": true``, not a failure).
 """
@@ -127,7 +127,7 @@ def check_context_parallel(device: torch.device, work: Path, data: Path, tiny: l
     """(h) CP 2 against one process."""
     check = "h. CP 2 = one process"
     if device.type != "cuda":
-        return [skipped(check, "context parallel on gloo is checked by tests/test_cp.py; here it needs CUDA")]
+        return [skipped(check, "context parallel on gloo is checked by tests/dist/test_cp_parity.py; here it needs CUDA")]
     reason = too_few_gpus(device, 2)
     if reason:
         return [skipped(check, reason)]

@@ -1,5 +1,6 @@
-"""A mixture of experts under FSDP and expert parallelism equals one process (3 steps, the aux loss included);
-a checkpoint written under EP resumes at another layout; an EP run's export loads in transformers.
+"""A mixture of experts under FSDP, expert parallelism and context parallelism (alone, with FSDP, HSDP and
+with EP) equals one process (3 steps, the aux loss included); a checkpoint written under EP resumes at another
+layout; an EP run's export loads in transformers.
 
 Three torchrun launches (2, 1 and 4 ranks) on a ~200k-parameter Qwen3-MoE (8 experts, top-2, 8-token
 sequences, so that experts go without tokens in some micro-batches), plus one launch of the expert-parallel layer
@@ -21,6 +22,11 @@ MOE = {"model.family": '"qwen3_moe"', "model.n_experts": 8, "model.n_experts_per
        "train.warmup_steps": 1, "train.eval_interval": 0, "checkpoint.interval": 2, "checkpoint.keep": 0}
 
 
+#: context parallel's runs: 10-token sequences, padded to 12 at CP 2 and to 16 at CP 4 (padding is routed but
+#: must not enter the router statistics)
+PADDED = {"train.seq_len": 10}
+
+
 def moe(extra: dict | None = None, micro: int = 4) -> dict:
     # one micro-batch per rank and step: the aux loss's statistics are those of the whole global batch
     return {**MOE, "train.micro_batch_size": micro, **(extra or {})}
@@ -35,16 +41,30 @@ def results(small_data, tmp_path_factory):
         scenario("ep2", small_data, runs, moe({"parallel.ep": 2}, micro=2)),
         # full activation checkpointing: each block's dispatch and combine run again in backward
         scenario("ep2_ac", small_data, runs, moe({"parallel.ep": 2, "parallel.activation_checkpoint": '"full"'}, micro=2)),
+        scenario("cp2", small_data, runs, moe({**PADDED, "parallel.cp": 2})),  # one data-parallel rank
     ], runs))
     step2 = runs / "ep2" / "checkpoints" / "step-2"
     out.update(run_scenarios(1, [
         scenario("single", small_data, runs, moe({"parallel.mode": '"single"', "train.log_moe_layers": "true"})),
         scenario("resume_single", small_data, runs, moe({"parallel.mode": '"single"',
                                                          "checkpoint.resume": f'"{step2}"'})),
+        scenario("single_padded", small_data, runs, moe({**PADDED, "parallel.mode": '"single"',
+                                                         "train.log_moe_layers": "true"})),
     ], runs))
     out.update(run_scenarios(4, [
         scenario("ep2_fsdp2", small_data, runs, moe({"parallel.ep": 2, "train.log_moe_layers": "true"}, micro=1)),
         scenario("resume_fsdp4", small_data, runs, moe({"checkpoint.resume": f'"{step2}"'}, micro=1)),
+        # context parallel: FSDP 2 x CP 2 (full activation checkpointing), HSDP 2 x CP 2, CP 4 (6 of 16
+        # positions padding), and with expert parallel: EP 2 (the EP groups are the CP groups) and EP 4 (across
+        # both CP groups)
+        scenario("fsdp2_cp2", small_data, runs, moe({**PADDED, "parallel.cp": 2,
+                                                     "parallel.activation_checkpoint": '"full"'}, micro=2)),
+        scenario("hsdp2_cp2", small_data, runs, moe({**PADDED, "parallel.cp": 2, "parallel.dp_replicate": 2},
+                                                    micro=2)),
+        scenario("cp4", small_data, runs, moe({**PADDED, "parallel.cp": 4})),
+        scenario("cp2_ep2", small_data, runs, moe({**PADDED, "parallel.cp": 2, "parallel.ep": 2,
+                                                   "train.log_moe_layers": "true"}, micro=2)),
+        scenario("cp2_ep4", small_data, runs, moe({**PADDED, "parallel.cp": 2, "parallel.ep": 4}, micro=2)),
     ], runs))
     return out, runs
 
@@ -54,11 +74,16 @@ def losses(reports, key="loss"):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("name", ["fsdp2", "ep2", "ep2_ac", "ep2_fsdp2"])
-def test_fsdp_and_expert_parallel_equal_one_process(results, name):
+@pytest.mark.parametrize("name,reference", [
+    ("fsdp2", "single"), ("ep2", "single"), ("ep2_ac", "single"), ("ep2_fsdp2", "single"),
+    *[(name, "single_padded") for name in ("cp2", "fsdp2_cp2", "hsdp2_cp2", "cp4", "cp2_ep2", "cp2_ep4")]])
+def test_fsdp_expert_and_context_parallel_equal_one_process(results, name, reference):
+    """Loss, aux and z-loss, gradient norm, tokens per expert and the final weights as one process's. Under CP
+    each rank routes its share of every sequence; the router statistics are pooled over all ranks (data- and
+    context-parallel) without CP's padding."""
     from safetensors.torch import load_file
     out, runs = results
-    got, want = out[name][0]["history"], out["single"][0]["history"]
+    got, want = out[name][0]["history"], out[reference][0]["history"]
     assert len(got) == len(want) == 3
     for key in ("loss", "moe_aux_loss", "moe_z_loss", "grad_norm"):
         diff = max(abs(a[key] - b[key]) for a, b in zip(got, want))
@@ -66,15 +91,17 @@ def test_fsdp_and_expert_parallel_equal_one_process(results, name):
         assert diff <= LOSS_TOL * max(1.0, abs(want[0][key])), (key, [a[key] for a in got], [b[key] for b in want])
     for key in ("tokens_per_expert_min", "tokens_per_expert_max", "tokens_per_expert_mean"):
         assert [a[key] for a in got] == [b[key] for b in want]
-    assert want[0]["tokens_per_expert_mean"] == 4 * 8 * 2 / 8  # tokens · k / E per (layer, expert)
+    seq = 10 if reference == "single_padded" else 8  # CP's padding not counted: 12 or 16 positions routed
+    assert want[0]["tokens_per_expert_mean"] == 4 * seq * 2 / 8  # tokens · k / E per (layer, expert)
     layers = [(r["tokens_per_expert_min/layer0"], r["tokens_per_expert_max/layer1"]) for r in want]
     assert all(r["tokens_per_expert_min"] == min(r["tokens_per_expert_min/layer0"], r["tokens_per_expert_min/layer1"])
                for r in want) and len(layers) == 3  # train.log_moe_layers: per layer, consistent with the whole
-    if name == "ep2_fsdp2":
+    if name in ("ep2_fsdp2", "cp2_ep2"):
         assert [(r["tokens_per_expert_min/layer0"], r["tokens_per_expert_max/layer1"]) for r in got] == layers
     assert want[0]["moe_aux_loss"] > 0.9  # ~1 when balanced (E · Σ f·P)
     p = {k: v for f in (runs / name / "final").glob("*.safetensors") for k, v in load_file(str(f)).items()}
-    q = {k: v for f in (runs / "single" / "final").glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    q = {k: v for f in (runs / reference / "final").glob("*.safetensors")
+         for k, v in load_file(str(f)).items()}
     assert p.keys() == q.keys() and any(".mlp.experts.7.down_proj.weight" in k for k in p)
     assert max((p[k] - q[k]).abs().max().item() for k in p) <= PARAM_TOL
 

@@ -16,13 +16,14 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, cpu_env, torchrun
+from shardlm.config import DataSource
 from shardlm.data import (
     TokenStream,
     is_prepared,
     load_tokenizer,
     prepare_corpus,
 )
-from shardlm.data.mixture import MixtureSampler
+from shardlm.data.mixture import MixtureSampler, prepare_mixture
 from shardlm.data.prepare import staging_dir
 from shardlm.data.readers import plan_pieces
 from test_data_scale import FORMATS, WORDS, corpora, jsonl_text, make_docs, tokenizer_file, write_format  # noqa: F401 (fixtures)
@@ -54,10 +55,31 @@ def test_workers_and_ranks_give_identical_token_files(tmp_path, corpora, tokeniz
         prepare_corpus(str(corpus), str(out), str(tokenizer_file), 400, 0.1, piece_bytes=12_000, workers=workers)
         digests[f"{workers} workers"] = [hashlib.sha256((out / s["file"]).read_bytes()).hexdigest()
                                          for s in json.loads((out / "meta.json").read_text())["shards"]]
+    # a mixture with a model directory's tokenizer (eos [1, 2] in its config.json, pad 1), in the same launch
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "tokenizer.json").write_bytes(tokenizer_file.read_bytes())
+    (model / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": "<|end_of_text|>", "pad_token": "<|end_of_text|>", "chat_template": "{{ x }}"}))
+    (model / "config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": [1, 2]}))
+    mixture = [{"path": str(corpora["jsonl"]), "weight": 0.7, "name": "a"},
+               {"path": str(corpora["txt"]), "weight": 0.3, "name": "b"}]
+    prepare_mixture([DataSource(**m) for m in mixture], str(tmp_path / "m1"), str(model / "tokenizer.json"),
+                    400, 0.1, piece_bytes=12_000)
     spec = tmp_path / "spec.json"
-    spec.write_text(json.dumps({"jobs": [{"corpus": str(corpus), "out": str(tmp_path / "r2"),
-                                          "tokenizer": str(tokenizer_file), "vocab_size": 400, "piece_bytes": 12_000}]}))
+    spec.write_text(json.dumps({"jobs": [
+        {"corpus": str(corpus), "out": str(tmp_path / "r2"), "tokenizer": str(tokenizer_file),
+         "vocab_size": 400, "piece_bytes": 12_000},
+        {"sources": mixture, "out": str(tmp_path / "m2"), "tokenizer": str(model / "tokenizer.json"),
+         "vocab_size": 400, "piece_bytes": 12_000}]}))
     torchrun(2, [str(ROOT / "tests" / "workers" / "prepare_worker.py"), str(spec)], timeout=300)
+    m1, m2 = (json.loads((tmp_path / m / "meta.json").read_text()) for m in ("m1", "m2"))
+    assert m2["model_special_ids"] == m1["model_special_ids"] == {"bos": 0, "eos": [1, 2], "pad": 1}
+    assert m2["content_sha256"] == m1["content_sha256"] and m2["special_ids"] == m1["special_ids"]
+    for sub in ("", "a", "b"):  # 2 ranks stage the model's files and record its ids as one process does
+        d1, d2 = tmp_path / "m1" / sub, tmp_path / "m2" / sub
+        assert (d2 / "tokenizer_config.json").read_bytes() == (d1 / "tokenizer_config.json").read_bytes(), sub
+        assert json.loads((d2 / "meta.json").read_text())["model_special_ids"] == m1["model_special_ids"], sub
     digests["2 ranks"] = [hashlib.sha256((tmp_path / "r2" / s["file"]).read_bytes()).hexdigest()
                           for s in json.loads((tmp_path / "r2" / "meta.json").read_text())["shards"]]
     assert len(digests["2 ranks"]) == len(pieces) > 20
@@ -114,6 +136,40 @@ def test_sigkill_part_way_then_restart_reuses_finished_pieces(tmp_path, tokenize
     for name, mtime in finished.items():  # the finished pieces were kept, not encoded again
         assert (out / "tokens" / name).stat().st_mtime_ns == mtime
     assert not staging_dir(out).exists()
+
+
+@pytest.mark.dist
+def test_ctrl_c_part_way_is_one_line_exit_130_and_the_same_prepare_continues(tmp_path, tokenizer_file):
+    """Ctrl-C (SIGINT to the process group, as a terminal sends it) while `shardlm prepare` encodes with 2
+    workers: one `error:` line, no traceback (the workers printed theirs, the parent none), exit 130; the
+    same command then continues from the finished pieces."""
+    import os
+
+    corpus = write_format(tmp_path / "c", "jsonl", make_docs(3000, seed=7))
+    out = tmp_path / "out"
+    config = tmp_path / "prep.toml"
+    config.write_text(f'[model]\nvocab_size = 400\n[data]\ncorpus = "{corpus}"\ndir = "{out}"\n'
+                      f'tokenizer = "{tokenizer_file}"\npiece_bytes = 5000\nworkers = 2\n')
+    cmd = [sys.executable, "-m", "shardlm", "prepare", "--config", str(config)]
+    proc = subprocess.Popen(cmd, env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    tokens = staging_dir(out) / "tokens"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and len(list(tokens.glob("*.json"))) < 2 and proc.poll() is None:
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err, err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert errors == [err.strip().splitlines()[-1]]
+    assert errors[0].startswith(f"error: stopped by Ctrl-C: {out} is unchanged; the pieces encoded so far")
+    assert not (out / "meta.json").exists()
+    finished = len(list(tokens.glob("*.json")))
+    again = subprocess.run(cmd, env=cpu_env(), capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert f"{finished} finished before" in again.stderr + again.stdout
+    assert is_prepared(str(out))
 
 
 @pytest.mark.dist

@@ -254,6 +254,110 @@ def test_prepare_errors(tmp_path: pathlib.Path, small_corpus: pathlib.Path) -> N
         load_meta(str(tmp_path / "x"))
 
 
+CHAT_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
+MODEL_IDS = {"bos": 0, "eos": [1, 2], "pad": 1}
+"""The special ids of :func:`model_tokenizer`'s model (config.json, tokenizer_config.json): not shardlm's."""
+
+
+@pytest.fixture()
+def model_tokenizer(tmp_path: pathlib.Path) -> pathlib.Path:
+    """A model directory's tokenizer: its tokenizer_config.json makes <|end_of_text|> (id 1) eos and pad and
+    has a chat template; config.json / generation_config.json stop at [1, 2]. A tokenizer without these files
+    would get shardlm's made-up ids (eos = pad = <|end_of_document|>, id 2)."""
+    d = tmp_path / "model"
+    d.mkdir()
+    train_tokenizer([_text(200, seed=9)], 300).save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS, "pad_token": EOS,
+        "chat_template": CHAT_TEMPLATE, "model_max_length": 2048}))
+    (d / "config.json").write_text(json.dumps({"model_type": "llama", "bos_token_id": 0,
+                                               "eos_token_id": [1, 2]}))
+    (d / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": [1, 2]}))
+    return d / "tokenizer.json"
+
+
+def _two_sources(tmp_path: pathlib.Path, lines: int = 60) -> list:
+    from shardlm.config import DataSource
+
+    for name, seed in (("a", 1), ("b", 2)):
+        (tmp_path / f"{name}.txt").write_text(_text(lines, seed=seed))
+    return [DataSource(str(tmp_path / "a.txt"), 0.7, "a"), DataSource(str(tmp_path / "b.txt"), 0.3, "b")]
+
+
+def test_a_mixture_records_its_model_tokenizers_special_ids_and_files_as_one_corpus_does(
+        tmp_path: pathlib.Path, model_tokenizer: pathlib.Path) -> None:
+    """A mixture prepared with a model directory's tokenizer: the mixture's meta.json and each source's
+    record the model's special ids (eos [1, 2], pad 1), and every directory holds the tokenizer files a
+    single corpus prepared with that tokenizer holds, byte for byte (its tokenizer_config.json with the chat
+    template); transformers reads the model's eos, pad and template from the mixture's directory (what an
+    export copies)."""
+    transformers = pytest.importorskip("transformers")
+    from shardlm.data.mixture import prepare_mixture
+    from shardlm.data.tokenizer_files import TOKENIZER_FILES
+
+    sources = _two_sources(tmp_path)
+    single = prepare_corpus(sources[0].path, str(tmp_path / "single"), str(model_tokenizer), 512, 0.2)
+    assert single["model_special_ids"] == MODEL_IDS
+    mix = tmp_path / "mix"
+    meta = prepare_mixture(sources, str(mix), str(model_tokenizer), 512, 0.2)
+    assert meta["model_special_ids"] == load_meta(str(mix))["model_special_ids"] == MODEL_IDS
+    assert meta["special_ids"] == single["special_ids"] == {"bos": 0, "eos": 1, "eod": 2}
+    staged = [name for name in TOKENIZER_FILES if (tmp_path / "single" / name).is_file()]
+    assert staged == ["tokenizer.json", "tokenizer_config.json"]
+    for d in (mix, mix / "a", mix / "b"):
+        if d != mix:
+            assert load_meta(str(d))["model_special_ids"] == MODEL_IDS, d
+        assert [name for name in TOKENIZER_FILES if (d / name).is_file()] == staged, d
+        for name in staged:
+            assert (d / name).read_bytes() == (tmp_path / "single" / name).read_bytes(), (d, name)
+    # source a is the single corpus, with the same tokenizer: the same tokens
+    assert load_meta(str(mix / "a"))["content_sha256"] == single["content_sha256"]
+    tok = transformers.AutoTokenizer.from_pretrained(str(mix))
+    assert (tok.eos_token, tok.pad_token, tok.chat_template) == (EOS, EOS, CHAT_TEMPLATE)
+    assert (tok.eos_token_id, tok.pad_token_id) == (1, 1)
+
+
+
+def test_a_model_trained_on_a_mixture_exports_its_tokenizers_model_ids(tmp_path: pathlib.Path,
+                                                                       model_tokenizer: pathlib.Path) -> None:
+    """The ids' consumer: a tiny model trained for 2 steps (one process) on a mixture prepared with a model
+    directory's tokenizer; its final export stops at the model's eos ids [1, 2] and pads with 1
+    (transformers' GenerationConfig), and its tokenizer has the model's eos token and chat template
+    (AutoTokenizer); so does ``shardlm export`` of its checkpoint, and ``shardlm generate``'s reader of a
+    model directory stops at [1, 2]."""
+    transformers = pytest.importorskip("transformers")
+    from conftest import tiny_overrides
+    from shardlm.config import load_config
+    from shardlm.parallel import init_distributed
+    from shardlm.train import Trainer
+
+    a, b = _two_sources(tmp_path, lines=120)
+    sources = (f'[{{path = "{a.path}", weight = 0.7, name = "a"}}, '
+               f'{{path = "{b.path}", weight = 0.3, name = "b"}}]')
+    cfg = load_config(None, tiny_overrides(tmp_path / "mix", tmp_path / "run", {
+        "data.sources": sources, "data.tokenizer": f'"{model_tokenizer}"', "data.workers": 1,
+        "parallel.mode": '"single"', "train.steps": 2, "train.eval_interval": 0, "checkpoint.interval": 2}))
+    started = torch.distributed.is_initialized()
+    try:
+        Trainer(cfg, init_distributed(cfg.parallel)).train()
+    finally:
+        if not started and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    from shardlm.cli.main import main as cli_main
+    from shardlm.convert.hf_in import model_dir_special_ids
+
+    exported = tmp_path / "exported"  # `shardlm export` of the checkpoint: the ids its manifest recorded
+    assert cli_main(["export", str(tmp_path / "run" / "checkpoints" / "step-2"), str(exported)]) == 0
+    for final in (tmp_path / "run" / "final", exported):
+        gen = transformers.GenerationConfig.from_pretrained(str(final))
+        assert (gen.bos_token_id, gen.eos_token_id, gen.pad_token_id) == (0, [1, 2], 1), final
+        assert json.loads((final / "config.json").read_text())["eos_token_id"] == [1, 2]
+        tok = transformers.AutoTokenizer.from_pretrained(str(final))
+        assert (tok.eos_token, tok.eos_token_id, tok.pad_token_id) == (EOS, 1, 1)
+        assert tok.chat_template == CHAT_TEMPLATE
+        assert model_dir_special_ids(final)["eos"] == [1, 2]  # where `shardlm generate` stops
+
+
 # ----------------------------------------------------------------------------- loader
 
 

@@ -16,7 +16,7 @@ from shardlm.data.instruct import InstructionExamples
 from shardlm.data.loader import TokenWindows
 from shardlm.data.packing import DocumentWindows, PackedExamples
 from shardlm.data.prepare import load_meta, prepare_corpus
-from shardlm.errors import DataError
+from shardlm.errors import ConfigError, DataError
 from shardlm.model import attention as doc_attention
 from shardlm.model.config import ModelConfig
 from shardlm.model.llama import Llama
@@ -176,7 +176,7 @@ def test_block_causal_eval_equals_each_document_alone(doc_data, small_data, tmp_
     assert starts == np.fromfile(doc_data / "document_starts.bin", dtype="<i8").tolist()  # as prepared
     for context, stride in ((64, 32), (24, 10)):  # documents shorter and longer than the context
         packed = perplexity.evaluate_tokens(model, stream, info, 4, context, False, stride, starts)
-        assert model.cfg.attention == "causal"  # the caller's model is left as it was
+        assert model.cfg.attention == cfg.attention == "auto"  # the caller's model is left as it was
         bounds = [*starts, len(stream)]
         alone = [perplexity.evaluate_tokens(model, stream[s:t], info, 4, context, False, stride)
                  for s, t in zip(bounds[:-1], bounds[1:])]
@@ -247,3 +247,243 @@ def test_mixture_windows_keep_each_sources_documents(mixture_data):
             assert torch.equal(batch[j], DocumentWindows(sources[src], eod).get([w])[0]), (split, j)
         assert batch[:, 2].max() > 0  # windows cross documents
         assert mixed.num_targets(ids) == int((batch[:, 1, 1:] != -100).sum())
+
+
+@pytest.mark.parametrize("attention", ["causal", "block_causal"])
+def test_documents_longer_than_a_window_continue_in_the_next_windows(doc_data, attention):
+    """The rule for pre-training documents longer than ``train.seq_len`` (windows of L + 1 tokens, L = 8 here,
+    through the trainer's own ``build_datasets``): window i is stream tokens [i(L+1), (i+1)(L+1)), so every
+    token of the split is in exactly one window (only a partial last window is dropped) and a long document's
+    pieces sit in consecutive windows. In each window every token but the first is a target, once: the first
+    token of each window is never a target (its predecessor ends the previous window, as torchtitan's
+    non-overlapping windows) and, under block-causal attention, neither is a document's first token. A piece
+    continuing a document is its window's document 0: rotary positions restart at 0 at the window's first
+    token and it attends only within the window. Under causal attention windows carry no documents: positions
+    are 0 .. L-1 and attention crosses the documents inside a window."""
+    from shardlm.config import Config
+    from shardlm.data.instruct import split_batch
+    from shardlm.data.packing import batch_documents
+    from shardlm.train.datasets import build_datasets
+
+    seq = 8
+    cfg = Config()
+    cfg.data.dir, cfg.train.seq_len, cfg.model.attention = str(doc_data), seq, attention
+    meta = load_meta(str(doc_data))
+    data = build_datasets(cfg, meta, attention == "block_causal").train
+    n, window = len(data), seq + 1
+    stream = data.windows.stream if attention == "block_causal" else data.stream
+    tokens = torch.from_numpy(stream.read(0, stream.num_tokens).astype(np.int64))
+    batch = data.get(list(range(n)))  # every window, in stream order
+    inputs, targets = split_batch(batch)
+    assert 0 <= stream.num_tokens - n * window < window  # nothing lost but a partial last window
+    assert torch.equal(torch.cat([inputs, (batch[:, 0] if batch.dim() == 3 else batch)[:, -1:]], 1).flatten(),
+                       tokens[:n * window])  # each token once, in order
+    # the trained pairs (input j -> target j + 1 of the stream): all but the window-crossing ones (and,
+    # block-causal, those whose target starts a document); none twice
+    starts = torch.zeros(stream.num_tokens, dtype=torch.bool)
+    starts[torch.from_numpy(stream.starts_in(0, stream.num_tokens))] = True
+    position = torch.arange(n * window).view(n, window)
+    scored = targets != -100
+    expected = torch.ones(n, seq, dtype=torch.bool)
+    if attention == "block_causal":
+        expected &= ~starts[position[:, 1:]]
+    assert torch.equal(scored, expected) and torch.equal(targets[scored], tokens[position[:, 1:]][scored])
+    assert data.num_targets(list(range(n))) == int(scored.sum())
+    # documents longer than two windows: their pieces in consecutive windows, each piece after the first its
+    # window's document 0 with positions from 0 at the window's first token
+    doc_starts = stream.starts_in(0, stream.num_tokens).tolist() + [stream.num_tokens]
+    long = [(a, b) for a, b in zip(doc_starts, doc_starts[1:]) if b - a > 2 * window and b <= n * window]
+    assert len(long) >= 3
+    documents = batch_documents(batch)
+    assert (documents is None) == (attention == "causal")
+    for a, b in long:
+        first, last = a // window, (b - 1) // window
+        assert last - first >= 2
+        for w in range(first + 1, last + 1):  # the windows the document continues into
+            piece = min(b, (w + 1) * window) - w * window  # its tokens in window w, from the window's first
+            assert torch.equal(batch[w, 0, :piece] if batch.dim() == 3 else batch[w, :piece],
+                               tokens[w * window:w * window + piece])
+            if attention == "block_causal":
+                inputs_of_piece = min(piece, seq)
+                assert documents[w, :inputs_of_piece].eq(0).all()
+                positions = doc_attention.document_positions(documents[w:w + 1])[0, :inputs_of_piece]
+                assert torch.equal(positions, torch.arange(inputs_of_piece))
+
+
+def _trainer_steps(overrides: list[str], steps: int):
+    """A one-process Trainer of ``overrides`` (its process group of one rank) and the records of ``steps`` steps."""
+    from shardlm.parallel import init_distributed
+    from shardlm.train import Trainer
+
+    cfg = load_config(None, overrides)
+    started = torch.distributed.is_initialized()
+    try:
+        trainer = Trainer(cfg, init_distributed(cfg.parallel))
+        summary = trainer.summary()
+        records = [trainer.train_step() for _ in range(steps)]
+        if steps and cfg.checkpoint.enabled:
+            trainer.checkpointer.save(trainer.model, trainer.optimizer, trainer.scheduler, trainer.step)
+            trainer.checkpointer.close()
+    finally:
+        if not started and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    return trainer, summary, records
+
+
+def test_new_runs_train_block_causal_by_their_data_and_resumed_runs_keep_theirs(
+        doc_data, packed_data, small_data, tmp_path, capsys):
+    """``model.attention = "auto"`` (the default): a new run on pre-training data that records its document starts
+    trains block-causal (the summary says so; its losses equal an explicit block_causal run's bit for bit and
+    differ from causal's, the batch crossing documents); packed instruction data (``data.pack`` alone) trains
+    block-causal, unpacked instruction data causal; data whose preparation recorded no starts falls back to
+    causal with one warning naming the missing file and the fix, and ``shardlm prepare`` then records them;
+    resuming a causal checkpoint without the setting continues causal bit for bit; windows within one document
+    (the small corpus is one document) train exactly as explicit causal; the planner resolves ``auto`` the same."""
+    import shutil
+
+    from conftest import tiny_overrides
+    from shardlm.cli.main import main as shardlm_main
+    from shardlm.data.attention_choice import choose_attention
+    from shardlm.plan.documents import planned_attention
+    from shardlm.train.datasets import resolve_attention
+
+    common = {"train.seq_len": SEQ, "train.global_batch_size": 4, "train.micro_batch_size": 2,
+              "train.eval_interval": 0, "parallel.mode": '"single"', "checkpoint.interval": 0}
+    runs = tmp_path / "runs"
+
+    def overrides(data, name, **extra):
+        return tiny_overrides(data, runs / name, {**common, **extra})
+
+    auto, summary, a = _trainer_steps(overrides(doc_data, "auto"), 2)
+    assert auto.cfg.model.attention == "block_causal" and planned_attention(load_config(None, overrides(
+        doc_data, "x"))) == "block_causal"
+    assert ("attention  block_causal (backend sdpa, per-document positions); auto: pre-training data with "
+            "recorded document starts; documents from the recorded starts") in summary, summary
+    assert auto.train_data.get(auto.sampler.step_ids(0))[:, 2].max() > 0  # step 1's windows cross documents
+    _, _, b = _trainer_steps(overrides(doc_data, "block", **{"model.attention": '"block_causal"'}), 2)
+    causal, summary, c = _trainer_steps(overrides(doc_data, "causal", **{"model.attention": '"causal"'}), 2)
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]
+    assert abs(a[0]["loss"] - c[0]["loss"]) > 1e-4 and "attention  causal; set in model.attention" in summary
+    assert type(causal.train_data) is TokenWindows  # explicit causal: today's plain windows, no document channel
+    # resuming the causal run's checkpoint without the setting: causal, bit for bit as its own next step
+    _, _, c3 = _trainer_steps(overrides(doc_data, "causal3", **{"model.attention": '"causal"'}), 3)
+    step2 = runs / "causal" / "checkpoints" / "step-2"
+    resumed, summary, r = _trainer_steps(overrides(doc_data, "causal", **{"checkpoint.resume": f'"{step2}"'}), 1)
+    assert resumed.step == 3 and resumed.cfg.model.attention == "causal" and r[0]["loss"] == c3[2]["loss"]
+    assert "auto: the resumed checkpoint's" in summary
+    auto_ckpt = runs / "auto" / "checkpoints" / "step-2"  # the resolved value is what the run records
+    assert json.loads((auto_ckpt / "manifest.json").read_text())["config"]["model"]["attention"] == "block_causal"
+    assert json.loads((runs / "auto" / "config.json").read_text())["model"]["attention"] == "block_causal"
+    with pytest.raises(ConfigError, match='model.attention changed "block_causal" -> "causal"'):
+        _trainer_steps(overrides(doc_data, "auto", **{"checkpoint.resume": f'"{auto_ckpt}"',
+                                                      "model.attention": '"causal"'}), 0)
+    assert resolve_attention(load_config(None, []), {}).attention == "causal"  # a checkpoint from before the field
+    pairs = load_config(None, [])
+    pairs.data.format = "preference"
+    assert choose_attention(pairs).attention == "causal" and planned_attention(pairs) == "causal"
+    # instruction data: packed -> block-causal (data.pack alone), one example per sample -> causal
+    chat = {"data.format": '"instruct"', "data.corpus": f'"{packed_data.parent / "chat.jsonl"}"',
+            "data.val_fraction": 0.1, "checkpoint.enabled": "false"}
+    packed, summary, _ = _trainer_steps(overrides(packed_data, "packed", **chat, **{"data.pack": "true"}), 0)
+    assert packed.cfg.model.attention == "block_causal" and "auto: packed instruction examples" in summary
+    unpacked, summary, _ = _trainer_steps(overrides(packed_data, "unpacked", **chat, **{
+        "train.seq_len": 256, "model.max_seq_len": 256}), 0)
+    assert unpacked.cfg.model.attention == "causal" and "auto: one instruction example per sample" in summary
+    # data prepared before document starts were recorded: causal, with the warning; `shardlm prepare` fixes it
+    old = tmp_path / "old"
+    shutil.copytree(doc_data, old)
+    meta = json.loads((old / "meta.json").read_text())
+    del meta["document_starts"]
+    (old / "meta.json").write_text(json.dumps(meta))
+    (old / "document_starts.bin").unlink()
+    capsys.readouterr()
+    fallback, summary, f = _trainer_steps(overrides(old, "old", **{"checkpoint.enabled": "false"}), 1)
+    err = capsys.readouterr().err
+    warnings = [line for line in err.splitlines() if "document_starts.bin missing" in line]
+    assert warnings == [f"warning: {old / 'document_starts.bin'} missing (the data was prepared before shardlm "
+                        "recorded where documents start): training with causal attention across documents; run "
+                        "`shardlm prepare` with this config again to train block-causal (or set model.attention)"]
+    assert fallback.cfg.model.attention == "causal" and f[0]["loss"] == c[0]["loss"]  # the same tokens, causal
+    assert planned_attention(load_config(None, overrides(old, "x"))) == "causal"
+    assert shardlm_main(["prepare", "--config", str(ROOT / "configs/shakespeare-tiny.toml"),
+                         *overrides(old, "x")]) == 0
+    assert "records no document starts; preparing it again" in capsys.readouterr().err
+    assert (old / "document_starts.bin").is_file()
+    assert planned_attention(load_config(None, overrides(old, "x"))) == "block_causal"
+    # one document per window (the small corpus is one text): block-causal windows are causal's, bit for bit
+    one, _, o = _trainer_steps(overrides(small_data, "one", **{"checkpoint.enabled": "false"}), 2)
+    _, _, oc = _trainer_steps(overrides(small_data, "onec", **{"checkpoint.enabled": "false",
+                                                               "model.attention": '"causal"'}), 2)
+    assert one.cfg.model.attention == "block_causal" and [x["loss"] for x in o] == [x["loss"] for x in oc]
+    assert [x["flops_per_step_per_rank"] for x in o] == [x["flops_per_step_per_rank"] for x in oc]
+
+
+def test_logged_flops_count_the_attention_of_each_document(packed_data, doc_data, tmp_path):
+    """The trainer's FLOPs (and so its MFU) count block-causal attention per document: a batch of known document
+    lengths gives exactly 6·N·tokens + 12·L·H·Q·Σ n² computed by hand; a logged packed step and a block-causal
+    window step equal that formula on their rows' documents exactly; causal's figure is the old 6N + 12·L·H·Q·T
+    per token bit for bit; the planner's FLOPs per step equal the trainer's on the same (whole) data."""
+    from conftest import tiny_overrides
+    from shardlm.metrics.flops import model_flops, model_flops_per_token, squared_document_lengths
+    from shardlm.plan.time import flops_per_token
+    from shardlm.train.step_metrics import step_model_flops
+
+    cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=96, vocab_size=128, max_seq_len=64)
+    n = sum(p.numel() for name, p in Llama(cfg).named_parameters() if name != "model.embed_tokens.weight")
+    documents = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2], [0] * 8])  # lengths 3, 2, 3 and 8
+    assert squared_document_lengths(documents) == 9 + 4 + 9 + 64
+    assert model_flops(cfg, 16, 86) == 6 * n * 16 + 12 * 2 * 4 * 16 * 86
+    assert model_flops(cfg, 16, 2 * 64) == model_flops_per_token(cfg, 8) * 16  # causal: Σ n² = T² per sequence
+
+    common = {"train.seq_len": SEQ, "train.global_batch_size": 4, "train.micro_batch_size": 2,
+              "train.eval_interval": 0, "parallel.mode": '"single"', "checkpoint.enabled": "false"}
+    chat = {"data.format": '"instruct"', "data.corpus": f'"{packed_data.parent / "chat.jsonl"}"',
+            "data.val_fraction": 0.1, "data.pack": "true"}
+
+    def hand(model, squares):  # the formula, written out: 6·N·tokens + 12·L·H·Q·Σ n²
+        return 6 * (sum(p.numel() for name, p in Llama(model).named_parameters()
+                        if name != "model.embed_tokens.weight")) * 4 * SEQ + 12 * model.n_layers * model.n_heads \
+            * model.head_dim * squares
+
+    packed, _, (p,) = _trainer_steps(tiny_overrides(packed_data, tmp_path / "p", {**common, **chat}), 1)
+    rows, lengths = packed.train_data.rows, np.diff(packed.train_data.examples.offsets)
+    squares = 0
+    for r in packed.sampler.step_ids(0):
+        placed = [min(int(lengths[e]), SEQ + 1) for e in rows[r]]
+        placed = [x for x in placed + [SEQ + 1 - sum(placed)] if x]  # the padding: a document of its own
+        placed[-1] -= 1  # the inputs are the row's first SEQ tokens
+        squares += sum(x * x for x in placed)
+    assert squares < 4 * SEQ * SEQ and p["flops_per_step_per_rank"] == hand(packed.cfg.model, squares)
+    assert p["mfu"] == p["flops_per_step_per_rank"] / (p["step_time_s"] * p["peak_flops_per_rank"])
+    windows, _, (w,) = _trainer_steps(tiny_overrides(doc_data, tmp_path / "w", common), 1)
+    docs = windows.train_data.get(windows.sampler.step_ids(0))[:, 2, :-1]
+    squares = sum(int((torch.unique_consecutive(row, return_counts=True)[1] ** 2).sum()) for row in docs)
+    assert squares < 4 * SEQ * SEQ and w["flops_per_step_per_rank"] == hand(windows.cfg.model, squares)
+    causal, _, (c,) = _trainer_steps(tiny_overrides(doc_data, tmp_path / "c", {
+        **common, "model.attention": '"causal"'}), 1)
+    assert c["flops_per_step_per_rank"] == model_flops_per_token(causal.cfg.model, SEQ) * 4 * SEQ / 1
+    # the planner and the trainer on the same batch: every training sample at once
+    for trainer in (packed, windows, causal):
+        every = list(range(len(trainer.train_data)))
+        planned = flops_per_token(trainer.cfg) * len(every) * SEQ
+        assert planned == pytest.approx(step_model_flops(trainer.cfg, trainer.train_data, every, len(every)),
+                                        rel=1e-12)
+
+
+def test_auto_attention_reads_every_mixture_source(mixture_data, tmp_path):
+    """``auto`` on a mixture: block-causal when every source records its document starts; causal, naming the one
+    source that does not, otherwise."""
+    import shutil
+
+    from shardlm.data.attention_choice import choose_attention
+
+    assert choose_attention(load_config(None, [f"--data.dir={mixture_data}"])).attention == "block_causal"
+    copy = tmp_path / "mix"
+    shutil.copytree(mixture_data, copy)
+    meta = json.loads((copy / "b" / "meta.json").read_text())
+    del meta["document_starts"]
+    (copy / "b" / "meta.json").write_text(json.dumps(meta))
+    choice = choose_attention(load_config(None, [f"--data.dir={copy}"]))
+    assert choice.attention == "causal" and choice.warning.startswith(f"warning: {copy / 'b' / 'document_starts.bin'} "
+                                                                      "missing (the data was prepared before")
+    assert str(copy / "a") not in choice.warning

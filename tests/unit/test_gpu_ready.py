@@ -31,7 +31,8 @@ from shardlm.parallel.dist import (
 from shardlm.plan.devices import DEVICES, device_for_cuda_name
 from shardlm.plan.time import plan_time
 
-GPU_CONFIGS = {"llama3-8b.toml", "llama3.2-1b.toml", "llama3-70b.toml", "qwen3-30b-a3b.toml"}
+GPU_CONFIGS = {"llama3-8b.toml", "llama3.2-1b.toml", "llama3.2-1b-32k.toml", "llama3-70b.toml",
+               "qwen3-30b-a3b.toml"}
 
 
 def plan_line(path) -> list[str]:

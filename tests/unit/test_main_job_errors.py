@@ -67,6 +67,22 @@ def test_bad_input_one_clear_error(case, tmp_path, small_data, small_corpus, tok
         assert not (tmp_path / "fresh").exists() or not any((tmp_path / "fresh").rglob("*.bin"))
 
 
+def test_bad_input_with_run_overwrite_keeps_the_previous_run(tmp_path, small_data, small_corpus,
+                                                               tokenizer_600, capsys):
+    """run.overwrite=true with data that cannot be trained on: the error, and the previous run's files kept
+    (the directory was cleared before the data and the model were checked: a typo cost the previous run)."""
+    run = tmp_path / "run"
+    (run / "final").mkdir(parents=True)
+    previous = {"metrics.jsonl": '{"step": 1}\n', "config.json": "{}", "final/model.safetensors": "weights"}
+    for name, text in previous.items():
+        (run / name).write_text(text)
+    overrides = [f"--data.corpus={small_corpus}", f"--data.tokenizer={tokenizer_600}",
+                 f"--data.dir={tmp_path / 'fresh'}"]
+    assert train_main(tiny_overrides(small_data, run) + overrides) == 2
+    assert "600" in capsys.readouterr().err
+    assert {name: (run / name).read_text() for name in previous} == previous
+
+
 @pytest.mark.parametrize("start_group", [True, False])
 def test_exit_process_keeps_the_code_and_the_output(start_group):
     """``exit_process`` (which skips the interpreter's teardown once a process group was started) still

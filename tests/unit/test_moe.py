@@ -47,6 +47,40 @@ def test_moe_block_equals_transformers(family, norm):
     assert stats.counts.tolist() == torch.bincount(hf.gate(x.reshape(-1, 32))[2].reshape(-1), minlength=8).tolist()
 
 
+def test_padding_left_out_of_the_router_statistics_gives_transformers_masked_aux_loss():
+    """``MoE.count_only`` (context parallel's padding): the output is unchanged, the statistics are those of
+    the counted positions only, and the aux loss is transformers' ``load_balancing_loss_func`` under the same
+    ``attention_mask``; an input of another length is refused."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    from shardlm.train.moe_loss import moe_loss_term
+    torch.manual_seed(0)
+    layer = MoE(32, 8, 24, 2, "softmax_topk", norm_topk_prob=True)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x = torch.randn(3, 7, 32)
+    counted = torch.tensor([True, True, False, True, True, True, False])  # two padding positions per row
+    y_all = layer(x)
+    full = moe_loss_term(layer, 1.0, 1.0)
+    layer.count_only(counted)
+    y = layer(x)
+    torch.testing.assert_close(y, y_all, atol=0, rtol=0)
+    assert layer.stats.tokens == 15 and layer.stats.counts.sum() == 30
+    mask = counted.expand(3, 7)
+    logits = layer.gate(x.reshape(-1, 32)).detach()
+    want = load_balancing_loss_func((logits,), 8, 2, mask)
+    got = moe_loss_term(layer, 1.0, 1.0)
+    assert abs(got.aux.item() - want.item()) <= 1e-6 and abs(full.aux.item() - want.item()) > 1e-4
+    z = torch.logsumexp(logits[mask.reshape(-1)], -1).pow(2).mean()
+    torch.testing.assert_close(got.z, z)
+    chosen = layer.gate(x[mask]).topk(2).indices.reshape(-1)
+    assert got.counts.tolist() == [torch.bincount(chosen, minlength=8).float().tolist()]
+    with pytest.raises(ValueError, match="counts 7 positions per sequence"):
+        layer(torch.randn(3, 8, 32))
+    layer.count_only(None)
+    assert layer(x).shape == x.shape and layer.stats.tokens == 21
+
+
 def test_topk_softmax_routing_is_softmax_over_the_top_k_logits():
     logits = torch.tensor([[1.0, 3.0, 2.0, -1.0]])
     weights, experts, probs = route(logits, 2, "topk_softmax", False)

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import cli_error
+from shardlm.config import load_config
 from shardlm.data.instruct import InstructionExamples, prepare_instructions, split_batch
 from shardlm.data.loader import TokenWindows
 from shardlm.data.packing import DocumentWindows, PackedExamples, best_fit_decreasing
@@ -332,13 +333,14 @@ def test_packed_batch_loss_equals_examples_one_by_one(packed_data):
 
 
 def test_packing_bad_input(packed_data, small_data, tmp_path, capsys):
-    """data.pack on text data, data.pack under causal attention, and examples that all lose their response to
-    truncation: one clear message each, exit 2."""
+    """data.pack on text data, data.pack under causal attention set explicitly (``auto``, the default, is
+    accepted), and examples that all lose their response to truncation: one clear message each, exit 2."""
     base = ["prepare", "--config", str(ROOT / "configs/shakespeare-tiny.toml"), f"--data.dir={tmp_path / 'd'}"]
     err = cli_error(capsys, base + ["--data.pack=true", "--model.attention=block_causal"])
     assert "data.pack packs instruction examples: it needs data.format = 'instruct'" in err
-    err = cli_error(capsys, base + ["--data.pack=true", "--data.format=instruct"])
-    assert "data.pack needs model.attention = 'block_causal'" in err
+    err = cli_error(capsys, base + ["--data.pack=true", "--data.format=instruct", "--model.attention=causal"])
+    assert "data.pack needs model.attention = 'block_causal' (or 'auto', the default)" in err
+    assert load_config(None, ["--data.pack=true", "--data.format=instruct"]).model.attention == "auto"
     assert not (tmp_path / "d").exists()
     plain = InstructionExamples(str(packed_data), "train", 4, skip_untrainable=True)  # responses start later
     with pytest.raises(DataError, match=r"no instruction example to train: all \d+ have no response token within "

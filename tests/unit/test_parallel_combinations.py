@@ -1,5 +1,11 @@
 """Combinations of the parallelisms and objectives that are not built together yet: each is refused with one
-message naming both settings, before any process group starts (``config.validate``, ``parallel/dist.py``)."""
+message naming both settings, before any process group starts (``config.validate``, ``parallel/dist.py``,
+``parallel/tp.py``). Refused today: tensor parallel on a mixture-of-experts model (context parallel, with or
+without expert parallel, is built: tests/dist/test_moe_parallel.py); preference
+tuning with tensor or context parallel or on a mixture of experts; tensor parallel under context parallel when
+a CP rank's tokens do not split evenly over the tensor-parallel ranks. Context parallel with TP, HSDP and DDP
+is built (trained against one process in tests/dist/test_cp_parity.py, and planned by ``shardlm plan``); its layouts are
+checked here."""
 
 from __future__ import annotations
 
@@ -7,25 +13,49 @@ import pytest
 
 from shardlm.config import ParallelConfig, load_config
 from shardlm.errors import ConfigError
-from shardlm.parallel.dist import dp_mesh_shape
+from shardlm.model.config import ModelConfig
+from shardlm.parallel.dist import dp_mesh_shape, mesh_dims
+from shardlm.parallel.tp import check_tp
 
 MOE = ["--model.family=qwen3_moe", "--model.n_experts=4", "--model.n_experts_per_token=2"]
 
 
-def test_context_and_tensor_parallel_together_are_refused():
-    with pytest.raises(ConfigError, match=r"parallel.cp=2 with parallel.tp=2: context and tensor parallelism "
-                                          r"together are not built yet"):
-        dp_mesh_shape(ParallelConfig(cp=2, tp=2), 8, 8)
-    assert dp_mesh_shape(ParallelConfig(cp=2), 8, 8) == (1, 4)  # the control: each alone builds
-    assert dp_mesh_shape(ParallelConfig(tp=2), 8, 8) == (1, 4)
+def test_context_parallel_composes_with_tensor_parallel_hsdp_and_ddp():
+    """The mesh is torchtitan's (dp_replicate, dp_shard × cp, tp), tp innermost; CP groups are built beside
+    it."""
+    assert mesh_dims(ParallelConfig(cp=2, tp=2), 8, 8) == [("dp_shard", 4), ("tp", 2)]
+    assert dp_mesh_shape(ParallelConfig(cp=2, tp=2), 8, 8) == (1, 2)  # 2 data-parallel ranks of 2 x 2
+    assert mesh_dims(ParallelConfig(cp=2, dp_replicate=2), 4, 4) == [("dp_replicate", 2), ("dp_shard", 2)]
+    assert mesh_dims(ParallelConfig(cp=2, mode="ddp"), 4, 4) == [("dp_shard", 4)]
+    # a tensor-parallel group stays on one node; a shard group with its CP and TP peers may not straddle nodes
+    with pytest.raises(ConfigError, match=r"parallel.tp=4 must divide the 2 ranks of a node"):
+        dp_mesh_shape(ParallelConfig(cp=2, tp=4), 8, 2)
+    with pytest.raises(ConfigError, match=r"parallel.dp_shard=3 × parallel.cp=2 × parallel.tp=2 does not "
+                                          r"divide the 8 ranks of a node"):
+        dp_mesh_shape(ParallelConfig(cp=2, tp=2, dp_shard=3, dp_replicate=-1), 24, 8)
+    hsdp = ParallelConfig(cp=2, tp=2, dp_shard=2, dp_replicate=-1)
+    assert dp_mesh_shape(hsdp, 16, 8) == (2, 2)  # HSDP x CP x TP: a shard group and its peers fill a node
 
 
-@pytest.mark.parametrize("split", ["--parallel.tp=2", "--parallel.cp=2"])
-def test_tensor_or_context_parallel_on_a_mixture_of_experts_is_refused(split):
-    with pytest.raises(ConfigError, match=rf"{split[2:]} on a mixture-of-experts model \(model.n_experts=4\) is not "
-                                          "built yet"):
-        load_config(None, [*MOE, split])
-    load_config(None, MOE)  # the control: the MoE model alone loads
+def test_tp_under_cp_needs_a_cp_rank_s_tokens_to_split_evenly():
+    cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=4, ffn_hidden=128, vocab_size=512)
+    check_tp(cfg, 4, 12)  # without CP: 12 tokens over 4 ranks
+    # under CP 2: 12 tokens pad to 12, 6 per CP rank: not a multiple of tp = 4
+    with pytest.raises(ConfigError, match=r"parallel.tp=4 must divide the tokens per context-parallel rank "
+                                          r"\(train.seq_len=12 .*/ parallel.cp=2; sequence parallel splits "
+                                          r"them\) = 6"):
+        check_tp(cfg, 4, 12, cp=2)
+    check_tp(cfg, 2, 12, cp=2)  # the control: 6 tokens per CP rank over 2
+
+
+def test_tensor_parallel_on_a_mixture_of_experts_is_refused_context_parallel_loads():
+    message = r"parallel.tp=2 on a mixture-of-experts model \(model.n_experts=4\) is not built yet"
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [*MOE, "--parallel.tp=2"])
+    with pytest.raises(ConfigError, match=r"parallel.tp=2 on a mixture-of-experts"):
+        load_config(None, [*MOE, "--parallel.tp=2", "--parallel.cp=2"])  # CP does not lift TP's refusal
+    load_config(None, MOE)  # the controls: the MoE model alone loads, and with CP (test_moe_parallel)
+    assert load_config(None, [*MOE, "--parallel.cp=2", "--parallel.ep=2"]).parallel.cp == 2
 
 
 @pytest.mark.parametrize("extra,what", [(["--parallel.tp=2"], "parallel.tp=2"), (["--parallel.cp=2"], "parallel.cp=2"),
@@ -34,3 +64,29 @@ def test_preference_tuning_with_tp_cp_or_moe_is_refused(extra, what):
     with pytest.raises(ConfigError, match=rf"preference tuning \(data.format = 'preference'\) with {what} is not "
                                           "built yet"):
         load_config(None, ["--data.format=preference", *extra])
+
+
+def test_a_global_batch_that_cp_x_tp_data_parallel_ranks_cannot_split_names_both():
+    from shardlm.config import Config, gradient_accumulation_steps
+
+    cfg = Config()
+    cfg.parallel.cp, cfg.parallel.tp, cfg.train.global_batch_size, cfg.train.micro_batch_size = 2, 2, 3, 1
+    with pytest.raises(ConfigError, match=r"train.global_batch_size=3 must be divisible by world size × "
+                                          r"train.micro_batch_size = 2 × 1 = 2 \(the data-parallel world "
+                                          r"size: world size / parallel.cp=2 × parallel.tp=2\)"):
+        gradient_accumulation_steps(cfg, 2)
+    cfg.train.global_batch_size = 4
+    assert gradient_accumulation_steps(cfg, 2) == 2
+
+
+def test_the_planner_refuses_a_world_size_that_cp_x_tp_does_not_divide_naming_both():
+    from shardlm.config import Config
+    from shardlm.plan import plan_memory
+
+    cfg = Config()
+    cfg.train.seq_len = cfg.model.max_seq_len = 1024
+    cfg.train.global_batch_size, cfg.train.micro_batch_size = 1, 1
+    cfg.parallel.cp, cfg.parallel.tp = 2, 2
+    with pytest.raises(ConfigError, match=r"parallel.cp=2 × parallel.tp=2 = 4 must divide the world size 6"):
+        plan_memory(cfg, 6, "cpu")  # 6 is a multiple of cp and of tp, not of both
+    assert plan_memory(cfg, 4, "cpu").peak > 0  # the control: CP x TP is planned (tests/dist/test_cp_parity.py: how)

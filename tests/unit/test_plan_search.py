@@ -186,3 +186,20 @@ def test_plan_presets_refuse_bad_input(tmp_path, capsys):
     assert "needs a config and --world-size N" in cli_error(capsys, ["plan", LLAMA3_8B])
     listed = plan_out(capsys, ["--model-preset", "list"])
     assert len(listed.splitlines()) == len(PRESETS) and "meta-llama/Llama-3.1-405B" in listed
+
+
+def test_search_under_cp_x_tp_tries_the_checkpointing_tp_models_and_counts_its_data_parallel_ranks(capsys):
+    """Llama 3 8B at 128k with CP 4 x TP 2 and no checkpointing does not fit 8 H100s; the search tries only
+    the modes the planner models under TP (no selective) and counts N / (cp·tp) data-parallel ranks: at 16
+    GPUs two of them take the 2 sequences, so micro-batch 1 needs no accumulation. Passed back, each fits as
+    printed."""
+    argv = [LLAMA3_8B, "--world-size", "8", "--device", "h100", "--train.seq_len=131072",
+            "--model.max_seq_len=131072", "--train.global_batch_size=2", "--train.micro_batch_size=2",
+            "--parallel.cp=4", "--parallel.tp=2", "--parallel.activation_checkpoint=none"]
+    out = plan_out(capsys, argv)
+    assert "  does not fit:" in out
+    fits = suggested(out)
+    assert fits and all("--parallel.activation_checkpoint=full" in flags for flags, _ in fits), out
+    assert "selective" not in out
+    assert "micro-batch 1 (smaller matmuls run further below peak); 2x the GPUs" in out  # k = 2 / (2 · 1) = 1
+    _passed_back_they_fit(capsys, argv, fits)

@@ -4,6 +4,7 @@ prediction against the measured peak is tests/dist/test_planner_measured_peak.py
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -40,6 +41,31 @@ def test_plan_rejects_bad_settings():
     cfg.parallel.reshard_after_forward = 2  # an N-way reshard is refused, not planned as `true`
     with pytest.raises(ConfigError, match="reshard_after_forward=2.*N-way"):
         plan_memory(cfg, 4)
+
+
+MOE_4 = ["--model.family=qwen3_moe", "--model.n_experts=4", "--model.n_experts_per_token=2",
+         "--model.moe_ffn_hidden=32"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (MOE_4 + ["--parallel.ep=3"], r"parallel.ep=3 must divide model.n_experts=4"),
+    (MOE_4 + ["--parallel.ep=4"], r"parallel.ep=4 must divide the data-parallel ranks \(2\)"),
+    (["--parallel.cp=2", "--train.seq_len=1", "--train.global_batch_size=1"],
+     r"train.seq_len=1 is shorter than parallel.cp=2"),
+    (["--parallel.tp=2", "--model.n_kv_heads=1"], r"parallel.tp=2 must divide the key/value heads"),
+    (["--parallel.tp=2", "--model.ffn_hidden=767"], r"parallel.tp=2 must divide the FFN width"),
+    (["--parallel.tp=2", "--lora.enabled=true"], r"parallel.tp=2 with lora.enabled is not supported"),
+])
+def test_plan_refuses_what_training_refuses(overrides, message, capsys):
+    """`shardlm plan` on an expert-, tensor- or context-parallel layout that training refuses: one error,
+    exit 2 (it printed a plan of a layout that cannot run before)."""
+    from shardlm.cli.main import main
+
+    config = str(ROOT / "configs" / "debug-shape.toml")
+    assert main(["plan", config, "--world-size", "2", "--device", "cpu", *overrides]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ")
+    assert re.search(message, err[0]), err[0]
 
 
 def test_plan_cli_llama3_8b():
@@ -114,3 +140,32 @@ def test_moe_layer_saved_bytes_equal_what_autograd_saves():
     experts = 4 * 4 * s.tokens * s.f  # the SwiGLU of width f = k · expert width, as plan/activations.py counts it
     print(f"\nMoE layer: autograd saves {sum(saved.values()):,} bytes; planner {experts + moe_layer_saved(s, mcfg):,}")
     assert sum(saved.values()) == experts + moe_layer_saved(s, mcfg)
+
+
+def test_plan_llama3_2_1b_one_32k_sequence_on_one_h100(capsys):
+    """configs/llama3.2-1b-32k.toml: one 32,768-token sequence of Llama 3.2 1B per micro-batch on one H100
+    (bf16 compute, 8 micro-batches). Full activation checkpointing with the chunked loss fits with room;
+    without checkpointing the activations are over 10 times as large and the peak comes within 3% of the
+    budget; with the whole logits too (``train.loss_chunk_tokens = 0``) it does not fit."""
+    from shardlm.cli.main import main as shardlm_main
+
+    config = str(ROOT / "configs" / "llama3.2-1b-32k.toml")
+
+    def plan(*extra: str) -> tuple[str, float, float, float]:
+        capsys.readouterr()
+        assert shardlm_main(["plan", config, "--world-size", "1", "--device", "h100", *extra]) == 0
+        out = capsys.readouterr().out
+        assert "micro-batch 1 x 32768 tokens, 8 micro-batch(es)/step" in out
+        verdict = next(line.strip() for line in out.splitlines() if "GiB usable" in line)
+        usable = float(verdict.split(" GiB usable")[0].split()[-1])
+        total = float(out.split("\n    total")[1].split()[0])
+        return verdict, total, usable, float(out.split("activations (saved for backward)")[1].split()[0])
+
+    verdict, total, usable, ac_acts = plan()  # the config: full checkpointing, the loss in 256-token chunks
+    assert verdict.startswith("fits:") and total < 0.4 * usable, verdict
+    verdict, total, usable, acts = plan("--parallel.activation_checkpoint=none")
+    assert verdict.startswith("fits:") and usable - total < 0.03 * usable and acts > 10 * ac_acts, verdict
+    verdict, _, _, _ = plan("--parallel.activation_checkpoint=none", "--train.loss_chunk_tokens=0")
+    assert verdict.startswith("does not fit:"), verdict
+    verdict, _, _, _ = plan("--train.loss_chunk_tokens=0")  # checkpointing alone, the whole logits
+    assert verdict.startswith("fits:"), verdict

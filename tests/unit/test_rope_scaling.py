@@ -101,6 +101,28 @@ def test_a_rope_type_not_built_is_refused_by_name(rope_type):
                                    "rope_scaling": {"rope_type": rope_type, "factor": 2.0}})
 
 
+@pytest.mark.parametrize("scaling, message", [
+    ({"rope_type": "llama3", "factor": None, "low_freq_factor": 1.0, "high_freq_factor": 4.0},
+     r"rope_scaling \(llama3\) field 'factor' must be a positive number, got None"),
+    ({"rope_type": "llama3", "factor": "eight", "low_freq_factor": 1.0, "high_freq_factor": 4.0},
+     r"rope_scaling \(llama3\) field 'factor' must be a positive number, got 'eight'"),
+    ({"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0},
+     r"rope_scaling \(llama3\) lacks field 'factor'"),
+    ({"rope_type": "linear", "factor": 0},
+     r"rope_scaling \(linear\) field 'factor' must be a positive number, got 0"),
+    ({"rope_type": "yarn", "factor": 0},
+     r"rope_scaling \(yarn\) field 'factor' must be a positive number, got 0"),
+    ({"rope_type": "dynamic", "factor": True},
+     r"rope_scaling \(dynamic\) field 'factor' must be a positive number"),
+    ("yarn", r"rope_scaling must be an object \(a dict with rope_type\), got 'yarn'"),
+])
+def test_a_rope_scaling_factor_that_is_not_a_positive_number_is_refused_by_name(scaling, message):
+    # before: null or a string raised TypeError / ValueError (a traceback), and a factor of 0 imported
+    # the model with no scaling at all (0 is shardlm's "off"), without a word
+    with pytest.raises(ModelDirError, match=message):
+        model_config_from_hf_dict({"model_type": "llama", **SHAPE, "rope_scaling": scaling})
+
+
 def test_two_scalings_or_a_bad_yarn_setting_are_one_clear_error():
     def check(**fields):
         cfg = Config()

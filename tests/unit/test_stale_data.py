@@ -217,6 +217,39 @@ def test_a_mixture_source_that_changes_is_named(tmp_path, corpus, tokenizer, cap
     assert json.loads((out / "meta.json").read_text())["sources"][1]["name"] == "x"
 
 
+def test_a_mixture_without_model_special_ids_is_prepared_again_or_refused(tmp_path, corpus, tokenizer,
+                                                                          capsys):
+    """A mixture prepared by a shardlm that recorded no ``model_special_ids`` (its sources had made-up ids
+    and its top level no tokenizer_config.json): a training run on a chosen data.dir refuses it naming the
+    cause, ``shardlm prepare`` prepares it again; nothing falls back to the data's ids."""
+    other = write_jsonl(tmp_path / "other.jsonl", docs(200, seed=9))
+    out = tmp_path / "mix"
+    sources = f'[{{path = "{corpus}", weight = 0.7, name = "main"}}, {{path = "{other}", weight = 0.3}}]'
+    args = [f"--data.sources={sources}", f"--data.dir={out}", f"--data.tokenizer={tokenizer}"]
+    prepare(capsys, *args)
+    fresh = json.loads((out / "meta.json").read_text())
+    assert fresh["model_special_ids"] == {"bos": 0, "eos": [2], "pad": 2}  # its tokenizer_config.json's
+    for meta_file in (out / "meta.json", out / "main" / "meta.json", out / "source1" / "meta.json"):
+        meta = json.loads(meta_file.read_text())
+        del meta["model_special_ids"]  # as an older shardlm wrote it
+        meta_file.write_text(json.dumps(meta))
+    (out / "tokenizer_config.json").unlink()
+    cfg = load_config(TINY, [*args, "--model.vocab_size=300"])
+    with pytest.raises(ConfigError, match=rf"data.dir {out} holds .*an older shardlm that did not record "
+                                          r"the special ids of the tokenizer's model for a mixture .*"
+                                          r"shardlm prepare"):
+        prepare_data(cfg)
+    err = prepare(capsys, *args)
+    assert f"prepare: {out} is out of date: it was prepared by an older shardlm that did not" in err, err
+    again = json.loads((out / "meta.json").read_text())
+    assert again["model_special_ids"] == fresh["model_special_ids"] and again["identity"] == fresh["identity"]
+    assert (out / "tokenizer_config.json").is_file()
+    source = json.loads((out / "main" / "meta.json").read_text())
+    assert source["model_special_ids"] == fresh["model_special_ids"]
+    assert "out of date" not in prepare(capsys, *args)  # now current
+    prepare_data(cfg)
+
+
 TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% if m['role'] == 'assistant' %}"
             "{{ eos_token }}{% endif %}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
 
@@ -300,3 +333,10 @@ def test_a_resume_compares_the_tokens_not_when_the_inputs_were_touched():
     other = {**again, "content_sha256": "bb"}
     assert data_problems({"data": stored}, other, None) == [
         'the prepared data differs from the checkpoint\'s (meta.json: content_sha256 "aa" -> "bb")']
+    # an older mixture prepared again records its tokenizer's model ids: the same tokens, still resumable
+    ids = {"bos": 0, "eos": [1, 2], "pad": 1}
+    assert data_problems({"data": stored}, {**again, "model_special_ids": ids}, None) == []
+    with_ids = {**stored, "model_special_ids": ids}
+    assert data_problems({"data": with_ids}, {**again, "model_special_ids": {}}, None) == [
+        'the prepared data differs from the checkpoint\'s (meta.json: model_special_ids '
+        '{"bos": 0, "eos": [1, 2], "pad": 1} -> {})']

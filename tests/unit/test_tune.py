@@ -242,3 +242,27 @@ def test_tensor_and_expert_parallel_candidates():
         assert r.predicted_bytes == plan_memory(apply(cfg, r.cand), 4).peak
     # an ep rank all-gathers only its experts: less memory the more ranks split them
     assert rows[4].predicted_bytes < rows[2].predicted_bytes < rows[1].predicted_bytes
+
+
+def test_tensor_parallel_candidates_under_context_parallel_count_the_cp_ranks():
+    """Under CP 2 at 4 ranks a data-parallel rank is one of N / (cp·tp): 2 at tp 1, 1 at tp 2, so its batch is
+    G·cp·tp / N sequences (8 of G = 8 at tp 2, twice the micro-batches of tp 1); tp 2 is offered (cp × tp = 4
+    ranks), tp 4 is not (8 ranks), and each row's prediction is the planner's for that CP x TP layout."""
+    from shardlm.errors import ConfigError
+    from shardlm.plan.memory import plan_memory
+    from shardlm.plan.tune_candidates import apply, local_batch
+
+    cfg = load_config(str(ROOT / "configs" / "20m.toml"), ["--parallel.cp=2"])  # G = 8, micro-batch 4
+    assert space(cfg, 4)["tp"] == [1, 2]
+    assert [local_batch(cfg, 4, tp) for tp in (1, 2)] == [4, 8]
+    roomy, own = Planner(cfg, 4, "cpu", 64 * GIB), config_candidate(cfg, 4)
+    rows = {r.cand.tp: r for r in first_round(cfg, roomy, "staged") if r.cand.with_value("tp", 1) == own}
+    assert sorted(rows) == [1, 2]
+    for r in rows.values():
+        assert r.predicted_bytes == plan_memory(apply(cfg, r.cand), 4).peak
+    assert rows[2].predicted_bytes < rows[1].predicted_bytes
+    assert table_rows(tune.format_table([rows[2]], cfg, 4, None))[0]["micro-batch x accum"] == "4 x 2"
+    cfg.train.global_batch_size = 1  # one sequence cannot feed the 2 data-parallel ranks of CP 2 at 4 ranks
+    with pytest.raises(ConfigError, match=r"train.global_batch_size=1 must be divisible by the world "
+                                          r"size 4 / parallel.cp=2 = 2 \(the ranks of a CP group share"):
+        local_batch(cfg, 4)

@@ -1,11 +1,15 @@
 """Context-parallel attention against one-rank attention, in one torchrun launch.
 
-Usage: ``torchrun --nproc_per_node=N tests/workers/cp_worker.py OUT.json``. Every rank builds the same full q, k, v
-(seeded), computes one-rank attention under the dense reference mask and its gradients, then its own CP share
-(:class:`shardlm.parallel.cp.ContextParallel`) and their gradients, and records the largest differences on its
-tokens per case. Rank 0 writes ``OUT.json``: ``{case: {"out": diff, "dq": .., "dk": .., "dv": .., "masked": ..}}``
-with each diff the maximum over ranks; ``vs_causal`` is how far the case's attention is from plain causal attention
-(documents and windows must make a difference, so a case cannot pass by ignoring them).
+Usage: ``torchrun --nproc_per_node=N tests/workers/cp_worker.py OUT.json`` (N = 2 or 4, see :func:`main`). Every rank
+builds the same full q, k, v (seeded), computes one-rank attention under the dense reference mask and its
+gradients, then its own CP share (:class:`shardlm.parallel.cp.ContextParallel`) and their gradients, and
+records the largest differences on its tokens per case. Rank 0 writes ``OUT.json``: ``{case: {"out": diff,
+"dq": .., "dk": .., "dv": .., "masked": ..}}`` with each diff the maximum over ranks; ``vs_causal`` is how far
+the case's attention is from plain causal attention (documents and windows must make a difference, so a case
+cannot pass by ignoring them). Each case runs blockwise (``CASE``), in the fallback (``CASE/fallback``, the
+path without a log-sum-exp kernel) and at 4 ranks blockwise at CP 4 too (``CASE@cp4``); ``saved_rows`` is the
+longest sequence dimension of any tensor attention saved for its backward (counted by
+``torch.autograd.graph.saved_tensors_hooks``), ``saved_bytes`` their sum, and ``t_pad`` the padded length.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ import torch.distributed as dist
 from shardlm.model.attention import dense_mask
 from shardlm.model.decoder import attention
 from shardlm.parallel import exit_process
-from shardlm.parallel.cp import ContextParallel
+from shardlm.parallel.cp import ContextParallel, padded_length
+from shardlm.parallel.cp_attention import lse_kernels
 
 #: (name, sequence length, window, block-causal documents as run lengths or None)
 CASES = [
@@ -59,7 +64,14 @@ def run_case(cp: ContextParallel, t: int, window: int, runs: list[int] | None) -
     ql, kl, vl = (cp.shard(x, 0, dim=2).requires_grad_() for x in (q, k, v))
     cp._additive.clear()
     cp_mask = cp.masks(t, docs, {window}, q.device)[window]
-    out = cp.attend(ql, kl, vl, cp_mask)
+    saved: list[torch.Tensor] = []
+
+    def pack(x: torch.Tensor) -> torch.Tensor:
+        saved.append(x)
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        out = cp.attend(ql, kl, vl, cp_mask)
     (out * cp.shard(w, 0, dim=2)).sum().backward()
 
     real = cp.local_indices(t) < t  # this rank's real (not padding) tokens
@@ -70,19 +82,34 @@ def run_case(cp: ContextParallel, t: int, window: int, runs: list[int] | None) -
 
     return {"out": diff(out.detach(), ref.detach()), "dq": diff(ql.grad, qf.grad), "dk": diff(kl.grad, kf.grad),
             "dv": diff(vl.grad, vf.grad), "vs_causal": (ref.detach() - causal).abs().max().item(),
-            "padding": int((~real).sum()), "dense_mask": cp_mask is not None}
+            "padding": int((~real).sum()), "dense_mask": cp_mask is not None,
+            "t_pad": padded_length(t, cp.size),
+            "saved_rows": max(x.shape[2] for x in saved if x.dim() >= 3),  # (b, h, seq, ...) as attention's
+            "saved_bytes": sum(x.numel() * x.element_size() for x in {id(x): x for x in saved}.values())}
 
 
 def main() -> None:
+    """At 2 ranks: CP 2, blockwise and fallback. At 4 ranks also CP 4 (blockwise, ``CASE@cp4``), the CP 2 cases in
+    two groups of 2 ranks at once."""
     dist.init_process_group("gloo")
-    cp = ContextParallel(dist.group.WORLD)
+    world = dist.get_world_size()
+    pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]  # every rank creates every group
+    cp2 = ContextParallel(pairs[dist.get_rank() // 2])
     results = {}
-    for name, t, window, runs in CASES:
-        r = run_case(cp, t, window, runs)
-        gathered = [None] * cp.size
-        dist.all_gather_object(gathered, r)
-        results[name] = {key: max(g[key] for g in gathered) for key in r}
-        results[name]["padding_total"] = sum(g["padding"] for g in gathered)
+    blockwise = lse_kernels("cpu")
+    assert blockwise is not None, "torch 2.13's CPU flash kernel with a log-sum-exp is missing"
+    runs_of = [(cp2, blockwise, ""), (cp2, None, "/fallback")]
+    if world == 4:
+        runs_of.append((ContextParallel(dist.group.WORLD), blockwise, "@cp4"))
+    for cp, kernels, suffix in runs_of:
+        cp.kernels = kernels
+        for name, t, window, runs in CASES:
+            r = run_case(cp, t, window, runs)
+            gathered = [None] * world
+            dist.all_gather_object(gathered, r)
+            results[name + suffix] = {key: max(g[key] for g in gathered) for key in r}
+            results[name + suffix]["padding_total"] = sum(g["padding"] for g in gathered) // (world // cp.size)
+            results[name + suffix]["cp"] = cp.size
     if dist.get_rank() == 0:
         Path(sys.argv[1]).write_text(json.dumps(results))
     dist.barrier()

@@ -101,6 +101,9 @@ def main() -> None:
             "world_size": info.world_size,
             "final_digest": local_digests(trainer),
             "mesh": list(trainer.mesh.mesh_dim_names) if trainer.mesh is not None else None,
+            # the global ranks of this rank's context-parallel group (parallel.cp), None without one
+            "cp_ranks": (torch.distributed.get_process_group_ranks(trainer.cp.group) if trainer.cp.group
+                         else None),
             "prepare_s": trainer.prepare_s,
             "rows": getattr(trainer.train_data, "rows", None),  # packed instruction data: example ids per row
             "document_source": getattr(trainer.train_data, "source", None),  # block-causal windows: starts or eod

@@ -112,6 +112,24 @@ class Resuming:
             run_id = None
         return run_id or new_run_id(), [self.resume]
 
+    def resumed_config(self) -> dict[str, Any] | None:
+        """The config (``Config.to_dict()``) recorded by the checkpoint this job resumes: the first one of
+        :meth:`_resume_plan`'s whose manifest reads, ``{}`` when it recorded none; None on a fresh start or when
+        there is none (:meth:`load` then reports it). A collective under torchrun (rank 0 reads, broadcasts)."""
+        def read() -> dict[str, Any] | None:
+            for candidate in self._resume_plan()[1]:
+                try:
+                    return read_manifest(candidate).get("config") or {}
+                except CheckpointError:  # a damaged one: load() passes over it or reports it
+                    continue
+            return None
+        if not self.resume:
+            return None
+        box = [run_on_main(read, self.info)]
+        if self.info.world_size > 1:
+            dist.broadcast_object_list(box, src=0)
+        return box[0]
+
     def _skip_damaged(self, path: Path, error: CheckpointError) -> None:
         """``--resume=auto`` passes over a damaged checkpoint: say so and move it aside (rank 0) for inspection.
 

@@ -160,8 +160,10 @@ def data_problems(manifest: dict[str, Any], meta: dict[str, Any] | None, tokeniz
     Compares the checkpoint's ``data`` record (the data directory's ``meta.json``) with ``meta``, and its
     ``tokenizer.json`` checksum with ``tokenizer_sha256``. Missing records (older checkpoints) are skipped, and so
     is ``meta.json``'s ``identity`` (what the data was made from: modification times change when identical data
-    is prepared again; the tokens themselves are compared through ``content_sha256``), and ``document_starts``
-    when the checkpoint's record predates it (the same tokens prepared again now record where documents start).
+    is prepared again; the tokens themselves are compared through ``content_sha256``), and
+    ``document_starts`` and ``model_special_ids`` when the checkpoint's record predates them (the same
+    tokens prepared again now record where documents start, and a mixture its tokenizer's model's special
+    ids: the run exports those from then on).
     """
     problems = []
     stored_tok = manifest.get("files", {}).get("tokenizer.json", {}).get("sha256")
@@ -172,7 +174,7 @@ def data_problems(manifest: dict[str, Any], meta: dict[str, Any] | None, tokeniz
     if isinstance(stored_meta, dict) and meta is not None:
         differ = [f"{k} {json.dumps(stored_meta.get(k))} -> {json.dumps(meta.get(k))}"
                   for k in sorted(set(stored_meta) | set(meta)) if k != "identity" and stored_meta.get(k) != meta.get(k)
-                  and not (k == "document_starts" and k not in stored_meta)]
+                  and not (k in ("document_starts", "model_special_ids") and k not in stored_meta)]
         if differ:
             problems.append("the prepared data differs from the checkpoint's (meta.json: " + ", ".join(differ) + ")")
     return problems

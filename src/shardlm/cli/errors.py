@@ -35,7 +35,8 @@ def run_cli(fn: Callable[[], int | None]) -> int:
     A file-system error (an ``OSError`` naming a path: no permission, a parent that is a file, a full
     disk) is reported as ``error: <reason>: <path>`` with exit code 2. A non-finite loss exits with
     code 3; a rank that stopped because another node was lost (:class:`shardlm.errors.NodeLost`)
-    exits with code 4 and prints one message per surviving node.
+    exits with code 4 and prints one message per surviving node. Ctrl-C exits with code 130 and one line
+    (outside torchrun, whose launcher prints it).
     Otherwise rank 0 prints at once and other ranks print only if they are still running after
     :data:`PEER_REPORT_DELAY_S` (see there), so an error that every rank raises is printed once, and an
     error raised on one rank other than 0 is still printed.
@@ -64,7 +65,10 @@ def run_cli(fn: Callable[[], int | None]) -> int:
         # a path (str, or bytes from some libraries) that cannot be read or written
         _report(f"{e.strerror or type(e).__name__}: {os.fsdecode(e.filename)}", rank)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:  # a command may say what is kept in e.args[0]
+        if "TORCHELASTIC_RUN_ID" not in os.environ:  # under torchrun the launcher (cli/launch.py) says it
+            kept = f": {e.args[0]}" if e.args else ""
+            print(f"error: stopped by Ctrl-C{kept}", file=sys.stderr, flush=True)
         return 130
     finally:
         shutdown()

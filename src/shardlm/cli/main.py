@@ -48,7 +48,11 @@ def cmd_prepare(args: argparse.Namespace, overrides: list[str]) -> None:
         from shardlm.parallel import init_distributed
 
         info = init_distributed(cfg.parallel)
-    meta = prepare_data(cfg, info, on_stale="prepare")  # its job: make data.dir what the config describes
+    try:
+        meta = prepare_data(cfg, info, on_stale="prepare")  # its job: make data.dir what the config describes
+    except KeyboardInterrupt:
+        raise KeyboardInterrupt(f"{data_dir(cfg)} is unchanged; the pieces encoded so far are kept beside "
+                                "it, and the same shardlm prepare continues from them") from None
     if info is None or info.is_main:
         skipped = meta.get("skipped_files") or {}
         print(f"prepared {data_dir(cfg)}: {meta['train_tokens']:,} train / {meta['val_tokens']:,} val tokens "
@@ -75,7 +79,7 @@ def print_data_layout(cfg, meta: dict) -> None:
         tokens = int(meta["train_tokens"]) + int(meta["val_tokens"])
         print(f"  documents {n:,} (mean {tokens / n:,.1f} tokens; their starts recorded in "
               f"{meta['document_starts']['file']}, for model.attention = 'block_causal': "
-              f"{cfg.train.seq_len / (tokens / n):.1f} documents per window of {cfg.train.seq_len} on average)")
+              f"{cfg.train.seq_len / (tokens / n):.3g} documents per window of {cfg.train.seq_len} on average)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,6 +15,7 @@ from pathlib import Path
 from shardlm.cli.errors import run_cli
 from shardlm.config import Config, ConfigError, load_config, parse_cli_value
 from shardlm.errors import STOPPED_EXIT_CODE
+from shardlm.json_file import read_json
 
 
 def parse_args(argv: list[str]) -> tuple[list[str] | None, list[str]]:
@@ -58,12 +59,9 @@ def train_config(config_paths: list[str] | None, overrides: list[str]) -> Config
     own = ("--checkpoint.resume=", "--run.dir=", "--run.name=")
     if not path.exists() and any(not o.startswith(own) for o in overrides):
         return load_config(None, overrides)  # no run recorded there yet: the flags alone, as a fresh start takes them
-    try:
-        recorded = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"--resume=auto without --config resumes the run recorded in {path}, which cannot be read "
-                          f"({getattr(e, 'strerror', None) or e}): pass --run.dir=DIR of a run, or --config FILE"
-                          ) from None
+    recorded = read_json(path, ConfigError, expect=object, message=(
+        "--resume=auto without --config resumes the run recorded in {path}, which cannot be read ({cause}): "
+        "pass --run.dir=DIR of a run, or --config FILE"))
     if not isinstance(recorded, dict):
         raise ConfigError(f"{path} is not a run's config (not a JSON object): pass --config FILE")
     recorded.pop("run_id", None)

@@ -55,10 +55,10 @@ def validate(cfg: Config) -> None:
     validate_preference(cfg)
     if d.pack and d.format != "instruct":
         raise ConfigError("data.pack packs instruction examples: it needs data.format = 'instruct' (text windows are "
-                          "already full; for document masking there set model.attention = 'block_causal')")
-    if d.pack and cfg.model.attention != "block_causal":
-        raise ConfigError("data.pack needs model.attention = 'block_causal': under 'causal' the packed examples would "
-                          "attend to each other")
+                          "already full, and block-causal by default where the data records document starts)")
+    if d.pack and cfg.model.attention == "causal":
+        raise ConfigError("data.pack needs model.attention = 'block_causal' (or 'auto', the default): under 'causal' "
+                          "the packed examples would attend to each other")
     if not 0.0 < cfg.data.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction must be in (0, 1), got {cfg.data.val_fraction}")
     if t.min_lr > t.lr or t.lr <= 0:
@@ -90,13 +90,17 @@ def validate(cfg: Config) -> None:
     if cfg.parallel.cp < 1 or (cfg.parallel.cp > 1 and cfg.parallel.mode == "single"):
         raise ConfigError(f"parallel.cp must be >= 1 (ranks per sequence), and 1 in parallel.mode='single', "
                           f"got {cfg.parallel.cp}")
+    cp = cfg.parallel.cp
+    if cp > t.seq_len:  # as ContextParallel refuses it in training: here for plan and tune too
+        raise ConfigError(f"train.seq_len={t.seq_len} is shorter than parallel.cp={cp}: a sequence "
+                          f"split over {cp} ranks needs at least {cp} tokens (one per rank)")
     split = [f"parallel.{k}={getattr(cfg.parallel, k)}" for k in ("tp", "cp") if getattr(cfg.parallel, k) > 1]
     if cfg.data.format == "preference" and (split or cfg.model.n_experts):
         what = " and ".join(split) if split else f"a mixture-of-experts model (model.n_experts={cfg.model.n_experts})"
         raise ConfigError(f"preference tuning (data.format = 'preference') with {what} is not built yet: use FSDP "
                           "(parallel.mode = 'fsdp'), with LoRA if the model is large")
-    if cfg.model.n_experts and split:
-        raise ConfigError(f"{' and '.join(split)} on a mixture-of-experts model (model.n_experts="
+    if cfg.model.n_experts and cfg.parallel.tp > 1:  # CP is built for MoE (router statistics pooled)
+        raise ConfigError(f"parallel.tp={cfg.parallel.tp} on a mixture-of-experts model (model.n_experts="
                           f"{cfg.model.n_experts}) is not built yet: use expert parallelism (parallel.ep) with FSDP")
     for key in ("interval", "keep"):
         if getattr(cfg.checkpoint, key) < 0:
@@ -147,8 +151,9 @@ def validate_preference(cfg: Config) -> None:
     if d.pack:
         raise ConfigError("data.pack does not apply to data.format = 'preference': preference pairs are not packed "
                           "(each sequence is one row of the concatenated chosen/rejected forward)")
-    if cfg.model.attention != "causal":
-        raise ConfigError("data.format = 'preference' needs model.attention = 'causal' (pairs are not packed)")
+    if cfg.model.attention == "block_causal":
+        raise ConfigError("data.format = 'preference' needs model.attention = 'causal' or 'auto' (pairs are not "
+                          "packed)")
     if not pref.beta > 0:
         raise ConfigError(f"preference.beta must be positive, got {pref.beta}")
     if not 0.0 <= pref.label_smoothing < 0.5:
@@ -173,11 +178,12 @@ def gradient_accumulation_steps(cfg: Config, dp_world_size: int) -> int:
     """
     g, mbs = cfg.train.global_batch_size, cfg.train.micro_batch_size
     per_step = dp_world_size * mbs
+    inner = " × ".join(f"parallel.{k}={getattr(cfg.parallel, k)}" for k in ("cp", "tp")
+                       if getattr(cfg.parallel, k) > 1)  # the dimensions whose ranks share samples
     if g % per_step:
         raise ConfigError(
             f"train.global_batch_size={g} must be divisible by world size × train.micro_batch_size "
             f"= {dp_world_size} × {mbs} = {per_step}"
-            + (f" (the data-parallel world size: world size / parallel.tp={cfg.parallel.tp})" if cfg.parallel.tp > 1
-               else "")
+            + (f" (the data-parallel world size: world size / {inner})" if inner else "")
         )
     return g // per_step

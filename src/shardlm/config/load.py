@@ -16,9 +16,9 @@ from typing import Any, Literal
 
 from shardlm.config.checks import validate
 from shardlm.config.sections import KEYWORD_KEYS, Config
-from shardlm.convert.hf_config import read_model_dir_config
 from shardlm.errors import ConfigError
 from shardlm.model.config import ModelConfig
+from shardlm.model.hf_config import read_model_dir_config
 
 
 def _coerce(key: str, value: Any, typ: Any) -> Any:

@@ -27,9 +27,10 @@ class ParallelConfig:
     world size / ``dp_replicate``. ``dp_replicate × dp_shard × tp`` must equal the world size (divided by ``cp``)."""
     cp: int = 1
     """Context parallelism: the ranks each sequence is split over (``shardlm/parallel/cp.py``: each holds a head and a
-    tail chunk, attention all-gathers keys and values). The ``cp`` ranks of a group are consecutive and take the same
-    samples (one data-parallel rank); FSDP shards parameters over ``dp_shard × cp`` (torchtitan's mesh order
-    ``dp_replicate, dp_shard, cp``). Must divide the world size; 1 = no split."""
+    tail chunk, attention all-gathers keys and values). The ``cp`` ranks of a group take the same samples (one
+    data-parallel rank): consecutive, or ``tp`` apart under tensor parallel (torchtitan's mesh order
+    ``dp_replicate, dp_shard, cp, tp``); FSDP shards parameters over ``dp_shard × cp``. Composes with HSDP,
+    DDP and ``tp``. Must divide the world size; 1 = no split."""
     tp: int = 1
     """Tensor-parallel degree: each block's q/k/v and gate/up projections split by columns (heads, FFN width), o and
     down by rows, the embedding and output projection by vocabulary rows, norms and residuals sharded along the

@@ -55,8 +55,9 @@ class DataConfig:
     ``prompt``/``chosen``/``rejected`` pairs for the ``[preference]`` objective (shardlm/data/preference.py)."""
     pack: bool = False
     """Pack several instruction examples into each sample of ``seq_len + 1`` tokens (best-fit decreasing, the rest
-    padded; shardlm/data/packing.py), under ``model.attention = "block_causal"`` so that no example sees another.
-    Only for ``format = "instruct"``: pre-training windows are already full (use block-causal attention there)."""
+    padded; shardlm/data/packing.py), under block-causal attention so that no example sees another
+    (``model.attention = "auto"``, the default, then resolves to ``block_causal``; ``causal`` is refused).
+    Only for ``format = "instruct"``: pre-training windows are already full (block-causal there by default)."""
     sources: list[DataSource] = field(default_factory=list)
     """A mixture, instead of ``corpus``: ``[[data.sources]]`` tables with ``path`` and ``weight`` (and ``name``).
     Each global batch draws its samples from the sources in proportion to the weights; all sources share one

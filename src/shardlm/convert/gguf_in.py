@@ -29,13 +29,13 @@ import numpy as np
 import torch
 
 from shardlm.atomic import atomic_directory, save_safetensors
-from shardlm.convert.hf_config import hf_config
 from shardlm.convert.hf_in import model_dir_special_ids
 from shardlm.data.tokenizer_files import generation_config
 from shardlm.errors import ModelDirError
 from shardlm.model import families
 from shardlm.model.config import ModelConfig
 from shardlm.model.decoder import CausalLM
+from shardlm.model.hf_config import hf_config
 from shardlm.model.rope import rope_inv_freq
 
 #: llama.cpp's names of the tensors outside the blocks -> HF's

@@ -12,7 +12,6 @@ so no rank ever materialises a whole tensor; it counts the bytes each rank reads
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
@@ -25,12 +24,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from shardlm.convert.hf_config import read_model_dir_config
 from shardlm.convert.hf_experts import disk_shapes, read_rows
 from shardlm.data.tokenizer import load_tokenizer
 from shardlm.data.tokenizer_files import eos_ids_of, json_line, model_special_ids, read_tokenizer_config, token_text
 from shardlm.errors import DataError, ModelDirError
+from shardlm.json_file import read_json
 from shardlm.model.decoder import CausalLM
+from shardlm.model.hf_config import read_model_dir_config
 from shardlm.model.lora import is_nf4, set_from_full_
 
 #: tensors some older HF checkpoints carry that hold no weights (recomputed, never loaded)
@@ -67,10 +67,8 @@ def _index_weight_map(path: Path) -> dict[str, str]:
         ModelDirError: invalid JSON, no ``weight_map`` object, or a value that is not a file name of this directory.
     """
     index = path / INDEX_NAME
-    try:
-        weight_map = json.loads(index.read_text()).get("weight_map")
-    except (json.JSONDecodeError, AttributeError) as e:
-        raise ModelDirError(f"{index}: not a safetensors index (invalid JSON or not an object: {e})") from None
+    index_json = read_json(index, ModelDirError, message="{path}: not a safetensors index ({reason})")
+    weight_map = index_json.get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
         raise ModelDirError(f"{index}: no \"weight_map\" object (tensor name -> file name)")
     for name, file in weight_map.items():

@@ -24,13 +24,14 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 
 from shardlm.atomic import atomic_directory, save_safetensors
-from shardlm.convert.hf_config import hf_config, read_model_dir_config, written_special_ids
 from shardlm.convert.hf_experts import disk_shapes, read_rows, to_disk
 from shardlm.convert.hf_in import check_weights, model_dir_special_ids
 from shardlm.data.tokenizer_files import generation_config, write_tokenizer_files
 from shardlm.errors import ModelDirError
+from shardlm.json_file import read_json
 from shardlm.model.config import ModelConfig
 from shardlm.model.decoder import CausalLM
+from shardlm.model.hf_config import hf_config, read_model_dir_config, written_special_ids
 
 
 def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -55,7 +56,7 @@ def save_model_dir(state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: st
     and ``model_max_length`` = ``cfg.max_seq_len`` when it has none, see
     :func:`shardlm.data.tokenizer_files.write_tokenizer_files`). ``config.json`` and
     ``generation_config.json`` carry the bos/eos/pad ids of ``special_ids`` (see
-    :func:`shardlm.convert.hf_config.written_special_ids`). ``extra_files`` (e.g. a source's
+    :func:`shardlm.model.hf_config.written_special_ids`). ``extra_files`` (e.g. a source's
     ``generation_config.json``) are copied in by name last.
     """
     out = Path(out_dir)
@@ -246,7 +247,7 @@ def copy_model_dir(src: str | Path, out_dir: str | Path, dtype: torch.dtype | No
     for name, p in model.named_parameters():
         t = read_rows(cfg, name, tuple(p.shape), 0, p.shape[0], read)
         state[name] = t if dtype is None else t.to(dtype)
-    source_config = json.loads((src / "config.json").read_text())
+    source_config = read_json(src / "config.json", ModelDirError)
     for key, name in (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("pad", "pad_token_id")):
         if source_config.get(name) is not None:
             special[key] = source_config[name]

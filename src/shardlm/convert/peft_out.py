@@ -28,12 +28,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from shardlm.atomic import atomic_directory
-from shardlm.convert.hf_config import written_special_ids
 from shardlm.convert.hf_in import load_model_dir
 from shardlm.convert.hf_out import save_model_dir
 from shardlm.data.tokenizer_files import generation_config, write_tokenizer_files
 from shardlm.errors import ModelDirError
 from shardlm.model.config import ModelConfig
+from shardlm.model.hf_config import written_special_ids
 from shardlm.model.lora import LoRASpec, is_nf4, target_names
 
 #: PEFT's prefix of adapter tensor names in ``adapter_model.safetensors``
@@ -97,7 +97,7 @@ def save_peft_dir(state: dict[str, torch.Tensor], spec: LoRASpec, out_dir: str |
     ``base`` is recorded as ``base_model_name_or_path`` as given (callers pass :func:`base_model_path`). With
     ``tokenizer_path`` the tokenizer's files are copied in (``AutoTokenizer.from_pretrained(out_dir)`` works; PEFT's
     auto class reads them too); with ``special_ids`` (the model's, see
-    :func:`shardlm.convert.hf_config.written_special_ids`) a ``generation_config.json`` records bos/eos/pad.
+    :func:`shardlm.model.hf_config.written_special_ids`) a ``generation_config.json`` records bos/eos/pad.
     """
     tensors = {PEFT_PREFIX + k: v.detach().float().contiguous().cpu() for k, v in state.items()
                if k.endswith((".lora_A.weight", ".lora_B.weight"))}

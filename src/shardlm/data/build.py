@@ -16,9 +16,12 @@ the chat template, the settings that change the tokens) and then:
 Data written by another program declares so in ``meta.json`` (``"identity": {"external": "what made it"}``):
 it is used as it is, with a note, and never prepared again or refused (nothing to compare it with).
 A directory written by a shardlm that kept no identity counts as different (prepared again, or refused,
-by the same rule). When the config's corpus cannot be read here (prepared elsewhere, the corpus not
-mounted) but names the same corpus as the record, the directory is used with a note. Under torchrun
-rank 0 decides and every rank acts on its decision, shared through the store (never a collective).
+by the same rule), and so does a mixture whose ``meta.json`` has no ``model_special_ids`` (older shardlm
+prepared a mixture's sources with a copy of the tokenizer alone, recording made-up special ids instead of
+those of the tokenizer's model: nothing is guessed from them). When the config's corpus cannot be read
+here (prepared elsewhere, the corpus not mounted) but names the same corpus as the record, the directory is
+used with a note. Under torchrun rank 0 decides and every rank acts on its decision, shared through the
+store (never a collective).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from typing import Any
 from shardlm.config import Config
 from shardlm.data.identity import describe_corpus, describe_instructions, describe_mixture, differences
 from shardlm.data.instruct import prepare_instructions
+from shardlm.data.meta import lacking_document_starts
 from shardlm.data.mixture import MIXTURE, prepare_mixture, source_names
 from shardlm.data.preference import PREFERENCE, describe_preferences, prepare_preferences
 from shardlm.data.prepare import default_workers, is_prepared, load_meta, prepare_corpus
@@ -41,6 +45,9 @@ from shardlm.parallel.dist import DistInfo, run_on_main
 
 __all__ = ["data_dir", "prepare_data", "verdict"]
 
+_OLD_MIXTURE = ("it was prepared by an older shardlm that did not record the special ids of the tokenizer's "
+                "model for a mixture (meta.json has no model_special_ids; its sources may record made-up "
+                "ones, which an export would write)")
 _CALLS: dict[str, int] = {}  # prepare_data calls per directory in this process: fresh store keys for each
 
 
@@ -62,7 +69,8 @@ def _complete(out: Path) -> bool:
     return is_prepared(str(out))
 
 
-def verdict(out: Path, describe: Callable[[], dict[str, Any]], corpora: list[str], policy: str) -> dict[str, Any]:
+def verdict(out: Path, describe: Callable[[], dict[str, Any]], corpora: list[str], policy: str,
+            documents: bool = False) -> dict[str, Any]:
     """What to do with ``out``: ``{"action": "use" | "prepare" | "refuse", "message": str, "identity": dict | None}``.
 
     Args:
@@ -70,17 +78,23 @@ def verdict(out: Path, describe: Callable[[], dict[str, Any]], corpora: list[str
         describe: Returns what the config would prepare now (an identity, :mod:`shardlm.data.identity`).
         corpora: The config's corpus (or each source's path), to tell a corpus that is not readable here.
         policy: ``prepare`` (prepare a differing directory again) or ``refuse``.
+        documents: text data: under ``prepare`` a directory that records no document starts (prepared before
+            shardlm recorded them) is prepared again, so that ``model.attention = "auto"`` can train block-causal;
+            under ``refuse`` it is used as it is (training then falls back to causal attention with a warning).
 
     Raises:
         DataError: the corpus cannot be read and the directory does not record the same corpus.
     """
     if not _complete(out):
         return {"action": "prepare", "message": "", "identity": None}
-    recorded = load_meta(str(out)).get("identity")
+    meta = load_meta(str(out))
+    recorded = meta.get("identity")
     if isinstance(recorded, dict) and "external" in recorded:
         return {"action": "use", "identity": None,
                 "message": f"note: {out} was prepared outside shardlm ({recorded['external']}): used as it is; "
                            "what it was made from is not checked"}
+    if meta.get("format") == MIXTURE and "model_special_ids" not in meta:  # never guessed: prepared again
+        return _differs(out, [_OLD_MIXTURE], policy, None)
     try:
         expected = describe()
     except DataError as exc:
@@ -90,10 +104,17 @@ def verdict(out: Path, describe: Callable[[], dict[str, Any]], corpora: list[str
                                "cannot be checked here)"}
         raise
     diffs = differences(recorded, expected)
+    if documents and not diffs and policy == "prepare":
+        diffs = [f"{d / 'meta.json'} records no document starts" for d in lacking_document_starts(out)]
     if not diffs:
         return {"action": "use", "identity": expected,
                 "message": f"prepare: {out} is current (the same inputs, tokenizer and settings): kept as it is"
                 if policy == "prepare" else ""}
+    return _differs(out, diffs, policy, expected)
+
+
+def _differs(out: Path, diffs: list[str], policy: str, expected: dict[str, Any] | None) -> dict[str, Any]:
+    """:func:`verdict`'s answer for a directory that differs from the config by ``diffs``."""
     if policy == "prepare":
         return {"action": "prepare", "identity": expected,
                 "message": f"prepare: {out} is out of date: {'; '.join(diffs)}; preparing it again"}
@@ -177,7 +198,7 @@ def prepare_data(cfg: Config, info: DistInfo | None = None, on_stale: str = "") 
         corpora = [d.corpus]
     if sync is None or sync.rank == 0:
         try:
-            decision = verdict(out, describe, corpora, policy)
+            decision = verdict(out, describe, corpora, policy, documents=True)
         except Exception as exc:
             if sync is not None:
                 sync.fail(f"{type(exc).__name__}: {exc}")

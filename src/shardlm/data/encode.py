@@ -27,6 +27,7 @@ import json
 import multiprocessing
 import os
 import pathlib
+import signal
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -61,6 +62,26 @@ def _init(tokenizer_json: str, dtype: str, eod: int | None) -> None:
     _tok = Tokenizer.from_str(tokenizer_json)
     _dtype = np.dtype(dtype)
     _eod = eod
+
+
+def _init_worker(tokenizer_json: str, dtype: str, eod: int | None) -> None:
+    """A pool worker's :func:`_init`, ignoring SIGINT: a Ctrl-C reaches the whole process group, and only the
+    parent is to take it (it stops the pool and reports one line; each worker printed its own traceback).
+    The worker was started with SIGINT blocked (:func:`_submit`), so none arrives before this."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    _init(tokenizer_json, dtype, eod)
+
+
+def _submit(pool: concurrent.futures.ProcessPoolExecutor, *args: Any) -> concurrent.futures.Future:
+    """``pool.submit(encode_batch, *args)`` with SIGINT blocked in this thread: a worker the pool starts here
+    inherits the mask through exec, until :func:`_init_worker` ignores SIGINT. A Ctrl-C meanwhile stays
+    pending for this process (or goes to another of its threads), never lost."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        return pool.submit(encode_batch, *args)
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def encode_batch(texts: list[str], ends: list[bool]) -> tuple[np.ndarray, np.ndarray]:
@@ -204,7 +225,8 @@ def encode_pieces(
     pool = None
     if workers > 1:
         pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                                                      initializer=_init, initargs=(tokenizer_json, dtype.name, eod))
+                                                      initializer=_init_worker,
+                                                      initargs=(tokenizer_json, dtype.name, eod))
     else:
         saved = os.environ.get("TOKENIZERS_PARALLELISM")
         _init(tokenizer_json, dtype.name, eod)
@@ -229,7 +251,7 @@ def encode_pieces(
             writers.append(writer)
             for texts, ends in _batches(read_piece(piece, text_field), batch_chars):
                 if pool is not None:
-                    result: Any = pool.submit(encode_batch, texts, ends)
+                    result: Any = _submit(pool, texts, ends)
                 else:
                     result = _Ready(encode_batch(texts, ends))
                 inflight.append((writer, result))

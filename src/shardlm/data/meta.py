@@ -70,3 +70,21 @@ def is_prepared(out_dir: str) -> bool:
         (root / "train.bin").stat().st_size == int(meta["train_tokens"]) * itemsize
         and (root / "val.bin").stat().st_size == int(meta["val_tokens"]) * itemsize
     )
+
+
+def lacking_document_starts(out_dir: str | pathlib.Path) -> list[pathlib.Path]:
+    """The prepared text directories of ``out_dir`` (itself, or each source a mixture's ``meta.json`` lists) whose
+    ``meta.json`` records no document starts (``document_starts``: written since 2026-12-01; legacy and external
+    data have none); directories not (completely) prepared are not listed."""
+    root = pathlib.Path(out_dir).expanduser()
+    try:
+        meta = read_json(root / META_FILE, DataError)
+    except DataError:
+        return []
+    mixture = meta.get("format") == "mixture"  # shardlm.data.mixture.MIXTURE (which imports this module)
+    dirs = [root / str(s.get("name")) for s in meta.get("sources", [])] if mixture else [root]
+
+    def records(d: pathlib.Path) -> bool:
+        m = load_meta(str(d))
+        return m.get("format") == FORMAT and isinstance(m.get("document_starts"), dict)
+    return [d for d in dirs if is_prepared(str(d)) and not records(d)]

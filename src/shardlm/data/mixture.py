@@ -14,8 +14,9 @@ source exactly where it was.
 
 Prepared layout (``data.dir``)::
 
-    tokenizer.json   shared by every source (trained on a seeded sample of all of them, or given)
-    meta.json        {"format": "mixture", "sources": [{"name", "path"}], ...}
+    tokenizer.json   shared by every source (trained on a seeded sample of all of them, or given), with its
+                     tokenizer_config.json (and chat_template.jinja) as in one prepared corpus
+    meta.json        {"format": "mixture", "sources": [{"name", "path"}], "model_special_ids", ...}
     <name>/          each source, a directory written by :func:`shardlm.data.prepare_corpus`
 """
 
@@ -45,6 +46,7 @@ from shardlm.data.prepare import (
 from shardlm.data.readers import plan_pieces
 from shardlm.data.sync import Sync
 from shardlm.data.tokenizer import train_tokenizer
+from shardlm.data.tokenizer_files import open_tokenizer, stage_tokenizer
 
 __all__ = ["MIXTURE", "MixtureSampler", "MixtureWindows", "prepare_mixture", "is_mixture_prepared"]
 
@@ -240,11 +242,15 @@ def prepare_mixture(sources: list[Any], out_dir: str, tokenizer_path: str | None
 
     The tokenizer is the given one, or a byte-level BPE trained on a seeded sample of at most
     ``tokenizer_sample_bytes`` from every source, each source giving a share proportional to its
-    weight. Each source is then :func:`shardlm.data.prepare_corpus` d (distributed, restartable).
+    weight. Each source is then :func:`shardlm.data.prepare_corpus` d (distributed, restartable) with
+    that tokenizer: a given one is read where it lies, so that the sources and the mixture record its
+    model's special ids (its directory's ``config.json`` / ``tokenizer_config.json``) and hold its config
+    files, as one corpus does.
 
     Returns:
         The mixture meta (also ``meta.json``): ``format`` ("mixture"), ``sources`` ([{"name", "path"}]),
-        ``dtype``, ``vocab_size``, ``tokenizer_vocab_size``, ``special_ids``, ``train_tokens`` and
+        ``dtype``, ``vocab_size``, ``tokenizer_vocab_size``, ``special_ids``, ``model_special_ids`` (the
+        bos/eos/pad ids a model trained on it writes, as every source records them), ``train_tokens`` and
         ``val_tokens`` (sums), ``unigram_entropy_nats`` (of the first source), ``content_sha256`` (of
         all sources), ``identity`` (what it was made from, :func:`shardlm.data.identity.describe_mixture`;
         ``identity`` given: the caller's, taken before reading; None: rank 0 takes it).
@@ -273,10 +279,11 @@ def prepare_mixture(sources: list[Any], out_dir: str, tokenizer_path: str | None
         stage.mkdir(parents=True, exist_ok=True)
         (stage / "mixture.json").write_text(json.dumps(plan))
     tok_file = stage / "tokenizer.json"
-    if rank == 0 and not tok_file.is_file():
+    opened = None
+    if rank == 0:  # the given tokenizer read where it lies (its model's ids), as for one corpus
         if tokenizer_path:
-            shutil.copyfile(pathlib.Path(tokenizer_path).expanduser(), str(tok_file) + ".tmp")
-        else:
+            opened = open_tokenizer(tokenizer_path)
+        elif not tok_file.is_file():
             total = sum(s.weight for s in sources)
 
             def sample() -> Any:
@@ -285,19 +292,23 @@ def prepare_mixture(sources: list[Any], out_dir: str, tokenizer_path: str | None
                     yield from _sample_texts(pieces, text_field, int(tokenizer_sample_bytes * s.weight / total),
                                              seed + i)
 
-            train_tokenizer(sample(), vocab_size).save(str(tok_file) + ".tmp")
-        os.replace(str(tok_file) + ".tmp", tok_file)
+            opened = open_tokenizer(tok_file, train_tokenizer(sample(), vocab_size))
+        if not tok_file.is_file():
+            assert opened is not None
+            stage_tokenizer(opened, stage)  # the mixture's top level holds what one corpus holds
     if sync is not None:
         if rank == 0:
             sync.publish("mixture-tokenizer")
         else:
             sync.wait("mixture-tokenizer", "the mixture's tokenizer (rank 0)")
+    opened = opened or open_tokenizer(tok_file)  # read once on each rank, handed to each source's preparation
     metas = []
     for name, source in zip(names, sources):
         sub_sync = sync.sub(name) if sync is not None else None
-        metas.append(prepare_corpus(source.path, str(stage / name), str(tok_file), vocab_size, val_fraction, seed,
-                                    text_field=text_field, workers=workers, piece_bytes=piece_bytes,
-                                    tokenizer_sample_bytes=tokenizer_sample_bytes, sync=sub_sync))
+        metas.append(prepare_corpus(source.path, str(stage / name), tokenizer_path or str(tok_file),
+                                    vocab_size, val_fraction, seed, text_field=text_field, workers=workers,
+                                    piece_bytes=piece_bytes, tokenizer_sample_bytes=tokenizer_sample_bytes,
+                                    sync=sub_sync, tokenizer=opened))
     first = metas[0]
     meta = {
         "format": MIXTURE,
@@ -306,6 +317,7 @@ def prepare_mixture(sources: list[Any], out_dir: str, tokenizer_path: str | None
         "vocab_size": int(vocab_size),
         "tokenizer_vocab_size": first["tokenizer_vocab_size"],
         "special_ids": first["special_ids"],
+        "model_special_ids": first["model_special_ids"],
         "train_tokens": sum(m["train_tokens"] for m in metas),
         "val_tokens": sum(m["val_tokens"] for m in metas),
         "unigram_entropy_nats": first["unigram_entropy_nats"],

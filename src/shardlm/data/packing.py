@@ -101,6 +101,7 @@ class PackedExamples:
                             f"their first {row} tokens (train.seq_len={self.seq_len}); raise train.seq_len or "
                             "shorten the prompts")
         lengths = np.diff(examples.offsets)
+        self._placed = np.minimum(lengths, row)  # each example's tokens in its row
         self.truncated = [int(i) for i in keep if lengths[i] > row]
         placed = np.minimum(lengths[keep], row)
         self.rows = [[int(keep[j]) for j in b] for b in best_fit_decreasing(placed, row, seed)]
@@ -117,6 +118,18 @@ class PackedExamples:
     def num_targets(self, ids: list[int]) -> int:
         """Response targets of rows ``ids`` (the sum of their examples' unpacked counts), known on the host."""
         return int(self.row_targets[np.asarray(ids, dtype=np.int64)].sum()) if len(ids) else 0
+
+    def squared_lengths(self, ids) -> int:
+        """Σ n² over the documents of the inputs (each row's first ``seq_len`` tokens) of rows ``ids``: each
+        example as placed, and the padding as a document of its own (block-causal attention's work,
+        :func:`shardlm.metrics.flops.model_flops`)."""
+        row, total = self.seq_len + 1, 0
+        for i in ids:
+            placed = [int(self._placed[e]) for e in self.rows[i]]
+            placed = [n for n in placed + [row - sum(placed)] if n]
+            placed[-1] -= 1  # the row's last token is only a target
+            total += sum(n * n for n in placed)
+        return total
 
     def get(self, ids: list[int]) -> torch.Tensor:
         """Rows ``ids``: int64 (len(ids), 3, seq_len + 1): tokens, labels (-100 off-response, on each example's
@@ -167,6 +180,9 @@ class DocumentWindows:
     Args:
         windows: :class:`~shardlm.data.loader.TokenWindows` or a mixture of them (``get`` -> (B, seq_len + 1)).
         eod: the separator id (``meta["special_ids"]["eod"]``), or None.
+        plain_within_one_document: ``get`` returns the plain windows (B, seq_len + 1) when none of them holds a
+            document start (training's samples): block-causal attention within one document is causal
+            attention, so the model then runs the causal kernel, no mask, the same outputs bit for bit.
 
     Attributes: ``source`` (``"recorded"`` or ``"eod"``: where the boundaries come from).
 
@@ -174,8 +190,9 @@ class DocumentWindows:
         DataError: the data records no document starts and ``eod`` is None (no boundary to go by).
     """
 
-    def __init__(self, windows, eod: int | None) -> None:
+    def __init__(self, windows, eod: int | None, plain_within_one_document: bool = False) -> None:
         self.windows = windows
+        self.plain_within_one_document = plain_within_one_document
         self.eod = None if eod is None else int(eod)
         self.seq_len = windows.seq_len
         self.source = "recorded" if len(windows) and windows.document_starts([0]) is not None else "eod"
@@ -201,9 +218,12 @@ class DocumentWindows:
 
     def get(self, ids: list[int]) -> torch.Tensor:
         """Windows ``ids`` as int64 (len(ids), 3, seq_len + 1): tokens, labels (the tokens, -100 at each document's
-        first token after the window's start), and each token's document index within its window (from 0)."""
+        first token after the window's start), and each token's document index within its window (from 0); or
+        the plain windows when none holds a start and ``plain_within_one_document``."""
         tokens = self.windows.get(ids)
         starts = self.starts(ids, tokens)
+        if self.plain_within_one_document and not starts.any():
+            return tokens
         labels = tokens.clone()
         labels[starts] = IGNORE_INDEX  # never the target of the previous document's last token
         return torch.stack([tokens, labels, starts.cumsum(dim=1)], dim=1)

@@ -183,9 +183,9 @@ def prepare_preferences(corpus: str, out_dir: str, tokenizer_path: str, vocab_si
                 "val_pairs": counts["val"], "train_tokens": counts["train_tokens"],
                 "val_tokens": counts["val_tokens"], "skipped_identical": len(identical),
                 "skipped_identical_lines": identical[:20], "prompt_not_prefix": not_prefix, "corpus": corpus,
-                "special_ids": special_token_ids(tok), "model_special_ids": model_special_ids(tokenizer_path),
+                "special_ids": special_token_ids(tok), "model_special_ids": model_special_ids(opened),
                 "unigram_entropy_nats": unigram_entropy(chosen_ids), "identity": identity}
-        write_tokenizer_files(tokenizer_path, tmp, chat_template=chat.template)
+        write_tokenizer_files(opened, tmp, chat_template=chat.template)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
     print(f"prepare: {corpus}: preference pairs train {counts['train']}, val {counts['val']}; skipped "
           f"{len(identical)} with chosen identical to rejected"

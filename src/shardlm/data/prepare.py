@@ -56,11 +56,12 @@ from shardlm.data.identity import describe_corpus, tokenizer_files
 from shardlm.data.meta import FORMAT, META_FILE, is_prepared, load_meta, token_dtype
 from shardlm.data.readers import Piece, dataset_dict_note, plan_pieces, read_piece
 from shardlm.data.tokenizer import load_tokenizer, special_token_ids, train_tokenizer
-from shardlm.data.tokenizer_files import model_special_ids, write_tokenizer_files
+from shardlm.data.tokenizer_files import model_special_ids, open_tokenizer, stage_tokenizer
 from shardlm.errors import DataError
 
 if TYPE_CHECKING:
     from shardlm.data.sync import Sync
+    from shardlm.data.tokenizer_files import OpenedTokenizer
 
 __all__ = [  # with the prepared-data names of meta.py, importable from here as before
     "META_FILE",
@@ -149,8 +150,10 @@ def _write_json(path: pathlib.Path, obj: Any) -> None:
 
 
 def _stage(corpus: str, stage: pathlib.Path, fingerprint: dict[str, Any], pieces: list[Piece], tokenizer_path: str | None,
-           vocab_size: int, text_field: str, seed: int, sample_bytes: int, log: Callable[[str], None]) -> None:
-    """Rank 0: make the staging directory hold this plan and its tokenizer (kept when the plan is unchanged)."""
+           vocab_size: int, text_field: str, seed: int, sample_bytes: int, log: Callable[[str], None],
+           opened: OpenedTokenizer | None = None) -> OpenedTokenizer:
+    """Rank 0: make the staging directory hold this plan and its tokenizer (kept when the plan is unchanged).
+    Returns the tokenizer opened once: the given one, one trained here, or an earlier run's from the stage."""
     old = stage / _FINGERPRINT
     if stage.exists():
         try:
@@ -160,10 +163,11 @@ def _stage(corpus: str, stage: pathlib.Path, fingerprint: dict[str, Any], pieces
         if not same:
             shutil.rmtree(stage)
     (stage / "tokens").mkdir(parents=True, exist_ok=True)
-    if not (stage / "tokenizer.json").is_file():
-        if tokenizer_path:
-            tok = load_tokenizer(tokenizer_path)
-        else:
+    staged = stage / "tokenizer.json"
+    if tokenizer_path:
+        opened = opened or open_tokenizer(tokenizer_path)
+    if not staged.is_file():
+        if not tokenizer_path:
             t0 = time.perf_counter()
             texts = _sample_texts(pieces, text_field, sample_bytes, seed)
             first = next(texts, None)
@@ -172,15 +176,13 @@ def _stage(corpus: str, stage: pathlib.Path, fingerprint: dict[str, Any], pieces
             tok = train_tokenizer(itertools.chain([first], texts), vocab_size)
             log(f"prepare: trained a {tok.get_vocab_size()}-token BPE on a sample of at most "
                 f"{sample_bytes / 1e6:.0f} MB in {time.perf_counter() - t0:.1f} s")
-        tmp = stage / "tokenizer.json.tmp"
-        if tokenizer_path:
-            shutil.copyfile(pathlib.Path(tokenizer_path).expanduser(), tmp)
-        else:
-            tok.save(str(tmp))
-        # its tokenizer_config.json (the source's, or one made for it), then the tokenizer itself
-        write_tokenizer_files(tokenizer_path or tmp, stage, copy_tokenizer=False)
-        os.replace(tmp, stage / "tokenizer.json")
+            opened = open_tokenizer(staged, tok)  # in memory, not read back; its files are made for it
+        assert opened is not None
+        stage_tokenizer(opened, stage)  # its tokenizer_config.json (the source's, or one made), then itself
+    elif not tokenizer_path:
+        opened = open_tokenizer(staged)  # trained by an earlier run of this plan
     _write_json(old, fingerprint)
+    return opened
 
 
 def _move_into_place(stage: pathlib.Path, out: pathlib.Path) -> None:
@@ -278,6 +280,7 @@ def prepare_corpus(
     sync: Sync | None = None,
     log: Callable[[str], None] | None = None,
     identity: dict[str, Any] | None = None,
+    tokenizer: OpenedTokenizer | None = None,
 ) -> dict[str, Any]:
     """Tokenize ``corpus`` into token shards under ``out_dir`` (see the module docstring).
 
@@ -305,6 +308,8 @@ def prepare_corpus(
         log: Where progress lines go (default: stderr on rank 0).
         identity: What the data is made from (:func:`shardlm.data.identity.describe_corpus` of these
             arguments, taken before reading), when the caller has it already; None: rank 0 takes it.
+        tokenizer: ``tokenizer_path`` already opened (a mixture's, for each source); None: each rank opens
+            it once (rank 0 the given one or trains it, the others the staged copy) and hands it down.
 
     Returns:
         The meta dict, also written to ``meta.json``: ``format`` ("shards"), ``dtype`` (str),
@@ -355,13 +360,13 @@ def prepare_corpus(
                     say(note)
             stage.parent.mkdir(parents=True, exist_ok=True)
             fingerprint = _fingerprint(pieces, tokenizer_path, vocab_size, text_field, seed, tokenizer_sample_bytes)
-            _stage(corpus, stage, fingerprint, pieces, tokenizer_path, vocab_size, text_field, seed,
-                   tokenizer_sample_bytes, say)
+            tokenizer = _stage(corpus, stage, fingerprint, pieces, tokenizer_path, vocab_size, text_field,
+                               seed, tokenizer_sample_bytes, say, tokenizer)
             if sync is not None:
                 sync.publish("staged")
         elif sync is not None:
             sync.wait("staged", "the tokenizer (rank 0)")
-        tok = load_tokenizer(str(stage / "tokenizer.json"))
+        tok = tokenizer.tokenizer if tokenizer is not None else load_tokenizer(str(stage / "tokenizer.json"))
         tok_vocab = int(tok.get_vocab_size())
         if tok_vocab > vocab_size:
             raise DataError(
@@ -416,7 +421,7 @@ def prepare_corpus(
             records.append(rec)
         meta = _finalize(stage, pieces, records, corpus, dtype, vocab_size, tok_vocab, special, val_fraction,
                          seed, text_field, skipped)
-        meta["model_special_ids"] = model_special_ids(tokenizer_path or stage / "tokenizer.json")
+        meta["model_special_ids"] = model_special_ids(tokenizer)
         assert identity is not None
         if not tokenizer_path:  # a trained tokenizer: its files as written
             identity = {**identity, "tokenizer": {**identity["tokenizer"],

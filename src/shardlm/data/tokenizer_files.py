@@ -12,6 +12,7 @@ training data (:data:`~shardlm.data.tokenizer.EOD`).
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import shutil
 from dataclasses import dataclass, field
@@ -22,8 +23,8 @@ from shardlm.errors import DataError
 from shardlm.json_file import read_json
 
 __all__ = ["SPECIAL_TOKEN_KEYS", "TOKENIZER_FILES", "TokenizerConfig", "eos_ids_of", "generation_config",
-           "json_line", "model_special_ids", "read_tokenizer_config", "synthesized_config", "token_text",
-           "write_tokenizer_files"]
+           "json_line", "model_special_ids", "read_tokenizer_config", "stage_tokenizer", "synthesized_config",
+           "token_text", "write_tokenizer_files"]
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 """The tokenizer's files, copied wherever the tokenizer goes (data directory, checkpoint, model directory)."""
@@ -182,13 +183,16 @@ class OpenedTokenizer:
         return self.files.tokenizer_path
 
 
-def open_tokenizer(tokenizer_path: str | pathlib.Path) -> OpenedTokenizer:
+def open_tokenizer(tokenizer_path: str | pathlib.Path, tokenizer: Tokenizer | None = None) -> OpenedTokenizer:
     """Load ``tokenizer_path`` and read the files beside it, once.
+
+    ``tokenizer``: the content of ``tokenizer_path`` already in memory (a tokenizer just trained, saved
+    there or about to be): it is not parsed again.
 
     Raises:
         DataError: the file is missing or not a tokenizer, or its config files are unreadable (naming the file).
     """
-    tok = load_tokenizer(str(tokenizer_path))
+    tok = tokenizer if tokenizer is not None else load_tokenizer(str(tokenizer_path))
     files = read_tokenizer_config(tokenizer_path, tok)
     return OpenedTokenizer(tok, files, _model_special_ids(files, tok))
 
@@ -272,3 +276,26 @@ def write_tokenizer_files(tokenizer_path: str | pathlib.Path | OpenedTokenizer, 
         src = files.tokenizer_path.parent / name
         if src.is_file() and src.resolve() != (out / name).resolve():
             shutil.copyfile(src, out / name)
+
+
+def stage_tokenizer(opened: OpenedTokenizer, stage: str | pathlib.Path) -> None:
+    """Write an opened tokenizer into a preparation's staging directory ``stage``, as every prepared
+    directory holds it: its config files first (:func:`write_tokenizer_files`), then ``tokenizer.json``,
+    atomically, whose presence marks the staged tokenizer complete (a restart keeps it). ``tokenizer.json``
+    is the file ``opened`` was read from, copied byte for byte, or, for a tokenizer trained in memory whose
+    path is the staged file itself, that object saved.
+
+    One rule for a corpus and a mixture (its top level and each source): the given tokenizer's
+    ``tokenizer_config.json`` (special tokens, chat template) goes with it, never a made-up one.
+
+    Raises:
+        OSError: ``stage`` cannot be written.
+    """
+    staged = pathlib.Path(stage) / "tokenizer.json"
+    tmp = staged.with_name("tokenizer.json.tmp")
+    write_tokenizer_files(opened, stage, copy_tokenizer=False)
+    if opened.path.is_file() and opened.path.resolve() != staged.resolve():
+        shutil.copyfile(opened.path, tmp)
+    else:
+        opened.tokenizer.save(str(tmp))
+    os.replace(tmp, staged)

@@ -38,8 +38,8 @@ def flops_per_token(n_params: int, n_layers: int, n_heads: int, head_dim: int, s
 _N_CACHE: dict[str, int] = {}
 
 
-def model_flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
-    """:func:`flops_per_token` for a Llama of shape ``cfg`` (N computed from the shape, embedding excluded; the
+def flops_params(cfg: ModelConfig) -> int:
+    """N of :func:`flops_per_token` for a model of shape ``cfg``: computed from the shape, embedding excluded (the
     meta-device model that counts it is built once per shape). A mixture of experts counts its *active*
     parameters: each token runs k of a layer's E experts (:func:`shardlm.model.moe.inactive_expert_params`)."""
     key = repr(cfg)
@@ -50,7 +50,46 @@ def model_flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
         if cfg.tie_embeddings:  # the shared table is listed once, as the embedding: count it as the output projection
             n += model.lm_head.weight.numel()
         _N_CACHE[key] = n - inactive_expert_params(model)
-    return flops_per_token(_N_CACHE[key], cfg.n_layers, cfg.n_heads, cfg.head_dim, seq_len)
+    return _N_CACHE[key]
+
+
+def model_flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
+    """:func:`flops_per_token` for a model of shape ``cfg`` (N: :func:`flops_params`)."""
+    return flops_per_token(flops_params(cfg), cfg.n_layers, cfg.n_heads, cfg.head_dim, seq_len)
+
+
+def model_flops(cfg: ModelConfig, tokens: int, squared_lengths: int | float) -> int | float:
+    """Training FLOPs (forward + backward) of ``tokens`` tokens whose sequences hold documents of lengths n:
+    6·N·tokens + 12·L·H·Q·Σ n² (N: :func:`flops_params`).
+
+    PaLM's per-token attention term 12·L·H·Q·T (appendix B; :func:`flops_per_token`, causal masking not
+    discounted) counts a sequence of T tokens as T² score and value products. Under block-causal attention each
+    document of n tokens (padding one of its own) attends only within itself: n² of them, so a sequence counts
+    Σ n² over its documents (Σ n² = T² for a causal sequence: then exactly :func:`model_flops_per_token` ×
+    tokens, in integers). Sliding windows are not discounted, as under causal attention. The trainer's logged
+    FLOPs and MFU and the planner both count with this (:mod:`shardlm.plan.documents`).
+
+    Args:
+        tokens: tokens of the sequences (padding included); squared_lengths: Σ n² over their documents (an int,
+            or the planner's mean per sequence × sequences, a float).
+    """
+    return (6 * flops_params(cfg) * tokens
+            + 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * squared_lengths)
+
+
+def squared_document_lengths(documents: torch.Tensor) -> int:
+    """Σ over rows of Σ n² over each row's documents (runs of equal index), for :func:`model_flops`.
+
+    Args:
+        documents: (B, T) int64 on the host, non-decreasing per row: each input token's document index (0 from
+            each row's first token; :func:`shardlm.data.packing.batch_documents`).
+    """
+    if documents.numel() == 0:
+        return 0
+    b, t = documents.shape
+    keys = (documents - documents[:, :1]) + torch.arange(b, dtype=torch.int64).unsqueeze(1) * (t + 1)
+    counts = torch.unique_consecutive(keys.flatten(), return_counts=True)[1]  # host tensors: no device read
+    return int((counts * counts).sum())
 
 
 def measure_matmul_flops(device: torch.device, dtype: torch.dtype = torch.float32, size: int = 1024,

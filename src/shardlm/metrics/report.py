@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from shardlm.errors import ConfigError
+from shardlm.json_file import read_json
 from shardlm.metrics.logger import read_metrics
 
 #: the PNG files a report writes, by figure name
@@ -58,7 +59,7 @@ def load_run(path: str | Path) -> Run:
         raise ConfigError(f"{metrics} is empty: the run logged no step")
     config: dict[str, Any] = {}
     if (p / "config.json").is_file():
-        config = json.loads((p / "config.json").read_text())
+        config = read_json(p / "config.json", ConfigError)
     name = config.get("run", {}).get("name") or p.name
     return Run(name=name if name != "final" else p.name, path=p, records=records, config=config)
 

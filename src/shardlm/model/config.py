@@ -120,11 +120,15 @@ class ModelConfig:
     """gpt-oss experts: the gate's sigmoid slope, ``glu = gate · sigmoid(alpha · gate)`` [swiglu_alpha]."""
     swiglu_limit: float = 7.0
     """gpt-oss experts: gate clamped to at most ``limit``, up to [-limit, limit] [swiglu_limit]."""
-    attention: Literal["causal", "block_causal"] = "causal"
+    attention: Literal["auto", "causal", "block_causal"] = "auto"
     """Attention pattern over a training sample: ``causal`` (every token sees all earlier ones of the sample) or
     ``block_causal`` (document masking: a token sees only earlier tokens of its own document, with rotary
     positions restarting at 0 per document; packed instruction examples, pre-training windows over document
-    boundaries; see shardlm/model/attention.py). Not a shape: kept on ``init_from``."""
+    boundaries; see shardlm/model/attention.py). ``auto`` (the default) is resolved once at set-up: a resumed
+    run keeps its checkpoint's value; a new one trains ``block_causal`` when its samples hold documents
+    (pre-training data that records its document starts, ``data.pack``), else ``causal``
+    (shardlm/data/attention_choice.py); checkpoints and ``config.json`` record the resolved value. Not a shape:
+    kept on ``init_from``."""
     attention_backend: Literal["auto", "sdpa", "flex", "varlen"] = "auto"
     """Kernel of block-causal attention: ``sdpa`` (a dense additive mask, any device), ``flex`` (flex_attention with
     a BlockMask: compiled on CUDA, eager on CPU), ``auto`` (flex on CUDA, sdpa elsewhere). Same results.

@@ -266,7 +266,8 @@ class CausalLM(nn.Module):
         ``documents`` (batch, seq) int64, non-decreasing per row: the document index of each token of a packed
         row. Under ``cfg.attention = "block_causal"`` each token attends only to earlier tokens of its own
         document, and its rotary position restarts at 0 at the document's first token
-        (:mod:`shardlm.model.attention`, backend ``cfg.attention_backend``); under ``"causal"`` it is ignored.
+        (:mod:`shardlm.model.attention`, backend ``cfg.attention_backend``); under ``"causal"`` (and ``"auto"``, which
+        training resolves before building the model) it is ignored.
 
         ``positions`` (batch, seq) int64 and ``masks`` (by window, 0 = global layers) come together: the rotary
         position of each token and each layer's attention mask, made outside for tokens that are a part of a

@@ -15,7 +15,8 @@ The forward, in four steps that expert parallelism can wrap from outside (``shar
 4. the outputs weighted and summed back per token (``index_add_``, in ascending expert order as transformers).
 
 Each forward stores its router statistics (:class:`RouterStats`) on the layer for the load-balancing loss
-(:mod:`shardlm.train.moe_loss`), which needs them over the whole batch of all ranks.
+(:mod:`shardlm.train.moe_loss`), which needs them over the whole batch of all ranks; padding positions set
+with :meth:`MoE.count_only` are left out of them.
 """
 
 from __future__ import annotations
@@ -166,6 +167,19 @@ class MoE(nn.Module):
         setattr(self, router_name, nn.Linear(dim, n_experts, bias=router_bias))
         self.experts = experts if experts is not None else Experts(n_experts, dim, hidden)
         self.stats: RouterStats | None = None
+        #: (seq,) bool or None (all): the positions of each sequence whose tokens :attr:`stats` counts; see
+        #: :meth:`count_only`
+        self.counted: torch.Tensor | None = None
+        self._counted_per_row = 0
+
+    def count_only(self, positions: torch.Tensor | None) -> None:
+        """Count only the tokens at ``positions`` ((seq,) bool, True = counted; None: all) in the router
+        statistics of the following forwards, whose input must then be (..., seq, dim). Padding is routed like
+        any token (its output is unused) but stays out of the load-balancing loss, as the positions
+        transformers' ``load_balancing_loss_func`` masks by its ``attention_mask``. Set from outside (context
+        parallelism pads each sequence to a multiple of 2·cp)."""
+        self.counted = None if positions is None else positions.to(torch.bool)
+        self._counted_per_row = 0 if positions is None else int(self.counted.sum())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -179,8 +193,17 @@ class MoE(nn.Module):
         out = self.experts(x[token_of], counts)  # (tokens · k, dim), grouped by expert
         out = out * weights.reshape(-1)[order].unsqueeze(-1)
         y = torch.zeros_like(x).index_add_(0, token_of, out.to(x.dtype))
-        self.stats = RouterStats(probs.sum(0), counts.detach().float(),
-                                 torch.logsumexp(logits.float(), dim=-1).pow(2).sum(), x.shape[0])
+        z = torch.logsumexp(logits.float(), dim=-1).pow(2)  # (tokens,)
+        if self.counted is None:
+            self.stats = RouterStats(probs.sum(0), counts.detach().float(), z.sum(), x.shape[0])
+        else:
+            if len(shape) < 3 or shape[-2] != self.counted.numel():
+                raise ValueError(f"the MoE layer counts {self.counted.numel()} positions per sequence "
+                                 f"(count_only) but got input of shape {tuple(shape)}")
+            keep = self.counted.to(x.device).expand(shape[:-1]).reshape(-1)
+            kept = torch.bincount(chosen[keep].reshape(-1), minlength=self.n_experts)
+            self.stats = RouterStats(probs[keep].sum(0), kept.detach().float(), z[keep].sum(),
+                                     self._counted_per_row * (x.shape[0] // shape[-2]))
         return y.reshape(shape)
 
 

@@ -5,17 +5,26 @@ The split is the load-balanced one of torchtitan and Megatron-LM ("zigzag"): a s
 r holds chunk r (the head) and chunk ``2·cp - 1 - r`` (the tail). Under a causal mask a query's work grows with
 its position, so a head chunk and its mirrored tail chunk together cost every rank the same.
 
-Attention across the split all-gathers keys and values over the CP group (as torchtitan's flex-attention CP path
-does) and runs each rank's queries against all ``T_pad`` keys under a dense boolean mask built from the global
-token indices: key j of query i when j <= i, within the window (i - window < j) and in the same document
-(block-causal). The all-gather's backward reduce-scatters the key/value gradients (one all-to-all and a local
-sum, as :mod:`shardlm.parallel.reduce_scatter`), so gradients are exact. Every CP rank of a group holds the same
-batch (they are one data-parallel replica), so each builds its masks and rotary positions locally, with no
-collective; only K and V travel. Padding tokens sit after every real token: no real query attends to them, their
-labels are ignored (-100), and each pad token forms a document of its own.
+Attention across the split (:meth:`ContextParallel.attend`) is blockwise where a kernel with a log-sum-exp
+exists (CPU, :mod:`shardlm.parallel.cp_attention`): K and V passed around the CP group's ring one rank's
+chunks at a time, each of the rank's chunks attended to the key chunks it may see, the parts merged by their
+log-sum-exp, and only the rank's own q, k, v, output and log-sum-exp saved for the backward. Elsewhere (CUDA,
+not wired) the fallback all-gathers keys and values through an autograd function (saved for the backward) and
+runs this rank's queries against all ``T_pad`` keys under a dense boolean mask built from the global token
+indices. Either way query i sees key j when j <= i (global indices), within the window (i - window < j) and in
+the same document (block-causal), and the key/value gradients reach their owners summed over the group (around
+the ring, or by a reduce-scatter: one all-to-all and a local sum, as :mod:`shardlm.parallel.reduce_scatter`),
+so gradients are exact. Every CP rank of a group holds the same batch (they are one data-parallel replica), so
+each builds its masks and rotary positions locally, with no collective; only K and V travel. Padding tokens
+sit after every real token: no real query attends to them, their labels are ignored (-100), and each pad token
+forms a document of its own. A mixture of experts needs nothing more for its outputs (routing is per token);
+its router statistics leave the padding out (:meth:`ContextParallel.shard_batch`).
 
-Memory per rank: K and V of all ``T_pad`` tokens for one layer at a time (freed after the layer's backward
-unless saved), the mask ``T_pad²/cp`` booleans per distinct window, and activations of ``T_pad / cp`` tokens.
+Memory per rank, blockwise: activations of ``T_pad / cp`` tokens (attention's saved tensors included); K and V
+of two ranks' tokens (held and incoming) and in the backward their gradients, for one layer at a time; one
+block's mask (``c²`` values) at a time. The fallback keeps the gathered K and V of every layer for the
+backward, a ``T_pad²/cp`` mask per window, and on the causal path query and output rows up to the end of the
+rank's tail chunk.
 
 PyTorch's own ``torch.distributed.tensor.experimental.context_parallel`` maps only CUDA's flash / efficient /
 cuDNN SDPA kernels and refuses CPU SDPA, hence this implementation (checked against one-rank attention).
@@ -33,6 +42,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from shardlm.errors import ConfigError
 from shardlm.model.attention import document_positions
 from shardlm.model.decoder import attention
+from shardlm.model.moe import MoE
+from shardlm.parallel.cp_attention import BlockwiseAttention, SequenceMask, lse_kernels
 from shardlm.parallel.dist import DistInfo
 
 #: the target id the loss ignores (padding tokens' labels), as ``shardlm.data.instruct.IGNORE_INDEX``
@@ -67,8 +78,9 @@ def gathered_indices(seq_len: int, cp: int) -> torch.Tensor:
 
 
 class _GatherSequence(torch.autograd.Function):
-    """All-gather (batch, heads, s, d) over the CP group into (batch, heads, cp·s, d) in rank order; the backward
-    sums each rank's slice of the gradient over the group (a reduce-scatter by one all-to-all, in rank order)."""
+    """All-gather (batch, heads, s, d) over the CP group into (batch, heads, cp·s, d) in rank order; the
+    backward sums each rank's slice of the gradient over the group (a reduce-scatter by one all-to-all, in rank
+    order). The fallback path of :meth:`ContextParallel.attend`."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -85,8 +97,8 @@ class _GatherSequence(torch.autograd.Function):
         b, h, ws, d = grad.shape
         pieces = grad.reshape(b, h, world, ws // world, d).permute(2, 0, 1, 3, 4).contiguous()
         received = torch.empty_like(pieces)
-        dist.all_to_all_single(received.view(world * b, h, ws // world, d), pieces.view(world * b, h, ws // world, d),
-                               group=ctx.group)
+        shape = (world * b, h, ws // world, d)
+        dist.all_to_all_single(received.view(shape), pieces.view(shape), group=ctx.group)
         out = received[0].clone()
         for piece in received[1:]:
             out.add_(piece)
@@ -99,18 +111,32 @@ class ContextParallel:
     Args:
         group: the CP process group (its ranks hold the same batch); None for one rank (no split, no
             collective: the same code path runs unchanged).
+        device_type: where attention runs (``cpu``, ``cuda``): decides the blockwise kernels or the fallback.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, device_type: str = "cpu") -> None:
         self.group = group
         self.size = group.size() if group is not None else 1
         self.rank = dist.get_rank(group) if group is not None else 0
+        #: the blockwise path's kernels (:func:`~shardlm.parallel.cp_attention.lse_kernels`), None: fallback
+        self.kernels = lse_kernels(device_type)
         #: the attention windows of the model's layers (0 = global), set by :func:`apply_cp`
         self.windows: set[int] = {0}
         #: whether the model attends block-causally (document masks), set by :func:`apply_cp`
         self.block_causal = False
-        #: the additive forms of this batch's boolean masks, by (id(mask), dtype) (see :meth:`attend`)
+        #: the fallback's additive dense masks of this batch, by (id(mask), dtype) (see :meth:`attend`)
         self._additive: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        #: the model's mixture-of-experts layers, set by :func:`apply_cp`: their router statistics count this
+        #: rank's real tokens only (:meth:`shard_batch`)
+        self.moe_layers: list[MoE] = []
+
+    @property
+    def attention_path(self) -> str:
+        """How :meth:`attend` runs, in words (the start-up summary names it)."""
+        if self.kernels is not None:
+            return "blockwise attention merged by log-sum-exp"
+        return ("fallback attention: gathered K/V kept for the backward, dense masks (no log-sum-exp kernel "
+                "wired)")
 
     def check_sequence(self, seq_len: int) -> None:
         """Refuse a sequence too short to split: with fewer than ``cp`` tokens some rank would hold padding only.
@@ -151,42 +177,55 @@ class ContextParallel:
         return self.shard(positions, 0)
 
     def masks(self, seq_len: int, documents: torch.Tensor | None, windows: set[int],
-              device: torch.device | str) -> dict[int, torch.Tensor | None]:
-        """Attention masks of this rank's queries over the gathered keys, one per window (0 = global): None where
-        the mask is plain causal by global position (no documents, no window shorter than the sequence; then
-        :meth:`attend` needs no mask), else a boolean (1 or batch, 1, 2·c, T_pad) mask, True = attend.
+              device: torch.device | str) -> dict[int, SequenceMask | None]:
+        """The attention masks of this batch, one per window (0 = global): None where attention is plain
+        causal by global position (no documents, no window shorter than the sequence), else a
+        :class:`~shardlm.parallel.cp_attention.SequenceMask` (the padded documents and the window), from which
+        :meth:`attend` builds each block's mask (or the fallback its dense one, :meth:`dense_mask`).
 
-        Query i sees key j when j <= i (global indices), i - window < j (``window`` > 0) and, with
-        ``documents`` (batch, seq_len) int64, both are in the same document; padding (index >= seq_len) is a
-        document of its own per token, so no real query sees it.
+        ``documents`` (batch, seq_len) int64; padding (index >= seq_len) is a document of its own per token
+        (ids -1, -2, ...), so no real query sees it.
         """
         causal_only = documents is None and all(w == 0 or w >= seq_len for w in windows)
         if causal_only:
             return dict.fromkeys(windows)
-        q = self.local_indices(seq_len, device).view(-1, 1)
-        k = gathered_indices(seq_len, self.size).to(device).view(1, -1)
-        base = k <= q
+        docs = None
         if documents is not None:
             t_pad = padded_length(seq_len, self.size)
             docs = torch.cat([documents, torch.arange(-1, seq_len - t_pad - 1, -1, device=device)
-                              .expand(documents.shape[0], -1)], dim=1)  # pad tokens: ids -1, -2, ...
-            q_doc, k_doc = docs[:, q.view(-1)], docs[:, k.view(-1)]
-            base = base.unsqueeze(0) & (q_doc.unsqueeze(2) == k_doc.unsqueeze(1))
-        else:
-            base = base.unsqueeze(0)
-        out = {}
-        for w in sorted(windows):
-            allowed = base & (k > q - w) if w else base
-            out[w] = allowed.unsqueeze(1)
-        return out
+                              .expand(documents.shape[0], -1)], dim=1)
+        return {w: SequenceMask(docs, w if 0 < w < seq_len else 0) for w in sorted(windows)}
+
+    def dense_mask(self, spec: SequenceMask, t_pad: int, device: torch.device | str) -> torch.Tensor:
+        """The fallback's boolean (1 or batch, 1, 2·c, T_pad) mask of this rank's queries over the gathered
+        keys, True = attend: key j of query i when j <= i (global indices), i - window < j and in the same
+        document."""
+        q = self.local_indices(t_pad, device).view(-1, 1)
+        k = gathered_indices(t_pad, self.size).to(device).view(1, -1)
+        allowed = k <= q
+        if spec.window:
+            allowed = allowed & (k > q - spec.window)
+        allowed = allowed.unsqueeze(0)
+        if spec.documents is not None:
+            docs = spec.documents
+            allowed = allowed & (docs[:, q.view(-1)].unsqueeze(2) == docs[:, k.view(-1)].unsqueeze(1))
+        return allowed.unsqueeze(1)
 
     def shard_batch(self, inputs: torch.Tensor, targets: torch.Tensor,
                     documents: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
         """This rank's share of a batch: inputs and targets (B, T) int64 -> (B, 2·c) each (padding: token 0, target
         ``IGNORE_INDEX``), and the model's keyword arguments ``positions`` (:meth:`rope_positions`) and ``masks``
-        (:meth:`masks`). ``documents`` (B, T) is used under block-causal attention only."""
+        (:meth:`masks`). ``documents`` (B, T) is used under block-causal attention only.
+
+        A mixture of experts' layers count only this rank's real tokens in their router statistics
+        (:meth:`~shardlm.model.moe.MoE.count_only`): the load-balancing and z-loss, pooled over every rank
+        (:func:`shardlm.train.moe_loss.moe_loss_term`), are then those of the unsplit sequences."""
         b, t = inputs.shape
         self._additive.clear()  # the previous batch's masks
+        if self.moe_layers:
+            real = chunk_indices(t, self.size, self.rank) < t  # (2·c,) bool, on the host
+            for layer in self.moe_layers:
+                layer.count_only(None if bool(real.all()) else real)
         docs = documents if self.block_causal else None
         extra = {"positions": self.rope_positions(b, t, docs, inputs.device),
                  "masks": self.masks(t, docs, self.windows, inputs.device)}
@@ -199,30 +238,31 @@ class ContextParallel:
             return x
         return _GatherSequence.apply(x, self.group)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any = None,
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: SequenceMask | None = None,
                scale: float | None = None) -> torch.Tensor:
         """Attention of this rank's queries q (batch, n_heads, 2·c, head_dim) over the keys and values of the
         whole sequence: k, v (batch, n_kv_heads, 2·c, head_dim) are all-gathered, then attended to under
-        ``mask`` from :meth:`masks`. Returns q's shape and dtype.
+        ``mask`` from :meth:`masks` (None: causal by global position). Returns q's shape and dtype.
 
-        A boolean mask (documents, windows) runs SDPA over all ``T_pad`` keys with it, as an additive mask made
-        once per mask and dtype and shared by the layers (SDPA on CPU would otherwise save a float copy per
-        layer): memory ``T_pad² / cp`` mask values. ``None`` is causal by global position, with no mask: the keys
-        are put in global order and cut after this rank's last token, this rank's queries are scattered into
-        zeros at their global places, and SDPA's own causal kernel runs (``is_causal``; the zero queries'
-        outputs are dropped and give the keys no gradient). It costs up to ``T_pad`` query rows of work on rank
-        0 (fewer on the others) and memory linear in ``T_pad``.
+        Blockwise (:class:`~shardlm.parallel.cp_attention.BlockwiseAttention`) where :attr:`kernels` exist:
+        memory linear in ``T_pad`` and transient. Else the fallback: the all-gather saves K and V of all
+        ``T_pad`` keys; a mask runs SDPA over them under the dense mask (:meth:`dense_mask`, as an additive
+        mask made once per batch and dtype and shared by the layers: ``T_pad² / cp`` values), and causal
+        attention scatters this rank's queries into zeros at their global places up to the end of its tail
+        chunk and runs SDPA's causal kernel (the zero queries' outputs are dropped and give the keys no
+        gradient).
         """
+        if self.kernels is not None and self.group is not None and self.size > 1:
+            return BlockwiseAttention.apply(q, k, v, mask, self.group, self.rank, scale, self.kernels)
         k, v = self.gather(k), self.gather(v)
         if mask is None:
             return self._causal(q, k, v, scale)
-        if mask.dtype == torch.bool:
-            key = (id(mask), q.dtype)
-            if key not in self._additive:
-                self._additive[key] = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(
-                    ~mask, float("-inf"))
-            mask = self._additive[key]
-        return attention(q, k, v, mask, scale=scale)
+        key = (id(mask), q.dtype)
+        if key not in self._additive:
+            dense = self.dense_mask(mask, q.shape[2] * self.size, q.device)
+            self._additive[key] = torch.zeros(dense.shape, dtype=q.dtype, device=q.device).masked_fill_(
+                ~dense, float("-inf"))
+        return attention(q, k, v, self._additive[key], scale=scale)
 
     def _causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
         """Causal attention by global position of this rank's q (b, h, 2·c, d) over gathered k, v (see :meth:`attend`)."""
@@ -240,13 +280,15 @@ def apply_cp(model: nn.Module, cp: ContextParallel) -> nn.Module:
     """Route every attention layer of ``model`` through ``cp.attend`` (the recipe: one hook per layer).
 
     The model then expects each rank's tokens as :meth:`ContextParallel.shard` gives them, with
-    ``positions`` from :meth:`ContextParallel.rope_positions` and ``masks`` from :meth:`ContextParallel.masks`.
-    Returns the same model.
+    ``positions`` from :meth:`ContextParallel.rope_positions` and ``masks`` from
+    :meth:`ContextParallel.masks`; its MoE layers (routing is per token, so their outputs need nothing) leave
+    CP's padding out of their router statistics (:meth:`ContextParallel.shard_batch`). Returns the same model.
 
     Raises:
         ValueError: the model has no attention layer with an ``attend`` hook.
     """
     cp.block_causal = model.cfg.attention == "block_causal"
+    cp.moe_layers = [m for m in model.modules() if isinstance(m, MoE)]
     cp.windows = set()
     for module in model.modules():
         if hasattr(module, "attend") and hasattr(module, "q_proj"):
@@ -257,16 +299,21 @@ def apply_cp(model: nn.Module, cp: ContextParallel) -> nn.Module:
     return model
 
 
-def build_context_parallel(info: DistInfo, cp: int) -> ContextParallel:
-    """The CP group of this rank: ranks ``[g·cp, (g+1)·cp)`` hold the same samples (``parallel.cp``; the inner
-    dimension of torchtitan's mesh order, beside the data-parallel one). One rank's (no collective) at ``cp = 1``.
+def build_context_parallel(info: DistInfo, cp: int, tp: int = 1) -> ContextParallel:
+    """The CP group of this rank (``parallel.cp``): in torchtitan's mesh order ``(dp, cp, tp)``, tp innermost,
+    the ``cp`` ranks with this rank's data-parallel and tensor-parallel coordinates, ``tp`` apart: rank
+    ``(d·cp + c)·tp + t`` for c = 0 .. cp - 1. They hold the same samples; under tensor parallel (``tp`` > 1)
+    each holds its ``n_heads / tp`` local heads, and the keys and values gathered over the CP group are those
+    heads' over the whole sequence. One rank's (no collective) at ``cp = 1``.
 
     Raises:
-        ConfigError: ``cp`` does not divide the world size.
+        ConfigError: ``cp × tp`` does not divide the world size.
     """
     if cp == 1:
-        return ContextParallel(None)
-    if info.world_size % cp:
-        raise ConfigError(f"parallel.cp={cp} must divide the world size {info.world_size}")
-    mesh = init_device_mesh(info.device.type, (info.world_size // cp, cp), mesh_dim_names=("dp_cp_outer", "cp"))
-    return ContextParallel(mesh.get_group("cp"))
+        return ContextParallel(None, info.device.type)
+    if info.world_size % (cp * tp):
+        inner = f"parallel.cp={cp} × parallel.tp={tp} = {cp * tp}" if tp > 1 else f"parallel.cp={cp}"
+        raise ConfigError(f"{inner} must divide the world size {info.world_size}")
+    mesh = init_device_mesh(info.device.type, (info.world_size // (cp * tp), cp, tp),
+                            mesh_dim_names=("dp_outer", "cp", "tp_inner"))
+    return ContextParallel(mesh.get_group("cp"), info.device.type)

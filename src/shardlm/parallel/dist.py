@@ -208,42 +208,42 @@ def dp_mesh_shape(pcfg: ParallelConfig, world_size: int, ranks_per_node: int) ->
     """The data-parallel mesh shape ``(dp_replicate, dp_shard)`` for ``world_size`` ranks (``world_size / cp`` data-
     parallel ranks under context parallelism, ``parallel.cp``).
 
-    The data-parallel ranks are the world divided by the inner (model-parallel) dimensions, ``parallel.tp``
+    The data-parallel ranks are the world divided by the inner dimensions, ``parallel.cp`` and ``parallel.tp``
     (:func:`mesh_dims`); ``dp_shard = -1`` takes all remaining ones, ``dp_ranks // dp_replicate``
-    (``dp_replicate = -1`` likewise ``dp_ranks // dp_shard``, so one config fits any node count). torchrun numbers
-    ranks node by node and the inner dimensions are innermost, so shard group g with its tensor-parallel peers
-    holds the consecutive ranks ``[g·S·T, (g+1)·S·T)``: it stays inside one node (S·T divides the ranks of a
-    node, the HSDP layout: all-gathers and reduce-scatters on the fast intra-node links, only the all-reduce
-    across replicas between nodes) or spans whole nodes (S·T a multiple of them); plain FSDP (S·T = world size)
-    may span any nodes. A tensor-parallel group (T consecutive ranks) must lie inside one node. Pure arithmetic,
-    no collective.
+    (``dp_replicate = -1`` likewise ``dp_ranks // dp_shard``, so one config fits any node count). torchrun
+    numbers ranks node by node and the inner dimensions are innermost (``tp`` the innermost, torchtitan's
+    order), so shard group g with its context- and tensor-parallel peers holds the consecutive ranks
+    ``[g·S·C·T, (g+1)·S·C·T)``: it stays inside one node (S·C·T divides the ranks of a node, the HSDP layout:
+    all-gathers and reduce-scatters on the fast intra-node links, only the all-reduce across replicas between
+    nodes) or spans whole nodes (S·C·T a multiple of them); plain FSDP (S·C·T = world size) may span any
+    nodes. A tensor-parallel group (T consecutive ranks) must lie inside one node. Pure arithmetic, no
+    collective.
 
     Raises:
-        ConfigError: ``parallel.cp`` does not divide the world size; ``parallel.cp`` and ``parallel.tp`` both
-            above 1 (not built together yet); ``dp_replicate × dp_shard × tp`` differs from the (data-parallel)
-            world size; ``tp`` larger than a node or not dividing its ranks; a shard group that would hold part of
-            a node; HSDP (``dp_replicate > 1``) outside ``parallel.mode='fsdp'``.
+        ConfigError: ``parallel.cp`` does not divide the world size; ``dp_replicate × dp_shard × tp`` differs
+            from the (data-parallel) world size; ``tp`` larger than a node or not dividing its ranks; a shard
+            group that would hold part of a node; HSDP (``dp_replicate > 1``) outside
+            ``parallel.mode='fsdp'``.
     """
     r, s, tp = pcfg.dp_replicate, pcfg.dp_shard, pcfg.tp
-    cp = pcfg.cp  # context parallel: cp consecutive ranks per data-parallel rank (parallel/cp.py)
-    if cp > 1 and tp > 1:
-        raise ConfigError(f"parallel.cp={cp} with parallel.tp={tp}: context and tensor parallelism together are not "
-                          "built yet; use one of them")
+    cp = pcfg.cp  # context parallel: cp ranks (tp apart) per data-parallel rank (parallel/cp.py)
     if world_size % cp:
         raise ConfigError(f"parallel.cp={cp} must divide the world size {world_size} (each sequence is split over "
                           f"{cp} ranks)")
-    world_size, ranks_per_node = world_size // cp, max(1, ranks_per_node // cp)
+    # under CP the mesh below covers world / cp ranks: the messages say so (not "the world size 1" at world 2)
+    per_cp = f" / parallel.cp={cp} = {world_size // cp}" if cp > 1 else ""
+    world, world_is = f"the world size {world_size}{per_cp}", f"the world size is {world_size}{per_cp}"
+    node_ranks, world_size = ranks_per_node, world_size // cp
     if r == s == -1:
         raise ConfigError("parallel.dp_replicate and parallel.dp_shard cannot both be -1: set one of them")
     if world_size % tp:
-        raise ConfigError(f"parallel.tp={tp} must divide the world size {world_size} (dp_replicate × dp_shard × tp "
+        raise ConfigError(f"parallel.tp={tp} must divide {world} (dp_replicate × dp_shard × tp "
                           "must cover every rank exactly once)")
-    if tp > ranks_per_node or ranks_per_node % tp:
-        raise ConfigError(f"parallel.tp={tp} must divide the {ranks_per_node} ranks of a node: a tensor-parallel "
+    if tp > node_ranks or node_ranks % tp:
+        raise ConfigError(f"parallel.tp={tp} must divide the {node_ranks} ranks of a node: a tensor-parallel "
                           "group exchanges activations in every layer and must stay on one node's links")
     dp_ranks = world_size // tp
-    ranks = (f"the {dp_ranks} data-parallel ranks (the world size {world_size} / parallel.tp={tp})" if tp > 1
-             else f"the world size {world_size}")
+    ranks = f"the {dp_ranks} data-parallel ranks ({world} / parallel.tp={tp})" if tp > 1 else world
     if s == -1:
         if dp_ranks % r:
             raise ConfigError(f"parallel.dp_replicate={r} must divide {ranks} "
@@ -257,21 +257,24 @@ def dp_mesh_shape(pcfg: ParallelConfig, world_size: int, ranks_per_node: int) ->
     if r * s * tp != world_size:
         product = f"{r} × {s} × {tp} = {r * s * tp}" if tp > 1 else f"{r} × {s} = {r * s}"
         names = "parallel.dp_replicate × parallel.dp_shard" + (" × parallel.tp" if tp > 1 else "")
-        raise ConfigError(f"{names} = {product}, but the world size "
-                          f"is {world_size}: the mesh must cover every rank exactly once")
-    block = s * tp  # consecutive ranks of one shard group and its tensor-parallel peers
-    if block != world_size and ranks_per_node % block and block % ranks_per_node:
-        raise ConfigError(f"parallel.dp_shard={s}{f' × parallel.tp={tp}' if tp > 1 else ''} does not divide the "
-                          f"{ranks_per_node} ranks of a node (nor is it a multiple of them): a shard group would "
-                          "straddle nodes; pick a divisor of the ranks per node (HSDP) or whole nodes")
+        raise ConfigError(f"{names} = {product}, but {world_is}: the mesh must cover every rank exactly once")
+    block = s * cp * tp  # consecutive ranks of one shard group and its context- and tensor-parallel peers
+    if block != world_size * cp and node_ranks % block and block % node_ranks:
+        inner = "".join(f" × parallel.{k}={v}" for k, v in (("cp", cp), ("tp", tp)) if v > 1)
+        raise ConfigError(f"parallel.dp_shard={s}{inner} does not divide the {node_ranks} ranks of a node "
+                          "(nor is it a multiple of them): a shard group would straddle nodes; pick a "
+                          "divisor of the ranks per node (HSDP) or whole nodes")
     if r > 1 and pcfg.mode != "fsdp":
         raise ConfigError(f"parallel.dp_replicate={r} (HSDP) needs parallel.mode='fsdp', not {pcfg.mode!r}")
     return r, s
 
 
 def mesh_dims(pcfg: ParallelConfig | None, world_size: int, ranks_per_node: int) -> list[tuple[str, int]]:
-    """The device mesh's named dimensions, outermost first: ``dp_replicate`` (HSDP only), ``dp_shard`` (always),
-    then the inner, model-parallel ones (``tp``, when > 1), torchtitan's order; sizes multiply to the world size.
+    """The device mesh's named dimensions, outermost first: ``dp_replicate`` (HSDP only), ``dp_shard``
+    (always, with ``parallel.cp`` folded in: FSDP shards parameters over ``dp_shard × cp``), then the inner,
+    model-parallel one (``tp``, when > 1), torchtitan's order; sizes multiply to the world size. The CP groups
+    are built beside it (:func:`shardlm.parallel.cp.build_context_parallel`: the ``cp`` ranks of one dp and tp
+    coordinate).
 
     Raises:
         ConfigError: see :func:`dp_mesh_shape`.
@@ -279,7 +282,7 @@ def mesh_dims(pcfg: ParallelConfig | None, world_size: int, ranks_per_node: int)
     if pcfg is None:
         return [("dp_shard", world_size)]
     r, s = dp_mesh_shape(pcfg, world_size, ranks_per_node)
-    s *= pcfg.cp  # FSDP shards over dp_shard × cp: a CP group's ranks are consecutive in a shard row
+    s *= pcfg.cp  # FSDP shards over dp_shard × cp: a CP group's ranks (tp apart) lie in one shard row
     dims = [("dp_replicate", r), ("dp_shard", s), ("tp", pcfg.tp)]
     return [(name, size) for name, size in dims if size > 1 or name == "dp_shard"]
 
@@ -291,9 +294,10 @@ DATA_PARALLEL_DIMS = ("dp_replicate", "dp_shard")
 def data_parallel_rank(info: DistInfo, pcfg: ParallelConfig | None) -> tuple[int, int]:
     """``(dp_rank, dp_size)``: this rank's index among the ranks that read different samples, and their number.
 
-    The model-parallel dimensions (``tp``) are innermost (:func:`mesh_dims`), so the ``tp`` consecutive ranks of a
-    tensor-parallel group read the same samples: ``dp_rank = rank // tp``, ``dp_size = world_size // tp``; so do
-    the ``cp`` consecutive ranks of a context-parallel group, which split each sequence (``parallel.cp``).
+    The model-parallel dimensions (``cp``, then ``tp``) are innermost (:func:`mesh_dims`), so the ``cp × tp``
+    consecutive ranks of one data-parallel coordinate read the same samples: ``dp_rank = rank // (cp × tp)``,
+    ``dp_size = world_size // (cp × tp)``; a tensor-parallel group computes on the same tokens, a
+    context-parallel group splits each sequence (``parallel.cp``).
     """
     inner = pcfg.tp * pcfg.cp if pcfg is not None else 1
     return info.rank // inner, info.world_size // inner

@@ -3,6 +3,7 @@
 the FSDP settings it predicts fit and picks the fastest."""
 
 from shardlm.plan.devices import DEVICES, Device, get_device
-from shardlm.plan.memory import PARTS, MemoryPlan, plan_memory
+from shardlm.plan.ledger import PARTS, MemoryPlan
+from shardlm.plan.memory import plan_memory
 
 __all__ = ["DEVICES", "PARTS", "Device", "MemoryPlan", "get_device", "plan_memory"]

@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from shardlm.config import ModelConfig
 
 AC_MODES = ("none", "full", "selective", "every_n")
+TP_AC_MODES = ("none", "full")
+"""The checkpointing modes modelled under tensor parallel (:func:`block_saved_tp`)."""
 
 
 @dataclass(frozen=True)
@@ -145,8 +147,14 @@ def block_saved(s: Shape, mode: str, layer: int, every_n: int = 2) -> int:
     if mode == "selective":
         return block_saved_selective(s)
     if mode == "every_n":
-        return block_saved(s, "full" if (layer + 1) % max(1, every_n) == 0 else "none", layer)
+        return block_saved(s, "full" if fully_checkpointed(mode, layer, every_n) else "none", layer)
     raise ValueError(f"unknown activation checkpointing mode {mode!r} (known: {', '.join(AC_MODES)})")
+
+
+def fully_checkpointed(mode: str, layer: int, every_n: int = 2) -> bool:
+    """Whether block ``layer`` (0-based) keeps only its input under AC ``mode``: every block under ``full``,
+    blocks n, 2n, ... (1-based) under ``every_n``."""
+    return mode == "full" or (mode == "every_n" and (layer + 1) % max(1, every_n) == 0)
 
 
 def block_backward_transient(s: Shape) -> int:

@@ -26,8 +26,10 @@ from pathlib import Path
 import numpy as np
 
 from shardlm.config import Config
+from shardlm.data.attention_choice import AUTO, choose_attention
 from shardlm.data.build import data_dir
 from shardlm.data.instruct import InstructionExamples
+from shardlm.data.meta import lacking_document_starts
 from shardlm.data.packing import PackedExamples
 from shardlm.data.prepare import is_prepared, load_meta
 from shardlm.errors import DataError
@@ -48,12 +50,6 @@ class DocumentShape:
     """Trained tokens per sample."""
     context: float
     """Attention context per sequence, tokens: Σ n² / T over its documents (T = ``train.seq_len`` under causal)."""
-
-
-def segment_context(lengths: np.ndarray, seq_len: int) -> float:
-    """Σ n² / T of one sequence's documents ``lengths`` (their sum is T = ``seq_len``), as float."""
-    lengths = np.asarray(lengths, dtype=np.float64)
-    return float((lengths ** 2).sum() / seq_len)
 
 
 def window_context(starts: np.ndarray, windows: int, seq_len: int) -> float:
@@ -86,15 +82,9 @@ def _shape(out: str, fmt: str, pack: bool, block_causal: bool, seq_len: int, see
             packed = PackedExamples(examples, seed)
         except DataError as exc:  # the trainer stops on it too
             return DocumentShape(f"{exc}; sequences counted as full", 0, 1.0, float(seq_len), float(seq_len))
-        lengths = np.diff(examples.offsets)
-        context = 0.0
-        for members in packed.rows:
-            placed = [min(int(lengths[e]), row) for e in members]
-            placed = [n for n in placed + [row - sum(placed)] if n]  # the padding: a document of its own
-            placed[-1] -= 1  # the inputs are the row's first seq_len tokens
-            context += segment_context(placed, seq_len)
+        context = packed.squared_lengths(range(len(packed))) / (len(packed) * seq_len)  # as the trainer counts
         return DocumentShape(f"the packed rows of {out}", len(packed), packed.fill,
-                             float(packed.row_targets.mean()), context / len(packed))
+                             float(packed.row_targets.mean()), context)
     windows = int(meta["train_tokens"]) // (seq_len + 1)
     record = meta.get("document_starts")
     if not block_causal or not windows:
@@ -118,14 +108,34 @@ def document_shape(cfg: Config) -> DocumentShape:
         return DocumentShape("a mixture: windows counted as full", 0, 1.0, float(t.seq_len), float(t.seq_len))
     meta = Path(out) / "meta.json"
     version = meta.stat().st_mtime_ns if meta.is_file() else 0
-    return _shape(out, cfg.data.format, cfg.data.pack, cfg.model.attention == "block_causal", t.seq_len, t.seed,
-                  version)
+    return _shape(out, cfg.data.format, cfg.data.pack, planned_attention(cfg) == "block_causal", t.seq_len,
+                  t.seed, version)
+
+
+def planned_attention(cfg: Config) -> str:
+    """``cfg``'s attention as training resolves it for a new run: ``model.attention``, or for ``auto`` the rule
+    of :func:`shardlm.data.attention_choice.choose_attention` on the prepared data (``block_causal`` for text data
+    not prepared yet: its preparation records the document starts)."""
+    if cfg.model.attention != AUTO or cfg.data.format != "text":  # known from the config alone
+        return choose_attention(cfg).attention
+    meta = data_dir(cfg) / "meta.json"
+    return _text_attention(str(data_dir(cfg)), meta.stat().st_mtime_ns if meta.is_file() else 0)
+
+
+@functools.lru_cache(maxsize=16)
+def _text_attention(out: str, version: int) -> str:  # version: meta.json's mtime, as for _shape
+    return "causal" if lacking_document_starts(out) else "block_causal"
 
 
 def has_documents(cfg: Config) -> bool:
     """Whether ``cfg``'s samples carry documents that block-causal attention masks: pre-training windows or packed
-    rows under ``model.attention = "block_causal"`` (an unpacked instruction sample is one example)."""
-    return cfg.model.attention == "block_causal" and (cfg.data.format != "instruct" or cfg.data.pack)
+    rows under block-causal attention (:func:`planned_attention`; an unpacked instruction sample is one example).
+    False for prepared text windows none of which crosses a document start: the trainer gives those to the model as
+    plain windows (causal attention, no mask; :class:`shardlm.data.packing.DocumentWindows`)."""
+    if planned_attention(cfg) != "block_causal" or (cfg.data.format == "instruct" and not cfg.data.pack):
+        return False
+    shape = document_shape(cfg)
+    return not (cfg.data.format == "text" and shape.samples and shape.context == cfg.train.seq_len)
 
 
 def attention_context(cfg: Config) -> float:

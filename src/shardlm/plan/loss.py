@@ -33,7 +33,7 @@ def chunk_peak_bytes(chunk: int, vocab: int, dim: int, c: int, softcap: bool, fp
     copied into the (N, D) gradient: 4·k·V + 4·k·D. bf16: the bf16 logits and their fp32 copy (6·k·V), then the
     fp32 gradient and its bf16 cast with either the (k, D) product or (on CUDA with the native kernel) the bf16
     (V, D) weight-gradient product added into the accumulator; a soft-cap adds its derivative (10·k·V at the high
-    point). Measured (tests/test_loss.py, fp32, V = 512, D = 256, chunks of 128): without the (k, D) product the
+    point). Measured (tests/unit/test_loss.py, fp32, V = 512, D = 256, chunks of 128): without the (k, D) product the
     planned peak was 10.9 % under the allocator's, with it 0.2 %.
     """
     kv, kd = chunk * vocab, chunk * dim

@@ -30,31 +30,35 @@ adapters off) as the policy's own no-grad forward.
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from shardlm.config import Config, ConfigError, gradient_accumulation_steps
 from shardlm.model.cpu_matmul import use_fp32_matmul
-from shardlm.model.decoder import CausalLM
-from shardlm.model.freeze import apply_freeze
-from shardlm.model.lora import NF4_BLOCK, LoRALinear, LoRASpec, apply_lora, nf4_scaler_block
 from shardlm.parallel.cp import padded_length
+from shardlm.parallel.ep import check_ep
 from shardlm.parallel.options import dtype_from_name
 from shardlm.parallel.reduce_scatter import resolve_reduce_scatter
+from shardlm.parallel.tp import check_tp
 from shardlm.plan import activations as act
-from shardlm.plan.context_parallel import cp_backward_transient, cp_block_extra_saved, cp_forward_saved
-from shardlm.plan.documents import document_mask_bytes
+from shardlm.plan.context_parallel import (
+    cp_backward_transient,
+    cp_block_extra_saved,
+    cp_forward_saved,
+    cp_is_blockwise,
+    tp_local_heads,
+)
+from shardlm.plan.documents import document_mask_bytes, has_documents
+from shardlm.plan.ledger import PARTS, Ledger, MemoryPlan
 from shardlm.plan.loss import loss_events
 from shardlm.plan.moe import all_to_all_transient, moe_layer_saved
+from shardlm.plan.param_groups import Group, block_group_name, meta_model, param_groups, planner_model
 from shardlm.plan.preference import no_grad_block_bytes, no_grad_head_bytes, reference_memory
 from shardlm.train.preference_step import reference_config
 
-PARTS = ("params", "grads", "optimizer", "all_gather", "reduce_scatter", "activations", "temporaries", "buffers",
-         "reference")
-"""Categories of the breakdown, in display order."""
+__all__ = ["PARTS", "Group", "MemoryPlan", "Settings", "meta_model", "param_groups", "plan_memory"]
 
 @dataclass
 class Settings:
@@ -82,160 +86,6 @@ class Settings:
                    p.activation_checkpoint, p.activation_checkpoint_n, p.grad_sync)
 
 
-@dataclass
-class Group:
-    """One FSDP communication group: its parameters' full and padded per-rank element counts."""
-
-    name: str
-    numel: int
-    shard_numel: int
-    grad_numel: int = 0
-    """Elements that get a gradient (trainable), and their padded per-rank count."""
-    grad_shard_numel: int = 0
-    stored_shard_bytes: int = 0
-    """Bytes of this rank's stored shards (fp32 masters; a LoRA base in its storage dtype)."""
-    gather_factor: float = 1.0
-    """Bytes all-gathered and held unsharded, relative to every value in the compute dtype (< 1 with NF4)."""
-
-
-@dataclass
-class MemoryPlan:
-    """Predicted per-rank peak of one step: ``peak`` bytes, its ``breakdown`` and where it happens."""
-
-    peak: int
-    breakdown: dict[str, int]
-    phase: str
-    host_bytes: int = 0
-    """Bytes kept in host memory instead (CPU offload on a GPU): sharded params, grads, AdamW state."""
-    params: int = 0
-    """Number of model parameters P (tied weights once)."""
-    micro_batches: int = 1
-    notes: list[str] = field(default_factory=list)
-
-
-class _Ledger:
-    """Bytes alive per category; remembers the largest total and the breakdown at that moment."""
-
-    def __init__(self, device_excludes: set[str]) -> None:
-        self.now: dict[str, int] = defaultdict(int)
-        self.peak, self.at, self.phase = 0, {}, ""
-        self.excluded = device_excludes
-
-    def add(self, part: str, nbytes: int, phase: str) -> None:
-        self.now[part] += nbytes
-        total = sum(v for k, v in self.now.items() if k not in self.excluded)
-        if total > self.peak:
-            self.peak, self.phase = total, phase
-            self.at = {k: (0 if k in self.excluded else self.now.get(k, 0)) for k in PARTS}
-
-    def free(self, part: str, nbytes: int) -> None:
-        self.now[part] -= nbytes
-
-
-def meta_model(cfg: Config) -> CausalLM:
-    """The model on the meta device with the run's LoRA adapters or frozen parameters applied (as build_model)."""
-    with torch.device("meta"):
-        model = CausalLM(cfg.model)
-    lora = cfg.lora
-    if lora.enabled:
-        apply_lora(model, LoRASpec(lora.rank, lora.alpha, lora.dropout, lora.targets, lora.base_dtype))
-    elif cfg.train.trainable or cfg.train.frozen:
-        apply_freeze(model, cfg.train.trainable, cfg.train.frozen)
-    return model
-
-
-_META_CACHE: dict[str, CausalLM] = {}
-
-
-def _planner_model(cfg: Config) -> CausalLM:
-    """:func:`meta_model`, built once per shape (model, LoRA and freezing settings) and shared by the planner's own
-    read-only uses: ``shardlm plan``'s search plans one shape under many parallel settings."""
-    key = repr((cfg.model, cfg.lora, cfg.train.trainable, cfg.train.frozen))
-    if key not in _META_CACHE:
-        if len(_META_CACHE) >= 4:
-            _META_CACHE.clear()
-        _META_CACHE[key] = meta_model(cfg)
-    return _META_CACHE[key]
-
-
-def nf4_bytes(numel: int) -> float:
-    """Bytes of an NF4 tensor of ``numel`` values: 4-bit codes, an int8 scale per 64 values, a bf16 factor per
-    scaler block (torchao's layout)."""
-    return numel / 2 + numel / NF4_BLOCK + 2 * numel / NF4_BLOCK / nf4_scaler_block(numel)
-
-
-def block_group_name(layer: int, blocks_per_group: int, n_layers: int) -> str:
-    """The name of the FSDP group holding block ``layer``: ``block3`` (one block per group), ``blocks0-2``."""
-    first = layer - layer % blocks_per_group
-    last = min(first + blocks_per_group, n_layers) - 1
-    return f"block{first}" if first == last else f"blocks{first}-{last}"
-
-
-def tp_local_shape(name: str, shape: torch.Size, tp: int) -> tuple[int, int]:
-    """(rows, elements) of this rank's tensor-parallel piece of parameter ``name`` (``parallel/tp.py``'s plan): norm
-    weights are replicated; o_proj and down_proj are split by input columns (rows kept); every other weight and
-    bias (q/k/v, gate/up, the embedding and output projection) by rows."""
-    numel = math.prod(shape)
-    if tp == 1 or name.endswith("norm.weight"):
-        return shape[0], numel
-    if name.endswith(("o_proj.weight", "down_proj.weight")):
-        return shape[0], numel // tp
-    return shape[0] // tp, numel // tp
-
-
-def param_groups(cfg: Config, world_size: int, param_bytes: int = 4, tp: int = 1) -> tuple[list[Group], int, int]:
-    """FSDP groups in forward order as ``apply_fsdp`` builds them, and (P, padded local numel).
-
-    Shapes come from the model built on the meta device (no memory, no compute); frozen parameters and a LoRA
-    base's storage dtype are taken from :func:`meta_model`. With tensor parallel (``tp`` > 1) a group's sizes are
-    this rank's tensor-parallel pieces (:func:`tp_local_shape`), which FSDP shards over ``world_size`` ranks; P
-    stays the whole model's count.
-    """
-    model = _planner_model(cfg)
-    nf4 = cfg.lora.enabled and cfg.lora.base_dtype == "nf4"
-    base_bytes = {"float32": 4, "bfloat16": 2, "nf4": 2}[cfg.lora.base_dtype]
-    lora_bases = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, LoRALinear)}
-    if nf4:  # QLoRA: every frozen matrix, the token embedding (and a tied output) included (quantize_base_meta_)
-        lora_bases = {n for n, p in model.named_parameters() if not p.requires_grad and p.ndim == 2}
-    groups: dict[str, Group] = {}
-    gathered: dict[str, float] = defaultdict(float)
-    total, local = 0, 0
-    ep = getattr(cfg.parallel, "ep", 1)
-    for name, p in model.named_parameters():
-        rows, numel = tp_local_shape(name, p.shape, tp)
-        shard = math.ceil(rows / world_size) * (numel // rows)
-        # expert parallelism: a rank all-gathers only its ep rank's n_experts / ep experts (parallel/ep.py)
-        gathered_numel = numel // ep if ".mlp.experts." in name else numel
-        if name.startswith("model.layers."):
-            key = block_group_name(int(name.split(".")[2]), cfg.parallel.blocks_per_group, cfg.model.n_layers)
-        elif cfg.model.tie_embeddings:
-            key = "root"
-        elif name.startswith("model.embed_tokens"):
-            key = "embed"
-        else:
-            key = "head"
-        g = groups.setdefault(key, Group(key, 0, 0))
-        g.numel += gathered_numel
-        g.shard_numel += shard
-        if p.requires_grad:
-            g.grad_numel += gathered_numel
-            g.grad_shard_numel += shard
-        if name in lora_bases and nf4:
-            g.stored_shard_bytes += round(nf4_bytes(numel) * shard / numel)
-            gathered[key] += nf4_bytes(numel)
-        else:
-            g.stored_shard_bytes += shard * (base_bytes if name in lora_bases else 4)
-            gathered[key] += gathered_numel * param_bytes
-        total += p.numel()
-        local += shard
-    for key, g in groups.items():
-        g.gather_factor = gathered[key] / (g.numel * param_bytes)
-    n_layers, per_group = cfg.model.n_layers, cfg.parallel.blocks_per_group
-    order = (["root", "embed"] + [block_group_name(i, per_group, n_layers) for i in range(0, n_layers, per_group)]
-             + ["head"])
-    return [groups[k] for k in order if k in groups], total, local
-
-
 def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan:
     """Predict this config's per-rank peak memory for one steady-state step at ``world_size`` ranks.
 
@@ -254,12 +104,14 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
 
     Raises:
         ConfigError: bad world size (or one ``parallel.cp`` does not divide), global batch not divisible, unknown
-            dtype or AC mode; tensor parallel on a world size it does not divide, or with selective / every-n
-            checkpointing (not modelled).
+            dtype or AC mode; an expert- or tensor-parallel layout the trainer refuses
+            (:func:`shardlm.parallel.ep.check_ep`, :func:`shardlm.parallel.tp.check_tp`); tensor parallel
+            on a world size it does not divide or with selective / every-n checkpointing (not modelled).
     """
     st = Settings.from_config(cfg)
     tp = cfg.parallel.tp
-    if tp > 1 and (world_size % tp or st.ac_mode not in ("none", "full")):
+    check_tp(cfg.model, tp, cfg.train.seq_len, cfg.lora.enabled, cfg.parallel.cp)  # as training
+    if tp > 1 and (world_size % tp or st.ac_mode not in act.TP_AC_MODES):
         raise ConfigError(f"parallel.tp={tp}: the memory planner models tensor parallel on a world size it divides "
                           f"(got {world_size}) with parallel.activation_checkpoint none or full (got {st.ac_mode!r})")
     if world_size < 1:
@@ -267,8 +119,9 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
     if st.mode == "single" and world_size != 1:
         raise ConfigError(f"parallel.mode='single' runs one process, but the world size is {world_size}")
     cp = cfg.parallel.cp  # context parallel: a sequence over cp ranks, each with t_l = T_pad / cp of its tokens
-    if world_size % cp:
-        raise ConfigError(f"parallel.cp={cp} must divide the world size {world_size}")
+    if world_size % (cp * tp):
+        inner = f"parallel.cp={cp} × parallel.tp={tp} = {cp * tp}" if tp > 1 else f"parallel.cp={cp}"
+        raise ConfigError(f"{inner} must divide the world size {world_size}")
     k = gradient_accumulation_steps(cfg, world_size // (cp * tp))
     fsdp = st.mode == "fsdp"
     n = world_size // tp if fsdp else 1  # FSDP's shard group: the data-parallel ranks
@@ -283,12 +136,16 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
     s = act.shape_of(cfg.model, cfg.train.micro_batch_size, t_pad // cp, pb)
     windows = {cfg.model.sliding_window if cfg.model.is_local(i) else 0 for i in range(s.n_layers)}
     # CP's masked path (documents or a window shorter than the sequence), else its causal one (plan/context_parallel.py)
-    cp_dense = cfg.model.attention == "block_causal" or any(0 < w < cfg.train.seq_len for w in windows)
-    cp_block = cp_block_extra_saved(s, t_pad, cp_dense) if cp > 1 else 0
-    cp_forward = cp_forward_saved(s, t_pad, len(windows) if cp_dense else 0) if cp > 1 else 0
-    cp_transient = cp_backward_transient(s, t_pad) if cp > 1 else 0
+    cp_dense = has_documents(cfg) or any(0 < w < cfg.train.seq_len for w in windows)
+    cp_blockwise, cp_docs = cp_is_blockwise(device), has_documents(cfg)
+    s_cp = tp_local_heads(s, tp)  # CP's attention on a TP rank's heads, over the CP share's tokens
+    cp_block = cp_block_extra_saved(s_cp, t_pad, cp_dense, cp_blockwise) if cp > 1 else 0
+    cp_windows = len(windows) if cp_dense else 0
+    cp_forward = cp_forward_saved(s_cp, t_pad, cp_windows, cp_blockwise, cp_docs) if cp > 1 else 0
+    cp_transient = cp_backward_transient(s_cp, t_pad, cp_blockwise) if cp > 1 else 0
     # a MoE layer's router, sorted token copies and, under EP, all-to-all buffers (plan/moe.py)
     ep = getattr(cfg.parallel, "ep", 1)
+    check_ep(cfg.model.n_experts, ep, world_size, st.mode, cfg.parallel.dp_replicate)  # as training refuses
     is_moe = [cfg.model.is_moe_layer(i) for i in range(s.n_layers)]
     moe_saved = [moe_layer_saved(s, cfg.model, ep) if m else 0 for m in is_moe]
     moe_a2a = [all_to_all_transient(s, cfg.model, ep) if m else 0 for m in is_moe]
@@ -302,10 +159,10 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
     # the embedding output the first block keeps (fp32, no checkpointing): on the local tokens under TP
     embed_saved = act.embedding_saved(s, st.ac_mode) // tp
     offload = st.cpu_offload and fsdp and device != "cpu"
-    led = _Ledger({"host"})
+    led = Ledger({"host"})
     state_part = "host" if offload else None
     # ---- persistent state at step start ------------------------------------------------------
-    n_tensors = sum(1 for p in _planner_model(cfg).parameters() if p.requires_grad)
+    n_tensors = sum(1 for p in planner_model(cfg).parameters() if p.requires_grad)
     stored = sum(g.stored_shard_bytes for g in groups)
     led.add(state_part or "params", stored, "step start")
     led.add(state_part or "optimizer", 2 * 4 * train_local + 4 * n_tensors, "step start")  # exp_avg, exp_avg_sq, step
@@ -460,8 +317,8 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
         saved = [act.block_saved_tp(s, tp, st.ac_mode) if tp > 1 else act.block_saved(s, st.ac_mode, layer, st.ac_every_n)
                  for layer in range(s.n_layers)]
         # a fully checkpointed block keeps only its input (CP's attention comes back in its recompute)
-        saved = [n if n == act.block_saved(s, "full", layer) else n + cp_block + moe_saved[layer]
-                 for layer, n in enumerate(saved)]
+        saved = [n if act.fully_checkpointed(st.ac_mode, layer, st.ac_every_n)
+                 else n + cp_block + moe_saved[layer] for layer, n in enumerate(saved)]
         for layer in range(s.n_layers):
             if fsdp:
                 unshard(blocks[layer], f"{mb} forward block {layer}")

@@ -1,7 +1,7 @@
 """Model shapes for the planner: common public models by name, or any Hugging Face ``config.json``.
 
 Each preset is the shape part of the model's public ``config.json`` on the Hugging Face Hub (the repository is
-named beside it), read through :func:`shardlm.convert.hf_config.model_config_from_hf_dict` like any other
+named beside it), read through :func:`shardlm.model.hf_config.model_config_from_hf_dict` like any other
 ``config.json``, so a preset and the file it was copied from give the same :class:`ModelConfig`. Gemma 3's
 4B/12B/27B presets are the ``text_config`` of the multimodal checkpoints (the language model alone). Imports no
 torch.
@@ -14,10 +14,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from shardlm.convert.hf_config import model_config_from_hf_dict
 from shardlm.errors import ConfigError, ModelDirError
 from shardlm.json_file import read_json
 from shardlm.model.config import ModelConfig
+from shardlm.model.hf_config import model_config_from_hf_dict
 
 
 def _llama(dim: int, ffn: int, layers: int, heads: int, kv: int, vocab: int = 128256, *, tied: bool = False,
@@ -126,7 +126,7 @@ def config_json_config(path: str | Path) -> ModelConfig:
 
     Raises:
         ModelDirError: the file is missing, is not JSON, or describes a model the decoder does not build (the
-            message names the field, see :func:`~shardlm.convert.hf_config.model_config_from_hf_dict`).
+            message names the field, see :func:`~shardlm.model.hf_config.model_config_from_hf_dict`).
     """
     file = Path(path)
     if file.is_dir():

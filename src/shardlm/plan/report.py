@@ -11,7 +11,9 @@ from shardlm.parallel.cp import padded_length
 from shardlm.parallel.dist import mesh_dims
 from shardlm.plan.devices import get_device
 from shardlm.plan.documents import document_mask_bytes, document_shape, has_documents
-from shardlm.plan.memory import PARTS, MemoryPlan, Settings, meta_model, plan_memory
+from shardlm.plan.ledger import PARTS, MemoryPlan
+from shardlm.plan.memory import Settings, plan_memory
+from shardlm.plan.param_groups import meta_model
 from shardlm.plan.search import format_fits, search
 from shardlm.plan.time import plan_time
 
@@ -114,7 +116,9 @@ def format_plan(cfg: Config, world_size: int, device_name: str, headroom: float)
         + (f"; reshard_after_forward {str(st.reshard_after_forward).lower()}, {st.blocks_per_group} block(s) per "
            "FSDP group" if st.mode == "fsdp" else "")
         + (f"; context parallel {st.cp}: each sequence split over {st.cp} ranks, "
-           f"{padded_length(cfg.train.seq_len, st.cp) // st.cp:,} tokens per rank" if st.cp > 1 else ""),
+           f"{padded_length(cfg.train.seq_len, st.cp) // st.cp:,} tokens per rank" if st.cp > 1 else "")
+        + (f" ({padded_length(cfg.train.seq_len, st.cp) // (st.cp * st.tp):,} between the blocks: sequence "
+           f"parallel over tp {st.tp})" if st.cp > 1 and st.tp > 1 else ""),
         f"  per-rank peak memory (at {plan.phase}):",
     ]
     if st.mode == "fsdp" and st.tp > 1:  # the mesh, outermost first (parallel/dist.py's mesh_dims)

@@ -1,6 +1,7 @@
 """What fits when a config does not: ``shardlm plan``'s search over combinations of memory-saving settings.
 
-The search varies, together: activation checkpointing (``none``, ``selective``, ``full``), the micro-batch size
+The search varies, together: activation checkpointing (``none``, ``selective``, ``full``; under tensor
+parallel ``none`` and ``full``, the modes the planner models there), the micro-batch size
 (every divisor of the config's, the global batch kept: more gradient accumulation), ``reshard_after_forward``,
 CPU offload, bf16 parameters (with fp32 reduction), gradient sync on every micro-batch, FSDP instead of DDP or one
 process, and the world size (the config's times 1, 2, 4, ... 64, as far as the global batch divides and an HSDP
@@ -24,8 +25,10 @@ import itertools
 from dataclasses import dataclass
 
 from shardlm.config import Config, ConfigError, gradient_accumulation_steps, validate
+from shardlm.plan.activations import TP_AC_MODES
 from shardlm.plan.devices import Device, get_device
-from shardlm.plan.memory import param_groups, plan_memory
+from shardlm.plan.memory import plan_memory
+from shardlm.plan.param_groups import param_groups
 from shardlm.plan.time import flops_per_token, plan_time
 
 GIB = 1024**3
@@ -147,8 +150,9 @@ def offload_seconds(cfg: Config, world_size: int) -> float:
     """
     if not (cfg.parallel.cpu_offload and cfg.parallel.mode == "fsdp"):
         return 0.0
-    k = gradient_accumulation_steps(cfg, world_size // cfg.parallel.cp)
-    groups, _, _ = param_groups(cfg, world_size)
+    cp, tp = cfg.parallel.cp, cfg.parallel.tp  # N / (cp·tp) data-parallel ranks; FSDP shards over N / tp
+    k = gradient_accumulation_steps(cfg, world_size // (cp * tp))
+    groups, _, _ = param_groups(cfg, world_size // tp, tp=tp)
     stored = sum(g.stored_shard_bytes for g in groups)
     trainable = sum(g.grad_shard_numel for g in groups)
     gathers = k * (2 if cfg.parallel.reshard_after_forward else 1)
@@ -176,7 +180,7 @@ def cost_line(cfg: Config, world_size: int, c: Choice, var: Config, step_s: floa
         else:
             parts.append(f"no recompute ({-extra:.0%} less compute)")
     if c.micro_batch != cfg.train.micro_batch_size:
-        k = gradient_accumulation_steps(var, c.world_size // var.parallel.cp)
+        k = gradient_accumulation_steps(var, c.world_size // (var.parallel.cp * var.parallel.tp))
         parts.append(f"micro-batch {c.micro_batch}" + (f" x {k} accumulation steps (same global batch; smaller "
                      "matmuls run further below peak; one all-gather round per micro-batch)" if k > 1 else
                      " (smaller matmuls run further below peak)"))
@@ -205,6 +209,8 @@ def choices(cfg: Config, world_size: int, device: str) -> list[Choice]:
     p = cfg.parallel
     modes = [p.mode] + (["fsdp"] if p.mode != "fsdp" else [])
     acs = ["none", "selective", "full"] + ([p.activation_checkpoint] if p.activation_checkpoint == "every_n" else [])
+    if p.tp > 1:  # the modes the planner models under tensor parallel
+        acs = [a for a in acs if a in TP_AC_MODES]
     mbs = [b for b in range(cfg.train.micro_batch_size, 0, -1) if cfg.train.micro_batch_size % b == 0]
     dtypes = [p.param_dtype] + (["bfloat16"] if p.param_dtype != "bfloat16" else [])
     syncs = [p.grad_sync] + (["every_micro_batch"] if p.grad_sync == "last_micro_batch" else [])

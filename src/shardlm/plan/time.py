@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from shardlm.config import Config, gradient_accumulation_steps
-from shardlm.metrics.flops import model_flops_per_token
+from shardlm.metrics.flops import model_flops
 from shardlm.parallel.dist import compute_precision, dp_mesh_shape
 from shardlm.plan.devices import Device
 from shardlm.plan.documents import attention_context
@@ -54,13 +54,13 @@ def ddp_comm_bytes(n: int, params: int, syncs: int, grad_bytes: int = 4) -> floa
 
 
 def flops_per_token(cfg: Config, recompute: str = "none") -> float:
-    """Training FLOPs per token: 6·N + 12·L·H·Q·T (:func:`shardlm.metrics.flops.model_flops_per_token`),
+    """Training FLOPs per token: 6·N + 12·L·H·Q·T (:func:`shardlm.metrics.flops.model_flops`, per token),
     plus one more forward of the blocks (2·N_blocks + 4·L·H·Q·T) under full activation checkpointing. Under
     block-causal attention over documents T is the attention context Σ n² / T of the prepared data's
     samples (:func:`shardlm.plan.documents.attention_context`), ``train.seq_len`` otherwise."""
-    m = cfg.model
+    m, t = cfg.model, cfg.train.seq_len
     context = attention_context(cfg)
-    total = float(model_flops_per_token(m, context))
+    total = model_flops(m, t, t * context) / t  # per token: the trainer's formula at the mean Σ n² per sequence
     if recompute == "full":
         q = m.head_dim
         kv = m.kv_heads * q

@@ -18,10 +18,11 @@ compile                 ``parallel.compile``: false, true (when TorchInductor's 
 grouping                ``parallel.blocks_per_group``: 1, 2, all blocks in one group (and the config's)
 tensor parallel         ``parallel.tp``: the config's, and each divisor of N that the trainer accepts (it
                         divides the query and key/value heads, the FFN width, the vocabulary, the sequence
-                        and the ranks of the node, which is this machine; mode fsdp; no LoRA, MoE, context
-                        parallel or preference tuning). A tp candidate's data-parallel ranks are N / tp: the
-                        same micro-batch means tp times the micro-batches. Checkpointing under tp: none or
-                        full (the modes the planner models there)
+                        and the ranks of the node, which is this machine; mode fsdp; no LoRA, MoE or
+                        preference tuning; under context parallel cp × tp divides N and tp a CP rank's
+                        tokens). A tp candidate's data-parallel ranks are N / (cp·tp): the same micro-batch
+                        means tp times the micro-batches. Checkpointing under tp: none or full (the modes the
+                        planner models there)
 expert parallel         ``parallel.ep`` (mixtures of experts): the config's, and each divisor of N and of
                         ``model.n_experts`` that the trainer accepts (no HSDP)
 ======================  ==========================================================================

@@ -18,8 +18,10 @@ from shardlm.parallel.ac import find_cxx_compiler
 from shardlm.parallel.dist import dp_mesh_shape
 from shardlm.parallel.ep import check_ep
 from shardlm.parallel.tp import check_tp
+from shardlm.plan.activations import TP_AC_MODES
 from shardlm.plan.devices import GIB, MIB, device_for_cuda_name, get_device
-from shardlm.plan.memory import param_groups, plan_memory
+from shardlm.plan.memory import plan_memory
+from shardlm.plan.param_groups import param_groups
 
 #: activation checkpointing modes, lightest (least recomputation) first: a staged search's candidates take the first
 #: that fits
@@ -29,8 +31,6 @@ SEARCHES = ("staged", "full")
 DIMENSIONS = ("reshard", "prefetch", "ac", "batching", "compile", "grouping", "tp", "ep")
 #: what the staged search varies; the checkpointing follows: the lightest mode that fits
 STAGED_DIMENSIONS = ("reshard", "prefetch", "batching", "compile", "grouping", "tp", "ep")
-#: the checkpointing modes the memory planner models under tensor parallel (:func:`shardlm.plan.memory.plan_memory`)
-TP_AC_MODES = ("none", "full")
 
 
 def ac_modes(tp: int) -> tuple[str, ...]:
@@ -136,33 +136,41 @@ def apply(cfg: Config, cand: Candidate) -> Config:
 
 
 def local_batch(cfg: Config, world_size: int, tp: int = 1) -> int:
-    """Sequences per data-parallel rank per step, G / (N / tp) (the ``tp`` ranks of a tensor-parallel group take
-    the same sequences).
+    """Sequences per data-parallel rank per step, G / (N / (cp·tp)): the ``parallel.cp`` ranks of a
+    context-parallel group and the ``tp`` ranks of a tensor-parallel group take the same sequences
+    (:func:`shardlm.config.gradient_accumulation_steps`' data-parallel world size).
 
     Raises:
-        ConfigError: N does not divide the global batch.
+        ConfigError: ``parallel.cp`` does not divide N, or N / cp (the data-parallel ranks at tp 1, so that
+            the batch divides at every tp) does not divide the global batch.
     """
-    g = cfg.train.global_batch_size
+    g, cp = cfg.train.global_batch_size, cfg.parallel.cp
     if world_size < 1:
         raise ConfigError(f"--world-size must be >= 1, got {world_size}")
-    if g % world_size:
-        raise ConfigError(f"train.global_batch_size={g} must be divisible by the world size {world_size}")
-    return g * tp // world_size
+    if world_size % cp:
+        raise ConfigError(f"parallel.cp={cp} must divide the world size {world_size}")
+    dp = world_size // cp
+    if g % dp:
+        shared = f" / parallel.cp={cp} = {dp} (the ranks of a CP group share a sequence)" if cp > 1 else ""
+        raise ConfigError(f"train.global_batch_size={g} must be divisible by the world size "
+                          f"{world_size}{shared}")
+    return g * tp // dp
 
 
 def layout_allowed(cfg: Config, world_size: int, tp: int, ep: int) -> bool:
     """Whether a run of ``cfg`` at ``world_size`` ranks (one node: the machine ``shardlm tune`` measures on) accepts
     ``parallel.tp = tp`` and ``parallel.ep = ep``: the trainer's own checks, which refuse a tp that does not divide
     the query or key/value heads, the FFN width, the vocabulary, the sequence or the ranks of the node, tp with
-    LoRA, a mixture of experts, context parallel or preference tuning (:func:`shardlm.config.validate`,
+    LoRA, a mixture of experts or preference tuning (:func:`shardlm.config.validate`,
     :func:`shardlm.parallel.tp.check_tp`, :func:`shardlm.parallel.dist.dp_mesh_shape`), and an ep that does not
     divide the experts or the ranks, or ep without experts, outside FSDP or with HSDP
-    (:func:`shardlm.parallel.ep.check_ep`)."""
+    (:func:`shardlm.parallel.ep.check_ep`). Under context parallel (``parallel.cp`` > 1) a tp is one whose
+    ``cp × tp`` divides the ranks and the tokens of a CP rank (sequence parallel splits them)."""
     out = copy.deepcopy(cfg)
     out.parallel.tp, out.parallel.ep = tp, ep
     try:
         validate(out)
-        check_tp(out.model, tp, out.train.seq_len, out.lora.enabled)
+        check_tp(out.model, tp, out.train.seq_len, out.lora.enabled, out.parallel.cp)
         check_ep(out.model.n_experts, ep, world_size, out.parallel.mode, out.parallel.dp_replicate)
         dp_mesh_shape(out.parallel, world_size, world_size)
     except ConfigError:

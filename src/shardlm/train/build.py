@@ -68,7 +68,7 @@ def build_model(cfg: Config, info: DistInfo, mesh: DeviceMesh | None,
     if mode == "single" and info.world_size > 1:
         raise ConfigError(f"parallel.mode='single' runs one process, but the world size is {info.world_size}")
     pcfg = cfg.parallel
-    check_tp(cfg.model, pcfg.tp, cfg.train.seq_len, cfg.lora.enabled)  # a model tp cannot split: one message
+    check_tp(cfg.model, pcfg.tp, cfg.train.seq_len, cfg.lora.enabled, pcfg.cp)  # a model tp cannot split
     with torch.device("meta"):
         model = Llama(cfg.model)
     lora = cfg.lora

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from shardlm.checkpoint.resume_config import BEFORE_RECORDED
 from shardlm.config import Config
 from shardlm.data import GlobalBatchSampler, TokenWindows
+from shardlm.data.attention_choice import AUTO, AttentionChoice, choose_attention
 from shardlm.data.build import data_dir
 from shardlm.data.instruct import InstructionExamples
 from shardlm.data.mixture import MixtureSampler, MixtureWindows, source_names
@@ -63,5 +65,21 @@ def build_datasets(cfg: Config, meta: dict[str, Any], document_masking: bool) ->
         sampler = GlobalBatchSampler(len(train_data), t.global_batch_size, t.seed)
     if document_masking and cfg.data.format == "text":  # pre-training: document masking inside windows
         eod = (meta.get("special_ids") or {}).get("eod")  # when the data records no document starts
-        train_data, val_data = DocumentWindows(train_data, eod), DocumentWindows(val_data, eod)
+        train_data, val_data = (DocumentWindows(d, eod, plain_within_one_document=True) for d in (train_data, val_data))
     return RunData(train_data, val_data, sampler)
+
+
+def resolve_attention(cfg: Config, resumed: dict[str, Any] | None) -> AttentionChoice:
+    """Resolve ``model.attention = "auto"`` once, in place in ``cfg`` (what the run's checkpoints and
+    ``config.json`` then record), and return the choice: a resumed run (``resumed``, the checkpoint's config, see
+    :meth:`~shardlm.checkpoint.resume.Resuming.resumed_config`) keeps the value it was trained with (``causal``
+    for a checkpoint from before the field existed), a new one takes its data's
+    (:func:`~shardlm.data.attention_choice.choose_attention`). A value that is set is kept (a resume that
+    changes it is refused later, by the resume rules)."""
+    if cfg.model.attention == AUTO and resumed is not None:
+        value = (resumed.get("model") or {}).get("attention", BEFORE_RECORDED["model.attention"])
+        choice = AttentionChoice(value, "auto: the resumed checkpoint's")
+    else:
+        choice = choose_attention(cfg)
+    cfg.model.attention = choice.attention
+    return choice

@@ -10,6 +10,9 @@ Its gradient flows through S only (C counts discrete choices). Computed over the
 ranks together: one all-reduce of every layer's (C, S, z) and the token count (no gradient) after the forward;
 then each rank's differentiable term is ``E · Σ_e (C_e / R) · (S_e^local / R)``, whose sum over ranks is the
 aux loss of the ranks' tokens together, so N ranks equal one process that sees the same tokens in one forward.
+Under context parallelism the ranks of a CP group hold parts of the same sequences: pooled over every rank
+(the default group), without CP's padding (:meth:`shardlm.model.moe.MoE.count_only`), the statistics are
+those of the whole sequences.
 Optional router z-loss (Zoph et al., "ST-MoE", 2022, eq. 5): the mean over (layer, token) rows of
 logsumexp(router logits)².
 """
@@ -49,7 +52,8 @@ def moe_loss_term(model: nn.Module, aux_coef: float, z_coef: float = 0.0,
     """The MoE loss terms of the model's last forward, or None for a dense model.
 
     Reads each layer's :class:`~shardlm.model.moe.RouterStats`; when a process group is initialised (``group``,
-    default the world: every rank's tokens) sums counts, probability sums, z sums and tokens with one
+    default the world: every rank's tokens, data- and context-parallel; not for tensor parallel, whose ranks
+    hold the same tokens) sums counts, probability sums, z sums and tokens with one
     ``all_reduce`` (a collective: every rank calls it after each forward).
 
     Raises:

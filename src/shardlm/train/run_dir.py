@@ -18,6 +18,20 @@ def run_dir(cfg: Config) -> Path:
     return Path(cfg.run.dir or f"runs/{cfg.run.name}")
 
 
+def check_run_dir(cfg: Config, d: Path) -> None:
+    """Refuse a run directory ``d`` that is a file, or that holds files while neither resuming nor
+    ``run.overwrite``; changes nothing (the trainer checks it first and clears it with :func:`prepare_run_dir`
+    once the data and the model are built, so bad input never costs the previous run's files).
+
+    Raises:
+        ConfigError: naming ``d`` and the fix.
+    """
+    if d.exists() and not d.is_dir():
+        raise ConfigError(f"run directory {d} exists and is not a directory: choose another --run.dir")
+    if d.exists() and any(d.iterdir()) and not cfg.run.overwrite and not resume_mode(cfg):
+        raise ConfigError(f"run directory {d} is not empty: pass --run.overwrite=true or choose --run.dir")
+
+
 def prepare_run_dir(cfg: Config, info: DistInfo, d: Path) -> None:
     """Refuse a non-empty run directory ``d`` (:func:`run_dir`) unless resuming or ``run.overwrite``; rank 0 then
     creates it. A collective (every rank looks at ``d`` before rank 0 changes it).
@@ -29,11 +43,8 @@ def prepare_run_dir(cfg: Config, info: DistInfo, d: Path) -> None:
     Raises:
         ConfigError: ``d`` is a file, or holds files while neither resuming nor ``run.overwrite``.
     """
-    if d.exists() and not d.is_dir():
-        raise ConfigError(f"run directory {d} exists and is not a directory: choose another --run.dir")
+    check_run_dir(cfg, d)
     resuming = bool(resume_mode(cfg))  # resuming continues this run dir: metrics are truncated, not wiped
-    if d.exists() and any(d.iterdir()) and not cfg.run.overwrite and not resuming:
-        raise ConfigError(f"run directory {d} is not empty: pass --run.overwrite=true or choose --run.dir")
 
     def create() -> None:
         d.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,6 @@
-"""Parts of a step's metrics record that one kind of run adds: a mixture of experts' router losses and tokens per
-expert, and a data mixture's tokens and epochs per source. Host arithmetic on values already read."""
+"""Parts of a step's metrics record: its model FLOPs (block-causal attention counted per document), and what one
+kind of run adds: a mixture of experts' router losses and tokens per expert, and a data mixture's tokens and
+epochs per source. Host arithmetic on values already read (the FLOPs: on the samples' document indices)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from typing import Any
 
 from shardlm.config import Config
 from shardlm.data.mixture import MixtureSampler, source_names
+from shardlm.data.packing import DocumentWindows, PackedExamples
+from shardlm.metrics.flops import model_flops, squared_document_lengths
 from shardlm.model.config import ModelConfig
 
 
@@ -44,3 +47,20 @@ def mixture_metrics(sampler: MixtureSampler, step: int, cfg: Config) -> dict[str
         record[f"tokens_seen/{name}"] = int(n) * cfg.train.seq_len
         record[f"epoch/{name}"] = int(n) / source.num_windows
     return record
+
+
+def step_model_flops(cfg: Config, data: Any, ids: list[int], rows: int) -> int:
+    """Model FLOPs of one optimizer step over global batch ``ids`` of ``data`` (the run's training samples), all
+    ranks together: :func:`shardlm.metrics.flops.model_flops` of its ``rows`` sequences of ``train.seq_len``
+    tokens (2 per preference pair), Σ n² over the documents of each sequence the model is given: ``seq_len²``
+    each under causal attention (or a sample of one document), each document's length squared under
+    block-causal attention (packed rows: each example and the padding, from the rows' lengths; windows: cut at
+    each document start, read on the host as the step's target count reads them)."""
+    t = cfg.train.seq_len
+    squared = rows * t * t
+    if cfg.model.attention == "block_causal" and rows == len(ids):
+        if isinstance(data, PackedExamples):
+            squared = data.squared_lengths(ids)
+        elif isinstance(data, DocumentWindows):  # the inputs' documents, as ``get`` numbers them
+            squared = squared_document_lengths(data.starts(ids)[:, :t].cumsum(dim=1))
+    return model_flops(cfg.model, rows * t, squared)

@@ -43,7 +43,8 @@ def job_summary(trainer: Trainer) -> str:
         f"{info.device.type}, mesh " + (" x ".join(f"{name} {size}" for name, size in zip(
             trainer.mesh.mesh_dim_names, trainer.mesh.shape)) if trainer.mesh is not None else "none")
         + (f"; context parallel {trainer.cp.size}: each sequence split over {trainer.cp.size} ranks "
-           f"({info.world_size // trainer.cp.size} data-parallel)" if trainer.cp.size > 1 else "")
+           f"({trainer.dp_size} data-parallel), {trainer.cp.attention_path}"
+           if trainer.cp.size > 1 else "")
         + (f"; expert parallel {cfg.parallel.ep} (experts' mesh efsdp {info.world_size // cfg.parallel.ep} x ep "
            f"{cfg.parallel.ep}): {cfg.model.n_experts // cfg.parallel.ep} of {cfg.model.n_experts} experts per rank"
            if cfg.parallel.ep > 1 else ""),
@@ -54,7 +55,7 @@ def job_summary(trainer: Trainer) -> str:
         f"{cfg.train.micro_batch_size}/{'data-parallel ' if trainer.cp.size > 1 else ''}rank; gradient accumulation "
         f"{trainer.accum_steps}",
         f"  attention  {cfg.model.attention}" + (f" (backend {trainer.attention_backend}, per-document positions)"
-                                                 if trainer.attention_backend else "")
+                                                 if trainer.attention_backend else "") + f"; {trainer.attention.why}"
         + ({"recorded": "; documents from the recorded starts", "eod": "; documents cut at each end-of-document "
             "token (the data records no starts: prepare it again for exact boundaries)"}[trainer.train_data.source]
            if isinstance(trainer.train_data, DocumentWindows) else ""),
@@ -62,7 +63,9 @@ def job_summary(trainer: Trainer) -> str:
         f"unigram entropy {trainer.meta['unigram_entropy_nats']:.3f} nats",
         *([f"  packing    {trainer.train_data.summary()}"] if isinstance(trainer.train_data, PackedExamples) else []),
         *([f"  preference {trainer.preference.describe()}"] if trainer.preference is not None else []),
-        f"  MFU        {trainer.flops_per_token * cfg.train.seq_len:,.0f} model FLOPs per sequence (6N + 12·L·H·Q·T), "
+        f"  MFU        {trainer.flops_per_token * cfg.train.seq_len:,.0f} model FLOPs per sequence (6N + 12·L·H·Q·T"
+        + (" per token at most: block-causal counts 12·L·H·Q·Σ n² over each sequence's documents, per step"
+           if cfg.model.attention == "block_causal" else "") + "), "
         f"peak {trainer.peak.flops / 1e12:.2f} TFLOP/s per rank ({trainer.peak.precision}, {trainer.peak.source})",
     ]
     trainable = [p for p in model.parameters() if p.requires_grad]

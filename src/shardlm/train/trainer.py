@@ -10,6 +10,7 @@ clips by the global norm and updates its own shard.
 from __future__ import annotations
 
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from shardlm.checkpoint.dcp import Checkpointer
 from shardlm.checkpoint.run import resume_command, write_run_config
 from shardlm.config import Config, gradient_accumulation_steps
 from shardlm.data import eval_windows, load_meta
+from shardlm.data.attention_choice import may_be_block_causal
 from shardlm.data.build import data_dir, prepare_data
 from shardlm.data.instruct import IGNORE_INDEX, split_batch
 from shardlm.data.mixture import MixtureSampler
@@ -46,15 +48,15 @@ from shardlm.parallel.cp import build_context_parallel
 from shardlm.parallel.dist import data_parallel_rank, set_matmul_precision, to_device
 from shardlm.parallel.faults import FaultMonitor, guard_collectives
 from shardlm.train.build import build_model, unwrap
-from shardlm.train.datasets import build_datasets
+from shardlm.train.datasets import build_datasets, resolve_attention
 from shardlm.train.final_export import export_model, model_special_ids_of, written_line
 from shardlm.train.loss import model_loss_sum
 from shardlm.train.mfu import peak_flops_per_rank
 from shardlm.train.moe_loss import moe_loss_term
 from shardlm.train.optim import apply_train_config, build_optimizer, build_scheduler, clip_grad_norm_
 from shardlm.train.preference_step import PreferenceObjective
-from shardlm.train.run_dir import prepare_run_dir, run_dir
-from shardlm.train.step_metrics import mixture_metrics, moe_metrics
+from shardlm.train.run_dir import check_run_dir, prepare_run_dir, run_dir
+from shardlm.train.step_metrics import mixture_metrics, moe_metrics, step_model_flops
 from shardlm.train.summary import job_summary
 
 __all__ = ["Trainer", "model_special_ids_of", "run_dir"]  # both importable from here as before
@@ -81,13 +83,13 @@ class Trainer:
         self.accum_steps = gradient_accumulation_steps(cfg, self.dp_size)
         #: the kernel of block-causal attention (shardlm/model/attention.py), None under causal attention
         self.attention_backend = None
-        if cfg.model.attention == "block_causal":
+        if may_be_block_causal(cfg):  # a backend this device lacks: refused before anything starts
             try:
                 self.attention_backend = resolve_backend(cfg.model.attention_backend, self.info.device, training=True)
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
         self.run_dir = run_dir(cfg)
-        prepare_run_dir(cfg, self.info, self.run_dir)  # refused unless empty, resuming or run.overwrite
+        check_run_dir(cfg, self.run_dir)  # refused unless empty, resuming or run.overwrite; cleared below
         start = time.perf_counter()
         prepare_data(cfg, self.info)  # every rank encodes its share; waiting is on the store, not a collective
         self.prepare_s = time.perf_counter() - start  # seconds spent preparing (or finding prepared) data
@@ -98,26 +100,33 @@ class Trainer:
                 f"the tokenizer has {self.meta['tokenizer_vocab_size']} tokens but model.vocab_size is "
                 f"{cfg.model.vocab_size}: raise model.vocab_size or use a smaller tokenizer")
         t = cfg.train
+        self.special_ids = model_special_ids_of(self.meta)  # what every export and checkpoint records
+        self.checkpointer = self._build_checkpointer()
+        #: model.attention as this run trains (``auto`` resolved in cfg: the checkpoint's, or the data's) and why
+        self.attention = resolve_attention(cfg, self.checkpointer.resumed_config())
+        if self.attention.warning and self.info.is_main:
+            print(self.attention.warning, file=sys.stderr, flush=True)
+        self.attention_backend = self.attention_backend if cfg.model.attention == "block_causal" else None
         # train/val samples and the sampler, per data format (train/datasets.py)
         self.train_data, self.val_data, self.sampler = build_datasets(cfg, self.meta, self.attention_backend is not None)
         self.mesh = build_mesh(self.info, cfg.parallel) if cfg.parallel.mode != "single" else None
         #: this rank's context-parallel group (shardlm/parallel/cp.py); one rank's, no split, at parallel.cp = 1
-        self.cp = build_context_parallel(self.info, cfg.parallel.cp)
+        self.cp = build_context_parallel(self.info, cfg.parallel.cp, cfg.parallel.tp)
         self.cp.check_sequence(t.seq_len)
         self.model, self.pretrained_load_stats = build_model(cfg, self.info, self.mesh, self.cp)
+        # the data and the model are checked: only now may run.overwrite remove the previous run's files
+        prepare_run_dir(cfg, self.info, self.run_dir)
         #: the preference objective and its reference (shardlm/train/preference_step.py), None for token losses
         self.preference = (PreferenceObjective.build(cfg, self.info, self.mesh, self.model, self.train_data,
                                                      self.run_dir) if cfg.data.format == PREFERENCE else None)
         self.optimizer = build_optimizer(self.model, t, self.info.device)
         self.scheduler = build_scheduler(self.optimizer, t)
-        self.special_ids = model_special_ids_of(self.meta)  # what every export and checkpoint records
-        self.checkpointer = self._build_checkpointer()
         self.step = self.checkpointer.load(self.model, self.optimizer, self.scheduler)  # 0 unless resuming
         if self.checkpointer.last_load is not None:  # the new config's schedule and AdamW settings, from here
             apply_train_config(self.optimizer, self.scheduler, t, self.step)
         #: this run's id: new on a fresh start, the checkpoint's when resuming (shardlm/checkpoint/run.py)
         self.run_id: str = self.checkpointer.run_id
-        # MFU: model FLOPs per token (6N + 12·L·H·Q·T) and the peak of the precision that runs (train/mfu.py)
+        # MFU: model FLOPs per token (6N + 12·L·H·Q·T; per step: step_metrics.py) and the peak that runs (mfu.py)
         self.flops_per_token = model_flops_per_token(cfg.model, t.seq_len)
         self.peak = peak_flops_per_rank(cfg, self.info)
         self.preempted = False
@@ -241,7 +250,9 @@ class Trainer:
         self._interval = {"seconds": 0.0, "steps": 0}
         elapsed = seconds / steps  # mean host time per step since the last record (synchronised by the read)
         tokens = cfg.train.global_batch_size * cfg.train.seq_len * (2 if pref is not None else 1)  # a pair: 2 rows
-        flops = self.flops_per_token * tokens / info.world_size  # this rank's model FLOPs (host arithmetic)
+        # this rank's share of the step's model FLOPs: 6N per token + attention per document (step_metrics.py)
+        ids, rows = self.sampler.step_ids(self.step - 1), tokens // cfg.train.seq_len
+        flops = step_model_flops(cfg, self.train_data, ids, rows) / info.world_size
         record = {
             "step": self.step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm_value,
             "tokens_per_s": tokens / elapsed, "tokens_per_s_per_rank": tokens / elapsed / info.world_size,

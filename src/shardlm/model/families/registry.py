@@ -97,7 +97,7 @@ class Family:
     """The hub's on-disk names of a MoE layer's experts, ``(module, gate, up, down)``: expert e's gate matrix is
     ``model.layers.i.<module>.experts.e.<gate>.weight`` (:mod:`shardlm.convert.hf_experts`); empty: no experts."""
 
-    # ---- Hugging Face config.json: read by convert/hf_config.py ---------------------------------------------
+    # ---- Hugging Face config.json: read by model/hf_config.py -----------------------------------------------
     hf_activation_key: str = "hidden_act"
     """The ``config.json`` field naming the activation (Gemma: ``hidden_activation``)."""
     hf_false_flags: tuple[str, ...] = ()

@@ -16,8 +16,8 @@ Each rank builds the model sharded (FSDP2, fp32, AdamW state created by one step
   shows the write's own seconds (save start to manifest and rename, in the background) and the step time
   during it against an idle step.
 
-Shapes: ``350m`` (dim 1024, 24 layers, 16 heads, FFN 2816, vocab 32000: 372M parameters, checkpoint ~4.5 GB) and
-``100m`` (dim 768, 12 layers, 12 heads, FFN 2048, vocab 32000: 134M, ~1.6 GB). Training steps use 32-token
+Shapes: ``350m`` (dim 1024, 24 layers, 16 heads, FFN 2816, vocab 32000: 372M parameters, checkpoint ~4.5 GB)
+and ``100m`` (dim 768, 12 layers, 12 heads, FFN 2048, vocab 32000: 134M, ~1.6 GB). Training steps use 32-token
 sequences, one per rank (only to show that training runs while the write goes on). Checkpoints go to a
 temporary directory under ``--dir`` (default: the system's), ``keep = 1``, removed at the end. Memory: about
 20 bytes per parameter over all ranks (shards, gradients, AdamW moments, the staged copy).
@@ -107,7 +107,8 @@ def worker(spec_path: str) -> None:
             during.append(train_step())
         ckpt.wait()
         rows.append(dict(sync_s=sync_s, blocked_s=blocked_s, write_s=slowest(ckpt.last_save["seconds"]),
-                         steps_during=len(during), step_during_s=slowest(statistics.median(during)) if during else 0.0,
+                         steps_during=len(during),
+                         step_during_s=slowest(statistics.median(during)) if during else 0.0,
                          bytes=ckpt.last_save["bytes"]))
     if info.is_main:
         Path(spec["out"]).write_text(json.dumps(dict(
@@ -117,8 +118,8 @@ def worker(spec_path: str) -> None:
 
 
 def print_table(model: str, result: dict) -> None:
-    head = ["model", "params", "N", "ckpt GB", "state MB/rank", "sync save s", "async blocked s", "blocked/sync",
-            "async write s", "steps during write", "step s idle", "step s during write"]
+    head = ["model", "params", "N", "ckpt GB", "state MB/rank", "sync save s", "async blocked s",
+            "blocked/sync", "async write s", "steps during write", "step s idle", "step s during write"]
     lines = [[model, f"{result['params'] / 1e6:.0f}M", str(result["world_size"]), f"{r['bytes'] / 1e9:.2f}",
               f"{result['state_bytes_per_rank'] / 1e6:.0f}", f"{r['sync_s']:.2f}", f"{r['blocked_s']:.2f}",
               f"{100 * r['blocked_s'] / r['sync_s']:.1f}%", f"{r['write_s']:.2f}", str(r["steps_during"]),
@@ -137,8 +138,10 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=2, help="ranks (one torchrun launch)")
     parser.add_argument("--repeats", type=int, default=2, help="sync + async save pairs (one table row each)")
     parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS per rank")
-    parser.add_argument("--dir", default=None, help="where the checkpoints are written (a temporary directory inside)")
-    parser.add_argument("--out", default="bench/results-checkpoint.json", help="where the JSON result is written")
+    parser.add_argument("--dir", default=None,
+                        help="where the checkpoints are written (a temporary directory inside)")
+    parser.add_argument("--out", default="bench/results-checkpoint.json",
+                        help="where the JSON result is written")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -150,14 +153,15 @@ def main() -> None:
         spec, out = Path(tmp) / "spec.json", Path(tmp) / "out.json"
         spec.write_text(json.dumps(dict(model=args.model, repeats=args.repeats, dir=str(Path(tmp) / "run"),
                                         out=str(out))))
-        print(f"{args.model} at {args.world} ranks: {args.repeats} sync + async save pairs ...", file=sys.stderr,
-              flush=True)
+        print(f"{args.model} at {args.world} ranks: {args.repeats} sync + async save pairs ...",
+              file=sys.stderr, flush=True)
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                        f"--nproc_per_node={args.world}", __file__, "--worker", str(spec)], env=env, check=True)
+                        f"--nproc_per_node={args.world}", __file__, "--worker", str(spec)], env=env,
+                       check=True)
         result = json.loads(out.read_text())
     print_table(args.model, result)
-    result["meta"] = dict(model=args.model, threads_per_rank=args.threads, seq_len=SEQ_LEN, cpu_count=os.cpu_count(),
-                          torch=__import__("torch").__version__)
+    result["meta"] = dict(model=args.model, threads_per_rank=args.threads, seq_len=SEQ_LEN,
+                          cpu_count=os.cpu_count(), torch=__import__("torch").__version__)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out}", file=sys.stderr)

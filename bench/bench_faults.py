@@ -1,4 +1,5 @@
-"""Reliability bench: SIGKILL a training job at random moments, resume it with ``--resume=auto``, check it is exact.
+"""Reliability bench: SIGKILL a training job at random moments, resume it with ``--resume=auto``, check it
+is exact.
 
 Usage (a script, not a test; it launches torchrun itself, twice per trial)::
 
@@ -59,7 +60,8 @@ TINY = {
 
 # ---- the worker (one per rank, under torchrun) ------------------------------------------------------------
 def worker(spec_path: str) -> None:
-    """Train as the spec says, logging each step's sample ids; kill this rank where the spec's ``kill`` says."""
+    """Train as the spec says, logging each step's sample ids; kill this rank where the spec's
+    ``kill`` says."""
     import torch.distributed as dist
 
     from shardlm.checkpoint import fs_errors
@@ -161,7 +163,8 @@ def launch(spec: dict, out: Path, env: dict, kill_after_s: float | None = None, 
         if kill_after_s is not None:
             pid_file, rank_log = out / f"pid{kill_rank}", out / f"rank{kill_rank}.jsonl"
             while proc.poll() is None and not any("start_step" in r for r in read_log(rank_log)):
-                time.sleep(0.01)  # the delay counts from the moment the rank's trainer is built (start-up excluded)
+                # the delay counts from the moment the rank's trainer is built (start-up excluded)
+                time.sleep(0.01)
             deadline = time.perf_counter() + kill_after_s
             while proc.poll() is None and time.perf_counter() < deadline:
                 time.sleep(0.01)
@@ -208,7 +211,10 @@ def same_final(a: Path, b: Path) -> bool:
     import torch
     from safetensors.torch import load_file
 
-    p, q = load_file(str(a / "final" / "model.safetensors")), load_file(str(b / "final" / "model.safetensors"))
+    p, q = (
+        load_file(str(a / "final" / "model.safetensors")),
+        load_file(str(b / "final" / "model.safetensors")),
+    )
     return p.keys() == q.keys() and all(torch.equal(p[k], q[k]) for k in p)
 
 
@@ -252,11 +258,14 @@ def main() -> None:
     ref_batches = batches([read_log(ref_dir / "log" / f"rank{r}.jsonl") for r in range(WORLD)])
     ref_metrics = metrics(ref_run)
     ref_logs = [read_log(ref_dir / "log" / f"rank{r}.jsonl") for r in range(WORLD)]
-    times = [rec["time"] for rec in ref_logs[0] if "time" in rec]  # a rank's start, trainer built, end of training
+    # a rank's start, trainer built, end of training
+    times = [rec["time"] for rec in ref_logs[0] if "time" in rec]
     built_s, worker_s = times[1] - times[0], times[-1] - times[0]
-    writes = min(rec["writes"] for log in ref_logs for rec in log if "writes" in rec)  # per shard file and save
-    print(f"reference: {STEPS} steps at {WORLD} ranks, checkpoint every {INTERVAL} (keep {KEEP}), {ref_s:.1f} s "
-          f"(a rank lives {worker_s:.1f} s, trains from {built_s:.1f} s; {writes}+ writes per shard file and save)",
+    # per shard file and save
+    writes = min(rec["writes"] for log in ref_logs for rec in log if "writes" in rec)
+    print(f"reference: {STEPS} steps at {WORLD} ranks, checkpoint every {INTERVAL} (keep {KEEP}), "
+          f"{ref_s:.1f} s (a rank lives {worker_s:.1f} s, trains from {built_s:.1f} s; {writes}+ writes per "
+          "shard file and save)",
           flush=True)
 
     rows, exact = [], 0
@@ -279,7 +288,8 @@ def main() -> None:
             moment = f"save of step {kill['step']}, manifest written"
         else:  # the n-th deletion: of step-(n·INTERVAL), by the save of step (n + KEEP)·INTERVAL
             kill.update(rank=0, nth=rng.randrange(1, STEPS // INTERVAL - KEEP + 1))
-            moment = f"deleting step-{kill['nth'] * INTERVAL} after the save of step {(kill['nth'] + KEEP) * INTERVAL}"
+            moment = (f"deleting step-{kill['nth'] * INTERVAL} after the save of step "
+                      f"{(kill['nth'] + KEEP) * INTERVAL}")
         spec1 = {"out": str(log1), "overrides": overrides(data, run, **{"run.overwrite": "true"}),
                  "kill": None if delay is not None else kill}
         code1, _ = launch(spec1, log1, env, kill_after_s=delay, kill_rank=kill["rank"])
@@ -297,7 +307,8 @@ def main() -> None:
         trained = max([rec["step"] for log in logs1 for rec in log if "step" in rec], default=0)
         on_disk = max(complete_steps(run), default=0)
         saved = max([rec["saved"] for log in logs1 for rec in log if "saved" in rec], default=0)
-        code2, _ = launch({"out": str(log2), "overrides": overrides(data, run, **{"checkpoint.resume": '"auto"'})},
+        code2, _ = launch({"out": str(log2),
+                           "overrides": overrides(data, run, **{"checkpoint.resume": '"auto"'})},
                           log2, env)
         logs2 = [read_log(log2 / f"rank{r}.jsonl") for r in range(WORLD)]
         start = next((rec["start_step"] for rec in logs2[0] if "start_step" in rec), None)
@@ -305,7 +316,8 @@ def main() -> None:
         if code2 != 0:
             problems.append(f"resume failed (exit {code2})")
         if start != on_disk or start < saved:
-            problems.append(f"resumed at {start}, newest complete checkpoint {on_disk}, last save returned {saved}")
+            problems.append(f"resumed at {start}, newest complete checkpoint {on_disk}, last save returned "
+                            f"{saved}")
         if code2 == 0:
             merged = {**batches(logs1, upto=start), **batches(logs2, after=start)}
             if merged != ref_batches:
@@ -317,7 +329,8 @@ def main() -> None:
         ok = not problems and killed
         exact += ok
         rows.append((trial, kind, moment, kill["rank"], "yes" if killed else "no (finished first)", trained,
-                     on_disk, start, trained - (start or 0), "exact" if ok else "; ".join(problems) or "not killed"))
+                     on_disk, start, trained - (start or 0),
+                     "exact" if ok else "; ".join(problems) or "not killed"))
         print(f"trial {trial:2d}: {rows[-1][-1]}", flush=True)
         if not args.keep_dirs:
             shutil.rmtree(tdir, ignore_errors=True)
@@ -331,8 +344,8 @@ def main() -> None:
     print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
     for r in table[1:]:
         print("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |")
-    print(f"\n{exact}/{len(rows)} exact (killed, resumed at the newest complete checkpoint, same samples, same "
-          "losses, bit-identical final parameters)")
+    print(f"\n{exact}/{len(rows)} exact (killed, resumed at the newest complete checkpoint, same samples, "
+          "same losses, bit-identical final parameters)")
     if not args.keep_dirs:
         shutil.rmtree(work, ignore_errors=True)
     sys.exit(0 if exact == len(rows) else 1)

@@ -2,7 +2,8 @@
 
 Usage (a script, not a test; it launches torchrun itself, once per world size)::
 
-    python bench/bench_fsdp.py                      # default: debug shape, N = 1, 2, 4, all options (~3 min, 2 idle cores)
+    # default: debug shape, N = 1, 2, 4, all options (~3 min, 2 idle cores)
+    python bench/bench_fsdp.py
     python bench/bench_fsdp.py --models debug,20m --worlds 1,2,4 --steps 5 --warmup 2 --options all --compile
     python bench/bench_fsdp.py --worlds 2 --options none --steps 1   # quickest look (~1 min)
     python bench/bench_fsdp.py --out bench/results.json --threads 1
@@ -75,13 +76,16 @@ def plan(models: list[str], worlds: list[int], options: list[str], compile_: boo
         for model in models:
             for scaling in ("weak", "strong"):
                 for mode in (["single", "fsdp"] if w == 1 else ["ddp", "fsdp"]):
-                    out.append(dict(model=model, scaling=scaling, mode=mode, option="-", parallel={"mode": mode}))
+                    out.append(dict(model=model, scaling=scaling, mode=mode, option="-",
+                                    parallel={"mode": mode}))
             if w == 2 and model == models[0]:
                 for name in options:
-                    if name == "grad sync every":  # needs accumulation: compare with the default at 2 micro-batches
+                    if name == "grad sync every":
+                        # needs accumulation: compare with the default at 2 micro-batches
                         out.append(dict(model=model, scaling="accum2", mode="fsdp", option="-", parallel={}))
                     scaling = "accum2" if name == "grad sync every" else "weak"
-                    out.append(dict(model=model, scaling=scaling, mode="fsdp", option=name, parallel=OPTIONS[name]))
+                    out.append(dict(model=model, scaling=scaling, mode="fsdp", option=name,
+                                    parallel=OPTIONS[name]))
                 if compile_:
                     out.append(dict(model=model, scaling="weak", mode="fsdp", option="compile",
                                     parallel={"compile": True}))
@@ -113,7 +117,9 @@ def worker(spec_path: str) -> None:
     from shardlm.train.optim import build_optimizer
 
     spec = json.loads(Path(spec_path).read_text())
-    info = init_distributed(ParallelConfig(cpu_offload=any(r["parallel"].get("cpu_offload") for r in spec["runs"])))
+    info = init_distributed(
+        ParallelConfig(cpu_offload=any(r["parallel"].get("cpu_offload") for r in spec["runs"]))
+    )
     mesh = build_mesh(info)
     n = info.world_size
     peaks: dict[str, float] = {}
@@ -123,11 +129,14 @@ def worker(spec_path: str) -> None:
         cfg.model = ModelConfig(**MODELS[run["model"]])
         micro = STRONG_GLOBAL // n if run["scaling"] == "strong" and n >= 4 else MICRO
         cfg.train.seq_len, cfg.train.micro_batch_size = SEQ_LEN, micro
-        cfg.train.global_batch_size = {"weak": MICRO * n, "accum2": 2 * MICRO * n}.get(run["scaling"], STRONG_GLOBAL)
+        cfg.train.global_batch_size = {"weak": MICRO * n, "accum2": 2 * MICRO * n}.get(
+            run["scaling"], STRONG_GLOBAL
+        )
         accum = cfg.train.global_batch_size // (n * micro)
         for key, value in run["parallel"].items():
             setattr(cfg.parallel, key, value)
-        dtype_name = cfg.parallel.param_dtype  # peak measured next to each configuration: same load, same dtype,
+        # peak measured next to each configuration: same load, same dtype,
+        dtype_name = cfg.parallel.param_dtype
         fp32_multiply = use_fp32_matmul(cfg.parallel.cpu_bf16_matmul, info.device, dtype_name)  # same kernel
         peaks[dtype_name] = measure_matmul_flops(info.device, DTYPES[dtype_name], fp32_multiply=fp32_multiply)
         model, _ = build_model(cfg, info, mesh if cfg.parallel.mode != "single" else None)
@@ -139,7 +148,9 @@ def worker(spec_path: str) -> None:
         for step in range(spec["warmup"] + spec["steps"]):
             start = time.perf_counter()
             for i in range(accum):
-                tokens = torch.randint(0, cfg.model.vocab_size, (micro, SEQ_LEN + 1), generator=gen).to(info.device)
+                tokens = torch.randint(0, cfg.model.vocab_size, (micro, SEQ_LEN + 1), generator=gen).to(
+                    info.device
+                )
                 set_gradient_sync(model, last_micro_batch=(i == accum - 1), policy=cfg.parallel.grad_sync)
                 counter = SavedActivationCounter() if step == 0 and i == 0 else None
                 if counter is not None:
@@ -166,7 +177,8 @@ def worker(spec_path: str) -> None:
         step_all = all_gather_ints(int(step_s * 1e6), info.device)
         results.append(dict(
             run, world_size=n, global_batch=cfg.train.global_batch_size, micro_batch=micro, accum=accum,
-            step_s=max(step_all) / 1e6, tokens_per_s=cfg.train.global_batch_size * SEQ_LEN * 1e6 / max(step_all),
+            step_s=max(step_all) / 1e6,
+            tokens_per_s=cfg.train.global_batch_size * SEQ_LEN * 1e6 / max(step_all),
             mfu=mfu(tokens_per_s / n, fpt, peaks[dtype_name]), peak_flops_per_rank=peaks[dtype_name],
             flops_per_token=fpt, shard_bytes=all_gather_ints(shards, info.device),
             saved_activation_bytes=all_gather_ints(saved, info.device),
@@ -202,11 +214,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="debug", help="comma list of: " + ", ".join(MODELS))
     parser.add_argument("--worlds", default="1,2,4", help="world sizes (one torchrun launch each)")
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per configuration (median reported)")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed steps first (saved activations measured here)")
-    parser.add_argument("--options", default="all", help="FSDP options at N=2: 'all', 'none' or a comma list of: "
-                        + ", ".join(OPTIONS))
-    parser.add_argument("--compile", action="store_true", help="also benchmark parallel.compile (slow cold start)")
+    parser.add_argument("--steps", type=int, default=3,
+                        help="timed steps per configuration (median reported)")
+    parser.add_argument("--warmup", type=int, default=1,
+                        help="untimed steps first (saved activations measured here)")
+    parser.add_argument("--options", default="all",
+                        help="FSDP options at N=2: 'all', 'none' or a comma list of: " + ", ".join(OPTIONS))
+    parser.add_argument("--compile", action="store_true",
+                        help="also benchmark parallel.compile (slow cold start)")
     parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS per rank")
     parser.add_argument("--out", default="bench/results.json", help="where the JSON rows are written")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -215,19 +230,24 @@ def main() -> None:
         return worker(args.worker)
     models = args.models.split(",")
     unknown = [m for m in models if m not in MODELS]
-    options = list(OPTIONS) if args.options == "all" else [] if args.options == "none" else args.options.split(",")
+    options = (
+        list(OPTIONS) if args.options == "all" else [] if args.options == "none" else args.options.split(",")
+    )
     unknown += [o for o in options if o not in OPTIONS]
     if unknown or args.steps < 1 or args.warmup < 1:
         parser.error(f"unknown model/option {unknown}" if unknown else "--steps and --warmup must be >= 1")
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONPATH=str(ROOT / "src"))
     rows: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
-        for world, runs in plan(models, [int(w) for w in args.worlds.split(",")], options, args.compile).items():
+        for world, runs in plan(
+            models, [int(w) for w in args.worlds.split(",")], options, args.compile
+        ).items():
             spec, out = Path(tmp) / f"spec{world}.json", Path(tmp) / f"out{world}.json"
             spec.write_text(json.dumps(dict(runs=runs, steps=args.steps, warmup=args.warmup, out=str(out))))
             print(f"world size {world}: {len(runs)} configurations ...", file=sys.stderr, flush=True)
             subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                            f"--nproc_per_node={world}", __file__, "--worker", str(spec)], env=env, check=True)
+                            f"--nproc_per_node={world}", __file__, "--worker", str(spec)], env=env,
+                           check=True)
             rows += json.loads(out.read_text())
     print_table(rows)
     meta = dict(threads_per_rank=args.threads, steps=args.steps, warmup=args.warmup, seq_len=SEQ_LEN,

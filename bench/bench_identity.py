@@ -49,8 +49,8 @@ def main() -> None:
         full = time.perf_counter() - t0
     read = args.files * min(16 * 4096, size)
     print(f"corpus: {args.files} files, {total / 1e9:.2f} GB; cpus {os.cpu_count()}")
-    print(f"identity check: best {min(check) * 1e3:.1f} ms of {args.runs} ({read / 1e6:.1f} MB read at most); "
-          f"full SHA-256 of every byte: {full:.2f} s")
+    print(f"identity check: best {min(check) * 1e3:.1f} ms of {args.runs} ({read / 1e6:.1f} MB read at "
+          f"most); full SHA-256 of every byte: {full:.2f} s")
 
 
 if __name__ == "__main__":

@@ -1,35 +1,37 @@
-"""Benchmark of context parallelism on long sequences: peak memory per rank and step time, CP 2 against FSDP 2.
+"""Benchmark of context parallelism on long sequences: peak memory per rank and step time, CP 2 against
+FSDP 2.
 
 Usage (a script, not a test; it launches torchrun itself, once)::
 
-    python bench/bench_long_context.py                       # 8k and 16k tokens, 2 ranks, 3 timed steps (~4 min idle)
+    # 8k and 16k tokens, 2 ranks, 3 timed steps (~4 min idle)
+    python bench/bench_long_context.py
     python bench/bench_long_context.py --seq 8192 --steps 1  # quickest look
     python bench/bench_long_context.py --out bench/long_context.json
     python bench/bench_long_context.py --seq 8192 --world 4 --steps 1  # CP 4 against FSDP 4 (~3 min idle)
     python bench/bench_long_context.py --seq 4096 --world 4 --tp 2 --steps 1  # TP 2 x CP 2 against FSDP 4
     python bench/bench_long_context.py --seq 4096 --world 4 --tp 2 --ac full --steps 1  # both checkpointed
 
-Model: a small Llama (dim 256, 4 layers, 4 query / 2 key-value heads, FFN 768, vocab 512: 3.4M parameters), fp32,
-no activation checkpointing (``--ac`` sets another mode for every configuration), the chunked loss (the
+Model: a small Llama (dim 256, 4 layers, 4 query / 2 key-value heads, FFN 768, vocab 512: 3.4M parameters),
+fp32, no activation checkpointing (``--ac`` sets another mode for every configuration), the chunked loss (the
 default). Data: seeded random token ids in the prepared-data layout (speed and memory do not depend on them).
 Each rank trains one sequence per step:
 
 - ``fsdp2``: FSDP over 2 ranks, each rank a sequence of its own (global batch 2, ``parallel.cp = 1``);
-- ``cp2``: FSDP over the same 2 ranks with ``parallel.cp = 2``: both ranks share one sequence (global batch 1),
-  each holding half of its tokens (a head and a tail chunk) and attending over all of them.
+- ``cp2``: FSDP over the same 2 ranks with ``parallel.cp = 2``: both ranks share one sequence (global batch
+  1), each holding half of its tokens (a head and a tail chunk) and attending over all of them.
 
 With ``--world N``: ``fsdpN`` (global batch N) against ``cpN`` (``parallel.cp = N``, global batch 1). With
 ``--tp T`` as well: ``fsdpN`` against ``cpMxtpT`` (``parallel.cp = M = N / T``, ``parallel.tp = T``, global
 batch 1): each CP rank holds ``T_pad / M`` tokens with the ``n_heads / T`` heads of its TP rank, sequence
 parallel splits those tokens over the TP group between the blocks.
 
-Per configuration: 2 warm-up steps (AdamW state exists), then ``--steps`` timed steps (the median host time) and one
-step measured by :func:`shardlm.metrics.peak.measure_train_step_peak` (the allocator's events under the profiler:
-never RSS), the largest rank's peak. Beside it the planner's prediction (``shardlm.plan.plan_memory``) for the same
-config, computed without running anything. The activation share is the peak above the memory live before the
-step's first forward (``above start``: parameters, gradients and AdamW state are in that start), CP's over
-FSDP's. The machine's 2 cores are shared by both ranks (and, here, by other users): step times are noisy; memory
-figures are not.
+Per configuration: 2 warm-up steps (AdamW state exists), then ``--steps`` timed steps (the median host time)
+and one step measured by :func:`shardlm.metrics.peak.measure_train_step_peak` (the allocator's events under
+the profiler: never RSS), the largest rank's peak. Beside it the planner's prediction
+(``shardlm.plan.plan_memory``) for the same config, computed without running anything. The activation share is
+the peak above the memory live before the step's first forward (``above start``: parameters, gradients and
+AdamW state are in that start), CP's over FSDP's. The machine's 2 cores are shared by both ranks (and, here,
+by other users): step times are noisy; memory figures are not.
 """
 
 from __future__ import annotations
@@ -48,8 +50,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-MODEL = {"model.dim": 256, "model.n_layers": 4, "model.n_heads": 4, "model.n_kv_heads": 2, "model.ffn_hidden": 768,
-         "model.vocab_size": 512,
+MODEL = {"model.dim": 256, "model.n_layers": 4, "model.n_heads": 4, "model.n_kv_heads": 2,
+         "model.ffn_hidden": 768, "model.vocab_size": 512,
          "model.attention": '"causal"'}  # one random document per sequence: causal (not the default "auto")
 
 
@@ -60,8 +62,9 @@ def overrides(seq: int, cp: int, world: int, data: Path, run: Path, tp: int = 1,
     values = {**MODEL, "model.max_seq_len": seq, "train.seq_len": seq, "parallel.cp": cp, "parallel.tp": tp,
               "parallel.activation_checkpoint": ac,
               "train.global_batch_size": world // (cp * tp), "train.micro_batch_size": 1, "train.steps": 100,
-              "train.warmup_steps": 1, "train.eval_interval": 0, "train.log_interval": 1, "checkpoint.interval": 0,
-              "data.dir": f'"{data}"', "run.dir": f'"{run}"', "run.overwrite": "true", "parallel.device": "cpu"}
+              "train.warmup_steps": 1, "train.eval_interval": 0, "train.log_interval": 1,
+              "checkpoint.interval": 0, "data.dir": f'"{data}"', "run.dir": f'"{run}"',
+              "run.overwrite": "true", "parallel.device": "cpu"}
     return [f"--{k}={v}" for k, v in values.items()]
 
 
@@ -92,7 +95,8 @@ def worker(spec_path: str) -> None:
         peaks = all_gather_ints(peak["peak"], info.device)
         starts = all_gather_ints(peak["start"], info.device)
         if info.is_main:
-            print(f"bench: {case['name']}: step {statistics.median(seconds):.2f} s, peaks {peaks}", flush=True)
+            print(f"bench: {case['name']}: step {statistics.median(seconds):.2f} s, peaks {peaks}",
+                  flush=True)
             plan = plan_memory(cfg, info.world_size, "cpu")
             results.append({"name": case["name"], "seq": cfg.train.seq_len, "cp": cfg.parallel.cp,
                             "tp": cfg.parallel.tp,
@@ -132,7 +136,8 @@ def main() -> None:
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads),
                "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                        f"--nproc_per_node={args.world}", __file__, "--worker", str(spec)], env=env, check=True)
+                        f"--nproc_per_node={args.world}", __file__, "--worker", str(spec)], env=env,
+                       check=True)
         results = json.loads(out.read_text())
     mib = 1 << 20
     print(f"{'config':<12} {'tokens':>7} {'step s':>7} {'peak/rank MiB':>14} {'above start':>12} "
@@ -140,8 +145,8 @@ def main() -> None:
     for r in results:
         peak = max(r["peaks"])
         above = max(p - s for p, s in zip(r["peaks"], r["starts"]))
-        print(f"{r['name'].split()[0]:<12} {r['seq']:>7} {r['step_s']:>7.2f} {peak / mib:>14.1f} {above / mib:>12.1f} "
-              f"{r['predicted'] / mib:>12.1f} {r['predicted'] / peak:>10.3f}")
+        print(f"{r['name'].split()[0]:<12} {r['seq']:>7} {r['step_s']:>7.2f} {peak / mib:>14.1f} "
+              f"{above / mib:>12.1f} {r['predicted'] / mib:>12.1f} {r['predicted'] / peak:>10.3f}")
     # the activation share: what a step adds above the memory live before its first forward (parameters, their
     # gradients' storage and AdamW state are in that start), CP's against FSDP's at the same sequence length
     above = {(r["seq"], r["cp"] > 1): max(p - s for p, s in zip(r["peaks"], r["starts"])) for r in results}

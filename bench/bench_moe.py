@@ -2,7 +2,8 @@
 
 Usage (a script, not a test; it launches torchrun itself, once per world size)::
 
-    python bench/bench_moe.py                           # N = 2 and 4: FSDP, EP 2, EP 4 (~2 min on 2 idle cores)
+    # N = 2 and 4: FSDP, EP 2, EP 4 (~2 min on 2 idle cores)
+    python bench/bench_moe.py
     python bench/bench_moe.py --worlds 2 --steps 2      # quickest look
     python bench/bench_moe.py --out bench/moe.json
 
@@ -13,8 +14,8 @@ timed steps (the median is shown, the slowest rank's). Per rank and step: the by
 gradients), parameter + gradient + AdamW shard bytes, the largest single all-gather (the unsharded group that
 memory must hold at once) and peak RSS (a poor measure on CPU: glibc keeps freed memory).
 
-With EP each rank all-gathers only its ep rank's experts (n_experts / ep of them), so the bytes all-gathered fall
-by (1 - 1/ep) of the experts' share of the parameters; the tokens travel by all-to-all instead.
+With EP each rank all-gathers only its ep rank's experts (n_experts / ep of them), so the bytes all-gathered
+fall by (1 - 1/ep) of the experts' share of the parameters; the tokens travel by all-to-all instead.
 """
 
 from __future__ import annotations
@@ -125,9 +126,10 @@ def mib(values: list[int]) -> str:
 def print_table(rows: list[dict]) -> None:
     head = ["N", "layout", "step s", "all-gathered MiB/step", "all-to-all MiB/step", "largest gather MiB",
             "shard MiB", "peak RSS MiB"]
-    lines = [[str(r["world_size"]), "FSDP only" if r["ep"] == 1 else f"EP {r['ep']} x FSDP {r['world_size'] // r['ep']}",
-              f"{r['step_s']:.3f}", mib(r["gathered_bytes"]), mib(r["a2a_bytes"]), mib(r["largest_gather_bytes"]),
-              mib(r["shard_bytes"]), mib(r["rss_bytes"])] for r in rows]
+    lines = [[str(r["world_size"]),
+              "FSDP only" if r["ep"] == 1 else f"EP {r['ep']} x FSDP {r['world_size'] // r['ep']}",
+              f"{r['step_s']:.3f}", mib(r["gathered_bytes"]), mib(r["a2a_bytes"]),
+              mib(r["largest_gather_bytes"]), mib(r["shard_bytes"]), mib(r["rss_bytes"])] for r in rows]
     widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(head)]
     print("| " + " | ".join(h.ljust(w) for h, w in zip(head, widths)) + " |")
     print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
@@ -148,9 +150,10 @@ def main() -> None:
         runs = [{"ep": ep} for ep in (1, 2, 4, 8) if ep <= n and n % ep == 0 and MODEL["n_experts"] % ep == 0]
         with tempfile.TemporaryDirectory() as tmp:
             spec, out = Path(tmp) / "spec.json", Path(tmp) / "out.json"
-            spec.write_text(json.dumps({"runs": runs, "steps": args.steps, "warmup": args.warmup, "out": str(out)}))
-            subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
-                            __file__, "--worker", str(spec)], env=env, check=True)
+            spec.write_text(json.dumps({"runs": runs, "steps": args.steps, "warmup": args.warmup,
+                                        "out": str(out)}))
+            subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                            f"--nproc_per_node={n}", __file__, "--worker", str(spec)], env=env, check=True)
             rows += json.loads(out.read_text())
     print_table(rows)
     if args.out:

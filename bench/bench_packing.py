@@ -7,16 +7,16 @@ Usage (a script, not a test; it launches torchrun itself, one launch per row so 
     python bench/bench_packing.py --set parallel.activation_checkpoint=full   # less memory per rank
 
 The corpus is generated deterministically: ``--examples`` chat examples whose lengths in words are log-normal
-(sigma 0.8, capped at 0.9 ``seq_len``) with a mean chosen so that the mean example is about a quarter of ``seq_len``
-tokens (the measured mean is printed), words drawn in order from the embedded Shakespeare text, the response a
-uniform 30-70% of the words; an 8k byte-level BPE is trained on the plays. Pre-training uses the same texts as
-documents of a token stream. The model is SmolLM2-135M's shape (dim 576, 9/3 heads, ffn 1536, vocab 49152, tied; ``--layers`` of
-its 30 blocks) from a random init, fp32, FSDP at ``--world`` ranks, global batch 4, micro-batch 2.
+(sigma 0.8, capped at 0.9 ``seq_len``) with a mean chosen so that the mean example is about a quarter of
+``seq_len`` tokens (the measured mean is printed), words drawn in order from the embedded Shakespeare text,
+the response a uniform 30-70% of the words; an 8k byte-level BPE is trained on the plays. Pre-training uses
+the same texts as documents of a token stream. The model is SmolLM2-135M's shape (dim 576, 9/3 heads, ffn
+1536, vocab 49152, tied; ``--layers`` of its 30 blocks) from a random init, fp32, FSDP at ``--world`` ranks,
+global batch 4, micro-batch 2.
 
-Per row: the median step time after the first step, response (target) tokens trained per step (the split's targets
-per sample times the global batch) and per second,
-fill ratio (tokens of examples / tokens of the samples), peak RSS per rank (``ru_maxrss``; a coarse measure on
-CPU: glibc keeps freed memory).
+Per row: the median step time after the first step, response (target) tokens trained per step (the split's
+targets per sample times the global batch) and per second, fill ratio (tokens of examples / tokens of the
+samples), peak RSS per rank (``ru_maxrss``; a coarse measure on CPU: glibc keeps freed memory).
 """
 
 from __future__ import annotations
@@ -65,7 +65,8 @@ def worker(spec_path: str) -> None:
     per_step = data.num_targets(list(range(len(data)))) / len(data) * cfg.train.global_batch_size
     if isinstance(data, PackedExamples):
         fill = data.fill
-    elif cfg.data.format == "instruct":  # one example per sample: its tokens (at most seq_len + 1) of the sample
+    elif cfg.data.format == "instruct":
+        # one example per sample: its tokens (at most seq_len + 1) of the sample
         lengths = np.minimum(np.diff(data.offsets), cfg.train.seq_len + 1)
         fill = float(lengths.mean()) / (cfg.train.seq_len + 1)
     else:
@@ -112,11 +113,17 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=2, help="ranks (torchrun --nproc_per_node)")
     parser.add_argument("--steps", type=int, default=3, help="steps per row, the first one untimed")
     parser.add_argument("--seq", type=int, default=1024, help="train.seq_len")
-    parser.add_argument("--layers", type=int, default=30, help="blocks of the SmolLM2-135M shape (30 = the model)")
+    parser.add_argument("--layers", type=int, default=30,
+                        help="blocks of the SmolLM2-135M shape (30 = the model)")
     parser.add_argument("--examples", type=int, default=600, help="chat examples (documents) generated")
     parser.add_argument("--runs", default=",".join(RUNS), help="comma-separated row names (default: all)")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="another config override for every row, e.g. parallel.activation_checkpoint=full")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="another config override for every row, e.g. parallel.activation_checkpoint=full",
+    )
     args = parser.parse_args()
     chosen = [r.strip() for r in args.runs.split(",")]
     results = {}
@@ -138,7 +145,8 @@ def main() -> None:
             spec.write_text(json.dumps({"overrides": [f"--{k}={v}" for k, v in overrides.items()],
                                         "out": str(tmp / "out.json")}))
             subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                            f"--nproc_per_node={args.world}", __file__, "--worker", str(spec)], env=env, check=True)
+                            f"--nproc_per_node={args.world}", __file__, "--worker", str(spec)], env=env,
+                           check=True)
             results[name] = json.loads((tmp / "out.json").read_text())
         from shardlm.data.instruct import InstructionExamples
 
@@ -146,15 +154,17 @@ def main() -> None:
             ex = InstructionExamples(str(tmp / "chat"), "train", args.seq)
             lengths = np.diff(ex.offsets)
             print(f"chat corpus: {len(lengths)} train examples, mean {lengths.mean():.0f} tokens "
-                  f"({100 * lengths.mean() / args.seq:.0f}% of seq_len {args.seq}), median {np.median(lengths):.0f}, "
-                  f"max {lengths.max()}")
-    print(f"SmolLM2-135M shape, {args.layers} layers, {args.world} ranks (FSDP, fp32, CPU), seq_len {args.seq}, "
-          f"global batch 4 samples, {args.steps} steps (first untimed)")
-    print("| run | samples | fill | target tokens / step | step time (s) | target tokens / s | peak RSS per rank (MiB) |")
+                  f"({100 * lengths.mean() / args.seq:.0f}% of seq_len {args.seq}), median "
+                  f"{np.median(lengths):.0f}, max {lengths.max()}")
+    print(f"SmolLM2-135M shape, {args.layers} layers, {args.world} ranks (FSDP, fp32, CPU), seq_len "
+          f"{args.seq}, global batch 4 samples, {args.steps} steps (first untimed)")
+    print("| run | samples | fill | target tokens / step | step time (s) | target tokens / s | peak RSS per "
+          "rank (MiB) |")
     print("|---|---|---|---|---|---|---|")
     for name, r in results.items():
-        print(f"| {name} | {r['samples']} | {100 * r['fill']:.1f}% | {r['targets_per_step']:.0f} | {r['step_s']:.2f} | "
-              f"{r['targets_per_step'] / r['step_s']:.0f} | {' / '.join(f'{b / 2**20:.0f}' for b in r['rss'])} |")
+        print(f"| {name} | {r['samples']} | {100 * r['fill']:.1f}% | {r['targets_per_step']:.0f} | "
+              f"{r['step_s']:.2f} | {r['targets_per_step'] / r['step_s']:.0f} | "
+              f"{' / '.join(f'{b / 2**20:.0f}' for b in r['rss'])} |")
     pad, pack = (results.get(k) for k in list(RUNS)[:2])
     if pad and pack:
         ratio = (pack["targets_per_step"] / pack["step_s"]) / (pad["targets_per_step"] / pad["step_s"])

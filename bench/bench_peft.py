@@ -6,10 +6,10 @@ Usage (a script, not a test; it launches torchrun itself)::
     python bench/bench_peft.py --model DIR --world 2 --steps 6 --seq 128
 
 ``DIR`` is SmolLM2-135M-Instruct imported from its GGUF (``shardlm import --gguf ...``, see the README). Every
-run is ``configs/smollm2-135m-lora.toml`` (instruction data, global batch 4, micro-batch 2) with the overrides of
-its row; no checkpoint, no evaluation. Per rank: parameter, gradient and AdamW state bytes after the first step
-(``Trainer.local_shard_bytes``: local shard bytes, NF4 counted by its codes and scales), the frozen base's share
-of the parameter bytes, and the median step time of the steps after the warm-up one. fp32 compute
+run is ``configs/smollm2-135m-lora.toml`` (instruction data, global batch 4, micro-batch 2) with the overrides
+of its row; no checkpoint, no evaluation. Per rank: parameter, gradient and AdamW state bytes after the first
+step (``Trainer.local_shard_bytes``: local shard bytes, NF4 counted by its codes and scales), the frozen
+base's share of the parameter bytes, and the median step time of the steps after the warm-up one. fp32 compute
 (``parallel.param_dtype``) throughout: on this CPU bf16 GEMMs are slower than fp32 ones.
 """
 
@@ -80,20 +80,23 @@ def main() -> None:
         common = [f'--model.init_from="{Path(args.model).resolve()}"', f"--train.steps={args.steps}",
                   f"--train.seq_len={args.seq}", "--train.eval_interval=0", "--checkpoint.enabled=false",
                   f'--data.corpus="{ROOT / "examples" / "instruct-shakespeare.jsonl"}"',
-                  f'--data.dir="{Path(tmp) / "data"}"', f'--run.dir="{Path(tmp) / "run"}"', "--run.overwrite=true"]
+                  f'--data.dir="{Path(tmp) / "data"}"', f'--run.dir="{Path(tmp) / "run"}"',
+                  "--run.overwrite=true"]
         runs = {name: common + [f"--{k}={v}" for k, v in RUNS[name].items()] for name in chosen}
         spec = Path(tmp) / "spec.json"
         spec.write_text(json.dumps({"runs": runs, "out": str(Path(tmp) / "out.json")}))
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.world}",
-                        __file__, "--worker", str(spec)], env=env, check=True)
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        f"--nproc_per_node={args.world}", __file__, "--worker", str(spec)], env=env,
+                       check=True)
         results = json.loads((Path(tmp) / "out.json").read_text())
-    print(f"SmolLM2-135M at {args.world} ranks, seq {args.seq}, global batch 4; MiB per rank (rank 0 / rank 1 ...)")
+    print(f"SmolLM2-135M at {args.world} ranks, seq {args.seq}, global batch 4; MiB per rank (rank 0 / rank "
+          "1 ...)")
     print("| run | parameters (of which frozen base) | gradients | AdamW state | total | step time (s) |")
     print("|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['run']} | {mib(r['params'])} ({mib(r['frozen'])}) | {mib(r['grads'])} | {mib(r['optimizer'])} | "
-              f"{mib(r['total'])} | {r['step_s']:.2f} |")
+        print(f"| {r['run']} | {mib(r['params'])} ({mib(r['frozen'])}) | {mib(r['grads'])} | "
+              f"{mib(r['optimizer'])} | {mib(r['total'])} | {r['step_s']:.2f} |")
 
 
 if __name__ == "__main__":

@@ -5,8 +5,10 @@ Usage (a script, not a test)::
     python bench/bench_prepare.py                               # sizes 200, 1000, 2000 MB (hours on 2 cores)
     python bench/bench_prepare.py --sizes 5 --formats jsonl --runs w1,w2   # quickest look
     # the README table (idle 2 cores: ~7 min, then ~45 min for the 2 GB runs):
-    python bench/bench_prepare.py --sizes 200 --formats jsonl,jsonl.zst,parquet,txt --runs w1,w2 --no-shakespeare --ref-mb 20
-    python bench/bench_prepare.py --sizes 2000 --formats txt,parquet,jsonl.zst,jsonl --runs w2 --no-shakespeare --ref-mb 1
+    python bench/bench_prepare.py --sizes 200 --formats jsonl,jsonl.zst,parquet,txt --runs w1,w2 \\
+        --no-shakespeare --ref-mb 20
+    python bench/bench_prepare.py --sizes 2000 --formats txt,parquet,jsonl.zst,jsonl --runs w2 \\
+        --no-shakespeare --ref-mb 1
 
 Corpora are generated locally under ``--workdir`` (default ``/tmp/shardlm-bench-prepare``, never
 committed): documents of about 4 KB, each 40-80 lines drawn with a seeded generator from the
@@ -220,21 +222,22 @@ def main() -> None:
         tag = f"{fmt}-{size}-{run}".replace(".", "_")
         ref = statistics.median(reference(tokenizer, args.ref_mb * 1_000_000, workdir) for _ in range(3))
         r = run_prepare(corpus, run, workdir, tokenizer, tag)
-        row = {"format": fmt, "text_mb": text_bytes / 1e6, "run": run, **r, "mb_per_s": text_bytes / 1e6 / r["wall_s"],
+        row = {"format": fmt, "text_mb": text_bytes / 1e6, "run": run, **r,
+               "mb_per_s": text_bytes / 1e6 / r["wall_s"],
                "encode_mb_per_s": text_bytes / 1e6 / r["encode_s"], "reference_mb_per_s": ref,
                "vs_reference": text_bytes / 1e6 / r["encode_s"] / ref}
         rows.append(row)
-        print(f"{fmt:12s} {row['text_mb']:8.1f} MB  {run}  {r['wall_s']:8.1f} s  {row['mb_per_s']:6.2f} MB/s  "
-              f"encoding {r['encode_s']:7.1f} s {row['encode_mb_per_s']:6.2f} MB/s ({row['vs_reference']:.2f}x ref "
-              f"{ref:.2f} MB/s)  "
+        print(f"{fmt:12s} {row['text_mb']:8.1f} MB  {run}  {r['wall_s']:8.1f} s  {row['mb_per_s']:6.2f} MB/s "
+              f" encoding {r['encode_s']:7.1f} s {row['encode_mb_per_s']:6.2f} MB/s "
+              f"({row['vs_reference']:.2f}x ref {ref:.2f} MB/s)  "
               f"peak RSS {r['peak_rss_mb']:7.0f} MB", flush=True)
     print()
-    print(f"| corpus | text MB | run | wall s | MB/s (wall) | encoding MB/s | bare encode_batch ({cores} cores) MB/s "
-          "| vs bare | peak RSS (tree) |")
+    print(f"| corpus | text MB | run | wall s | MB/s (wall) | encoding MB/s | bare encode_batch ({cores} "
+          "cores) MB/s | vs bare | peak RSS (tree) |")
     print("|---|---:|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['format']} | {r['text_mb']:.0f} | {r['run']} | {r['wall_s']:.1f} | {r['mb_per_s']:.2f} | "
-              f"{r['encode_mb_per_s']:.2f} | {r['reference_mb_per_s']:.2f} | {r['vs_reference']:.2f}x | "
+        print(f"| {r['format']} | {r['text_mb']:.0f} | {r['run']} | {r['wall_s']:.1f} | {r['mb_per_s']:.2f} "
+              f"| {r['encode_mb_per_s']:.2f} | {r['reference_mb_per_s']:.2f} | {r['vs_reference']:.2f}x | "
               f"{r['peak_rss_mb']:.0f} MB |")
     if args.out:
         Path(args.out).write_text(json.dumps({"cores": cores, "rows": rows}, indent=2))

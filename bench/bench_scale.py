@@ -2,8 +2,10 @@
 
 Usage (a script, not a test; it launches torchrun itself, once per world size)::
 
-    python bench/bench_scale.py --quick                          # smoke run: tiny shapes, N = 1, 2 (~30 s idle)
-    python bench/bench_scale.py                                  # init: ~1B shape; export: ~0.3B shape; N = 1, 2, 4
+    # smoke run: tiny shapes, N = 1, 2 (~30 s idle)
+    python bench/bench_scale.py --quick
+    # init: ~1B shape; export: ~0.3B shape; N = 1, 2, 4
+    python bench/bench_scale.py
     python bench/bench_scale.py --init-model 1b --export-model 1b --worlds 1,2,4 --threads 1 --out scale.json
 
 Memory: N = 1 of the ``1b`` shape holds 4.4 GB of parameters, plus during its export the gathered copy and
@@ -13,18 +15,18 @@ For each world size N, every rank (``OMP_NUM_THREADS=--threads``):
 
 - **init**: builds the FSDP model the trainer builds (meta device -> ``fully_shard`` per block and root ->
   ``to_empty`` -> ``init_weights``: each rank draws only its own rows) and reports the seconds this took;
-- **export**: writes ``final/``-style sharded safetensors (``save_sharded_model_dir``: whole tensors, each rank
-  its own file, plus the index) and reports the seconds and this rank's peak RSS during the export
+- **export**: writes ``final/``-style sharded safetensors (``save_sharded_model_dir``: whole tensors, each
+  rank its own file, plus the index) and reports the seconds and this rank's peak RSS during the export
   (``/proc/self/clear_refs`` resets the peak, ``VmHWM`` reads it) and the RSS before it.
 
-The first table shows, per N, the slowest rank's init seconds (wall and CPU: with more ranks than cores, wall time
-cannot fall as 1/N, CPU time can) and the busiest rank's export peak RSS, with the ratio to N = 1. The export
-runs first, in a fresh process, so the RSS glibc keeps after the init phase does not count. The second
-table lists every rank's figures. ``--out`` also writes the raw per-rank numbers as JSON.
-Shapes: ``1b`` (dim 2048, 16 layers, 16 heads, FFN 5632, vocab 32000: 1.1B parameters, 4.4 GB fp32) and
-``300m`` (dim 1024, 20 layers, 16 heads, FFN 2816, vocab 32000: 0.3B, 1.3 GB fp32) and ``150m`` (dim 768,
-12 layers, 12 heads, FFN 2048, vocab 32000: 0.13B, 0.54 GB fp32). Memory is the limit on a
-small machine: N = 1 holds the whole model plus, during export, the copy it writes.
+The first table shows, per N, the slowest rank's init seconds (wall and CPU: with more ranks than cores, wall
+time cannot fall as 1/N, CPU time can) and the busiest rank's export peak RSS, with the ratio to N = 1. The
+export runs first, in a fresh process, so the RSS glibc keeps after the init phase does not count. The second
+table lists every rank's figures. ``--out`` also writes the raw per-rank numbers as JSON. Shapes: ``1b`` (dim
+2048, 16 layers, 16 heads, FFN 5632, vocab 32000: 1.1B parameters, 4.4 GB fp32) and ``300m`` (dim 1024, 20
+layers, 16 heads, FFN 2816, vocab 32000: 0.3B, 1.3 GB fp32) and ``150m`` (dim 768, 12 layers, 12 heads, FFN
+2048, vocab 32000: 0.13B, 0.54 GB fp32). Memory is the limit on a small machine: N = 1 holds the whole model
+plus, during export, the copy it writes.
 """
 
 from __future__ import annotations
@@ -106,7 +108,8 @@ def main() -> None:
     parser.add_argument("--worlds", default="1,2,4")
     parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS per rank")
     parser.add_argument("--quick", action="store_true",
-                        help="smoke run: --init-model tiny --export-model tiny --worlds 1,2 (checks the script only)")
+                        help="smoke run: --init-model tiny --export-model tiny --worlds 1,2 (checks the "
+                             "script only)")
     parser.add_argument("--out", help="also write the raw per-rank results here (JSON)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -123,8 +126,8 @@ def main() -> None:
             result = Path(tmp) / f"out{n}.json"
             spec.write_text(json.dumps({"init_model": args.init_model, "export_model": args.export_model,
                                         "dir": str(Path(tmp) / f"n{n}"), "out": str(result)}))
-            subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
-                            __file__, "--worker", str(spec)], env=env, check=True)
+            subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                            f"--nproc-per-node={n}", __file__, "--worker", str(spec)], env=env, check=True)
             rows[n] = json.loads(result.read_text())
     base = rows[min(rows)]
     print(f"\ninit ({args.init_model}: meta -> sharded -> initialised), slowest rank; "
@@ -138,7 +141,8 @@ def main() -> None:
         peak, before = r["export_peak_rss"][busiest] / 2**20, r["rss_before_export"][busiest] / 2**20
         print(f"| {n} | {init:.2f} | {init / (max(base['init_build_us']) / 1e6):.2f}x | {cpu:.2f} "
               f"| {cpu / (max(base['init_build_cpu_us']) / 1e6):.2f}x | {max(r['export_us']) / 1e6:.2f} "
-              f"| {peak:.0f} | {peak / (max(base['export_peak_rss']) / 2**20):.2f}x | {before:.0f} | {peak - before:.0f} |")
+              f"| {peak:.0f} | {peak / (max(base['export_peak_rss']) / 2**20):.2f}x | {before:.0f} | "
+              f"{peak - before:.0f} |")
     print("\nper rank")
     print("| N | rank | init wall s | init CPU s | export s | export peak RSS MiB | RSS before export MiB |")
     print("|---|---|---|---|---|---|---|")
@@ -148,8 +152,9 @@ def main() -> None:
                   f"| {r['export_us'][k] / 1e6:.2f} | {r['export_peak_rss'][k] / 2**20:.0f} "
                   f"| {r['rss_before_export'][k] / 2**20:.0f} |")
     if args.out:
-        Path(args.out).write_text(json.dumps({"init_model": args.init_model, "export_model": args.export_model,
-                                              "threads": args.threads, "worlds": rows}, indent=2) + "\n")
+        Path(args.out).write_text(json.dumps({"init_model": args.init_model,
+                                              "export_model": args.export_model, "threads": args.threads,
+                                              "worlds": rows}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

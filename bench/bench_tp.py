@@ -1,22 +1,26 @@
-"""Benchmark of tensor parallel against FSDP alone at 4 ranks: step time, memory per rank, bytes moved per step.
+"""Benchmark of tensor parallel against FSDP alone at 4 ranks: step time, memory per rank, bytes moved
+per step.
 
 Usage (a script, not a test; it launches torchrun itself, once for both layouts)::
 
-    python bench/bench_tp.py                        # 20m shape, FSDP 4 vs FSDP 2 x TP 2, 3 timed steps (~2 min idle)
+    # 20m shape, FSDP 4 vs FSDP 2 x TP 2, 3 timed steps (~2 min idle)
+    python bench/bench_tp.py
     python bench/bench_tp.py --steps 5 --warmup 2 --out bench/tp_results.json
 
-The ``20m`` shape of bench/bench_fsdp.py (dim 512, 4 layers, 8 heads, FFN 1536, vocab 8192, seq 256), fp32, the
-same global batch of 8 sequences either way (FSDP 4: 2 per rank; FSDP 2 x TP 2: 4 per data-parallel rank, its two
-tensor-parallel ranks reading the same 4), the chunked loss (256 tokens a chunk; vocabulary-parallel under TP).
-Tokens are random (seeded). Each layout runs ``--warmup`` steps, then ``--steps`` timed ones (median shown).
+The ``20m`` shape of bench/bench_fsdp.py (dim 512, 4 layers, 8 heads, FFN 1536, vocab 8192, seq 256), fp32,
+the same global batch of 8 sequences either way (FSDP 4: 2 per rank; FSDP 2 x TP 2: 4 per data-parallel rank,
+its two tensor-parallel ranks reading the same 4), the chunked loss (256 tokens a chunk; vocabulary-parallel
+under TP). Tokens are random (seeded). Each layout runs ``--warmup`` steps, then ``--steps`` timed ones
+(median shown).
 
-Memory per rank: parameter + gradient + AdamW shard bytes after a step, and the bytes autograd saves for backward
-in one micro-batch (``SavedActivationCounter``); on CPU the allocator keeps no peak statistics, so their sum
-stands for the peak. Bytes per step per rank: every collective issued during a step is counted by wrapping
-``torch.distributed``'s functions (FSDP's all-gathers and reduce-scatters / all-to-alls, the gradient norm's
-all-reduce, the vocabulary-parallel loss's all-reduces) and ``torch.distributed._functional_collectives``' (DTensor's
-redistributions: tensor parallel's all-gathers and reduce-scatters): each counts the bytes of its larger buffer
-(an all-gather's output, a reduce-scatter's or all-reduce's input), by kind.
+Memory per rank: parameter + gradient + AdamW shard bytes after a step, and the bytes autograd saves for
+backward in one micro-batch (``SavedActivationCounter``); on CPU the allocator keeps no peak statistics, so
+their sum stands for the peak. Bytes per step per rank: every collective issued during a step is counted by
+wrapping ``torch.distributed``'s functions (FSDP's all-gathers and reduce-scatters / all-to-alls, the gradient
+norm's all-reduce, the vocabulary-parallel loss's all-reduces) and
+``torch.distributed._functional_collectives``' (DTensor's redistributions: tensor parallel's all-gathers and
+reduce-scatters): each counts the bytes of its larger buffer (an all-gather's output, a reduce-scatter's or
+all-reduce's input), by kind.
 """
 
 from __future__ import annotations
@@ -39,9 +43,10 @@ sys.path.insert(0, str(ROOT / "src"))
 SHAPE = dict(dim=512, n_layers=4, n_heads=8, ffn_hidden=1536, vocab_size=8192, max_seq_len=256)
 SEQ_LEN, GLOBAL = 256, 8
 LAYOUTS = {"FSDP 4": {"tp": 1}, "FSDP 2 x TP 2": {"tp": 2}}
-#: wrapped collectives: name -> which argument holds the larger buffer (0: the first tensor argument, "out": output)
-DIST = {"all_gather_single": 0, "all_gather_into_tensor": 0, "reduce_scatter_single": 1, "reduce_scatter_tensor": 1,
-        "all_reduce": 0, "all_to_all_single": 1, "broadcast": 0}
+#: wrapped collectives: name -> which argument holds the larger buffer (0: the first tensor argument,
+#: "out": output)
+DIST = {"all_gather_single": 0, "all_gather_into_tensor": 0, "reduce_scatter_single": 1,
+        "reduce_scatter_tensor": 1, "all_reduce": 0, "all_to_all_single": 1, "broadcast": 0}
 FUNCOL = {"all_gather_single": "out", "all_gather_tensor": "out", "reduce_scatter_single": 0,
           "reduce_scatter_tensor": 0, "all_reduce": 0, "all_to_all_single": 0}
 
@@ -113,7 +118,8 @@ def worker(spec_path: str) -> None:
             tokens = torch.randint(0, SHAPE["vocab_size"], (micro, SEQ_LEN + 1), generator=gen)
             timed = step >= spec["warmup"]
             counts.clear()
-            counts["on"] = timed and step == spec["warmup"]  # bytes of the first timed step (every step is alike)
+            # bytes of the first timed step (every step is alike)
+            counts["on"] = timed and step == spec["warmup"]
             torch.distributed.barrier()
             start = time.perf_counter()
             with SavedActivationCounter() as counter:
@@ -160,8 +166,8 @@ def main() -> None:
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
                         __file__, "--worker", str(spec)], env=env, check=True)
         results = json.loads(out.read_text())
-    print("| layout (4 ranks, 20m, fp32) | step time | params+grads+AdamW per rank | saved activations per rank "
-          "| bytes per step per rank (by collective) |")
+    print("| layout (4 ranks, 20m, fp32) | step time | params+grads+AdamW per rank | saved activations per "
+          "rank | bytes per step per rank (by collective) |")
     print("|---|---|---|---|---|")
     for r in results:
         total = sum(r["bytes_per_step"].values())

@@ -1,19 +1,22 @@
-"""Checks f-h of ``bench/gpu_check.py``: what tensor, expert and context parallelism added that only a GPU shows.
+"""Checks f-h of ``bench/gpu_check.py``: what tensor, expert and context parallelism added that only a
+GPU shows.
 
-f. tensor parallel: 3 steps of the tiny model (fp32, TF32 off) at ``parallel.tp = 2`` on 2 ranks against the same
-   steps in one process: losses within :data:`PARALLEL_LOSS_TOL`; on CUDA also async TP (``parallel.async_tp`` with
-   ``compile``: TorchInductor's micro-pipelined collectives over symmetric memory) against the same reference. Each
-   run is its own ``torchrun`` launch of ``shardlm.train``; the losses are read from its ``metrics.jsonl``. On a
-   CPU (``--device cpu``) the plain TP row runs on gloo (the launches and the comparison themselves are checked);
-   async TP is CUDA only.
-g. the MoE experts' grouped matmul: :func:`shardlm.model.moe.grouped_linear` takes ``torch._grouped_mm`` for bf16
-   on CUDA; against a loop of ``F.linear`` per expert on the same bf16 tensors (one expert without tokens):
-   outputs and the gradients of x and the stacked weights within :data:`GROUPED_MM_TOL` of the loop's largest
-   magnitude (bf16 rounding: both accumulate in fp32).
+f. tensor parallel: 3 steps of the tiny model (fp32, TF32 off) at ``parallel.tp = 2`` on 2 ranks against the
+   same steps in one process: losses within :data:`PARALLEL_LOSS_TOL`; on CUDA also async TP
+   (``parallel.async_tp`` with ``compile``: TorchInductor's micro-pipelined collectives over symmetric memory)
+   against the same reference. Each run is its own ``torchrun`` launch of ``shardlm.train``; the losses are
+   read from its ``metrics.jsonl``. On a CPU (``--device cpu``) the plain TP row runs on gloo (the launches
+   and the comparison themselves are checked); async TP is CUDA only.
+g. the MoE experts' grouped matmul: :func:`shardlm.model.moe.grouped_linear` takes ``torch._grouped_mm`` for
+   bf16 on CUDA; against a loop of ``F.linear`` per expert on the same bf16 tensors (one expert without
+   tokens): outputs and the gradients of x and the stacked weights within :data:`GROUPED_MM_TOL` of the loop's
+   largest magnitude (bf16 rounding: both accumulate in fp32).
 h. context parallel: 3 steps at ``parallel.cp = 2`` on 2 ranks against one process (fp32, TF32 off): losses
-   within :data:`PARALLEL_LOSS_TOL`. On a CPU it is skipped (``tests/dist/test_cp_parity.py`` checks it on gloo).
+   within :data:`PARALLEL_LOSS_TOL`. On a CPU it is skipped (``tests/dist/test_cp_parity.py`` checks it
+   on gloo).
 
-A row that needs more GPUs than the machine has is skipped with the reason (``"skipped": true``, not a failure).
+A row that needs more GPUs than the machine has is skipped with the reason (``"skipped": true``, not
+a failure).
 """
 
 from __future__ import annotations
@@ -49,7 +52,8 @@ def too_few_gpus(device: torch.device, need: int) -> str | None:
 
 def launch_losses(nproc: int, overrides: list[str], device: torch.device, data: Path, run: Path,
                   timeout: float = 600) -> dict[int, float]:
-    """{step: loss} of ``torchrun --nproc_per_node=nproc -m shardlm.train OVERRIDES`` on ``data``, run in ``run``.
+    """{step: loss} of ``torchrun --nproc_per_node=nproc -m shardlm.train OVERRIDES`` on ``data``, run
+    in ``run``.
 
     Raises:
         RuntimeError: the launch failed (with the end of its output).
@@ -62,7 +66,8 @@ def launch_losses(nproc: int, overrides: list[str], device: torch.device, data: 
            f"--parallel.device={device.type}"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
-        raise RuntimeError(f"{nproc}-rank launch failed ({proc.returncode}): {(proc.stdout + proc.stderr)[-1500:]}")
+        raise RuntimeError(f"{nproc}-rank launch failed ({proc.returncode}): "
+                           f"{(proc.stdout + proc.stderr)[-1500:]}")
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return {r["step"]: r["loss"] for r in records if "loss" in r and "step" in r}
 
@@ -83,9 +88,11 @@ def check_tensor_parallel(device: torch.device, work: Path, data: Path, tiny: li
         return [skipped(n, reason) for n in names]
     common = [*tiny, "--train.steps=3", "--checkpoint.enabled=false", "--parallel.tf32=false"]
     ref = launch_losses(1, common, device, data, work / "run-tp-ref")
-    rows = [compare(names[0], launch_losses(2, [*common, "--parallel.tp=2"], device, data, work / "run-tp2"), ref)]
+    rows = [compare(names[0], launch_losses(2, [*common, "--parallel.tp=2"], device, data, work / "run-tp2"),
+                    ref)]
     if device.type != "cuda":
-        rows.append(skipped(names[1], "async TP needs CUDA (symmetric memory); parallel.async_tp is refused on CPU"))
+        rows.append(skipped(names[1],
+                            "async TP needs CUDA (symmetric memory); parallel.async_tp is refused on CPU"))
         return rows
     asynchronous = [*common, "--parallel.tp=2", "--parallel.compile=true", "--parallel.async_tp=true"]
     rows.append(compare(names[1], launch_losses(2, asynchronous, device, data, work / "run-tp2-async"), ref))
@@ -93,12 +100,14 @@ def check_tensor_parallel(device: torch.device, work: Path, data: Path, tiny: li
 
 
 def check_grouped_mm(device: torch.device) -> list[dict]:
-    """(g) ``torch._grouped_mm`` (shardlm's CUDA bf16 path) against a loop of ``F.linear``, forward and backward."""
+    """(g) ``torch._grouped_mm`` (shardlm's CUDA bf16 path) against a loop of ``F.linear``, forward
+        and backward."""
     from shardlm.model.moe import grouped_linear
 
     check = "g. MoE grouped matmul (torch._grouped_mm) = loop"
     if device.type != "cuda":
-        return [skipped(check, "torch._grouped_mm is the CUDA bf16 path; on a CPU grouped_linear runs the loop")]
+        return [skipped(check,
+                        "torch._grouped_mm is the CUDA bf16 path; on a CPU grouped_linear runs the loop")]
     if not hasattr(torch, "_grouped_mm"):
         return [skipped(check, f"this PyTorch ({torch.__version__}) has no torch._grouped_mm")]
     major, minor = torch.cuda.get_device_capability(device)
@@ -117,20 +126,30 @@ def check_grouped_mm(device: torch.device) -> list[dict]:
     diffs = {name: ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
              for name, a, b in (("output", y, y_ref), ("dx", dx, dx_ref), ("dweight", dw, dw_ref))}
     ok = all(d <= GROUPED_MM_TOL for d in diffs.values()) and not dw[1].any()  # no token: a zero gradient
-    return [{"check": check, **{f"rel_diff_{k}": v for k, v in diffs.items()},
-             "result": "8 experts (one without tokens), bf16: " + ", ".join(f"{k} {v:.1e}" for k, v in diffs.items())
-                       + f" of the loop's largest (limit {GROUPED_MM_TOL:.0e}); the empty expert's gradient zero",
-             "pass": bool(ok)}]
+    return [
+        {
+            "check": check,
+            **{f"rel_diff_{k}": v for k, v in diffs.items()},
+            "result": "8 experts (one without tokens), bf16: "
+            + ", ".join(f"{k} {v:.1e}" for k, v in diffs.items())
+            + f" of the loop's largest (limit {GROUPED_MM_TOL:.0e}); the empty expert's gradient "
+            "zero",
+            "pass": bool(ok),
+        }
+    ]
 
 
 def check_context_parallel(device: torch.device, work: Path, data: Path, tiny: list[str]) -> list[dict]:
     """(h) CP 2 against one process."""
     check = "h. CP 2 = one process"
     if device.type != "cuda":
-        return [skipped(check, "context parallel on gloo is checked by tests/dist/test_cp_parity.py; here it needs CUDA")]
+        return [skipped(check,
+                        "context parallel on gloo is checked by tests/dist/test_cp_parity.py; here it needs "
+                        "CUDA")]
     reason = too_few_gpus(device, 2)
     if reason:
         return [skipped(check, reason)]
     common = [*tiny, "--train.steps=3", "--checkpoint.enabled=false", "--parallel.tf32=false"]
     ref = launch_losses(1, common, device, data, work / "run-cp-ref")
-    return [compare(check, launch_losses(2, [*common, "--parallel.cp=2"], device, data, work / "run-cp2"), ref)]
+    return [compare(check, launch_losses(2, [*common, "--parallel.cp=2"], device, data, work / "run-cp2"),
+                    ref)]

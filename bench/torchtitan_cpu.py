@@ -121,7 +121,8 @@ llama3_parallelize.disable_fsdp_gradient_division = _disable_division_with_sum
 
 # 3. random tokens instead of a tokenizer and a data set
 class RandomTokens(BaseDataLoader):
-    """Endless batches of ``(batch, seq)`` token ids in ``[0, VOCAB)``; labels are the inputs shifted by one."""
+    """Endless batches of ``(batch, seq)`` token ids in ``[0, VOCAB)``; labels are the inputs shifted
+    by one."""
 
     def __init__(self, batch: int, seq: int, seed: int):
         self.batch, self.seq = batch, seq
@@ -144,7 +145,8 @@ def _random_tokens(dp_world_size, dp_rank, tokenizer, job_config, **kwargs):
 
 
 train_spec.register_train_spec(
-    "llama3_cpu", dataclasses.replace(get_train_spec(), build_tokenizer_fn=None, build_dataloader_fn=_random_tokens))
+    "llama3_cpu",
+    dataclasses.replace(get_train_spec(), build_tokenizer_fn=None, build_dataloader_fn=_random_tokens))
 
 
 # 5. step timing

@@ -89,19 +89,25 @@ def torchrun(nproc: int, args: list[str], timeout: float = 300, check: bool = Tr
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
     proc = subprocess.run(cmd, env=cpu_env(), capture_output=True, text=True, timeout=timeout, cwd=cwd)
     if check and proc.returncode != 0:
-        raise AssertionError(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+        raise AssertionError("torchrun failed "
+                             f"({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc
 
 
 def scenario(name: str, data: Path, runs: Path, extra: dict | None = None, run: str | None = None,
              **hooks) -> dict:
-    """One scenario for :func:`run_scenarios`: the tiny model on ``data``, run directory ``runs/<run or name>``,
-    ``extra`` overrides on top of :func:`tiny_overrides`' (hooks such as ``kill_after_step`` pass through)."""
-    return {"name": name, "config": None, "overrides": tiny_overrides(data, runs / (run or name), extra), **hooks}
+    """One scenario for :func:`run_scenarios`: the tiny model on ``data``, run directory ``runs/<run or
+    name>``, ``extra`` overrides on top of :func:`tiny_overrides`' (hooks such as ``kill_after_step``
+    pass through)."""
+    return {"name": name, "config": None, "overrides": tiny_overrides(data, runs / (run or name), extra),
+            **hooks}
 
 
-def run_scenarios(nproc: int, scenarios: list[dict], out: Path, timeout: float = 600) -> dict[str, list[dict]]:
-    """Run scenarios in one torchrun launch (see tests/workers/dist_worker.py); return {name: [rank reports]}."""
+def run_scenarios(
+    nproc: int, scenarios: list[dict], out: Path, timeout: float = 600
+) -> dict[str, list[dict]]:
+    """Run scenarios in one torchrun launch (see tests/workers/dist_worker.py); return {name:
+    [rank reports]}."""
     out.mkdir(parents=True, exist_ok=True)
     spec = out / f"spec-{nproc}.json"
     spec.write_text(json.dumps({"out": str(out), "scenarios": scenarios}))
@@ -145,15 +151,15 @@ def small_data(tmp_path_factory, small_corpus) -> Path:
 
 #: process-wide switches and functions that tests patch; a test that leaves any of them changed fails
 #: (:func:`process_globals_unchanged`), since every later test in the process would run against the change
-GUARDED_FUNCTIONS = [("torch.cuda", "is_available"), ("torch.cuda", "device_count"), ("torch.cuda", "set_device"),
-                     ("torch.cuda", "reset_peak_memory_stats"), ("torch.distributed", "init_process_group"),
-                     ("torch.distributed", "is_initialized"), ("torch.distributed", "get_rank"),
-                     ("torch.distributed", "get_world_size")]
+GUARDED_FUNCTIONS = [("torch.cuda", "is_available"), ("torch.cuda", "device_count"),
+                     ("torch.cuda", "set_device"), ("torch.cuda", "reset_peak_memory_stats"),
+                     ("torch.distributed", "init_process_group"), ("torch.distributed", "is_initialized"),
+                     ("torch.distributed", "get_rank"), ("torch.distributed", "get_world_size")]
 
 
 def process_globals() -> dict[str, object]:
-    """The current value of every guarded process-wide setting: the functions of :data:`GUARDED_FUNCTIONS`, the
-    TF32 switches of CUDA matmuls and cuDNN, the float32 matmul precision and the default dtype."""
+    """The current value of every guarded process-wide setting: the functions of :data:`GUARDED_FUNCTIONS`,
+    the TF32 switches of CUDA matmuls and cuDNN, the float32 matmul precision and the default dtype."""
     import importlib
 
     import torch
@@ -196,9 +202,10 @@ def process_globals_unchanged():
 
 @pytest.fixture
 def tf32_switches():
-    """Let a test set ``torch.backends.cuda.matmul.allow_tf32`` and ``torch.backends.cudnn.allow_tf32`` freely;
-    both are put back afterwards, whatever happens. (Not with ``monkeypatch``: pytest 9 records the matmul
-    switch, which the module serves through ``__getattr__``, as absent, and its undo then fails on delattr.)"""
+    """Let a test set ``torch.backends.cuda.matmul.allow_tf32`` and ``torch.backends.cudnn.allow_tf32``
+    freely; both are put back afterwards, whatever happens. (Not with ``monkeypatch``: pytest 9 records the
+    matmul switch, which the module serves through ``__getattr__``, as absent, and its undo then fails
+    on delattr.)"""
     import torch
 
     saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
@@ -217,28 +224,33 @@ def describing(data_dir: Path, tokenizer_file: bool = False) -> dict[str, str]:
     if not ident or len(ident["sources"]) != 1 or ident["sources"][0]["name"]:
         return {}
     settings, tok = ident["settings"], ident["tokenizer"]
-    out = {"data.corpus": json.dumps(ident["sources"][0]["corpus"]), "data.format": json.dumps(settings["data.format"]),
+    out = {"data.corpus": json.dumps(ident["sources"][0]["corpus"]),
+           "data.format": json.dumps(settings["data.format"]),
            "data.val_fraction": str(settings["data.val_fraction"])}
     if settings["data.format"] == "text":
-        out.update({"data.text_field": json.dumps(ident["text_field"]), "data.piece_bytes": str(settings["data.piece_bytes"])})
+        out.update({"data.text_field": json.dumps(ident["text_field"]),
+                    "data.piece_bytes": str(settings["data.piece_bytes"])})
     if tokenizer_file:
         out["data.tokenizer"] = json.dumps(str(Path(data_dir) / "tokenizer.json"))
     elif tok["setting"]:
         out["data.tokenizer"] = json.dumps(tok["setting"])
     else:
-        out.update({"data.tokenizer_vocab_size": str(tok["vocab_size"]), "data.tokenizer_sample_bytes": str(tok["sample_bytes"])})
+        out.update({"data.tokenizer_vocab_size": str(tok["vocab_size"]),
+                    "data.tokenizer_sample_bytes": str(tok["sample_bytes"])})
     return out
 
 
 def tiny_overrides(data_dir: Path, run_dir: Path, extra: dict | None = None) -> list[str]:
-    """Overrides for a ~100k-parameter model on ``data_dir``, writing to ``run_dir``; when ``data.dir`` (``data_dir``,
-    or the one ``extra`` names) is prepared already, with the data settings it was made with (:func:`describing`)."""
+    """Overrides for a ~100k-parameter model on ``data_dir``, writing to ``run_dir``; when ``data.dir``
+    (``data_dir``, or the one ``extra`` names) is prepared already, with the data settings it was made with
+    (:func:`describing`)."""
     base = {
-        "model.dim": 64, "model.n_layers": 2, "model.n_heads": 4, "model.n_kv_heads": 2, "model.ffn_hidden": 128,
-        "model.vocab_size": 512, "model.max_seq_len": 64, "data.dir": f'"{data_dir}"', "train.seq_len": 32,
-        "train.global_batch_size": 8, "train.micro_batch_size": 8, "train.steps": 20, "train.warmup_steps": 5,
-        "train.lr": 3e-3, "train.min_lr": 3e-4, "train.eval_interval": 10, "train.eval_tokens": 2048,
-        "train.log_interval": 1, "run.dir": f'"{run_dir}"', "run.overwrite": "true",
+        "model.dim": 64, "model.n_layers": 2, "model.n_heads": 4, "model.n_kv_heads": 2,
+        "model.ffn_hidden": 128, "model.vocab_size": 512, "model.max_seq_len": 64,
+        "data.dir": f'"{data_dir}"', "train.seq_len": 32, "train.global_batch_size": 8,
+        "train.micro_batch_size": 8, "train.steps": 20, "train.warmup_steps": 5, "train.lr": 3e-3,
+        "train.min_lr": 3e-4, "train.eval_interval": 10, "train.eval_tokens": 2048, "train.log_interval": 1,
+        "run.dir": f'"{run_dir}"', "run.overwrite": "true",
     }
     base.update(extra or {})
     for key, value in describing(Path(json.loads(base["data.dir"]))).items():
@@ -256,7 +268,11 @@ def tensorboard_scalars(log_dir: Path, tag: str) -> list[tuple[int, float]]:
         for event in EventFileLoader(str(f)).Load():
             for v in event.summary.value:
                 if v.tag == tag:
-                    value = v.simple_value if v.HasField("simple_value") else tensor_util.make_ndarray(v.tensor).item()
+                    value = (
+                        v.simple_value
+                        if v.HasField("simple_value")
+                        else tensor_util.make_ndarray(v.tensor).item()
+                    )
                     out.append((event.step, value))
     return sorted(out)
 

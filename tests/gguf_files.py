@@ -1,12 +1,13 @@
 """Small GGUF files written the way llama.cpp's ``convert_hf_to_gguf.py`` writes them, for tests.
 
-From a transformers model (Llama, Qwen2, Qwen3, Gemma 3): tensor names from the ``gguf`` package's own name map
-(``gguf.get_tensor_name_map``, the converter's), Llama's query/key rows permuted to llama.cpp's interleaved RoPE
-layout (``LlamaModel.permute``), 1 added to Gemma's norm weights, a tied ``lm_head`` left out, the metadata the
-converter writes (``TextModel.set_gguf_parameters``), and for llama3 RoPE scaling only the ``rope_freqs`` tensor
-(``LlamaModel.generate_extra_tensors``, which reads ``original_max_position_embeddings`` from the top level of
-the config, 8192 when it is not there). The tokenizer metadata comes from a byte-level BPE ``tokenizer.json``
-(``gpt2`` model) or, for Gemma, a SentencePiece-style vocabulary derived from it (``llama`` model).
+From a transformers model (Llama, Qwen2, Qwen3, Gemma 3): tensor names from the ``gguf`` package's own name
+map (``gguf.get_tensor_name_map``, the converter's), Llama's query/key rows permuted to llama.cpp's
+interleaved RoPE layout (``LlamaModel.permute``), 1 added to Gemma's norm weights, a tied ``lm_head`` left
+out, the metadata the converter writes (``TextModel.set_gguf_parameters``), and for llama3 RoPE scaling only
+the ``rope_freqs`` tensor (``LlamaModel.generate_extra_tensors``, which reads
+``original_max_position_embeddings`` from the top level of the config, 8192 when it is not there). The
+tokenizer metadata comes from a byte-level BPE ``tokenizer.json`` (``gpt2`` model) or, for Gemma, a
+SentencePiece-style vocabulary derived from it (``llama`` model).
 """
 
 from __future__ import annotations
@@ -24,15 +25,21 @@ ARCHS = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3"
 
 
 def llama_cpp_rope_factors(hparams: dict) -> np.ndarray | None:
-    """``rope_freqs`` as llama.cpp's converter computes it for a llama3 ``rope_scaling`` (None for another)."""
+    """``rope_freqs`` as llama.cpp's converter computes it for a llama3 ``rope_scaling`` (None
+    for another)."""
     rope = hparams.get("rope_scaling") or hparams.get("rope_parameters") or {}
     if rope.get("rope_type", "").lower() != "llama3":
         return None
     base = rope.get("rope_theta", hparams.get("rope_theta", 10000.0))
     dim = hparams.get("head_dim") or hparams["hidden_size"] // hparams["num_attention_heads"]
     freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-    factor, low, high = rope.get("factor", 8.0), rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
-    old_context_len = hparams.get("original_max_position_embeddings", 8192)  # top level, as llama.cpp reads it
+    factor, low, high = (
+        rope.get("factor", 8.0),
+        rope.get("low_freq_factor", 1.0),
+        rope.get("high_freq_factor", 4.0),
+    )
+    # top level, as llama.cpp reads it
+    old_context_len = hparams.get("original_max_position_embeddings", 8192)
     low_wavelen, high_wavelen = old_context_len / low, old_context_len / high
     factors = []
     for freq in freqs:
@@ -53,11 +60,12 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def tokenizer_metadata(tokenizer_json: Path, family: str) -> dict:
-    """Tokenizer fields for :func:`write_gguf` from a byte-level BPE ``tokenizer.json`` whose first added tokens
-    are bos and eos (conftest.small_data's): ``{"model", "pre", "tokens", "types", "merges", "scores", "bos", "eos"}``.
+    """Tokenizer fields for :func:`write_gguf` from a byte-level BPE ``tokenizer.json`` whose first added
+    tokens are bos and eos (conftest.small_data's): ``{"model", "pre", "tokens", "types", "merges", "scores",
+    "bos", "eos"}``.
 
-    Gemma (``llama`` model): ``<pad> <eos> <bos> <unk>`` (control), then the BPE's tokens spelled with ``▁`` for
-    the space and kept where they are plain printable text, and scores falling with the rank, no merges.
+    Gemma (``llama`` model): ``<pad> <eos> <bos> <unk>`` (control), then the BPE's tokens spelled with ``▁``
+    for the space and kept where they are plain printable text, and scores falling with the rank, no merges.
     """
     t = json.loads(Path(tokenizer_json).read_text())
     vocab = sorted(t["model"]["vocab"].items(), key=lambda kv: kv[1])
@@ -80,10 +88,11 @@ def tokenizer_metadata(tokenizer_json: Path, family: str) -> dict:
 
 def write_gguf(path: Path, model: torch.nn.Module, tokenizer: dict | None,
                extra: dict[str, np.ndarray] | None = None) -> Path:
-    """Write ``model`` (a transformers causal LM of a built family) as an F32 GGUF at ``path``; returns ``path``.
+    """Write ``model`` (a transformers causal LM of a built family) as an F32 GGUF at ``path``;
+    returns ``path``.
 
-    ``tokenizer``: :func:`tokenizer_metadata`'s fields, or None for a file without tokenizer metadata; ``extra``:
-    more tensors, written first under their GGUF names.
+    ``tokenizer``: :func:`tokenizer_metadata`'s fields, or None for a file without tokenizer metadata;
+    ``extra``: more tensors, written first under their GGUF names.
     """
     hp = model.config.to_dict()
     family = {"gemma3_text": "gemma3"}.get(hp["model_type"], hp["model_type"])
@@ -98,7 +107,8 @@ def write_gguf(path: Path, model: torch.nn.Module, tokenizer: dict | None,
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
     rope = hp.get("rope_parameters") or {}
-    writer.add_rope_freq_base(float(rope.get("full_attention", rope).get("rope_theta", hp.get("rope_theta", 1e4))))
+    writer.add_rope_freq_base(float(rope.get("full_attention", rope).get("rope_theta",
+                                                                         hp.get("rope_theta", 1e4))))
     writer.add_layer_norm_rms_eps(hp["rms_norm_eps"])
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)

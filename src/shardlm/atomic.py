@@ -59,11 +59,13 @@ def atomic_directory(out: str | os.PathLike) -> Iterator[Path]:
     for ancestor in out.absolute().parents:  # the nearest existing one must be a directory
         if ancestor.exists():
             if not ancestor.is_dir():
-                raise NotADirectoryError(errno.ENOTDIR, f"cannot create {out}: a parent is a file", str(ancestor))
+                raise NotADirectoryError(errno.ENOTDIR, f"cannot create {out}: a parent is a file",
+                                         str(ancestor))
             break
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp makes it owner-only; the result is an ordinary directory
+    # mkdtemp makes it owner-only; the result is an ordinary directory
+    os.chmod(tmp, 0o777 & ~current_umask())
     old: Path | None = None
     try:
         yield tmp

@@ -1,5 +1,5 @@
-"""Devices the planner and MFU know (a leaf: imports only the error types): memory, dense peak matrix throughput
-per precision, collective bandwidth.
+"""Devices the planner and MFU know (a leaf: imports only the error types): memory, dense peak matrix
+throughput per precision, collective bandwidth.
 
 Peaks are the vendors' datasheet numbers, dense (the datasheets print sparse figures twice as high):
 
@@ -43,7 +43,8 @@ class Device:
     peak_flops_bf16: float
     """Dense peak FLOP/s for bf16 matrix multiplies."""
     peak_flops_tf32: float
-    """Dense peak FLOP/s for fp32 matrix multiplies run as TF32 on tensor cores (PyTorch with TF32 allowed)."""
+    """Dense peak FLOP/s for fp32 matrix multiplies run as TF32 on tensor cores (PyTorch with
+    TF32 allowed)."""
     peak_flops_fp32: float
     """Dense peak FLOP/s for fp32 without TF32 (the CUDA cores' fp32 rate)."""
     intra_node_bw: float

@@ -1,8 +1,8 @@
 """Every error type shardlm reports to the user, in one place (no torch import here).
 
-The CLI (:mod:`shardlm.cli.errors`) maps these to one ``error: ...`` line and an exit code: input
-errors (config, data, checkpoints, model directories) exit 2, a non-finite loss 3, a lost node 4; a run stopped
-by a signal after saving a checkpoint exits 5 (:data:`STOPPED_EXIT_CODE`).
+The CLI (:mod:`shardlm.cli.errors`) maps these to one ``error: ...`` line and an exit code: input errors
+(config, data, checkpoints, model directories) exit 2, a non-finite loss 3, a lost node 4; a run stopped by a
+signal after saving a checkpoint exits 5 (:data:`STOPPED_EXIT_CODE`).
 """
 
 from __future__ import annotations
@@ -27,17 +27,20 @@ class CheckpointError(ValueError):
 
 
 class UnsafeCheckpointError(ValueError):
-    """A checkpoint file asked to build an object outside the allow-list (it could run code); nothing was run."""
+    """A checkpoint file asked to build an object outside the allow-list (it could run code); nothing
+    was run."""
 
 
 class ModelDirError(ValueError):
-    """A model directory (or GGUF file) is missing, not a supported model, or inconsistent with its weights."""
+    """A model directory (or GGUF file) is missing, not a supported model, or inconsistent with
+    its weights."""
 
 
 class TuneError(ValueError):
     """``shardlm tune`` cannot choose: no candidate fits the memory, or the measuring launch failed.
 
-    ``rows``: the candidates measured before a launch failed (:class:`shardlm.plan.tune_search.Row`), empty otherwise.
+    ``rows``: the candidates measured before a launch failed (:class:`shardlm.plan.tune_search.Row`),
+    empty otherwise.
     """
 
     def __init__(self, message: str, rows: list | None = None) -> None:
@@ -69,8 +72,8 @@ class NodeLost(RuntimeError):
 
 #: exit code of a rank that stopped because another node was lost (:class:`NodeLost`)
 NODE_LOST_EXIT_CODE = 4
-#: exit code of a run stopped early by a signal (Ctrl-C, SIGTERM, SIGUSR1) after it saved a checkpoint to resume
-#: from; a second Ctrl-C stops at once instead (exit 130, or killed by the signal)
+#: exit code of a run stopped early by a signal (Ctrl-C, SIGTERM, SIGUSR1) after it saved a checkpoint to
+#: resume from; a second Ctrl-C stops at once instead (exit 130, or killed by the signal)
 STOPPED_EXIT_CODE = 5
 
 #: errors caused by the user's input or data: reported as one line, exit code 2

@@ -10,7 +10,8 @@ from typing import Any
 
 def read_json(path: str | os.PathLike, error: type[Exception], expect: type = dict,
               message: str = "{path}: {reason}") -> Any:
-    """The JSON value in the file ``path`` (UTF-8), which must be an instance of ``expect`` (``object``: any value).
+    """The JSON value in the file ``path`` (UTF-8), which must be an instance of ``expect`` (``object``:
+    any value).
 
     Args:
         path: the file.

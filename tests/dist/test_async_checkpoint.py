@@ -1,9 +1,9 @@
-"""Asynchronous checkpoints (``checkpoint.async``): bit-exact like synchronous ones, a kill during a background
-save leaves the previous checkpoint the one resumed, a background save onto a full disk stops the run at the next
-step with the cause and path, and checksums come from the bytes as they were written.
+"""Asynchronous checkpoints (``checkpoint.async``): bit-exact like synchronous ones, a kill during a
+background save leaves the previous checkpoint the one resumed, a background save onto a full disk stops the
+run at the next step with the cause and path, and checksums come from the bytes as they were written.
 
-Two torchrun launches at 2 ranks on a ~100k-parameter model (tests/workers/ckpt_worker.py); the one-process run on
-a 3 MB tmpfs is in tests/unit/test_background_save_full_disk.py."""
+Two torchrun launches at 2 ranks on a ~100k-parameter model (tests/workers/ckpt_worker.py); the one-process
+run on a 3 MB tmpfs is in tests/unit/test_background_save_full_disk.py."""
 
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ SLOW_S = 2.0  # the background write of step-5 in the "async" scenario is held t
 
 
 def launch(scenarios: list[dict], out: Path, check: bool = True):
-    """One 2-rank torchrun launch of tests/workers/ckpt_worker.py; return ({name: [rank reports]}, the process)."""
+    """One 2-rank torchrun launch of tests/workers/ckpt_worker.py; return ({name: [rank reports]},
+    the process)."""
     out.mkdir(parents=True, exist_ok=True)
     spec = out / f"spec-{scenarios[0]['name']}.json"
     spec.write_text(json.dumps({"out": str(out), "scenarios": scenarios}))
@@ -39,8 +40,8 @@ def launch(scenarios: list[dict], out: Path, check: bool = True):
 
 @pytest.fixture(scope="module")
 def runs(small_data, tmp_path_factory):
-    """Launch 1: sync and async runs, an async save that hits a full disk on rank 1, and an async run SIGKILLed
-    while its background save of step 10 is held; launch 2 resumes the killed run."""
+    """Launch 1: sync and async runs, an async save that hits a full disk on rank 1, and an async run
+    SIGKILLed while its background save of step 10 is held; launch 2 resumes the killed run."""
     root = tmp_path_factory.mktemp("async")
     d, out = small_data, root / "out"
     every5 = {"train.micro_batch_size": 4, "checkpoint.interval": 5, "checkpoint.keep": 0}
@@ -79,7 +80,8 @@ def test_async_saves_are_bit_exact_and_hashed_as_written(runs):
     assert sorted(got) == list(range(1, STEPS + 1)) and got == want
     p, q = final_params(root / "async"), final_params(root / "sync")
     assert p.keys() == q.keys() and all(torch.equal(p[k], q[k]) for k in p)
-    for step in (5, 10, 15, 20):  # the staged copy is the state of that step: the same shard bytes as a sync save
+    for step in (5, 10, 15, 20):
+        # the staged copy is the state of that step: the same shard bytes as a sync save
         a, s = root / "async" / "checkpoints" / f"step-{step}", root / "sync" / "checkpoints" / f"step-{step}"
         for name in ("__0_0.distcp", "__1_0.distcp"):
             assert (a / name).read_bytes() == (s / name).read_bytes(), (step, name)
@@ -125,9 +127,10 @@ def test_background_save_on_a_full_disk_stops_the_run_with_cause_and_path(runs):
     errors = [r["error"] for r in reports["enospc"]]
     assert errors[0] == errors[1], errors  # the same message on every rank
     assert errors[0] == (f"saving checkpoint {ckpts / 'step-10'} failed: No space left on device: "
-                         f"{ckpts / '.tmp-step-10' / '__1_0.distcp'} (rank 1); the newest complete checkpoint is "
-                         f"still {ckpts / 'step-5'}"), errors[0]
+                         f"{ckpts / '.tmp-step-10' / '__1_0.distcp'} (rank 1); the newest complete "
+                         f"checkpoint is still {ckpts / 'step-5'}"), errors[0]
     steps = [r["step"] for r in reports["enospc"]]
-    assert steps[0] == steps[1] and 10 <= steps[0] < 15, steps  # at the same step on both, before the next save
+    # at the same step on both, before the next save
+    assert steps[0] == steps[1] and 10 <= steps[0] < 15, steps
     assert sorted(p.name for p in ckpts.iterdir()) == ["step-5"]  # nothing half-written left behind
     assert [e.path.name for e in run_checkpoints(ckpts, manifest(ckpts / "step-5")["run_id"])] == ["step-5"]

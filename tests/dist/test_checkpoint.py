@@ -29,7 +29,8 @@ STEPS = 20
 
 
 def launch(nproc: int, scenarios: list[dict], out: Path, extra_args: list[str] = (), check: bool = True):
-    """One torchrun launch of tests/workers/ckpt_worker.py; return ({name: [rank reports]} of finished scenarios, proc)."""
+    """One torchrun launch of tests/workers/ckpt_worker.py; return ({name: [rank reports]} of finished
+    scenarios, proc)."""
     out.mkdir(parents=True, exist_ok=True)
     spec = out / f"spec-{scenarios[0]['name']}.json"
     spec.write_text(json.dumps({"out": str(out), "scenarios": scenarios}))
@@ -72,15 +73,19 @@ def runs(small_data, tmp_path_factory):
                  kill_in_save_step=10, kill_rank=1),
     ], out, check=False)
     reports.update(r)
-    # the same kill under torchrun --max-restarts=1: torchrun restarts both workers, which resume by themselves
-    r, procs["restarted"] = launch(2, [scenario("restarted", d, root, extra={**micro(2), "checkpoint.interval": 5},
+    # the same kill under torchrun --max-restarts=1: torchrun restarts both workers, which resume
+    # by themselves
+    r, procs["restarted"] = launch(2,
+                                   [scenario("restarted", d, root,
+                                             extra={**micro(2), "checkpoint.interval": 5},
                                                 kill_after_step=7, kill_rank=1)], out, ["--max-restarts=1"],
                                    check=False)
     reports.update(r)
     step10 = root / "ref" / "checkpoints" / "step-10"
     r, _ = launch(1, [
         scenario("ws1", d, root, extra={**micro(1), "checkpoint.resume": f'"{step10}"'}),
-        scenario("killsave_resume", d, root, run="killsave", extra={**micro(1), "checkpoint.resume": '"auto"'}),
+        scenario("killsave_resume", d, root, run="killsave",
+                 extra={**micro(1), "checkpoint.resume": '"auto"'}),
     ], out)
     reports.update(r)
     r, _ = launch(4, [scenario("ws4", d, root, extra={**micro(4), "checkpoint.resume": f'"{step10}"'})], out)
@@ -117,10 +122,12 @@ def test_sigkill_then_resume_auto_bit_exact(runs):
     assert all(got[s] == want[s] for s in got), [(s, got[s], want[s]) for s in got if got[s] != want[s]]
     p, q = final_params(root / "killed"), final_params(root / "ref")
     assert p.keys() == q.keys() and all(torch.equal(p[k], q[k]) for k in p)
-    assert metrics_steps(root / "killed") == list(range(1, STEPS + 1))  # steps 6, 7 logged before the kill: once
+    # steps 6, 7 logged before the kill: once
+    assert metrics_steps(root / "killed") == list(range(1, STEPS + 1))
     tb = tensorboard_scalars(root / "killed" / "tensorboard", "train/loss")  # the event files too
     assert [s for s, _ in tb] == list(range(1, STEPS + 1))
-    assert all(value == pytest.approx(got.get(s, value), rel=1e-6) for s, value in tb)  # after 5: the resumed run's
+    # after 5: the resumed run's
+    assert all(value == pytest.approx(got.get(s, value), rel=1e-6) for s, value in tb)
 
 
 @pytest.mark.dist
@@ -190,7 +197,8 @@ def test_resume_at_another_world_size(runs, name):
     assert loss_diff <= LOSS_TOL and val_diff <= LOSS_TOL and param_diff <= PARAM_TOL
     ids, ref_ids = merged_ids(report), merged_ids(ref)
     assert sorted(ids, key=int) == [str(s) for s in range(10, STEPS)]  # 0-based: global batches 10..19
-    assert all(ids[s] == ref_ids[s] for s in ids)  # the same samples at every step: nothing dropped or repeated
+    # the same samples at every step: nothing dropped or repeated
+    assert all(ids[s] == ref_ids[s] for s in ids)
     assert metrics_steps(root / name) == list(range(11, STEPS + 1))
 
 
@@ -206,8 +214,10 @@ def test_keep_and_atomic_layout(runs, small_data, tmp_path):
         data = (root / "ref" / "checkpoints" / "step-10" / name).read_bytes()
         assert len(data) == rec["bytes"] and hashlib.sha256(data).hexdigest() == rec["sha256"]
     # keep=2 in one process: only the newest two survive
-    code = train_main(tiny_overrides(small_data, tmp_path / "keep", {"train.steps": 6, "checkpoint.interval": 2,
-                                                                      "checkpoint.keep": 2, "train.eval_interval": 0}))
+    code = train_main(tiny_overrides(small_data, tmp_path / "keep",
+                                     {"train.steps": 6, "checkpoint.interval": 2,
+                                                                      "checkpoint.keep": 2,
+                                      "train.eval_interval": 0}))
     assert code == 0
     assert sorted(p.name for p in (tmp_path / "keep" / "checkpoints").iterdir()) == ["step-4", "step-6"]
 
@@ -245,7 +255,8 @@ def test_export_gives_exactly_the_trained_params(runs, tmp_path):
     # an earlier checkpoint differs: the comparison is not vacuous
     early = load_file(str(export_checkpoint(root / "ref" / "checkpoints" / "step-5", tmp_path / "e5")
                           / "model.safetensors"))
-    assert not torch.equal(early["model.layers.0.mlp.up_proj.weight"], trained["model.layers.0.mlp.up_proj.weight"])
+    assert not torch.equal(early["model.layers.0.mlp.up_proj.weight"],
+                           trained["model.layers.0.mlp.up_proj.weight"])
 
 
 @pytest.mark.dist
@@ -299,8 +310,8 @@ def damaged(kind: str, src: Path, tmp_path: Path) -> tuple[Path, str]:
         rehash(ckpt, ".metadata")
         return ckpt, "refusing to load posix.system"
     if kind == "other model shape":
-        return ckpt, ("tensor model.model.layers.0.mlp.gate_proj.weight has shape (128, 64) in the checkpoint "
-                      "but (96, 64) in the model")
+        return ckpt, ("tensor model.model.layers.0.mlp.gate_proj.weight has shape (128, 64) in the "
+                      "checkpoint but (96, 64) in the model")
     raise AssertionError(kind)
 
 
@@ -313,7 +324,8 @@ BAD = ["other model shape", "truncated shard", "flipped byte", "missing metadata
 def test_bad_checkpoint_one_clear_error(kind, runs, small_data, tmp_path, capsys):
     _, root, _ = runs
     ckpt, needle = damaged(kind, root / "ref" / "checkpoints" / "step-5", tmp_path)
-    extra = {"checkpoint.resume": f'"{ckpt}"', **({"model.ffn_hidden": 96} if kind == "other model shape" else {})}
+    extra = {"checkpoint.resume": f'"{ckpt}"',
+             **({"model.ffn_hidden": 96} if kind == "other model shape" else {})}
     code = train_main(tiny_overrides(small_data, tmp_path / "run", extra))
     err = capsys.readouterr().err
     assert code == 2, err

@@ -1,6 +1,6 @@
 """Context parallelism across ranks: CP 2 attention equals one-rank attention (forward and gradients), CP
-training equals one process, and a CP 2 checkpoint resumes at CP 1 x FSDP 2 exactly (tests/workers/cp_worker.py
-and the dist worker)."""
+training equals one process, and a CP 2 checkpoint resumes at CP 1 x FSDP 2 exactly
+(tests/workers/cp_worker.py and the dist worker)."""
 
 from __future__ import annotations
 
@@ -28,11 +28,14 @@ def test_cp2_attention_equals_one_rank_forward_and_grads(tmp_path):
     for name in cases:  # blockwise: nothing of T_pad rows saved for the backward; the fallback keeps K/V
         blockwise, fallback, cp4 = results[name], results[f"{name}/fallback"], results[f"{name}@cp4"]
         assert blockwise["cp"] == fallback["cp"] == 2 and cp4["cp"] == 4
-        assert blockwise["saved_rows"] == blockwise["t_pad"] // 2 and cp4["saved_rows"] == cp4["t_pad"] // 4, name
+        assert (
+            blockwise["saved_rows"] == blockwise["t_pad"] // 2 and cp4["saved_rows"] == cp4["t_pad"] // 4
+        ), name
         assert fallback["saved_rows"] == fallback["t_pad"], name
         assert blockwise["saved_bytes"] < fallback["saved_bytes"], name
     assert not results["causal_odd"]["dense_mask"]  # plain causal: SDPA's causal kernel, no T x T mask
-    assert all(results[n]["dense_mask"] for n in ("block_causal_odd", "sliding_window", "sliding_block_causal_odd"))
+    assert all(results[n]["dense_mask"] for n in ("block_causal_odd", "sliding_window",
+                                                  "sliding_block_causal_odd"))
     for suffix in ("", "/fallback", "@cp4"):
         assert results[f"causal_odd{suffix}"]["padding_total"] == 3
         assert results[f"sliding_block_causal_odd{suffix}"]["padding_total"] == 1
@@ -128,7 +131,8 @@ def test_cp_training_equals_one_process(cp_runs, name, reference):
     assert all(abs(hist[-1]["val_loss"] - v) <= 1e-6 for v in ref_val)
     assert hist[0]["loss"] != hist[-1]["loss"]  # it trained
     p, q = (load_file(str(runs / n / "final" / "model.safetensors")) for n in (name, reference))
-    assert p.keys() == q.keys() and max((p[k] - q[k]).abs().max().item() for k in p) <= 1e-4  # as test_fsdp_parity
+    # as test_fsdp_parity
+    assert p.keys() == q.keys() and max((p[k] - q[k]).abs().max().item() for k in p) <= 1e-4
 
 
 @pytest.mark.dist

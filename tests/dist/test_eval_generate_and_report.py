@@ -1,4 +1,5 @@
-"""Everyday use: eval (perplexity at 1 and 2 ranks), generation with a KV cache, TensorBoard, report, bad input.
+"""Everyday use: eval (perplexity at 1 and 2 ranks), generation with a KV cache, TensorBoard, report,
+bad input.
 
 One torchrun launch trains two tiny runs (2 ranks); every test reuses them.
 """
@@ -29,8 +30,8 @@ from shardlm.model.generate import SamplingConfig, decode_steps, generate
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, small_data) -> dict[str, Path]:
-    """Two tiny runs at 2 ranks: ``a`` (20 steps, full per-rank lists) and ``b`` (12 steps, another learning rate,
-    per-rank summaries only, ``final/`` written by both ranks as shard files)."""
+    """Two tiny runs at 2 ranks: ``a`` (20 steps, full per-rank lists) and ``b`` (12 steps, another learning
+    rate, per-rank summaries only, ``final/`` written by both ranks as shard files)."""
     out = tmp_path_factory.mktemp("everyday")
     common = {"train.micro_batch_size": 4}
     scenarios = [
@@ -49,7 +50,9 @@ def eval_file(tmp_path_factory, small_corpus) -> Path:
     """Three documents (JSON lines) of about 3,000 characters each, from the small corpus."""
     text = small_corpus.read_text()
     path = tmp_path_factory.mktemp("evaltext") / "eval.jsonl"
-    path.write_text("".join(json.dumps({"text": text[i * 3000:(i + 1) * 3000 - 7 * i]}) + "\n" for i in range(3)))
+    path.write_text(
+        "".join(json.dumps({"text": text[i * 3000 : (i + 1) * 3000 - 7 * i]}) + "\n" for i in range(3))
+    )
     return path
 
 
@@ -83,8 +86,8 @@ def test_eval_perplexity_is_exp_mean_loss_at_1_and_2_ranks(runs, eval_file):
                        "--stride", stride])
     r1 = json.loads(one.stdout.strip().splitlines()[-1])
     r2 = json.loads(two.stdout.strip().splitlines()[-1])  # rank 0 prints one line; rank 1 stays quiet
-    print(f"eval: mean loss {r1['mean_loss']:.6f} (1 rank) {r2['mean_loss']:.6f} (2 ranks) {mean:.6f} (direct), "
-          f"perplexity {r1['perplexity']:.4f}, {count} tokens")
+    print(f"eval: mean loss {r1['mean_loss']:.6f} (1 rank) {r2['mean_loss']:.6f} (2 ranks) {mean:.6f} "
+          f"(direct), perplexity {r1['perplexity']:.4f}, {count} tokens")
     assert r1["world_size"] == 1 and r2["world_size"] == 2
     assert r1["tokens"] == r2["tokens"] == count
     for r in (r1, r2):
@@ -143,14 +146,15 @@ def test_generate_cli_streams_one_prompt_and_batches_several(runs, capsys):
     assert shardlm_main(["generate", "--model", str(model_dir), "--prompt", "ROMEO:", "--prompt", "KING\\n",
                          "--max-new-tokens", "10", "--top-p", "0.9"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("ROMEO:") and "\n" + "-" * 40 + "\nKING\n" in out  # "\\n" in a prompt is a line break
+    # "\\n" in a prompt is a line break
+    assert out.startswith("ROMEO:") and "\n" + "-" * 40 + "\nKING\n" in out
 
 
 @pytest.mark.dist
 def test_exported_from_scratch_model_has_the_tokenizer_files(runs, tmp_path):
-    """A model trained from scratch, exported from its checkpoint: transformers' AutoTokenizer gets the special
-    tokens its training data was built with (BOS first, the end-of-document token after each document), and
-    transformers' greedy generation stops where shardlm's does."""
+    """A model trained from scratch, exported from its checkpoint: transformers' AutoTokenizer gets the
+    special tokens its training data was built with (BOS first, the end-of-document token after each
+    document), and transformers' greedy generation stops where shardlm's does."""
     transformers = pytest.importorskip("transformers")
     out = tmp_path / "exported"
     assert shardlm_main(["export", str(runs["a"] / "checkpoints" / "step-20"), str(out)]) == 0
@@ -160,7 +164,12 @@ def test_exported_from_scratch_model_has_the_tokenizer_files(runs, tmp_path):
     assert tok.chat_template is None and tok.model_max_length == 64  # trained on plain text: no template
     config = json.loads((out / "config.json").read_text())
     gen = json.loads((out / "generation_config.json").read_text())
-    assert (config["bos_token_id"], config["eos_token_id"], gen["eos_token_id"], gen["pad_token_id"]) == (0, 2, 2, 2)
+    assert (config["bos_token_id"], config["eos_token_id"], gen["eos_token_id"], gen["pad_token_id"]) == (
+        0,
+        2,
+        2,
+        2,
+    )
     # 20 steps do not teach the model to end a text: make <|end_of_document|> the greedy choice wherever the
     # token it would pick 5th in the answer to "ROMEO:" wins (its output row = that token's, scaled by 1.05)
     prompt = [0] + tok("ROMEO:", add_special_tokens=False)["input_ids"]
@@ -176,8 +185,12 @@ def test_exported_from_scratch_model_has_the_tokenizer_files(runs, tmp_path):
         ids = [0] + tok(text, add_special_tokens=False)["input_ids"]
         new = generate(ours, [ids], 60 - len(ids), SamplingConfig(0.0), 2)[0]
         with torch.no_grad():
-            theirs = hf.generate(torch.tensor([ids]), max_new_tokens=60 - len(ids), do_sample=False,
-                                 attention_mask=torch.ones(1, len(ids), dtype=torch.long))[0, len(ids):].tolist()
+            theirs = hf.generate(
+                torch.tensor([ids]),
+                max_new_tokens=60 - len(ids),
+                do_sample=False,
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            )[0, len(ids) :].tolist()
         assert theirs == (new + [2] if len(new) < 60 - len(ids) else new), (text, new, theirs)
         stopped += len(new) < 60 - len(ids)
         lengths.append(len(new))
@@ -188,22 +201,24 @@ def test_exported_from_scratch_model_has_the_tokenizer_files(runs, tmp_path):
 
 @pytest.mark.dist
 def test_sharded_final_loads_in_transformers_with_the_checkpoints_logits(runs, tmp_path):
-    """Run b's ``final/`` was written by both ranks (a shard file each + the index): transformers loads it, and its
-    logits equal those of the one-file export of the same step's checkpoint."""
+    """Run b's ``final/`` was written by both ranks (a shard file each + the index): transformers loads it,
+    and its logits equal those of the one-file export of the same step's checkpoint."""
     transformers = pytest.importorskip("transformers")
     final = runs["b"] / "final"
     index = json.loads((final / "model.safetensors.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))
     assert files == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
     one_file = export_checkpoint(runs["b"] / "checkpoints" / "step-12", tmp_path / "one")
-    others = {p.name for p in one_file.iterdir()} - {"model.safetensors"}  # config, generation config, tokenizer
+    # config, generation config, tokenizer
+    others = {p.name for p in one_file.iterdir()} - {"model.safetensors"}
     assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"} <= others
     assert {p.name for p in final.iterdir()} == {*files, "model.safetensors.index.json", *others}
     for name in others:  # the same files as the one-file export writes
         assert (final / name).read_bytes() == (one_file / name).read_bytes(), name
     sizes = {f: (final / f).stat().st_size for f in files}
     biggest = max(v.numel() * v.element_size() for v in load_model_dir(final).state_dict().values())
-    assert max(sizes.values()) <= index["metadata"]["total_size"] / 2 + biggest + 4096  # share + one tensor + header
+    # share + one tensor + header
+    assert max(sizes.values()) <= index["metadata"]["total_size"] / 2 + biggest + 4096
     tokens = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))
     logits = []
     for d in (final, one_file):
@@ -233,19 +248,24 @@ def test_training_writes_tensorboard_events_matching_metrics(runs):
     assert val and [s for s, _ in val] == [r["step"] for r in records if "val_loss" in r]
     mem = acc.Scalars("memory/shard_MiB/rank1")
     assert abs(mem[-1].value - records[-1]["shard_bytes_per_rank"][1] / 2**20) < 1e-4
-    assert abs(acc.Scalars("memory/shard_MiB/max")[-1].value - records[-1]["shard_bytes"]["max"] / 2**20) < 1e-4
+    assert (
+        abs(acc.Scalars("memory/shard_MiB/max")[-1].value - records[-1]["shard_bytes"]["max"] / 2**20) < 1e-4
+    )
 
 
 @pytest.mark.dist
 def test_per_rank_figures_are_summaries_unless_asked(runs):
     full, summary = read_metrics(runs["a"] / "metrics.jsonl"), read_metrics(runs["b"] / "metrics.jsonl")
-    assert len({json.dumps(r["shard_bytes"]) for r in full}) == 1  # step 1's expected figure == the measured one
+    # step 1's expected figure == the measured one
+    assert len({json.dumps(r["shard_bytes"]) for r in full}) == 1
     for rec in full:
         values = rec["shard_bytes_per_rank"]
         assert len(values) == 2 and rec["world_size"] == 2
         assert rec["shard_bytes"] == {"min": min(values), "max": max(values), "mean": sum(values) / 2,
                                       "max_rank": values.index(max(values))}
-        assert len(rec["rss_bytes_per_rank"]) == 2 and rec["rss_bytes"]["max"] == max(rec["rss_bytes_per_rank"])
+        assert len(rec["rss_bytes_per_rank"]) == 2 and rec["rss_bytes"]["max"] == max(
+            rec["rss_bytes_per_rank"]
+        )
     assert all(k not in rec for rec in summary for k in ("shard_bytes_per_rank", "rss_bytes_per_rank"))
     last = summary[-1]
     assert set(last["shard_bytes"]) == {"min", "max", "mean", "max_rank"} and last["rss_bytes"]["min"] > 2**20
@@ -256,7 +276,10 @@ def test_per_rank_figures_are_summaries_unless_asked(runs):
 def test_report_plots_what_metrics_jsonl_holds(runs, tmp_path):
     a, b = load_run(runs["a"]), load_run(runs["b"])
     figs = make_figures([a, b])
-    lines = {name: {ln.get_label(): ln.get_xydata() for ax in fig.axes for ln in ax.lines} for name, fig in figs.items()}
+    lines = {
+        name: {ln.get_label(): ln.get_xydata() for ax in fig.axes for ln in ax.lines}
+        for name, fig in figs.items()
+    }
     assert all(ln.get_label().split()[1] == "shard" for ln in figs["memory"].axes[1].lines)  # their own axis
     for run in (a, b):
         recs = read_metrics(run.path / "metrics.jsonl")
@@ -267,9 +290,14 @@ def test_report_plots_what_metrics_jsonl_holds(runs, tmp_path):
             ("tokens_per_s", run.name): [(r["step"], r["tokens_per_s"]) for r in recs],
         }
         if run.name == "a":  # full per-rank lists: a line per rank
-            expect.update({
-                ("memory", f"a shard rank{k}"): [(r["step"], r["shard_bytes_per_rank"][k] / 2**20) for r in recs
-                                                 ] for k in (0, 1)})
+            expect.update(
+                {
+                    ("memory", f"a shard rank{k}"): [
+                        (r["step"], r["shard_bytes_per_rank"][k] / 2**20) for r in recs
+                    ]
+                    for k in (0, 1)
+                }
+            )
         else:  # summaries: max and min
             expect.update({
                 ("memory", f"b shard {stat}"): [(r["step"], r["shard_bytes"][stat] / 2**20) for r in recs]
@@ -288,7 +316,10 @@ def test_report_plots_what_metrics_jsonl_holds(runs, tmp_path):
             assert head == b"\x89PNG\r\n\x1a\n"
     summary = (tmp_path / "report" / "summary.md").read_text()
     final_a = read_metrics(runs["a"] / "metrics.jsonl")[-1]
-    assert f"| a | 64 x 2 | 2 (fsdp) | 8 x 32 | 20 | {final_a['loss']:.4f} | {final_a['val_loss']:.4f}" in summary
+    assert (
+        f"| a | 64 x 2 | 2 (fsdp) | 8 x 32 | 20 | {final_a['loss']:.4f} | {final_a['val_loss']:.4f}"
+        in summary
+    )
 
 
 # ---- bad input ------------------------------------------------------------------------------------
@@ -300,8 +331,10 @@ def test_bad_input_gives_one_clear_error(runs, tmp_path, capsys):
         (["generate", "--model", model_dir, "--prompt", ""], "prompt 0 is empty"),
         (["generate", "--model", model_dir, "--prompt", "ROMEO " * 200], "the model's context is 64 tokens"),
         (["generate", "--model", model_dir, "--prompt", "x", "--top-p", "0"], "top_p must be in (0, 1]"),
-        (["generate", "--model", model_dir, "--prompt", "x", "--temperature", "nan"], "temperature must be a finite"),
-        (["generate", "--model", model_dir, "--prompt", "x", "--temperature", "inf"], "temperature must be a finite"),
+        (["generate", "--model", model_dir, "--prompt", "x", "--temperature", "nan"],
+         "temperature must be a finite"),
+        (["generate", "--model", model_dir, "--prompt", "x", "--temperature", "inf"],
+         "temperature must be a finite"),
         (["eval", "--model", model_dir, "--data", str(runs["a"] / "config.json"), "--context", "0"],
          "--context must be >= 2"),
         (["report", str(tmp_path)], "no metrics.jsonl"),

@@ -1,8 +1,8 @@
-"""Exported directories of a LoRA run and of its checkpoints: the model's own special ids everywhere, chat generation
-that stops at the end-of-turn token, PEFT adapters that load from any working directory.
+"""Exported directories of a LoRA run and of its checkpoints: the model's own special ids everywhere, chat
+generation that stops at the end-of-turn token, PEFT adapters that load from any working directory.
 
-The README's LoRA example (``configs/smollm2-135m-lora.toml`` on SmolLM2-135M-Instruct imported from its GGUF) runs
-once, shortened to 2 steps, in a working directory laid out as the README's (``configs/``, ``examples/``,
+The README's LoRA example (``configs/smollm2-135m-lora.toml`` on SmolLM2-135M-Instruct imported from its GGUF)
+runs once, shortened to 2 steps, in a working directory laid out as the README's (``configs/``, ``examples/``,
 ``models/smollm2-135m``); everything else reads what it wrote.
 """
 
@@ -40,15 +40,16 @@ def lora_run(smol_dir, tmp_path_factory) -> dict:
     os.symlink(ROOT / "configs", work / "configs")
     os.symlink(ROOT / "examples", work / "examples")
     os.symlink(smol_dir, work / "models" / "smollm2-135m")
-    proc = torchrun(2, ["-m", "shardlm.train", "--config", "configs/smollm2-135m-lora.toml", "--train.steps=2",
+    proc = torchrun(2,
+                    ["-m", "shardlm.train", "--config", "configs/smollm2-135m-lora.toml", "--train.steps=2",
                         "--train.eval_interval=0", "--checkpoint.interval=1"], timeout=900, cwd=work)
     return {"work": work, "run": work / "runs" / "smollm2-135m-lora", "stdout": proc.stdout}
 
 
 @pytest.mark.dist
 def test_readme_lora_example_writes_the_models_special_ids(lora_run, smol_dir):
-    """``final/`` and ``final-adapter/`` carry the imported model's bos/eos/pad ids (SmolLM2: 1 / 2 / 2, not the
-    data's), as does every checkpoint manifest; the end-of-run line names both directories."""
+    """``final/`` and ``final-adapter/`` carry the imported model's bos/eos/pad ids (SmolLM2: 1 / 2 / 2, not
+    the data's), as does every checkpoint manifest; the end-of-run line names both directories."""
     run = lora_run["run"]
     want = ids_of(smol_dir / "config.json")
     assert want == {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
@@ -60,16 +61,22 @@ def test_readme_lora_example_writes_the_models_special_ids(lora_run, smol_dir):
     adapter = json.loads((run / "final-adapter" / "adapter_config.json").read_text())
     assert adapter["base_model_name_or_path"] == str(smol_dir.resolve())  # absolute: loads from anywhere
     record = json.loads((run / "final" / MERGE_RECORD).read_text())
-    assert record["merged_into"] == "training_base" and record["base_dtype"] == "float32" and not record["approximate"]
-    assert (f"model written to runs/smollm2-135m-lora/final (Hugging Face model directory, LoRA merged into the "
-            f"training base) and runs/smollm2-135m-lora/final-adapter (PEFT adapter on {smol_dir.resolve()})"
+    assert (
+        record["merged_into"] == "training_base"
+        and record["base_dtype"] == "float32"
+        and not record["approximate"]
+    )
+    assert ("model written to runs/smollm2-135m-lora/final (Hugging Face model directory, LoRA merged into "
+            "the training base) and runs/smollm2-135m-lora/final-adapter (PEFT adapter on "
+            f"{smol_dir.resolve()})"
             ) in lora_run["stdout"]
 
 
 @pytest.mark.dist
 def test_final_generates_and_stops_at_im_end_in_transformers_and_shardlm(lora_run, capsys):
-    """Greedy chat generation on ``final/``: transformers' ``generate`` ends with ``<|im_end|>`` (id 2) well before
-    the limit; ``shardlm generate --chat`` runs on the directory and prints the same reply, then stops."""
+    """Greedy chat generation on ``final/``: transformers' ``generate`` ends with ``<|im_end|>`` (id 2) well
+    before the limit; ``shardlm generate --chat`` runs on the directory and prints the same reply,
+    then stops."""
     transformers = pytest.importorskip("transformers", reason="pip install -e '.[test]'")
     final = lora_run["run"] / "final"
     tok = transformers.AutoTokenizer.from_pretrained(str(final))
@@ -82,8 +89,8 @@ def test_final_generates_and_stops_at_im_end_in_transformers_and_shardlm(lora_ru
     reply = tok.decode(out[:-1])
     assert reply.strip()
     capsys.readouterr()
-    assert shardlm_main(["generate", "--model", str(final), "--chat", "--prompt", QUESTION, "--temperature", "0",
-                         "--max-new-tokens", "100"]) == 0
+    assert shardlm_main(["generate", "--model", str(final), "--chat", "--prompt", QUESTION, "--temperature",
+                         "0", "--max-new-tokens", "100"]) == 0
     printed = capsys.readouterr().out
     assert printed.rstrip().endswith(reply.rstrip()), (printed, reply)  # nothing after the reply: it stopped
 
@@ -91,15 +98,16 @@ def test_final_generates_and_stops_at_im_end_in_transformers_and_shardlm(lora_ru
 @pytest.mark.dist
 def test_lora_checkpoint_exports_as_peft_and_merged(lora_run, smol_dir, tmp_path, monkeypatch, capsys):
     """``shardlm export --format peft`` of an intermediate LoRA checkpoint gives an adapter that
-    ``AutoPeftModelForCausalLM`` loads from another working directory, with the logits of shardlm's merged export
-    of the same checkpoint; the last checkpoint's exports equal ``final-adapter/`` and ``final/`` bit for bit."""
+    ``AutoPeftModelForCausalLM`` loads from another working directory, with the logits of shardlm's merged
+    export of the same checkpoint; the last checkpoint's exports equal ``final-adapter/`` and ``final/`` bit
+    for bit."""
     peft = pytest.importorskip("peft", reason="pip install -e '.[test]'")
     run, work = lora_run["run"], lora_run["work"]
     monkeypatch.chdir(work)  # the training's working directory (model.init_from is relative to it)
     out = tmp_path / "out"
     for step, fmt in ((1, "peft"), (1, "hf"), (2, "peft"), (2, "hf")):
-        assert shardlm_main(["export", f"runs/smollm2-135m-lora/checkpoints/step-{step}", str(out / f"{fmt}-{step}"),
-                             "--format", fmt]) == 0
+        assert shardlm_main(["export", f"runs/smollm2-135m-lora/checkpoints/step-{step}",
+                             str(out / f"{fmt}-{step}"), "--format", fmt]) == 0
     assert "PEFT adapter" in capsys.readouterr().out
     a2, final_adapter = load_file(out / "peft-2" / "adapter_model.safetensors"), load_file(
         run / "final-adapter" / "adapter_model.safetensors")
@@ -114,8 +122,11 @@ def test_lora_checkpoint_exports_as_peft_and_merged(lora_run, smol_dir, tmp_path
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
-    err = cli_error(capsys, ["export", str(run / "checkpoints" / "step-1"), str(tmp_path / "x"), "--format", "peft"])
-    assert "trained on the base model directory 'models/smollm2-135m'" in err and not (tmp_path / "x").exists()
+    err = cli_error(capsys,
+                    ["export", str(run / "checkpoints" / "step-1"), str(tmp_path / "x"), "--format", "peft"])
+    assert (
+        "trained on the base model directory 'models/smollm2-135m'" in err and not (tmp_path / "x").exists()
+    )
     hf = peft.AutoPeftModelForCausalLM.from_pretrained(str(out / "peft-1"), dtype=torch.float32,
                                                        attn_implementation="eager").eval()
     merged = load_model_dir(out / "hf-1").eval()
@@ -126,6 +137,8 @@ def test_lora_checkpoint_exports_as_peft_and_merged(lora_run, smol_dir, tmp_path
             base_diff = (hf(tokens).logits - load_model_dir(smol_dir).eval()(tokens)).abs().max().item()
     diff, diff_merged = (got - want).abs().max().item(), (got_merged - want).abs().max().item()
     print(f"MEASURED step-1 LoRA checkpoint, max logit diff vs shardlm's adapter model: PEFT adapter in peft "
-          f"{diff:.3g} (base alone, transformers vs shardlm: {base_diff:.3g}), shardlm's merged export {diff_merged:.3g}")
-    assert diff <= 2e-4, diff  # fp32 kernels of two libraries over 30 layers (the base alone is of the same order)
+          f"{diff:.3g} (base alone, transformers vs shardlm: {base_diff:.3g}), shardlm's merged export "
+          f"{diff_merged:.3g}")
+    # fp32 kernels of two libraries over 30 layers (the base alone is of the same order)
+    assert diff <= 2e-4, diff
     assert diff_merged <= 1e-3, diff_merged  # W + s·B·A rounded once in fp32, over 30 layers

@@ -1,5 +1,6 @@
-"""Every model family under FSDP: 2 ranks equal one process over 3 steps and the final export loads; activation
-checkpointing, CPU offload and the bf16 kernel per family. The families' models are tests/unit/test_families.py's."""
+"""Every model family under FSDP: 2 ranks equal one process over 3 steps and the final export loads;
+activation checkpointing, CPU offload and the bf16 kernel per family. The families' models are
+tests/unit/test_families.py's."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from test_families import (
 
 @pytest.fixture(scope="module")
 def parity(family_dirs, small_data, tmp_path_factory):
-    """3 steps of each family from its imported weights, at 1 process and FSDP 2 ranks (two torchrun launches)."""
+    """3 steps of each family from its imported weights, at 1 process and FSDP 2 ranks (two
+    torchrun launches)."""
     runs = tmp_path_factory.mktemp("family_parity")
     extra = {"train.steps": 3, "train.warmup_steps": 1, "train.eval_interval": 3, "train.eval_tokens": 512,
              "train.seq_len": 32, "checkpoint.interval": 0}
@@ -28,14 +30,16 @@ def parity(family_dirs, small_data, tmp_path_factory):
                               {**extra, "parallel.mode": mode, "model.init_from": f'"{family_dirs[name]}"',
                                "train.micro_batch_size": 8 // world})
                      for name in FAMILY_CASES]
-        if world == 2:  # per family, the other techniques: AC + CPU offload (exact), bf16 through the CPU kernel
+        if world == 2:
+            # per family, the other techniques: AC + CPU offload (exact), bf16 through the CPU kernel
             scenarios += [
                 scenario("gemma3_ac_offload", small_data, runs, {
                     **extra, "model.init_from": f'"{family_dirs["gemma3"]}"', "train.micro_batch_size": 4,
                     "parallel.activation_checkpoint": '"selective"', "parallel.cpu_offload": "true"}),
                 scenario("qwen2_bf16", small_data, runs, {
-                    **extra, "model.init_from": f'"{family_dirs["qwen2_untied"]}"', "train.micro_batch_size": 4,
-                    "parallel.param_dtype": '"bfloat16"', "parallel.cpu_bf16_matmul": '"fp32"'}),
+                    **extra, "model.init_from": f'"{family_dirs["qwen2_untied"]}"',
+                    "train.micro_batch_size": 4, "parallel.param_dtype": '"bfloat16"',
+                    "parallel.cpu_bf16_matmul": '"fp32"'}),
             ]
         out.update(run_scenarios(world, scenarios, runs))
     return out, runs
@@ -61,8 +65,9 @@ def test_fsdp_two_ranks_equal_one_process_and_final_loads(parity, name):
 
 @pytest.mark.dist
 def test_checkpointing_offload_and_bf16_kernel_per_family(parity):
-    """Gemma 3 with selective activation checkpointing and CPU offload equals the plain run exactly; Qwen2 (biased
-    q/k/v, which keep nn.Linear's path) trains in bf16 with the fp32-multiply CPU kernel on the other layers."""
+    """Gemma 3 with selective activation checkpointing and CPU offload equals the plain run exactly; Qwen2
+    (biased q/k/v, which keep nn.Linear's path) trains in bf16 with the fp32-multiply CPU kernel on the
+    other layers."""
     out, _ = parity
     losses = {n: [h["loss"] for h in out[n][0]["history"] if "loss" in h] for n in
               ("gemma3_2", "gemma3_ac_offload", "qwen2_untied_2", "qwen2_bf16")}

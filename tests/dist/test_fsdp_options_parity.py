@@ -64,8 +64,8 @@ def scenario(name, data, runs, extra=None, micro=2):
     # the reference ("base") keeps the gradient-sync setting these comparisons were written for (the default
     # before it became every_micro_batch), so every option is still compared against the same run
     return conftest.scenario(name, data, runs, {"train.steps": STEPS, "train.micro_batch_size": micro,
-                                                "train.eval_interval": 0, "parallel.grad_sync": '"last_micro_batch"',
-                                                **(extra or {})})
+                                                "train.eval_interval": 0,
+                                                "parallel.grad_sync": '"last_micro_batch"', **(extra or {})})
 
 
 @pytest.fixture(scope="module")
@@ -189,8 +189,10 @@ def test_parameter_and_checkpoint_names_never_change(results):
 
 @pytest.mark.dist
 def test_reshard_n_not_fitting_the_group_under_torchrun(tmp_path, small_data):
-    args = ["-m", "shardlm.train", *tiny_overrides(small_data, tmp_path / "run"), "--train.micro_batch_size=4",
-            "--parallel.reshard_after_forward=2", "--parallel.timeout_s=60"]
+    args = ["-m", "shardlm.train", *tiny_overrides(small_data, tmp_path / "run"),
+            "--train.micro_batch_size=4", "--parallel.reshard_after_forward=2", "--parallel.timeout_s=60"]
     proc = torchrun(2, args, timeout=120, check=False)
     assert proc.returncode != 0
-    assert proc.stderr.count("error: parallel.reshard_after_forward=2 must satisfy 1 < N < 2") == 1, proc.stderr
+    assert proc.stderr.count("error: parallel.reshard_after_forward=2 must satisfy 1 < N < 2") == 1, (
+        proc.stderr
+    )

@@ -1,7 +1,7 @@
 """FSDP at N ranks equals one process on the same global batch; shards are the torch.chunk split.
 
-Three torchrun launches (1, 2 and 4 ranks), several scenarios each, on a ~100k-parameter model; the chunked loss
-(``train.loss_chunk_tokens``, the default) at 2 ranks against the plain loss in one process too.
+Three torchrun launches (1, 2 and 4 ranks), several scenarios each, on a ~100k-parameter model; the chunked
+loss (``train.loss_chunk_tokens``, the default) at 2 ranks against the plain loss in one process too.
 """
 
 from __future__ import annotations
@@ -23,17 +23,22 @@ def results(small_data, tmp_path_factory):
     out = {}
     out.update(run_scenarios(1, [
         scenario("single", small_data, runs, {"parallel.mode": '"single"'}),
-        scenario("single_again", small_data, runs, {"parallel.mode": '"single"'}),  # the same run, for its MFU
-        scenario("single_tied", small_data, runs, {"parallel.mode": '"single"', "model.tie_embeddings": "true"}),
+        # the same run, for its MFU
+        scenario("single_again", small_data, runs, {"parallel.mode": '"single"'}),
+        scenario("single_tied", small_data, runs,
+                 {"parallel.mode": '"single"', "model.tie_embeddings": "true"}),
         scenario("fsdp1", small_data, runs),
-        scenario("single_plain", small_data, runs, {"parallel.mode": '"single"', "train.loss_chunk_tokens": 0}),
+        scenario("single_plain", small_data, runs,
+                 {"parallel.mode": '"single"', "train.loss_chunk_tokens": 0}),
     ], runs))
     out.update(run_scenarios(2, [
         scenario("fsdp2", small_data, runs, {"train.micro_batch_size": 4}),
         scenario("fsdp2_accum", small_data, runs, {"train.micro_batch_size": 2}),
-        scenario("fsdp2_tied", small_data, runs, {"train.micro_batch_size": 4, "model.tie_embeddings": "true"}),
+        scenario("fsdp2_tied", small_data, runs,
+                 {"train.micro_batch_size": 4, "model.tie_embeddings": "true"}),
         # the chunked loss in chunks of 100 of a micro-batch's 128 tokens (the others: one chunk of all)
-        scenario("fsdp2_chunk100", small_data, runs, {"train.micro_batch_size": 4, "train.loss_chunk_tokens": 100}),
+        scenario("fsdp2_chunk100", small_data, runs,
+                 {"train.micro_batch_size": 4, "train.loss_chunk_tokens": 100}),
     ], runs))
     out.update(run_scenarios(4, [scenario("fsdp4", small_data, runs, {"train.micro_batch_size": 2})], runs))
     return out, runs
@@ -57,7 +62,9 @@ def test_loss_and_params_match_one_process(results, name, reference):
     p, q = final_params(runs, name), final_params(runs, reference)
     assert p.keys() == q.keys()
     param_diff = max((p[k] - q[k]).abs().max().item() for k in p)
-    print(f"{name} vs {reference}: max loss diff {loss_diff:.2e}, val {val_diff:.2e}, params {param_diff:.2e}")
+    print(
+        f"{name} vs {reference}: max loss diff {loss_diff:.2e}, val {val_diff:.2e}, params {param_diff:.2e}"
+    )
     assert loss_diff <= LOSS_TOL
     assert val_diff <= LOSS_TOL
     assert param_diff <= PARAM_TOL
@@ -66,11 +73,12 @@ def test_loss_and_params_match_one_process(results, name, reference):
 
 @pytest.mark.dist
 def test_the_same_run_twice_reports_mfu_against_the_same_peak(results):
-    """The same 20-step run twice (one process, one after the other): every step of both against the same CPU peak,
-    the nominal one (shardlm/train/mfu.py: never measured, so nothing at start-up moves it), so MFU moves with the
-    step time alone: the two runs' MFU ratio is their inverse step-time ratio. MFU within 10% between the runs is
-    printed, not asserted: on this shared 2-core machine the step times themselves swing several-fold with the
-    other jobs (at load average 11-12: best steps 8% and 2.6x apart in two tries, medians 1.8x and 4.8x)."""
+    """The same 20-step run twice (one process, one after the other): every step of both against the same CPU
+    peak, the nominal one (shardlm/train/mfu.py: never measured, so nothing at start-up moves it), so MFU
+    moves with the step time alone: the two runs' MFU ratio is their inverse step-time ratio. MFU within 10%
+    between the runs is printed, not asserted: on this shared 2-core machine the step times themselves swing
+    several-fold with the other jobs (at load average 11-12: best steps 8% and 2.6x apart in two tries,
+    medians 1.8x and 4.8x)."""
     from shardlm.metrics import read_metrics
     from shardlm.metrics.flops import cpu_peak
 
@@ -92,17 +100,20 @@ def test_the_same_run_twice_reports_mfu_against_the_same_peak(results):
 
 @pytest.mark.dist
 def test_chunked_loss_at_two_ranks_equals_the_plain_loss_in_one_process(results):
-    """FSDP at 2 ranks with chunks of 100 tokens (not dividing 128) against one process on the whole logits: loss
-    and gradient norm of steps 1-3 within 1e-6 relative, every step's loss within 1e-5, final params 1e-4."""
+    """FSDP at 2 ranks with chunks of 100 tokens (not dividing 128) against one process on the whole logits:
+    loss and gradient norm of steps 1-3 within 1e-6 relative, every step's loss within 1e-5, final
+    params 1e-4."""
     out, runs = results
     hist, ref = out["fsdp2_chunk100"][0]["history"], out["single_plain"][0]["history"]
     assert len(hist) == len(ref) == 20
-    first = max(abs(a[k] - b[k]) / abs(b[k]) for a, b in zip(hist[:3], ref[:3]) for k in ("loss", "grad_norm"))
+    first = max(
+        abs(a[k] - b[k]) / abs(b[k]) for a, b in zip(hist[:3], ref[:3]) for k in ("loss", "grad_norm")
+    )
     loss_diff = max(abs(a["loss"] - b["loss"]) for a, b in zip(hist, ref))
     p, q = final_params(runs, "fsdp2_chunk100"), final_params(runs, "single_plain")
     param_diff = max((p[k] - q[k]).abs().max().item() for k in p)
-    print(f"chunked at 2 ranks vs plain in one process: steps 1-3 max relative diff {first:.1e}, 20 steps loss "
-          f"{loss_diff:.1e}, params {param_diff:.1e}")
+    print(f"chunked at 2 ranks vs plain in one process: steps 1-3 max relative diff {first:.1e}, 20 steps "
+          f"loss {loss_diff:.1e}, params {param_diff:.1e}")
     assert first <= 1e-6 and loss_diff <= LOSS_TOL and param_diff <= PARAM_TOL
     assert hist[-1]["loss"] < hist[0]["loss"] - 0.5
 
@@ -169,7 +180,8 @@ def test_mfu_is_logged_every_step_from_its_own_logged_values(results, name, worl
 
     records = [r for r in read_metrics(results[1] / name / "metrics.jsonl") if "loss" in r]
     assert [r["step"] for r in records] == list(range(1, 21))
-    mcfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128, vocab_size=512, max_seq_len=64)
+    mcfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128, vocab_size=512,
+                       max_seq_len=64)
     flops = model_flops_per_token(mcfg, 32) * 8 * 32 / world  # global batch 8 x 32 tokens, split over N ranks
     peaks = {r["peak_flops_per_rank"] for r in records}
     assert len(peaks) == 1 and 1e8 < peaks.pop() < 1e13  # one figure, a CPU's fp32 rate

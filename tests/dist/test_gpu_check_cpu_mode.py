@@ -1,5 +1,6 @@
-"""``bench/gpu_check.py`` run here in its CPU mode (tiny shapes): every check of the first GPU job runs and passes
-(a dist test: the script starts a process group of its own, world size 1, and ``shardlm export`` processes)."""
+"""``bench/gpu_check.py`` run here in its CPU mode (tiny shapes): every check of the first GPU job runs and
+passes (a dist test: the script starts a process group of its own, world size 1, and ``shardlm
+export`` processes)."""
 
 from __future__ import annotations
 
@@ -11,24 +12,28 @@ import pytest
 from conftest import ROOT, cpu_env
 
 
-# ---- the one-shot GPU check, run here in its CPU mode ---------------------------------------------------------
+# ---- the one-shot GPU check, run here in its CPU mode ------------------------------------------------------
 @pytest.mark.dist
 def test_gpu_check_runs_in_cpu_mode(tmp_path):
-    """`python bench/gpu_check.py --device cpu` (tiny shapes): every check runs and passes, one table is printed."""
+    """`python bench/gpu_check.py --device cpu` (tiny shapes): every check runs and passes, one table
+    is printed."""
     import json
 
     out = tmp_path / "gpu_check.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--device", "cpu", "--out", str(out)],
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--device", "cpu", "--out",
+                           str(out)],
                           env=cpu_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     table = proc.stdout[proc.stdout.index("shardlm gpu_check on CPU"):]
     print(table)
     rows = json.loads(out.read_text())["rows"]
     assert [r["check"] for r in rows] == ["a. speed", "b. fp32 device vs CPU", "c. export -> transformers",
-                                          "d. checkpoint + resume", "e. block-causal sdpa: packed row = each example "
-                                          "alone", "e. block-causal flex: packed row = each example alone",
+                                          "d. checkpoint + resume",
+                                          "e. block-causal sdpa: packed row = each example " "alone",
+                                          "e. block-causal flex: packed row = each example alone",
                                           "f. TP 2 = one process", "f'. async TP 2 (compile) = one process",
-                                          "g. MoE grouped matmul (torch._grouped_mm) = loop", "h. CP 2 = one process"]
+                                          "g. MoE grouped matmul (torch._grouped_mm) = loop",
+                                          "h. CP 2 = one process"]
     assert all(r["pass"] for r in rows) and table.count("| ok |") == 7 and table.count("| skipped |") == 3
     # TP 2 ran on gloo (two launches, 3 steps each): the losses of one process; the CUDA-only rows say why not
     assert len(rows[6]["losses"]) == 3 and rows[6]["max_loss_diff"] <= 1e-5, rows[6]

@@ -24,8 +24,9 @@ def test_batch_split_does_not_change_the_loss(instruct_data, tmp_path):
     data = InstructionExamples(str(instruct_data), "train", 96)
     responses = [int((data.get([i])[0, 1, 1:] != -100).sum()) for i in range(len(data))]
     assert len(set(responses)) > 4  # response lengths differ between samples
-    extra = {"data.format": '"instruct"', "train.seq_len": 96, "model.max_seq_len": 128, "train.global_batch_size": 4,
-             "train.micro_batch_size": 1, "train.steps": 3, "train.eval_interval": 3, "train.grad_clip": 0.0}
+    extra = {"data.format": '"instruct"', "train.seq_len": 96, "model.max_seq_len": 128,
+             "train.global_batch_size": 4, "train.micro_batch_size": 1, "train.steps": 3,
+             "train.eval_interval": 3, "train.grad_clip": 0.0}
     results = {}
     for nproc in (1, 2, 4):
         name = f"instruct{nproc}x{4 // nproc}"

@@ -1,8 +1,8 @@
 """Ctrl-C that saves, and the ``shardlm train`` launcher, at 2 ranks (issue 34 items 1-3).
 
 One module fixture runs six 2-rank launches of the tiny model: ``shardlm train --nproc-per-node 2`` stopped by
-SIGINT and resumed by the command it printed; the same under plain ``torchrun -m shardlm.train``; one stopped by
-Ctrl-C pressed again and again; and an uninterrupted plain torchrun run as the reference.
+SIGINT and resumed by the command it printed; the same under plain ``torchrun -m shardlm.train``; one stopped
+by Ctrl-C pressed again and again; and an uninterrupted plain torchrun run as the reference.
 """
 
 from __future__ import annotations
@@ -28,13 +28,16 @@ from shardlm.metrics.report import attempt_seconds, load_run
 
 STEPS = 150
 #: the tiny run, started with many overrides (more than five: model shape, data, schedule, run directory...)
-EXTRA = {"train.steps": STEPS, "train.micro_batch_size": 4, "checkpoint.interval": 0, "train.eval_interval": 50}
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "shardlm.train"]
+EXTRA = {"train.steps": STEPS, "train.micro_batch_size": 4, "checkpoint.interval": 0,
+         "train.eval_interval": 50}
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+            "shardlm.train"]
 SHARDLM = [sys.executable, "-m", "shardlm", "train", "--nproc-per-node", "2"]
 
 
 def env() -> dict[str, str]:
-    """The tests' child environment, with this Python's ``bin`` first on PATH (``shardlm`` and ``torchrun`` there)."""
+    """The tests' child environment, with this Python's ``bin`` first on PATH (``shardlm`` and
+    ``torchrun`` there)."""
     e = cpu_env()
     e["PATH"] = str(Path(sys.executable).parent) + os.pathsep + e.get("PATH", "")
     e.pop(LAUNCH_ENV, None)
@@ -52,9 +55,9 @@ def losses(run: Path) -> dict[int, float]:
 
 def interrupted(cmd: list[str], run: Path, log: Path, after_step: int = 3, repeat: bool = False
                 ) -> tuple[int, list[str]]:
-    """Start ``cmd``; once ``run``'s metrics reach ``after_step``, send the launcher one SIGINT (what Ctrl-C sends to
-    the terminal's foreground process), or with ``repeat`` one every 5 ms until it ends (Ctrl-C pressed again while
-    the ranks finish their step and save); return (exit code, output lines)."""
+    """Start ``cmd``; once ``run``'s metrics reach ``after_step``, send the launcher one SIGINT (what Ctrl-C
+    sends to the terminal's foreground process), or with ``repeat`` one every 5 ms until it ends (Ctrl-C
+    pressed again while the ranks finish their step and save); return (exit code, output lines)."""
     require_dist_marker()
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, env=env(), stdout=out, stderr=subprocess.STDOUT)
@@ -89,7 +92,8 @@ def runs(small_data, tmp_path_factory):
     out["torchrun"] = interrupted([*TORCHRUN, *tiny_overrides(small_data, root / "torchrun", EXTRA)],
                                   root / "torchrun", root / "torchrun.log")
     printed = [line for line in out["torchrun"][1] if "--resume=auto" in line]
-    out["torchrun_resume"] = run_alone(printed[-1].strip() if printed else "false", root / "torchrun_resume.log")
+    out["torchrun_resume"] = run_alone(printed[-1].strip() if printed else "false",
+                                       root / "torchrun_resume.log")
     out["twice"] = interrupted([*SHARDLM, *tiny_overrides(small_data, root / "twice", EXTRA)], root / "twice",
                                root / "twice.log", repeat=True)
     ref = [*TORCHRUN, *tiny_overrides(small_data, root / "ref", EXTRA)]
@@ -100,16 +104,18 @@ def runs(small_data, tmp_path_factory):
 
 def assert_stopped_and_resumed_exactly(root: Path, name: str, code: int, lines: list[str], resumed) -> None:
     assert code != 0, lines[-20:]
-    ckpts = sorted((p.name for p in (root / name / "checkpoints").iterdir()), key=lambda n: int(n.split("-")[1]))
+    ckpts = sorted((p.name for p in (root / name / "checkpoints").iterdir()),
+                   key=lambda n: int(n.split("-")[1]))
     assert len(ckpts) == 2 and ckpts[-1] == f"step-{STEPS}", ckpts  # the stop's checkpoint, then the end's
     stopped_at = int(ckpts[0].split("-")[1])
     assert 3 <= stopped_at < STEPS
     said = [line for line in lines if line.startswith("stopped after step")]
-    assert said == [f"stopped after step {stopped_at} on a signal; checkpoint {root / name / 'checkpoints' / ckpts[0]}"
-                    ". Resume with:"], lines[-10:]
+    assert said == [f"stopped after step {stopped_at} on a signal; checkpoint "
+                    f"{root / name / 'checkpoints' / ckpts[0]}. Resume with:"], lines[-10:]
     assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
     assert f"at step {stopped_at}" in resumed.stdout
-    assert "setting" not in resumed.stdout.split("resumed run")[0]  # nothing listed as changed, resume included
+    # nothing listed as changed, resume included
+    assert "setting" not in resumed.stdout.split("resumed run")[0]
     want, got = losses(root / "ref"), losses(root / name)
     assert sorted(got) == list(range(1, STEPS + 1)) and got == want  # every step once, bit-equal
     p, q = load_file(str(root / name / "final" / "model.safetensors")), load_file(str(root / "ref" / "final" /
@@ -165,7 +171,11 @@ def test_launcher_bad_override_ends_with_the_one_line_error(small_data, tmp_path
 @pytest.mark.dist
 def test_console_words_progress_lines_and_the_report_of_a_resumed_run(runs, small_data, tmp_path, capsys):
     out, root = runs
-    lines = out["launcher"][1] + out["launcher_resume"].stdout.splitlines() + out["launcher_resume"].stderr.splitlines()
+    lines = (
+        out["launcher"][1]
+        + out["launcher_resume"].stdout.splitlines()
+        + out["launcher_resume"].stderr.splitlines()
+    )
     assert any(line.startswith("  parallel   fsdp, world size 2,") and line.endswith(", mesh dp_shard 2")
                for line in lines), lines[:12]
     progress = [line.split(" step ")[0] for line in lines if line.startswith("train ")]
@@ -173,7 +183,8 @@ def test_console_words_progress_lines_and_the_report_of_a_resumed_run(runs, smal
     attempts = attempt_seconds(load_run(root / "launcher"))  # the interrupted start, then the resume
     assert len(attempts) == 2 and all(a > 0 for a in attempts)
     # fine-tuning from the reference's final model: the step-0 validation loss is printed, not only logged
-    assert train_main(tiny_overrides(small_data, tmp_path / "ft", {  # on the data's own tokenizer (not init_from's)
+    # on the data's own tokenizer (not init_from's)
+    assert train_main(tiny_overrides(small_data, tmp_path / "ft", {
         "model.init_from": f'"{root / "ref" / "final"}"', "train.steps": 1, "train.eval_interval": 1,
         **describing(small_data, tokenizer_file=True)})) == 0
     logged = json.loads((tmp_path / "ft" / "metrics.jsonl").read_text().splitlines()[0])

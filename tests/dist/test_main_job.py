@@ -18,7 +18,8 @@ TINY = str(ROOT / "configs/shakespeare-tiny.toml")
 def test_tiny_config_beats_unigram_entropy_and_generates(tmp_path, monkeypatch):
     data, run = tmp_path / "data", tmp_path / "run"
     monkeypatch.setenv("SHARDLM_PROGRESS_INTERVAL_S", "0.2")  # output to a pipe: plain progress lines, often
-    proc = torchrun(2, ["-m", "shardlm.train", "--config", TINY, "--train.steps=40", "--train.eval_interval=20",
+    proc = torchrun(2,
+                    ["-m", "shardlm.train", "--config", TINY, "--train.steps=40", "--train.eval_interval=20",
                         "--train.eval_tokens=8192", f"--data.dir={data}", f"--run.dir={run}"], timeout=400)
     assert "world size 2" in proc.stdout and "backend gloo" in proc.stdout
     lines = (proc.stdout + proc.stderr).splitlines()
@@ -38,8 +39,9 @@ def test_tiny_config_beats_unigram_entropy_and_generates(tmp_path, monkeypatch):
     assert final["world_size"] == 2 and set(final["shard_bytes"]) == {"min", "max", "mean", "max_rank"}
     hf = json.loads((run / "final" / "config.json").read_text())
     assert hf["model_type"] == "llama" and hf["tie_word_embeddings"] is True
-    assert {p.name for p in (run / "final").iterdir()} == {"config.json", "model.safetensors", "tokenizer.json",
-                                                           "tokenizer_config.json", "generation_config.json"}
+    assert {p.name for p in (run / "final").iterdir()} == {"config.json", "model.safetensors",
+                                                           "tokenizer.json", "tokenizer_config.json",
+                                                           "generation_config.json"}
     assert json.loads((run / "config.json").read_text())["train"]["steps"] == 40
     gen = subprocess.run([sys.executable, "-m", "shardlm", "generate", "--model", str(run / "final"),
                           "--prompt", "ROMEO:", "--max-new-tokens", "20"],

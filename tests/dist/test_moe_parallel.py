@@ -3,8 +3,9 @@ with EP) equals one process (3 steps, the aux loss included); a checkpoint writt
 layout; an EP run's export loads in transformers.
 
 Three torchrun launches (2, 1 and 4 ranks) on a ~200k-parameter Qwen3-MoE (8 experts, top-2, 8-token
-sequences, so that experts go without tokens in some micro-batches), plus one launch of the expert-parallel layer
-alone with a routing that leaves an EP rank without any token, and gpt-oss's experts under EP (tests/workers/ep_worker.py).
+sequences, so that experts go without tokens in some micro-batches), plus one launch of the expert-parallel
+layer alone with a routing that leaves an EP rank without any token, and gpt-oss's experts under EP
+(tests/workers/ep_worker.py).
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ from conftest import WORKER, run_scenarios, scenario, torchrun
 
 LOSS_TOL, PARAM_TOL = 1e-6, 1e-4
 
-MOE = {"model.family": '"qwen3_moe"', "model.n_experts": 8, "model.n_experts_per_token": 2, "model.head_width": 16,
-       "model.moe_ffn_hidden": 32, "model.norm_topk_prob": "true", "model.router_aux_loss_coef": 0.05,
-       "model.router_z_loss_coef": 0.001, "train.seq_len": 8, "train.global_batch_size": 4, "train.steps": 3,
-       "train.warmup_steps": 1, "train.eval_interval": 0, "checkpoint.interval": 2, "checkpoint.keep": 0}
+MOE = {"model.family": '"qwen3_moe"', "model.n_experts": 8, "model.n_experts_per_token": 2,
+       "model.head_width": 16, "model.moe_ffn_hidden": 32, "model.norm_topk_prob": "true",
+       "model.router_aux_loss_coef": 0.05, "model.router_z_loss_coef": 0.001, "train.seq_len": 8,
+       "train.global_batch_size": 4, "train.steps": 3, "train.warmup_steps": 1, "train.eval_interval": 0,
+       "checkpoint.interval": 2, "checkpoint.keep": 0}
 
 
 #: context parallel's runs: 10-token sequences, padded to 12 at CP 2 and to 16 at CP 4 (padding is routed but
@@ -40,23 +42,26 @@ def results(small_data, tmp_path_factory):
         scenario("fsdp2", small_data, runs, moe(micro=2)),
         scenario("ep2", small_data, runs, moe({"parallel.ep": 2}, micro=2)),
         # full activation checkpointing: each block's dispatch and combine run again in backward
-        scenario("ep2_ac", small_data, runs, moe({"parallel.ep": 2, "parallel.activation_checkpoint": '"full"'}, micro=2)),
+        scenario("ep2_ac", small_data, runs,
+                 moe({"parallel.ep": 2, "parallel.activation_checkpoint": '"full"'}, micro=2)),
         scenario("cp2", small_data, runs, moe({**PADDED, "parallel.cp": 2})),  # one data-parallel rank
     ], runs))
     step2 = runs / "ep2" / "checkpoints" / "step-2"
     out.update(run_scenarios(1, [
-        scenario("single", small_data, runs, moe({"parallel.mode": '"single"', "train.log_moe_layers": "true"})),
+        scenario("single", small_data, runs,
+                 moe({"parallel.mode": '"single"', "train.log_moe_layers": "true"})),
         scenario("resume_single", small_data, runs, moe({"parallel.mode": '"single"',
                                                          "checkpoint.resume": f'"{step2}"'})),
         scenario("single_padded", small_data, runs, moe({**PADDED, "parallel.mode": '"single"',
                                                          "train.log_moe_layers": "true"})),
     ], runs))
     out.update(run_scenarios(4, [
-        scenario("ep2_fsdp2", small_data, runs, moe({"parallel.ep": 2, "train.log_moe_layers": "true"}, micro=1)),
+        scenario("ep2_fsdp2", small_data, runs,
+                 moe({"parallel.ep": 2, "train.log_moe_layers": "true"}, micro=1)),
         scenario("resume_fsdp4", small_data, runs, moe({"checkpoint.resume": f'"{step2}"'}, micro=1)),
         # context parallel: FSDP 2 x CP 2 (full activation checkpointing), HSDP 2 x CP 2, CP 4 (6 of 16
-        # positions padding), and with expert parallel: EP 2 (the EP groups are the CP groups) and EP 4 (across
-        # both CP groups)
+        # positions padding), and with expert parallel: EP 2 (the EP groups are the CP groups) and EP 4
+        # (across both CP groups)
         scenario("fsdp2_cp2", small_data, runs, moe({**PADDED, "parallel.cp": 2,
                                                      "parallel.activation_checkpoint": '"full"'}, micro=2)),
         scenario("hsdp2_cp2", small_data, runs, moe({**PADDED, "parallel.cp": 2, "parallel.dp_replicate": 2},
@@ -88,14 +93,17 @@ def test_fsdp_expert_and_context_parallel_equal_one_process(results, name, refer
     for key in ("loss", "moe_aux_loss", "moe_z_loss", "grad_norm"):
         diff = max(abs(a[key] - b[key]) for a, b in zip(got, want))
         print(f"{name} {key}: max diff {diff:.2e}")
-        assert diff <= LOSS_TOL * max(1.0, abs(want[0][key])), (key, [a[key] for a in got], [b[key] for b in want])
+        assert diff <= LOSS_TOL * max(1.0, abs(want[0][key])), (key, [a[key] for a in got],
+                                                                [b[key] for b in want])
     for key in ("tokens_per_expert_min", "tokens_per_expert_max", "tokens_per_expert_mean"):
         assert [a[key] for a in got] == [b[key] for b in want]
     seq = 10 if reference == "single_padded" else 8  # CP's padding not counted: 12 or 16 positions routed
     assert want[0]["tokens_per_expert_mean"] == 4 * seq * 2 / 8  # tokens · k / E per (layer, expert)
     layers = [(r["tokens_per_expert_min/layer0"], r["tokens_per_expert_max/layer1"]) for r in want]
-    assert all(r["tokens_per_expert_min"] == min(r["tokens_per_expert_min/layer0"], r["tokens_per_expert_min/layer1"])
-               for r in want) and len(layers) == 3  # train.log_moe_layers: per layer, consistent with the whole
+    assert all(r["tokens_per_expert_min"] == min(r["tokens_per_expert_min/layer0"],
+                                                 r["tokens_per_expert_min/layer1"])
+               # train.log_moe_layers: per layer, consistent with the whole
+               for r in want) and len(layers) == 3
     if name in ("ep2_fsdp2", "cp2_ep2"):
         assert [(r["tokens_per_expert_min/layer0"], r["tokens_per_expert_max/layer1"]) for r in got] == layers
     assert want[0]["moe_aux_loss"] > 0.9  # ~1 when balanced (E · Σ f·P)

@@ -98,18 +98,21 @@ def results(small_data, tmp_path_factory):
     runs = tmp_path_factory.mktemp("multinode")
     gn = {"train.steps": 1, "train.eval_interval": 0, "train.grad_clip": 0.1}  # grad-norm scenarios: one step
     out = run_scenarios(1, [scenario("single", small_data, runs, {"parallel.mode": '"single"'}),
-                            scenario("gn_single", small_data, runs, {**gn, "parallel.mode": '"single"'})], runs)
+                            scenario("gn_single", small_data, runs, {**gn, "parallel.mode": '"single"'})],
+                        runs)
     out.update(run_scenarios(4, [
         scenario("fsdp4", small_data, runs, {"train.micro_batch_size": 2}),
         scenario("hsdp2x2", small_data, runs, {"train.micro_batch_size": 2, "parallel.dp_replicate": 2}),
         scenario("hsdp2x2_accum", small_data, runs,
                  {"train.micro_batch_size": 1, "parallel.dp_replicate": 2, "parallel.dp_shard": 2}),
-        # HSDP's own gradient-sync policy: reduce-scatter every micro-batch, all-reduce across replicas on the last
+        # HSDP's own gradient-sync policy: reduce-scatter every micro-batch, all-reduce across replicas on
+        # the last
         scenario("hsdp2x2_rs_every", small_data, runs,
                  {"train.micro_batch_size": 1, "parallel.dp_replicate": 2,
                   "parallel.grad_sync": '"reduce_scatter_every_all_reduce_last"'}),
         scenario("gn_fsdp4", small_data, runs, {**gn, "train.micro_batch_size": 2}),
-        scenario("gn_hsdp2x2", small_data, runs, {**gn, "train.micro_batch_size": 2, "parallel.dp_replicate": 2}),
+        scenario("gn_hsdp2x2", small_data, runs,
+                 {**gn, "train.micro_batch_size": 2, "parallel.dp_replicate": 2}),
     ], runs))
     out.update(run_scenarios(2, [
         scenario("fsdp2", small_data, runs, {"train.micro_batch_size": 4}),
@@ -118,7 +121,9 @@ def results(small_data, tmp_path_factory):
     ], runs))
     two_nodes = [
         scenario("nodes_fsdp2", small_data, runs, {"train.micro_batch_size": 4}),
-        scenario("nodes_hsdp2x1", small_data, runs, {"train.micro_batch_size": 4, "parallel.dp_replicate": 2}),
+        scenario(
+            "nodes_hsdp2x1", small_data, runs, {"train.micro_batch_size": 4, "parallel.dp_replicate": 2}
+        ),
     ]
     spec = runs / "spec-nodes.json"
     spec.write_text(json.dumps({"out": str(runs), "scenarios": two_nodes}))
@@ -189,8 +194,9 @@ def test_hsdp_mesh_and_placements(results):
     for r in out["fsdp4"]:
         assert all(p["placements"] == ["S(0)"] for p in r["params"].values())
     # per-rank model state is 1/S of the whole: HSDP 2x2 holds twice FSDP-4's bytes per rank
-    assert out["hsdp2x2"][0]["shard_bytes"]["params"] == pytest.approx(2 * out["fsdp4"][0]["shard_bytes"]["params"],
-                                                                       rel=0.05)
+    assert out["hsdp2x2"][0]["shard_bytes"]["params"] == pytest.approx(
+        2 * out["fsdp4"][0]["shard_bytes"]["params"], rel=0.05
+    )
 
 
 @pytest.mark.dist
@@ -203,7 +209,8 @@ def test_replicas_start_and_stay_identical(results, name):
         assert a["init_digest"] == b["init_digest"]  # bitwise-identical initial local shards
         assert a["final_digest"] == b["final_digest"]  # and still identical after training
         assert a["init_digest"] != a["final_digest"]  # training changed them
-        for report in (a, b):  # and each equals the whole model's initialisation, chunked over the shard group
+        for report in (a, b):
+            # and each equals the whole model's initialisation, chunked over the shard group
             assert all(p["init_max_abs_diff"] == 0.0 for p in report["params"].values())
     if shard > 1:  # the digests tell shards apart: the comparison above is not vacuous
         assert reports[0]["init_digest"] != reports[1]["init_digest"]
@@ -228,13 +235,15 @@ def test_bad_mesh_under_torchrun(small_data, tmp_path):
                     timeout=120, check=False)
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert errors == ["error: parallel.dp_replicate × parallel.dp_shard = 2 × 2 = 4, but the world size is 2: "
-                      "the mesh must cover every rank exactly once"], proc.stderr[-3000:]
+    assert errors == ["error: parallel.dp_replicate × parallel.dp_shard = 2 × 2 = 4, but the world size is "
+                      "2: the mesh must cover every rank exactly once"], proc.stderr[-3000:]
     assert not run.exists()
 
 
 # ---- a lost node -----------------------------------------------------------------------------
-def wait_for_steps(metrics: Path, n: int, procs: list[subprocess.Popen], logs: Path, limit_s: float = 240) -> None:
+def wait_for_steps(
+    metrics: Path, n: int, procs: list[subprocess.Popen], logs: Path, limit_s: float = 240
+) -> None:
     """Block until rank 0 logged ``n`` steps (fail if a launcher exits first)."""
     deadline = time.monotonic() + limit_s
     while time.monotonic() < deadline:
@@ -274,9 +283,9 @@ RESUME_STEPS = 40
 
 
 @pytest.mark.parametrize("fault,timeout_s,limit_s,cause", [
-    # the second node dies (it does not host the store): connections close, the survivor stops at once,
-    # well within the collective timeout; then both nodes are relaunched and resume from the last checkpoint
-    # (gloo says "reset" or "closed" by peer, depending on whether the dead side's socket closed before a write)
+    # the second node dies (it does not host the store): connections close, the survivor stops at once, well
+    # within the collective timeout; then both nodes are relaunched and resume from the last checkpoint (gloo
+    # says "reset" or "closed" by peer, depending on whether the dead side's socket closed before a write)
     ("kill", 30, 30, ("Connection reset by peer", "Connection closed by peer")),
     # the second node goes silent (no connection closes): gloo's timeout fires after parallel.timeout_s,
     # then three heartbeats tell the dead from the blocked; without the timeout the survivor would hang
@@ -303,7 +312,9 @@ def test_lost_node_is_named(small_data, tmp_path, fault, timeout_s, limit_s, cau
         try:
             code = procs[0].wait(timeout=limit_s)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"the survivor still runs {limit_s} s after the fault:\n" + logs_of(logs)) from None
+            raise AssertionError(
+                f"the survivor still runs {limit_s} s after the fault:\n" + logs_of(logs)
+            ) from None
         print(f"{fault}: the survivor's launcher exited {time.monotonic() - start:.1f} s after the fault "
               f"(parallel.timeout_s={timeout_s})")
     finally:
@@ -342,8 +353,10 @@ def test_frozen_rank_is_reported_within_the_heartbeat_timeout(small_data, tmp_pa
     run, logs = tmp_path / "run", tmp_path / "logs"
     logs.mkdir()
     args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-            "shardlm.train", *tiny_overrides(small_data, run, {"train.eval_interval": 0, "train.steps": 100000,
-                                                               "parallel.timeout_s": 600, "checkpoint.enabled": "false",
+            "shardlm.train",
+            *tiny_overrides(small_data, run, {"train.eval_interval": 0, "train.steps": 100000,
+                                                               "parallel.timeout_s": 600,
+                                              "checkpoint.enabled": "false",
                                                                "train.micro_batch_size": 4})]
     with open(logs / "node0.out", "w") as out, open(logs / "node0.err", "w") as err:
         proc = subprocess.Popen(args, env=cpu_env(), stdout=out, stderr=err, start_new_session=True)
@@ -358,7 +371,8 @@ def test_frozen_rank_is_reported_within_the_heartbeat_timeout(small_data, tmp_pa
             reported = time.monotonic() - start if found else None
             time.sleep(0.2)
         assert reported is not None, "no report within 120 s:\n" + logs_of(logs)
-        os.kill(frozen, signal.SIGKILL)  # torchrun's own stop of a stopped process would wait for its grace period
+        # torchrun's own stop of a stopped process would wait for its grace period
+        os.kill(frozen, signal.SIGKILL)
         code = proc.wait(timeout=120)
     finally:
         if frozen is not None:
@@ -372,7 +386,8 @@ def test_frozen_rank_is_reported_within_the_heartbeat_timeout(small_data, tmp_pa
     print(f"SIGSTOP of rank 1, parallel.timeout_s=600: reported after {reported:.1f} s "
           f"(heartbeat timeout {heartbeat_timeout(600):.0f} s); launcher exit code {code}\n{errors}")
     assert len(errors) == 1, logs_of(logs)
-    assert errors[0].startswith(f"error: lost rank 1 of node 0 (host {socket.gethostname()}): no heartbeat for ")
+    assert errors[0].startswith(f"error: lost rank 1 of node 0 (host {socket.gethostname()}): no heartbeat "
+                                "for ")
     assert "heartbeat watch" in errors[0]
     assert reported <= heartbeat_timeout(600) + 5  # + the polling of this test and a loaded machine's slack
     assert code != 0 and "exitcode  : 4" in err  # the survivor stopped with NODE_LOST_EXIT_CODE

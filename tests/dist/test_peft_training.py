@@ -1,5 +1,5 @@
-"""Parameter-efficient fine-tuning under torchrun: frozen parameters, LoRA (fp32 / bf16 base), QLoRA (NF4 base),
-adapter-only checkpoints and their exports.
+"""Parameter-efficient fine-tuning under torchrun: frozen parameters, LoRA (fp32 / bf16 base), QLoRA (NF4
+base), adapter-only checkpoints and their exports.
 
 The tiny model trains at 2 ranks (FSDP) and in one process in two torchrun launches of several scenarios each
 (tests/workers/peft_worker.py).
@@ -19,7 +19,8 @@ from test_peft import measured
 
 WORKER = Path(__file__).resolve().parents[1] / "workers" / "peft_worker.py"
 STEPS = 5
-FREEZE = {"train.trainable": "model.layers.1.*,norm"}  # block 1 and the final norm; embedding and block 0 frozen
+# block 1 and the final norm; embedding and block 0 frozen
+FREEZE = {"train.trainable": "model.layers.1.*,norm"}
 LORA = {"lora.enabled": "true", "lora.rank": 4, "lora.alpha": 8.0}
 QLORA = {**LORA, "lora.base_dtype": "nf4", "train.steps": 10, "checkpoint.interval": 5}
 
@@ -34,8 +35,8 @@ def run_launch(nproc: int, scenarios: list[dict], out: Path) -> dict[str, list[d
 
 
 def sc(name: str, data: Path, runs: Path, extra: dict, **hooks) -> dict:
-    base = {"train.steps": STEPS, "train.micro_batch_size": 4, "train.eval_interval": 0, "checkpoint.interval": 3,
-            "checkpoint.keep": 0}
+    base = {"train.steps": STEPS, "train.micro_batch_size": 4, "train.eval_interval": 0,
+            "checkpoint.interval": 3, "checkpoint.keep": 0}
     return {"name": name, "overrides": tiny_overrides(data, runs / name, {**base, **extra}), **hooks}
 
 
@@ -46,13 +47,16 @@ def peft_runs(tmp_path_factory, small_data) -> tuple[dict, dict, Path]:
     ckpt = runs / "lora" / "checkpoints" / "step-3"
     two = run_launch(2, [
         sc("freeze", small_data, runs, FREEZE),
-        sc("unfreeze", small_data, runs, {**FREEZE, "checkpoint.keep": 2}, unfreeze_after=2, save_steps=[1, 3, 4, 5]),
+        sc("unfreeze", small_data, runs, {**FREEZE, "checkpoint.keep": 2}, unfreeze_after=2,
+           save_steps=[1, 3, 4, 5]),
         sc("lora", small_data, runs, LORA),
         sc("lora_bf16", small_data, runs, {**LORA, "lora.base_dtype": "bfloat16"}),
         sc("qlora", small_data, runs, QLORA),
-        sc("qlora_resumed", small_data, runs, {**QLORA, "checkpoint.resume": f'"{runs / "qlora" / "checkpoints" / "step-5"}"'}),
+        sc("qlora_resumed", small_data, runs,
+           {**QLORA, "checkpoint.resume": f'"{runs / "qlora" / "checkpoints" / "step-5"}"'}),
         sc("lora_ac_offload", small_data, runs, {**LORA, "parallel.activation_checkpoint": "full",
-                                                 "parallel.cpu_offload": "true", "checkpoint.enabled": "false"}),
+                                                 "parallel.cpu_offload": "true",
+                                                 "checkpoint.enabled": "false"}),
         sc("lora_resumed", small_data, runs, {**LORA, "checkpoint.resume": f'"{ckpt}"'}),
         sc("other_base", small_data, runs, {**LORA, "train.seed": 1, "checkpoint.resume": f'"{ckpt}"'},
            expect_error=True),
@@ -85,7 +89,8 @@ def test_frozen_parameters_stay_bit_identical_and_trainable_ones_equal_one_proce
                                                  *(f"model.layers.0.{n}" for n in (
                                                      "input_layernorm.weight", "self_attn.q_proj.weight",
                                                      "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-                                                     "self_attn.o_proj.weight", "post_attention_layernorm.weight",
+                                                     "self_attn.o_proj.weight",
+                                                     "post_attention_layernorm.weight",
                                                      "mlp.gate_proj.weight", "mlp.up_proj.weight",
                                                      "mlp.down_proj.weight"))}
         # no optimizer state for a frozen parameter
@@ -96,7 +101,10 @@ def test_frozen_parameters_stay_bit_identical_and_trainable_ones_equal_one_proce
     measured("freeze 2 ranks vs 1 process, max loss diff", max(abs(x - y) for x, y in zip(a, b)))
     assert len(a) == STEPS and max(abs(x - y) for x, y in zip(a, b)) <= 1e-6, (a, b)
     assert a[-1] < a[0]
-    ta, tb = load_file(runs / "freeze" / "trainable.safetensors"), load_file(runs / "one" / "freeze" / "trainable.safetensors")
+    ta, tb = (
+        load_file(runs / "freeze" / "trainable.safetensors"),
+        load_file(runs / "one" / "freeze" / "trainable.safetensors"),
+    )
     assert sorted(ta) == sorted(tb) and len(ta) == 10
     measured("freeze trainable params max diff", max((ta[k] - tb[k]).abs().max().item() for k in ta))
     assert max((ta[k] - tb[k]).abs().max().item() for k in ta) <= 1e-4
@@ -106,8 +114,11 @@ def test_frozen_parameters_stay_bit_identical_and_trainable_ones_equal_one_proce
 def test_frozen_first_then_unfrozen(peft_runs):
     two, _, _ = peft_runs
     for rank in two["unfreeze"]:
-        assert len(rank["history"]) == STEPS and all(torch.isfinite(torch.tensor(r["loss"])) for r in rank["history"])
-        assert rank["after_unfreeze_trainable"] == 1 + 2 * 9 + 1 + 1  # every parameter: embedding, blocks, norm, head
+        assert len(rank["history"]) == STEPS and all(
+            torch.isfinite(torch.tensor(r["loss"])) for r in rank["history"]
+        )
+        # every parameter: embedding, blocks, norm, head
+        assert rank["after_unfreeze_trainable"] == 1 + 2 * 9 + 1 + 1
         assert "model.embed_tokens.weight" in rank["optimizer_state_names"]
         assert not all(rank["frozen_unchanged"].values())  # the formerly frozen ones moved after unfreezing
     # the first two steps are the frozen run's
@@ -116,10 +127,11 @@ def test_frozen_first_then_unfrozen(peft_runs):
 
 @pytest.mark.dist
 def test_checkpoint_after_set_trainable_is_the_runs_own(peft_runs, small_data):
-    """A checkpoint saved after ``set_trainable`` (the unfreeze scenario saves after steps 1, 3, 4 and 5, switching
-    after step 2) carries the run id, the data identity and the special ids of the first; ``--resume=auto`` (one
-    rank, one more step) picks the newest, step 5, and its save of step 6 is the same run's; retention
-    (``checkpoint.keep = 2``) pruned the older saves of the run, the one before the switch included."""
+    """A checkpoint saved after ``set_trainable`` (the unfreeze scenario saves after steps 1, 3, 4 and 5,
+    switching after step 2) carries the run id, the data identity and the special ids of the first;
+    ``--resume=auto`` (one rank, one more step) picks the newest, step 5, and its save of step 6 is the same
+    run's; retention (``checkpoint.keep = 2``) pruned the older saves of the run, the one before the
+    switch included."""
     from shardlm.checkpoint.manifest import read_manifest
     from shardlm.data import load_meta
 
@@ -146,8 +158,8 @@ def test_checkpoint_after_set_trainable_is_the_runs_own(peft_runs, small_data):
 @pytest.mark.parametrize("name", ["qlora", "freeze"])
 def test_partial_checkpoint_exports_equal_final(peft_runs, tmp_path, name):
     """``shardlm export`` of the last checkpoint of a QLoRA run (NF4 base rebuilt from the seed, quantised as
-    training did) and of a partly frozen run gives the run's ``final/`` bit for bit; the QLoRA merge records that
-    it went into the dequantised NF4 base."""
+    training did) and of a partly frozen run gives the run's ``final/`` bit for bit; the QLoRA merge records
+    that it went into the dequantised NF4 base."""
     from shardlm.cli.main import main as shardlm_main
 
     _, _, runs = peft_runs
@@ -159,7 +171,11 @@ def test_partial_checkpoint_exports_equal_final(peft_runs, tmp_path, name):
     if name == "qlora":
         record = json.loads((out / "lora_merge.json").read_text())
         assert record == json.loads((runs / name / "final" / "lora_merge.json").read_text())
-        assert record["base_dtype"] == "nf4" and record["merged_into"] == "training_base" and not record["approximate"]
+        assert (
+            record["base_dtype"] == "nf4"
+            and record["merged_into"] == "training_base"
+            and not record["approximate"]
+        )
         assert "dequantised NF4" in record["description"]
         peft_out = tmp_path / "adapter"
         assert shardlm_main(["export", str(runs / name / "checkpoints" / f"step-{step}"), str(peft_out),
@@ -176,7 +192,8 @@ def test_lora_two_ranks_equal_one_process(peft_runs):
     two, one, runs = peft_runs
     for name in ("lora", "lora_bf16"):
         a, b = losses(two[name]), losses(one[name])
-        measured(f"{name} 2 ranks vs 1 process, max loss diff over {STEPS} steps", max(abs(x - y) for x, y in zip(a, b)))
+        measured(f"{name} 2 ranks vs 1 process, max loss diff over {STEPS} steps",
+                 max(abs(x - y) for x, y in zip(a, b)))
         assert len(a) == STEPS and max(abs(x - y) for x, y in zip(a, b)) <= 1e-6, (name, a, b)
         for rank in two[name]:
             assert all(rank["frozen_unchanged"].values())
@@ -186,8 +203,9 @@ def test_lora_two_ranks_equal_one_process(peft_runs):
         tb = load_file(runs / "one" / name / "trainable.safetensors")
         measured(f"{name} adapters max diff", max((ta[k] - tb[k]).abs().max().item() for k in ta))
         assert max((ta[k] - tb[k]).abs().max().item() for k in ta) <= 1e-4
-        # the adapters trained: every B left zero (its initial value). (Not "the last loss is below the first": over
-        # 5 warm-up steps on a random base, each step a new batch, the change is within batch noise: +0.02 here.)
+        # the adapters trained: every B left zero (its initial value). (Not "the last loss is below the
+        # first": over 5 warm-up steps on a random base, each step a new batch, the change is within batch
+        # noise: +0.02 here.)
         assert all(v.abs().max() > 0 for k, v in ta.items() if ".lora_B." in k) and len(ta) == 2 * 7 * 2
     # a bf16 base stores half the fp32 base's bytes
     fp32, bf16 = two["lora"][0]["frozen_bytes"], two["lora_bf16"][0]["frozen_bytes"]
@@ -217,7 +235,8 @@ def test_qlora_tiny_equals_one_process_and_stores_a_quarter_of_bf16(peft_runs):
     a, b = losses(two["qlora"]), losses(one["qlora"])
     measured("qlora tiny 2 ranks vs 1 process, max loss diff", max(abs(x - y) for x, y in zip(a, b)))
     rank0 = two["qlora"][0]
-    measured("qlora tiny whole frozen base bytes / bf16 bytes", rank0["frozen_bytes"] / rank0["frozen_bf16_bytes"])
+    measured("qlora tiny whole frozen base bytes / bf16 bytes",
+             rank0["frozen_bytes"] / rank0["frozen_bf16_bytes"])
     assert len(a) == 10 and a[-1] < a[0], a  # a random base: LoRA moves the loss only a little
     assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-6, (a, b)
     for rank in two["qlora"]:
@@ -238,18 +257,19 @@ def test_lora_with_activation_checkpointing_and_cpu_offload(peft_runs):
 
 @pytest.mark.dist
 def test_qlora_on_smollm2_trains_at_two_ranks(smol_dir, small_corpus, tmp_path):
-    """QLoRA of the real SmolLM2-135M (NF4 base, r = 8 on every projection) at 2 ranks: the held-out loss falls
-    over 10 steps, and each rank stores the whole frozen base (the NF4 token embedding, tied to the output
-    projection, the NF4 linear layers and the fp32 norms) in at most 0.3x its bf16 bytes."""
+    """QLoRA of the real SmolLM2-135M (NF4 base, r = 8 on every projection) at 2 ranks: the held-out loss
+    falls over 10 steps, and each rank stores the whole frozen base (the NF4 token embedding, tied to the
+    output projection, the NF4 linear layers and the fp32 norms) in at most 0.3x its bf16 bytes."""
     pytest.importorskip("torchao", reason="pip install -e '.[test]'")
     overrides = {
-        "model.init_from": f'"{smol_dir}"', "data.corpus": f'"{small_corpus}"', "data.dir": f'"{tmp_path / "data"}"',
-        "data.val_fraction": 0.05, "lora.enabled": "true", "lora.base_dtype": "nf4", "lora.alpha": 16.0,
-        "train.seq_len": 32, "train.global_batch_size": 4, "train.micro_batch_size": 2, "train.steps": 10,
-        "train.lr": 2e-3, "train.min_lr": 2e-4, "train.warmup_steps": 0, "train.weight_decay": 0.0,
-        "train.eval_interval": 10, "train.eval_tokens": 512, "checkpoint.enabled": "false",
-        "run.dir": f'"{tmp_path / "run"}"'}
-    report = run_launch(2, [{"name": "smol", "overrides": [f"--{k}={v}" for k, v in overrides.items()]}], tmp_path)
+        "model.init_from": f'"{smol_dir}"', "data.corpus": f'"{small_corpus}"',
+        "data.dir": f'"{tmp_path / "data"}"', "data.val_fraction": 0.05, "lora.enabled": "true",
+        "lora.base_dtype": "nf4", "lora.alpha": 16.0, "train.seq_len": 32, "train.global_batch_size": 4,
+        "train.micro_batch_size": 2, "train.steps": 10, "train.lr": 2e-3, "train.min_lr": 2e-4,
+        "train.warmup_steps": 0, "train.weight_decay": 0.0, "train.eval_interval": 10,
+        "train.eval_tokens": 512, "checkpoint.enabled": "false", "run.dir": f'"{tmp_path / "run"}"'}
+    report = run_launch(2, [{"name": "smol", "overrides": [f"--{k}={v}" for k, v in overrides.items()]}],
+                        tmp_path)
     ranks = report["smol"]
     history = ranks[0]["history"]
     vals = [r["val_loss"] for r in history if "val_loss" in r]
@@ -257,10 +277,12 @@ def test_qlora_on_smollm2_trains_at_two_ranks(smol_dir, small_corpus, tmp_path):
     train = [r["loss"] for r in history if "loss" in r]
     assert len(train) == 10 and sum(train[-3:]) < sum(train[:3])
     for rank in ranks:
-        assert rank["frozen_bytes"] <= 0.3 * rank["frozen_bf16_bytes"], (rank["frozen_bytes"], rank["frozen_bf16_bytes"])
+        assert rank["frozen_bytes"] <= 0.3 * rank["frozen_bf16_bytes"], (rank["frozen_bytes"],
+                                                                         rank["frozen_bf16_bytes"])
         assert "model.embed_tokens.weight" in rank["nf4_names"] and rank["tied"]
         assert all(rank["frozen_unchanged"].values())
-    measured("smollm2 qlora", json.dumps({"val": vals, "train": train, "frozen_bytes": [r["frozen_bytes"] for r in ranks],
+    measured("smollm2 qlora",
+             json.dumps({"val": vals, "train": train, "frozen_bytes": [r["frozen_bytes"] for r in ranks],
                       "frozen_bf16_bytes": [r["frozen_bf16_bytes"] for r in ranks],
                       "ratio": [r["frozen_bytes"] / r["frozen_bf16_bytes"] for r in ranks],
                       "lora_base_bytes": [r["lora_base_bytes"] for r in ranks]}))

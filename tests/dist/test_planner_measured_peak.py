@@ -33,25 +33,29 @@ CONFIGS = {
     "fsdp2_mb4_full_one_group": (2, {"train.micro_batch_size": 4, "parallel.blocks_per_group": 2}, "full"),
     "ddp2_mb4": (2, {"parallel.mode": '"ddp"', "train.micro_batch_size": 4}, "none"),
     "fsdp4_mb4": (4, {"train.global_batch_size": 16, "train.micro_batch_size": 4}, "none"),
-    # FSDP 2 x TP 2 (parallel/tp.py): TP-local parameter pieces, sequence-parallel activations, vocabulary-parallel
-    # loss. Measured when added: -3.6 % and -6.6 %, -1.0 % and +1.9 % in two launches. Known gaps, left out:
-    # micro-batch 4 with one loss chunk of all 256 tokens -10.6 %, micro-batch 8 with full checkpointing -12.2 %.
-    # Since the loss chunk's (k, D) hidden-gradient product is counted (plan/loss.py) they are -12.2 % and -10.6 to
-    # -14.1 % against the busiest rank: on gloo the peak moves between ranks and steps (2.37-3.12 MB over 4 ranks
-    # with full checkpointing) with the timing of TP's collectives (gloo's reduce_scatter_tensor clones its input;
-    # all-gathered inputs wait for their collectives). See README, "Tensor parallel".
-    "fsdp2_tp2_mb8": (4, {"parallel.tp": 2, "train.global_batch_size": 16, "train.micro_batch_size": 8}, "none"),
-    "fsdp2_tp2_mb4_chunk64": (4, {"parallel.tp": 2, "train.micro_batch_size": 4, "train.loss_chunk_tokens": 64},
+    # FSDP 2 x TP 2 (parallel/tp.py): TP-local parameter pieces, sequence-parallel activations,
+    # vocabulary-parallel loss. Measured when added: -3.6 % and -6.6 %, -1.0 % and +1.9 % in two launches.
+    # Known gaps, left out: micro-batch 4 with one loss chunk of all 256 tokens -10.6 %, micro-batch 8 with
+    # full checkpointing -12.2 %. Since the loss chunk's (k, D) hidden-gradient product is counted
+    # (plan/loss.py) they are -12.2 % and -10.6 to -14.1 % against the busiest rank: on gloo the peak moves
+    # between ranks and steps (2.37-3.12 MB over 4 ranks with full checkpointing) with the timing of TP's
+    # collectives (gloo's reduce_scatter_tensor clones its input; all-gathered inputs wait for their
+    # collectives). See README, "Tensor parallel".
+    "fsdp2_tp2_mb8": (4, {"parallel.tp": 2, "train.global_batch_size": 16, "train.micro_batch_size": 8},
+                      "none"),
+    "fsdp2_tp2_mb4_chunk64": (4,
+                              {"parallel.tp": 2, "train.micro_batch_size": 4, "train.loss_chunk_tokens": 64},
                               "none"),
     "fsdp4_mb8_full": (4, {"train.global_batch_size": 32, "train.micro_batch_size": 8}, "full"),
 }
-# A Qwen3-MoE (8 experts, top 2, expert width 64) at 2 ranks, FSDP only and EP 2: the router, the sorted token copies
-# and (EP) the all-to-all buffers of plan/moe.py. Each in a launch of its own: a MoE trainer's state outlives it in
-# the process (measured: 603,032 bytes more at the next MoE scenario's step start), which a later scenario of the
-# same launch would count. Measured when added: FSDP 2 +0.4 % and +0.7 %, EP 2 -1.3 % and -0.2 % (without plan/moe.py:
-# -12.1 % and -14.4 %).
-MOE = {"model.family": '"qwen3_moe"', "model.n_experts": 8, "model.n_experts_per_token": 2, "model.head_width": 16,
-       "model.moe_ffn_hidden": 64, "model.norm_topk_prob": "true", "train.micro_batch_size": 4}
+# A Qwen3-MoE (8 experts, top 2, expert width 64) at 2 ranks, FSDP only and EP 2: the router, the sorted token
+# copies and (EP) the all-to-all buffers of plan/moe.py. Each in a launch of its own: a MoE trainer's state
+# outlives it in the process (measured: 603,032 bytes more at the next MoE scenario's step start), which a
+# later scenario of the same launch would count. Measured when added: FSDP 2 +0.4 % and +0.7 %, EP 2 -1.3 %
+# and -0.2 % (without plan/moe.py: -12.1 % and -14.4 %).
+MOE = {"model.family": '"qwen3_moe"', "model.n_experts": 8, "model.n_experts_per_token": 2,
+       "model.head_width": 16, "model.moe_ffn_hidden": 64, "model.norm_topk_prob": "true",
+       "train.micro_batch_size": 4}
 MOE_CONFIGS = {"moe_fsdp2_mb4": (2, MOE, "none"), "moe_ep2_mb4": (2, {**MOE, "parallel.ep": 2}, "none")}
 # Known gap, measured and left out of the bound: at 4 ranks with 2 micro-batches of 2 and full
 # activation checkpointing the planner predicts 2,365,780 bytes and the peak measures 2,786,576
@@ -64,15 +68,17 @@ MOE_CONFIGS = {"moe_fsdp2_mb4": (2, MOE, "none"), "moe_ep2_mb4": (2, {**MOE, "pa
 # 3,589,460 bytes, measured 3,589,504 on rank 0 (exact) and 4,000,128 on rank 1 (-10.3% against the larger):
 # rank 1 keeps 410,624 bytes more, about three of the group-sized buffers behind the 2-6% misses above.
 # To add once issue 3's [parallel] fields land (the worker then uses them natively):
-#   "fsdp2_mb4_bf16": (2, {..., "parallel.param_dtype": '"bfloat16"', "parallel.reduce_dtype": '"float32"'}, "none")
-#   "fsdp2_mb4_selective": (2, {"train.micro_batch_size": 4}, "selective")
+#   "fsdp2_mb4_bf16": (2, {..., "parallel.param_dtype": '"bfloat16"', "parallel.reduce_dtype": '"float32"'},
+#   "none") "fsdp2_mb4_selective": (2, {"train.micro_batch_size": 4}, "selective")
 
 
 @pytest.fixture(scope="module")
 def measured(small_data, tmp_path_factory):
     out = tmp_path_factory.mktemp("planner")
     results = {}
-    launches = [[(name, extra, ac) for name, (n, extra, ac) in CONFIGS.items() if n == world] for world in (1, 2, 4)]
+    launches = [
+        [(name, extra, ac) for name, (n, extra, ac) in CONFIGS.items() if n == world] for world in (1, 2, 4)
+    ]
     launches += [[(name, extra, ac)] for name, (_, extra, ac) in MOE_CONFIGS.items()]
     for launch in launches:
         world = {**CONFIGS, **MOE_CONFIGS}[launch[0][0]][0]

@@ -52,7 +52,8 @@ def test_workers_and_ranks_give_identical_token_files(tmp_path, corpora, tokeniz
     digests = {}
     for workers in (1, 2):
         out = tmp_path / f"w{workers}"
-        prepare_corpus(str(corpus), str(out), str(tokenizer_file), 400, 0.1, piece_bytes=12_000, workers=workers)
+        prepare_corpus(str(corpus), str(out), str(tokenizer_file), 400, 0.1, piece_bytes=12_000,
+                       workers=workers)
         digests[f"{workers} workers"] = [hashlib.sha256((out / s["file"]).read_bytes()).hexdigest()
                                          for s in json.loads((out / "meta.json").read_text())["shards"]]
     # a mixture with a model directory's tokenizer (eos [1, 2] in its config.json, pad 1), in the same launch
@@ -85,11 +86,14 @@ def test_workers_and_ranks_give_identical_token_files(tmp_path, corpora, tokeniz
     assert len(digests["2 ranks"]) == len(pieces) > 20
     assert digests["1 workers"] == digests["2 workers"] == digests["2 ranks"]
     assert shard_digest(tmp_path / "w1") == shard_digest(tmp_path / "r2")
-    # where documents start (block-causal attention): the same file, one start after each separator but the last
+    # where documents start (block-causal attention): the same file, one start after each separator but
+    # the last
     starts = [(tmp_path / d / "document_starts.bin").read_bytes() for d in ("w1", "w2", "r2")]
     assert starts[0] == starts[1] == starts[2]
     meta = json.loads((tmp_path / "r2" / "meta.json").read_text())
-    stream = np.concatenate([np.fromfile(tmp_path / "r2" / s["file"], dtype=meta["dtype"]) for s in meta["shards"]])
+    stream = np.concatenate(
+        [np.fromfile(tmp_path / "r2" / s["file"], dtype=meta["dtype"]) for s in meta["shards"]]
+    )
     recorded = np.frombuffer(starts[0], dtype="<i8")
     assert recorded.tolist() == [0] + (np.flatnonzero(stream == 2) + 1).tolist()[:-1]
     assert len(recorded) == meta["documents"] == meta["document_starts"]["count"]
@@ -113,7 +117,8 @@ def test_sigkill_part_way_then_restart_reuses_finished_pieces(tmp_path, tokenize
     out = tmp_path / "out"
     # the preparation alone, without the CLI's torch import (the CLI path is tested with bad input above)
     cmd = [sys.executable, "-c", "import sys; from shardlm.data.prepare import prepare_corpus; "
-           f"prepare_corpus({str(corpus)!r}, {str(out)!r}, {str(tokenizer_file)!r}, 400, 0.1, piece_bytes=5_000)"]
+           f"prepare_corpus({str(corpus)!r}, {str(out)!r}, {str(tokenizer_file)!r}, 400, 0.1, "
+           "piece_bytes=5_000)"]
     proc = subprocess.Popen(cmd, env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     tokens = staging_dir(out) / "tokens"
     deadline = time.monotonic() + 120
@@ -188,7 +193,8 @@ def test_training_prepares_an_unprepared_mixture_on_every_rank(tmp_path):
               "checkpoint.keep": 0, "data.workers": 1, "train.micro_batch_size": 4, "parallel.timeout_s": 2}
 
     def scenario(name, extra=None):
-        return {"name": name, "config": None, "overrides": tiny_overrides(data, runs / name, {**common, **(extra or {})})}
+        return {"name": name, "config": None,
+                "overrides": tiny_overrides(data, runs / name, {**common, **(extra or {})})}
 
     step6 = runs / "mix2" / "checkpoints" / "step-6"
     out = run_scenarios(2, [scenario("mix2"), scenario("mix2_resume", {"checkpoint.resume": f'"{step6}"'})],
@@ -196,7 +202,8 @@ def test_training_prepares_an_unprepared_mixture_on_every_rank(tmp_path):
     first = out["mix2"]
     prepare_s = [r["prepare_s"] for r in first]
     print(f"preparation took {prepare_s} s on the two ranks; parallel.timeout_s = 2")
-    assert min(prepare_s) > 2  # longer than parallel.timeout_s: a collective waiting for it would have timed out
+    # longer than parallel.timeout_s: a collective waiting for it would have timed out
+    assert min(prepare_s) > 2
     meta = json.loads((data / "meta.json").read_text())
     assert meta["format"] == "mixture" and [s["name"] for s in meta["sources"]] == ["plays", "source1"]
     windows = [len(TokenWindows(str(data / name), "train", 32)) for name in ("plays", "source1")]
@@ -214,6 +221,7 @@ def test_training_prepares_an_unprepared_mixture_on_every_rank(tmp_path):
         assert h["tokens_seen/plays"] == full[h["step"]]["tokens_seen/plays"]
     last = full[12]
     drawn = sampler.drawn_before(12 * 8)
-    assert [last["tokens_seen/plays"], last["tokens_seen/source1"]] == [int(drawn[0]) * 32, int(drawn[1]) * 32]
+    assert [last["tokens_seen/plays"], last["tokens_seen/source1"]] == [int(drawn[0]) * 32,
+                                                                        int(drawn[1]) * 32]
     assert drawn.tolist() == [67, 29]  # 96 samples: 9 periods of 7/3, then the 10th period's first 6 slots
     assert last["epoch/source1"] == pytest.approx(29 / windows[1])

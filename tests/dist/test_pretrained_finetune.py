@@ -1,6 +1,6 @@
 """Pretrained Llama weights under torchrun: fine-tuning SmolLM2-135M on 2 ranks (val loss, chunked loss equal
-to plain), sharded loading that reads only a rank's own rows, strided eval against transformers, and the exported
-fine-tuned model's tokenizer files (tests/workers/pretrained_worker.py)."""
+to plain), sharded loading that reads only a rank's own rows, strided eval against transformers, and the
+exported fine-tuned model's tokenizer files (tests/workers/pretrained_worker.py)."""
 
 from __future__ import annotations
 
@@ -46,11 +46,31 @@ def finetune(smol_dir, small_corpus, small_data, tmp_path_factory) -> dict:
     ]
     # 5 steps: chunked (24 of 64 tokens), plain, and plain with an fp64 cross-entropy (the reference)
     for name, chunk in (("smol_chunked", 24), ("smol_plain", 0), ("smol_fp64", 0)):
-        scenarios.append({"name": name, "config": None, "loss_fp64": name == "smol_fp64", "overrides": [f"--{k}={v}" for k, v in {
-            **common, "model.init_from": f'"{smol_dir}"', "data.corpus": f'"{small_corpus}"',
-            "data.dir": f'"{out / "data-smol"}"', "train.seq_len": 32, "train.global_batch_size": 4,
-            "train.micro_batch_size": 2, "train.steps": 5, "train.lr": 1e-4, "train.min_lr": 1e-5,
-            "train.eval_interval": 0, "train.loss_chunk_tokens": chunk, "run.dir": f'"{out / f"run-{name}"}"'}.items()]})
+        scenarios.append(
+            {
+                "name": name,
+                "config": None,
+                "loss_fp64": name == "smol_fp64",
+                "overrides": [
+                    f"--{k}={v}"
+                    for k, v in {
+                        **common,
+                        "model.init_from": f'"{smol_dir}"',
+                        "data.corpus": f'"{small_corpus}"',
+                        "data.dir": f'"{out / "data-smol"}"',
+                        "train.seq_len": 32,
+                        "train.global_batch_size": 4,
+                        "train.micro_batch_size": 2,
+                        "train.steps": 5,
+                        "train.lr": 1e-4,
+                        "train.min_lr": 1e-5,
+                        "train.eval_interval": 0,
+                        "train.loss_chunk_tokens": chunk,
+                        "run.dir": f'"{out / f"run-{name}"}"',
+                    }.items()
+                ],
+            }
+        )
     return {"out": out, "tiny": tiny, "reports": _run(2, scenarios, out)}
 
 
@@ -73,30 +93,39 @@ def test_finetune_lowers_val_loss_below_pretrained(finetune):
 
 @pytest.mark.dist
 def test_smollm2_finetune_chunked_loss_equals_plain(finetune):
-    """SmolLM2-135M (vocab 49,152), 2 ranks, 5 steps: the chunked loss (24 of 64 tokens) and the plain fp32 loss,
-    each against the same run with the plain loss's cross-entropy in fp64 (the exact loss of these logits).
+    """SmolLM2-135M (vocab 49,152), 2 ranks, 5 steps: the chunked loss (24 of 64 tokens) and the plain fp32
+    loss, each against the same run with the plain loss's cross-entropy in fp64 (the exact loss of
+    these logits).
 
-    The chunked loss is within 1e-5 of the fp64 reference at every step (measured 0 at step 1, at most 3.3e-6);
-    the plain fp32 loss is not: its log-softmax is about 1.6e-6 relative off (measured 7.6e-6 to 1.2e-5 over the
-    5 steps), so chunked and plain differ by that much (measured 7.6e-6 to 1.4e-5; bound 2e-5): the difference
-    is the plain loss's own rounding."""
+    The chunked loss is within 1e-5 of the fp64 reference at every step (measured 0 at step 1, at most
+    3.3e-6); the plain fp32 loss is not: its log-softmax is about 1.6e-6 relative off (measured 7.6e-6 to
+    1.2e-5 over the 5 steps), so chunked and plain differ by that much (measured 7.6e-6 to 1.4e-5; bound
+    2e-5): the difference is the plain loss's own rounding."""
     runs = {k: finetune["reports"][f"smol_{k}"][0]["history"] for k in ("chunked", "plain", "fp64")}
     chunked, plain, exact = runs["chunked"], runs["plain"], runs["fp64"]
-    assert [r["step"] for r in chunked] == [r["step"] for r in plain] == [r["step"] for r in exact] == [1, 2, 3, 4, 5]
+    assert (
+        [r["step"] for r in chunked]
+        == [r["step"] for r in plain]
+        == [r["step"] for r in exact]
+        == [1, 2, 3, 4, 5]
+    )
 
     def diffs(a, b):
         return [abs(x["loss"] - y["loss"]) for x, y in zip(a, b)]
 
     to_exact, plain_to_exact, to_plain = diffs(chunked, exact), diffs(plain, exact), diffs(chunked, plain)
     norm = max(abs(a["grad_norm"] - b["grad_norm"]) / b["grad_norm"] for a, b in zip(chunked, plain))
-    print(f"\nSmolLM2 fine-tune, 5 steps, loss differences: chunked vs fp64 {[f'{d:.1e}' for d in to_exact]}, "
-          f"plain vs fp64 {[f'{d:.1e}' for d in plain_to_exact]}, chunked vs plain {[f'{d:.1e}' for d in to_plain]}; "
-          f"grad norm {norm:.1e} (losses {[round(r['loss'], 4) for r in plain]})")
+    print("\nSmolLM2 fine-tune, 5 steps, loss differences: chunked vs fp64 "
+          f"{[f'{d:.1e}' for d in to_exact]}, plain vs fp64 {[f'{d:.1e}' for d in plain_to_exact]}, chunked "
+          f"vs plain {[f'{d:.1e}' for d in to_plain]}; grad norm {norm:.1e} (losses "
+          f"{[round(r['loss'], 4) for r in plain]})")
     assert max(to_exact) <= 1e-5  # the issue's bound, against the exact loss
-    assert max(to_exact) < max(plain_to_exact)  # the chunked loss is nearer the exact one than the plain loss is
+    # the chunked loss is nearer the exact one than the plain loss is
+    assert max(to_exact) < max(plain_to_exact)
     assert to_plain[0] <= 1e-5 and max(to_plain) <= 2e-5 and norm <= 1e-3
     assert abs(chunked[0]["grad_norm"] / plain[0]["grad_norm"] - 1) <= 1e-5  # step 1: the same gradients
-    assert chunked[-1]["loss"] != chunked[0]["loss"]  # the steps changed the model: the comparison is not vacuous
+    # the steps changed the model: the comparison is not vacuous
+    assert chunked[-1]["loss"] != chunked[0]["loss"]
 
 
 @pytest.mark.dist
@@ -109,7 +138,9 @@ def test_sharded_loading_reads_only_own_rows(finetune, name):
         assert load["total_bytes"] > 0
     # every tensor's rows are read exactly once over the ranks, and no rank reads more than its 1/N share
     # plus at most one row per tensor (torch.chunk rounds the shard size up)
-    init_from = Path(json.loads((finetune["out"] / f"run-{name}" / "config.json").read_text())["model"]["init_from"])
+    init_from = Path(
+        json.loads((finetune["out"] / f"run-{name}" / "config.json").read_text())["model"]["init_from"]
+    )
     row_bytes = 0
     with safe_open(str(next(init_from.glob("*.safetensors"))), framework="pt") as st:
         for key in st.keys():
@@ -124,7 +155,9 @@ def test_sharded_loading_reads_only_own_rows(finetune, name):
           f"of {total}")
 
 
-def _transformers_strided_nll(hf_model, stream: list[int], max_length: int, stride: int) -> tuple[float, int, float]:
+def _transformers_strided_nll(
+    hf_model, stream: list[int], max_length: int, stride: int
+) -> tuple[float, int, float]:
     """The sliding-window loop of transformers' guide "Perplexity of fixed-length models" on ``stream``.
 
     Returns (mean nll, tokens scored, the guide's own mean). The guide weighs each window's mean loss by
@@ -152,7 +185,9 @@ def _transformers_strided_nll(hf_model, stream: list[int], max_length: int, stri
 
 
 @pytest.mark.dist
-def test_eval_stride_equals_transformers_strided_perplexity(smol_dir, hf_smol, small_corpus, tmp_path, capsys):
+def test_eval_stride_equals_transformers_strided_perplexity(
+    smol_dir, hf_smol, small_corpus, tmp_path, capsys
+):
     from shardlm.data import load_tokenizer, read_documents, special_token_ids
     from shardlm.eval import token_stream
 
@@ -162,14 +197,15 @@ def test_eval_stride_equals_transformers_strided_perplexity(smol_dir, hf_smol, s
     stream = token_stream(read_documents(str(text)), tok, special_token_ids(tok))
     context, stride = 64, 24
     mean, count, guide = _transformers_strided_nll(hf_smol[0], stream, context, stride)
-    args = ["--model", str(smol_dir), "--data", str(text), "--context", str(context), "--stride", str(stride), "--json"]
+    args = ["--model", str(smol_dir), "--data", str(text), "--context", str(context), "--stride", str(stride),
+            "--json"]
     capsys.readouterr()
     assert shardlm_main(["eval", *args, "--batch-size", "3"]) == 0
     one = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     two = json.loads(torchrun(2, ["-m", "shardlm.eval", *args]).stdout.strip().splitlines()[-1])
     print(f"\nstrided perplexity ({len(stream)} tokens, context {context}, stride {stride}): transformers "
-          f"{math.exp(mean):.6f} ({count} tokens; the guide's token count gives {math.exp(guide):.6f}), shardlm "
-          f"{one['perplexity']:.6f} (1 rank), {two['perplexity']:.6f} (2 ranks)")
+          f"{math.exp(mean):.6f} ({count} tokens; the guide's token count gives {math.exp(guide):.6f}), "
+          f"shardlm {one['perplexity']:.6f} (1 rank), {two['perplexity']:.6f} (2 ranks)")
     assert one["tokens"] == two["tokens"] == count == len(stream) - 1 and two["world_size"] == 2
     for r in (one, two):
         assert abs(r["perplexity"] / math.exp(mean) - 1) < 1e-4, r
@@ -185,10 +221,12 @@ def test_eval_stride_equals_transformers_strided_perplexity(smol_dir, hf_smol, s
 
 @pytest.mark.dist
 def test_exported_finetuned_smollm2_has_the_tokenizer_files(finetune, smol_dir, hf_smol, tmp_path):
-    """A fine-tuned SmolLM2 exported from its checkpoint loads in transformers with SmolLM2's special tokens and
-    chat template, and transformers' greedy generation stops where shardlm's does."""
+    """A fine-tuned SmolLM2 exported from its checkpoint loads in transformers with SmolLM2's special tokens
+    and chat template, and transformers' greedy generation stops where shardlm's does."""
     out = tmp_path / "exported"
-    assert shardlm_main(["export", str(finetune["out"] / "run-smol" / "checkpoints" / "step-2"), str(out)]) == 0
+    assert (
+        shardlm_main(["export", str(finetune["out"] / "run-smol" / "checkpoints" / "step-2"), str(out)]) == 0
+    )
     for model_dir in (out, finetune["out"] / "run-smol" / "final"):
         tok = transformers.AutoTokenizer.from_pretrained(str(model_dir))
         assert (tok.bos_token, tok.eos_token, tok.pad_token) == ("<|im_start|>", "<|im_end|>", "<|im_end|>")
@@ -200,6 +238,6 @@ def test_exported_finetuned_smollm2_has_the_tokenizer_files(finetune, smol_dir, 
                                                            attn_implementation="eager").eval()
     assert hf.generation_config.eos_token_id == 2
     _, ours, theirs = _greedy_both(out, hf)
-    print(f"\nfine-tuned SmolLM2, exported: greedy answer of {len(ours)} tokens, transformers stops at the same "
-          f"token: {theirs[-1] == 2 and ours == theirs[:-1]}")
+    print(f"\nfine-tuned SmolLM2, exported: greedy answer of {len(ours)} tokens, transformers stops at the "
+          f"same token: {theirs[-1] == 2 and ours == theirs[:-1]}")
     assert theirs[-1] == 2 and ours == theirs[:-1] and len(ours) < 47

@@ -29,7 +29,9 @@ def test_profile_two_ranks(small_data, tmp_path):
         assert len(steps) == 2
         for s in steps:
             # communication + compute + idle = step time (exposed communication, to count overlap once)
-            assert s["exposed_comm_ms"] + s["compute_ms"] + s["idle_ms"] == pytest.approx(s["step_ms"], rel=1e-9)
+            assert s["exposed_comm_ms"] + s["compute_ms"] + s["idle_ms"] == pytest.approx(
+                s["step_ms"], rel=1e-9
+            )
             assert s["hidden_comm_ms"] + s["exposed_comm_ms"] == pytest.approx(s["comm_ms"], rel=1e-9)
             assert s["all_gather_ms"] > 0 and s["reduce_scatter_ms"] > 0 and s["compute_ms"] > 0
             assert 0 <= s["idle_ms"] < s["step_ms"]

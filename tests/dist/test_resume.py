@@ -1,7 +1,8 @@
 """Resume and retention never mix runs: run ids, retention of this run's checkpoints only, auto-resume of the
 run directory's own run.
 
-One torchrun launch at 2 ranks (tests/workers/ckpt_worker.py) runs every scenario in order on a ~100k-parameter model.
+One torchrun launch at 2 ranks (tests/workers/ckpt_worker.py) runs every scenario in order on a
+~100k-parameter model.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ def listing(run: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def launch(small_data, small_corpus, tmp_path_factory):
-    """One 2-rank launch of all scenarios; returns (reports {name: [rank0, rank1]}, root, finished process)."""
+    """One 2-rank launch of all scenarios; returns (reports {name: [rank0, rank1]}, root,
+    finished process)."""
     root = tmp_path_factory.mktemp("resume")
     out = root / "out"
     r1, r2, r4, r5 = root / "r1", root / "r2", root / "r4", root / "r5"
@@ -61,30 +63,65 @@ def launch(small_data, small_corpus, tmp_path_factory):
 
     every1_keep1 = {"checkpoint.interval": 1, "checkpoint.keep": 1}
     scenarios = [
-        # issue 13, scenario 1: an older run's step-3 and step-6, then a new run with overwrite, keep=1, interval=1
-        sc("r1_old", r1, {"train.steps": 6, "checkpoint.interval": 3, "train.lr": 1e-3, "train.min_lr": 1e-4}),
+        # issue 13, scenario 1: an older run's step-3 and step-6, then a new run with overwrite,
+        # keep=1, interval=1
+        sc(
+            "r1_old", r1, {"train.steps": 6, "checkpoint.interval": 3, "train.lr": 1e-3, "train.min_lr": 1e-4}
+        ),
         sc("r1_new", r1, {"train.steps": 2, **every1_keep1, "train.lr": 5e-4, "train.min_lr": 1e-4}),
-        sc("r1_auto", r1, {"train.steps": 8, **every1_keep1, "train.lr": 5e-4, "train.min_lr": 1e-4,
-                           "checkpoint.resume": '"auto"'}),
-        # the same without overwrite: resume the run from its step-3 while its step-6 exists, keep=1, interval=1
+        sc(
+            "r1_auto",
+            r1,
+            {
+                "train.steps": 8,
+                **every1_keep1,
+                "train.lr": 5e-4,
+                "train.min_lr": 1e-4,
+                "checkpoint.resume": '"auto"',
+            },
+        ),
+        # the same without overwrite: resume the run from its step-3 while its step-6 exists,
+        # keep=1, interval=1
         sc("r2_old", r2, {"train.steps": 6, "checkpoint.interval": 3}),
-        sc("r2_from3", r2, {"train.steps": 5, **every1_keep1, "checkpoint.resume": f'"{r2 / "checkpoints/step-3"}"'}),
+        sc(
+            "r2_from3",
+            r2,
+            {"train.steps": 5, **every1_keep1, "checkpoint.resume": f'"{r2 / "checkpoints/step-3"}"'},
+        ),
         sc("r2_auto", r2, {"train.steps": 8, **every1_keep1, "checkpoint.resume": '"auto"'}),
         # another run's checkpoint resumed into r1: r1's own run's checkpoints are now another run's
-        sc("r1_foreign", r1, {"train.steps": 10, **every1_keep1,
-                              "checkpoint.resume": f'"{r2 / "checkpoints/step-8"}"'}),
+        sc(
+            "r1_foreign",
+            r1,
+            {"train.steps": 10, **every1_keep1, "checkpoint.resume": f'"{r2 / "checkpoints/step-8"}"'},
+        ),
         # the newest checkpoint's shard corrupted: auto-resume skips it (says so, keeps it) and takes step-4
         sc("r5_ref", r5, {"train.steps": 8, "checkpoint.interval": 2}),
-        sc("r5_auto", r5, {"train.steps": 8, "checkpoint.interval": 2, "checkpoint.resume": '"auto"'},
-           flip_byte=str(r5 / "checkpoints" / "step-8" / "__0_0.distcp")),
+        sc(
+            "r5_auto",
+            r5,
+            {"train.steps": 8, "checkpoint.interval": 2, "checkpoint.resume": '"auto"'},
+            flip_byte=str(r5 / "checkpoints" / "step-8" / "__0_0.distcp"),
+        ),
         # a changed schedule, AdamW settings and clipping take effect at the resumed step ...
         sc("r4_base", r4, {"train.steps": 6, "checkpoint.interval": 3, **OLD_SCHEDULE}),
         sc("r4_changed", r4, {**NEW_SCHEDULE, "checkpoint.resume": f'"{r4 / "checkpoints/step-3"}"'}),
         sc("r4_fresh", root / "r4_fresh", NEW_SCHEDULE),  # the new config from the start: the same lr values
         # ... a changed model shape, tokenizer, data or global batch is refused, naming the field
-        *[sc(f"r4_refused_{i}", r4, {"train.steps": 6, **OLD_SCHEDULE, **change,
-                                     "checkpoint.resume": f'"{r4 / "checkpoints/step-3"}"'}, expect_error=True)
-          for i, change in enumerate(refused_changes(other_data))],
+        *[
+            sc(
+                f"r4_refused_{i}",
+                r4,
+                {
+                    "train.steps": 6,
+                    **OLD_SCHEDULE,
+                    **change,
+                    "checkpoint.resume": f'"{r4 / "checkpoints/step-3"}"',
+                },
+                expect_error=True,
+            )
+            for i, change in enumerate(refused_changes(other_data))
+        ],
     ]
     out.mkdir(parents=True)
     spec = out / "spec.json"
@@ -100,12 +137,16 @@ def test_overwrite_starts_a_new_run_and_retention_keeps_what_it_just_wrote(launc
     old, new, auto = reports["r1_old"][0], reports["r1_new"][0], reports["r1_auto"][0]
     assert old["run_id"] != new["run_id"] and auto["run_id"] == new["run_id"]
     # the new run said what it removed
-    assert (f"removed the previous run's checkpoints/ (step-3, step-6 of run {old['run_id']}), metrics.jsonl, "
-            "config.json, final/" in proc.stdout), proc.stdout
+    assert (f"removed the previous run's checkpoints/ (step-3, step-6 of run {old['run_id']}), "
+            "metrics.jsonl, config.json, final/" in proc.stdout), proc.stdout
     # keep=1, interval=1: the new run's step-2 survived (it resumed from it), not the old run's step-6
-    assert auto["start_step"] == 2 and auto["last_load"]["path"] == str(root / "r1" / "checkpoints" / "step-2")
+    assert auto["start_step"] == 2 and auto["last_load"]["path"] == str(
+        root / "r1" / "checkpoints" / "step-2"
+    )
     assert [rec["step"] for rec in auto["history"]] == list(range(3, 9))
-    assert f"resumed run {new['run_id']} from {root / 'r1' / 'checkpoints' / 'step-2'} at step 2" in proc.stdout
+    assert (
+        f"resumed run {new['run_id']} from {root / 'r1' / 'checkpoints' / 'step-2'} at step 2" in proc.stdout
+    )
 
 
 def test_resume_from_an_earlier_step_keeps_the_new_saves(launch):
@@ -141,9 +182,9 @@ def test_auto_resume_skips_a_damaged_checkpoint(launch):
     assert auto[0]["start_step"] == 6 and auto[0]["last_load"]["path"] == str(ckpts / "step-6")
     assert [s["path"] for s in auto[0]["skipped"]] == [str(ckpts / "step-8")]
     assert "file __0_0.distcp fails its SHA-256 checksum" in auto[0]["skipped"][0]["reason"]
-    warning = (f"warning: skipping damaged checkpoint {ckpts / 'step-8'}: checkpoint {ckpts / 'step-8'} is damaged: "
-               "file __0_0.distcp fails its SHA-256 checksum (corrupted); resuming from an earlier one. "
-               f"The damaged one is kept for inspection as {ckpts / 'step-8.damaged'}")
+    warning = (f"warning: skipping damaged checkpoint {ckpts / 'step-8'}: checkpoint {ckpts / 'step-8'} is "
+               "damaged: file __0_0.distcp fails its SHA-256 checksum (corrupted); resuming from an earlier "
+               f"one. The damaged one is kept for inspection as {ckpts / 'step-8.damaged'}")
     assert proc.stderr.count(warning) == 1, proc.stderr[-3000:]
     assert (ckpts / "step-8.damaged" / "manifest.json").is_file()  # kept, under a name auto never picks
     # steps 7 and 8 again: the same losses and bit-identical parameters on every rank
@@ -171,8 +212,8 @@ def test_changed_schedule_takes_effect_at_the_resumed_step(launch):
     diff = [line.split(" (")[0] for line in changed["changes"]]
     assert diff == [
         "train.steps: 6 -> 8", "train.lr: 0.001 -> 0.0005", "train.min_lr: 0.0001 -> 5e-05",
-        "train.warmup_steps: 2 -> 1", "train.betas: [0.9, 0.95] -> [0.8, 0.99]", "train.weight_decay: 0.1 -> 0.05",
-        "train.grad_clip: 1.0 -> 0.5",
+        "train.warmup_steps: 2 -> 1", "train.betas: [0.9, 0.95] -> [0.8, 0.99]",
+        "train.weight_decay: 0.1 -> 0.05", "train.grad_clip: 1.0 -> 0.5",
     ], diff  # checkpoint.resume, which every resume sets, is not listed
     assert "resume from " + str(root / "r4" / "checkpoints" / "step-3") + ": 7 settings differ" in proc.stdout
     assert "  train.lr: 0.001 -> 0.0005 (takes effect: the LR schedule is rebuilt" in proc.stdout
@@ -219,8 +260,8 @@ def test_full_disk_names_the_cause_keeps_the_previous_checkpoint_and_resumes_exa
     out = capsys.readouterr()
     errors = [line for line in out.err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in out.err, out.err
-    assert errors[0].startswith(f"error: saving checkpoint {ckpts / 'step-2'} failed: No space left on device: "
-                                f"{ckpts / '.tmp-step-2'}/"), errors[0]
+    assert errors[0].startswith(f"error: saving checkpoint {ckpts / 'step-2'} failed: No space left on "
+                                f"device: {ckpts / '.tmp-step-2'}/"), errors[0]
     assert errors[0].endswith(f"; the newest complete checkpoint is still {ckpts / 'step-1'}")
     assert sorted(p.name for p in ckpts.iterdir()) == ["step-1"]  # nothing half-written that looks complete
     # a read-only file system: the same kind of one-line error
@@ -230,7 +271,9 @@ def test_full_disk_names_the_cause_keeps_the_previous_checkpoint_and_resumes_exa
     assert err.count("error:") == 1 and "error: Read-only file system: " + str(run) in err, err
     # room again: auto-resume picks step-1 and ends bit-identical to an uninterrupted run
     subprocess.run(["mount", "-o", "remount,rw,size=16M", str(tiny_fs)], check=True)
-    assert train_main(one_process(small_data, run, **{"checkpoint.resume": '"auto"', "checkpoint.keep": 1})) == 0
+    assert (
+        train_main(one_process(small_data, run, **{"checkpoint.resume": '"auto"', "checkpoint.keep": 1})) == 0
+    )
     assert f"from {ckpts / 'step-1'} at step 1" in capsys.readouterr().out
     assert train_main(one_process(small_data, tmp_path / "ref", **{"checkpoint.enabled": "false"})) == 0
     got, want = (load_file(str(d / "final" / "model.safetensors")) for d in (run, tmp_path / "ref"))

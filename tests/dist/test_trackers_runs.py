@@ -1,8 +1,9 @@
 """Experiment trackers: W&B (offline) and MLflow (local file store) receive exactly what metrics.jsonl holds,
-from rank 0 only; a killed and resumed run stays one run in each; an unreachable MLflow server costs one warning.
+from rank 0 only; a killed and resumed run stays one run in each; an unreachable MLflow server costs
+one warning.
 
-Two torchrun launches of tests/workers/ckpt_worker.py at 2 ranks on the ~100k-parameter model. Everything is read
-back with each library's own reader: W&B's transaction log through ``wandb leet inspect --json``, MLflow
+Two torchrun launches of tests/workers/ckpt_worker.py at 2 ranks on the ~100k-parameter model. Everything is
+read back with each library's own reader: W&B's transaction log through ``wandb leet inspect --json``, MLflow
 through ``MlflowClient``. Nothing leaves the machine (W&B offline, MLflow on a file store or 127.0.0.1).
 """
 
@@ -26,7 +27,8 @@ WARNING = "warning: mlflow tracking stopped"
 
 
 def tracked(data: Path, root: Path, name: str, extra: dict | None = None, **hooks) -> dict:
-    """A scenario logging to W&B (offline, files in the run directory) and to the MLflow store under ``root``."""
+    """A scenario logging to W&B (offline, files in the run directory) and to the MLflow store
+    under ``root``."""
     overrides = {**micro(2), "train.steps": 6, "train.eval_interval": 3, "metrics.wandb": "true",
                  "metrics.wandb_mode": '"offline"', "metrics.wandb_project": '"shardlm-test"',
                  "metrics.mlflow": "true", "metrics.mlflow_tracking_uri": f'"file:{root / "mlruns"}"',
@@ -36,13 +38,14 @@ def tracked(data: Path, root: Path, name: str, extra: dict | None = None, **hook
 
 @pytest.fixture(scope="module")
 def runs(small_data, tmp_path_factory):
-    """Launch 1: a tracked run, an unreachable MLflow server, then a run killed after step 5 (checkpoint at 3).
-    Launch 2: the killed run resumed, and a run preempted (SIGTERM) after step 2."""
+    """Launch 1: a tracked run, an unreachable MLflow server, then a run killed after step 5 (checkpoint at
+    3). Launch 2: the killed run resumed, and a run preempted (SIGTERM) after step 2."""
     root = tmp_path_factory.mktemp("trackers")
     d, out = small_data, root / "out"
     with pytest.MonkeyPatch.context() as mp:  # torchrun's workers inherit these
         mp.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # the unreachable server: fail at once
-        mp.setenv("WANDB_ERROR_REPORTING", "false")  # wandb-core sends no error reports: nothing leaves the machine
+        # wandb-core sends no error reports: nothing leaves the machine
+        mp.setenv("WANDB_ERROR_REPORTING", "false")
         mp.delenv("WANDB_API_KEY", raising=False)  # no W&B credentials anywhere: online mode cannot log in
         mp.setenv("NETRC", str(root / "no-netrc"))
         mp.setenv("WANDB_CONFIG_DIR", str(root / "wandb-config"))
@@ -50,10 +53,12 @@ def runs(small_data, tmp_path_factory):
             tracked(d, root, "both"),
             tracked(d, root, "unreachable", {"train.steps": 4, "metrics.wandb_mode": '"online"',
                                              "metrics.mlflow_tracking_uri": '"http://127.0.0.1:9"'}),
-            tracked(d, root, "killed", {"train.steps": 8, "checkpoint.interval": 3}, kill_after_step=5, kill_rank=1),
+            tracked(d, root, "killed", {"train.steps": 8, "checkpoint.interval": 3}, kill_after_step=5,
+                    kill_rank=1),
         ], out, check=False)
         more, second = launch(2, [
-            tracked(d, root, "resumed", {"train.steps": 8, "checkpoint.interval": 3, "checkpoint.resume": '"auto"',
+            tracked(d, root, "resumed",
+                    {"train.steps": 8, "checkpoint.interval": 3, "checkpoint.resume": '"auto"',
                                          "run.dir": f'"{root / "killed"}"', "run.name": '"killed"'}),
             tracked(d, root, "preempted", {"train.steps": 5}, sigterm_after_step=2, sigterm_rank=0),
         ], out)
@@ -61,7 +66,8 @@ def runs(small_data, tmp_path_factory):
 
 
 def wandb_segments(run_dir: Path) -> list[list[dict]]:
-    """The records of each offline W&B run segment under ``run_dir/wandb``, oldest first (W&B's own reader)."""
+    """The records of each offline W&B run segment under ``run_dir/wandb``, oldest first (W&B's
+    own reader)."""
     files = sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
     env = {**os.environ, "WANDB_MODE": "offline"}  # offline: the reader uploads no telemetry either
     segments = []
@@ -127,7 +133,9 @@ def test_both_trackers_get_config_and_every_step_from_rank_0_only(runs):
     assert run["display_name"] == "both" and run["project"] == "shardlm-test"
     assert wandb_history(segment) == want  # every logged step, every value, exactly
     summary = wandb_summary(segment)
-    assert summary["final_model_dir"] == str((run_dir / "final").resolve()) and summary["outcome"] == "finished"
+    assert (
+        summary["final_model_dir"] == str((run_dir / "final").resolve()) and summary["outcome"] == "finished"
+    )
     assert of_type(segment, "exit")[0]["exit_code"] == 0
     ids = json.loads((run_dir / "trackers.json").read_text())
     assert ids["wandb"]["id"] == run["run_id"]
@@ -155,7 +163,9 @@ def test_unreachable_mlflow_one_warning_and_training_finishes(runs):
     assert first.stderr.count(WARNING) == 1, first.stderr[-3000:]  # the unreachable scenario only
     line = next(x for x in first.stderr.splitlines() if WARNING in x)
     assert "127.0.0.1" in line or "Connection" in line, line
-    assert first.stderr.count("warning: wandb tracking stopped (start: RuntimeError: not logged in to W&B") == 1
+    assert (
+        first.stderr.count("warning: wandb tracking stopped (start: RuntimeError: not logged in to W&B") == 1
+    )
     assert [r["trackers"] for r in reports["unreachable"]] == [[], []]
     assert [r["step"] for r in read_metrics(root / "unreachable" / "metrics.jsonl")] == [1, 2, 3, 4]
     assert (root / "unreachable" / "final" / "model.safetensors").is_file()
@@ -174,7 +184,8 @@ def test_killed_and_resumed_run_is_one_run_in_each_tracker(runs):
     assert max(killed_history) > 3  # the killed attempt logged steps past its checkpoint
     (k_run,), (r_run,) = of_type(killed, "run"), of_type(resumed, "run")
     assert k_run["run_id"] == r_run["run_id"]  # one W&B run
-    assert r_run["branch_point"] == {"metric": "_step", "run": k_run["run_id"], "value": 3}  # rewound to step 3
+    # rewound to step 3
+    assert r_run["branch_point"] == {"metric": "_step", "run": k_run["run_id"], "value": 3}
     # what W&B shows after the rewind: the first attempt up to step 3, then the resumed attempt's steps
     shown = {s: v for s, v in killed_history.items() if s <= 3} | wandb_history(resumed)
     assert shown == want

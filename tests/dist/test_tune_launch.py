@@ -22,17 +22,17 @@ from test_tune import TINY, as_candidate, table_rows
 
 
 def tiny_toml(data: Path) -> str:
-    """:data:`TINY` on the prepared ``data``, with the data settings it was made with (conftest's ``describing``),
-    so that a run on it is not refused as made from other data."""
+    """:data:`TINY` on the prepared ``data``, with the data settings it was made with (conftest's
+    ``describing``), so that a run on it is not refused as made from other data."""
     settings = "".join(f"{k.removeprefix('data.')} = {v}\n" for k, v in describing(data).items())
     return TINY.format(data=data).replace(f'dir = "{data}"\n', f'dir = "{data}"\n{settings}', 1)
 
 
 @pytest.mark.dist
 def test_tune_measures_the_fitting_candidates_in_one_launch(tmp_path, small_data, capsys, monkeypatch):
-    """A memory budget between the config's own settings and activation checkpointing: the config's row does not
-    fit and is not measured, several others are, in one torchrun launch; the pick is the fastest measured row and
-    its TOML, layered on the config, loads as those settings, which fit the budget."""
+    """A memory budget between the config's own settings and activation checkpointing: the config's row does
+    not fit and is not measured, several others are, in one torchrun launch; the pick is the fastest measured
+    row and its TOML, layered on the config, loads as those settings, which fit the budget."""
     config = tmp_path / "tiny.toml"
     config.write_text(tiny_toml(small_data))
     cfg = load_config(str(config))
@@ -50,19 +50,22 @@ def test_tune_measures_the_fitting_candidates_in_one_launch(tmp_path, small_data
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     out = tmp_path / "tuned.toml"
     capsys.readouterr()
-    code = shardlm_main(["tune", str(config), "--world-size", "2", "--out", str(out), "--warmup", "1", "--steps",
-                         "2", "--memory-per-rank", f"{budget / GIB:.9f}", "--headroom", "0"])
+    code = shardlm_main(["tune", str(config), "--world-size", "2", "--out", str(out), "--warmup", "1",
+                         "--steps", "2", "--memory-per-rank", f"{budget / GIB:.9f}", "--headroom", "0"])
     captured = capsys.readouterr()
     print(captured.out)
     assert code == 0, captured.err
-    assert len(launches) == 1 and "torch.distributed.run" in launches[0] and "--nproc_per_node=2" in launches[0]
+    assert (
+        len(launches) == 1 and "torch.distributed.run" in launches[0] and "--nproc_per_node=2" in launches[0]
+    )
     rows = table_rows(captured.out)
     measured = [r for r in rows if r["step s"] != "-"]
     assert len(measured) >= 4 and all(r["fits"] == "yes" for r in measured)
     assert {r["compile"] for r in measured} == {"false", "true"}  # compiled blocks measured too (gcc is here)
     assert {r["blocks/group"] for r in measured} == {"1", "2"}  # and both blocks in one FSDP group
     tensor_parallel = [r for r in measured if r["tp"] == "2"]  # and tensor parallel over both ranks: the same
-    assert tensor_parallel and all(r["micro-batch x accum"].endswith(" x 2") for r in tensor_parallel)  # 8 rows
+    # 8 rows
+    assert tensor_parallel and all(r["micro-batch x accum"].endswith(" x 2") for r in tensor_parallel)
     assert all(r["AC"] in ("none", "full") for r in tensor_parallel) and {r["ep"] for r in rows} == {"1"}
     progress = re.findall(r"^tune: reshard=.*$", captured.err, re.M)  # one line per measurement
     assert len([line for line in progress if not line.endswith("(confirming)")]) == len(measured)
@@ -128,8 +131,8 @@ def test_a_killed_rank_keeps_the_measurements(tmp_path, small_data):
     assert proc.returncode == 2, err
     assert "Traceback" not in err
     errors = [line for line in err.splitlines() if line.startswith("error: ")]
-    assert errors == ["error: the measuring launch failed (rank 1 ended with exit code -9 (SIGKILL)); 2 candidates "
-                     "were measured before the failure"], err
+    assert errors == ["error: the measuring launch failed (rank 1 ended with exit code -9 (SIGKILL)); 2 "
+                     "candidates were measured before the failure"], err
     assert "measured before the launch failed (nothing was written)" in stdout
     measured = [r for r in table_rows(stdout) if r["step s"] != "-"]
     assert len(measured) == 2  # the two announced before the kill (a third cannot finish without rank 1)
@@ -140,10 +143,11 @@ def test_a_killed_rank_keeps_the_measurements(tmp_path, small_data):
 
 @pytest.mark.dist
 def test_a_crashed_worker_shows_its_output(tmp_path):
-    """A worker that crashes (here: a malformed candidate in the spec) ends the launch with torchrun's root cause
-    and the end of the output, where the worker's traceback says what happened."""
-    spec = {"config": None, "overrides": [], "rows": [{"cand": {"no_such_field": 1}}], "base": {}, "warmup": 1,
-            "steps": 1, "repeats": 1, "confirm": 0, "search": "full", "device": "cpu", "budget": 1e12}
+    """A worker that crashes (here: a malformed candidate in the spec) ends the launch with torchrun's root
+    cause and the end of the output, where the worker's traceback says what happened."""
+    spec = {"config": None, "overrides": [], "rows": [{"cand": {"no_such_field": 1}}], "base": {},
+            "warmup": 1, "steps": 1, "repeats": 1, "confirm": 0, "search": "full", "device": "cpu",
+            "budget": 1e12}
     with pytest.raises(tune.TuneError) as info:
         tune.launch(spec, 2, tmp_path)
     message = str(info.value)

@@ -1,5 +1,5 @@
-"""The configuration package: every name importable from ``shardlm.config`` as before its split, and the model's
-own rules checkable on a :class:`ModelConfig` alone, the same rules a run's config applies."""
+"""The configuration package: every name importable from ``shardlm.config`` as before its split, and the
+model's own rules checkable on a :class:`ModelConfig` alone, the same rules a run's config applies."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import shardlm.config
 from shardlm.config import Config, ConfigError, ModelConfig, load_config, validate
 
 #: the names that src/, tests/ and bench/ import from ``shardlm.config``
-IMPORTED = ["Config", "ConfigError", "DataSource", "LoRAConfig", "ModelConfig", "ParallelConfig", "TrainConfig",
-            "apply_init_from", "gradient_accumulation_steps", "load_config", "parse_cli_value", "validate"]
+IMPORTED = ["Config", "ConfigError", "DataSource", "LoRAConfig", "ModelConfig", "ParallelConfig",
+            "TrainConfig", "apply_init_from", "gradient_accumulation_steps", "load_config", "parse_cli_value",
+            "validate"]
 
 
 def test_every_name_imported_today_is_importable_from_the_package():
@@ -32,7 +33,8 @@ def test_the_models_rules_on_a_model_config_alone_and_in_a_run_config(fields, me
     with pytest.raises(ConfigError, match=message):
         ModelConfig(**fields).check()
     cfg = Config(model=ModelConfig(**fields))
-    with pytest.raises(ConfigError, match=message):  # the run's checks apply the same rule, with the same words
+    with pytest.raises(ConfigError, match=message):
+        # the run's checks apply the same rule, with the same words
         validate(cfg)
     overrides = [f"--model.{k}={v}" for k, v in fields.items()]
     with pytest.raises(ConfigError, match=message):

@@ -1,5 +1,5 @@
-"""Console and report wording (issue 34 item 7): one progress line per step count, a resumed run's wall time summed
-over its attempts."""
+"""Console and report wording (issue 34 item 7): one progress line per step count, a resumed run's wall time
+summed over its attempts."""
 
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ def test_plain_progress_prints_each_step_count_once():
 
 
 def test_report_sums_the_wall_time_of_every_attempt(tmp_path):
-    # a fresh start logged steps 1-4 (resumed from step 4's checkpoint: its later records were dropped), then a
-    # resume logged 5-8, then another 9-10
+    # a fresh start logged steps 1-4 (resumed from step 4's checkpoint: its later records were dropped), then
+    # a resume logged 5-8, then another 9-10
     times = [1.0, 2.0, 3.0, 4.0, 0.5, 1.5, 2.5, 3.5, 0.7, 1.2]
     records = [{"step": 0, "val_loss": 5.0}] + [{"step": i + 1, "loss": 1.0, "elapsed_s": t}
                                                  for i, t in enumerate(times)]

@@ -31,7 +31,8 @@ def test_one_rank_split_is_the_identity_and_masks_are_the_reference():
     docs = torch.tensor([[0, 0, 1, 1, 1, 2, 2], [0, 1, 1, 1, 1, 1, 1]])
     assert torch.equal(cp.dense_mask(cp.masks(7, docs, {3}, "cpu")[3], 7, "cpu"), dense_mask(docs, 3))
     assert cp.masks(7, None, {0, 7}, "cpu") == {0: None, 7: None}  # causal by position: no mask needed
-    assert torch.equal(cp.rope_positions(2, 7, docs, "cpu"), torch.tensor([[0, 1, 0, 1, 2, 0, 1], [0, 0, 1, 2, 3, 4, 5]]))
+    assert torch.equal(cp.rope_positions(2, 7, docs, "cpu"),
+                       torch.tensor([[0, 1, 0, 1, 2, 0, 1], [0, 0, 1, 2, 3, 4, 5]]))
 
 
 @pytest.mark.parametrize("window,with_docs", [(0, False), (0, True), (5, False), (3, True)])
@@ -79,9 +80,11 @@ def test_a_sequence_shorter_than_cp_is_refused_and_padding_may_pass_the_tables()
     cp = ContextParallel(None)
     cp.size = 4
     cp.check_sequence(4)
-    with pytest.raises(ConfigError, match=r"train.seq_len=3 is shorter than parallel.cp=4: .* at least 4 tokens"):
+    with pytest.raises(ConfigError,
+                       match=r"train.seq_len=3 is shorter than parallel.cp=4: .* at least 4 tokens"):
         cp.check_sequence(3)
-    # a 63-token sequence of a 64-position model pads to 64 at cp 4 and to 72 at cp 6: padding takes position 0
+    # a 63-token sequence of a 64-position model pads to 64 at cp 4 and to 72 at cp 6: padding takes
+    # position 0
     cp.size = 6
     assert cp.shard(torch.arange(63).view(1, 63)).shape == (1, 12)
     cp.rank = 0
@@ -92,7 +95,8 @@ def test_cp_not_dividing_the_world_size_is_one_clear_error():
     from shardlm.config import Config, ParallelConfig, validate
     from shardlm.parallel.dist import dp_mesh_shape
 
-    with pytest.raises(ConfigError, match=r"parallel.cp=3 must divide the world size 4 \(each sequence is split"):
+    with pytest.raises(ConfigError,
+                       match=r"parallel.cp=3 must divide the world size 4 \(each sequence is split"):
         dp_mesh_shape(ParallelConfig(cp=3), 4, 4)
     assert dp_mesh_shape(ParallelConfig(cp=2), 4, 4) == (1, 2)  # 2 data-parallel ranks of 2 CP ranks each
     # the mesh under CP covers world / cp ranks: the message names both (it said "the world size 1" at 2)
@@ -102,7 +106,8 @@ def test_cp_not_dividing_the_world_size_is_one_clear_error():
         dp_mesh_shape(ParallelConfig(cp=2, dp_shard=3), 4, 4)
     cfg = Config()
     cfg.parallel.cp, cfg.parallel.mode = 2, "single"
-    with pytest.raises(ConfigError, match="parallel.cp must be >= 1 .* and 1 in parallel.mode='single', got 2"):
+    with pytest.raises(ConfigError,
+                       match="parallel.cp must be >= 1 .* and 1 in parallel.mode='single', got 2"):
         validate(cfg)
 
 
@@ -118,7 +123,10 @@ def test_planner_counts_a_rank_s_share_of_the_sequence():
     cfg.parallel.cp, cfg.train.global_batch_size = 2, 1
     cp = plan_memory(cfg, 2, "cpu")
     # same parameters and state per rank; blockwise attention (the CPU's): activations of 512 tokens per rank
-    assert cp.breakdown["params"] == fsdp.breakdown["params"] and cp.breakdown["optimizer"] == fsdp.breakdown["optimizer"]
+    assert (
+        cp.breakdown["params"] == fsdp.breakdown["params"]
+        and cp.breakdown["optimizer"] == fsdp.breakdown["optimizer"]
+    )
     assert 0.5 < cp.breakdown["activations"] / fsdp.breakdown["activations"] < 0.51
     # the fallback (a GPU: no log-sum-exp kernel wired) keeps attention over all 1024 tokens on CP rank 0
     gpu_cp = plan_memory(cfg, 2, "h100")
@@ -132,7 +140,8 @@ def test_planner_counts_a_rank_s_share_of_the_sequence():
 
 def test_a_cp_rank_s_moe_layers_count_only_its_real_tokens():
     """shard_batch marks CP's padding for the router statistics of each MoE layer: 10 tokens padded to 12 at
-    CP 2, rank 0 holds global positions 0-2 and 9-11 (10 and 11 padding), rank 1 positions 3-8 (no padding)."""
+    CP 2, rank 0 holds global positions 0-2 and 9-11 (10 and 11 padding), rank 1 positions 3-8
+    (no padding)."""
     from shardlm.model.moe import MoE
     inputs = torch.arange(20).view(2, 10)
     for rank, counted in ((0, [True] * 4 + [False] * 2), (1, None)):
@@ -175,12 +184,16 @@ def test_plan_llama3_8b_at_128k_tokens_on_8_h100s_with_cp8(capsys):
     capsys.readouterr()
     assert shardlm_main([*args, "--parallel.cp=8"]) == 0
     out = capsys.readouterr().out
-    assert "context parallel 8: each sequence split over 8 ranks, 16,384 tokens per rank" in out and "  fits:" in out
+    assert (
+        "context parallel 8: each sequence split over 8 ranks, 16,384 tokens per rank" in out
+        and "  fits:" in out
+    )
     cp8 = float(out.split("activations (saved for backward)")[1].split()[0])
     assert shardlm_main([*args, "--train.global_batch_size=8"]) == 0  # no CP: a 128k sequence on every rank
     out = capsys.readouterr().out
     assert "does not fit" in out
-    assert float(out.split("activations (saved for backward)")[1].split()[0]) > 5 * cp8  # 55.6 against 9.3 GiB
+    # 55.6 against 9.3 GiB
+    assert float(out.split("activations (saved for backward)")[1].split()[0]) > 5 * cp8
 
 
 LLAMA3_8B_128K = ["--train.seq_len=131072", "--model.max_seq_len=131072", "--train.micro_batch_size=1",
@@ -230,8 +243,8 @@ def test_plan_llama3_8b_at_128k_on_8_h100s_with_cp4_x_tp2_is_near_cp8_and_fits(c
         out = capsys.readouterr().out
         assert "  fits:" in out, out
         planned[len(layout)] = float(out.split("activations (saved for backward)")[1].split()[0])
-    assert ("context parallel 4: each sequence split over 4 ranks, 32,768 tokens per rank (16,384 between the "
-            "blocks: sequence parallel over tp 2)") in out
+    assert ("context parallel 4: each sequence split over 4 ranks, 32,768 tokens per rank (16,384 between "
+            "the blocks: sequence parallel over tp 2)") in out
     assert "mesh dp_shard 4 x tp 2: tensor parallel 2" in out
     # both hold 16,384 tokens per rank between the blocks (the 32 checkpointed inputs: 4 GiB each way); in
     # the recomputed block CP 4 x TP 2 has twice the tokens on half the heads and FFN width (the same bytes)

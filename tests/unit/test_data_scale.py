@@ -51,7 +51,9 @@ def write_format(root: Path, fmt: str, docs: list[str]) -> Path:
         with gzip.open(p := root / "c.jsonl.gz", "wt") as f:
             f.write(jsonl_text(docs))
     elif fmt == "jsonl.zst":
-        (p := root / "c.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(jsonl_text(docs).encode()))
+        (p := root / "c.jsonl.zst").write_bytes(
+            zstandard.ZstdCompressor().compress(jsonl_text(docs).encode())
+        )
     elif fmt == "parquet":
         pq.write_table(pa.table({"id": list(range(len(docs))), "text": docs}), p := root / "c.parquet",
                        row_group_size=40)
@@ -101,8 +103,10 @@ def test_every_format_reads_the_same_documents(corpora):
 
 
 def test_hf_dataset_by_name_is_offline(tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))  # an empty cache: nothing is downloaded, no retries
-    with pytest.raises(DataError, match=r"hf:nobody/nothing: cannot load the dataset from the local Hugging Face "
+    # an empty cache: nothing is downloaded, no retries
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    with pytest.raises(DataError,
+                       match=r"hf:nobody/nothing: cannot load the dataset from the local Hugging Face "
                                         r"cache \(offline\)"):
         plan_pieces("hf:nobody/nothing")
 
@@ -126,14 +130,16 @@ def _awkward_text(n_lines: int, seed: int = 0) -> str:
     lines = []
     for _ in range(n_lines):
         line = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 9)))
-        line = rng.choice(["", "  ", "\t", "(", "...", "'"]) + line + rng.choice(["", " ", ".", "!\r", "  ", ":"])
+        line = rng.choice(["", "  ", "\t", "(", "...", "'"]) + line + rng.choice(["", " ", ".", "!\r", "  ",
+                                                                                  ":"])
         lines.append(line if rng.random() > 0.15 else rng.choice(["", " ", "***"]))
     return "\n".join(lines) + "\n"
 
 
 def test_cuts_leave_byte_level_tokens_unchanged(tmp_path, monkeypatch, smol_dir):
-    """A large .txt read in many pieces, 1 KB blocks and 1,200-character chunks encodes to exactly the tokens of
-    the whole text in one call, for shardlm's tokenizer, the same with Llama 3's pre-tokenizer regex, SmolLM2's."""
+    """A large .txt read in many pieces, 1 KB blocks and 1,200-character chunks encodes to exactly the tokens
+    of the whole text in one call, for shardlm's tokenizer, the same with Llama 3's pre-tokenizer
+    regex, SmolLM2's."""
     from tokenizers import Regex, pre_tokenizers
 
     from shardlm.data import pieces as data_pieces
@@ -148,10 +154,18 @@ def test_cuts_leave_byte_level_tokens_unchanged(tmp_path, monkeypatch, smol_dir)
     chunks_of = [(text, chunks)]
     ours = train_tokenizer([text], 600)
     llama3 = train_tokenizer([text], 600)
-    llama3.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+"
-                                   r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    llama3.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(
+                Regex(
+                    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| "
+                    r"?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+                ),
+                behavior="isolated",
+            ),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     smol = load_tokenizer(str(smol_dir / "tokenizer.json"))
     # and documents without a usable newline: CRLF line ends, one long line (cut before a space)
     crlf = text.replace("\r", "").replace("\n", "\r\n")
@@ -238,8 +252,8 @@ BAD = ["corrupt gz", "truncated zst", "parquet without text", "jsonl not json", 
 def test_bad_input_one_clear_error(case, tmp_path, capsys):
     corpus, needle = _bad_inputs(tmp_path)[case]
     out = tmp_path / "data"
-    code = cli_main(["prepare", "--config", str(ROOT / "configs/shakespeare-tiny.toml"), f"--data.corpus={corpus}",
-                     f"--data.dir={out}", "--model.vocab_size=300", "--workers=1"])
+    code = cli_main(["prepare", "--config", str(ROOT / "configs/shakespeare-tiny.toml"),
+                     f"--data.corpus={corpus}", f"--data.dir={out}", "--model.vocab_size=300", "--workers=1"])
     err = capsys.readouterr().err
     assert code == 2
     assert err.count("error:") == 1 and needle in err, err
@@ -270,7 +284,9 @@ def test_tokenizer_sample_is_bounded_and_seeded(tmp_path):
                        tokenizer_sample_bytes=50_000)
     b = prepare_corpus(str(corpus), str(tmp_path / "b"), None, 400, 0.1, seed=5, piece_bytes=20_000,
                        tokenizer_sample_bytes=50_000)
-    assert (tmp_path / "a" / "tokenizer.json").read_bytes() == (tmp_path / "b" / "tokenizer.json").read_bytes()
+    assert (tmp_path / "a" / "tokenizer.json").read_bytes() == (
+        tmp_path / "b" / "tokenizer.json"
+    ).read_bytes()
     assert a["content_sha256"] == b["content_sha256"]
 
 

@@ -1,6 +1,6 @@
-"""Document boundaries beyond the model: where prepared data records them, what ``shardlm prepare`` prints, what the
-planner counts (packing, block-causal FLOPs, the mask), block-causal evaluation, resume of older checkpoints, and
-mixtures. The data fixtures and helpers are tests/unit/test_packing.py's."""
+"""Document boundaries beyond the model: where prepared data records them, what ``shardlm prepare`` prints,
+what the planner counts (packing, block-causal FLOPs, the mask), block-causal evaluation, resume of older
+checkpoints, and mixtures. The data fixtures and helpers are tests/unit/test_packing.py's."""
 
 from __future__ import annotations
 
@@ -43,23 +43,30 @@ def mixture_data(doc_data, small_data, tmp_path_factory):
 
 
 def test_prepare_prints_the_packing_and_the_documents(packed_data, doc_data, small_data, tmp_path, capsys):
-    """``shardlm prepare`` with data.pack prints the packing at train.seq_len (rows, fill, padding saved); on text
-    data it prints the recorded documents."""
+    """``shardlm prepare`` with data.pack prints the packing at train.seq_len (rows, fill, padding saved); on
+    text data it prints the recorded documents."""
     from shardlm.cli.main import main as shardlm_main
 
     base = ["prepare", "--config", str(ROOT / "configs/shakespeare-tiny.toml"), f"--train.seq_len={SEQ}",
-            f"--data.tokenizer={small_data / 'tokenizer.json'}", "--data.val_fraction=0.1", "--model.vocab_size=512"]
+            f"--data.tokenizer={small_data / 'tokenizer.json'}", "--data.val_fraction=0.1",
+            "--model.vocab_size=512"]
     capsys.readouterr()
-    assert shardlm_main(base + ["--data.format=instruct", "--data.pack=true", "--model.attention=block_causal",
-                                f"--data.corpus={packed_data.parent / 'chat.jsonl'}", f"--data.dir={tmp_path / 'i'}"]) == 0
+    assert shardlm_main(base + ["--data.format=instruct", "--data.pack=true",
+                                "--model.attention=block_causal",
+                                f"--data.corpus={packed_data.parent / 'chat.jsonl'}",
+                                f"--data.dir={tmp_path / 'i'}"]) == 0
     out = capsys.readouterr().out
     packed = PackedExamples(InstructionExamples(str(tmp_path / "i"), "train", SEQ, skip_untrainable=True), 0)
     assert f"  packing   {packed.summary()}" in out.splitlines()
     assert f"padding {packed.padding:,} tokens instead of {packed.unpacked_padding:,} unpacked" in out
-    assert shardlm_main(base + [f"--data.corpus={doc_data.parent / 'docs.jsonl'}", f"--data.dir={tmp_path / 't'}"]) == 0
+    assert shardlm_main(base + [f"--data.corpus={doc_data.parent / 'docs.jsonl'}",
+                                f"--data.dir={tmp_path / 't'}"]) == 0
     meta = load_meta(str(tmp_path / "t"))
     mean = (meta["train_tokens"] + meta["val_tokens"]) / 60
-    assert f"  documents 60 (mean {mean:,.1f} tokens; their starts recorded in document_starts.bin" in capsys.readouterr().out
+    assert (
+        f"  documents 60 (mean {mean:,.1f} tokens; their starts recorded in document_starts.bin"
+        in capsys.readouterr().out
+    )
 
 
 def test_prepared_data_records_where_documents_start(doc_data, small_data, tmp_path):
@@ -76,7 +83,8 @@ def test_prepared_data_records_where_documents_start(doc_data, small_data, tmp_p
     texts = [" ".join(WORDS[i:i + 12]) for i in range(0, 36, 12)]
     texts[1] = texts[1][:20] + " <|end_of_document|> " + texts[1][20:]
     (tmp_path / "c.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    prepare_corpus(str(tmp_path / "c.jsonl"), str(tmp_path / "d"), str(small_data / "tokenizer.json"), 512, 0.05)
+    prepare_corpus(str(tmp_path / "c.jsonl"), str(tmp_path / "d"), str(small_data / "tokenizer.json"), 512,
+                   0.05)
     windows = TokenWindows(str(tmp_path / "d"), "train", 80)
     recorded, by_eod = DocumentWindows(windows, eod), DocumentWindows(windows, eod)
     by_eod.source = "eod"  # the rule data without a record falls back to
@@ -109,16 +117,22 @@ def test_planner_counts_packing_block_causal_flops_and_the_mask(packed_data, doc
 
     def context_of(batch):  # Σ n² / T of the documents the model gets
         docs = batch_documents(batch)
-        return float(sum((torch.unique_consecutive(r, return_counts=True)[1].double() ** 2).sum() for r in docs)
-                     / docs.numel())
+        return float(
+            sum((torch.unique_consecutive(r, return_counts=True)[1].double() ** 2).sum() for r in docs)
+            / docs.numel()
+        )
     base = [f"--train.seq_len={SEQ}", "--model.attention=block_causal", "--train.micro_batch_size=2",
             "--train.global_batch_size=4", "--parallel.mode=single"]
     text = load_config(str(ROOT / "configs/shakespeare-tiny.toml"), base + [f"--data.dir={doc_data}"])
-    windows = DocumentWindows(TokenWindows(str(doc_data), "train", SEQ), load_meta(str(doc_data))["special_ids"]["eod"])
+    windows = DocumentWindows(TokenWindows(str(doc_data), "train", SEQ),
+                              load_meta(str(doc_data))["special_ids"]["eod"])
     shape = document_shape(text)
     every = list(range(len(windows)))
     assert shape.samples == len(windows) and shape.context == pytest.approx(context_of(windows.get(every)))
-    assert shape.targets == pytest.approx(windows.num_targets(every) / len(windows)) and shape.context < 0.8 * SEQ
+    assert (
+        shape.targets == pytest.approx(windows.num_targets(every) / len(windows))
+        and shape.context < 0.8 * SEQ
+    )
     packed_cfg = load_config(str(ROOT / "configs/shakespeare-tiny.toml"), base + [
         f"--data.dir={packed_data}", "--data.format=instruct", "--data.pack=true"])
     packed = PackedExamples(InstructionExamples(str(packed_data), "train", SEQ, skip_untrainable=True),
@@ -138,13 +152,17 @@ def test_planner_counts_packing_block_causal_flops_and_the_mask(packed_data, doc
     assert mask == sum(t.nbytes for t in real.values()) == 2 * SEQ * SEQ * 4
     assert plan_memory(text, 1).peak - plan_memory(causal, 1).peak == mask
     report = format_plan(text, 1, "cpu", 0.05)
-    assert f"block-causal attention: context {shape.context:,.1f} of {SEQ} tokens per sequence" in report, report
+    assert f"block-causal attention: context {shape.context:,.1f} of {SEQ} tokens per sequence" in report, (
+        report
+    )
     assert f"fill {100 * pshape.fill:.1f}%" in format_plan(packed_cfg, 1, "cpu", 0.05)
     unpacked = load_config(str(ROOT / "configs/shakespeare-tiny.toml"), base + [
         f"--data.dir={packed_data}", "--data.format=instruct"])
-    assert "no response token within the first 65 tokens" in document_shape(unpacked).source  # as training says
+    # as training says
+    assert "no response token within the first 65 tokens" in document_shape(unpacked).source
     unpacked = load_config(str(ROOT / "configs/shakespeare-tiny.toml"), base + [
-        f"--data.dir={packed_data}", "--data.format=instruct", "--train.seq_len=256", "--model.max_seq_len=256"])
+        f"--data.dir={packed_data}", "--data.format=instruct", "--train.seq_len=256",
+        "--model.max_seq_len=256"])
     ushape = document_shape(unpacked)
     plain = InstructionExamples(str(packed_data), "train", 256)
     assert ushape.samples == len(plain) and ushape.context == 256
@@ -155,11 +173,11 @@ def test_planner_counts_packing_block_causal_flops_and_the_mask(packed_data, doc
 
 
 def test_block_causal_eval_equals_each_document_alone(doc_data, small_data, tmp_path, monkeypatch, capsys):
-    """``evaluate_tokens`` with document starts (windows of several documents packed into one row, block-causal)
-    equals evaluating each document alone (loss 1e-6 relative, the same token count) in fewer forward rows; the
-    whole stream under causal attention differs (the control); ``shardlm eval --attention block_causal`` on an
-    exported model gives the same figures from text, and on the prepared data's validation split (its recorded
-    document starts); prepared data of another tokenizer is refused."""
+    """``evaluate_tokens`` with document starts (windows of several documents packed into one row,
+    block-causal) equals evaluating each document alone (loss 1e-6 relative, the same token count) in fewer
+    forward rows; the whole stream under causal attention differs (the control); ``shardlm eval --attention
+    block_causal`` on an exported model gives the same figures from text, and on the prepared data's
+    validation split (its recorded document starts); prepared data of another tokenizer is refused."""
     from shardlm.convert.hf_out import save_model_dir
     from shardlm.data import load_tokenizer, read_documents, special_token_ids
     from shardlm.eval import perplexity
@@ -167,7 +185,8 @@ def test_block_causal_eval_equals_each_document_alone(doc_data, small_data, tmp_
 
     monkeypatch.setattr(perplexity, "all_reduce_sum", lambda t: t)  # one process, no process group
     info = DistInfo(0, 0, 1, torch.device("cpu"), "gloo")
-    cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128, vocab_size=512, max_seq_len=64)
+    cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128, vocab_size=512,
+                      max_seq_len=64)
     model = Llama(cfg)
     model.init_weights(0)
     tok = load_tokenizer(str(small_data / "tokenizer.json"))
@@ -184,15 +203,17 @@ def test_block_causal_eval_equals_each_document_alone(doc_data, small_data, tmp_
         assert abs(packed.loss_sum / sum(a.loss_sum for a in alone) - 1) < 1e-6, (context, stride)
         assert packed.windows == sum(a.windows for a in alone)
         whole = perplexity.evaluate_tokens(model, stream, info, 4, context, False, stride)
-        assert abs(whole.mean_loss - packed.mean_loss) > 1e-4  # (measured 5.9e-4 at 64 / 32; the tolerance is 1e-6)
+        # (measured 5.9e-4 at 64 / 32; the tolerance is 1e-6)
+        assert abs(whole.mean_loss - packed.mean_loss) > 1e-4
     windows = perplexity.document_windows(starts, len(stream), 64, 32)
-    assert len(perplexity._rows(windows, 64, True)) < len(windows)  # short ones share a row (measured 99 rows, 104)
+    # short ones share a row (measured 99 rows, 104)
+    assert len(perplexity._rows(windows, 64, True)) < len(windows)
     model_dir = save_model_dir(model.state_dict(), cfg, tmp_path / "m", small_data / "tokenizer.json")
     from shardlm.cli.main import main as shardlm_main
 
     capsys.readouterr()
-    assert shardlm_main(["eval", "--model", str(model_dir), "--data", str(corpus), "--context", "64", "--json",
-                         "--attention", "block_causal"]) == 0
+    assert shardlm_main(["eval", "--model", str(model_dir), "--data", str(corpus), "--context", "64",
+                         "--json", "--attention", "block_causal"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     ref = perplexity.evaluate_tokens(model, stream, info, 8, 64, False, 32, starts)
     assert out["attention"] == "block_causal" and out["tokens"] == ref.tokens
@@ -201,8 +222,8 @@ def test_block_causal_eval_equals_each_document_alone(doc_data, small_data, tmp_
     val = TokenWindows(str(doc_data), "val", 1).stream
     tokens = val.read(0, val.num_tokens).tolist()
     val_starts = [0] + [int(i) for i in val.starts_in(0, val.num_tokens) if i > 0]
-    assert shardlm_main(["eval", "--model", str(model_dir), "--data", str(doc_data), "--context", "64", "--json",
-                         "--attention", "block_causal"]) == 0
+    assert shardlm_main(["eval", "--model", str(model_dir), "--data", str(doc_data), "--context", "64",
+                         "--json", "--attention", "block_causal"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     ref = perplexity.evaluate_tokens(model, tokens, info, 8, 64, False, 32, val_starts)
     assert out["tokens"] == ref.tokens == len(tokens) - len(val_starts) and len(val_starts) > 3
@@ -213,17 +234,21 @@ def test_block_causal_eval_equals_each_document_alone(doc_data, small_data, tmp_
 
 
 def test_a_checkpoint_without_the_attention_field_resumes_only_as_causal():
-    """A checkpoint written before ``model.attention`` existed trained with causal attention: resuming it under
-    block-causal (or packed) is refused with the field named, under causal it is no change; a prepared data
-    record without document starts (older) is not a data difference; other document starts are."""
+    """A checkpoint written before ``model.attention`` existed trained with causal attention: resuming it
+    under block-causal (or packed) is refused with the field named, under causal it is no change; a prepared
+    data record without document starts (older) is not a data difference; other document starts are."""
     from shardlm.checkpoint.resume_config import REFUSED, config_changes, data_problems
 
     old = load_config(None, []).to_dict()
     del old["model"]["attention"], old["data"]["pack"]
     assert config_changes(old, load_config(None, ["--model.attention=causal"]).to_dict()) == []
     (change,) = config_changes(old, load_config(None, ["--model.attention=block_causal"]).to_dict())
-    assert (change.key, change.old, change.new, change.rule) == ("model.attention", "causal", "block_causal", REFUSED)
-    assert "model.attention: \"causal\" -> \"block_causal\" (refused: a run continues with the attention" in change.line()
+    assert (change.key, change.old, change.new, change.rule) == ("model.attention", "causal", "block_causal",
+                                                                 REFUSED)
+    assert (
+        'model.attention: "causal" -> "block_causal" (refused: a run continues with the attention'
+        in change.line()
+    )
     meta = {"content_sha256": "ab", "document_starts": {"file": "document_starts.bin", "count": 3}}
     assert data_problems({"data": {"content_sha256": "ab"}}, meta, None) == []
     other = {**meta, "document_starts": {"file": "document_starts.bin", "count": 4}}
@@ -231,8 +256,8 @@ def test_a_checkpoint_without_the_attention_field_resumes_only_as_causal():
 
 
 def test_mixture_windows_keep_each_sources_documents(mixture_data):
-    """Block-causal windows over a mixture (train and interleaved validation): each window's tokens, labels and
-    document index are those of its source's own window, from that source's recorded document starts."""
+    """Block-causal windows over a mixture (train and interleaved validation): each window's tokens, labels
+    and document index are those of its source's own window, from that source's recorded document starts."""
     from shardlm.data.mixture import MixtureWindows
 
     eod = load_meta(str(mixture_data / "a"))["special_ids"]["eod"]
@@ -311,7 +336,8 @@ def test_documents_longer_than_a_window_continue_in_the_next_windows(doc_data, a
 
 
 def _trainer_steps(overrides: list[str], steps: int):
-    """A one-process Trainer of ``overrides`` (its process group of one rank) and the records of ``steps`` steps."""
+    """A one-process Trainer of ``overrides`` (its process group of one rank) and the records of
+    ``steps`` steps."""
     from shardlm.parallel import init_distributed
     from shardlm.train import Trainer
 
@@ -332,13 +358,14 @@ def _trainer_steps(overrides: list[str], steps: int):
 
 def test_new_runs_train_block_causal_by_their_data_and_resumed_runs_keep_theirs(
         doc_data, packed_data, small_data, tmp_path, capsys):
-    """``model.attention = "auto"`` (the default): a new run on pre-training data that records its document starts
-    trains block-causal (the summary says so; its losses equal an explicit block_causal run's bit for bit and
-    differ from causal's, the batch crossing documents); packed instruction data (``data.pack`` alone) trains
-    block-causal, unpacked instruction data causal; data whose preparation recorded no starts falls back to
-    causal with one warning naming the missing file and the fix, and ``shardlm prepare`` then records them;
-    resuming a causal checkpoint without the setting continues causal bit for bit; windows within one document
-    (the small corpus is one document) train exactly as explicit causal; the planner resolves ``auto`` the same."""
+    """``model.attention = "auto"`` (the default): a new run on pre-training data that records its document
+    starts trains block-causal (the summary says so; its losses equal an explicit block_causal run's bit for
+    bit and differ from causal's, the batch crossing documents); packed instruction data (``data.pack`` alone)
+    trains block-causal, unpacked instruction data causal; data whose preparation recorded no starts falls
+    back to causal with one warning naming the missing file and the fix, and ``shardlm prepare`` then records
+    them; resuming a causal checkpoint without the setting continues causal bit for bit; windows within one
+    document (the small corpus is one document) train exactly as explicit causal; the planner resolves
+    ``auto`` the same."""
     import shutil
 
     from conftest import tiny_overrides
@@ -364,20 +391,26 @@ def test_new_runs_train_block_causal_by_their_data_and_resumed_runs_keep_theirs(
     causal, summary, c = _trainer_steps(overrides(doc_data, "causal", **{"model.attention": '"causal"'}), 2)
     assert [r["loss"] for r in a] == [r["loss"] for r in b]
     assert abs(a[0]["loss"] - c[0]["loss"]) > 1e-4 and "attention  causal; set in model.attention" in summary
-    assert type(causal.train_data) is TokenWindows  # explicit causal: today's plain windows, no document channel
+    # explicit causal: today's plain windows, no document channel
+    assert type(causal.train_data) is TokenWindows
     # resuming the causal run's checkpoint without the setting: causal, bit for bit as its own next step
     _, _, c3 = _trainer_steps(overrides(doc_data, "causal3", **{"model.attention": '"causal"'}), 3)
     step2 = runs / "causal" / "checkpoints" / "step-2"
-    resumed, summary, r = _trainer_steps(overrides(doc_data, "causal", **{"checkpoint.resume": f'"{step2}"'}), 1)
+    resumed, summary, r = _trainer_steps(overrides(doc_data, "causal", **{"checkpoint.resume": f'"{step2}"'}),
+                                         1)
     assert resumed.step == 3 and resumed.cfg.model.attention == "causal" and r[0]["loss"] == c3[2]["loss"]
     assert "auto: the resumed checkpoint's" in summary
     auto_ckpt = runs / "auto" / "checkpoints" / "step-2"  # the resolved value is what the run records
-    assert json.loads((auto_ckpt / "manifest.json").read_text())["config"]["model"]["attention"] == "block_causal"
+    assert (
+        json.loads((auto_ckpt / "manifest.json").read_text())["config"]["model"]["attention"]
+        == "block_causal"
+    )
     assert json.loads((runs / "auto" / "config.json").read_text())["model"]["attention"] == "block_causal"
     with pytest.raises(ConfigError, match='model.attention changed "block_causal" -> "causal"'):
         _trainer_steps(overrides(doc_data, "auto", **{"checkpoint.resume": f'"{auto_ckpt}"',
                                                       "model.attention": '"causal"'}), 0)
-    assert resolve_attention(load_config(None, []), {}).attention == "causal"  # a checkpoint from before the field
+    # a checkpoint from before the field
+    assert resolve_attention(load_config(None, []), {}).attention == "causal"
     pairs = load_config(None, [])
     pairs.data.format = "preference"
     assert choose_attention(pairs).attention == "causal" and planned_attention(pairs) == "causal"
@@ -400,10 +433,12 @@ def test_new_runs_train_block_causal_by_their_data_and_resumed_runs_keep_theirs(
     fallback, summary, f = _trainer_steps(overrides(old, "old", **{"checkpoint.enabled": "false"}), 1)
     err = capsys.readouterr().err
     warnings = [line for line in err.splitlines() if "document_starts.bin missing" in line]
-    assert warnings == [f"warning: {old / 'document_starts.bin'} missing (the data was prepared before shardlm "
-                        "recorded where documents start): training with causal attention across documents; run "
-                        "`shardlm prepare` with this config again to train block-causal (or set model.attention)"]
-    assert fallback.cfg.model.attention == "causal" and f[0]["loss"] == c[0]["loss"]  # the same tokens, causal
+    assert warnings == [f"warning: {old / 'document_starts.bin'} missing (the data was prepared before "
+                        "shardlm recorded where documents start): training with causal attention across "
+                        "documents; run `shardlm prepare` with this config again to train block-causal (or "
+                        "set model.attention)"]
+    # the same tokens, causal
+    assert fallback.cfg.model.attention == "causal" and f[0]["loss"] == c[0]["loss"]
     assert planned_attention(load_config(None, overrides(old, "x"))) == "causal"
     assert shardlm_main(["prepare", "--config", str(ROOT / "configs/shakespeare-tiny.toml"),
                          *overrides(old, "x")]) == 0
@@ -419,21 +454,24 @@ def test_new_runs_train_block_causal_by_their_data_and_resumed_runs_keep_theirs(
 
 
 def test_logged_flops_count_the_attention_of_each_document(packed_data, doc_data, tmp_path):
-    """The trainer's FLOPs (and so its MFU) count block-causal attention per document: a batch of known document
-    lengths gives exactly 6·N·tokens + 12·L·H·Q·Σ n² computed by hand; a logged packed step and a block-causal
-    window step equal that formula on their rows' documents exactly; causal's figure is the old 6N + 12·L·H·Q·T
-    per token bit for bit; the planner's FLOPs per step equal the trainer's on the same (whole) data."""
+    """The trainer's FLOPs (and so its MFU) count block-causal attention per document: a batch of known
+    document lengths gives exactly 6·N·tokens + 12·L·H·Q·Σ n² computed by hand; a logged packed step and a
+    block-causal window step equal that formula on their rows' documents exactly; causal's figure is the old
+    6N + 12·L·H·Q·T per token bit for bit; the planner's FLOPs per step equal the trainer's on the same
+    (whole) data."""
     from conftest import tiny_overrides
     from shardlm.metrics.flops import model_flops, model_flops_per_token, squared_document_lengths
     from shardlm.plan.time import flops_per_token
     from shardlm.train.step_metrics import step_model_flops
 
-    cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=96, vocab_size=128, max_seq_len=64)
+    cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=96, vocab_size=128,
+                      max_seq_len=64)
     n = sum(p.numel() for name, p in Llama(cfg).named_parameters() if name != "model.embed_tokens.weight")
     documents = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2], [0] * 8])  # lengths 3, 2, 3 and 8
     assert squared_document_lengths(documents) == 9 + 4 + 9 + 64
     assert model_flops(cfg, 16, 86) == 6 * n * 16 + 12 * 2 * 4 * 16 * 86
-    assert model_flops(cfg, 16, 2 * 64) == model_flops_per_token(cfg, 8) * 16  # causal: Σ n² = T² per sequence
+    # causal: Σ n² = T² per sequence
+    assert model_flops(cfg, 16, 2 * 64) == model_flops_per_token(cfg, 8) * 16
 
     common = {"train.seq_len": SEQ, "train.global_batch_size": 4, "train.micro_batch_size": 2,
               "train.eval_interval": 0, "parallel.mode": '"single"', "checkpoint.enabled": "false"}
@@ -441,9 +479,19 @@ def test_logged_flops_count_the_attention_of_each_document(packed_data, doc_data
             "data.val_fraction": 0.1, "data.pack": "true"}
 
     def hand(model, squares):  # the formula, written out: 6·N·tokens + 12·L·H·Q·Σ n²
-        return 6 * (sum(p.numel() for name, p in Llama(model).named_parameters()
-                        if name != "model.embed_tokens.weight")) * 4 * SEQ + 12 * model.n_layers * model.n_heads \
-            * model.head_dim * squares
+        return (
+            6
+            * (
+                sum(
+                    p.numel()
+                    for name, p in Llama(model).named_parameters()
+                    if name != "model.embed_tokens.weight"
+                )
+            )
+            * 4
+            * SEQ
+            + 12 * model.n_layers * model.n_heads * model.head_dim * squares
+        )
 
     packed, _, (p,) = _trainer_steps(tiny_overrides(packed_data, tmp_path / "p", {**common, **chat}), 1)
     rows, lengths = packed.train_data.rows, np.diff(packed.train_data.examples.offsets)
@@ -471,8 +519,8 @@ def test_logged_flops_count_the_attention_of_each_document(packed_data, doc_data
 
 
 def test_auto_attention_reads_every_mixture_source(mixture_data, tmp_path):
-    """``auto`` on a mixture: block-causal when every source records its document starts; causal, naming the one
-    source that does not, otherwise."""
+    """``auto`` on a mixture: block-causal when every source records its document starts; causal, naming the
+    one source that does not, otherwise."""
     import shutil
 
     from shardlm.data.attention_choice import choose_attention
@@ -484,6 +532,7 @@ def test_auto_attention_reads_every_mixture_source(mixture_data, tmp_path):
     del meta["document_starts"]
     (copy / "b" / "meta.json").write_text(json.dumps(meta))
     choice = choose_attention(load_config(None, [f"--data.dir={copy}"]))
-    assert choice.attention == "causal" and choice.warning.startswith(f"warning: {copy / 'b' / 'document_starts.bin'} "
+    assert choice.attention == "causal" and choice.warning.startswith("warning: "
+                                                                      f"{copy / 'b' / 'document_starts.bin'} "
                                                                       "missing (the data was prepared before")
     assert str(copy / "a") not in choice.warning

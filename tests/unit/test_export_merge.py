@@ -1,5 +1,5 @@
-"""Merged and PEFT exports in one process: a QLoRA merge records its base and can use the original weights,
-a merge into the original needs a pretrained base, and ``--format peft`` refuses a model directory. The README's
+"""Merged and PEFT exports in one process: a QLoRA merge records its base and can use the original weights, a
+merge into the original needs a pretrained base, and ``--format peft`` refuses a model directory. The README's
 LoRA example and its exports are in tests/dist/test_exports.py."""
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ from shardlm.parallel.dist import DistInfo
 from shardlm.train.build import build_model
 
 # ---- in this process -----------------------------------------------------------------------------------
-TINY = ["--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2", "--model.ffn_hidden=128",
-        "--model.vocab_size=512", "--model.max_seq_len=64", "--parallel.mode=single", "--train.seq_len=32"]
+TINY = ["--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2",
+        "--model.ffn_hidden=128", "--model.vocab_size=512", "--model.max_seq_len=64",
+        "--parallel.mode=single", "--train.seq_len=32"]
 ONE = DistInfo(0, 0, 1, torch.device("cpu"), "gloo")
 
 
@@ -47,21 +48,29 @@ def test_qlora_merge_records_its_base_and_can_use_the_original_weights(tmp_path)
     with torch.no_grad():
         want = model(tokens)
     exact = save_merged_dir(state, cfg.model, spec, "training_base", str(src), tmp_path / "exact", None, None)
-    approx = save_merged_dir(state, cfg.model, spec, "original_base", str(src), tmp_path / "approx", None, None)
+    approx = save_merged_dir(state, cfg.model, spec, "original_base", str(src), tmp_path / "approx", None,
+                             None)
     assert json.loads((tmp_path / "exact" / MERGE_RECORD).read_text()) == exact
-    assert exact["merged_into"] == "training_base" and not exact["approximate"] and "NF4" in exact["description"]
+    assert (
+        exact["merged_into"] == "training_base" and not exact["approximate"] and "NF4" in exact["description"]
+    )
     assert approx["merged_into"] == "original_base" and approx["approximate"]
     assert approx["init_from"] == str(src.resolve()) and "approximate" in approx["description"]
     with torch.no_grad():
-        got_exact, got_approx = load_model_dir(tmp_path / "exact")(tokens), load_model_dir(tmp_path / "approx")(tokens)
+        got_exact, got_approx = (
+            load_model_dir(tmp_path / "exact")(tokens),
+            load_model_dir(tmp_path / "approx")(tokens),
+        )
     assert (got_exact - want).abs().max().item() <= 1e-5
     merged = load_file(tmp_path / "approx" / "model.safetensors")
     adapters = {k: v for k, v in state.items() if ".lora_" in k}
     expected = merge_lora({**{k: v.float() for k, v in original.items()}, **adapters}, 8.0 / 4)
     q = "model.layers.0.self_attn.q_proj.weight"
-    assert torch.equal(merged[q], expected[q]) and torch.equal(merged["model.norm.weight"], expected["model.norm.weight"])
+    assert torch.equal(merged[q], expected[q]) and torch.equal(merged["model.norm.weight"],
+                                                               expected["model.norm.weight"])
     diff = (got_approx - want).abs().max().item()
-    print(f"MEASURED QLoRA merged into the original bf16 weights vs the trained model, max logit diff: {diff:.3g}")
+    print("MEASURED QLoRA merged into the original bf16 weights vs the trained model, max logit diff: "
+          f"{diff:.3g}")
     assert diff > 1e-4  # the NF4 rounding the adapters were trained against is gone: an approximation
 
 

@@ -1,12 +1,12 @@
-"""The model families against transformers: Llama (llama3 RoPE scaling), Qwen2 (tied and untied), Qwen3, Mistral
-(sliding window shorter than the sequence) and Gemma 3 (local and global layers, linear RoPE scaling on the global
-ones).
+"""The model families against transformers: Llama (llama3 RoPE scaling), Qwen2 (tied and untied), Qwen3,
+Mistral (sliding window shorter than the sequence) and Gemma 3 (local and global layers, linear RoPE scaling
+on the global ones).
 
 Each family is a small random transformers model (2 layers, every parameter perturbed so that norms and biases
-matter), saved with ``save_pretrained``: shardlm imports it, its fp32 logits match transformers' (eager attention);
-the export loads in transformers with no missing or unexpected keys and identical logits. Then bad input (one clear
-message each) and the planner's parameter count of each family's real shapes against transformers on the meta
-device. FSDP at 2 ranks per family is in tests/dist/test_families_fsdp.py.
+matter), saved with ``save_pretrained``: shardlm imports it, its fp32 logits match transformers' (eager
+attention); the export loads in transformers with no missing or unexpected keys and identical logits. Then bad
+input (one clear message each) and the planner's parameter count of each family's real shapes against
+transformers on the meta device. FSDP at 2 ranks per family is in tests/dist/test_families_fsdp.py.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from shardlm.model.llama import Llama, num_params
 transformers = pytest.importorskip("transformers", reason="pip install -e '.[test]'")
 
 VOCAB = 512  # the prepared test corpus' tokenizer size (conftest.small_data)
-COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6)
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6)
 
 
 def hf_configs() -> dict[str, object]:
@@ -45,7 +45,8 @@ def hf_configs() -> dict[str, object]:
         "qwen3": t.Qwen3Config(**COMMON, head_dim=24),
         "mistral": t.MistralConfig(**COMMON, sliding_window=8),
         "gemma3": t.Gemma3TextConfig(**COMMON, head_dim=32, sliding_window=8, query_pre_attn_scalar=24,
-                                     sliding_window_pattern=2, rope_scaling={"rope_type": "linear", "factor": 2.0}),
+                                     sliding_window_pattern=2,
+                                     rope_scaling={"rope_type": "linear", "factor": 2.0}),
     }
 
 
@@ -60,7 +61,8 @@ def random_family_dir(path: Path, name: str) -> Path:
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=gen) * 0.05)
-    # Qwen3 as a sharded checkpoint (several model-0000N-of-0000M.safetensors and their index), as large models come
+    # Qwen3 as a sharded checkpoint (several model-0000N-of-0000M.safetensors and their index), as large
+    # models come
     model.save_pretrained(str(path), **({"max_shard_size": "40KB"} if name == "qwen3" else {}))
     return path
 
@@ -77,7 +79,8 @@ def hf_model(path: Path):
     return model.eval(), info
 
 
-IDS = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(2))  # longer than the windows (8)
+# longer than the windows (8)
+IDS = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(2))
 
 
 @pytest.mark.parametrize("name", FAMILY_CASES)
@@ -110,8 +113,10 @@ def test_family_traits_are_where_expected(family_dirs):
     names = {n: {k for k, _ in load_model_dir(p).named_parameters()} for n, p in family_dirs.items()}
     assert "model.layers.0.self_attn.q_proj.bias" in names["qwen2_untied"]
     assert "model.layers.0.self_attn.o_proj.bias" not in names["qwen2_untied"]
-    assert "model.layers.0.self_attn.q_norm.weight" in names["qwen3"] and "model.layers.0.self_attn.q_norm.weight" \
-        in names["gemma3"]
+    assert (
+        "model.layers.0.self_attn.q_norm.weight" in names["qwen3"]
+        and "model.layers.0.self_attn.q_norm.weight" in names["gemma3"]
+    )
     assert "model.layers.1.post_feedforward_layernorm.weight" in names["gemma3"]
     assert not any("bias" in k or "q_norm" in k for k in names["llama"] | names["mistral"])
     assert "lm_head.weight" not in names["qwen2_tied"] and "lm_head.weight" in names["qwen2_untied"]
@@ -140,15 +145,19 @@ def test_greedy_generation_past_the_window_equals_transformers(family_dirs, name
 
 
 def test_compile_and_bf16_kernel_keep_each_family(family_dirs):
-    """Compiled blocks give the eager logits (Gemma 3: local and global layers, its norms); the CPU bf16 kernel
-    takes the bias-free linear layers only, and a Qwen2 model with it runs in bf16."""
+    """Compiled blocks give the eager logits (Gemma 3: local and global layers, its norms); the CPU bf16
+    kernel takes the bias-free linear layers only, and a Qwen2 model with it runs in bf16."""
     from shardlm.model.cpu_matmul import Fp32MatmulLinear, apply_fp32_matmul
     from shardlm.parallel.ac import apply_compile
 
     qwen2 = load_model_dir(family_dirs["qwen2_untied"]).eval()
     changed = apply_fp32_matmul(qwen2)
     attn = qwen2.model.layers[0].self_attn
-    assert changed == 2 * 4 + 1 and type(attn.q_proj) is torch.nn.Linear and type(attn.o_proj) is Fp32MatmulLinear
+    assert (
+        changed == 2 * 4 + 1
+        and type(attn.q_proj) is torch.nn.Linear
+        and type(attn.o_proj) is Fp32MatmulLinear
+    )
     with torch.no_grad():
         fp32 = qwen2(IDS)
         bf16 = qwen2.to(torch.bfloat16)(IDS).float()
@@ -163,7 +172,7 @@ def test_compile_and_bf16_kernel_keep_each_family(family_dirs):
     assert (eager - compiled).abs().max().item() < 1e-5
 
 
-# ---- bad input: one clear message naming the field or tensor -----------------------------------------------------
+# ---- bad input: one clear message naming the field or tensor -----------------------------------------------
 
 
 def test_bad_input(family_dirs, tmp_path, capsys):
@@ -174,18 +183,25 @@ def test_bad_input(family_dirs, tmp_path, capsys):
         d.mkdir()
         (d / "config.json").write_text(json.dumps(config))
         if weights is None:  # the Qwen3 case is sharded: all its files
-            weights = {k: v for f in family_dirs["qwen3"].glob("*.safetensors") for k, v in load_file(str(f)).items()}
+            weights = {
+                k: v for f in family_dirs["qwen3"].glob("*.safetensors") for k, v in load_file(str(f)).items()
+            }
         save_file(weights, str(d / "model.safetensors"))
         return d
 
-    moe = write("moe", {**base, "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "n_group": 8})
+    moe = write("moe",
+                {**base, "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"],
+                 "n_group": 8})
     err = cli_error(capsys, ["import", str(moe), str(tmp_path / "o1")])
     assert "model_type='deepseek_v3'" in err and "not built" in err and "group-limited routing" in err
     # a Qwen3-MoE config.json beside a dense Qwen3's weights: the first tensor it lacks is named
-    moe = write("moe3", {**base, "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 8})
+    moe = write("moe3",
+                {**base, "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],
+                 "num_experts": 8})
     err = cli_error(capsys, ["import", str(moe), str(tmp_path / "o1")])
     assert err.endswith("tensor model.layers.0.mlp.gate.weight is missing from the weights"), err
-    longrope = write("longrope", {**base, "rope_parameters": {"rope_type": "longrope", "factor": 4.0, "rope_theta": 1e6}})
+    longrope = write("longrope",
+                     {**base, "rope_parameters": {"rope_type": "longrope", "factor": 4.0, "rope_theta": 1e6}})
     err = cli_error(capsys, ["import", str(longrope), str(tmp_path / "o2")])
     assert "rope_type 'longrope' is not supported (built: default, linear, llama3, yarn, dynamic)" in err
     softcap = write("softcap", {**json.loads((family_dirs["gemma3"] / "config.json").read_text()),
@@ -199,7 +215,8 @@ def test_bad_input(family_dirs, tmp_path, capsys):
 
 
 def test_gguf_quantisation_not_dequantisable(tmp_path, capsys):
-    """A GGUF tensor in a type the gguf package cannot dequantise (Q8_1) is refused, naming tensor and type."""
+    """A GGUF tensor in a type the gguf package cannot dequantise (Q8_1) is refused, naming tensor
+    and type."""
     import gguf
     import numpy as np
 
@@ -221,7 +238,7 @@ def test_gguf_quantisation_not_dequantisable(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
-# ---- the planner's parameter count of each family's real shapes -----------------------------------------------
+# ---- the planner's parameter count of each family's real shapes --------------------------------------------
 
 #: public config.json fields of the real models (the shape fields only)
 REAL = {
@@ -229,21 +246,25 @@ REAL = {
                                        num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
                                        max_position_embeddings=131072, tie_word_embeddings=False)),
     "Qwen3-8B": ("Qwen3Config", dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
-                                     max_position_embeddings=40960, tie_word_embeddings=False)),
+                                     num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                                     vocab_size=151936, max_position_embeddings=40960,
+                                     tie_word_embeddings=False)),
     "Mistral-7B-v0.1": ("MistralConfig", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                                               num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
                                               max_position_embeddings=32768, sliding_window=4096,
                                               tie_word_embeddings=False)),
     "Gemma-3-270M": ("Gemma3TextConfig", dict(hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
                                               num_attention_heads=4, num_key_value_heads=1, head_dim=256,
-                                              vocab_size=262144, sliding_window=512, max_position_embeddings=32768)),
+                                              vocab_size=262144, sliding_window=512,
+                                              max_position_embeddings=32768)),
     "Gemma-3-1B": ("Gemma3TextConfig", dict(hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
                                             num_attention_heads=4, num_key_value_heads=1, head_dim=256,
-                                            vocab_size=262144, sliding_window=512, max_position_embeddings=32768)),
+                                            vocab_size=262144, sliding_window=512,
+                                            max_position_embeddings=32768)),
     "Gemma-3-4B": ("Gemma3TextConfig", dict(hidden_size=2560, intermediate_size=10240, num_hidden_layers=34,
                                             num_attention_heads=8, num_key_value_heads=4, head_dim=256,
-                                            vocab_size=262208, sliding_window=1024, max_position_embeddings=131072,
+                                            vocab_size=262208, sliding_window=1024,
+                                            max_position_embeddings=131072,
                                             rope_scaling={"rope_type": "linear", "factor": 8.0})),
 }
 
@@ -273,7 +294,10 @@ def test_plan_parameter_count_equals_transformers(name, tmp_path, capsys):
 def test_config_refuses_a_window_where_the_family_has_none():
     from shardlm.config import ConfigError, load_config
 
-    with pytest.raises(ConfigError, match="model.sliding_window applies to model.family 'mistral' or 'gemma3'"):
+    with pytest.raises(ConfigError,
+                       match="model.sliding_window applies to model.family 'mistral' or 'gemma3'"):
         load_config(None, ["--model.family=qwen2", "--model.sliding_window=16"])
     with pytest.raises(ModelDirError, match="use_sliding_window=true"):
-        model_config_from_hf_dict({**transformers.Qwen2Config(**COMMON).to_dict(), "use_sliding_window": True})
+        model_config_from_hf_dict(
+            {**transformers.Qwen2Config(**COMMON).to_dict(), "use_sliding_window": True}
+        )

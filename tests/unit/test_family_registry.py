@@ -1,6 +1,7 @@
-"""The model-family registry (``shardlm.model.families``): a family that the existing traits express needs only a
-registry entry, and everything downstream (the decoder, ``config.json`` both ways, GGUF names, the configuration
-checks, the planner) follows it; the registry refuses clashes and an unregistered family by name."""
+"""The model-family registry (``shardlm.model.families``): a family that the existing traits express needs
+only a registry entry, and everything downstream (the decoder, ``config.json`` both ways, GGUF names, the
+configuration checks, the planner) follows it; the registry refuses clashes and an unregistered family
+by name."""
 
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ from shardlm.model.families.registry import unregister
 from shardlm.plan.activations import block_saved_none, shape_of
 
 #: a toy family: Qwen3's q/k norms plus Qwen2's q/k/v biases, under names no other family uses
-TOY = families.Family("toy", "toy_lm", "ToyForCausalLM", qkv_bias=True, qk_norm=True, hf_false_flags=("mlp_bias",),
-                      gguf_architecture="toy")
+TOY = families.Family("toy", "toy_lm", "ToyForCausalLM", qkv_bias=True, qk_norm=True,
+                      hf_false_flags=("mlp_bias",), gguf_architecture="toy")
 
 
 @pytest.fixture
@@ -32,8 +33,8 @@ def toy():
 
 
 def small(family: str, **kw) -> ModelConfig:
-    return ModelConfig(family=family, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=48, vocab_size=64,
-                       max_seq_len=16, **kw)
+    return ModelConfig(family=family, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=48,
+                       vocab_size=64, max_seq_len=16, **kw)
 
 
 def test_a_toy_family_needs_only_a_registry_entry(toy):
@@ -42,7 +43,9 @@ def test_a_toy_family_needs_only_a_registry_entry(toy):
     # the decoder builds its traits: q/k/v biases and q/k norms; with zero biases it is Qwen3
     model = CausalLM(cfg)
     names = {n for n, _ in model.named_parameters()}
-    assert "model.layers.0.self_attn.q_proj.bias" in names and "model.layers.0.self_attn.k_norm.weight" in names
+    assert (
+        "model.layers.0.self_attn.q_proj.bias" in names and "model.layers.0.self_attn.k_norm.weight" in names
+    )
     model.init_weights(seed=3)
     qwen3 = CausalLM(small("qwen3"))
     qwen3.init_weights(seed=3)  # the same values for the same names: the toy has only the (zero) biases more
@@ -54,19 +57,24 @@ def test_a_toy_family_needs_only_a_registry_entry(toy):
     # config.json both ways, in the toy's names
     written = hf_config(cfg, {"bos": 1, "eos": 2})
     assert written["model_type"] == "toy_lm" and written["architectures"] == ["ToyForCausalLM"]
-    assert written["hidden_act"] == "silu" and written["mlp_bias"] is False and "attention_bias" not in written
+    assert (
+        written["hidden_act"] == "silu" and written["mlp_bias"] is False and "attention_bias" not in written
+    )
     assert model_config_from_hf_dict(written) == cfg
     with pytest.raises(ModelDirError, match="mlp_bias=true is not supported for toy_lm"):
         model_config_from_hf_dict({**written, "mlp_bias": True})
     # GGUF names, the configuration checks and the planner
     assert hf_name("blk.1.attn_q_norm.weight", "toy") == "model.layers.1.self_attn.q_norm.weight"
     assert families.by_gguf_architecture("toy", "x.gguf") is TOY
-    with pytest.raises(ConfigError, match="model.sliding_window applies to model.family 'mistral' or 'gemma3' "
+    with pytest.raises(ConfigError,
+                       match="model.sliding_window applies to model.family 'mistral' or 'gemma3' "
                                           r"or 'mixtral' or 'gpt_oss' \(family is 'toy'\)"):
         load_config(None, ["--model.family=toy", "--model.sliding_window=8"])
     assert load_config(None, ["--model.family=toy"]).model.arch is TOY
     qwen3 = shape_of(small("qwen3"), 1, 16, 4)
-    assert shape_of(cfg, 1, 16, 4) == qwen3 and block_saved_none(qwen3) > block_saved_none(shape_of(small("llama"), 1, 16, 4))
+    assert shape_of(cfg, 1, 16, 4) == qwen3 and block_saved_none(qwen3) > block_saved_none(
+        shape_of(small("llama"), 1, 16, 4)
+    )
 
 
 def test_the_registry_refuses_clashes_and_unknown_names():
@@ -77,11 +85,13 @@ def test_the_registry_refuses_clashes_and_unknown_names():
     with pytest.raises(ValueError, match="gguf_architecture 'llama' is already registered by 'llama'"):
         families.register(dataclasses.replace(TOY, gguf_architecture="llama"))
     assert "toy" not in families.FAMILIES
-    with pytest.raises(ConfigError, match=r"model.family: 'toy' is not one of \['llama', 'qwen2', 'qwen3', 'mistral', "
+    with pytest.raises(ConfigError,
+                       match=r"model.family: 'toy' is not one of \['llama', 'qwen2', 'qwen3', 'mistral', "
                                           r"'gemma3', 'qwen3_moe', 'mixtral', 'gpt_oss'\]"):
         load_config(None, ["--model.family=toy"])
     with pytest.raises(ModelDirError, match="model_type='toy_lm'.*not built"):
         model_config_from_hf_dict({"model_type": "toy_lm"})
-    with pytest.raises(ModelDirError, match="general.architecture='mistral'; the GGUF architectures built are "
+    with pytest.raises(ModelDirError,
+                       match="general.architecture='mistral'; the GGUF architectures built are "
                                             "llama, qwen2, qwen3, gemma3"):
         families.by_gguf_architecture("mistral", "m.gguf")

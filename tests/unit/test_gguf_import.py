@@ -1,12 +1,13 @@
-"""GGUF imports of small models written as llama.cpp writes them (tests/gguf_files.py; issue 26, items 5 and 6).
+"""GGUF imports of small models written as llama.cpp writes them (tests/gguf_files.py; issue 26, items 5
+and 6).
 
-Llama 3 RoPE: llama.cpp keeps the llama3 ``rope_scaling`` only as the ``rope_freqs`` tensor; the import rebuilds
-it, and the logits equal the HF original's (transformers ``LlamaForCausalLM``, eager fp32) within 1e-5, for
-Llama 3.1's settings, Llama 3.2 1B's real ones on a tiny shape, and a config whose top-level
-``original_max_position_embeddings`` llama.cpp honours (the fitted path). Other per-dimension frequency tensors
-are refused by name. Tokenizers: llama, qwen2, qwen3 and gemma3 files whose vocabulary lacks ``<|endoftext|>``
-import with a tokenizer that fits the embedding, and train 2 steps with no override; a file without tokenizer
-metadata is one error line.
+Llama 3 RoPE: llama.cpp keeps the llama3 ``rope_scaling`` only as the ``rope_freqs`` tensor; the import
+rebuilds it, and the logits equal the HF original's (transformers ``LlamaForCausalLM``, eager fp32) within
+1e-5, for Llama 3.1's settings, Llama 3.2 1B's real ones on a tiny shape, and a config whose top-level
+``original_max_position_embeddings`` llama.cpp honours (the fitted path). Other per-dimension frequency
+tensors are refused by name. Tokenizers: llama, qwen2, qwen3 and gemma3 files whose vocabulary lacks
+``<|endoftext|>`` import with a tokenizer that fits the embedding, and train 2 steps with no override; a file
+without tokenizer metadata is one error line.
 """
 
 from __future__ import annotations
@@ -42,12 +43,13 @@ ROPE_CASES = {
 
 
 def random_llama(rope: dict, hidden: int, heads: int, top_original: int | None, seed: int = 0):
-    """A random transformers Llama (GQA, untied, every parameter perturbed) with llama3 RoPE scaling ``rope``."""
+    """A random transformers Llama (GQA, untied, every parameter perturbed) with llama3 RoPE
+    scaling ``rope``."""
     torch.manual_seed(seed)
     config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=96, num_hidden_layers=2, num_attention_heads=heads,
-        num_key_value_heads=heads // 2 or 1, max_position_embeddings=16384, rms_norm_eps=1e-5,
-        tie_word_embeddings=False, rope_parameters={"rope_type": "llama3", **rope})
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=heads, num_key_value_heads=heads // 2 or 1, max_position_embeddings=16384,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, rope_parameters={"rope_type": "llama3", **rope})
     if top_original is not None:
         config.original_max_position_embeddings = top_original
     model = transformers.LlamaForCausalLM(config).eval()
@@ -68,7 +70,8 @@ def _hf_logits(model) -> torch.Tensor:
 def test_llama3_rope_from_rope_freqs_equals_the_hf_original(case, small_data, tmp_path):
     rope, hidden, heads, top_original = ROPE_CASES[case]
     model = random_llama(rope, hidden, heads, top_original)
-    path = write_gguf(tmp_path / f"{case}.gguf", model, tokenizer_metadata(small_data / "tokenizer.json", "llama"))
+    path = write_gguf(tmp_path / f"{case}.gguf", model,
+                      tokenizer_metadata(small_data / "tokenizer.json", "llama"))
     assert "rope_freqs.weight" in {t.name for t in gguf.GGUFReader(str(path)).tensors}
     out = tmp_path / "imported"
     assert shardlm_main(["import", "--gguf", str(path), str(out)]) == 0
@@ -81,9 +84,11 @@ def test_llama3_rope_from_rope_freqs_equals_the_hf_original(case, small_data, tm
     with torch.no_grad():
         ours = load_model_dir(out).eval()(IDS).float()
     assert (ours - theirs).abs().max().item() < 1e-5
-    back = transformers.LlamaForCausalLM.from_pretrained(str(out), dtype=torch.float32, attn_implementation="eager")
+    back = transformers.LlamaForCausalLM.from_pretrained(str(out), dtype=torch.float32,
+                                                         attn_implementation="eager")
     assert (_hf_logits(back.eval()) - theirs).abs().max().item() < 1e-5
-    # the scaling matters at this length: the same weights without it are far off (what the import wrote before)
+    # the scaling matters at this length: the same weights without it are far off (what the import
+    # wrote before)
     plain = copy.deepcopy(model.config)
     plain.rope_parameters = {"rope_type": "default", "rope_theta": rope["rope_theta"]}
     unscaled = transformers.LlamaForCausalLM(plain).eval()
@@ -115,13 +120,13 @@ def test_other_per_dimension_frequency_tensors_are_refused_by_name(small_data, t
     assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
 
 
-# ---- tokenizers ---------------------------------------------------------------------------------------------
+# ---- tokenizers --------------------------------------------------------------------------------------------
 
 def family_model(family: str, vocab: int):
     """A small random transformers model of ``family`` with ``vocab`` embedding rows."""
     torch.manual_seed(0)
-    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6)
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6)
     config = {"llama": lambda: transformers.LlamaConfig(**common, tie_word_embeddings=False),
               "qwen2": lambda: transformers.Qwen2Config(**common, tie_word_embeddings=True),
               "qwen3": lambda: transformers.Qwen3Config(**common, head_dim=16, tie_word_embeddings=True),
@@ -153,10 +158,11 @@ def test_gguf_tokenizer_fits_the_model_and_trains_as_is(family, small_data, smal
                          "--temperature", "0"]) == 0
     assert capsys.readouterr().out.startswith("To be")
     run = tmp_path / "run"
-    code = train_main([f"--model.init_from={out}", f"--data.corpus={small_corpus}", f"--data.dir={tmp_path / 'd'}",
-                       "--train.seq_len=32", "--train.global_batch_size=4", "--train.micro_batch_size=4",
-                       "--train.steps=2", "--train.warmup_steps=0", "--train.eval_interval=0", "--train.log_interval=1",
-                       f"--run.dir={run}", "--run.overwrite=true"])
+    code = train_main([f"--model.init_from={out}", f"--data.corpus={small_corpus}",
+                       f"--data.dir={tmp_path / 'd'}", "--train.seq_len=32", "--train.global_batch_size=4",
+                       "--train.micro_batch_size=4", "--train.steps=2", "--train.warmup_steps=0",
+                       "--train.eval_interval=0", "--train.log_interval=1", f"--run.dir={run}",
+                       "--run.overwrite=true"])
     assert code == 0, capsys.readouterr().err
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r][-1] == 2
@@ -177,19 +183,20 @@ def test_gguf_without_tokenizer_metadata_is_one_error(tmp_path, capsys):
     (10000.0, 32, 4.0, 2.0, 8.0, 512),  # low_freq_factor 2: an equivalent (low, high, original) comes back
     (500000.0, 8, 16.0, 1.0, 4.0, 8192),  # no in-between dimension
 ])
-def test_rope_scaling_rebuilt_from_llama_cpp_factors_gives_the_same_frequencies(theta, head_dim, factor, low, high,
-                                                                                original):
+def test_rope_scaling_rebuilt_from_llama_cpp_factors_gives_the_same_frequencies(theta, head_dim, factor, low,
+                                                                                high, original):
     from gguf_files import llama_cpp_rope_factors
     from shardlm.convert.gguf_in import rope_scaling_from_factors
     from shardlm.model.config import ModelConfig
     from shardlm.model.llama import rope_inv_freq
 
-    hp = {"rope_scaling": {"rope_type": "llama3", "rope_theta": theta, "factor": factor, "low_freq_factor": low,
-                           "high_freq_factor": high}, "original_max_position_embeddings": original,
-          "head_dim": head_dim, "hidden_size": head_dim * 2, "num_attention_heads": 2}
+    hp = {"rope_scaling": {"rope_type": "llama3", "rope_theta": theta, "factor": factor,
+                           "low_freq_factor": low, "high_freq_factor": high},
+          "original_max_position_embeddings": original, "head_dim": head_dim, "hidden_size": head_dim * 2,
+          "num_attention_heads": 2}
     original_cfg = ModelConfig(family="llama", dim=head_dim * 2, n_heads=2, rope_theta=theta,
-                               rope_scaling_factor=factor, rope_low_freq_factor=low, rope_high_freq_factor=high,
-                               rope_original_max_seq_len=original)
+                               rope_scaling_factor=factor, rope_low_freq_factor=low,
+                               rope_high_freq_factor=high, rope_original_max_seq_len=original)
     rebuilt = ModelConfig(family="llama", dim=head_dim * 2, n_heads=2, rope_theta=theta)
     rope_scaling_from_factors(llama_cpp_rope_factors(hp), rebuilt, "x.gguf")
     assert rebuilt.rope_scaling_factor == factor
@@ -206,7 +213,8 @@ def test_import_errors_are_one_line(small_data, tmp_path, capsys):
     path = write_gguf(tmp_path / "tok.gguf", model, tok)
     err = cli_error(capsys, ["import", "--gguf", str(path), str(tmp_path / "o1")])
     assert "transformers cannot build the tokenizer" in err and "wordpiece-x" in err, err
-    good = write_gguf(tmp_path / "good.gguf", model, tokenizer_metadata(small_data / "tokenizer.json", "qwen2"))
+    good = write_gguf(tmp_path / "good.gguf", model,
+                      tokenizer_metadata(small_data / "tokenizer.json", "qwen2"))
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(good.read_bytes()[: good.stat().st_size * 2 // 3])
     err = cli_error(capsys, ["import", "--gguf", str(cut), str(tmp_path / "o2")])

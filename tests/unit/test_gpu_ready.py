@@ -1,4 +1,5 @@
-"""Ready for GPUs, checked on this CPU machine: shipped GPU configs fit, device-choice rules, GQA attention, MFU.
+"""Ready for GPUs, checked on this CPU machine: shipped GPU configs fit, device-choice rules, GQA
+attention, MFU.
 
 The device-choice rules (TF32 on CUDA, one rank per GPU, ``device_id`` for NCCL, pinned host batches) are
 decision functions in ``shardlm/parallel/dist.py``; here they are called with CUDA devices described, not
@@ -44,16 +45,21 @@ def plan_line(path) -> list[str]:
 
 
 def slurm_plan_command() -> list[str]:
-    """``shardlm plan`` arguments for scripts/slurm.sbatch as written: its default config, node count, GPUs per
-    node and every ``--parallel.*`` / ``--train.*`` argument it passes to ``shardlm.train``."""
+    """``shardlm plan`` arguments for scripts/slurm.sbatch as written: its default config, node count, GPUs
+    per node and every ``--parallel.*`` / ``--train.*`` argument it passes to ``shardlm.train``."""
     text = (ROOT / "scripts" / "slurm.sbatch").read_text()
     nodes = int(re.search(r"^#SBATCH --nodes=(\d+)", text, re.M).group(1))
     gpus = int(re.search(r"^GPUS_PER_NODE=\$\{GPUS_PER_NODE:-(\d+)\}", text, re.M).group(1))
     config = re.search(r"^CONFIG=\$\{CONFIG:-(\S+)\}", text, re.M).group(1)
     command = text[text.rindex("\nsrun "):].replace("\\\n", " ").replace("$GPUS_PER_NODE", str(gpus))
     args = [a for a in shlex.split(command) if a.startswith(("--parallel.", "--train."))]
-    return [str(ROOT / config), "--world-size", str(nodes * gpus), *plan_line(ROOT / "scripts" / "slurm.sbatch"),
-            *args]
+    return [
+        str(ROOT / config),
+        "--world-size",
+        str(nodes * gpus),
+        *plan_line(ROOT / "scripts" / "slurm.sbatch"),
+        *args,
+    ]
 
 
 def shipped_gpu_plans() -> dict[str, list[str]]:
@@ -64,13 +70,13 @@ def shipped_gpu_plans() -> dict[str, list[str]]:
 
 
 def test_every_shipped_gpu_config_fits():
-    """`shardlm plan` at each GPU config's documented world size and device says "fits" (and the Slurm script's
-    own command line, HSDP on 2 nodes x 8 GPUs)."""
+    """`shardlm plan` at each GPU config's documented world size and device says "fits" (and the Slurm
+    script's own command line, HSDP on 2 nodes x 8 GPUs)."""
     plans = shipped_gpu_plans()
     assert set(plans) == GPU_CONFIGS | {"scripts/slurm.sbatch"}
     for name, args in plans.items():
-        proc = subprocess.run([sys.executable, "-m", "shardlm", "plan", *args], env=cpu_env(), capture_output=True,
-                              text=True, timeout=120)
+        proc = subprocess.run([sys.executable, "-m", "shardlm", "plan", *args], env=cpu_env(),
+                              capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, (name, proc.stderr)
         verdict = next(line for line in proc.stdout.splitlines() if "fit" in line and "GiB usable" in line)
         print(f"{name}: plan {' '.join(args[1:])}: {verdict.strip()}")
@@ -92,7 +98,8 @@ def test_llama3_8b_was_too_big_with_the_old_settings():
                            "--parallel.activation_checkpoint=none", "--parallel.grad_sync=last_micro_batch"],
                           env=cpu_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    need, usable = map(float, re.search(r"does not fit: ([\d.]+) GiB of ([\d.]+) GiB usable", proc.stdout).groups())
+    need, usable = map(float,
+                       re.search(r"does not fit: ([\d.]+) GiB of ([\d.]+) GiB usable", proc.stdout).groups())
     assert need > 1.5 * usable, proc.stdout  # far from fitting, not a rounding matter
     assert "does not fit: 136.4 GiB" in proc.stdout  # 149.2 before the chunked loss became the default
 
@@ -155,16 +162,18 @@ def test_datasheet_lookup_by_cuda_device_name():
 
 
 def test_cpu_mfu_peak_is_a_fixed_nominal_figure(tmp_path, monkeypatch):
-    """On a CPU, MFU's peak is cores x nominal clock x FLOPs per cycle of the widest instructions the flags name,
-    read from /proc/cpuinfo (here files written for the test): the same on every call, never measured; bf16 uses
-    its own instructions' rate only when it multiplies natively; without a readable clock it falls back to the
-    measured rate (said so in its source)."""
+    """On a CPU, MFU's peak is cores x nominal clock x FLOPs per cycle of the widest instructions the flags
+    name, read from /proc/cpuinfo (here files written for the test): the same on every call, never measured;
+    bf16 uses its own instructions' rate only when it multiplies natively; without a readable clock it falls
+    back to the measured rate (said so in its source)."""
     from types import SimpleNamespace
 
     from shardlm.metrics.flops import cpu_clock_ghz, cpu_peak
     from shardlm.train import mfu
 
-    def cpuinfo(name: str, flags: str, model: str = "Intel(R) Xeon(R) Gold 6348 CPU @ 2.60GHz", mhz: str = "") -> Path:
+    def cpuinfo(
+        name: str, flags: str, model: str = "Intel(R) Xeon(R) Gold 6348 CPU @ 2.60GHz", mhz: str = ""
+    ) -> Path:
         path = tmp_path / name
         path.write_text("".join(f"processor\t: {i}\nmodel name\t: {model}\n{mhz}flags\t\t: {flags}\n\n"
                                 for i in range(2)))
@@ -177,14 +186,17 @@ def test_cpu_mfu_peak_is_a_fixed_nominal_figure(tmp_path, monkeypatch):
     assert cpu_clock_ghz(vm, no_sysfs) == pytest.approx(2.999998)
     assert cpu_clock_ghz(cpuinfo("none", "sse2", model="Some CPU"), no_sysfs) is None
     cases = [(avx512, "fp32", False, 64, "avx512f"), (avx512, "bf16", False, 1024, "amx_bf16"),
-             (avx512, "bf16", True, 64, "avx512f"), (vm, "fp32", False, 32, "fma"), (vm, "bf16", False, 32, "fma"),
+             (avx512, "bf16", True, 64, "avx512f"), (vm, "fp32", False, 32, "fma"),
+             (vm, "bf16", False, 32, "fma"),
              (cpuinfo("arm", "", model="ARM"), "fp32", False, 16, "no x86 vector flags")]
     for path, precision, fp32_multiply, per_cycle, instructions in cases:
         peak = cpu_peak(precision, fp32_multiply, 2, path, clock_ghz=2.5)
-        assert (peak.flops, peak.flops_per_cycle, peak.instructions) == (2 * 2.5e9 * per_cycle, per_cycle, instructions)
+        assert (peak.flops, peak.flops_per_cycle, peak.instructions) == (2 * 2.5e9 * per_cycle, per_cycle,
+                                                                         instructions)
     assert cpu_peak("fp32", False, 1, avx512, clock_ghz=2.6).describe() == \
         "nominal CPU peak: 1 core(s) x 2.60 GHz x 64 FLOP/cycle (avx512f)"
-    # through the trainer's peak: this machine's own cpuinfo, one rank of two sharing the cores, never measured
+    # through the trainer's peak: this machine's own cpuinfo, one rank of two sharing the cores,
+    # never measured
     monkeypatch.setattr(mfu, "measure_matmul_flops", lambda *a, **k: pytest.fail("measured"))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setattr(mfu.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
@@ -207,7 +219,7 @@ def test_cpu_mfu_peak_is_a_fixed_nominal_figure(tmp_path, monkeypatch):
     assert (fallback.flops, fallback.source) == (1.5e11, "measured on cpu")
 
 
-# ---- one rank per GPU, device_id, pinned batches ------------------------------------------------------------
+# ---- one rank per GPU, device_id, pinned batches -----------------------------------------------------------
 def test_more_local_ranks_than_gpus_is_one_clear_error(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
@@ -236,7 +248,8 @@ def test_init_distributed_refuses_before_any_process_group(monkeypatch):
 
 def test_device_id_is_passed_to_init_process_group(monkeypatch, tf32_switches):
     kwargs = process_group_kwargs(torch.device("cuda", 3), "nccl", timedelta(seconds=60))
-    assert kwargs == {"backend": "nccl", "timeout": timedelta(seconds=60), "device_id": torch.device("cuda", 3)}
+    assert kwargs == {"backend": "nccl", "timeout": timedelta(seconds=60),
+                      "device_id": torch.device("cuda", 3)}
     assert "device_id" not in process_group_kwargs(torch.device("cpu"), "gloo", timedelta(seconds=60))
     # and init_distributed really passes them (CUDA described: set_device and the process group are stubbed)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -281,7 +294,8 @@ def test_host_batches_are_pinned_for_cuda_only():
 
 
 def test_peak_memory_is_reset_after_each_logged_record(monkeypatch):
-    """On CUDA the allocator's peaks are reset after each record, so each record's peak is its own interval's."""
+    """On CUDA the allocator's peaks are reset after each record, so each record's peak is its
+    own interval's."""
     from shardlm.metrics.memory import reset_device_peaks
 
     resets = []
@@ -296,9 +310,11 @@ def test_peak_memory_is_reset_after_each_logged_record(monkeypatch):
     from shardlm.train import trainer as trainer_module
 
     order = []
-    monkeypatch.setattr(trainer_module, "device_memory", lambda d: order.append("read") or {"max_allocated_bytes": 7})
+    monkeypatch.setattr(trainer_module, "device_memory",
+                        lambda d: order.append("read") or {"max_allocated_bytes": 7})
     monkeypatch.setattr(trainer_module, "reset_device_peaks", lambda d: order.append(("reset", d)))
-    fake = SimpleNamespace(info=SimpleNamespace(device=torch.device("cuda", 0)), local_shard_bytes={"total": 1})
+    fake = SimpleNamespace(info=SimpleNamespace(device=torch.device("cuda", 0)),
+                           local_shard_bytes={"total": 1})
     assert trainer_module.Trainer._per_rank_values(fake) == {"shard_bytes": 1, "max_allocated_bytes": 7}
     assert order == ["read", ("reset", torch.device("cuda", 0))]
 
@@ -321,7 +337,8 @@ def test_enable_gqa_attention_equals_repeat_interleave(heads, kv_heads, masked):
     grouped = attention(q, k, v, mask, enable_gqa=True)
     repeated = attention(q, k, v, mask, enable_gqa=False)
     diff = (grouped - repeated).abs().max().item()
-    print(f"heads {heads}/{kv_heads}{' masked' if masked else ''}: max |enable_gqa - repeat_interleave| = {diff:.1e}")
+    print(f"heads {heads}/{kv_heads}{' masked' if masked else ''}: max |enable_gqa - repeat_interleave| = "
+          f"{diff:.1e}")
     assert grouped.shape == (2, heads, 33, 16) and diff <= 1e-6
     g1 = torch.autograd.grad(grouped.square().sum(), (q, k, v))
     g2 = torch.autograd.grad(repeated.square().sum(), (q, k, v))
@@ -339,17 +356,24 @@ def test_model_forward_is_the_same_with_either_attention_path(monkeypatch):
     tokens = torch.randint(0, 101, (2, 32))
     with torch.no_grad():
         grouped = model(tokens)
-        monkeypatch.setattr(llama_module, "attention",
-                            lambda q, k, v, mask=None, scale=None: llama_module.F.scaled_dot_product_attention(
-                                q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), is_causal=True, scale=scale)
-                            if mask is None else None)
+        monkeypatch.setattr(
+            llama_module,
+            "attention",
+            lambda q, k, v, mask=None, scale=None: (
+                llama_module.F.scaled_dot_product_attention(
+                    q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), is_causal=True, scale=scale
+                )
+                if mask is None
+                else None
+            ),
+        )
         repeated = model(tokens)
     assert (grouped - repeated).abs().max().item() <= 1e-6
 
 
 def test_leak_guard_names_and_restores_a_patched_global():
-    """The conftest guard that fails a test leaving a process-wide setting changed: it names the setting and puts
-    it back (checked here by calling it directly on a deliberate leak)."""
+    """The conftest guard that fails a test leaving a process-wide setting changed: it names the setting and
+    puts it back (checked here by calling it directly on a deliberate leak)."""
     from conftest import process_globals, restore_process_globals
 
     before = process_globals()

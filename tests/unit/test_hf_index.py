@@ -1,10 +1,11 @@
-"""HF model directories are read through ``model.safetensors.index.json`` when they have one (issue 26, item 4).
+"""HF model directories are read through ``model.safetensors.index.json`` when they have one (issue 26,
+item 4).
 
-A small random Llama saved by transformers as a sharded checkpoint (several ``model-0000N-of-0000M.safetensors``
-and their index): a missing shard is named; a stray ``model.safetensors`` (other values) and a mistralai-style
-``consolidated.safetensors`` beside the shards are ignored with a note, and the logits equal transformers' on the
-clean directory; without an index, two files holding one tensor are refused by every reader (``import``,
-``export``, ``generate``, ``eval``, and ``init_from``'s sharded loader).
+A small random Llama saved by transformers as a sharded checkpoint (several
+``model-0000N-of-0000M.safetensors`` and their index): a missing shard is named; a stray ``model.safetensors``
+(other values) and a mistralai-style ``consolidated.safetensors`` beside the shards are ignored with a note,
+and the logits equal transformers' on the clean directory; without an index, two files holding one tensor are
+refused by every reader (``import``, ``export``, ``generate``, ``eval``, and ``init_from``'s sharded loader).
 """
 
 from __future__ import annotations
@@ -36,14 +37,16 @@ def sharded(tmp_path_factory, small_data) -> tuple[Path, torch.Tensor]:
     """(a sharded Llama directory with small_data's tokenizer, transformers' logits of IDS on it)."""
     path = tmp_path_factory.mktemp("index") / "sharded"
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                      tie_word_embeddings=False, bos_token_id=None, eos_token_id=None)
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=64, tie_word_embeddings=False,
+                                      bos_token_id=None, eos_token_id=None)
     model = transformers.LlamaForCausalLM(config).eval()
     model.save_pretrained(str(path), max_shard_size="60KB")
     assert (path / INDEX_NAME).is_file() and len(list(path.glob("model-*.safetensors"))) > 2
     shutil.copy(small_data / "tokenizer.json", path / "tokenizer.json")
-    hf = transformers.LlamaForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager")
+    hf = transformers.LlamaForCausalLM.from_pretrained(str(path), dtype=torch.float32,
+                                                       attn_implementation="eager")
     with torch.no_grad():
         return path, hf.eval()(IDS).logits
 
@@ -80,19 +83,24 @@ def test_stray_and_consolidated_files_beside_the_index_are_ignored(sharded, tmp_
     save_file({k: v + 1.0 for k, v in state.items()}, str(d / "model.safetensors"))  # stale, other values
     # mistralai's original layout beside the HF shards (names the HF config does not describe)
     save_file({"layers.0.attention.wk.weight": state["model.layers.0.self_attn.k_proj.weight"],
-               "tok_embeddings.weight": state["model.embed_tokens.weight"]}, str(d / "consolidated.safetensors"))
+               "tok_embeddings.weight": state["model.embed_tokens.weight"]},
+              str(d / "consolidated.safetensors"))
     capsys.readouterr()
     ours = _logits(d)
     note = capsys.readouterr().err
-    assert "note:" in note and "consolidated.safetensors, model.safetensors" in note and INDEX_NAME in note, note
+    assert "note:" in note and "consolidated.safetensors, model.safetensors" in note and INDEX_NAME in note, (
+        note
+    )
     assert (ours - theirs).abs().max().item() < 1e-5
     # the import reads the index too; its output loads in transformers with the same logits
     assert shardlm_main(["import", str(d), str(tmp_path / "imported")]) == 0
     out = tmp_path / "imported"
-    hf = transformers.LlamaForCausalLM.from_pretrained(str(out), dtype=torch.float32, attn_implementation="eager")
+    hf = transformers.LlamaForCausalLM.from_pretrained(str(out), dtype=torch.float32,
+                                                       attn_implementation="eager")
     with torch.no_grad():
         assert (hf.eval()(IDS).logits - theirs).abs().max().item() < 1e-5
-    # the sharded (init_from) loader takes the same files: the layer-0 key projection is the shard's, not the stray's
+    # the sharded (init_from) loader takes the same files: the layer-0 key projection is the shard's, not
+    # the stray's
     with torch.device("meta"):
         model = Llama(read_model_dir_config(d))
     model.to_empty(device="cpu")
@@ -120,7 +128,8 @@ def test_an_index_that_disagrees_with_its_files(sharded, tmp_path):
         load_model_dir(d)
 
 
-def test_one_tensor_in_two_files_without_an_index_is_refused_by_every_reader(sharded, small_corpus, tmp_path, capsys):
+def test_one_tensor_in_two_files_without_an_index_is_refused_by_every_reader(sharded, small_corpus, tmp_path,
+                                                                             capsys):
     src, _ = sharded
     d = tmp_path / "d"
     d.mkdir()
@@ -142,7 +151,8 @@ def test_one_tensor_in_two_files_without_an_index_is_refused_by_every_reader(sha
     with pytest.raises(ModelDirError, match=expected):  # init_from's loader (train/build.py)
         load_pretrained_(model, d)
     capsys.readouterr()  # and a training run from it, in this process
-    code = train_main([f"--model.init_from={d}", f"--data.corpus={small_corpus}", f"--data.dir={tmp_path / 'data'}",
-                       "--train.seq_len=16", "--train.steps=1", f"--run.dir={tmp_path / 'run'}"])
+    code = train_main([f"--model.init_from={d}", f"--data.corpus={small_corpus}",
+                       f"--data.dir={tmp_path / 'data'}", "--train.seq_len=16", "--train.steps=1",
+                       f"--run.dir={tmp_path / 'run'}"])
     err = capsys.readouterr().err
     assert code == 2 and expected in err and "Traceback" not in err, err

@@ -44,7 +44,8 @@ def test_its_readers_keep_their_error_types(tmp_path):
     with pytest.raises(DataError, match=f"^{tmp_path}/meta.json: not valid JSON"):
         load_meta(str(tmp_path))
     (tmp_path / "manifest.json").write_text("[]")
-    with pytest.raises(CheckpointError, match=f"^{tmp_path}/manifest.json is not a shardlm-checkpoint manifest"):
+    with pytest.raises(CheckpointError,
+                       match=f"^{tmp_path}/manifest.json is not a shardlm-checkpoint manifest"):
         read_manifest(tmp_path)
     (tmp_path / "manifest.json").write_text('{"format": ')
     with pytest.raises(CheckpointError, match=f"^{tmp_path}/manifest.json: not valid JSON"):

@@ -1,6 +1,6 @@
-"""Ctrl-C and the ``shardlm train`` launcher in one process (issue 34 items 1-3): resume from the run directory
-alone, the signal rules, the resume command, and what the launcher passes to the ranks and returns. The 2-rank
-launches stopped by Ctrl-C are in tests/dist/test_launch_signals.py."""
+"""Ctrl-C and the ``shardlm train`` launcher in one process (issue 34 items 1-3): resume from the run
+directory alone, the signal rules, the resume command, and what the launcher passes to the ranks and returns.
+The 2-rank launches stopped by Ctrl-C are in tests/dist/test_launch_signals.py."""
 
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ from shardlm.parallel.dist import DistInfo
 
 # ---- one process --------------------------------------------------------------------------------
 def test_resume_auto_with_the_run_dir_alone_restores_its_config(tmp_path, monkeypatch):
-    started = load_config("configs/shakespeare-tiny.toml", ["--train.lr=1e-3", "--train.steps=7", "--model.dim=96",
+    started = load_config("configs/shakespeare-tiny.toml",
+                          ["--train.lr=1e-3", "--train.steps=7", "--model.dim=96",
                                                             "--parallel.reshard_after_forward=false",
                                                             f"--run.dir={tmp_path}", "--checkpoint.keep=2"])
     write_run_config(tmp_path, "20260101-000000-00000000", started.to_dict())
@@ -88,7 +89,8 @@ def test_after_sigterm_only_ctrl_c_stops_at_once(tmp_path):
         os.kill(os.getpid(), signal.SIGTERM)
         assert c.signal_received()
         assert signal.getsignal(signal.SIGINT) == signal.SIG_DFL
-        assert signal.getsignal(signal.SIGTERM) == c._on_signal  # Slurm and torchrun both sending it: still saves
+        # Slurm and torchrun both sending it: still saves
+        assert signal.getsignal(signal.SIGTERM) == c._on_signal
     finally:
         c.close()
 
@@ -104,7 +106,8 @@ def test_resume_command_names_the_launcher(monkeypatch, tmp_path):
 def test_launcher_passes_everything_else_to_the_ranks(monkeypatch):
     seen = {}
     monkeypatch.setattr(launch, "cmd_train", lambda args, rest: seen.update(args=args, rest=rest) or 0)
-    argv = ["train", "--nproc-per-node", "2", "--config", "a.toml", "--train.lr=1e-3", "--resume=auto", "--nnodes=1"]
+    argv = ["train", "--nproc-per-node", "2", "--config", "a.toml", "--train.lr=1e-3", "--resume=auto",
+            "--nnodes=1"]
     assert shardlm_main(argv) == 0
     assert seen["rest"] == ["--config", "a.toml", "--train.lr=1e-3", "--resume=auto"]
     args = seen["args"]
@@ -114,17 +117,20 @@ def test_launcher_passes_everything_else_to_the_ranks(monkeypatch):
 
 
 def test_launcher_outcome_keeps_the_ranks_exit_code():
-    assert launch.outcome({0: 2, 1: -15}) == (2, None)  # rank 0 printed its error; torchrun then killed rank 1
+    # rank 0 printed its error; torchrun then killed rank 1
+    assert launch.outcome({0: 2, 1: -15}) == (2, None)
     assert launch.outcome({1: 5, 0: -15}) == (5, None)
     code, line = launch.outcome({1: 1, 0: -15})
     assert code == 1 and line == "error: rank 1 failed with exit code 1 (its traceback is above)"
     code, line = launch.outcome({0: -9, 1: -9})
     assert code == 137 and line.startswith("error: rank 0 was killed by SIGKILL")
-    assert launch.outcome({0: -15, 1: 1})[1] == "error: rank 1 failed with exit code 1 (its traceback is above)"
+    assert launch.outcome({0: -15, 1: 1})[1] == ("error: rank 1 failed with exit code 1 (its traceback is "
+                                                 "above)")
     assert launch.outcome({0: -15})[1] == "error: rank 0 was killed by SIGTERM (exit code -15)"
     early = launch.Forwarder()
     early.received = [signal.SIGINT]
-    assert launch.outcome({0: -2, 1: -2}, early) == (130, "error: stopped by Ctrl-C before training began (no "
+    assert launch.outcome({0: -2, 1: -2}, early) == (130,
+                                                     "error: stopped by Ctrl-C before training began (no "
                                                           "checkpoint written)")
     twice = launch.Forwarder()
     twice.received = [signal.SIGINT, signal.SIGINT]

@@ -33,11 +33,12 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def tiny(family: str = "llama", tied: bool = False, softcap: float = 0.0, seed: int = 0) -> Llama:
-    cfg = ModelConfig(family=family, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, vocab_size=VOCAB,
-                      max_seq_len=64, tie_embeddings=tied, final_logit_softcap=softcap)
+    cfg = ModelConfig(family=family, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64,
+                      vocab_size=VOCAB, max_seq_len=64, tie_embeddings=tied, final_logit_softcap=softcap)
     model = Llama(cfg)
     model.init_weights(seed)
-    with torch.no_grad():  # Gemma's zero-initialised norms and small logits would hide errors: perturb everything
+    with torch.no_grad():
+        # Gemma's zero-initialised norms and small logits would hide errors: perturb everything
         gen = torch.Generator().manual_seed(seed + 1)
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=gen) * 0.1)
@@ -54,7 +55,9 @@ def batch(ignored: slice | None = slice(5, 9), seed: int = 0) -> tuple[torch.Ten
     return inputs, targets
 
 
-def loss_and_grads(model: Llama, inputs, targets, chunk: int) -> tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
+def loss_and_grads(
+    model: Llama, inputs, targets, chunk: int
+) -> tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
     model.zero_grad(set_to_none=True)
     loss = model_loss_sum(model, inputs, targets, chunk)
     (loss * 0.37).backward()  # a scale, as the trainer's 1 / target count
@@ -89,9 +92,10 @@ def test_chunked_equals_plain_every_parameter(case):
 
 @pytest.mark.parametrize("rows", ["gathered", "masked"])
 def test_hidden_state_and_weight_gradients_and_ignored_chunks(rows, monkeypatch):
-    """At the function: gradients of the hidden states and the output weight, with a soft-cap, chunks of 7 over 40
-    tokens of which tokens 7..20 (two whole chunks) and every target of one row are ignored; and all ignored.
-    ``masked``: the ignored rows projected and masked, as on a GPU (no host read), instead of gathered out."""
+    """At the function: gradients of the hidden states and the output weight, with a soft-cap, chunks of 7
+    over 40 tokens of which tokens 7..20 (two whole chunks) and every target of one row are ignored; and all
+    ignored. ``masked``: the ignored rows projected and masked, as on a GPU (no host read), instead of
+    gathered out."""
     if rows == "masked":
         monkeypatch.setattr(loss_module, "GATHER_SCORED_ROWS_ON", ())
     gen = torch.Generator().manual_seed(3)
@@ -109,8 +113,10 @@ def test_hidden_state_and_weight_gradients_and_ignored_chunks(rows, monkeypatch)
         chunked = linear_cross_entropy_sum(h, w, targets, 7, cap)
         ch, cw = torch.autograd.grad(chunked * 0.5, (h, w))
         assert rel(chunked, plain) <= REL and rel(ch, gh) <= REL and rel(cw, gw) <= REL
-        assert ch[3].abs().max() == 0 and ch.view(-1, 24)[7:21].abs().max() == 0  # nothing scored: no gradient
-    none = torch.full_like(targets, IGNORE_INDEX)  # every target ignored: loss 0, zero gradients (as the plain loss)
+        # nothing scored: no gradient
+        assert ch[3].abs().max() == 0 and ch.view(-1, 24)[7:21].abs().max() == 0
+    # every target ignored: loss 0, zero gradients (as the plain loss)
+    none = torch.full_like(targets, IGNORE_INDEX)
     loss = linear_cross_entropy_sum(h, w, none, 7)
     ch, cw = torch.autograd.grad(loss, (h, w))
     assert loss.item() == 0 == token_loss_sum(F.linear(h, w), none).item()
@@ -121,7 +127,9 @@ def test_forward_only_equals_plain_and_backward_runs_once():
     model = tiny("gemma3", softcap=3.0)
     inputs, targets = batch()
     with torch.no_grad():  # evaluation and perplexity: no gradient is made
-        assert rel(model_loss_sum(model, inputs, targets, 5), model_loss_sum(model, inputs, targets, 0)) <= REL
+        assert (
+            rel(model_loss_sum(model, inputs, targets, 5), model_loss_sum(model, inputs, targets, 0)) <= REL
+        )
     loss = model_loss_sum(model, inputs, targets, 16)
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="backward ran twice"):
@@ -148,32 +156,41 @@ def test_lora_on_the_output_projection(base):
             else:
                 p.copy_(init.get_parameter(name).to(p.dtype))
     errors = assert_same(model, *batch(), 16)
-    assert {"model.layers.0.self_attn.q_proj.lora_A.weight", "lm_head.lora_A.weight", "lm_head.lora_B.weight"} \
-        <= errors.keys() and "lm_head.weight" not in errors
+    assert {
+        "model.layers.0.self_attn.q_proj.lora_A.weight",
+        "lm_head.lora_A.weight",
+        "lm_head.lora_B.weight",
+    } <= errors.keys() and "lm_head.weight" not in errors
 
 
 def test_qlora_nf4_output_projection():
-    """QLoRA: an NF4 ``lm_head`` base (torchao's NF4Tensor, dequantised to the compute dtype) with trained adapters on
-    it and on q_proj: the chunked loss and every gradient equal the plain loss's (fp32 compute, 1e-6); the NF4 base
-    is really used (its loss differs from the unquantised head's)."""
+    """QLoRA: an NF4 ``lm_head`` base (torchao's NF4Tensor, dequantised to the compute dtype) with trained
+    adapters on it and on q_proj: the chunked loss and every gradient equal the plain loss's (fp32 compute,
+    1e-6); the NF4 base is really used (its loss differs from the unquantised head's)."""
     pytest.importorskip("torchao", reason="pip install -e '.[test]'")
     from shardlm.model.lora import is_nf4, to_nf4
 
-    cfg = ModelConfig(family="llama", dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, vocab_size=320,
-                      max_seq_len=64)  # 320 x 32 values: whole NF4 scaler blocks
+    cfg = ModelConfig(family="llama", dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64,
+                      vocab_size=320, max_seq_len=64)  # 320 x 32 values: whole NF4 scaler blocks
     init = Llama(cfg)
     init.init_weights(0)
     model = Llama(cfg)
     apply_lora(model, LoRASpec(4, 8.0, 0.0, "lm_head,q_proj", "nf4"))
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.2 if "lora_" in name
-                    else init.get_parameter(name).to(p.dtype))
+            p.copy_(
+                torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.2
+                if "lora_" in name
+                else init.get_parameter(name).to(p.dtype)
+            )
     model.lm_head.weight = torch.nn.Parameter(to_nf4(init.lm_head.weight.detach()), requires_grad=False)
     assert is_nf4(model.lm_head.weight)
     inputs, targets = batch()
     errors = assert_same(model, inputs, targets, 16)
-    assert {"lm_head.lora_A.weight", "lm_head.lora_B.weight"} <= errors.keys() and "lm_head.weight" not in errors
+    assert {
+        "lm_head.lora_A.weight",
+        "lm_head.lora_B.weight",
+    } <= errors.keys() and "lm_head.weight" not in errors
     with torch.no_grad():
         nf4 = model_loss_sum(model, inputs, targets, 16)
         model.lm_head.weight = torch.nn.Parameter(init.lm_head.weight.detach().clone(), requires_grad=False)
@@ -189,8 +206,9 @@ def test_activation_checkpointing():
 
 @pytest.mark.parametrize("kernel", ["native", "fp32"])
 def test_bf16_within_bf16_noise_of_the_plain_bf16_loss(kernel):
-    """bf16 parameters (fp32 softmax): chunked and plain bf16 are both compared with the fp32 model; the chunked
-    loss's error is at most 1.5x the plain bf16 loss's (+ 2e-3 of the scale) for the loss and every gradient."""
+    """bf16 parameters (fp32 softmax): chunked and plain bf16 are both compared with the fp32 model; the
+    chunked loss's error is at most 1.5x the plain bf16 loss's (+ 2e-3 of the scale) for the loss and
+    every gradient."""
     ref = tiny(tied=True)
     model = copy.deepcopy(ref).to(torch.bfloat16)
     if kernel == "fp32":
@@ -217,7 +235,8 @@ def test_negative_chunk_is_one_clear_error(capsys):
     assert "train.loss_chunk_tokens must be >= 0" in err and "got -1" in err, err
     cfg = Config()
     cfg.train.loss_chunk_tokens = -1
-    with pytest.raises(ConfigError, match=r"train.loss_chunk_tokens must be >= 0 .*0 = the plain loss.*got -1"):
+    with pytest.raises(ConfigError,
+                       match=r"train.loss_chunk_tokens must be >= 0 .*0 = the plain loss.*got -1"):
         validate(cfg)
     with pytest.raises(ValueError, match="must be >= 0"):
         model_loss_sum(tiny(), *batch(), -3)
@@ -226,8 +245,9 @@ def test_negative_chunk_is_one_clear_error(capsys):
 @pytest.mark.parametrize("dtype,softcap", [(torch.float32, 0.0), (torch.float32, 30.0), (torch.bfloat16, 0.0),
                                            (torch.bfloat16, 30.0)])
 def test_planned_loss_peak_equals_the_allocators(dtype, softcap):
-    """plan/loss.py's peak against PyTorch's CPU allocator (profiler events, as bench/bench_loss.py measures), 300
-    tokens, vocab 20,000: plain and chunks of 128, within 3%; the chunked peak is below half the plain one."""
+    """plan/loss.py's peak against PyTorch's CPU allocator (profiler events, as bench/bench_loss.py measures),
+    300 tokens, vocab 20,000: plain and chunks of 128, within 3%; the chunked peak is below half the
+    plain one."""
     spec = importlib.util.spec_from_file_location("bench_loss", ROOT / "bench" / "bench_loss.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
@@ -248,9 +268,10 @@ def test_planned_loss_peak_equals_the_allocators(dtype, softcap):
 
 
 def test_planned_chunk_peak_counts_the_hidden_gradient_product():
-    """A vocabulary small against the width (V = 512, D = 256: one rank's rows under tensor parallel look like this):
-    each chunk's hidden-state gradient ``g @ w`` (k, D) is alive beside its (k, V) gradient, and the plan counts it:
-    chunks of 128 within 1 % of the allocator's peak (10.9 % under before it was counted), fp32."""
+    """A vocabulary small against the width (V = 512, D = 256: one rank's rows under tensor parallel look like
+    this): each chunk's hidden-state gradient ``g @ w`` (k, D) is alive beside its (k, V) gradient, and the
+    plan counts it: chunks of 128 within 1 % of the allocator's peak (10.9 % under before it was
+    counted), fp32."""
     spec = importlib.util.spec_from_file_location("bench_loss", ROOT / "bench" / "bench_loss.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
@@ -265,8 +286,8 @@ def test_planned_chunk_peak_counts_the_hidden_gradient_product():
 
 
 def test_planner_counts_the_loss_by_chunk_size():
-    """shardlm plan: vocab 151,936, 4,096 tokens per micro-batch: the temporaries at the peak are the plain loss's
-    three fp32 (tokens, vocab) buffers when off, and far less with chunks of 256."""
+    """shardlm plan: vocab 151,936, 4,096 tokens per micro-batch: the temporaries at the peak are the plain
+    loss's three fp32 (tokens, vocab) buffers when off, and far less with chunks of 256."""
     cfg = Config()
     cfg.model.vocab_size, cfg.model.dim, cfg.model.n_layers = 151_936, 576, 2
     cfg.model.n_heads, cfg.model.n_kv_heads, cfg.model.max_seq_len = 9, 3, 4096
@@ -276,7 +297,8 @@ def test_planner_counts_the_loss_by_chunk_size():
         cfg.train.loss_chunk_tokens = chunk
         plans[chunk] = plan_memory(cfg, 1)
         row = "whole logits, log-softmax, grads" if chunk == 0 else "loss in 256-token chunks, backward"
-        assert f"    temporaries ({row})" in format_plan(cfg, 1, "h100", 0.05)  # the report names what is counted
+        # the report names what is counted
+        assert f"    temporaries ({row})" in format_plan(cfg, 1, "h100", 0.05)
     logits = 4 * 4096 * 151_936
     assert plans[0].breakdown["temporaries"] >= 3 * logits and "loss backward" in plans[0].phase
     assert plans[256].breakdown["temporaries"] < logits / 2

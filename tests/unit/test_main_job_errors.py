@@ -1,6 +1,6 @@
 """The main job's failures in one process: bad input with one clear error, ``exit_process`` keeping the code
-and the output, and a non-finite loss that stops the run and writes nothing. The job end to end under torchrun is
-tests/dist/test_main_job.py."""
+and the output, and a non-finite loss that stops the run and writes nothing. The job end to end under torchrun
+is tests/dist/test_main_job.py."""
 
 from __future__ import annotations
 
@@ -36,7 +36,8 @@ def bad_cases(tmp_path, small_data, small_corpus, tokenizer_600):
         "batch not divisible": (["--train.global_batch_size=7", "--train.micro_batch_size=2"],
                                 "global_batch_size=7 must be divisible"),
         "seq too long": (["--train.seq_len=128"], "exceeds the model's maximum"),
-        "missing corpus": ([f"--data.corpus={tmp_path / 'nope.txt'}", f"--data.dir={fresh / 'd1'}"], "nope.txt"),
+        "missing corpus": ([f"--data.corpus={tmp_path / 'nope.txt'}", f"--data.dir={fresh / 'd1'}"],
+                           "nope.txt"),
         "empty corpus": ([f"--data.corpus={empty}", f"--data.dir={fresh / 'd2'}"], "empty"),
         "tokenizer too big": ([f"--data.corpus={small_corpus}", f"--data.tokenizer={tokenizer_600}",
                                f"--data.dir={fresh / 'd3'}"], "600"),
@@ -44,7 +45,8 @@ def bad_cases(tmp_path, small_data, small_corpus, tokenizer_600):
         "run dir is a file": ([f"--run.dir={busy / 'keep.txt'}"], "is not a directory"),
         "lr is nan": (["--train.lr=nan"], "train.lr must be a finite number"),
         "timeout not positive": (["--parallel.timeout_s=-1"], "parallel.timeout_s must be positive"),
-        "data dir under a file": ([f"--data.corpus={small_corpus}", f"--data.dir={busy / 'keep.txt' / 'data'}"],
+        "data dir under a file": ([f"--data.corpus={small_corpus}",
+                                   f"--data.dir={busy / 'keep.txt' / 'data'}"],
                                   f"cannot create {busy / 'keep.txt' / 'data'}: a parent is a file"),
     }
 
@@ -95,7 +97,10 @@ def test_exit_process_keeps_the_code_and_the_output(start_group):
     proc = subprocess.run([sys.executable, "-c", script], env=cpu_env(), capture_output=True, text=True,
                           timeout=60, stdin=subprocess.DEVNULL)
     assert proc.returncode == 5, proc.stderr
-    assert proc.stdout == "buffered line\n" and proc.stderr.endswith("to stderr\n"), (proc.stdout, proc.stderr)
+    assert proc.stdout == "buffered line\n" and proc.stderr.endswith("to stderr\n"), (
+        proc.stdout,
+        proc.stderr,
+    )
 
 
 def test_non_finite_loss_stops_and_writes_nothing(tmp_path, small_data, capsys):

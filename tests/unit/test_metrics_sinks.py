@@ -29,12 +29,13 @@ def test_metrics_rewind_drops_later_steps_from_every_sink(tmp_path):
     logger.close()
     expect = [(1, 1), (2, 2), (3, 3), (4, 40), (5, 50)]
     assert [(r["step"], r["loss"]) for r in read_metrics(tmp_path / "metrics.jsonl")] == expect
-    assert tensorboard_scalars(tmp_path / "tensorboard", "train/loss") == expect  # the files hold each step once
+    # the files hold each step once
+    assert tensorboard_scalars(tmp_path / "tensorboard", "train/loss") == expect
 
 
 def test_memory_figure_gives_shard_bytes_their_own_axis(tmp_path):
-    """memory.png: process memory (hundreds of MiB) on the left axis, shard bytes (about 1 MiB, constant) on the
-    right one, each line inside its own axis's range rather than flat on the bottom of a shared one."""
+    """memory.png: process memory (hundreds of MiB) on the left axis, shard bytes (about 1 MiB, constant) on
+    the right one, each line inside its own axis's range rather than flat on the bottom of a shared one."""
     from shardlm.metrics.report import Run
 
     records = [{"step": s, "loss": 1.0, "rss_bytes_per_rank": [(500 + s) * 2**20, (520 + s) * 2**20],
@@ -43,10 +44,16 @@ def test_memory_figure_gives_shard_bytes_their_own_axis(tmp_path):
     process, shards = fig.axes
     assert {ln.get_label() for ln in process.lines} == {"r rss rank0", "r rss rank1"}
     assert {ln.get_label() for ln in shards.lines} == {"r shard rank0", "r shard rank1"}
-    assert shards.get_ylabel() == "shard MiB (dashed)" and all(ln.get_linestyle() == "--" for ln in shards.lines)
+    assert shards.get_ylabel() == "shard MiB (dashed)" and all(
+        ln.get_linestyle() == "--" for ln in shards.lines
+    )
     for ax in (process, shards):
         lo, hi = ax.get_ylim()
         for ln in ax.lines:
             y = ln.get_xydata()[:, 1]
-            assert 0.02 < (y.min() - lo) / (hi - lo) and (y.max() - lo) / (hi - lo) < 0.98, (ln.get_label(), lo, hi)
+            assert 0.02 < (y.min() - lo) / (hi - lo) and (y.max() - lo) / (hi - lo) < 0.98, (
+                ln.get_label(),
+                lo,
+                hi,
+            )
     assert len(shards.get_legend().get_texts()) == 4  # one legend names the lines of both axes

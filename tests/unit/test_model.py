@@ -21,7 +21,8 @@ def test_llama3_8b_config_has_8b_parameters():
 
 
 def test_hf_parameter_names_and_tying():
-    cfg = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, vocab_size=100, max_seq_len=16)
+    cfg = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, vocab_size=100,
+                      max_seq_len=16)
     names = [n for n, _ in Llama(cfg).named_parameters()]
     assert names[:3] == ["model.embed_tokens.weight", "model.layers.0.input_layernorm.weight",
                          "model.layers.0.self_attn.q_proj.weight"]

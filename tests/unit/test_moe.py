@@ -17,7 +17,8 @@ def _hf_block(family: str, norm_topk_prob: bool = False):
                                           num_experts_per_tok=2, norm_topk_prob=norm_topk_prob)
         return Qwen3MoeSparseMoeBlock(cfg)
     from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
-    cfg = transformers.MixtralConfig(hidden_size=32, intermediate_size=24, num_local_experts=8, num_experts_per_tok=2)
+    cfg = transformers.MixtralConfig(hidden_size=32, intermediate_size=24, num_local_experts=8,
+                                     num_experts_per_tok=2)
     return MixtralSparseMoeBlock(cfg)
 
 
@@ -40,11 +41,15 @@ def test_moe_block_equals_transformers(family, norm):
     (y * g).sum().backward()
     (y_hf * g).sum().backward()
     for a, b in [(x.grad, x_hf.grad), (ours.experts.gate_up_proj.grad, hf.experts.gate_up_proj.grad),
-                 (ours.experts.down_proj.grad, hf.experts.down_proj.grad), (ours.gate.weight.grad, hf.gate.weight.grad)]:
+                 (ours.experts.down_proj.grad, hf.experts.down_proj.grad), (ours.gate.weight.grad,
+                                                                            hf.gate.weight.grad)]:
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     stats = ours.stats
     assert stats.tokens == 80 and stats.counts.sum() == 160
-    assert stats.counts.tolist() == torch.bincount(hf.gate(x.reshape(-1, 32))[2].reshape(-1), minlength=8).tolist()
+    assert (
+        stats.counts.tolist()
+        == torch.bincount(hf.gate(x.reshape(-1, 32))[2].reshape(-1), minlength=8).tolist()
+    )
 
 
 def test_padding_left_out_of_the_router_statistics_gives_transformers_masked_aux_loss():
@@ -111,7 +116,8 @@ def test_lora_on_experts_is_refused_by_name():
     from shardlm.model.lora import LoRASpec, apply_lora
     model = torch.nn.Module()
     model.mlp = MoE(16, 4, 8, 2)
-    with pytest.raises(ConfigError, match="lora.targets gate_proj,down_proj: LoRA on the experts of a mixture of "
+    with pytest.raises(ConfigError,
+                       match="lora.targets gate_proj,down_proj: LoRA on the experts of a mixture of "
                                           "experts is not built"):
         apply_lora(model, LoRASpec(4, 8.0, 0.0, "q_proj,gate_proj,down_proj", "float32"))
 
@@ -136,8 +142,8 @@ def test_activation_checkpointing_keeps_moe_gradients_and_aux_loss(mode):
     from shardlm.model.decoder import CausalLM
     from shardlm.parallel.ac import apply_ac
     from shardlm.train.moe_loss import moe_loss_term
-    cfg = ModelConfig(family="qwen3_moe", dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, vocab_size=64,
-                      max_seq_len=32, n_experts=4, n_experts_per_token=2, moe_ffn_hidden=16)
+    cfg = ModelConfig(family="qwen3_moe", dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64,
+                      vocab_size=64, max_seq_len=32, n_experts=4, n_experts_per_token=2, moe_ffn_hidden=16)
     tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
     grads = []
     for ac in ("none", mode):
@@ -159,7 +165,8 @@ def test_expert_parallel_refusal_is_one_line_and_exit_2(small_data, tmp_path, ca
     moe = {"model.family": '"qwen3_moe"', "model.n_experts": 4, "model.head_width": 16, "parallel.ep": 3,
            "train.steps": 1}
     err = cli_error(capsys, ["train", *tiny_overrides(small_data, tmp_path / "run", moe)])
-    assert err == "error: parallel.ep=3 must divide model.n_experts=4 (each ep rank holds n_experts / ep whole experts)"
+    assert err == ("error: parallel.ep=3 must divide model.n_experts=4 (each ep rank holds n_experts / ep "
+                   "whole experts)")
 
 
 def test_a_rank_reads_only_its_experts_tensors():
@@ -172,32 +179,39 @@ def test_a_rank_reads_only_its_experts_tensors():
     assert set(disk) == set(disk_shapes(cfg, name, shape)) | {"model.layers.0.block_sparse_moe.gate.weight"}
     assert torch.equal(disk["model.layers.0.block_sparse_moe.experts.2.w3.weight"], full[2, 4:])  # up rows
     read = []
-    rows = read_rows(cfg, name, shape, 1, 3, lambda n: read.append(n) or disk[n])  # a shard holding experts 1, 2
+    # a shard holding experts 1, 2
+    rows = read_rows(cfg, name, shape, 1, 3, lambda n: read.append(n) or disk[n])
     assert torch.equal(rows, full[1:3])
-    assert read == [f"model.layers.0.block_sparse_moe.experts.{e}.{w}.weight" for e in (1, 2) for w in ("w1", "w3")]
+    assert read == [
+        f"model.layers.0.block_sparse_moe.experts.{e}.{w}.weight" for e in (1, 2) for w in ("w1", "w3")
+    ]
 
 
 def test_the_logged_aux_loss_under_accumulation_is_the_mean_of_transformers_per_forward(small_data, tmp_path):
-    """With gradient accumulation the load-balancing statistics are pooled per micro-step (one forward per rank),
-    not over the global batch: one process, 2 micro-batches of 2. The step's ``moe_aux_loss`` is the mean over the
-    micro-batches of transformers' ``aux_loss`` of each forward (on the step's starting weights), and differs
-    from the ``aux_loss`` of the whole batch in one forward (what gradient accumulation does not give)."""
+    """With gradient accumulation the load-balancing statistics are pooled per micro-step (one forward per
+    rank), not over the global batch: one process, 2 micro-batches of 2. The step's ``moe_aux_loss`` is the
+    mean over the micro-batches of transformers' ``aux_loss`` of each forward (on the step's starting
+    weights), and differs from the ``aux_loss`` of the whole batch in one forward (what gradient accumulation
+    does not give)."""
     from conftest import tiny_overrides
     from shardlm.config import load_config
     from shardlm.convert.hf_out import save_model_dir
     from shardlm.parallel import init_distributed
     from shardlm.train import Trainer
     cfg = load_config(None, tiny_overrides(small_data, tmp_path / "run", {
-        "model.family": '"qwen3_moe"', "model.n_experts": 8, "model.n_experts_per_token": 2, "model.head_width": 16,
-        "model.moe_ffn_hidden": 32, "model.norm_topk_prob": "true", "model.router_aux_loss_coef": 0.05,
-        "parallel.mode": '"single"', "train.seq_len": 16, "train.global_batch_size": 4, "train.micro_batch_size": 2}))
+        "model.family": '"qwen3_moe"', "model.n_experts": 8, "model.n_experts_per_token": 2,
+        "model.head_width": 16, "model.moe_ffn_hidden": 32, "model.norm_topk_prob": "true",
+        "model.router_aux_loss_coef": 0.05, "parallel.mode": '"single"', "train.seq_len": 16,
+        "train.global_batch_size": 4, "train.micro_batch_size": 2}))
     started = torch.distributed.is_initialized()
     try:
         trainer = Trainer(cfg, init_distributed(cfg.parallel))  # a process group of one rank
         inputs = []
-        hook = trainer.model.register_forward_pre_hook(lambda _m, args: inputs.append(args[0].detach().clone()))
-        start = save_model_dir({k: v.detach().clone() for k, v in trainer.model.state_dict().items()}, cfg.model,
-                               tmp_path / "start")
+        hook = trainer.model.register_forward_pre_hook(
+            lambda _m, args: inputs.append(args[0].detach().clone())
+        )
+        start = save_model_dir({k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
+                               cfg.model, tmp_path / "start")
         record = trainer.train_step()
         hook.remove()
     finally:
@@ -221,14 +235,16 @@ def test_start_up_summary_names_the_experts_and_the_active_parameters():
     from shardlm.model.llama import Llama, num_params
     from shardlm.train.summary import model_experts
 
-    cfg = load_config(None, ["--model.family=qwen3_moe", "--model.n_experts=8", "--model.n_experts_per_token=2",
-                             "--model.moe_ffn_hidden=32", "--model.dim=64", "--model.n_layers=3", "--model.n_heads=4",
+    cfg = load_config(None,
+                      ["--model.family=qwen3_moe", "--model.n_experts=8", "--model.n_experts_per_token=2",
+                             "--model.moe_ffn_hidden=32", "--model.dim=64", "--model.n_layers=3",
+                       "--model.n_heads=4",
                              "--model.vocab_size=256", "--model.dense_layers=[1]"])
     with torch.device("meta"):
         model = Llama(cfg.model)
     experts = 3 * 64 * 32  # gate, up and down of one expert
     active = num_params(model) - 2 * experts * (8 - 2)  # two MoE layers, 6 of 8 experts idle per token
-    assert model_experts(cfg, model) == (f"; mixture of experts: 8 experts, top-2, in 2 of 3 layers, {active:,} "
-                                         "parameters active per token")
+    assert model_experts(cfg, model) == ("; mixture of experts: 8 experts, top-2, in 2 of 3 layers, "
+                                         f"{active:,} parameters active per token")
     dense = load_config(None, [])
     assert model_experts(dense, model) == ""

@@ -21,11 +21,13 @@ TOKENS = torch.randint(0, 128, (2, 40), generator=torch.Generator().manual_seed(
 
 def hf_config(family: str):
     common = dict(vocab_size=128, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                  max_position_embeddings=128, initializer_range=0.1, rms_norm_eps=1e-6, tie_word_embeddings=False)
+                  max_position_embeddings=128, initializer_range=0.1, rms_norm_eps=1e-6,
+                  tie_word_embeddings=False)
     if family == "qwen3_moe":  # layer 1 dense (mlp_only_layers), the others MoE; top-2 renormalised
         return transformers.Qwen3MoeConfig(**common, num_hidden_layers=3, head_dim=16, intermediate_size=96,
                                            moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
-                                           norm_topk_prob=True, mlp_only_layers=[1], router_aux_loss_coef=0.01)
+                                           norm_topk_prob=True, mlp_only_layers=[1],
+                                           router_aux_loss_coef=0.01)
     if family == "gpt_oss":  # sinks, biases, clamped SwiGLU; layer 0 sliding (window 8 < 40), layer 1 full
         return transformers.GptOssConfig(**common, num_hidden_layers=2, head_dim=16, intermediate_size=32,
                                          num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
@@ -33,8 +35,9 @@ def hf_config(family: str):
                                          router_aux_loss_coef=0.02, swiglu_limit=0.5,  # the clamps bite
                                          attn_implementation="eager")
     # Mixtral: a sliding window shorter than the 40-token sequence
-    return transformers.MixtralConfig(**common, num_hidden_layers=2, intermediate_size=32, num_local_experts=4,
-                                      num_experts_per_tok=2, sliding_window=16, router_aux_loss_coef=0.02)
+    return transformers.MixtralConfig(**common, num_hidden_layers=2, intermediate_size=32,
+                                      num_local_experts=4, num_experts_per_tok=2, sliding_window=16,
+                                      router_aux_loss_coef=0.02)
 
 
 @pytest.fixture(scope="module", params=["qwen3_moe", "mixtral", "gpt_oss"])
@@ -66,7 +69,10 @@ def test_logits_and_aux_loss_equal_transformers(hf_dir):
     assert abs(term.aux.item() - want.aux_loss.item()) <= 1e-6, (term.aux.item(), want.aux_loss.item())
     assert abs(term.term.item() - hf.config.router_aux_loss_coef * want.aux_loss.item()) <= 1e-7
     if family == "qwen3_moe":
-        assert type(ours.model.layers[1].mlp).__name__ == "MLP" and type(ours.model.layers[0].mlp).__name__ == "MoE"
+        assert (
+            type(ours.model.layers[1].mlp).__name__ == "MLP"
+            and type(ours.model.layers[0].mlp).__name__ == "MoE"
+        )
     elif family == "mixtral":
         assert ours.cfg.sliding_window == 16
     else:
@@ -107,22 +113,25 @@ def test_refused_routing_and_attention_name_the_cause(tmp_path):
 def test_moe_config_checks_name_the_key():
     from shardlm.config import load_config
     base = ["--model.family=\"qwen3_moe\"", "--model.n_heads=4", "--model.dim=64"]
-    with pytest.raises(ConfigError, match="model.n_experts=0: model.family 'qwen3_moe' is a mixture of experts"):
+    with pytest.raises(ConfigError,
+                       match="model.n_experts=0: model.family 'qwen3_moe' is a mixture of experts"):
         load_config(None, base)
-    with pytest.raises(ConfigError, match="model.n_experts_per_token=5 must be between 1 and model.n_experts=4"):
+    with pytest.raises(ConfigError,
+                       match="model.n_experts_per_token=5 must be between 1 and model.n_experts=4"):
         load_config(None, base + ["--model.n_experts=4", "--model.n_experts_per_token=5"])
     with pytest.raises(ConfigError, match="model.n_experts=4: model.family 'llama' is dense"):
         load_config(None, ["--model.n_experts=4"])
 
 
 #: gpt-oss-20b's and -120b's RoPE on the hub (``rope_scaling`` of their config.json)
-RELEASED_YARN = {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0,
-                 "beta_slow": 1.0, "truncate": False}
+RELEASED_YARN = {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096,
+                 "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}
 
 
 def test_gpt_oss_with_yarn_equals_transformers_past_the_original_context_and_exports(tmp_path):
-    # the released recipe over an original context of 32 tokens (not 4096): 40 tokens are past it, the window is 8;
-    # at 32 (not at 16) the ramp of truncate=false differs from the rounded one, so that field is tested too
+    # the released recipe over an original context of 32 tokens (not 4096): 40 tokens are past it, the window
+    # is 8; at 32 (not at 16) the ramp of truncate=false differs from the rounded one, so that field is
+    # tested too
     yarn = {**RELEASED_YARN, "original_max_position_embeddings": 32, "rope_theta": 10000.0}
     hf_cfg = transformers.GptOssConfig.from_dict({**hf_config("gpt_oss").to_dict(), "rope_parameters": yarn,
                                                   "max_position_embeddings": 32 * 32})
@@ -145,7 +154,8 @@ def test_gpt_oss_with_yarn_equals_transformers_past_the_original_context_and_exp
         unscaled = transformers.AutoModelForCausalLM.from_config(plain).eval()
         unscaled.load_state_dict(hf.state_dict())
         assert (unscaled(TOKENS).logits - want.logits).abs().max() > 1e-2  # YaRN changes these logits
-        rounded = transformers.GptOssConfig.from_dict({**hf_cfg.to_dict(), "rope_parameters": {**yarn, "truncate": True}})
+        rounded = transformers.GptOssConfig.from_dict({**hf_cfg.to_dict(),
+                                                       "rope_parameters": {**yarn, "truncate": True}})
         rounded = transformers.AutoModelForCausalLM.from_config(rounded).eval()
         rounded.load_state_dict(hf.state_dict())
         assert (rounded(TOKENS).logits - want.logits).abs().max() > 1e-2  # and so does truncate
@@ -164,7 +174,9 @@ def test_gpt_oss_with_yarn_equals_transformers_past_the_original_context_and_exp
     from shardlm.model.kv_cache import KVCache
     with torch.no_grad():  # decoding with a KV cache reads the same scaled tables by position
         cache = KVCache(c, torch.zeros(2, dtype=torch.long), torch.float32, "cpu", capacity=40)
-        steps = [ours(TOKENS[:, :30], cache=cache)] + [ours(TOKENS[:, i:i + 1], cache=cache) for i in range(30, 40)]
+        steps = [ours(TOKENS[:, :30], cache=cache)] + [
+            ours(TOKENS[:, i : i + 1], cache=cache) for i in range(30, 40)
+        ]
     torch.testing.assert_close(torch.cat(steps, dim=1), got, atol=1e-5, rtol=0)
 
 
@@ -172,8 +184,8 @@ def test_the_released_gpt_oss_rope_imports_and_mxfp4_weights_are_refused():
     from shardlm.convert.hf_config import model_config_from_hf_dict
     shape = dict(PUBLIC["gpt-oss-20b"][1])
     del shape["rope_parameters"]
-    hub = {"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"], **shape, "rms_norm_eps": 1e-5, "rope_theta": 150000,
-           "rope_scaling": RELEASED_YARN}  # the hub's 4.x layout
+    hub = {"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"], **shape, "rms_norm_eps": 1e-5,
+           "rope_theta": 150000, "rope_scaling": RELEASED_YARN}  # the hub's 4.x layout
     cfg = model_config_from_hf_dict(hub)
     assert (cfg.rope_yarn_factor, cfg.rope_original_max_seq_len, cfg.rope_theta, cfg.rope_yarn_truncate) == (
         32.0, 4096, 150000.0, False)
@@ -183,11 +195,22 @@ def test_the_released_gpt_oss_rope_imports_and_mxfp4_weights_are_refused():
     assert model_config_from_hf_dict(bare) == cfg
     assert model_config_from_hf_dict(transformers.GptOssConfig(**shape).to_dict()) == cfg
     no_window = {k: v for k, v in bare.items() if k != "sliding_window"}  # transformers' default window: 128
-    assert model_config_from_hf_dict(no_window).sliding_window == transformers.GptOssConfig().sliding_window == 128
+    assert (
+        model_config_from_hf_dict(no_window).sliding_window
+        == transformers.GptOssConfig().sliding_window
+        == 128
+    )
     with pytest.raises(ModelDirError, match=r"quantization_config \(quant_method 'mxfp4'\) is not supported: "
                                             r"quantised expert weights \(MXFP4\) are not read; dequantise"):
-        model_config_from_hf_dict({**hub, "quantization_config": {"quant_method": "mxfp4",
-                                                                  "modules_to_not_convert": ["model.layers.*.self_attn"]}})
+        model_config_from_hf_dict(
+            {
+                **hub,
+                "quantization_config": {
+                    "quant_method": "mxfp4",
+                    "modules_to_not_convert": ["model.layers.*.self_attn"],
+                },
+            }
+        )
 
 
 #: the public config.json shapes (Hugging Face hub) of the MoE models the planner is checked on
@@ -201,9 +224,10 @@ PUBLIC = {
                                           moe_intermediate_size=1536, num_experts=128, num_experts_per_tok=8,
                                           vocab_size=151936, norm_topk_prob=True, tie_word_embeddings=False)),
     "gpt-oss-20b": ("gpt_oss", dict(hidden_size=2880, num_hidden_layers=24, num_attention_heads=64,
-                                    num_key_value_heads=8, head_dim=64, intermediate_size=2880, num_local_experts=32,
-                                    num_experts_per_tok=4, vocab_size=201088, sliding_window=128,
-                                    tie_word_embeddings=False, max_position_embeddings=131072,
+                                    num_key_value_heads=8, head_dim=64, intermediate_size=2880,
+                                    num_local_experts=32, num_experts_per_tok=4, vocab_size=201088,
+                                    sliding_window=128, tie_word_embeddings=False,
+                                    max_position_embeddings=131072,
                                     rope_parameters={**RELEASED_YARN, "rope_theta": 150000.0})),
     "Mixtral-8x7B": ("mixtral", dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
                                      num_key_value_heads=8, intermediate_size=14336, num_local_experts=8,
@@ -230,9 +254,14 @@ def test_planner_parameter_counts_equal_transformers_meta_models(name):
     print(f"{name}: {total:,} parameters ({want:,} in transformers), {active:,} active")
     assert total == want
     # active: every layer runs k of its E experts, each 3 matrices of dim x expert width
-    e, k = hf_cfg.num_experts if family == "qwen3_moe" else hf_cfg.num_local_experts, hf_cfg.num_experts_per_tok
+    e, k = (
+        hf_cfg.num_experts if family == "qwen3_moe" else hf_cfg.num_local_experts,
+        hf_cfg.num_experts_per_tok,
+    )
     width = hf_cfg.moe_intermediate_size if family == "qwen3_moe" else hf_cfg.intermediate_size
-    per_expert = 3 * hf_cfg.hidden_size * width + (2 * width + hf_cfg.hidden_size if family == "gpt_oss" else 0)
+    per_expert = 3 * hf_cfg.hidden_size * width + (
+        2 * width + hf_cfg.hidden_size if family == "gpt_oss" else 0
+    )
     assert active == want - hf_cfg.num_hidden_layers * (e - k) * per_expert
 
 
@@ -243,7 +272,9 @@ def test_kv_cached_decoding_equals_the_full_forward(hf_dir):
     with torch.no_grad():
         full = ours(TOKENS)
         cache = KVCache(ours.cfg, torch.zeros(2, dtype=torch.long), torch.float32, "cpu", capacity=40)
-        steps = [ours(TOKENS[:, :30], cache=cache)] + [ours(TOKENS[:, i:i + 1], cache=cache) for i in range(30, 40)]
+        steps = [ours(TOKENS[:, :30], cache=cache)] + [
+            ours(TOKENS[:, i : i + 1], cache=cache) for i in range(30, 40)
+        ]
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=0)
 
 
@@ -255,10 +286,13 @@ def test_lora_on_a_moe_models_attention_exports_to_peft_and_merged(tmp_path):
     from shardlm.parallel.dist import DistInfo
     from shardlm.train.build import build_model
     targets = "q_proj,k_proj,v_proj,o_proj"
-    cfg = load_config(None, ["--model.family=\"qwen3_moe\"", "--model.dim=64", "--model.n_layers=2", "--model.n_heads=4",
+    cfg = load_config(None,
+                      ["--model.family=\"qwen3_moe\"", "--model.dim=64", "--model.n_layers=2",
+                       "--model.n_heads=4",
                              "--model.n_kv_heads=2", "--model.head_width=16", "--model.ffn_hidden=64",
                              "--model.n_experts=4", "--model.moe_ffn_hidden=32", "--model.vocab_size=128",
-                             "--lora.enabled=true", "--lora.rank=4", "--lora.alpha=8.0", f"--lora.targets={targets}",
+                             "--lora.enabled=true", "--lora.rank=4", "--lora.alpha=8.0",
+                       f"--lora.targets={targets}",
                              "--parallel.mode=single", "--train.seq_len=32", "--model.max_seq_len=64"])
     model, _ = build_model(cfg, DistInfo(0, 0, 1, torch.device("cpu"), "gloo"), None)
     gen = torch.Generator().manual_seed(1)
@@ -269,7 +303,8 @@ def test_lora_on_a_moe_models_attention_exports_to_peft_and_merged(tmp_path):
     state = gather_full_params(model, True)
     merged = load_model_dir(save_model_dir(merge_lora(state, 8.0 / 4), model.cfg, tmp_path / "merged"))
     torch.testing.assert_close(merged(TOKENS), want, atol=1e-5, rtol=0)
-    base_dir = save_model_dir({k: v for k, v in state.items() if ".lora_" not in k}, model.cfg, tmp_path / "base")
+    base_dir = save_model_dir({k: v for k, v in state.items() if ".lora_" not in k}, model.cfg,
+                              tmp_path / "base")
     adapter = save_peft_dir(state, LoRASpec(4, 8.0, 0.0, targets), tmp_path / "adapter", str(base_dir))
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(base_dir), torch_dtype=torch.float32)
     with torch.no_grad():

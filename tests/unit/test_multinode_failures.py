@@ -79,12 +79,14 @@ def test_node_split_stops_before_the_rendezvous(small_data, tmp_path):
 # ---- the lost-node diagnosis, in one process (four "ranks" sharing a real TCPStore) -----------
 HOSTS = [RankHost(0, 0, 0, "host-a", 10), RankHost(1, 1, 0, "host-a", 11), RankHost(2, 0, 1, "host-b", 12),
          RankHost(3, 1, 1, "host-b", 13)]
-GLOO_RESET = RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error [10.0.0.2]:4000: Connection reset by peer")
+GLOO_RESET = RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error [10.0.0.2]:4000: Connection reset by "
+                          "peer")
 
 
 @pytest.fixture
 def store():
-    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=timedelta(seconds=5))
     yield master
     del master
 
@@ -141,7 +143,8 @@ def test_own_failures_are_not_losses(store):
 
 
 def test_lost_store_names_the_first_node():
-    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=timedelta(seconds=5))
     mons = monitors(master, [0, 2])
     store_port = master.port
     del master  # the store's server stops, as when node 0 dies
@@ -183,7 +186,8 @@ def test_heartbeat_watch_ends_the_job_without_a_failed_collective(store):
 
 
 def test_heartbeat_watch_leaves_finished_and_unwatched_ranks_alone(store):
-    """A rank that left the loop (close() marks it stopped) is not lost; outside watch() nothing is watched."""
+    """A rank that left the loop (close() marks it stopped) is not lost; outside watch() nothing
+    is watched."""
     mons = monitors(store, [0, 1], interval=0.2)
     exits: list[int] = []
     for m in mons.values():

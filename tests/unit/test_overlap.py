@@ -44,8 +44,9 @@ def test_profile_bad_input(tmp_path):
 
     from conftest import cpu_env
 
-    proc = subprocess.run([sys.executable, "-m", "shardlm", "profile", str(ROOT / "configs" / "shakespeare-tiny.toml"),
-                           "--steps", "0", f"--run.dir={tmp_path / 'r'}"], env=cpu_env(), capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "shardlm", "profile",
+                           str(ROOT / "configs" / "shakespeare-tiny.toml"), "--steps", "0",
+                           f"--run.dir={tmp_path / 'r'}"], env=cpu_env(), capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("error: --steps must be >= 1")

@@ -1,9 +1,9 @@
-"""Packed samples with document masking (block-causal attention): exactness per family and backend, the packing
-of instruction examples, and bad input, in one process.
+"""Packed samples with document masking (block-causal attention): exactness per family and backend, the
+packing of instruction examples, and bad input, in one process.
 
 The model cases are small random decoders of every family (2 layers, every parameter perturbed so that norms
-and biases matter); shardlm's model equals transformers' for each (tests/unit/test_families.py), so "each example
-alone from position 0" is the transformers result too. Packed training under FSDP is in
+and biases matter); shardlm's model equals transformers' for each (tests/unit/test_families.py), so "each
+example alone from position 0" is the transformers result too. Packed training under FSDP is in
 tests/dist/test_packed_training.py.
 """
 
@@ -91,8 +91,8 @@ def summed_loss_grads(model: Llama, logits: torch.Tensor, targets: torch.Tensor)
 @pytest.mark.parametrize("name", list(FAMILY_CASES))
 def test_packed_row_equals_each_example_alone(name, backend):
     """Logits of a packed row = each example alone from position 0 (1e-6); gradients of the summed loss agree
-    (||g - g_alone|| / ||g_alone|| < 1e-6 over all
-    parameters, < 1e-5 per tensor: fp32 summation order); the same row under ``causal`` differs (the test bites)."""
+    (||g - g_alone|| / ||g_alone|| < 1e-6 over all parameters, < 1e-5 per tensor: fp32 summation order); the
+    same row under ``causal`` differs (the test bites)."""
     model = random_model(name, backend=backend)
     tokens, documents, examples = packed_rows()
     with torch.no_grad():  # flex has no backward on CPU: its logits are compared, its gradients cannot be
@@ -156,9 +156,9 @@ def test_document_positions_and_mask():
 
 @pytest.mark.parametrize("name", ["llama", "gemma3"])
 def test_dense_mask_is_saved_once_per_window_and_equals_the_boolean_mask(name, monkeypatch):
-    """The sdpa backend's additive mask is made once per forward: backward keeps one (batch, 1, seq, seq) mask per
-    distinct window (Gemma 3: local and global), not one per layer (SDPA's own copy of a boolean mask, as before),
-    and the logits and gradients are bit for bit those of the boolean mask."""
+    """The sdpa backend's additive mask is made once per forward: backward keeps one (batch, 1, seq, seq) mask
+    per distinct window (Gemma 3: local and global), not one per layer (SDPA's own copy of a boolean mask, as
+    before), and the logits and gradients are bit for bit those of the boolean mask."""
     tokens, documents, _ = packed_rows()
     model = random_model(name)
     masks = {}
@@ -191,28 +191,31 @@ def test_missing_flex_backend_is_one_clear_error(monkeypatch):
         random_model("llama", backend="flex")(tokens, documents=documents)
     monkeypatch.undo()
     for device in ("cpu", "cuda"):  # varlen flash attention: refused by name everywhere (CUDA only, untested)
-        with pytest.raises(ValueError, match=r"'varlen' \(variable-length flash attention over cu_seqlens.*not "
+        with pytest.raises(ValueError,
+                           match=r"'varlen' \(variable-length flash attention over cu_seqlens.*not "
                                              r"built.*only on CUDA.*use 'flex'"):
             doc_attention.resolve_backend("varlen", device)
     with pytest.raises(ValueError, match="cannot train on CPU.*no backward.*use 'sdpa'"):
         random_model("llama", backend="flex")(tokens, documents=documents)  # gradients enabled
 
 
-# ---- packing instruction examples ---------------------------------------------------------------------------
-WORDS = ("thou art more lovely and more temperate rough winds do shake the darling buds of may and summer's lease "
-         "hath all too short a date sometime too hot the eye of heaven shines").split()
+# ---- packing instruction examples --------------------------------------------------------------------------
+WORDS = ("thou art more lovely and more temperate rough winds do shake the darling buds of may and summer's "
+         "lease hath all too short a date sometime too hot the eye of heaven shines").split()
 
 
 def write_chat_corpus(path: Path, n: int, seed: int, mean_words: float = 3.0) -> Path:
-    """``n`` prompt/response examples with log-normal word counts (deterministic for ``seed``), then one with a long
-    response (truncated, still trained) and one with a long prompt (no response token left within SEQ + 1)."""
+    """``n`` prompt/response examples with log-normal word counts (deterministic for ``seed``), then one with
+    a long response (truncated, still trained) and one with a long prompt (no response token left within SEQ
+    + 1)."""
     rng = np.random.default_rng(seed)
     with path.open("w") as f:
         for i in range(n):
             p, r = (max(1, int(x)) for x in rng.lognormal(np.log(mean_words), 0.6, size=2))
             if i in (3, 7):
                 p, r = (1, 60) if i == 3 else (60, 1)
-            f.write(json.dumps({"prompt": " ".join(rng.choice(WORDS, p)), "response": " ".join(rng.choice(WORDS, r))})
+            f.write(json.dumps({"prompt": " ".join(rng.choice(WORDS, p)),
+                                "response": " ".join(rng.choice(WORDS, r))})
                     + "\n")
     return path
 
@@ -221,27 +224,29 @@ SEQ = 64
 
 
 def prepare_chat_data(d: Path, tokenizer: Path) -> Path:
-    """40 chat examples (``d/chat.jsonl``) prepared as instruction data in ``d/data`` (two longer than SEQ)."""
+    """40 chat examples (``d/chat.jsonl``) prepared as instruction data in ``d/data`` (two longer
+    than SEQ)."""
     corpus = write_chat_corpus(d / "chat.jsonl", 40, 0)
     prepare_instructions(str(corpus), str(d / "data"), str(tokenizer), 512, 0.1)
     return d / "data"
 
 
 def prepare_doc_data(d: Path, tokenizer: Path) -> Path:
-    """60 short documents (``d/docs.jsonl``, log-normal word counts, mean ~25 words) prepared as a text stream in
-    ``d/data``: ``BOS doc0 EOD doc1 EOD ...``."""
+    """60 short documents (``d/docs.jsonl``, log-normal word counts, mean ~25 words) prepared as a text stream
+    in ``d/data``: ``BOS doc0 EOD doc1 EOD ...``."""
     rng = np.random.default_rng(5)
     with (d / "docs.jsonl").open("w") as f:
         for _ in range(60):
-            f.write(json.dumps({"text": " ".join(rng.choice(WORDS, max(2, int(rng.lognormal(np.log(25), 0.5)))))})
+            f.write(json.dumps({"text": " ".join(rng.choice(WORDS,
+                                                            max(2, int(rng.lognormal(np.log(25), 0.5)))))})
                     + "\n")
     prepare_corpus(str(d / "docs.jsonl"), str(d / "data"), str(tokenizer), 512, 0.1)
     return d / "data"
 
 
 def prepare_mixture_data(d: Path, docs: Path, tokenizer: Path) -> Path:
-    """The documents of ``docs`` (a JSONL file) as a mixture in ``d/data`` of two sources (``d/a.jsonl``: the first
-    30, ``d/b.jsonl``: the rest; weights 0.7 / 0.3)."""
+    """The documents of ``docs`` (a JSONL file) as a mixture in ``d/data`` of two sources (``d/a.jsonl``: the
+    first 30, ``d/b.jsonl``: the rest; weights 0.7 / 0.3)."""
     from shardlm.config import DataSource
     from shardlm.data.mixture import prepare_mixture
 
@@ -260,7 +265,8 @@ def packed_data(small_data, tmp_path_factory) -> Path:
 
 
 def test_best_fit_decreasing():
-    """Each item placed once, no bin over capacity, the best fit chosen, and the same bins for the same seed."""
+    """Each item placed once, no bin over capacity, the best fit chosen, and the same bins for the
+    same seed."""
     lengths = np.array([5, 7, 3, 3, 2, 9, 1, 4])
     bins = best_fit_decreasing(lengths, 10, seed=0)
     assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
@@ -273,17 +279,22 @@ def test_best_fit_decreasing():
 
 
 def test_packed_rows_hold_the_examples(packed_data):
-    """Every trainable example lands in one row with its own tokens and labels; its first token is not a target;
-    documents count up per example; padding is its own document; the target counts equal the unpacked ones;
-    truncations are counted; the rows depend on the seed only."""
+    """Every trainable example lands in one row with its own tokens and labels; its first token is not a
+    target; documents count up per example; padding is its own document; the target counts equal the unpacked
+    ones; truncations are counted; the rows depend on the seed only."""
     plain = InstructionExamples(str(packed_data), "train", SEQ, skip_untrainable=True)
     packed = PackedExamples(plain, seed=3)
-    assert sorted(e for r in packed.rows for e in r) == [i for i in range(len(plain)) if i not in packed.dropped]
+    assert sorted(e for r in packed.rows for e in r) == [
+        i for i in range(len(plain)) if i not in packed.dropped
+    ]
     lengths = np.diff(plain.offsets)
-    assert packed.truncated == [i for i in range(len(plain)) if lengths[i] > SEQ + 1 and i not in packed.dropped]
+    assert packed.truncated == [
+        i for i in range(len(plain)) if lengths[i] > SEQ + 1 and i not in packed.dropped
+    ]
     assert len(packed.truncated) == 1 and len(packed.dropped) == 1 and len(packed) < len(plain) / 2
-    assert packed.fill == pytest.approx(sum(min(n, SEQ + 1) for n in lengths[[e for r in packed.rows for e in r]])
-                                        / (len(packed) * (SEQ + 1)))
+    assert packed.fill == pytest.approx(
+        sum(min(n, SEQ + 1) for n in lengths[[e for r in packed.rows for e in r]]) / (len(packed) * (SEQ + 1))
+    )
     rows = packed.get(list(range(len(packed))))
     assert rows.shape == (len(packed), 3, SEQ + 1)
     for r, members in enumerate(packed.rows):
@@ -296,7 +307,9 @@ def test_packed_rows_hold_the_examples(packed_data):
             assert (rows[r, 2, pos:pos + n] == d).all()
             pos += n
         assert (rows[r, 1, pos:] == -100).all() and (rows[r, 2, pos:] == len(members)).all()
-    assert packed.num_targets(list(range(len(packed)))) == plain.num_targets([e for r in packed.rows for e in r])
+    assert packed.num_targets(list(range(len(packed)))) == plain.num_targets(
+        [e for r in packed.rows for e in r]
+    )
     assert int((rows[:, 1, 1:] != -100).sum()) == packed.num_targets(list(range(len(packed))))
     assert PackedExamples(plain, seed=3).rows == packed.rows
     assert "1 truncated to 65 tokens (lines 4); 1 left out" in packed.summary() and packed.fill > 0.9
@@ -306,12 +319,13 @@ def test_packed_rows_hold_the_examples(packed_data):
 
 
 def test_packed_batch_loss_equals_examples_one_by_one(packed_data):
-    """The loss of a packed global batch, split into micro-batches as the trainer does (summed loss / the batch's
-    response targets), equals the mean over the same examples' response tokens computed one by one (1e-6)."""
+    """The loss of a packed global batch, split into micro-batches as the trainer does (summed loss / the
+    batch's response targets), equals the mean over the same examples' response tokens computed one by
+    one (1e-6)."""
     plain = InstructionExamples(str(packed_data), "train", SEQ, skip_untrainable=True)
     packed = PackedExamples(plain, seed=0)
-    cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128, vocab_size=512, max_seq_len=64,
-                      attention="block_causal")
+    cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128, vocab_size=512,
+                      max_seq_len=64, attention="block_causal")
     model = Llama(cfg)
     model.init_weights(0)
     ids = list(range(len(packed)))
@@ -323,19 +337,25 @@ def test_packed_batch_loss_equals_examples_one_by_one(packed_data):
             total += token_loss_sum(model(inputs, documents=batch[:, 2, :-1]), targets).double()
         packed_loss = total / packed.num_targets(ids)
         examples = [e for r in packed.rows for e in r]
-        alone = sum(token_loss_sum(model(split_batch(plain.get([e]))[0]), split_batch(plain.get([e]))[1]).double()
-                    for e in examples) / plain.num_targets(examples)
+        alone = sum(
+            token_loss_sum(model(split_batch(plain.get([e]))[0]), split_batch(plain.get([e]))[1]).double()
+            for e in examples
+        ) / plain.num_targets(examples)
         assert abs(packed_loss.item() - alone.item()) < 1e-6
         model.cfg.attention = "causal"  # control: the same rows without document masking give another loss
-        leaked = sum(token_loss_sum(model(split_batch(packed.get([i]))[0]), split_batch(packed.get([i]))[1]).double()
-                     for i in ids) / packed.num_targets(ids)
-        assert abs(leaked.item() - alone.item()) > 1e-4  # (measured 8.7e-4 at this init; the tolerance is 1e-6)
+        leaked = sum(
+            token_loss_sum(model(split_batch(packed.get([i]))[0]), split_batch(packed.get([i]))[1]).double()
+            for i in ids
+        ) / packed.num_targets(ids)
+        # (measured 8.7e-4 at this init; the tolerance is 1e-6)
+        assert abs(leaked.item() - alone.item()) > 1e-4
 
 
 def test_packing_bad_input(packed_data, small_data, tmp_path, capsys):
     """data.pack on text data, data.pack under causal attention set explicitly (``auto``, the default, is
     accepted), and examples that all lose their response to truncation: one clear message each, exit 2."""
-    base = ["prepare", "--config", str(ROOT / "configs/shakespeare-tiny.toml"), f"--data.dir={tmp_path / 'd'}"]
+    base = ["prepare", "--config", str(ROOT / "configs/shakespeare-tiny.toml"),
+            f"--data.dir={tmp_path / 'd'}"]
     err = cli_error(capsys, base + ["--data.pack=true", "--model.attention=block_causal"])
     assert "data.pack packs instruction examples: it needs data.format = 'instruct'" in err
     err = cli_error(capsys, base + ["--data.pack=true", "--data.format=instruct", "--model.attention=causal"])
@@ -343,7 +363,8 @@ def test_packing_bad_input(packed_data, small_data, tmp_path, capsys):
     assert load_config(None, ["--data.pack=true", "--data.format=instruct"]).model.attention == "auto"
     assert not (tmp_path / "d").exists()
     plain = InstructionExamples(str(packed_data), "train", 4, skip_untrainable=True)  # responses start later
-    with pytest.raises(DataError, match=r"no instruction example to train: all \d+ have no response token within "
+    with pytest.raises(DataError,
+                       match=r"no instruction example to train: all \d+ have no response token within "
                                         r"their first 5 tokens \(train.seq_len=4\); raise train.seq_len"):
         PackedExamples(plain, seed=0)
     with pytest.raises(DataError, match="no response token within the first 5 tokens"):  # unpacked: as before
@@ -358,9 +379,9 @@ def doc_data(small_data, tmp_path_factory) -> Path:
 
 
 def test_window_across_documents_gives_the_second_its_own_logits(doc_data):
-    """A window holding the end of one document and the start of the next: under block-causal attention the next
-    document's logits equal those it has alone (1e-6), the first token of the next document is not a target of
-    the separator, and the target count is the labels'; under causal attention the logits differ."""
+    """A window holding the end of one document and the start of the next: under block-causal attention the
+    next document's logits equal those it has alone (1e-6), the first token of the next document is not a
+    target of the separator, and the target count is the labels'; under causal attention the logits differ."""
     eod = load_meta(str(doc_data))["special_ids"]["eod"]
     windows = DocumentWindows(TokenWindows(str(doc_data), "train", SEQ), eod)
     batch = windows.get(list(range(len(windows))))
@@ -369,12 +390,14 @@ def test_window_across_documents_gives_the_second_its_own_logits(doc_data):
     w, p = next((w, int(i)) for w in range(len(windows)) for i in torch.nonzero(inputs[w] == eod).flatten()
                 if 0 < i < SEQ - 8)
     nxt = torch.nonzero(inputs[w, p + 1:] == eod).flatten()
-    end = p + 1 + (int(nxt[0]) + 1 if len(nxt) else SEQ - p - 1)  # the second document, its separator included
-    assert targets[w, p] == -100 and (targets[w, :p] == inputs[w, 1:p + 1]).all()  # only the boundary is dropped
+    # the second document, its separator included
+    end = p + 1 + (int(nxt[0]) + 1 if len(nxt) else SEQ - p - 1)
+    # only the boundary is dropped
+    assert targets[w, p] == -100 and (targets[w, :p] == inputs[w, 1:p + 1]).all()
     assert batch[w, 2, :p + 1].eq(0).all() and batch[w, 2, p + 1:end].eq(1).all()
     assert windows.num_targets(list(range(len(windows)))) == int((targets != -100).sum())
-    cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128, vocab_size=512, max_seq_len=64,
-                      attention="block_causal")
+    cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128, vocab_size=512,
+                      max_seq_len=64, attention="block_causal")
     model = Llama(cfg)
     model.init_weights(0)
     with torch.no_grad():

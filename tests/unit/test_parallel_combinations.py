@@ -1,10 +1,10 @@
 """Combinations of the parallelisms and objectives that are not built together yet: each is refused with one
 message naming both settings, before any process group starts (``config.validate``, ``parallel/dist.py``,
 ``parallel/tp.py``). Refused today: tensor parallel on a mixture-of-experts model (context parallel, with or
-without expert parallel, is built: tests/dist/test_moe_parallel.py); preference
-tuning with tensor or context parallel or on a mixture of experts; tensor parallel under context parallel when
-a CP rank's tokens do not split evenly over the tensor-parallel ranks. Context parallel with TP, HSDP and DDP
-is built (trained against one process in tests/dist/test_cp_parity.py, and planned by ``shardlm plan``); its layouts are
+without expert parallel, is built: tests/dist/test_moe_parallel.py); preference tuning with tensor or context
+parallel or on a mixture of experts; tensor parallel under context parallel when a CP rank's tokens do not
+split evenly over the tensor-parallel ranks. Context parallel with TP, HSDP and DDP is built (trained against
+one process in tests/dist/test_cp_parity.py, and planned by ``shardlm plan``); its layouts are
 checked here."""
 
 from __future__ import annotations
@@ -58,10 +58,12 @@ def test_tensor_parallel_on_a_mixture_of_experts_is_refused_context_parallel_loa
     assert load_config(None, [*MOE, "--parallel.cp=2", "--parallel.ep=2"]).parallel.cp == 2
 
 
-@pytest.mark.parametrize("extra,what", [(["--parallel.tp=2"], "parallel.tp=2"), (["--parallel.cp=2"], "parallel.cp=2"),
+@pytest.mark.parametrize("extra,what",
+                         [(["--parallel.tp=2"], "parallel.tp=2"), (["--parallel.cp=2"], "parallel.cp=2"),
                                         (MOE, r"a mixture-of-experts model \(model.n_experts=4\)")])
 def test_preference_tuning_with_tp_cp_or_moe_is_refused(extra, what):
-    with pytest.raises(ConfigError, match=rf"preference tuning \(data.format = 'preference'\) with {what} is not "
+    with pytest.raises(ConfigError,
+                       match=rf"preference tuning \(data.format = 'preference'\) with {what} is not "
                                           "built yet"):
         load_config(None, ["--data.format=preference", *extra])
 
@@ -89,4 +91,5 @@ def test_the_planner_refuses_a_world_size_that_cp_x_tp_does_not_divide_naming_bo
     cfg.parallel.cp, cfg.parallel.tp = 2, 2
     with pytest.raises(ConfigError, match=r"parallel.cp=2 × parallel.tp=2 = 4 must divide the world size 6"):
         plan_memory(cfg, 6, "cpu")  # 6 is a multiple of cp and of tp, not of both
-    assert plan_memory(cfg, 4, "cpu").peak > 0  # the control: CP x TP is planned (tests/dist/test_cp_parity.py: how)
+    # the control: CP x TP is planned (tests/dist/test_cp_parity.py: how)
+    assert plan_memory(cfg, 4, "cpu").peak > 0

@@ -1,4 +1,5 @@
-"""``shardlm plan``'s search for what fits, its model presets and ``--model-config`` (single process, no torchrun).
+"""``shardlm plan``'s search for what fits, its model presets and ``--model-config`` (single process,
+no torchrun).
 
 Parameter counts are checked against transformers' own models built on the meta device from the same
 ``config.json`` values; each suggested combination is passed back to ``shardlm plan`` and must fit there.
@@ -57,25 +58,32 @@ def test_70b_preset_on_8_h100_lists_combinations_that_fit_when_passed_back(capsy
     assert fits, out
     sizes = [int(flags[flags.index("--world-size") + 1]) for flags, _ in fits]
     assert sizes[0] == 8 and sizes == sorted(sizes), out  # one fits on the 8 GPUs asked for
-    assert "--parallel.activation_checkpoint=full" in fits[0][0] and "--parallel.cpu_offload=true" in fits[0][0]
+    assert (
+        "--parallel.activation_checkpoint=full" in fits[0][0] and "--parallel.cpu_offload=true" in fits[0][0]
+    )
     assert "~33% more compute for full AC" in out and "CPU offload ~" in out
     steps = [float(s) for s in re.findall(r"step >= ([\d.e+]+) s", out)]
-    assert steps == sorted(steps, reverse=True) and len(set(steps)) == len(steps)  # more GPUs only when faster
+    # more GPUs only when faster
+    assert steps == sorted(steps, reverse=True) and len(set(steps)) == len(steps)
     _passed_back_they_fit(capsys, argv, fits)
 
 
 def _passed_back_they_fit(capsys, argv: list[str], fits: list[tuple[list[str], float]]) -> None:
     for flags, peak in fits:
         again = plan_out(capsys, argv + flags)
-        line = next(ln for ln in again.splitlines() if ln.startswith("  fits:") or ln.startswith("  does not fit:"))
+        line = next(
+            ln for ln in again.splitlines() if ln.startswith("  fits:") or ln.startswith("  does not fit:")
+        )
         assert line.startswith(f"  fits: {peak:.1f} GiB of 75.7 GiB"), (flags, line)
 
 
 def test_every_kind_of_flag_passed_back_fits(capsys):
-    """Suggestions that change the dtype, micro-batch, resharding and gradient sync, passed back, fit as printed."""
+    """Suggestions that change the dtype, micro-batch, resharding and gradient sync, passed back, fit
+    as printed."""
     argv = [LLAMA3_8B, "--world-size", "8", "--device", "h100", "--train.micro_batch_size=2",
-            "--train.global_batch_size=16", "--parallel.param_dtype=float32", "--parallel.activation_checkpoint=none",
-            "--parallel.grad_sync=last_micro_batch", "--parallel.reshard_after_forward=false"]
+            "--train.global_batch_size=16", "--parallel.param_dtype=float32",
+            "--parallel.activation_checkpoint=none", "--parallel.grad_sync=last_micro_batch",
+            "--parallel.reshard_after_forward=false"]
     fits = suggested(plan_out(capsys, argv))
     given = {f.split("=")[0] for flags, _ in fits for f in flags if f.startswith("--")}
     assert {"--parallel.param_dtype", "--parallel.reduce_dtype", "--parallel.activation_checkpoint",
@@ -86,8 +94,11 @@ def test_every_kind_of_flag_passed_back_fits(capsys):
 def test_search_finds_what_an_exhaustive_search_finds():
     """On a small shape with a tight budget: the smallest world size where anything fits, and the fastest step
     there, are those of planning every combination."""
-    cfg = load_config(None, ["--model.dim=256", "--model.n_layers=4", "--model.vocab_size=8192", "--train.seq_len=1024",
-                             "--model.max_seq_len=1024", "--train.micro_batch_size=8", "--train.global_batch_size=32",
+    cfg = load_config(None,
+                      ["--model.dim=256", "--model.n_layers=4", "--model.vocab_size=8192",
+                       "--train.seq_len=1024",
+                             "--model.max_seq_len=1024", "--train.micro_batch_size=8",
+                       "--train.global_batch_size=32",
                              "--parallel.grad_sync=last_micro_batch"])
     budget = 0.3 * plan_memory(cfg, 2, "h100").peak
     device = get_device("h100")
@@ -118,14 +129,14 @@ def _saved(tmp_path, config, name: str):
 
 
 def test_model_config_gives_the_parameter_count_of_transformers(tmp_path, capsys):
-    """``--model-config`` on config.json files written by transformers: the plan's parameter count equals that of
-    transformers' model built from the same file on the meta device."""
+    """``--model-config`` on config.json files written by transformers: the plan's parameter count equals that
+    of transformers' model built from the same file on the meta device."""
     cases = {
         "llama": transformers.LlamaConfig(hidden_size=1536, intermediate_size=5120, num_hidden_layers=6,
                                           num_attention_heads=12, num_key_value_heads=4, vocab_size=50000,
                                           max_position_embeddings=4096, tie_word_embeddings=False,
-                                          rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                        "high_freq_factor": 4.0,
+                                          rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                                         "original_max_position_embeddings": 2048}),
         "qwen2": transformers.Qwen2Config(hidden_size=896, intermediate_size=4864, num_hidden_layers=4,
                                           num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
@@ -136,9 +147,10 @@ def test_model_config_gives_the_parameter_count_of_transformers(tmp_path, capsys
         "mistral": transformers.MistralConfig(hidden_size=1024, intermediate_size=3584, num_hidden_layers=3,
                                               num_attention_heads=8, num_key_value_heads=2, vocab_size=32768,
                                               max_position_embeddings=4096, sliding_window=1024),
-        "gemma3_text": transformers.Gemma3TextConfig(hidden_size=640, intermediate_size=2048, num_hidden_layers=7,
-                                                     num_attention_heads=4, num_key_value_heads=1, head_dim=256,
-                                                     vocab_size=262144, max_position_embeddings=4096),
+        "gemma3_text": transformers.Gemma3TextConfig(hidden_size=640, intermediate_size=2048,
+                                                     num_hidden_layers=7, num_attention_heads=4,
+                                                     num_key_value_heads=1, head_dim=256, vocab_size=262144,
+                                                     max_position_embeddings=4096),
     }
     for name, config in cases.items():
         file = _saved(tmp_path, config, name)
@@ -151,17 +163,20 @@ def test_model_config_gives_the_parameter_count_of_transformers(tmp_path, capsys
     text = transformers.AutoConfig.from_pretrained(file.parent).text_config
     with torch.device("meta"):
         expected = sum(p.numel() for p in transformers.Gemma3ForCausalLM(text).parameters())
-    out = plan_out(capsys, [LLAMA3_8B, "--world-size", "8", "--model-config", str(file.parent), "--train.seq_len=2048"])
+    out = plan_out(capsys,
+                   [LLAMA3_8B, "--world-size", "8", "--model-config", str(file.parent),
+                    "--train.seq_len=2048"])
     assert f": {expected:,} parameters," in out.splitlines()[0]
 
 
 def test_presets_have_the_parameter_count_of_transformers():
-    """Every preset's shape, read by shardlm and by transformers from the same config.json values, has the same
-    parameter count; three against Meta's published totals."""
+    """Every preset's shape, read by shardlm and by transformers from the same config.json values, has the
+    same parameter count; three against Meta's published totals."""
     from shardlm.plan.memory import param_groups
 
-    classes = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
-               "mistral": transformers.MistralConfig, "gemma3_text": transformers.Gemma3TextConfig}
+    classes = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+               "qwen3": transformers.Qwen3Config, "mistral": transformers.MistralConfig,
+               "gemma3_text": transformers.Gemma3TextConfig}
     counts = {}
     for name, (_, values) in PRESETS.items():
         cfg = load_config(None, ["--train.seq_len=256"])
@@ -179,8 +194,11 @@ def test_plan_presets_refuse_bad_input(tmp_path, capsys):
     err = cli_error(capsys, ["plan", *argv, "--model-preset", "qwen3-8b", "--model.n_layers=4"])
     assert "--model.n_layers and --model-preset both set the model's shape" in err
     assert "no such file" in cli_error(capsys, ["plan", *argv, "--model-config", str(tmp_path / "none.json")])
-    (tmp_path / "config.json").write_text('{"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"]}')
-    assert "model_type='deepseek_v3': not built" in cli_error(capsys, ["plan", *argv, "--model-config", str(tmp_path)])
+    (tmp_path / "config.json").write_text('{"model_type": "deepseek_v3", "architectures": '
+                                          '["DeepseekV3ForCausalLM"]}')
+    assert "model_type='deepseek_v3': not built" in cli_error(
+        capsys, ["plan", *argv, "--model-config", str(tmp_path)]
+    )
     err = cli_error(capsys, ["plan", *argv, "--model-preset", "smollm2-135m", "--train.seq_len=16384"])
     assert "exceeds the model's maximum model.max_seq_len=8192" in err  # checked against the preset's shape
     assert "needs a config and --world-size N" in cli_error(capsys, ["plan", LLAMA3_8B])

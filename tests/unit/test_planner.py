@@ -73,7 +73,8 @@ def test_plan_cli_llama3_8b():
     cmd = [sys.executable, "-m", "shardlm", "plan", str(ROOT / "configs" / "llama3-8b.toml")]
     ok = subprocess.run(cmd + ["--world-size", "8", "--device", "h100-96gb", "--train.micro_batch_size=2",
                                "--train.global_batch_size=16", "--parallel.param_dtype=bfloat16",
-                               "--parallel.reduce_dtype=float32", "--parallel.activation_checkpoint=selective"],
+                               "--parallel.reduce_dtype=float32",
+                               "--parallel.activation_checkpoint=selective"],
                         env=cpu_env(), capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0, ok.stderr
     assert "fits:" in ok.stdout and "activations" in ok.stdout and "step time" in ok.stdout
@@ -82,7 +83,8 @@ def test_plan_cli_llama3_8b():
     assert "temporaries (loss in 256-token chunks, backward)" in ok.stdout  # the default chunked loss's row
     big = subprocess.run(cmd + ["--world-size", "8", "--device", "h100", "--train.micro_batch_size=2",
                                 "--train.global_batch_size=16", "--parallel.param_dtype=float32",
-                                "--parallel.activation_checkpoint=none", "--parallel.grad_sync=last_micro_batch"],
+                                "--parallel.activation_checkpoint=none",
+                                "--parallel.grad_sync=last_micro_batch"],
                          env=cpu_env(), capture_output=True, text=True, timeout=120)
     assert big.returncode == 0, big.stderr
     assert "does not fit" in big.stdout and "fits with" in big.stdout and "  --world-size 8 " in big.stdout
@@ -98,19 +100,22 @@ def test_hsdp_adds_the_cross_replica_all_reduce():
     assert hsdp_all_reduce_bytes(1, 8, 1000, 4) == 0
     assert hsdp_all_reduce_bytes(4, 8, 8000, 2) == 2 * 3 / 4 * 1000 * 2
     cfg = load_config(str(ROOT / "configs/llama3-8b.toml"))
-    cfg.parallel.param_dtype, cfg.parallel.grad_sync = "float32", "last_micro_batch"  # the case worked out below
+    # the case worked out below
+    cfg.parallel.param_dtype, cfg.parallel.grad_sync = "float32", "last_micro_batch"
     flat = plan_time(cfg, 16, get_device("h100"), 8_030_261_248)
     cfg.parallel.dp_replicate, cfg.parallel.dp_shard = 2, 8
     hsdp = plan_time(cfg, 16, get_device("h100"), 8_030_261_248)
     k = 64 // 16  # global batch 64, micro-batch 1, 16 ranks
-    expected = fsdp_comm_bytes(8, 8_030_261_248, k, True, False, 4, 4) + hsdp_all_reduce_bytes(2, 8, 8_030_261_248, 4)
+    expected = fsdp_comm_bytes(8, 8_030_261_248, k, True, False, 4, 4) + hsdp_all_reduce_bytes(
+        2, 8, 8_030_261_248, 4
+    )
     assert hsdp.comm_bytes == pytest.approx(expected)
     assert hsdp.comm_bytes < flat.comm_bytes  # the heavy all-gathers now span 8 ranks, not 16
 
 
 def test_moe_layer_saved_bytes_equal_what_autograd_saves():
-    """plan/moe.py's bytes plus the experts' SwiGLU (4·c·N·h) equal the storages a MoE layer's forward hands to
-    autograd (``saved_tensors_hooks``; parameters and the layer's input excluded), one process, fp32."""
+    """plan/moe.py's bytes plus the experts' SwiGLU (4·c·N·h) equal the storages a MoE layer's forward hands
+    to autograd (``saved_tensors_hooks``; parameters and the layer's input excluded), one process, fp32."""
     import torch
 
     from shardlm.model.config import ModelConfig
@@ -118,8 +123,8 @@ def test_moe_layer_saved_bytes_equal_what_autograd_saves():
     from shardlm.plan.activations import shape_of
     from shardlm.plan.moe import moe_layer_saved
 
-    mcfg = ModelConfig(family="qwen3_moe", dim=64, n_heads=4, n_experts=8, n_experts_per_token=2, moe_ffn_hidden=48,
-                       norm_topk_prob=True, vocab_size=128)
+    mcfg = ModelConfig(family="qwen3_moe", dim=64, n_heads=4, n_experts=8, n_experts_per_token=2,
+                       moe_ffn_hidden=48, norm_topk_prob=True, vocab_size=128)
     layer = build_moe(mcfg)
     torch.manual_seed(0)
     for p in layer.parameters():
@@ -137,8 +142,10 @@ def test_moe_layer_saved_bytes_equal_what_autograd_saves():
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         layer(x)
     s = shape_of(mcfg, 4, 64, 4)
-    experts = 4 * 4 * s.tokens * s.f  # the SwiGLU of width f = k · expert width, as plan/activations.py counts it
-    print(f"\nMoE layer: autograd saves {sum(saved.values()):,} bytes; planner {experts + moe_layer_saved(s, mcfg):,}")
+    # the SwiGLU of width f = k · expert width, as plan/activations.py counts it
+    experts = 4 * 4 * s.tokens * s.f
+    print(f"\nMoE layer: autograd saves {sum(saved.values()):,} bytes; planner "
+          f"{experts + moe_layer_saved(s, mcfg):,}")
     assert sum(saved.values()) == experts + moe_layer_saved(s, mcfg)
 
 

@@ -1,9 +1,9 @@
 """Preference tuning: data prepared as TRL 1.16 tokenizes it, log-probs, losses and reward metrics equal TRL's
-(DPOTrainer's own ``_compute_loss`` for dpo / ipo / hinge / rpo; CPOTrainer's and ORPOTrainer's loss functions on
-the same forward for simpo / orpo), the LoRA reference is the base with adapters off, and bad input.
+(DPOTrainer's own ``_compute_loss`` for dpo / ipo / hinge / rpo; CPOTrainer's and ORPOTrainer's loss functions
+on the same forward for simpo / orpo), the LoRA reference is the base with adapters off, and bad input.
 
-The model is a small random Llama built with transformers and imported by shardlm; the tokenizer a small BPE with
-a ChatML template (SmolLM2's). fp32 throughout, tolerance 1e-6.
+The model is a small random Llama built with transformers and imported by shardlm; the tokenizer a small BPE
+with a ChatML template (SmolLM2's). fp32 throughout, tolerance 1e-6.
 """
 
 from __future__ import annotations
@@ -35,16 +35,17 @@ trl = pytest.importorskip("trl", reason="pip install -e '.[test]' (trl==1.16.0)"
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples" / "instruct-shakespeare.jsonl"
 CHATML = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
-          "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
-          "{% endif %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+          "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
+          "Face<|im_end|>\n' }}{% endif %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+          "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% "
+          "endif %}")
 SEQ_LEN = 95  # max_length = 96 tokens: long pairs are truncated (keep_start)
 TOL = 1e-6
 
 
 def pairs_from_examples(n: int) -> list[dict]:
-    """Preference pairs from the project's instruction examples: the reply as chosen, another example's reply as
-    rejected; every third pair in the conversational format."""
+    """Preference pairs from the project's instruction examples: the reply as chosen, another example's reply
+    as rejected; every third pair in the conversational format."""
     rows = [msgs for _, msgs in read_instructions(str(EXAMPLES))]
     out = []
     for i in range(n):
@@ -137,7 +138,8 @@ def trl_trainer(hf_dirs: dict[str, Path], tok_dir: Path, rows: list[dict], tmp: 
     policy = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dirs["policy"]), dtype=torch.float32)
     ref = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dirs["reference"]), dtype=torch.float32)
     config = trl.DPOConfig(output_dir=str(tmp), max_length=SEQ_LEN + 1, report_to=[], use_cpu=True,
-                           per_device_train_batch_size=len(rows), bf16=False, **args)  # fp32: TRL defaults to bf16
+                           # fp32: TRL defaults to bf16
+                           per_device_train_batch_size=len(rows), bf16=False, **args)
     return trl.DPOTrainer(model=policy, ref_model=ref, args=config, processing_class=tokenizer,
                           train_dataset=Dataset.from_list([conversational(r) for r in rows]))
 
@@ -164,7 +166,8 @@ def shardlm_model(path: Path, lora: bool = False) -> torch.nn.Module:
     if lora:
         state = model.state_dict()
         apply_lora(model, LoRASpec(4, 8.0, 0.0, "q_proj,v_proj,down_proj", "float32"))
-        missing, unexpected = model.load_state_dict(state, strict=False)  # the base weights into the LoRA layers
+        # the base weights into the LoRA layers
+        missing, unexpected = model.load_state_dict(state, strict=False)
         assert not unexpected and all("lora_" in k for k in missing)
     return model
 
@@ -190,20 +193,22 @@ def test_dpo_ipo_hinge_equal_trls_dpo_trainer(loss_type, prepared, hf_dirs, tok_
     with torch.no_grad():
         ref_logps, _ = completion_logps(reference, inp, tgt, 0)
         trl_ref = trainer.ref_model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
-                                    labels=inputs["input_ids"].masked_fill(inputs["completion_mask"] == 0, -100),
+                                    labels=inputs["input_ids"].masked_fill(inputs["completion_mask"] == 0,
+                                                                           -100),
                                     fused_lm_head=True).log_probs.sum(1)  # TRL's per-sequence log-probs
     assert torch.allclose(ref_logps, trl_ref, rtol=TOL, atol=TOL), (ref_logps - trl_ref).abs().max()
     for chunk in (0, 7):  # the plain and the chunked log-probs: the same loss and metrics
-        ours_loss, stats = micro_batch_loss(policy, batch, loss, beta, 0.0, 0.5, alpha if loss_type == "dpo_rpo" else 0.0,
-                                            chunk, ref_logps, 8, data.num_chosen_targets(ids))
+        ours_loss, stats = micro_batch_loss(policy, batch, loss, beta, 0.0, 0.5,
+                                            alpha if loss_type == "dpo_rpo" else 0.0, chunk, ref_logps, 8,
+                                            data.num_chosen_targets(ids))
         ours = metrics_of(stats.tolist(), 8)
-        # the losses are β-scaled differences of summed log-probs (~100 nats here, whose fp32 rounding by summation
-        # order is ~1e-5): the tolerance is 1e-6 relative to those
+        # the losses are β-scaled differences of summed log-probs (~100 nats here, whose fp32 rounding by
+        # summation order is ~1e-5): the tolerance is 1e-6 relative to those
         loss_tol = TOL * max(1.0, beta * abs(theirs["logps/chosen"]))
         print(f"{loss_type} chunk {chunk}: |loss - TRL's| = {abs(ours_loss.item() - trl_loss.item()):.2e}")
         assert abs(ours_loss.item() - trl_loss.item()) < loss_tol, (chunk, ours_loss.item(), trl_loss.item())
-        for key in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
-                    "logps/rejected", "logits/chosen", "logits/rejected"):
+        for key in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+                    "logps/chosen", "logps/rejected", "logits/chosen", "logits/rejected"):
             # summed log-probs of ~100 nats carry fp32 rounding of ~1e-5 (summation order): relative to them
             scale = max(1.0, abs(theirs["logps/chosen"]) * (beta if key.startswith("rewards/") else 1.0))
             assert abs(ours[key] - theirs[key]) < TOL * scale, (key, ours[key], theirs[key])
@@ -212,9 +217,10 @@ def test_dpo_ipo_hinge_equal_trls_dpo_trainer(loss_type, prepared, hf_dirs, tok_
 
 def test_conservative_dpo_equals_trls_label_smoothing(prepared, hf_dirs, tok_dir, tmp_path):
     """``preference.label_smoothing`` with dpo (cDPO, Mitchell 2023): TRL 1.16's DPOTrainer uses its
-    ``label_smoothing`` only in ``robust`` and ``exo_pair`` (its ``sigmoid`` loss ignores it, asserted here), so the
-    reference is TRL's own code of the cDPO form: CPOTrainer's ``sigmoid`` loss with ``label_smoothing``, given the
-    policy-minus-reference log-ratios that DPOTrainer computes (its TRL forward, its reference model)."""
+    ``label_smoothing`` only in ``robust`` and ``exo_pair`` (its ``sigmoid`` loss ignores it, asserted here),
+    so the reference is TRL's own code of the cDPO form: CPOTrainer's ``sigmoid`` loss with
+    ``label_smoothing``, given the policy-minus-reference log-ratios that DPOTrainer computes (its TRL
+    forward, its reference model)."""
     from trl.experimental.cpo import CPOTrainer
 
     rows, out = prepared
@@ -250,8 +256,11 @@ def test_conservative_dpo_equals_trls_label_smoothing(prepared, hf_dirs, tok_dir
         assert abs(ours["rewards/margins"] - (c_rew - r_rew).mean().item()) < loss_tol  # CPO's β·log-ratios
 
 
-def trl_concatenated_forward(hf_dirs: dict[str, Path], batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """transformers' logits of the concatenated batch and TRL-style labels (-100 off-completion), unshifted."""
+def trl_concatenated_forward(
+    hf_dirs: dict[str, Path], batch: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' logits of the concatenated batch and TRL-style labels (-100
+    off-completion), unshifted."""
     model = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dirs["policy"]), dtype=torch.float32)
     ids = batch[:, 0]
     logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
@@ -270,9 +279,10 @@ def test_simpo_orpo_equal_trls_cpo_and_orpo_losses(loss, prepared, hf_dirs):
     beta, gamma, smoothing = 2.0, 0.4, 0.1 if loss == "simpo" else 0.0
     logits, labels = trl_concatenated_forward(hf_dirs, batch)
     avg = CPOTrainer.get_batch_logps(logits, labels.clone(), average_log_prob=True)
-    nll = torch.nn.CrossEntropyLoss()(logits[:8, :-1].reshape(-1, logits.shape[-1]), labels[:8, 1:].reshape(-1))
-    ns = SimpleNamespace(alpha=0.0, loss_type="simpo", simpo_gamma=gamma, beta=beta, label_smoothing=smoothing,
-                         accelerator=SimpleNamespace(device=torch.device("cpu")))
+    nll = torch.nn.CrossEntropyLoss()(logits[:8, :-1].reshape(-1, logits.shape[-1]),
+                                      labels[:8, 1:].reshape(-1))
+    ns = SimpleNamespace(alpha=0.0, loss_type="simpo", simpo_gamma=gamma, beta=beta,
+                         label_smoothing=smoothing, accelerator=SimpleNamespace(device=torch.device("cpu")))
     if loss == "simpo":
         losses, c_rew, r_rew = CPOTrainer.cpo_loss(ns, avg[:8], avg[8:])
         cpo_alpha = 0.5
@@ -287,8 +297,9 @@ def test_simpo_orpo_equal_trls_cpo_and_orpo_losses(loss, prepared, hf_dirs):
     ours = metrics_of(stats.tolist(), 8)
     assert abs(ours_loss.item() - expected.item()) < TOL
     trl_metrics = {"rewards/chosen": c_rew.mean(), "rewards/rejected": r_rew.mean(),
-                   "rewards/accuracies": (c_rew > r_rew).float().mean(), "rewards/margins": (c_rew - r_rew).mean(),
-                   "logps/chosen": avg[:8].mean(), "logps/rejected": avg[8:].mean()}
+                   "rewards/accuracies": (c_rew > r_rew).float().mean(),
+                   "rewards/margins": (c_rew - r_rew).mean(), "logps/chosen": avg[:8].mean(),
+                   "logps/rejected": avg[8:].mean()}
     for key, value in trl_metrics.items():
         assert abs(ours[key] - value.item()) < TOL, (key, ours[key], value.item())
 
@@ -314,13 +325,16 @@ def test_lora_reference_is_the_base_with_adapters_off(prepared, hf_dirs):
         return torch.equal(ref, base_logps) and not torch.allclose(policy_logps, base_logps, atol=1e-3)
 
     assert adapters_are_off_in_reference_and_on_in_policy(reference(policy, switch_off=True))
-    assert not adapters_are_off_in_reference_and_on_in_policy(reference(policy, switch_off=False))  # the control
+    # the control
+    assert not adapters_are_off_in_reference_and_on_in_policy(reference(policy, switch_off=False))
     assert all(m.adapters_enabled for m in policy.modules() if hasattr(m, "adapters_enabled"))  # restored
 
 
-def test_precomputed_table_is_keyed_by_the_references_and_the_datas_content(prepared, hf_dirs, tok_dir, tmp_path):
-    """A reference whose weights changed (same size, same modification time) gets another table key, so its table
-    is not reused; the same files elsewhere or touched get the same key (reused); so do the prepared tokens."""
+def test_precomputed_table_is_keyed_by_the_references_and_the_datas_content(prepared, hf_dirs, tok_dir,
+                                                                            tmp_path):
+    """A reference whose weights changed (same size, same modification time) gets another table key, so its
+    table is not reused; the same files elsewhere or touched get the same key (reused); so do the
+    prepared tokens."""
     import os
     import shutil
 
@@ -333,10 +347,13 @@ def test_precomputed_table_is_keyed_by_the_references_and_the_datas_content(prep
     info = DistInfo(0, 0, 1, torch.device("cpu"), "gloo")
 
     def table(ref: Path, data_dir: Path = data) -> Path:
-        cfg = load_config(None, ["--data.format=preference", f"--data.dir={data_dir}", "--model.vocab_size=512",
-                                 f"--data.tokenizer={tok_dir / 'tokenizer.json'}", f"--preference.reference_from={ref}",
+        cfg = load_config(None,
+                          ["--data.format=preference", f"--data.dir={data_dir}", "--model.vocab_size=512",
+                                 f"--data.tokenizer={tok_dir / 'tokenizer.json'}",
+                           f"--preference.reference_from={ref}",
                                  "--train.seq_len=127"])
-        return reference_table_path(cfg, "model", tmp_path / "run", PreferencePairs(str(data_dir), "train", 127), info)
+        return reference_table_path(cfg, "model", tmp_path / "run",
+                                    PreferencePairs(str(data_dir), "train", 127), info)
 
     copy = tmp_path / "copy"
     shutil.copytree(hf_dirs["reference"], copy)
@@ -362,13 +379,15 @@ def test_precomputed_table_is_keyed_by_the_references_and_the_datas_content(prep
 
 @pytest.mark.parametrize("chunk", [0, 3])
 def test_rows_without_scored_tokens_still_give_the_head_a_gradient(chunk):
-    """No scored token in a micro-batch: log-probs 0, and the output weight still gets a (zero) gradient, as on the
-    ranks that have some (under FSDP2 a parameter without one would change the group's reduce-scatter)."""
+    """No scored token in a micro-batch: log-probs 0, and the output weight still gets a (zero) gradient, as
+    on the ranks that have some (under FSDP2 a parameter without one would change the
+    group's reduce-scatter)."""
     from shardlm.config import load_config
     from shardlm.model.decoder import CausalLM
     from shardlm.train.preference import head_logps
 
-    cfg = load_config(None, ["--model.dim=32", "--model.n_layers=1", "--model.n_heads=2", "--model.n_kv_heads=1",
+    cfg = load_config(None,
+                      ["--model.dim=32", "--model.n_layers=1", "--model.n_heads=2", "--model.n_kv_heads=1",
                              "--model.ffn_hidden=64", "--model.vocab_size=64", "--model.max_seq_len=16",
                              "--train.seq_len=8"])
     model = CausalLM(cfg.model)
@@ -382,8 +401,10 @@ def test_rows_without_scored_tokens_still_give_the_head_a_gradient(chunk):
 
 def test_pair_stats_count_ties_as_wrong_and_average_logits_per_token():
     logps = torch.tensor([-3.0, -5.0, -4.0, -5.0])
-    terms = pair_losses("dpo", 0.5, 0.0, 0.0, logps, torch.tensor([3, 2, 4, 2]), torch.tensor([-4.0, -5.0, -4.0, -5.0]))
-    stats = metrics_of(pair_stats(terms, logps, torch.tensor([3.0, 2.0, 8.0, 2.0]), torch.tensor([3, 2, 4, 2]))
+    terms = pair_losses("dpo", 0.5, 0.0, 0.0, logps, torch.tensor([3, 2, 4, 2]),
+                        torch.tensor([-4.0, -5.0, -4.0, -5.0]))
+    stats = metrics_of(pair_stats(terms, logps, torch.tensor([3.0, 2.0, 8.0, 2.0]),
+                                  torch.tensor([3, 2, 4, 2]))
                        .tolist(), 2)
     assert stats["rewards/accuracies"] == 0.5  # pair 1 wins (0.5 > 0), pair 2 ties (0 == 0): counted wrong
     assert stats["logits/chosen"] == 5.0 / 5 and stats["logits/rejected"] == 10.0 / 6
@@ -395,13 +416,15 @@ def test_bad_preference_input(tok_dir, tmp_path, capsys):
                                                {"prompt": "a", "chosen": "b"}])
     with pytest.raises(DataError, match=r"bad.jsonl:2: missing field 'rejected': a preference pair needs"):
         read_preferences(str(bad))
-    mixed = write_jsonl(tmp_path / "mixed.jsonl", [{"prompt": "a", "chosen": [{"role": "assistant", "content": "b"}],
+    mixed = write_jsonl(tmp_path / "mixed.jsonl",
+                        [{"prompt": "a", "chosen": [{"role": "assistant", "content": "b"}],
                                                     "rejected": "c"}])
     with pytest.raises(DataError, match="mixed.jsonl:1: .* must all be strings or all be message lists"):
         read_preferences(str(mixed))
     rows = pairs_from_examples(4) + [{"prompt": "same?", "chosen": "yes", "rejected": "yes"}]
     out = tmp_path / "data"
-    meta = prepare_preferences(str(write_jsonl(tmp_path / "same.jsonl", rows)), str(out), tokenizer, 512, 0.25)
+    meta = prepare_preferences(str(write_jsonl(tmp_path / "same.jsonl", rows)), str(out), tokenizer, 512,
+                               0.25)
     assert meta["skipped_identical"] == 1 and meta["skipped_identical_lines"] == [5]
     assert meta["train_pairs"] + meta["val_pairs"] == 4
     assert "skipped 1 with chosen identical to rejected (lines 5)" in capsys.readouterr().err
@@ -410,7 +433,8 @@ def test_bad_preference_input(tok_dir, tmp_path, capsys):
     assert f"{short.dropped} dropped: prompt fills max_length" in short.summary()
     with pytest.raises(DataError, match=r"every prompt fills max_length = train.seq_len \+ 1 = 4 tokens"):
         PreferencePairs(str(out), "train", 3)
-    only_same = write_jsonl(tmp_path / "only_same.jsonl", [{"prompt": "q", "chosen": "a", "rejected": "a"}] * 3)
+    only_same = write_jsonl(tmp_path / "only_same.jsonl",
+                            [{"prompt": "q", "chosen": "a", "rejected": "a"}] * 3)
     with pytest.raises(DataError, match=r"0 usable pair\(s\) \(3 skipped: chosen identical to rejected\)"):
         prepare_preferences(str(only_same), str(tmp_path / "x"), tokenizer, 512, 0.25)
     assert not (tmp_path / "x").exists()
@@ -423,29 +447,37 @@ def test_bad_preference_settings_and_a_reference_with_another_tokenizer(tok_dir,
     from shardlm.train.preference_step import check_reference_tokenizer
 
     pairs = write_jsonl(tmp_path / "pairs.jsonl", pairs_from_examples(4))
-    base = ["--data.format=preference", f"--data.corpus={pairs}", f"--data.tokenizer={tok_dir / 'tokenizer.json'}"]
+    base = ["--data.format=preference", f"--data.corpus={pairs}",
+            f"--data.tokenizer={tok_dir / 'tokenizer.json'}"]
     for extra, message in (
-            (["--data.pack=true", "--model.attention=block_causal"], "data.pack does not apply to data.format = "
-                                                                      "'preference': preference pairs are not packed"),
+            (["--data.pack=true", "--model.attention=block_causal"],
+             "data.pack does not apply to data.format = "
+                                                                      "'preference': preference pairs are "
+                                                                      "not packed"),
             (["--preference.loss=ipo", "--preference.label_smoothing=0.1"],
              "preference.label_smoothing applies to loss 'dpo' or 'simpo' (loss is 'ipo')"),
-            (["--preference.reference=lora_base"], "preference.reference = 'lora_base' needs lora.enabled = true"),
+            (["--preference.reference=lora_base"],
+             "preference.reference = 'lora_base' needs lora.enabled = true"),
             (["--preference.beta=0"], "preference.beta must be positive, got 0.0")):
         with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
             load_config(None, base + extra)
-    with pytest.raises(ConfigError, match="preference.beta applies to data.format = 'preference' .format is 'text'."):
+    with pytest.raises(ConfigError,
+                       match="preference.beta applies to data.format = 'preference' .format is 'text'."):
         load_config(None, ["--preference.beta=0.3"])  # a [preference] setting that would be ignored
     err = cli_error(capsys, ["prepare", "--config", str(ROOT / "configs/shakespeare-tiny.toml"), *base,
                              "--data.pack=true", "--model.attention=block_causal"])
     assert "data.pack does not apply" in err
-    check_reference_tokenizer(str(hf_dirs["reference"]), str(tok_dir / "tokenizer.json"))  # the same: accepted
+    # the same: accepted
+    check_reference_tokenizer(str(hf_dirs["reference"]), str(tok_dir / "tokenizer.json"))
     other = tmp_path / "other"
     other.mkdir()
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.train_from_iterator(["a different corpus entirely"] * 10, trainers.BpeTrainer(vocab_size=300, show_progress=False))
+    tok.train_from_iterator(["a different corpus entirely"] * 10,
+                            trainers.BpeTrainer(vocab_size=300, show_progress=False))
     tok.save(str(other / "tokenizer.json"))
-    with pytest.raises(ConfigError, match=r"preference.reference_from .*other: its tokenizer differs from the policy's"):
+    with pytest.raises(ConfigError,
+                       match=r"preference.reference_from .*other: its tokenizer differs from the policy's"):
         check_reference_tokenizer(str(other), str(tok_dir / "tokenizer.json"))
     with pytest.raises(ConfigError, match="has no tokenizer.json"):
         check_reference_tokenizer(str(tmp_path), str(tok_dir / "tokenizer.json"))

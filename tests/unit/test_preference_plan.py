@@ -19,7 +19,10 @@ def test_plan_of_a_preference_config_plans_both_rows_and_names_the_reference(cap
             '--model.init_from=""']
     assert shardlm_main(["plan", *argv]) == 0
     out = capsys.readouterr().out
-    assert "micro-batch 4 x 96 tokens" in out and "planned as 4 rows per micro-batch (chosen and rejected of 2 pairs)" in out
+    assert (
+        "micro-batch 4 x 96 tokens" in out
+        and "planned as 4 rows per micro-batch (chosen and rejected of 2 pairs)" in out
+    )
     assert "reference: model, a frozen copy in the peak" in out
     cfg = load_config(argv[0], argv[5:])
     n = sum(p.numel() for p in meta_model(Config(model=cfg.model)).parameters())
@@ -35,7 +38,8 @@ def test_plan_of_a_preference_config_plans_both_rows_and_names_the_reference(cap
     from shardlm.plan.preference import preference_rows
 
     on_gpu = plan_memory(preference_rows(cfg), 2, "h100")
-    cfg.parallel.cpu_offload = True  # the reference is built with the policy's offload: its shards in host memory
+    # the reference is built with the policy's offload: its shards in host memory
+    cfg.parallel.cpu_offload = True
     offloaded = plan_memory(preference_rows(cfg), 2, "h100")
     shards = on_gpu.breakdown["reference"] - offloaded.breakdown["reference"]
     assert abs(shards - 4 * n / 2) < 0.01 * 4 * n / 2 and offloaded.host_bytes > shards

@@ -24,7 +24,8 @@ transformers = pytest.importorskip("transformers", reason="pip install -e '.[tes
 
 
 def random_hf_dir(path: Path, dtype: torch.dtype = torch.float32, **overrides) -> Path:
-    """A random transformers LlamaForCausalLM saved with save_pretrained: untied, GQA, Llama 3.1 RoPE scaling."""
+    """A random transformers LlamaForCausalLM saved with save_pretrained: untied, GQA, Llama 3.1
+    RoPE scaling."""
     kwargs = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=1001, max_position_embeddings=128, rms_norm_eps=1e-6,
                   tie_word_embeddings=False,
@@ -45,7 +46,8 @@ def diffs(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
 
 
 def test_gguf_import_equals_transformers_dequantised(smol_dir):
-    """Our GGUF import equals transformers' own GGUF path: gguf.dequantize + LlamaTensorProcessor (un-permute).
+    """Our GGUF import equals transformers' own GGUF path: gguf.dequantize +
+    LlamaTensorProcessor (un-permute).
 
     Checked on the first and last blocks and the embedding/final norm (every quantisation type of the
     file: Q8_0, Q4_1, F32; both permutations); the logits test covers the whole model.
@@ -99,7 +101,8 @@ def test_smollm2_logits_parity_and_export_loads_in_transformers(smol_dir, tmp_pa
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_random_untied_gqa_llama31_parity(tmp_path, attn):
-    """Untied embeddings, GQA, odd vocabulary, rope_theta 5e5 and Llama 3.1 scaling beyond the original context."""
+    """Untied embeddings, GQA, odd vocabulary, rope_theta 5e5 and Llama 3.1 scaling beyond the
+    original context."""
     src = random_hf_dir(tmp_path / "rand")
     hf = transformers.LlamaForCausalLM.from_pretrained(str(src), attn_implementation=attn).eval()
     ours = load_model_dir(src).eval()
@@ -108,7 +111,8 @@ def test_random_untied_gqa_llama31_parity(tmp_path, attn):
     with torch.no_grad():
         positions = torch.arange(120)[None]
         cos, sin = hf.model.rotary_emb(torch.zeros(1, dtype=torch.float32), positions)
-        assert torch.equal(cos[0], ours.model.rope_cos[:120]) and torch.equal(sin[0], ours.model.rope_sin[:120])
+        assert torch.equal(cos[0], ours.model.rope_cos[:120]) and torch.equal(sin[0],
+                                                                              ours.model.rope_sin[:120])
         a, b = hf(ids).logits, ours(ids)
     abs_diff, rel_diff = diffs(a, b)
     print(f"\nrandom untied GQA Llama-3.1-scaled logits vs transformers ({attn}): max abs {abs_diff:.3g}, "
@@ -143,7 +147,9 @@ def test_bad_pretrained_input(tmp_path, capsys, smol_dir, small_corpus):
     # a non-Llama architecture
     other = tmp_path / "gpt2"
     other.mkdir()
-    (other / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    (other / "config.json").write_text(
+        json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
+    )
     assert "model_type='gpt2'" in cli_error(capsys, ["import", str(other), str(tmp_path / "o1")])
     # a missing tensor
     weights = load_file(str(src / "model.safetensors"))
@@ -161,10 +167,13 @@ def test_bad_pretrained_input(tmp_path, capsys, smol_dir, small_corpus):
     save_file(weights, str(wrong / "model.safetensors"))
     err = cli_error(capsys, ["export", str(wrong), str(tmp_path / "o3")])
     assert "model.layers.0.mlp.gate_proj.weight has shape (160, 64)" in err and "(128, 64)" in err
-    assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists() and not (tmp_path / "o3").exists()
+    assert (
+        not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists() and not (tmp_path / "o3").exists()
+    )
     # a tokenizer with more ids (SmolLM2's 49152) than the embedding rows (1001)
     (src / "tokenizer.json").write_bytes((smol_dir / "tokenizer.json").read_bytes())
-    err = cli_error(capsys, ["prepare", "--config", str(Path(__file__).parents[2] / "configs/shakespeare-tiny.toml"),
+    err = cli_error(capsys,
+                    ["prepare", "--config", str(Path(__file__).parents[2] / "configs/shakespeare-tiny.toml"),
                           f"--model.init_from={src}", f"--data.corpus={small_corpus}",
                           f"--data.dir={tmp_path / 'd'}", "--train.seq_len=32"])
     assert "49152" in err and "1001" in err
@@ -189,7 +198,8 @@ def test_smollm2_chat_template_masks_only_the_reply(smol_dir, tmp_path):
     trained = [t for t in row[1].tolist() if t != -100]
     # the reply and <|im_end|>, not the newline ChatML prints after it
     assert tok.decode(trained) == first["response"] + "<|im_end|>", tok.decode(trained)
-    # every example's mask equals transformers' assistant mask of SmolLM2's template with {% generation %} added
+    # every example's mask equals transformers' assistant mask of SmolLM2's template with {% generation
+    # %} added
     from shardlm.data.chat import ChatTemplate
     from shardlm.data.instruct import read_instructions
 
@@ -197,13 +207,14 @@ def test_smollm2_chat_template_masks_only_the_reply(smol_dir, tmp_path):
     assert tok.chat_template.count(turn) == 1
     marked = tok.chat_template.replace(turn, (
         "{{'<|im_start|>' + message['role'] + '\n'}}{% if message['role'] == 'assistant' %}{% generation %}"
-        "{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{% else %}{{ message['content'] + '<|im_end|>' }}"
-        "{% endif %}{{ '\n' }}"))
+        "{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{% else %}{{ message['content'] + "
+        "'<|im_end|>' }}{% endif %}{{ '\n' }}"))
     chat = ChatTemplate(smol_dir / "tokenizer.json")
     for _, messages in read_instructions(str(examples)):
         hf = tok.apply_chat_template(messages, chat_template=marked, tokenize=True, return_dict=True,
                                      return_assistant_tokens_mask=True)
-        assert sum(hf["assistant_masks"]) and chat.encode(messages) == (list(hf["input_ids"]), hf["assistant_masks"])
+        assert sum(hf["assistant_masks"]) and chat.encode(messages) == (list(hf["input_ids"]),
+                                                                        hf["assistant_masks"])
 
 
 # ---- end of sequence, chat, exported tokenizer files, strided perplexity ---------------------------
@@ -213,7 +224,8 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def hf_smol(smol_dir):
-    """transformers' model and tokenizer on the imported SmolLM2 (fp32, eager), loaded once for this module."""
+    """transformers' model and tokenizer on the imported SmolLM2 (fp32, eager), loaded once for
+    this module."""
     model = transformers.AutoModelForCausalLM.from_pretrained(str(smol_dir), dtype=torch.float32,
                                                               attn_implementation="eager").eval()
     return model, transformers.AutoTokenizer.from_pretrained(str(smol_dir))
@@ -229,8 +241,12 @@ def _greedy_both(model_dir: Path, hf_model, max_new: int = 48) -> tuple[list[int
     ours = generate(load_model_dir(model_dir).eval(), [ids], max_new, SamplingConfig(0.0),
                     model_dir_special_ids(model_dir)["eos"])[0]
     with torch.no_grad():
-        theirs = hf_model.generate(torch.tensor([ids]), max_new_tokens=max_new, do_sample=False,
-                                   attention_mask=torch.ones(1, len(ids), dtype=torch.long))[0, len(ids):].tolist()
+        theirs = hf_model.generate(
+            torch.tensor([ids]),
+            max_new_tokens=max_new,
+            do_sample=False,
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        )[0, len(ids) :].tolist()
     return ids, ours, theirs
 
 
@@ -241,7 +257,8 @@ def test_smollm2_greedy_chat_stops_at_im_end_as_transformers(smol_dir, hf_smol, 
     print(f"\nSmolLM2 greedy answer: {len(ours)} tokens then <|im_end|>; transformers: {len(theirs)} tokens "
           f"with its eos: {tok.decode(ours)!r}")
     assert theirs[-1] == 2 and ours == theirs[:-1] and len(ours) < 47  # stopped at <|im_end|>, not the limit
-    # the CLI: --chat prints only the same answer (the same rendered prompt with --show-prompt); --stop cuts it
+    # the CLI: --chat prints only the same answer (the same rendered prompt with --show-prompt); --stop
+    # cuts it
     capsys.readouterr()
     assert shardlm_main(["generate", "--model", str(smol_dir), "--chat", "--prompt", QUESTION[0]["content"],
                          "--temperature", "0", "--max-new-tokens", "48"]) == 0
@@ -265,9 +282,17 @@ def test_config_and_tokenizer_disagreeing_on_eos(smol_dir, tmp_path, capsys):
     (bad / "config.json").unlink()
     config = json.loads((smol_dir / "config.json").read_text())
     (bad / "config.json").write_text(json.dumps({**config, "eos_token_id": 0}, indent=2))
-    line = next(i for i, s in enumerate((bad / "config.json").read_text().splitlines(), 1) if '"eos_token_id"' in s)
-    for argv in (["generate", "--model", str(bad), "--prompt", "Hi"], ["export", str(bad), str(tmp_path / "o")]):
+    line = next(
+        i for i, s in enumerate((bad / "config.json").read_text().splitlines(), 1) if '"eos_token_id"' in s
+    )
+    for argv in (["generate", "--model", str(bad), "--prompt", "Hi"],
+                 ["export", str(bad), str(tmp_path / "o")]):
         err = cli_error(capsys, argv)
-        assert err.startswith(f"error: {bad / 'config.json'}:{line}: eos_token_id 0 disagrees with the tokenizer: "
-                              f"{bad / 'tokenizer_config.json'}:") and "'<|im_end|>', id 2" in err, err
+        assert (
+            err.startswith(
+                f"error: {bad / 'config.json'}:{line}: eos_token_id 0 disagrees with the "
+                f"tokenizer: {bad / 'tokenizer_config.json'}:"
+            )
+            and "'<|im_end|>', id 2" in err
+        ), err
     assert not (tmp_path / "o").exists()

@@ -1,8 +1,8 @@
-"""RoPE scaling types against transformers 5.24: YaRN (Qwen3 128k, gpt-oss, DeepSeek), dynamic NTK; import from
-``config.json``, export back, refusal by name of a type not built.
+"""RoPE scaling types against transformers 5.24: YaRN (Qwen3 128k, gpt-oss, DeepSeek), dynamic NTK; import
+from ``config.json``, export back, refusal by name of a type not built.
 
-Each case is a small random transformers model saved with ``save_pretrained`` whose context is extended past the
-original one; shardlm imports it and its fp32 logits on a sequence longer than the original context match
+Each case is a small random transformers model saved with ``save_pretrained`` whose context is extended past
+the original one; shardlm imports it and its fp32 logits on a sequence longer than the original context match
 transformers' (eager attention); the exported directory loads in transformers with the same logits.
 """
 
@@ -23,19 +23,35 @@ from shardlm.model.config import ModelConfig
 
 transformers = pytest.importorskip("transformers", reason="pip install -e '.[test]'")
 
-ORIGINAL, EXTENDED, SEQ = 64, 256, 200  # the original context, the extended one, the test sequence (> ORIGINAL)
+# the original context, the extended one, the test sequence (> ORIGINAL)
+ORIGINAL, EXTENDED, SEQ = 64, 256, 200
 SHAPE = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=EXTENDED, rms_norm_eps=1e-6, head_dim=16)
-YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": ORIGINAL}
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+        "original_max_position_embeddings": ORIGINAL}
 CASES = {
     "qwen3_yarn4": (transformers.Qwen3Config, YARN),  # Qwen3's 32k -> 128k recipe, scaled down
     # gpt-oss's: truncate false, an explicit attention factor
-    "qwen3_yarn_gptoss": (transformers.Qwen3Config, {**YARN, "factor": 32.0, "truncate": False,
-                                                     "attention_factor": 1.2, "beta_fast": 32.0, "beta_slow": 1.0}),
+    "qwen3_yarn_gptoss": (
+        transformers.Qwen3Config,
+        {
+            **YARN,
+            "factor": 32.0,
+            "truncate": False,
+            "attention_factor": 1.2,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+        },
+    ),
     # DeepSeek's: mscale and mscale_all_dim give the attention factor, other betas
-    "qwen3_yarn_deepseek": (transformers.Qwen3Config, {**YARN, "factor": 40.0, "mscale": 0.707,
-                                                       "mscale_all_dim": 1.0, "beta_fast": 16, "beta_slow": 2}),
-    "llama_dynamic": (transformers.LlamaConfig, {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}),
+    "qwen3_yarn_deepseek": (
+        transformers.Qwen3Config,
+        {**YARN, "factor": 40.0, "mscale": 0.707, "mscale_all_dim": 1.0, "beta_fast": 16, "beta_slow": 2},
+    ),
+    "llama_dynamic": (
+        transformers.LlamaConfig,
+        {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
+    ),
 }
 IDS = torch.randint(0, 512, (2, SEQ), generator=torch.Generator().manual_seed(3))
 
@@ -83,9 +99,12 @@ def test_logits_equal_transformers_past_the_original_context_and_export_round_tr
 
 
 def test_deepseek_mscale_becomes_the_attention_factor():
-    cfg = model_config_from_hf_dict({"model_type": "qwen3", **SHAPE, "rope_scaling": CASES["qwen3_yarn_deepseek"][1]})
+    cfg = model_config_from_hf_dict({"model_type": "qwen3", **SHAPE,
+                                     "rope_scaling": CASES["qwen3_yarn_deepseek"][1]})
     s = 40.0
-    assert cfg.rope_yarn_attention_factor == pytest.approx((0.1 * 0.707 * math.log(s) + 1) / (0.1 * math.log(s) + 1))
+    assert cfg.rope_yarn_attention_factor == pytest.approx(
+        (0.1 * 0.707 * math.log(s) + 1) / (0.1 * math.log(s) + 1)
+    )
     assert (cfg.rope_yarn_beta_fast, cfg.rope_yarn_beta_slow, cfg.rope_yarn_truncate) == (16.0, 2.0, True)
     # no factor: the ratio of the contexts, as transformers computes it
     no_factor = {k: v for k, v in YARN.items() if k != "factor"}
@@ -95,7 +114,8 @@ def test_deepseek_mscale_becomes_the_attention_factor():
 
 @pytest.mark.parametrize("rope_type", ["longrope", "proportional"])
 def test_a_rope_type_not_built_is_refused_by_name(rope_type):
-    with pytest.raises(ModelDirError, match=rf"rope_type '{rope_type}' is not supported \(built: default, linear, "
+    with pytest.raises(ModelDirError,
+                       match=rf"rope_type '{rope_type}' is not supported \(built: default, linear, "
                                             r"llama3, yarn, dynamic\)"):
         model_config_from_hf_dict({"model_type": "qwen3", **SHAPE,
                                    "rope_scaling": {"rope_type": rope_type, "factor": 2.0}})

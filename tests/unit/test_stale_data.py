@@ -22,7 +22,8 @@ WORDS = "the quick brown fox jumps over a lazy dog while seven wizards judge box
 
 
 def docs(n: int, seed: int = 0) -> list[dict]:
-    return [{"text": " ".join(WORDS[(i * 7 + j + seed) % len(WORDS)] for j in range(12)), "body": f"row {i} {seed}"}
+    return [{"text": " ".join(WORDS[(i * 7 + j + seed) % len(WORDS)] for j in range(12)),
+             "body": f"row {i} {seed}"}
             for i in range(n)]
 
 
@@ -61,7 +62,8 @@ def prepare(capsys, *overrides: str) -> str:
     return capsys.readouterr().err
 
 
-def test_prepare_keeps_an_unchanged_corpus_and_prepares_a_changed_one_again(tmp_path, corpus, tokenizer, capsys):
+def test_prepare_keeps_an_unchanged_corpus_and_prepares_a_changed_one_again(tmp_path, corpus, tokenizer,
+                                                                            capsys):
     out = tmp_path / "data"
     args = [f"--data.corpus={corpus}", f"--data.dir={out}", f"--data.tokenizer={tokenizer}"]
     prepare(capsys, *args)
@@ -76,7 +78,8 @@ def test_prepare_keeps_an_unchanged_corpus_and_prepares_a_changed_one_again(tmp_
     assert f"prepare: {out} is current (the same inputs, tokenizer and settings): kept as it is" in err, err
     assert token_mtimes(out) == before
     # also not when run from another working directory through another spelling of the same path
-    err = prepare(capsys, f"--data.corpus={corpus}/../corpus", f"--data.dir={out}", f"--data.tokenizer={tokenizer}")
+    err = prepare(capsys, f"--data.corpus={corpus}/../corpus", f"--data.dir={out}",
+                  f"--data.tokenizer={tokenizer}")
     assert "out of date" not in err and token_mtimes(out) == before, err
 
     a = corpus / "a.jsonl"
@@ -104,14 +107,18 @@ def test_prepare_keeps_an_unchanged_corpus_and_prepares_a_changed_one_again(tmp_
     assert f"data.tokenizer: tokenizer_config.json beside {tokenizer} changed" in err, err
     assert json.loads((out / "tokenizer_config.json").read_text())["model_max_length"] == 77
     mtimes = token_mtimes(out)
-    assert "out of date" not in prepare(capsys, *args, "--data.text_field=body") and token_mtimes(out) == mtimes
+    assert (
+        "out of date" not in prepare(capsys, *args, "--data.text_field=body") and token_mtimes(out) == mtimes
+    )
 
     moved = tmp_path / "moved"  # the same tokenizer files elsewhere: the same tokenizer
     moved.mkdir()
     for f in tokenizer.parent.iterdir():
         (moved / f.name).write_bytes(f.read_bytes())
     same = [f"--data.corpus={corpus}", f"--data.dir={out}", f"--data.tokenizer={moved / 'tokenizer.json'}"]
-    assert "out of date" not in prepare(capsys, *same, "--data.text_field=body") and token_mtimes(out) == mtimes
+    assert (
+        "out of date" not in prepare(capsys, *same, "--data.text_field=body") and token_mtimes(out) == mtimes
+    )
     other = tmp_path / "other-tok.json"  # another tokenizer
     train_tokenizer([r["body"] for r in docs(400)], 270).save(str(other))
     err = prepare(capsys, f"--data.corpus={corpus}", f"--data.dir={out}", f"--data.tokenizer={other}",
@@ -125,8 +132,8 @@ def test_training_prepares_its_own_directory_again_and_refuses_a_chosen_one(tmp_
     """prepare_data as a training run calls it: the default data.dir (data/<run name>) is shardlm's and is
     prepared again; a data.dir the config names is refused, naming the change, and left as it was."""
     monkeypatch.chdir(tmp_path)
-    common = [f"--data.corpus={corpus}", f"--data.tokenizer={tokenizer}", "--model.vocab_size=300", "--data.workers=1",
-              "--run.name=exp"]
+    common = [f"--data.corpus={corpus}", f"--data.tokenizer={tokenizer}", "--model.vocab_size=300",
+              "--data.workers=1", "--run.name=exp"]
     prepare_data(load_config(TINY, common))
     own = tmp_path / "data" / "exp"
     before = token_mtimes(own)
@@ -142,7 +149,8 @@ def test_training_prepares_its_own_directory_again_and_refuses_a_chosen_one(tmp_
     write_jsonl(corpus / "a.jsonl", docs(401))
     mtimes = token_mtimes(own)
     with pytest.raises(ConfigError, match=rf"data.dir {own} holds data prepared from other inputs .*"
-                                          rf"{corpus / 'a.jsonl'} changed \(size \d+ -> \d+ bytes\).*shardlm prepare"):
+                                          rf"{corpus / 'a.jsonl'} changed \(size \d+ -> \d+ bytes\).*shardlm "
+                                          r"prepare"):
         prepare_data(load_config(TINY, chosen))
     assert token_mtimes(own) == mtimes
 
@@ -155,7 +163,8 @@ def test_a_preparation_without_identity_is_prepared_again_or_refused(tmp_path, c
     del meta["identity"]  # as an older shardlm wrote it
     (out / "meta.json").write_text(json.dumps(meta))
     cfg = load_config(TINY, [*args, "--model.vocab_size=300"])
-    with pytest.raises(ConfigError, match="prepared by an older shardlm that did not record what it was made from"):
+    with pytest.raises(ConfigError,
+                       match="prepared by an older shardlm that did not record what it was made from"):
         prepare_data(cfg)
     err = prepare(capsys, *args)
     assert "out of date: it was prepared by an older shardlm" in err, err
@@ -163,10 +172,10 @@ def test_a_preparation_without_identity_is_prepared_again_or_refused(tmp_path, c
     prepare_data(cfg)  # now current
 
 
-def test_data_made_by_another_program_is_used_with_a_note_and_never_prepared_again(tmp_path, corpus, tokenizer,
-                                                                                   capsys):
-    """``"identity": {"external": ...}`` in meta.json: training and ``shardlm prepare`` use it as it is, with a
-    note naming what made it; the token files are not touched."""
+def test_data_made_by_another_program_is_used_with_a_note_and_never_prepared_again(tmp_path, corpus,
+                                                                                   tokenizer, capsys):
+    """``"identity": {"external": ...}`` in meta.json: training and ``shardlm prepare`` use it as it is, with
+    a note naming what made it; the token files are not touched."""
     out = tmp_path / "data"
     args = [f"--data.corpus={corpus}", f"--data.dir={out}", f"--data.tokenizer={tokenizer}"]
     prepare(capsys, *args)
@@ -174,11 +183,15 @@ def test_data_made_by_another_program_is_used_with_a_note_and_never_prepared_aga
     meta["identity"] = {"external": "my own tokenizing script"}
     (out / "meta.json").write_text(json.dumps(meta))
     before = token_mtimes(out)
-    prepare_data(load_config(TINY, [*args, "--model.vocab_size=300", "--data.text_field=body"]))  # would differ
+    # would differ
+    prepare_data(load_config(TINY, [*args, "--model.vocab_size=300", "--data.text_field=body"]))
     assert "prepared outside shardlm (my own tokenizing script)" in capsys.readouterr().err
     err = prepare(capsys, *args, "--data.text_field=body")
     assert "prepared outside shardlm (my own tokenizing script): used as it is" in err, err
-    assert token_mtimes(out) == before and json.loads((out / "meta.json").read_text())["identity"] == meta["identity"]
+    assert (
+        token_mtimes(out) == before
+        and json.loads((out / "meta.json").read_text())["identity"] == meta["identity"]
+    )
 
 
 def test_a_trained_tokenizer_is_kept_and_its_settings_compared(tmp_path, corpus, capsys):
@@ -211,7 +224,8 @@ def test_a_mixture_source_that_changes_is_named(tmp_path, corpus, tokenizer, cap
     write_jsonl(other, docs(201, seed=9))
     err = prepare(capsys, *args)
     assert f"out of date: data.sources 'source1' ({other}): {other} changed (size" in err, err
-    sources2 = f'[{{path = "{corpus}", weight = 0.7, name = "main"}}, {{path = "{other}", weight = 0.3, name = "x"}}]'
+    sources2 = (f'[{{path = "{corpus}", weight = 0.7, name = "main"}}, {{path = "{other}", weight = 0.3, '
+                'name = "x"}]')
     err = prepare(capsys, f"--data.sources={sources2}", f"--data.dir={out}", f"--data.tokenizer={tokenizer}")
     assert 'data.sources changed ["main", "source1"] -> ["main", "x"]' in err, err
     assert json.loads((out / "meta.json").read_text())["sources"][1]["name"] == "x"
@@ -264,7 +278,9 @@ def test_instruction_data_is_prepared_again_when_the_template_changes(tmp_path, 
     assert "out of date" not in prepare(capsys, *args) and (out / "train.bin").stat().st_mtime_ns == before
     (tokenizer.parent / "chat_template.jinja").write_text(TEMPLATE)
     err = prepare(capsys, *args)
-    assert f"out of date: the chat template changed (now from {tokenizer.parent / 'chat_template.jinja'})" in err, err
+    assert (
+        f"out of date: the chat template changed (now from {tokenizer.parent / 'chat_template.jinja'})" in err
+    ), err
     assert (out / "train.bin").stat().st_mtime_ns != before
     assert (out / "chat_template.jinja").is_file()
     with pytest.raises(ConfigError, match="data.val_fraction changed 0.2 -> 0.3"):
@@ -289,17 +305,21 @@ def test_a_split_of_a_dataset_dict_is_named_with_dir_colon_split(dataset_dict, t
     assert read_documents(str(dataset_dict)) == ["train one", "train two"]
     assert read_documents(f"{dataset_dict}:validation") == ["val one", "val two", "val 3"]
     assert read_documents(f"{dataset_dict}:test") == ["test one"]
-    with pytest.raises(DataError, match=r"dd:dev: the DatasetDict has no split 'dev' \(splits: train, test, validation\)"):
+    with pytest.raises(
+        DataError, match=r"dd:dev: the DatasetDict has no split 'dev' \(splits: train, test, validation\)"
+    ):
         read_documents(f"{dataset_dict}:dev")
     out = tmp_path / "data"
-    err = prepare(capsys, f"--data.corpus={dataset_dict}", f"--data.dir={out}", f"--data.tokenizer={tokenizer}",
-                  "--data.val_fraction=0.3")
-    assert (f"note: {dataset_dict} is a DatasetDict with splits train, test, validation: read 'train', not read "
-            f"'test', 'validation' (name a split as {dataset_dict}:SPLIT)") in err, err
+    err = prepare(capsys, f"--data.corpus={dataset_dict}", f"--data.dir={out}",
+                  f"--data.tokenizer={tokenizer}", "--data.val_fraction=0.3")
+    assert (f"note: {dataset_dict} is a DatasetDict with splits train, test, validation: read 'train', not "
+            f"read 'test', 'validation' (name a split as {dataset_dict}:SPLIT)") in err, err
     assert json.loads((out / "meta.json").read_text())["documents"] == 2
     err = prepare(capsys, f"--data.corpus={dataset_dict}:validation", f"--data.dir={out}",
                   f"--data.tokenizer={tokenizer}", "--data.val_fraction=0.3")
-    assert f'data.corpus changed "{dataset_dict}" -> "{dataset_dict}:validation"' in err and "note:" not in err, err
+    assert (
+        f'data.corpus changed "{dataset_dict}" -> "{dataset_dict}:validation"' in err and "note:" not in err
+    ), err
     assert json.loads((out / "meta.json").read_text())["documents"] == 3
 
 
@@ -308,7 +328,9 @@ def test_an_empty_saved_dataset_says_0_rows(tmp_path, tokenizer, capsys):
     empty = tmp_path / "empty"
     datasets.Dataset.from_dict({"text": []}).save_to_disk(str(empty))
     for tok in ("", str(tokenizer)):
-        err = cli_error(capsys, ["prepare", "--config", TINY, f"--data.corpus={empty}", f"--data.dir={tmp_path / 'd'}",
+        err = cli_error(capsys,
+                        ["prepare", "--config", TINY, f"--data.corpus={empty}",
+                         f"--data.dir={tmp_path / 'd'}",
                                  f"--data.tokenizer={tok}", "--model.vocab_size=300", "--workers=1"])
         assert err == f"error: empty corpus: {empty} has 0 rows", err
     assert not (tmp_path / "d").exists()
@@ -323,11 +345,12 @@ def test_an_empty_saved_dataset_says_0_rows(tmp_path, tokenizer, capsys):
 
 
 def test_a_resume_compares_the_tokens_not_when_the_inputs_were_touched():
-    """Identical data prepared again (a touched corpus) keeps a run resumable: the checkpoint's meta.json record
-    is compared without its identity (modification times); other tokens are still refused."""
+    """Identical data prepared again (a touched corpus) keeps a run resumable: the checkpoint's meta.json
+    record is compared without its identity (modification times); other tokens are still refused."""
     from shardlm.checkpoint.resume_config import data_problems
 
-    stored = {"content_sha256": "aa", "train_tokens": 5, "identity": {"sources": [{"inputs": [{"mtime_ns": 1}]}]}}
+    stored = {"content_sha256": "aa", "train_tokens": 5,
+              "identity": {"sources": [{"inputs": [{"mtime_ns": 1}]}]}}
     again = {**stored, "identity": {"sources": [{"inputs": [{"mtime_ns": 2}]}]}}
     assert data_problems({"data": stored}, again, None) == []
     other = {**again, "content_sha256": "bb"}

@@ -17,7 +17,8 @@ from conftest import ROOT, cpu_env
 SRC = ROOT / "src"
 PACKAGE = SRC / "shardlm"
 
-#: third-party packages that are optional (an extra) or slow to import: importing them inside a function is fine
+#: third-party packages that are optional (an extra) or slow to import: importing them inside a function
+#: is fine
 OPTIONAL = {"transformers", "gguf", "tensorboard", "matplotlib", "wandb", "mlflow", "pyarrow", "zstandard",
             "datasets", "peft", "torchao", "jinja2"}
 
@@ -53,11 +54,13 @@ def top_level_graph() -> dict[str, set[str]]:
     for name, tree in trees.items():
         deps: set[str] = set()
         stack: list[ast.AST] = list(tree.body)
-        while stack:  # module level, including if/try blocks, but not function or class bodies or TYPE_CHECKING
+        while stack:
+            # module level, including if/try blocks, but not function or class bodies or TYPE_CHECKING
             node = stack.pop()
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 deps |= imported(node, known)
-            elif isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+            elif isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING",
+                                                                         "typing.TYPE_CHECKING"):
                 stack += node.orelse  # imports for type annotations only: never run
             elif isinstance(node, (ast.If, ast.Try)):
                 stack += [*node.body, *node.orelse, *getattr(node, "finalbody", []),
@@ -104,14 +107,20 @@ def test_no_import_cycle():
 
 
 def family_branches(tree: ast.Module) -> list[str]:
-    """Comparisons of a family's name (``x.family == ...``, ``family in (...)``, ``family not in ...``) in ``tree``."""
+    """Comparisons of a family's name (``x.family == ...``, ``family in (...)``, ``family not in ...``)
+    in ``tree``."""
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Compare) and any(isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn))
                                                  for op in node.ops):
             names = [node.left, *node.comparators]
-            if any(isinstance(n, ast.Name) and n.id == "family" or isinstance(n, ast.Attribute) and n.attr == "family"
-                   for n in names):
+            if any(
+                isinstance(n, ast.Name)
+                and n.id == "family"
+                or isinstance(n, ast.Attribute)
+                and n.attr == "family"
+                for n in names
+            ):
                 found.append(f"line {node.lineno}: {ast.unparse(node)}")
     return found
 
@@ -124,14 +133,15 @@ def test_no_branch_on_a_family_name_outside_the_families_package():
     assert not branches, branches
 
 
-#: shardlm's layers, bottom to top, written down once: a module imports modules of its own layer or lower ones,
-#: never of a higher one. A module belongs to the layer that names it or its nearest package (a longer name wins:
-#: ``shardlm.convert.export`` sits above the rest of ``convert``); every ``__main__`` (a program, which nothing
-#: imports) is in the top layer with the CLI.
+#: shardlm's layers, bottom to top, written down once: a module imports modules of its own layer or lower
+#: ones, never of a higher one. A module belongs to the layer that names it or its nearest package (a longer
+#: name wins: ``shardlm.convert.export`` sits above the rest of ``convert``); every ``__main__`` (a program,
+#: which nothing imports) is in the top layer with the CLI.
 LAYERS: tuple[tuple[str, ...], ...] = (
     # leaves: error types, atomic writes, checked JSON reads, the device table
     ("shardlm", "shardlm.errors", "shardlm.atomic", "shardlm.json_file", "shardlm.devices"),
-    ("shardlm.model",),  # the model, no distributed code; its families, config.json <-> ModelConfig (hf_config.py)
+    # the model, no distributed code; its families, config.json <-> ModelConfig (hf_config.py)
+    ("shardlm.model",),
     ("shardlm.config",),  # the run's configuration: sections, loading, checks
     ("shardlm.parallel", "shardlm.metrics"),  # process group, mesh, apply_fsdp...; metrics, FLOPs, memory
     ("shardlm.data",),  # readers, tokenizer, preparation, loader
@@ -144,7 +154,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 
 
 def layer_of(module: str) -> int:
-    """Index in :data:`LAYERS` of ``module`` (see there); ValueError when no layer names it or a package above it."""
+    """Index in :data:`LAYERS` of ``module`` (see there); ValueError when no layer names it or a package
+    above it."""
     if module.rsplit(".", 1)[-1] == "__main__":
         return len(LAYERS) - 1
     best = None
@@ -161,8 +172,8 @@ def layer_of(module: str) -> int:
 def upward_imports(graph: dict[str, set[str]], empty_packages: set[str]) -> list[str]:
     """The imports of ``graph`` from a module to one of a higher layer, as ``"a (layer) -> b (layer)"``.
 
-    A package in ``empty_packages`` (its ``__init__`` imports no shardlm module) is not counted as imported when
-    a module below it is: Python runs its ``__init__``, which loads nothing.
+    A package in ``empty_packages`` (its ``__init__`` imports no shardlm module) is not counted as imported
+    when a module below it is: Python runs its ``__init__``, which loads nothing.
     """
     found = []
     for module, deps in sorted(graph.items()):
@@ -175,7 +186,11 @@ def upward_imports(graph: dict[str, set[str]], empty_packages: set[str]) -> list
 
 
 def test_the_layer_check_finds_an_upward_import():
-    assert layer_of("shardlm.convert.hf_in") < layer_of("shardlm.train.trainer") < layer_of("shardlm.convert.export")
+    assert (
+        layer_of("shardlm.convert.hf_in")
+        < layer_of("shardlm.train.trainer")
+        < layer_of("shardlm.convert.export")
+    )
     assert layer_of("shardlm.train.__main__") == layer_of("shardlm.cli.main") == len(LAYERS) - 1
     with pytest.raises(ValueError, match="shardlm_extra is in no layer"):
         layer_of("shardlm_extra")
@@ -194,12 +209,14 @@ def test_the_layer_check_finds_an_upward_import():
 
 
 def test_no_import_from_a_lower_layer_to_a_higher_one():
-    """Every module is in a layer of :data:`LAYERS`, and none imports (at module level) one of a higher layer."""
+    """Every module is in a layer of :data:`LAYERS`, and none imports (at module level) one of a
+    higher layer."""
     graph = top_level_graph()
     empty = {name for name, deps in graph.items() if not deps and (PACKAGE / name.split(".", 1)[-1].replace(
         ".", "/") / "__init__.py").is_file()}
     assert "shardlm.convert" in empty and "shardlm.train" not in empty
-    assert "shardlm.model.hf_config" in graph["shardlm.config.load"]  # model.init_from's config.json, read below
+    # model.init_from's config.json, read below
+    assert "shardlm.model.hf_config" in graph["shardlm.config.load"]
     upward = upward_imports(graph, empty)
     assert not upward, "imports from a lower layer to a higher one:\n" + "\n".join(upward)
 
@@ -211,7 +228,9 @@ NOT_YET_SPLIT: set[str] = set()
 
 
 def test_files_of_a_few_hundred_lines():
-    lines = {p.relative_to(PACKAGE).as_posix(): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")}
+    lines = {
+        p.relative_to(PACKAGE).as_posix(): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")
+    }
     assert len(lines) > 40 and lines["model/decoder.py"] > 100
     too_long = {name: n for name, n in lines.items() if n > MAX_LINES and name not in NOT_YET_SPLIT}
     assert not too_long, f"files over {MAX_LINES} lines: {too_long}"
@@ -246,10 +265,11 @@ def test_cli_help_imports_no_torch():
               "    with contextlib.redirect_stdout(io.StringIO()):\n        try:\n"
               "            main(argv.split())\n        except SystemExit:\n            pass\n"
               "print('torch' in sys.modules)")
-    helps = ["--help"] + [f"{c} --help" for c in ("prepare", "generate", "eval", "report", "export", "inspect",
+    helps = ["--help"] + [f"{c} --help" for c in ("prepare", "generate", "eval", "report", "export",
+                                                  "inspect",
                                                  "import", "plan", "profile", "tune")]
-    proc = subprocess.run([sys.executable, "-c", script, *helps], env=cpu_env(), capture_output=True, text=True,
-                          timeout=60)
+    proc = subprocess.run([sys.executable, "-c", script, *helps], env=cpu_env(), capture_output=True,
+                          text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "False"
 
@@ -262,8 +282,9 @@ def console_script() -> Path:
 
 
 def test_console_script_help_imports_no_torch():
-    """The installed ``shardlm`` command (its ``entry()``), for ``--help`` and every subcommand's ``--help``: exit 0
-    and torch never imported (Python's own import log, ``-X importtime``). Prints the wall time of each."""
+    """The installed ``shardlm`` command (its ``entry()``), for ``--help`` and every subcommand's ``--help``:
+    exit 0 and torch never imported (Python's own import log, ``-X importtime``). Prints the wall time
+    of each."""
     script = console_script()
     top = subprocess.run([str(script), "--help"], env=cpu_env(), capture_output=True, text=True, timeout=60)
     assert top.returncode == 0, top.stderr
@@ -277,16 +298,22 @@ def test_console_script_help_imports_no_torch():
         times[" ".join(argv)] = time.perf_counter() - start
         assert proc.returncode == 0, (argv, proc.stderr[-2000:])
         assert "usage: shardlm" in proc.stdout
-        imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+        imported = {
+            line.rsplit("|", 1)[-1].strip()
+            for line in proc.stderr.splitlines()
+            if line.startswith("import time:")
+        }
         assert "shardlm.cli.main" in imported, "the import log is empty: the check would not see torch"
-        assert not {m for m in imported if m == "torch" or m.startswith("torch.")}, f"shardlm {' '.join(argv)} imports torch"
+        assert not {m for m in imported if m == "torch" or m.startswith("torch.")}, (
+            f"shardlm {' '.join(argv)} imports torch"
+        )
     print("shardlm console script, wall s: " + ", ".join(f"{k} {v:.2f}" for k, v in times.items()))
 
 
 @pytest.mark.parametrize("command", ["generate", "eval", "plan", "tune"])
 def test_help_shows_every_default(command):
-    proc = subprocess.run([sys.executable, "-m", "shardlm", command, "--help"], env=cpu_env(), capture_output=True,
-                          text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-m", "shardlm", command, "--help"], env=cpu_env(),
+                          capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "(default:" in proc.stdout
 
@@ -312,8 +339,9 @@ def constraints() -> dict[str, str]:
 
 
 def test_test_pins_agree_with_the_constraints_and_the_installed_packages():
-    """The ``test`` extra's exact pins equal constraints-test.txt, and every constrained package that is installed
-    has its constrained version (a package installed or upgraded by hand would hide what a new machine gets)."""
+    """The ``test`` extra's exact pins equal constraints-test.txt, and every constrained package that is
+    installed has its constrained version (a package installed or upgraded by hand would hide what a new
+    machine gets)."""
     import importlib.metadata
     import tomllib
 

@@ -30,9 +30,10 @@ def test_missing_package_names_the_extra(monkeypatch):
 
 def test_tracker_metrics_flatten_per_rank_lists():
     record = {"step": 7, "loss": 2.5, "lr": 1e-3, "shard_bytes": [10, 12], "elapsed_s": 1.0}
-    assert tracker_metrics(record) == {"loss": 2.5, "lr": 1e-3, "shard_bytes/rank0": 10, "shard_bytes/rank1": 12,
-                                       "elapsed_s": 1.0}
-    summary = {"step": 7, "rss_bytes": {"min": 10, "max": 12, "mean": 11.0, "max_rank": 1}, "rss_bytes_per_rank": [10, 12]}
+    assert tracker_metrics(record) == {"loss": 2.5, "lr": 1e-3, "shard_bytes/rank0": 10,
+                                       "shard_bytes/rank1": 12, "elapsed_s": 1.0}
+    summary = {"step": 7, "rss_bytes": {"min": 10, "max": 12, "mean": 11.0, "max_rank": 1},
+               "rss_bytes_per_rank": [10, 12]}
     assert tracker_metrics(summary) == {"rss_bytes/min": 10, "rss_bytes/max": 12, "rss_bytes/mean": 11.0,
                                         "rss_bytes/max_rank": 1, "rss_bytes/rank0": 10, "rss_bytes/rank1": 12}
 
@@ -87,11 +88,11 @@ def test_tracker_ids_are_kept_for_the_same_run_only(tmp_path, monkeypatch):
 
 
 def test_mlflow_default_store_is_mlflows_own(tmp_path, monkeypatch, capsys):
-    """No URI configured: MLflow 3's default, the SQLite store ./mlflow.db when sqlalchemy and alembic are there,
-    else the file store ./mlruns with one note saying why and how to get SQLite; an existing ./mlruns store with
-    experiments is kept (MLflow's own rule); a configured URI, then MLFLOW_TRACKING_URI, then the store a
-    resumed run started in, come first. The default is then used for real: a run logged and read back with
-    MlflowClient from the store it names."""
+    """No URI configured: MLflow 3's default, the SQLite store ./mlflow.db when sqlalchemy and alembic are
+    there, else the file store ./mlruns with one note saying why and how to get SQLite; an existing ./mlruns
+    store with experiments is kept (MLflow's own rule); a configured URI, then MLFLOW_TRACKING_URI, then the
+    store a resumed run started in, come first. The default is then used for real: a run logged and read back
+    with MlflowClient from the store it names."""
     from mlflow.tracking import MlflowClient
 
     from shardlm.metrics import trackers
@@ -101,7 +102,8 @@ def test_mlflow_default_store_is_mlflows_own(tmp_path, monkeypatch, capsys):
     real = trackers.importlib.util.find_spec
     sql = all(real(m) is not None for m in ("sqlalchemy", "alembic"))
     for present in (True, False):
-        monkeypatch.setattr(trackers.importlib.util, "find_spec", lambda m, p=present: object() if p else None)
+        monkeypatch.setattr(trackers.importlib.util, "find_spec",
+                            lambda m, p=present: object() if p else None)
         uri, note = trackers.default_mlflow_uri(tmp_path / "a")
         assert (uri, note is None) == ((f"sqlite:///{tmp_path / 'a' / 'mlflow.db'}", True) if present else
                                        (f"file:{tmp_path / 'a' / 'mlruns'}", False))
@@ -113,7 +115,8 @@ def test_mlflow_default_store_is_mlflows_own(tmp_path, monkeypatch, capsys):
 
     cfg = load_config(None, ["--metrics.mlflow=true", '--metrics.mlflow_experiment="default-store"'])
     tracker = trackers.MlflowTracker(cfg, tmp_path / "run")
-    assert tracker.tracking_uri({"tracking_uri": "file:/elsewhere"}) == "file:/elsewhere"  # a resumed run's store
+    # a resumed run's store
+    assert tracker.tracking_uri({"tracking_uri": "file:/elsewhere"}) == "file:/elsewhere"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")
     assert tracker.tracking_uri({"tracking_uri": "file:/elsewhere"}) == "http://127.0.0.1:9"
     cfg.metrics.mlflow_tracking_uri = "file:/configured"

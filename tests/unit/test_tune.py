@@ -48,13 +48,13 @@ def as_candidate(row: dict[str, str]) -> Candidate:
     forward, backward = row["prefetch f/b"].split("/")
     micro = int(row["micro-batch x accum"].split(" x ")[0])
     return Candidate(row["reshard"] == "true", int(forward), int(backward), row["AC"], micro,
-                     row["grad sync"] if row["grad sync"] != "-" else "every_micro_batch", row["compile"] == "true",
-                     int(row["blocks/group"]), int(row["tp"]), int(row["ep"]))
+                     row["grad sync"] if row["grad sync"] != "-" else "every_micro_batch",
+                     row["compile"] == "true", int(row["blocks/group"]), int(row["tp"]), int(row["ep"]))
 
 
 def test_no_candidate_fits_says_what_would(tmp_path, capsys, monkeypatch):
-    """No candidate fits at 2 ranks: one error naming the smallest candidate's need and the world size at which
-    the model fits (with its checkpointing and micro-batch); nothing is launched or written."""
+    """No candidate fits at 2 ranks: one error naming the smallest candidate's need and the world size at
+    which the model fits (with its checkpointing and micro-batch); nothing is launched or written."""
     config = tmp_path / "wide.toml"
     config.write_text(TINY.format(data=tmp_path / "none").replace("dim = 64", "dim = 512")
                       .replace("vocab_size = 512", "vocab_size = 8192"))  # 11M parameters: state dominates
@@ -76,8 +76,9 @@ def test_no_candidate_fits_says_what_would(tmp_path, capsys, monkeypatch):
 
 
 def test_staged_search_candidates():
-    """The 20m config at 2 ranks: the config's settings as base and one change at a time, no checkpointing where
-    none is needed; with less memory the lightest checkpointing that fits; round 2 combines the fastest values."""
+    """The 20m config at 2 ranks: the config's settings as base and one change at a time, no checkpointing
+    where none is needed; with less memory the lightest checkpointing that fits; round 2 combines the
+    fastest values."""
     cfg = load_config(str(ROOT / "configs" / "20m.toml"))
     roomy = Planner(cfg, 2, "cpu", 64 * GIB)
     rows = first_round(cfg, roomy, "staged")
@@ -99,23 +100,24 @@ def test_staged_search_candidates():
     rows = first_round(cfg, tight, "staged")
     assert rows[0].cand == base and not rows[0].fits  # the config's own row, shown as not fitting
     assert rows[1].cand == base.with_value("ac", "selective") and rows[1].fits
-    # every other row checkpoints no more than it must: the next lighter mode does not fit (a smaller micro-batch
-    # without checkpointing fits, except where last_micro_batch's unsharded gradients need it)
+    # every other row checkpoints no more than it must: the next lighter mode does not fit (a smaller
+    # micro-batch without checkpointing fits, except where last_micro_batch's unsharded gradients need it)
     lighter = {"selective": "none", "full": "selective"}
     for r in rows[1:]:  # a row that fits nowhere is shown at full checkpointing
         mode = r.cand.activation_checkpoint
         assert r.fits or mode == "full", r.cand
         assert mode == "none" or not tight.fits(r.cand.with_value("ac", lighter[mode])), r.cand
     assert any(r.cand.activation_checkpoint == "none" for r in rows if r.cand.micro_batch_size < 4)
-    times = {base.with_value("reshard", False): 1.0, base.with_value("batching", (2, "last_micro_batch")): 1.1,
+    times = {base.with_value("reshard", False): 1.0,
+             base.with_value("batching", (2, "last_micro_batch")): 1.1,
              base.with_value("prefetch", (1, 1)): 1.5, base: 1.3}
     measured = [Row(c, roomy.bytes(c), True, times=[t]) for c, t in times.items()]
     assert combine(measured, base, roomy) == Candidate(False, 0, 0, "none", 2, "last_micro_batch")
 
 
 def test_prefetch_deeper_than_the_other_groups_is_measured_once():
-    """Prefetch depth 2 with 2 block groups runs as depth 1: the config's own row says so, and no two rows of the
-    first round (or of the full grid) are the same settings."""
+    """Prefetch depth 2 with 2 block groups runs as depth 1: the config's own row says so, and no two rows of
+    the first round (or of the full grid) are the same settings."""
     cfg = load_config(str(ROOT / "configs" / "20m.toml"), ["--parallel.blocks_per_group=2",
                                                            "--parallel.forward_prefetch=2"])
     own = config_candidate(cfg, 2)
@@ -127,8 +129,8 @@ def test_prefetch_deeper_than_the_other_groups_is_measured_once():
 
 
 def test_config_files_layer_in_order(tmp_path):
-    """Several config files: later keys replace earlier ones, the run is named after the first file, command-line
-    overrides come last; ``python -m shardlm.train`` takes --config more than once."""
+    """Several config files: later keys replace earlier ones, the run is named after the first file,
+    command-line overrides come last; ``python -m shardlm.train`` takes --config more than once."""
     first, second = tmp_path / "base.toml", tmp_path / "tuned.toml"
     first.write_text("[train]\nmicro_batch_size = 4\nsteps = 7\n[parallel]\nreshard_after_forward = true\n")
     second.write_text("[train]\nmicro_batch_size = 2\n[parallel]\nreshard_after_forward = false\n")
@@ -140,10 +142,10 @@ def test_config_files_layer_in_order(tmp_path):
 
 
 def test_time_budget_measures_what_fits_in_it(tmp_path, capsys, monkeypatch):
-    """``--time-budget 25``, each measurement 10 s (a fake clock; nothing is trained): the first two candidates are
-    measured, the rest skipped and marked so, no confirming pass; the pick is the faster measured one and is
-    written. Without a budget every fitting candidate is measured and the two fastest confirmed. A bad budget is
-    one error line."""
+    """``--time-budget 25``, each measurement 10 s (a fake clock; nothing is trained): the first two
+    candidates are measured, the rest skipped and marked so, no confirming pass; the pick is the faster
+    measured one and is written. Without a budget every fitting candidate is measured and the two fastest
+    confirmed. A bad budget is one error line."""
     from shardlm.cli import tune_worker
 
     config = tmp_path / "tiny.toml"
@@ -166,8 +168,8 @@ def test_time_budget_measures_what_fits_in_it(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(tune_worker, "init_distributed", lambda pcfg: one_rank)
     monkeypatch.setattr(tune_worker, "clock", lambda: now[0])
     monkeypatch.setattr(tune, "launch", in_process_launch)
-    args = ["tune", str(config), "--world-size", "1", "--search", "full", "--memory-per-rank", "64", "--warmup",
-            "1", "--steps", "2", "--train.global_batch_size=2", "--train.micro_batch_size=2"]
+    args = ["tune", str(config), "--world-size", "1", "--search", "full", "--memory-per-rank", "64",
+            "--warmup", "1", "--steps", "2", "--train.global_batch_size=2", "--train.micro_batch_size=2"]
     results = {}
     for budget in ("25s", None):
         out = tmp_path / f"tuned-{budget}.toml"
@@ -184,8 +186,12 @@ def test_time_budget_measures_what_fits_in_it(tmp_path, capsys, monkeypatch):
     assert len(fitting) > 4 and all(r["step s"] != "-" for r in fitting)
     assert len([r for r in results[None] if "confirmed" in r["note"]]) == 2
     limited = results["25s"]
-    assert [r["step s"] != "-" for r in limited if r["fits"] == "yes"] == [True, True] + [False] * (len(fitting) - 2)
-    assert all("skipped: time budget" in r["note"] for r in limited if r["fits"] == "yes" and r["step s"] == "-")
+    assert [r["step s"] != "-" for r in limited if r["fits"] == "yes"] == [True, True] + [False] * (
+        len(fitting) - 2
+    )
+    assert all(
+        "skipped: time budget" in r["note"] for r in limited if r["fits"] == "yes" and r["step s"] == "-"
+    )
     assert not any("confirmed" in r["note"] for r in limited)
     for bad in ("-3m", "0", "5x"):
         err = cli_error(capsys, ["tune", str(config), "--world-size", "1", f"--time-budget={bad}"])
@@ -193,11 +199,12 @@ def test_time_budget_measures_what_fits_in_it(tmp_path, capsys, monkeypatch):
 
 
 def test_tensor_and_expert_parallel_candidates():
-    """At 4 ranks tune offers each tp the trainer accepts (the 20m model: 1, 2, 4; 2 key/value heads: 1, 2; with
-    LoRA: 1) and, for a mixture of experts, each ep dividing its experts and the ranks (8 experts: 1, 2, 4; 6: 1, 2;
-    no tp: tensor parallel on MoE is not built). Each such row's prediction is the planner's for that layout (a
-    tp-way model's pieces, ep-way experts), a tp row checkpoints only as the planner models it (none or full), its
-    micro-batches are tp times more (N / tp data-parallel ranks), and the full grid holds no other mode with tp."""
+    """At 4 ranks tune offers each tp the trainer accepts (the 20m model: 1, 2, 4; 2 key/value heads: 1, 2;
+    with LoRA: 1) and, for a mixture of experts, each ep dividing its experts and the ranks (8 experts: 1, 2,
+    4; 6: 1, 2; no tp: tensor parallel on MoE is not built). Each such row's prediction is the planner's for
+    that layout (a tp-way model's pieces, ep-way experts), a tp row checkpoints only as the planner models it
+    (none or full), its micro-batches are tp times more (N / tp data-parallel ranks), and the full grid holds
+    no other mode with tp."""
     from shardlm.errors import ConfigError
     from shardlm.parallel.ep import check_ep
     from shardlm.plan.memory import plan_memory
@@ -210,7 +217,8 @@ def test_tensor_and_expert_parallel_candidates():
         dims = space(load_config(dense, list(overrides)), 4)
         assert (dims["tp"], dims["ep"]) == (tp, ep), overrides
     cfg = load_config(dense)
-    roomy, own = Planner(cfg, 4, "cpu", 64 * GIB), config_candidate(cfg, 4)  # own: the staged search's base here
+    # own: the staged search's base here
+    roomy, own = Planner(cfg, 4, "cpu", 64 * GIB), config_candidate(cfg, 4)
     rows = {r.cand.tp: r for r in first_round(cfg, roomy, "staged") if r.cand.with_value("tp", 1) == own}
     assert sorted(rows) == [1, 2, 4]
     for r in rows.values():
@@ -231,9 +239,12 @@ def test_tensor_and_expert_parallel_candidates():
     dims = space(cfg, 4)
     assert (dims["tp"], dims["ep"]) == ([1], [1, 2, 4])
     assert space(load_config(dense, moe + ["--model.n_experts=6"]), 4)["ep"] == [1, 2]
-    hsdp = load_config(dense, moe + ["--parallel.dp_replicate=2"])  # EP under HSDP is not built: refused by name
+    # EP under HSDP is not built: refused by name
+    hsdp = load_config(dense, moe + ["--parallel.dp_replicate=2"])
     assert space(hsdp, 4)["ep"] == [1]
-    with pytest.raises(ConfigError, match=r"parallel.ep=2 with parallel.dp_replicate=2 \(HSDP\) is not built"):
+    with pytest.raises(
+        ConfigError, match=r"parallel.ep=2 with parallel.dp_replicate=2 \(HSDP\) is not built"
+    ):
         check_ep(8, 2, 4, "fsdp", 2)
     roomy, own = Planner(cfg, 4, "cpu", 64 * GIB), config_candidate(cfg, 4)
     rows = {r.cand.ep: r for r in first_round(cfg, roomy, "staged") if r.cand.with_value("ep", 1) == own}

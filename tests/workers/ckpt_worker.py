@@ -5,16 +5,18 @@ tests/workers/dist_worker.py's, and a scenario may also hold (kills only when to
 restarted the job):
 
 - ``kill_after_step`` + ``kill_rank``: SIGKILL that rank right after that optimizer step;
-- ``kill_in_save_step`` + ``kill_rank``: SIGKILL that rank as it starts writing its shards of that step's checkpoint;
-- ``sigterm_after_step`` + ``sigterm_rank``: send that rank SIGTERM (as Slurm would) during that step, before its
-  gradient-norm all-reduce (which carries the flag to every rank): the run stops after that step.
-- ``slow_save_step`` + ``slow_save_s``: every rank's DCP write of that step's checkpoint first sleeps that long
-  (with ``checkpoint.async``: a background save held in flight);
+- ``kill_in_save_step`` + ``kill_rank``: SIGKILL that rank as it starts writing its shards of that
+  step's checkpoint;
+- ``sigterm_after_step`` + ``sigterm_rank``: send that rank SIGTERM (as Slurm would) during that step, before
+  its gradient-norm all-reduce (which carries the flag to every rank): the run stops after that step.
+- ``slow_save_step`` + ``slow_save_s``: every rank's DCP write of that step's checkpoint first sleeps that
+  long (with ``checkpoint.async``: a background save held in flight);
 - ``enospc_save_step`` + ``enospc_rank``: that rank's shard file of that step's checkpoint fails to write with
   ENOSPC (a full disk), as the file system would report it.
 
-With ``expect_error``, a CheckpointError out of ``train()`` is reported too (``{"error", "step"}``). Each rank also
-reports ``step_times`` ({step: time.time() after it}) and ``saves`` ([step, time entering save, time leaving]).
+With ``expect_error``, a CheckpointError out of ``train()`` is reported too (``{"error", "step"}``). Each rank
+also reports ``step_times`` ({step: time.time() after it}) and ``saves`` ([step, time entering save,
+time leaving]).
 
 Before the trainer is built, ``flip_byte`` (a file path) has rank 0 flip one bit in the middle of
 that file (a damaged checkpoint). With ``expect_error``, a Trainer that fails to build with a
@@ -167,9 +169,11 @@ def main() -> None:
             "run_id": trainer.run_id, "final_digest": local_digests(trainer),
             "changes": [c.line() for c in trainer.checkpointer.changes],
             "param_groups": [{k: g[k] for k in ("betas", "eps", "weight_decay", "initial_lr")}
-                             for g in trainer.optimizer.param_groups], "skipped": trainer.checkpointer.skipped,
-            "preempted": trainer.preempted, "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-            "trackers": trackers, "step_times": trainer.step_times, "saves": trainer.saves,
+                             for g in trainer.optimizer.param_groups],
+                             "skipped": trainer.checkpointer.skipped,
+            "preempted": trainer.preempted,
+            "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), "trackers": trackers,
+            "step_times": trainer.step_times, "saves": trainer.saves,
         }
         write_rank_report(out, scenario["name"], info.rank, report)
 

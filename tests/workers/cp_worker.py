@@ -1,9 +1,9 @@
 """Context-parallel attention against one-rank attention, in one torchrun launch.
 
-Usage: ``torchrun --nproc_per_node=N tests/workers/cp_worker.py OUT.json`` (N = 2 or 4, see :func:`main`). Every rank
-builds the same full q, k, v (seeded), computes one-rank attention under the dense reference mask and its
-gradients, then its own CP share (:class:`shardlm.parallel.cp.ContextParallel`) and their gradients, and
-records the largest differences on its tokens per case. Rank 0 writes ``OUT.json``: ``{case: {"out": diff,
+Usage: ``torchrun --nproc_per_node=N tests/workers/cp_worker.py OUT.json`` (N = 2 or 4, see :func:`main`).
+Every rank builds the same full q, k, v (seeded), computes one-rank attention under the dense reference mask
+and its gradients, then its own CP share (:class:`shardlm.parallel.cp.ContextParallel`) and their gradients,
+and records the largest differences on its tokens per case. Rank 0 writes ``OUT.json``: ``{case: {"out": diff,
 "dq": .., "dk": .., "dv": .., "masked": ..}}`` with each diff the maximum over ranks; ``vs_causal`` is how far
 the case's attention is from plain causal attention (documents and windows must make a difference, so a case
 cannot pass by ignoring them). Each case runs blockwise (``CASE``), in the fallback (``CASE/fallback``, the
@@ -80,17 +80,17 @@ def run_case(cp: ContextParallel, t: int, window: int, runs: list[int] | None) -
     def diff(mine: torch.Tensor, full: torch.Tensor) -> float:
         return (mine[:, :, real] - full[:, :, idx]).abs().max().item()
 
-    return {"out": diff(out.detach(), ref.detach()), "dq": diff(ql.grad, qf.grad), "dk": diff(kl.grad, kf.grad),
-            "dv": diff(vl.grad, vf.grad), "vs_causal": (ref.detach() - causal).abs().max().item(),
-            "padding": int((~real).sum()), "dense_mask": cp_mask is not None,
-            "t_pad": padded_length(t, cp.size),
+    return {"out": diff(out.detach(), ref.detach()), "dq": diff(ql.grad, qf.grad),
+            "dk": diff(kl.grad, kf.grad), "dv": diff(vl.grad, vf.grad),
+            "vs_causal": (ref.detach() - causal).abs().max().item(), "padding": int((~real).sum()),
+            "dense_mask": cp_mask is not None, "t_pad": padded_length(t, cp.size),
             "saved_rows": max(x.shape[2] for x in saved if x.dim() >= 3),  # (b, h, seq, ...) as attention's
             "saved_bytes": sum(x.numel() * x.element_size() for x in {id(x): x for x in saved}.values())}
 
 
 def main() -> None:
-    """At 2 ranks: CP 2, blockwise and fallback. At 4 ranks also CP 4 (blockwise, ``CASE@cp4``), the CP 2 cases in
-    two groups of 2 ranks at once."""
+    """At 2 ranks: CP 2, blockwise and fallback. At 4 ranks also CP 4 (blockwise, ``CASE@cp4``), the CP 2
+    cases in two groups of 2 ranks at once."""
     dist.init_process_group("gloo")
     world = dist.get_world_size()
     pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]  # every rank creates every group
@@ -108,7 +108,9 @@ def main() -> None:
             gathered = [None] * world
             dist.all_gather_object(gathered, r)
             results[name + suffix] = {key: max(g[key] for g in gathered) for key in r}
-            results[name + suffix]["padding_total"] = sum(g["padding"] for g in gathered) // (world // cp.size)
+            results[name + suffix]["padding_total"] = sum(g["padding"] for g in gathered) // (
+                world // cp.size
+            )
             results[name + suffix]["cp"] = cp.size
     if dist.get_rank() == 0:
         Path(sys.argv[1]).write_text(json.dumps(results))

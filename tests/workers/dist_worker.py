@@ -25,7 +25,8 @@ from shardlm.train.build import unwrap
 
 
 def shard_coordinate(p: torch.Tensor, rank: int, world: int) -> tuple[int, int]:
-    """(index of this rank's shard, number of shards): the ``dp_shard`` mesh coordinate, else (rank, world)."""
+    """(index of this rank's shard, number of shards): the ``dp_shard`` mesh coordinate, else
+    (rank, world)."""
     mesh = getattr(p, "device_mesh", None)
     if mesh is not None and "dp_shard" in (mesh.mesh_dim_names or ()):
         return mesh.get_local_rank("dp_shard"), mesh["dp_shard"].size()
@@ -106,7 +107,8 @@ def main() -> None:
                          else None),
             "prepare_s": trainer.prepare_s,
             "rows": getattr(trainer.train_data, "rows", None),  # packed instruction data: example ids per row
-            "document_source": getattr(trainer.train_data, "source", None),  # block-causal windows: starts or eod
+            # block-causal windows: starts or eod
+            "document_source": getattr(trainer.train_data, "source", None),
         })
         write_rank_report(out, scenario["name"], info.rank, report)
 

@@ -1,9 +1,9 @@
-"""The expert-parallel MoE layer at 4 ranks (EP 2 x FSDP 2, EP 4, EP 1 x FSDP 4, and gpt-oss's experts at EP 2 x
-FSDP 2) against one process, forward and backward, with a routing that sends no token to experts 6 and 7 (so EP 4's
-last rank receives none at all).
+"""The expert-parallel MoE layer at 4 ranks (EP 2 x FSDP 2, EP 4, EP 1 x FSDP 4, and gpt-oss's experts at EP 2
+x FSDP 2) against one process, forward and backward, with a routing that sends no token to experts 6 and 7 (so
+EP 4's last rank receives none at all).
 
-Usage (from tests/dist/test_moe_parallel.py): ``torchrun --nproc_per_node=4 tests/workers/ep_worker.py``; prints one ``OK``
-line per layout and rank.
+Usage (from tests/dist/test_moe_parallel.py): ``torchrun --nproc_per_node=4 tests/workers/ep_worker.py``;
+prints one ``OK`` line per layout and rank.
 """
 
 from __future__ import annotations

@@ -39,14 +39,21 @@ def local_copy(p: torch.Tensor) -> torch.Tensor:
 def run(scenario: dict, trainer: Trainer) -> dict:
     model = unwrap(trainer.model)
     frozen0 = {n: local_copy(p) for n, p in model.named_parameters() if not p.requires_grad}
-    report: dict = {"frozen_bytes": sum(local_bytes(p) for p in model.parameters() if not p.requires_grad),
-                    "trainable_bytes": sum(local_bytes(p) for p in model.parameters() if p.requires_grad),
-                    "frozen_bf16_bytes": sum(p.to_local().numel() * 2 if hasattr(p, "to_local") else p.numel() * 2
-                                             for p in model.parameters() if not p.requires_grad),
-                    "summary": trainer.summary()}
+    report: dict = {
+        "frozen_bytes": sum(local_bytes(p) for p in model.parameters() if not p.requires_grad),
+        "trainable_bytes": sum(local_bytes(p) for p in model.parameters() if p.requires_grad),
+        "frozen_bf16_bytes": sum(
+            p.to_local().numel() * 2 if hasattr(p, "to_local") else p.numel() * 2
+            for p in model.parameters()
+            if not p.requires_grad
+        ),
+        "summary": trainer.summary(),
+    }
     bases = [m.weight for _, m in lora_modules(model)]  # the LoRA base: its bytes here and as bf16
     report["lora_base_bytes"] = sum(local_bytes(w) for w in bases)
-    report["lora_base_bf16_bytes"] = sum(2 * (w.to_local() if hasattr(w, "to_local") else w).numel() for w in bases)
+    report["lora_base_bf16_bytes"] = sum(
+        2 * (w.to_local() if hasattr(w, "to_local") else w).numel() for w in bases
+    )
     report["nf4_names"] = sorted(n for n, p in model.named_parameters() if is_nf4(p))
     report["tied"] = model.lm_head.weight is model.model.embed_tokens.weight
     if "unfreeze_after" in scenario:
@@ -67,18 +74,24 @@ def run(scenario: dict, trainer: Trainer) -> dict:
         report["frozen_after_first_phase"] = sorted(frozen0)
     else:
         history = trainer.train()
-    for module in model.modules():  # a forward without backward (the last evaluation) leaves groups that do not
+    for module in model.modules():
+        # a forward without backward (the last evaluation) leaves groups that do not
         if isinstance(module, FSDPModule):  # reshard after forward (root, output) unsharded: compare shards
             module.reshard()
     names = {p: n for n, p in model.named_parameters()}
-    report.update({
-        "history": history,
-        "optimizer_state_names": sorted(names[p] for p in trainer.optimizer.state),
-        "frozen_unchanged": {n: torch.equal(v, local_copy(model.get_parameter(n))) for n, v in frozen0.items()},
-        "shard_bytes": trainer.local_shard_bytes,
-        "step_time_s": [r["step_time_s"] for r in history if "step_time_s" in r],
-        "run_id": trainer.run_id, "last_load": trainer.checkpointer.last_load,
-    })
+    report.update(
+        {
+            "history": history,
+            "optimizer_state_names": sorted(names[p] for p in trainer.optimizer.state),
+            "frozen_unchanged": {
+                n: torch.equal(v, local_copy(model.get_parameter(n))) for n, v in frozen0.items()
+            },
+            "shard_bytes": trainer.local_shard_bytes,
+            "step_time_s": [r["step_time_s"] for r in history if "step_time_s" in r],
+            "run_id": trainer.run_id,
+            "last_load": trainer.checkpointer.last_load,
+        }
+    )
     full = gather_full_params(model, trainer.info.is_main)
     if trainer.info.is_main:
         train_names = {n for n, p in model.named_parameters() if p.requires_grad}

@@ -47,8 +47,9 @@ def main() -> None:
         if info.is_main:
             plan = plan_memory(preference_rows(cfg), info.world_size, "cpu")  # pairs: 2 rows each
             (out / f"{scenario['name']}.json").write_text(json.dumps({
-                "measured_peaks": peaks, "measured_step_peaks": each, "measured_starts": starts, "predicted": plan.peak,
-                "breakdown": plan.breakdown, "phase": plan.phase, "world_size": info.world_size,
+                "measured_peaks": peaks, "measured_step_peaks": each, "measured_starts": starts,
+                "predicted": plan.peak, "breakdown": plan.breakdown, "phase": plan.phase,
+                "world_size": info.world_size,
             }))
         torch.distributed.barrier()
 

@@ -1,12 +1,12 @@
 """One torchrun launch, several fine-tuning scenarios: writes what tests/dist/test_pretrained_finetune.py
 asserts.
 
-Usage: ``torchrun --nproc_per_node=N tests/workers/pretrained_worker.py SPEC.json`` with
-``{"out": DIR, "scenarios": [{"name", "config", "overrides"}]}``. Each rank writes
-``DIR/<name>/rank<r>.json``: history, pretrained load stats, and whether each loaded local shard
-equals the file's rows (read separately with safetensors). A scenario with ``"loss_fp64": true`` trains with the
-plain loss's cross-entropy computed in fp64 (the logits upcast to fp64, the loss rounded to fp32 at the end): the
-reference that the plain fp32 loss and the chunked loss are both compared with.
+Usage: ``torchrun --nproc_per_node=N tests/workers/pretrained_worker.py SPEC.json`` with ``{"out": DIR,
+"scenarios": [{"name", "config", "overrides"}]}``. Each rank writes ``DIR/<name>/rank<r>.json``: history,
+pretrained load stats, and whether each loaded local shard equals the file's rows (read separately with
+safetensors). A scenario with ``"loss_fp64": true`` trains with the plain loss's cross-entropy computed in
+fp64 (the logits upcast to fp64, the loss rounded to fp32 at the end): the reference that the plain fp32 loss
+and the chunked loss are both compared with.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ PLAIN_LOSS = loss_module.token_loss_sum
 
 
 def fp64_token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """``token_loss_sum`` with the log-softmax and the sum in fp64 (its gradient rounded to the logits' dtype)."""
+    """``token_loss_sum`` with the log-softmax and the sum in fp64 (its gradient rounded to the
+    logits' dtype)."""
     return F.cross_entropy(logits.flatten(0, 1).double(), targets.flatten(), ignore_index=IGNORE_INDEX,
                            reduction="sum").float()
 

@@ -42,7 +42,8 @@ def main() -> None:
             report["error"] = str(e)
         out = data_dir(cfg)
         report["content_sha256"] = json.loads((out / "meta.json").read_text()).get("content_sha256")
-        report["mtimes"] = {p.name: p.stat().st_mtime_ns for p in sorted([*out.glob("tokens/*.bin"), *out.glob("*.bin")])}
+        report["mtimes"] = {p.name: p.stat().st_mtime_ns for p in sorted([*out.glob("tokens/*.bin"),
+                                                                          *out.glob("*.bin")])}
         d = Path(spec["out"]) / step["name"]
         d.mkdir(parents=True, exist_ok=True)
         (d / f"rank{info.rank}.json").write_text(json.dumps(report))

@@ -2,16 +2,15 @@
 tests/dist/test_collectives_per_step.py.
 
 Usage: ``torchrun --nproc_per_node=N tests/workers/sync_count_worker.py SPEC.json`` (a spec as
-tests/workers/dist_worker.py's).
-Every ``torch.distributed`` collective is wrapped to count calls made while a step runs, except those made
-from inside FSDP or tensor parallel (:data:`PARALLELISM_FILES`: their all-gathers, reduce-scatters and the
-vocabulary-parallel loss's all-reduces); ``Tensor.item``,
-``Tensor.tolist`` and ``Tensor.cpu`` are wrapped to count host reads (except those called from ``shardlm/data/``,
-whose tensors are host tensors by construction: the sampler's CPU-generator permutation). Each rank writes
-``OUT/<name>/rank<r>.json``: ``{"steps": [{"step", "logged", "collectives": [names], "host_reads": [names]}, and
-on logged steps "mfu" and this rank's "shard_bytes" (with ``train.log_per_rank``)], "measured_shard_bytes",
-"expected_shard_bytes" (the prediction made before step 1, evaluated at the end), "trainable", "frozen"
-(parameter counts)}``.
+tests/workers/dist_worker.py's). Every ``torch.distributed`` collective is wrapped to count calls made while a
+step runs, except those made from inside FSDP or tensor parallel (:data:`PARALLELISM_FILES`: their
+all-gathers, reduce-scatters and the vocabulary-parallel loss's all-reduces); ``Tensor.item``,
+``Tensor.tolist`` and ``Tensor.cpu`` are wrapped to count host reads (except those called from
+``shardlm/data/``, whose tensors are host tensors by construction: the sampler's CPU-generator permutation).
+Each rank writes ``OUT/<name>/rank<r>.json``: ``{"steps": [{"step", "logged", "collectives": [names],
+"host_reads": [names]}, and on logged steps "mfu" and this rank's "shard_bytes" (with
+``train.log_per_rank``)], "measured_shard_bytes", "expected_shard_bytes" (the prediction made before step 1,
+evaluated at the end), "trainable", "frozen" (parameter counts)}``.
 """
 
 from __future__ import annotations
@@ -26,16 +25,18 @@ from dist_worker import scenario_trainers, write_rank_report
 from shardlm.metrics.memory import expected_shard_bytes
 from shardlm.parallel import exit_process
 
-COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object", "reduce_scatter",
-               "reduce_scatter_tensor", "broadcast", "broadcast_object_list", "barrier", "all_to_all",
-               "all_to_all_single", "gather", "scatter", "reduce", "gather_object", "send", "recv")
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object",
+               "reduce_scatter", "reduce_scatter_tensor", "broadcast", "broadcast_object_list", "barrier",
+               "all_to_all", "all_to_all_single", "gather", "scatter", "reduce", "gather_object", "send",
+               "recv")
 HOST_READS = ("item", "tolist", "cpu")
 counts: dict[str, list[str]] | None = None  # None: not inside a step
 
 
 #: callers whose collectives belong to a parallelism, not to the step: FSDP's all-gathers and reduce-scatters,
 #: tensor parallel's (DTensor redistributions, the vocabulary-parallel loss's two all-reduces per chunk)
-PARALLELISM_FILES = ("/torch/distributed/fsdp/", "/torch/distributed/tensor/", "/shardlm/train/vocab_parallel_loss.py")
+PARALLELISM_FILES = ("/torch/distributed/fsdp/", "/torch/distributed/tensor/",
+                     "/shardlm/train/vocab_parallel_loss.py")
 
 
 def inside_fsdp() -> bool:
@@ -54,7 +55,8 @@ def wrap(owner: object, name: str, kind: str) -> None:
     def counted(*args, **kwargs):
         if counts is not None and not (kind == "collectives" and inside_fsdp()):
             caller = sys._getframe(1).f_code.co_filename
-            if not (kind == "host_reads" and "/shardlm/data/" in caller):  # the host-side data pipeline: CPU only
+            if not (kind == "host_reads" and "/shardlm/data/" in caller):
+                # the host-side data pipeline: CPU only
                 counts[kind].append(name)
         return original(*args, **kwargs)
 
@@ -81,8 +83,12 @@ def main() -> None:
             finally:
                 steps.append({"step": trainer.step, "logged": log, **counts})
                 if record is not None:  # what the one read delivered: MFU and this rank's shard bytes
-                    steps[-1].update(mfu=record["mfu"], shard_bytes=record["shard_bytes_per_rank"][trainer.info.rank]
-                                     if "shard_bytes_per_rank" in record else None)
+                    steps[-1].update(
+                        mfu=record["mfu"],
+                        shard_bytes=record["shard_bytes_per_rank"][trainer.info.rank]
+                        if "shard_bytes_per_rank" in record
+                        else None,
+                    )
                 counts = None
 
         trainer.train_step = step

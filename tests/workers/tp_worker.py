@@ -46,8 +46,8 @@ FAMILIES = {
 
 
 def compare(name: str, overrides: dict, mesh, seed: int = 0) -> dict[str, float]:
-    cfg = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, vocab_size=96, max_seq_len=32,
-                      **overrides)
+    cfg = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, vocab_size=96,
+                      max_seq_len=32, **overrides)
     ref = CausalLM(cfg)
     ref.init_weights(seed)
     with torch.device("meta"):
@@ -60,19 +60,26 @@ def compare(name: str, overrides: dict, mesh, seed: int = 0) -> dict[str, float]
             if n.endswith(".bias"):
                 full = torch.randn(p.shape, generator=torch.Generator().manual_seed(len(n)))
                 q.copy_(full)
-                p.to_local().copy_(torch.distributed.tensor.distribute_tensor(full, mesh, p.placements).to_local())
+                p.to_local().copy_(
+                    torch.distributed.tensor.distribute_tensor(full, mesh, p.placements).to_local()
+                )
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=gen)
     targets = torch.randint(0, cfg.vocab_size, (2, 16), generator=gen)
     targets[0, :3] = IGNORE_INDEX
-    docs = torch.tensor([[0] * 5 + [1] * 6 + [2] * 5, [0] * 9 + [1] * 7]) if cfg.attention == "block_causal" else None
+    docs = (
+        torch.tensor([[0] * 5 + [1] * 6 + [2] * 5, [0] * 9 + [1] * 7])
+        if cfg.attention == "block_causal"
+        else None
+    )
     out: dict[str, float] = {}
     with torch.no_grad():
         logits = model(tokens, documents=docs)
         out["logits"] = (logits.full_tensor() - ref(tokens, documents=docs)).abs().max().item()
         out["logits_are_split"] = float(isinstance(logits, DTensor) and logits.placements[0].is_shard(2))
         with loss_parallel():
-            lp = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+            lp = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX,
+                                 reduction="sum")
     plain = token_loss_sum(ref(tokens, documents=docs), targets)
     plain.backward()
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
@@ -83,7 +90,9 @@ def compare(name: str, overrides: dict, mesh, seed: int = 0) -> dict[str, float]
     loss = model_loss_sum(model, tokens, targets, 7, docs)  # chunks of 7 of the 29 scored tokens
     loss.backward()
     out["chunked_rel"] = abs(loss.item() - plain.item()) / plain.item()
-    diff = sum((p.grad.full_tensor() - ref_grads[n]).double().square().sum() for n, p in model.named_parameters())
+    diff = sum(
+        (p.grad.full_tensor() - ref_grads[n]).double().square().sum() for n, p in model.named_parameters()
+    )
     norm = sum(g.double().square().sum() for g in ref_grads.values())
     out["grad_rel"] = (diff / norm).sqrt().item()  # |g - g_ref| / |g_ref| over all parameters together
     out["grad_max_abs"] = max((p.grad.full_tensor() - ref_grads[n]).abs().max().item()

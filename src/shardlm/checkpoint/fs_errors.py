@@ -9,7 +9,8 @@ checks whether the file system is full.
 
 The same file objects compute each file's SHA-256 from the bytes as they are written (DCP writes every file
 front to back): the manifest's checksums cost no second read of a checkpoint (96 GB at 8B parameters). A file
-that is written out of order (a ``seek`` away from its end) gets no record, and the save reads it back instead.
+that is written out of order (a ``seek`` away from its end) gets no record, and the save reads it
+back instead.
 """
 
 from __future__ import annotations
@@ -47,8 +48,11 @@ def describe(error: OSError) -> str:
     return f"{reason}: {error.filename}" if error.filename else reason
 
 
-def copy_file_hashed(src: str | os.PathLike, dst: str | os.PathLike, chunk_bytes: int = 1 << 20) -> dict[str, Any]:
-    """Copy ``src`` to ``dst``; return ``{"bytes", "sha256"}`` of the bytes written (hashed as they are written).
+def copy_file_hashed(
+    src: str | os.PathLike, dst: str | os.PathLike, chunk_bytes: int = 1 << 20
+) -> dict[str, Any]:
+    """Copy ``src`` to ``dst``; return ``{"bytes", "sha256"}`` of the bytes written (hashed as they
+    are written).
 
     Raises:
         OSError: reading ``src`` or writing ``dst`` failed; an error while writing names ``dst``.
@@ -67,8 +71,9 @@ def copy_file_hashed(src: str | os.PathLike, dst: str | os.PathLike, chunk_bytes
 
 
 class _RecordingFile:
-    """A binary file object that appends the first ``OSError`` of any call to ``errors`` (with the path) and, when
-    it closes after a front-to-back write, puts ``{"bytes", "sha256"}`` of what was written in ``records[name]``."""
+    """A binary file object that appends the first ``OSError`` of any call to ``errors`` (with the path) and,
+    when it closes after a front-to-back write, puts ``{"bytes", "sha256"}`` of what was written in
+    ``records[name]``."""
 
     def __init__(self, raw: io.IOBase, path: Path, errors: list[OSError],
                  records: dict[str, dict[str, Any]]) -> None:
@@ -156,8 +161,9 @@ class _RecordingFileSystem(FileSystem):
 
 
 class RecordingFileSystemWriter(FileSystemWriter):
-    """``FileSystemWriter`` whose files record the first ``OSError`` of this rank in ``self.errors`` and the size
-    and SHA-256 of each file this rank wrote, computed while writing, in ``self.records`` (file name -> record)."""
+    """``FileSystemWriter`` whose files record the first ``OSError`` of this rank in ``self.errors`` and the
+    size and SHA-256 of each file this rank wrote, computed while writing, in ``self.records`` (file name
+    -> record)."""
 
     def __init__(self, path: str | os.PathLike, **kwargs: Any) -> None:
         super().__init__(path, **kwargs)

@@ -89,10 +89,15 @@ def read_manifest(ckpt_dir: str | os.PathLike) -> dict[str, Any]:
         raise CheckpointError(f"{path} is not a complete shardlm checkpoint: {MANIFEST} not found "
                               "(not a checkpoint, or a save that did not finish)")
     manifest = read_json(path / MANIFEST, CheckpointError, expect=object)
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not isinstance(manifest.get("files"), dict):
+    if (
+        not isinstance(manifest, dict)
+        or manifest.get("format") != FORMAT
+        or not isinstance(manifest.get("files"), dict)
+    ):
         raise CheckpointError(f"{path / MANIFEST} is not a {FORMAT} manifest")
     if manifest.get("version") != VERSION:
-        raise CheckpointError(f"{path / MANIFEST} has version {manifest.get('version')}; this shardlm reads {VERSION}")
+        raise CheckpointError(f"{path / MANIFEST} has version {manifest.get('version')}; this shardlm reads "
+                              f"{VERSION}")
     return manifest
 
 
@@ -108,8 +113,8 @@ def check_files(ckpt_dir: Path, manifest: dict[str, Any], names: list[str]) -> l
         if not path.is_file():
             problems.append(f"file {name} is missing")
         elif path.stat().st_size != expected["bytes"]:
-            problems.append(f"file {name} has {path.stat().st_size} bytes, the manifest says {expected['bytes']} "
-                            "(truncated or overwritten)")
+            problems.append(f"file {name} has {path.stat().st_size} bytes, the manifest says "
+                            f"{expected['bytes']} (truncated or overwritten)")
         elif sha256_file(path) != expected["sha256"]:
             problems.append(f"file {name} fails its SHA-256 checksum (corrupted)")
     return problems

@@ -1,6 +1,7 @@
-"""Resuming: which checkpoint ``--resume`` picks (the run's newest save first under ``auto``, passing over damaged
-ones), the checks before loading it (the base of a checkpoint of trainable parameters, every changed setting,
-the data), and the load (:class:`Resuming`, a part of :class:`shardlm.checkpoint.dcp.Checkpointer`)."""
+"""Resuming: which checkpoint ``--resume`` picks (the run's newest save first under ``auto``, passing over
+damaged ones), the checks before loading it (the base of a checkpoint of trainable parameters, every changed
+setting, the data), and the load (:class:`Resuming`, a part of
+:class:`shardlm.checkpoint.dcp.Checkpointer`)."""
 
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ from shardlm.parallel import run_on_main
 def resume_mode(cfg: Config) -> str:
     """``checkpoint.resume``, or ``auto`` when it is empty and torchrun restarted the job.
 
-    torchrun sets ``TORCHELASTIC_RESTART_COUNT`` (> 0 after a restart, https://pytorch.org/docs/stable/elastic/run.html).
+    torchrun sets ``TORCHELASTIC_RESTART_COUNT`` (> 0 after a restart,
+    https://pytorch.org/docs/stable/elastic/run.html).
     """
     if cfg.checkpoint.resume:
         return cfg.checkpoint.resume
@@ -43,14 +45,15 @@ def resume_mode(cfg: Config) -> str:
 
 
 class Resuming:
-    """The resuming half of a :class:`~shardlm.checkpoint.dcp.Checkpointer`, whose ``__init__`` sets the state it uses
-    (the run's ``cfg``, ``info``, ``root``, the resume mode, the data identity, the cached base reference)."""
+    """The resuming half of a :class:`~shardlm.checkpoint.dcp.Checkpointer`, whose ``__init__`` sets the state
+    it uses (the run's ``cfg``, ``info``, ``root``, the resume mode, the data identity, the cached
+    base reference)."""
 
     # ---- the base of a checkpoint of trainable parameters only ------------------------------
     def base_reference(self) -> dict[str, Any]:
-        """What the frozen parameters are: ``{"init_from", "weights_sha256"}`` for a pretrained base (SHA-256 over
-        its safetensors files, computed once), else ``{"seed", "model"}`` (the seeded initialisation's shape), plus
-        the LoRA settings (which fix the adapters' shapes and how the base is stored)."""
+        """What the frozen parameters are: ``{"init_from", "weights_sha256"}`` for a pretrained base (SHA-256
+        over its safetensors files, computed once), else ``{"seed", "model"}`` (the seeded initialisation's
+        shape), plus the LoRA settings (which fix the adapters' shapes and how the base is stored)."""
         if self._base is None:
             cfg = self.cfg
             if cfg.model.init_from:
@@ -67,27 +70,30 @@ class Resuming:
         return self._base
 
     def trainable_changed(self) -> None:
-        """Forget the cached :meth:`base_reference`: ``train.trainable`` / ``train.frozen`` changed during the run
-        (``Trainer.set_trainable``), so the next save records the new ones; the run id, save numbering, data
-        identity and special ids stay the run's."""
+        """Forget the cached :meth:`base_reference`: ``train.trainable`` / ``train.frozen`` changed during the
+        run (``Trainer.set_trainable``), so the next save records the new ones; the run id, save numbering,
+        data identity and special ids stay the run's."""
         self._base = None
 
     def check_base(self, path: Path, stored: dict[str, Any] | None) -> None:
         """Refuse to resume a checkpoint of trainable parameters onto another base (every rank raises).
 
         Raises:
-            CheckpointError: the checkpoint holds all parameters but this run freezes some (or the reverse), or its
-                base (pretrained weights, seed and shape, LoRA or freezing settings) differs from this run's.
+            CheckpointError: the checkpoint holds all parameters but this run freezes some (or the reverse),
+                or its base (pretrained weights, seed and shape, LoRA or freezing settings) differs from
+                this run's.
         """
         if stored is None:
-            raise CheckpointError(f"checkpoint {path} holds every parameter, but this run freezes some (LoRA or "
-                                  "train.trainable): start from its exported model with model.init_from instead")
+            raise CheckpointError(f"checkpoint {path} holds every parameter, but this run freezes some (LoRA "
+                                  "or train.trainable): start from its exported model with model.init_from "
+                                  "instead")
         ours = self.base_reference()
         for key in sorted(set(stored) | set(ours)):
             if stored.get(key) != ours.get(key):
                 what = {"weights_sha256": "the base model's weights", "init_from": "the base model directory",
                         "seed": "train.seed (the base's initialisation)", "model": "the base model's shape",
-                        "lora": "the [lora] settings", "trainable": "train.trainable", "frozen": "train.frozen"}
+                        "lora": "the [lora] settings", "trainable": "train.trainable",
+                        "frozen": "train.frozen"}
                 raise CheckpointError(
                     f"checkpoint {path} holds adapters / trainable parameters for another base: "
                     f"{what.get(key, key)} differs (checkpoint: {str(stored.get(key))[:120]}; this run: "
@@ -114,8 +120,9 @@ class Resuming:
 
     def resumed_config(self) -> dict[str, Any] | None:
         """The config (``Config.to_dict()``) recorded by the checkpoint this job resumes: the first one of
-        :meth:`_resume_plan`'s whose manifest reads, ``{}`` when it recorded none; None on a fresh start or when
-        there is none (:meth:`load` then reports it). A collective under torchrun (rank 0 reads, broadcasts)."""
+        :meth:`_resume_plan`'s whose manifest reads, ``{}`` when it recorded none; None on a fresh start or
+        when there is none (:meth:`load` then reports it). A collective under torchrun (rank 0
+        reads, broadcasts)."""
         def read() -> dict[str, Any] | None:
             for candidate in self._resume_plan()[1]:
                 try:
@@ -131,7 +138,8 @@ class Resuming:
         return box[0]
 
     def _skip_damaged(self, path: Path, error: CheckpointError) -> None:
-        """``--resume=auto`` passes over a damaged checkpoint: say so and move it aside (rank 0) for inspection.
+        """``--resume=auto`` passes over a damaged checkpoint: say so and move it aside (rank 0)
+        for inspection.
 
         It becomes ``step-<N>.damaged`` (``.damaged-2``... if taken): never picked again, never pruned.
         """
@@ -146,14 +154,18 @@ class Resuming:
         print(f"warning: skipping damaged checkpoint {path}: {error}; resuming from an earlier one. "
               f"The damaged one is kept for inspection as {target}", file=sys.stderr, flush=True)
 
-    def _compare_config(self, path: Path, manifest: dict[str, Any], metadata: Metadata, state: dict[str, Any]) -> None:
-        """Print every setting that differs from the checkpoint's (rank 0); refuse the ones that cannot change.
+    def _compare_config(
+        self, path: Path, manifest: dict[str, Any], metadata: Metadata, state: dict[str, Any]
+    ) -> None:
+        """Print every setting that differs from the checkpoint's (rank 0); refuse the ones that
+        cannot change.
 
         See :mod:`shardlm.checkpoint.resume_config` for the rule of each field.
 
         Raises:
-            CheckpointError: a tensor does not fit the model (:func:`check_shapes`), naming the refused fields.
-            ConfigError: a refused field changed, or the prepared data differs; names each field and why.
+            CheckpointError: a tensor does not fit the model (:func:`check_shapes`), naming the refused
+            fields. ConfigError: a refused field changed, or the prepared data differs; names each field
+            and why.
         """
         self.changes = config_changes(manifest.get("config") or {}, self.cfg.to_dict())
         if self.changes and self.info.is_main:
@@ -217,8 +229,8 @@ class Resuming:
                 dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner())
             except CheckpointException as e:  # derives from BaseException
                 raise CheckpointError(f"loading checkpoint {path} failed: {e}") from None
-            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-                           options=StateDictOptions(strict=not partial))
+            set_state_dict(model, optimizer, model_state_dict=state["model"],
+                           optim_state_dict=state["optimizer"], options=StateDictOptions(strict=not partial))
             scheduler.load_state_dict(state["lr_scheduler"])
             step = int(state["train"]["step"].item())
             self.last_load = {"step": step, "seconds": time.perf_counter() - start, "path": str(path)}

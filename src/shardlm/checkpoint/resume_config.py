@@ -34,7 +34,8 @@ _ADAMW = "set in AdamW's parameter groups at the resumed step (its moments are k
 #: dotted config key (or ``section.*``) -> (rule, why); the first match wins, keys before wildcards
 RULES: dict[str, tuple[str, str]] = {
     "model.attention": (REFUSED, "a run continues with the attention pattern it was trained with"),
-    "model.attention_backend": (TAKES_EFFECT, "another kernel of the same attention (equal within fp32 rounding)"),
+    "model.attention_backend": (TAKES_EFFECT,
+                                "another kernel of the same attention (equal within fp32 rounding)"),
     "model.*": (REFUSED, _SHAPE),
     "data.corpus": (REFUSED, _DATA),
     "data.tokenizer": (REFUSED, _DATA),
@@ -47,7 +48,8 @@ RULES: dict[str, tuple[str, str]] = {
     "data.tokenizer_sample_bytes": (REFUSED, _DATA),
     "data.piece_bytes": (TAKES_EFFECT, "only how preparation cuts its work; the prepared data is compared"),
     "data.workers": (TAKES_EFFECT, "only how many processes prepare the data"),
-    "data.dir": (TAKES_EFFECT, "allowed when the data there is the same (meta.json and tokenizer.json SHA-256 "
+    "data.dir": (TAKES_EFFECT,
+                 "allowed when the data there is the same (meta.json and tokenizer.json SHA-256 "
                                "are compared)"),
     "train.steps": (TAKES_EFFECT, _SCHEDULE),
     "train.lr": (TAKES_EFFECT, _SCHEDULE),
@@ -62,7 +64,8 @@ RULES: dict[str, tuple[str, str]] = {
     "train.global_batch_size": (REFUSED, "step b takes samples [b·G, (b+1)·G): " + _ORDER),
     "train.seed": (REFUSED, "it seeds the data order: " + _ORDER),
     "train.micro_batch_size": (TAKES_EFFECT, "the same global batch, split otherwise"),
-    "train.loss_chunk_tokens": (TAKES_EFFECT, "the same loss, computed a chunk of tokens at a time (equal up to "
+    "train.loss_chunk_tokens": (TAKES_EFFECT,
+                                "the same loss, computed a chunk of tokens at a time (equal up to "
                                               "rounding)"),
     "train.grad_clip": (TAKES_EFFECT, "read at every step"),
     "train.eval_interval": (TAKES_EFFECT, "read at every step"),
@@ -71,11 +74,13 @@ RULES: dict[str, tuple[str, str]] = {
     "train.log_per_rank": (TAKES_EFFECT, "read at every logged step"),
     "train.log_moe_layers": (TAKES_EFFECT, "read at every logged step"),
     "train.peak_flops": (TAKES_EFFECT, "only the MFU that is logged"),
-    "train.trainable": (REFUSED, "the checkpoint holds exactly the trainable parameters and their AdamW state"),
+    "train.trainable": (REFUSED,
+                        "the checkpoint holds exactly the trainable parameters and their AdamW state"),
     "train.frozen": (REFUSED, "the checkpoint holds exactly the trainable parameters and their AdamW state"),
     "lora.merge_into": (TAKES_EFFECT, "only which base the merged export adds the adapters to"),
     "lora.*": (REFUSED, "the adapters' shapes and the base they were trained on are fixed by the checkpoint"),
-    "preference.precompute_reference": (TAKES_EFFECT, "the same reference log-probs, computed once before training "
+    "preference.precompute_reference": (TAKES_EFFECT,
+                                        "the same reference log-probs, computed once before training "
                                                       "or at every step"),
     "preference.*": (REFUSED, "the objective (loss, its parameters, the reference) a run optimises is fixed"),
     "parallel.*": (TAKES_EFFECT, "the checkpoint does not depend on the world size or the sharding"),
@@ -137,7 +142,8 @@ BEFORE_RECORDED: dict[str, Any] = {"model.attention": "causal", "data.pack": Fal
 
 
 def config_changes(old: dict[str, Any], new: dict[str, Any]) -> list[Change]:
-    """Every field of ``new`` (``Config.to_dict()``) whose value differs in ``old`` (the checkpoint's), in order.
+    """Every field of ``new`` (``Config.to_dict()``) whose value differs in ``old`` (the checkpoint's),
+    in order.
 
     A field the checkpoint did not record (written by an older shardlm) counts as changed and takes effect,
     except those of :data:`BEFORE_RECORDED`, compared as the value they had then. The fields of
@@ -149,32 +155,42 @@ def config_changes(old: dict[str, Any], new: dict[str, Any]) -> list[Change]:
         previous = before.get(key, _MISSING)
         if previous == value or key in NOT_COMPARED:
             continue
-        what, why = rule(key) if previous is not _MISSING else (TAKES_EFFECT, "not recorded in the checkpoint")
+        what, why = rule(key) if previous is not _MISSING else (TAKES_EFFECT,
+                                                                "not recorded in the checkpoint")
         changes.append(Change(key, previous, value, what, why))
     return changes
 
 
-def data_problems(manifest: dict[str, Any], meta: dict[str, Any] | None, tokenizer_sha256: str | None) -> list[str]:
+def data_problems(
+    manifest: dict[str, Any], meta: dict[str, Any] | None, tokenizer_sha256: str | None
+) -> list[str]:
     """Why the prepared data differs from the one the checkpoint was trained on (empty when the same).
 
     Compares the checkpoint's ``data`` record (the data directory's ``meta.json``) with ``meta``, and its
-    ``tokenizer.json`` checksum with ``tokenizer_sha256``. Missing records (older checkpoints) are skipped, and so
-    is ``meta.json``'s ``identity`` (what the data was made from: modification times change when identical data
-    is prepared again; the tokens themselves are compared through ``content_sha256``), and
-    ``document_starts`` and ``model_special_ids`` when the checkpoint's record predates them (the same
-    tokens prepared again now record where documents start, and a mixture its tokenizer's model's special
-    ids: the run exports those from then on).
+    ``tokenizer.json`` checksum with ``tokenizer_sha256``. Missing records (older checkpoints) are skipped,
+    and so is ``meta.json``'s ``identity`` (what the data was made from: modification times change when
+    identical data is prepared again; the tokens themselves are compared through ``content_sha256``), and
+    ``document_starts`` and ``model_special_ids`` when the checkpoint's record predates them (the same tokens
+    prepared again now record where documents start, and a mixture its tokenizer's model's special ids: the
+    run exports those from then on).
     """
     problems = []
     stored_tok = manifest.get("files", {}).get("tokenizer.json", {}).get("sha256")
     if stored_tok and tokenizer_sha256 and stored_tok != tokenizer_sha256:
-        problems.append(f"the tokenizer differs (tokenizer.json SHA-256 {stored_tok[:12]}... in the checkpoint, "
-                        f"{tokenizer_sha256[:12]}... in the data directory): token ids would mean other tokens")
+        problems.append(f"the tokenizer differs (tokenizer.json SHA-256 {stored_tok[:12]}... in the "
+                        f"checkpoint, {tokenizer_sha256[:12]}... in the data directory): token ids would "
+                        "mean other tokens")
     stored_meta = manifest.get("data")
     if isinstance(stored_meta, dict) and meta is not None:
-        differ = [f"{k} {json.dumps(stored_meta.get(k))} -> {json.dumps(meta.get(k))}"
-                  for k in sorted(set(stored_meta) | set(meta)) if k != "identity" and stored_meta.get(k) != meta.get(k)
-                  and not (k in ("document_starts", "model_special_ids") and k not in stored_meta)]
+        differ = [
+            f"{k} {json.dumps(stored_meta.get(k))} -> {json.dumps(meta.get(k))}"
+            for k in sorted(set(stored_meta) | set(meta))
+            if k != "identity"
+            and stored_meta.get(k) != meta.get(k)
+            and not (k in ("document_starts", "model_special_ids") and k not in stored_meta)
+        ]
         if differ:
-            problems.append("the prepared data differs from the checkpoint's (meta.json: " + ", ".join(differ) + ")")
+            problems.append(
+                "the prepared data differs from the checkpoint's (meta.json: " + ", ".join(differ) + ")"
+            )
     return problems

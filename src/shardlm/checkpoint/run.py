@@ -33,7 +33,8 @@ from shardlm.checkpoint.manifest import MANIFEST, STEP_DIR, TMP_PREFIX
 #: the run directory's file that records the run's config and its ``run_id``
 RUN_CONFIG = "config.json"
 #: what a fresh start with ``run.overwrite`` removes from the run directory (everything shardlm writes there)
-RUN_FILES = ("checkpoints", "metrics.jsonl", "config.json", "final", "tensorboard", "profile", "trackers.json")
+RUN_FILES = ("checkpoints", "metrics.jsonl", "config.json", "final", "tensorboard", "profile",
+             "trackers.json")
 
 
 def new_run_id() -> str:
@@ -166,17 +167,18 @@ def clear_run_dir(run_dir: Path) -> list[str]:
     return removed
 
 
-#: environment variable in which ``shardlm train`` (:mod:`shardlm.cli.launch`) passes its own launch command (without
-#: the config and overrides) to the ranks, for :func:`resume_command`
+#: environment variable in which ``shardlm train`` (:mod:`shardlm.cli.launch`) passes its own launch command
+#: (without the config and overrides) to the ranks, for :func:`resume_command`
 LAUNCH_ENV = "SHARDLM_LAUNCH_COMMAND"
 
 
 def _launcher_prefix() -> list[str]:
-    """The command that started this process up to ``-m shardlm.train`` (exclusive), as the user would type it.
+    """The command that started this process up to ``-m shardlm.train`` (exclusive), as the user would
+    type it.
 
-    ``shardlm train ...`` when :data:`LAUNCH_ENV` is set; under torchrun the launcher's own options, read from its
-    ``/proc/<ppid>/cmdline`` (``torchrun --standalone --nproc_per_node=2``), or, without ``/proc``, rebuilt from
-    torchrun's environment; in one process ``python``.
+    ``shardlm train ...`` when :data:`LAUNCH_ENV` is set; under torchrun the launcher's own options, read from
+    its ``/proc/<ppid>/cmdline`` (``torchrun --standalone --nproc_per_node=2``), or, without ``/proc``,
+    rebuilt from torchrun's environment; in one process ``python``.
     """
     if os.environ.get(LAUNCH_ENV):
         return shlex.split(os.environ[LAUNCH_ENV])
@@ -201,12 +203,14 @@ def _launcher_prefix() -> list[str]:
 
 
 def resume_command(run_dir: Path) -> str:
-    """The command line that resumes the run in ``run_dir`` from its newest checkpoint, as this process was launched.
+    """The command line that resumes the run in ``run_dir`` from its newest checkpoint, as this process
+    was launched.
 
-    The run's settings come back from ``run_dir/config.json`` (``--resume=auto --run.dir=DIR`` and nothing else:
-    see :func:`shardlm.cli.train.train_config`), so the command holds only the launcher, ``--resume=auto`` and the
-    run directory, e.g. ``torchrun --standalone --nproc_per_node=2 -m shardlm.train --resume=auto
-    --run.dir=runs/tiny``. Run it from the same working directory (relative paths in the config stay relative).
+    The run's settings come back from ``run_dir/config.json`` (``--resume=auto --run.dir=DIR`` and nothing
+    else: see :func:`shardlm.cli.train.train_config`), so the command holds only the launcher,
+    ``--resume=auto`` and the run directory, e.g. ``torchrun --standalone --nproc_per_node=2 -m shardlm.train
+    --resume=auto --run.dir=runs/tiny``. Run it from the same working directory (relative paths in the config
+    stay relative).
     """
     prefix = _launcher_prefix()
     if prefix[:2] != ["shardlm", "train"]:

@@ -76,7 +76,9 @@ def read_metadata(path: str | os.PathLike) -> Metadata:
     except UnsafeCheckpointError:
         raise
     except Exception as e:  # noqa: BLE001 - a malformed pickle: one clear message
-        raise UnsafeCheckpointError(f"{path}: not a readable DCP metadata file ({type(e).__name__}: {e})") from None
+        raise UnsafeCheckpointError(
+            f"{path}: not a readable DCP metadata file ({type(e).__name__}: {e})"
+        ) from None
     if not isinstance(metadata, Metadata):
         raise UnsafeCheckpointError(f"{path}: holds a {type(metadata).__name__}, not DCP Metadata")
     return metadata

@@ -41,8 +41,8 @@ from shardlm.data.tokenizer_files import TOKENIZER_FILES
 from shardlm.errors import CheckpointError, RankFailed
 from shardlm.parallel import run_on_main
 
-#: timeout of the background save's process group (``checkpoint.async``): a long write never trips it, unlike the
-#: training one (``parallel.timeout_s``)
+#: timeout of the background save's process group (``checkpoint.async``): a long write never trips it, unlike
+#: the training one (``parallel.timeout_s``)
 CHECKPOINT_TIMEOUT = timedelta(hours=4)
 
 
@@ -65,8 +65,9 @@ class _SaveJob:
 class InFlight:
     """The background save in flight and what its thread and the training thread share (under ``cond``).
 
-    ``step``: the step the training loop last began; ``contributed``: the step this rank reported to the ranks'
-    agreement (set once the write is done); ``outcome``: (the step to report at, the error message or None).
+    ``step``: the step the training loop last began; ``contributed``: the step this rank reported to the
+    ranks' agreement (set once the write is done); ``outcome``: (the step to report at, the error message
+    or None).
     """
 
     job: _SaveJob
@@ -78,8 +79,9 @@ class InFlight:
 
 
 class Saving:
-    """The saving half of a :class:`~shardlm.checkpoint.dcp.Checkpointer`, whose ``__init__`` sets the state it uses
-    (the run's ``cfg``, ``info``, ``root``, run id and save numbering, the background save's group and stager)."""
+    """The saving half of a :class:`~shardlm.checkpoint.dcp.Checkpointer`, whose ``__init__`` sets the state
+    it uses (the run's ``cfg``, ``info``, ``root``, run id and save numbering, the background save's group
+    and stager)."""
 
     def should_save(self, step: int, last: bool) -> bool:
         """Whether to save after ``step``: every ``checkpoint.interval`` steps and at the last step."""
@@ -89,9 +91,9 @@ class Saving:
     def save(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, step: int) -> Path:
         """Write ``checkpoints/step-<step>`` atomically (see the module docstring); return its path.
 
-        With ``checkpoint.async`` the state is staged (copied to host memory) and this returns while a background
-        thread writes it; the directory becomes ``step-<step>`` when that write and the manifest are done. A save
-        still in flight is waited for first (at most one at a time).
+        With ``checkpoint.async`` the state is staged (copied to host memory) and this returns while a
+        background thread writes it; the directory becomes ``step-<step>`` when that write and the manifest
+        are done. A save still in flight is waited for first (at most one at a time).
 
         Raises:
             CheckpointError: on every rank, when a file cannot be written (a full disk, a quota, a read-only
@@ -132,10 +134,11 @@ class Saving:
             self._group = dist.new_group(backend="gloo", timeout=CHECKPOINT_TIMEOUT)
         if self._stager is None:
             self._stager = HostStager()
-        # stage: a host copy of this rank's state, into buffers reused from save to save (checkpoint/staging.py);
-        # the write runs on a DCP thread, on the checkpoint's own process group
+        # stage: a host copy of this rank's state, into buffers reused from save to save
+        # (checkpoint/staging.py); the write runs on a DCP thread, on the checkpoint's own process group
         future = dcp.async_save(state, storage_writer=writer, process_group=self._group,
-                                async_checkpointer_type=AsyncCheckpointerType.THREAD, async_stager=self._stager)
+                                async_checkpointer_type=AsyncCheckpointerType.THREAD,
+                                async_stager=self._stager)
         del state
         job.blocked_s = time.perf_counter() - start
         flight = InFlight(job)
@@ -180,7 +183,8 @@ class Saving:
         """Wait for the background save in flight, if any (every rank calls it at the same point).
 
         Raises:
-            CheckpointError: it failed (cause and path; the previous checkpoint stays the newest complete one).
+            CheckpointError: it failed (cause and path; the previous checkpoint stays the newest
+            complete one).
         """
         flight, self._in_flight = self._in_flight, None
         if flight is None:
@@ -192,8 +196,9 @@ class Saving:
             raise CheckpointError(message)
 
     def _finish_in_background(self, flight: InFlight, future: Any) -> None:
-        """The background thread of an async save: wait for DCP's write, agree with the other ranks on the outcome
-        (on the checkpoint's process group), then rank 0 writes the manifest and renames the directory."""
+        """The background thread of an async save: wait for DCP's write, agree with the other ranks on the
+        outcome (on the checkpoint's process group), then rank 0 writes the manifest and renames
+        the directory."""
         job = flight.job
         message: str | None = None
         cause: str | None = None  # this rank's real cause (a recorded OSError, a full file system)
@@ -202,7 +207,11 @@ class Saving:
             future.result()
         except BaseException as e:  # noqa: BLE001 - CheckpointException derives from BaseException
             failed = " ".join(str(e).split()) or type(e).__name__
-            local = job.writer.errors[0] if job.writer.errors else probe_free_space(job.tmp.parent, job.needed_bytes)
+            local = (
+                job.writer.errors[0]
+                if job.writer.errors
+                else probe_free_space(job.tmp.parent, job.needed_bytes)
+            )
             cause = describe(local) if local is not None else None
         try:
             with flight.cond:
@@ -216,7 +225,8 @@ class Saving:
             report_at = 1 + max(s["step"] for s in shares)
             dcp_errors = [s["failed"] for s in shares if s["failed"]]
             if dcp_errors:
-                message = self._failure(job.final, self._first_cause([s["cause"] for s in shares], dcp_errors[0]))
+                message = self._failure(job.final,
+                                        self._first_cause([s["cause"] for s in shares], dcp_errors[0]))
                 if self.info.is_main:
                     shutil.rmtree(job.tmp, ignore_errors=True)
             else:
@@ -226,7 +236,10 @@ class Saving:
                 except (CheckpointError, RankFailed) as e:
                     message = str(e)
         except BaseException as e:  # noqa: BLE001 - reported by the training thread
-            report_at, message = flight.step + 1, f"saving checkpoint {job.final} failed: {type(e).__name__}: {e}"
+            report_at, message = (
+                flight.step + 1,
+                f"saving checkpoint {job.final} failed: {type(e).__name__}: {e}",
+            )
         with flight.cond:
             flight.outcome = (report_at, message)
             flight.cond.notify_all()
@@ -254,7 +267,8 @@ class Saving:
                 "run_id": self.run_id, "save_seq": seq, "special_ids": self.special_ids,
                 "config": self.cfg.to_dict(), "data": self.data_meta, "base": job.base,
             }, files)
-            if job.final.exists():  # the same step saved again (e.g. a run resumed from an earlier step): replace it
+            if job.final.exists():
+                # the same step saved again (e.g. a run resumed from an earlier step): replace it
                 remove_directory(job.final)
             os.replace(job.tmp, job.final)
             fsync_dir(self.root)
@@ -262,20 +276,26 @@ class Saving:
             self._prune(job.final)
 
         self._on_main(finish, job.final, job.tmp, group)
-        self.last_save = {"step": job.step, "seconds": time.perf_counter() - job.start,
-                          "blocked_s": job.blocked_s if job.blocked_s is not None else time.perf_counter() - job.start,
-                          "bytes": sum(f["bytes"] for f in files.values()), "path": str(job.final)}
+        self.last_save = {
+            "step": job.step,
+            "seconds": time.perf_counter() - job.start,
+            "blocked_s": job.blocked_s if job.blocked_s is not None else time.perf_counter() - job.start,
+            "bytes": sum(f["bytes"] for f in files.values()),
+            "path": str(job.final),
+        }
 
     def _failure(self, final: Path, cause: str) -> str:
-        """The one-line message of a failed save: cause, path, and the checkpoint ``--resume=auto`` would pick."""
+        """The one-line message of a failed save: cause, path, and the checkpoint ``--resume=auto``
+        would pick."""
         newest = run_checkpoints(self.root, self.run_id)
         still = (f"the newest complete checkpoint is still {newest[0].path}" if newest
                  else "no complete checkpoint of this run exists yet")
         return f"saving checkpoint {final} failed: {cause}; {still}"
 
     def _on_main(self, fn: Callable[[], Any], final: Path, tmp: Path, group: Any = None) -> Any:
-        """:func:`run_on_main` for a save's rank-0 file work: an ``OSError`` becomes a :class:`CheckpointError`
-        naming its cause and path, and the unfinished ``tmp`` directory is removed."""
+        """:func:`run_on_main` for a save's rank-0 file work: an ``OSError`` becomes a
+        :class:`CheckpointError` naming its cause and path, and the unfinished ``tmp`` directory
+        is removed."""
 
         def guarded() -> Any:
             try:
@@ -299,7 +319,8 @@ class Saving:
         """After ``dcp.save`` failed on some rank (every rank is here): raise one :class:`CheckpointError`
         naming the first rank's real cause (its recorded ``OSError``, else a full file system found by
         :func:`probe_free_space`, else DCP's own message) on every rank, and remove ``tmp`` (rank 0)."""
-        local = job.writer.errors[0] if job.writer.errors else probe_free_space(job.tmp.parent, job.needed_bytes)
+        local = job.writer.errors[0] if job.writer.errors else probe_free_space(job.tmp.parent,
+                                                                                job.needed_bytes)
         causes: list[str | None] = [describe(local) if local is not None else None]
         if self.info.world_size > 1:
             causes = [None] * self.info.world_size
@@ -310,7 +331,8 @@ class Saving:
         raise CheckpointError(self._failure(job.final, cause)) from None
 
     def _prune(self, just_written: Path) -> None:
-        """Delete unfinished saves, then this run's checkpoints beyond the newest ``checkpoint.keep`` (rank 0).
+        """Delete unfinished saves, then this run's checkpoints beyond the newest ``checkpoint.keep``
+        (rank 0).
 
         Only checkpoints of this run (``run_id``) are candidates, ordered by save (see checkpoint/run.py):
         another run's checkpoints are never deleted, and neither is ``just_written`` (the newest complete

@@ -23,9 +23,9 @@ from torch.distributed.tensor import DTensor
 class HostStager(AsyncStager):
     """Copies a (nested) state dict to host memory: tensors and DTensor local shards into reused buffers.
 
-    Non-tensor leaves (the LR scheduler's numbers, AdamW's parameter-group settings) are deep-copied. A tensor on
-    an accelerator is copied to the host with ``.to("cpu")`` (a new tensor each save). ``bytes_staged`` is the
-    size of the last copy in bytes.
+    Non-tensor leaves (the LR scheduler's numbers, AdamW's parameter-group settings) are deep-copied. A tensor
+    on an accelerator is copied to the host with ``.to("cpu")`` (a new tensor each save). ``bytes_staged`` is
+    the size of the last copy in bytes.
     """
 
     _synchronize_after_execute = False  # staging is done when stage() returns
@@ -45,8 +45,8 @@ class HostStager(AsyncStager):
             if obj.device.type != "cpu":
                 return obj.to("cpu")  # a host DTensor with a fresh local copy (as DCP's own stager makes it)
             local = self._buffer(key, obj.to_local())
-            return DTensor.from_local(local, obj.device_mesh, obj.placements, run_check=False, shape=obj.shape,
-                                      stride=obj.stride())
+            return DTensor.from_local(local, obj.device_mesh, obj.placements, run_check=False,
+                                      shape=obj.shape, stride=obj.stride())
         if isinstance(obj, torch.Tensor):
             return obj.to("cpu") if obj.device.type != "cpu" else self._buffer(key, obj)
         if isinstance(obj, dict):

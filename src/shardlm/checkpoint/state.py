@@ -1,6 +1,7 @@
 """What a training checkpoint holds and how it is checked: the state dict DCP saves and loads in place
-(:func:`training_state`), its tensors and bytes, and verification of a checkpoint directory against its manifest
-and the model's shapes before anything is loaded (:func:`verify_checkpoint`, :func:`check_shapes`)."""
+(:func:`training_state`), its tensors and bytes, and verification of a checkpoint directory against its
+manifest and the model's shapes before anything is loaded (:func:`verify_checkpoint`,
+:func:`check_shapes`)."""
 
 from __future__ import annotations
 
@@ -22,12 +23,14 @@ from shardlm.errors import CheckpointError, UnsafeCheckpointError
 
 
 def frozen_any(model: nn.Module) -> bool:
-    """Whether some parameter of ``model`` is frozen (LoRA, ``train.trainable``): checkpoints then hold only the
-    trainable parameters and refer to the base for the rest."""
+    """Whether some parameter of ``model`` is frozen (LoRA, ``train.trainable``): checkpoints then hold only
+    the trainable parameters and refer to the base for the rest."""
     return any(not p.requires_grad for p in model.parameters())
 
 
-def training_state(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, step: int) -> dict[str, Any]:
+def training_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, step: int
+) -> dict[str, Any]:
     """The nested state dict that DCP saves and loads in place (see the module docstring).
 
     When parameters are frozen, ``model`` holds the trainable ones only (the adapters under LoRA): the frozen
@@ -42,7 +45,8 @@ def training_state(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler
 
 
 def flat_tensors(state: dict[str, Any], prefix: str = "") -> dict[str, torch.Tensor]:
-    """Tensors of a nested state dict under DCP's flattened keys (``model.lm_head.weight``, ``optimizer.state...``)."""
+    """Tensors of a nested state dict under DCP's flattened keys (``model.lm_head.weight``,
+    ``optimizer.state...``)."""
     out: dict[str, torch.Tensor] = {}
     items = state.items() if isinstance(state, dict) else enumerate(state)
     for key, value in items:
@@ -78,11 +82,12 @@ def check_shapes(path: Path, metadata: Metadata, state: dict[str, Any]) -> None:
             raise CheckpointError(f"checkpoint {path} has no tensor {name}: it was written for another model")
         if tuple(entry.size) != tuple(tensor.shape):
             raise CheckpointError(
-                f"checkpoint {path} does not fit this model: tensor {name} has shape {tuple(entry.size)} in the "
-                f"checkpoint but {tuple(tensor.shape)} in the model")
+                f"checkpoint {path} does not fit this model: tensor {name} has shape {tuple(entry.size)} in "
+                f"the checkpoint but {tuple(tensor.shape)} in the model")
     for name, entry in stored.items():
         if name.startswith("model.") and isinstance(entry, TensorStorageMetadata) and name not in ours:
-            raise CheckpointError(f"checkpoint {path} has tensor {name} {tuple(entry.size)}, which this model lacks")
+            raise CheckpointError(f"checkpoint {path} has tensor {name} {tuple(entry.size)}, which this "
+                                  "model lacks")
 
 
 def verify_checkpoint(path: Path, rank: int = 0, world_size: int = 1) -> tuple[dict[str, Any], Metadata]:

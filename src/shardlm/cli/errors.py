@@ -11,9 +11,9 @@ from collections.abc import Callable
 from shardlm.errors import NODE_LOST_EXIT_CODE, USER_ERRORS, NodeLost, NonFiniteError, RankFailed
 
 #: seconds a rank other than 0 waits before printing its error, plus this much per local rank. Most errors are
-#: raised on every rank alike; rank 0 prints its copy at once and exits, and torchrun (which checks its workers
-#: every 0.1 s) then stops the other ranks while they wait, so the message appears once. A rank that outlives
-#: the wait failed alone (or on another node) and prints its own message.
+#: raised on every rank alike; rank 0 prints its copy at once and exits, and torchrun (which checks its
+#: workers every 0.1 s) then stops the other ranks while they wait, so the message appears once. A rank that
+#: outlives the wait failed alone (or on another node) and prints its own message.
 PEER_REPORT_DELAY_S = 3.0
 PEER_REPORT_STAGGER_S = 0.5
 

@@ -22,8 +22,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="model directory (config.json, *.safetensors, tokenizer.json)")
-    p.add_argument("--data", required=True, help="a .txt/.md/.jsonl file, a directory of them, 'shakespeare', or a "
+    p.add_argument("--model", required=True,
+                   help="model directory (config.json, *.safetensors, tokenizer.json)")
+    p.add_argument("--data", required=True,
+                   help="a .txt/.md/.jsonl file, a directory of them, 'shakespeare', or a "
                                                  "prepared pre-training directory (its validation split)")
     p.add_argument("--batch-size", type=int, default=8, help="windows per forward pass, per rank")
     p.add_argument("--context", type=int, default=None,
@@ -53,8 +55,8 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> None:
         raise ConfigError(f"--stride must be >= 1 token, got {args.stride}")
     info = init_distributed(ParallelConfig())
     try:
-        result = evaluate_model(args.model, args.data, info, args.batch_size, args.context, stride=args.stride,
-                                attention=args.attention)
+        result = evaluate_model(args.model, args.data, info, args.batch_size, args.context,
+                                stride=args.stride, attention=args.attention)
     except ValueError as e:
         if type(e) is ValueError:  # the evaluator's own checks (context too long...): user input
             raise ConfigError(str(e)) from e
@@ -67,16 +69,20 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> None:
         if args.json:
             print(json.dumps(out))
         else:
-            print(f"{args.data}: mean loss {result.mean_loss:.4f} nats/token, perplexity {result.perplexity:.3f} "
-                  f"({result.tokens:,} tokens predicted, {_count(result.windows, 'window')} of {result.context} "
-                  f"tokens every {result.stride}, " + ("each document alone, " if args.attention != "causal" else "")
-                  + f"{_count(info.world_size, 'rank')})")
+            print(
+                f"{args.data}: mean loss {result.mean_loss:.4f} nats/token, perplexity "
+                f"{result.perplexity:.3f} ({result.tokens:,} tokens predicted, "
+                f"{_count(result.windows, 'window')} of {result.context} tokens every {result.stride}, "
+                + ("each document alone, " if args.attention != "causal" else "")
+                + f"{_count(info.world_size, 'rank')})"
+            )
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m shardlm.eval``; returns the exit code."""
     parser = argparse.ArgumentParser(prog="torchrun --nproc_per_node=N -m shardlm.eval",
-                                     description="Perplexity of a model directory on a text, split over ranks.")
+                                     description="Perplexity of a model directory on a text, split over "
+                                                 "ranks.")
     _add_arguments(parser)
     args, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     return run_cli(lambda: cmd_eval(args, overrides))

@@ -35,21 +35,27 @@ def _sampling_options(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register the ``generate`` and ``chat`` sub-commands (they share the sampling options)."""
-    g = sub.add_parser("generate", help="sample text from a trained model directory (KV cache, batched prompts)")
+    g = sub.add_parser("generate",
+                       help="sample text from a trained model directory (KV cache, batched prompts)")
     _sampling_options(g, 200)
-    g.add_argument("--prompt", action="append", default=[], help="text to continue (repeat for a batch); \\n is a line break")
-    g.add_argument("--prompt-file", help="a text file with one prompt per line (blank lines skipped; \\n is a line break)")
+    g.add_argument("--prompt", action="append", default=[],
+                   help="text to continue (repeat for a batch); \\n is a line break")
+    g.add_argument("--prompt-file",
+                   help="a text file with one prompt per line (blank lines skipped; \\n is a line break)")
     g.add_argument("--stop", action="append", default=[], metavar="STRING",
                    help="stop a prompt's generation after this text (repeatable; not printed)")
     g.add_argument("--chat", action="store_true",
-                   help="render each prompt as a user message with the model's chat template (generation prompt on) "
-                        "and print only the reply")
+                   help="render each prompt as a user message with the model's chat template (generation "
+                        "prompt on) and print only the reply")
     g.add_argument("--system", default=None, help="with --chat: a system message before each prompt")
     g.add_argument("--show-prompt", action="store_true",
-                   help="with --chat: print the rendered prompt (role headers, special tokens) before the reply")
-    g.add_argument("--no-cache", action="store_true", help="recompute the whole sequence each step (slow; testing)")
+                   help="with --chat: print the rendered prompt (role headers, special tokens) before the "
+                        "reply")
+    g.add_argument("--no-cache", action="store_true",
+                   help="recompute the whole sequence each step (slow; testing)")
     g.set_defaults(fn=cmd_generate)
-    c = sub.add_parser("chat", help="a multi-turn conversation with a model directory, through its chat template")
+    c = sub.add_parser("chat",
+                       help="a multi-turn conversation with a model directory, through its chat template")
     _sampling_options(c, 512)
     c.add_argument("--system", default=None, help="a system message at the start of the conversation")
     c.add_argument("--show-prompt", action="store_true",
@@ -58,8 +64,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
-    """The prompts from ``--prompt`` and ``--prompt-file``, in that order, with each ``\\n`` turned into a line
-    break (so a prompt can end with a speaker's name on its own line, as the corpus writes it).
+    """The prompts from ``--prompt`` and ``--prompt-file``, in that order, with each ``\\n`` turned into a
+    line break (so a prompt can end with a speaker's name on its own line, as the corpus writes it).
 
     Raises:
         ConfigError: no prompt at all, an empty prompt, or an unreadable prompt file.
@@ -99,7 +105,10 @@ def prompt_ids(args: argparse.Namespace, texts: list[str], tok_path: Path) -> li
 
         chat = ChatTemplate(tok_path)
         system = [{"role": "system", "content": args.system}] if args.system is not None else []
-        return [chat_ids(chat, system + [{"role": "user", "content": t}], f"prompt {i}") for i, t in enumerate(texts)]
+        return [
+            chat_ids(chat, system + [{"role": "user", "content": t}], f"prompt {i}")
+            for i, t in enumerate(texts)
+        ]
     tok = load_tokenizer(str(tok_path))
     bos = special_token_ids(tok).get("bos")
     return [([bos] if bos is not None else []) + tok.encode(t, add_special_tokens=False).ids for t in texts]
@@ -156,8 +165,8 @@ def load_for_generation(model_dir: str):
     return model, tok_path, eos_ids
 
 
-def stream(model: object, tok: object, prompt: list[int], max_new_tokens: int, sampling: object, eos_ids: object,
-           stops: list[str], use_cache: bool = True) -> str:
+def stream(model: object, tok: object, prompt: list[int], max_new_tokens: int, sampling: object,
+           eos_ids: object, stops: list[str], use_cache: bool = True) -> str:
     """Generate after one prompt, printing the decoded text as it grows (whole characters only, nothing that
     may yet begin a stop string), then a line break; returns the text up to the first stop string."""
     from shardlm.model.generate import generate
@@ -199,7 +208,8 @@ def cmd_generate(args: argparse.Namespace, overrides: list[str]) -> None:
     prompts = prompt_ids(args, texts, tok_path)
     for i, p in enumerate(prompts):
         if len(p) >= model.cfg.max_seq_len:
-            raise ConfigError(f"prompt {i} has {len(p)} tokens; the model's context is {model.cfg.max_seq_len} tokens")
+            raise ConfigError(f"prompt {i} has {len(p)} tokens; the model's context is "
+                              f"{model.cfg.max_seq_len} tokens")
     if args.no_cache and len({len(p) for p in prompts}) > 1:
         raise ConfigError("--no-cache needs prompts of equal token length")
     if args.chat:  # the reply only, unless the rendered prompt is asked for
@@ -264,8 +274,8 @@ def cmd_chat(args: argparse.Namespace, overrides: list[str]) -> None:
         messages.append({"role": "user", "content": text})
         ids = chat_ids(chat, messages, f"turn {turn + 1}")
         if len(ids) + 1 > model.cfg.max_seq_len:
-            message = (f"the conversation has {len(ids)} tokens and the model's context is {model.cfg.max_seq_len}: "
-                       "nothing can be generated after it")
+            message = (f"the conversation has {len(ids)} tokens and the model's context is "
+                       f"{model.cfg.max_seq_len}: nothing can be generated after it")
             if not interactive:
                 raise ConfigError(message)
             print(f"error: {message}; /reset starts over", file=sys.stderr)
@@ -273,6 +283,7 @@ def cmd_chat(args: argparse.Namespace, overrides: list[str]) -> None:
             continue
         if args.show_prompt:
             print(tok.decode(ids, skip_special_tokens=False), end="", flush=True)
-        reply = stream(model, tok, ids, args.max_new_tokens, replace(sampling, seed=sampling.seed + turn), eos_ids, [])
+        reply = stream(model, tok, ids, args.max_new_tokens, replace(sampling, seed=sampling.seed + turn),
+                       eos_ids, [])
         messages.append({"role": "assistant", "content": reply})
         turn += 1

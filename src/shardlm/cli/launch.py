@@ -1,16 +1,17 @@
-"""``shardlm train --nproc-per-node N [--nnodes ...] --config FILE [overrides]``: torchrun started for the user.
+"""``shardlm train --nproc-per-node N [--nnodes ...] --config FILE [overrides]``: torchrun started for
+the user.
 
-The launch runs torchrun's own launcher (``torch.distributed.run``) in this process, so the ranks write straight to
-this terminal (the progress bar stays a bar) and the outcome is ours to report: torchrun's ``ChildFailedError``
-banner and its log lines are left out, the ranks' own one-line ``error: ...`` is the last line of the output, and
-the exit code is the failed rank's (2 for bad input, 5 for a run stopped by a signal after its checkpoint...; see
-:mod:`shardlm.errors`). A rank that crashed or was killed gets one line here naming it. ``torchrun -m
-shardlm.train`` keeps working; this is the same launch with fewer words.
+The launch runs torchrun's own launcher (``torch.distributed.run``) in this process, so the ranks write
+straight to this terminal (the progress bar stays a bar) and the outcome is ours to report: torchrun's
+``ChildFailedError`` banner and its log lines are left out, the ranks' own one-line ``error: ...`` is the last
+line of the output, and the exit code is the failed rank's (2 for bad input, 5 for a run stopped by a signal
+after its checkpoint...; see :mod:`shardlm.errors`). A rank that crashed or was killed gets one line here
+naming it. ``torchrun -m shardlm.train`` keeps working; this is the same launch with fewer words.
 
-Signals: Ctrl-C in a terminal reaches this process only (torchrun starts each rank in a session of its own). The
-first SIGINT, SIGTERM or SIGUSR1 is passed on to the ranks, which finish the step, save a checkpoint, print the
-command that resumes and exit 5 (:mod:`shardlm.checkpoint.dcp`); the ranks get ``--shutdown-timeout`` seconds for
-it. A second Ctrl-C is passed on too and stops them at once (exit 130).
+Signals: Ctrl-C in a terminal reaches this process only (torchrun starts each rank in a session of its own).
+The first SIGINT, SIGTERM or SIGUSR1 is passed on to the ranks, which finish the step, save a checkpoint,
+print the command that resumes and exit 5 (:mod:`shardlm.checkpoint.dcp`); the ranks get
+``--shutdown-timeout`` seconds for it. A second Ctrl-C is passed on too and stops them at once (exit 130).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from shardlm.errors import ConfigError
 
 #: exit code after a second Ctrl-C stopped the ranks at once (128 + SIGINT, as a shell reports it)
 INTERRUPTED_EXIT_CODE = 130
-#: exit codes with which a rank has printed its own ``error: ...`` line or its resume command (shardlm.cli.errors)
+#: exit codes with which a rank has printed its own ``error: ...`` line or its resume command
+#: (shardlm.cli.errors)
 SHARDLM_EXIT_CODES = (2, 3, 4, 5, INTERRUPTED_EXIT_CODE)
 #: signals passed on to the ranks (torchrun's own handling of them is switched off for this launch)
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
@@ -43,14 +45,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1,
                    help="ranks on this machine (1: train in this process, no torchrun)")
     p.add_argument("--nnodes", default="1", help="machines (torchrun's --nnodes: N or MIN:MAX)")
-    p.add_argument("--node-rank", "--node_rank", type=int, default=None, help="this machine's rank (static rendezvous)")
+    p.add_argument("--node-rank", "--node_rank", type=int, default=None,
+                   help="this machine's rank (static rendezvous)")
     p.add_argument("--master-addr", "--master_addr", default=None, help="rank 0's host (static rendezvous)")
-    p.add_argument("--master-port", "--master_port", type=int, default=None, help="rank 0's port (static rendezvous)")
-    p.add_argument("--rdzv-backend", "--rdzv_backend", default=None, help="torchrun's rendezvous backend (c10d)")
+    p.add_argument("--master-port", "--master_port", type=int, default=None,
+                   help="rank 0's port (static rendezvous)")
+    p.add_argument("--rdzv-backend", "--rdzv_backend", default=None,
+                   help="torchrun's rendezvous backend (c10d)")
     p.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default=None, help="host:port of the rendezvous")
     p.add_argument("--rdzv-id", "--rdzv_id", default=None, help="the job's id, the same on every machine")
     p.add_argument("--max-restarts", "--max_restarts", type=int, default=0,
-                   help="times torchrun restarts the ranks after a failure (they resume from the newest checkpoint)")
+                   help="times torchrun restarts the ranks after a failure (they resume from the newest "
+                        "checkpoint)")
     p.add_argument("--shutdown-timeout", "--shutdown_timeout", type=int, default=300,
                    help="seconds the ranks get, after a signal, to save and stop before they are killed")
     p.set_defaults(fn=cmd_train)
@@ -59,8 +65,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def launch_options(args: argparse.Namespace) -> list[str]:
     """This launch's own options as given (defaults left out): the launcher part of the resume command."""
     out = [f"--nproc-per-node={args.nproc_per_node}"] if args.nproc_per_node != 1 else []
-    for name in ("nnodes", "node_rank", "master_addr", "master_port", "rdzv_backend", "rdzv_endpoint", "rdzv_id",
-                 "max_restarts"):
+    for name in ("nnodes", "node_rank", "master_addr", "master_port", "rdzv_backend", "rdzv_endpoint",
+                 "rdzv_id", "max_restarts"):
         value, default = getattr(args, name), {"nnodes": "1", "max_restarts": 0}.get(name)
         if value is not None and value != default:
             out.append(f"--{name.replace('_', '-')}={value}")
@@ -70,11 +76,13 @@ def launch_options(args: argparse.Namespace) -> list[str]:
 def torchrun_argv(args: argparse.Namespace, rest: list[str]) -> list[str]:
     """torchrun's command line for this launch: ``--standalone`` on one machine without a rendezvous given."""
     argv = [f"--nproc-per-node={args.nproc_per_node}", f"--max-restarts={args.max_restarts}",
-            f"--shutdown-timeout={args.shutdown_timeout}", "--signals-to-handle=SIGHUP,SIGQUIT"]  # the rest: Forwarder
+            # the rest: Forwarder
+            f"--shutdown-timeout={args.shutdown_timeout}", "--signals-to-handle=SIGHUP,SIGQUIT"]
     multi = args.nnodes != "1" or args.rdzv_endpoint or args.master_addr
     if not multi:
         argv.append("--standalone")
-    for name in ("nnodes", "node_rank", "master_addr", "master_port", "rdzv_backend", "rdzv_endpoint", "rdzv_id"):
+    for name in ("nnodes", "node_rank", "master_addr", "master_port", "rdzv_backend", "rdzv_endpoint",
+                 "rdzv_id"):
         value = getattr(args, name)
         if multi and value is not None:
             argv.append(f"--{name.replace('_', '-')}={value}")
@@ -127,16 +135,19 @@ class Forwarder:
 
 
 def outcome(codes: dict[int, int], forwarder: Forwarder | None = None) -> tuple[int, str | None]:
-    """(exit code, line to print or None) from the failed ranks' exit codes ``{global rank: code}`` (negative: the
-    signal that killed it).
+    """(exit code, line to print or None) from the failed ranks' exit codes ``{global rank: code}`` (negative:
+    the signal that killed it).
 
-    A shardlm exit code (:data:`SHARDLM_EXIT_CODES`; its rank printed its own line) of the lowest such rank wins, then
-    the lowest crashed rank's (its traceback is above), over ranks that torchrun killed afterwards; when every rank
-    was killed, the lowest one's, as exit 128 + signal (as a shell shows it).
+    A shardlm exit code (:data:`SHARDLM_EXIT_CODES`; its rank printed its own line) of the lowest such rank
+    wins, then the lowest crashed rank's (its traceback is above), over ranks that torchrun killed afterwards;
+    when every rank was killed, the lowest one's, as exit 128 + signal (as a shell shows it).
     """
     if forwarder is not None and forwarder.interrupted_twice:
-        return INTERRUPTED_EXIT_CODE, "error: stopped at once (Ctrl-C twice): this step was not saved; the newest " \
-                                      "complete checkpoint, if any, is the one --resume=auto takes"
+        return (
+            INTERRUPTED_EXIT_CODE,
+            "error: stopped at once (Ctrl-C twice): this step was not saved; the newest "
+            "complete checkpoint, if any, is the one --resume=auto takes",
+        )
     own = sorted(r for r, c in codes.items() if c in SHARDLM_EXIT_CODES)
     if own:
         return codes[own[0]], None
@@ -154,12 +165,13 @@ def outcome(codes: dict[int, int], forwarder: Forwarder | None = None) -> tuple[
 
 
 def quiet_torchrun_logs() -> None:
-    """Leave out torchrun's own log lines (``Sending process ... closing signal``, ``failed (exitcode: 2)``...): the
-    outcome is reported once, by :func:`outcome`."""
+    """Leave out torchrun's own log lines (``Sending process ... closing signal``, ``failed (exitcode:
+    2)``...): the outcome is reported once, by :func:`outcome`."""
     import logging
 
     for name in list(logging.root.manager.loggerDict):
-        if name.startswith(("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher")):
+        if name.startswith(("torch.distributed.elastic", "torch.distributed.run",
+                            "torch.distributed.launcher")):
             logging.getLogger(name).setLevel(logging.CRITICAL)
 
 

@@ -1,4 +1,5 @@
-"""The ``shardlm`` command and its subcommands (``shardlm train`` starts torchrun for ``-m shardlm.train``)."""
+"""The ``shardlm`` command and its subcommands (``shardlm train`` starts torchrun for ``-m
+shardlm.train``)."""
 
 from __future__ import annotations
 
@@ -55,17 +56,23 @@ def cmd_prepare(args: argparse.Namespace, overrides: list[str]) -> None:
                                 "it, and the same shardlm prepare continues from them") from None
     if info is None or info.is_main:
         skipped = meta.get("skipped_files") or {}
-        print(f"prepared {data_dir(cfg)}: {meta['train_tokens']:,} train / {meta['val_tokens']:,} val tokens "
-              f"({meta['dtype']}), tokenizer vocabulary {meta['tokenizer_vocab_size']}, "
-              f"unigram entropy {meta['unigram_entropy_nats']:.3f} nats"
-              + (f"; {skipped['count']} files not read: {', '.join(skipped['first'])}"
-                 + (" ..." if skipped["count"] > len(skipped["first"]) else "") if skipped.get("count") else ""))
+        print(
+            f"prepared {data_dir(cfg)}: {meta['train_tokens']:,} train / {meta['val_tokens']:,} val tokens "
+            f"({meta['dtype']}), tokenizer vocabulary {meta['tokenizer_vocab_size']}, "
+            f"unigram entropy {meta['unigram_entropy_nats']:.3f} nats"
+            + (
+                f"; {skipped['count']} files not read: {', '.join(skipped['first'])}"
+                + (" ..." if skipped["count"] > len(skipped["first"]) else "")
+                if skipped.get("count")
+                else ""
+            )
+        )
         print_data_layout(cfg, meta)
 
 
 def print_data_layout(cfg, meta: dict) -> None:
-    """The preparation summary's packing line (``data.pack``: rows, fill, padding saved at ``train.seq_len``) or
-    document line (text data that records its document starts: documents and their mean length)."""
+    """The preparation summary's packing line (``data.pack``: rows, fill, padding saved at ``train.seq_len``)
+    or document line (text data that records its document starts: documents and their mean length)."""
     from shardlm.data.build import data_dir
 
     if cfg.data.pack:
@@ -79,7 +86,8 @@ def print_data_layout(cfg, meta: dict) -> None:
         tokens = int(meta["train_tokens"]) + int(meta["val_tokens"])
         print(f"  documents {n:,} (mean {tokens / n:,.1f} tokens; their starts recorded in "
               f"{meta['document_starts']['file']}, for model.attention = 'block_causal': "
-              f"{cfg.train.seq_len / (tokens / n):.3g} documents per window of {cfg.train.seq_len} on average)")
+              f"{cfg.train.seq_len / (tokens / n):.3g} documents per window of {cfg.train.seq_len} on "
+              "average)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,8 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("prepare", help="tokenize a corpus into token-id files (train/val split)")
     p.add_argument("--config", required=True, help="TOML config; its [data] section says what to prepare")
     p.add_argument("--workers", type=int, default=None,
-                   help="encoding processes per rank (default data.workers: 0 = the cores this process may use); "
-                        "under torchrun (torchrun ... -m shardlm.data --config FILE) every rank takes a share")
+                   help="encoding processes per rank (default data.workers: 0 = the cores this process may "
+                        "use); under torchrun (torchrun ... -m shardlm.data --config FILE) every rank takes "
+                        "a share")
     p.set_defaults(fn=cmd_prepare)
     from shardlm.cli import checkpoint, eval, generate, launch, plan, pretrained, profile, report, tune
 

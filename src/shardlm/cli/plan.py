@@ -1,5 +1,5 @@
-"""``shardlm plan``: per-rank peak memory and step time of a config, before launching it; when it does not fit,
-the combinations of settings that do (``shardlm/plan/search.py``)."""
+"""``shardlm plan``: per-rank peak memory and step time of a config, before launching it; when it does not
+fit, the combinations of settings that do (``shardlm/plan/search.py``)."""
 
 from __future__ import annotations
 
@@ -14,16 +14,20 @@ if TYPE_CHECKING:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``plan`` on the ``shardlm`` command's subparsers."""
-    p = sub.add_parser("plan", help="predict per-rank peak memory and step time of a config; what fits if it does not")
+    p = sub.add_parser(
+        "plan", help="predict per-rank peak memory and step time of a config; what fits if it does not"
+    )
     p.add_argument("config", nargs="?", help="TOML config (overrides follow as --section.key=value)")
     p.add_argument("--world-size", type=int, help="number of ranks N (required with a config)")
-    p.add_argument("--device", default="h100", help="h100 (SXM), h100-pcie, h100-96gb, h200, a100-80gb, b200 or cpu")
+    p.add_argument("--device", default="h100",
+                   help="h100 (SXM), h100-pcie, h100-96gb, h200, a100-80gb, b200 or cpu")
     p.add_argument("--headroom", type=float, default=0.05,
                    help="fraction of device memory kept free for allocator fragmentation")
     shape = p.add_mutually_exclusive_group()
     shape.add_argument("--model-preset", metavar="NAME",
-                       help="the model shape of a public model (e.g. llama3.1-70b, qwen3-8b, gemma3-27b, smollm2-135m; "
-                            "'list' prints them all), replacing the config's [model] shape (and its model.init_from)")
+                       help="the model shape of a public model (e.g. llama3.1-70b, qwen3-8b, gemma3-27b, "
+                            "smollm2-135m; 'list' prints them all), replacing the config's [model] shape "
+                            "(and its model.init_from)")
     shape.add_argument("--model-config", metavar="FILE",
                        help="the model shape from a Hugging Face config.json (or a directory holding one), "
                             "replacing the config's [model] shape (and its model.init_from)")
@@ -34,8 +38,9 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> None:
     """Print the plan of ``args.config`` at ``--world-size`` on ``--device``.
 
     Raises:
-        ConfigError: a bad world size or headroom, an unknown device or preset, ``--model.*`` overrides together
-            with a preset or ``--model-config`` (which replace the config's shape and its ``model.init_from``).
+        ConfigError: a bad world size or headroom, an unknown device or preset, ``--model.*`` overrides
+            together with a preset or ``--model-config`` (which replace the config's shape and its
+            ``model.init_from``).
         ModelDirError: an unreadable ``--model-config`` or a model the decoder does not build.
     """
     if args.model_preset == "list":
@@ -60,10 +65,13 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> None:
     if shape_flag:
         given = [o.split("=", 1)[0] for o in overrides if o.startswith("--model.")]
         if given:
-            raise ConfigError(f"{' '.join(given)} and {shape_flag} both set the model's shape: give one of them")
+            raise ConfigError(f"{' '.join(given)} and {shape_flag} both set the model's shape: give one of "
+                              "them")
         from shardlm.plan.presets import config_json_config, preset_config, shape_overrides
 
-        shape = preset_config(args.model_preset) if args.model_preset else config_json_config(args.model_config)
+        shape = (
+            preset_config(args.model_preset) if args.model_preset else config_json_config(args.model_config)
+        )
         overrides = shape_overrides(shape) + overrides
     cfg = load_config(args.config, overrides)
     note = preference_note(cfg) if cfg.data.format == "preference" else ""
@@ -73,20 +81,22 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> None:
 
 
 def preference_note(cfg: Config) -> str:
-    """What the plan of a preference config counts (``data.format = "preference"``): both rows of each pair, and
-    the reference in the peak (its row of the breakdown, :mod:`shardlm.plan.preference`)."""
+    """What the plan of a preference config counts (``data.format = "preference"``): both rows of each pair,
+    and the reference in the peak (its row of the breakdown, :mod:`shardlm.plan.preference`)."""
     from shardlm.plan.preference import reference_memory
 
     ref = reference_memory(cfg)
-    text = (f"\n  preference: planned as {2 * cfg.train.micro_batch_size} rows per micro-batch (chosen and rejected of "
-            f"{cfg.train.micro_batch_size} pairs); reference: {ref.kind}")
+    text = (f"\n  preference: planned as {2 * cfg.train.micro_batch_size} rows per micro-batch (chosen and "
+            f"rejected of {cfg.train.micro_batch_size} pairs); reference: {ref.kind}")
     if ref.live_model:
-        text += (", a frozen copy in the peak (its fp32 shards, its final norm + output unsharded after its first "
-                 "forward, one group all-gathered at a time in its no-grad forward; no gradients or AdamW state)")
+        text += (", a frozen copy in the peak (its fp32 shards, its final norm + output unsharded after its "
+                 "first forward, one group all-gathered at a time in its no-grad forward; no gradients or "
+                 "AdamW state)")
     elif cfg.preference.precompute_reference and ref.kind != "none":
-        text += (", precomputed: no second model during training (the reference pass runs before step 1); the "
-                 f"table in the peak ({ref.table_bytes:,} bytes" + (")" if ref.table_bytes else
+        text += (", precomputed: no second model during training (the reference pass runs before step 1); "
+                 f"the table in the peak ({ref.table_bytes:,} bytes" + (")" if ref.table_bytes else
                                                                     ", the data not prepared yet)"))
     elif ref.policy_forward:
-        text += ": the policy with its adapters off (no second copy; its no-grad forward's transients in the plan)"
+        text += (": the policy with its adapters off (no second copy; its no-grad forward's transients in "
+                 "the plan)")
     return text

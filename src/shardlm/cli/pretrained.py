@@ -11,7 +11,8 @@ def cmd_import(args: argparse.Namespace, overrides: list[str]) -> None:
     """Convert ``--gguf FILE`` or an HF model directory into ``OUT_DIR``.
 
     Every failure is one error line: shardlm's own errors as they are, and any other exception raised while
-    reading the source (by ``gguf``, ``safetensors`` or ``transformers``) as a ModelDirError naming the source.
+    reading the source (by ``gguf``, ``safetensors`` or ``transformers``) as a ModelDirError naming
+    the source.
     """
     from shardlm.errors import USER_ERRORS, ModelDirError
 
@@ -21,7 +22,8 @@ def cmd_import(args: argparse.Namespace, overrides: list[str]) -> None:
         raise
     except Exception as e:  # a reader library's own exception on a damaged or unusual source
         source = args.gguf or args.source
-        raise ModelDirError(f"{source}: cannot be imported ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        raise ModelDirError(f"{source}: cannot be imported ({type(e).__name__}: "
+                            f"{str(e).splitlines()[0] if str(e) else ''})"
                             ) from None
 
 
@@ -42,7 +44,8 @@ def _import(args: argparse.Namespace, overrides: list[str]) -> None:
             raise ConfigError(f"shardlm import --gguf needs {e.name}: pip install 'shardlm[gguf]'") from None
     else:
         if not args.source:
-            raise ConfigError("shardlm import needs --gguf FILE or a source directory: shardlm import SRC OUT_DIR")
+            raise ConfigError("shardlm import needs --gguf FILE or a source directory: shardlm import SRC "
+                              "OUT_DIR")
         from shardlm.convert.hf_out import copy_model_dir
 
         out = copy_model_dir(args.source, args.out_dir)
@@ -52,8 +55,10 @@ def _import(args: argparse.Namespace, overrides: list[str]) -> None:
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     """Register ``import`` on the ``shardlm`` command's subparsers."""
     p = sub.add_parser("import", help="convert a GGUF file (--gguf) or an HF model directory (Llama, Qwen2, "
-                       "Qwen3, Mistral, Gemma 3) into an HF directory to start training from (model.init_from)")
+                       "Qwen3, Mistral, Gemma 3) into an HF directory to start training from "
+                       "(model.init_from)")
     p.add_argument("source", nargs="?", help="HF model directory (config.json + *.safetensors)")
     p.add_argument("out_dir", help="output directory")
-    p.add_argument("--gguf", help="GGUF file: Llama, Qwen2, Qwen3 or Gemma 3 (needs: pip install 'shardlm[gguf]')")
+    p.add_argument("--gguf",
+                   help="GGUF file: Llama, Qwen2, Qwen3 or Gemma 3 (needs: pip install 'shardlm[gguf]')")
     p.set_defaults(fn=cmd_import)

@@ -36,8 +36,8 @@ def format_report(per_rank: list[list[dict[str, float]]]) -> str:
             continue
         lines.append(
             f"{r:4d} | {mean['step_ms']:7.1f} | {mean['compute_ms']:10.1f} | {mean['all_gather_ms']:13.1f} | "
-            f"{mean['reduce_scatter_ms']:17.1f} | {mean['other_comm_ms']:13.1f} | {mean['hidden_comm_ms']:9.1f} | "
-            f"{mean['exposed_comm_ms']:10.1f} | {mean['idle_ms']:7.1f} | "
+            f"{mean['reduce_scatter_ms']:17.1f} | {mean['other_comm_ms']:13.1f} | "
+            f"{mean['hidden_comm_ms']:9.1f} | {mean['exposed_comm_ms']:10.1f} | {mean['idle_ms']:7.1f} | "
             f"{100 * mean['hidden_comm_ms'] / mean['comm_ms'] if mean['comm_ms'] else 0:7.1f}")
     return "\n".join(lines)
 
@@ -84,5 +84,6 @@ def cmd_profile(args: argparse.Namespace, overrides: list[str]) -> None:
               f"{out}/trace_rank*.json, timeline {out / 'timeline.png'}")
         print(format_report(per_rank))
         if info.device.type == "cpu":
-            print("on CPU with gloo FSDP2's collectives run synchronously: communication is serial with compute")
+            print("on CPU with gloo FSDP2's collectives run synchronously: communication is serial with "
+                  "compute")
     dist.barrier()

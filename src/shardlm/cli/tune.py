@@ -1,7 +1,8 @@
-"""``shardlm tune``: choose the FSDP settings that fit and run fastest, from the planner and a few measured steps.
+"""``shardlm tune``: choose the FSDP settings that fit and run fastest, from the planner and a few
+measured steps.
 
-See :mod:`shardlm.plan.tune` for the candidates and the search (:mod:`.tune_candidates`, :mod:`.tune_search`) and the
-launch, :mod:`shardlm.cli.tune_worker` for the measuring workers.
+See :mod:`shardlm.plan.tune` for the candidates and the search (:mod:`.tune_candidates`, :mod:`.tune_search`)
+and the launch, :mod:`shardlm.cli.tune_worker` for the measuring workers.
 """
 
 from __future__ import annotations
@@ -27,35 +28,54 @@ def duration(text: str) -> float:
     except ValueError:
         seconds = float("nan")
     if not seconds > 0 or seconds == float("inf"):
-        raise ConfigError(f"--time-budget must be a positive duration in seconds, or with s / m / h, got {text!r}")
+        raise ConfigError("--time-budget must be a positive duration in seconds, or with s / m / h, got "
+                          f"{text!r}")
     return seconds
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``tune`` on the ``shardlm`` command's subparsers."""
-    p = sub.add_parser("tune", help="measure candidate FSDP settings (and tensor / expert-parallel degrees) that fit "
-                       "(one torchrun launch) and write the fastest as config overrides")
+    p = sub.add_parser(
+        "tune",
+        help="measure candidate FSDP settings (and tensor / expert-parallel degrees) that fit "
+        "(one torchrun launch) and write the fastest as config overrides",
+    )
     p.add_argument("config", help="TOML config (overrides follow as --section.key=value)")
     p.add_argument("--world-size", type=int, required=True, help="number of ranks N (on this machine)")
-    p.add_argument("--out", default=None, help="TOML file for the chosen settings (default: <config stem>.tuned.toml "
-                   "in the current directory); train with --config CONFIG --config OUT")
-    p.add_argument("--device", default="auto", help="whose memory the candidates must fit: auto (this machine's "
-                   "GPU, else its RAM shared by the ranks), cpu, h100, h100-pcie, h100-96gb, h200, a100-80gb, b200")
-    p.add_argument("--memory-per-rank", type=float, default=None,
-                   help="GiB per rank the candidates may use, instead of the device's (default: the device's)")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="TOML file for the chosen settings (default: <config stem>.tuned.toml "
+        "in the current directory); train with --config CONFIG --config OUT",
+    )
+    p.add_argument("--device", default="auto",
+                   help="whose memory the candidates must fit: auto (this machine's " "GPU, else its RAM "
+                                                                                      "shared by the ranks), "
+                                                                                      "cpu, h100, h100-pcie, "
+                                                                                      "h100-96gb, h200, "
+                                                                                      "a100-80gb, b200")
+    p.add_argument(
+        "--memory-per-rank",
+        type=float,
+        default=None,
+        help="GiB per rank the candidates may use, instead of the device's (default: the device's)",
+    )
     p.add_argument("--headroom", type=float, default=0.05, help="fraction of the memory kept free")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per candidate")
     p.add_argument("--steps", type=int, default=3, help="timed steps per candidate (the median is compared)")
-    p.add_argument("--repeats", type=int, default=1, help="times the candidate list is measured (times pooled)")
-    p.add_argument("--confirm", type=int, default=2, help="the fastest this many candidates are measured once "
-                   "more at the end and their times pooled (0 or 1: no second pass)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="times the candidate list is measured (times pooled)")
+    p.add_argument("--confirm", type=int, default=2,
+                   help="the fastest this many candidates are measured once " "more at the end and their "
+                                                                              "times pooled (0 or 1: no "
+                                                                              "second pass)")
     p.add_argument("--time-budget", default=None, metavar="SECONDS",
-                   help="wall time for the measuring (e.g. 600, 90s, 15m, 1h): a candidate starts only when the "
-                   "longest measurement so far still ends within it; the fastest of those measured is picked "
-                   "(default: no limit)")
+                   help="wall time for the measuring (e.g. 600, 90s, 15m, 1h): a candidate starts only when "
+                   "the longest measurement so far still ends within it; the fastest of those measured is "
+                   "picked (default: no limit)")
     p.add_argument("--search", default="staged", choices=["staged", "full"],
-                   help="staged: the config's settings, one change at a time, then the best of each combined; "
-                        "full: every fitting candidate (slow; the benchmark's grid)")
+                   help="staged: the config's settings, one change at a time, then the best of each "
+                        "combined; full: every fitting candidate (slow; the benchmark's grid)")
     p.set_defaults(fn=cmd_tune)
 
 
@@ -83,18 +103,22 @@ def cmd_tune(args: argparse.Namespace, overrides: list[str]) -> None:
 
     def announce(cfg, rows) -> None:
         loaded.append(cfg)
-        layouts = "".join(f", {d} {'/'.join(map(str, sorted({r.cand.key(d) for r in rows})))}" for d in ("tp", "ep")
-                          if len({r.cand.key(d) for r in rows}) > 1)  # the tensor / expert-parallel degrees tried
+        layouts = "".join(
+            f", {d} {'/'.join(map(str, sorted({r.cand.key(d) for r in rows})))}"
+            for d in ("tp", "ep")
+            if len({r.cand.key(d) for r in rows}) > 1
+        )  # the tensor / expert-parallel degrees tried
         print(f"tune | {cfg.run.name}: fsdp at world size {args.world_size}{layouts}, global batch "
-              f"{cfg.train.global_batch_size} x {cfg.train.seq_len} tokens; usable memory {size(budget.bytes)} "
-              f"per rank ({budget.source}); {sum(r.fits for r in rows)} of {len(rows)} candidates fit "
-              f"({args.search} search{'; then their best values combined, when new' if args.search == 'staged' else ''}"
-              f"), each {args.warmup} warm-up + {args.steps} timed steps x {args.repeats}"
+              f"{cfg.train.global_batch_size} x {cfg.train.seq_len} tokens; usable memory "
+              f"{size(budget.bytes)} per rank ({budget.source}); {sum(r.fits for r in rows)} of {len(rows)} "
+              f"candidates fit ({args.search} "
+              f"search{'; then their best values combined, when new' if args.search == 'staged' else ''}), "
+              f"each {args.warmup} warm-up + {args.steps} timed steps x {args.repeats}"
               + (f"; time budget {time_budget:.0f} s" if time_budget else ""), flush=True)
 
     try:
-        result = run_tune(args.config, overrides, args.world_size, budget, args.search, args.warmup, args.steps,
-                          args.repeats, args.confirm, announce, time_budget)
+        result = run_tune(args.config, overrides, args.world_size, budget, args.search, args.warmup,
+                          args.steps, args.repeats, args.confirm, announce, time_budget)
     except TuneError as e:  # a failed launch: show what was measured before it failed, then the error
         if e.rows and loaded:
             print("measured before the launch failed (nothing was written):")
@@ -108,7 +132,8 @@ def cmd_tune(args: argparse.Namespace, overrides: list[str]) -> None:
     own = next((r for r in rows if r.cand == config_candidate(cfg, args.world_size) and r.times), None)
     versus = f"; the config's settings: {own.step_s:.3f} s ({own.step_s / best.step_s:.2f}x)" if own else ""
     command = shlex.join(["shardlm", "tune", args.config, "--world-size", str(args.world_size), *overrides])
-    train = (f"torchrun --nproc_per_node={args.world_size} -m shardlm.train --config {args.config} --config {out}"
+    train = (f"torchrun --nproc_per_node={args.world_size} -m shardlm.train --config {args.config} --config "
+             f"{out}"
              + (f" {shlex.join(overrides)}" if overrides else ""))
     header = [f"written by: {command} ({time.strftime('%Y-%m-%d %H:%M')}, {result.seconds:.0f} s)",
               f"picked: {best.step_s:.3f} s/step, {tokens / best.step_s:,.0f} tokens/s at world size "
@@ -119,8 +144,9 @@ def cmd_tune(args: argparse.Namespace, overrides: list[str]) -> None:
     skipped = sum(r.skipped for r in rows)
     if skipped:
         print(f"time budget {time_budget:.0f} s: {sum(bool(r.times) for r in rows)} candidates measured in "
-              f"{result.seconds:.0f} s, {skipped} that fit not measured (marked 'skipped'); the pick is the fastest "
-              "of those measured")
-    print(f"picked #{rows.index(best) + 1}: {best.step_s:.3f} s/step, {tokens / best.step_s:,.0f} tokens/s{versus}")
+              f"{result.seconds:.0f} s, {skipped} that fit not measured (marked 'skipped'); the pick is the "
+              "fastest of those measured")
+    print(f"picked #{rows.index(best) + 1}: {best.step_s:.3f} s/step, {tokens / best.step_s:,.0f} "
+          f"tokens/s{versus}")
     print(f"wrote {out}; train with: {train}")
     print(f"dotted overrides: {dotted(best.cand)}")

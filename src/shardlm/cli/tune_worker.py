@@ -8,10 +8,11 @@ directory), runs ``warmup`` steps, then times ``steps`` steps. A step's time is 
 all-reduce of the times after the candidate, not a collective per step). Repeats measure the whole list again
 in the same order, so a load that drifts touches every candidate alike. After the first round of a staged
 search, the ranks, which hold the same times, compute the same second-round candidate
-(:func:`shardlm.plan.tune_search.combine`) and measure it when it fits. Last, the ``confirm`` fastest rows are measured
-once more, one after another, and their times pooled: the pick between close contenders rests on twice the
-steps. Rank 0 writes the rows as JSON and prints one ``tune: ...`` line per measurement; after each measurement
-it also writes the rows so far (``<out>.partial``), so a launch that fails later still shows what was measured.
+(:func:`shardlm.plan.tune_search.combine`) and measure it when it fits. Last, the ``confirm`` fastest rows are
+measured once more, one after another, and their times pooled: the pick between close contenders rests on
+twice the steps. Rank 0 writes the rows as JSON and prints one ``tune: ...`` line per measurement; after each
+measurement it also writes the rows so far (``<out>.partial``), so a launch that fails later still shows what
+was measured.
 
 With a time budget (the spec's ``deadline``, wall-clock seconds since the epoch, set by ``shardlm tune
 --time-budget``) a candidate is started only when the time now plus the longest measurement so far (its
@@ -50,9 +51,9 @@ def label(cand: Candidate) -> str:
 
 
 def run_config(cfg: Config, cand: Candidate, spec: dict[str, Any], index: int) -> Config:
-    """The config one candidate runs with: its settings; a run directory of its own; no checkpoints, evaluation
-    or trackers; ``train.steps`` = the steps run; a nominal MFU peak (MFU is not reported: no start-up
-    measurement of the matrix-multiply rate)."""
+    """The config one candidate runs with: its settings; a run directory of its own; no checkpoints,
+    evaluation or trackers; ``train.steps`` = the steps run; a nominal MFU peak (MFU is not reported: no
+    start-up measurement of the matrix-multiply rate)."""
     out = apply(cfg, cand)
     out.run.dir = str(Path(spec["workdir"]) / f"candidate-{index}")
     out.run.overwrite = True
@@ -111,7 +112,8 @@ clock = time.time
 
 
 def measure(spec: dict[str, Any]) -> None:
-    """Measure the spec's candidates (and, in a staged search, the second-round one); rank 0 writes the rows."""
+    """Measure the spec's candidates (and, in a staged search, the second-round one); rank 0 writes
+    the rows."""
     cfg = load_config(spec["config"], spec["overrides"])
     info = init_distributed(cfg.parallel)
     rows = [Row.from_dict(d) for d in spec["rows"]]
@@ -122,7 +124,8 @@ def measure(spec: dict[str, Any]) -> None:
     deadline = spec.get("deadline")
 
     def in_time() -> bool:
-        """Whether the next measurement may start (see the module docstring); the same answer on every rank."""
+        """Whether the next measurement may start (see the module docstring); the same answer on
+        every rank."""
         if deadline is None or count[0] == 0:
             return True
         t = torch.tensor([clock() + longest[0]], dtype=torch.float64, device=info.device)
@@ -159,7 +162,8 @@ def measure(spec: dict[str, Any]) -> None:
             if rows[-1].fits:
                 run([rows[-1]], spec["repeats"])
     finalists = sorted((r for r in rows if r.times), key=lambda r: r.step_s)[:spec.get("confirm", 0)]
-    if len(finalists) > 1 and in_time():  # the closest contenders once more, one after the other: times pooled
+    if len(finalists) > 1 and in_time():
+        # the closest contenders once more, one after the other: times pooled
         before = [len(r.times) for r in finalists]
         run(finalists, 1, " (confirming)")
         confirmed = [r for r, n in zip(finalists, before) if len(r.times) > n]

@@ -1,10 +1,10 @@
 """Configuration: dataclasses with a docstring per field, read from TOML with dotted CLI overrides.
 
-Precedence is command line > TOML file > dataclass defaults, as in torchtitan. Every key is
-checked: an unknown section or key, or a value of the wrong type, raises :class:`ConfigError`
-naming the dotted key. The sections are in ``sections.py`` (``[parallel]`` in ``parallelism.py``, ``[model]`` is
-:class:`~shardlm.model.config.ModelConfig` with its own rules), reading in ``load.py``, the checks in ``checks.py``;
-every name is importable from here.
+Precedence is command line > TOML file > dataclass defaults, as in torchtitan. Every key is checked: an
+unknown section or key, or a value of the wrong type, raises :class:`ConfigError` naming the dotted key. The
+sections are in ``sections.py`` (``[parallel]`` in ``parallelism.py``, ``[model]`` is
+:class:`~shardlm.model.config.ModelConfig` with its own rules), reading in ``load.py``, the checks in
+``checks.py``; every name is importable from here.
 """
 
 from shardlm.config.checks import gradient_accumulation_steps, validate, validate_preference
@@ -25,7 +25,7 @@ from shardlm.config.sections import (
 from shardlm.errors import ConfigError
 from shardlm.model.config import FAMILIES, ModelConfig
 
-__all__ = ["FAMILIES", "KEYWORD_KEYS", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DataSource",
-           "LoRAConfig", "MetricsConfig", "ModelConfig", "ParallelConfig", "PreferenceConfig", "RunConfig",
-           "TrainConfig", "apply_init_from", "gradient_accumulation_steps", "load_config", "parse_cli_value",
-           "validate", "validate_preference"]
+__all__ = ["FAMILIES", "KEYWORD_KEYS", "CheckpointConfig", "Config", "ConfigError", "DataConfig",
+           "DataSource", "LoRAConfig", "MetricsConfig", "ModelConfig", "ParallelConfig", "PreferenceConfig",
+           "RunConfig", "TrainConfig", "apply_init_from", "gradient_accumulation_steps", "load_config",
+           "parse_cli_value", "validate", "validate_preference"]

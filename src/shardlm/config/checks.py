@@ -1,6 +1,7 @@
-"""The checks of a whole :class:`~shardlm.config.sections.Config` that do not depend on the world size, section by
-section and across sections (the model's own rules are :meth:`~shardlm.model.config.ModelConfig.check`), and the
-gradient accumulation that the world size gives. Each failure raises :class:`ConfigError` naming the key."""
+"""The checks of a whole :class:`~shardlm.config.sections.Config` that do not depend on the world size,
+section by section and across sections (the model's own rules are
+:meth:`~shardlm.model.config.ModelConfig.check`), and the gradient accumulation that the world size gives.
+Each failure raises :class:`ConfigError` naming the key."""
 
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ def validate(cfg: Config) -> None:
         if value <= 0:
             raise ConfigError(f"{key} must be positive, got {value}")
     if t.seq_len > m.max_seq_len:
-        raise ConfigError(f"train.seq_len={t.seq_len} exceeds the model's maximum model.max_seq_len={m.max_seq_len}")
+        raise ConfigError(f"train.seq_len={t.seq_len} exceeds the model's maximum "
+                          f"model.max_seq_len={m.max_seq_len}")
     d = cfg.data
     for key in ("tokenizer_sample_bytes", "piece_bytes"):
         if getattr(d, key) <= 0:
@@ -54,11 +56,12 @@ def validate(cfg: Config) -> None:
         raise ConfigError("data.sources (a mixture) needs data.format = 'text'")
     validate_preference(cfg)
     if d.pack and d.format != "instruct":
-        raise ConfigError("data.pack packs instruction examples: it needs data.format = 'instruct' (text windows are "
-                          "already full, and block-causal by default where the data records document starts)")
+        raise ConfigError("data.pack packs instruction examples: it needs data.format = 'instruct' (text "
+                          "windows are already full, and block-causal by default where the data records "
+                          "document starts)")
     if d.pack and cfg.model.attention == "causal":
-        raise ConfigError("data.pack needs model.attention = 'block_causal' (or 'auto', the default): under 'causal' "
-                          "the packed examples would attend to each other")
+        raise ConfigError("data.pack needs model.attention = 'block_causal' (or 'auto', the default): under "
+                          "'causal' the packed examples would attend to each other")
     if not 0.0 < cfg.data.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction must be in (0, 1), got {cfg.data.val_fraction}")
     if t.min_lr > t.lr or t.lr <= 0:
@@ -71,8 +74,8 @@ def validate(cfg: Config) -> None:
     if t.grad_clip < 0:
         raise ConfigError(f"train.grad_clip must be >= 0, got {t.grad_clip}")
     if t.loss_chunk_tokens < 0:
-        raise ConfigError(f"train.loss_chunk_tokens must be >= 0 (scored tokens per chunk of the fused output "
-                          f"projection and loss; 0 = the plain loss), got {t.loss_chunk_tokens}")
+        raise ConfigError("train.loss_chunk_tokens must be >= 0 (scored tokens per chunk of the fused "
+                          f"output projection and loss; 0 = the plain loss), got {t.loss_chunk_tokens}")
     for key in ("dp_replicate", "dp_shard"):
         if getattr(cfg.parallel, key) < 1 and getattr(cfg.parallel, key) != -1:
             raise ConfigError(f"parallel.{key} must be >= 1 or -1 (all remaining ranks), "
@@ -80,11 +83,11 @@ def validate(cfg: Config) -> None:
     if cfg.parallel.tp < 1:
         raise ConfigError(f"parallel.tp must be >= 1 (1 = no tensor parallel), got {cfg.parallel.tp}")
     if cfg.parallel.tp > 1 and cfg.parallel.mode != "fsdp":
-        raise ConfigError(f"parallel.tp={cfg.parallel.tp} needs parallel.mode='fsdp' (FSDP over the data-parallel "
-                          f"ranks), not {cfg.parallel.mode!r}")
+        raise ConfigError(f"parallel.tp={cfg.parallel.tp} needs parallel.mode='fsdp' (FSDP over the "
+                          f"data-parallel ranks), not {cfg.parallel.mode!r}")
     if cfg.parallel.async_tp and (cfg.parallel.tp == 1 or not cfg.parallel.compile):
-        raise ConfigError("parallel.async_tp needs tensor parallel (parallel.tp > 1) and parallel.compile = true "
-                          "(TorchInductor builds the micro-pipelined collectives)")
+        raise ConfigError("parallel.async_tp needs tensor parallel (parallel.tp > 1) and parallel.compile = "
+                          "true (TorchInductor builds the micro-pipelined collectives)")
     if cfg.parallel.dp_replicate == cfg.parallel.dp_shard == -1:
         raise ConfigError("parallel.dp_replicate and parallel.dp_shard cannot both be -1: set one of them")
     if cfg.parallel.cp < 1 or (cfg.parallel.cp > 1 and cfg.parallel.mode == "single"):
@@ -96,12 +99,17 @@ def validate(cfg: Config) -> None:
                           f"split over {cp} ranks needs at least {cp} tokens (one per rank)")
     split = [f"parallel.{k}={getattr(cfg.parallel, k)}" for k in ("tp", "cp") if getattr(cfg.parallel, k) > 1]
     if cfg.data.format == "preference" and (split or cfg.model.n_experts):
-        what = " and ".join(split) if split else f"a mixture-of-experts model (model.n_experts={cfg.model.n_experts})"
-        raise ConfigError(f"preference tuning (data.format = 'preference') with {what} is not built yet: use FSDP "
-                          "(parallel.mode = 'fsdp'), with LoRA if the model is large")
+        what = (
+            " and ".join(split)
+            if split
+            else f"a mixture-of-experts model (model.n_experts={cfg.model.n_experts})"
+        )
+        raise ConfigError(f"preference tuning (data.format = 'preference') with {what} is not built yet: use "
+                          "FSDP (parallel.mode = 'fsdp'), with LoRA if the model is large")
     if cfg.model.n_experts and cfg.parallel.tp > 1:  # CP is built for MoE (router statistics pooled)
         raise ConfigError(f"parallel.tp={cfg.parallel.tp} on a mixture-of-experts model (model.n_experts="
-                          f"{cfg.model.n_experts}) is not built yet: use expert parallelism (parallel.ep) with FSDP")
+                          f"{cfg.model.n_experts}) is not built yet: use expert parallelism (parallel.ep) "
+                          "with FSDP")
     for key in ("interval", "keep"):
         if getattr(cfg.checkpoint, key) < 0:
             raise ConfigError(f"checkpoint.{key} must be >= 0, got {getattr(cfg.checkpoint, key)}")
@@ -110,8 +118,8 @@ def validate(cfg: Config) -> None:
         if getattr(p, key) < 0:
             raise ConfigError(f"parallel.{key} must be >= 0, got {getattr(p, key)}")
     if not 1 <= p.blocks_per_group <= m.n_layers:
-        raise ConfigError(f"parallel.blocks_per_group must be between 1 and model.n_layers={m.n_layers} (one group "
-                          f"of all blocks), got {p.blocks_per_group}")
+        raise ConfigError(f"parallel.blocks_per_group must be between 1 and model.n_layers={m.n_layers} (one "
+                          f"group of all blocks), got {p.blocks_per_group}")
     if p.activation_checkpoint_n < 1:
         raise ConfigError(f"parallel.activation_checkpoint_n must be >= 1, got {p.activation_checkpoint_n}")
     if not isinstance(p.reshard_after_forward, bool) and p.reshard_after_forward < 2:
@@ -119,8 +127,8 @@ def validate(cfg: Config) -> None:
                           f"got {p.reshard_after_forward}")
     if p.mode != "fsdp":
         fsdp_only = {"param_dtype": "float32", "reduce_dtype": "float32", "reshard_after_forward": True,
-                     "forward_prefetch": 0, "backward_prefetch": 0, "async_all_gather": False, "cpu_offload": False,
-                     "reduce_scatter": "auto", "blocks_per_group": 1}
+                     "forward_prefetch": 0, "backward_prefetch": 0, "async_all_gather": False,
+                     "cpu_offload": False, "reduce_scatter": "auto", "blocks_per_group": 1}
         for key, default in fsdp_only.items():
             if getattr(p, key) != default:
                 raise ConfigError(f"parallel.{key} applies to parallel.mode='fsdp' only (mode is {p.mode!r})")
@@ -131,11 +139,11 @@ def validate(cfg: Config) -> None:
         if not 0.0 <= lora.dropout < 1.0:
             raise ConfigError(f"lora.dropout must be in [0, 1), got {lora.dropout}")
         if t.trainable or t.frozen:
-            raise ConfigError("train.trainable / train.frozen cannot be combined with lora.enabled (LoRA trains the "
-                              "adapters only)")
+            raise ConfigError("train.trainable / train.frozen cannot be combined with lora.enabled (LoRA "
+                              "trains the adapters only)")
         if lora.merge_into == "original_base" and not cfg.model.init_from:
-            raise ConfigError("lora.merge_into='original_base' needs model.init_from (the original weights are read "
-                              "from it); a randomly initialised base has only the training base")
+            raise ConfigError("lora.merge_into='original_base' needs model.init_from (the original weights "
+                              "are read from it); a randomly initialised base has only the training base")
     elif lora.base_dtype != "float32":
         raise ConfigError(f"lora.base_dtype={lora.base_dtype!r} needs lora.enabled = true")
 
@@ -146,28 +154,30 @@ def validate_preference(cfg: Config) -> None:
     if d.format != "preference":
         changed = [f.name for f in dataclasses.fields(pref) if getattr(pref, f.name) != f.default]
         if changed:
-            raise ConfigError(f"preference.{changed[0]} applies to data.format = 'preference' (format is {d.format!r})")
+            raise ConfigError(f"preference.{changed[0]} applies to data.format = 'preference' (format is "
+                              f"{d.format!r})")
         return
     if d.pack:
-        raise ConfigError("data.pack does not apply to data.format = 'preference': preference pairs are not packed "
-                          "(each sequence is one row of the concatenated chosen/rejected forward)")
+        raise ConfigError("data.pack does not apply to data.format = 'preference': preference pairs are not "
+                          "packed (each sequence is one row of the concatenated chosen/rejected forward)")
     if cfg.model.attention == "block_causal":
-        raise ConfigError("data.format = 'preference' needs model.attention = 'causal' or 'auto' (pairs are not "
-                          "packed)")
+        raise ConfigError("data.format = 'preference' needs model.attention = 'causal' or 'auto' (pairs are "
+                          "not packed)")
     if not pref.beta > 0:
         raise ConfigError(f"preference.beta must be positive, got {pref.beta}")
     if not 0.0 <= pref.label_smoothing < 0.5:
         raise ConfigError(f"preference.label_smoothing must be in [0, 0.5), got {pref.label_smoothing}")
     if pref.label_smoothing and pref.loss not in ("dpo", "simpo"):
-        raise ConfigError(f"preference.label_smoothing applies to loss 'dpo' or 'simpo' (loss is {pref.loss!r})")
+        raise ConfigError("preference.label_smoothing applies to loss 'dpo' or 'simpo' (loss is "
+                          f"{pref.loss!r})")
     if pref.rpo_alpha < 0:
         raise ConfigError(f"preference.rpo_alpha must be >= 0, got {pref.rpo_alpha}")
     if pref.reference == "lora_base" and not cfg.lora.enabled:
-        raise ConfigError("preference.reference = 'lora_base' needs lora.enabled = true (the base with the adapters "
-                          "off is the reference)")
+        raise ConfigError("preference.reference = 'lora_base' needs lora.enabled = true (the base with the "
+                          "adapters off is the reference)")
     if pref.reference == "lora_base" and pref.reference_from:
-        raise ConfigError("preference.reference_from names a reference model: it needs preference.reference = "
-                          "'model' (or 'auto' without LoRA), not 'lora_base'")
+        raise ConfigError("preference.reference_from names a reference model: it needs preference.reference "
+                          "= 'model' (or 'auto' without LoRA), not 'lora_base'")
 
 
 def gradient_accumulation_steps(cfg: Config, dp_world_size: int) -> int:

@@ -83,7 +83,8 @@ def _parse_cli_value(text: str) -> Any:
         return text
 
 
-parse_cli_value = _parse_cli_value  # public: what an override's value means (shardlm.cli.train reads --run.dir)
+# public: what an override's value means (shardlm.cli.train reads --run.dir)
+parse_cli_value = _parse_cli_value
 
 
 def _apply(section_obj: Any, section: str, key: str, value: Any) -> None:
@@ -101,8 +102,8 @@ def load_config(path: str | list[str] | None = None, overrides: list[str] | None
     """Build a :class:`Config` from optional TOML files and ``--section.key=value`` overrides.
 
     Args:
-        base: sections applied first, as ``Config.to_dict()`` writes them (a run directory's ``config.json``, for a
-            resume from the run directory); ``base_name`` names it in errors.
+        base: sections applied first, as ``Config.to_dict()`` writes them (a run directory's ``config.json``,
+            for a resume from the run directory); ``base_name`` names it in errors.
         path: TOML file with sections named like the :class:`Config` fields, a list of such files applied in
             order (a later file's keys replace an earlier one's; e.g. a config, then the settings
             ``shardlm tune`` wrote), or None for defaults. ``run.name`` defaults to the first file's stem.
@@ -130,7 +131,8 @@ def load_config(path: str | list[str] | None = None, overrides: list[str] | None
             raise ConfigError(f"{file}: invalid TOML: {e}") from None
         for section, table in data.items():
             if section not in sections:
-                raise ConfigError(f"unknown config section '{section}' in {file} (known: {', '.join(sorted(sections))})")
+                raise ConfigError(f"unknown config section '{section}' in {file} (known: "
+                                  f"{', '.join(sorted(sections))})")
             if not isinstance(table, dict):
                 raise ConfigError(f"'{section}' in {file} must be a [section] table")
             for key, value in table.items():
@@ -158,8 +160,9 @@ def load_config(path: str | list[str] | None = None, overrides: list[str] | None
 def apply_init_from(cfg: Config) -> None:
     """Make ``cfg.model`` the shape of ``cfg.model.init_from``'s ``config.json`` (in place).
 
-    Every shape field is replaced (``init_std``, ``init_from`` and the attention settings are kept): the pretrained weights
-    decide the model. ``data.tokenizer`` defaults to the directory's ``tokenizer.json`` when empty.
+    Every shape field is replaced (``init_std``, ``init_from`` and the attention settings are kept): the
+    pretrained weights decide the model. ``data.tokenizer`` defaults to the directory's ``tokenizer.json``
+    when empty.
 
     Raises:
         ModelDirError: the directory or its ``config.json`` is missing or invalid, or not a Llama.

@@ -11,48 +11,56 @@ class ParallelConfig:
     """How the model is distributed over ranks."""
 
     mode: Literal["fsdp", "ddp", "single"] = "fsdp"
-    """``fsdp`` shards parameters, gradients and optimizer state; ``ddp`` replicates; ``single`` is one process, no wrapper."""
+    """``fsdp`` shards parameters, gradients and optimizer state; ``ddp`` replicates; ``single`` is one
+    process, no wrapper."""
     backend: str = "auto"
-    """Process-group backend: ``auto`` (nccl on CUDA, gloo on CPU), ``gloo``, ``nccl`` or ``cuda:nccl,cpu:gloo``."""
+    """Process-group backend: ``auto`` (nccl on CUDA, gloo on CPU), ``gloo``, ``nccl`` or
+    ``cuda:nccl,cpu:gloo``."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Device to train on: ``auto`` picks CUDA when present."""
     timeout_s: int = 600
-    """Collective timeout in seconds: a rank stuck in a collective fails after this long instead of hanging."""
+    """Collective timeout in seconds: a rank stuck in a collective fails after this long instead
+    of hanging."""
     dp_replicate: int = 1
     """Replicas of the model (HSDP's replicate dimension, usually the number of nodes): gradients are
     reduce-scattered within a shard group, then all-reduced across replicas. 1 = plain FSDP (a 1-D mesh);
     -1 = world size / ``dp_shard`` (one replica per shard group, follows the node count)."""
     dp_shard: int = -1
     """Ranks per shard group (HSDP's shard dimension, usually the GPUs of a node); -1 = all remaining ranks,
-    world size / ``dp_replicate``. ``dp_replicate × dp_shard × tp`` must equal the world size (divided by ``cp``)."""
+    world size / ``dp_replicate``. ``dp_replicate × dp_shard × tp`` must equal the world size (divided
+    by ``cp``)."""
     cp: int = 1
-    """Context parallelism: the ranks each sequence is split over (``shardlm/parallel/cp.py``: each holds a head and a
-    tail chunk, attention all-gathers keys and values). The ``cp`` ranks of a group take the same samples (one
-    data-parallel rank): consecutive, or ``tp`` apart under tensor parallel (torchtitan's mesh order
-    ``dp_replicate, dp_shard, cp, tp``); FSDP shards parameters over ``dp_shard × cp``. Composes with HSDP,
-    DDP and ``tp``. Must divide the world size; 1 = no split."""
+    """Context parallelism: the ranks each sequence is split over (``shardlm/parallel/cp.py``: each holds a
+    head and a tail chunk, attention all-gathers keys and values). The ``cp`` ranks of a group take the same
+    samples (one data-parallel rank): consecutive, or ``tp`` apart under tensor parallel (torchtitan's mesh
+    order ``dp_replicate, dp_shard, cp, tp``); FSDP shards parameters over ``dp_shard × cp``. Composes with
+    HSDP, DDP and ``tp``. Must divide the world size; 1 = no split."""
     tp: int = 1
-    """Tensor-parallel degree: each block's q/k/v and gate/up projections split by columns (heads, FFN width), o and
-    down by rows, the embedding and output projection by vocabulary rows, norms and residuals sharded along the
-    sequence between the blocks (sequence parallel), the loss vocabulary-parallel (``shardlm/parallel/tp.py``).
-    The innermost mesh dimension (consecutive ranks, within one node); ``dp_replicate × dp_shard × tp`` must equal
-    the world size. Needs ``mode = "fsdp"``; 1 = off."""
+    """Tensor-parallel degree: each block's q/k/v and gate/up projections split by columns (heads, FFN width),
+    o and down by rows, the embedding and output projection by vocabulary rows, norms and residuals sharded
+    along the sequence between the blocks (sequence parallel), the loss vocabulary-parallel
+    (``shardlm/parallel/tp.py``). The innermost mesh dimension (consecutive ranks, within one node);
+    ``dp_replicate × dp_shard × tp`` must equal the world size. Needs ``mode = "fsdp"``; 1 = off."""
     async_tp: bool = False
-    """Asynchronous tensor parallel on CUDA: TorchInductor splits each TP all-gather / reduce-scatter and the matrix
-    multiply beside it into micro-pipelined pieces over symmetric memory (``torch._inductor.config._micro_pipeline_tp``),
-    hiding the collectives. Needs ``tp > 1``, ``compile = true`` and CUDA (refused on CPU)."""
+    """Asynchronous tensor parallel on CUDA: TorchInductor splits each TP all-gather / reduce-scatter and the
+    matrix multiply beside it into micro-pipelined pieces over symmetric memory
+    (``torch._inductor.config._micro_pipeline_tp``), hiding the collectives. Needs ``tp > 1``, ``compile =
+    true`` and CUDA (refused on CPU)."""
     ep: int = 1
-    """Expert parallelism (mixtures of experts, ``parallel/ep.py``): each of ``ep`` ranks holds ``n_experts / ep``
-    whole experts and tokens travel to them by all-to-all; the experts are FSDP-sharded over the other
+    """Expert parallelism (mixtures of experts, ``parallel/ep.py``): each of ``ep`` ranks holds ``n_experts /
+    ep`` whole experts and tokens travel to them by all-to-all; the experts are FSDP-sharded over the other
     world size / ``ep`` ranks. 1 = none (the experts are FSDP-sharded like every other parameter)."""
     param_dtype: Literal["float32", "bfloat16"] = "float32"
-    """FSDP compute dtype (``MixedPrecisionPolicy.param_dtype``): shards stay fp32, all-gathered weights are cast."""
+    """FSDP compute dtype (``MixedPrecisionPolicy.param_dtype``): shards stay fp32, all-gathered weights
+    are cast."""
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
-    """FSDP gradient reduce-scatter dtype (``MixedPrecisionPolicy.reduce_dtype``); gradient shards are kept in fp32."""
+    """FSDP gradient reduce-scatter dtype (``MixedPrecisionPolicy.reduce_dtype``); gradient shards are kept
+    in fp32."""
     reshard_after_forward: bool | int = True
-    """Blocks and embedding after forward: ``true`` free the full weights (all-gather again in backward), ``false``
-    keep them (no backward all-gather, more memory), or N (1 < N < world size, N divides it): keep an N-way shard
-    (backward all-gathers within groups of N ranks). The root always keeps FSDP's default (not resharded)."""
+    """Blocks and embedding after forward: ``true`` free the full weights (all-gather again in backward),
+    ``false`` keep them (no backward all-gather, more memory), or N (1 < N < world size, N divides it): keep
+    an N-way shard (backward all-gathers within groups of N ranks). The root always keeps FSDP's default
+    (not resharded)."""
     forward_prefetch: int = 0
     """Explicit forward prefetch depth: block group i's pre-forward all-gathers groups i+1..i+k
     (``set_modules_to_forward_prefetch``; a group is one block unless ``blocks_per_group``); 0 leaves FSDP's
@@ -61,45 +69,49 @@ class ParallelConfig:
     """Explicit backward prefetch depth: block group i's pre-backward all-gathers groups i-1..i-k
     (``set_modules_to_backward_prefetch``); 0 leaves FSDP's implicit one-group backward prefetch."""
     blocks_per_group: int = 1
-    """Transformer blocks per FSDP group (one ``fully_shard`` call): their parameters are all-gathered together
-    and their gradients reduce-scattered together, the last group taking the remainder. 1 is torchtitan's
-    grouping; more means fewer, larger collectives (less per-collective latency and hook overhead) and more
-    memory held unsharded at once. Prefetch depths count groups. Results are bit-identical for every value."""
+    """Transformer blocks per FSDP group (one ``fully_shard`` call): their parameters are all-gathered
+    together and their gradients reduce-scattered together, the last group taking the remainder. 1 is
+    torchtitan's grouping; more means fewer, larger collectives (less per-collective latency and hook
+    overhead) and more memory held unsharded at once. Prefetch depths count groups. Results are bit-identical
+    for every value."""
     async_all_gather: bool = False
-    """Issue the next block's all-gather from the current block's forward pre-hook with ``unshard(async_op=True)``;
-    FSDP waits on it just before that block runs."""
+    """Issue the next block's all-gather from the current block's forward pre-hook with
+    ``unshard(async_op=True)``; FSDP waits on it just before that block runs."""
     reduce_scatter: Literal["auto", "native", "all_to_all"] = "auto"
-    """How FSDP reduce-scatters gradients: ``native`` is the backend's ``reduce_scatter_tensor`` (NCCL's kernel; gloo
-    runs an all-reduce of the whole buffer), ``all_to_all`` one all-to-all of the chunks and a local sum in rank
-    order (half gloo's traffic: 2.4x faster here; ``shardlm/parallel/reduce_scatter.py``); ``auto`` is
-    ``all_to_all`` on CPU (gloo) and ``native`` on CUDA."""
+    """How FSDP reduce-scatters gradients: ``native`` is the backend's ``reduce_scatter_tensor`` (NCCL's
+    kernel; gloo runs an all-reduce of the whole buffer), ``all_to_all`` one all-to-all of the chunks and a
+    local sum in rank order (half gloo's traffic: 2.4x faster here; ``shardlm/parallel/reduce_scatter.py``);
+    ``auto`` is ``all_to_all`` on CPU (gloo) and ``native`` on CUDA."""
     cpu_offload: bool = False
-    """Keep parameter shards, gradient shards and optimizer state in CPU memory (``CPUOffloadPolicy``; pinned only
-    when an accelerator exists); the optimizer step runs on the CPU."""
+    """Keep parameter shards, gradient shards and optimizer state in CPU memory (``CPUOffloadPolicy``; pinned
+    only when an accelerator exists); the optimizer step runs on the CPU."""
     activation_checkpoint: Literal["none", "full", "every_n", "selective"] = "none"
-    """Activation checkpointing of the blocks: ``full`` recomputes every block in backward, ``every_n`` every n-th
-    block (``activation_checkpoint_n``), ``selective`` keeps matrix-multiply and attention outputs and recomputes
-    the element-wise ops (torchtitan's "selective op"). Parameter names do not change."""
+    """Activation checkpointing of the blocks: ``full`` recomputes every block in backward, ``every_n`` every
+    n-th block (``activation_checkpoint_n``), ``selective`` keeps matrix-multiply and attention outputs and
+    recomputes the element-wise ops (torchtitan's "selective op"). Parameter names do not change."""
     activation_checkpoint_n: int = 2
-    """For ``activation_checkpoint = "every_n"``: checkpoint blocks n, 2n, ... (1-based), i.e. every n-th block."""
+    """For ``activation_checkpoint = "every_n"``: checkpoint blocks n, 2n, ... (1-based), i.e. every
+    n-th block."""
     compile: bool = False
     """Compile each block with ``block.compile()`` (TorchInductor) before sharding; needs a C++ compiler
     (``$CXX``, else ``g++``)."""
     cpu_bf16_matmul: Literal["auto", "native", "fp32"] = "auto"
     """bf16 linear layers on a CPU device (``param_dtype = "bfloat16"``): ``native`` uses PyTorch's bf16 GEMM,
     ``fp32`` upcasts both bf16 operands, multiplies in fp32 and rounds the result to bf16 (same products, fp32
-    accumulation; 2.3x faster forward + backward on CPUs without bf16 instructions), ``auto`` is ``fp32`` unless
-    the CPU has AVX512-BF16 or AMX. No effect on CUDA or with fp32 compute (``shardlm/model/cpu_matmul.py``)."""
+    accumulation; 2.3x faster forward + backward on CPUs without bf16 instructions), ``auto`` is ``fp32``
+    unless the CPU has AVX512-BF16 or AMX. No effect on CUDA or with fp32 compute
+    (``shardlm/model/cpu_matmul.py``)."""
     grad_sync: Literal["every_micro_batch", "last_micro_batch", "reduce_scatter_every_all_reduce_last"] = (
         "every_micro_batch")
-    """Gradient reduction under accumulation: reduce-scatter after every micro-batch (the default: only gradient
-    shards are kept between micro-batches, FSDP's memory saving holds; torchtitan's choice), on the last
-    micro-batch only (least communication, but every rank holds unsharded full-model gradients meanwhile), or
-    reduce-scatter every micro-batch with the cross-replica all-reduce on the last only (HSDP: differs from
-    ``every_micro_batch`` only once a replicate mesh dimension exists). ``shardlm plan`` prints the memory and
-    communication of both choices when there is gradient accumulation."""
+    """Gradient reduction under accumulation: reduce-scatter after every micro-batch (the default: only
+    gradient shards are kept between micro-batches, FSDP's memory saving holds; torchtitan's choice), on the
+    last micro-batch only (least communication, but every rank holds unsharded full-model gradients
+    meanwhile), or reduce-scatter every micro-batch with the cross-replica all-reduce on the last only (HSDP:
+    differs from ``every_micro_batch`` only once a replicate mesh dimension exists). ``shardlm plan`` prints
+    the memory and communication of both choices when there is gradient accumulation."""
     tf32: bool = True
     """On CUDA, fp32 matrix multiplies and convolutions use TF32 tensor cores
-    (``torch.backends.cuda.matmul.allow_tf32``, ``torch.backends.cudnn.allow_tf32``): about 7x the fp32 rate on
-    an H100, with a 10-bit mantissa in the products (fp32 accumulation). ``false`` keeps full fp32 products.
-    No effect on CPU or on bf16 compute; the planner's and MFU's peak follow it (shardlm/parallel/dist.py)."""
+    (``torch.backends.cuda.matmul.allow_tf32``, ``torch.backends.cudnn.allow_tf32``): about 7x the fp32 rate
+    on an H100, with a 10-bit mantissa in the products (fp32 accumulation). ``false`` keeps full fp32
+    products. No effect on CPU or on bf16 compute; the planner's and MFU's peak follow it
+    (shardlm/parallel/dist.py)."""

@@ -1,6 +1,6 @@
 """The sections of a run's configuration: one dataclass per TOML section, a docstring per field, and
-:class:`Config`, which holds them. ``[model]`` is :class:`~shardlm.model.config.ModelConfig` and ``[parallel]``
-:class:`~shardlm.config.parallelism.ParallelConfig`, each beside its own rules."""
+:class:`Config`, which holds them. ``[model]`` is :class:`~shardlm.model.config.ModelConfig` and
+``[parallel]`` :class:`~shardlm.config.parallelism.ParallelConfig`, each beside its own rules."""
 
 from __future__ import annotations
 
@@ -30,9 +30,9 @@ class DataConfig:
     """Corpus, tokenizer and where the token ids are stored."""
 
     corpus: str = "shakespeare"
-    """``shakespeare`` (the embedded default); a .txt/.md/.jsonl file (each also .gz/.zst) or .parquet; a datasets
-    ``save_to_disk`` directory; ``hf:NAME[:SPLIT]`` (the local Hugging Face cache, offline); a directory of any of
-    these (recursive) or a glob."""
+    """``shakespeare`` (the embedded default); a .txt/.md/.jsonl file (each also .gz/.zst) or .parquet; a
+    datasets ``save_to_disk`` directory; ``hf:NAME[:SPLIT]`` (the local Hugging Face cache, offline); a
+    directory of any of these (recursive) or a glob."""
     tokenizer: str = ""
     """Path to an existing ``tokenizer.json``; empty trains a byte-level BPE on a sample of the corpus."""
     tokenizer_vocab_size: int = 0
@@ -42,7 +42,8 @@ class DataConfig:
     text_field: str = "text"
     """The field of a JSONL object, or the column of Parquet and datasets, that holds the text."""
     workers: int = 0
-    """Encoding processes per rank; 0 means the cores this process may use, divided by the ranks of the node."""
+    """Encoding processes per rank; 0 means the cores this process may use, divided by the ranks of
+    the node."""
     piece_bytes: int = 64 << 20
     """Input bytes per piece: the unit of work shared between ranks and kept when a preparation restarts."""
     val_fraction: float = 0.05
@@ -50,18 +51,20 @@ class DataConfig:
     dir: str = ""
     """Directory of the prepared token ids; empty means ``data/<config name>``."""
     format: Literal["text", "instruct", "preference"] = "text"
-    """``text``: a corpus for language modelling; ``instruct``: a .jsonl of ``messages`` or ``prompt``/``response``
-    examples, chat-formatted, loss on response tokens only (see shardlm/data/instruct.py); ``preference``: a .jsonl of
-    ``prompt``/``chosen``/``rejected`` pairs for the ``[preference]`` objective (shardlm/data/preference.py)."""
+    """``text``: a corpus for language modelling; ``instruct``: a .jsonl of ``messages`` or
+    ``prompt``/``response`` examples, chat-formatted, loss on response tokens only (see
+    shardlm/data/instruct.py); ``preference``: a .jsonl of ``prompt``/``chosen``/``rejected`` pairs for the
+    ``[preference]`` objective (shardlm/data/preference.py)."""
     pack: bool = False
-    """Pack several instruction examples into each sample of ``seq_len + 1`` tokens (best-fit decreasing, the rest
-    padded; shardlm/data/packing.py), under block-causal attention so that no example sees another
+    """Pack several instruction examples into each sample of ``seq_len + 1`` tokens (best-fit decreasing, the
+    rest padded; shardlm/data/packing.py), under block-causal attention so that no example sees another
     (``model.attention = "auto"``, the default, then resolves to ``block_causal``; ``causal`` is refused).
-    Only for ``format = "instruct"``: pre-training windows are already full (block-causal there by default)."""
+    Only for ``format = "instruct"``: pre-training windows are already full (block-causal there
+    by default)."""
     sources: list[DataSource] = field(default_factory=list)
-    """A mixture, instead of ``corpus``: ``[[data.sources]]`` tables with ``path`` and ``weight`` (and ``name``).
-    Each global batch draws its samples from the sources in proportion to the weights; all sources share one
-    tokenizer; each is prepared into ``<data.dir>/<name>``."""
+    """A mixture, instead of ``corpus``: ``[[data.sources]]`` tables with ``path`` and ``weight`` (and
+    ``name``). Each global batch draws its samples from the sources in proportion to the weights; all sources
+    share one tokenizer; each is prepared into ``<data.dir>/<name>``."""
 
 
 @dataclass
@@ -97,20 +100,21 @@ class TrainConfig:
     eval_tokens: int = 16384
     """Validation tokens used per evaluation (a fixed set, split over ranks)."""
     log_interval: int = 1
-    """Write a metrics record every this many steps (and at the last step, and on evaluation and checkpoint steps).
-    Only these steps read values to the host; a preemption signal is acted on at the next of them."""
+    """Write a metrics record every this many steps (and at the last step, and on evaluation and checkpoint
+    steps). Only these steps read values to the host; a preemption signal is acted on at the next of them."""
     log_per_rank: bool = False
     """Also write each per-rank figure as a full list over ranks (``<key>_per_rank`` in metrics.jsonl, one
     TensorBoard tag per rank); otherwise only its summary (min, max, mean, rank of the max)."""
     log_moe_layers: bool = False
-    """A mixture of experts: also write tokens per expert for each MoE layer (``tokens_per_expert_min/layer<i>``,
-    ``_max/layer<i>``, i the block index); otherwise only over all layers and experts together."""
+    """A mixture of experts: also write tokens per expert for each MoE layer
+    (``tokens_per_expert_min/layer<i>``, ``_max/layer<i>``, i the block index); otherwise only over all layers
+    and experts together."""
     seed: int = 0
     """Seed of the initialisation and the data order."""
     peak_flops: float = 0.0
-    """Peak dense FLOP/s of one rank's device that MFU is measured against; 0 = automatic: the datasheet peak of
-    a known GPU in the precision that runs (bf16, TF32 or fp32; shardlm/metrics/flops.py), or on a CPU (or an
-    unknown GPU) a rate measured at start-up with large matrix products in that precision."""
+    """Peak dense FLOP/s of one rank's device that MFU is measured against; 0 = automatic: the datasheet peak
+    of a known GPU in the precision that runs (bf16, TF32 or fp32; shardlm/metrics/flops.py), or on a CPU (or
+    an unknown GPU) a rate measured at start-up with large matrix products in that precision."""
     trainable: str = ""
     """Comma-separated name patterns of the parameters to train; every other parameter is frozen (no gradient,
     no optimizer state, no gradient communication). ``*`` matches any text, ``[a-b]`` any integer from a to b,
@@ -119,10 +123,10 @@ class TrainConfig:
     frozen: str = ""
     """Comma-separated name patterns of parameters to freeze (as ``trainable``), applied after it."""
     loss_chunk_tokens: int = 256
-    """Scored tokens per chunk of the fused output projection and cross-entropy (training and evaluation): each
-    chunk's logits (this many × vocab fp32 values) are made, turned into its loss and gradients, and freed, so the
-    whole logits never exist (``shardlm/train/loss.py``); same results as the plain loss up to summation order.
-    0 = the plain loss (the whole logits, their fp32 log-softmax and gradients)."""
+    """Scored tokens per chunk of the fused output projection and cross-entropy (training and evaluation):
+    each chunk's logits (this many × vocab fp32 values) are made, turned into its loss and gradients, and
+    freed, so the whole logits never exist (``shardlm/train/loss.py``); same results as the plain loss up to
+    summation order. 0 = the plain loss (the whole logits, their fp32 log-softmax and gradients)."""
 
 
 @dataclass
@@ -156,29 +160,32 @@ class CheckpointConfig:
     """Keep this run's newest this many complete checkpoints (by save order), deleting its older ones; never
     deletes another run's checkpoints or the one just written; 0 keeps all."""
     resume: str = ""
-    """``""`` starts fresh (unless torchrun restarted the job: then ``auto``), ``auto`` resumes from the newest
-    complete checkpoint of the run directory's run (``config.json``'s ``run_id``) if there is one, or a path to
-    a ``step-<N>`` checkpoint directory. ``--resume=auto`` is the same; with it and no ``--config`` the run's settings
-    come from the run directory's ``config.json`` (:func:`shardlm.cli.train.train_config`)."""
+    """``""`` starts fresh (unless torchrun restarted the job: then ``auto``), ``auto`` resumes from the
+    newest complete checkpoint of the run directory's run (``config.json``'s ``run_id``) if there is one, or a
+    path to a ``step-<N>`` checkpoint directory. ``--resume=auto`` is the same; with it and no ``--config``
+    the run's settings come from the run directory's ``config.json``
+    (:func:`shardlm.cli.train.train_config`)."""
     async_: bool = False
-    """``checkpoint.async`` in TOML and on the command line (``async`` is a Python keyword): stage the state to host
-    memory (a copy of this rank's shards: ~12 bytes per parameter / world size with AdamW in fp32) and write it in
-    the background with DCP's ``async_save`` on a gloo process group of its own (timeout
-    :data:`shardlm.checkpoint.dcp.CHECKPOINT_TIMEOUT`) while training continues. At most one save is in flight (the
-    next save and the end of the run wait for it); the checkpoint becomes ``step-<N>`` only when every rank has
-    written and the manifest is there, and a failed background save stops the run at the next step with the cause
-    and path. False: the training loop waits for each save."""
+    """``checkpoint.async`` in TOML and on the command line (``async`` is a Python keyword): stage the state
+    to host memory (a copy of this rank's shards: ~12 bytes per parameter / world size with AdamW in fp32) and
+    write it in the background with DCP's ``async_save`` on a gloo process group of its own (timeout
+    :data:`shardlm.checkpoint.dcp.CHECKPOINT_TIMEOUT`) while training continues. At most one save is in flight
+    (the next save and the end of the run wait for it); the checkpoint becomes ``step-<N>`` only when every
+    rank has written and the manifest is there, and a failed background save stops the run at the next step
+    with the cause and path. False: the training loop waits for each save."""
 
 
 @dataclass
 class MetricsConfig:
     """Experiment trackers that receive the metrics records besides ``metrics.jsonl`` and TensorBoard.
 
-    Rank 0 logs; a tracker that fails prints one warning and training goes on (``shardlm/metrics/trackers.py``).
+    Rank 0 logs; a tracker that fails prints one warning and training goes on
+    (``shardlm/metrics/trackers.py``).
     """
 
     wandb: bool = False
-    """Log to Weights & Biases (``pip install 'shardlm[wandb]'``): the config, every logged step, the final model path."""
+    """Log to Weights & Biases (``pip install 'shardlm[wandb]'``): the config, every logged step, the final
+    model path."""
     wandb_project: str = ""
     """W&B project; empty means ``WANDB_PROJECT`` or ``shardlm``."""
     wandb_entity: str = ""
@@ -188,17 +195,18 @@ class MetricsConfig:
     wandb_tags: tuple[str, ...] = ()
     """W&B run tags; empty means ``WANDB_TAGS`` (comma-separated) or none."""
     wandb_mode: Literal["", "online", "offline"] = ""
-    """``online`` uploads as it goes; ``offline`` writes ``<run dir>/wandb/offline-run-*`` for ``wandb sync``; empty
-    means ``WANDB_MODE`` or online."""
+    """``online`` uploads as it goes; ``offline`` writes ``<run dir>/wandb/offline-run-*`` for ``wandb sync``;
+    empty means ``WANDB_MODE`` or online."""
     wandb_rewind: bool = True
-    """On resume, rewind the W&B run to the checkpoint's step (``resume_from``; a W&B preview feature) so the resumed
-    steps replace those logged past it; false, or a server that refuses it, continues with ``resume="allow"``."""
+    """On resume, rewind the W&B run to the checkpoint's step (``resume_from``; a W&B preview feature) so the
+    resumed steps replace those logged past it; false, or a server that refuses it, continues with
+    ``resume="allow"``."""
     mlflow: bool = False
-    """Log to MLflow (``pip install 'shardlm[mlflow]'``): the config as parameters and artefact, every logged step,
-    the final model path, the report PNGs."""
+    """Log to MLflow (``pip install 'shardlm[mlflow]'``): the config as parameters and artefact, every logged
+    step, the final model path, the report PNGs."""
     mlflow_tracking_uri: str = ""
-    """MLflow tracking URI (``http://host:5000``, ``file:/path/mlruns``, ``sqlite:///mlflow.db``...); empty means
-    ``MLFLOW_TRACKING_URI``, else MLflow's default in the working directory: ``sqlite:///mlflow.db``, or
+    """MLflow tracking URI (``http://host:5000``, ``file:/path/mlruns``, ``sqlite:///mlflow.db``...); empty
+    means ``MLFLOW_TRACKING_URI``, else MLflow's default in the working directory: ``sqlite:///mlflow.db``, or
     ``file:./mlruns`` without sqlalchemy/alembic (said in one line) or when it already holds experiments."""
     mlflow_experiment: str = ""
     """MLflow experiment name; empty means ``MLFLOW_EXPERIMENT_NAME`` or ``shardlm``."""
@@ -208,7 +216,8 @@ class MetricsConfig:
 
 @dataclass
 class LoRAConfig:
-    """Low-rank adapters (LoRA) on the targeted linear layers; everything else is frozen (shardlm/model/lora.py).
+    """Low-rank adapters (LoRA) on the targeted linear layers; everything else is frozen
+    (shardlm/model/lora.py).
 
     Checkpoints then hold the adapters and their optimizer state only, plus a reference to the base; the run's
     ``final/`` is the merged model and ``final-adapter/`` a PEFT-format adapter."""
@@ -225,51 +234,53 @@ class LoRAConfig:
     targets: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
     """Comma-separated names of the linear layers that get adapters (last name component)."""
     base_dtype: Literal["float32", "bfloat16", "nf4"] = "float32"
-    """Storage of the frozen base: ``float32``, ``bfloat16`` (the targeted layers' weights in half the bytes), or
-    ``nf4`` (QLoRA: every frozen weight matrix, the token embedding and output projection included, in 4-bit
-    NormalFloat via torchao; norms stay fp32; the whole base about 0.26x its bf16 bytes; needs the ``qlora``
-    extra). The adapters are fp32; the compute dtype is ``parallel.param_dtype``."""
+    """Storage of the frozen base: ``float32``, ``bfloat16`` (the targeted layers' weights in half the bytes),
+    or ``nf4`` (QLoRA: every frozen weight matrix, the token embedding and output projection included, in
+    4-bit NormalFloat via torchao; norms stay fp32; the whole base about 0.26x its bf16 bytes; needs the
+    ``qlora`` extra). The adapters are fp32; the compute dtype is ``parallel.param_dtype``."""
     merge_into: Literal["training_base", "original_base"] = "training_base"
-    """Which base weights the merged export (``final/``, ``shardlm export`` of a LoRA checkpoint) adds the scaled
-    adapters to: ``training_base``, the base exactly as training held it (an NF4 base dequantised, a bfloat16 base
-    as rounded): the merged model equals the trained one; or ``original_base``, the weights of ``model.init_from``
-    as stored there (e.g. 16-bit): an approximation of the trained model when the training base was rounded
-    (``nf4``, or ``bfloat16`` of wider weights), since the adapters learnt to correct the rounded base. Recorded in
-    the exported directory's ``lora_merge.json`` and in the log."""
+    """Which base weights the merged export (``final/``, ``shardlm export`` of a LoRA checkpoint) adds the
+    scaled adapters to: ``training_base``, the base exactly as training held it (an NF4 base dequantised, a
+    bfloat16 base as rounded): the merged model equals the trained one; or ``original_base``, the weights of
+    ``model.init_from`` as stored there (e.g. 16-bit): an approximation of the trained model when the training
+    base was rounded (``nf4``, or ``bfloat16`` of wider weights), since the adapters learnt to correct the
+    rounded base. Recorded in the exported directory's ``lora_merge.json`` and in the log."""
 
 
 @dataclass
 class PreferenceConfig:
-    """Preference tuning on ``data.format = "preference"`` pairs (shardlm/train/preference.py, formulas and sources
-    there). The global batch and the micro-batch count pairs; each pair is two sequences in one forward."""
+    """Preference tuning on ``data.format = "preference"`` pairs (shardlm/train/preference.py, formulas and
+    sources there). The global batch and the micro-batch count pairs; each pair is two sequences in
+    one forward."""
 
     loss: Literal["dpo", "ipo", "hinge", "simpo", "orpo"] = "dpo"
-    """``dpo`` (Rafailov et al. 2023; TRL's ``sigmoid``), ``ipo`` (Azar et al. 2023, per-token averaged as TRL),
-    ``hinge`` (SLiC, Zhao et al. 2023), and the reference-free ``simpo`` (Meng et al. 2024) and ``orpo`` (Hong et al.
-    2024)."""
+    """``dpo`` (Rafailov et al. 2023; TRL's ``sigmoid``), ``ipo`` (Azar et al. 2023, per-token averaged as
+    TRL), ``hinge`` (SLiC, Zhao et al. 2023), and the reference-free ``simpo`` (Meng et al. 2024) and ``orpo``
+    (Hong et al. 2024)."""
     beta: float = 0.1
-    """β: the inverse temperature of the implicit reward (dpo, hinge, simpo), IPO's τ, and ORPO's λ (the weight of
-    the odds-ratio term, as TRL's ``ORPOConfig.beta``)."""
+    """β: the inverse temperature of the implicit reward (dpo, hinge, simpo), IPO's τ, and ORPO's λ (the
+    weight of the odds-ratio term, as TRL's ``ORPOConfig.beta``)."""
     label_smoothing: float = 0.0
-    """ε of conservative DPO (Mitchell 2023): the loss ``-(1-ε)·logσ(βΔ) - ε·logσ(-βΔ)``; dpo and simpo only, in
-    [0, 0.5)."""
+    """ε of conservative DPO (Mitchell 2023): the loss ``-(1-ε)·logσ(βΔ) - ε·logσ(-βΔ)``; dpo and simpo only,
+    in [0, 0.5)."""
     simpo_gamma: float = 0.5
     """SimPO's target reward margin γ (the loss is ``-logσ(β·(avg logp_c - avg logp_r) - γ)``)."""
     rpo_alpha: float = 0.0
-    """Weight α of an added NLL term on the chosen completions (mean over their tokens of the global batch; RPO,
-    Pang et al. 2024; TRL's ``loss_type=["sigmoid", "sft"]`` with weights ``[1, α]``, CPO's ``cpo_alpha``). ORPO
-    always has this term with weight 1; α adds to it."""
+    """Weight α of an added NLL term on the chosen completions (mean over their tokens of the global batch;
+    RPO, Pang et al. 2024; TRL's ``loss_type=["sigmoid", "sft"]`` with weights ``[1, α]``, CPO's
+    ``cpo_alpha``). ORPO always has this term with weight 1; α adds to it."""
     reference: Literal["auto", "model", "lora_base"] = "auto"
-    """The reference policy of dpo / ipo / hinge: ``model``, a frozen copy FSDP-sharded beside the policy (eval, no
-    gradients), loaded from ``reference_from``; ``lora_base``, the policy itself with its LoRA adapters switched off
-    (needs ``lora.enabled``; no second copy); ``auto`` is ``lora_base`` under LoRA, else ``model``."""
+    """The reference policy of dpo / ipo / hinge: ``model``, a frozen copy FSDP-sharded beside the policy
+    (eval, no gradients), loaded from ``reference_from``; ``lora_base``, the policy itself with its LoRA
+    adapters switched off (needs ``lora.enabled``; no second copy); ``auto`` is ``lora_base`` under LoRA,
+    else ``model``."""
     reference_from: str = ""
-    """HF model directory of the reference model; empty means ``model.init_from`` (or, without it, the policy's
-    own random initialisation). Its tokenizer must equal the policy's."""
+    """HF model directory of the reference model; empty means ``model.init_from`` (or, without it, the
+    policy's own random initialisation). Its tokenizer must equal the policy's."""
     precompute_reference: bool = False
-    """Compute the reference log-probs of every training pair once, before step 1 (FSDP-sharded, the pairs split
-    over ranks), store them in the run directory keyed by the reference's identity and the data, and reuse them on
-    resume or a second run; the reference model is freed before training."""
+    """Compute the reference log-probs of every training pair once, before step 1 (FSDP-sharded, the pairs
+    split over ranks), store them in the run directory keyed by the reference's identity and the data, and
+    reuse them on resume or a second run; the reference model is freed before training."""
 
 
 @dataclass
@@ -287,8 +298,8 @@ class Config:
     preference: PreferenceConfig = field(default_factory=PreferenceConfig)
 
     def to_dict(self) -> dict[str, Any]:
-        """The config as nested plain dicts (tuples become lists), for JSON/TOML output; keys are the TOML keys
-        (``checkpoint.async``, not the attribute ``async_``)."""
+        """The config as nested plain dicts (tuples become lists), for JSON/TOML output; keys are the TOML
+        keys (``checkpoint.async``, not the attribute ``async_``)."""
         data = json.loads(json.dumps(dataclasses.asdict(self)))
         for section in data.values():
             for key, attr in KEYWORD_KEYS.items():

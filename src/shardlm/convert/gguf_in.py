@@ -1,19 +1,20 @@
-"""Converting a GGUF file (llama.cpp's format) of a built family (Llama, Qwen2, Qwen3, Gemma 3) into a Hugging Face
-model directory.
+"""Converting a GGUF file (llama.cpp's format) of a built family (Llama, Qwen2, Qwen3, Gemma 3) into a Hugging
+Face model directory.
 
 Tensors are read and dequantised to float32 with the PyPI ``gguf`` package (``GGUFReader``,
-``gguf.quants.dequantize``: F32/F16/BF16, Q4_0...Q8_0, the K-quants Q2_K...Q6_K that ``*_K_M`` files use, and the
-IQ types). What llama.cpp's converter (``convert_hf_to_gguf.py``) did to the tensors is undone: ggml lists shapes
-innermost-first (``gguf`` already returns row-major numpy arrays, i.e. HF's (out_features, in_features)); for Llama
-only, the query and key projections had their rows permuted from HF's rotate-half layout to llama.cpp's
-interleaved RoPE layout, per head: ``w.reshape(n_head, 2, rows // n_head // 2, cols).swapaxes(1, 2)``, with the
-key-value head count for the key projection (:func:`unpermute_rows` is its inverse); for Gemma, 1 was added to
-every RMSNorm weight (llama.cpp's norm multiplies by the weight, Gemma's by 1 + weight), and is subtracted here.
-Gemma 3 settings that GGUF does not store (local RoPE base 10000, every 6th layer global, query_pre_attn_scalar)
-are llama.cpp's and transformers' defaults. Llama 3's RoPE scaling, which llama.cpp keeps only as the
-``rope_freqs`` tensor, is rebuilt into the config (:func:`rope_scaling_from_factors`). The tokenizer (with its chat
-template) is rebuilt from the file's metadata by ``transformers``, less the tokens it adds beyond the file's
-vocabulary (:func:`_drop_tokens_not_in_file`).
+``gguf.quants.dequantize``: F32/F16/BF16, Q4_0...Q8_0, the K-quants Q2_K...Q6_K that ``*_K_M`` files use, and
+the IQ types). What llama.cpp's converter (``convert_hf_to_gguf.py``) did to the tensors is undone: ggml lists
+shapes innermost-first (``gguf`` already returns row-major numpy arrays, i.e. HF's (out_features,
+in_features)); for Llama only, the query and key projections had their rows permuted from HF's rotate-half
+layout to llama.cpp's interleaved RoPE layout, per head: ``w.reshape(n_head, 2, rows // n_head // 2,
+cols).swapaxes(1, 2)``, with the key-value head count for the key projection (:func:`unpermute_rows` is its
+inverse); for Gemma, 1 was added to every RMSNorm weight (llama.cpp's norm multiplies by the weight, Gemma's
+by 1 + weight), and is subtracted here. Gemma 3 settings that GGUF does not store (local RoPE base 10000,
+every 6th layer global, query_pre_attn_scalar) are llama.cpp's and transformers' defaults. Llama 3's RoPE
+scaling, which llama.cpp keeps only as the ``rope_freqs`` tensor, is rebuilt into the config
+(:func:`rope_scaling_from_factors`). The tokenizer (with its chat template) is rebuilt from the file's
+metadata by ``transformers``, less the tokens it adds beyond the file's vocabulary
+(:func:`_drop_tokens_not_in_file`).
 """
 
 from __future__ import annotations
@@ -43,8 +44,9 @@ _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "
 
 
 def hf_name(gguf_name: str, family: str = "llama") -> str | None:
-    """HF parameter name of a GGUF tensor name (``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``)
-    in ``family``'s naming (:attr:`~shardlm.model.families.Family.gguf_block_names`).
+    """HF parameter name of a GGUF tensor name (``blk.3.attn_q.weight`` ->
+    ``model.layers.3.self_attn.q_proj.weight``) in ``family``'s naming
+    (:attr:`~shardlm.model.families.Family.gguf_block_names`).
 
     Returns None for tensors with no HF counterpart (``rope_freqs``...).
     """
@@ -82,8 +84,8 @@ def gguf_model_config(reader: Any, source: str, tied: bool) -> ModelConfig:
     """Our :class:`ModelConfig` from a GGUF file's ``<architecture>.*`` metadata.
 
     Raises:
-        ModelDirError: ``general.architecture`` is not a built family's (``Family.gguf_architecture``), a required key is
-            missing, or a RoPE scaling type is not built (named).
+        ModelDirError: ``general.architecture`` is not a built family's (``Family.gguf_architecture``), a
+            required key is missing, or a RoPE scaling type is not built (named).
     """
     arch = _field(reader, "general.architecture")
     family = families.by_gguf_architecture(arch, source)
@@ -112,7 +114,8 @@ def gguf_model_config(reader: Any, source: str, tied: bool) -> ModelConfig:
     elif factor is not None and scaling not in (None, "none", "llama3"):
         raise ModelDirError(f"{source}: GGUF metadata {arch}.rope.scaling.type={scaling!r} is not supported")
     elif scaling == "linear":
-        raise ModelDirError(f"{source}: GGUF metadata {arch}.rope.scaling.type='linear' is not supported for {arch}")
+        raise ModelDirError(f"{source}: GGUF metadata {arch}.rope.scaling.type='linear' is not supported for "
+                            f"{arch}")
     family.gguf_fields_in(cfg, lambda key, default=None: _field(reader, f"{arch}.{key}", default))
     return cfg
 
@@ -124,7 +127,8 @@ _ROPE_FACTOR_TENSORS = {"rope_freqs.weight": "per-dimension RoPE frequency facto
 
 
 def _llama3_factors(cfg: ModelConfig, factor: float, low: float, high: float, original: int) -> np.ndarray:
-    """The ``rope_freqs`` llama3 scaling (factor, low, high, original) gives ``cfg``'s frequencies, (head_dim/2,)."""
+    """The ``rope_freqs`` llama3 scaling (factor, low, high, original) gives ``cfg``'s
+    frequencies, (head_dim/2,)."""
     trial = dataclasses.replace(cfg, rope_scaling_factor=factor, rope_low_freq_factor=low,
                                 rope_high_freq_factor=high, rope_original_max_seq_len=original)
     plain = dataclasses.replace(cfg, rope_scaling_factor=0.0)
@@ -132,7 +136,8 @@ def _llama3_factors(cfg: ModelConfig, factor: float, low: float, high: float, or
 
 
 def _snap(x: float) -> float:
-    """``x`` rounded to 6 significant digits when that is within 1e-6 of it (fits recover 4.0, not 3.9999998)."""
+    """``x`` rounded to 6 significant digits when that is within 1e-6 of it (fits recover 4.0,
+    not 3.9999998)."""
     rounded = float(f"{x:.6g}")
     return rounded if abs(rounded - x) <= 1e-6 * abs(x) else x
 
@@ -140,12 +145,13 @@ def _snap(x: float) -> float:
 def _llama3_candidates(cfg: ModelConfig, r: np.ndarray, factor: float) -> list[tuple[float, float, int]]:
     """(low_freq_factor, high_freq_factor, original context) that could have written the factors ``r``.
 
-    Llama 3.x's published values (1, 4, 8192) first. Then a fit: with ``f`` the inverse frequencies,
-    HF's rule is ``r = 1`` above ``F_hi = 2π·high/original``, ``r = factor`` below ``F_lo = 2π·low/original``, and
-    in between ``1/r = (1 - s)/factor + s`` with ``s = (f - F_lo)/(F_hi - F_lo)``. ``s`` of the in-between dimensions
-    gives ``F_lo`` and ``F_hi`` (a least-squares line through two or more; with one or none, thresholds between
-    the neighbouring frequencies, any of which gives the same factors); ``original`` is chosen so that ``low`` is
-    about 1, as in Llama 3.x (only the ratios low/original and high/original are determined by the factors).
+    Llama 3.x's published values (1, 4, 8192) first. Then a fit: with ``f`` the inverse frequencies, HF's rule
+    is ``r = 1`` above ``F_hi = 2π·high/original``, ``r = factor`` below ``F_lo = 2π·low/original``, and in
+    between ``1/r = (1 - s)/factor + s`` with ``s = (f - F_lo)/(F_hi - F_lo)``. ``s`` of the in-between
+    dimensions gives ``F_lo`` and ``F_hi`` (a least-squares line through two or more; with one or none,
+    thresholds between the neighbouring frequencies, any of which gives the same factors); ``original`` is
+    chosen so that ``low`` is about 1, as in Llama 3.x (only the ratios low/original and high/original are
+    determined by the factors).
     """
     head_dim = cfg.head_dim
     f = 1.0 / (float(cfg.rope_theta) ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
@@ -161,7 +167,8 @@ def _llama3_candidates(cfg: ModelConfig, r: np.ndarray, factor: float) -> list[t
         f_lo, f_hi = -intercept / slope, (1.0 - intercept) / slope
     elif medium.sum() == 1:
         f1, s1 = float(f[medium][0]), float(s[0])
-        width = 0.5 * min((f1 - f_a) / s1 if s1 > 0 else math.inf, (f_b - f1) / (1 - s1) if s1 < 1 else math.inf)
+        width = 0.5 * min((f1 - f_a) / s1 if s1 > 0 else math.inf,
+                          (f_b - f1) / (1 - s1) if s1 < 1 else math.inf)
         if not math.isfinite(width):
             width = f1
         f_lo, f_hi = f1 - s1 * width, f1 + (1 - s1) * width
@@ -180,23 +187,23 @@ def rope_scaling_from_factors(factors: np.ndarray, cfg: ModelConfig, source: str
     """Set ``cfg``'s llama3 RoPE scaling from llama.cpp's ``rope_freqs`` tensor, in place.
 
     llama.cpp's converter (``convert_hf_to_gguf.py``, ``LlamaModel.generate_extra_tensors``) keeps Llama 3's
-    ``rope_scaling`` only as this tensor: one factor per rotary dimension pair, (head_dim / 2,) float32, by which
-    the inverse frequency ``1 / theta^(2i / head_dim)`` is divided (``ggml_rope_ext``'s ``freq_factors``): 1 for
-    short wavelengths, ``factor`` for long ones, interpolated between. The scaling is rebuilt (``factor`` = the
-    largest factor; low/high/original from :func:`_llama3_candidates`) and accepted only if HF's llama3 rule
-    (:func:`shardlm.model.rope.rope_inv_freq`) gives every factor back within 1e-5 (relative). All factors 1: no
-    scaling.
+    ``rope_scaling`` only as this tensor: one factor per rotary dimension pair, (head_dim / 2,) float32, by
+    which the inverse frequency ``1 / theta^(2i / head_dim)`` is divided (``ggml_rope_ext``'s
+    ``freq_factors``): 1 for short wavelengths, ``factor`` for long ones, interpolated between. The scaling is
+    rebuilt (``factor`` = the largest factor; low/high/original from :func:`_llama3_candidates`) and accepted
+    only if HF's llama3 rule (:func:`shardlm.model.rope.rope_inv_freq`) gives every factor back within 1e-5
+    (relative). All factors 1: no scaling.
 
     Raises:
-        ModelDirError: the tensor's shape is not (head_dim / 2,), a factor is not finite and positive, or no llama3
-            scaling gives these factors (the first dimension that differs named).
+        ModelDirError: the tensor's shape is not (head_dim / 2,), a factor is not finite and positive, or no
+            llama3 scaling gives these factors (the first dimension that differs named).
     """
     name = "rope_freqs.weight"
     r = np.asarray(factors, dtype=np.float64).reshape(-1)
     half = cfg.head_dim // 2
     if r.shape != (half,):
-        raise ModelDirError(f"{source}: GGUF tensor {name} has {r.size} factors; the head width {cfg.head_dim} "
-                            f"needs {half}")
+        raise ModelDirError(f"{source}: GGUF tensor {name} has {r.size} factors; the head width "
+                            f"{cfg.head_dim} needs {half}")
     if not np.all(np.isfinite(r)) or (r <= 0).any():
         raise ModelDirError(f"{source}: GGUF tensor {name} holds a factor that is not finite and positive")
     if np.allclose(r, 1.0, rtol=0, atol=1e-7):
@@ -211,9 +218,9 @@ def rope_scaling_from_factors(factors: np.ndarray, cfg: ModelConfig, source: str
             return
         best = ours if best is None else best
     i = int(np.argmax(np.abs(best - r) / r))
-    raise ModelDirError(f"{source}: GGUF tensor {name} ({_ROPE_FACTOR_TENSORS[name]}) is not a llama3 RoPE scaling "
-                        f"(dimension pair {i}: factor {r[i]:.7g}, llama3 with factor {factor:g} gives {best[i]:.7g}); "
-                        "not supported")
+    raise ModelDirError(f"{source}: GGUF tensor {name} ({_ROPE_FACTOR_TENSORS[name]}) is not a llama3 RoPE "
+                        f"scaling (dimension pair {i}: factor {r[i]:.7g}, llama3 with factor {factor:g} "
+                        f"gives {best[i]:.7g}); not supported")
 
 
 def dequantize(tensor: Any, source: str) -> np.ndarray:
@@ -227,14 +234,14 @@ def dequantize(tensor: Any, source: str) -> np.ndarray:
     try:
         array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
     except (NotImplementedError, ValueError) as e:
-        raise ModelDirError(f"{source}: GGUF tensor {tensor.name} has quantisation type {tensor.tensor_type.name}, "
-                            f"which cannot be dequantised ({e})") from None
+        raise ModelDirError(f"{source}: GGUF tensor {tensor.name} has quantisation type "
+                            f"{tensor.tensor_type.name}, which cannot be dequantised ({e})") from None
     shape = tuple(reversed(tensor.shape.tolist()))
     try:
         return np.array(array, dtype=np.float32, copy=True).reshape(shape)
     except ValueError:
-        raise ModelDirError(f"{source}: GGUF tensor {tensor.name} holds {array.size} values, not the {shape} its "
-                            "header states (a truncated or damaged file)") from None
+        raise ModelDirError(f"{source}: GGUF tensor {tensor.name} holds {array.size} values, not the {shape} "
+                            "its header states (a truncated or damaged file)") from None
 
 
 def read_gguf_tensors(path: str | Path) -> tuple[dict[str, torch.Tensor], ModelConfig, Any]:
@@ -259,12 +266,14 @@ def read_gguf_tensors(path: str | Path) -> tuple[dict[str, torch.Tensor], ModelC
     for t in reader.tensors:
         name = hf_name(t.name, cfg.family)
         if name is None:
-            if t.name == "rope_freqs.weight" and cfg.arch.gguf_rope_freqs:  # Llama 3's scaling, rebuilt into cfg
+            if t.name == "rope_freqs.weight" and cfg.arch.gguf_rope_freqs:
+                # Llama 3's scaling, rebuilt into cfg
                 rope_scaling_from_factors(dequantize(t, str(path)), cfg, str(path))
                 continue
             if t.name in _ROPE_FACTOR_TENSORS:
-                raise ModelDirError(f"{path}: GGUF tensor {t.name} ({_ROPE_FACTOR_TENSORS[t.name]}) is not supported "
-                                    f"for {cfg.family}; shardlm's {cfg.family} RoPE has no per-dimension factors")
+                raise ModelDirError(f"{path}: GGUF tensor {t.name} ({_ROPE_FACTOR_TENSORS[t.name]}) is not "
+                                    f"supported for {cfg.family}; shardlm's {cfg.family} RoPE has no "
+                                    "per-dimension factors")
             raise ModelDirError(f"{path}: GGUF tensor {t.name} has no {cfg.family} counterpart")
         w = torch.from_numpy(dequantize(t, str(path)))
         if cfg.arch.gguf_qk_permuted and name.endswith("q_proj.weight"):
@@ -274,31 +283,35 @@ def read_gguf_tensors(path: str | Path) -> tuple[dict[str, torch.Tensor], ModelC
         elif cfg.arch.gguf_norm_offset and name.endswith("norm.weight"):
             w = w - cfg.arch.gguf_norm_offset
         tensors[name] = w.contiguous()
-    cfg.vocab_size = tensors["model.embed_tokens.weight"].shape[0] if "model.embed_tokens.weight" in tensors else 0
+    cfg.vocab_size = (
+        tensors["model.embed_tokens.weight"].shape[0] if "model.embed_tokens.weight" in tensors else 0
+    )
     if not cfg.vocab_size:
         raise ModelDirError(f"{path}: GGUF tensor token_embd.weight is missing")
     return tensors, cfg, reader
 
 
 def _file_token_count(reader: Any, source: str, vocab_size: int) -> int:
-    """Number of tokens of the file's vocabulary (``tokenizer.ggml.tokens``), checked against the embedding rows.
+    """Number of tokens of the file's vocabulary (``tokenizer.ggml.tokens``), checked against the
+    embedding rows.
 
     Raises:
         ModelDirError: the file has no tokenizer metadata, or more tokens than ``token_embd.weight`` has rows.
     """
     field = reader.fields.get("tokenizer.ggml.tokens")
     if field is None or not field.data:
-        raise ModelDirError(f"{source}: the GGUF file has no tokenizer metadata (tokenizer.ggml.tokens); shardlm "
-                            "import needs the tokenizer inside the file")
+        raise ModelDirError(f"{source}: the GGUF file has no tokenizer metadata (tokenizer.ggml.tokens); "
+                            "shardlm import needs the tokenizer inside the file")
     n = len(field.data)
     if n > vocab_size:
-        raise ModelDirError(f"{source}: the GGUF vocabulary has {n} tokens but token_embd.weight has {vocab_size} "
-                            "rows")
+        raise ModelDirError(f"{source}: the GGUF vocabulary has {n} tokens but token_embd.weight has "
+                            f"{vocab_size} rows")
     return n
 
 
 def _gguf_tokenizer(path: Path) -> Any:
-    """``transformers.AutoTokenizer.from_pretrained(dir, gguf_file=name)`` with its failures as one ModelDirError."""
+    """``transformers.AutoTokenizer.from_pretrained(dir, gguf_file=name)`` with its failures as
+    one ModelDirError."""
     from transformers import AutoTokenizer
 
     try:
@@ -307,7 +320,8 @@ def _gguf_tokenizer(path: Path) -> Any:
         raise
     except Exception as e:  # transformers raises ValueError/KeyError/... on metadata it cannot build from
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ModelDirError(f"{path}: transformers cannot build the tokenizer from the GGUF metadata ({reason})") \
+        raise ModelDirError(f"{path}: transformers cannot build the tokenizer from the GGUF metadata "
+                            f"({reason})") \
             from None
 
 
@@ -315,16 +329,19 @@ def _drop_tokens_not_in_file(tok_dir: Path, file_tokens: int, source: str) -> No
     """Remove from the saved tokenizer every token with an id >= ``file_tokens`` (the file's vocabulary size).
 
     transformers' GGUF tokenizer builder hands the vocabulary to a tokenizer class whose default special
-    tokens it adds when missing (``GPT2Tokenizer``: ``<|endoftext|>``; ``GemmaTokenizer``: ``<mask>``...), after the
-    file's tokens: ids the model has no trained embedding row for (llama.cpp never produces them). They are
-    dropped from ``tokenizer.json`` (added tokens, and the model's vocabulary), and from ``tokenizer_config.json``
-    (the added-token table, extra special tokens, and any role ``*_token`` naming one, which becomes null; the
-    file's own bos/eos/pad are ids within its vocabulary). A note on stderr names the dropped tokens.
+    tokens it adds when missing (``GPT2Tokenizer``: ``<|endoftext|>``; ``GemmaTokenizer``: ``<mask>``...),
+    after the file's tokens: ids the model has no trained embedding row for (llama.cpp never produces them).
+    They are dropped from ``tokenizer.json`` (added tokens, and the model's vocabulary), and from
+    ``tokenizer_config.json`` (the added-token table, extra special tokens, and any role ``*_token`` naming
+    one, which becomes null; the file's own bos/eos/pad are ids within its vocabulary). A note on stderr names
+    the dropped tokens.
     """
     tj = tok_dir / "tokenizer.json"
     data = json.loads(tj.read_text())
-    dropped = sorted({a["content"]: a["id"] for a in data.get("added_tokens", []) if a["id"] >= file_tokens}.items(),
-                     key=lambda kv: kv[1])
+    dropped = sorted(
+        {a["content"]: a["id"] for a in data.get("added_tokens", []) if a["id"] >= file_tokens}.items(),
+        key=lambda kv: kv[1],
+    )
     vocab = data.get("model", {}).get("vocab")
     if isinstance(vocab, dict):
         dropped += [(t, i) for t, i in vocab.items() if i >= file_tokens and t not in dict(dropped)]
@@ -345,19 +362,26 @@ def _drop_tokens_not_in_file(tok_dir: Path, file_tokens: int, source: str) -> No
                                               if int(k) < file_tokens}
         for key in ("extra_special_tokens", "additional_special_tokens"):
             if isinstance(config.get(key), list):
-                config[key] = [t for t in config[key] if (t.get("content") if isinstance(t, dict) else t) not in names]
+                config[key] = [
+                    t for t in config[key] if (t.get("content") if isinstance(t, dict) else t) not in names
+                ]
         for key, value in list(config.items()):
-            if key.endswith("_token") and (value.get("content") if isinstance(value, dict) else value) in names:
+            if (
+                key.endswith("_token")
+                and (value.get("content") if isinstance(value, dict) else value) in names
+            ):
                 config[key] = None
         tc.write_text(json.dumps(config, ensure_ascii=False, indent=2) + "\n")
-    shown = ", ".join(f"{t} (id {i})" for t, i in dropped[:5]) + (f" and {len(dropped) - 5} more" if len(dropped) > 5
-                                                                   else "")
-    print(f"note: {source}: dropped {len(dropped)} token(s) that transformers' GGUF tokenizer adds beyond the file's "
-          f"{file_tokens}-token vocabulary: {shown}", file=sys.stderr, flush=True)
+    shown = ", ".join(f"{t} (id {i})" for t, i in dropped[:5]) + (
+        f" and {len(dropped) - 5} more" if len(dropped) > 5 else ""
+    )
+    print(f"note: {source}: dropped {len(dropped)} token(s) that transformers' GGUF tokenizer adds beyond "
+          f"the file's {file_tokens}-token vocabulary: {shown}", file=sys.stderr, flush=True)
 
 
 def import_gguf(path: str | Path, out_dir: str | Path) -> Path:
-    """Convert a GGUF file (of a family with a GGUF architecture) to an HF model directory ``out_dir`` (written atomically).
+    """Convert a GGUF file (of a family with a GGUF architecture) to an HF model directory ``out_dir``
+    (written atomically).
 
     Writes ``model.safetensors`` (float32), ``config.json`` and ``generation_config.json`` (the
     file's bos/eos ids, the tokenizer's pad id) and the tokenizer files (``tokenizer.json``,
@@ -368,9 +392,9 @@ def import_gguf(path: str | Path, out_dir: str | Path) -> Path:
     fits the embedding.
 
     Raises:
-        ModelDirError: see :func:`read_gguf_tensors`; a tensor whose shape the metadata contradicts; no tokenizer
-            metadata, or more tokens than embedding rows; a tokenizer transformers cannot build (its reason);
-            the file's eos id is not its tokenizer's eos token.
+        ModelDirError: see :func:`read_gguf_tensors`; a tensor whose shape the metadata contradicts; no
+            tokenizer metadata, or more tokens than embedding rows; a tokenizer transformers cannot build (its
+            reason); the file's eos id is not its tokenizer's eos token.
         ImportError: ``gguf`` or ``transformers`` is not installed (``pip install 'shardlm[gguf]'``).
     """
     path, out = Path(path), Path(out_dir)
@@ -381,8 +405,10 @@ def import_gguf(path: str | Path, out_dir: str | Path) -> Path:
         if name not in tensors:
             raise ModelDirError(f"{path}: tensor {name} is missing from the GGUF file")
         if tuple(tensors[name].shape) != shape:
-            raise ModelDirError(f"{path}: tensor {name} has shape {tuple(tensors[name].shape)}, the metadata implies {shape}")
-    special = {"bos": _field(reader, "tokenizer.ggml.bos_token_id"), "eos": _field(reader, "tokenizer.ggml.eos_token_id")}
+            raise ModelDirError(f"{path}: tensor {name} has shape {tuple(tensors[name].shape)}, the metadata "
+                                f"implies {shape}")
+    special = {"bos": _field(reader, "tokenizer.ggml.bos_token_id"),
+               "eos": _field(reader, "tokenizer.ggml.eos_token_id")}
     file_tokens = _file_token_count(reader, str(path), cfg.vocab_size)
     with atomic_directory(out) as tmp:  # a failure never leaves a half-written out_dir
         tok = _gguf_tokenizer(path)
@@ -392,7 +418,9 @@ def import_gguf(path: str | Path, out_dir: str | Path) -> Path:
         _drop_tokens_not_in_file(tmp, file_tokens, str(path))
         save_safetensors(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
         special = {k: (int(v) if v is not None else None) for k, v in special.items()}
-        special["pad"] = tok.pad_token_id if tok.pad_token_id is not None and tok.pad_token_id < file_tokens else None
+        special["pad"] = (
+            tok.pad_token_id if tok.pad_token_id is not None and tok.pad_token_id < file_tokens else None
+        )
         config = hf_config(cfg, special)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         gen = generation_config({**special, "eos": [special["eos"]] if special["eos"] is not None else []})

@@ -1,9 +1,10 @@
 """The hub's on-disk layout of mixture-of-experts weights <-> the model's stacked expert tensors.
 
-In memory (transformers 5.x and shardlm) a MoE layer's experts are two 3-D tensors: ``mlp.experts.gate_up_proj``
-(E, 2·hidden, dim), expert e's gate rows then its up rows, and ``mlp.experts.down_proj`` (E, dim, hidden). On
-disk (what ``save_pretrained`` writes and hub checkpoints hold) each expert has its own 2-D tensors, named per
-family (transformers' ``conversion_mapping.py``; the family's ``hf_expert_names``):
+In memory (transformers 5.x and shardlm) a MoE layer's experts are two 3-D tensors:
+``mlp.experts.gate_up_proj`` (E, 2·hidden, dim), expert e's gate rows then its up rows, and
+``mlp.experts.down_proj`` (E, dim, hidden). On disk (what ``save_pretrained`` writes and hub checkpoints hold)
+each expert has its own 2-D tensors, named per family (transformers' ``conversion_mapping.py``; the family's
+``hf_expert_names``):
 
 =============  ==============================================  ===================================
 family         expert e of layer i (prefix ``model.layers.i.``)  router
@@ -30,7 +31,8 @@ _ROUTER = re.compile(r"^(model\.layers\.\d+\.)mlp\.gate\.(weight|bias)$")
 
 
 def disk_shapes(cfg: ModelConfig, name: str, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
-    """The on-disk tensors (name -> shape) that hold the model's parameter ``name`` of ``shape``, in row order.
+    """The on-disk tensors (name -> shape) that hold the model's parameter ``name`` of ``shape``, in
+    row order.
 
     A stacked expert tensor (E, rows, cols) is ``E`` (gate_up: ``2E``) per-expert tensors; a Mixtral router is
     renamed; any other parameter is itself.
@@ -45,7 +47,9 @@ def disk_shapes(cfg: ModelConfig, name: str, shape: tuple[int, ...]) -> dict[str
         if which == "down_proj":
             return {f"{prefix}{module}.experts.{e}.{down}.weight": (rows, cols) for e in range(n)}
         half = rows // 2
-        return {f"{prefix}{module}.experts.{e}.{w}.weight": (half, cols) for e in range(n) for w in (gate, up)}
+        return {
+            f"{prefix}{module}.experts.{e}.{w}.weight": (half, cols) for e in range(n) for w in (gate, up)
+        }
     router = _ROUTER.match(name)
     if router:
         return {f"{router.group(1)}{module}.gate.{router.group(2)}": tuple(shape)}
@@ -71,8 +75,8 @@ def read_rows(cfg: ModelConfig, name: str, shape: tuple[int, ...], start: int, s
 
 
 def to_disk(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The state dict in the on-disk layout: stacked experts split into per-expert tensors (contiguous copies),
-    routers renamed per family; other tensors as they are."""
+    """The state dict in the on-disk layout: stacked experts split into per-expert tensors (contiguous
+    copies), routers renamed per family; other tensors as they are."""
     out: dict[str, torch.Tensor] = {}
     for name, t in state.items():
         names = list(disk_shapes(cfg, name, tuple(t.shape)))

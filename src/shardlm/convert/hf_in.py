@@ -1,13 +1,13 @@
 """Reading Hugging Face model directories (every family of ``shardlm.model.families.FAMILIES``): whole
 (:func:`load_model_dir`) or sharded per rank (:func:`load_pretrained_`).
 
-A directory holds ``config.json`` (``LlamaForCausalLM``, ``Qwen2ForCausalLM``...) and one or more ``*.safetensors``
-files. A sharded checkpoint's ``model.safetensors.index.json`` decides which file holds each tensor
-(:func:`tensor_files`: files it does not name are ignored, with a note); without one, each tensor must be in
-exactly one file.
-:func:`load_pretrained_` fills a model whose parameters are FSDP shards (``Shard(0)`` DTensors) by
-reading, on each rank, only the rows of its own shard with safetensors' ``safe_open(...).get_slice``,
-so no rank ever materialises a whole tensor; it counts the bytes each rank reads.
+A directory holds ``config.json`` (``LlamaForCausalLM``, ``Qwen2ForCausalLM``...) and one or more
+``*.safetensors`` files. A sharded checkpoint's ``model.safetensors.index.json`` decides which file holds each
+tensor (:func:`tensor_files`: files it does not name are ignored, with a note); without one, each tensor must
+be in exactly one file. :func:`load_pretrained_` fills a model whose parameters are FSDP shards (``Shard(0)``
+DTensors) by reading, on each rank, only the rows of its own shard with safetensors'
+``safe_open(...).get_slice``, so no rank ever materialises a whole tensor; it counts the bytes each
+rank reads.
 """
 
 from __future__ import annotations
@@ -26,7 +26,13 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from shardlm.convert.hf_experts import disk_shapes, read_rows
 from shardlm.data.tokenizer import load_tokenizer
-from shardlm.data.tokenizer_files import eos_ids_of, json_line, model_special_ids, read_tokenizer_config, token_text
+from shardlm.data.tokenizer_files import (
+    eos_ids_of,
+    json_line,
+    model_special_ids,
+    read_tokenizer_config,
+    token_text,
+)
 from shardlm.errors import DataError, ModelDirError
 from shardlm.json_file import read_json
 from shardlm.model.decoder import CausalLM
@@ -37,7 +43,8 @@ from shardlm.model.lora import is_nf4, set_from_full_
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
-#: the file naming which safetensors file holds each tensor of a sharded checkpoint (transformers' SAFE_WEIGHTS_INDEX_NAME)
+#: the file naming which safetensors file holds each tensor of a sharded checkpoint (transformers'
+#: SAFE_WEIGHTS_INDEX_NAME)
 INDEX_NAME = "model.safetensors.index.json"
 
 
@@ -56,7 +63,8 @@ def _tensor_names(file: Path) -> set[str]:
     try:
         with safe_open(str(file), framework="pt") as st:
             return set(st.keys())
-    except Exception as e:  # safetensors raises SafetensorError (not an OSError) on a corrupt or truncated header
+    except Exception as e:
+        # safetensors raises SafetensorError (not an OSError) on a corrupt or truncated header
         raise ModelDirError(f"{file}: not a readable safetensors file ({e})") from None
 
 
@@ -64,7 +72,8 @@ def _index_weight_map(path: Path) -> dict[str, str]:
     """``weight_map`` of ``path/model.safetensors.index.json``: ``{tensor name: file name}``, checked.
 
     Raises:
-        ModelDirError: invalid JSON, no ``weight_map`` object, or a value that is not a file name of this directory.
+        ModelDirError: invalid JSON, no ``weight_map`` object, or a value that is not a file name of
+        this directory.
     """
     index = path / INDEX_NAME
     index_json = read_json(index, ModelDirError, message="{path}: not a safetensors index ({reason})")
@@ -83,13 +92,13 @@ def tensor_files(path: str | Path) -> dict[str, Path]:
     With ``model.safetensors.index.json`` (a sharded checkpoint), the index decides: every file it names must
     exist, each tensor is taken from the file the index names for it and must be there, a file it names may
     hold no tensor it does not list, and ``*.safetensors`` files it does not name (mistralai's
-    ``consolidated.safetensors``, a stale ``model.safetensors``) are ignored, with a note on stderr. Without an
-    index, every ``*.safetensors`` file is read and a tensor name may occur in only one of them.
+    ``consolidated.safetensors``, a stale ``model.safetensors``) are ignored, with a note on stderr. Without
+    an index, every ``*.safetensors`` file is read and a tensor name may occur in only one of them.
 
     Raises:
-        ModelDirError: no safetensors file; an invalid index, a file it names that is missing (named), a tensor
-            it lists that is not in its file, or one its files hold that it does not list; without an index, one
-            tensor name in two files (both named).
+        ModelDirError: no safetensors file; an invalid index, a file it names that is missing (named), a
+            tensor it lists that is not in its file, or one its files hold that it does not list; without an
+            index, one tensor name in two files (both named).
     """
     path = Path(path)
     if (path / INDEX_NAME).is_file():
@@ -101,8 +110,9 @@ def tensor_files(path: str | Path) -> dict[str, Path]:
     for f in files:
         for name in sorted(_tensor_names(f)):
             if name in where:
-                raise ModelDirError(f"{path}: tensor {name} is in both {where[name].name} and {f.name} (and no "
-                                    f"{INDEX_NAME} says which to read); remove the file that does not belong")
+                raise ModelDirError(f"{path}: tensor {name} is in both {where[name].name} and {f.name} (and "
+                                    f"no {INDEX_NAME} says which to read); remove the file that does not "
+                                    "belong")
             where[name] = f
     return where
 
@@ -120,20 +130,23 @@ def _indexed_tensor_files(path: Path) -> dict[str, Path]:
         held = _tensor_names(path / f)
         listed = {t for t, g in weight_map.items() if g == f}
         if listed - held:
-            raise ModelDirError(f"{index} lists tensor {sorted(listed - held)[0]} in {f}, which does not hold it")
+            raise ModelDirError(f"{index} lists tensor {sorted(listed - held)[0]} in {f}, which does not "
+                                "hold it")
         if held - listed:
             t = sorted(held - listed)[0]
             elsewhere = f"lists it in {weight_map[t]}" if t in weight_map else "does not list it"
-            raise ModelDirError(f"{path / f} holds tensor {t}, but {index} {elsewhere}; the index and its files "
-                                "disagree")
+            raise ModelDirError(f"{path / f} holds tensor {t}, but {index} {elsewhere}; the index and its "
+                                "files disagree")
     ignored = sorted(f.name for f in path.glob("*.safetensors") if f.name not in set(named))
     if ignored:
-        _note(f"{path}: ignoring {', '.join(ignored)}: not named by {INDEX_NAME} (the index decides which files "
-              "hold the weights)")
+        _note(f"{path}: ignoring {', '.join(ignored)}: not named by {INDEX_NAME} (the index decides which "
+              "files hold the weights)")
     return {name: path / f for name, f in weight_map.items()}
 
 
-def check_weights(path: str | Path, model: nn.Module, skip: set[str] | frozenset[str] = frozenset()) -> dict[str, Path]:
+def check_weights(
+    path: str | Path, model: nn.Module, skip: set[str] | frozenset[str] = frozenset()
+) -> dict[str, Path]:
     """Check that the directory holds exactly the model's tensors with the model's shapes (headers only).
 
     Parameters named in ``skip`` (LoRA adapters) are not expected in the files; a mixture of experts' stacked
@@ -146,7 +159,9 @@ def check_weights(path: str | Path, model: nn.Module, skip: set[str] | frozenset
     expected = {}
     for name, p in model.named_parameters():
         if name not in skip:
-            expected.update(disk_shapes(cfg, name, tuple(p.shape)) if cfg is not None else {name: tuple(p.shape)})
+            expected.update(
+                disk_shapes(cfg, name, tuple(p.shape)) if cfg is not None else {name: tuple(p.shape)}
+            )
     tied = getattr(cfg, "tie_embeddings", False)
     for name, shape in expected.items():
         if name not in where:
@@ -156,13 +171,18 @@ def check_weights(path: str | Path, model: nn.Module, skip: set[str] | frozenset
         if found != shape:
             raise ModelDirError(f"{path}: tensor {name} has shape {found}, config.json implies {shape}")
     for name in where:
-        if name not in expected and not name.endswith(_IGNORED_SUFFIXES) and not (tied and name == "lm_head.weight"):
+        if (
+            name not in expected
+            and not name.endswith(_IGNORED_SUFFIXES)
+            and not (tied and name == "lm_head.weight")
+        ):
             raise ModelDirError(f"{path}: unexpected tensor {name} (config.json does not describe it)")
     return where
 
 
 def local_rows(param: torch.Tensor) -> tuple[int, int]:
-    """(first row, number of rows) of this rank's shard of ``param`` along dim 0; the whole for a plain tensor.
+    """(first row, number of rows) of this rank's shard of ``param`` along dim 0; the whole for a
+    plain tensor.
 
     Uses the DTensor's own layout (``compute_local_shape_and_global_offset``), i.e. the ``torch.chunk``
     split of dim 0 for ``Shard(0)``.
@@ -179,15 +199,17 @@ def local_rows(param: torch.Tensor) -> tuple[int, int]:
 
 
 @torch.no_grad()
-def load_pretrained_(model: nn.Module, path: str | Path, skip: set[str] | frozenset[str] = frozenset()) -> dict[str, Any]:
+def load_pretrained_(
+    model: nn.Module, path: str | Path, skip: set[str] | frozenset[str] = frozenset()
+) -> dict[str, Any]:
     """Fill ``model``'s parameters (plain or ``Shard(0)`` DTensors) from an HF model directory, in place.
 
     Each parameter's local rows ``[offset, offset + rows)`` are read with
-    ``safe_open(...).get_slice(name)[offset:offset + rows]`` and copied (cast to the parameter's
-    dtype) into its local tensor, so each rank materialises only its own rows. Rotary tables are
-    recomputed afterwards (``init_rotary``). Parameters named in ``skip`` (LoRA adapters) are left alone. An NF4
-    base weight (QLoRA) is read whole and quantised whole before its rows are kept
-    (:func:`shardlm.model.lora.set_from_full_`), so it counts as a full read.
+    ``safe_open(...).get_slice(name)[offset:offset + rows]`` and copied (cast to the parameter's dtype) into
+    its local tensor, so each rank materialises only its own rows. Rotary tables are recomputed afterwards
+    (``init_rotary``). Parameters named in ``skip`` (LoRA adapters) are left alone. An NF4 base weight (QLoRA)
+    is read whole and quantised whole before its rows are kept (:func:`shardlm.model.lora.set_from_full_`), so
+    it counts as a full read.
 
     Returns:
         ``{"bytes_read": bytes materialised from the files on this rank, "total_bytes": bytes of
@@ -253,7 +275,8 @@ def _itemsize(safetensors_dtype: str) -> int:
 
 
 def load_model_dir(path: str | Path, device: torch.device | str = "cpu") -> CausalLM:
-    """Load an HF model directory (``config.json`` + ``*.safetensors``) into a whole :class:`CausalLM` of its family.
+    """Load an HF model directory (``config.json`` + ``*.safetensors``) into a whole :class:`CausalLM` of
+    its family.
 
     Weights are read with safetensors (no pickle). Raises ModelDirError naming the missing file, a
     missing or unexpected tensor, or a shape mismatch (tensor name and both shapes).
@@ -275,7 +298,8 @@ def load_model_dir(path: str | Path, device: torch.device | str = "cpu") -> Caus
 
 
 def model_dir_special_ids(path: str | Path) -> dict[str, Any]:
-    """The special ids of a model directory, checked: ``{"bos": int | None, "eos": [int, ...], "pad": int | None}``.
+    """The special ids of a model directory, checked: ``{"bos": int | None, "eos": [int, ...], "pad": int
+    | None}``.
 
     ``eos`` is every id generation stops at: ``config.json``'s and ``generation_config.json``'s
     ``eos_token_id`` (an int or a list) and the tokenizer's ``eos_token`` (see
@@ -300,13 +324,14 @@ def model_dir_special_ids(path: str | Path) -> dict[str, Any]:
             eos_id = load_tokenizer(str(path / "tokenizer.json")).token_to_id(eos_text)
             where = f"{files.config_path}:{json_line(files.config_path, 'eos_token')}"
             if eos_id is None:
-                raise ModelDirError(f"{where}: eos_token {eos_text!r} is not a token of {path / 'tokenizer.json'}")
+                raise ModelDirError(f"{where}: eos_token {eos_text!r} is not a token of "
+                                    f"{path / 'tokenizer.json'}")
             if declared and not any(eos_id in ids for ids in declared.values()):
                 file = path / ("config.json" if "config.json" in declared else "generation_config.json")
                 written = " / ".join(str(v[0] if len(v) == 1 else v) for v in declared.values())
-                raise ModelDirError(f"{file}:{json_line(file, 'eos_token_id')}: eos_token_id {written} disagrees with "
-                                    f"the tokenizer: {where} says eos_token {eos_text!r}, id {eos_id}; make them agree "
-                                    "(generation stops at these ids)")
+                raise ModelDirError(f"{file}:{json_line(file, 'eos_token_id')}: eos_token_id {written} "
+                                    f"disagrees with the tokenizer: {where} says eos_token {eos_text!r}, id "
+                                    f"{eos_id}; make them agree (generation stops at these ids)")
     except DataError as e:
         raise ModelDirError(str(e)) from None
     return special

@@ -1,11 +1,10 @@
 """Writing Hugging Face style model directories: ``config.json`` + ``model.safetensors`` + tokenizer files.
 
-Our parameter names are HF's (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Gemma3ForCausalLM``...), so the state
-dict is written as is; a tied
-output weight is written once (as ``model.embed_tokens.weight``, with ``tie_word_embeddings``).
-:func:`save_model_dir` writes a run's ``final/`` and every export; :func:`copy_model_dir` is
-``shardlm import DIR`` and ``shardlm export --format hf`` of a model directory: it checks every tensor
-against the shape ``config.json`` implies and writes a directory that
+Our parameter names are HF's (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Gemma3ForCausalLM``...), so the
+state dict is written as is; a tied output weight is written once (as ``model.embed_tokens.weight``, with
+``tie_word_embeddings``). :func:`save_model_dir` writes a run's ``final/`` and every export;
+:func:`copy_model_dir` is ``shardlm import DIR`` and ``shardlm export --format hf`` of a model directory: it
+checks every tensor against the shape ``config.json`` implies and writes a directory that
 ``transformers.AutoModelForCausalLM.from_pretrained`` loads offline.
 """
 
@@ -47,8 +46,8 @@ def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 def save_model_dir(state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: str | Path,
                    tokenizer_path: str | Path | None = None, special_ids: dict | None = None,
                    extra_files: list[Path] = ()) -> Path:
-    """Write an HF model directory (``config.json`` in the family's layout) atomically (temp dir, then rename);
-    return its path.
+    """Write an HF model directory (``config.json`` in the family's layout) atomically (temp dir, then
+    rename); return its path.
 
     ``state`` maps our (= HF) parameter names to full tensors; with tied embeddings
     ``lm_head.weight`` is dropped so the shared tensor is stored once. With ``tokenizer_path`` the
@@ -71,13 +70,20 @@ def save_model_dir(state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: st
     return out
 
 
-def write_model_files(tmp: Path, cfg: ModelConfig, dtype: torch.dtype, tokenizer_path: str | Path | None = None,
-                      special_ids: dict | None = None, extra_files: list[Path] = ()) -> None:
+def write_model_files(tmp: Path, cfg: ModelConfig, dtype: torch.dtype,
+                      tokenizer_path: str | Path | None = None, special_ids: dict | None = None,
+                      extra_files: list[Path] = ()) -> None:
     """Everything of a model directory but the weights, into ``tmp``: ``config.json`` (weights of ``dtype``),
     ``generation_config.json``, the tokenizer's files when ``tokenizer_path`` is given, then ``extra_files``
     (see :func:`save_model_dir`)."""
     special = written_special_ids(special_ids)
-    eos = [] if special["eos"] is None else [special["eos"]] if isinstance(special["eos"], int) else special["eos"]
+    eos = (
+        []
+        if special["eos"] is None
+        else [special["eos"]]
+        if isinstance(special["eos"], int)
+        else special["eos"]
+    )
     (tmp / "config.json").write_text(json.dumps(hf_config(cfg, special_ids, dtype), indent=2) + "\n")
     gen = generation_config({"bos": special["bos"], "eos": eos, "pad": special["pad"]})
     (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
@@ -96,9 +102,10 @@ INDEX_FILE = "model.safetensors.index.json"
 
 
 def shard_owners(sizes: list[int], world_size: int) -> list[int]:
-    """The rank that writes each tensor of a sharded export: consecutive tensors (in ``sizes`` order, bytes each)
-    go to the same rank, cut where the running total crosses ``k / world_size`` of the whole (by each tensor's
-    middle byte). Every rank then writes at most its share of the bytes plus one tensor; some may write none.
+    """The rank that writes each tensor of a sharded export: consecutive tensors (in ``sizes`` order, bytes
+    each) go to the same rank, cut where the running total crosses ``k / world_size`` of the whole (by each
+    tensor's middle byte). Every rank then writes at most its share of the bytes plus one tensor; some may
+    write none.
     """
     total = max(1, sum(sizes))
     owners, done = [], 0
@@ -131,23 +138,24 @@ def gather_full(p: torch.Tensor, owner: int, rank: int) -> torch.Tensor | None:
         dist.gather(padded, None, dst=owner, group=group)
         return None
     full = local.new_empty((n * rows, *p.shape[1:]))
-    dist.gather(padded, list(full.split(rows)), dst=owner, group=group)  # straight into one buffer: no extra copy
+    # straight into one buffer: no extra copy
+    dist.gather(padded, list(full.split(rows)), dst=owner, group=group)
     return full[:p.shape[0]]
 
 
-def save_sharded_model_dir(named_params: list[tuple[str, torch.Tensor]], cfg: ModelConfig, out_dir: str | Path,
-                           rank: int, world_size: int, tokenizer_path: str | Path | None = None,
-                           special_ids: dict | None = None) -> Path:
-    """Write an HF-style Llama directory from every rank at once: ``model-0000K-of-0000M.safetensors`` (one per
-    rank that owns a tensor, see :func:`shard_owners`), ``model.safetensors.index.json``, ``config.json``.
+def save_sharded_model_dir(named_params: list[tuple[str, torch.Tensor]], cfg: ModelConfig,
+                           out_dir: str | Path, rank: int, world_size: int,
+                           tokenizer_path: str | Path | None = None, special_ids: dict | None = None) -> Path:
+    """Write an HF-style Llama directory from every rank at once: ``model-0000K-of-0000M.safetensors`` (one
+    per rank that owns a tensor, see :func:`shard_owners`), ``model.safetensors.index.json``, ``config.json``.
 
     A collective: every rank calls it with the model's ``named_parameters()`` (DTensor shards or whole
     tensors; a tied output weight listed once). Each tensor is gathered in turn to its owner only
-    (:func:`gather_full`) and kept there on CPU, so no rank holds more than its share plus one tensor. Then each rank
-    writes its own file; the ranks meet on a process group of their own with :data:`EXPORT_TIMEOUT`, so a
-    rank waiting for a slow writer is not stopped by the training timeout. Rank 0 writes the index and the
-    config and renames the temporary directory into place (atomically: a failure anywhere leaves ``out_dir``
-    as it was). Returns ``out_dir`` on every rank.
+    (:func:`gather_full`) and kept there on CPU, so no rank holds more than its share plus one tensor. Then
+    each rank writes its own file; the ranks meet on a process group of their own with :data:`EXPORT_TIMEOUT`,
+    so a rank waiting for a slow writer is not stopped by the training timeout. Rank 0 writes the index and
+    the config and renames the temporary directory into place (atomically: a failure anywhere leaves
+    ``out_dir`` as it was). Returns ``out_dir`` on every rank.
 
     Raises:
         ModelDirError: a rank could not write its file (names the rank, the path and the cause).
@@ -226,8 +234,8 @@ def copy_model_dir(src: str | Path, out_dir: str | Path, dtype: torch.dtype | No
     has none). Runs in one process and holds one directory's tensors in memory.
 
     Raises:
-        ModelDirError: not a model directory of a built family, a missing/unexpected/wrongly-shaped tensor (named),
-            ``out_dir`` is ``src`` itself, or config and tokenizer disagree on eos (see
+        ModelDirError: not a model directory of a built family, a missing/unexpected/wrongly-shaped tensor
+            (named), ``out_dir`` is ``src`` itself, or config and tokenizer disagree on eos (see
             :func:`shardlm.convert.hf_in.model_dir_special_ids`).
     """
     src, out = resolve_model_dir(src), Path(out_dir)

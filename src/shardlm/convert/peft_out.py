@@ -9,10 +9,11 @@
   target_modules...) and ``adapter_model.safetensors`` with the adapters under PEFT's names
   (``base_model.model.<our name>``, e.g. ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``).
   ``base_model_name_or_path`` is the base directory's absolute path, so
-  ``peft.AutoPeftModelForCausalLM.from_pretrained(dir)`` works from any working directory; the tokenizer's files
-  and ``generation_config.json`` (the model's bos/eos/pad ids) go along.
+  ``peft.AutoPeftModelForCausalLM.from_pretrained(dir)`` works from any working directory; the tokenizer's
+  files and ``generation_config.json`` (the model's bos/eos/pad ids) go along.
 
-Both get the model's own special ids (the ones the trainer and the checkpoint manifest carry), never the data's.
+Both get the model's own special ids (the ones the trainer and the checkpoint manifest carry), never
+the data's.
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ PEFT_PREFIX = "base_model.model."
 def gather_full_params(model: nn.Module, is_main: bool) -> dict[str, torch.Tensor]:
     """Every parameter's full value on the main rank, on CPU, one tensor gathered at a time (a collective).
 
-    NF4 shards are dequantised on their rank before the all-gather (dequantisation is per block, so this equals
-    dequantising the whole tensor). Other ranks get an empty dict.
+    NF4 shards are dequantised on their rank before the all-gather (dequantisation is per block, so this
+    equals dequantising the whole tensor). Other ranks get an empty dict.
     """
     out: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():
@@ -69,7 +70,9 @@ def merge_lora(state: dict[str, torch.Tensor], scaling: float) -> dict[str, torc
         if key.endswith(".lora_A.weight"):
             prefix = key[: -len(".lora_A.weight")]
             b = state[f"{prefix}.lora_B.weight"]
-            merged[f"{prefix}.weight"] = merged[f"{prefix}.weight"].float() + scaling * (b.float() @ a.float())
+            merged[f"{prefix}.weight"] = merged[f"{prefix}.weight"].float() + scaling * (
+                b.float() @ a.float()
+            )
     return {k: v.float() if v.is_floating_point() else v for k, v in merged.items()}
 
 
@@ -85,18 +88,24 @@ def peft_config(spec: LoRASpec, base: str) -> dict[str, Any]:
 
 
 def base_model_path(init_from: str) -> str:
-    """``base_model_name_or_path`` for an adapter trained on ``init_from``: its absolute path (resolved from the
-    current working directory), so the adapter loads from anywhere; empty without a pretrained base."""
+    """``base_model_name_or_path`` for an adapter trained on ``init_from``: its absolute path (resolved from
+    the current working directory), so the adapter loads from anywhere; empty without a pretrained base."""
     return str(Path(init_from).expanduser().resolve()) if init_from else ""
 
 
-def save_peft_dir(state: dict[str, torch.Tensor], spec: LoRASpec, out_dir: str | Path, base: str = "",
-                  tokenizer_path: str | Path | None = None, special_ids: dict[str, Any] | None = None) -> Path:
+def save_peft_dir(
+    state: dict[str, torch.Tensor],
+    spec: LoRASpec,
+    out_dir: str | Path,
+    base: str = "",
+    tokenizer_path: str | Path | None = None,
+    special_ids: dict[str, Any] | None = None,
+) -> Path:
     """Write a PEFT LoRA adapter directory (atomically) from a full state dict holding ``*.lora_A/B.weight``.
 
     ``base`` is recorded as ``base_model_name_or_path`` as given (callers pass :func:`base_model_path`). With
-    ``tokenizer_path`` the tokenizer's files are copied in (``AutoTokenizer.from_pretrained(out_dir)`` works; PEFT's
-    auto class reads them too); with ``special_ids`` (the model's, see
+    ``tokenizer_path`` the tokenizer's files are copied in (``AutoTokenizer.from_pretrained(out_dir)`` works;
+    PEFT's auto class reads them too); with ``special_ids`` (the model's, see
     :func:`shardlm.model.hf_config.written_special_ids`) a ``generation_config.json`` records bos/eos/pad.
     """
     tensors = {PEFT_PREFIX + k: v.detach().float().contiguous().cpu() for k, v in state.items()
@@ -108,7 +117,13 @@ def save_peft_dir(state: dict[str, torch.Tensor], spec: LoRASpec, out_dir: str |
             write_tokenizer_files(tokenizer_path, tmp)
         if special_ids is not None:
             special = written_special_ids(special_ids)
-            eos = [] if special["eos"] is None else [special["eos"]] if isinstance(special["eos"], int) else special["eos"]
+            eos = (
+                []
+                if special["eos"] is None
+                else [special["eos"]]
+                if isinstance(special["eos"], int)
+                else special["eos"]
+            )
             gen = generation_config({"bos": special["bos"], "eos": eos, "pad": special["pad"]})
             (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     return Path(out_dir)
@@ -120,15 +135,17 @@ MERGE_RECORD = "lora_merge.json"
 
 def merge_record(spec: LoRASpec, merge_into: str, init_from: str) -> dict[str, Any]:
     """What ``lora_merge.json`` records of a merged export (and the log says): ``merged_into``
-    (``training_base`` / ``original_base``, see ``lora.merge_into``), ``base_dtype``, ``init_from`` (absolute, or
-    None), ``approximate`` (True when the merge used the original weights while training held a rounded base:
-    ``nf4``, or ``bfloat16``), ``description`` (one sentence) and the LoRA shape (rank, alpha, targets)."""
+    (``training_base`` / ``original_base``, see ``lora.merge_into``), ``base_dtype``, ``init_from`` (absolute,
+    or None), ``approximate`` (True when the merge used the original weights while training held a rounded
+    base: ``nf4``, or ``bfloat16``), ``description`` (one sentence) and the LoRA shape (rank,
+    alpha, targets)."""
     dtype = spec.base_dtype
     if merge_into == "original_base":
         approximate = dtype != "float32"
         description = (f"adapters merged into the original weights of {base_model_path(init_from)}"
-                       + (f"; approximate: they were trained against the {dtype.upper() if dtype == 'nf4' else dtype}"
-                          " base, so the merged model differs from the trained one" if approximate else
+                       + ("; approximate: they were trained against the "
+                          f"{dtype.upper() if dtype == 'nf4' else dtype} base, so the merged model differs "
+                          "from the trained one" if approximate else
                           " (equal to the float32 training base)"))
     else:
         approximate = False
@@ -150,20 +167,21 @@ def merged_state(state: dict[str, torch.Tensor], spec: LoRASpec, merge_into: str
     tensor, the adapters are ``state``'s. Either way :func:`merge_lora` with ``alpha / rank``.
 
     Raises:
-        ModelDirError: ``original_base`` and ``init_from`` is empty, unreadable, or holds other tensors than the
-            trained model's base.
+        ModelDirError: ``original_base`` and ``init_from`` is empty, unreadable, or holds other tensors than
+            the trained model's base.
     """
     scaling = spec.alpha / spec.rank
     if merge_into != "original_base":
         return merge_lora(state, scaling)
     if not init_from:
-        raise ModelDirError("lora.merge_into='original_base' needs model.init_from: there are no original weights")
+        raise ModelDirError("lora.merge_into='original_base' needs model.init_from: there are no original "
+                            "weights")
     original = {name: p.detach() for name, p in load_model_dir(init_from).named_parameters()}
     base_names = {k for k in state if ".lora_A." not in k and ".lora_B." not in k}
     if set(original) != base_names:
         raise ModelDirError(f"{init_from}: its tensors are not the trained model's base (e.g. "
-                            f"{sorted(set(original) ^ base_names)[:3]}): lora.merge_into='original_base' needs the "
-                            "model directory the run started from")
+                            f"{sorted(set(original) ^ base_names)[:3]}): lora.merge_into='original_base' "
+                            "needs the model directory the run started from")
     adapters = {k: v for k, v in state.items() if k not in base_names}
     return merge_lora({**original, **adapters}, scaling)
 
@@ -171,8 +189,9 @@ def merged_state(state: dict[str, torch.Tensor], spec: LoRASpec, merge_into: str
 def save_merged_dir(state: dict[str, torch.Tensor], cfg: ModelConfig, spec: LoRASpec, merge_into: str,
                     init_from: str, out_dir: str | Path, tokenizer_path: str | Path | None,
                     special_ids: dict[str, Any] | None) -> dict[str, Any]:
-    """Merge (:func:`merged_state`) and write an HF model directory atomically, with :data:`MERGE_RECORD` inside;
-    return the record (:func:`merge_record`). ``special_ids``: the model's own (config.json, generation_config.json).
+    """Merge (:func:`merged_state`) and write an HF model directory atomically, with :data:`MERGE_RECORD`
+    inside; return the record (:func:`merge_record`). ``special_ids``: the model's own (config.json,
+    generation_config.json).
 
     Raises:
         ModelDirError: see :func:`merged_state`.

@@ -44,7 +44,8 @@ class AttentionChoice:
 
 def choose_attention(cfg: Config) -> AttentionChoice:
     """``cfg``'s attention: ``model.attention`` when set, else the module docstring's rule for its data
-    (``data.format``, ``data.pack``, and the prepared ``meta.json`` of a text corpus or of each mixture source)."""
+    (``data.format``, ``data.pack``, and the prepared ``meta.json`` of a text corpus or of each
+    mixture source)."""
     if cfg.model.attention != AUTO:
         return AttentionChoice(cfg.model.attention, "set in model.attention")
     d = cfg.data
@@ -53,15 +54,17 @@ def choose_attention(cfg: Config) -> AttentionChoice:
     if d.format == "instruct":
         if d.pack:
             return AttentionChoice("block_causal", "auto: packed instruction examples (data.pack)")
-        return AttentionChoice("causal", "auto: one instruction example per sample (block-causal would give the "
+        return AttentionChoice("causal",
+                               "auto: one instruction example per sample (block-causal would give the "
                                          "same outputs, at the cost of a mask)")
     missing = lacking_document_starts(data_dir(cfg))
     if missing:
         names = ", ".join(str(p / DOCUMENT_STARTS) for p in missing)
         return AttentionChoice("causal", f"auto: the data records no document starts ({names} missing)",
-                               f"warning: {names} missing (the data was prepared before shardlm recorded where "
-                               "documents start): training with causal attention across documents; run `shardlm "
-                               "prepare` with this config again to train block-causal (or set model.attention)")
+                               f"warning: {names} missing (the data was prepared before shardlm recorded "
+                               "where documents start): training with causal attention across documents; run "
+                               "`shardlm prepare` with this config again to train block-causal (or set "
+                               "model.attention)")
     return AttentionChoice("block_causal", "auto: pre-training data with recorded document starts")
 
 

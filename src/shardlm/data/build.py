@@ -1,4 +1,5 @@
-"""The prepared data of a run's :class:`~shardlm.config.Config`: where it lives, whether it is current, preparing it.
+"""The prepared data of a run's :class:`~shardlm.config.Config`: where it lives, whether it is current,
+preparing it.
 
 A prepared directory records what it was made from (``meta.json``'s ``identity``, see
 :mod:`shardlm.data.identity`). :func:`prepare_data` compares that with what the config would prepare now
@@ -71,7 +72,8 @@ def _complete(out: Path) -> bool:
 
 def verdict(out: Path, describe: Callable[[], dict[str, Any]], corpora: list[str], policy: str,
             documents: bool = False) -> dict[str, Any]:
-    """What to do with ``out``: ``{"action": "use" | "prepare" | "refuse", "message": str, "identity": dict | None}``.
+    """What to do with ``out``: ``{"action": "use" | "prepare" | "refuse", "message": str, "identity": dict
+    | None}``.
 
     Args:
         out: The data directory.
@@ -79,8 +81,9 @@ def verdict(out: Path, describe: Callable[[], dict[str, Any]], corpora: list[str
         corpora: The config's corpus (or each source's path), to tell a corpus that is not readable here.
         policy: ``prepare`` (prepare a differing directory again) or ``refuse``.
         documents: text data: under ``prepare`` a directory that records no document starts (prepared before
-            shardlm recorded them) is prepared again, so that ``model.attention = "auto"`` can train block-causal;
-            under ``refuse`` it is used as it is (training then falls back to causal attention with a warning).
+            shardlm recorded them) is prepared again, so that ``model.attention = "auto"`` can train
+            block-causal; under ``refuse`` it is used as it is (training then falls back to causal attention
+            with a warning).
 
     Raises:
         DataError: the corpus cannot be read and the directory does not record the same corpus.
@@ -91,8 +94,8 @@ def verdict(out: Path, describe: Callable[[], dict[str, Any]], corpora: list[str
     recorded = meta.get("identity")
     if isinstance(recorded, dict) and "external" in recorded:
         return {"action": "use", "identity": None,
-                "message": f"note: {out} was prepared outside shardlm ({recorded['external']}): used as it is; "
-                           "what it was made from is not checked"}
+                "message": f"note: {out} was prepared outside shardlm ({recorded['external']}): used as it "
+                           "is; what it was made from is not checked"}
     if meta.get("format") == MIXTURE and "model_special_ids" not in meta:  # never guessed: prepared again
         return _differs(out, [_OLD_MIXTURE], policy, None)
     try:
@@ -108,7 +111,8 @@ def verdict(out: Path, describe: Callable[[], dict[str, Any]], corpora: list[str
         diffs = [f"{d / 'meta.json'} records no document starts" for d in lacking_document_starts(out)]
     if not diffs:
         return {"action": "use", "identity": expected,
-                "message": f"prepare: {out} is current (the same inputs, tokenizer and settings): kept as it is"
+                "message": f"prepare: {out} is current (the same inputs, tokenizer and settings): kept as it "
+                           "is"
                 if policy == "prepare" else ""}
     return _differs(out, diffs, policy, expected)
 
@@ -120,8 +124,8 @@ def _differs(out: Path, diffs: list[str], policy: str, expected: dict[str, Any] 
                 "message": f"prepare: {out} is out of date: {'; '.join(diffs)}; preparing it again"}
     return {"action": "refuse", "identity": None,
             "message": f"data.dir {out} holds data prepared from other inputs or settings than this config "
-                       f"describes: {'; '.join(diffs)}. Run `shardlm prepare` with this config to prepare it again, "
-                       "or set data.dir to another directory"}
+                       f"describes: {'; '.join(diffs)}. Run `shardlm prepare` with this config to prepare it "
+                       "again, or set data.dir to another directory"}
 
 
 def _announce(decision: dict[str, Any]) -> None:
@@ -188,8 +192,8 @@ def prepare_data(cfg: Config, info: DistInfo | None = None, on_stale: str = "") 
         names = source_names(d.sources)
 
         def describe() -> dict[str, Any]:
-            return describe_mixture(d.sources, names, d.text_field, tokenizer, vocab, d.val_fraction, d.piece_bytes,
-                                    d.tokenizer_sample_bytes)
+            return describe_mixture(d.sources, names, d.text_field, tokenizer, vocab, d.val_fraction,
+                                    d.piece_bytes, d.tokenizer_sample_bytes)
         corpora = [s.path for s in d.sources]
     else:
         def describe() -> dict[str, Any]:
@@ -207,7 +211,8 @@ def prepare_data(cfg: Config, info: DistInfo | None = None, on_stale: str = "") 
             sync.share("verdict", json.dumps({k: v for k, v in decision.items() if k != "identity"}))
         _announce(decision)
     else:
-        decision = {**json.loads(sync.wait_value("verdict", "rank 0's check of the prepared data")), "identity": None}
+        decision = {**json.loads(sync.wait_value("verdict", "rank 0's check of the prepared data")),
+                    "identity": None}
         if decision["action"] == "refuse":
             raise ConfigError(decision["message"])
     if decision["action"] == "prepare":

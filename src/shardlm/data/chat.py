@@ -98,7 +98,8 @@ def _jinja_template(template: str) -> Any:
 
     def tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
                sort_keys: bool = False) -> str:
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=[Generation, jinja2.ext.loopcontrols])
@@ -149,7 +150,9 @@ class ChatTemplate:
             file, the template's line and jinja's message).
     """
 
-    def __init__(self, tokenizer_path: str | pathlib.Path | OpenedTokenizer, use_transformers: bool = True) -> None:
+    def __init__(
+        self, tokenizer_path: str | pathlib.Path | OpenedTokenizer, use_transformers: bool = True
+    ) -> None:
         if isinstance(tokenizer_path, OpenedTokenizer):
             self.files, self.tokenizer = tokenizer_path.files, tokenizer_path.tokenizer
         else:
@@ -173,7 +176,9 @@ class ChatTemplate:
         self.end_of_turn_tokens = sorted(specials, key=lambda t: (-len(t), t))
         """The texts that can end an assistant turn: the tokenizer's special tokens (``tokenizer.json``'s
         added tokens marked special and ``tokenizer_config.json``'s ``bos_token``, ``eos_token``, ...)."""
-        self._end_of_turn = re.compile("|".join(map(re.escape, self.end_of_turn_tokens))) if specials else None
+        self._end_of_turn = (
+            re.compile("|".join(map(re.escape, self.end_of_turn_tokens))) if specials else None
+        )
 
     @property
     def backend(self) -> str:
@@ -189,10 +194,12 @@ class ChatTemplate:
         for key in ("model_max_length", "clean_up_tokenization_spaces"):
             if key in self.files.config:
                 kwargs[key] = self.files.config[key]
-        return PreTrainedTokenizerFast(tokenizer_file=str(self.files.tokenizer_path), chat_template=self.template,
-                                       **kwargs)
+        return PreTrainedTokenizerFast(tokenizer_file=str(self.files.tokenizer_path),
+                                       chat_template=self.template, **kwargs)
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False, where: str = "") -> str:
+    def render(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = False, where: str = ""
+    ) -> str:
         """The text of ``messages`` rendered by the template.
 
         Raises:
@@ -207,10 +214,18 @@ class ChatTemplate:
                                                     add_generation_prompt=add_generation_prompt)
             return self._jinja.render(messages=messages, tools=None, documents=None,
                                       add_generation_prompt=add_generation_prompt, **self.special_tokens)
-        except (jinja2.exceptions.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
+        except (
+            jinja2.exceptions.TemplateError,
+            TypeError,
+            ValueError,
+            KeyError,
+            IndexError,
+            AttributeError,
+        ) as e:
             prefix = f"{where}: " if where else ""
-            raise DataError(f"{prefix}the chat template ({self.source}) failed: {type(e).__name__}: "
-                            f"{_one_line(e)}") from None
+            raise DataError(
+                f"{prefix}the chat template ({self.source}) failed: {type(e).__name__}: {_one_line(e)}"
+            ) from None
 
     def tokenize(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         """Token ids of ``text`` without added special tokens, and each token's (start, end) characters."""
@@ -246,14 +261,15 @@ class ChatTemplate:
         prefix = f"{where}: " if where else ""
         if self.marked and turns:
             if self._hf is None:
-                raise DataError(f"{prefix}the chat template ({self.source}) marks replies with {{% generation %}}; "
-                                "its response mask is computed by transformers, which is not installed: "
-                                "pip install 'transformers==5.24.0'")
+                raise DataError(f"{prefix}the chat template ({self.source}) marks replies with {{% "
+                                "generation %}; its response mask is computed by transformers, which is not "
+                                "installed: pip install 'transformers==5.24.0'")
             import jinja2
 
             try:
                 out = self._hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                   tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+                                                   tokenize=True, return_dict=True,
+                                                   return_assistant_tokens_mask=True)
             except (jinja2.exceptions.TemplateError, TypeError, ValueError, KeyError, IndexError,
                     AttributeError) as e:
                 raise DataError(f"{prefix}the chat template ({self.source}) failed: {type(e).__name__}: "
@@ -266,7 +282,9 @@ class ChatTemplate:
         spans = self.response_spans(messages, text, where) if turns else []
         return EncodedChat(ids, overlap_mask(offsets, spans), turns, len(spans))
 
-    def response_spans(self, messages: list[dict[str, Any]], text: str, where: str = "") -> list[tuple[int, int]]:
+    def response_spans(
+        self, messages: list[dict[str, Any]], text: str, where: str = ""
+    ) -> list[tuple[int, int]]:
         """The characters ``[start, end)`` of ``text`` (``render(messages)``) each assistant turn generates.
 
         For assistant message i, in order:
@@ -309,14 +327,14 @@ class ChatTemplate:
                 history = len(os.path.commonprefix([prompt, self.render(messages[:i], False, where)]))
                 cursor = max(cursor, history)
             if start < cursor:
-                raise DataError(f"{what} renders the conversation before it differently in the whole chat than "
-                                "in its prompt (messages[:i] with the generation prompt): cannot tell where the "
-                                f"reply starts{hint}")
+                raise DataError(f"{what} renders the conversation before it differently in the whole chat "
+                                "than in its prompt (messages[:i] with the generation prompt): cannot tell "
+                                f"where the reply starts{hint}")
             content = message.get("content") if isinstance(message.get("content"), str) else ""
             reply = _find_reply(text, content, start)
             if reply is None:
-                raise DataError(f"{what} does not render its content where the reply belongs (after character "
-                                f"{start}): cannot locate the reply to train it{hint}")
+                raise DataError(f"{what} does not render its content where the reply belongs (after "
+                                f"character {start}): cannot locate the reply to train it{hint}")
             end_of_turn = self._end_of_turn.search(text, reply[1]) if self._end_of_turn else None
             last = self.render(messages[:i + 1], False, where)
             last_start = len(os.path.commonprefix([prompt, last]))
@@ -327,13 +345,14 @@ class ChatTemplate:
                 raise DataError(f"{what} puts no special token after the reply (its end-of-turn token, where "
                                 f"generation stops): nothing teaches the model to stop{hint}")
             if end_of_turn.group() != last_end.group():
-                raise DataError(f"{what} ends the reply with {end_of_turn.group()!r} in the whole chat but with "
-                                f"{last_end.group()!r} when it is the last message: cannot tell which token ends "
-                                f"the turn{hint}")
+                raise DataError(f"{what} ends the reply with {end_of_turn.group()!r} in the whole chat but "
+                                f"with {last_end.group()!r} when it is the last message: cannot tell which "
+                                f"token ends the turn{hint}")
             rest = self._end_of_turn.sub("", last[last_end.end():])
             if rest.strip():  # e.g. a tool call after a special token (Llama 3.1's <|python_tag|>)
-                raise DataError(f"{what} prints text after the reply's first special token {last_end.group()!r} "
-                                f"({_one_line(rest)[:60]!r}): cannot tell which token ends the turn{hint}")
+                raise DataError(f"{what} prints text after the reply's first special token "
+                                f"{last_end.group()!r} ({_one_line(rest)[:60]!r}): cannot tell which token "
+                                f"ends the turn{hint}")
             spans.append((start, end_of_turn.end()))
             cursor = end_of_turn.end()
         return spans

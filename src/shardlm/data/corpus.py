@@ -101,8 +101,8 @@ def _read_text(path: pathlib.Path) -> str:
 
 
 def jsonl_file(path: str, what: str) -> pathlib.Path:
-    """``path`` (``~`` expanded) once it is an existing ``.jsonl`` file; ``what`` names the data in the message
-    (e.g. ``"instruction data"``).
+    """``path`` (``~`` expanded) once it is an existing ``.jsonl`` file; ``what`` names the data in the
+    message (e.g. ``"instruction data"``).
 
     Raises:
         DataError: the file does not exist, or is a directory or not named ``*.jsonl``.

@@ -36,7 +36,8 @@ from tokenizers import Tokenizer
 
 from shardlm.data.readers import Chunk, Piece, read_piece
 
-__all__ = ["encode_pieces", "piece_done", "shard_name", "write_document_starts", "PieceRecord", "DOCUMENT_STARTS"]
+__all__ = ["encode_pieces", "piece_done", "shard_name", "write_document_starts", "PieceRecord",
+           "DOCUMENT_STARTS"]
 
 DOCUMENT_STARTS = "document_starts.bin"
 """File of a prepared directory: int64 stream positions where each document starts (see
@@ -111,7 +112,8 @@ def encode_batch(texts: list[str], ends: list[bool]) -> tuple[np.ndarray, np.nda
 
 
 def piece_done(root: pathlib.Path, index: int, itemsize: int) -> PieceRecord | None:
-    """The record of a finished piece under ``root``, or None when it is missing or does not match its file."""
+    """The record of a finished piece under ``root``, or None when it is missing or does not match
+    its file."""
     rec_path = root / shard_name(index).replace(".bin", ".json")
     bin_path = root / shard_name(index)
     try:
@@ -125,7 +127,8 @@ def piece_done(root: pathlib.Path, index: int, itemsize: int) -> PieceRecord | N
 
 
 class _Writer:
-    """Appends one piece's token arrays to ``<shard>.bin.tmp``; :meth:`finish` renames it and writes the record."""
+    """Appends one piece's token arrays to ``<shard>.bin.tmp``; :meth:`finish` renames it and writes
+    the record."""
 
     def __init__(self, root: pathlib.Path, index: int, first: np.ndarray | None) -> None:
         self.root, self.index = root, index
@@ -224,7 +227,8 @@ def encode_pieces(
     (root / "tokens").mkdir(parents=True, exist_ok=True)
     pool = None
     if workers > 1:
-        pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+        pool = concurrent.futures.ProcessPoolExecutor(workers,
+                                                      mp_context=multiprocessing.get_context("spawn"),
                                                       initializer=_init_worker,
                                                       initargs=(tokenizer_json, dtype.name, eod))
     else:

@@ -1,4 +1,5 @@
-"""What a prepared directory was made from (``meta.json``'s ``identity``), and how a config's data compares with it.
+"""What a prepared directory was made from (``meta.json``'s ``identity``), and how a config's data compares
+with it.
 
 An identity is a JSON-able dict:
 
@@ -12,10 +13,11 @@ An identity is a JSON-able dict:
   then also ``vocab_size`` and ``sample_bytes``) and ``files`` maps each tokenizer file (``tokenizer.json``,
   and beside it ``tokenizer_config.json``, ``chat_template.jinja``, ``special_tokens_map.json``) to its
   SHA-256: of the given files, or of the trained tokenizer's files as written;
-* ``chat_template`` (instruction data): ``{"sha256", "source"}`` of the template the examples were rendered with;
-* ``settings``: the other data settings that change the tokens, by config key (``data.format``, ``data.val_fraction``,
-  ``data.piece_bytes``, the token dtype that ``model.vocab_size`` decides; a trained mixture tokenizer also
-  the sources' weights).
+* ``chat_template`` (instruction data): ``{"sha256", "source"}`` of the template the examples were
+  rendered with;
+* ``settings``: the other data settings that change the tokens, by config key (``data.format``,
+  ``data.val_fraction``, ``data.piece_bytes``, the token dtype that ``model.vocab_size`` decides; a trained
+  mixture tokenizer also the sources' weights).
 
 Paths are absolute and normalised (``os.path.abspath``: another spelling of the same path is the same input).
 A file is the same when its size, modification time and sample hash are (the sample: 16 blocks of 4 KiB
@@ -37,8 +39,8 @@ from shardlm.data.chat import DEFAULT_CHAT_TEMPLATE
 from shardlm.data.readers import expand_corpus, hf_dataset
 from shardlm.data.tokenizer_files import TOKENIZER_FILES, read_tokenizer_config
 
-__all__ = ["IDENTITY_VERSION", "corpus_identity", "describe_corpus", "describe_instructions", "describe_mixture",
-           "differences", "file_identity", "sample_sha256", "source_identity",
+__all__ = ["IDENTITY_VERSION", "corpus_identity", "describe_corpus", "describe_instructions",
+           "describe_mixture", "differences", "file_identity", "sample_sha256", "source_identity",
            "tokenizer_files", "tokenizer_identity"]
 
 IDENTITY_VERSION = 1
@@ -48,7 +50,8 @@ _BLOCKS = 16
 
 
 def sample_sha256(path: str | os.PathLike, size: int) -> str:
-    """SHA-256 (hex) of ``size`` and 16 blocks of 4 KiB spread evenly over the file (all of it when smaller)."""
+    """SHA-256 (hex) of ``size`` and 16 blocks of 4 KiB spread evenly over the file (all of it
+    when smaller)."""
     h = hashlib.sha256(str(size).encode())
     with open(path, "rb") as f:
         if size <= _BLOCK * _BLOCKS:
@@ -64,7 +67,8 @@ def file_identity(path: str | os.PathLike) -> dict[str, Any]:
     """``{"path", "size" (bytes), "mtime_ns", "sample_sha256"}`` of one input file (path made absolute)."""
     p = pathlib.Path(os.path.abspath(pathlib.Path(path).expanduser()))
     st = p.stat()
-    return {"path": str(p), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "sample_sha256": sample_sha256(p, st.st_size)}
+    return {"path": str(p), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+            "sample_sha256": sample_sha256(p, st.st_size)}
 
 
 def _input_identity(item: pathlib.Path | str) -> dict[str, Any]:
@@ -78,7 +82,8 @@ def _input_identity(item: pathlib.Path | str) -> dict[str, Any]:
     if base.is_dir():
         root = pathlib.Path(os.path.abspath(base.expanduser()))
         files = sorted(p for p in root.rglob("*") if p.is_file())
-        return {"path": str(root) + (f":{split}" if split else ""), "files": [file_identity(p) for p in files]}
+        return {"path": str(root) + (f":{split}" if split else ""),
+                "files": [file_identity(p) for p in files]}
     return file_identity(base)
 
 
@@ -86,14 +91,16 @@ def source_identity(corpus: str, name: str = "") -> dict[str, Any]:
     """``{"name", "corpus", "inputs"}`` of one corpus (see the module docstring).
 
     Raises:
-        shardlm.errors.DataError: the corpus cannot be read here (as :func:`shardlm.data.readers.plan_pieces`).
+        shardlm.errors.DataError: the corpus cannot be read here (as
+        :func:`shardlm.data.readers.plan_pieces`).
     """
     inputs, _ = expand_corpus(corpus)
     return {"name": name, "corpus": corpus, "inputs": [_input_identity(i) for i in inputs]}
 
 
 def tokenizer_files(tokenizer_path: str | os.PathLike) -> dict[str, str] | None:
-    """SHA-256 of ``tokenizer_path`` (as ``tokenizer.json``) and of the tokenizer files beside it; None if it is missing."""
+    """SHA-256 of ``tokenizer_path`` (as ``tokenizer.json``) and of the tokenizer files beside it; None if it
+    is missing."""
     tok = pathlib.Path(tokenizer_path).expanduser()
     if not tok.is_file():
         return None
@@ -192,7 +199,8 @@ def _tokenizer_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
         out.append(f"data.tokenizer_vocab_size (0: model.vocab_size) changed {old.get('vocab_size')} -> "
                    f"{new.get('vocab_size')} (the trained tokenizer's vocabulary)")
     if old.get("sample_bytes") != new.get("sample_bytes"):
-        out.append(f"data.tokenizer_sample_bytes changed {old.get('sample_bytes')} -> {new.get('sample_bytes')}")
+        out.append(f"data.tokenizer_sample_bytes changed {old.get('sample_bytes')} -> "
+                   f"{new.get('sample_bytes')}")
     return out
 
 
@@ -221,7 +229,9 @@ def differences(recorded: dict[str, Any] | None, expected: dict[str, Any]) -> li
             elif changes:
                 out.append(f"{key} ({n['corpus']}): " + "; ".join(_limit(changes)))
     if recorded.get("text_field") != expected["text_field"]:
-        out.append(f"data.text_field changed {_q(recorded.get('text_field'))} -> {_q(expected['text_field'])}")
+        out.append(
+            f"data.text_field changed {_q(recorded.get('text_field'))} -> {_q(expected['text_field'])}"
+        )
     if "chat_template" in expected and recorded.get("chat_template", {}).get("sha256") != \
             expected["chat_template"]["sha256"]:
         out.append(f"the chat template changed (now from {expected['chat_template']['source']})")
@@ -238,22 +248,31 @@ def _dtype_name(vocab_size: int) -> str:
     return "uint16" if vocab_size <= 65536 else "uint32"
 
 
-def describe_corpus(corpus: str, text_field: str, tokenizer_path: str | None, vocab_size: int, val_fraction: float,
-                    piece_bytes: int, sample_bytes: int) -> dict[str, Any]:
-    """The identity :func:`shardlm.data.prepare_corpus` records for these arguments (the same names and units);
-    a trained tokenizer's ``files`` are None until it is written.
+def describe_corpus(corpus: str, text_field: str, tokenizer_path: str | None, vocab_size: int,
+                    val_fraction: float, piece_bytes: int, sample_bytes: int) -> dict[str, Any]:
+    """The identity :func:`shardlm.data.prepare_corpus` records for these arguments (the same names and
+    units); a trained tokenizer's ``files`` are None until it is written.
 
     Raises:
         shardlm.errors.DataError: the corpus cannot be read here.
     """
-    settings = {"data.format": "text", "data.val_fraction": float(val_fraction), "data.piece_bytes": int(piece_bytes),
+    settings = {"data.format": "text", "data.val_fraction": float(val_fraction),
+                "data.piece_bytes": int(piece_bytes),
                 "model.vocab_size (token dtype)": _dtype_name(vocab_size)}
     return corpus_identity([source_identity(corpus)], text_field,
                            tokenizer_identity(tokenizer_path, vocab_size, sample_bytes), settings)
 
 
-def describe_mixture(sources: list[Any], names: list[str], text_field: str, tokenizer_path: str | None,
-                     vocab_size: int, val_fraction: float, piece_bytes: int, sample_bytes: int) -> dict[str, Any]:
+def describe_mixture(
+    sources: list[Any],
+    names: list[str],
+    text_field: str,
+    tokenizer_path: str | None,
+    vocab_size: int,
+    val_fraction: float,
+    piece_bytes: int,
+    sample_bytes: int,
+) -> dict[str, Any]:
     """The identity :func:`shardlm.data.mixture.prepare_mixture` records: every source's inputs, one tokenizer
     (trained: the sources' weights set each one's share of its sample, so they count too).
 
@@ -269,9 +288,11 @@ def describe_mixture(sources: list[Any], names: list[str], text_field: str, toke
                            tokenizer_identity(tokenizer_path, vocab_size, sample_bytes), settings)
 
 
-def describe_instructions(corpus: str, tokenizer_path: str, vocab_size: int, val_fraction: float) -> dict[str, Any]:
-    """The identity :func:`shardlm.data.instruct.prepare_instructions` records: the ``.jsonl``, the tokenizer's
-    files and the chat template rendered with.
+def describe_instructions(
+    corpus: str, tokenizer_path: str, vocab_size: int, val_fraction: float
+) -> dict[str, Any]:
+    """The identity :func:`shardlm.data.instruct.prepare_instructions` records: the ``.jsonl``, the
+    tokenizer's files and the chat template rendered with.
 
     Raises:
         shardlm.errors.DataError: the file or the tokenizer cannot be read here.

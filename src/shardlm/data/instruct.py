@@ -39,7 +39,12 @@ from shardlm.data.corpus import jsonl_file, jsonl_objects
 from shardlm.data.identity import describe_instructions
 from shardlm.data.prepare import load_meta, token_dtype, unigram_entropy
 from shardlm.data.tokenizer import special_token_ids
-from shardlm.data.tokenizer_files import OpenedTokenizer, model_special_ids, open_tokenizer, write_tokenizer_files
+from shardlm.data.tokenizer_files import (
+    OpenedTokenizer,
+    model_special_ids,
+    open_tokenizer,
+    write_tokenizer_files,
+)
 from shardlm.errors import DataError
 
 IGNORE_INDEX = -100
@@ -60,16 +65,24 @@ def read_instructions(path: str) -> list[tuple[int, list[dict[str, str]]]]:
         if "messages" in record:
             messages = record["messages"]
             if not isinstance(messages, list) or not all(
-                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                    for m in messages):
-                raise DataError(f"{where}: field 'messages' must be a list of {{'role': str, 'content': str}}")
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages
+            ):
+                raise DataError(
+                    f"{where}: field 'messages' must be a list of {{'role': str, 'content': str}}"
+                )
         elif "prompt" in record or "response" in record:
             for key in ("prompt", "response"):
                 if not isinstance(record.get(key), str):
                     raise DataError(f"{where}: field {key!r} must be a string")
-            messages = ([{"role": "system", "content": record["system"]}] if isinstance(record.get("system"), str)
-                        else []) + [{"role": "user", "content": record["prompt"]},
-                                    {"role": "assistant", "content": record["response"]}]
+            messages = (
+                [{"role": "system", "content": record["system"]}]
+                if isinstance(record.get("system"), str)
+                else []
+            ) + [
+                {"role": "user", "content": record["prompt"]},
+                {"role": "assistant", "content": record["response"]},
+            ]
         else:
             raise DataError(f"{where}: missing field 'messages' (or 'prompt' and 'response')")
         replies = [m for m in messages if m["role"] == "assistant"]
@@ -87,8 +100,8 @@ def open_chat_tokenizer(tokenizer_path: str, vocab_size: int) -> tuple[OpenedTok
     """The tokenizer at ``tokenizer_path``, read once, and its chat template, for chat-formatted data.
 
     Raises:
-        DataError: the tokenizer has more tokens than ``vocab_size`` (the model's embedding must hold every id);
-            the errors of :func:`~shardlm.data.tokenizer_files.open_tokenizer` and :class:`ChatTemplate`.
+        DataError: the tokenizer has more tokens than ``vocab_size`` (the model's embedding must hold every
+            id); the errors of :func:`~shardlm.data.tokenizer_files.open_tokenizer` and :class:`ChatTemplate`.
     """
     opened = open_tokenizer(tokenizer_path)
     n = opened.tokenizer.get_vocab_size()
@@ -124,8 +137,8 @@ def prepare_instructions(corpus: str, out_dir: str, tokenizer_path: str, vocab_s
     encoded = [(line, c.ids, c.mask) for line, c in chats]
     top = max(max(ids) for _, ids, _ in encoded)
     if top >= vocab_size:  # a special token of tokenizer_config.json that tokenizer.json lacks gets a new id
-        raise DataError(f"{chat.files.config_path or tokenizer_path}: a special token is not in {tokenizer_path} "
-                        f"(the chat gets id {top}, vocab_size is {vocab_size})")
+        raise DataError(f"{chat.files.config_path or tokenizer_path}: a special token is not in "
+                        f"{tokenizer_path} (the chat gets id {top}, vocab_size is {vocab_size})")
     n_val = max(1, round(len(encoded) * val_fraction))
     turns = {split: {"found": sum(c.turns for _, c in part), "supervised": sum(c.supervised for _, c in part)}
              for split, part in (("train", chats[:-n_val]), ("val", chats[-n_val:]))}
@@ -154,24 +167,30 @@ def prepare_instructions(corpus: str, out_dir: str, tokenizer_path: str, vocab_s
         write_tokenizer_files(opened, tmp, chat_template=chat.template)  # the template trained with
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
     unsupervised = sum(t["found"] - t["supervised"] for t in turns.values())
-    print(f"prepare: {corpus}: assistant turns found / supervised: " + ", ".join(
-        f"{split} {t['found']} / {t['supervised']}" for split, t in turns.items())
-          + (f" ({unsupervised} left out by the template's {{% generation %}} blocks)" if unsupervised else ""),
-          file=sys.stderr, flush=True)
+    print(
+        f"prepare: {corpus}: assistant turns found / supervised: "
+        + ", ".join(f"{split} {t['found']} / {t['supervised']}" for split, t in turns.items())
+        + (f" ({unsupervised} left out by the template's {{% generation %}} blocks)" if unsupervised else ""),
+        file=sys.stderr,
+        flush=True,
+    )
     return meta
 
 
 class InstructionExamples:
-    """The examples of one split of a prepared instruction directory, each one sample of ``seq_len + 1`` tokens.
+    """The examples of one split of a prepared instruction directory, each one sample of ``seq_len +
+    1`` tokens.
 
     Longer examples are truncated; shorter ones padded (pad token = ``eos`` or 0, label -100).
 
     ``skip_untrainable``: an example with no response token inside its first ``seq_len + 1`` tokens gets
-    ``target_counts`` 0 instead of an error (packing leaves it out and counts it: :mod:`shardlm.data.packing`).
+    ``target_counts`` 0 instead of an error (packing leaves it out and counts it:
+    :mod:`shardlm.data.packing`).
 
     Raises:
         DataError: not an instruction directory, or (unless ``skip_untrainable``) an example with no response
-            token inside its first ``seq_len + 1`` tokens (names the JSONL line: shorten it or raise ``train.seq_len``).
+            token inside its first ``seq_len + 1`` tokens (names the JSONL line: shorten it or
+            raise ``train.seq_len``).
     """
 
     def __init__(self, out_dir: str, split: str, seq_len: int, skip_untrainable: bool = False) -> None:
@@ -193,19 +212,21 @@ class InstructionExamples:
             self.target_counts[i] = int(np.count_nonzero(self.mask[start + 1:min(end, start + seq_len + 1)]))
             if not self.target_counts[i] and not skip_untrainable:
                 raise DataError(f"{meta['corpus']}:{int(self.lines[i])}: no response token within the first "
-                                f"{seq_len + 1} tokens (train.seq_len={seq_len}); shorten the prompt or raise seq_len")
+                                f"{seq_len + 1} tokens (train.seq_len={seq_len}); shorten the prompt or "
+                                "raise seq_len")
 
     def __len__(self) -> int:
         """Number of examples."""
         return len(self.offsets) - 1
 
     def num_targets(self, ids: list[int]) -> int:
-        """Target tokens (response tokens within positions 1..seq_len) of examples ``ids``, from counts made once
-        at load: every rank can count a whole global batch on the host, without reading the examples."""
+        """Target tokens (response tokens within positions 1..seq_len) of examples ``ids``, from counts made
+        once at load: every rank can count a whole global batch on the host, without reading the examples."""
         return int(self.target_counts[np.asarray(ids, dtype=np.int64)].sum()) if len(ids) else 0
 
     def get(self, ids: list[int]) -> torch.Tensor:
-        """Tokens and labels of examples ``ids``: int64 (len(ids), 2, seq_len + 1), labels -100 off-response."""
+        """Tokens and labels of examples ``ids``: int64 (len(ids), 2, seq_len + 1), labels
+        -100 off-response."""
         out = torch.full((len(ids), 2, self.seq_len + 1), IGNORE_INDEX, dtype=torch.int64)
         out[:, 0] = self.pad
         for row, i in enumerate(ids):

@@ -57,7 +57,9 @@ class TokenStream:
         pos = 0
         for path, n in files:
             if not path.is_file() or path.stat().st_size != n * self.dtype.itemsize:
-                raise DataError(f"{path}: missing or not {n} {self.dtype.name} tokens: prepare the data again")
+                raise DataError(
+                    f"{path}: missing or not {n} {self.dtype.name} tokens: prepare the data again"
+                )
             lo, hi = max(start, pos), min(start + length, pos + n)
             if hi > lo:
                 self.maps.append(np.memmap(path, dtype=self.dtype, mode="r", shape=(n,))[lo - pos : hi - pos])
@@ -73,7 +75,8 @@ class TokenStream:
         if isinstance(rec, dict) and meta.get("format") == FORMAT:
             path = root / rec["file"]
             if not path.is_file() or path.stat().st_size != int(rec["count"]) * 8:
-                raise DataError(f"{path}: missing or not {rec['count']} int64 document starts: prepare the data again")
+                raise DataError(f"{path}: missing or not {rec['count']} int64 document starts: prepare the "
+                                "data again")
             self.document_starts = np.memmap(path, dtype="<i8", mode="r", shape=(int(rec["count"]),))
 
     def read(self, start: int, length: int) -> np.ndarray:
@@ -142,7 +145,8 @@ class TokenWindows:
         return self._len
 
     def num_targets(self, ids: list[int]) -> int:
-        """Target tokens (those the loss counts) in windows ``ids``: every one of their ``seq_len`` next tokens.
+        """Target tokens (those the loss counts) in windows ``ids``: every one of their ``seq_len``
+        next tokens.
 
         Known without reading the windows, so every rank can count a whole global batch on the host.
         """
@@ -170,8 +174,9 @@ class TokenWindows:
         return torch.from_numpy(out)
 
     def document_starts(self, ids: list[int]) -> torch.Tensor | None:
-        """Where recorded documents start in windows ``ids``: bool (len(ids), seq_len + 1), True at a document's
-        first token; None when the preparation recorded no document starts (see :class:`TokenStream`)."""
+        """Where recorded documents start in windows ``ids``: bool (len(ids), seq_len + 1), True at a
+        document's first token; None when the preparation recorded no document starts (see
+        :class:`TokenStream`)."""
         if self.stream.document_starts is None:
             return None
         out = torch.zeros((len(ids), self.window), dtype=torch.bool)

@@ -1,5 +1,5 @@
-"""What a prepared data directory is, for everything that reads one: its ``meta.json`` (:func:`load_meta`), the
-token dtype, and whether the directory is complete (:func:`is_prepared`). Writing one is
+"""What a prepared data directory is, for everything that reads one: its ``meta.json`` (:func:`load_meta`),
+the token dtype, and whether the directory is complete (:func:`is_prepared`). Writing one is
 :mod:`shardlm.data.prepare`; reading these needs none of it (no tokenizer, no pipeline)."""
 
 from __future__ import annotations
@@ -60,8 +60,11 @@ def is_prepared(out_dir: str) -> bool:
             shards = meta["shards"]
             if sum(int(s["tokens"]) for s in shards) != int(meta["train_tokens"]) + int(meta["val_tokens"]):
                 return False
-            return all((root / s["file"]).is_file() and (root / s["file"]).stat().st_size == int(s["tokens"]) * itemsize
-                       for s in shards)
+            return all(
+                (root / s["file"]).is_file()
+                and (root / s["file"]).stat().st_size == int(s["tokens"]) * itemsize
+                for s in shards
+            )
     except (DataError, TypeError, KeyError, ValueError, OSError):
         return False
     if not all((root / name).is_file() for name in _LEGACY_FILES):
@@ -73,9 +76,9 @@ def is_prepared(out_dir: str) -> bool:
 
 
 def lacking_document_starts(out_dir: str | pathlib.Path) -> list[pathlib.Path]:
-    """The prepared text directories of ``out_dir`` (itself, or each source a mixture's ``meta.json`` lists) whose
-    ``meta.json`` records no document starts (``document_starts``: written since 2026-12-01; legacy and external
-    data have none); directories not (completely) prepared are not listed."""
+    """The prepared text directories of ``out_dir`` (itself, or each source a mixture's ``meta.json`` lists)
+    whose ``meta.json`` records no document starts (``document_starts``: written since 2026-12-01; legacy and
+    external data have none); directories not (completely) prepared are not listed."""
     root = pathlib.Path(out_dir).expanduser()
     try:
         meta = read_json(root / META_FILE, DataError)

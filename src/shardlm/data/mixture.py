@@ -55,7 +55,8 @@ MIXTURE = "mixture"
 
 
 def apportion(weights: list[float], slots: int) -> list[int]:
-    """``slots`` divided among the sources in proportion to ``weights`` (largest remainders; sums to ``slots``)."""
+    """``slots`` divided among the sources in proportion to ``weights`` (largest remainders; sums
+    to ``slots``)."""
     total = float(sum(weights))
     exact = [w / total * slots for w in weights]
     counts = [int(x) for x in exact]
@@ -66,7 +67,8 @@ def apportion(weights: list[float], slots: int) -> list[int]:
 
 
 def smallest_period(weights: list[float], tol: float = 1e-4, most: int = 10_000) -> int:
-    """The smallest ``P <= most`` whose apportionment is within ``tol`` of every normalised weight (else ``most``)."""
+    """The smallest ``P <= most`` whose apportionment is within ``tol`` of every normalised weight
+    (else ``most``)."""
     total = float(sum(weights))
     for p in range(1, most + 1):
         if all(abs(q / p - w / total) <= tol for q, w in zip(apportion(weights, p), weights)):
@@ -99,7 +101,9 @@ class MixtureSampler(GlobalBatchSampler):
         if not num_windows or len(num_windows) != len(weights):
             raise ValueError("need one weight per source and at least one source")
         if min(num_windows) < 1 or min(weights) <= 0:
-            raise ValueError(f"every source needs windows and a positive weight, got {num_windows}, {weights}")
+            raise ValueError(
+                f"every source needs windows and a positive weight, got {num_windows}, {weights}"
+            )
         super().__init__(sum(num_windows), global_batch_size, seed)
         self.sources = [GlobalBatchSampler(n, 1, seed * 7919 + i) for i, n in enumerate(num_windows)]
         self.offsets = np.concatenate([[0], np.cumsum(num_windows)[:-1]]).astype(np.int64)
@@ -176,7 +180,8 @@ class MixtureWindows:
         return int(self.lengths.sum())
 
     def num_targets(self, ids: list[int]) -> int:
-        """Target tokens in windows ``ids``: ``seq_len`` each (every next token counts), known without reading."""
+        """Target tokens in windows ``ids``: ``seq_len`` each (every next token counts), known
+        without reading."""
         return len(ids) * self.seq_len
 
     def _locate(self, j: int) -> tuple[int, int]:
@@ -231,7 +236,9 @@ def is_mixture_prepared(out_dir: str, sources: list[Any]) -> bool:
     if meta.get("format") != MIXTURE or meta.get("sources") != want:
         return False
     root = pathlib.Path(out_dir).expanduser()
-    return (root / "tokenizer.json").is_file() and all(is_prepared(str(root / n)) for n in source_names(sources))
+    return (root / "tokenizer.json").is_file() and all(
+        is_prepared(str(root / n)) for n in source_names(sources)
+    )
 
 
 def prepare_mixture(sources: list[Any], out_dir: str, tokenizer_path: str | None, vocab_size: int,
@@ -267,8 +274,8 @@ def prepare_mixture(sources: list[Any], out_dir: str, tokenizer_path: str | None
             "tokenizer_files": tokenizer_files(tokenizer_path) if tokenizer_path else None,
             "tokenizer_sample_bytes": tokenizer_sample_bytes}
     if rank == 0 and identity is None:
-        identity = describe_mixture(sources, names, text_field, tokenizer_path, vocab_size, val_fraction, piece_bytes,
-                                    tokenizer_sample_bytes)
+        identity = describe_mixture(sources, names, text_field, tokenizer_path, vocab_size, val_fraction,
+                                    piece_bytes, tokenizer_sample_bytes)
     if rank == 0:
         try:
             same = json.loads((stage / "mixture.json").read_text()) == plan
@@ -289,8 +296,8 @@ def prepare_mixture(sources: list[Any], out_dir: str, tokenizer_path: str | None
             def sample() -> Any:
                 for i, s in enumerate(sources):
                     pieces, _ = plan_pieces(s.path, text_field, piece_bytes)
-                    yield from _sample_texts(pieces, text_field, int(tokenizer_sample_bytes * s.weight / total),
-                                             seed + i)
+                    yield from _sample_texts(pieces, text_field,
+                                             int(tokenizer_sample_bytes * s.weight / total), seed + i)
 
             opened = open_tokenizer(tok_file, train_tokenizer(sample(), vocab_size))
         if not tok_file.is_file():
@@ -331,7 +338,8 @@ def prepare_mixture(sources: list[Any], out_dir: str, tokenizer_path: str | None
     if rank == 0:
         assert identity is not None
         if not tokenizer_path:
-            identity = {**identity, "tokenizer": {**identity["tokenizer"], "files": tokenizer_files(tok_file)}}
+            identity = {**identity,
+                        "tokenizer": {**identity["tokenizer"], "files": tokenizer_files(tok_file)}}
         meta["identity"] = identity
         (stage / "mixture.json").unlink()
         (stage / META_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")

@@ -78,8 +78,8 @@ class PackedExamples:
     """The training examples of a prepared instruction directory packed into rows of ``seq_len + 1`` tokens.
 
     Args:
-        examples: the split, loaded with ``skip_untrainable=True`` (examples with no response target left out).
-        seed: the order of equally long examples (``train.seed``).
+        examples: the split, loaded with ``skip_untrainable=True`` (examples with no response target left
+        out). seed: the order of equally long examples (``train.seed``).
 
     Attributes: ``rows`` (example ids per row), ``fill`` (example tokens / row tokens), ``truncated`` (ids of
     examples cut to ``seq_len + 1`` tokens), ``dropped`` (ids left out: no response token in the window),
@@ -97,9 +97,9 @@ class PackedExamples:
         self.dropped = [int(i) for i in np.flatnonzero(examples.target_counts == 0)]
         keep = np.flatnonzero(examples.target_counts > 0)
         if not keep.size:
-            raise DataError(f"no instruction example to train: all {len(examples)} have no response token within "
-                            f"their first {row} tokens (train.seq_len={self.seq_len}); raise train.seq_len or "
-                            "shorten the prompts")
+            raise DataError(f"no instruction example to train: all {len(examples)} have no response token "
+                            f"within their first {row} tokens (train.seq_len={self.seq_len}); raise "
+                            "train.seq_len or shorten the prompts")
         lengths = np.diff(examples.offsets)
         self._placed = np.minimum(lengths, row)  # each example's tokens in its row
         self.truncated = [int(i) for i in keep if lengths[i] > row]
@@ -116,7 +116,8 @@ class PackedExamples:
         return len(self.rows)
 
     def num_targets(self, ids: list[int]) -> int:
-        """Response targets of rows ``ids`` (the sum of their examples' unpacked counts), known on the host."""
+        """Response targets of rows ``ids`` (the sum of their examples' unpacked counts), known on
+        the host."""
         return int(self.row_targets[np.asarray(ids, dtype=np.int64)].sum()) if len(ids) else 0
 
     def squared_lengths(self, ids) -> int:
@@ -132,8 +133,9 @@ class PackedExamples:
         return total
 
     def get(self, ids: list[int]) -> torch.Tensor:
-        """Rows ``ids``: int64 (len(ids), 3, seq_len + 1): tokens, labels (-100 off-response, on each example's
-        first token and on padding), and each token's document index (0, 1, ... per example, then padding)."""
+        """Rows ``ids``: int64 (len(ids), 3, seq_len + 1): tokens, labels (-100 off-response, on each
+        example's first token and on padding), and each token's document index (0, 1, ... per example,
+        then padding)."""
         row = self.seq_len + 1
         out = torch.empty((len(ids), 3, row), dtype=torch.int64)
         for r, i in enumerate(ids):
@@ -155,12 +157,17 @@ class PackedExamples:
         """One line for the start-up and preparation summaries: rows, examples, fill ratio, padding saved,
         truncations (their JSONL lines), drops."""
         lines = self.examples.lines
-        named = ", ".join(str(int(lines[i])) for i in self.truncated[:5]) + (", ..." if len(self.truncated) > 5 else "")
+        named = ", ".join(str(int(lines[i])) for i in self.truncated[:5]) + (
+            ", ..." if len(self.truncated) > 5 else ""
+        )
         n = sum(len(r) for r in self.rows)
-        text = (f"packed {n:,} examples into {len(self.rows):,} rows of {self.seq_len + 1} tokens, fill "
-                f"{100 * self.fill:.1f}%; padding {self.padding:,} tokens instead of {self.unpacked_padding:,} "
-                f"unpacked ({100 * (1 - len(self.rows) / n):.1f}% fewer samples); {len(self.truncated)} truncated to "
-                f"{self.seq_len + 1} tokens" + (f" (lines {named})" if self.truncated else ""))
+        text = (
+            f"packed {n:,} examples into {len(self.rows):,} rows of {self.seq_len + 1} tokens, fill "
+            f"{100 * self.fill:.1f}%; padding {self.padding:,} tokens instead of "
+            f"{self.unpacked_padding:,} unpacked ({100 * (1 - len(self.rows) / n):.1f}% fewer samples); "
+            f"{len(self.truncated)} truncated to {self.seq_len + 1} tokens"
+            + (f" (lines {named})" if self.truncated else "")
+        )
         if self.dropped:
             text += f"; {len(self.dropped)} left out (no response token within {self.seq_len + 1} tokens)"
         return text
@@ -178,9 +185,9 @@ class DocumentWindows:
     crosses a boundary: the end of one document does not learn to predict the next.
 
     Args:
-        windows: :class:`~shardlm.data.loader.TokenWindows` or a mixture of them (``get`` -> (B, seq_len + 1)).
-        eod: the separator id (``meta["special_ids"]["eod"]``), or None.
-        plain_within_one_document: ``get`` returns the plain windows (B, seq_len + 1) when none of them holds a
+        windows: :class:`~shardlm.data.loader.TokenWindows` or a mixture of them (``get`` -> (B, seq_len +
+        1)). eod: the separator id (``meta["special_ids"]["eod"]``), or None. plain_within_one_document:
+        ``get`` returns the plain windows (B, seq_len + 1) when none of them holds a
             document start (training's samples): block-causal attention within one document is causal
             attention, so the model then runs the causal kernel, no mask, the same outputs bit for bit.
 
@@ -197,16 +204,18 @@ class DocumentWindows:
         self.seq_len = windows.seq_len
         self.source = "recorded" if len(windows) and windows.document_starts([0]) is not None else "eod"
         if self.source == "eod" and self.eod is None:
-            raise DataError("model.attention = 'block_causal' needs document boundaries, but the prepared data "
-                            "records no document starts and has no end-of-document token (special_ids.eod): "
-                            "prepare it again with this shardlm, or set model.attention = 'causal'")
+            raise DataError("model.attention = 'block_causal' needs document boundaries, but the prepared "
+                            "data records no document starts and has no end-of-document token "
+                            "(special_ids.eod): prepare it again with this shardlm, or set model.attention = "
+                            "'causal'")
 
     def __len__(self) -> int:
         """Number of windows."""
         return len(self.windows)
 
     def starts(self, ids: list[int], tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """bool (len(ids), seq_len + 1): True at the first token of a document after each window's first token."""
+        """bool (len(ids), seq_len + 1): True at the first token of a document after each window's
+        first token."""
         if self.source == "recorded":
             starts = self.windows.document_starts(ids)
         else:
@@ -217,9 +226,9 @@ class DocumentWindows:
         return starts
 
     def get(self, ids: list[int]) -> torch.Tensor:
-        """Windows ``ids`` as int64 (len(ids), 3, seq_len + 1): tokens, labels (the tokens, -100 at each document's
-        first token after the window's start), and each token's document index within its window (from 0); or
-        the plain windows when none holds a start and ``plain_within_one_document``."""
+        """Windows ``ids`` as int64 (len(ids), 3, seq_len + 1): tokens, labels (the tokens, -100 at each
+        document's first token after the window's start), and each token's document index within its window
+        (from 0); or the plain windows when none holds a start and ``plain_within_one_document``."""
         tokens = self.windows.get(ids)
         starts = self.starts(ids, tokens)
         if self.plain_within_one_document and not starts.any():
@@ -229,8 +238,8 @@ class DocumentWindows:
         return torch.stack([tokens, labels, starts.cumsum(dim=1)], dim=1)
 
     def num_targets(self, ids: list[int]) -> int:
-        """Targets of windows ``ids``: ``seq_len`` each, less the document starts (read on the host: every rank
-        reads the whole global batch's starts, or windows for the separator rule)."""
+        """Targets of windows ``ids``: ``seq_len`` each, less the document starts (read on the host: every
+        rank reads the whole global batch's starts, or windows for the separator rule)."""
         if not len(ids):
             return 0
         return len(ids) * self.seq_len - int(self.starts(ids).sum())

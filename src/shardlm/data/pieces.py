@@ -1,7 +1,7 @@
 """Cutting a corpus into *pieces*, the unit of work that preparation shares between ranks and reuses after a
 restart (see :mod:`shardlm.data.prepare`): finding its inputs (files, directories, globs, ``datasets``
-directories, ``hf:NAME``), and the cut, which depends only on the files and ``piece_bytes``, never on the number
-of workers or ranks (the cut per format: :mod:`shardlm.data.readers`). Reading a piece's bytes is
+directories, ``hf:NAME``), and the cut, which depends only on the files and ``piece_bytes``, never on the
+number of workers or ranks (the cut per format: :mod:`shardlm.data.readers`). Reading a piece's bytes is
 :mod:`shardlm.data.streams`, its text :mod:`shardlm.data.readers`.
 
 Every bad input is one :class:`DataError` naming the file.
@@ -87,7 +87,8 @@ def _is_hf_dir(path: pathlib.Path) -> bool:
 
 
 def optional_module(module: str, what: str) -> Any:
-    """The module ``module``, imported; DataError naming what reading ``what`` needs and the extra when missing."""
+    """The module ``module``, imported; DataError naming what reading ``what`` needs and the extra
+    when missing."""
     try:
         return importlib.import_module(module)
     except ImportError:
@@ -133,7 +134,8 @@ def _expand(corpus: str) -> tuple[list[pathlib.Path | str], list[str]]:
 
 
 def _split_spec(spec: str) -> tuple[str, str] | None:
-    """``(DIR, SPLIT)`` when ``spec`` is ``DIR:SPLIT`` naming a split of an existing datasets directory, else None."""
+    """``(DIR, SPLIT)`` when ``spec`` is ``DIR:SPLIT`` naming a split of an existing datasets directory,
+    else None."""
     head, sep, split = spec.rpartition(":")
     if not sep or not head or not split or spec.startswith("hf:") or "/" in split:
         return None
@@ -142,11 +144,12 @@ def _split_spec(spec: str) -> tuple[str, str] | None:
 
 
 def expand_corpus(corpus: str) -> tuple[list[pathlib.Path | str], list[str]]:
-    """The inputs of ``corpus`` in reading order (files, datasets directories, ``DIR:SPLIT`` and ``hf:`` specs as
-    strings), and the files of a directory that are not read.
+    """The inputs of ``corpus`` in reading order (files, datasets directories, ``DIR:SPLIT`` and ``hf:`` specs
+    as strings), and the files of a directory that are not read.
 
     Raises:
-        DataError: as :func:`plan_pieces` (a path that does not exist, an unreadable file type, an empty glob).
+        DataError: as :func:`plan_pieces` (a path that does not exist, an unreadable file type, an
+        empty glob).
     """
     return _expand(corpus)
 
@@ -166,7 +169,9 @@ def _walk(root: pathlib.Path) -> tuple[list[pathlib.Path | str], list[str]]:
         dirnames.sort()
         for name in filenames:
             f = d / name
-            (found if readable_kind(f) else skipped).append(f if readable_kind(f) else str(f.relative_to(root)))
+            (found if readable_kind(f) else skipped).append(
+                f if readable_kind(f) else str(f.relative_to(root))
+            )
     found.sort(key=lambda f: pathlib.Path(f).relative_to(root).as_posix())
     skipped.sort()
     return found, skipped
@@ -239,7 +244,8 @@ def _hf_dataset(spec: str) -> Any:
 
 
 def _saved_root(spec: str) -> pathlib.Path:
-    """The directory of the one dataset a ``save_to_disk`` directory or ``DIR:SPLIT`` names (a DatasetDict's split).
+    """The directory of the one dataset a ``save_to_disk`` directory or ``DIR:SPLIT`` names (a
+    DatasetDict's split).
 
     Raises:
         DataError: a split the DatasetDict lacks, no ``train`` split when none is named, a split named on a
@@ -262,7 +268,8 @@ def _saved_root(spec: str) -> pathlib.Path:
 
 
 def _saved_empty(root: pathlib.Path) -> bool:
-    """True for a dataset saved with 0 rows: ``datasets`` writes no data file then (and cannot load it back)."""
+    """True for a dataset saved with 0 rows: ``datasets`` writes no data file then (and cannot load
+    it back)."""
     try:
         state = json.loads((root / "state.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -293,7 +300,8 @@ def hf_dataset(spec: str) -> Any:
 
 def dataset_dict_note(spec: str) -> str | None:
     """A note when ``spec`` is a saved ``DatasetDict`` read without naming a split: the split read (``train``)
-    and the splits left out, with how to name one; None otherwise (a single dataset, a named split, one split)."""
+    and the splits left out, with how to name one; None otherwise (a single dataset, a named split,
+    one split)."""
     splits = None if spec.startswith("hf:") else _dict_splits(pathlib.Path(spec).expanduser())
     if not splits:
         return None
@@ -316,7 +324,8 @@ def _plan_file(item: pathlib.Path | str, text_field: str, piece_bytes: int) -> l
         rows = len(ds)
         nbytes = max(1, int(ds.data.nbytes))
         per_piece = max(1, int(rows * piece_bytes / nbytes))
-        return [Piece("hf", spec, "", a, min(rows, a + per_piece), int(nbytes * (min(rows, a + per_piece) - a) / rows))
+        return [Piece("hf", spec, "", a, min(rows, a + per_piece),
+                      int(nbytes * (min(rows, a + per_piece) - a) / rows))
                 for a in range(0, rows, per_piece)]
     kind, compression = readable_kind(item)  # type: ignore[misc]
     stamp = _stamp(item)
@@ -329,7 +338,8 @@ def _plan_file(item: pathlib.Path | str, text_field: str, piece_bytes: int) -> l
             raise DataError(f"{item}: not a readable Parquet file ({exc})") from None
         names = meta.schema.names
         if text_field not in names:
-            raise DataError(f"{item}: no column {text_field!r} (columns: {', '.join(names)}); set data.text_field")
+            raise DataError(f"{item}: no column {text_field!r} (columns: {', '.join(names)}); set "
+                            "data.text_field")
         pieces, start, acc = [], 0, 0
         for g in range(meta.num_row_groups):
             acc += meta.row_group(g).total_byte_size
@@ -345,7 +355,9 @@ def _plan_file(item: pathlib.Path | str, text_field: str, piece_bytes: int) -> l
     return [Piece(kind, str(item), "", a, b, b - a, stamp) for a, b in zip(cuts, cuts[1:])]
 
 
-def plan_pieces(corpus: str, text_field: str = "text", piece_bytes: int = 64 << 20) -> tuple[list[Piece], list[str]]:
+def plan_pieces(
+    corpus: str, text_field: str = "text", piece_bytes: int = 64 << 20
+) -> tuple[list[Piece], list[str]]:
     """Cut ``corpus`` into pieces, in a fixed order that depends only on the inputs.
 
     Args:
@@ -373,12 +385,22 @@ def plan_pieces(corpus: str, text_field: str = "text", piece_bytes: int = 64 << 
     inputs, skipped = _expand(corpus)
     if not inputs:
         held = f"{len(skipped)} files, e.g. {', '.join(skipped[:5])}" if skipped else "no files"
-        raise DataError(f"empty corpus: {corpus} holds nothing readable ({held}; readable: .txt, .md, .jsonl, each also "
-                        ".gz/.zst; .parquet; datasets directories)")
+        raise DataError(f"empty corpus: {corpus} holds nothing readable ({held}; readable: .txt, .md, "
+                        ".jsonl, each also .gz/.zst; .parquet; datasets directories)")
     pieces = [p for item in inputs for p in _plan_file(item, text_field, piece_bytes)]
     if not pieces:
-        empty = [str(i) for i in inputs if (isinstance(i, str) or i.is_dir())
-                 and (not str(i).startswith("hf:") and _saved_empty(_saved_root(str(i))) or len(_hf_dataset(str(i))) == 0)]
+        empty = [
+            str(i)
+            for i in inputs
+            if (isinstance(i, str) or i.is_dir())
+            and (
+                not str(i).startswith("hf:")
+                and _saved_empty(_saved_root(str(i)))
+                or len(_hf_dataset(str(i))) == 0
+            )
+        ]
         if empty:
-            raise DataError(f"empty corpus: {corpus} has 0 rows" + (f" ({', '.join(empty)})" if empty != [corpus] else ""))
+            raise DataError(
+                f"empty corpus: {corpus} has 0 rows" + (f" ({', '.join(empty)})" if empty != [corpus] else "")
+            )
     return pieces, skipped

@@ -4,8 +4,8 @@ Input: a ``.jsonl`` file, one pair per line, in the two formats TRL's ``DPOTrain
 
 * standard: ``{"prompt": str, "chosen": str, "rejected": str}``; the strings are turned into a conversation as
   the instruction path does (:mod:`shardlm.data.instruct`): the prompt a ``user`` message, each completion an
-  ``assistant`` message (and an optional ``"system"`` string first). Unlike TRL, which tokenizes standard strings
-  as raw text, shardlm always renders with the chat template, so a chat model sees its own format;
+  ``assistant`` message (and an optional ``"system"`` string first). Unlike TRL, which tokenizes standard
+  strings as raw text, shardlm always renders with the chat template, so a chat model sees its own format;
 * conversational: ``prompt`` a list of ``{"role", "content"}`` messages, ``chosen`` / ``rejected`` the
   assistant continuation (a list of messages, usually one ``assistant`` message).
 
@@ -17,8 +17,8 @@ rendered whole; the completion starts where the prompt's ids and both whole conv
 
 Truncation (TRL 1.16's rules: ``max_length`` with ``truncation_mode="keep_start"``; TRL 1.16's ``DPOConfig``
 has no ``max_prompt_length`` any more, so neither has shardlm): at load, each sequence prompt + completion is
-cut to its first ``max_length = train.seq_len + 1`` tokens (the model reads ``seq_len`` of them, as TRL's model
-reads ``max_length`` tokens and drops the last position's logits); a pair whose prompt alone has
+cut to its first ``max_length = train.seq_len + 1`` tokens (the model reads ``seq_len`` of them, as TRL's
+model reads ``max_length`` tokens and drops the last position's logits); a pair whose prompt alone has
 ``max_length`` tokens or more is left out, as TRL's filter does, and counted (:class:`PreferencePairs`).
 
 Chosen identical to rejected (the same completion ids): the pair teaches nothing to DPO and would count in
@@ -66,12 +66,13 @@ def _messages(value: Any, where: str, key: str) -> Messages:
 
 
 def read_preferences(path: str) -> list[tuple[int, Messages, Messages, Messages]]:
-    """Read a preference ``.jsonl`` into ``[(line number, prompt messages, chosen messages, rejected messages)]``.
+    """Read a preference ``.jsonl`` into ``[(line number, prompt messages, chosen messages,
+    rejected messages)]``.
 
     Raises:
-        DataError: naming the file and line: the file is missing or not ``.jsonl``, invalid JSON, a row without
-            ``prompt``, ``chosen`` or ``rejected``, fields of mixed or wrong types, a completion without an
-            ``assistant`` message or with empty content, or no pairs at all.
+        DataError: naming the file and line: the file is missing or not ``.jsonl``, invalid JSON, a row
+            without ``prompt``, ``chosen`` or ``rejected``, fields of mixed or wrong types, a completion
+            without an ``assistant`` message or with empty content, or no pairs at all.
     """
     p = jsonl_file(path, "preference data")
     pairs = []
@@ -79,15 +80,18 @@ def read_preferences(path: str) -> list[tuple[int, Messages, Messages, Messages]
         where = f"{path}:{lineno}"
         missing = [k for k in ("prompt", "chosen", "rejected") if k not in row]
         if missing:
-            raise DataError(f"{where}: missing field {' and '.join(map(repr, missing))}: a preference pair needs "
-                            "'prompt', 'chosen' and 'rejected'")
+            raise DataError(f"{where}: missing field {' and '.join(map(repr, missing))}: a preference pair "
+                            "needs 'prompt', 'chosen' and 'rejected'")
         if all(isinstance(row[k], str) for k in ("prompt", "chosen", "rejected")):
-            system = [{"role": "system", "content": row["system"]}] if isinstance(row.get("system"), str) else []
+            system = (
+                [{"role": "system", "content": row["system"]}] if isinstance(row.get("system"), str) else []
+            )
             prompt = system + [{"role": "user", "content": row["prompt"]}]
             chosen = [{"role": "assistant", "content": row["chosen"]}]
             rejected = [{"role": "assistant", "content": row["rejected"]}]
         elif any(isinstance(row[k], str) for k in ("prompt", "chosen", "rejected")):
-            raise DataError(f"{where}: 'prompt', 'chosen' and 'rejected' must all be strings or all be message lists")
+            raise DataError(f"{where}: 'prompt', 'chosen' and 'rejected' must all be strings or all be "
+                            "message lists")
         else:
             prompt, chosen, rejected = (_messages(row[k], where, k) for k in ("prompt", "chosen", "rejected"))
         for key, completion in (("chosen", chosen), ("rejected", rejected)):
@@ -101,7 +105,8 @@ def read_preferences(path: str) -> list[tuple[int, Messages, Messages, Messages]
 
 def encode_pair(chat: ChatTemplate, prompt: Messages, chosen: Messages, rejected: Messages,
                 where: str = "") -> tuple[list[int], list[int], list[int], bool]:
-    """``(prompt_ids, chosen_ids, rejected_ids, prompt_is_prefix)`` of one pair, by TRL 1.16's rule (module docstring).
+    """``(prompt_ids, chosen_ids, rejected_ids, prompt_is_prefix)`` of one pair, by TRL 1.16's rule
+    (module docstring).
 
     ``prompt_is_prefix`` is False when the template renders the prompt alone otherwise than followed by a
     completion (the completion then starts where they diverge, as in TRL).
@@ -112,13 +117,16 @@ def encode_pair(chat: ChatTemplate, prompt: Messages, chosen: Messages, rejected
     prompt_ids = chat.encode_chat(prompt, True, where).ids
     with_chosen = chat.encode_chat(prompt + chosen, False, where).ids
     with_rejected = chat.encode_chat(prompt + rejected, False, where).ids
-    n = min(len(os.path.commonprefix([prompt_ids, with_chosen])), len(os.path.commonprefix([prompt_ids, with_rejected])))
+    n = min(len(os.path.commonprefix([prompt_ids, with_chosen])),
+            len(os.path.commonprefix([prompt_ids, with_rejected])))
     return prompt_ids[:n], with_chosen[n:], with_rejected[n:], n == len(prompt_ids)
 
 
-def describe_preferences(corpus: str, tokenizer_path: str, vocab_size: int, val_fraction: float) -> dict[str, Any]:
-    """The identity :func:`prepare_preferences` records (see :mod:`shardlm.data.identity`): the ``.jsonl``, the
-    tokenizer's files, the chat template and the settings that change the prepared ids.
+def describe_preferences(
+    corpus: str, tokenizer_path: str, vocab_size: int, val_fraction: float
+) -> dict[str, Any]:
+    """The identity :func:`prepare_preferences` records (see :mod:`shardlm.data.identity`): the ``.jsonl``,
+    the tokenizer's files, the chat template and the settings that change the prepared ids.
 
     Raises:
         DataError: the file cannot be read here.
@@ -132,11 +140,12 @@ def describe_preferences(corpus: str, tokenizer_path: str, vocab_size: int, val_
 
 def prepare_preferences(corpus: str, out_dir: str, tokenizer_path: str, vocab_size: int, val_fraction: float,
                         identity: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Tokenize a preference ``.jsonl`` into ``out_dir`` (atomically: a failure leaves nothing); return the meta.
+    """Tokenize a preference ``.jsonl`` into ``out_dir`` (atomically: a failure leaves nothing); return
+    the meta.
 
-    One process prepares it; the result does not depend on the world size (nor on ``train.seq_len``: truncation
-    happens at load). Prints one summary line: pairs per split, pairs skipped as identical, pairs whose prompt
-    is not a prefix of the whole conversation.
+    One process prepares it; the result does not depend on the world size (nor on ``train.seq_len``:
+    truncation happens at load). Prints one summary line: pairs per split, pairs skipped as identical, pairs
+    whose prompt is not a prefix of the whole conversation.
 
     Raises:
         DataError: bad rows (see :func:`read_preferences`), no tokenizer, a tokenizer with more ids than
@@ -158,12 +167,12 @@ def prepare_preferences(corpus: str, out_dir: str, tokenizer_path: str, vocab_si
         not_prefix += not is_prefix
         pairs.append((line, p, c, r))
     if len(pairs) < 2:
-        raise DataError(f"{corpus}: {len(pairs)} usable pair(s) ({len(identical)} skipped: chosen identical to "
-                        "rejected); need at least 2 (train and validation)")
+        raise DataError(f"{corpus}: {len(pairs)} usable pair(s) ({len(identical)} skipped: chosen identical "
+                        "to rejected); need at least 2 (train and validation)")
     top = max(max(p + c + r) for _, p, c, r in pairs)
     if top >= vocab_size:
-        raise DataError(f"{chat.files.config_path or tokenizer_path}: a special token is not in {tokenizer_path} "
-                        f"(the chat gets id {top}, vocab_size is {vocab_size})")
+        raise DataError(f"{chat.files.config_path or tokenizer_path}: a special token is not in "
+                        f"{tokenizer_path} (the chat gets id {top}, vocab_size is {vocab_size})")
     n_val = max(1, round(len(pairs) * val_fraction))
     dtype = token_dtype(vocab_size)
     out = pathlib.Path(out_dir).expanduser()
@@ -173,7 +182,9 @@ def prepare_preferences(corpus: str, out_dir: str, tokenizer_path: str, vocab_si
             lengths = np.asarray([[len(p), len(c), len(r)] for _, p, c, r in part], dtype=np.int64)
             starts = np.concatenate([[0], np.cumsum(lengths.sum(1))[:-1]]).astype(np.int64)
             idx = np.column_stack([starts, lengths, np.asarray([line for line, *_ in part], dtype=np.int64)])
-            np.concatenate([np.asarray(p + c + r, dtype=dtype) for _, p, c, r in part]).tofile(tmp / f"{split}.bin")
+            np.concatenate([np.asarray(p + c + r, dtype=dtype) for _, p, c, r in part]).tofile(
+                tmp / f"{split}.bin"
+            )
             idx.astype(np.int64).tofile(tmp / f"{split}.idx")
             counts[split] = len(part)
             counts[f"{split}_tokens"] = int(lengths.sum())
@@ -187,22 +198,34 @@ def prepare_preferences(corpus: str, out_dir: str, tokenizer_path: str, vocab_si
                 "unigram_entropy_nats": unigram_entropy(chosen_ids), "identity": identity}
         write_tokenizer_files(opened, tmp, chat_template=chat.template)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-    print(f"prepare: {corpus}: preference pairs train {counts['train']}, val {counts['val']}; skipped "
-          f"{len(identical)} with chosen identical to rejected"
-          + (f" (lines {', '.join(map(str, identical[:5]))}{', ...' if len(identical) > 5 else ''})" if identical
-             else "")
-          + (f"; {not_prefix} whose prompt the template renders otherwise alone (completion starts where they "
-             "diverge, as in TRL)" if not_prefix else ""), file=sys.stderr, flush=True)
+    print(
+        f"prepare: {corpus}: preference pairs train {counts['train']}, val {counts['val']}; skipped "
+        f"{len(identical)} with chosen identical to rejected"
+        + (
+            f" (lines {', '.join(map(str, identical[:5]))}{', ...' if len(identical) > 5 else ''})"
+            if identical
+            else ""
+        )
+        + (
+            f"; {not_prefix} whose prompt the template renders otherwise alone (completion starts where "
+            "they diverge, as in TRL)"
+            if not_prefix
+            else ""
+        ),
+        file=sys.stderr,
+        flush=True,
+    )
     return meta
 
 
 class PreferencePairs:
-    """The pairs of one split of a prepared preference directory, truncated by TRL's rule at ``seq_len + 1`` tokens.
+    """The pairs of one split of a prepared preference directory, truncated by TRL's rule at ``seq_len +
+    1`` tokens.
 
-    Attributes: ``dropped`` (pairs left out because the prompt alone fills ``max_length``, their JSONL lines in
-    ``dropped_lines``), ``truncated`` (kept pairs with a sequence cut at ``max_length``), ``chosen_counts`` /
-    ``rejected_counts`` (int64 (n,): scored completion tokens of each kept pair: completion positions in
-    1..seq_len).
+    Attributes: ``dropped`` (pairs left out because the prompt alone fills ``max_length``, their JSONL lines
+    in ``dropped_lines``), ``truncated`` (kept pairs with a sequence cut at ``max_length``), ``chosen_counts``
+    / ``rejected_counts`` (int64 (n,): scored completion tokens of each kept pair: completion positions
+    in 1..seq_len).
 
     Raises:
         DataError: not a preference directory, or every pair's prompt fills ``max_length``.
@@ -211,7 +234,8 @@ class PreferencePairs:
     def __init__(self, out_dir: str, split: str, seq_len: int) -> None:
         meta = load_meta(out_dir)
         if meta.get("format") != PREFERENCE:
-            raise DataError(f"{out_dir} is not a prepared preference directory (format {meta.get('format')!r})")
+            raise DataError(f"{out_dir} is not a prepared preference directory (format "
+                            f"{meta.get('format')!r})")
         root = pathlib.Path(out_dir).expanduser()
         self.tokens = np.fromfile(root / f"{split}.bin", dtype=np.dtype(meta["dtype"]))
         idx = np.fromfile(root / f"{split}.idx", dtype=np.int64).reshape(-1, 5)
@@ -221,8 +245,9 @@ class PreferencePairs:
         self.dropped = int((~keep).sum())
         self.dropped_lines = [int(x) for x in idx[~keep, 4]]
         if not keep.any():
-            raise DataError(f"{meta['corpus']} ({split}): every prompt fills max_length = train.seq_len + 1 = "
-                            f"{max_length} tokens (first at line {self.dropped_lines[0]}); raise train.seq_len")
+            raise DataError(f"{meta['corpus']} ({split}): every prompt fills max_length = train.seq_len + 1 "
+                            f"= {max_length} tokens (first at line {self.dropped_lines[0]}); raise "
+                            "train.seq_len")
         self.idx = idx[keep]
         prompt, chosen, rejected = self.idx[:, 1], self.idx[:, 2], self.idx[:, 3]
         self.truncated = int(((prompt + np.maximum(chosen, rejected)) > max_length).sum())
@@ -238,8 +263,8 @@ class PreferencePairs:
 
     def summary(self) -> str:
         """One line: pairs, truncated, dropped (TRL's rules)."""
-        return (f"{len(self):,} pairs; {self.truncated} truncated to max_length {self.seq_len + 1} (keep_start); "
-                f"{self.dropped} dropped: prompt fills max_length"
+        return (f"{len(self):,} pairs; {self.truncated} truncated to max_length {self.seq_len + 1} "
+                f"(keep_start); {self.dropped} dropped: prompt fills max_length"
                 + (f" (lines {', '.join(map(str, self.dropped_lines[:5]))})" if self.dropped else ""))
 
     def num_chosen_targets(self, ids: list[int]) -> int:
@@ -248,15 +273,16 @@ class PreferencePairs:
 
     def _row(self, out: torch.Tensor, row: int, start: int, prompt: int, offset: int, length: int) -> None:
         n = min(prompt + length, self.seq_len + 1)
-        ids = np.concatenate([self.tokens[start:start + prompt], self.tokens[start + offset:start + offset + length]])
+        ids = np.concatenate([self.tokens[start:start + prompt],
+                              self.tokens[start + offset:start + offset + length]])
         toks = torch.from_numpy(ids[:n].astype(np.int64))
         out[row, 0, :n] = toks
         out[row, 1, prompt:n] = toks[prompt:]
 
     def get(self, ids: list[int]) -> torch.Tensor:
-        """Tokens and labels of pairs ``ids``: int64 (2·len(ids), 2, seq_len + 1), the chosen sequences first, then
-        the rejected ones in the same order (TRL's concatenated batch); labels ``IGNORE_INDEX`` off the completion,
-        tokens padded with ``eos`` (or 0) on the right."""
+        """Tokens and labels of pairs ``ids``: int64 (2·len(ids), 2, seq_len + 1), the chosen sequences first,
+        then the rejected ones in the same order (TRL's concatenated batch); labels ``IGNORE_INDEX`` off the
+        completion, tokens padded with ``eos`` (or 0) on the right."""
         b = len(ids)
         out = torch.full((2 * b, 2, self.seq_len + 1), IGNORE_INDEX, dtype=torch.int64)
         out[:, 0] = self.pad
@@ -267,7 +293,8 @@ class PreferencePairs:
         return out
 
     def chosen_examples(self) -> ChosenExamples:
-        """This split as instruction examples of the chosen completions (the validation loss: NLL of the chosen)."""
+        """This split as instruction examples of the chosen completions (the validation loss: NLL of
+        the chosen)."""
         return ChosenExamples(self)
 
 

@@ -91,7 +91,8 @@ def default_workers() -> int:
 
 
 def unigram_entropy(tokens: np.ndarray) -> float:
-    """-Σ p·ln p over the token frequencies of ``tokens`` (nats): the loss of a model that learned only them."""
+    """-Σ p·ln p over the token frequencies of ``tokens`` (nats): the loss of a model that learned
+    only them."""
     return _entropy(np.bincount(tokens.astype(np.int64)))
 
 
@@ -149,9 +150,9 @@ def _write_json(path: pathlib.Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
-def _stage(corpus: str, stage: pathlib.Path, fingerprint: dict[str, Any], pieces: list[Piece], tokenizer_path: str | None,
-           vocab_size: int, text_field: str, seed: int, sample_bytes: int, log: Callable[[str], None],
-           opened: OpenedTokenizer | None = None) -> OpenedTokenizer:
+def _stage(corpus: str, stage: pathlib.Path, fingerprint: dict[str, Any], pieces: list[Piece],
+           tokenizer_path: str | None, vocab_size: int, text_field: str, seed: int, sample_bytes: int,
+           log: Callable[[str], None], opened: OpenedTokenizer | None = None) -> OpenedTokenizer:
     """Rank 0: make the staging directory hold this plan and its tokenizer (kept when the plan is unchanged).
     Returns the tokenizer opened once: the given one, one trained here, or an earlier run's from the stage."""
     old = stage / _FINGERPRINT
@@ -352,14 +353,15 @@ def prepare_corpus(
         dtype = token_dtype(vocab_size)
         if rank == 0:
             if identity is None:  # before reading: a change made while preparing shows next time
-                identity = describe_corpus(corpus, text_field, tokenizer_path, vocab_size, val_fraction, piece_bytes,
-                                           tokenizer_sample_bytes)
+                identity = describe_corpus(corpus, text_field, tokenizer_path, vocab_size, val_fraction,
+                                           piece_bytes, tokenizer_sample_bytes)
             for spec in dict.fromkeys(p.path for p in pieces if p.kind == "hf"):
                 note = dataset_dict_note(spec)
                 if note:
                     say(note)
             stage.parent.mkdir(parents=True, exist_ok=True)
-            fingerprint = _fingerprint(pieces, tokenizer_path, vocab_size, text_field, seed, tokenizer_sample_bytes)
+            fingerprint = _fingerprint(pieces, tokenizer_path, vocab_size, text_field, seed,
+                                       tokenizer_sample_bytes)
             tokenizer = _stage(corpus, stage, fingerprint, pieces, tokenizer_path, vocab_size, text_field,
                                seed, tokenizer_sample_bytes, say, tokenizer)
             if sync is not None:
@@ -382,10 +384,13 @@ def prepare_corpus(
             sync.count("pieces", reused)
         t0 = time.perf_counter()
         todo_bytes = sum(p.size for _, p in todo)
-        say(f"prepare: {len(pieces)} piece{'s' * (len(pieces) != 1)} ({sum(p.size for p in pieces) / 1e6:.1f} MB) "
-            f"from {corpus}" + (f"; {len(skipped)} files not read (e.g. {', '.join(skipped[:3])})" if skipped else "")
+        say(
+            f"prepare: {len(pieces)} piece{'s' * (len(pieces) != 1)} "
+            f"({sum(p.size for p in pieces) / 1e6:.1f} MB) from {corpus}"
+            + (f"; {len(skipped)} files not read (e.g. {', '.join(skipped[:3])})" if skipped else "")
             + f"; rank {rank}/{world}: {len(todo)} to encode, {reused} finished before, {workers} "
-            f"worker{'s' * (workers != 1)}")
+            f"worker{'s' * (workers != 1)}"
+        )
         last = [time.perf_counter()]
         done_bytes = [0]
 
@@ -399,15 +404,17 @@ def prepare_corpus(
                 say(f"prepare: rank {rank}: {done_bytes[0] / 1e6:.1f} / {todo_bytes / 1e6:.1f} MB, "
                     f"{done_bytes[0] / 1e6 / (now - t0):.2f} MB/s")
 
-        encode_pieces(stage, todo, tok.to_str(), dtype, special["bos"], special["eod"], text_field, workers, on_piece)
+        encode_pieces(stage, todo, tok.to_str(), dtype, special["bos"], special["eod"], text_field, workers,
+                      on_piece)
         if sync is not None:
             sync.count("ranks")
         if rank != 0:
             assert sync is not None
             sync.wait("final", "rank 0 to write meta.json")
             if not is_prepared(str(out)):
-                raise DataError(f"rank {rank} on {socket.gethostname()} does not see the prepared data at {out} "
-                                "that rank 0 wrote: data.dir must be on a file system every node shares")
+                raise DataError(f"rank {rank} on {socket.gethostname()} does not see the prepared data at "
+                                f"{out} that rank 0 wrote: data.dir must be on a file system every node "
+                                "shares")
             return load_meta(str(out))
         if sync is not None:
             sync.wait_count("ranks", world, "the other ranks' pieces",
@@ -416,8 +423,8 @@ def prepare_corpus(
         for i in range(len(pieces)):
             rec = piece_done(stage, i, itemsize)
             if rec is None:
-                raise DataError(f"piece {i} of {stage} is missing after every rank finished: is {stage.parent} "
-                                "on a file system every node shares?")
+                raise DataError(f"piece {i} of {stage} is missing after every rank finished: is "
+                                f"{stage.parent} on a file system every node shares?")
             records.append(rec)
         meta = _finalize(stage, pieces, records, corpus, dtype, vocab_size, tok_vocab, special, val_fraction,
                          seed, text_field, skipped)

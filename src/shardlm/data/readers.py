@@ -1,5 +1,5 @@
-"""Streaming corpus readers: one bounded piece of text at a time, never a whole file (the format readers, and the
-names of :mod:`shardlm.data.pieces` that importers of this module use).
+"""Streaming corpus readers: one bounded piece of text at a time, never a whole file (the format readers, and
+the names of :mod:`shardlm.data.pieces` that importers of this module use).
 
 A corpus is cut into *pieces*, the unit of work that preparation shares between ranks and reuses
 after a restart (see :mod:`shardlm.data.prepare`). The cut depends only on the files and
@@ -103,7 +103,9 @@ def _cut(text: str, start: int, end: int, spaces: bool = True) -> int:
     return end - 1 if text[end - 1] == "\r" and end - 1 > start else end
 
 
-def _split_text(text: str, chunk_chars: int, final: bool = True, spaces: bool = True) -> tuple[list[str], str]:
+def _split_text(
+    text: str, chunk_chars: int, final: bool = True, spaces: bool = True
+) -> tuple[list[str], str]:
     """``text`` cut into parts of at most ``chunk_chars`` characters (see :func:`_cut`, with ``spaces``).
 
     Returns:
@@ -211,7 +213,8 @@ def _read_jsonl(piece: Piece, text_field: str, chunk_chars: int) -> Iterator[Chu
                     raise DataError(f"{where()}: missing field {text_field!r} (set data.text_field)")
                 text = record[text_field]
                 if not isinstance(text, str):
-                    raise DataError(f"{where()}: field {text_field!r} must be a string, got {type(text).__name__}")
+                    raise DataError(f"{where()}: field {text_field!r} must be a string, got "
+                                    f"{type(text).__name__}")
                 if text.strip():
                     yield from _document(text, chunk_chars)
             rel += 1
@@ -242,8 +245,8 @@ def _read_parquet(piece: Piece, text_field: str, chunk_chars: int) -> Iterator[C
     except Exception as exc:
         raise DataError(f"{piece.path}: not a readable Parquet file ({exc})") from None
     if text_field not in pf.schema_arrow.names:
-        raise DataError(f"{piece.path}: no column {text_field!r} (columns: {', '.join(pf.schema_arrow.names)}); "
-                        "set data.text_field")
+        raise DataError(f"{piece.path}: no column {text_field!r} (columns: "
+                        f"{', '.join(pf.schema_arrow.names)}); set data.text_field")
     row = sum(pf.metadata.row_group(g).num_rows for g in range(piece.start))
     batches = pf.iter_batches(batch_size=256, row_groups=list(range(piece.start, piece.end)),
                               columns=[text_field], use_threads=False)

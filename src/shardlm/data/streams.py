@@ -1,5 +1,5 @@
-"""A piece's bytes as a stream, in bounded blocks (a seeked file, a ``.gz`` or ``.zst`` decompressor), and their
-decoding as UTF-8 with the line of any bad byte named. Used by the text and JSONL readers
+"""A piece's bytes as a stream, in bounded blocks (a seeked file, a ``.gz`` or ``.zst`` decompressor), and
+their decoding as UTF-8 with the line of any bad byte named. Used by the text and JSONL readers
 (:mod:`shardlm.data.readers`)."""
 
 from __future__ import annotations
@@ -124,8 +124,8 @@ def blocks(piece: Piece) -> Iterator[bytes]:
 
 
 def decode(data: bytes, piece: Piece, offset: int, lineno: int | None) -> str:
-    """``data`` (bytes at ``offset`` of the piece) as UTF-8 text; DataError naming the file and the line of the first
-    bad byte (``lineno`` of the block's first line when known, else counted from the file)."""
+    """``data`` (bytes at ``offset`` of the piece) as UTF-8 text; DataError naming the file and the line of
+    the first bad byte (``lineno`` of the block's first line when known, else counted from the file)."""
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:

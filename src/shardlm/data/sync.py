@@ -90,7 +90,8 @@ class StoreSync:
 
     def sub(self, name: str) -> StoreSync:
         """The same ranks and store, with keys of their own (one preparation inside another)."""
-        other = StoreSync(self.store, self.rank, self.world_size, "", self.poll_s, self.report_s, self.timeout_s)
+        other = StoreSync(self.store, self.rank, self.world_size, "", self.poll_s, self.report_s,
+                          self.timeout_s)
         other.prefix = f"{self.prefix}{name}/"
         return other
 
@@ -120,7 +121,8 @@ class StoreSync:
 
     def _check_error(self) -> None:
         if self.store.check([self._key("error")]):
-            raise DataError(f"data preparation failed on another rank: {self.store.get(self._key('error')).decode()}")
+            raise DataError("data preparation failed on another rank: "
+                            f"{self.store.get(self._key('error')).decode()}")
 
     def _poll(self, done: Callable[[], bool], what: str, progress: Callable[[], str] | None) -> None:
         start = last = time.monotonic()
@@ -176,7 +178,7 @@ def check_same_data(out_dir: str, rank: int, world_size: int) -> str:
     odd = [f"rank {r} on {host} ({view[:12]})" for r, (view, host) in enumerate(views) if view != ref]
     if odd or ref.startswith("missing"):
         raise DataError(
-            f"the ranks do not see the same prepared data at {out_dir}: rank 0 on {views[0][1]} sees {ref[:12]}, "
-            f"but {', '.join(odd) or 'so does every rank'}. data.dir and run.dir must be on a file system that "
-            "every node shares (NFS, Lustre, ...)")
+            f"the ranks do not see the same prepared data at {out_dir}: rank 0 on {views[0][1]} sees "
+            f"{ref[:12]}, but {', '.join(odd) or 'so does every rank'}. data.dir and run.dir must be on a "
+            "file system that every node shares (NFS, Lustre, ...)")
     return ref

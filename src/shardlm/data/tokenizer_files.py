@@ -26,15 +26,18 @@ __all__ = ["SPECIAL_TOKEN_KEYS", "TOKENIZER_FILES", "TokenizerConfig", "eos_ids_
            "json_line", "model_special_ids", "read_tokenizer_config", "stage_tokenizer", "synthesized_config",
            "token_text", "write_tokenizer_files"]
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                   "special_tokens_map.json")
 """The tokenizer's files, copied wherever the tokenizer goes (data directory, checkpoint, model directory)."""
 
-SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+                      "mask_token")
 """The special tokens of a ``tokenizer_config.json`` that ``transformers`` passes to a chat template."""
 
 
 def token_text(value: Any) -> str | None:
-    """The text of a special token as ``tokenizer_config.json`` stores it: a string or ``{"content": str, ...}``."""
+    """The text of a special token as ``tokenizer_config.json`` stores it: a string or ``{"content":
+    str, ...}``."""
     if isinstance(value, str):
         return value
     if isinstance(value, dict) and isinstance(value.get("content"), str):
@@ -71,11 +74,13 @@ class TokenizerConfig:
         return out
 
 
-def read_tokenizer_config(tokenizer_path: str | pathlib.Path, tokenizer: Tokenizer | None = None) -> TokenizerConfig:
+def read_tokenizer_config(
+    tokenizer_path: str | pathlib.Path, tokenizer: Tokenizer | None = None
+) -> TokenizerConfig:
     """Read ``tokenizer_config.json`` and ``chat_template.jinja`` beside ``tokenizer_path`` (both optional).
 
-    Without a ``tokenizer_config.json`` the config is :func:`synthesized_config` (``config_path`` None), made from
-    ``tokenizer`` when given (``tokenizer_path`` already loaded), else from the file.
+    Without a ``tokenizer_config.json`` the config is :func:`synthesized_config` (``config_path`` None), made
+    from ``tokenizer`` when given (``tokenizer_path`` already loaded), else from the file.
 
     A ``chat_template`` given as a list of ``{"name", "template"}`` (several named templates) yields
     the one named ``default``.
@@ -116,7 +121,8 @@ def synthesized_config(tok: Any) -> dict[str, Any]:
     puts after every document of the training data), and it also pads.
     """
     ids = special_token_ids(tok)
-    config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
+    config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast",
+                              "clean_up_tokenization_spaces": False}
     if ids["bos"] is not None:
         config["bos_token"] = tok.id_to_token(ids["bos"])
     eos = ids["eod"] if ids["eod"] is not None else ids["eos"]
@@ -166,9 +172,9 @@ def eos_ids_of(directory: str | pathlib.Path) -> dict[str, list[int]]:
 
 @dataclass
 class OpenedTokenizer:
-    """A tokenizer opened once (:func:`open_tokenizer`) and handed to every step of a preparation, so that none
-    reads its files again: the ``tokenizers`` object, its files (``tokenizer_config.json``, chat template) and the
-    special ids a model trained with it writes (:func:`model_special_ids`)."""
+    """A tokenizer opened once (:func:`open_tokenizer`) and handed to every step of a preparation, so that
+    none reads its files again: the ``tokenizers`` object, its files (``tokenizer_config.json``, chat
+    template) and the special ids a model trained with it writes (:func:`model_special_ids`)."""
 
     tokenizer: Tokenizer
     """The ``tokenizer.json``, loaded."""
@@ -190,7 +196,8 @@ def open_tokenizer(tokenizer_path: str | pathlib.Path, tokenizer: Tokenizer | No
     there or about to be): it is not parsed again.
 
     Raises:
-        DataError: the file is missing or not a tokenizer, or its config files are unreadable (naming the file).
+        DataError: the file is missing or not a tokenizer, or its config files are unreadable (naming
+        the file).
     """
     tok = tokenizer if tokenizer is not None else load_tokenizer(str(tokenizer_path))
     files = read_tokenizer_config(tokenizer_path, tok)
@@ -198,7 +205,8 @@ def open_tokenizer(tokenizer_path: str | pathlib.Path, tokenizer: Tokenizer | No
 
 
 def model_special_ids(tokenizer_path: str | pathlib.Path | OpenedTokenizer) -> dict[str, Any]:
-    """The special token ids of the model whose tokenizer is ``tokenizer_path`` (or an opened one's, read once).
+    """The special token ids of the model whose tokenizer is ``tokenizer_path`` (or an opened one's,
+    read once).
 
     Returns ``{"bos": int | None, "eos": [int, ...], "pad": int | None}``: ``eos`` lists the
     ``eos_token_id`` of ``config.json``, then of ``generation_config.json`` (when the tokenizer lies
@@ -229,7 +237,11 @@ def _model_special_ids(files: TokenizerConfig, tok: Tokenizer) -> dict[str, Any]
     if token_id("eos_token") is not None and token_id("eos_token") not in eos:
         eos.append(token_id("eos_token"))
     config = _json(directory / "config.json") if (directory / "config.json").is_file() else {}
-    gen = _json(directory / "generation_config.json") if (directory / "generation_config.json").is_file() else {}
+    gen = (
+        _json(directory / "generation_config.json")
+        if (directory / "generation_config.json").is_file()
+        else {}
+    )
     bos = config.get("bos_token_id") if isinstance(config.get("bos_token_id"), int) else token_id("bos_token")
     pad = token_id("pad_token")
     if pad is None and isinstance(gen.get("pad_token_id"), int):
@@ -238,7 +250,8 @@ def _model_special_ids(files: TokenizerConfig, tok: Tokenizer) -> dict[str, Any]
 
 
 def generation_config(special: dict[str, Any]) -> dict[str, Any]:
-    """The ``generation_config.json`` dict for ``special`` (see :func:`model_special_ids`): bos, eos, pad ids."""
+    """The ``generation_config.json`` dict for ``special`` (see :func:`model_special_ids`): bos, eos,
+    pad ids."""
     eos = list(special.get("eos") or [])
     out: dict[str, Any] = {"bos_token_id": special.get("bos"),
                            "eos_token_id": eos[0] if len(eos) == 1 else (eos or None)}
@@ -260,7 +273,11 @@ def write_tokenizer_files(tokenizer_path: str | pathlib.Path | OpenedTokenizer, 
     Raises:
         DataError: unreadable tokenizer files.
     """
-    files = tokenizer_path.files if isinstance(tokenizer_path, OpenedTokenizer) else read_tokenizer_config(tokenizer_path)
+    files = (
+        tokenizer_path.files
+        if isinstance(tokenizer_path, OpenedTokenizer)
+        else read_tokenizer_config(tokenizer_path)
+    )
     out = pathlib.Path(out_dir)
     config = dict(files.config)
     if chat_template is not None and files.chat_template is None:

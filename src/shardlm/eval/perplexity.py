@@ -1,4 +1,5 @@
-"""Perplexity of a model on a text: a sliding window of the model's context moved by a stride, split over ranks.
+"""Perplexity of a model on a text: a sliding window of the model's context moved by a stride, split
+over ranks.
 
 The text is tokenized as training data is (``BOS doc0 EOD doc1 EOD ...``, see
 :func:`shardlm.data.prepare_corpus`). Windows of ``context`` tokens start every ``stride`` tokens
@@ -71,7 +72,9 @@ def token_stream(documents: list[str], tokenizer, special_ids: dict[str, int | N
     return document_stream(documents, tokenizer, special_ids)[0]
 
 
-def document_stream(documents: list[str], tokenizer, special_ids: dict[str, int | None]) -> tuple[list[int], list[int]]:
+def document_stream(
+    documents: list[str], tokenizer, special_ids: dict[str, int | None]
+) -> tuple[list[int], list[int]]:
     """:func:`token_stream` and where each document starts in it (0 first: BOS belongs to document 0; a
     document's EOD is its last token), as the preparation records them (``meta["document_starts"]``)."""
     stream: list[int] = [] if special_ids.get("bos") is None else [special_ids["bos"]]
@@ -84,7 +87,9 @@ def document_stream(documents: list[str], tokenizer, special_ids: dict[str, int 
     return stream, starts
 
 
-def document_windows(starts: list[int], n_tokens: int, context: int, stride: int) -> list[tuple[int, int, int]]:
+def document_windows(
+    starts: list[int], n_tokens: int, context: int, stride: int
+) -> list[tuple[int, int, int]]:
     """:func:`strided_windows` of each document alone (tokens ``[starts[i], starts[i + 1])``), in stream
     positions: per-document evaluation, where no window reaches into another document and each document's
     first token is not scored."""
@@ -164,7 +169,8 @@ def evaluate_tokens(model: CausalLM, stream: list[int], info: DistInfo, batch_si
     if starts is None:
         full = [r for r in rows if sum(windows[i][1] - windows[i][0] for i in r) == context]
         batches = [full[i:i + batch_size] for i in range(0, len(full), batch_size)]
-        batches += [[r] for r in rows if sum(windows[i][1] - windows[i][0] for i in r) != context]  # the short one
+        # the short one
+        batches += [[r] for r in rows if sum(windows[i][1] - windows[i][0] for i in r) != context]
     else:  # padding is a document of its own: rows of any length share a batch
         batches = [rows[i:i + batch_size] for i in range(0, len(rows), batch_size)]
     attention, model.cfg.attention = model.cfg.attention, "causal" if starts is None else "block_causal"
@@ -177,9 +183,11 @@ def evaluate_tokens(model: CausalLM, stream: list[int], info: DistInfo, batch_si
                       context=context, stride=stride)
 
 
-def _score(model: CausalLM, stream: list[int], windows: list[tuple[int, int, int]], batches: list[list[list[int]]],
-           info: DistInfo, progress: bool, rows: list[list[int]], documents: bool) -> torch.Tensor:
-    """This rank's (loss sum, scored tokens), float64 on ``info.device``, over ``batches`` of rows of windows."""
+def _score(model: CausalLM, stream: list[int], windows: list[tuple[int, int, int]],
+           batches: list[list[list[int]]], info: DistInfo, progress: bool, rows: list[list[int]],
+           documents: bool) -> torch.Tensor:
+    """This rank's (loss sum, scored tokens), float64 on ``info.device``, over ``batches`` of rows
+    of windows."""
     data = torch.tensor(stream, dtype=torch.long)
     totals = torch.zeros(2, dtype=torch.float64, device=info.device)
     bar = progress_bar(sum(windows[i][1] - windows[i][2] for r in rows for i in r), "eval", "tok",
@@ -201,9 +209,12 @@ def _score(model: CausalLM, stream: list[int], windows: list[tuple[int, int, int
         targets = targets.to(info.device)
         docs = document_index[:, :-1].to(info.device) if documents else None
         # the chunked loss at train.loss_chunk_tokens' default: never the whole logits (shardlm/train/loss.py)
-        loss = model_loss_sum(model, tokens[:, :-1].to(info.device), targets, TrainConfig.loss_chunk_tokens, docs)
+        loss = model_loss_sum(model, tokens[:, :-1].to(info.device), targets, TrainConfig.loss_chunk_tokens,
+                              docs)
         n = int((targets != IGNORE_INDEX).sum())
-        totals += torch.stack([loss.double(), torch.tensor(float(n), dtype=torch.float64, device=info.device)])
+        totals += torch.stack(
+            [loss.double(), torch.tensor(float(n), dtype=torch.float64, device=info.device)]
+        )
         bar.update(n)
         bar.set_postfix(loss=f"{(totals[0] / totals[1]).item():.3f}",
                         tok_s=f"{bar.n / max(time.perf_counter() - start, 1e-9):.0f}")
@@ -212,8 +223,9 @@ def _score(model: CausalLM, stream: list[int], windows: list[tuple[int, int, int
 
 
 def prepared_val_stream(data: str, tokenizer_path: Path) -> tuple[list[int], list[int]]:
-    """The validation split of the prepared directory ``data`` (token ids) and where its documents start (0 first:
-    the split may begin inside one), from the preparation's record, else after each end-of-document token.
+    """The validation split of the prepared directory ``data`` (token ids) and where its documents start (0
+    first: the split may begin inside one), from the preparation's record, else after each
+    end-of-document token.
 
     Raises:
         DataError: the directory was prepared with another ``tokenizer.json`` than ``tokenizer_path``.
@@ -221,9 +233,9 @@ def prepared_val_stream(data: str, tokenizer_path: Path) -> tuple[list[int], lis
     def sha(path: Path) -> str:
         return hashlib.sha256(path.read_bytes()).hexdigest()
     if sha(Path(data) / "tokenizer.json") != sha(Path(tokenizer_path)):
-        raise DataError(f"{data} was prepared with another tokenizer.json than the model's ({tokenizer_path}): its "
-                        "token ids would mean other tokens; evaluate on the text itself, or on data prepared with "
-                        "the model's tokenizer")
+        raise DataError(f"{data} was prepared with another tokenizer.json than the model's "
+                        f"({tokenizer_path}): its token ids would mean other tokens; evaluate on the text "
+                        "itself, or on data prepared with the model's tokenizer")
     split = TokenStream(data, "val")
     stream = split.read(0, split.num_tokens).astype(np.int64)
     recorded = split.starts_in(0, split.num_tokens)
@@ -253,7 +265,8 @@ def evaluate_model(model_dir: str, data: str, info: DistInfo, batch_size: int = 
         raise ValueError(f"context {context} exceeds the model's max_seq_len={model.cfg.max_seq_len}")
     model.eval()
     tok = load_tokenizer(str(tok_path))
-    if is_prepared(data) and load_meta(data).get("format") == FORMAT:  # prepared pre-training data: its val split
+    if is_prepared(data) and load_meta(data).get("format") == FORMAT:
+        # prepared pre-training data: its val split
         stream, starts = prepared_val_stream(data, tok_path)
     else:
         stream, starts = document_stream(read_documents(data), tok, special_token_ids(tok))

@@ -1,5 +1,5 @@
-"""Metrics: the per-step log (``metrics.jsonl``, TensorBoard, W&B and MLflow trackers), FLOPs and MFU, per-rank
-memory, overlap and reports."""
+"""Metrics: the per-step log (``metrics.jsonl``, TensorBoard, W&B and MLflow trackers), FLOPs and MFU,
+per-rank memory, overlap and reports."""
 
 from shardlm.metrics.flops import flops_per_token, measure_matmul_flops, mfu, model_flops_per_token
 from shardlm.metrics.logger import MetricsLogger, read_metrics

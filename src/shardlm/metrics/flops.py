@@ -39,15 +39,17 @@ _N_CACHE: dict[str, int] = {}
 
 
 def flops_params(cfg: ModelConfig) -> int:
-    """N of :func:`flops_per_token` for a model of shape ``cfg``: computed from the shape, embedding excluded (the
-    meta-device model that counts it is built once per shape). A mixture of experts counts its *active*
-    parameters: each token runs k of a layer's E experts (:func:`shardlm.model.moe.inactive_expert_params`)."""
+    """N of :func:`flops_per_token` for a model of shape ``cfg``: computed from the shape, embedding excluded
+    (the meta-device model that counts it is built once per shape). A mixture of experts counts its *active*
+    parameters: each token runs k of a layer's E experts
+    (:func:`shardlm.model.moe.inactive_expert_params`)."""
     key = repr(cfg)
     if key not in _N_CACHE:
         with torch.device("meta"):
             model = CausalLM(cfg)
         n = sum(p.numel() for name, p in model.named_parameters() if name != "model.embed_tokens.weight")
-        if cfg.tie_embeddings:  # the shared table is listed once, as the embedding: count it as the output projection
+        if cfg.tie_embeddings:
+            # the shared table is listed once, as the embedding: count it as the output projection
             n += model.lm_head.weight.numel()
         _N_CACHE[key] = n - inactive_expert_params(model)
     return _N_CACHE[key]
@@ -63,15 +65,16 @@ def model_flops(cfg: ModelConfig, tokens: int, squared_lengths: int | float) -> 
     6·N·tokens + 12·L·H·Q·Σ n² (N: :func:`flops_params`).
 
     PaLM's per-token attention term 12·L·H·Q·T (appendix B; :func:`flops_per_token`, causal masking not
-    discounted) counts a sequence of T tokens as T² score and value products. Under block-causal attention each
-    document of n tokens (padding one of its own) attends only within itself: n² of them, so a sequence counts
-    Σ n² over its documents (Σ n² = T² for a causal sequence: then exactly :func:`model_flops_per_token` ×
-    tokens, in integers). Sliding windows are not discounted, as under causal attention. The trainer's logged
-    FLOPs and MFU and the planner both count with this (:mod:`shardlm.plan.documents`).
+    discounted) counts a sequence of T tokens as T² score and value products. Under block-causal attention
+    each document of n tokens (padding one of its own) attends only within itself: n² of them, so a sequence
+    counts Σ n² over its documents (Σ n² = T² for a causal sequence: then exactly
+    :func:`model_flops_per_token` × tokens, in integers). Sliding windows are not discounted, as under causal
+    attention. The trainer's logged FLOPs and MFU and the planner both count with this
+    (:mod:`shardlm.plan.documents`).
 
     Args:
-        tokens: tokens of the sequences (padding included); squared_lengths: Σ n² over their documents (an int,
-            or the planner's mean per sequence × sequences, a float).
+        tokens: tokens of the sequences (padding included); squared_lengths: Σ n² over their documents (an
+            int, or the planner's mean per sequence × sequences, a float).
     """
     return (6 * flops_params(cfg) * tokens
             + 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * squared_lengths)
@@ -137,9 +140,10 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype = torch.float3
     return rates[min(len(rates) - 1, int(0.9 * len(rates)))]
 
 
-#: fp32 FLOPs per cycle and core of the widest vector fused multiply-add, by ``/proc/cpuinfo`` flag, widest first:
-#: two FMA units x lanes x 2 (AVX-512: 2 x 16 x 2; AVX2 + FMA: 2 x 8 x 2), the figure of Intel's server cores
-#: since Skylake-SP and of AMD's Zen 4/5 (AVX-512 over 2 x 256 bits, twice the FMA ports: the same per cycle)
+#: fp32 FLOPs per cycle and core of the widest vector fused multiply-add, by ``/proc/cpuinfo`` flag, widest
+#: first: two FMA units x lanes x 2 (AVX-512: 2 x 16 x 2; AVX2 + FMA: 2 x 8 x 2), the figure of Intel's server
+#: cores since Skylake-SP and of AMD's Zen 4/5 (AVX-512 over 2 x 256 bits, twice the FMA ports: the same
+#: per cycle)
 CPU_FP32_FLOPS_PER_CYCLE = (("avx512f", 64), ("fma", 32), ("avx", 16), ("sse2", 8))
 #: bf16 FLOPs per cycle and core where bf16 runs natively (PyTorch's oneDNN kernels): AMX tiles (16 x 32 x 16
 #: multiply-adds every 16 cycles: 1,024) or AVX512-BF16's dot products (2 x 32 x 2: 128); elsewhere as fp32
@@ -163,14 +167,16 @@ class CpuPeak:
         return self.cores * self.ghz * 1e9 * self.flops_per_cycle
 
     def describe(self) -> str:
-        return (f"nominal CPU peak: {self.cores} core(s) x {self.ghz:.2f} GHz x {self.flops_per_cycle} FLOP/cycle "
-                f"({self.instructions})")
+        return (f"nominal CPU peak: {self.cores} core(s) x {self.ghz:.2f} GHz x {self.flops_per_cycle} "
+                f"FLOP/cycle ({self.instructions})")
 
 
-def cpu_clock_ghz(cpuinfo: Path = CPUINFO, sysfs: Path = Path("/sys/devices/system/cpu/cpu0/cpufreq")) -> float | None:
-    """The CPU's nominal clock in GHz, the same on every call: cpufreq's ``base_frequency``, else the ``@ 2.60GHz``
-    of the model name, else cpufreq's ``cpuinfo_max_freq``, else the highest ``cpu MHz`` of ``cpuinfo`` (a
-    virtual machine's constant TSC rate); None when none is readable."""
+def cpu_clock_ghz(
+    cpuinfo: Path = CPUINFO, sysfs: Path = Path("/sys/devices/system/cpu/cpu0/cpufreq")
+) -> float | None:
+    """The CPU's nominal clock in GHz, the same on every call: cpufreq's ``base_frequency``, else the ``@
+    2.60GHz`` of the model name, else cpufreq's ``cpuinfo_max_freq``, else the highest ``cpu MHz`` of
+    ``cpuinfo`` (a virtual machine's constant TSC rate); None when none is readable."""
     try:
         return int((sysfs / "base_frequency").read_text()) / 1e6  # kHz
     except (OSError, ValueError):
@@ -192,13 +198,13 @@ def cpu_clock_ghz(cpuinfo: Path = CPUINFO, sysfs: Path = Path("/sys/devices/syst
 
 def cpu_peak(precision: str, fp32_multiply: bool, cores: int, cpuinfo: Path = CPUINFO,
              clock_ghz: float | None = None) -> CpuPeak | None:
-    """The nominal dense peak of ``cores`` cores of this CPU in ``precision`` (``bf16`` or ``fp32``): cores x the
-    nominal clock (:func:`cpu_clock_ghz`, or ``clock_ghz``) x FLOPs per cycle and core of the widest instructions
-    its flags name (:data:`CPU_BF16_FLOPS_PER_CYCLE` for bf16 multiplied natively, else
+    """The nominal dense peak of ``cores`` cores of this CPU in ``precision`` (``bf16`` or ``fp32``): cores x
+    the nominal clock (:func:`cpu_clock_ghz`, or ``clock_ghz``) x FLOPs per cycle and core of the widest
+    instructions its flags name (:data:`CPU_BF16_FLOPS_PER_CYCLE` for bf16 multiplied natively, else
     :data:`CPU_FP32_FLOPS_PER_CYCLE`). A fixed figure, the same on every run of the machine, unlike a measured
-    rate (the issue behind it: start-up measurements of 0.03-0.10 TFLOP/s on one shared machine); the datasheet's
-    equivalent for a CPU, an upper bound (turbo clocks and AVX-512 down-clocking not counted). None when the
-    clock cannot be read."""
+    rate (the issue behind it: start-up measurements of 0.03-0.10 TFLOP/s on one shared machine); the
+    datasheet's equivalent for a CPU, an upper bound (turbo clocks and AVX-512 down-clocking not counted).
+    None when the clock cannot be read."""
     ghz = clock_ghz if clock_ghz is not None else cpu_clock_ghz(cpuinfo)
     if ghz is None:
         return None
@@ -207,8 +213,11 @@ def cpu_peak(precision: str, fp32_multiply: bool, cores: int, cpuinfo: Path = CP
                  for f in line.partition(":")[2].split()}
     except OSError:
         flags = set()
-    table = (CPU_BF16_FLOPS_PER_CYCLE if precision == "bf16" and not fp32_multiply else ()) + CPU_FP32_FLOPS_PER_CYCLE
-    flag, per_cycle = next(((f, n) for f, n in table if f in flags), ("no x86 vector flags", CPU_DEFAULT_FLOPS_PER_CYCLE))
+    table = (
+        CPU_BF16_FLOPS_PER_CYCLE if precision == "bf16" and not fp32_multiply else ()
+    ) + CPU_FP32_FLOPS_PER_CYCLE
+    flag, per_cycle = next(((f, n) for f, n in table if f in flags),
+                           ("no x86 vector flags", CPU_DEFAULT_FLOPS_PER_CYCLE))
     return CpuPeak(cores, ghz, per_cycle, flag)
 
 

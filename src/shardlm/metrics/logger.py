@@ -12,7 +12,8 @@ from shardlm.metrics.tensorboard import TensorBoardWriter
 
 
 class TrackerSink(Protocol):
-    """What the logger needs of an experiment tracker (:class:`shardlm.metrics.trackers.Tracker`: W&B, MLflow)."""
+    """What the logger needs of an experiment tracker (:class:`shardlm.metrics.trackers.Tracker`:
+    W&B, MLflow)."""
 
     def log(self, record: dict[str, Any]) -> None: ...
 
@@ -64,7 +65,8 @@ class MetricsLogger:
             tracker.log(record)
 
     def rewind(self, step: int) -> None:
-        """Drop everything logged after ``step`` from every sink (``metrics.jsonl``, TensorBoard events, trackers).
+        """Drop everything logged after ``step`` from every sink (``metrics.jsonl``, TensorBoard
+        events, trackers).
 
         Called once when a run resumes from the checkpoint of ``step``: the steps after it will be logged
         again, and each sink then holds each step once; a tracker whose backend cannot delete what it was
@@ -82,8 +84,9 @@ class MetricsLogger:
             tracker.rewind(step)
 
     def close(self, outcome: str = "finished", model_dir: Path | None = None) -> None:
-        """Close the file and the event file; end the tracker runs with ``outcome`` (``finished``, ``preempted``,
-        ``failed``) and, when given, the final model directory's path. Closing again does nothing."""
+        """Close the file and the event file; end the tracker runs with ``outcome`` (``finished``,
+        ``preempted``, ``failed``) and, when given, the final model directory's path. Closing again
+        does nothing."""
         if self._file is not None:
             self._file.close()
             self._file = None

@@ -1,4 +1,5 @@
-"""Per-rank memory accounting: bytes of local shards, the allocator's peaks on GPU, the process's RSS on CPU."""
+"""Per-rank memory accounting: bytes of local shards, the allocator's peaks on GPU, the process's RSS
+on CPU."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ from torch import nn
 
 
 def local_bytes(t: torch.Tensor) -> int:
-    """Bytes this rank stores for ``t``: ``to_local().numel() × element_size`` for a DTensor; for a tensor subclass
-    that wraps others (torchao's NF4 codes and scales), the bytes of the tensors inside it."""
+    """Bytes this rank stores for ``t``: ``to_local().numel() × element_size`` for a DTensor; for a tensor
+    subclass that wraps others (torchao's NF4 codes and scales), the bytes of the tensors inside it."""
     if hasattr(t, "to_local"):
         t = t.to_local()
     if hasattr(t, "__tensor_flatten__"):  # plain tensors and Parameters do not define it
@@ -41,9 +42,9 @@ def shard_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
 
 
 def expected_shard_bytes(model: nn.Module) -> dict[str, int]:
-    """:func:`shard_bytes` as it reads after an AdamW step, known before the first one: gradients shaped and typed
-    like their parameters, AdamW's two moments likewise plus a 4-byte step count per parameter (fused AdamW
-    keeps it as a 0-dim fp32 tensor)."""
+    """:func:`shard_bytes` as it reads after an AdamW step, known before the first one: gradients shaped and
+    typed like their parameters, AdamW's two moments likewise plus a 4-byte step count per parameter (fused
+    AdamW keeps it as a 0-dim fp32 tensor)."""
     params = [p for p in model.parameters()]
     trained = [p for p in params if p.requires_grad]
     out = {"params": sum(local_bytes(p) for p in params), "grads": sum(local_bytes(p) for p in trained),
@@ -53,7 +54,8 @@ def expected_shard_bytes(model: nn.Module) -> dict[str, int]:
 
 
 def process_rss_bytes() -> int:
-    """Resident set size of this process now, in bytes (``/proc/self/statm``; peak RSS where that is missing)."""
+    """Resident set size of this process now, in bytes (``/proc/self/statm``; peak RSS where that
+    is missing)."""
     try:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

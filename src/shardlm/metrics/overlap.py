@@ -7,7 +7,8 @@ Intervals are read from the profiler's events and classified:
   ``c10d::_reduce_scatter_base_``, ``c10d::allreduce_``...) and the waits on them;
 - compute: on CUDA every other kernel; on CPU every top-level ``aten::`` op not inside a collective.
 
-Per step (the ``record_function`` range named ``STEP_PREFIX + i``), with |·| the length of a union of intervals:
+Per step (the ``record_function`` range named ``STEP_PREFIX + i``), with |·| the length of a union
+of intervals:
 
     hidden communication  = |comm ∩ compute|
     exposed communication = |comm \\ compute|

@@ -23,9 +23,11 @@ def summarize(values: list[float]) -> dict[str, float | int]:
 
 
 def per_rank_summaries(keys: list[str], slots: list[float], world_size: int, full: bool) -> dict[str, Any]:
-    """Record entries for per-rank figures gathered rank-major: ``slots[r * len(keys) + j]`` is rank r's ``keys[j]``.
+    """Record entries for per-rank figures gathered rank-major: ``slots[r * len(keys) + j]`` is rank
+    r's ``keys[j]``.
 
-    Returns ``{key: summary}`` for each key, plus ``{key + "_per_rank": [values in rank order]}`` when ``full``.
+    Returns ``{key: summary}`` for each key, plus ``{key + "_per_rank": [values in rank order]}``
+    when ``full``.
     """
     k = len(keys)
     out: dict[str, Any] = {}

@@ -15,7 +15,8 @@ from typing import Any, TextIO
 
 from tqdm import tqdm
 
-#: seconds between plain progress lines when the output is not a terminal (environment: SHARDLM_PROGRESS_INTERVAL_S)
+#: seconds between plain progress lines when the output is not a terminal (environment:
+#: SHARDLM_PROGRESS_INTERVAL_S)
 PLAIN_INTERVAL_S = float(os.environ.get("SHARDLM_PROGRESS_INTERVAL_S", "30"))
 
 

@@ -69,20 +69,29 @@ def _memory_keys(run: Run) -> list[str]:
     memory (RSS / device allocator) first, shard bytes last."""
     keys: list[str] = []
     for r in run.records:
-        keys += [k for k, v in r.items() if k not in keys and (
-            (k.endswith("bytes_per_rank") and isinstance(v, list)) or (k.endswith("bytes") and isinstance(v, dict)))]
+        keys += [
+            k
+            for k, v in r.items()
+            if k not in keys
+            and (
+                (k.endswith("bytes_per_rank") and isinstance(v, list))
+                or (k.endswith("bytes") and isinstance(v, dict))
+            )
+        ]
     lists = {k.removesuffix("_per_rank") for k in keys if k.endswith("_per_rank")}
     keys = [k for k in keys if k not in lists]  # a full list replaces its own summary
     return sorted(keys, key=lambda k: k.startswith("shard_bytes"))
 
 
 def _memory_lines(run: Run, key: str) -> dict[str, list[tuple[int, float]]]:
-    """(label suffix -> (step, MiB) rows) for one memory key: ``rank<r>`` for a full list, ``max``/``min`` for a
-    summary."""
+    """(label suffix -> (step, MiB) rows) for one memory key: ``rank<r>`` for a full list, ``max``/``min`` for
+    a summary."""
     steps, values = run.series(key)
     if key.endswith("_per_rank"):
         ranks = max((len(v) for v in values), default=0)
-        return {f"rank{r}": [(s, v[r] / 2**20) for s, v in zip(steps, values) if r < len(v)] for r in range(ranks)}
+        return {
+            f"rank{r}": [(s, v[r] / 2**20) for s, v in zip(steps, values) if r < len(v)] for r in range(ranks)
+        }
     return {stat: [(s, v[stat] / 2**20) for s, v in zip(steps, values)] for stat in ("max", "min")}
 
 
@@ -91,10 +100,10 @@ def make_figures(runs: list[Run]) -> dict[str, Any]:
 
     Lines are labelled ``<run>`` / ``<run> val`` (loss) and ``<run> <key> rank<r>`` (memory from a full
     per-rank list) or ``<run> <key> max`` / ``min`` (from a summary; MiB = bytes / 2**20); their x data are
-    steps and their y data the logged values, so ``line.get_xydata()`` gives back what ``metrics.jsonl`` holds.
-    The memory figure has two y axes: process memory (RSS or the device allocator) on the left
-    (``axes[0]``), shard bytes (dashed) on the right (``axes[1]``, each scaled to its own values: the
-    shards are often a hundredth of the process memory and would sit flat on the bottom of a shared axis).
+    steps and their y data the logged values, so ``line.get_xydata()`` gives back what ``metrics.jsonl``
+    holds. The memory figure has two y axes: process memory (RSS or the device allocator) on the left
+    (``axes[0]``), shard bytes (dashed) on the right (``axes[1]``, each scaled to its own values: the shards
+    are often a hundredth of the process memory and would sit flat on the bottom of a shared axis).
     """
     import matplotlib
 
@@ -102,7 +111,8 @@ def make_figures(runs: list[Run]) -> dict[str, Any]:
     from matplotlib.figure import Figure
 
     figs: dict[str, Any] = {}
-    titles = {"loss": ("loss (nats/token)", "training and validation loss"), "lr": ("learning rate", "learning rate"),
+    titles = {"loss": ("loss (nats/token)", "training and validation loss"),
+              "lr": ("learning rate", "learning rate"),
               "tokens_per_s": ("tokens/s (all ranks)", "throughput"),
               "memory": ("process MiB (solid)", "per-rank memory: process (solid), shard bytes (dashed)")}
     for name in FIGURES:
@@ -121,10 +131,12 @@ def make_figures(runs: list[Run]) -> dict[str, Any]:
         ax.plot(*run.series("loss"), color=color, label=f"{run.name}")
         steps, val = run.series("val_loss")
         if steps:
-            ax.plot(steps, val, color=color, linestyle="--", marker="o", markersize=3, label=f"{run.name} val")
+            ax.plot(steps, val, color=color, linestyle="--", marker="o", markersize=3,
+                    label=f"{run.name} val")
         figs["lr"].axes[0].plot(*run.series("lr"), color=color, label=run.name)
         figs["tokens_per_s"].axes[0].plot(*run.series("tokens_per_s"), color=color, label=run.name)
-        # colour: the rank or statistic (several runs: the run, then it); line style: which memory; marker: rank
+        # colour: the rank or statistic (several runs: the run, then it); line style: which memory;
+        # marker: rank
         styles, markers = ["-", ":", "-."], "ox^sv<>*"
         for j, key in enumerate(_memory_keys(run)):
             style = "--" if key.startswith("shard_bytes") else styles[j % len(styles)]
@@ -133,9 +145,9 @@ def make_figures(runs: list[Run]) -> dict[str, Any]:
             for r, (suffix, rows) in enumerate(lines.items()):
                 ax = shard_ax if key.startswith("shard_bytes") else figs["memory"].axes[0]
                 ax.plot(
-                    [s for s, _ in rows], [m for _, m in rows], color=f"C{(i * len(lines) + r) % 10}", linestyle=style,
-                    marker=markers[r % len(markers)], markersize=3, markevery=max(len(rows) // 10, 1),
-                    label=f"{run.name} {name} {suffix}")
+                    [s for s, _ in rows], [m for _, m in rows], color=f"C{(i * len(lines) + r) % 10}",
+                    linestyle=style, marker=markers[r % len(markers)], markersize=3,
+                    markevery=max(len(rows) // 10, 1), label=f"{run.name} {name} {suffix}")
     for fig in figs.values():
         lines = [line for ax in fig.axes for line in ax.lines]
         if lines:  # one legend for both axes of the memory figure
@@ -151,9 +163,9 @@ def _fmt(value: Any, spec: str) -> str:
 def attempt_seconds(run: Run) -> list[float]:
     """Wall seconds of each attempt of ``run`` (its fresh start, then every resume), in order.
 
-    Each record's ``elapsed_s`` counts from its attempt's start, so it falls where a resumed attempt begins; an
-    attempt's time is its last kept record's ``elapsed_s`` (records past the checkpoint it was resumed from were
-    dropped at the resume, and so is the time they took).
+    Each record's ``elapsed_s`` counts from its attempt's start, so it falls where a resumed attempt begins;
+    an attempt's time is its last kept record's ``elapsed_s`` (records past the checkpoint it was resumed from
+    were dropped at the resume, and so is the time they took).
     """
     out: list[float] = []
     previous = None
@@ -178,25 +190,26 @@ def _wall(run: Run) -> str:
 
 
 def summary_markdown(runs: list[Run]) -> str:
-    """A Markdown summary: per run, model/batch/parallel config, final losses, mean tokens/s, wall time (over every
-    attempt: :func:`attempt_seconds`)."""
+    """A Markdown summary: per run, model/batch/parallel config, final losses, mean tokens/s, wall time (over
+    every attempt: :func:`attempt_seconds`)."""
     lines = ["# Run report", "",
-             "| run | model (dim x layers) | world size | global batch x seq | steps | final loss | final val loss "
-             "| mean tokens/s | wall time (s) |", "|---|---|---|---|---|---|---|---|---|"]
+             "| run | model (dim x layers) | world size | global batch x seq | steps | final loss | final "
+             "val loss | mean tokens/s | wall time (s) |", "|---|---|---|---|---|---|---|---|---|"]
     for run in runs:
         cfg = run.config
         model, train, parallel = cfg.get("model", {}), cfg.get("train", {}), cfg.get("parallel", {})
         last = run.records[-1]
         _, val = run.series("val_loss")
         _, tps = run.series("tokens_per_s")
-        # the first step includes warm-up (allocation, first all-gathers): leave it out of the mean when possible
+        # the first step includes warm-up (allocation, first all-gathers): leave it out of the mean
+        # when possible
         tps_mean = sum(tps[1:]) / len(tps[1:]) if len(tps) > 1 else (tps[0] if tps else None)
         ranks = next((r["world_size"] for r in run.records if "world_size" in r), None)
         lines.append(
             f"| {run.name} | {model.get('dim', '?')} x {model.get('n_layers', '?')} | {ranks or '?'} "
-            f"({parallel.get('mode', '?')}) | {train.get('global_batch_size', '?')} x {train.get('seq_len', '?')} "
-            f"| {last.get('step', '?')} | {_fmt(last.get('loss'), '.4f')} | {_fmt(val[-1] if val else None, '.4f')} "
-            f"| {_fmt(tps_mean, ',.0f')} | {_wall(run)} |")
+            f"({parallel.get('mode', '?')}) | {train.get('global_batch_size', '?')} x "
+            f"{train.get('seq_len', '?')} | {last.get('step', '?')} | {_fmt(last.get('loss'), '.4f')} | "
+            f"{_fmt(val[-1] if val else None, '.4f')} | {_fmt(tps_mean, ',.0f')} | {_wall(run)} |")
     lines += ["", "Pictures: " + ", ".join(f"`{n}.png`" for n in FIGURES), ""]
     for run in runs:
         if run.config:

@@ -1,11 +1,12 @@
 """TensorBoard event files beside ``metrics.jsonl``, written when the ``tensorboard`` package is installed.
 
 Uses ``torch.utils.tensorboard.SummaryWriter``. Tags: ``train/loss``, ``val/loss``, ``train/lr``,
-``train/grad_norm``, ``perf/tokens_per_s``, ``perf/tokens_per_s_per_rank``, ``perf/step_time_s``, ``perf/mfu``,
-``memory/<key>_MiB/{min,max,mean}`` for each per-rank summary of bytes in a record (``shard_bytes``,
-``max_allocated_bytes``, ``rss_bytes``...), and ``memory/<key>_MiB/rank<r>`` for a full per-rank list
-(``<key>_per_rank``, written with ``train.log_per_rank``); a preference run's TRL metrics as ``train/<name>``
-(``train/rewards/chosen``, ``train/logps/rejected``, ``train/nll_loss``...). View with ``tensorboard --logdir runs/``.
+``train/grad_norm``, ``perf/tokens_per_s``, ``perf/tokens_per_s_per_rank``, ``perf/step_time_s``,
+``perf/mfu``, ``memory/<key>_MiB/{min,max,mean}`` for each per-rank summary of bytes in a record
+(``shard_bytes``, ``max_allocated_bytes``, ``rss_bytes``...), and ``memory/<key>_MiB/rank<r>`` for a full
+per-rank list (``<key>_per_rank``, written with ``train.log_per_rank``); a preference run's TRL metrics as
+``train/<name>`` (``train/rewards/chosen``, ``train/logps/rejected``, ``train/nll_loss``...). View with
+``tensorboard --logdir runs/``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ SCALAR_TAGS = {
 }
 
 
-#: a preference run's record keys (TRL's names) that go to ``train/<key>``: those with these prefixes, and ``nll_loss``
+#: a preference run's record keys (TRL's names) that go to ``train/<key>``: those with these prefixes,
+#: and ``nll_loss``
 PREFERENCE_PREFIXES = ("rewards/", "logps/", "logits/")
 
 
@@ -59,20 +61,24 @@ class TensorBoardWriter:
         return self._writer is not None
 
     def log(self, record: dict[str, Any]) -> None:
-        """Add the record's scalars at ``record["step"]``; per-rank byte summaries in MiB (min, max, mean), full
-        per-rank lists one tag per rank."""
+        """Add the record's scalars at ``record["step"]``; per-rank byte summaries in MiB (min, max, mean),
+        full per-rank lists one tag per rank."""
         if self._writer is None or "step" not in record:
             return
         step = int(record["step"])
         for key, value in record.items():
             if key in SCALAR_TAGS and isinstance(value, (int, float)) and math.isfinite(value):
                 self._writer.add_scalar(SCALAR_TAGS[key], value, step)
-            elif ((key.startswith(PREFERENCE_PREFIXES) or key == "nll_loss") and isinstance(value, (int, float))
-                  and math.isfinite(value)):
+            elif (
+                (key.startswith(PREFERENCE_PREFIXES) or key == "nll_loss")
+                and isinstance(value, (int, float))
+                and math.isfinite(value)
+            ):
                 self._writer.add_scalar(f"train/{key}", value, step)
             elif key.endswith("bytes") and isinstance(value, dict):
                 for stat in ("min", "max", "mean"):
-                    self._writer.add_scalar(f"memory/{key.removesuffix('_bytes')}_MiB/{stat}", value[stat] / 2**20, step)
+                    self._writer.add_scalar(f"memory/{key.removesuffix('_bytes')}_MiB/{stat}",
+                                            value[stat] / 2**20, step)
             elif key.endswith("bytes_per_rank") and isinstance(value, list):
                 for rank, v in enumerate(value):
                     name = key.removesuffix("_bytes_per_rank")

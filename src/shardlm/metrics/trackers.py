@@ -49,19 +49,21 @@ PACKAGES = {"wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow")}
 
 
 def check_packages(cfg: Config) -> None:
-    """Raise :class:`ConfigError` naming the extra when a tracker is switched on but its package is missing."""
+    """Raise :class:`ConfigError` naming the extra when a tracker is switched on but its package
+    is missing."""
     for name, (module, extra) in PACKAGES.items():
         if getattr(cfg.metrics, name) and importlib.util.find_spec(module) is None:
-            raise ConfigError(f"metrics.{name} = true needs the {module} package: pip install 'shardlm[{extra}]'")
+            raise ConfigError(f"metrics.{name} = true needs the {module} package: pip install "
+                              f"'shardlm[{extra}]'")
 
 
 def tracker_metrics(record: dict[str, Any]) -> dict[str, float | int]:
     """The numbers of a metrics record as tracker metrics (``step`` left out).
 
-    Scalars keep their key (``loss``, ``val_loss``, ``lr``, ``grad_norm``, ``tokens_per_s``...); a
-    per-rank summary (``shard_bytes``, ``rss_bytes``, ``max_allocated_bytes``...: min, max, mean, max_rank)
-    becomes ``<key>/<stat>``; a full per-rank list (``<key>_per_rank``, with ``train.log_per_rank``, or a plain
-    list) one metric per rank, ``<key>/rank<r>``. Values are the record's own, unconverted (ints stay ints).
+    Scalars keep their key (``loss``, ``val_loss``, ``lr``, ``grad_norm``, ``tokens_per_s``...); a per-rank
+    summary (``shard_bytes``, ``rss_bytes``, ``max_allocated_bytes``...: min, max, mean, max_rank) becomes
+    ``<key>/<stat>``; a full per-rank list (``<key>_per_rank``, with ``train.log_per_rank``, or a plain list)
+    one metric per rank, ``<key>/rank<r>``. Values are the record's own, unconverted (ints stay ints).
     """
     out: dict[str, float | int] = {}
 
@@ -94,7 +96,8 @@ def flat_config(tree: dict[str, Any], prefix: str = "") -> dict[str, str]:
 
 
 def _cause(e: BaseException) -> str:
-    """One line for a warning: the exception's type and the first line of its message (at most 300 characters)."""
+    """One line for a warning: the exception's type and the first line of its message (at most
+    300 characters)."""
     text = str(e).strip().splitlines()[0] if str(e).strip() else ""
     return f"{type(e).__name__}: {text[:300]}" if text else type(e).__name__
 
@@ -196,13 +199,15 @@ class WandbTracker(Tracker):
         m = self.cfg.metrics
         kwargs: dict[str, Any] = dict(
             project=m.wandb_project or os.environ.get("WANDB_PROJECT") or "shardlm",
-            entity=m.wandb_entity or None, name=m.wandb_name or os.environ.get("WANDB_NAME") or self.cfg.run.name,
+            entity=m.wandb_entity or None,
+            name=m.wandb_name or os.environ.get("WANDB_NAME") or self.cfg.run.name,
             tags=list(m.wandb_tags) or None, mode=m.wandb_mode or None, config=self._config,
             dir=os.environ.get("WANDB_DIR") or str(self.run_dir),
         )
         Path(kwargs["dir"]).mkdir(parents=True, exist_ok=True)
         if (m.wandb_mode or os.environ.get("WANDB_MODE") or "online") == "online" and not wandb.login(
-                prompt=False, verify=False):  # never an interactive prompt on rank 0 while the other ranks wait
+                prompt=False, verify=False):
+            # never an interactive prompt on rank 0 while the other ranks wait
             raise RuntimeError("not logged in to W&B: run `wandb login` or set WANDB_API_KEY, or set "
                                'metrics.wandb_mode = "offline"')
         run_id = self.ids.get("id")
@@ -262,22 +267,24 @@ def default_mlflow_uri(cwd: Path) -> tuple[str, str | None]:
         return f"file:{mlruns}", None
     if all(importlib.util.find_spec(m) is not None for m in ("sqlalchemy", "alembic")):
         return f"sqlite:///{cwd / 'mlflow.db'}", None
-    return f"file:{mlruns}", (f"no sqlalchemy/alembic: logging to the file store {mlruns} (MLflow 3 keeps it in "
-                              "maintenance mode); pip install sqlalchemy alembic for MLflow's default, the SQLite "
-                              "store mlflow.db")
+    return f"file:{mlruns}", (f"no sqlalchemy/alembic: logging to the file store {mlruns} (MLflow 3 keeps it "
+                              "in maintenance mode); pip install sqlalchemy alembic for MLflow's default, "
+                              "the SQLite store mlflow.db")
 
 
 class MlflowTracker(Tracker):
-    """MLflow through ``MlflowClient`` (``mlflow-skinny``): parameters, metrics, tags and artefacts of one run.
+    """MLflow through ``MlflowClient`` (``mlflow-skinny``): parameters, metrics, tags and artefacts of
+    one run.
 
     Settings: ``metrics.mlflow_tracking_uri`` (else ``MLFLOW_TRACKING_URI``, else the store this run used
-    before, from ``trackers.json``, else MLflow's own default: :func:`default_mlflow_uri`), ``mlflow_experiment``
-    (else ``MLFLOW_EXPERIMENT_NAME``, else ``shardlm``), ``mlflow_run_name`` (else ``run.name``). The config goes
-    in as parameters (``train.lr`` ...) and as the artefact ``config.json``. HTTP requests use MLflow's own retry settings, with
-    shorter defaults unless set in the environment (``MLFLOW_HTTP_REQUEST_MAX_RETRIES=2``,
-    ``MLFLOW_HTTP_REQUEST_TIMEOUT=20`` seconds): a tracker that cannot reach its server must not hold
-    training up for minutes. A local ``file:`` store needs ``MLFLOW_ALLOW_FILE_STORE=true`` in MLflow 3
-    (its file store is in maintenance mode): it is set for this process when the URI is a file store.
+    before, from ``trackers.json``, else MLflow's own default: :func:`default_mlflow_uri`),
+    ``mlflow_experiment`` (else ``MLFLOW_EXPERIMENT_NAME``, else ``shardlm``), ``mlflow_run_name`` (else
+    ``run.name``). The config goes in as parameters (``train.lr`` ...) and as the artefact ``config.json``.
+    HTTP requests use MLflow's own retry settings, with shorter defaults unless set in the environment
+    (``MLFLOW_HTTP_REQUEST_MAX_RETRIES=2``, ``MLFLOW_HTTP_REQUEST_TIMEOUT=20`` seconds): a tracker that cannot
+    reach its server must not hold training up for minutes. A local ``file:`` store needs
+    ``MLFLOW_ALLOW_FILE_STORE=true`` in MLflow 3 (its file store is in maintenance mode): it is set for this
+    process when the URI is a file store.
     """
 
     #: printed once when the default falls back to the file store (no sqlalchemy / alembic)
@@ -330,8 +337,10 @@ class MlflowTracker(Tracker):
                 new = {k: v for k, v in flat_config(config).items() if k not in have}
                 changed = sorted(k for k, v in flat_config(config).items() if k in have and have[k] != v)
                 self._log_params(new, Param)
-                if changed:  # MLflow parameters cannot change: say which did, keep the new config as an artefact
-                    client.set_tag(self.run_id, f"shardlm.config_changed_at_step_{resume_step}", ",".join(changed))
+                if changed:
+                    # MLflow parameters cannot change: say which did, keep the new config as an artefact
+                    client.set_tag(self.run_id, f"shardlm.config_changed_at_step_{resume_step}",
+                                   ",".join(changed))
                     client.log_dict(self.run_id, config, f"config-resumed-at-step-{resume_step}.json")
                 self._rewind(resume_step)
                 return
@@ -385,7 +394,8 @@ TRACKERS: dict[str, type[Tracker]] = {"wandb": WandbTracker, "mlflow": MlflowTra
 
 
 def read_ids(run_dir: Path) -> dict[str, Any]:
-    """``<run dir>/trackers.json``: {tracker name: its ids, "run_id": the shardlm run's id when known}, or {}."""
+    """``<run dir>/trackers.json``: {tracker name: its ids, "run_id": the shardlm run's id when known},
+    or {}."""
     try:
         data = json.loads((run_dir / IDS_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -393,12 +403,14 @@ def read_ids(run_dir: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def start_trackers(cfg: Config, run_dir: Path, resume_step: int | None, run_id: str | None = None) -> list[Tracker]:
+def start_trackers(
+    cfg: Config, run_dir: Path, resume_step: int | None, run_id: str | None = None
+) -> list[Tracker]:
     """Open the trackers switched on in ``cfg.metrics`` (call on rank 0 only); write their ids.
 
     Args:
-        cfg: the run's config; ``cfg.to_dict()`` (with ``run_id``, as in ``config.json``) is logged once as the
-            tracker runs' config.
+        cfg: the run's config; ``cfg.to_dict()`` (with ``run_id``, as in ``config.json``) is logged once as
+            the tracker runs' config.
         run_dir: the run directory (holds ``trackers.json``).
         resume_step: the step the run resumes from (a continued run keeps its tracker runs and is
             rewound to this step), or None for a fresh run (new tracker runs).

@@ -37,7 +37,8 @@ except ImportError:  # pragma: no cover - an old PyTorch: the flex backend is re
 
 #: the attention patterns ``model.attention`` may name
 ATTENTION_KINDS = ("causal", "block_causal")
-#: the backends ``model.attention_backend`` may name (``auto`` picks one by device; ``varlen`` is refused by name)
+#: the backends ``model.attention_backend`` may name (``auto`` picks one by device; ``varlen`` is refused
+#: by name)
 BACKENDS = ("auto", "sdpa", "flex", "varlen")
 
 
@@ -61,14 +62,16 @@ def resolve_backend(backend: str, device: torch.device | str, training: bool = F
         raise ValueError(f"model.attention_backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     if backend == "varlen":
         raise ValueError("model.attention_backend='varlen' (variable-length flash attention over cu_seqlens, "
-                         "torch.nn.attention.varlen.varlen_attn) is not built: PyTorch runs it only on CUDA, where "
-                         "shardlm cannot test it yet; use 'flex' (compiled on CUDA, skips masked blocks) or 'sdpa'")
+                         "torch.nn.attention.varlen.varlen_attn) is not built: PyTorch runs it only on CUDA, "
+                         "where shardlm cannot test it yet; use 'flex' (compiled on CUDA, skips masked "
+                         "blocks) or 'sdpa'")
     device_type = torch.device(device).type
     if backend == "auto":
         return "flex" if device_type == "cuda" and flex_available() else "sdpa"
     if backend == "flex" and not flex_available():
-        raise ValueError(f"model.attention_backend='flex' needs torch.nn.attention.flex_attention, which PyTorch "
-                         f"{torch.__version__} lacks (PyTorch >= 2.5); use 'sdpa' (a dense mask) or 'auto'")
+        raise ValueError("model.attention_backend='flex' needs torch.nn.attention.flex_attention, which "
+                         f"PyTorch {torch.__version__} lacks (PyTorch >= 2.5); use 'sdpa' (a dense mask) or "
+                         "'auto'")
     if backend == "flex" and training and device_type == "cpu":
         raise ValueError(f"model.attention_backend='flex' cannot train on CPU: PyTorch {torch.__version__}'s "
                          "flex_attention has no backward there; use 'sdpa' (a dense mask) or 'auto'")
@@ -89,8 +92,8 @@ def document_positions(documents: torch.Tensor) -> torch.Tensor:
 
 
 def dense_mask(documents: torch.Tensor, window: int = 0) -> torch.Tensor:
-    """Boolean block-causal mask (batch, 1, seq, seq), True = attend: key j of query i when both are in the same
-    document, j <= i, and (``window`` > 0) i - window < j (HF's sliding window, per document)."""
+    """Boolean block-causal mask (batch, 1, seq, seq), True = attend: key j of query i when both are in the
+    same document, j <= i, and (``window`` > 0) i - window < j (HF's sliding window, per document)."""
     t = documents.shape[1]
     q = torch.arange(t, device=documents.device).view(t, 1)
     k = torch.arange(t, device=documents.device).view(1, t)
@@ -100,7 +103,9 @@ def dense_mask(documents: torch.Tensor, window: int = 0) -> torch.Tensor:
     return (allowed.unsqueeze(0) & (documents.unsqueeze(2) == documents.unsqueeze(1))).unsqueeze(1)
 
 
-def additive_mask(documents: torch.Tensor, window: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def additive_mask(
+    documents: torch.Tensor, window: int = 0, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """:func:`dense_mask` as SDPA's additive mask (batch, 1, seq, seq) in ``dtype``: 0 = attend, -inf = not.
 
     SDPA turns a boolean mask into exactly this, in the query's dtype, on every call, and on CPU (flash) and
@@ -108,12 +113,14 @@ def additive_mask(documents: torch.Tensor, window: int = 0, dtype: torch.dtype =
     Made once per forward, every layer reads and saves the same tensor. Equal bit for bit to the boolean mask.
     """
     allowed = dense_mask(documents, window)
-    return torch.zeros(allowed.shape, dtype=dtype, device=documents.device).masked_fill_(~allowed, float("-inf"))
+    return torch.zeros(allowed.shape, dtype=dtype, device=documents.device).masked_fill_(
+        ~allowed, float("-inf")
+    )
 
 
 def block_mask(documents: torch.Tensor, window: int = 0) -> Any:
-    """The same pattern as :func:`dense_mask` as a flex-attention ``BlockMask`` (batch, 1 head, seq, seq), built on
-    ``documents``' device (``create_block_mask``'s own default is CUDA)."""
+    """The same pattern as :func:`dense_mask` as a flex-attention ``BlockMask`` (batch, 1 head, seq, seq),
+    built on ``documents``' device (``create_block_mask``'s own default is CUDA)."""
     b, t = documents.shape
 
     def mask_mod(batch, head, q, kv):
@@ -137,8 +144,9 @@ _compiled_flex = None
 
 
 def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, scale: float | None) -> torch.Tensor:
-    """Flex attention of q (batch, n_heads, seq, head_dim) over k, v (batch, n_kv_heads, seq, head_dim) under the
-    ``BlockMask`` ``mask``: compiled on CUDA (the fused kernel), eager elsewhere. Returns q's shape and dtype."""
+    """Flex attention of q (batch, n_heads, seq, head_dim) over k, v (batch, n_kv_heads, seq, head_dim) under
+    the ``BlockMask`` ``mask``: compiled on CUDA (the fused kernel), eager elsewhere. Returns q's shape
+    and dtype."""
     global _compiled_flex
     fn = flex_attention
     if q.device.type == "cuda":
@@ -150,21 +158,22 @@ def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, scale: fl
 
 def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                    sinks: torch.Tensor, scale: float) -> torch.Tensor:
-    """Attention with a learned sink logit per head (gpt-oss; Xiao et al., "Efficient Streaming Language Models with
-    Attention Sinks", 2023), as transformers' ``GptOssAttention`` computes it (eager: SDPA has no sinks).
+    """Attention with a learned sink logit per head (gpt-oss; Xiao et al., "Efficient Streaming Language
+    Models with Attention Sinks", 2023), as transformers' ``GptOssAttention`` computes it (eager: SDPA has
+    no sinks).
 
     q (batch, n_heads, seq, head_dim); k, v (batch, n_kv_heads, kv_seq, head_dim), grouped as in
-    :func:`attention`; ``mask``: None (causal, seq == kv_seq) or boolean (True = attend),
-    broadcastable to (batch, n_heads, seq, kv_seq); ``sinks`` (n_heads,). Each query's scores ``q·k · scale`` get
-    the head's sink as one more logit; the softmax runs over all (max subtracted first, as transformers), the
-    sink's probability is dropped, the rest weight v. Returns (batch, n_heads, seq, head_dim) in q's dtype.
+    :func:`attention`; ``mask``: None (causal, seq == kv_seq) or boolean (True = attend), broadcastable to
+    (batch, n_heads, seq, kv_seq); ``sinks`` (n_heads,). Each query's scores ``q·k · scale`` get the head's
+    sink as one more logit; the softmax runs over all (max subtracted first, as transformers), the sink's
+    probability is dropped, the rest weight v. Returns (batch, n_heads, seq, head_dim) in q's dtype.
 
     Raises:
         ValueError: a flex-attention ``BlockMask`` (sinks are built for dense masks only).
     """
     if BlockMask is not None and isinstance(mask, BlockMask):
-        raise ValueError("attention sinks (gpt-oss) are built with dense masks only: set model.attention_backend = "
-                         "'sdpa' for block-causal attention")
+        raise ValueError("attention sinks (gpt-oss) are built with dense masks only: set "
+                         "model.attention_backend = 'sdpa' for block-causal attention")
     repeat = q.shape[1] // k.shape[1]
     if repeat > 1:
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
@@ -203,7 +212,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
             at Llama 3 8B's 32/8 heads would be 4x the K/V memory); False repeats K and V with
             ``repeat_interleave`` first (HF's ``repeat_kv``), for a PyTorch without ``enable_gqa``.
             Both give the same result (tested within 1e-6 in fp32).
-        scale: factor of the scores q·k; None means ``head_dim ** -0.5`` (Gemma: ``query_pre_attn_scalar ** -0.5``).
+        scale: factor of the scores q·k; None means ``head_dim ** -0.5`` (Gemma: ``query_pre_attn_scalar
+        ** -0.5``).
 
     Returns:
         (batch, n_heads, seq, head_dim), the dtype of ``q``.

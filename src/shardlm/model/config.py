@@ -6,8 +6,8 @@ derived from the fields (head width, key/value heads, MLP width) are properties,
 The model families (Llama, Qwen2/2.5, Qwen3, Mistral, Gemma 3) are one decoder with a few switches:
 :data:`~shardlm.model.families.FAMILIES` holds, per family, the fixed traits of its architecture (biases, q/k
 norm, Gemma's norms and GeGLU) and its particulars (:mod:`shardlm.model.families`); the sizes a family varies
-(head width, sliding window, RoPE bases) are fields. The model's own rules are :meth:`ModelConfig.check`, beside
-its fields; a run's config calls it among its checks (:func:`shardlm.config.checks.validate`).
+(head width, sliding window, RoPE bases) are fields. The model's own rules are :meth:`ModelConfig.check`,
+beside its fields; a run's config calls it among its checks (:func:`shardlm.config.checks.validate`).
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ class ModelConfig:
     """Shape of the decoder (Hugging Face config names in brackets)."""
 
     family: str = "llama"
-    """Model family, a name registered in :data:`~shardlm.model.families.FAMILIES` (``llama``, ``qwen2``, ``qwen3``,
-    ``mistral``, ``gemma3``, ``qwen3_moe``, ``mixtral``): its fixed traits and particulars [model_type]."""
+    """Model family, a name registered in :data:`~shardlm.model.families.FAMILIES` (``llama``, ``qwen2``,
+    ``qwen3``, ``mistral``, ``gemma3``, ``qwen3_moe``, ``mixtral``): its fixed traits and
+    particulars [model_type]."""
     dim: int = 256
     """Hidden size, the width of the residual stream [hidden_size]."""
     n_layers: int = 4
@@ -40,24 +41,26 @@ class ModelConfig:
     head_width: int = 0
     """Width of one attention head [head_dim]; 0 means ``dim // n_heads`` (see the ``head_dim`` property)."""
     ffn_hidden: int = 0
-    """Hidden size of the SwiGLU MLP [intermediate_size]; 0 means the Llama rule: 8/3·dim rounded up to 256."""
+    """Hidden size of the SwiGLU MLP [intermediate_size]; 0 means the Llama rule: 8/3·dim rounded up
+    to 256."""
     vocab_size: int = 4096
     """Rows of the token embedding [vocab_size]; must hold every tokenizer id."""
     max_seq_len: int = 1024
     """Longest sequence the rotary tables cover, in tokens [max_position_embeddings]."""
     rope_theta: float = 10000.0
-    """Base of the rotary frequencies [rope_theta]; of the global (full-attention) layers when some are local."""
+    """Base of the rotary frequencies [rope_theta]; of the global (full-attention) layers when some
+    are local."""
     sliding_window: int = 0
-    """Local layers attend to the last ``sliding_window`` tokens only, their own included [sliding_window]; 0 means
-    every layer attends to the whole sequence."""
+    """Local layers attend to the last ``sliding_window`` tokens only, their own included [sliding_window]; 0
+    means every layer attends to the whole sequence."""
     sliding_window_pattern: int = 0
-    """With ``sliding_window``: every ``sliding_window_pattern``-th layer (1-based) is global, the others local
-    (Gemma 3: 6) [sliding_window_pattern / layer_types]; 0 means every layer is local (Mistral)."""
+    """With ``sliding_window``: every ``sliding_window_pattern``-th layer (1-based) is global, the others
+    local (Gemma 3: 6) [sliding_window_pattern / layer_types]; 0 means every layer is local (Mistral)."""
     rope_local_theta: float = 0.0
     """Rotary base of the local layers (Gemma 3: 10000) [rope_local_base_freq]; 0 means ``rope_theta``."""
     query_pre_attn_scalar: float = 0.0
-    """Attention scores are scaled by ``query_pre_attn_scalar ** -0.5`` (Gemma) [query_pre_attn_scalar]; 0 means
-    ``head_dim``."""
+    """Attention scores are scaled by ``query_pre_attn_scalar ** -0.5`` (Gemma) [query_pre_attn_scalar]; 0
+    means ``head_dim``."""
     final_logit_softcap: float = 0.0
     """Logits become ``c · tanh(logits / c)`` with this c [final_logit_softcapping]; 0 means none."""
     norm_eps: float = 1e-5
@@ -67,41 +70,49 @@ class ModelConfig:
     init_std: float = 0.02
     """Standard deviation of the normal initialisation of weight matrices."""
     rope_scaling_factor: float = 0.0
-    """Llama 3.1 RoPE scaling ``factor`` (8 for Llama 3.1) [rope_scaling.factor, rope_type llama3]; 0 means no scaling."""
+    """Llama 3.1 RoPE scaling ``factor`` (8 for Llama 3.1) [rope_scaling.factor, rope_type llama3]; 0 means
+    no scaling."""
     rope_low_freq_factor: float = 1.0
-    """Llama 3.1 RoPE scaling ``low_freq_factor`` [rope_scaling.low_freq_factor]; used when rope_scaling_factor > 0."""
+    """Llama 3.1 RoPE scaling ``low_freq_factor`` [rope_scaling.low_freq_factor]; used when
+    rope_scaling_factor > 0."""
     rope_high_freq_factor: float = 4.0
-    """Llama 3.1 RoPE scaling ``high_freq_factor`` [rope_scaling.high_freq_factor]; used when rope_scaling_factor > 0."""
+    """Llama 3.1 RoPE scaling ``high_freq_factor`` [rope_scaling.high_freq_factor]; used when
+    rope_scaling_factor > 0."""
     rope_original_max_seq_len: int = 8192
     """Pre-training context that llama3 and YaRN scaling extend, in tokens
     [rope_scaling.original_max_position_embeddings]."""
     rope_linear_factor: float = 0.0
-    """Linear RoPE scaling (position interpolation, Gemma 3 4B+): the global layers' frequencies are divided by
-    this factor [rope_scaling.factor, rope_type linear]; 0 means none."""
+    """Linear RoPE scaling (position interpolation, Gemma 3 4B+): the global layers' frequencies are divided
+    by this factor [rope_scaling.factor, rope_type linear]; 0 means none."""
     rope_yarn_factor: float = 0.0
     """YaRN RoPE scaling (Peng et al., "YaRN", 2023; Qwen3 128k, gpt-oss, DeepSeek): the context
-    ``rope_original_max_seq_len`` is extended ``factor`` times [rope_scaling.factor, rope_type yarn]; 0 means none."""
+    ``rope_original_max_seq_len`` is extended ``factor`` times [rope_scaling.factor, rope_type yarn]; 0
+    means none."""
     rope_yarn_beta_fast: float = 32.0
-    """YaRN: rotations over the original context above which a frequency is kept (extrapolated) [beta_fast]."""
+    """YaRN: rotations over the original context above which a frequency is kept
+    (extrapolated) [beta_fast]."""
     rope_yarn_beta_slow: float = 1.0
-    """YaRN: rotations over the original context below which a frequency is divided by the factor (interpolated)
-    [beta_slow]."""
+    """YaRN: rotations over the original context below which a frequency is divided by the factor
+    (interpolated) [beta_slow]."""
     rope_yarn_attention_factor: float = 0.0
-    """YaRN: factor of the cos and sin tables (the attention temperature ``sqrt(1/t)``) [attention_factor]; 0 means
-    HF's default ``0.1 · ln(factor) + 1`` (an import resolves DeepSeek's ``mscale`` / ``mscale_all_dim`` into it)."""
+    """YaRN: factor of the cos and sin tables (the attention temperature ``sqrt(1/t)``) [attention_factor]; 0
+    means HF's default ``0.1 · ln(factor) + 1`` (an import resolves DeepSeek's ``mscale`` / ``mscale_all_dim``
+    into it)."""
     rope_yarn_truncate: bool = True
-    """YaRN: round the correction range of dimensions outward to integers, as HF does by default (gpt-oss: false)
-    [truncate]."""
+    """YaRN: round the correction range of dimensions outward to integers, as HF does by default (gpt-oss:
+    false) [truncate]."""
     rope_dynamic_factor: float = 0.0
-    """Dynamic NTK RoPE scaling [rope_scaling.factor, rope_type dynamic]: HF changes the base only for sequences past
-    ``max_seq_len``, which this model never runs, so within it the frequencies are the default ones; kept for export.
-    0 means none."""
+    """Dynamic NTK RoPE scaling [rope_scaling.factor, rope_type dynamic]: HF changes the base only for
+    sequences past ``max_seq_len``, which this model never runs, so within it the frequencies are the default
+    ones; kept for export. 0 means none."""
     n_experts: int = 0
-    """Experts of each MoE layer [num_experts / num_local_experts]; 0 means a dense model (families with ``moe``)."""
+    """Experts of each MoE layer [num_experts / num_local_experts]; 0 means a dense model (families
+    with ``moe``)."""
     n_experts_per_token: int = 2
     """Experts each token is routed to, the k of top-k [num_experts_per_tok]."""
     moe_ffn_hidden: int = 0
-    """Hidden size of one expert's SwiGLU [moe_intermediate_size; Mixtral: intermediate_size]; 0 means ``ffn_dim``."""
+    """Hidden size of one expert's SwiGLU [moe_intermediate_size; Mixtral: intermediate_size]; 0
+    means ``ffn_dim``."""
     norm_topk_prob: bool = False
     """Renormalise the top-k routing probabilities to sum to 1 [norm_topk_prob] (Mixtral always does)."""
     moe_layer_step: int = 1
@@ -110,29 +121,31 @@ class ModelConfig:
     """Layers (0-based) that stay dense MLPs whatever ``moe_layer_step`` says [mlp_only_layers]."""
     router_aux_loss_coef: float = 0.001
     """Weight of the load-balancing loss added to the training loss [router_aux_loss_coef]; 0 means none. Its
-    statistics (tokens per expert, mean router probabilities) are pooled per micro-step over the micro-batches of
-    all ranks (one forward each): the whole global batch with one micro-batch per rank; under gradient
-    accumulation each micro-step's term is transformers' ``aux_loss`` of that micro-step's tokens in one forward,
-    and the step adds (and logs) their mean, not the whole batch's ``aux_loss``."""
+    statistics (tokens per expert, mean router probabilities) are pooled per micro-step over the micro-batches
+    of all ranks (one forward each): the whole global batch with one micro-batch per rank; under gradient
+    accumulation each micro-step's term is transformers' ``aux_loss`` of that micro-step's tokens in one
+    forward, and the step adds (and logs) their mean, not the whole batch's ``aux_loss``."""
     router_z_loss_coef: float = 0.0
-    """Weight of the router z-loss (ST-MoE) added to the training loss; 0 means none (transformers has none)."""
+    """Weight of the router z-loss (ST-MoE) added to the training loss; 0 means none (transformers
+    has none)."""
     swiglu_alpha: float = 1.702
     """gpt-oss experts: the gate's sigmoid slope, ``glu = gate · sigmoid(alpha · gate)`` [swiglu_alpha]."""
     swiglu_limit: float = 7.0
     """gpt-oss experts: gate clamped to at most ``limit``, up to [-limit, limit] [swiglu_limit]."""
     attention: Literal["auto", "causal", "block_causal"] = "auto"
-    """Attention pattern over a training sample: ``causal`` (every token sees all earlier ones of the sample) or
-    ``block_causal`` (document masking: a token sees only earlier tokens of its own document, with rotary
+    """Attention pattern over a training sample: ``causal`` (every token sees all earlier ones of the sample)
+    or ``block_causal`` (document masking: a token sees only earlier tokens of its own document, with rotary
     positions restarting at 0 per document; packed instruction examples, pre-training windows over document
     boundaries; see shardlm/model/attention.py). ``auto`` (the default) is resolved once at set-up: a resumed
     run keeps its checkpoint's value; a new one trains ``block_causal`` when its samples hold documents
     (pre-training data that records its document starts, ``data.pack``), else ``causal``
-    (shardlm/data/attention_choice.py); checkpoints and ``config.json`` record the resolved value. Not a shape:
-    kept on ``init_from``."""
+    (shardlm/data/attention_choice.py); checkpoints and ``config.json`` record the resolved value. Not a
+    shape: kept on ``init_from``."""
     attention_backend: Literal["auto", "sdpa", "flex", "varlen"] = "auto"
-    """Kernel of block-causal attention: ``sdpa`` (a dense additive mask, any device), ``flex`` (flex_attention with
-    a BlockMask: compiled on CUDA, eager on CPU), ``auto`` (flex on CUDA, sdpa elsewhere). Same results.
-    ``varlen`` (flash attention over cu_seqlens, CUDA only) is refused by name: not built until it can be tested."""
+    """Kernel of block-causal attention: ``sdpa`` (a dense additive mask, any device), ``flex``
+    (flex_attention with a BlockMask: compiled on CUDA, eager on CPU), ``auto`` (flex on CUDA, sdpa
+    elsewhere). Same results. ``varlen`` (flash attention over cu_seqlens, CUDA only) is refused by name: not
+    built until it can be tested."""
     init_from: str = ""
     """Hugging Face model directory (``config.json`` + ``*.safetensors``) to start from instead of a random
     init; empty means random. When set, the model's shape (every field above except ``init_std`` and the two
@@ -142,7 +155,8 @@ class ModelConfig:
 
     @property
     def arch(self) -> Family:
-        """The family's record (traits and particulars), :data:`~shardlm.model.families.FAMILIES` ``[family]``.
+        """The family's record (traits and particulars),
+        :data:`~shardlm.model.families.FAMILIES` ``[family]``.
 
         Raises:
             ConfigError: ``family`` is not registered.
@@ -150,11 +164,13 @@ class ModelConfig:
         return get(self.family)
 
     def check(self) -> None:
-        """Check the model's own fields (sizes, the family's refusals, the mixture of experts, RoPE scaling); the
-        rules across sections (``train.seq_len`` against ``max_seq_len``, ...) are in :mod:`shardlm.config.checks`.
+        """Check the model's own fields (sizes, the family's refusals, the mixture of experts, RoPE scaling);
+        the rules across sections (``train.seq_len`` against ``max_seq_len``, ...) are in
+        :mod:`shardlm.config.checks`.
 
         Raises:
-            ConfigError: naming the first key that breaks a rule (``model.<field>``), or an unregistered family.
+            ConfigError: naming the first key that breaks a rule (``model.<field>``), or an
+            unregistered family.
         """
         m = self
         positive = {
@@ -167,10 +183,11 @@ class ModelConfig:
         if m.head_width < 0:
             raise ConfigError(f"model.head_width must be >= 0, got {m.head_width}")
         if not m.head_width and m.dim % m.n_heads:
-            raise ConfigError(f"model.n_heads={m.n_heads} must divide model.dim={m.dim} (or set model.head_width)")
+            raise ConfigError(f"model.n_heads={m.n_heads} must divide model.dim={m.dim} (or set "
+                              "model.head_width)")
         if m.head_dim % 2:
-            raise ConfigError(f"the head width {m.head_dim} (model.head_width, or model.dim / model.n_heads) must be even "
-                              "for rotary embeddings")
+            raise ConfigError(f"the head width {m.head_dim} (model.head_width, or model.dim / model.n_heads) "
+                              "must be even for rotary embeddings")
         for key in ("sliding_window", "sliding_window_pattern", "rope_local_theta", "query_pre_attn_scalar",
                     "final_logit_softcap", "rope_linear_factor"):
             if getattr(m, key) < 0:
@@ -178,26 +195,31 @@ class ModelConfig:
         m.arch.check(m)  # the family's refusals (an unregistered model.family is refused by ``arch`` itself)
         m.check_moe()
         if m.rope_linear_factor > 0 and m.rope_scaling_factor > 0:
-            raise ConfigError("model.rope_linear_factor and model.rope_scaling_factor (llama3) cannot both be set")
+            raise ConfigError("model.rope_linear_factor and model.rope_scaling_factor (llama3) cannot both "
+                              "be set")
         kv = m.kv_heads
         if kv < 0 or m.n_heads % kv:
             raise ConfigError(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads}")
         if m.rope_scaling_factor > 0 and m.rope_high_freq_factor <= m.rope_low_freq_factor:
             raise ConfigError(f"model.rope_high_freq_factor={m.rope_high_freq_factor} must exceed "
                               f"model.rope_low_freq_factor={m.rope_low_freq_factor}")
-        scalings = [key for key in ("rope_scaling_factor", "rope_linear_factor", "rope_yarn_factor", "rope_dynamic_factor")
+        scalings = [key for key in ("rope_scaling_factor", "rope_linear_factor", "rope_yarn_factor",
+                                    "rope_dynamic_factor")
                     if getattr(m, key) != 0]
         if len(scalings) > 1:
             raise ConfigError(f"one RoPE scaling at a time: model.{' and model.'.join(scalings)} are all set")
         for key in scalings:
             if getattr(m, key) < 1:
                 raise ConfigError(f"model.{key} must be >= 1 (0 = no scaling), got {getattr(m, key)}")
-        if m.rope_yarn_factor and (m.rope_yarn_beta_fast < m.rope_yarn_beta_slow or m.rope_yarn_attention_factor < 0
-                                   or m.rope_original_max_seq_len < 1):
-            raise ConfigError(f"YaRN needs model.rope_yarn_beta_fast >= rope_yarn_beta_slow (got {m.rope_yarn_beta_fast} "
-                              f"and {m.rope_yarn_beta_slow}), rope_yarn_attention_factor >= 0 (got "
-                              f"{m.rope_yarn_attention_factor}) and rope_original_max_seq_len >= 1 (got "
-                              f"{m.rope_original_max_seq_len})")
+        if m.rope_yarn_factor and (
+            m.rope_yarn_beta_fast < m.rope_yarn_beta_slow
+            or m.rope_yarn_attention_factor < 0
+            or m.rope_original_max_seq_len < 1
+        ):
+            raise ConfigError("YaRN needs model.rope_yarn_beta_fast >= rope_yarn_beta_slow (got "
+                              f"{m.rope_yarn_beta_fast} and {m.rope_yarn_beta_slow}), "
+                              f"rope_yarn_attention_factor >= 0 (got {m.rope_yarn_attention_factor}) and "
+                              f"rope_original_max_seq_len >= 1 (got {m.rope_original_max_seq_len})")
 
     def check_moe(self) -> None:
         """Check the mixture-of-experts fields (``n_experts`` and its companions) against the family.
@@ -220,10 +242,12 @@ class ModelConfig:
             if getattr(m, key) < 1:
                 raise ConfigError(f"model.{key} must be >= 1, got {getattr(m, key)}")
         if m.moe_ffn_hidden < 0:
-            raise ConfigError(f"model.moe_ffn_hidden must be >= 0 (0 = model.ffn_hidden), got {m.moe_ffn_hidden}")
+            raise ConfigError("model.moe_ffn_hidden must be >= 0 (0 = model.ffn_hidden), got "
+                              f"{m.moe_ffn_hidden}")
         bad = [i for i in m.dense_layers if not 0 <= i < m.n_layers]
         if bad:
-            raise ConfigError(f"model.dense_layers {list(m.dense_layers)}: layer {bad[0]} is not in [0, {m.n_layers})")
+            raise ConfigError(f"model.dense_layers {list(m.dense_layers)}: layer {bad[0]} is not in [0, "
+                              f"{m.n_layers})")
         for key in ("router_aux_loss_coef", "router_z_loss_coef"):
             if getattr(m, key) < 0:
                 raise ConfigError(f"model.{key} must be >= 0, got {getattr(m, key)}")
@@ -235,7 +259,8 @@ class ModelConfig:
 
     @property
     def attn_scale(self) -> float:
-        """Factor of the attention scores q·k: ``query_pre_attn_scalar ** -0.5``, by default ``head_dim ** -0.5``."""
+        """Factor of the attention scores q·k: ``query_pre_attn_scalar ** -0.5``, by default ``head_dim
+        ** -0.5``."""
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def is_local(self, layer: int) -> bool:
@@ -261,7 +286,8 @@ class ModelConfig:
 
     @property
     def ffn_dim(self) -> int:
-        """SwiGLU hidden size: ``ffn_hidden``, or the Llama rule when 0: 8/3·dim rounded up to a multiple of 256."""
+        """SwiGLU hidden size: ``ffn_hidden``, or the Llama rule when 0: 8/3·dim rounded up to a multiple
+        of 256."""
         if self.ffn_hidden:
             return self.ffn_hidden
         return 256 * math.ceil(int(8 * self.dim / 3) / 256)

@@ -95,8 +95,8 @@ def cpu_has_bf16_instructions(cpuinfo: Path = CPUINFO) -> bool:
 def use_fp32_matmul(setting: str, device: torch.device, param_dtype: str, cpuinfo: Path = CPUINFO) -> bool:
     """Whether bf16 linear layers should multiply in fp32 (``parallel.cpu_bf16_matmul``).
 
-    ``native`` never; ``fp32`` whenever the compute dtype is bf16 on a CPU device; ``auto`` as ``fp32``
-    but only on CPUs without bf16 instructions (:func:`cpu_has_bf16_instructions` of ``cpuinfo``). Never on CUDA.
+    ``native`` never; ``fp32`` whenever the compute dtype is bf16 on a CPU device; ``auto`` as ``fp32`` but
+    only on CPUs without bf16 instructions (:func:`cpu_has_bf16_instructions` of ``cpuinfo``). Never on CUDA.
     """
     if device.type != "cpu" or param_dtype != "bfloat16" or setting == "native":
         return False
@@ -110,7 +110,8 @@ def apply_fp32_matmul(model: nn.Module) -> int:
     many layers were changed.
     """
     changed = 0
-    for module in model.modules():  # an NF4 weight (QLoRA, nominally bf16) keeps torchao's dequantising linear
+    for module in model.modules():
+        # an NF4 weight (QLoRA, nominally bf16) keeps torchao's dequantising linear
         if type(module) is nn.Linear and module.bias is None and type(module.weight).__name__ != "NF4Tensor":
             module.__class__ = Fp32MatmulLinear
             changed += 1

@@ -1,13 +1,14 @@
-"""One readable decoder for every model family (:mod:`shardlm.model.families`), in the Hugging Face layout, with no
-distributed code: :class:`CausalLM` (formerly ``Llama``; ``shardlm.model.llama`` is this module under its old name).
+"""One readable decoder for every model family (:mod:`shardlm.model.families`), in the Hugging Face layout,
+with no distributed code: :class:`CausalLM` (formerly ``Llama``; ``shardlm.model.llama`` is this module under
+its old name).
 
 Parameter names equal transformers' ``*ForCausalLM`` names (``model.layers.0.self_attn.q_proj.weight``,
 ``lm_head.weight``...), so importing or exporting HF weights is a plain copy. Rotary embeddings use
 HF's rotate-half convention and compute their tables the way HF's rotary embeddings do.
 
-The families differ in a few places, each switched by :class:`~shardlm.model.config.ModelConfig`
-(``cfg.arch`` for the fixed traits of ``cfg.family``, a :class:`~shardlm.model.families.Family`; fields for the
-sizes). Rotary tables are in :mod:`shardlm.model.rope`, the KV cache in :mod:`shardlm.model.kv_cache`:
+The families differ in a few places, each switched by :class:`~shardlm.model.config.ModelConfig` (``cfg.arch``
+for the fixed traits of ``cfg.family``, a :class:`~shardlm.model.families.Family`; fields for the sizes).
+Rotary tables are in :mod:`shardlm.model.rope`, the KV cache in :mod:`shardlm.model.kv_cache`:
 
 =========  =====================================================================================
 Llama      the reference: pre-norm blocks, SwiGLU, grouped-query attention, RoPE (llama3 scaling)
@@ -47,11 +48,12 @@ from shardlm.model.rope import rope_buffers, rope_inv_freq, rotary_tables, rotat
 
 __all__ = [  # with the KV cache and RoPE names that ``shardlm.model.llama`` had before they moved out
     "INIT_BLOCK_ELEMENTS", "MLP", "SDPA_ENABLE_GQA", "Attention", "Block", "CausalLM", "Decoder", "KVCache",
-    "LayerKVCache", "Llama", "RMSNorm", "attention", "num_params", "rope_buffers", "rope_inv_freq", "rotary_tables",
-    "rotate_half", "sdpa_has_enable_gqa", "sliding_window_mask",
+    "LayerKVCache", "Llama", "RMSNorm", "attention", "num_params", "rope_buffers", "rope_inv_freq",
+    "rotary_tables", "rotate_half", "sdpa_has_enable_gqa", "sliding_window_mask",
 ]
 
-#: values drawn per generator when initialising (at least one row): a rank draws only the blocks its rows touch
+#: values drawn per generator when initialising (at least one row): a rank draws only the blocks its
+#: rows touch
 INIT_BLOCK_ELEMENTS = 1 << 16
 
 
@@ -60,7 +62,8 @@ class RMSNorm(nn.Module):
 
     Input and output: (..., dim), any float dtype; the weight has shape (dim,). Llama's form
     (``LlamaRMSNorm``): ``weight * norm(x)`` with the norm rounded to x's dtype first. Gemma's form
-    (``plus_one``, ``Gemma3RMSNorm``): ``norm(x) * (1 + weight)`` in fp32, then rounded; its weight starts at 0.
+    (``plus_one``, ``Gemma3RMSNorm``): ``norm(x) * (1 + weight)`` in fp32, then rounded; its weight starts
+    at 0.
     """
 
     def __init__(self, dim: int, eps: float, plus_one: bool = False) -> None:
@@ -79,7 +82,8 @@ class RMSNorm(nn.Module):
 
 
 def sliding_window_mask(t: int, window: int, device: torch.device) -> torch.Tensor:
-    """Boolean (t, t) mask, True = attend: query i sees keys j with i - window < j <= i (HF's sliding window)."""
+    """Boolean (t, t) mask, True = attend: query i sees keys j with i - window < j <= i (HF's
+    sliding window)."""
     q = torch.arange(t, device=device).view(t, 1)
     k = torch.arange(t, device=device).view(1, t)
     return (k <= q) & (k > q - window)
@@ -112,8 +116,9 @@ class Attention(nn.Module):
         if cfg.arch.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps, cfg.arch.gemma_norms)
             self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps, cfg.arch.gemma_norms)
-        #: the attention kernel ``attend(q, k, v, mask, scale=...)``: :func:`attention`, or a hook set from outside
-        #: (context parallelism's, ``shardlm/parallel/cp.py``: attention across a sequence split over ranks)
+        #: the attention kernel ``attend(q, k, v, mask, scale=...)``: :func:`attention`, or a hook set from
+        #: outside (context parallelism's, ``shardlm/parallel/cp.py``: attention across a sequence split
+        #: over ranks)
         self.attend = attention
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -127,8 +132,8 @@ class Attention(nn.Module):
         ``doc_mask`` (block-causal attention, see :mod:`shardlm.model.attention`) replaces both: this layer's
         dense (batch, 1, seq, seq) boolean mask or flex ``BlockMask``, its window already applied."""
         b, t, _ = x.shape
-        # the head counts from the projections' widths: all heads here, or this rank's share when the projections are
-        # split by columns from outside (tensor parallel, shardlm/parallel/tp.py)
+        # the head counts from the projections' widths: all heads here, or this rank's share when the
+        # projections are split by columns from outside (tensor parallel, shardlm/parallel/tp.py)
         q = self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
@@ -172,10 +177,10 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """One pre-norm transformer block: x + attn(norm(x)), then h + mlp(norm(h)).
 
-    Gemma (``cfg.arch.gemma_norms``) adds a norm after each: x + norm(attn(norm(x))), then
-    h + norm(mlp(norm(h))); its names are HF's (``post_attention_layernorm`` is then the norm *after*
-    attention, ``pre_feedforward_layernorm`` / ``post_feedforward_layernorm`` those around the MLP).
-    Block ``layer`` is local (sliding window) when ``cfg.is_local(layer)``, and its ``mlp`` a mixture of experts
+    Gemma (``cfg.arch.gemma_norms``) adds a norm after each: x + norm(attn(norm(x))), then h +
+    norm(mlp(norm(h))); its names are HF's (``post_attention_layernorm`` is then the norm *after* attention,
+    ``pre_feedforward_layernorm`` / ``post_feedforward_layernorm`` those around the MLP). Block ``layer`` is
+    local (sliding window) when ``cfg.is_local(layer)``, and its ``mlp`` a mixture of experts
     (:class:`~shardlm.model.moe.MoE`) when ``cfg.is_moe_layer(layer)``.
     """
 
@@ -194,7 +199,8 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: LayerKVCache | None = None, doc_mask: Any = None) -> torch.Tensor:
         if hasattr(self, "post_feedforward_layernorm"):  # Gemma: norms before and after
-            h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, cache, doc_mask))
+            h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, cache,
+                                                                 doc_mask))
             return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, doc_mask)
         return h + self.mlp(self.post_attention_layernorm(h))
@@ -214,16 +220,19 @@ class Decoder(nn.Module):
             self.register_buffer(name, table, persistent=False)
 
     def rope_at(self, positions: torch.Tensor) -> dict[bool, tuple[torch.Tensor, torch.Tensor]]:
-        """The rotary cos and sin of per-token ``positions`` (batch, seq) int64, each (batch, 1, seq, head_dim)
-        float32, by ``local`` (True: the local layers' own tables, present only when they have their own base)."""
+        """The rotary cos and sin of per-token ``positions`` (batch, seq) int64, each (batch, 1, seq,
+        head_dim) float32, by ``local`` (True: the local layers' own tables, present only when they have their
+        own base)."""
         rope = {False: (self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1))}
         if hasattr(self, "rope_local_cos"):
-            rope[True] = (self.rope_local_cos[positions].unsqueeze(1), self.rope_local_sin[positions].unsqueeze(1))
+            rope[True] = (self.rope_local_cos[positions].unsqueeze(1),
+                          self.rope_local_sin[positions].unsqueeze(1))
         return rope
 
 
 class CausalLM(nn.Module):
-    """Causal language model of any family of :data:`~shardlm.model.families.FAMILIES` (HF's ``*ForCausalLM``).
+    """Causal language model of any family of :data:`~shardlm.model.families.FAMILIES`
+    (HF's ``*ForCausalLM``).
 
     ``forward(tokens)``: tokens (batch, seq) int64 with seq <= ``max_seq_len`` -> logits
     (batch, seq, vocab_size) in the compute dtype. With ``tie_embeddings`` the output projection
@@ -266,13 +275,14 @@ class CausalLM(nn.Module):
         ``documents`` (batch, seq) int64, non-decreasing per row: the document index of each token of a packed
         row. Under ``cfg.attention = "block_causal"`` each token attends only to earlier tokens of its own
         document, and its rotary position restarts at 0 at the document's first token
-        (:mod:`shardlm.model.attention`, backend ``cfg.attention_backend``); under ``"causal"`` (and ``"auto"``, which
-        training resolves before building the model) it is ignored.
+        (:mod:`shardlm.model.attention`, backend ``cfg.attention_backend``); under ``"causal"`` (and
+        ``"auto"``, which training resolves before building the model) it is ignored.
 
-        ``positions`` (batch, seq) int64 and ``masks`` (by window, 0 = global layers) come together: the rotary
-        position of each token and each layer's attention mask, made outside for tokens that are a part of a
-        longer sequence (context parallelism, :meth:`shardlm.parallel.cp.ContextParallel.shard_batch`); they
-        replace the causal and block-causal set-up above, and each layer hands its mask to its ``attend`` hook.
+        ``positions`` (batch, seq) int64 and ``masks`` (by window, 0 = global layers) come together: the
+        rotary position of each token and each layer's attention mask, made outside for tokens that are a part
+        of a longer sequence (context parallelism, :meth:`shardlm.parallel.cp.ContextParallel.shard_batch`);
+        they replace the causal and block-causal set-up above, and each layer hands its mask to its
+        ``attend`` hook.
 
         Raises:
             ValueError: the sequence (or cache length + seq) exceeds ``max_seq_len``; ``documents`` with a
@@ -282,7 +292,9 @@ class CausalLM(nn.Module):
         t = tokens.shape[1]
         decoder = self.model
         doc_masks = None
-        if (positions is None) != (masks is None) or (masks is not None and (cache is not None or documents is not None)):
+        if (positions is None) != (masks is None) or (
+            masks is not None and (cache is not None or documents is not None)
+        ):
             raise ValueError("positions and masks come together, without a cache or documents")
         if masks is not None:  # a part of a longer sequence: positions and masks made outside
             doc_masks = masks
@@ -386,7 +398,8 @@ class CausalLM(nn.Module):
                 local = param.to_local()
                 shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh,
                                                                       param.placements)
-                if tuple(shape[1:]) == tuple(param.shape[1:]):  # sharded along dim 0 only (FSDP, HSDP): own rows
+                if tuple(shape[1:]) == tuple(param.shape[1:]):
+                    # sharded along dim 0 only (FSDP, HSDP): own rows
                     local.copy_(self.initial_rows(name, seed, offset[0], offset[0] + shape[0], local.device))
                 else:  # any other layout: the full value, then this rank's piece
                     full = self.initial_value(name, seed).to(param.dtype)

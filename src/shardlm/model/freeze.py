@@ -41,7 +41,9 @@ def _glob(text: str) -> str:
 def name_matches(regex: re.Pattern[str], name: str) -> bool:
     """Whether ``regex`` fully matches ``name`` or a run of its dot-separated parts."""
     parts = name.split(".")
-    return any(regex.fullmatch(".".join(parts[i:j])) for i in range(len(parts)) for j in range(i + 1, len(parts) + 1))
+    return any(
+        regex.fullmatch(".".join(parts[i:j])) for i in range(len(parts)) for j in range(i + 1, len(parts) + 1)
+    )
 
 
 def split_patterns(text: str) -> list[str]:
@@ -50,10 +52,12 @@ def split_patterns(text: str) -> list[str]:
 
 
 def apply_freeze(model: nn.Module, trainable: str, frozen: str) -> list[str]:
-    """Set ``requires_grad`` from the patterns (in place, any device, before FSDP); return the trainable names.
+    """Set ``requires_grad`` from the patterns (in place, any device, before FSDP); return the
+    trainable names.
 
     With ``trainable`` non-empty only the parameters matching one of its patterns train (empty: all of them);
-    then those matching a ``frozen`` pattern are frozen. Names are ``named_parameters()``'s (a tied weight once).
+    then those matching a ``frozen`` pattern are frozen. Names are ``named_parameters()``'s (a tied
+    weight once).
 
     Raises:
         ConfigError: a pattern that matches no parameter (naming it and a few parameter names), or patterns
@@ -66,7 +70,8 @@ def apply_freeze(model: nn.Module, trainable: str, frozen: str) -> list[str]:
             regex = pattern_regex(pattern)
             if not any(name_matches(regex, n) for n in names):
                 sample = ", ".join(names[:4] + ["..."] + names[-2:]) if len(names) > 6 else ", ".join(names)
-                raise ConfigError(f"{key}: pattern {pattern!r} matches no parameter (names look like: {sample})")
+                raise ConfigError(f"{key}: pattern {pattern!r} matches no parameter (names look like: "
+                                  f"{sample})")
     regexes = [pattern_regex(p) for p in split_patterns(trainable)]
     for n, p in params.items():  # no trainable patterns: everything trains (also after an earlier freeze)
         p.requires_grad_(not regexes or any(name_matches(r, n) for r in regexes))
@@ -77,5 +82,6 @@ def apply_freeze(model: nn.Module, trainable: str, frozen: str) -> list[str]:
                 p.requires_grad_(False)
     train = [n for n, p in params.items() if p.requires_grad]
     if not train:
-        raise ConfigError(f"train.trainable={trainable!r} / train.frozen={frozen!r} leave no parameter to train")
+        raise ConfigError(f"train.trainable={trainable!r} / train.frozen={frozen!r} leave no parameter to "
+                          "train")
     return train

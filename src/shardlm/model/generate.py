@@ -58,7 +58,8 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
 
 
 def check_prompts(prompts: list[list[int]], max_seq_len: int) -> None:
-    """Raise ValueError on an empty prompt list, an empty prompt, or one that leaves no room in the context."""
+    """Raise ValueError on an empty prompt list, an empty prompt, or one that leaves no room in
+    the context."""
     if not prompts:
         raise ValueError("no prompts given")
     for i, p in enumerate(prompts):
@@ -72,7 +73,8 @@ def check_prompts(prompts: list[list[int]], max_seq_len: int) -> None:
 @torch.no_grad()
 def decode_steps(model: CausalLM, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingConfig,
                  use_cache: bool = True) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Yield ``(logits, next_ids)`` per step: (batch, vocab) float32 logits of the last position, (batch,) int64.
+    """Yield ``(logits, next_ids)`` per step: (batch, vocab) float32 logits of the last position,
+    (batch,) int64.
 
     With ``use_cache`` the prompts are run once (prefill) and each step then feeds one token per row.
     Without it each step runs the whole sequence through the training code path (``cache=None``);
@@ -102,7 +104,9 @@ def decode_steps(model: CausalLM, prompts: list[list[int]], max_new_tokens: int,
         if sampling.temperature == 0:
             nxt = logits.argmax(-1)
         else:
-            probs = torch.softmax(filter_logits(logits / sampling.temperature, sampling.top_k, sampling.top_p), -1)
+            probs = torch.softmax(
+                filter_logits(logits / sampling.temperature, sampling.top_k, sampling.top_p), -1
+            )
             nxt = torch.multinomial(probs, 1, generator=gen).squeeze(1)
         yield logits, nxt
         ids = torch.cat([ids, nxt.unsqueeze(1)], dim=1)
@@ -143,4 +147,5 @@ def generate(model: CausalLM, prompts: list[list[int]], max_new_tokens: int, sam
 def sample(model: CausalLM, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.8,
            top_k: int = 0, eos_id: int | None = None, seed: int = 0) -> list[int]:
     """One prompt: :func:`generate` with a KV cache; returns the new ids. Raises ValueError on bad input."""
-    return generate(model, [prompt_ids], max_new_tokens, SamplingConfig(temperature, top_k, 1.0, seed), eos_id)[0]
+    return generate(model, [prompt_ids], max_new_tokens, SamplingConfig(temperature, top_k, 1.0, seed),
+                    eos_id)[0]

@@ -74,11 +74,11 @@ def hf_config(cfg: ModelConfig, special_ids: dict[str, Any] | None = None,
 
 
 def rope_scaling_out(cfg: ModelConfig) -> dict[str, Any]:
-    """``cfg``'s RoPE scaling as a transformers ``rope_scaling`` dict (llama3, linear, yarn or dynamic, with the
-    fields :func:`_rope_fields` reads back); {} without scaling."""
+    """``cfg``'s RoPE scaling as a transformers ``rope_scaling`` dict (llama3, linear, yarn or dynamic, with
+    the fields :func:`_rope_fields` reads back); {} without scaling."""
     if cfg.rope_scaling_factor > 0:  # Llama 3.1 RoPE scaling
-        return {"rope_type": "llama3", "factor": cfg.rope_scaling_factor, "low_freq_factor": cfg.rope_low_freq_factor,
-                "high_freq_factor": cfg.rope_high_freq_factor,
+        return {"rope_type": "llama3", "factor": cfg.rope_scaling_factor,
+                "low_freq_factor": cfg.rope_low_freq_factor, "high_freq_factor": cfg.rope_high_freq_factor,
                 "original_max_position_embeddings": cfg.rope_original_max_seq_len}
     if cfg.rope_linear_factor > 0:
         return {"rope_type": "linear", "factor": cfg.rope_linear_factor}
@@ -137,16 +137,17 @@ def _rope_fields(cfg: ModelConfig, rope: dict[str, Any], source: str, key: str) 
     elif rope_type == "dynamic":
         cfg.rope_dynamic_factor = _rope_number(rope, "factor", where)
     elif rope_type != "default":
-        raise ModelDirError(f"{source}: {key} rope_type {rope_type!r} is not supported (built: default, linear, llama3, "
-                            "yarn, dynamic)")
+        raise ModelDirError(f"{source}: {key} rope_type {rope_type!r} is not supported (built: default, "
+                            "linear, llama3, yarn, dynamic)")
 
 
 def _yarn_fields(cfg: ModelConfig, rope: dict[str, Any]) -> None:
     """Set ``cfg``'s YaRN fields from a ``rope_type = "yarn"`` dict as transformers 5.24 reads it
-    (``_compute_yarn_parameters``): ``original_max_position_embeddings`` defaults to ``max_position_embeddings``,
-    a missing ``factor`` is their ratio, ``beta_fast`` / ``beta_slow`` default to 32 / 1, ``truncate`` to true; the
-    attention factor is ``attention_factor``, else DeepSeek's ``mscale(s, mscale) / mscale(s, mscale_all_dim)`` with
-    ``mscale(s, m) = 0.1 · m · ln(s) + 1`` (1 when s <= 1) when both are set, else left to the default (0)."""
+    (``_compute_yarn_parameters``): ``original_max_position_embeddings`` defaults to
+    ``max_position_embeddings``, a missing ``factor`` is their ratio, ``beta_fast`` / ``beta_slow`` default to
+    32 / 1, ``truncate`` to true; the attention factor is ``attention_factor``, else DeepSeek's ``mscale(s,
+    mscale) / mscale(s, mscale_all_dim)`` with ``mscale(s, m) = 0.1 · m · ln(s) + 1`` (1 when s <= 1) when
+    both are set, else left to the default (0)."""
     original = int(rope.get("original_max_position_embeddings") or cfg.max_seq_len)
     factor = float(rope["factor"]) if rope.get("factor") is not None else cfg.max_seq_len / original
 
@@ -164,17 +165,18 @@ def _yarn_fields(cfg: ModelConfig, rope: dict[str, Any]) -> None:
 
 
 def model_config_from_hf_dict(config: dict[str, Any], source: str = "config.json") -> ModelConfig:
-    """Our :class:`ModelConfig` from an HF ``config.json`` dict (transformers 4.x or 5.x layout) of a built family:
-    ``llama``, ``qwen2``, ``qwen3``, ``mistral`` or ``gemma3_text`` (:data:`~shardlm.model.families.FAMILIES`).
+    """Our :class:`ModelConfig` from an HF ``config.json`` dict (transformers 4.x or 5.x layout) of a built
+    family: ``llama``, ``qwen2``, ``qwen3``, ``mistral`` or ``gemma3_text``
+    (:data:`~shardlm.model.families.FAMILIES`).
 
     Reads the shape (with an explicit ``head_dim``), ``rope_theta`` (top level or in ``rope_parameters``, per
-    layer type for Gemma 3), RoPE scaling (``llama3``, ``linear``), the sliding window and which layers use it,
-    Gemma's ``query_pre_attn_scalar`` and soft-capping, ``rms_norm_eps`` and ``tie_word_embeddings``.
+    layer type for Gemma 3), RoPE scaling (``llama3``, ``linear``), the sliding window and which layers use
+    it, Gemma's ``query_pre_attn_scalar`` and soft-capping, ``rms_norm_eps`` and ``tie_word_embeddings``.
 
     Raises:
-        ModelDirError: naming the field: a ``model_type``/``architectures`` not built (e.g. a mixture of experts),
-            a missing required field, an activation or bias the family does not have, a RoPE type not built,
-            attention soft-capping, or a layer pattern other than Gemma's every-n-th-global.
+        ModelDirError: naming the field: a ``model_type``/``architectures`` not built (e.g. a mixture of
+            experts), a missing required field, an activation or bias the family does not have, a RoPE type
+            not built, attention soft-capping, or a layer pattern other than Gemma's every-n-th-global.
     """
     model_type = config.get("model_type")
     arch = by_model_type(model_type, config.get("architectures"), source)
@@ -191,7 +193,8 @@ def model_config_from_hf_dict(config: dict[str, Any], source: str = "config.json
             raise ModelDirError(f"{source}: {key}=true is not supported for {model_type}")
     for key in ("attn_logit_softcapping",):
         if config.get(key):
-            raise ModelDirError(f"{source}: {key}={config[key]} is not supported (attention soft-capping is not built)")
+            raise ModelDirError(f"{source}: {key}={config[key]} is not supported (attention soft-capping is "
+                                "not built)")
     rope = dict(config.get("rope_parameters") or {})
     per_layer_type = "full_attention" in rope or "sliding_attention" in rope  # Gemma 3 in the 5.x layout
     global_rope = dict(rope.get("full_attention") or {}) if per_layer_type else rope
@@ -211,12 +214,14 @@ def model_config_from_hf_dict(config: dict[str, Any], source: str = "config.json
     if scaling is not None and not isinstance(scaling, dict):
         raise ModelDirError(f"{source}: rope_scaling must be an object (a dict with rope_type), "
                             f"got {scaling!r}")
-    if not scaling and config.get("rope_parameters") is None:  # transformers' default for the family (gpt-oss: YaRN)
+    if not scaling and config.get("rope_parameters") is None:
+        # transformers' default for the family (gpt-oss: YaRN)
         scaling = arch.hf_default_rope
-    _rope_fields(cfg, dict(scaling) if scaling else global_rope, source, "rope_scaling" if scaling else "rope_parameters")
+    _rope_fields(cfg, dict(scaling) if scaling else global_rope, source,
+                 "rope_scaling" if scaling else "rope_parameters")
     if local_rope.get("rope_type", "default") != "default":
-        raise ModelDirError(f"{source}: rope_parameters.sliding_attention rope_type {local_rope['rope_type']!r} "
-                            "is not supported (local layers: default only)")
+        raise ModelDirError(f"{source}: rope_parameters.sliding_attention rope_type "
+                            f"{local_rope['rope_type']!r} is not supported (local layers: default only)")
     arch.hf_fields_in(cfg, config, local_rope, source)
     return cfg
 

@@ -1,5 +1,5 @@
-"""The key-value cache of incremental decoding: :class:`KVCache` (all layers, the write position, the left padding)
-and :class:`LayerKVCache` (one layer's keys and values)."""
+"""The key-value cache of incremental decoding: :class:`KVCache` (all layers, the write position, the left
+padding) and :class:`LayerKVCache` (one layer's keys and values)."""
 
 from __future__ import annotations
 
@@ -53,24 +53,32 @@ class KVCache:
         batch = self.pad.shape[0]
         self.length = 0
         shape = (batch, n_kv, self.capacity, head_dim)
-        self.layers = [LayerKVCache(self, torch.zeros(shape, dtype=dtype, device=device),
-                                    torch.zeros(shape, dtype=dtype, device=device)) for _ in range(cfg.n_layers)]
+        self.layers = [
+            LayerKVCache(
+                self,
+                torch.zeros(shape, dtype=dtype, device=device),
+                torch.zeros(shape, dtype=dtype, device=device),
+            )
+            for _ in range(cfg.n_layers)
+        ]
 
     def positions(self, t: int) -> torch.Tensor:
         """Rotary positions (batch, t) of the next t tokens; raises ValueError past the capacity."""
         if self.length + t > self.capacity:
-            raise ValueError(f"{self.length} cached + {t} new tokens exceed the cache capacity {self.capacity}")
+            raise ValueError(f"{self.length} cached + {t} new tokens exceed the cache capacity "
+                             f"{self.capacity}")
         pos = torch.arange(self.length, self.length + t, device=self.pad.device)
         return (pos.unsqueeze(0) - self.pad.unsqueeze(1)).clamp(min=0)
 
     def mask(self, t: int, window: int = 0) -> torch.Tensor:
-        """Boolean mask (batch, 1, t, length + t): causal, padding keys excluded, padded queries see themselves;
-        with ``window`` > 0 only keys less than ``window`` positions back."""
+        """Boolean mask (batch, 1, t, length + t): causal, padding keys excluded, padded queries see
+        themselves; with ``window`` > 0 only keys less than ``window`` positions back."""
         q = torch.arange(self.length, self.length + t, device=self.pad.device).view(1, t, 1)
         k = torch.arange(self.length + t, device=self.pad.device).view(1, 1, -1)
         real_key = (k >= self.pad.view(-1, 1, 1)) & (k > q - window if window else True)
         return ((k <= q) & real_key | (k == q)).unsqueeze(1)
 
     def advance(self, t: int) -> None:
-        """Move the write position on by t tokens (called by :meth:`~shardlm.model.decoder.CausalLM.forward` after all layers)."""
+        """Move the write position on by t tokens (called by :meth:`~shardlm.model.decoder.CausalLM.forward`
+        after all layers)."""
         self.length += t

@@ -4,11 +4,12 @@ Dettmers et al., 2023). No distributed code: :func:`shardlm.train.build.build_mo
 A :class:`LoRALinear` replaces an ``nn.Linear`` of shape ``(out, in)``, with or without a bias b (Qwen2's
 q/k/v projections have one):
 
-    y = x · Wᵀ + b + (alpha / r) · dropout(x) · Aᵀ · Bᵀ,   W (out, in) and b (out,) frozen, A (r, in), B (out, r) trained.
+    y = x · Wᵀ + b + (alpha / r) · dropout(x) · Aᵀ · Bᵀ,
+    W (out, in) and b (out,) frozen, A (r, in), B (out, r) trained.
 
-The frozen base keeps its names (``...q_proj.weight``, ``...q_proj.bias``), so pretrained weights load unchanged;
-the adapters are ``...q_proj.lora_A.weight`` and ``...q_proj.lora_B.weight``, PEFT's names. A is drawn like
-PEFT's default (Kaiming-uniform, a = √5) and B is zero, so at step 0 the model equals its base.
+The frozen base keeps its names (``...q_proj.weight``, ``...q_proj.bias``), so pretrained weights load
+unchanged; the adapters are ``...q_proj.lora_A.weight`` and ``...q_proj.lora_B.weight``, PEFT's names. A is
+drawn like PEFT's default (Kaiming-uniform, a = √5) and B is zero, so at step 0 the model equals its base.
 
 The base may be stored in a narrower dtype than the adapters: ``bfloat16`` (the targeted layers' weights, cast
 to the input's dtype in forward), or ``nf4`` (QLoRA: every frozen weight matrix of the model, the targeted
@@ -60,7 +61,8 @@ class NF4Embedding(nn.Embedding):
     (:func:`nf4_rows`, bit-equal to dequantising the whole table and indexing it) and returns them in
     ``compute_dtype`` (the model's compute dtype, ``parallel.param_dtype``; set by
     :func:`quantize_base_meta_`). A tied output projection (``nn.Linear`` sharing the tensor) dequantises the
-    whole table in its own forward and backward (torchao's ``linear_nf4``). Any other weight: ``nn.Embedding``.
+    whole table in its own forward and backward (torchao's ``linear_nf4``). Any other
+    weight: ``nn.Embedding``.
     """
 
     compute_dtype: torch.dtype = torch.float32
@@ -92,10 +94,12 @@ class LoRALinear(nn.Module):
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.fp32_matmul = False
         self.adapters_enabled = True
-        """False: the layer is its base alone (a preference run's reference pass, shardlm/train/preference.py)."""
+        """False: the layer is its base alone (a preference run's reference pass,
+        shardlm/train/preference.py)."""
 
     def base(self, x: Tensor) -> Tensor:
-        """The frozen map x · Wᵀ (+ b) in ``x``'s dtype (an NF4 or narrower base is dequantised / upcast first)."""
+        """The frozen map x · Wᵀ (+ b) in ``x``'s dtype (an NF4 or narrower base is dequantised /
+        upcast first)."""
         w, b = self.weight, None if self.bias is None else self.bias.to(x.dtype)
         if is_nf4(w):
             y = F.linear(x, w)  # torchao's LinearNF4: dequantise to x.dtype, multiply; no grad for W
@@ -106,7 +110,8 @@ class LoRALinear(nn.Module):
         return y if b is None else y + b
 
     def delta(self, x: Tensor) -> Tensor:
-        """The adapters' term (alpha / r) · dropout(x) · Aᵀ · Bᵀ, computed in the adapters' dtype, returned in x's."""
+        """The adapters' term (alpha / r) · dropout(x) · Aᵀ · Bᵀ, computed in the adapters' dtype, returned
+        in x's."""
         a = self.lora_A.weight
         h = self.dropout(x).to(a.dtype)
         return (F.linear(F.linear(h, a), self.lora_B.weight) * self.scaling).to(x.dtype)
@@ -117,7 +122,8 @@ class LoRALinear(nn.Module):
         return self.base(x) + self.delta(x)
 
     def initial_adapters(self, name: str, seed: int) -> tuple[Tensor, Tensor]:
-        """Full initial (A, B), fp32: A ~ U(-1/√in, 1/√in) (Kaiming-uniform with a = √5, PEFT's default), B = 0.
+        """Full initial (A, B), fp32: A ~ U(-1/√in, 1/√in) (Kaiming-uniform with a = √5, PEFT's default), B
+        = 0.
 
         A comes from a generator seeded by (seed, ``name``): the same at any sharding or construction order.
         """
@@ -128,7 +134,8 @@ class LoRALinear(nn.Module):
 
 
 def is_nf4(t: Tensor) -> bool:
-    """Whether ``t`` (or a DTensor's local tensor) is torchao's NF4Tensor (checked by class name: torchao is optional)."""
+    """Whether ``t`` (or a DTensor's local tensor) is torchao's NF4Tensor (checked by class name: torchao
+    is optional)."""
     local = getattr(t, "_local_tensor", t)
     return type(local).__name__ == "NF4Tensor"
 
@@ -145,14 +152,16 @@ def nf4_rows(weight: Tensor, ids: Tensor) -> Tensor:
     if cols % weight.block_size:
         return weight.get_original_weight()[ids]
     codes = weight.quantized_data.view(rows, cols // 2)[ids]  # two codes per byte, the first in the high half
-    scales = weight.dequantize_scalers(weight.quantized_scalers, weight.quantization_factor, weight.scaler_block_size)
+    scales = weight.dequantize_scalers(weight.quantized_scalers, weight.quantization_factor,
+                                       weight.scaler_block_size)
     scales = scales.view(rows, cols // weight.block_size)[ids].repeat_interleave(weight.block_size, dim=-1)
     values = torch.stack((weight.nf4[(codes >> 4).long()], weight.nf4[(codes & 0b1111).long()]), dim=-1)
     return values.flatten(-2) * scales
 
 
 def nf4_scaler_block(numel: int) -> int:
-    """NF4 second-level block (number of first-level scales quantised together) for a tensor of ``numel`` values.
+    """NF4 second-level block (number of first-level scales quantised together) for a tensor of
+    ``numel`` values.
 
     The largest power of two <= 256 (torchao's default) that leaves a multiple of :data:`NF4_MAX_SHARDS`
     scaler blocks, so the quantised tensor splits evenly over 1, 2, 4 or 8 ranks; it depends on the tensor
@@ -162,7 +171,8 @@ def nf4_scaler_block(numel: int) -> int:
         ConfigError: ``numel`` is not a multiple of 64 · 8 values.
     """
     if numel % (NF4_BLOCK * NF4_MAX_SHARDS):
-        raise ConfigError(f"NF4 needs weights whose size is a multiple of {NF4_BLOCK * NF4_MAX_SHARDS} values, got {numel}")
+        raise ConfigError(f"NF4 needs weights whose size is a multiple of {NF4_BLOCK * NF4_MAX_SHARDS} "
+                          f"values, got {numel}")
     blocks = numel // NF4_BLOCK
     s = 256
     while blocks % (s * NF4_MAX_SHARDS):
@@ -180,7 +190,9 @@ def to_nf4(full: Tensor) -> Tensor:
     try:
         from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4 as torchao_to_nf4
     except ImportError:
-        raise ConfigError("lora.base_dtype = 'nf4' (QLoRA) needs torchao: pip install 'shardlm[qlora]'") from None
+        raise ConfigError(
+            "lora.base_dtype = 'nf4' (QLoRA) needs torchao: pip install 'shardlm[qlora]'"
+        ) from None
     return torchao_to_nf4(full.to(torch.bfloat16).contiguous(), NF4_BLOCK, nf4_scaler_block(full.numel()))
 
 
@@ -197,24 +209,25 @@ def apply_lora(model: nn.Module, spec: LoRASpec) -> list[str]:
     (:func:`shardlm.train.build.build_model`). Returns the replaced modules' names.
 
     Raises:
-        ConfigError: a target name that matches no linear layer (listing the names there are), an MLP name in a
-            mixture of experts (LoRA on experts is not built), or a rank
-            < 1 or above a targeted layer's smaller dimension.
+        ConfigError: a target name that matches no linear layer (listing the names there are), an MLP name in
+            a mixture of experts (LoRA on experts is not built), or a rank < 1 or above a targeted layer's
+            smaller dimension.
     """
     names = target_names(spec.targets)
     has_experts = any(n.endswith("mlp.experts") for n, _ in model.named_modules())
-    expert_targets = [t for t in names if t in ("gate_proj", "up_proj", "down_proj", "gate_up_proj", "experts")]
+    expert_targets = [t for t in names if t in ("gate_proj", "up_proj", "down_proj", "gate_up_proj",
+                                                "experts")]
     if has_experts and expert_targets:
-        raise ConfigError(f"lora.targets {','.join(expert_targets)}: LoRA on the experts of a mixture of experts is "
-                          "not built (one adapter per expert); target the attention projections, e.g. "
-                          "lora.targets = \"q_proj,k_proj,v_proj,o_proj\"")
+        raise ConfigError(f"lora.targets {','.join(expert_targets)}: LoRA on the experts of a mixture of "
+                          "experts is not built (one adapter per expert); target the attention projections, "
+                          "e.g. lora.targets = \"q_proj,k_proj,v_proj,o_proj\"")
     linears = {n: m for n, m in model.named_modules() if type(m) is nn.Linear}
     leaf = {n: n.rsplit(".", 1)[-1] for n in linears}
     available = sorted(set(leaf.values()))
     unknown = [t for t in names if t not in available]
     if not names or unknown:
-        raise ConfigError(f"lora.targets {unknown or spec.targets!r} match no linear layer; the linear layers are "
-                          f"named {', '.join(available)}")
+        raise ConfigError(f"lora.targets {unknown or spec.targets!r} match no linear layer; the linear "
+                          f"layers are named {', '.join(available)}")
     tied = getattr(getattr(model, "cfg", None), "tie_embeddings", False)
     if tied and "lm_head" in names:
         raise ConfigError("lora.targets: lm_head is tied to the token embedding; leave it out")
@@ -244,7 +257,8 @@ def lora_modules(model: nn.Module) -> Iterable[tuple[str, LoRALinear]]:
 
 
 def set_fp32_matmul(model: nn.Module) -> None:
-    """Let every :class:`LoRALinear`'s bf16 base multiply through the CPU fp32 kernel (``parallel.cpu_bf16_matmul``)."""
+    """Let every :class:`LoRALinear`'s bf16 base multiply through the CPU fp32 kernel
+    (``parallel.cpu_bf16_matmul``)."""
     for _, m in lora_modules(model):
         m.fp32_matmul = True
 
@@ -258,9 +272,9 @@ def quantize_base_meta_(model: nn.Module, device: torch.device | str,
     :class:`NF4Embedding` returning ``compute_dtype``); a tied output projection keeps sharing the embedding's
     (now NF4) parameter. Norm weights and biases keep their dtype. Returns the quantised parameters' names.
 
-    Values are set later, from the full weight, by :func:`set_from_full_`. The two per-tensor items of an
-    NF4 tensor that FSDP does not shard (the mean of the block scales and the 16-value code book) are allocated
-    on ``device`` now: every shard and all-gathered copy refers to these same tensors, so filling them in place
+    Values are set later, from the full weight, by :func:`set_from_full_`. The two per-tensor items of an NF4
+    tensor that FSDP does not shard (the mean of the block scales and the 16-value code book) are allocated on
+    ``device`` now: every shard and all-gathered copy refers to these same tensors, so filling them in place
     later reaches all of them.
 
     Raises:
@@ -304,8 +318,8 @@ def _local_rows(param: Tensor) -> tuple[int, int]:
 def set_from_full_(param: Tensor, full: Tensor) -> None:
     """Fill ``param`` (a plain tensor or a ``Shard(0)`` DTensor; NF4 or not) from its full value, in place.
 
-    A plain local tensor copies its rows of ``full`` (cast to its dtype). An NF4 one is quantised from the whole
-    ``full`` first and then takes its rows, so its codes and scales do not depend on the world size.
+    A plain local tensor copies its rows of ``full`` (cast to its dtype). An NF4 one is quantised from the
+    whole ``full`` first and then takes its rows, so its codes and scales do not depend on the world size.
     """
     local = param.to_local() if isinstance(param, DTensor) else param
     start, rows = _local_rows(param)
@@ -314,4 +328,5 @@ def set_from_full_(param: Tensor, full: Tensor) -> None:
         return
     q = to_nf4(full)
     piece = q if rows == full.shape[0] else torch.split(q, rows, dim=0)[start // rows]
-    local.copy_(piece.to(local.quantized_data.device))  # codes and scales, and in place the shared per-tensor items
+    # codes and scales, and in place the shared per-tensor items
+    local.copy_(piece.to(local.quantized_data.device))

@@ -11,7 +11,8 @@ The forward, in four steps that expert parallelism can wrap from outside (``shar
 
 1. :func:`route`: router logits -> top-k experts and weights, each family's normalisation;
 2. tokens sorted by expert (a stable sort of the (token, slot) pairs), ``tokens_per_expert`` counted;
-3. ``experts(x_sorted, tokens_per_expert)``: a grouped matmul over contiguous row groups (:func:`grouped_linear`);
+3. ``experts(x_sorted, tokens_per_expert)``: a grouped matmul over contiguous row groups
+   (:func:`grouped_linear`);
 4. the outputs weighted and summed back per token (``index_add_``, in ascending expert order as transformers).
 
 Each forward stores its router statistics (:class:`RouterStats`) on the layer for the load-balancing loss
@@ -40,10 +41,10 @@ def route(logits: torch.Tensor, top_k: int, routing: Literal["softmax_topk", "to
     probabilities (tokens, E) fp32).
 
     ``softmax_topk`` (Qwen3-MoE, Mixtral; HF ``Qwen3MoeTopKRouter``): softmax over all experts in fp32, the k
-    largest; with ``norm_topk_prob`` divided by their sum (Mixtral always: the softmax over the top k). Weights
-    are rounded to the logits' dtype. ``topk_softmax`` (gpt-oss, HF ``GptOssTopKRouter``): the k largest
-    logits, softmax over those k. ``probabilities`` is the softmax over all experts in fp32, the load-balancing
-    loss's P (HF ``load_balancing_loss_func``), for both.
+    largest; with ``norm_topk_prob`` divided by their sum (Mixtral always: the softmax over the top k).
+    Weights are rounded to the logits' dtype. ``topk_softmax`` (gpt-oss, HF ``GptOssTopKRouter``): the k
+    largest logits, softmax over those k. ``probabilities`` is the softmax over all experts in fp32, the
+    load-balancing loss's P (HF ``load_balancing_loss_func``), for both.
 
     Raises:
         ValueError: an unknown ``routing``.
@@ -65,8 +66,8 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: tor
     ``tokens_per_expert`` (E,) int64 summing to N -> (N, out) in x's dtype.
 
     The one place that chooses the kernel: ``torch._grouped_mm`` on CUDA for bf16 (one launch for all experts;
-    Hopper and later), a loop of ``F.linear`` elsewhere. The loop runs every expert, an empty group too, so that
-    every weight takes part in the graph (its gradient is then zeros, never None).
+    Hopper and later), a loop of ``F.linear`` elsewhere. The loop runs every expert, an empty group too, so
+    that every weight takes part in the graph (its gradient is then zeros, never None).
     """
     if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
         offsets = torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)
@@ -96,12 +97,14 @@ class Experts(nn.Module):
 
 
 class ClampedSwiGLUExperts(nn.Module):
-    """gpt-oss's experts (HF ``GptOssExperts``): stacked tensors with biases, gate and up interleaved by column.
+    """gpt-oss's experts (HF ``GptOssExperts``): stacked tensors with biases, gate and up interleaved
+    by column.
 
-    ``gate_up_proj`` (n, dim, 2·hidden) with ``gate_up_proj_bias`` (n, 2·hidden): columns 0, 2, 4... are the gate,
-    1, 3, 5... the up projection; ``down_proj`` (n, hidden, dim), ``down_proj_bias`` (n, dim). Per token:
-    ``gate = min(gate, limit)``, ``up = clamp(up, -limit, limit)``, ``h = (up + 1) · gate · sigmoid(alpha · gate)``,
-    output ``h @ down + bias``. ``forward(x_sorted, tokens_per_expert)`` as :class:`Experts`.
+    ``gate_up_proj`` (n, dim, 2·hidden) with ``gate_up_proj_bias`` (n, 2·hidden): columns 0, 2, 4... are the
+    gate, 1, 3, 5... the up projection; ``down_proj`` (n, hidden, dim), ``down_proj_bias`` (n, dim). Per
+    token: ``gate = min(gate, limit)``, ``up = clamp(up, -limit, limit)``, ``h = (up + 1) · gate ·
+    sigmoid(alpha · gate)``, output ``h @ down + bias``. ``forward(x_sorted, tokens_per_expert)``
+    as :class:`Experts`.
     """
 
     def __init__(self, n_experts: int, dim: int, hidden: int, alpha: float, limit: float) -> None:
@@ -120,11 +123,13 @@ class ClampedSwiGLUExperts(nn.Module):
         gate, up = gate_up[..., ::2].clamp(max=self.limit), gate_up[..., 1::2].clamp(-self.limit, self.limit)
         h = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
         out = grouped_linear(h, local_tensor(self.down_proj).transpose(-2, -1), tokens_per_expert)
-        return out + local_tensor(self.down_proj_bias).repeat_interleave(tokens_per_expert, 0, output_size=rows)
+        return out + local_tensor(self.down_proj_bias).repeat_interleave(tokens_per_expert, 0,
+                                                                         output_size=rows)
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself, or a DTensor's local part: under expert parallelism a rank computes with its own experts."""
+    """``t`` itself, or a DTensor's local part: under expert parallelism a rank computes with its
+    own experts."""
     return t.to_local() if hasattr(t, "to_local") else t
 
 
@@ -135,16 +140,18 @@ class RouterStats:
     prob_sum: torch.Tensor
     """(E,) fp32, differentiable: the router probabilities summed over this forward's tokens."""
     counts: torch.Tensor
-    """(E,) fp32, no gradient: how many (token, slot) assignments each expert received (sums to tokens · k)."""
+    """(E,) fp32, no gradient: how many (token, slot) assignments each expert received (sums to tokens
+    · k)."""
     z_sum: torch.Tensor
-    """() fp32, differentiable: sum over tokens of logsumexp(router logits)², the router z-loss's numerator."""
+    """() fp32, differentiable: sum over tokens of logsumexp(router logits)², the router
+    z-loss's numerator."""
     tokens: int
     """Tokens routed in this forward."""
 
 
 class MoE(nn.Module):
-    """Sparse MoE feed-forward (HF ``Qwen3MoeSparseMoeBlock`` / ``MixtralSparseMoeBlock``): (batch, seq, dim) ->
-    (batch, seq, dim).
+    """Sparse MoE feed-forward (HF ``Qwen3MoeSparseMoeBlock`` / ``MixtralSparseMoeBlock``): (batch, seq, dim)
+    -> (batch, seq, dim).
 
     ``gate`` (gpt-oss: ``router``, ``router_name``): ``nn.Linear(dim, n_experts)`` (bias only for gpt-oss);
     ``experts``: :class:`Experts`, or the module given (:class:`ClampedSwiGLUExperts`), called as
@@ -223,6 +230,7 @@ def build_moe(cfg: ModelConfig) -> MoE:
     arch = cfg.arch
     experts = None
     if arch.experts == "clamped_swiglu":
-        experts = ClampedSwiGLUExperts(cfg.n_experts, cfg.dim, cfg.expert_ffn_dim, cfg.swiglu_alpha, cfg.swiglu_limit)
+        experts = ClampedSwiGLUExperts(cfg.n_experts, cfg.dim, cfg.expert_ffn_dim, cfg.swiglu_alpha,
+                                       cfg.swiglu_limit)
     return MoE(cfg.dim, cfg.n_experts, cfg.expert_ffn_dim, cfg.n_experts_per_token, arch.routing,
                cfg.norm_topk_prob or arch.always_norm_topk, arch.router_bias, arch.router_name, experts)

@@ -1,9 +1,10 @@
-"""Rotary position embeddings (Su et al., "RoFormer", 2021) as Hugging Face computes them: the inverse frequencies
-of each RoPE type (default, linear, Llama 3.1's llama3 scaling, YaRN with its attention factor on the tables,
-dynamic NTK within the context), the cos/sin tables, rotate-half.
+"""Rotary position embeddings (Su et al., "RoFormer", 2021) as Hugging Face computes them: the inverse
+frequencies of each RoPE type (default, linear, Llama 3.1's llama3 scaling, YaRN with its attention factor on
+the tables, dynamic NTK within the context), the cos/sin tables, rotate-half.
 
-Tables are float32 (max_seq_len, head_dim), the angle vector concatenated with itself (HF's rotate-half layout,
-not the interleaved one of the RoFormer paper); the decoder keeps them as buffers (:func:`rope_buffers`).
+Tables are float32 (max_seq_len, head_dim), the angle vector concatenated with itself (HF's rotate-half
+layout, not the interleaved one of the RoFormer paper); the decoder keeps them as buffers
+(:func:`rope_buffers`).
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
         return inv_freq / cfg.rope_linear_factor
     if cfg.rope_yarn_factor > 0:
         return yarn_inv_freq(cfg)
-    if cfg.rope_scaling_factor <= 0:  # default RoPE; also dynamic NTK within max_seq_len (rope_dynamic_factor)
+    if cfg.rope_scaling_factor <= 0:
+        # default RoPE; also dynamic NTK within max_seq_len (rope_dynamic_factor)
         return inv_freq
     factor, low, high = cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
     old_context_len = cfg.rope_original_max_seq_len
@@ -56,13 +58,13 @@ def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
 
 def yarn_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     """YaRN's inverse frequencies (Peng et al., "YaRN: Efficient Context Window Extension of Large Language
-    Models", 2023, §3.2 "NTK-by-parts"), (head_dim / 2,) float32, as HF's ``_compute_yarn_parameters`` computes
-    them (transformers 5.24; the same operations in the same order, so bit-identical).
+    Models", 2023, §3.2 "NTK-by-parts"), (head_dim / 2,) float32, as HF's ``_compute_yarn_parameters``
+    computes them (transformers 5.24; the same operations in the same order, so bit-identical).
 
-    With L = ``rope_original_max_seq_len``, s = ``rope_yarn_factor``, d = ``head_dim``, θ = ``rope_theta``: the
-    dimension that turns r times over L tokens is ``d · ln(L / (2π r)) / (2 ln θ)``; ``low`` is that of
-    ``beta_fast`` rotations and ``high`` that of ``beta_slow`` (rounded outward when ``rope_yarn_truncate``, then
-    clamped to [0, d - 1]). Frequency i keeps its value (extrapolation) below ``low``, is divided by s
+    With L = ``rope_original_max_seq_len``, s = ``rope_yarn_factor``, d = ``head_dim``, θ = ``rope_theta``:
+    the dimension that turns r times over L tokens is ``d · ln(L / (2π r)) / (2 ln θ)``; ``low`` is that of
+    ``beta_fast`` rotations and ``high`` that of ``beta_slow`` (rounded outward when ``rope_yarn_truncate``,
+    then clamped to [0, d - 1]). Frequency i keeps its value (extrapolation) below ``low``, is divided by s
     (interpolation) above ``high``, and between them mixes the two by the linear ramp
     ``clamp((i - low) / (high - low), 0, 1)``. The attention temperature is :func:`rope_attention_factor`.
     """
@@ -85,8 +87,8 @@ def yarn_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 def rope_attention_factor(cfg: ModelConfig) -> float:
     """Factor of the global layers' cos and sin tables: YaRN's attention temperature ``sqrt(1/t)`` =
-    ``rope_yarn_attention_factor``, by default ``0.1 · ln(s) + 1`` for the factor s (YaRN §3.4; 1 when s <= 1);
-    1 without YaRN."""
+    ``rope_yarn_attention_factor``, by default ``0.1 · ln(s) + 1`` for the factor s (YaRN §3.4; 1 when s <=
+    1); 1 without YaRN."""
     if cfg.rope_yarn_factor <= 0:
         return 1.0
     if cfg.rope_yarn_attention_factor > 0:
@@ -94,8 +96,9 @@ def rope_attention_factor(cfg: ModelConfig) -> float:
     return 0.1 * math.log(cfg.rope_yarn_factor) + 1.0 if cfg.rope_yarn_factor > 1 else 1.0
 
 
-def rotary_tables(head_dim: int, max_seq_len: int, theta: float,
-                  inv_freq: torch.Tensor | None = None, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_tables(
+    head_dim: int, max_seq_len: int, theta: float, inv_freq: torch.Tensor | None = None, scale: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables of rotary embeddings, each (max_seq_len, head_dim) float32, as HF computes them.
 
     ``inv_freq[i] = 1 / theta^(2i / head_dim)`` unless ``inv_freq`` is given (see :func:`rope_inv_freq`);
@@ -125,6 +128,7 @@ def rope_buffers(cfg: ModelConfig) -> dict[str, torch.Tensor]:
                              rope_attention_factor(cfg))
     tables = {"rope_cos": cos, "rope_sin": sin}
     if cfg.sliding_window and cfg.rope_local_theta:
-        cos, sin = rotary_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_local_theta, rope_inv_freq(cfg, local=True))
+        cos, sin = rotary_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_local_theta,
+                                 rope_inv_freq(cfg, local=True))
         tables.update(rope_local_cos=cos, rope_local_sin=sin)
     return tables

@@ -91,8 +91,8 @@ def _checkpoint_forward(block: nn.Module, context_fn: Callable[[], tuple]) -> No
 
 
 def cxx_compiler_name() -> str:
-    """The C++ compiler TorchInductor builds CPU kernels with (``torch._inductor.config.cpp.cxx``): ``$CXX`` if
-    set, else ``g++`` (``clang++`` on macOS)."""
+    """The C++ compiler TorchInductor builds CPU kernels with (``torch._inductor.config.cpp.cxx``): ``$CXX``
+    if set, else ``g++`` (``clang++`` on macOS)."""
     return os.environ.get("CXX") or ("clang++" if sys.platform == "darwin" else "g++")
 
 
@@ -104,15 +104,17 @@ def find_cxx_compiler() -> str | None:
 def apply_compile(blocks: nn.ModuleList, options: dict | None = None) -> None:
     """Compile each block in place with ``block.compile()`` (TorchInductor), keeping parameter names.
 
-    ``options``: TorchInductor options for ``torch.compile(options=...)`` (async TP's, ``parallel/tp.py``); None: none.
+    ``options``: TorchInductor options for ``torch.compile(options=...)`` (async TP's, ``parallel/tp.py``);
+    None: none.
 
     Raises:
         ConfigError: TorchInductor's C++ compiler (``$CXX``, else ``g++``) is not found; checked here, at
             start-up, not at the first step.
     """
     if find_cxx_compiler() is None:
-        raise ConfigError(f"parallel.compile=true needs a C++ compiler for TorchInductor, and {cxx_compiler_name()!r} "
-                          "was not found (set CXX or install g++), or set parallel.compile=false")
+        raise ConfigError("parallel.compile=true needs a C++ compiler for TorchInductor, and "
+                          f"{cxx_compiler_name()!r} was not found (set CXX or install g++), or set "
+                          "parallel.compile=false")
     for block in blocks:
         block.compile(**({"options": options} if options else {}))
 

@@ -1,9 +1,9 @@
 """Context parallelism: each sequence split over the ``cp`` ranks of a group, attention across the split.
 
 The split is the load-balanced one of torchtitan and Megatron-LM ("zigzag"): a sequence of T tokens, padded to
-``T_pad`` (the next multiple of ``2·cp``), is cut into ``2·cp`` chunks of ``c = T_pad / (2·cp)`` tokens; CP rank
-r holds chunk r (the head) and chunk ``2·cp - 1 - r`` (the tail). Under a causal mask a query's work grows with
-its position, so a head chunk and its mirrored tail chunk together cost every rank the same.
+``T_pad`` (the next multiple of ``2·cp``), is cut into ``2·cp`` chunks of ``c = T_pad / (2·cp)`` tokens; CP
+rank r holds chunk r (the head) and chunk ``2·cp - 1 - r`` (the tail). Under a causal mask a query's work
+grows with its position, so a head chunk and its mirrored tail chunk together cost every rank the same.
 
 Attention across the split (:meth:`ContextParallel.attend`) is blockwise where a kernel with a log-sum-exp
 exists (CPU, :mod:`shardlm.parallel.cp_attention`): K and V passed around the CP group's ring one rank's
@@ -51,15 +51,16 @@ IGNORE_INDEX = -100
 
 
 def padded_length(seq_len: int, cp: int) -> int:
-    """``seq_len`` rounded up to a multiple of ``2·cp`` (the load-balanced split's chunk count); ``seq_len`` itself
-    at ``cp = 1`` (no split)."""
+    """``seq_len`` rounded up to a multiple of ``2·cp`` (the load-balanced split's chunk count); ``seq_len``
+    itself at ``cp = 1`` (no split)."""
     if cp == 1:
         return seq_len
     return -(-seq_len // (2 * cp)) * (2 * cp)
 
 
 def chunk_indices(seq_len: int, cp: int, cp_rank: int) -> torch.Tensor:
-    """Global indices (2·c,) int64 of the tokens CP rank ``cp_rank`` holds: its head chunk, then its tail chunk.
+    """Global indices (2·c,) int64 of the tokens CP rank ``cp_rank`` holds: its head chunk, then its
+    tail chunk.
 
     ``c = padded_length(seq_len, cp) / (2·cp)``; indices at or past ``seq_len`` are padding. At ``cp = 1``:
     ``0 .. seq_len - 1`` in order.
@@ -73,14 +74,15 @@ def chunk_indices(seq_len: int, cp: int, cp_rank: int) -> torch.Tensor:
 
 
 def gathered_indices(seq_len: int, cp: int) -> torch.Tensor:
-    """Global indices (T_pad,) int64 of the keys after the all-gather: rank 0's chunks, rank 1's, ... in order."""
+    """Global indices (T_pad,) int64 of the keys after the all-gather: rank 0's chunks, rank 1's, ...
+    in order."""
     return torch.cat([chunk_indices(seq_len, cp, r) for r in range(cp)])
 
 
 class _GatherSequence(torch.autograd.Function):
     """All-gather (batch, heads, s, d) over the CP group into (batch, heads, cp·s, d) in rank order; the
-    backward sums each rank's slice of the gradient over the group (a reduce-scatter by one all-to-all, in rank
-    order). The fallback path of :meth:`ContextParallel.attend`."""
+    backward sums each rank's slice of the gradient over the group (a reduce-scatter by one all-to-all, in
+    rank order). The fallback path of :meth:`ContextParallel.attend`."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -139,24 +141,26 @@ class ContextParallel:
                 "wired)")
 
     def check_sequence(self, seq_len: int) -> None:
-        """Refuse a sequence too short to split: with fewer than ``cp`` tokens some rank would hold padding only.
-        (Any longer length is split: it is padded to a multiple of 2·cp, and padding takes rotary position 0, so
-        ``T_pad`` may pass ``model.max_seq_len``.)
+        """Refuse a sequence too short to split: with fewer than ``cp`` tokens some rank would hold padding
+        only. (Any longer length is split: it is padded to a multiple of 2·cp, and padding takes rotary
+        position 0, so ``T_pad`` may pass ``model.max_seq_len``.)
 
         Raises:
             ConfigError: ``seq_len < cp``, naming both.
         """
         if seq_len < self.size:
-            raise ConfigError(f"train.seq_len={seq_len} is shorter than parallel.cp={self.size}: a sequence split over "
-                              f"{self.size} ranks needs at least {self.size} tokens (one per rank)")
+            raise ConfigError(
+                f"train.seq_len={seq_len} is shorter than parallel.cp={self.size}: a sequence "
+                f"split over {self.size} ranks needs at least {self.size} tokens (one per rank)"
+            )
 
     def local_indices(self, seq_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """Global indices (2·c,) int64 of this rank's tokens (:func:`chunk_indices`)."""
         return chunk_indices(seq_len, self.size, self.rank).to(device)
 
     def shard(self, x: torch.Tensor, pad_value: int | float = 0, dim: int = 1) -> torch.Tensor:
-        """This rank's tokens of ``x`` along ``dim`` (the sequence), padded with ``pad_value`` to ``T_pad`` first:
-        (..., T, ...) -> (..., 2·c, ...), same dtype."""
+        """This rank's tokens of ``x`` along ``dim`` (the sequence), padded with ``pad_value`` to ``T_pad``
+        first: (..., T, ...) -> (..., 2·c, ...), same dtype."""
         t = x.shape[dim]
         extra = padded_length(t, self.size) - t
         if extra:
@@ -167,9 +171,9 @@ class ContextParallel:
 
     def rope_positions(self, batch: int, seq_len: int, documents: torch.Tensor | None,
                        device: torch.device | str) -> torch.Tensor:
-        """Rotary positions (batch, 2·c) int64 of this rank's tokens by their global place: the global index, or
-        under block-causal attention (``documents`` (batch, seq_len)) the index within the token's document.
-        A padding token takes position 0 (its output is never used)."""
+        """Rotary positions (batch, 2·c) int64 of this rank's tokens by their global place: the global index,
+        or under block-causal attention (``documents`` (batch, seq_len)) the index within the token's
+        document. A padding token takes position 0 (its output is never used)."""
         if documents is None:
             positions = torch.arange(seq_len, device=device).expand(batch, seq_len)
         else:
@@ -213,9 +217,9 @@ class ContextParallel:
 
     def shard_batch(self, inputs: torch.Tensor, targets: torch.Tensor,
                     documents: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
-        """This rank's share of a batch: inputs and targets (B, T) int64 -> (B, 2·c) each (padding: token 0, target
-        ``IGNORE_INDEX``), and the model's keyword arguments ``positions`` (:meth:`rope_positions`) and ``masks``
-        (:meth:`masks`). ``documents`` (B, T) is used under block-causal attention only.
+        """This rank's share of a batch: inputs and targets (B, T) int64 -> (B, 2·c) each (padding: token 0,
+        target ``IGNORE_INDEX``), and the model's keyword arguments ``positions`` (:meth:`rope_positions`) and
+        ``masks`` (:meth:`masks`). ``documents`` (B, T) is used under block-causal attention only.
 
         A mixture of experts' layers count only this rank's real tokens in their router statistics
         (:meth:`~shardlm.model.moe.MoE.count_only`): the load-balancing and z-loss, pooled over every rank
@@ -265,7 +269,8 @@ class ContextParallel:
         return attention(q, k, v, self._additive[key], scale=scale)
 
     def _causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
-        """Causal attention by global position of this rank's q (b, h, 2·c, d) over gathered k, v (see :meth:`attend`)."""
+        """Causal attention by global position of this rank's q (b, h, 2·c, d) over gathered k, v
+        (see :meth:`attend`)."""
         b, h, n, d = q.shape
         t_pad = n * self.size
         length = (2 * self.size - self.rank) * (n // 2)  # up to the end of this rank's tail chunk
@@ -295,7 +300,8 @@ def apply_cp(model: nn.Module, cp: ContextParallel) -> nn.Module:
             module.attend = cp.attend
             cp.windows.add(module.window)
     if not cp.windows:
-        raise ValueError(f"{type(model).__name__} has no attention layer with an ``attend`` hook to route through CP")
+        raise ValueError(f"{type(model).__name__} has no attention layer with an ``attend`` hook to route "
+                         "through CP")
     return model
 
 

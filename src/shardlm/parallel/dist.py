@@ -61,8 +61,9 @@ def pick_device(requested: str, local_rank: int, local_ranks: int = 1) -> torch.
         if max(local_ranks, local_rank + 1) > visible:
             raise ConfigError(
                 f"{max(local_ranks, local_rank + 1)} ranks on this node but only {visible} visible GPU"
-                f"{'s' if visible != 1 else ''} (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}):"
-                " start one rank per GPU (torchrun --nproc-per-node=<GPUs>), or --parallel.device=cpu")
+                f"{'s' if visible != 1 else ''} "
+                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): start one rank "
+                "per GPU (torchrun --nproc-per-node=<GPUs>), or --parallel.device=cpu")
         return torch.device("cuda", local_rank)
     if requested == "cuda":
         raise ConfigError("parallel.device='cuda' but no CUDA device is available")
@@ -153,10 +154,10 @@ def init_distributed(pcfg: ParallelConfig, cpu_collectives: bool = False) -> Dis
     fp32 matmuls use TF32 unless ``parallel.tf32 = false`` (:func:`set_matmul_precision`).
 
     Raises:
-        ConfigError: a CUDA device was requested but is missing, or this node runs more ranks than it
-            has GPUs (:func:`pick_device`); the ``dp_replicate × dp_shard × tp``
-            mesh does not fit the world size or the ranks per node (:func:`dp_mesh_shape`); ``parallel.async_tp``
-            on a device other than CUDA; all checked before the process group starts.
+        ConfigError: a CUDA device was requested but is missing, or this node runs more ranks than it has GPUs
+            (:func:`pick_device`); the ``dp_replicate × dp_shard × tp`` mesh does not fit the world size or
+            the ranks per node (:func:`dp_mesh_shape`); ``parallel.async_tp`` on a device other than CUDA; all
+            checked before the process group starts.
     """
     global _started_process_group
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -164,8 +165,9 @@ def init_distributed(pcfg: ParallelConfig, cpu_collectives: bool = False) -> Dis
     dp_mesh_shape(pcfg, world_size, local_world_size())  # bad mesh: one ConfigError, before any collective
     device = pick_device(pcfg.device, local_rank, local_world_size())
     if pcfg.async_tp and device.type != "cuda":
-        raise ConfigError(f"parallel.async_tp needs CUDA (TorchInductor's micro-pipelined TP runs on symmetric "
-                          f"GPU memory), but this rank's device is {device.type}: set parallel.async_tp = false")
+        raise ConfigError("parallel.async_tp needs CUDA (TorchInductor's micro-pipelined TP runs on "
+                          f"symmetric GPU memory), but this rank's device is {device.type}: set "
+                          "parallel.async_tp = false")
     backend = pick_backend(device, pcfg.backend, cpu_collectives or pcfg.cpu_offload)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -205,8 +207,8 @@ def local_world_size() -> int:
 
 
 def dp_mesh_shape(pcfg: ParallelConfig, world_size: int, ranks_per_node: int) -> tuple[int, int]:
-    """The data-parallel mesh shape ``(dp_replicate, dp_shard)`` for ``world_size`` ranks (``world_size / cp`` data-
-    parallel ranks under context parallelism, ``parallel.cp``).
+    """The data-parallel mesh shape ``(dp_replicate, dp_shard)`` for ``world_size`` ranks (``world_size / cp``
+    data- parallel ranks under context parallelism, ``parallel.cp``).
 
     The data-parallel ranks are the world divided by the inner dimensions, ``parallel.cp`` and ``parallel.tp``
     (:func:`mesh_dims`); ``dp_shard = -1`` takes all remaining ones, ``dp_ranks // dp_replicate``
@@ -228,8 +230,8 @@ def dp_mesh_shape(pcfg: ParallelConfig, world_size: int, ranks_per_node: int) ->
     r, s, tp = pcfg.dp_replicate, pcfg.dp_shard, pcfg.tp
     cp = pcfg.cp  # context parallel: cp ranks (tp apart) per data-parallel rank (parallel/cp.py)
     if world_size % cp:
-        raise ConfigError(f"parallel.cp={cp} must divide the world size {world_size} (each sequence is split over "
-                          f"{cp} ranks)")
+        raise ConfigError(f"parallel.cp={cp} must divide the world size {world_size} (each sequence is split "
+                          f"over {cp} ranks)")
     # under CP the mesh below covers world / cp ranks: the messages say so (not "the world size 1" at world 2)
     per_cp = f" / parallel.cp={cp} = {world_size // cp}" if cp > 1 else ""
     world, world_is = f"the world size {world_size}{per_cp}", f"the world size is {world_size}{per_cp}"
@@ -292,7 +294,8 @@ DATA_PARALLEL_DIMS = ("dp_replicate", "dp_shard")
 
 
 def data_parallel_rank(info: DistInfo, pcfg: ParallelConfig | None) -> tuple[int, int]:
-    """``(dp_rank, dp_size)``: this rank's index among the ranks that read different samples, and their number.
+    """``(dp_rank, dp_size)``: this rank's index among the ranks that read different samples, and
+    their number.
 
     The model-parallel dimensions (``cp``, then ``tp``) are innermost (:func:`mesh_dims`), so the ``cp × tp``
     consecutive ranks of one data-parallel coordinate read the same samples: ``dp_rank = rank // (cp × tp)``,
@@ -307,12 +310,12 @@ def build_mesh(info: DistInfo, pcfg: ParallelConfig | None = None) -> DeviceMesh
     """The device mesh with :func:`mesh_dims`' named dimensions: 1-D ``("dp_shard",)``, ``("dp_replicate",
     "dp_shard")`` for HSDP, and ``"tp"`` innermost with tensor parallel.
 
-    With ``dp_replicate = 1`` (or no ``pcfg``) there is no replicate dimension, so FSDP's placements
-    stay ``Shard(0)`` and no one-rank all-reduce runs. With ``dp_replicate = R > 1`` row i of the
-    ``R × S`` data-parallel mesh holds one shard group (usually one node); ``fully_shard`` on it gives HSDP:
-    placements ``(Replicate(), Shard(0))``, gradients reduce-scattered within the row, then all-reduced down each
-    column (across replicas). FSDP takes :func:`dp_submesh`, tensor parallel ``mesh["tp"]``. With ``parallel.cp``
-    the shard dimension is ``dp_shard × cp`` (CP ranks join the shard group; the CP groups themselves come from
+    With ``dp_replicate = 1`` (or no ``pcfg``) there is no replicate dimension, so FSDP's placements stay
+    ``Shard(0)`` and no one-rank all-reduce runs. With ``dp_replicate = R > 1`` row i of the ``R × S``
+    data-parallel mesh holds one shard group (usually one node); ``fully_shard`` on it gives HSDP: placements
+    ``(Replicate(), Shard(0))``, gradients reduce-scattered within the row, then all-reduced down each column
+    (across replicas). FSDP takes :func:`dp_submesh`, tensor parallel ``mesh["tp"]``. With ``parallel.cp`` the
+    shard dimension is ``dp_shard × cp`` (CP ranks join the shard group; the CP groups themselves come from
     :func:`shardlm.parallel.cp.build_context_parallel`).
 
     Raises:
@@ -324,8 +327,8 @@ def build_mesh(info: DistInfo, pcfg: ParallelConfig | None = None) -> DeviceMesh
 
 
 def dp_submesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The data-parallel part of ``mesh`` (its ``dp_replicate`` / ``dp_shard`` dimensions), the mesh FSDP shards on;
-    ``mesh`` itself when it has no other dimension."""
+    """The data-parallel part of ``mesh`` (its ``dp_replicate`` / ``dp_shard`` dimensions), the mesh FSDP
+    shards on; ``mesh`` itself when it has no other dimension."""
     names = tuple(n for n in mesh.mesh_dim_names if n in DATA_PARALLEL_DIMS)
     return mesh if names == tuple(mesh.mesh_dim_names) else mesh[names]
 

@@ -6,8 +6,8 @@ The recipe (torchtitan's ``ExpertParallel``; DeepSpeed-MoE, Rajbhandari et al. 2
 1. the ranks form a 2-D mesh ``("efsdp", "ep")`` (:func:`build_ep_mesh`), ``ep`` the inner dimension; its
    flattening ``dp_shard`` (all ranks) keeps the usual FSDP of attention, router, norms and embeddings;
 2. each MoE layer's :class:`~shardlm.model.moe.Experts` parameters become ``Shard(0)`` DTensors over ``ep``
-   (rank r of an ``ep`` group holds experts ``[r·E/ep, (r+1)·E/ep)``); FSDP then shards each rank's experts over
-   ``efsdp`` (:func:`shardlm.parallel.fsdp.apply_fsdp`'s ``expert_mesh``);
+   (rank r of an ``ep`` group holds experts ``[r·E/ep, (r+1)·E/ep)``); FSDP then shards each rank's experts
+   over ``efsdp`` (:func:`shardlm.parallel.fsdp.apply_fsdp`'s ``expert_mesh``);
 3. around the experts' forward, the tokens (already sorted by expert, with ``tokens_per_expert``) are
    dispatched with ``all_to_all_single`` (uneven splits: each rank sends each expert's tokens to its owner),
    regrouped by local expert, run, and combined back by the reverse all-to-all (autograd through both).
@@ -32,8 +32,8 @@ from shardlm.model.moe import Experts, MoE
 
 
 def build_ep_mesh(device_type: str, world_size: int, ep: int) -> DeviceMesh:
-    """The 2-D mesh ``("efsdp", "ep")`` of ``world_size / ep`` rows of ``ep`` consecutive ranks, with the flattened
-    1-D ``"dp_shard"`` (all ranks, in rank order) registered beside it (``mesh["dp_shard"]``).
+    """The 2-D mesh ``("efsdp", "ep")`` of ``world_size / ep`` rows of ``ep`` consecutive ranks, with the
+    flattened 1-D ``"dp_shard"`` (all ranks, in rank order) registered beside it (``mesh["dp_shard"]``).
 
     Raises:
         ConfigError: ``ep`` < 1 or not dividing ``world_size``.
@@ -55,14 +55,16 @@ class ExpertParallel:
 
     @staticmethod
     def partition(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
-        """Each stacked expert tensor (E, ...) -> a ``Shard(0)`` DTensor over ``mesh`` (whole experts per rank)."""
+        """Each stacked expert tensor (E, ...) -> a ``Shard(0)`` DTensor over ``mesh`` (whole experts
+        per rank)."""
         for pname, param in list(module.named_parameters(recurse=False)):
-            shard = nn.Parameter(distribute_tensor(param, mesh, [Shard(0)]), requires_grad=param.requires_grad)
+            shard = nn.Parameter(distribute_tensor(param, mesh, [Shard(0)]),
+                                 requires_grad=param.requires_grad)
             module.register_parameter(pname, shard)
 
     def dispatch(self, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
-        """(x (N, dim) sorted by global expert, counts (E,)) -> (tokens of this rank's experts grouped by local
-        expert, their counts (E / ep,)); one all-to-all of the counts, one of the tokens."""
+        """(x (N, dim) sorted by global expert, counts (E,)) -> (tokens of this rank's experts grouped by
+        local expert, their counts (E / ep,)); one all-to-all of the counts, one of the tokens."""
         x, counts = inputs
         group, ep = mesh.get_group(), mesh.size()
         send = counts.reshape(ep, -1)  # row r: my tokens for rank r's experts
@@ -84,7 +86,8 @@ class ExpertParallel:
         return received[self.order], recv.sum(0)
 
     def combine(self, module: nn.Module, y: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-        """The experts' outputs back to the ranks and order their tokens came from: (N, dim) as ``dispatch``'s x."""
+        """The experts' outputs back to the ranks and order their tokens came from: (N, dim) as
+        ``dispatch``'s x."""
         back = torch.empty_like(self.order)
         back[self.order] = torch.arange(self.order.numel(), device=y.device)
         send, recv = self.splits
@@ -107,8 +110,9 @@ def check_ep(n_experts: int, ep: int, world_size: int, mode: str, dp_replicate: 
     if not n_experts:
         raise ConfigError(f"parallel.ep={ep} needs a mixture of experts (model.n_experts > 0)")
     if mode != "fsdp":
-        raise ConfigError(f"parallel.ep={ep} needs parallel.mode='fsdp' (got {mode!r}): the experts of an ep rank "
-                          "are FSDP-sharded over the other data-parallel ranks; DDP would replicate every expert")
+        raise ConfigError(f"parallel.ep={ep} needs parallel.mode='fsdp' (got {mode!r}): the experts of an ep "
+                          "rank are FSDP-sharded over the other data-parallel ranks; DDP would replicate "
+                          "every expert")
     if n_experts % ep:
         raise ConfigError(f"parallel.ep={ep} must divide model.n_experts={n_experts} (each ep rank holds "
                           "n_experts / ep whole experts)")
@@ -127,5 +131,6 @@ def apply_ep(model: nn.Module, mesh: DeviceMesh) -> list[Experts]:
     experts = [m.experts for m in model.modules() if isinstance(m, MoE)]
     for module in experts:
         style = ExpertParallel()
-        distribute_module(module, mesh["ep"], style.partition, input_fn=style.dispatch, output_fn=style.combine)
+        distribute_module(module, mesh["ep"], style.partition, input_fn=style.dispatch,
+                          output_fn=style.combine)
     return experts

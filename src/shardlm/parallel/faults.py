@@ -173,7 +173,8 @@ class FaultMonitor:
         store_timeout = timedelta(seconds=max(5.0, 10 * interval))
 
         def connect() -> dist.Store:
-            return dist.TCPStore(addr, int(port), is_master=False, timeout=store_timeout, wait_for_workers=False)
+            return dist.TCPStore(addr, int(port), is_master=False, timeout=store_timeout,
+                                 wait_for_workers=False)
 
         return cls(hosts, info.rank, interval, connect, gathered[0]["token"], f"{addr}:{port}",
                    heartbeat_timeout(pcfg.timeout_s))
@@ -191,7 +192,8 @@ class FaultMonitor:
         store.add(self._key("heartbeat", self.rank), 1)
 
     def _beat_loop(self, store: dist.Store) -> None:
-        """Beat every interval; while watching, also watch the next rank in the ring and the job's lost key."""
+        """Beat every interval; while watching, also watch the next rank in the ring and the job's
+        lost key."""
         watched = (self.rank + 1) % len(self.hosts)
         last, changed = -1, time.monotonic()
         while not self._stop.wait(self.interval_s):
@@ -216,7 +218,8 @@ class FaultMonitor:
                         continue
                     self._end_job(message, lost, store, published=False)
                     return
-            except (RuntimeError, OSError, ValueError):  # the store is gone; the main thread's diagnosis reports it
+            except (RuntimeError, OSError, ValueError):
+                # the store is gone; the main thread's diagnosis reports it
                 return
 
     def _finished(self, store: dist.Store, rank: int) -> bool:
@@ -231,12 +234,15 @@ class FaultMonitor:
             return [], ""
         by_rank = {h.rank: h for h in self.hosts}
         message = (f"lost {describe_ranks([by_rank[r] for r in lost], self.hosts)}: no heartbeat for "
-                   f"{silent_s + 3 * self.interval_s:.1f} s (noticed by rank {self.rank}'s heartbeat watch, before "
-                   "any collective timed out)")
+                   f"{silent_s + 3 * self.interval_s:.1f} s (noticed by rank {self.rank}'s heartbeat watch, "
+                   "before any collective timed out)")
         if failed:
-            message += "; ranks that failed on their own: " + "; ".join(f"rank {r}: {m}" for r, m in failed.items())
-        return lost, message + (". The process or machine of those ranks died or froze: check that node's log; "
-                                "relaunch the job (torchrun --max-restarts resumes from the last checkpoint)")
+            message += "; ranks that failed on their own: " + "; ".join(
+                f"rank {r}: {m}" for r, m in failed.items()
+            )
+        return lost, message + (". The process or machine of those ranks died or froze: check that node's "
+                                "log; relaunch the job (torchrun --max-restarts resumes from the last "
+                                "checkpoint)")
 
     def _end_job(self, message: str, lost: list[int], store: dist.Store, published: bool) -> None:
         """Report ``message`` (one rank per surviving node prints it) and end this process with code 4.
@@ -316,11 +322,13 @@ class FaultMonitor:
             if not lost:
                 return None
             lost_hosts = [by_rank[r] for r in lost]
-            message = (f"lost {describe_ranks(lost_hosts, self.hosts)}: no heartbeat for {3 * self.interval_s:.1f} s "
-                       f"after a collective failed with {cause}")
+            message = (f"lost {describe_ranks(lost_hosts, self.hosts)}: no heartbeat for "
+                       f"{3 * self.interval_s:.1f} s after a collective failed with {cause}")
             own = {r: m for r, m in failed.items() if not m.startswith("communication failure")}
             if own:
-                message += "; ranks that failed on their own: " + "; ".join(f"rank {r}: {m}" for r, m in own.items())
+                message += "; ranks that failed on their own: " + "; ".join(
+                    f"rank {r}: {m}" for r, m in own.items()
+                )
         message += (". The process or machine of those ranks died: check that node's log; relaunch the job "
                     "(torchrun --max-restarts resumes from the last checkpoint)")
         survivors = [h.rank for h in self.hosts if h.node_rank == me.node_rank and h not in lost_hosts]

@@ -54,7 +54,8 @@ def apply_fsdp(model: Llama, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy |
     """
     # the shard group is the last mesh dimension (all ranks, or one HSDP row)
     reshard_after_forward = check_reshard_after_forward(reshard_after_forward, mesh.size(mesh.ndim - 1))
-    common = dict(mesh=mesh, mp_policy=mp_policy or MixedPrecisionPolicy(), offload_policy=offload or OffloadPolicy())
+    common = dict(mesh=mesh, mp_policy=mp_policy or MixedPrecisionPolicy(),
+                  offload_policy=offload or OffloadPolicy())
     decoder = model.model
     if not model.cfg.tie_embeddings:
         fully_shard(decoder.embed_tokens, reshard_after_forward=reshard_after_forward, **common)
@@ -63,16 +64,20 @@ def apply_fsdp(model: Llama, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy |
         fully_shard(module, mesh=expert_mesh, reshard_after_forward=bool(reshard_after_forward),
                     **{k: v for k, v in common.items() if k != "mesh"})
         module.set_gradient_divide_factor(float(world))
-        # a one-rank group divides by the factor without a collective; forcing the sum there divided twice (measured)
+        # a one-rank group divides by the factor without a collective; forcing the sum there divided
+        # twice (measured)
         module.set_force_sum_reduction_for_comms(expert_mesh.size() > 1)
     layers = list(decoder.layers)
     block_groups = [layers[i:i + blocks_per_group] for i in range(0, len(layers), blocks_per_group)]
-    for group in block_groups:  # one module or a list: a list is one group (one all-gather, one reduce-scatter)
-        fully_shard(group[0] if len(group) == 1 else group, reshard_after_forward=reshard_after_forward, **common)
+    for group in block_groups:
+        # one module or a list: a list is one group (one all-gather, one reduce-scatter)
+        fully_shard(group[0] if len(group) == 1 else group, reshard_after_forward=reshard_after_forward,
+                    **common)
     if not model.cfg.tie_embeddings:
         fully_shard([decoder.norm, model.lm_head], reshard_after_forward=False, **common)
     fully_shard(model, **common)
-    firsts = [group[0] for group in block_groups]  # a group's modules share one FSDP state: its first stands for it
+    # a group's modules share one FSDP state: its first stands for it
+    firsts = [group[0] for group in block_groups]
     set_prefetch(firsts, forward_prefetch, backward_prefetch)
     if async_all_gather:
         groups = ([] if model.cfg.tie_embeddings else [decoder.embed_tokens]) + firsts

@@ -62,8 +62,8 @@ def check_reshard_after_forward(value: bool | int, shard_size: int) -> bool | in
     if isinstance(value, bool):
         return value
     if not 1 < value < shard_size or shard_size % value:
-        raise ConfigError(f"parallel.reshard_after_forward={value} must satisfy 1 < N < {shard_size} (the shard "
-                          f"group size) and divide it; use true, false or such an N")
+        raise ConfigError(f"parallel.reshard_after_forward={value} must satisfy 1 < N < {shard_size} (the "
+                          f"shard group size) and divide it; use true, false or such an N")
     return value
 
 
@@ -118,9 +118,9 @@ def describe(pcfg: ParallelConfig, device_type: str) -> str:
     if pcfg.mode != "fsdp":
         return common
     reshard = pcfg.reshard_after_forward
-    return (f"reshard after forward {str(reshard).lower() if isinstance(reshard, bool) else reshard}, prefetch "
-            f"{pcfg.forward_prefetch}/{pcfg.backward_prefetch}, {pcfg.blocks_per_group} block(s) per group, "
-            f"{pcfg.param_dtype} compute / {pcfg.reduce_dtype} reduce, reduce-scatter "
+    return (f"reshard after forward {str(reshard).lower() if isinstance(reshard, bool) else reshard}, "
+            f"prefetch {pcfg.forward_prefetch}/{pcfg.backward_prefetch}, {pcfg.blocks_per_group} block(s) "
+            f"per group, {pcfg.param_dtype} compute / {pcfg.reduce_dtype} reduce, reduce-scatter "
             f"{resolve_reduce_scatter(pcfg.reduce_scatter, device_type)}, {common}")
 
 

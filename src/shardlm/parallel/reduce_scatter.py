@@ -22,8 +22,8 @@ from torch.distributed.fsdp import FSDPModule
 
 
 def resolve_reduce_scatter(setting: str, device_type: str) -> str:
-    """``parallel.reduce_scatter`` on a ``device_type`` (``"cpu"``, ``"cuda"``) device: ``auto`` is ``all_to_all``
-    on CPU (gloo), else ``native``."""
+    """``parallel.reduce_scatter`` on a ``device_type`` (``"cpu"``, ``"cuda"``) device: ``auto`` is
+    ``all_to_all`` on CPU (gloo), else ``native``."""
     if setting == "auto":
         return "all_to_all" if device_type == "cpu" else "native"
     return setting
@@ -50,7 +50,8 @@ class AllToAllReduceScatter:
                  op: dist.ReduceOp, async_op: bool = False) -> dist.Work | None:
         """``output_tensor`` = this rank's chunk of ``input_tensor`` summed (or averaged) over ``group``."""
         if async_op or op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
-            return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+            return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group,
+                                              async_op=async_op)
         world = group.size()
         received = torch.empty_like(input_tensor)
         dist.all_to_all_single(received, input_tensor, group=group)

@@ -45,7 +45,8 @@ class SavedActivationCounter:
         try:
             storage = t.untyped_storage()
             key, nbytes = storage.data_ptr(), storage.nbytes()
-        except RuntimeError:  # a wrapper subclass without storage of its own (a pending collective's result under TP)
+        except RuntimeError:
+            # a wrapper subclass without storage of its own (a pending collective's result under TP)
             key, nbytes = id(t), t.numel() * t.element_size()
         if key not in self._seen:
             self._seen.add(key)

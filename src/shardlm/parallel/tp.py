@@ -5,21 +5,21 @@ Activation Recomputation in Large Transformer Models", 2022), built from PyTorch
 (https://pytorch.org/docs/stable/distributed.tensor.parallel.html) as torchtitan's ``apply_tp`` does. On a
 tensor-parallel group of T ranks:
 
-- between the blocks the activations (batch, seq, dim) are sharded along the sequence (``Shard(1)``): the norms
-  and residual adds run on seq / T tokens per rank (``SequenceParallel``, the norm weights replicated; the
-  residual stream itself is each rank's local tensor of seq / T tokens);
+- between the blocks the activations (batch, seq, dim) are sharded along the sequence (``Shard(1)``): the
+  norms and residual adds run on seq / T tokens per rank (``SequenceParallel``, the norm weights replicated;
+  the residual stream itself is each rank's local tensor of seq / T tokens);
 - attention and MLP all-gather their input's sequence (``PrepareModuleInput``), multiply by q/k/v and gate/up
-  split by output columns (``ColwiseParallel``: each rank holds n_heads / T query heads, n_kv_heads / T key/value
-  heads, ffn_dim / T of the FFN width; Qwen2's q/k/v biases split with them), and by o and down split by input
-  rows (``RowwiseParallel``), whose partial sums are reduce-scattered back to sequence shards;
+  split by output columns (``ColwiseParallel``: each rank holds n_heads / T query heads, n_kv_heads / T
+  key/value heads, ffn_dim / T of the FFN width; Qwen2's q/k/v biases split with them), and by o and down
+  split by input rows (``RowwiseParallel``), whose partial sums are reduce-scattered back to sequence shards;
 - the token embedding is split by vocabulary rows (each rank looks up its ids, the rest are zero, summed and
   scattered along the sequence); the output projection likewise (``ColwiseParallel`` over the vocabulary), and
   the loss is vocabulary-parallel (:mod:`shardlm.train.vocab_parallel_loss`): the full logits never exist.
 
 The model itself is unchanged: attention takes its local head count from the projections' shapes. Per family:
 Qwen3 / Gemma 3's q/k norms (over each head's width) run on the local heads with replicated weights; Gemma's
-extra norms are sequence parallel like the others, its final soft-cap and sliding windows act on local logits and
-local heads; tied embeddings stay one tensor (the embedding and the output projection are split alike).
+extra norms are sequence parallel like the others, its final soft-cap and sliding windows act on local logits
+and local heads; tied embeddings stay one tensor (the embedding and the output projection are split alike).
 """
 
 from __future__ import annotations
@@ -39,16 +39,17 @@ from shardlm.model.config import ModelConfig
 from shardlm.model.decoder import CausalLM
 from shardlm.parallel.cp import padded_length
 
-#: the positional arguments of ``Attention.forward`` after x: cos, sin, cache, doc_mask (plain tensors or None)
+#: the positional arguments of ``Attention.forward`` after x: cos, sin, cache, doc_mask (plain tensors
+#: or None)
 _ATTENTION_EXTRA_ARGS = 4
 
 
 def check_tp(cfg: ModelConfig, tp: int, seq_len: int, lora: bool = False, cp: int = 1) -> None:
     """Refuse a model that a ``tp``-way split cannot cut evenly, naming the size that does not divide.
 
-    Each rank holds n_heads / tp query heads, n_kv_heads / tp key/value heads (grouped-query attention keeps its
-    groups whole only then), ffn_dim / tp of the FFN width, vocab_size / tp vocabulary rows, and 1 / tp of its
-    tokens between blocks: of ``seq_len``, or under context parallelism (``cp`` > 1) of its CP share
+    Each rank holds n_heads / tp query heads, n_kv_heads / tp key/value heads (grouped-query attention keeps
+    its groups whole only then), ffn_dim / tp of the FFN width, vocab_size / tp vocabulary rows, and 1 / tp of
+    its tokens between blocks: of ``seq_len``, or under context parallelism (``cp`` > 1) of its CP share
     ``padded_length(seq_len, cp) / cp`` (:mod:`shardlm.parallel.cp`: sequence parallel splits a CP rank's head
     and tail chunks over its tensor-parallel group).
 
@@ -66,11 +67,11 @@ def check_tp(cfg: ModelConfig, tp: int, seq_len: int, lora: bool = False, cp: in
              tokens[0]: tokens[1]}
     for name, size in sizes.items():
         if size % tp:
-            raise ConfigError(f"parallel.tp={tp} must divide {name} = {size}: each tensor-parallel rank holds an "
-                              "equal part; pick a tp that divides it")
+            raise ConfigError(f"parallel.tp={tp} must divide {name} = {size}: each tensor-parallel rank "
+                              "holds an equal part; pick a tp that divides it")
     if lora:
-        raise ConfigError(f"parallel.tp={tp} with lora.enabled is not supported (the LoRA adapters are not split "
-                          "over the tensor-parallel ranks); use parallel.tp=1 for LoRA")
+        raise ConfigError(f"parallel.tp={tp} with lora.enabled is not supported (the LoRA adapters are not "
+                          "split over the tensor-parallel ranks); use parallel.tp=1 for LoRA")
 
 
 def block_plan(cfg: ModelConfig) -> dict:
@@ -93,26 +94,28 @@ def block_plan(cfg: ModelConfig) -> dict:
     if cfg.arch.qk_norm:  # over each head's width, on (batch, local heads, seq, head_dim): heads are dim 1
         plan["self_attn.q_norm"] = SequenceParallel(sequence_dim=1, use_local_output=True)
         plan["self_attn.k_norm"] = SequenceParallel(sequence_dim=1, use_local_output=True)
-    if cfg.arch.gemma_norms:  # norms after attention and MLP too: their outputs join the residual stream (local)
+    if cfg.arch.gemma_norms:
+        # norms after attention and MLP too: their outputs join the residual stream (local)
         plan["post_attention_layernorm"] = SequenceParallel(use_local_output=True)
         plan["pre_feedforward_layernorm"] = SequenceParallel()
         plan["post_feedforward_layernorm"] = SequenceParallel(use_local_output=True)
     return plan
 
 
-#: TorchInductor options that make compiled blocks micro-pipeline their TP collectives with the matrix multiplies
-#: beside them (torchtitan's async TP; passed to ``block.compile(options=...)`` by ``apply_compile``)
+#: TorchInductor options that make compiled blocks micro-pipeline their TP collectives with the matrix
+#: multiplies beside them (torchtitan's async TP; passed to ``block.compile(options=...)``
+#: by ``apply_compile``)
 ASYNC_TP_COMPILE_OPTIONS = {"_micro_pipeline_tp": True}
 
 
 def apply_tp(model: CausalLM, tp_mesh: DeviceMesh) -> CausalLM:
-    """Split ``model`` over the 1-D tensor-parallel mesh ``tp_mesh`` (before activation checkpointing, compile and
-    FSDP, torchtitan's order); see the module docstring for the layout.
+    """Split ``model`` over the 1-D tensor-parallel mesh ``tp_mesh`` (before activation checkpointing, compile
+    and FSDP, torchtitan's order); see the module docstring for the layout.
 
     1. embedding: vocabulary rows, output sharded along the sequence;
     2. each block: :func:`block_plan`;
-    3. final norm: sequence parallel; output projection: vocabulary rows, logits left sharded over the vocabulary
-       (a DTensor ``Shard(-1)``; the chunked loss reads the projection's weight itself);
+    3. final norm: sequence parallel; output projection: vocabulary rows, logits left sharded over the
+       vocabulary (a DTensor ``Shard(-1)``; the chunked loss reads the projection's weight itself);
     4. tied embeddings: the output projection takes the embedding's (already split) weight back.
 
     Async TP (``parallel.async_tp``, CUDA only) is a compile option of the blocks afterwards:
@@ -133,7 +136,8 @@ def apply_tp(model: CausalLM, tp_mesh: DeviceMesh) -> CausalLM:
 
 
 def tp_degree(weight) -> int:  # noqa: ANN001 - a tensor or DTensor
-    """The size of the ``tp`` dimension of ``weight``'s device mesh (1 for a plain tensor or a mesh without one)."""
+    """The size of the ``tp`` dimension of ``weight``'s device mesh (1 for a plain tensor or a mesh
+    without one)."""
     mesh = getattr(weight, "device_mesh", None)
     names = (mesh.mesh_dim_names or ()) if mesh is not None else ()
     return mesh.size(names.index("tp")) if "tp" in names else 1

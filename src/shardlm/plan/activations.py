@@ -1,8 +1,8 @@
 """Bytes autograd saves for backward, derived op by op from ``shardlm/model/decoder.py``.
 
-Notation: b micro-batch size, t sequence length, B = b·t tokens, d ``dim``, f the SwiGLU hidden size,
-h query heads, hd the head dimension (d/h unless the family sets ``head_dim``), a = h·hd the attention width,
-kv the key/value heads, V the vocabulary, c the bytes of the compute dtype (4 for fp32, 2 for bf16 under FSDP's
+Notation: b micro-batch size, t sequence length, B = b·t tokens, d ``dim``, f the SwiGLU hidden size, h query
+heads, hd the head dimension (d/h unless the family sets ``head_dim``), a = h·hd the attention width, kv the
+key/value heads, V the vocabulary, c the bytes of the compute dtype (4 for fp32, 2 for bf16 under FSDP's
 ``param_dtype``). Per family: Gemma 3's two extra norms per block (after attention and after the MLP) are
 counted like the others; the q/k norms of Qwen3 and Gemma 3 as norms of width a and kv·hd; sliding-window
 masks ((t, t) booleans, shared by the batch) and biases save nothing measurable.
@@ -79,9 +79,9 @@ class Shape:
 def shape_of(mcfg: ModelConfig, micro_batch_size: int, seq_len: int, compute_bytes: int) -> Shape:
     """The :class:`Shape` of a micro-batch of ``micro_batch_size`` × ``seq_len`` tokens.
 
-    A mixture of experts counts its MLP width per token as the k experts a token visits (f = k · expert width), as
-    if every layer were sparse: the experts' activations; the router, the sorted token copies and the all-to-all
-    buffers are :mod:`shardlm.plan.moe`'s.
+    A mixture of experts counts its MLP width per token as the k experts a token visits (f = k · expert
+    width), as if every layer were sparse: the experts' activations; the router, the sorted token copies and
+    the all-to-all buffers are :mod:`shardlm.plan.moe`'s.
     """
     f = mcfg.n_experts_per_token * mcfg.expert_ffn_dim if mcfg.arch.moe and mcfg.n_experts else mcfg.ffn_dim
     return Shape(micro_batch_size, seq_len, mcfg.dim, f, mcfg.n_heads,
@@ -116,7 +116,8 @@ def block_saved_none(s: Shape) -> int:
     Includes the block's output when it is saved by what follows (c = 4: the next norm keeps x itself).
     """
     bd, bf, c = s.tokens * s.d, s.tokens * s.f, s.c
-    attn = 2 * c * s.tokens * s.a + 2 * c * s.tokens * s.kv * s.hd + 4 * s.b * s.h * s.t  # q, SDPA output; k, v; lse
+    # q, SDPA output; k, v; lse
+    attn = 2 * c * s.tokens * s.a + 2 * c * s.tokens * s.kv * s.hd + 4 * s.b * s.h * s.t
     if c != 4:
         attn += 2 * s.t * s.hd * c  # cos and sin cast to the compute dtype
     residuals = 2 * c * bd if c == 4 else 0  # h after attention and the block output
@@ -192,27 +193,29 @@ def final_norm_saved(s: Shape) -> int:
     return norm_saved(s)
 
 
-# ---- tensor parallel with sequence parallel (parallel.tp = T; shardlm/parallel/tp.py) ----------------------------
-# Between the blocks every rank holds B/T tokens (the residual stream, the norms); each norm's output is all-gathered
-# into the B tokens the column-split q/k/v (or gate/up) multiply, which saves that gathered input; inside attention
-# and the MLP every rank holds h/T query heads, kv/T key/value heads and f/T of the FFN width over all B tokens.
-# Modelled for activation checkpointing ``none`` and ``full``.
+# ---- tensor parallel with sequence parallel (parallel.tp = T; shardlm/parallel/tp.py) ----------------------
+# Between the blocks every rank holds B/T tokens (the residual stream, the norms); each norm's output is
+# all-gathered into the B tokens the column-split q/k/v (or gate/up) multiply, which saves that gathered
+# input; inside attention and the MLP every rank holds h/T query heads, kv/T key/value heads and f/T of the
+# FFN width over all B tokens. Modelled for activation checkpointing ``none`` and ``full``.
 
 def sp_norm_saved(s: Shape, tp: int) -> int:
-    """Bytes a sequence-parallel norm before attention or the MLP saves: its normalised x and rsqrt on B/T tokens
-    (and the fp32 copy in bf16), and the all-gathered B tokens the next (column-split) matmul saves."""
+    """Bytes a sequence-parallel norm before attention or the MLP saves: its normalised x and rsqrt on B/T
+    tokens (and the fp32 copy in bf16), and the all-gathered B tokens the next (column-split) matmul saves."""
     rows = s.tokens // tp
     own = 4 * rows * s.d + 4 * rows + (2 * rows * s.d if s.c != 4 else 0)
     return own + s.c * s.tokens * s.d
 
 
 def block_saved_tp(s: Shape, tp: int, mode: str) -> int:
-    """Bytes one block keeps saved for backward at tensor-parallel degree ``tp`` (``mode``: ``none`` or ``full``)."""
+    """Bytes one block keeps saved for backward at tensor-parallel degree ``tp`` (``mode``: ``none``
+    or ``full``)."""
     rows, c = s.tokens // tp, s.c
     if mode == "full":
         return c * rows * s.d
     if mode != "none":
-        raise ValueError(f"the planner models tensor parallel with activation checkpointing none or full, not {mode!r}")
+        raise ValueError("the planner models tensor parallel with activation checkpointing none or full, "
+                         f"not {mode!r}")
     h, kv, f = s.h // tp, s.kv // tp, s.f // tp
     attn = 2 * c * s.tokens * h * s.hd + 2 * c * s.tokens * kv * s.hd + 4 * s.b * h * s.t
     if c != 4:
@@ -225,8 +228,8 @@ def block_saved_tp(s: Shape, tp: int, mode: str) -> int:
 
 
 def block_backward_transient_tp(s: Shape, tp: int) -> int:
-    """Extra bytes at the high point of a block's backward under tensor parallel: the SwiGLU product's gradients on
-    the local FFN width (2·c·B·f/T), the output gradient all-gathered over the sequence for the row-split down_proj
-    (c·B·d, RowwiseParallel's backward) and the gathered input's partial gradient (c·B·d) before its
-    reduce-scatter."""
+    """Extra bytes at the high point of a block's backward under tensor parallel: the SwiGLU product's
+    gradients on the local FFN width (2·c·B·f/T), the output gradient all-gathered over the sequence for the
+    row-split down_proj (c·B·d, RowwiseParallel's backward) and the gathered input's partial gradient (c·B·d)
+    before its reduce-scatter."""
     return 2 * s.c * s.tokens * (s.f // tp) + 2 * s.c * s.tokens * s.d

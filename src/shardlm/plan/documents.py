@@ -38,7 +38,8 @@ from shardlm.model.attention import resolve_backend
 
 @dataclass(frozen=True)
 class DocumentShape:
-    """The samples of a config's prepared training data, as a step sees them (means over all train samples)."""
+    """The samples of a config's prepared training data, as a step sees them (means over all
+    train samples)."""
 
     source: str
     """Where the figures come from (the prepared directory, or that none was found)."""
@@ -49,13 +50,14 @@ class DocumentShape:
     targets: float
     """Trained tokens per sample."""
     context: float
-    """Attention context per sequence, tokens: Σ n² / T over its documents (T = ``train.seq_len`` under causal)."""
+    """Attention context per sequence, tokens: Σ n² / T over its documents (T = ``train.seq_len``
+    under causal)."""
 
 
 def window_context(starts: np.ndarray, windows: int, seq_len: int) -> float:
-    """Mean Σ n² / T over the first ``windows`` pre-training windows of ``seq_len + 1`` tokens, given the stream
-    positions where documents start (int64, ascending; relative to the split); the inputs of a window are its
-    first ``seq_len`` tokens, cut at each start inside them."""
+    """Mean Σ n² / T over the first ``windows`` pre-training windows of ``seq_len + 1`` tokens, given the
+    stream positions where documents start (int64, ascending; relative to the split); the inputs of a window
+    are its first ``seq_len`` tokens, cut at each start inside them."""
     w = seq_len + 1
     starts = np.asarray(starts, dtype=np.int64)
     inner = starts[(starts < windows * w) & (starts % w < seq_len)]
@@ -66,8 +68,10 @@ def window_context(starts: np.ndarray, windows: int, seq_len: int) -> float:
 
 @functools.lru_cache(maxsize=16)
 def _shape(out: str, fmt: str, pack: bool, block_causal: bool, seq_len: int, seed: int,
-           version: int = 0) -> DocumentShape:  # version: meta.json's mtime, so that data prepared again is read again
-    full = DocumentShape(f"{out} is not prepared: sequences counted as full", 0, 1.0, float(seq_len), float(seq_len))
+           version: int = 0) -> DocumentShape:
+    # version: meta.json's mtime, so that data prepared again is read again
+    full = DocumentShape(f"{out} is not prepared: sequences counted as full", 0, 1.0, float(seq_len),
+                         float(seq_len))
     if not is_prepared(out):
         return full
     meta = load_meta(out)
@@ -82,7 +86,8 @@ def _shape(out: str, fmt: str, pack: bool, block_causal: bool, seq_len: int, see
             packed = PackedExamples(examples, seed)
         except DataError as exc:  # the trainer stops on it too
             return DocumentShape(f"{exc}; sequences counted as full", 0, 1.0, float(seq_len), float(seq_len))
-        context = packed.squared_lengths(range(len(packed))) / (len(packed) * seq_len)  # as the trainer counts
+        # as the trainer counts
+        context = packed.squared_lengths(range(len(packed))) / (len(packed) * seq_len)
         return DocumentShape(f"the packed rows of {out}", len(packed), packed.fill,
                              float(packed.row_targets.mean()), context)
     windows = int(meta["train_tokens"]) // (seq_len + 1)
@@ -113,9 +118,9 @@ def document_shape(cfg: Config) -> DocumentShape:
 
 
 def planned_attention(cfg: Config) -> str:
-    """``cfg``'s attention as training resolves it for a new run: ``model.attention``, or for ``auto`` the rule
-    of :func:`shardlm.data.attention_choice.choose_attention` on the prepared data (``block_causal`` for text data
-    not prepared yet: its preparation records the document starts)."""
+    """``cfg``'s attention as training resolves it for a new run: ``model.attention``, or for ``auto`` the
+    rule of :func:`shardlm.data.attention_choice.choose_attention` on the prepared data (``block_causal`` for
+    text data not prepared yet: its preparation records the document starts)."""
     if cfg.model.attention != AUTO or cfg.data.format != "text":  # known from the config alone
         return choose_attention(cfg).attention
     meta = data_dir(cfg) / "meta.json"
@@ -128,10 +133,11 @@ def _text_attention(out: str, version: int) -> str:  # version: meta.json's mtim
 
 
 def has_documents(cfg: Config) -> bool:
-    """Whether ``cfg``'s samples carry documents that block-causal attention masks: pre-training windows or packed
-    rows under block-causal attention (:func:`planned_attention`; an unpacked instruction sample is one example).
-    False for prepared text windows none of which crosses a document start: the trainer gives those to the model as
-    plain windows (causal attention, no mask; :class:`shardlm.data.packing.DocumentWindows`)."""
+    """Whether ``cfg``'s samples carry documents that block-causal attention masks: pre-training windows or
+    packed rows under block-causal attention (:func:`planned_attention`; an unpacked instruction sample is one
+    example). False for prepared text windows none of which crosses a document start: the trainer gives those
+    to the model as plain windows (causal attention, no mask;
+    :class:`shardlm.data.packing.DocumentWindows`)."""
     if planned_attention(cfg) != "block_causal" or (cfg.data.format == "instruct" and not cfg.data.pack):
         return False
     shape = document_shape(cfg)
@@ -145,11 +151,11 @@ def attention_context(cfg: Config) -> float:
 
 
 def document_mask_bytes(cfg: Config, compute_bytes: int, device: str) -> int:
-    """Bytes of the block-causal masks of one micro-batch on ``device`` (``cpu`` or a GPU), alive from the forward
-    to the end of its backward: under the ``sdpa`` backend one additive mask (batch, 1, T, T) in the compute dtype
-    per distinct window (Gemma 3: local and global; :func:`shardlm.model.attention.additive_mask`); the flex
-    backend's ``BlockMask`` (a few integers per 128 x 128 block) is counted as 0. 0 without documents
-    (:func:`has_documents`)."""
+    """Bytes of the block-causal masks of one micro-batch on ``device`` (``cpu`` or a GPU), alive from the
+    forward to the end of its backward: under the ``sdpa`` backend one additive mask (batch, 1, T, T) in the
+    compute dtype per distinct window (Gemma 3: local and global;
+    :func:`shardlm.model.attention.additive_mask`); the flex backend's ``BlockMask`` (a few integers per 128 x
+    128 block) is counted as 0. 0 without documents (:func:`has_documents`)."""
     if not has_documents(cfg):
         return 0
     model, micro_batch, seq_len = cfg.model, cfg.train.micro_batch_size, cfg.train.seq_len

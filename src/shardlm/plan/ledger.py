@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-PARTS = ("params", "grads", "optimizer", "all_gather", "reduce_scatter", "activations", "temporaries", "buffers",
-         "reference")
+PARTS = ("params", "grads", "optimizer", "all_gather", "reduce_scatter", "activations", "temporaries",
+         "buffers", "reference")
 """Categories of the breakdown, in display order."""
 
 

@@ -1,19 +1,20 @@
-"""The loss's allocations, in order: the plain loss on whole logits, or the chunked one (``train.loss_chunk_tokens``).
+"""The loss's allocations, in order: the plain loss on whole logits, or the chunked one
+(``train.loss_chunk_tokens``).
 
 Letters as in :mod:`shardlm.plan.activations`: N tokens of the micro-batch (all scored: an upper bound), V the
-vocabulary, D ``dim``, c the bytes of the compute dtype, k the chunk (``min(loss_chunk_tokens, N)``). Derived from
-``shardlm/train/loss.py`` op by op and checked against PyTorch's allocator (``bench/bench_loss.py``).
+vocabulary, D ``dim``, c the bytes of the compute dtype, k the chunk (``min(loss_chunk_tokens, N)``). Derived
+from ``shardlm/train/loss.py`` op by op and checked against PyTorch's allocator (``bench/bench_loss.py``).
 
 Plain (``token_loss_sum(lm_head(h))``): the logits (c·N·V; when c = 2 an fp32 copy too, freed after the loss),
 their log-softmax (4·N·V, saved); the logits are freed once the loss is made (nothing holds them: log-softmax
 saves its output); with a soft-cap the tanh output (c·N·V) is saved too. Backward: ``nll_loss``'s gradient and
-log-softmax's (4·N·V each, the high point: 3 × 4·N·V in fp32), then the logits' gradient (4·N·V, cast to c·N·V),
-then the output weight's gradient (c·V·D) and the hidden state's (c·N·D).
+log-softmax's (4·N·V each, the high point: 3 × 4·N·V in fp32), then the logits' gradient (4·N·V, cast to
+c·N·V), then the output weight's gradient (c·V·D) and the hidden state's (c·N·D).
 
 Chunked: the hidden state's gradient (c·N·D) and an fp32 weight-gradient accumulator (4·V·D, when the weight
-trains) exist from the forward on; per chunk one fp32 (k, V) buffer holds the logits, then in place the softmax and
-the gradient (:func:`chunk_peak_bytes` for the other dtypes). Backward scales them in place; a bf16 weight
-gradient is a cast of the accumulator.
+trains) exist from the forward on; per chunk one fp32 (k, V) buffer holds the logits, then in place the
+softmax and the gradient (:func:`chunk_peak_bytes` for the other dtypes). Backward scales them in place; a
+bf16 weight gradient is a cast of the accumulator.
 """
 
 from __future__ import annotations
@@ -28,13 +29,13 @@ def chunk_peak_bytes(chunk: int, vocab: int, dim: int, c: int, softcap: bool, fp
     """Bytes of one chunk's buffers at their high point (``shardlm/train/loss.py::_chunked``, and the
     vocabulary-parallel ``shardlm/train/vocab_parallel_loss.py::_chunks`` on a rank's V / tp rows).
 
-    fp32: the (k, V) logits, turned in place into the softmax and the gradient (two with a soft-cap: tanh and its
-    derivative), and beside the gradient the chunk's hidden-state gradient product ``g @ w`` (k, D) before it is
-    copied into the (N, D) gradient: 4·k·V + 4·k·D. bf16: the bf16 logits and their fp32 copy (6·k·V), then the
-    fp32 gradient and its bf16 cast with either the (k, D) product or (on CUDA with the native kernel) the bf16
-    (V, D) weight-gradient product added into the accumulator; a soft-cap adds its derivative (10·k·V at the high
-    point). Measured (tests/unit/test_loss.py, fp32, V = 512, D = 256, chunks of 128): without the (k, D) product the
-    planned peak was 10.9 % under the allocator's, with it 0.2 %.
+    fp32: the (k, V) logits, turned in place into the softmax and the gradient (two with a soft-cap: tanh and
+    its derivative), and beside the gradient the chunk's hidden-state gradient product ``g @ w`` (k, D) before
+    it is copied into the (N, D) gradient: 4·k·V + 4·k·D. bf16: the bf16 logits and their fp32 copy (6·k·V),
+    then the fp32 gradient and its bf16 cast with either the (k, D) product or (on CUDA with the native
+    kernel) the bf16 (V, D) weight-gradient product added into the accumulator; a soft-cap adds its derivative
+    (10·k·V at the high point). Measured (tests/unit/test_loss.py, fp32, V = 512, D = 256, chunks of 128):
+    without the (k, D) product the planned peak was 10.9 % under the allocator's, with it 0.2 %.
     """
     kv, kd = chunk * vocab, chunk * dim
     if c == 4:
@@ -74,12 +75,14 @@ def loss_events(tokens: int, vocab: int, dim: int, c: int, chunk: int, softcap: 
             fwd.append(("temporaries", -4 * nv, "loss"))
         fwd.append(("temporaries", -logits, "loss"))  # nothing holds the logits any more
         bwd += [("temporaries", 4 * nv, "loss backward"), ("temporaries", 4 * nv, "loss backward"),
-                ("temporaries", -8 * nv, "loss backward")]  # nll and log-softmax gradients; nll's and the saved freed
+                # nll and log-softmax gradients; nll's and the saved freed
+                ("temporaries", -8 * nv, "loss backward")]
         grad_logits = 4 * nv
         if c != 4:
             bwd += [("temporaries", c * nv, "loss backward"), ("temporaries", -4 * nv, "loss backward")]
             grad_logits = c * nv
-        if softcap:  # × cap, tanh and ÷ cap backward, each out of place, its input then freed; the saved tanh too
+        if softcap:
+            # × cap, tanh and ÷ cap backward, each out of place, its input then freed; the saved tanh too
             bwd += [("temporaries", c * nv, "loss backward"), ("temporaries", -grad_logits, "loss backward"),
                     ("temporaries", c * nv, "loss backward"), ("temporaries", -2 * c * nv, "loss backward"),
                     ("temporaries", c * nv, "loss backward"), ("temporaries", -c * nv, "loss backward")]
@@ -107,8 +110,8 @@ def loss_events(tokens: int, vocab: int, dim: int, c: int, chunk: int, softcap: 
 
 def loss_peak_bytes(tokens: int, vocab: int, dim: int, c: int, chunk: int, softcap: bool = False,
                     fp32_matmul: bool = False, weight_grad: bool = True, cuda: bool = False) -> int:
-    """The high point, in bytes, of one micro-batch's loss forward and backward over what existed before it (the
-    hidden states and the weight), the gradients it leaves included (see :func:`loss_events`)."""
+    """The high point, in bytes, of one micro-batch's loss forward and backward over what existed before it
+    (the hidden states and the weight), the gradients it leaves included (see :func:`loss_events`)."""
     fwd, bwd = loss_events(tokens, vocab, dim, c, chunk, softcap, fp32_matmul, weight_grad, cuda)
     alive, peak = 0, 0
     for _, nbytes, _ in fwd + bwd:

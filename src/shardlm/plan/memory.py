@@ -24,8 +24,8 @@ NF4: every frozen weight matrix, the token embedding and output projection inclu
 all-gathered as such and dequantised one layer at a time, a transient not modelled; norms stay fp32).
 
 Preference tuning (:mod:`shardlm.plan.preference`): the reference's bytes are the ``reference`` part; a frozen
-reference model's no-grad forward is replayed at the start of each micro-batch, LoRA's base (the policy with its
-adapters off) as the policy's own no-grad forward.
+reference model's no-grad forward is replayed at the start of each micro-batch, LoRA's base (the policy with
+its adapters off) as the policy's own no-grad forward.
 """
 
 from __future__ import annotations
@@ -80,8 +80,9 @@ class Settings:
         param_bytes = dtype_from_name("parallel.param_dtype", p.param_dtype).itemsize
         reduce_bytes = dtype_from_name("parallel.reduce_dtype", p.reduce_dtype).itemsize
         if not isinstance(p.reshard_after_forward, bool):
-            raise ConfigError(f"parallel.reshard_after_forward={p.reshard_after_forward}: the planner models true and "
-                              "false, not an N-way reshard; plan with either (N-way lies between them)")
+            raise ConfigError(f"parallel.reshard_after_forward={p.reshard_after_forward}: the planner models "
+                              "true and false, not an N-way reshard; plan with either (N-way lies between "
+                              "them)")
         return cls(p.mode, param_bytes, reduce_bytes, p.reshard_after_forward, p.cpu_offload,
                    p.activation_checkpoint, p.activation_checkpoint_n, p.grad_sync)
 
@@ -92,8 +93,8 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
     Args:
         cfg: the run's configuration (model, micro-batch, sequence length, parallel settings); preference data
             (``data.format = "preference"``) with its batch sizes in rows,
-            :func:`shardlm.plan.preference.preference_rows`: then the reference is in the peak (its ``reference``
-            part) and the log-probs' head projects the completions' tokens only.
+            :func:`shardlm.plan.preference.preference_rows`: then the reference is in the peak (its
+            ``reference`` part) and the log-probs' head projects the completions' tokens only.
         world_size: N, ranks in the shard group (FSDP) or replicas (DDP); must be 1 for ``single``. Under
             ``parallel.cp`` the shard group is all N ranks and N / cp of them are data-parallel; each rank's
             activations are those of its ``T_pad / cp`` tokens (:mod:`shardlm.plan.context_parallel`).
@@ -103,22 +104,24 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
         A :class:`MemoryPlan` (bytes).
 
     Raises:
-        ConfigError: bad world size (or one ``parallel.cp`` does not divide), global batch not divisible, unknown
-            dtype or AC mode; an expert- or tensor-parallel layout the trainer refuses
-            (:func:`shardlm.parallel.ep.check_ep`, :func:`shardlm.parallel.tp.check_tp`); tensor parallel
-            on a world size it does not divide or with selective / every-n checkpointing (not modelled).
+        ConfigError: bad world size (or one ``parallel.cp`` does not divide), global batch not divisible,
+            unknown dtype or AC mode; an expert- or tensor-parallel layout the trainer refuses
+            (:func:`shardlm.parallel.ep.check_ep`, :func:`shardlm.parallel.tp.check_tp`); tensor parallel on a
+            world size it does not divide or with selective / every-n checkpointing (not modelled).
     """
     st = Settings.from_config(cfg)
     tp = cfg.parallel.tp
     check_tp(cfg.model, tp, cfg.train.seq_len, cfg.lora.enabled, cfg.parallel.cp)  # as training
     if tp > 1 and (world_size % tp or st.ac_mode not in act.TP_AC_MODES):
-        raise ConfigError(f"parallel.tp={tp}: the memory planner models tensor parallel on a world size it divides "
-                          f"(got {world_size}) with parallel.activation_checkpoint none or full (got {st.ac_mode!r})")
+        raise ConfigError(f"parallel.tp={tp}: the memory planner models tensor parallel on a world size it "
+                          f"divides (got {world_size}) with parallel.activation_checkpoint none or full (got "
+                          f"{st.ac_mode!r})")
     if world_size < 1:
         raise ConfigError(f"--world-size must be >= 1, got {world_size}")
     if st.mode == "single" and world_size != 1:
         raise ConfigError(f"parallel.mode='single' runs one process, but the world size is {world_size}")
-    cp = cfg.parallel.cp  # context parallel: a sequence over cp ranks, each with t_l = T_pad / cp of its tokens
+    # context parallel: a sequence over cp ranks, each with t_l = T_pad / cp of its tokens
+    cp = cfg.parallel.cp
     if world_size % (cp * tp):
         inner = f"parallel.cp={cp} × parallel.tp={tp} = {cp * tp}" if tp > 1 else f"parallel.cp={cp}"
         raise ConfigError(f"{inner} must divide the world size {world_size}")
@@ -135,7 +138,8 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
     t_pad = padded_length(cfg.train.seq_len, cp)
     s = act.shape_of(cfg.model, cfg.train.micro_batch_size, t_pad // cp, pb)
     windows = {cfg.model.sliding_window if cfg.model.is_local(i) else 0 for i in range(s.n_layers)}
-    # CP's masked path (documents or a window shorter than the sequence), else its causal one (plan/context_parallel.py)
+    # CP's masked path (documents or a window shorter than the sequence), else its causal one
+    # (plan/context_parallel.py)
     cp_dense = has_documents(cfg) or any(0 < w < cfg.train.seq_len for w in windows)
     cp_blockwise, cp_docs = cp_is_blockwise(device), has_documents(cfg)
     s_cp = tp_local_heads(s, tp)  # CP's attention on a TP rank's heads, over the CP share's tokens
@@ -150,7 +154,8 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
     moe_saved = [moe_layer_saved(s, cfg.model, ep) if m else 0 for m in is_moe]
     moe_a2a = [all_to_all_transient(s, cfg.model, ep) if m else 0 for m in is_moe]
     softcap = cfg.model.final_logit_softcap > 0
-    fp32_matmul = pb == 2 and device == "cpu" and use_fp32_matmul(cfg.parallel.cpu_bf16_matmul, torch.device("cpu"),
+    fp32_matmul = pb == 2 and device == "cpu" and use_fp32_matmul(cfg.parallel.cpu_bf16_matmul,
+                                                                  torch.device("cpu"),
                                                                   cfg.parallel.param_dtype)
     head_trains = meta_model(cfg).lm_head.weight.requires_grad
     # block-causal: sdpa's dense mask, forward to backward (under CP its own masks are in cp_forward)
@@ -165,12 +170,14 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
     n_tensors = sum(1 for p in planner_model(cfg).parameters() if p.requires_grad)
     stored = sum(g.stored_shard_bytes for g in groups)
     led.add(state_part or "params", stored, "step start")
-    led.add(state_part or "optimizer", 2 * 4 * train_local + 4 * n_tensors, "step start")  # exp_avg, exp_avg_sq, step
+    # exp_avg, exp_avg_sq, step
+    led.add(state_part or "optimizer", 2 * 4 * train_local + 4 * n_tensors, "step start")
     led.add("buffers", 2 * 4 * cfg.model.max_seq_len * s.hd, "step start")  # rotary cos, sin tables
     if st.mode == "ddp":
         led.add("reduce_scatter", round(4 * p_total * train_frac), "step start")  # DDP's all-reduce buckets
-    # ---- preference tuning's reference (plan/preference.py): a frozen model's shards, and the groups FSDP2 leaves
-    # unsharded after its no-grad forward (the root's, the final norm + output's; every group without resharding) --
+    # ---- preference tuning's reference (plan/preference.py): a frozen model's shards, and the groups FSDP2
+    # leaves unsharded after its no-grad forward (the root's, the final norm + output's; every group without
+    # resharding) --
     ref = reference_memory(cfg)
     ref_groups: list[Group] = []
     ref_stored = 0
@@ -179,17 +186,21 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
         ref_groups = param_groups(ref_cfg, n, pb, tp)[0]
         ref_s = act.shape_of(ref_cfg.model, cfg.train.micro_batch_size, t_pad // cp, pb)
         ref_stored = sum(g.stored_shard_bytes for g in ref_groups)
-        led.add("host" if offload else "reference", ref_stored, "step start")  # built with the policy's offload
-        led.add("reference", 2 * 4 * ref_cfg.model.max_seq_len * ref_s.hd, "step start")  # its own RoPE tables
+        # built with the policy's offload
+        led.add("host" if offload else "reference", ref_stored, "step start")
+        # its own RoPE tables
+        led.add("reference", 2 * 4 * ref_cfg.model.max_seq_len * ref_s.hd, "step start")
         if fsdp:
             led.add("reference", sum(round(g.numel * pb * g.gather_factor) for g in ref_groups
-                                     if g.name in ("root", "head") or not st.reshard_after_forward), "step start")
+                                     if g.name in ("root", "head") or not st.reshard_after_forward),
+                    "step start")
     led.add("reference", ref.table_bytes, "step start")
 
     unsharded: dict[str, bool] = {}
     prefetched: dict[str, int] = {}  # group -> bytes of its all-gather buffer awaiting copy-out
     accumulated: dict[str, bool] = {}
-    sharded_grad: dict[str, bool] = {}  # group -> its fp32 gradient shard exists (after its first reduce-scatter)
+    # group -> its fp32 gradient shard exists (after its first reduce-scatter)
+    sharded_grad: dict[str, bool] = {}
     retained_rs = [0]  # the last reduce-scatter input, kept alive until the next one (FSDP2 keeps 1)
 
     def all_gather(g: Group, phase: str) -> None:
@@ -197,7 +208,9 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
         if offload:
             led.add("all_gather", 4 * g.shard_numel, phase)  # host-to-device copy of the shard
         led.add("all_gather", round(n * g.shard_numel * pb * g.gather_factor), phase)
-        prefetched[g.name] = round(n * g.shard_numel * pb * g.gather_factor) + (4 * g.shard_numel if offload else 0)
+        prefetched[g.name] = round(n * g.shard_numel * pb * g.gather_factor) + (
+            4 * g.shard_numel if offload else 0
+        )
 
     def unshard(g: Group, phase: str) -> None:
         """All-gather (unless prefetched), copy out into unsharded parameters, free the buffer."""
@@ -249,7 +262,8 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
         led.free("reduce_scatter", retained_rs[0])  # the previous group's input is released first
         led.add("reduce_scatter", n * shard_numel * rb, phase)  # flat input, copied in
         led.add("reduce_scatter", shard_numel * rb, phase)  # output
-        if all_to_all:  # gloo's reduce-scatter: the all-to-all's receive buffer, freed once summed into the output
+        if all_to_all:
+            # gloo's reduce-scatter: the all-to-all's receive buffer, freed once summed into the output
             led.add("reduce_scatter", n * shard_numel * rb, phase)
             led.free("reduce_scatter", n * shard_numel * rb)
         led.free("grads", kept)
@@ -280,17 +294,25 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
             phase = f"{mb} reference forward"
             led.add("reference", pb * ref_s.tokens * ref_s.d, phase)  # the hidden states
             for g in ref_groups:
-                held = round(g.numel * pb * g.gather_factor) if fsdp and st.reshard_after_forward and g.name not in (
-                    "root", "head") else 0
+                held = (
+                    round(g.numel * pb * g.gather_factor)
+                    if fsdp and st.reshard_after_forward and g.name not in ("root", "head")
+                    else 0
+                )
                 buffer = round(n * g.shard_numel * pb * g.gather_factor) if held else 0
                 led.add("reference", buffer + held, phase)  # all-gathered, copied out
                 led.free("reference", buffer)
-                work = no_grad_block_bytes(ref_s.tokens, ref_s.d, ref_s.f, pb) if g.name.startswith("block") else 0
+                work = (
+                    no_grad_block_bytes(ref_s.tokens, ref_s.d, ref_s.f, pb)
+                    if g.name.startswith("block")
+                    else 0
+                )
                 led.add("reference", work, phase)
                 led.free("reference", work + held)
             scored = ref.loss_tokens(ref_s.tokens, ref_s.b)
             work = no_grad_head_bytes(scored, ref_s.vocab, ref_s.d, pb, cfg.train.loss_chunk_tokens)
-            led.add("reference", work, f"{mb} reference log-probs")  # the root's, the head's weights kept unsharded
+            # the root's, the head's weights kept unsharded
+            led.add("reference", work, f"{mb} reference log-probs")
             led.free("reference", work + pb * ref_s.tokens * ref_s.d)
         elif ref.policy_forward:  # ---- the policy's own forward with its adapters off, no grad ----
             phase = f"{mb} reference forward (adapters off)"
@@ -302,7 +324,8 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
                 led.free("temporaries", work)
                 if st.reshard_after_forward and g.name not in ("root", "head"):
                     reshard(g)
-            work = no_grad_head_bytes(ref.loss_tokens(s.tokens, s.b), s.vocab, s.d, pb, cfg.train.loss_chunk_tokens)
+            work = no_grad_head_bytes(ref.loss_tokens(s.tokens, s.b), s.vocab, s.d, pb,
+                                      cfg.train.loss_chunk_tokens)
             led.add("temporaries", work, phase)
             led.free("temporaries", work + pb * bd)
         # ---- forward ----
@@ -314,8 +337,12 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
         if fsdp and "embed" in by_name and st.reshard_after_forward:
             reshard(by_name["embed"])
         led.add("activations", embed_saved + mask_bytes + cp_forward, f"{mb} forward")
-        saved = [act.block_saved_tp(s, tp, st.ac_mode) if tp > 1 else act.block_saved(s, st.ac_mode, layer, st.ac_every_n)
-                 for layer in range(s.n_layers)]
+        saved = [
+            act.block_saved_tp(s, tp, st.ac_mode)
+            if tp > 1
+            else act.block_saved(s, st.ac_mode, layer, st.ac_every_n)
+            for layer in range(s.n_layers)
+        ]
         # a fully checkpointed block keeps only its input (CP's attention comes back in its recompute)
         saved = [n if act.fully_checkpointed(st.ac_mode, layer, st.ac_every_n)
                  else n + cp_block + moe_saved[layer] for layer, n in enumerate(saved)]
@@ -334,14 +361,16 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
             local = s.tokens // tp * s.d
             head_acts = 4 * local + 4 * s.tokens // tp + (s.c * local if st.ac_mode != "none" else 0)
         led.add("activations", head_acts, f"{mb} forward output")
-        # ---- loss and its backward (plan/loss.py: plain on whole logits, or chunked; under TP vocabulary-parallel:
-        # the vocabulary's local rows, every token, the hidden states all-gathered) ----
+        # ---- loss and its backward (plan/loss.py: plain on whole logits, or chunked; under TP
+        # vocabulary-parallel: the vocabulary's local rows, every token, the hidden states all-gathered) ----
         chunk = cfg.train.loss_chunk_tokens or (s.tokens if tp > 1 else 0)
         scored = ref.loss_tokens(s.tokens, s.b)  # preference: only the completions' tokens are projected
         fwd_events, bwd_events = loss_events(scored, s.vocab // tp, s.d, pb, chunk, softcap,
                                              fp32_matmul, head_trains, device != "cpu")
-        if ref.kind:  # preference: the scored tokens' hidden states, selected (kept for the output's backward)
-            fwd_events = [("temporaries", pb * scored * s.d, "log-probs: hidden states selected"), *fwd_events]
+        if ref.kind:
+            # preference: the scored tokens' hidden states, selected (kept for the output's backward)
+            fwd_events = [("temporaries", pb * scored * s.d, "log-probs: hidden states selected"),
+                          *fwd_events]
             bwd_events = [*bwd_events, ("temporaries", -pb * scored * s.d, "output backward")]
         if tp > 1:
             fwd_events = [("temporaries", pb * bd, "loss: hidden states all-gathered"), *fwd_events,
@@ -355,7 +384,8 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
         if not any(part == "grads" for part, _, _ in bwd_events):
             bwd_events.append(("grads", 0, "output backward"))  # the final norm's, whatever the output's
         for part, nbytes, what in bwd_events:
-            if part != "grads" and nbytes > 0:  # temporaries, the hidden state's gradient (freed after the blocks)
+            if part != "grads" and nbytes > 0:
+                # temporaries, the hidden state's gradient (freed after the blocks)
                 led.add("temporaries", nbytes, f"{mb} {what}")
             elif part != "grads":
                 led.free("temporaries", -nbytes)
@@ -382,7 +412,7 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
             whole += moe_saved[layer]
             recompute = whole - saved[layer] if saved[layer] < whole else 0
             led.add("activations", recompute, phase)
-            transient = (act.block_backward_transient_tp(s, tp) if tp > 1 else act.block_backward_transient(s))
+            transient = act.block_backward_transient_tp(s, tp) if tp > 1 else act.block_backward_transient(s)
             transient += cp_transient
             led.add("temporaries", transient, phase)
             led.free("temporaries", transient)

@@ -6,8 +6,9 @@ Shapes come from the model built on the meta device (no memory, no compute) with
 frozen parameters applied. Each parameter's shard is ``ceil(rows / N)`` rows (dim-0 padding, as FSDP2's
 ``Shard(0)``); under tensor parallel a group holds this rank's tensor-parallel pieces (``parallel/tp.py``'s
 plan), under expert parallel only its ep rank's experts are all-gathered (``parallel/ep.py``). A LoRA base is
-stored in ``lora.base_dtype`` (fp32 or bf16: the targeted layers' weights; NF4: every frozen weight matrix, the token
-embedding and output projection included, at ~0.52 bytes per value, all-gathered as such; norms stay fp32).
+stored in ``lora.base_dtype`` (fp32 or bf16: the targeted layers' weights; NF4: every frozen weight matrix,
+the token embedding and output projection included, at ~0.52 bytes per value, all-gathered as such; norms
+stay fp32).
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ class Group:
 
 
 def meta_model(cfg: Config) -> CausalLM:
-    """The model on the meta device with the run's LoRA adapters or frozen parameters applied (as build_model)."""
+    """The model on the meta device with the run's LoRA adapters or frozen parameters applied
+    (as build_model)."""
     with torch.device("meta"):
         model = CausalLM(cfg.model)
     lora = cfg.lora
@@ -56,8 +58,8 @@ _META_CACHE: dict[str, CausalLM] = {}
 
 
 def planner_model(cfg: Config) -> CausalLM:
-    """:func:`meta_model`, built once per shape (model, LoRA and freezing settings) and shared by the planner's own
-    read-only uses: ``shardlm plan``'s search plans one shape under many parallel settings."""
+    """:func:`meta_model`, built once per shape (model, LoRA and freezing settings) and shared by the
+    planner's own read-only uses: ``shardlm plan``'s search plans one shape under many parallel settings."""
     key = repr((cfg.model, cfg.lora, cfg.train.trainable, cfg.train.frozen))
     if key not in _META_CACHE:
         if len(_META_CACHE) >= 4:
@@ -80,9 +82,9 @@ def block_group_name(layer: int, blocks_per_group: int, n_layers: int) -> str:
 
 
 def tp_local_shape(name: str, shape: torch.Size, tp: int) -> tuple[int, int]:
-    """(rows, elements) of this rank's tensor-parallel piece of parameter ``name`` (``parallel/tp.py``'s plan): norm
-    weights are replicated; o_proj and down_proj are split by input columns (rows kept); every other weight and
-    bias (q/k/v, gate/up, the embedding and output projection) by rows."""
+    """(rows, elements) of this rank's tensor-parallel piece of parameter ``name`` (``parallel/tp.py``'s
+    plan): norm weights are replicated; o_proj and down_proj are split by input columns (rows kept); every
+    other weight and bias (q/k/v, gate/up, the embedding and output projection) by rows."""
     numel = math.prod(shape)
     if tp == 1 or name.endswith("norm.weight"):
         return shape[0], numel
@@ -91,19 +93,22 @@ def tp_local_shape(name: str, shape: torch.Size, tp: int) -> tuple[int, int]:
     return shape[0] // tp, numel // tp
 
 
-def param_groups(cfg: Config, world_size: int, param_bytes: int = 4, tp: int = 1) -> tuple[list[Group], int, int]:
+def param_groups(
+    cfg: Config, world_size: int, param_bytes: int = 4, tp: int = 1
+) -> tuple[list[Group], int, int]:
     """FSDP groups in forward order as ``apply_fsdp`` builds them, and (P, padded local numel).
 
     Shapes come from the model built on the meta device (no memory, no compute); frozen parameters and a LoRA
-    base's storage dtype are taken from :func:`meta_model`. With tensor parallel (``tp`` > 1) a group's sizes are
-    this rank's tensor-parallel pieces (:func:`tp_local_shape`), which FSDP shards over ``world_size`` ranks; P
-    stays the whole model's count.
+    base's storage dtype are taken from :func:`meta_model`. With tensor parallel (``tp`` > 1) a group's sizes
+    are this rank's tensor-parallel pieces (:func:`tp_local_shape`), which FSDP shards over ``world_size``
+    ranks; P stays the whole model's count.
     """
     model = planner_model(cfg)
     nf4 = cfg.lora.enabled and cfg.lora.base_dtype == "nf4"
     base_bytes = {"float32": 4, "bfloat16": 2, "nf4": 2}[cfg.lora.base_dtype]
     lora_bases = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, LoRALinear)}
-    if nf4:  # QLoRA: every frozen matrix, the token embedding (and a tied output) included (quantize_base_meta_)
+    if nf4:
+        # QLoRA: every frozen matrix, the token embedding (and a tied output) included (quantize_base_meta_)
         lora_bases = {n for n, p in model.named_parameters() if not p.requires_grad and p.ndim == 2}
     groups: dict[str, Group] = {}
     gathered: dict[str, float] = defaultdict(float)
@@ -139,6 +144,9 @@ def param_groups(cfg: Config, world_size: int, param_bytes: int = 4, tp: int = 1
     for key, g in groups.items():
         g.gather_factor = gathered[key] / (g.numel * param_bytes)
     n_layers, per_group = cfg.model.n_layers, cfg.parallel.blocks_per_group
-    order = (["root", "embed"] + [block_group_name(i, per_group, n_layers) for i in range(0, n_layers, per_group)]
-             + ["head"])
+    order = (
+        ["root", "embed"]
+        + [block_group_name(i, per_group, n_layers) for i in range(0, n_layers, per_group)]
+        + ["head"]
+    )
     return [groups[k] for k in order if k in groups], total, local

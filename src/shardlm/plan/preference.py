@@ -1,20 +1,22 @@
-"""What preference tuning (``data.format = "preference"``) adds to a step's memory: both rows of a pair, and the
-reference (:mod:`shardlm.train.preference_step`).
+"""What preference tuning (``data.format = "preference"``) adds to a step's memory: both rows of a pair, and
+the reference (:mod:`shardlm.train.preference_step`).
 
 * **Rows**: a micro-batch of P pairs runs 2P sequences (chosen and rejected) through one forward:
   :func:`preference_rows` is the config the planner plans, its batch sizes counted in rows.
-* **A frozen reference model** (``reference = "model"``, not precomputed): built as the policy is (same mesh and
-  FSDP groups, no LoRA or freezing, no activation checkpointing), so per rank it stores the fp32 shards of every
-  parameter and has no gradient or AdamW state. Its forward runs under ``torch.no_grad`` on the micro-batch's rows
-  before the policy's: each group is all-gathered, used and resharded after forward (per
-  ``parallel.reshard_after_forward``), and nothing is saved for backward. FSDP2 never reshards the final-norm +
-  output group (``reshard_after_forward=False``) nor the root group (the root does not reshard after forward), and
-  without a backward nothing reshards them later: after its first forward the reference keeps those two groups
-  unsharded for the rest of the run (``torch.distributed.fsdp._fully_shard``, torch 2.13; measured).
-* **The base with LoRA's adapters off** (``lora_base``): the policy's own forward under ``torch.no_grad``: only
-  that forward's transients, at a moment when the policy holds no activations (the step's peak is elsewhere).
-* **Precomputed** (``precompute_reference``): the (pairs, 2) fp64 table of every training pair on each rank; the
-  reference model is freed before step 1.
+* **A frozen reference model** (``reference = "model"``, not precomputed): built as the policy is (same mesh
+  and FSDP groups, no LoRA or freezing, no activation checkpointing), so per rank it stores the fp32 shards of
+  every parameter and has no gradient or AdamW state. Its forward runs under ``torch.no_grad`` on the
+  micro-batch's rows before the policy's: each group is all-gathered, used and resharded after forward (per
+  ``parallel.reshard_after_forward``), and nothing is saved for backward. FSDP2 never reshards the final-norm
+  + output group (``reshard_after_forward=False``) nor the root group (the root does not reshard after
+  forward), and without a backward nothing reshards them later: after its first forward the reference keeps
+  those two groups unsharded for the rest of the run (``torch.distributed.fsdp._fully_shard``, torch
+  2.13; measured).
+* **The base with LoRA's adapters off** (``lora_base``): the policy's own forward under ``torch.no_grad``:
+  only that forward's transients, at a moment when the policy holds no activations (the step's peak
+  is elsewhere).
+* **Precomputed** (``precompute_reference``): the (pairs, 2) fp64 table of every training pair on each rank;
+  the reference model is freed before step 1.
 """
 
 from __future__ import annotations
@@ -52,17 +54,18 @@ class ReferenceMemory:
     live_model: bool
     """A frozen reference model runs a forward in every micro-batch (kind ``model``, not precomputed)."""
     table_bytes: int
-    """The precomputed table: 16 bytes per training pair (0 when not precomputed or the data is not prepared)."""
+    """The precomputed table: 16 bytes per training pair (0 when not precomputed or the data is
+    not prepared)."""
     policy_forward: bool
     """The policy runs a no-grad forward with its adapters off in every micro-batch (``lora_base``, not
     precomputed)."""
     scored_per_row: float = 0.0
-    """Mean scored (completion) tokens per row of the prepared training pairs (chosen and rejected alike); 0 when
-    not preference data or not prepared (then every token counts: an upper bound)."""
+    """Mean scored (completion) tokens per row of the prepared training pairs (chosen and rejected alike); 0
+    when not preference data or not prepared (then every token counts: an upper bound)."""
 
     def loss_tokens(self, tokens: int, rows: int) -> int:
-        """Tokens the log-probs' head projects in a micro-batch of ``rows`` rows and ``tokens`` tokens: only the
-        scored ones (:func:`shardlm.train.preference.head_logps`), their mean count when known."""
+        """Tokens the log-probs' head projects in a micro-batch of ``rows`` rows and ``tokens`` tokens: only
+        the scored ones (:func:`shardlm.train.preference.head_logps`), their mean count when known."""
         return min(tokens, math.ceil(self.scored_per_row * rows)) if self.scored_per_row else tokens
 
 
@@ -83,8 +86,8 @@ def reference_memory(cfg: Config) -> ReferenceMemory:
 @functools.lru_cache(maxsize=8)
 def _train_pairs(out: str, seq_len: int, version: int) -> tuple[int, float]:
     """(pairs, mean scored tokens per row) of a prepared preference directory's train split, read once per
-    ``version`` (``meta.json``'s mtime: data prepared again is read again; ``shardlm plan``'s search asks often);
-    (0, 0.0) for other prepared data."""
+    ``version`` (``meta.json``'s mtime: data prepared again is read again; ``shardlm plan``'s search asks
+    often); (0, 0.0) for other prepared data."""
     if load_meta(out).get("format") != PREFERENCE:
         return 0, 0.0
     train = PreferencePairs(out, "train", seq_len)
@@ -93,14 +96,15 @@ def _train_pairs(out: str, seq_len: int, version: int) -> tuple[int, float]:
 
 def no_grad_block_bytes(tokens: int, dim: int, ffn: int, c: int) -> int:
     """The high point of one decoder block's forward under ``torch.no_grad`` (bytes, compute dtype of ``c``
-    bytes): the block's input and its normed copy (2·N·D), the MLP's gate, up and activated gate (3·N·F); nothing
-    is saved, each intermediate is freed once used."""
+    bytes): the block's input and its normed copy (2·N·D), the MLP's gate, up and activated gate (3·N·F);
+    nothing is saved, each intermediate is freed once used."""
     return c * (2 * tokens * dim + 3 * tokens * ffn)
 
 
 def no_grad_head_bytes(scored: int, vocab: int, dim: int, c: int, chunk: int) -> int:
-    """The high point of the log-probs' head under ``torch.no_grad`` (:func:`shardlm.train.preference.head_logps`)
-    on ``scored`` tokens, ``chunk`` at a time (0: all): the selected hidden states (c·n·D), a chunk's logits
-    (c·k·V), their fp32 copy when c < 4, and logsumexp's fp32 temporary (4·k·V)."""
+    """The high point of the log-probs' head under ``torch.no_grad``
+    (:func:`shardlm.train.preference.head_logps`) on ``scored`` tokens, ``chunk`` at a time (0: all): the
+    selected hidden states (c·n·D), a chunk's logits (c·k·V), their fp32 copy when c < 4, and logsumexp's fp32
+    temporary (4·k·V)."""
     k = min(chunk, scored) if chunk else scored
     return c * scored * dim + c * k * vocab + (4 * k * vocab if c < 4 else 0) + 4 * k * vocab

@@ -1,4 +1,5 @@
-"""The report ``shardlm plan`` prints: memory breakdown, fit, what fits when it does not (:mod:`.search`), step time."""
+"""The report ``shardlm plan`` prints: memory breakdown, fit, what fits when it does not (:mod:`.search`),
+step time."""
 
 from __future__ import annotations
 
@@ -72,8 +73,9 @@ def grad_sync_choices(cfg: Config, world_size: int, device_name: str, budget: fl
 
 
 def document_lines(cfg: Config, world_size: int, device_name: str, step_flops: float) -> list[str]:
-    """The report's lines on packing and block-causal attention (:mod:`shardlm.plan.documents`): the tokens of a
-    step that are not padding, its trained tokens, the attention context the FLOPs count, the mask's memory."""
+    """The report's lines on packing and block-causal attention (:mod:`shardlm.plan.documents`): the tokens of
+    a step that are not padding, its trained tokens, the attention context the FLOPs count, the
+    mask's memory."""
     if not (cfg.data.format == "instruct" or has_documents(cfg)):
         return []
     shape = document_shape(cfg)
@@ -89,9 +91,9 @@ def document_lines(cfg: Config, world_size: int, device_name: str, step_flops: f
         ratio = step_flops / plan_time(causal, world_size, get_device(device_name), 0).flops
         pb = Settings.from_config(cfg).param_bytes if cfg.parallel.mode == "fsdp" else 4  # as plan_memory
         mask = document_mask_bytes(cfg, pb, device_name)
-        lines.append(f"  block-causal attention: context {shape.context:,.1f} of {t.seq_len} tokens per sequence "
-                     f"(Σ n² / T), step FLOPs {ratio:.3f}x causal's; dense mask {format_bytes(mask)} per "
-                     "micro-batch (in activations)")
+        lines.append(f"  block-causal attention: context {shape.context:,.1f} of {t.seq_len} tokens per "
+                     f"sequence (Σ n² / T), step FLOPs {ratio:.3f}x causal's; dense mask "
+                     f"{format_bytes(mask)} per micro-batch (in activations)")
     return lines
 
 
@@ -105,7 +107,11 @@ def format_plan(cfg: Config, world_size: int, device_name: str, headroom: float)
     active = plan.params - inactive_expert_params(meta_model(cfg))  # a mixture of experts: k of E per token
     lines = [
         f"plan | {cfg.run.name}: {plan.params:,} parameters"
-        + (f" ({active:,} active per token, expert parallel {getattr(st, 'ep', 1)})" if active != plan.params else "")
+        + (
+            f" ({active:,} active per token, expert parallel {getattr(st, 'ep', 1)})"
+            if active != plan.params
+            else ""
+        )
         + f", {st.mode} at world size {world_size} on "
         f"{device.name} ({device.memory_bytes / GIB:.1f} GiB)",
         f"  micro-batch {cfg.train.micro_batch_size} x {cfg.train.seq_len} tokens, {plan.micro_batches} "
@@ -113,19 +119,34 @@ def format_plan(cfg: Config, world_size: int, device_name: str, headroom: float)
         f"{getattr(st, 'reduce_dtype', None) or 'param_dtype'}; activation checkpointing "
         f"{getattr(st, 'activation_checkpoint', None) or 'none'}; CPU offload "
         f"{'on' if getattr(st, 'cpu_offload', False) else 'off'}"
-        + (f"; reshard_after_forward {str(st.reshard_after_forward).lower()}, {st.blocks_per_group} block(s) per "
-           "FSDP group" if st.mode == "fsdp" else "")
-        + (f"; context parallel {st.cp}: each sequence split over {st.cp} ranks, "
-           f"{padded_length(cfg.train.seq_len, st.cp) // st.cp:,} tokens per rank" if st.cp > 1 else "")
-        + (f" ({padded_length(cfg.train.seq_len, st.cp) // (st.cp * st.tp):,} between the blocks: sequence "
-           f"parallel over tp {st.tp})" if st.cp > 1 and st.tp > 1 else ""),
+        + (
+            f"; reshard_after_forward {str(st.reshard_after_forward).lower()}, {st.blocks_per_group} "
+            "block(s) per FSDP group"
+            if st.mode == "fsdp"
+            else ""
+        )
+        + (
+            f"; context parallel {st.cp}: each sequence split over {st.cp} ranks, "
+            f"{padded_length(cfg.train.seq_len, st.cp) // st.cp:,} tokens per rank"
+            if st.cp > 1
+            else ""
+        )
+        + (
+            f" ({padded_length(cfg.train.seq_len, st.cp) // (st.cp * st.tp):,} between the blocks: sequence "
+            f"parallel over tp {st.tp})"
+            if st.cp > 1 and st.tp > 1
+            else ""
+        ),
         f"  per-rank peak memory (at {plan.phase}):",
     ]
     if st.mode == "fsdp" and st.tp > 1:  # the mesh, outermost first (parallel/dist.py's mesh_dims)
         dims = mesh_dims(st, world_size, world_size)
-        lines.insert(2, "  layout     mesh " + " x ".join(f"{name} {size}" for name, size in dims) + f": tensor "
-                     f"parallel {st.tp} (q/k/v, gate/up by columns, o/down by rows, vocabulary-parallel embedding, "
-                     "output and loss, sequence-parallel norms), FSDP over the data-parallel dimensions")
+        lines.insert(
+            2,
+            "  layout     mesh " + " x ".join(f"{name} {size}" for name, size in dims) + f": tensor "
+            f"parallel {st.tp} (q/k/v, gate/up by columns, o/down by rows, vocabulary-parallel embedding, "
+            "output and loss, sequence-parallel norms), FSDP over the data-parallel dimensions",
+        )
     for part in PARTS:
         label = loss_label(cfg.train.loss_chunk_tokens) if part == "temporaries" else LABELS[part]
         lines.append(f"    {label:<48} {plan.breakdown.get(part, 0) / GIB:9.3f} GiB")
@@ -141,11 +162,11 @@ def format_plan(cfg: Config, world_size: int, device_name: str, headroom: float)
         lines.extend(grad_sync_choices(cfg, world_size, device_name, budget))
     lines += document_lines(cfg, world_size, device_name, times.flops)
     lines += [
-        f"  step time: compute {times.compute_s:.3f} s ({times.flops:.3e} FLOPs at the {times.precision} peak, "
-        f"{times.peak_flops / 1e12:.0f} TFLOP/s), communication "
+        f"  step time: compute {times.compute_s:.3f} s ({times.flops:.3e} FLOPs at the {times.precision} "
+        f"peak, {times.peak_flops / 1e12:.0f} TFLOP/s), communication "
         f"{times.comm_s:.3f} s ({times.comm_bytes / GIB:.2f} GiB per rank)",
-        f"             {times.overlapped_s:.3f} s fully overlapped, {times.serial_s:.3f} s serial (lower bounds: "
-        "100% MFU)",
+        f"             {times.overlapped_s:.3f} s fully overlapped, {times.serial_s:.3f} s serial (lower "
+        "bounds: 100% MFU)",
     ]
     return "\n".join(lines)
 

@@ -1,14 +1,14 @@
 """What fits when a config does not: ``shardlm plan``'s search over combinations of memory-saving settings.
 
 The search varies, together: activation checkpointing (``none``, ``selective``, ``full``; under tensor
-parallel ``none`` and ``full``, the modes the planner models there), the micro-batch size
-(every divisor of the config's, the global batch kept: more gradient accumulation), ``reshard_after_forward``,
-CPU offload, bf16 parameters (with fp32 reduction), gradient sync on every micro-batch, FSDP instead of DDP or one
-process, and the world size (the config's times 1, 2, 4, ... 64, as far as the global batch divides and an HSDP
-mesh with both ``dp_replicate`` and ``dp_shard`` set allows). Each
-combination's peak comes from :func:`shardlm.plan.memory.plan_memory`, its step time from
-:func:`shardlm.plan.time.plan_time` (FLOPs at the dense peak, communication at the bus bandwidth, overlapped: a
-lower bound) plus, with CPU offload, an estimate of the host work that does not overlap (:func:`offload_seconds`).
+parallel ``none`` and ``full``, the modes the planner models there), the micro-batch size (every divisor of
+the config's, the global batch kept: more gradient accumulation), ``reshard_after_forward``, CPU offload, bf16
+parameters (with fp32 reduction), gradient sync on every micro-batch, FSDP instead of DDP or one process, and
+the world size (the config's times 1, 2, 4, ... 64, as far as the global batch divides and an HSDP mesh with
+both ``dp_replicate`` and ``dp_shard`` set allows). Each combination's peak comes from
+:func:`shardlm.plan.memory.plan_memory`, its step time from :func:`shardlm.plan.time.plan_time` (FLOPs at the
+dense peak, communication at the bus bandwidth, overlapped: a lower bound) plus, with CPU offload, an estimate
+of the host work that does not overlap (:func:`offload_seconds`).
 
 Of the combinations that fit, it keeps for each world size the fastest (and, at the smallest world size where
 anything fits, the few fastest, none of them another one's changes plus more; ties go to fewer changes), and
@@ -44,7 +44,8 @@ and moments written (12)."""
 WORLD_FACTORS = (1, 2, 4, 8, 16, 32, 64)
 """World sizes tried, as multiples of the config's."""
 MIN_GAIN = 0.1
-"""A larger world size is listed only when its step is at least this fraction faster than every smaller one's."""
+"""A larger world size is listed only when its step is at least this fraction faster than every
+smaller one's."""
 
 AC_ORDER = {"none": 0, "selective": 1, "every_n": 1, "full": 2}
 """How much each activation-checkpointing mode saves, for the pruning order (``every_n`` and ``selective``
@@ -75,9 +76,15 @@ class Choice:
     def saves_at_least(self, other: Choice) -> bool:
         """Whether this combination saves at least as much memory as ``other`` in every varied setting (same
         world size, mode and dtype; the order of the module docstring)."""
-        if (self.world_size, self.mode, self.param_dtype) != (other.world_size, other.mode, other.param_dtype):
+        if (self.world_size, self.mode, self.param_dtype) != (
+            other.world_size,
+            other.mode,
+            other.param_dtype,
+        ):
             return False
-        if self.ac != other.ac and (AC_ORDER[self.ac] <= AC_ORDER[other.ac] or "every_n" in (self.ac, other.ac)):
+        if self.ac != other.ac and (
+            AC_ORDER[self.ac] <= AC_ORDER[other.ac] or "every_n" in (self.ac, other.ac)
+        ):
             return False
         return (self.micro_batch <= other.micro_batch and self.reshard >= other.reshard
                 and self.offload >= other.offload
@@ -120,7 +127,8 @@ def variant(cfg: Config, c: Choice) -> Config:
 
 def flags(cfg: Config, c: Choice) -> list[str]:
     """The command-line flags that turn ``cfg`` at its world size into ``c``: ``--world-size N`` and the
-    ``--section.key=value`` overrides that differ (appended to the original command, they replace its values)."""
+    ``--section.key=value`` overrides that differ (appended to the original command, they replace
+    its values)."""
     p = cfg.parallel
     out = [f"--world-size {c.world_size}"]
     if c.mode != p.mode:
@@ -157,11 +165,14 @@ def offload_seconds(cfg: Config, world_size: int) -> float:
     trainable = sum(g.grad_shard_numel for g in groups)
     gathers = k * (2 if cfg.parallel.reshard_after_forward else 1)
     syncs = k if cfg.parallel.grad_sync != "last_micro_batch" else 1
-    return (gathers * stored + syncs * 4 * trainable) / HOST_LINK_BW + ADAMW_HOST_BYTES * trainable / HOST_MEMORY_BW
+    return (
+        gathers * stored + syncs * 4 * trainable
+    ) / HOST_LINK_BW + ADAMW_HOST_BYTES * trainable / HOST_MEMORY_BW
 
 
 def step_seconds(cfg: Config, world_size: int, device: Device, params: int) -> float:
-    """Predicted step time (s): compute and communication overlapped (lower bounds) plus :func:`offload_seconds`."""
+    """Predicted step time (s): compute and communication overlapped (lower bounds) plus
+    :func:`offload_seconds`."""
     return plan_time(cfg, world_size, device, params).overlapped_s + offload_seconds(cfg, world_size)
 
 
@@ -181,26 +192,37 @@ def cost_line(cfg: Config, world_size: int, c: Choice, var: Config, step_s: floa
             parts.append(f"no recompute ({-extra:.0%} less compute)")
     if c.micro_batch != cfg.train.micro_batch_size:
         k = gradient_accumulation_steps(var, c.world_size // (var.parallel.cp * var.parallel.tp))
-        parts.append(f"micro-batch {c.micro_batch}" + (f" x {k} accumulation steps (same global batch; smaller "
-                     "matmuls run further below peak; one all-gather round per micro-batch)" if k > 1 else
-                     " (smaller matmuls run further below peak)"))
+        parts.append(
+            f"micro-batch {c.micro_batch}"
+            + (
+                f" x {k} accumulation steps (same global batch; "
+                "smaller matmuls run further below peak; one all-gather round per micro-batch)"
+                if k > 1
+                else " (smaller matmuls run further below peak)"
+            )
+        )
     if c.mode == "fsdp" and c.reshard != p.reshard_after_forward:
-        parts.append("blocks all-gathered again for backward (+1 all-gather per micro-batch)" if c.reshard else
-                     "blocks kept unsharded between forward and backward (one all-gather fewer per micro-batch)")
+        parts.append(
+            "blocks all-gathered again for backward (+1 all-gather per micro-batch)"
+            if c.reshard
+            else "blocks kept unsharded between forward and backward (one all-gather fewer per micro-batch)"
+        )
     if c.offload and not p.cpu_offload:
-        parts.append(f"CPU offload ~{offload_seconds(var, c.world_size):.1f} s/step of host copies and host AdamW "
-                     f"(at {HOST_LINK_BW / 1e9:.0f} GB/s PCIe, {HOST_MEMORY_BW / 1e9:.0f} GB/s host memory per GPU)")
+        parts.append(f"CPU offload ~{offload_seconds(var, c.world_size):.1f} s/step of host copies and host "
+                     f"AdamW (at {HOST_LINK_BW / 1e9:.0f} GB/s PCIe, {HOST_MEMORY_BW / 1e9:.0f} GB/s host "
+                     "memory per GPU)")
     if c.param_dtype != p.param_dtype:
         now = plan_time(cfg, world_size, device, 0)
-        parts.append(f"bf16 compute ({device.peak_flops('bf16') / now.peak_flops:.0f}x the {now.precision} peak), "
-                     "weights rounded to bf16 in the matmuls")
+        parts.append(f"bf16 compute ({device.peak_flops('bf16') / now.peak_flops:.0f}x the {now.precision} "
+                     "peak), weights rounded to bf16 in the matmuls")
     if c.grad_sync != p.grad_sync:
         parts.append("a reduce-scatter on every micro-batch")
     if c.mode != p.mode:
         parts.append("FSDP shards parameters, gradients and AdamW state")
     if c.world_size != world_size:
         parts.append(f"{c.world_size / world_size:g}x the GPUs")
-    head = f"step >= {step_s:.3g} s ({step_s / base_s:.2f}x the config's {base_s:.3g} s) on {c.world_size} GPUs"
+    head = (f"step >= {step_s:.3g} s ({step_s / base_s:.2f}x the config's {base_s:.3g} s) on {c.world_size} "
+            "GPUs")
     return head + (": " + "; ".join(parts) if parts else "")
 
 
@@ -208,7 +230,9 @@ def choices(cfg: Config, world_size: int, device: str) -> list[Choice]:
     """Every combination the search considers (module docstring), the config's world size first."""
     p = cfg.parallel
     modes = [p.mode] + (["fsdp"] if p.mode != "fsdp" else [])
-    acs = ["none", "selective", "full"] + ([p.activation_checkpoint] if p.activation_checkpoint == "every_n" else [])
+    acs = ["none", "selective", "full"] + (
+        [p.activation_checkpoint] if p.activation_checkpoint == "every_n" else []
+    )
     if p.tp > 1:  # the modes the planner models under tensor parallel
         acs = [a for a in acs if a in TP_AC_MODES]
     mbs = [b for b in range(cfg.train.micro_batch_size, 0, -1) if cfg.train.micro_batch_size % b == 0]
@@ -270,8 +294,13 @@ def search(cfg: Config, world_size: int, device_name: str, budget: float, first_
     fits: list[Fit] = []
     for n in sorted(timed):
         failed: list[Choice] = []
-        for _t, c, var in timed[n]:  # the most saving of each dtype and mode first: when it fails, all of them do
-            if all(c.saves_at_least(o) for _, o, _ in timed[n] if (o.mode, o.param_dtype) == (c.mode, c.param_dtype)):
+        for _t, c, var in timed[n]:
+            # the most saving of each dtype and mode first: when it fails, all of them do
+            if all(
+                c.saves_at_least(o)
+                for _, o, _ in timed[n]
+                if (o.mode, o.param_dtype) == (c.mode, c.param_dtype)
+            ):
                 peak = peak_of(c, var)
                 if peak is None or peak > budget:
                     failed.append(c)
@@ -282,7 +311,9 @@ def search(cfg: Config, world_size: int, device_name: str, budget: float, first_
                 break  # not clearly faster than with fewer GPUs
             mine = flags(cfg, c)
             if any(f.saves_at_least(c) for f in failed) or any(
-                    set(f.flags) <= set(mine) or (t <= 1.01 * f.step_s and len(f.flags) <= len(mine)) for f in found):
+                set(f.flags) <= set(mine) or (t <= 1.01 * f.step_s and len(f.flags) <= len(mine))
+                for f in found
+            ):
                 continue  # cannot fit, or no better than a fit already found
             peak = peak_of(c, var)
             if peak is None or peak > budget:

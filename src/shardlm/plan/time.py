@@ -60,7 +60,8 @@ def flops_per_token(cfg: Config, recompute: str = "none") -> float:
     samples (:func:`shardlm.plan.documents.attention_context`), ``train.seq_len`` otherwise."""
     m, t = cfg.model, cfg.train.seq_len
     context = attention_context(cfg)
-    total = model_flops(m, t, t * context) / t  # per token: the trainer's formula at the mean Σ n² per sequence
+    # per token: the trainer's formula at the mean Σ n² per sequence
+    total = model_flops(m, t, t * context) / t
     if recompute == "full":
         q = m.head_dim
         kv = m.kv_heads * q
@@ -77,15 +78,17 @@ def hsdp_all_reduce_bytes(replicas: int, shard_group: int, params: int, reduce_b
     return 2 * (replicas - 1) / replicas * params / shard_group * reduce_bytes
 
 
-def tp_comm_bytes(tp: int, n_layers: int, tokens: int, dim: int, compute_bytes: int, recompute: bool = False) -> float:
+def tp_comm_bytes(
+    tp: int, n_layers: int, tokens: int, dim: int, compute_bytes: int, recompute: bool = False
+) -> float:
     """Bytes one rank sends per step in tensor parallel's activation collectives (``parallel/tp.py``).
 
-    Per block forward two all-gathers (into attention and the MLP) and two reduce-scatters (out of o and down) of
-    the (tokens, dim) activations, plus the embedding's reduce-scatter and the loss's all-gather of the hidden
-    states; backward runs the dual of each (full checkpointing, ``recompute``, repeats the blocks' forward ones).
-    A ring moves (T−1)/T of the buffer per rank: (T−1)/T · tokens·d·c · (4·L·(2 + recompute) + 4). ``tokens``:
-    per data-parallel rank per step (all micro-batches). The loss's per-chunk all-reduces (a few floats a token)
-    are left out.
+    Per block forward two all-gathers (into attention and the MLP) and two reduce-scatters (out of o and down)
+    of the (tokens, dim) activations, plus the embedding's reduce-scatter and the loss's all-gather of the
+    hidden states; backward runs the dual of each (full checkpointing, ``recompute``, repeats the blocks'
+    forward ones). A ring moves (T−1)/T of the buffer per rank: (T−1)/T · tokens·d·c · (4·L·(2 + recompute) +
+    4). ``tokens``: per data-parallel rank per step (all micro-batches). The loss's per-chunk all-reduces (a
+    few floats a token) are left out.
     """
     if tp == 1:
         return 0.0
@@ -129,7 +132,8 @@ def plan_time(cfg: Config, world_size: int, device: Device, params: int) -> Time
     (:func:`shardlm.parallel.dist.compute_precision`).
     """
     st = Settings.from_config(cfg)
-    cp = cfg.parallel.cp  # context parallel: each rank computes 1/cp of a sequence's tokens (K/V traffic not counted)
+    # context parallel: each rank computes 1/cp of a sequence's tokens (K/V traffic not counted)
+    cp = cfg.parallel.cp
     tp = cfg.parallel.tp  # tensor parallel: each rank computes 1/T of its data-parallel rank's tokens' FLOPs
     k = gradient_accumulation_steps(cfg, world_size // (cp * tp))
     tokens = k * cfg.train.micro_batch_size * cfg.train.seq_len
@@ -141,14 +145,18 @@ def plan_time(cfg: Config, world_size: int, device: Device, params: int) -> Time
         replicas, shard = dp_mesh_shape(cfg.parallel, world_size, world_size)
         shard *= cp  # FSDP shards over dp_shard x cp
         local = params / tp  # FSDP shards each rank's tensor-parallel piece
-        comm = fsdp_comm_bytes(shard, local, k, st.reshard_after_forward, every, st.param_bytes, st.reduce_bytes)
+        comm = fsdp_comm_bytes(shard, local, k, st.reshard_after_forward, every, st.param_bytes,
+                               st.reduce_bytes)
         comm += hsdp_all_reduce_bytes(replicas, shard, local, st.reduce_bytes)
-        tp_bytes = tp_comm_bytes(tp, cfg.model.n_layers, tokens, cfg.model.dim, st.param_bytes, st.ac_mode == "full")
+        tp_bytes = tp_comm_bytes(tp, cfg.model.n_layers, tokens, cfg.model.dim, st.param_bytes,
+                                 st.ac_mode == "full")
         if tp_bytes:  # on the tensor-parallel group's own (intra-node) links
             return TimePlan(flops, comm + tp_bytes, flops / peak,
-                            comm / device.bandwidth(world_size) + tp_bytes / device.bandwidth(tp), precision, peak)
+                            comm / device.bandwidth(world_size) + tp_bytes / device.bandwidth(tp), precision,
+                            peak)
     elif st.mode == "ddp":
         comm = ddp_comm_bytes(world_size, params, k if every else 1)
     else:
         comm = 0.0
-    return TimePlan(flops, comm, flops / peak, comm / device.bandwidth(world_size) if comm else 0.0, precision, peak)
+    return TimePlan(flops, comm, flops / peak, comm / device.bandwidth(world_size) if comm else 0.0,
+                    precision, peak)

@@ -1,4 +1,5 @@
-"""``shardlm tune``: choose the FSDP settings of a config from the planner's memory prediction and measured steps.
+"""``shardlm tune``: choose the FSDP settings of a config from the planner's memory prediction and
+measured steps.
 
 The settings tuned (all fields of :class:`shardlm.config.Config`; everything else stays as the config has it):
 
@@ -6,7 +7,8 @@ The settings tuned (all fields of :class:`shardlm.config.Config`; everything els
 dimension               values
 ======================  ==========================================================================
 reshard                 ``parallel.reshard_after_forward``: true, false
-prefetch                ``parallel.forward_prefetch`` = ``backward_prefetch`` = 0, 1, 2 (and the config's pair)
+prefetch                ``parallel.forward_prefetch`` = ``backward_prefetch`` = 0, 1, 2 (and the config's
+                        pair)
 activation checkpoint   ``parallel.activation_checkpoint``: none, every_n (``activation_checkpoint_n`` as
                         configured), selective, full
 batching                ``train.micro_batch_size`` m with G / (N·m) micro-batches per step (the global batch
@@ -45,8 +47,8 @@ Search (``--search``):
   this). The *base* is the config's reshard, prefetch and batching (or, when nothing fits with those, its
   smaller micro-batches, then the same with resharding and no prefetch). Round 1 measures the config's own
   settings (when they fit), the base, and every candidate that differs from the base in one of reshard,
-  prefetch, batching, compile, grouping, tp, ep; round 2 takes the fastest value of each of these and measures their
-  combination when it is new and fits.
+  prefetch, batching, compile, grouping, tp, ep; round 2 takes the fastest value of each of these and measures
+  their combination when it is new and fits.
 * ``full``: every fitting candidate of the whole product (the benchmark's grid, ``bench/bench_tune.py``).
 
 Prefetch depths beyond the other block groups are cut to their number (:meth:`Candidate.normalized`), so that
@@ -59,8 +61,8 @@ the candidate with the most tokens/s (global batch × sequence length / step tim
 ``confirm`` (default 2) fastest candidates are measured once more, one after another, and their times pooled.
 
 Three modules: :mod:`shardlm.plan.tune_candidates` (the candidates, their predicted peaks, the memory budget),
-:mod:`shardlm.plan.tune_search` (the staged and full searches, the pick, what to say when nothing fits) and this one
-(the measuring launch, the table, the written pick); this one's ``__all__`` is the whole interface.
+:mod:`shardlm.plan.tune_search` (the staged and full searches, the pick, what to say when nothing fits) and
+this one (the measuring launch, the table, the written pick); this one's ``__all__`` is the whole interface.
 """
 
 from __future__ import annotations
@@ -95,15 +97,17 @@ from shardlm.plan.tune_candidates import (
 )
 from shardlm.plan.tune_search import Row, base_candidate, combine, first_round, pick
 
-#: the tuner's interface, from this module and the two it is split into (:mod:`.tune_candidates`, :mod:`.tune_search`)
-__all__ = ["Budget", "Candidate", "Planner", "Row", "TuneError", "TuneResult", "combine", "config_candidate", "dotted",
-           "first_round", "format_table", "launch", "memory_budget", "overrides_toml", "pick", "prepare", "run_tune",
-           "size", "space", "write_text_atomic"]
+#: the tuner's interface, from this module and the two it is split into (:mod:`.tune_candidates`,
+#: :mod:`.tune_search`)
+__all__ = ["Budget", "Candidate", "Planner", "Row", "TuneError", "TuneResult", "combine", "config_candidate",
+           "dotted", "first_round", "format_table", "launch", "memory_budget", "overrides_toml", "pick",
+           "prepare", "run_tune", "size", "space", "write_text_atomic"]
 
 
 # ---- the launch -------------------------------------------------------------------------------
 def child_env(world_size: int) -> dict[str, str]:
-    """The workers' environment: this shardlm importable, and (unless set) the cores shared among the ranks."""
+    """The workers' environment: this shardlm importable, and (unless set) the cores shared among
+    the ranks."""
     env = dict(os.environ)
     src = str(Path(shardlm.__file__).resolve().parents[1])
     env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -127,8 +131,9 @@ def root_cause(output: list[str]) -> str | None:
 def launch(spec: dict[str, Any], world_size: int, workdir: Path) -> list[Row]:
     """Run the measuring workers (one torchrun launch of ``world_size`` ranks) and return their rows.
 
-    The workers' progress lines (``tune: ...``, and ``prepare: ...`` when the first candidate prepares the data)
-    are passed on to stderr as they come; an ``error: ...`` line of a worker becomes this process's error.
+    The workers' progress lines (``tune: ...``, and ``prepare: ...`` when the first candidate prepares the
+    data) are passed on to stderr as they come; an ``error: ...`` line of a worker becomes this
+    process's error.
 
     Raises:
         TuneError: the launch failed: a worker's ``error: ...`` message, else the rank that failed first and
@@ -147,7 +152,8 @@ def launch(spec: dict[str, Any], world_size: int, workdir: Path) -> list[Row]:
     assert proc.stdout is not None
     for line in proc.stdout:
         tail = (tail + [line.rstrip()])[-200:]
-        if line.startswith(("tune: ", "prepare: ")):  # progress: each candidate's time, the data's preparation
+        if line.startswith(("tune: ", "prepare: ")):
+            # progress: each candidate's time, the data's preparation
             print(line.rstrip(), file=sys.stderr, flush=True)
         elif line.startswith("error: ") and error is None:
             error = line[len("error: "):].strip()
@@ -162,14 +168,17 @@ def launch(spec: dict[str, Any], world_size: int, workdir: Path) -> list[Row]:
             error = f"the measuring launch failed ({cause or f'exit code {code}'})"
             if cause is None or "(SIG" not in cause:  # a crash, not a kill: the workers' last words say where
                 report = next((i for i, t in enumerate(tail) if "elastic/multiprocessing" in t), len(tail))
-                output = "; the end of the workers' output:\n" + "\n".join(tail[:report][-30:])  # not torchrun's
-        raise TuneError(f"{error}; {len(measured)} candidates were measured before the failure{output}", measured)
+                # not torchrun's
+                output = "; the end of the workers' output:\n" + "\n".join(tail[:report][-30:])
+        raise TuneError(f"{error}; {len(measured)} candidates were measured before the failure{output}",
+                        measured)
     return [Row.from_dict(d) for d in json.loads(out.read_text())]
 
 
 @dataclass
 class TuneResult:
-    """What one tuning run found: the config, the usable memory, the base, every row (in table order), the pick."""
+    """What one tuning run found: the config, the usable memory, the base, every row (in table order),
+    the pick."""
 
     cfg: Config
     budget: Budget
@@ -192,7 +201,8 @@ def prepare(config: str | None, overrides: list[str], world_size: int, budget: B
     """
     cfg = load_config(config, overrides)
     if cfg.parallel.mode != "fsdp":
-        raise ConfigError(f"shardlm tune chooses FSDP settings: parallel.mode must be 'fsdp', not {cfg.parallel.mode!r}")
+        raise ConfigError("shardlm tune chooses FSDP settings: parallel.mode must be 'fsdp', not "
+                          f"{cfg.parallel.mode!r}")
     planner = Planner(cfg, world_size, budget.device, budget.bytes)
     rows = first_round(cfg, planner, search)
     base = base_candidate(cfg, planner) if search == "staged" else next(r.cand for r in rows if r.fits)
@@ -200,15 +210,15 @@ def prepare(config: str | None, overrides: list[str], world_size: int, budget: B
     return cfg, base, rows
 
 
-def run_tune(config: str | None, overrides: list[str], world_size: int, budget: Budget, search: str = "staged",
-             warmup: int = 2, steps: int = 3, repeats: int = 1, confirm: int = 2,
+def run_tune(config: str | None, overrides: list[str], world_size: int, budget: Budget,
+             search: str = "staged", warmup: int = 2, steps: int = 3, repeats: int = 1, confirm: int = 2,
              announce: Callable[[Config, list[Row]], None] | None = None,
              time_budget: float | None = None) -> TuneResult:
-    """Enumerate (:func:`prepare`; then ``announce(cfg, rows)`` if given), then measure every fitting candidate
-    in one launch (:func:`launch`); the ``confirm`` fastest are measured once more at the end.
+    """Enumerate (:func:`prepare`; then ``announce(cfg, rows)`` if given), then measure every fitting
+    candidate in one launch (:func:`launch`); the ``confirm`` fastest are measured once more at the end.
 
-    ``time_budget``: seconds of wall time from the launch on; a measurement starts only when the longest one so
-    far still ends within it (the first always runs; see :mod:`shardlm.cli.tune_worker`); the rest are
+    ``time_budget``: seconds of wall time from the launch on; a measurement starts only when the longest one
+    so far still ends within it (the first always runs; see :mod:`shardlm.cli.tune_worker`); the rest are
     ``skipped``. None: no limit.
 
     Raises:
@@ -223,9 +233,9 @@ def run_tune(config: str | None, overrides: list[str], world_size: int, budget: 
     cfg, base, rows = prepare(config, overrides, world_size, budget, search)
     if announce is not None:
         announce(cfg, rows)
-    spec = {"config": config, "overrides": overrides, "rows": [r.to_dict() for r in rows], "base": base.to_dict(),
-            "warmup": warmup, "steps": steps, "repeats": repeats, "confirm": confirm, "search": search,
-            "device": budget.device, "budget": budget.bytes,
+    spec = {"config": config, "overrides": overrides, "rows": [r.to_dict() for r in rows],
+            "base": base.to_dict(), "warmup": warmup, "steps": steps, "repeats": repeats, "confirm": confirm,
+            "search": search, "device": budget.device, "budget": budget.bytes,
             "deadline": None if time_budget is None else time.time() + time_budget}
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="shardlm-tune-") as tmp:
@@ -235,8 +245,8 @@ def run_tune(config: str | None, overrides: list[str], world_size: int, budget: 
 
 def format_table(rows: list[Row], cfg: Config, world_size: int, picked: Candidate | None) -> str:
     """The table ``shardlm tune`` prints: one line per candidate, measured or not (``-``)."""
-    head = ["#", "reshard", "prefetch f/b", "AC", "micro-batch x accum", "grad sync", "compile", "blocks/group",
-            "tp", "ep", "predicted MiB/rank", "fits", "step s", "tokens/s", "note"]
+    head = ["#", "reshard", "prefetch f/b", "AC", "micro-batch x accum", "grad sync", "compile",
+            "blocks/group", "tp", "ep", "predicted MiB/rank", "fits", "step s", "tokens/s", "note"]
     gpu = any(r.measured_peak_bytes >= 0 for r in rows)
     if gpu:
         head.insert(12, "measured MiB")
@@ -250,9 +260,9 @@ def format_table(rows: list[Row], cfg: Config, world_size: int, picked: Candidat
                                          (f"round {r.round}", r.round > 1), ("confirmed", r.confirmed),
                                          ("skipped: time budget", r.skipped)) if on)
         cells = [str(i), str(c.reshard_after_forward).lower(), f"{c.forward_prefetch}/{c.backward_prefetch}",
-                 c.activation_checkpoint, f"{c.micro_batch_size} x {accum}", c.grad_sync if accum > 1 else "-",
-                 str(c.compile).lower(), str(c.blocks_per_group), str(c.tp), str(c.ep),
-                 f"{r.predicted_bytes / MIB:,.1f}",
+                 c.activation_checkpoint, f"{c.micro_batch_size} x {accum}",
+                 c.grad_sync if accum > 1 else "-", str(c.compile).lower(), str(c.blocks_per_group),
+                 str(c.tp), str(c.ep), f"{r.predicted_bytes / MIB:,.1f}",
                  "yes" if r.fits else "no",
                  f"{step:.3f}" if step is not None else "-",
                  f"{tokens_per_step / step:,.0f}" if step is not None else "-", note]
@@ -268,7 +278,8 @@ def format_table(rows: list[Row], cfg: Config, world_size: int, picked: Candidat
 
 
 def overrides_toml(cand: Candidate, header: list[str]) -> str:
-    """The chosen settings as a TOML config fragment (``[parallel]`` and ``[train]``), ``header`` as comments."""
+    """The chosen settings as a TOML config fragment (``[parallel]`` and ``[train]``), ``header``
+    as comments."""
     sections: dict[str, list[str]] = {}
     for key, value in cand.overrides().items():
         section, name = key.split(".")

@@ -1,6 +1,6 @@
-"""``shardlm tune``'s candidates: the tuned settings (:class:`Candidate`), their values (:func:`space`), the config's
-own (:func:`config_candidate`), each one's predicted peak (:class:`Planner`) and the memory they must fit
-(:func:`memory_budget`). The dimensions and the search are described in :mod:`shardlm.plan.tune`.
+"""``shardlm tune``'s candidates: the tuned settings (:class:`Candidate`), their values (:func:`space`), the
+config's own (:func:`config_candidate`), each one's predicted peak (:class:`Planner`) and the memory they must
+fit (:func:`memory_budget`). The dimensions and the search are described in :mod:`shardlm.plan.tune`.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from shardlm.plan.devices import GIB, MIB, device_for_cuda_name, get_device
 from shardlm.plan.memory import plan_memory
 from shardlm.plan.param_groups import param_groups
 
-#: activation checkpointing modes, lightest (least recomputation) first: a staged search's candidates take the first
-#: that fits
+#: activation checkpointing modes, lightest (least recomputation) first: a staged search's candidates take the
+#: first that fits
 AC_ORDER = ("none", "selective", "every_n", "full")
 PREFETCH_DEPTHS = (0, 1, 2)
 SEARCHES = ("staged", "full")
@@ -34,8 +34,8 @@ STAGED_DIMENSIONS = ("reshard", "prefetch", "batching", "compile", "grouping", "
 
 
 def ac_modes(tp: int) -> tuple[str, ...]:
-    """The checkpointing modes a candidate of tensor-parallel degree ``tp`` may take, lightest first: those the
-    planner can predict (:data:`TP_AC_MODES` under tensor parallel, all of :data:`AC_ORDER` without)."""
+    """The checkpointing modes a candidate of tensor-parallel degree ``tp`` may take, lightest first: those
+    the planner can predict (:data:`TP_AC_MODES` under tensor parallel, all of :data:`AC_ORDER` without)."""
     return AC_ORDER if tp == 1 else tuple(m for m in AC_ORDER if m in TP_AC_MODES)
 
 @dataclass(frozen=True)
@@ -57,9 +57,10 @@ class Candidate:
 
     def key(self, dimension: str) -> Any:
         """This candidate's value in ``dimension`` (one of :data:`DIMENSIONS`)."""
-        return {"reshard": self.reshard_after_forward, "prefetch": (self.forward_prefetch, self.backward_prefetch),
-                "ac": self.activation_checkpoint, "batching": (self.micro_batch_size, self.grad_sync),
-                "compile": self.compile, "grouping": self.blocks_per_group, "tp": self.tp, "ep": self.ep}[dimension]
+        return {"reshard": self.reshard_after_forward,
+                "prefetch": (self.forward_prefetch, self.backward_prefetch), "ac": self.activation_checkpoint,
+                "batching": (self.micro_batch_size, self.grad_sync), "compile": self.compile,
+                "grouping": self.blocks_per_group, "tp": self.tp, "ep": self.ep}[dimension]
 
     def with_value(self, dimension: str, value: Any) -> Candidate:
         """A copy with ``dimension`` set to ``value`` (as :meth:`key` returns it)."""
@@ -158,12 +159,12 @@ def local_batch(cfg: Config, world_size: int, tp: int = 1) -> int:
 
 
 def layout_allowed(cfg: Config, world_size: int, tp: int, ep: int) -> bool:
-    """Whether a run of ``cfg`` at ``world_size`` ranks (one node: the machine ``shardlm tune`` measures on) accepts
-    ``parallel.tp = tp`` and ``parallel.ep = ep``: the trainer's own checks, which refuse a tp that does not divide
-    the query or key/value heads, the FFN width, the vocabulary, the sequence or the ranks of the node, tp with
-    LoRA, a mixture of experts or preference tuning (:func:`shardlm.config.validate`,
-    :func:`shardlm.parallel.tp.check_tp`, :func:`shardlm.parallel.dist.dp_mesh_shape`), and an ep that does not
-    divide the experts or the ranks, or ep without experts, outside FSDP or with HSDP
+    """Whether a run of ``cfg`` at ``world_size`` ranks (one node: the machine ``shardlm tune`` measures on)
+    accepts ``parallel.tp = tp`` and ``parallel.ep = ep``: the trainer's own checks, which refuse a tp that
+    does not divide the query or key/value heads, the FFN width, the vocabulary, the sequence or the ranks of
+    the node, tp with LoRA, a mixture of experts or preference tuning (:func:`shardlm.config.validate`,
+    :func:`shardlm.parallel.tp.check_tp`, :func:`shardlm.parallel.dist.dp_mesh_shape`), and an ep that does
+    not divide the experts or the ranks, or ep without experts, outside FSDP or with HSDP
     (:func:`shardlm.parallel.ep.check_ep`). Under context parallel (``parallel.cp`` > 1) a tp is one whose
     ``cp × tp`` divides the ranks and the tokens of a CP rank (sequence parallel splits them)."""
     out = copy.deepcopy(cfg)
@@ -179,8 +180,8 @@ def layout_allowed(cfg: Config, world_size: int, tp: int, ep: int) -> bool:
 
 
 def degrees(cfg: Config, world_size: int, dimension: str) -> list[int]:
-    """The values of ``dimension`` (``tp`` or ``ep``): the config's own, then every other divisor of the world size
-    that :func:`layout_allowed` accepts with the config's value of the other one."""
+    """The values of ``dimension`` (``tp`` or ``ep``): the config's own, then every other divisor of the world
+    size that :func:`layout_allowed` accepts with the config's value of the other one."""
     own = {"tp": cfg.parallel.tp, "ep": cfg.parallel.ep}
     allowed = [d for d in range(1, world_size + 1) if world_size % d == 0 and d != own[dimension]
                and layout_allowed(cfg, world_size, **{**own, dimension: d})]
@@ -196,7 +197,8 @@ def sync_policies(cfg: Config) -> list[str]:
 
 
 def space(cfg: Config, world_size: int) -> dict[str, list[Any]]:
-    """The values of each dimension (see the module docstring), the config's own first where it is one of them."""
+    """The values of each dimension (see the module docstring), the config's own first where it is one
+    of them."""
     p = cfg.parallel
     tp_values = degrees(cfg, world_size, "tp")
     per_rank = local_batch(cfg, world_size, min(tp_values))  # its divisors divide the batch at every tp value
@@ -217,25 +219,26 @@ def space(cfg: Config, world_size: int) -> dict[str, list[Any]]:
     grouping = [p.blocks_per_group] + [k for k in sorted({1, min(2, cfg.model.n_layers), cfg.model.n_layers})
                                        if k != p.blocks_per_group]
     return {"reshard": [True, False], "prefetch": prefetch, "ac": list(AC_ORDER), "batching": batching,
-            "compile": compile_values, "grouping": grouping, "tp": tp_values, "ep": degrees(cfg, world_size, "ep")}
+            "compile": compile_values, "grouping": grouping, "tp": tp_values,
+            "ep": degrees(cfg, world_size, "ep")}
 
 
 def config_candidate(cfg: Config, world_size: int) -> Candidate:
-    """The config's own settings as a candidate (an N-way ``reshard_after_forward`` counts as true: the planner
-    models true and false only; a micro-batch that does not divide G / N becomes the largest smaller one that
-    does; a grad_sync that has no effect with one micro-batch is kept as it is; prefetch depths are cut to the
-    other block groups, :meth:`Candidate.normalized`)."""
+    """The config's own settings as a candidate (an N-way ``reshard_after_forward`` counts as true: the
+    planner models true and false only; a micro-batch that does not divide G / N becomes the largest smaller
+    one that does; a grad_sync that has no effect with one micro-batch is kept as it is; prefetch depths are
+    cut to the other block groups, :meth:`Candidate.normalized`)."""
     p = cfg.parallel
     reshard = p.reshard_after_forward if isinstance(p.reshard_after_forward, bool) else True
     per_rank = local_batch(cfg, world_size, p.tp)
     micro = max(m for m in range(1, min(per_rank, cfg.train.micro_batch_size) + 1) if per_rank % m == 0)
-    return Candidate(reshard, p.forward_prefetch, p.backward_prefetch, p.activation_checkpoint, micro, p.grad_sync,
-                     p.compile, p.blocks_per_group, p.tp, p.ep).normalized(cfg.model.n_layers)
+    return Candidate(reshard, p.forward_prefetch, p.backward_prefetch, p.activation_checkpoint, micro,
+                     p.grad_sync, p.compile, p.blocks_per_group, p.tp, p.ep).normalized(cfg.model.n_layers)
 
 
 def block_bytes(cfg: Config, world_size: int) -> int:
-    """Bytes of the largest block group's unsharded parameters in the compute dtype (what one prefetch holds; under
-    tensor parallel this rank's pieces, FSDP-sharded over the N / tp data-parallel ranks)."""
+    """Bytes of the largest block group's unsharded parameters in the compute dtype (what one prefetch holds;
+    under tensor parallel this rank's pieces, FSDP-sharded over the N / tp data-parallel ranks)."""
     param_bytes = 2 if cfg.parallel.param_dtype == "bfloat16" else 4
     tp = cfg.parallel.tp
     groups, _, _ = param_groups(cfg, world_size // tp, param_bytes, tp)
@@ -244,12 +247,14 @@ def block_bytes(cfg: Config, world_size: int) -> int:
 
 
 class Planner:
-    """Predicted per-rank peak bytes of candidates of one config, cached (each prediction builds a meta model)."""
+    """Predicted per-rank peak bytes of candidates of one config, cached (each prediction builds a
+    meta model)."""
 
     def __init__(self, cfg: Config, world_size: int, device: str, budget: float) -> None:
         self.cfg, self.world_size, self.device, self.budget = cfg, world_size, device, budget
         self._cache: dict[Candidate, int] = {}
-        self._group: dict[tuple[int, int, int], int] = {}  # (blocks per group, tp, ep) -> the largest group's bytes
+        # (blocks per group, tp, ep) -> the largest group's bytes
+        self._group: dict[tuple[int, int, int], int] = {}
 
     def bytes(self, cand: Candidate) -> int:
         """Predicted peak bytes per rank of ``cand``: the planner's, plus the explicit prefetch's blocks.
@@ -272,8 +277,9 @@ class Planner:
         return self.bytes(cand) <= self.budget
 
     def allowed(self, cand: Candidate) -> bool:
-        """Whether the planner predicts ``cand`` at all: a micro-batch that divides the batch of a data-parallel
-        rank at its ``tp`` (:func:`local_batch`), a checkpointing mode it models at that ``tp`` (:func:`ac_modes`)."""
+        """Whether the planner predicts ``cand`` at all: a micro-batch that divides the batch of a
+        data-parallel rank at its ``tp`` (:func:`local_batch`), a checkpointing mode it models at that ``tp``
+        (:func:`ac_modes`)."""
         per_rank = local_batch(self.cfg, self.world_size, cand.tp)
         return per_rank % cand.micro_batch_size == 0 and cand.activation_checkpoint in ac_modes(cand.tp)
 

@@ -1,6 +1,6 @@
-"""``shardlm tune``'s search: the lightest checkpointing that fits, the staged search's base, the first round of
-candidates (:func:`first_round`), the second (:func:`combine`), the pick, and what to say when nothing fits. The
-search is described in :mod:`shardlm.plan.tune`.
+"""``shardlm tune``'s search: the lightest checkpointing that fits, the staged search's base, the first round
+of candidates (:func:`first_round`), the second (:func:`combine`), the pick, and what to say when nothing
+fits. The search is described in :mod:`shardlm.plan.tune`.
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ from shardlm.plan.tune_candidates import (
 
 
 def lightest_fitting(cand: Candidate, planner: Planner) -> Candidate:
-    """``cand`` with the lightest activation checkpointing mode (:data:`AC_ORDER`; under tensor parallel those the
-    planner models, :func:`ac_modes`) that fits with its other settings; ``cand`` with ``full`` when none fits."""
+    """``cand`` with the lightest activation checkpointing mode (:data:`AC_ORDER`; under tensor parallel those
+    the planner models, :func:`ac_modes`) that fits with its other settings; ``cand`` with ``full`` when
+    none fits."""
     for ac in ac_modes(cand.tp):
         variant = cand.with_value("ac", ac)
         if planner.fits(variant):
@@ -46,7 +47,8 @@ def base_candidate(cfg: Config, planner: Planner) -> Candidate | None:
     own = config_candidate(cfg, planner.world_size)
     dims = space(cfg, planner.world_size)
     batching = [own.key("batching")] + [b for b in dims["batching"] if b[0] < own.micro_batch_size]
-    starts = [own, dataclasses.replace(own, reshard_after_forward=True, forward_prefetch=0, backward_prefetch=0)]
+    starts = [own,
+              dataclasses.replace(own, reshard_after_forward=True, forward_prefetch=0, backward_prefetch=0)]
     for start in starts:
         for value in batching:
             cand = lightest_fitting(start.with_value("batching", value), planner)
@@ -101,7 +103,8 @@ def first_round(cfg: Config, planner: Planner, search: str) -> list[Row]:
         product = itertools.product(dims["reshard"], dims["prefetch"], dims["ac"], dims["batching"],
                                     dims["compile"], dims["grouping"], dims["tp"], dims["ep"])
         cands = list(dict.fromkeys(Candidate(r, f, b, ac, m, s, c, g, t, e).normalized(cfg.model.n_layers)
-                                   for r, (f, b), ac, (m, s), c, g, t, e in product))  # the same settings once
+                                   # the same settings once
+                                   for r, (f, b), ac, (m, s), c, g, t, e in product))
         cands = [c for c in cands if planner.allowed(c)]
         rows = [Row(c, planner.bytes(c), planner.fits(c)) for c in cands]
         if not any(r.fits for r in rows):
@@ -126,9 +129,9 @@ def first_round(cfg: Config, planner: Planner, search: str) -> list[Row]:
 
 def combine(rows: list[Row], base: Candidate, planner: Planner) -> Candidate:
     """Round 2 of the staged search: for each of :data:`STAGED_DIMENSIONS`, the value of the fastest measured
-    row among those that agree with the base in the other dimensions; these values combined (a value the planner
-    cannot predict beside those before it, :meth:`Planner.allowed`, is left out), with the lightest checkpointing
-    that fits."""
+    row among those that agree with the base in the other dimensions; these values combined (a value the
+    planner cannot predict beside those before it, :meth:`Planner.allowed`, is left out), with the lightest
+    checkpointing that fits."""
     best = base
     for dim in STAGED_DIMENSIONS:
         alike = [r for r in rows if r.times and all(r.cand.key(d) == base.key(d) for d in STAGED_DIMENSIONS
@@ -175,8 +178,8 @@ def no_fit_message(cfg: Config, planner: Planner) -> str:
                          "per rank)")
     what = "; ".join(fixes) if fixes else ("nothing up to 64x the ranks: a smaller model, a shorter "
                                            "train.seq_len, or more memory per rank")
-    return (f"no candidate fits at world size {n}: even activation checkpointing 'full' with micro-batch 1 needs "
-            f"{size(planner.bytes(smallest))} per rank, {size(budget)} usable; what would fit: "
+    return (f"no candidate fits at world size {n}: even activation checkpointing 'full' with micro-batch 1 "
+            f"needs {size(planner.bytes(smallest))} per rank, {size(budget)} usable; what would fit: "
             f"{what}")
 
 

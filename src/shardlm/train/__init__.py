@@ -1,8 +1,8 @@
-"""The training job: building the model (``build.py``), the token loss (``loss.py``), AdamW and the LR schedule
-(``optim.py``), and the ``Trainer`` (``trainer.py``: set-up, the training step, evaluation, the loop) with the
-parts it calls on: the run directory (``run_dir.py``), the data per format (``datasets.py``), the start-up summary
-(``summary.py``), the record entries of MoE and mixture runs (``step_metrics.py``) and the final export
-(``final_export.py``)."""
+"""The training job: building the model (``build.py``), the token loss (``loss.py``), AdamW and the LR
+schedule (``optim.py``), and the ``Trainer`` (``trainer.py``: set-up, the training step, evaluation, the loop)
+with the parts it calls on: the run directory (``run_dir.py``), the data per format (``datasets.py``), the
+start-up summary (``summary.py``), the record entries of MoE and mixture runs (``step_metrics.py``) and the
+final export (``final_export.py``)."""
 
 from shardlm.train.trainer import Trainer, run_dir
 

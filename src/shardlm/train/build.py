@@ -1,4 +1,5 @@
-"""Building the model for training: meta device -> CPU kernel, AC, compile, FSDP/DDP -> materialise -> init or load.
+"""Building the model for training: meta device -> CPU kernel, AC, compile, FSDP/DDP -> materialise -> init
+or load.
 
 torchtitan keeps this next to its trainer: it composes the model (:mod:`shardlm.model`), the parallelisms
 (:mod:`shardlm.parallel`) and pretrained loading (:mod:`shardlm.convert.hf_in`) in the order they must run.
@@ -44,11 +45,12 @@ def build_model(cfg: Config, info: DistInfo, mesh: DeviceMesh | None,
     First the parameter-efficient set-up, on the meta device: ``train.trainable``/``train.frozen`` freeze
     parameters (:mod:`shardlm.model.freeze`), or ``[lora]`` replaces the targeted linear layers by
     :class:`~shardlm.model.lora.LoRALinear` (base frozen, stored fp32/bf16/NF4, adapters fp32; with NF4 every
-    frozen weight matrix, the token embedding included, is NF4). Then the CPU's
-    bf16 matrix-multiply kernel (``cpu_bf16_matmul``, :mod:`shardlm.model.cpu_matmul`), tensor parallel
-    (``parallel.tp``, :func:`~shardlm.parallel.tp.apply_tp` on ``mesh["tp"]``), activation checkpointing, compile,
-    then :func:`apply_fsdp` over the data-parallel dimensions (or DDP), as torchtitan orders them. With a ``cp``
-    group of more than one rank, every attention layer first runs through it (:func:`~shardlm.parallel.cp.apply_cp`).
+    frozen weight matrix, the token embedding included, is NF4). Then the CPU's bf16 matrix-multiply kernel
+    (``cpu_bf16_matmul``, :mod:`shardlm.model.cpu_matmul`), tensor parallel (``parallel.tp``,
+    :func:`~shardlm.parallel.tp.apply_tp` on ``mesh["tp"]``), activation checkpointing, compile, then
+    :func:`apply_fsdp` over the data-parallel dimensions (or DDP), as torchtitan orders them. With a ``cp``
+    group of more than one rank, every attention layer first runs through it
+    (:func:`~shardlm.parallel.cp.apply_cp`).
 
     No rank ever holds the whole unsharded model: under ``fsdp`` only each rank's shards are
     allocated (``to_empty``) and filled by ``init_weights``, each rank drawing only its own shard's rows
@@ -61,8 +63,8 @@ def build_model(cfg: Config, info: DistInfo, mesh: DeviceMesh | None,
     around it, and :func:`shardlm.convert.hf_in.load_pretrained_`'s byte counts (None for a random init).
 
     Raises:
-        ConfigError: ``single`` mode with more than one rank; a model ``parallel.tp`` cannot split, or LoRA with
-            tensor parallel (:func:`~shardlm.parallel.tp.check_tp`).
+        ConfigError: ``single`` mode with more than one rank; a model ``parallel.tp`` cannot split, or LoRA
+            with tensor parallel (:func:`~shardlm.parallel.tp.check_tp`).
     """
     mode = cfg.parallel.mode
     if mode == "single" and info.world_size > 1:
@@ -75,7 +77,9 @@ def build_model(cfg: Config, info: DistInfo, mesh: DeviceMesh | None,
     if lora.enabled:  # adapters on the targeted layers, everything else frozen
         apply_lora(model, LoRASpec(lora.rank, lora.alpha, lora.dropout, lora.targets, lora.base_dtype))
         if lora.base_dtype == "nf4":
-            compute = dtype_from_name("parallel.param_dtype", pcfg.param_dtype) if mode == "fsdp" else torch.float32
+            compute = (
+                dtype_from_name("parallel.param_dtype", pcfg.param_dtype) if mode == "fsdp" else torch.float32
+            )
             quantize_base_meta_(model, "cpu" if pcfg.cpu_offload else info.device, compute)
     elif cfg.train.trainable or cfg.train.frozen:
         apply_freeze(model, cfg.train.trainable, cfg.train.frozen)
@@ -83,17 +87,20 @@ def build_model(cfg: Config, info: DistInfo, mesh: DeviceMesh | None,
     if use_fp32_matmul(pcfg.cpu_bf16_matmul, info.device, pcfg.param_dtype) and pcfg.tp == 1:
         apply_fp32_matmul(model)
         set_fp32_matmul(model)
-    if pcfg.tp > 1:  # torchtitan's order: TP, (CP's attention), AC, compile, FSDP over the data-parallel dimensions
+    if pcfg.tp > 1:
+        # torchtitan's order: TP, (CP's attention), AC, compile, FSDP over the data-parallel dimensions
         apply_tp(model, mesh["tp"])
     if cp is not None and cp.size > 1:  # attention across the sequence split (before AC wraps the blocks)
         apply_cp(model, cp)
     apply_ac(model.model.layers, pcfg.activation_checkpoint, pcfg.activation_checkpoint_n)
-    if pcfg.compile:  # async TP (CUDA): TorchInductor pipelines the blocks' TP collectives with their multiplies
+    if pcfg.compile:
+        # async TP (CUDA): TorchInductor pipelines the blocks' TP collectives with their multiplies
         apply_compile(model.model.layers, ASYNC_TP_COMPILE_OPTIONS if pcfg.async_tp else None)
     check_ep(cfg.model.n_experts, pcfg.ep, info.world_size, mode, pcfg.dp_replicate)
     experts, expert_mesh = [], None
     fsdp_mesh = dp_submesh(mesh) if mode == "fsdp" else None  # FSDP over the data-parallel dimensions
-    if pcfg.ep > 1:  # experts split over ep ranks, then FSDP-sharded over the rest; all else FSDP over every rank
+    if pcfg.ep > 1:
+        # experts split over ep ranks, then FSDP-sharded over the rest; all else FSDP over every rank
         ep_mesh = build_ep_mesh(info.device.type, info.world_size, pcfg.ep)
         experts, fsdp_mesh, expert_mesh = apply_ep(model, ep_mesh), ep_mesh["dp_shard"], ep_mesh["efsdp"]
     if mode == "fsdp":

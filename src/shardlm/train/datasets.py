@@ -20,9 +20,9 @@ class RunData(NamedTuple):
     """What a training step and an evaluation read: samples by id, and the ids of each global batch."""
 
     train: Any
-    """The training samples: ``get(ids)``, int64 (len(ids), seq_len + 1) text windows or (len(ids), 2, seq_len + 1)
-    tokens and labels (preference pairs: 2·len(ids) rows, chosen then rejected), and ``num_targets(ids)``, the
-    target tokens those samples hold (known on the host)."""
+    """The training samples: ``get(ids)``, int64 (len(ids), seq_len + 1) text windows or (len(ids), 2, seq_len
+    + 1) tokens and labels (preference pairs: 2·len(ids) rows, chosen then rejected), and
+    ``num_targets(ids)``, the target tokens those samples hold (known on the host)."""
     val: Any
     """The validation samples (one per row; the chosen completions of preference pairs)."""
     sampler: GlobalBatchSampler
@@ -65,15 +65,17 @@ def build_datasets(cfg: Config, meta: dict[str, Any], document_masking: bool) ->
         sampler = GlobalBatchSampler(len(train_data), t.global_batch_size, t.seed)
     if document_masking and cfg.data.format == "text":  # pre-training: document masking inside windows
         eod = (meta.get("special_ids") or {}).get("eod")  # when the data records no document starts
-        train_data, val_data = (DocumentWindows(d, eod, plain_within_one_document=True) for d in (train_data, val_data))
+        train_data, val_data = (
+            DocumentWindows(d, eod, plain_within_one_document=True) for d in (train_data, val_data)
+        )
     return RunData(train_data, val_data, sampler)
 
 
 def resolve_attention(cfg: Config, resumed: dict[str, Any] | None) -> AttentionChoice:
     """Resolve ``model.attention = "auto"`` once, in place in ``cfg`` (what the run's checkpoints and
-    ``config.json`` then record), and return the choice: a resumed run (``resumed``, the checkpoint's config, see
-    :meth:`~shardlm.checkpoint.resume.Resuming.resumed_config`) keeps the value it was trained with (``causal``
-    for a checkpoint from before the field existed), a new one takes its data's
+    ``config.json`` then record), and return the choice: a resumed run (``resumed``, the checkpoint's config,
+    see :meth:`~shardlm.checkpoint.resume.Resuming.resumed_config`) keeps the value it was trained with
+    (``causal`` for a checkpoint from before the field existed), a new one takes its data's
     (:func:`~shardlm.data.attention_choice.choose_attention`). A value that is set is kept (a resume that
     changes it is refused later, by the resume rules)."""
     if cfg.model.attention == AUTO and resumed is not None:

@@ -1,5 +1,6 @@
-"""The run's final export: the trained model as a Hugging Face model directory (``<run dir>/final``), with LoRA
-the merged model and a PEFT adapter beside it, and the special ids every export and checkpoint records."""
+"""The run's final export: the trained model as a Hugging Face model directory (``<run dir>/final``), with
+LoRA the merged model and a PEFT adapter beside it, and the special ids every export and
+checkpoint records."""
 
 from __future__ import annotations
 
@@ -9,7 +10,12 @@ from typing import Any
 import torch
 
 from shardlm.config import Config
-from shardlm.convert.hf_out import EXPORT_TIMEOUT, gather_full_state_dict, save_model_dir, save_sharded_model_dir
+from shardlm.convert.hf_out import (
+    EXPORT_TIMEOUT,
+    gather_full_state_dict,
+    save_model_dir,
+    save_sharded_model_dir,
+)
 from shardlm.convert.peft_out import base_model_path, gather_full_params, save_merged_dir, save_peft_dir
 from shardlm.data.build import data_dir
 from shardlm.model.lora import LoRASpec
@@ -18,25 +24,26 @@ from shardlm.train.build import unwrap
 
 
 def model_special_ids_of(meta: dict[str, Any]) -> dict[str, Any] | None:
-    """The bos/eos/pad ids of the model being trained, from the prepared data's ``meta.json``: the one rule for
-    every exported directory (full, merged LoRA, PEFT adapter) and every checkpoint manifest (which
+    """The bos/eos/pad ids of the model being trained, from the prepared data's ``meta.json``: the one rule
+    for every exported directory (full, merged LoRA, PEFT adapter) and every checkpoint manifest (which
     ``shardlm export`` of a checkpoint writes).
 
     ``model_special_ids`` is read at preparation from the tokenizer's model directory
-    (:func:`shardlm.data.tokenizer_files.model_special_ids`: its ``config.json`` / ``generation_config.json``, i.e.
-    ``model.init_from``'s own ids when the data uses its tokenizer, the default). Data prepared before that field
-    existed falls back to the data's ``special_ids`` (end of document as eos). Never the data's ids when the
-    model's are known: a chat model's eos is its end-of-turn token, not the tokenizer's end of text.
+    (:func:`shardlm.data.tokenizer_files.model_special_ids`: its ``config.json`` / ``generation_config.json``,
+    i.e. ``model.init_from``'s own ids when the data uses its tokenizer, the default). Data prepared before
+    that field existed falls back to the data's ``special_ids`` (end of document as eos). Never the data's ids
+    when the model's are known: a chat model's eos is its end-of-turn token, not the tokenizer's end of text.
     """
     return meta.get("model_special_ids") or meta.get("special_ids")
 
 
 def export_model(model: torch.nn.Module, cfg: Config, info: DistInfo, out_dir: Path,
                  special_ids: dict[str, Any] | None) -> None:
-    """Write the trained weights of ``model`` (sharded or not) as an HF model directory: one ``model.safetensors``
-    gathered on rank 0 for a model up to ``run.export_single_file_bytes``, else every rank writing its own shard
-    file plus the index (:func:`shardlm.convert.hf_out.save_sharded_model_dir`). Either way the other ranks wait for
-    the writers on a process group with the export's own long timeout, not the training one. A collective.
+    """Write the trained weights of ``model`` (sharded or not) as an HF model directory: one
+    ``model.safetensors`` gathered on rank 0 for a model up to ``run.export_single_file_bytes``, else every
+    rank writing its own shard file plus the index (:func:`shardlm.convert.hf_out.save_sharded_model_dir`).
+    Either way the other ranks wait for the writers on a process group with the export's own long timeout, not
+    the training one. A collective.
 
     With LoRA the directory holds the merged weights (base + scaled B·A, fp32), and ``<out_dir>-adapter``
     the adapters in PEFT's format (:mod:`shardlm.convert.peft_out`), both written by rank 0 whatever the
@@ -60,7 +67,8 @@ def export_model(model: torch.nn.Module, cfg: Config, info: DistInfo, out_dir: P
 
 
 def written_line(cfg: Config, out_dir: Path) -> str:
-    """The end-of-run line: every directory :func:`export_model` wrote to ``out_dir`` (and ``<out_dir>-adapter``)."""
+    """The end-of-run line: every directory :func:`export_model` wrote to ``out_dir`` (and
+    ``<out_dir>-adapter``)."""
     if not cfg.lora.enabled:
         return f"model written to {out_dir} (Hugging Face model directory)"
     return (f"model written to {out_dir} (Hugging Face model directory, LoRA merged into the "
@@ -89,7 +97,8 @@ def export_lora(model: torch.nn.Module, cfg: Config, info: DistInfo, merged_dir:
                                      merged_dir, tokenizer, special_ids)
             print(f"{merged_dir}: {record['description']}", flush=True)
         if adapter_dir is not None:
-            save_peft_dir(state, spec, adapter_dir, base_model_path(cfg.model.init_from), tokenizer, special_ids)
+            save_peft_dir(state, spec, adapter_dir, base_model_path(cfg.model.init_from), tokenizer,
+                          special_ids)
     del state
     _wait_for_writers(group)
 

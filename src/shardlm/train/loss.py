@@ -1,15 +1,16 @@
-"""The token loss, one function for training, evaluation and perplexity: plain, or fused with the output projection.
+"""The token loss, one function for training, evaluation and perplexity: plain, or fused with the
+output projection.
 
-The plain loss (:func:`token_loss_sum`) takes the model's logits, ``(tokens, vocab)``; at a large vocabulary they are
-the step's largest allocation (4,096 tokens × 151,936 Qwen3 ids: 2.5 GB in fp32, and autograd keeps as much again
-for the backward). The chunked loss (:func:`linear_cross_entropy_sum`, ``train.loss_chunk_tokens`` > 0) computes the
-output projection and the cross-entropy together, a chunk of scored tokens at a time: each chunk's logits are made,
-turned into that chunk's loss and its gradients with respect to the hidden states and the output weight (and LoRA
-adapters), and freed. Nothing of size ``tokens × vocab`` exists, nor is anything of it kept for the backward. The
-gradients are computed in the forward (Liger Kernel's fused linear cross-entropy, Hsu et al. 2024; the same
-matrix products as the plain loss's backward, so no extra compute) and the backward only scales them by the
-incoming gradient. Related: Wijmans et al., "Cut Your Losses in Large-Vocabulary Language Models" (2024);
-torchtune's chunked output loss.
+The plain loss (:func:`token_loss_sum`) takes the model's logits, ``(tokens, vocab)``; at a large vocabulary
+they are the step's largest allocation (4,096 tokens × 151,936 Qwen3 ids: 2.5 GB in fp32, and autograd keeps
+as much again for the backward). The chunked loss (:func:`linear_cross_entropy_sum`,
+``train.loss_chunk_tokens`` > 0) computes the output projection and the cross-entropy together, a chunk of
+scored tokens at a time: each chunk's logits are made, turned into that chunk's loss and its gradients with
+respect to the hidden states and the output weight (and LoRA adapters), and freed. Nothing of size ``tokens ×
+vocab`` exists, nor is anything of it kept for the backward. The gradients are computed in the forward (Liger
+Kernel's fused linear cross-entropy, Hsu et al. 2024; the same matrix products as the plain loss's backward,
+so no extra compute) and the backward only scales them by the incoming gradient. Related: Wijmans et al., "Cut
+Your Losses in Large-Vocabulary Language Models" (2024); torchtune's chunked output loss.
 
 Per chunk of c scored tokens (z: logits, t: targets; the softmax in fp32 as transformers computes it)::
 
@@ -55,13 +56,16 @@ def model_loss_sum(model: nn.Module, inputs: Tensor, targets: Tensor, chunk_toke
     """The summed token loss of ``model`` on ``inputs``: plain (``chunk_tokens == 0``) or chunked.
 
     Args:
-        model: a :class:`~shardlm.model.llama.Llama`, or it wrapped (FSDP2, DDP): called once, so every wrapper's
-            hooks run (FSDP's all-gather of the output projection with the final norm, as for the plain loss).
+        model: a :class:`~shardlm.model.llama.Llama`, or it wrapped (FSDP2, DDP): called once, so every
+            wrapper's hooks run (FSDP's all-gather of the output projection with the final norm, as for the
+            plain loss).
         inputs: (B, T) int64 token ids; targets: (B, T) int64, ``IGNORE_INDEX`` where nothing is scored.
-        chunk_tokens: ``train.loss_chunk_tokens``: 0 = logits, then :func:`token_loss_sum` (the logits are freed
-            when this returns); > 0 = :func:`output_loss_sum` through the model's ``head`` argument. Under tensor
-            parallel (the output projection split over the vocabulary) 0 means one chunk of all the tokens: the
-            vocabulary-parallel loss (:mod:`shardlm.train.vocab_parallel_loss`), whose logits stay split.
+        chunk_tokens: ``train.loss_chunk_tokens``: 0 = logits, then :func:`token_loss_sum` (the logits
+        are freed
+            when this returns); > 0 = :func:`output_loss_sum` through the model's ``head`` argument. Under
+            tensor parallel (the output projection split over the vocabulary) 0 means one chunk of all the
+            tokens: the vocabulary-parallel loss (:mod:`shardlm.train.vocab_parallel_loss`), whose logits
+            stay split.
         documents: (B, T) int64 document index per token for block-causal attention (packed rows; see
             ``Llama.forward``), or None for a plain causal mask.
         model_kwargs: passed on to the model's forward (context parallelism's ``positions`` and ``masks``).
@@ -90,8 +94,9 @@ def output_loss_sum(llama: nn.Module, hidden: Tensor, targets: Tensor, chunk_tok
     Reads the head as the model's own forward would apply it: ``lm_head`` (an ``nn.Linear``, its CPU
     fp32-multiply form :class:`~shardlm.model.cpu_matmul.Fp32MatmulLinear`, or a
     :class:`~shardlm.model.lora.LoRALinear` with a frozen, possibly bf16 or NF4, base), tied or not, and
-    ``cfg.final_logit_softcap``. An NF4 or narrower weight is dequantised / cast once to the compute dtype. A weight
-    split over the vocabulary (a DTensor in the forward: tensor parallel) goes to :func:`vocab_parallel_loss_sum`.
+    ``cfg.final_logit_softcap``. An NF4 or narrower weight is dequantised / cast once to the compute dtype. A
+    weight split over the vocabulary (a DTensor in the forward: tensor parallel) goes to
+    :func:`vocab_parallel_loss_sum`.
 
     Args:
         hidden: (B, T, D), the final norm's output, compute dtype; targets: (B, T) int64.
@@ -106,40 +111,44 @@ def output_loss_sum(llama: nn.Module, hidden: Tensor, targets: Tensor, chunk_tok
     fp32_matmul = isinstance(head, Fp32MatmulLinear)
     if isinstance(head, LoRALinear):
         a = head.lora_A.weight
-        u = F.linear(head.dropout(hidden).to(a.dtype), a)  # (B, T, r): the adapters' first product, by autograd
+        # (B, T, r): the adapters' first product, by autograd
+        u = F.linear(head.dropout(hidden).to(a.dtype), a)
         lora = (u, head.lora_B.weight, head.scaling)
         fp32_matmul = head.fp32_matmul
     if weight.dtype != hidden.dtype or type(weight).__name__ == "NF4Tensor":
-        weight = weight.to(hidden.dtype)  # a frozen bf16 / NF4 base, as LoRALinear.base and torchao's linear do
+        # a frozen bf16 / NF4 base, as LoRALinear.base and torchao's linear do
+        weight = weight.to(hidden.dtype)
     fp32_matmul = fp32_matmul and hidden.dtype == torch.bfloat16
-    return linear_cross_entropy_sum(hidden, weight, targets, chunk_tokens, llama.cfg.final_logit_softcap, lora,
-                                    fp32_matmul)
+    return linear_cross_entropy_sum(hidden, weight, targets, chunk_tokens, llama.cfg.final_logit_softcap,
+                                    lora, fp32_matmul)
 
 
 def linear_cross_entropy_sum(hidden: Tensor, weight: Tensor, targets: Tensor, chunk_tokens: int,
                              softcap: float = 0.0, lora: tuple[Tensor, Tensor, float] | None = None,
                              fp32_matmul: bool = False) -> Tensor:
-    """``token_loss_sum(softcap(hidden · weightᵀ [+ LoRA]), targets)``, computed ``chunk_tokens`` scored tokens at a time.
+    """``token_loss_sum(softcap(hidden · weightᵀ [+ LoRA]), targets)``, computed ``chunk_tokens`` scored
+    tokens at a time.
 
     Equal to the plain loss up to summation order (fp32: loss and gradients within 1e-6 relative, tested).
-    Only the positions whose target is not ``IGNORE_INDEX`` are projected (their rows gathered first); the others
-    get a zero gradient, as in the plain loss. With gradients enabled and any input requiring one, the gradients
-    are computed here, in the forward, and the backward scales them (once: ``retain_graph`` is refused). Frozen
-    inputs (``requires_grad=False``, e.g. a frozen or LoRA-base weight) get no gradient and cost no product. The
-    scored rows are found on the CPU only (:data:`GATHER_SCORED_ROWS_ON`); on a GPU every row is projected and the
-    ignored ones masked, so the loss reads nothing from the device.
+    Only the positions whose target is not ``IGNORE_INDEX`` are projected (their rows gathered first); the
+    others get a zero gradient, as in the plain loss. With gradients enabled and any input requiring one, the
+    gradients are computed here, in the forward, and the backward scales them (once: ``retain_graph`` is
+    refused). Frozen inputs (``requires_grad=False``, e.g. a frozen or LoRA-base weight) get no gradient and
+    cost no product. The scored rows are found on the CPU only (:data:`GATHER_SCORED_ROWS_ON`); on a GPU every
+    row is projected and the ignored ones masked, so the loss reads nothing from the device.
 
     Args:
-        hidden: (..., D) float, the compute dtype (fp32 or bf16); weight: (V, D), the same dtype.
-        targets: (...) int64 ids in [0, V), or ``IGNORE_INDEX``.
-        chunk_tokens: scored tokens per chunk, >= 1; the peak is about ``chunk_tokens × V`` fp32 values (two such
+        hidden: (..., D) float, the compute dtype (fp32 or bf16); weight: (V, D), the same dtype. targets:
+        (...) int64 ids in [0, V), or ``IGNORE_INDEX``. chunk_tokens: scored tokens per chunk, >= 1; the peak
+        is about ``chunk_tokens × V`` fp32 values (two such
             with a soft-cap; bf16 adds a bf16 copy) plus the fp32 weight gradient ``V × D``.
-        softcap: Gemma's ``final_logit_softcapping`` c: logits ``c · tanh(z / c)`` (in the compute dtype); 0 = none.
-        lora: ``(u, B, scaling)``: the LoRA term ``scaling · u · Bᵀ`` added to the logits (:class:`LoRALinear`'s
-            ``delta``), with u = (..., r) = ``dropout(hidden) · Aᵀ`` computed by the caller, B (V, r), both in the
-            adapters' dtype.
-        fp32_matmul: bf16 operands multiplied in fp32 and rounded to bf16 (``parallel.cpu_bf16_matmul``, the CPU
-            kernel of :mod:`shardlm.model.cpu_matmul`); the weight is upcast once per call.
+        softcap: Gemma's ``final_logit_softcapping`` c: logits ``c · tanh(z / c)`` (in the compute dtype); 0 =
+        none. lora: ``(u, B, scaling)``: the LoRA term ``scaling · u · Bᵀ`` added to the logits
+        (:class:`LoRALinear`'s
+            ``delta``), with u = (..., r) = ``dropout(hidden) · Aᵀ`` computed by the caller, B (V, r), both in
+            the adapters' dtype.
+        fp32_matmul: bf16 operands multiplied in fp32 and rounded to bf16 (``parallel.cpu_bf16_matmul``, the
+            CPU kernel of :mod:`shardlm.model.cpu_matmul`); the weight is upcast once per call.
 
     Returns a 0-dim fp32 tensor: the sum in nats over the scored targets.
 
@@ -162,15 +171,17 @@ def linear_cross_entropy_sum(hidden: Tensor, weight: Tensor, targets: Tensor, ch
                     (False, False, False, False))[0]
 
 
-#: device types on which only the scored rows are projected (found with a host read, free on the CPU); elsewhere
-#: every row is projected and the ignored ones masked, so that the loss never synchronises with the device
+#: device types on which only the scored rows are projected (found with a host read, free on the CPU);
+#: elsewhere every row is projected and the ignored ones masked, so that the loss never synchronises with
+#: the device
 GATHER_SCORED_ROWS_ON = ("cpu",)
 
 
 def _scored_rows(targets: Tensor) -> Tensor | None:
-    """Indices (n,) int64 of the scored targets, or None when every row is projected: every target is scored, or
-    ``targets`` is on an accelerator, where finding the rows would read the device from the host (a synchronisation
-    per micro-batch, against the lean step); there the ignored rows are projected and masked instead."""
+    """Indices (n,) int64 of the scored targets, or None when every row is projected: every target is scored,
+    or ``targets`` is on an accelerator, where finding the rows would read the device from the host (a
+    synchronisation per micro-batch, against the lean step); there the ignored rows are projected and
+    masked instead."""
     if targets.device.type not in GATHER_SCORED_ROWS_ON:
         return None
     valid = targets != IGNORE_INDEX
@@ -179,12 +190,23 @@ def _scored_rows(targets: Tensor) -> Tensor | None:
     return valid.nonzero().squeeze(1)
 
 
-def _chunked(h: Tensor, w: Tensor, u: Tensor | None, b: Tensor | None, targets: Tensor, chunk: int, softcap: float,
-             scaling: float, fp32_matmul: bool, need: tuple[bool, bool, bool, bool]) -> tuple[Any, ...]:
-    """The loss sum and, where ``need`` says (for h, w, u, b), the unscaled gradients (see the module docstring).
+def _chunked(
+    h: Tensor,
+    w: Tensor,
+    u: Tensor | None,
+    b: Tensor | None,
+    targets: Tensor,
+    chunk: int,
+    softcap: float,
+    scaling: float,
+    fp32_matmul: bool,
+    need: tuple[bool, bool, bool, bool],
+) -> tuple[Any, ...]:
+    """The loss sum and, where ``need`` says (for h, w, u, b), the unscaled gradients (see the
+    module docstring).
 
-    Returns ``(loss, rows, dh, dw, du, db)``: ``rows`` the scored rows (None: all), ``dh``/``du`` gradients of those
-    rows only (n, D) / (n, r), ``dw`` (V, D) and ``db`` (V, r) fp32; None where not needed.
+    Returns ``(loss, rows, dh, dw, du, db)``: ``rows`` the scored rows (None: all), ``dh``/``du`` gradients of
+    those rows only (n, D) / (n, r), ``dw`` (V, D) and ``db`` (V, r) fp32; None where not needed.
     """
     dtype = h.dtype
     rows = _scored_rows(targets)
@@ -198,7 +220,8 @@ def _chunked(h: Tensor, w: Tensor, u: Tensor | None, b: Tensor | None, targets: 
     dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_w else None
     du = torch.empty_like(u) if need_u else None
     db = torch.zeros(b.shape, dtype=torch.float32, device=b.device) if need_b else None
-    loss = torch.zeros((), dtype=torch.float64, device=h.device)  # summed in fp64 (as nll_loss on CPU), returned fp32
+    # summed in fp64 (as nll_loss on CPU), returned fp32
+    loss = torch.zeros((), dtype=torch.float64, device=h.device)
     for start in range(0, n, chunk):
         h_c, t_c = h[start:start + chunk], targets[start:start + chunk]
         z = (F.linear(h_c.float(), w_mm).to(dtype) if fp32_matmul else F.linear(h_c, w_mm))  # (c, V)
@@ -206,13 +229,15 @@ def _chunked(h: Tensor, w: Tensor, u: Tensor | None, b: Tensor | None, targets: 
             z = z + (F.linear(u[start:start + chunk], b) * scaling).to(dtype)
         deriv = None
         if softcap:
-            tanh = z.div_(softcap).tanh_()  # in place (z is this chunk's own), in the compute dtype as the model's
+            # in place (z is this chunk's own), in the compute dtype as the model's
+            tanh = z.div_(softcap).tanh_()
             z = tanh * softcap
             if need_h or need_w or need_u or need_b:
                 deriv = tanh.float().square_().neg_().add_(1.0)  # d(c · tanh(z / c)) / dz
             del tanh
         z = z.float()  # the fp32 softmax (a no-op in fp32)
-        scored = None if rows is not None or h.device.type in GATHER_SCORED_ROWS_ON else t_c != IGNORE_INDEX  # see _scored_rows
+        # see _scored_rows
+        scored = None if rows is not None or h.device.type in GATHER_SCORED_ROWS_ON else t_c != IGNORE_INDEX
         if scored is not None:
             t_c = t_c.clamp_min(0)  # an ignored row's target: any id, its loss and gradient masked below
         z_t = z.gather(1, t_c.unsqueeze(1)).squeeze(1)
@@ -271,8 +296,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:  # noqa: ANN001 - autograd's ctx
         if ctx.grads is None:
-            raise RuntimeError("the chunked loss's backward ran twice (retain_graph): its gradients are made in "
-                               "forward and handed out once; use train.loss_chunk_tokens = 0 for a double backward")
+            raise RuntimeError("the chunked loss's backward ran twice (retain_graph): its gradients are made "
+                               "in forward and handed out once; use train.loss_chunk_tokens = 0 for a double "
+                               "backward")
         grads, ctx.grads = ctx.grads, None
         out: list[Tensor | None] = []
         for i, (g, dtype) in enumerate(zip(grads, ctx.dtypes)):

@@ -1,8 +1,8 @@
 """The load-balancing loss of mixture-of-experts models, with its statistics over every data-parallel rank.
 
-transformers' ``load_balancing_loss_func`` (Switch Transformers, Fedus et al. 2021, eqs. 4-6, as transformers 5.x
-sums it over layers): with C_e the (token, slot) assignments expert e received and S_e the sum of the router
-probabilities of e, both summed over the layers and the tokens of a forward, and R = layers × tokens,
+transformers' ``load_balancing_loss_func`` (Switch Transformers, Fedus et al. 2021, eqs. 4-6, as transformers
+5.x sums it over layers): with C_e the (token, slot) assignments expert e received and S_e the sum of the
+router probabilities of e, both summed over the layers and the tokens of a forward, and R = layers × tokens,
 
     aux = E · Σ_e (C_e / R) · (S_e / R).
 
@@ -51,10 +51,10 @@ def moe_loss_term(model: nn.Module, aux_coef: float, z_coef: float = 0.0,
                   group: dist.ProcessGroup | None = None) -> MoELossTerm | None:
     """The MoE loss terms of the model's last forward, or None for a dense model.
 
-    Reads each layer's :class:`~shardlm.model.moe.RouterStats`; when a process group is initialised (``group``,
-    default the world: every rank's tokens, data- and context-parallel; not for tensor parallel, whose ranks
-    hold the same tokens) sums counts, probability sums, z sums and tokens with one
-    ``all_reduce`` (a collective: every rank calls it after each forward).
+    Reads each layer's :class:`~shardlm.model.moe.RouterStats`; when a process group is initialised
+    (``group``, default the world: every rank's tokens, data- and context-parallel; not for tensor parallel,
+    whose ranks hold the same tokens) sums counts, probability sums, z sums and tokens with one ``all_reduce``
+    (a collective: every rank calls it after each forward).
 
     Raises:
         RuntimeError: a MoE layer has no statistics (the model was not run forward).

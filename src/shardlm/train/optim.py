@@ -1,5 +1,5 @@
-"""AdamW with parameter groups, the learning-rate schedule (linear warm-up, cosine decay), and gradient clipping by
-the global norm."""
+"""AdamW with parameter groups, the learning-rate schedule (linear warm-up, cosine decay), and gradient
+clipping by the global norm."""
 
 from __future__ import annotations
 
@@ -66,7 +66,9 @@ def build_scheduler(optimizer: torch.optim.Optimizer, tcfg: TrainConfig) -> Lamb
     return LambdaLR(optimizer, lambda step: lr_at(step, tcfg) / tcfg.lr)
 
 
-def apply_train_config(optimizer: torch.optim.Optimizer, scheduler: LambdaLR, tcfg: TrainConfig, step: int) -> None:
+def apply_train_config(
+    optimizer: torch.optim.Optimizer, scheduler: LambdaLR, tcfg: TrainConfig, step: int
+) -> None:
     """After a resume at ``step``: AdamW's settings and the LR schedule from ``tcfg``, not the checkpoint's.
 
     Loading restores the old run's ``betas``, ``eps``, ``weight_decay`` and base learning rate with the
@@ -104,15 +106,18 @@ def sum_of_squares_fp64(t: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def _world_sum_of_squares(grads: list[DTensor], local: list[torch.Tensor], extras: torch.Tensor | None) -> torch.Tensor:
-    """The global fp64 sum of squares when every gradient's mesh spans all ranks (FSDP, HSDP, FSDP × TP), in one
-    all-reduce over the world that also carries ``extras``: each rank adds its local values of a gradient only when
-    its coordinate is 0 on every mesh dimension where that gradient is ``Replicate`` (the other coordinates hold
-    copies), so each value is counted exactly once."""
+def _world_sum_of_squares(
+    grads: list[DTensor], local: list[torch.Tensor], extras: torch.Tensor | None
+) -> torch.Tensor:
+    """The global fp64 sum of squares when every gradient's mesh spans all ranks (FSDP, HSDP, FSDP × TP), in
+    one all-reduce over the world that also carries ``extras``: each rank adds its local values of a gradient
+    only when its coordinate is 0 on every mesh dimension where that gradient is ``Replicate`` (the other
+    coordinates hold copies), so each value is counted exactly once."""
     total = torch.zeros((), dtype=torch.float64, device=local[0].device)
     for g, t in zip(grads, local):
         coordinate = g.device_mesh.get_coordinate()
-        if all(c == 0 for c, p in zip(coordinate, g.placements) if p.is_replicate()):  # (FSDP × TP: _StridedShard,
+        if all(c == 0 for c, p in zip(coordinate, g.placements) if p.is_replicate()):
+            # (FSDP × TP: _StridedShard,
             # not a Shard subclass, on the dp dimension)
             total += sum_of_squares_fp64(t).to(total.device)
     buf = total.reshape(1) if extras is None else torch.cat([total.reshape(1), extras.to(total.device)])
@@ -124,8 +129,9 @@ def _world_sum_of_squares(grads: list[DTensor], local: list[torch.Tensor], extra
 
 def _grouped_sum_of_squares(grads: list[torch.Tensor], local: list[torch.Tensor], extras: torch.Tensor | None,
                             world: int) -> torch.Tensor:
-    """The global fp64 sum of squares otherwise (DDP, one process, meshes not spanning every rank): one all-reduce
-    per (mesh, sharded dimension) group, ``extras`` packed into one spanning every rank, else all-reduced alone."""
+    """The global fp64 sum of squares otherwise (DDP, one process, meshes not spanning every rank): one
+    all-reduce per (mesh, sharded dimension) group, ``extras`` packed into one spanning every rank, else
+    all-reduced alone."""
     squares: dict[tuple, torch.Tensor] = {}  # (mesh, sharded mesh dims) -> fp64 sum of squares on this rank
     for g, t in zip(grads, local):
         key = (g.device_mesh, tuple(i for i, p in enumerate(g.placements) if not p.is_replicate())) \

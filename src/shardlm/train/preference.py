@@ -4,29 +4,33 @@ Per pair, with ``logp`` the summed log-probability of a completion's scored toke
 ``ref`` the same under the reference, ``avg`` the per-token mean ``logp / n`` and Δ the chosen-minus-rejected
 difference (c: chosen, r: rejected)::
 
-    dpo     -(1-ε)·logσ(β·Δ(logp - ref)) - ε·logσ(-β·Δ(logp - ref))   Rafailov et al. 2023, Eq. 7; ε: Mitchell 2023
-                                                                     (TRL DPOTrainer ``sigmoid`` at ε = 0; with ε
-                                                                     CPOTrainer's ``sigmoid`` on the log-ratios:
-                                                                     TRL 1.16's DPOTrainer ignores ε there)
-    ipo     (Δ((logp - ref) / n) - 1/(2β))²                           Azar et al. 2023, Eq. 17, per-token averaged as
-                                                                     TRL's DPOTrainer (confirmed with the authors)
-    hinge   max(0, 1 - β·Δ(logp - ref))                               SLiC-HF, Zhao et al. 2023 (TRL ``hinge``)
-    simpo   -(1-ε)·logσ(β·Δavg - γ) - ε·logσ(-(β·Δavg - γ))           Meng et al. 2024, Eq. 6 (TRL CPOTrainer ``simpo``)
-    orpo    -β·logσ(Δavg - Δlog(1 - exp(avg)))                        Hong et al. 2024, Eqs. 4-7 (TRL ORPOTrainer), λ=β
+    dpo     -(1-ε)·logσ(β·Δ(logp - ref)) - ε·logσ(-β·Δ(logp - ref))  Rafailov et al. 2023, Eq. 7; ε: Mitchell
+                                                                     2023 (TRL DPOTrainer ``sigmoid`` at ε =
+                                                                     0; with ε CPOTrainer's ``sigmoid`` on the
+                                                                     log-ratios: TRL 1.16's DPOTrainer ignores
+                                                                     ε there)
+    ipo     (Δ((logp - ref) / n) - 1/(2β))²                          Azar et al. 2023, Eq. 17, per-token
+                                                                     averaged as TRL's DPOTrainer (confirmed
+                                                                     with the authors)
+    hinge   max(0, 1 - β·Δ(logp - ref))                              SLiC-HF, Zhao et al. 2023 (TRL ``hinge``)
+    simpo   -(1-ε)·logσ(β·Δavg - γ) - ε·logσ(-(β·Δavg - γ))          Meng et al. 2024, Eq. 6 (TRL CPOTrainer
+                                                                     ``simpo``)
+    orpo    -β·logσ(Δavg - Δlog(1 - exp(avg)))                       Hong et al. 2024, Eqs. 4-7 (TRL
+                                                                     ORPOTrainer), λ=β
     + α·NLL   mean NLL of the chosen tokens (RPO, Pang et al. 2024; ORPO's L_SFT with weight 1 + α)
 
-The step's loss is the mean of the per-pair losses over the pairs of the whole global batch plus the NLL term's
-mean over the chosen tokens of the whole global batch; each micro-batch contributes its sums divided by those
-global counts (known on the host), so N ranks equal one process. Rewards as TRL logs them: ``β·(logp - ref)``
-(dpo / ipo / hinge), ``β·avg`` (simpo / orpo); ``logps/*`` are ``logp`` (dpo / ipo / hinge) or ``avg`` (simpo /
-orpo), as the trainers return them; ``logits/*`` the mean over the completions' scored tokens of the logits' mean
-over the vocabulary (DPOTrainer's definition, used for every loss here: TRL 1.16's CPOTrainer and ORPOTrainer log
-the mean over every position of the padded chosen / rejected logits, prompt and padding included, a figure that
-moves with the batch's padding; not reproduced).
+The step's loss is the mean of the per-pair losses over the pairs of the whole global batch plus the NLL
+term's mean over the chosen tokens of the whole global batch; each micro-batch contributes its sums divided by
+those global counts (known on the host), so N ranks equal one process. Rewards as TRL logs them: ``β·(logp -
+ref)`` (dpo / ipo / hinge), ``β·avg`` (simpo / orpo); ``logps/*`` are ``logp`` (dpo / ipo / hinge) or ``avg``
+(simpo / orpo), as the trainers return them; ``logits/*`` the mean over the completions' scored tokens of the
+logits' mean over the vocabulary (DPOTrainer's definition, used for every loss here: TRL 1.16's CPOTrainer and
+ORPOTrainer log the mean over every position of the padded chosen / rejected logits, prompt and padding
+included, a figure that moves with the batch's padding; not reproduced).
 
-Log-probs are computed from the final hidden states a chunk of ``train.loss_chunk_tokens`` scored tokens at a time
-(:func:`completion_logps`): each chunk's logits are made, reduced to one log-prob per token and freed, and are made
-again in the backward (``torch.utils.checkpoint``), so the whole logits never exist.
+Log-probs are computed from the final hidden states a chunk of ``train.loss_chunk_tokens`` scored tokens at a
+time (:func:`completion_logps`): each chunk's logits are made, reduced to one log-prob per token and freed,
+and are made again in the backward (``torch.utils.checkpoint``), so the whole logits never exist.
 """
 
 from __future__ import annotations
@@ -48,17 +52,18 @@ NEEDS_REFERENCE = ("dpo", "ipo", "hinge")
 
 #: per-micro-batch sums the step all-reduces, in this order (:meth:`PreferenceObjective.metrics` divides them)
 STAT_NAMES = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
-              "logps/rejected", "logits/chosen", "logits/rejected", "tokens/chosen", "tokens/rejected", "nll_loss")
+              "logps/rejected", "logits/chosen", "logits/rejected", "tokens/chosen", "tokens/rejected",
+              "nll_loss")
 
 
 def _token_logps(llama: nn.Module, hidden: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
-    """Log-probability (c,) fp32 of each target under the model's output head on ``hidden`` (c, D), and the mean
-    over the vocabulary of each row's logits (c,) fp32 (a metric, without gradient).
+    """Log-probability (c,) fp32 of each target under the model's output head on ``hidden`` (c, D), and the
+    mean over the vocabulary of each row's logits (c,) fp32 (a metric, without gradient).
 
-    ``lm_head.forward`` is called, not the module: under FSDP2 each call of a group's module registers one more
-    post-backward (a reduce-scatter), and the number of chunks differs between ranks (their completions' lengths
-    do); the output group is unsharded by the final norm's call (same group, never resharded after forward) and
-    reduce-scattered once, after the norm's backward, when every chunk's gradient is in."""
+    ``lm_head.forward`` is called, not the module: under FSDP2 each call of a group's module registers one
+    more post-backward (a reduce-scatter), and the number of chunks differs between ranks (their completions'
+    lengths do); the output group is unsharded by the final norm's call (same group, never resharded after
+    forward) and reduce-scattered once, after the norm's backward, when every chunk's gradient is in."""
     logits = llama.lm_head.forward(hidden)
     cap = llama.cfg.final_logit_softcap
     if cap:
@@ -72,10 +77,11 @@ def head_logps(llama: nn.Module, hidden: Tensor, targets: Tensor, chunk_tokens: 
     """Per sequence: summed log-probs of the scored targets, and the sum of their logits' vocabulary means.
 
     Args:
-        llama: the :class:`~shardlm.model.llama.Llama` whose ``lm_head`` (any of its forms: plain, LoRA, NF4 base)
-            and ``final_logit_softcap`` make the logits, as its own forward does.
-        hidden: (R, T, D) final-norm output, compute dtype; targets: (R, T) int64, ``IGNORE_INDEX`` off-completion.
-        chunk_tokens: scored tokens per chunk (0: one chunk of all). With gradients each chunk is checkpointed: its
+        llama: the :class:`~shardlm.model.llama.Llama` whose ``lm_head`` (any of its forms: plain, LoRA, NF4
+            base) and ``final_logit_softcap`` make the logits, as its own forward does.
+        hidden: (R, T, D) final-norm output, compute dtype; targets: (R, T) int64, ``IGNORE_INDEX``
+        off-completion. chunk_tokens: scored tokens per chunk (0: one chunk of all). With gradients each chunk
+        is checkpointed: its
             logits (chunk × V fp32) are freed after the forward and made again in the backward.
 
     Returns ``(logps, logit_sums)``, both (R,) fp32; ``logit_sums`` has no gradient.
@@ -88,7 +94,8 @@ def head_logps(llama: nn.Module, hidden: Tensor, targets: Tensor, chunk_tokens: 
     n = h.shape[0]
     chunk = chunk_tokens or max(n, 1)
     logps, means = [], []
-    for start in range(0, max(n, 1), chunk):  # no scored token: one empty chunk (the head's weights get zero grads)
+    for start in range(0, max(n, 1), chunk):
+        # no scored token: one empty chunk (the head's weights get zero grads)
         h_c, t_c = h[start:start + chunk], tgt[start:start + chunk]
         if torch.is_grad_enabled() and chunk < n:
             lp, mean = checkpoint(_token_logps, llama, h_c, t_c, use_reentrant=False)
@@ -101,9 +108,12 @@ def head_logps(llama: nn.Module, hidden: Tensor, targets: Tensor, chunk_tokens: 
     return out.index_add(0, seq, torch.cat(logps)), out.index_add(0, seq, torch.cat(means))
 
 
-def completion_logps(model: nn.Module, inputs: Tensor, targets: Tensor, chunk_tokens: int) -> tuple[Tensor, Tensor]:
-    """:func:`head_logps` of ``model`` (a Llama, FSDP-sharded or not) on ``inputs`` (R, T): one forward, the output
-    head applied through the model's ``head`` argument (so FSDP's hooks of the root run as for the token loss)."""
+def completion_logps(
+    model: nn.Module, inputs: Tensor, targets: Tensor, chunk_tokens: int
+) -> tuple[Tensor, Tensor]:
+    """:func:`head_logps` of ``model`` (a Llama, FSDP-sharded or not) on ``inputs`` (R, T): one forward, the
+    output head applied through the model's ``head`` argument (so FSDP's hooks of the root run as for the
+    token loss)."""
     def head(llama: nn.Module, hidden: Tensor) -> tuple[Tensor, Tensor]:
         return head_logps(llama, hidden, targets, chunk_tokens)
 
@@ -132,8 +142,8 @@ def adapters_off(model: nn.Module) -> Iterator[None]:
 
 @dataclass
 class PairTerms:
-    """One micro-batch's per-pair results, each (P,) fp32: ``losses`` (the per-pair loss), ``chosen_rewards`` and
-    ``rejected_rewards`` (TRL's), ``chosen_logps`` and ``rejected_logps`` (as TRL logs them)."""
+    """One micro-batch's per-pair results, each (P,) fp32: ``losses`` (the per-pair loss), ``chosen_rewards``
+    and ``rejected_rewards`` (TRL's), ``chosen_logps`` and ``rejected_logps`` (as TRL logs them)."""
 
     losses: Tensor
     chosen_rewards: Tensor
@@ -142,15 +152,15 @@ class PairTerms:
     rejected_logps: Tensor
 
 
-def pair_losses(loss: str, beta: float, label_smoothing: float, simpo_gamma: float, logps: Tensor, counts: Tensor,
-                ref_logps: Tensor | None) -> PairTerms:
+def pair_losses(loss: str, beta: float, label_smoothing: float, simpo_gamma: float, logps: Tensor,
+                counts: Tensor, ref_logps: Tensor | None) -> PairTerms:
     """The per-pair losses and rewards of the module docstring.
 
     Args:
-        loss: ``dpo``, ``ipo``, ``hinge``, ``simpo`` or ``orpo``.
-        logps: (2P,) fp32 summed log-probs, the P chosen completions first, then the P rejected in the same order.
-        counts: (2P,) scored tokens of each completion (>= 1 for simpo / orpo / ipo; clamped at 1 as TRL does).
-        ref_logps: (2P,) the reference's, for dpo / ipo / hinge; None otherwise.
+        loss: ``dpo``, ``ipo``, ``hinge``, ``simpo`` or ``orpo``. logps: (2P,) fp32 summed log-probs, the P
+        chosen completions first, then the P rejected in the same order. counts: (2P,) scored tokens of each
+        completion (>= 1 for simpo / orpo / ipo; clamped at 1 as TRL does). ref_logps: (2P,) the reference's,
+        for dpo / ipo / hinge; None otherwise.
 
     Raises:
         ValueError: an unknown ``loss``, or a reference-based loss without ``ref_logps``.
@@ -193,13 +203,14 @@ def pair_stats(terms: PairTerms, logps: Tensor, logit_sums: Tensor, counts: Tens
     p = terms.losses.shape[0]
     c, r = terms.chosen_rewards, terms.rejected_rewards
     return torch.stack([
-        c.sum(), r.sum(), (c > r).float().sum(), (c - r).sum(), terms.chosen_logps.sum(), terms.rejected_logps.sum(),
-        logit_sums[:p].sum(), logit_sums[p:].sum(), counts[:p].sum().float(), counts[p:].sum().float(),
-        -logps[:p].detach().sum()]).double()
+        c.sum(), r.sum(), (c > r).float().sum(), (c - r).sum(), terms.chosen_logps.sum(),
+        terms.rejected_logps.sum(), logit_sums[:p].sum(), logit_sums[p:].sum(), counts[:p].sum().float(),
+        counts[p:].sum().float(), -logps[:p].detach().sum()]).double()
 
 
 def metrics_of(sums: list[float], pairs: int) -> dict[str, float]:
-    """TRL's metrics of a global batch from the all-reduced :func:`pair_stats` sums and its number of pairs."""
+    """TRL's metrics of a global batch from the all-reduced :func:`pair_stats` sums and its number
+    of pairs."""
     s = dict(zip(STAT_NAMES, sums))
     out = {k: s[k] / pairs for k in STAT_NAMES[:6]}
     out["logits/chosen"] = s["logits/chosen"] / max(s["tokens/chosen"], 1.0)
@@ -214,13 +225,14 @@ def micro_batch_loss(model: nn.Module, batch: Tensor, loss: str, beta: float, la
     """One micro-batch's share of the global batch's preference loss, and its :func:`pair_stats`.
 
     Args:
-        batch: (2P, 2, T + 1) int64 from :meth:`shardlm.data.preference.PreferencePairs.get` (chosen rows first).
-        ref_logps: (2P,) the reference's summed log-probs of the same rows (dpo / ipo / hinge), else None.
-        global_pairs, global_chosen_tokens: the pairs and the scored chosen tokens of the whole global batch (all
+        batch: (2P, 2, T + 1) int64 from :meth:`shardlm.data.preference.PreferencePairs.get` (chosen rows
+        first). ref_logps: (2P,) the reference's summed log-probs of the same rows (dpo / ipo / hinge), else
+        None. global_pairs, global_chosen_tokens: the pairs and the scored chosen tokens of the whole global
+        batch (all
             ranks and micro-batches): the divisors of the two means.
 
-    Returns ``(loss, stats)``: a 0-dim fp32 tensor with gradient (summed over the micro-batches and ranks it is the
-    step's loss), and (len(STAT_NAMES),) fp64.
+    Returns ``(loss, stats)``: a 0-dim fp32 tensor with gradient (summed over the micro-batches and ranks it
+    is the step's loss), and (len(STAT_NAMES),) fp64.
     """
     inputs, targets = split_batch(batch)
     logps, logit_sums = completion_logps(model, inputs, targets, chunk_tokens)

@@ -3,18 +3,20 @@
 :class:`PreferenceObjective` is what the trainer asks, per micro-batch, for the loss (its share of the global
 batch's mean, see :mod:`shardlm.train.preference`) and the metric sums; it owns the reference, one of:
 
-* ``model`` (reference (b)): a frozen copy built like the policy (FSDP-sharded on the same mesh, no LoRA, every
-  parameter ``requires_grad=False``, eval mode) from ``preference.reference_from`` or ``model.init_from`` (or the
-  policy's own random initialisation), run under ``torch.no_grad`` on the same rows before the policy's forward;
+* ``model`` (reference (b)): a frozen copy built like the policy (FSDP-sharded on the same mesh, no LoRA,
+  every parameter ``requires_grad=False``, eval mode) from ``preference.reference_from`` or
+  ``model.init_from`` (or the policy's own random initialisation), run under ``torch.no_grad`` on the same
+  rows before the policy's forward;
 * ``lora_base`` (reference (c)): the policy itself with its adapters switched off
   (:func:`~shardlm.train.preference.adapters_off`): the base, no second copy;
-* either of them precomputed (reference (a), ``preference.precompute_reference``): one pass over every training
-  pair before step 1, the pairs split over the ranks (each rank the same number of forwards), the table summed
-  over ranks, written to ``<run dir>/reference_logps/<key>.safetensors`` where the key is the SHA-256 of the
-  reference's identity by content (the SHA-256 of the model directory's weights and settings files, or the random
-  initialisation's seed and shape, and which reference) and of the prepared pairs' tokens (their files' SHA-256,
-  ``train.seq_len``); a resume or a second run with the same key reads it instead, a changed model or changed
-  data (of any size or date) makes another key. The reference model is freed before training.
+* either of them precomputed (reference (a), ``preference.precompute_reference``): one pass over every
+  training pair before step 1, the pairs split over the ranks (each rank the same number of forwards), the
+  table summed over ranks, written to ``<run dir>/reference_logps/<key>.safetensors`` where the key is the
+  SHA-256 of the reference's identity by content (the SHA-256 of the model directory's weights and settings
+  files, or the random initialisation's seed and shape, and which reference) and of the prepared pairs' tokens
+  (their files' SHA-256, ``train.seq_len``); a resume or a second run with the same key reads it instead, a
+  changed model or changed data (of any size or date) makes another key. The reference model is freed
+  before training.
 
 simpo and orpo have no reference.
 """
@@ -57,7 +59,8 @@ from shardlm.train.preference import (
 
 
 def reference_kind(cfg: Config) -> str:
-    """``model`` or ``lora_base`` (``preference.reference`` with ``auto`` resolved), or ``none`` (simpo, orpo)."""
+    """``model`` or ``lora_base`` (``preference.reference`` with ``auto`` resolved), or ``none``
+    (simpo, orpo)."""
     pref = cfg.preference
     if pref.loss not in NEEDS_REFERENCE:
         return "none"
@@ -75,22 +78,24 @@ def check_reference_tokenizer(reference_dir: str, tokenizer_path: str) -> None:
     """
     theirs = Path(reference_dir) / "tokenizer.json"
     if not theirs.is_file():
-        raise ConfigError(f"preference.reference_from {reference_dir} has no tokenizer.json: cannot check that the "
-                          "reference reads the same token ids as the policy")
+        raise ConfigError(f"preference.reference_from {reference_dir} has no tokenizer.json: cannot check "
+                          "that the reference reads the same token ids as the policy")
     a, b = Tokenizer.from_file(str(theirs)), Tokenizer.from_file(str(tokenizer_path))
     added_a = {i: t.content for i, t in a.get_added_tokens_decoder().items()}
     added_b = {i: t.content for i, t in b.get_added_tokens_decoder().items()}
     if a.get_vocab(with_added_tokens=True) != b.get_vocab(with_added_tokens=True) or added_a != added_b:
-        raise ConfigError(f"preference.reference_from {reference_dir}: its tokenizer differs from the policy's "
-                          f"({tokenizer_path}; {a.get_vocab_size()} vs {b.get_vocab_size()} tokens): the reference "
-                          "would score other tokens than the policy; use a reference with the policy's tokenizer")
+        raise ConfigError(f"preference.reference_from {reference_dir}: its tokenizer differs from the "
+                          f"policy's ({tokenizer_path}; {a.get_vocab_size()} vs {b.get_vocab_size()} "
+                          "tokens): the reference would score other tokens than the policy; use a reference "
+                          "with the policy's tokenizer")
 
 
 def reference_identity(cfg: Config, kind: str) -> dict[str, Any]:
     """What the reference log-probs depend on besides the data, by content: the SHA-256 of every file of the
-    reference's model directory that holds weights or their settings (``*.safetensors``, ``*.json``, ``*.gguf``;
-    the whole file, streamed: about a second per GB), or of the file itself; for a random initialisation its seed
-    and the model shape; and the kind of reference. Another directory with the same content has the same identity."""
+    reference's model directory that holds weights or their settings (``*.safetensors``, ``*.json``,
+    ``*.gguf``; the whole file, streamed: about a second per GB), or of the file itself; for a random
+    initialisation its seed and the model shape; and the kind of reference. Another directory with the same
+    content has the same identity."""
     src = cfg.preference.reference_from or cfg.model.init_from
     if src:
         root = Path(src)
@@ -101,9 +106,9 @@ def reference_identity(cfg: Config, kind: str) -> dict[str, Any]:
 
 
 def table_key(cfg: Config, kind: str, data: PreferencePairs) -> str:
-    """The precomputed table's key: the hex SHA-256 of the reference's identity (:func:`reference_identity`) and
-    of the scored data by content (the SHA-256 of the prepared ``train.bin`` and ``train.idx``, the number of
-    pairs, ``train.seq_len``)."""
+    """The precomputed table's key: the hex SHA-256 of the reference's identity (:func:`reference_identity`)
+    and of the scored data by content (the SHA-256 of the prepared ``train.bin`` and ``train.idx``, the number
+    of pairs, ``train.seq_len``)."""
     root = data_dir(cfg)
     tokens = {name: sha256_file(root / name) for name in ("train.bin", "train.idx")}
     key = json.dumps({"reference": reference_identity(cfg, kind), "data": tokens, "pairs": len(data),
@@ -115,10 +120,10 @@ class PreferenceObjective:
     """The per-micro-batch preference loss of a run (see the module docstring for the reference).
 
     Args:
-        cfg: the run's config (``[preference]``, ``train.loss_chunk_tokens``).
-        data: the training pairs (the sampler's ids index them).
-        reference: the frozen reference model (kind ``model``, not precomputed), else None.
-        table: (n, 2) fp64 precomputed reference log-probs (chosen, rejected) of every training pair, else None.
+        cfg: the run's config (``[preference]``, ``train.loss_chunk_tokens``). data: the training pairs (the
+        sampler's ids index them). reference: the frozen reference model (kind ``model``, not precomputed),
+        else None. table: (n, 2) fp64 precomputed reference log-probs (chosen, rejected) of every training
+        pair, else None.
     """
 
     def __init__(self, cfg: Config, data: PreferencePairs, kind: str, reference: nn.Module | None = None,
@@ -127,12 +132,14 @@ class PreferenceObjective:
         self.reused = False  # the table was read from an earlier pass (set by build)
 
     @classmethod
-    def build(cls, cfg: Config, info: DistInfo, mesh: DeviceMesh | None, policy: nn.Module, data: PreferencePairs,
-              run_dir: Path) -> PreferenceObjective:
-        """The objective with its reference built (and, with ``precompute_reference``, its table computed or read).
+    def build(cls, cfg: Config, info: DistInfo, mesh: DeviceMesh | None, policy: nn.Module,
+              data: PreferencePairs, run_dir: Path) -> PreferenceObjective:
+        """The objective with its reference built (and, with ``precompute_reference``, its table computed
+        or read).
 
         Raises:
-            ConfigError: a reference model whose tokenizer differs from the policy's (:func:`check_reference_tokenizer`).
+            ConfigError: a reference model whose tokenizer differs from the policy's
+            (:func:`check_reference_tokenizer`).
         """
         kind = reference_kind(cfg)
         pref = cfg.preference
@@ -154,18 +161,19 @@ class PreferenceObjective:
         if info.is_main:
             path.parent.mkdir(parents=True, exist_ok=True)
             save_safetensors({"ref_logps": table.cpu()}, path, metadata={"key": path.stem})
-            print(f"preference: reference log-probs of {len(data):,} pairs written to {path}", file=sys.stderr,
-                  flush=True)
+            print(f"preference: reference log-probs of {len(data):,} pairs written to {path}",
+                  file=sys.stderr, flush=True)
         del reference
         return cls(cfg, data, kind, None, table)
 
     def describe(self) -> str:
         """One line for the run summary."""
         p = self.cfg.preference
-        ref = {"none": "no reference", "model": "reference: a frozen model", "lora_base": "reference: the base with "
-               "the LoRA adapters off"}[self.kind]
+        ref = {"none": "no reference", "model": "reference: a frozen model",
+               "lora_base": "reference: the base with " "the LoRA adapters off"}[self.kind]
         if self.reference is not None:
-            ref += f" ({format_bytes(sum(local_bytes(q) for q in self.reference.parameters()))} of shards on this rank)"
+            ref += (f" ({format_bytes(sum(local_bytes(q) for q in self.reference.parameters()))} of shards "
+                    "on this rank)")
         if self.table is not None:
             ref += ", log-probs precomputed" + (" (reused)" if self.reused else "")
         return (f"{p.loss}, beta {p.beta:g}" + (f", gamma {p.simpo_gamma:g}" if p.loss == "simpo" else "")
@@ -177,7 +185,8 @@ class PreferenceObjective:
         return len(step_ids), self.data.num_chosen_targets(step_ids)
 
     def reference_logps(self, model: nn.Module, batch: torch.Tensor, ids: list[int]) -> torch.Tensor | None:
-        """(2P,) fp32 reference log-probs of a micro-batch's rows (chosen first), or None without a reference."""
+        """(2P,) fp32 reference log-probs of a micro-batch's rows (chosen first), or None without
+        a reference."""
         if self.kind == "none":
             return None
         if self.table is not None:
@@ -211,11 +220,12 @@ class PreferenceObjective:
 
 
 def reference_config(cfg: Config) -> Config:
-    """The frozen reference model's config: the policy's (same parallelism, mesh and seed) without LoRA, freezing or
-    activation checkpointing, in the shape of ``preference.reference_from`` when set.
+    """The frozen reference model's config: the policy's (same parallelism, mesh and seed) without LoRA,
+    freezing or activation checkpointing, in the shape of ``preference.reference_from`` when set.
 
     Raises:
-        ModelDirError: ``preference.reference_from`` has no readable ``config.json`` (:func:`apply_init_from`).
+        ModelDirError: ``preference.reference_from`` has no readable ``config.json``
+        (:func:`apply_init_from`).
     """
     ref_cfg = copy.deepcopy(cfg)
     ref_cfg.lora = type(cfg.lora)()
@@ -235,7 +245,9 @@ def build_reference(cfg: Config, info: DistInfo, mesh: DeviceMesh | None) -> nn.
     return model.eval()
 
 
-def reference_table_path(cfg: Config, kind: str, run_dir: Path, data: PreferencePairs, info: DistInfo) -> Path:
+def reference_table_path(
+    cfg: Config, kind: str, run_dir: Path, data: PreferencePairs, info: DistInfo
+) -> Path:
     """``<run dir>/reference_logps/<key>.safetensors``, the key the first 16 hex digits of :func:`table_key`:
     computed on rank 0 (it reads the reference's files once) and broadcast as its 32 bytes.
 
@@ -254,9 +266,9 @@ def reference_table_path(cfg: Config, kind: str, run_dir: Path, data: Preference
 @torch.no_grad()
 def precompute_reference(model: nn.Module, lora_base: bool, data: PreferencePairs, micro_batch_size: int,
                          chunk_tokens: int, info: DistInfo) -> torch.Tensor:
-    """(len(data), 2) fp64 reference log-probs (chosen, rejected) of every pair: rank r takes pairs r, r + N, ...,
-    in micro-batches; every rank runs the same number of forwards (FSDP all-gathers: a rank with none left runs
-    one on pair 0 and discards it); the table is summed over ranks (one all-reduce)."""
+    """(len(data), 2) fp64 reference log-probs (chosen, rejected) of every pair: rank r takes pairs r, r + N,
+    ..., in micro-batches; every rank runs the same number of forwards (FSDP all-gathers: a rank with none
+    left runs one on pair 0 and discards it); the table is summed over ranks (one all-reduce)."""
     n = len(data)
     table = torch.zeros((n, 2), dtype=torch.float64, device=info.device)
     mine = list(range(info.rank, n, info.world_size))
@@ -271,6 +283,8 @@ def precompute_reference(model: nn.Module, lora_base: bool, data: PreferencePair
             logps = completion_logps(model, inputs, targets, chunk_tokens)[0]
             if ids:
                 p = len(ids)
-                table[torch.as_tensor(ids, device=info.device)] = torch.stack([logps[:p], logps[p:]], 1).double()
+                table[torch.as_tensor(ids, device=info.device)] = torch.stack(
+                    [logps[:p], logps[p:]], 1
+                ).double()
     return all_reduce_sum(table)
 

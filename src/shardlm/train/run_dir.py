@@ -33,8 +33,8 @@ def check_run_dir(cfg: Config, d: Path) -> None:
 
 
 def prepare_run_dir(cfg: Config, info: DistInfo, d: Path) -> None:
-    """Refuse a non-empty run directory ``d`` (:func:`run_dir`) unless resuming or ``run.overwrite``; rank 0 then
-    creates it. A collective (every rank looks at ``d`` before rank 0 changes it).
+    """Refuse a non-empty run directory ``d`` (:func:`run_dir`) unless resuming or ``run.overwrite``; rank 0
+    then creates it. A collective (every rank looks at ``d`` before rank 0 changes it).
 
     A fresh start with ``run.overwrite`` begins a new run: rank 0 removes the previous run's files
     (checkpoints, metrics, config, final model; see :func:`shardlm.checkpoint.run.clear_run_dir`) and

@@ -1,6 +1,7 @@
-"""Parts of a step's metrics record: its model FLOPs (block-causal attention counted per document), and what one
-kind of run adds: a mixture of experts' router losses and tokens per expert, and a data mixture's tokens and
-epochs per source. Host arithmetic on values already read (the FLOPs: on the samples' document indices)."""
+"""Parts of a step's metrics record: its model FLOPs (block-causal attention counted per document), and what
+one kind of run adds: a mixture of experts' router losses and tokens per expert, and a data mixture's tokens
+and epochs per source. Host arithmetic on values already read (the FLOPs: on the samples'
+document indices)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ def moe_metrics(values: list[float], micro_batches: int, m: ModelConfig, per_lay
     """A mixture of experts' record entries: the step's means over its micro-steps, and tokens per expert.
 
     Args:
-        values: summed over the micro-steps, ``[aux loss, z loss, counts...]``, the counts of tokens routed to each
-            (MoE layer, expert) pair, layer-major (layers in block order, ``m.n_experts`` each).
+        values: summed over the micro-steps, ``[aux loss, z loss, counts...]``, the counts of tokens routed to
+            each (MoE layer, expert) pair, layer-major (layers in block order, ``m.n_experts`` each).
         micro_batches: micro-steps of the step (the losses' sums are divided by it).
         m: the model (which blocks are MoE layers, experts per layer).
         per_layer: ``train.log_moe_layers``: also the min and max over each layer's experts
@@ -50,12 +51,12 @@ def mixture_metrics(sampler: MixtureSampler, step: int, cfg: Config) -> dict[str
 
 
 def step_model_flops(cfg: Config, data: Any, ids: list[int], rows: int) -> int:
-    """Model FLOPs of one optimizer step over global batch ``ids`` of ``data`` (the run's training samples), all
-    ranks together: :func:`shardlm.metrics.flops.model_flops` of its ``rows`` sequences of ``train.seq_len``
-    tokens (2 per preference pair), Σ n² over the documents of each sequence the model is given: ``seq_len²``
-    each under causal attention (or a sample of one document), each document's length squared under
-    block-causal attention (packed rows: each example and the padding, from the rows' lengths; windows: cut at
-    each document start, read on the host as the step's target count reads them)."""
+    """Model FLOPs of one optimizer step over global batch ``ids`` of ``data`` (the run's training samples),
+    all ranks together: :func:`shardlm.metrics.flops.model_flops` of its ``rows`` sequences of
+    ``train.seq_len`` tokens (2 per preference pair), Σ n² over the documents of each sequence the model is
+    given: ``seq_len²`` each under causal attention (or a sample of one document), each document's length
+    squared under block-causal attention (packed rows: each example and the padding, from the rows' lengths;
+    windows: cut at each document start, read on the host as the step's target count reads them)."""
     t = cfg.train.seq_len
     squared = rows * t * t
     if cfg.model.attention == "block_causal" and rows == len(ids):

@@ -1,5 +1,5 @@
-"""The start-up summary of a training job: one screen on the model, the parallelism, the batch, the data and the
-memory per rank, printed by rank 0 before step 1."""
+"""The start-up summary of a training job: one screen on the model, the parallelism, the batch, the data and
+the memory per rank, printed by rank 0 before step 1."""
 
 from __future__ import annotations
 
@@ -22,10 +22,11 @@ if TYPE_CHECKING:
 
 
 def job_summary(trainer: Trainer) -> str:
-    """A one-screen description of ``trainer``'s job: model, parallelism, batch, data, MFU's peak, memory per rank.
+    """A one-screen description of ``trainer``'s job: model, parallelism, batch, data, MFU's peak, memory
+    per rank.
 
-    A collective: every rank must call it (it all-gathers each rank's shard bytes, and with ``model.init_from``
-    the bytes each rank read); every rank gets the same text.
+    A collective: every rank must call it (it all-gathers each rank's shard bytes, and with
+    ``model.init_from`` the bytes each rank read); every rank gets the same text.
     """
     cfg, info = trainer.cfg, trainer.info
     model = unwrap(trainer.model)
@@ -40,33 +41,68 @@ def job_summary(trainer: Trainer) -> str:
         f"heads {cfg.model.n_heads}/{cfg.model.kv_heads} (q/kv), vocab {cfg.model.vocab_size}"
         f"{', tied embeddings' if cfg.model.tie_embeddings else ''}" + model_experts(cfg, model),
         f"  parallel   {cfg.parallel.mode}, world size {info.world_size}, backend {info.backend}, device "
-        f"{info.device.type}, mesh " + (" x ".join(f"{name} {size}" for name, size in zip(
-            trainer.mesh.mesh_dim_names, trainer.mesh.shape)) if trainer.mesh is not None else "none")
-        + (f"; context parallel {trainer.cp.size}: each sequence split over {trainer.cp.size} ranks "
-           f"({trainer.dp_size} data-parallel), {trainer.cp.attention_path}"
-           if trainer.cp.size > 1 else "")
-        + (f"; expert parallel {cfg.parallel.ep} (experts' mesh efsdp {info.world_size // cfg.parallel.ep} x ep "
-           f"{cfg.parallel.ep}): {cfg.model.n_experts // cfg.parallel.ep} of {cfg.model.n_experts} experts per rank"
-           if cfg.parallel.ep > 1 else ""),
+        f"{info.device.type}, mesh "
+        + (
+            " x ".join(
+                f"{name} {size}" for name, size in zip(trainer.mesh.mesh_dim_names, trainer.mesh.shape)
+            )
+            if trainer.mesh is not None
+            else "none"
+        )
+        + (
+            f"; context parallel {trainer.cp.size}: each sequence split over {trainer.cp.size} ranks "
+            f"({trainer.dp_size} data-parallel), {trainer.cp.attention_path}"
+            if trainer.cp.size > 1
+            else ""
+        )
+        + (
+            f"; expert parallel {cfg.parallel.ep} (experts' mesh efsdp {info.world_size // cfg.parallel.ep} "
+            f"x ep {cfg.parallel.ep}): {cfg.model.n_experts // cfg.parallel.ep} of {cfg.model.n_experts} "
+            "experts per rank"
+            if cfg.parallel.ep > 1
+            else ""
+        ),
         f"  settings   {describe(cfg.parallel, info.device.type)}",
         f"  batch      global {cfg.train.global_batch_size} "
         + (f"pairs ({2 * cfg.train.global_batch_size} seqs)" if trainer.preference else "seqs")
         + f" x {cfg.train.seq_len} tokens = {rows * cfg.train.seq_len:,} tokens/step; micro-batch "
-        f"{cfg.train.micro_batch_size}/{'data-parallel ' if trainer.cp.size > 1 else ''}rank; gradient accumulation "
-        f"{trainer.accum_steps}",
-        f"  attention  {cfg.model.attention}" + (f" (backend {trainer.attention_backend}, per-document positions)"
-                                                 if trainer.attention_backend else "") + f"; {trainer.attention.why}"
-        + ({"recorded": "; documents from the recorded starts", "eod": "; documents cut at each end-of-document "
-            "token (the data records no starts: prepare it again for exact boundaries)"}[trainer.train_data.source]
-           if isinstance(trainer.train_data, DocumentWindows) else ""),
+        f"{cfg.train.micro_batch_size}/{'data-parallel ' if trainer.cp.size > 1 else ''}rank; gradient "
+        f"accumulation {trainer.accum_steps}",
+        f"  attention  {cfg.model.attention}"
+        + (
+            f" (backend {trainer.attention_backend}, per-document positions)"
+            if trainer.attention_backend
+            else ""
+        )
+        + "; "
+        f"{trainer.attention.why}"
+        + (
+            {
+                "recorded": "; documents from the recorded starts",
+                "eod": "; documents cut at each end-of-document "
+                "token (the data records no starts: prepare it again for exact boundaries)",
+            }[trainer.train_data.source]
+            if isinstance(trainer.train_data, DocumentWindows)
+            else ""
+        ),
         f"  data       {len(trainer.train_data):,} train {samples}, {len(trainer.val_data):,} val {samples}, "
         f"unigram entropy {trainer.meta['unigram_entropy_nats']:.3f} nats",
-        *([f"  packing    {trainer.train_data.summary()}"] if isinstance(trainer.train_data, PackedExamples) else []),
+        *(
+            [f"  packing    {trainer.train_data.summary()}"]
+            if isinstance(trainer.train_data, PackedExamples)
+            else []
+        ),
         *([f"  preference {trainer.preference.describe()}"] if trainer.preference is not None else []),
-        f"  MFU        {trainer.flops_per_token * cfg.train.seq_len:,.0f} model FLOPs per sequence (6N + 12·L·H·Q·T"
-        + (" per token at most: block-causal counts 12·L·H·Q·Σ n² over each sequence's documents, per step"
-           if cfg.model.attention == "block_causal" else "") + "), "
-        f"peak {trainer.peak.flops / 1e12:.2f} TFLOP/s per rank ({trainer.peak.precision}, {trainer.peak.source})",
+        f"  MFU        {trainer.flops_per_token * cfg.train.seq_len:,.0f} model FLOPs per sequence (6N + "
+        "12·L·H·Q·T"
+        + (
+            " per token at most: block-causal counts 12·L·H·Q·Σ n² over each sequence's documents, per step"
+            if cfg.model.attention == "block_causal"
+            else ""
+        )
+        + "), "
+        f"peak {trainer.peak.flops / 1e12:.2f} TFLOP/s per rank ({trainer.peak.precision}, "
+        f"{trainer.peak.source})",
     ]
     trainable = [p for p in model.parameters() if p.requires_grad]
     if len(trainable) == len(list(model.parameters())):
@@ -76,12 +112,21 @@ def job_summary(trainer: Trainer) -> str:
         n_train = sum(p.numel() for p in trainable)
         train_bytes = all_gather_ints(sum(local_bytes(p) for p in trainable), info.device)
         lines += [
-            f"  trainable  {n_train:,} of {num_params(model):,} parameters ({100 * n_train / num_params(model):.2f}%)"
-            + (f"; LoRA r={cfg.lora.rank} alpha={cfg.lora.alpha:g} on {cfg.lora.targets}, base "
-               f"{cfg.lora.base_dtype}" if cfg.lora.enabled else ""),
-            "  per rank   parameter shards " + ", ".join(format_bytes(b) for b in per_rank) + " (frozen base "
-            + ", ".join(format_bytes(a - b) for a, b in zip(per_rank, train_bytes)) + "; trainable "
-            + ", ".join(format_bytes(b) for b in train_bytes) + f", + grads and AdamW state ~"
+            f"  trainable  {n_train:,} of {num_params(model):,} parameters "
+            f"({100 * n_train / num_params(model):.2f}%)"
+            + (
+                f"; LoRA r={cfg.lora.rank} alpha={cfg.lora.alpha:g} on {cfg.lora.targets}, base "
+                f"{cfg.lora.base_dtype}"
+                if cfg.lora.enabled
+                else ""
+            ),
+            "  per rank   parameter shards "
+            + ", ".join(format_bytes(b) for b in per_rank)
+            + " (frozen base "
+            + ", ".join(format_bytes(a - b) for a, b in zip(per_rank, train_bytes))
+            + "; trainable "
+            + ", ".join(format_bytes(b) for b in train_bytes)
+            + f", + grads and AdamW state ~"
             f"{format_bytes(3 * max(train_bytes))} per rank)",
         ]
     stats = trainer.pretrained_load_stats
@@ -93,10 +138,14 @@ def job_summary(trainer: Trainer) -> str:
 
 
 def model_experts(cfg: Config, model: nn.Module) -> str:
-    """The model line's mixture-of-experts part: experts, top-k, MoE layers and the parameters a token uses."""
+    """The model line's mixture-of-experts part: experts, top-k, MoE layers and the parameters a
+    token uses."""
     m = cfg.model
     if not m.n_experts:
         return ""
     moe_layers = sum(m.is_moe_layer(i) for i in range(m.n_layers))
-    return (f"; mixture of experts: {m.n_experts} experts, top-{m.n_experts_per_token}, in {moe_layers} of "
-            f"{m.n_layers} layers, {num_params(model) - inactive_expert_params(model):,} parameters active per token")
+    return (
+        f"; mixture of experts: {m.n_experts} experts, top-{m.n_experts_per_token}, in {moe_layers} of "
+        f"{m.n_layers} layers, {num_params(model) - inactive_expert_params(model):,} parameters active per "
+        "token"
+    )

@@ -1,20 +1,22 @@
 """The token loss with the output projection split over the vocabulary (tensor parallel), chunked and exact.
 
 Each of the T ranks of a tensor-parallel group holds the rows ``[v0, v0 + V/T)`` of the output weight W (V, D)
-(:func:`shardlm.parallel.tp.apply_tp`). Per chunk of c tokens each rank makes only its logits ``z_r = h_c · W_rᵀ``
-(c, V/T), and the cross-entropy is assembled from per-rank pieces with two all-reduces over the group (Megatron-LM's
-vocabulary-parallel cross-entropy, Shoeybi et al. 2019; the same sums as PyTorch's ``loss_parallel``)::
+(:func:`shardlm.parallel.tp.apply_tp`). Per chunk of c tokens each rank makes only its logits ``z_r = h_c ·
+W_rᵀ`` (c, V/T), and the cross-entropy is assembled from per-rank pieces with two all-reduces over the group
+(Megatron-LM's vocabulary-parallel cross-entropy, Shoeybi et al. 2019; the same sums as PyTorch's
+``loss_parallel``)::
 
     m = max_r max_j z_r,j                                      all-reduce MAX            (c,)
     S = Σ_r Σ_j exp(z_r,j - m),  z_t = Σ_r [t in r] z_r,t     one all-reduce SUM        (2, c)
     loss_c = Σ_i (m_i - z_t,i) + log S_i                       (= logsumexp(z_i) - z_i,t_i, exactly rewritten)
     g_r = exp(z_r - m) / S - onehot_r(t)    [· (1 - tanh²(z / cap)), Gemma's soft-cap]
-    dh_c = Σ_r g_r · W_r  (summed over the group in the backward),   dW_r += g_rᵀ · h_c  (this rank's rows only)
+    dh_c = Σ_r g_r · W_r  (summed over the group in the backward),  dW_r += g_rᵀ · h_c (this rank's rows only)
 
-As in :func:`shardlm.train.loss.linear_cross_entropy_sum` the gradients are made in the forward and only scaled in
-the backward, and nothing of size ``tokens × V`` (nor ``tokens × V/T`` beyond one chunk) is kept. Ignored targets
-(``IGNORE_INDEX``) are projected and masked (no host read). The hidden states arrive sharded along the sequence
-(sequence parallel): they are all-gathered once, and their gradient's partial sums reduce-scattered back.
+As in :func:`shardlm.train.loss.linear_cross_entropy_sum` the gradients are made in the forward and only
+scaled in the backward, and nothing of size ``tokens × V`` (nor ``tokens × V/T`` beyond one chunk) is kept.
+Ignored targets (``IGNORE_INDEX``) are projected and masked (no host read). The hidden states arrive sharded
+along the sequence (sequence parallel): they are all-gathered once, and their gradient's partial sums
+reduce-scattered back.
 """
 
 from __future__ import annotations
@@ -31,26 +33,33 @@ from shardlm.data.instruct import IGNORE_INDEX
 
 def vocab_parallel_loss_sum(hidden: DTensor, weight: DTensor, targets: Tensor, chunk_tokens: int,
                             softcap: float = 0.0) -> Tensor:
-    """Summed next-token cross-entropy of ``softcap(hidden · weightᵀ)`` with ``weight`` split over the vocabulary.
+    """Summed next-token cross-entropy of ``softcap(hidden · weightᵀ)`` with ``weight`` split over
+    the vocabulary.
 
     Args:
         hidden: (B, T, D) DTensor on the 1-D tensor-parallel mesh (any placement; sequence parallel gives
             ``Shard(1)``), the final norm's output in the compute dtype.
         weight: (V, D) DTensor ``Shard(0)`` on the same mesh: this rank's vocabulary rows, the same dtype.
         targets: (B, T) int64 ids in [0, V) or ``IGNORE_INDEX``, the same on every rank of the group.
-        chunk_tokens: tokens per chunk, >= 1 (the peak is about ``chunk_tokens × V / T`` fp32 values per rank).
-        softcap: Gemma's final logit soft-cap c (``c · tanh(z / c)``); 0 = none.
+        chunk_tokens: tokens per chunk, >= 1 (the peak is about ``chunk_tokens × V / T`` fp32 values per
+        rank). softcap: Gemma's final logit soft-cap c (``c · tanh(z / c)``); 0 = none.
 
-    Returns a 0-dim fp32 tensor, the sum in nats over the scored targets, equal on every rank of the group (and to
-    the plain loss up to summation order: fp32 within 1e-6 relative, tested).
+    Returns a 0-dim fp32 tensor, the sum in nats over the scored targets, equal on every rank of the group
+    (and to the plain loss up to summation order: fp32 within 1e-6 relative, tested).
 
     Raises:
-        ValueError: ``chunk_tokens`` < 1; a weight that is not one ``Shard(0)`` DTensor; shapes that do not fit.
+        ValueError: ``chunk_tokens`` < 1; a weight that is not one ``Shard(0)`` DTensor; shapes that do
+        not fit.
     """
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
-    if not isinstance(weight, DTensor) or weight.device_mesh.ndim != 1 or not weight.placements[0].is_shard(0):
-        raise ValueError("the vocabulary-parallel loss needs the output weight as a Shard(0) DTensor on a 1-D mesh")
+    if (
+        not isinstance(weight, DTensor)
+        or weight.device_mesh.ndim != 1
+        or not weight.placements[0].is_shard(0)
+    ):
+        raise ValueError("the vocabulary-parallel loss needs the output weight as a Shard(0) DTensor on a "
+                         "1-D mesh")
     if hidden.shape[-1] != weight.shape[1] or hidden.shape[:-1] != targets.shape:
         raise ValueError(f"hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)} and targets "
                          f"{tuple(targets.shape)} do not fit: (..., D), (V, D), (...)")
@@ -59,7 +68,8 @@ def vocab_parallel_loss_sum(hidden: DTensor, weight: DTensor, targets: Tensor, c
     # every token on every rank; the gradient's per-rank partial sums go back as a reduce-scatter
     h = hidden.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
     w = weight.to_local()  # this rank's rows; their gradient stays this rank's (Shard(0))
-    args = (h.reshape(-1, h.shape[-1]), w, targets.reshape(-1), chunk_tokens, softcap, mesh.get_group(), offset[0])
+    args = (h.reshape(-1, h.shape[-1]), w, targets.reshape(-1), chunk_tokens, softcap, mesh.get_group(),
+            offset[0])
     if torch.is_grad_enabled() and (h.requires_grad or w.requires_grad):
         return _VocabParallelCrossEntropy.apply(*args)
     return _chunks(*args, need_h=False, need_w=False)[0]
@@ -67,7 +77,8 @@ def vocab_parallel_loss_sum(hidden: DTensor, weight: DTensor, targets: Tensor, c
 
 def _chunks(h: Tensor, w: Tensor, targets: Tensor, chunk: int, softcap: float, group: dist.ProcessGroup,
             v0: int, need_h: bool, need_w: bool) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """The loss sum and, where needed, this rank's partial ``dh`` (n, D) and its rows' ``dw`` (V/T, D) fp32."""
+    """The loss sum and, where needed, this rank's partial ``dh`` (n, D) and its rows' ``dw`` (V/T,
+    D) fp32."""
     dtype = h.dtype
     n, v_local = h.shape[0], w.shape[0]
     dh = torch.empty_like(h) if need_h else None
@@ -118,7 +129,8 @@ def _chunks(h: Tensor, w: Tensor, targets: Tensor, chunk: int, softcap: float, g
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Autograd for :func:`vocab_parallel_loss_sum` on local tensors: gradients made in forward, scaled in backward."""
+    """Autograd for :func:`vocab_parallel_loss_sum` on local tensors: gradients made in forward, scaled
+    in backward."""
 
     @staticmethod
     def forward(ctx, h: Tensor, w: Tensor, targets: Tensor, chunk: int, softcap: float,  # noqa: ANN001 - ctx
@@ -132,8 +144,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:  # noqa: ANN001 - autograd's ctx
         if ctx.grads is None:
-            raise RuntimeError("the vocabulary-parallel loss's backward ran twice (retain_graph): its gradients are "
-                               "made in forward and handed out once")
+            raise RuntimeError("the vocabulary-parallel loss's backward ran twice (retain_graph): its "
+                               "gradients are made in forward and handed out once")
         grads, ctx.grads = ctx.grads, None
         out = [None if g is None else g.mul_(grad).to(dtype) for g, dtype in zip(grads, ctx.dtypes)]
         return (*out, None, None, None, None, None)

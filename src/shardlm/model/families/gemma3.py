@@ -1,6 +1,6 @@
-"""Gemma 3 (text): q/k norm, RMSNorm × (1 + weight), norms before and after attention and MLP, GeGLU (tanh GELU),
-embedding × sqrt(dim), local (sliding-window, own RoPE base) and global layers, ``query_pre_attn_scalar``, final
-logit soft-capping (Gemma 3 technical report, 2025).
+"""Gemma 3 (text): q/k norm, RMSNorm × (1 + weight), norms before and after attention and MLP, GeGLU (tanh
+GELU), embedding × sqrt(dim), local (sliding-window, own RoPE base) and global layers,
+``query_pre_attn_scalar``, final logit soft-capping (Gemma 3 technical report, 2025).
 
 ``config.json`` (``Gemma3TextConfig``): ``hidden_activation``, ``query_pre_attn_scalar``, ``sliding_window``,
 ``rope_local_base_freq``, ``layer_types`` (every n-th layer global; 4.x ``sliding_window_pattern``),
@@ -22,7 +22,8 @@ if TYPE_CHECKING:
 
 #: Gemma's four norms per block: llama.cpp names the norm before the MLP ``ffn_norm``
 GGUF_GEMMA_BLOCK_NAMES = {**GGUF_BLOCK_NAMES, "post_attention_norm": "post_attention_layernorm",
-                          "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+                          "ffn_norm": "pre_feedforward_layernorm",
+                          "post_ffw_norm": "post_feedforward_layernorm"}
 
 
 def _int_if_whole(x: float) -> int | float:
@@ -34,15 +35,19 @@ def hf_fields_out(cfg: ModelConfig) -> dict[str, Any]:
     """Gemma 3's ``config.json`` fields beyond the shared ones, in ``Gemma3TextConfig``'s names."""
     return {
         "query_pre_attn_scalar": _int_if_whole(cfg.query_pre_attn_scalar or cfg.head_dim),
-        "sliding_window": cfg.sliding_window or None, "rope_local_base_freq": cfg.rope_local_theta or cfg.rope_theta,
-        "layer_types": ["sliding_attention" if cfg.is_local(i) else "full_attention" for i in range(cfg.n_layers)],
-        "final_logit_softcapping": cfg.final_logit_softcap or None, "attn_logit_softcapping": None,
+        "sliding_window": cfg.sliding_window or None,
+        "rope_local_base_freq": cfg.rope_local_theta or cfg.rope_theta,
+        "layer_types": [
+            "sliding_attention" if cfg.is_local(i) else "full_attention" for i in range(cfg.n_layers)
+        ],
+        "final_logit_softcapping": cfg.final_logit_softcap or None,
+        "attn_logit_softcapping": None,
     }
 
 
 def hf_fields_in(cfg: ModelConfig, config: dict[str, Any], local_rope: dict[str, Any], source: str) -> None:
-    """Set ``cfg``'s sliding window, layer pattern, local RoPE base, ``query_pre_attn_scalar`` and soft-capping
-    from ``config.json``, in place, as transformers decides them.
+    """Set ``cfg``'s sliding window, layer pattern, local RoPE base, ``query_pre_attn_scalar`` and
+    soft-capping from ``config.json``, in place, as transformers decides them.
 
     Raises:
         ModelDirError: ``use_bidirectional_attention``, or ``layer_types`` other than every n-th layer global.
@@ -56,13 +61,17 @@ def hf_fields_in(cfg: ModelConfig, config: dict[str, Any], local_rope: dict[str,
         pattern = int(config.get("sliding_window_pattern") or 6)
         if types:
             n_global = types.count("full_attention")
-            pattern = types.index("full_attention") + 1 if n_global else 0  # every n-th: the first global is the n-th
+            # every n-th: the first global is the n-th
+            pattern = types.index("full_attention") + 1 if n_global else 0
             built = ["sliding_attention" if (not pattern or (i + 1) % pattern) else "full_attention"
                      for i in range(len(types))]
             if types != built:
-                raise ModelDirError(f"{source}: layer_types {types} is not every n-th layer global; not supported")
+                raise ModelDirError(f"{source}: layer_types {types} is not every n-th layer global; not "
+                                    "supported")
         cfg.sliding_window_pattern = pattern
-        cfg.rope_local_theta = float(config.get("rope_local_base_freq", local_rope.get("rope_theta", 10000.0)))
+        cfg.rope_local_theta = float(
+            config.get("rope_local_base_freq", local_rope.get("rope_theta", 10000.0))
+        )
     cfg.query_pre_attn_scalar = float(config.get("query_pre_attn_scalar") or 256)
     if cfg.query_pre_attn_scalar == cfg.head_dim:
         cfg.query_pre_attn_scalar = 0.0
@@ -70,8 +79,9 @@ def hf_fields_in(cfg: ModelConfig, config: dict[str, Any], local_rope: dict[str,
 
 
 def gguf_fields_in(cfg: ModelConfig, metadata: Callable[[str, Any], Any]) -> None:
-    """Set ``cfg``'s sliding window (default 4096), layer pattern (every 6th global), local RoPE base (10000) and,
-    for the 27B model, ``query_pre_attn_scalar`` (hidden / heads, llama.cpp's rule) from GGUF metadata, in place."""
+    """Set ``cfg``'s sliding window (default 4096), layer pattern (every 6th global), local RoPE base (10000)
+    and, for the 27B model, ``query_pre_attn_scalar`` (hidden / heads, llama.cpp's rule) from GGUF metadata,
+    in place."""
     cfg.sliding_window = int(metadata("attention.sliding_window", 4096))
     cfg.sliding_window_pattern, cfg.rope_local_theta = 6, 10000.0
     if cfg.n_layers == 62:  # Gemma 3 27B scales by hidden / heads, not the head width (llama.cpp's rule)

@@ -1,8 +1,10 @@
-"""Llama 2 / 3.x: the reference family (pre-norm blocks, SwiGLU, grouped-query attention, RoPE with llama3 scaling).
+"""Llama 2 / 3.x: the reference family (pre-norm blocks, SwiGLU, grouped-query attention, RoPE with
+llama3 scaling).
 
-Touvron et al., "LLaMA" (2023) and the Llama 3 report (2024). ``config.json``: ``attention_bias`` and ``mlp_bias``
-are built only as false; a ``sliding_window`` field is not LlamaConfig's and is ignored. GGUF: llama.cpp permutes
-the query and key rows to its interleaved RoPE and keeps Llama 3's RoPE scaling as a ``rope_freqs`` tensor.
+Touvron et al., "LLaMA" (2023) and the Llama 3 report (2024). ``config.json``: ``attention_bias`` and
+``mlp_bias`` are built only as false; a ``sliding_window`` field is not LlamaConfig's and is ignored. GGUF:
+llama.cpp permutes the query and key rows to its interleaved RoPE and keeps Llama 3's RoPE scaling as a
+``rope_freqs`` tensor.
 """
 
 from __future__ import annotations

@@ -2,9 +2,10 @@
 every layer, top-k routing renormalised over the chosen experts (Jiang et al., "Mixtral of Experts", 2024;
 transformers' ``MixtralForCausalLM``).
 
-``config.json``: ``num_local_experts``, ``num_experts_per_tok``, ``intermediate_size`` (each expert's width: no
-layer is dense), ``router_aux_loss_coef``, ``sliding_window`` (null: none); ``router_jitter_noise`` is built only
-as 0. On disk the experts are ``block_sparse_moe.experts.{e}.w1/w2/w3`` (:mod:`shardlm.convert.hf_experts`).
+``config.json``: ``num_local_experts``, ``num_experts_per_tok``, ``intermediate_size`` (each expert's width:
+no layer is dense), ``router_aux_loss_coef``, ``sliding_window`` (null: none); ``router_jitter_noise`` is
+built only as 0. On disk the experts are ``block_sparse_moe.experts.{e}.w1/w2/w3``
+(:mod:`shardlm.convert.hf_experts`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ if TYPE_CHECKING:
 
 
 def hf_fields_out(cfg: ModelConfig) -> dict[str, Any]:
-    """Mixtral's ``config.json`` fields beyond the shared ones (``intermediate_size`` is the experts' width)."""
+    """Mixtral's ``config.json`` fields beyond the shared ones (``intermediate_size`` is the
+    experts' width)."""
     return {"num_local_experts": cfg.n_experts, "num_experts_per_tok": cfg.n_experts_per_token,
             "intermediate_size": cfg.expert_ffn_dim, "router_aux_loss_coef": cfg.router_aux_loss_coef,
             "router_jitter_noise": 0.0, "sliding_window": cfg.sliding_window or None}

@@ -1,12 +1,12 @@
-"""Qwen3-MoE: Qwen3's attention (q/k norm, explicit ``head_dim``) with sparse mixture-of-experts feed-forward layers
-(Qwen3 technical report, 2025; transformers' ``Qwen3MoeForCausalLM``).
+"""Qwen3-MoE: Qwen3's attention (q/k norm, explicit ``head_dim``) with sparse mixture-of-experts feed-forward
+layers (Qwen3 technical report, 2025; transformers' ``Qwen3MoeForCausalLM``).
 
-Layer i is a MoE layer unless it is in ``mlp_only_layers`` or ``(i + 1) % decoder_sparse_step != 0``; its router is
-softmax then top-k, renormalised with ``norm_topk_prob``. ``config.json``: ``num_experts`` (transformers 5.x
-writes ``num_local_experts``), ``num_experts_per_tok``, ``moe_intermediate_size`` (an expert's width;
-``intermediate_size`` is the dense layers'), ``norm_topk_prob``, ``decoder_sparse_step``, ``mlp_only_layers``,
-``router_aux_loss_coef``; ``use_sliding_window`` and ``attention_bias`` are built only as false. The hub's
-weights hold one tensor per expert (:mod:`shardlm.convert.hf_experts`).
+Layer i is a MoE layer unless it is in ``mlp_only_layers`` or ``(i + 1) % decoder_sparse_step != 0``; its
+router is softmax then top-k, renormalised with ``norm_topk_prob``. ``config.json``: ``num_experts``
+(transformers 5.x writes ``num_local_experts``), ``num_experts_per_tok``, ``moe_intermediate_size`` (an
+expert's width; ``intermediate_size`` is the dense layers'), ``norm_topk_prob``, ``decoder_sparse_step``,
+``mlp_only_layers``, ``router_aux_loss_coef``; ``use_sliding_window`` and ``attention_bias`` are built only as
+false. The hub's weights hold one tensor per expert (:mod:`shardlm.convert.hf_experts`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ def hf_fields_in(cfg: ModelConfig, config: dict[str, Any], local_rope: dict[str,
     Raises:
         ModelDirError: ``num_experts`` missing or 0 (a dense Qwen3 is ``qwen3``).
     """
-    n_experts = config.get("num_experts") or config.get("num_local_experts")  # transformers 5.x writes the latter
+    # transformers 5.x writes the latter
+    n_experts = config.get("num_experts") or config.get("num_local_experts")
     if not n_experts:
         raise ModelDirError(f"{source}: num_experts is missing or 0 (a dense Qwen3 has model_type 'qwen3')")
     cfg.n_experts = int(n_experts)
@@ -49,5 +50,6 @@ def hf_fields_in(cfg: ModelConfig, config: dict[str, Any], local_rope: dict[str,
 FAMILY = Family(
     "qwen3_moe", "qwen3_moe", "Qwen3MoeForCausalLM", qk_norm=True, moe=True,
     hf_false_flags=("use_sliding_window", "attention_bias"),
-    hf_fields_out=hf_fields_out, hf_fields_in=hf_fields_in, hf_expert_names=("mlp", "gate_proj", "up_proj", "down_proj"),
+    hf_fields_out=hf_fields_out, hf_fields_in=hf_fields_in,
+    hf_expert_names=("mlp", "gate_proj", "up_proj", "down_proj"),
 )

@@ -1,18 +1,20 @@
-"""What a model family is (:class:`Family`) and the registry of them (:data:`FAMILIES`, :func:`register`, :func:`get`).
+"""What a model family is (:class:`Family`) and the registry of them (:data:`FAMILIES`,
+:func:`register`, :func:`get`).
 
 A family is one record: the fixed traits of its architecture, which the decoder reads as ``cfg.arch.<trait>``,
 and what is particular to it outside the model: its Hugging Face ``config.json`` fields both ways, its GGUF
-tensor names and value fixes, its refusals. The decoder, ``convert/``, the configuration checks and the planner
-consult this record; none of them branches on a family's name. Imports no torch (the configuration reads it).
+tensor names and value fixes, its refusals. The decoder, ``convert/``, the configuration checks and the
+planner consult this record; none of them branches on a family's name. Imports no torch (the configuration
+reads it).
 
 Adding a family that the existing traits express: one file in this package defining its record ``FAMILY`` and
-its module in ``BUILT`` (``__init__.py``), plus its tests; :func:`register` alone adds one at run time (a test's
-toy family). Adding a trait (mixture-of-experts layers, attention sinks,
-YaRN RoPE, ...): a field of :class:`Family` with a default that keeps every existing family as it is (``False``,
-``0``, an empty tuple, or a hook that does nothing), read where it matters as ``cfg.arch.<trait>``; a family that
-has it sets it in its own file. Per-family ``config.json`` or GGUF metadata beyond the shared fields goes in the
-family's hooks (:attr:`Family.hf_fields_out`, :attr:`Family.hf_fields_in`, :attr:`Family.gguf_fields_in`), never in
-an ``if family == ...`` elsewhere.
+its module in ``BUILT`` (``__init__.py``), plus its tests; :func:`register` alone adds one at run time (a
+test's toy family). Adding a trait (mixture-of-experts layers, attention sinks, YaRN RoPE, ...): a field of
+:class:`Family` with a default that keeps every existing family as it is (``False``, ``0``, an empty tuple, or
+a hook that does nothing), read where it matters as ``cfg.arch.<trait>``; a family that has it sets it in its
+own file. Per-family ``config.json`` or GGUF metadata beyond the shared fields goes in the family's hooks
+(:attr:`Family.hf_fields_out`, :attr:`Family.hf_fields_in`, :attr:`Family.gguf_fields_in`), never in an ``if
+family == ...`` elsewhere.
 """
 
 from __future__ import annotations
@@ -53,8 +55,9 @@ def _read_no_metadata(cfg: ModelConfig, metadata: Callable[[str, Any], Any]) -> 
 
 @dataclass(frozen=True)
 class Family:
-    """One model family: the fixed traits of its architecture (what no config field varies) and its particulars
-    in ``config.json``, GGUF files and the checks. Registered with :func:`register`; read as ``cfg.arch``."""
+    """One model family: the fixed traits of its architecture (what no config field varies) and its
+    particulars in ``config.json``, GGUF files and the checks. Registered with :func:`register`; read
+    as ``cfg.arch``."""
 
     name: str
     """Our name of the family, the value of ``model.family``."""
@@ -63,59 +66,64 @@ class Family:
     architecture: str
     """Hugging Face ``architectures[0]`` (the ``*ForCausalLM`` class)."""
 
-    # ---- traits of the architecture: read by the decoder and the planner (plan/activations.py's Shape) -------
+    # ---- traits of the architecture: read by the decoder and the planner (plan/activations.py's Shape) -----
     qkv_bias: bool = False
     """Bias on the query, key and value projections (Qwen2)."""
     qk_norm: bool = False
     """RMSNorm over each query and key head (width ``head_dim``) before RoPE (Qwen3, Gemma 3)."""
     gemma_norms: bool = False
-    """Gemma's conventions: RMSNorm scales by ``1 + weight`` (weights start at 0), a norm before *and* after the
-    attention and the MLP (four per block), the embedding multiplied by sqrt(dim) in its dtype."""
+    """Gemma's conventions: RMSNorm scales by ``1 + weight`` (weights start at 0), a norm before *and* after
+    the attention and the MLP (four per block), the embedding multiplied by sqrt(dim) in its dtype."""
     activation: Literal["silu", "gelu_tanh"] = "silu"
     """Gate activation of the gated MLP: SiLU (SwiGLU) or tanh-approximated GELU (GeGLU) [hidden_act]."""
     sliding_window: bool = False
-    """The family has sliding-window (local) layers, so ``model.sliding_window`` may be set (Mistral, Gemma 3)."""
+    """The family has sliding-window (local) layers, so ``model.sliding_window`` may be set (Mistral,
+    Gemma 3)."""
     moe: bool = False
     """A mixture of experts: the feed-forward of its sparse layers is :class:`shardlm.model.moe.MoE`, so
     ``model.n_experts`` must be set (Qwen3-MoE, Mixtral)."""
     routing: Literal["softmax_topk", "topk_softmax"] = "softmax_topk"
-    """Top-k routing of the MoE layers (:func:`shardlm.model.moe.route`): softmax then top-k, or top-k then softmax."""
+    """Top-k routing of the MoE layers (:func:`shardlm.model.moe.route`): softmax then top-k, or top-k
+    then softmax."""
     always_norm_topk: bool = False
-    """The top-k routing weights are always renormalised to sum to 1 (Mixtral), whatever ``norm_topk_prob`` says."""
+    """The top-k routing weights are always renormalised to sum to 1 (Mixtral), whatever
+    ``norm_topk_prob`` says."""
     router_bias: bool = False
     """The MoE router has a bias (gpt-oss)."""
     router_name: str = "gate"
-    """Attribute (and parameter) name of the MoE router under ``mlp``: ``gate`` (Qwen3-MoE, Mixtral), ``router``."""
+    """Attribute (and parameter) name of the MoE router under ``mlp``: ``gate`` (Qwen3-MoE,
+    Mixtral), ``router``."""
     experts: Literal["swiglu", "clamped_swiglu"] = "swiglu"
-    """The experts' MLP: SwiGLU without biases, or gpt-oss's clamped SwiGLU with biases and interleaved gate/up
-    columns (:class:`shardlm.model.moe.ClampedSwiGLUExperts`)."""
+    """The experts' MLP: SwiGLU without biases, or gpt-oss's clamped SwiGLU with biases and interleaved
+    gate/up columns (:class:`shardlm.model.moe.ClampedSwiGLUExperts`)."""
     attention_sinks: bool = False
     """A learned sink logit per head joins each query's softmax and takes probability mass (gpt-oss)."""
     attention_out_bias: bool = False
     """Bias on the attention's output projection ``o_proj`` (gpt-oss)."""
     hf_expert_names: tuple[str, ...] = ()
-    """The hub's on-disk names of a MoE layer's experts, ``(module, gate, up, down)``: expert e's gate matrix is
-    ``model.layers.i.<module>.experts.e.<gate>.weight`` (:mod:`shardlm.convert.hf_experts`); empty: no experts."""
+    """The hub's on-disk names of a MoE layer's experts, ``(module, gate, up, down)``: expert e's gate matrix
+    is ``model.layers.i.<module>.experts.e.<gate>.weight`` (:mod:`shardlm.convert.hf_experts`); empty:
+    no experts."""
 
-    # ---- Hugging Face config.json: read by model/hf_config.py -----------------------------------------------
+    # ---- Hugging Face config.json: read by model/hf_config.py ----------------------------------------------
     hf_activation_key: str = "hidden_act"
     """The ``config.json`` field naming the activation (Gemma: ``hidden_activation``)."""
     hf_false_flags: tuple[str, ...] = ()
-    """Boolean ``config.json`` fields of the family that the decoder builds only as false (biases it lacks, Qwen's
-    ``use_sliding_window``): written false on export, refused naming the field when true on import."""
+    """Boolean ``config.json`` fields of the family that the decoder builds only as false (biases it lacks,
+    Qwen's ``use_sliding_window``): written false on export, refused naming the field when true on import."""
     hf_default_rope_theta: float = 10000.0
     """``rope_theta`` when ``config.json`` has none (the family's transformers default)."""
     hf_default_rope: Mapping[str, Any] = field(default_factory=dict, compare=False)
-    """The RoPE scaling dict (``rope_type``...) that transformers gives the family when ``config.json`` has neither
-    ``rope_scaling`` nor ``rope_parameters`` (gpt-oss: YaRN); empty: plain RoPE. A family that has one gets an
-    explicit ``rope_type = "default"`` on export when the model has no scaling."""
+    """The RoPE scaling dict (``rope_type``...) that transformers gives the family when ``config.json`` has
+    neither ``rope_scaling`` nor ``rope_parameters`` (gpt-oss: YaRN); empty: plain RoPE. A family that has one
+    gets an explicit ``rope_type = "default"`` on export when the model has no scaling."""
     hf_default_head_dim: int = 0
     """``head_dim`` when ``config.json`` has none; 0 means ``hidden_size / num_attention_heads``."""
     hf_default_tie: bool = False
     """``tie_word_embeddings`` when ``config.json`` has none."""
     hf_fields_out: Callable[[ModelConfig], dict[str, Any]] = _no_fields
-    """``config.json`` fields of the family beyond the shared shape, activation and false flags (a sliding window,
-    Gemma's local RoPE base...): ``hf_fields_out(cfg) -> dict``."""
+    """``config.json`` fields of the family beyond the shared shape, activation and false flags (a sliding
+    window, Gemma's local RoPE base...): ``hf_fields_out(cfg) -> dict``."""
     hf_fields_in: Callable[[ModelConfig, dict[str, Any], dict[str, Any], str], None] = _read_nothing
     """Sets ``cfg``'s family fields from a ``config.json`` dict, in place, after the shared ones:
     ``hf_fields_in(cfg, config, local_rope, source)``, ``local_rope`` the 5.x ``rope_parameters`` of the
@@ -125,9 +133,11 @@ class Family:
     gguf_architecture: str = ""
     """GGUF ``general.architecture`` of the family; empty means GGUF files of it are not imported."""
     gguf_block_names: Mapping[str, str] = field(default_factory=lambda: GGUF_BLOCK_NAMES, compare=False)
-    """llama.cpp's block tensor names -> HF's (:data:`GGUF_BLOCK_NAMES` unless the family names them otherwise)."""
+    """llama.cpp's block tensor names -> HF's (:data:`GGUF_BLOCK_NAMES` unless the family names
+    them otherwise)."""
     gguf_qk_permuted: bool = False
-    """llama.cpp permuted the query and key rows from rotate-half to interleaved RoPE (Llama): undone on import."""
+    """llama.cpp permuted the query and key rows from rotate-half to interleaved RoPE (Llama): undone
+    on import."""
     gguf_norm_offset: float = 0.0
     """llama.cpp added this to every RMSNorm weight (Gemma: 1, its norms scale by 1 + weight): subtracted on
     import."""
@@ -147,7 +157,8 @@ class Family:
         """
         if cfg.sliding_window and not self.sliding_window:
             names = " or ".join(repr(f.name) for f in FAMILIES.values() if f.sliding_window)
-            raise ConfigError(f"model.sliding_window applies to model.family {names} (family is {self.name!r})")
+            raise ConfigError(f"model.sliding_window applies to model.family {names} (family is "
+                              f"{self.name!r})")
 
 
 #: every family the decoder builds, by ``model.family``, in the order registered
@@ -189,10 +200,11 @@ def get(name: str) -> Family:
 
 #: ``model_type`` of families that are not built -> what of them is missing (named in the refusal)
 NOT_BUILT: dict[str, str] = {
-    "deepseek_v3": "DeepSeek V3's group-limited routing (n_group / topk_group, noaux_tc with a score-correction bias), "
-                   "shared experts and multi-head latent attention (MLA) are not built",
-    "kimi_k2": "Kimi K2 is DeepSeek V3's architecture: group-limited routing and multi-head latent attention (MLA) are "
-               "not built",
+    "deepseek_v3": "DeepSeek V3's group-limited routing (n_group / topk_group, noaux_tc with a "
+                   "score-correction bias), shared experts and multi-head latent attention (MLA) are not "
+                   "built",
+    "kimi_k2": "Kimi K2 is DeepSeek V3's architecture: group-limited routing and multi-head latent attention "
+               "(MLA) are not built",
     "qwen2_moe": "Qwen2-MoE's shared expert and its gate are not built",
 }
 
@@ -210,8 +222,8 @@ def by_model_type(model_type: Any, architectures: Any, source: str) -> Family:
     arch = architectures or [family.architecture if family else None]
     if family is None or arch != [family.architecture]:
         built = ", ".join(f"{f.model_type!r} ({f.architecture})" for f in FAMILIES.values())
-        raise ModelDirError(f"{source}: model_type={model_type!r}, architectures={arch}: not built; the built "
-                            f"families are {built}")
+        raise ModelDirError(f"{source}: model_type={model_type!r}, architectures={arch}: not built; the "
+                            f"built families are {built}")
     return family
 
 

@@ -94,6 +94,22 @@ def apply_train_config(
 FP64_CHUNK = 1 << 22
 
 
+def rebuild_optimizer(model: nn.Module, old: torch.optim.Optimizer, tcfg: TrainConfig,
+                      device: torch.device, step: int) -> tuple[torch.optim.AdamW, LambdaLR]:
+    """AdamW over ``model``'s parameters that train now, and its LR schedule advanced to ``step`` (optimizer
+    steps taken), after the trainable set changed: each parameter that had AdamW state in ``old`` keeps it
+    (the same tensors, not copies); a newly trainable one starts without."""
+    optimizer = build_optimizer(model, tcfg, device)
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p in old.state:
+                optimizer.state[p] = old.state[p]
+    scheduler = build_scheduler(optimizer, tcfg)
+    for _ in range(step):
+        scheduler.step()
+    return optimizer, scheduler
+
+
 def sum_of_squares_fp64(t: torch.Tensor) -> torch.Tensor:
     """Sum of the squares of ``t``'s values, accumulated in fp64; a 0-dim float64 tensor on ``t``'s device.
 

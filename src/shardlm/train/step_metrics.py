@@ -7,10 +7,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+from torch import nn
+
 from shardlm.config import Config
 from shardlm.data.mixture import MixtureSampler, source_names
 from shardlm.data.packing import DocumentWindows, PackedExamples
+from shardlm.metrics import device_memory
 from shardlm.metrics.flops import model_flops, squared_document_lengths
+from shardlm.metrics.memory import expected_shard_bytes, reset_device_peaks
 from shardlm.model.config import ModelConfig
 
 
@@ -65,3 +70,16 @@ def step_model_flops(cfg: Config, data: Any, ids: list[int], rows: int) -> int:
         elif isinstance(data, DocumentWindows):  # the inputs' documents, as ``get`` numbers them
             squared = squared_document_lengths(data.starts(ids)[:, :t].cumsum(dim=1))
     return model_flops(cfg.model, rows * t, squared)
+
+
+def per_rank_values(
+    model: nn.Module, measured: dict[str, int] | None, device: torch.device
+) -> dict[str, int]:
+    """This rank's figures for the per-rank summaries of a record: its shard bytes (parameters, gradients,
+    AdamW state; ``measured`` at the first step, else the same figure expected from ``model`` before it) and
+    its device memory in bytes (on CUDA the peaks since the last record, which are then reset so that the next
+    record's peaks cover its own logging interval)."""
+    shards = measured or expected_shard_bytes(model)
+    out = {"shard_bytes": shards["total"], **device_memory(device)}
+    reset_device_peaks(device)
+    return out

@@ -1,4 +1,5 @@
-"""The training job: set-up, the training step, evaluation, logging, and the final export (in ``final_export.py``).
+"""The training job: set-up, the training step, evaluation, logging, and the final export (in
+``final_export.py``).
 
 One optimizer step over a global batch of G sequences reads, on each of N ranks, k = G / (N · m)
 micro-batches of m sequences. Per micro-batch, FSDP all-gathers each block's shards before its
@@ -29,9 +30,8 @@ from shardlm.data.mixture import MixtureSampler
 from shardlm.data.packing import batch_documents
 from shardlm.data.preference import PREFERENCE
 from shardlm.data.sync import check_same_data
-from shardlm.errors import ConfigError, NonFiniteError
-from shardlm.metrics import MetricsLogger, device_memory, model_flops_per_token, shard_bytes
-from shardlm.metrics.memory import expected_shard_bytes, reset_device_peaks
+from shardlm.errors import ConfigError
+from shardlm.metrics import MetricsLogger, model_flops_per_token, shard_bytes
 from shardlm.metrics.per_rank import per_rank_summaries
 from shardlm.metrics.progress import progress
 from shardlm.metrics.trackers import check_packages, start_trackers
@@ -53,10 +53,17 @@ from shardlm.train.final_export import export_model, model_special_ids_of, writt
 from shardlm.train.loss import model_loss_sum
 from shardlm.train.mfu import peak_flops_per_rank
 from shardlm.train.moe_loss import moe_loss_term
-from shardlm.train.optim import apply_train_config, build_optimizer, build_scheduler, clip_grad_norm_
+from shardlm.train.nonfinite import NonFiniteGuard
+from shardlm.train.optim import (
+    apply_train_config,
+    build_optimizer,
+    build_scheduler,
+    clip_grad_norm_,
+    rebuild_optimizer,
+)
 from shardlm.train.preference_step import PreferenceObjective
 from shardlm.train.run_dir import check_run_dir, prepare_run_dir, run_dir
-from shardlm.train.step_metrics import mixture_metrics, moe_metrics, step_model_flops
+from shardlm.train.step_metrics import mixture_metrics, moe_metrics, per_rank_values, step_model_flops
 from shardlm.train.summary import job_summary
 
 __all__ = ["Trainer", "model_special_ids_of", "run_dir"]  # both importable from here as before
@@ -73,7 +80,8 @@ class Trainer:
 
     def __init__(self, cfg: Config, info: DistInfo | None = None, keep_history: bool = False) -> None:
         self.cfg = cfg
-        check_packages(cfg)  # a tracker switched on without its package: one clear error before anything starts
+        # a tracker switched on without its package: one clear error before anything starts
+        check_packages(cfg)
         self.keep_history = keep_history
         self.info = info or init_distributed(cfg.parallel)
         set_matmul_precision(self.info.device, cfg.parallel)  # TF32 on CUDA unless parallel.tf32 = false
@@ -85,13 +93,15 @@ class Trainer:
         self.attention_backend = None
         if may_be_block_causal(cfg):  # a backend this device lacks: refused before anything starts
             try:
-                self.attention_backend = resolve_backend(cfg.model.attention_backend, self.info.device, training=True)
+                self.attention_backend = resolve_backend(cfg.model.attention_backend, self.info.device,
+                                                         training=True)
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
         self.run_dir = run_dir(cfg)
         check_run_dir(cfg, self.run_dir)  # refused unless empty, resuming or run.overwrite; cleared below
         start = time.perf_counter()
-        prepare_data(cfg, self.info)  # every rank encodes its share; waiting is on the store, not a collective
+        # every rank encodes its share; waiting is on the store, not a collective
+        prepare_data(cfg, self.info)
         self.prepare_s = time.perf_counter() - start  # seconds spent preparing (or finding prepared) data
         check_same_data(str(data_dir(cfg)), self.info.rank, self.info.world_size)  # shared file system?
         self.meta = load_meta(str(data_dir(cfg)))
@@ -102,21 +112,25 @@ class Trainer:
         t = cfg.train
         self.special_ids = model_special_ids_of(self.meta)  # what every export and checkpoint records
         self.checkpointer = self._build_checkpointer()
-        #: model.attention as this run trains (``auto`` resolved in cfg: the checkpoint's, or the data's) and why
+        #: model.attention as this run trains (``auto`` resolved in cfg: the checkpoint's, or the data's)
+        #: and why
         self.attention = resolve_attention(cfg, self.checkpointer.resumed_config())
         if self.attention.warning and self.info.is_main:
             print(self.attention.warning, file=sys.stderr, flush=True)
         self.attention_backend = self.attention_backend if cfg.model.attention == "block_causal" else None
         # train/val samples and the sampler, per data format (train/datasets.py)
-        self.train_data, self.val_data, self.sampler = build_datasets(cfg, self.meta, self.attention_backend is not None)
+        self.train_data, self.val_data, self.sampler = build_datasets(cfg, self.meta,
+                                                                      self.attention_backend is not None)
         self.mesh = build_mesh(self.info, cfg.parallel) if cfg.parallel.mode != "single" else None
-        #: this rank's context-parallel group (shardlm/parallel/cp.py); one rank's, no split, at parallel.cp = 1
+        #: this rank's context-parallel group (shardlm/parallel/cp.py); one rank's, no split, at parallel.cp
+        #: = 1
         self.cp = build_context_parallel(self.info, cfg.parallel.cp, cfg.parallel.tp)
         self.cp.check_sequence(t.seq_len)
         self.model, self.pretrained_load_stats = build_model(cfg, self.info, self.mesh, self.cp)
         # the data and the model are checked: only now may run.overwrite remove the previous run's files
         prepare_run_dir(cfg, self.info, self.run_dir)
-        #: the preference objective and its reference (shardlm/train/preference_step.py), None for token losses
+        #: the preference objective and its reference (shardlm/train/preference_step.py), None for
+        #: token losses
         self.preference = (PreferenceObjective.build(cfg, self.info, self.mesh, self.model, self.train_data,
                                                      self.run_dir) if cfg.data.format == PREFERENCE else None)
         self.optimizer = build_optimizer(self.model, t, self.info.device)
@@ -126,21 +140,22 @@ class Trainer:
             apply_train_config(self.optimizer, self.scheduler, t, self.step)
         #: this run's id: new on a fresh start, the checkpoint's when resuming (shardlm/checkpoint/run.py)
         self.run_id: str = self.checkpointer.run_id
-        # MFU: model FLOPs per token (6N + 12·L·H·Q·T; per step: step_metrics.py) and the peak that runs (mfu.py)
+        # MFU: model FLOPs per token (6N + 12·L·H·Q·T; per step: step_metrics.py) and the peak that
+        # runs (mfu.py)
         self.flops_per_token = model_flops_per_token(cfg.model, t.seq_len)
         self.peak = peak_flops_per_rank(cfg, self.info)
         self.preempted = False
         self.history: list[dict[str, Any]] = []
         self.sample_ids: dict[int, list[int]] = {}
         self.local_shard_bytes: dict[str, int] | None = None
-        # a non-finite step, kept on the device until the next read: (its 1-based step or 0, loss, grad norm);
-        # from it on the optimizer skips every update (fused AdamW's found_inf), and the next read raises
-        self._nonfinite = torch.zeros(3, dtype=torch.float64, device=self.info.device)
+        # the first non-finite step, on the device: later updates skipped, the next read raises (nonfinite.py)
+        self.nonfinite = NonFiniteGuard(self.info.device)
         self._interval = {"seconds": 0.0, "steps": 0}  # host time of the steps since the last record
         trackers = []
         if self.info.is_main:
             write_run_config(self.run_dir, self.run_id, cfg.to_dict())
-            # W&B / MLflow: a resumed run continues its tracker runs (W&B opened rewound to the checkpoint's step)
+            # W&B / MLflow: a resumed run continues its tracker runs (W&B opened rewound to the
+            # checkpoint's step)
             trackers = start_trackers(cfg, self.run_dir, self.step if self.checkpointer.resume else None,
                                       run_id=self.run_id)
         self.logger = MetricsLogger(self.run_dir / "metrics.jsonl" if self.info.is_main else None,
@@ -152,9 +167,9 @@ class Trainer:
 
     # ---- set-up helpers ------------------------------------------------------------------
     def _build_checkpointer(self) -> Checkpointer:
-        """The run's :class:`Checkpointer`, built here only: the tokenizer and data identity of the prepared data
-        (compared at resume), the model's special ids (:func:`model_special_ids_of`). Its run id is set by
-        ``load``; :meth:`set_trainable` keeps it (and so the run id, save numbering and retention)."""
+        """The run's :class:`Checkpointer`, built here only: the tokenizer and data identity of the prepared
+        data (compared at resume), the model's special ids (:func:`model_special_ids_of`). Its run id is set
+        by ``load``; :meth:`set_trainable` keeps it (and so the run id, save numbering and retention)."""
         return Checkpointer(self.cfg, self.info, self.run_dir, data_dir(self.cfg) / "tokenizer.json",
                             self.special_ids, self.meta)
 
@@ -177,22 +192,27 @@ class Trainer:
         """
         cfg, info, model = self.cfg, self.info, self.model
         start = time.perf_counter()
-        micro_ids = self.sampler.micro_batches(self.step, self.dp_rank, self.dp_size, cfg.train.micro_batch_size)
+        micro_ids = self.sampler.micro_batches(self.step, self.dp_rank, self.dp_size,
+                                               cfg.train.micro_batch_size)
         if self.keep_history:
             self.sample_ids[self.step] = [i for ids in micro_ids for i in ids]
-        # The loss is the mean over every target token of the global batch, so the update equals one
-        # step on the whole batch in one process. FSDP/DDP average gradients over the N ranks of their mesh (the
+        # The loss is the mean over every target token of the global batch, so the update equals one step on
+        # the whole batch in one process. FSDP/DDP average gradients over the N ranks of their mesh (the
         # data-parallel ranks, with the CP ranks that join the shard group; not the TP peers), hence × N.
         # scale = N / n_tokens in fp32, rounded as ``N / torch.tensor([n_tokens])`` rounds (1/n, then × N)
-        pref = self.preference  # its micro-batch losses are already shares of the global mean: divided by 1 here
+        # its micro-batch losses are already shares of the global mean: divided by 1 here
+        pref = self.preference
         norm = pref.normalisers(self.sampler.step_ids(self.step)) if pref is not None else None
         n_tokens = np.float32(1 if pref is not None else self._global_targets(self.step))
         scale = float((np.float32(1.0) / n_tokens) * np.float32(info.world_size // cfg.parallel.tp))
-        batches = [to_device(self.train_data.get(ids), info.device) for ids in micro_ids]  # pinned, async on CUDA
+        # pinned, async on CUDA
+        batches = [to_device(self.train_data.get(ids), info.device) for ids in micro_ids]
         loss_sum = torch.zeros((), dtype=torch.float64, device=info.device)
-        moe_sums = torch.zeros(0, dtype=torch.float64, device=info.device)  # [aux, z, counts (layers, E)], MoE
+        # [aux, z, counts (layers, E)], MoE
+        moe_sums = torch.zeros(0, dtype=torch.float64, device=info.device)
         stats = PreferenceObjective.zero_stats(info.device) if pref is not None else None
-        if cfg.lora.enabled and cfg.lora.dropout > 0:  # LoRA dropout: seeded per step and rank (resume is exact)
+        if cfg.lora.enabled and cfg.lora.dropout > 0:
+            # LoRA dropout: seeded per step and rank (resume is exact)
             torch.manual_seed((cfg.train.seed * 1_000_003 + self.step) * 4099 + info.rank)
         for i, batch in enumerate(batches):
             # parallel.grad_sync: reduce-scatter on every micro-batch or on the last only
@@ -200,11 +220,13 @@ class Trainer:
             # per block: all-gather shards, compute, reshard; then the loss (chunked: never the whole logits)
             if pref is None:
                 loss, _ = self._loss_sum(batch)
-            else:  # chosen and rejected rows in one forward; the reference's log-probs first, without gradients
+            else:
+                # chosen and rejected rows in one forward; the reference's log-probs first, without gradients
                 loss, batch_stats = pref.loss(model, batch, micro_ids[i], norm)
                 stats += batch_stats
             # a mixture of experts: + the load-balancing loss over all ranks' tokens of this micro-step (one
-            # all-reduce), averaged over the micro-steps; its shares sum to it over ranks, hence × N as the loss
+            # all-reduce), averaged over the micro-steps; its shares sum to it over ranks, hence × N as
+            # the loss
             moe = moe_loss_term(model, cfg.model.router_aux_loss_coef, cfg.model.router_z_loss_coef)
             objective = loss * scale
             if moe is not None:
@@ -214,9 +236,10 @@ class Trainer:
             objective.backward()  # per block: all-gather, grads, reduce-scatter (per grad_sync)
             loss_sum += loss.detach()
         # summed over ranks inside the gradient norm's all-reduce: [loss sum, preemption flag, per-rank slots]
-        per_rank = self._per_rank_values() if log else {}
+        per_rank = per_rank_values(self.model, self.local_shard_bytes, self.info.device) if log else {}
         n_stats = 0 if stats is None else len(stats)  # the preference metrics' sums, in the last slots
-        extras = torch.zeros(2 + info.world_size * len(per_rank) + n_stats, dtype=torch.float64, device=info.device)
+        extras = torch.zeros(2 + info.world_size * len(per_rank) + n_stats, dtype=torch.float64,
+                             device=info.device)
         extras[0] = loss_sum if self._counts_loss() else 0.0  # a tensor-parallel group's loss, once
         extras[1].fill_(float(self.checkpointer.signal_received()))
         for j, value in enumerate(per_rank.values()):  # this rank's slots (fills: no host-to-device copy)
@@ -226,7 +249,7 @@ class Trainer:
         max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else math.inf
         grad_norm = clip_grad_norm_(model.parameters(), max_norm, extras)  # fp64: the same at any sharding
         loss_mean = extras[0] / float(n_tokens)
-        self._skip_if_nonfinite(loss_mean, grad_norm)
+        self.nonfinite.check(self.step + 1, loss_mean, grad_norm, self.optimizer)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()  # each rank updates only its own shard (none after a non-finite step)
         if self.local_shard_bytes is None:  # measured once, while gradients and AdamW state both exist
@@ -240,16 +263,17 @@ class Trainer:
             return None
         # the one host read of the step: global values, the sticky non-finite record, the per-rank slots
         values = torch.cat([torch.stack([loss_mean, grad_norm.to(loss_mean.device), extras[1]]),
-                            self._nonfinite, extras[2:], moe_sums]).tolist()
+                            self.nonfinite.record, extras[2:], moe_sums]).tolist()
         moe_values = values[len(values) - len(moe_sums):]
         values = values[:len(values) - len(moe_sums)]
         loss_value, grad_norm_value, signals = values[:3]
-        self._raise_if_nonfinite(values[3:6])
+        self.nonfinite.raise_if_recorded(values[3:6])
         self.preempted = self.preempted or signals > 0
         seconds, steps = self._interval["seconds"], self._interval["steps"]
         self._interval = {"seconds": 0.0, "steps": 0}
         elapsed = seconds / steps  # mean host time per step since the last record (synchronised by the read)
-        tokens = cfg.train.global_batch_size * cfg.train.seq_len * (2 if pref is not None else 1)  # a pair: 2 rows
+        # a pair: 2 rows
+        tokens = cfg.train.global_batch_size * cfg.train.seq_len * (2 if pref is not None else 1)
         # this rank's share of the step's model FLOPs: 6N per token + attention per document (step_metrics.py)
         ids, rows = self.sampler.step_ids(self.step - 1), tokens // cfg.train.seq_len
         flops = step_model_flops(cfg, self.train_data, ids, rows) / info.world_size
@@ -263,60 +287,36 @@ class Trainer:
                                          cfg.train.log_per_rank))
         if pref is not None:  # TRL's names: rewards/*, logps/*, logits/*
             record.update(pref.metrics(values[len(values) - n_stats:], norm[0]))
-        if moe_values:  # a mixture of experts: the step's means over micro-steps; tokens per (layer, expert) pair
+        if moe_values:
+            # a mixture of experts: the step's means over micro-steps; tokens per (layer, expert) pair
             record.update(moe_metrics(moe_values, len(batches), cfg.model, cfg.train.log_moe_layers))
         if isinstance(self.sampler, MixtureSampler):  # per source: tokens seen so far and its own epoch
             record.update(mixture_metrics(self.sampler, self.step, cfg))
         return record
 
     def _loss_sum(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The summed token loss of this rank's share of ``batch`` (its sequence chunks under ``parallel.cp``) and
-        the targets it scored: (0-dim fp32, (B, T / cp) int64, -100 where nothing is scored)."""
+        """The summed token loss of this rank's share of ``batch`` (its sequence chunks under ``parallel.cp``)
+        and the targets it scored: (0-dim fp32, (B, T / cp) int64, -100 where nothing is scored)."""
         inputs, targets = split_batch(batch)  # instruction data: targets are -100 off-response
         documents, extra = batch_documents(batch), {}
-        if self.cp.size > 1:  # this rank's head and tail chunks, rotary positions and masks by global position
+        if self.cp.size > 1:
+            # this rank's head and tail chunks, rotary positions and masks by global position
             inputs, targets, extra = self.cp.shard_batch(inputs, targets, documents)
             documents = None
-        loss = model_loss_sum(self.model, inputs, targets, self.cfg.train.loss_chunk_tokens, documents, **extra)
+        loss = model_loss_sum(self.model, inputs, targets, self.cfg.train.loss_chunk_tokens, documents,
+                              **extra)
         return loss, targets
 
     def _global_targets(self, step: int) -> int:
-        """Target tokens of global batch ``step`` over all ranks, counted on the host (every rank knows every id
-        of the batch; windows count ``seq_len`` each, instruction examples their precomputed response tokens)."""
+        """Target tokens of global batch ``step`` over all ranks, counted on the host (every rank knows every
+        id of the batch; windows count ``seq_len`` each, instruction examples their precomputed
+        response tokens)."""
         return self.train_data.num_targets(self.sampler.step_ids(step))
 
-    def _per_rank_values(self) -> dict[str, int]:
-        """This rank's figures for the per-rank summaries of a record: shard bytes (parameters, gradients, AdamW
-        state) and memory (on CUDA the peaks since the last record, then reset)."""
-        measured = self.local_shard_bytes or expected_shard_bytes(self.model)  # the same figure, before step 1
-        out = {"shard_bytes": measured["total"], **device_memory(self.info.device)}
-        reset_device_peaks(self.info.device)  # the next record's peaks cover its own logging interval
-        return out
-
     def _counts_loss(self) -> bool:
-        """Whether this rank's loss enters the sums over ranks: one rank per tensor-parallel group (its first), whose
-        ranks all hold the same loss of the same samples."""
+        """Whether this rank's loss enters the sums over ranks: one rank per tensor-parallel group (its
+        first), whose ranks all hold the same loss of the same samples."""
         return self.info.rank % self.cfg.parallel.tp == 0
-
-    def _skip_if_nonfinite(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
-        """On the device: remember the first step whose loss or gradient norm is not finite, and from it on make
-        the optimizer skip its updates (fused AdamW's ``found_inf``; its step counts do not advance)."""
-        bad = ~(torch.isfinite(loss) & torch.isfinite(grad_norm.to(loss.device)))
-        first = bad & (self._nonfinite[0] == 0)
-        now = torch.stack([torch.full_like(loss, self.step + 1), loss, grad_norm.to(loss.device)])
-        self._nonfinite = torch.where(first, now, self._nonfinite)
-        if self.optimizer.defaults.get("fused"):
-            self.optimizer.found_inf = (self._nonfinite[0] > 0).float()
-        # (a non-fused optimizer has no found_inf: the step is then applied and reported at the next read)
-
-    def _raise_if_nonfinite(self, record: list[float]) -> None:
-        """Raise :class:`NonFiniteError` when the device-side record says a step was not finite."""
-        step, loss, grad_norm = record
-        if step > 0:
-            raise NonFiniteError(
-                f"step {int(step)}: loss={loss} grad_norm={grad_norm} is not finite; stopping with the weights from "
-                "before that step (its update and any after it were skipped; lower train.lr, check the data, or "
-                "use fp32)")
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -341,7 +341,8 @@ class Trainer:
         try:
             return self._train()
         except BaseException:
-            self.logger.close("failed")  # the tracker runs end as failed; metrics.jsonl is complete up to here
+            # the tracker runs end as failed; metrics.jsonl is complete up to here
+            self.logger.close("failed")
             raise
 
     def _train(self) -> list[dict[str, Any]]:
@@ -384,14 +385,16 @@ class Trainer:
                                 mfu=f"{record['mfu']:.1%}",
                                 **({"val": f"{record['val_loss']:.3f}"} if "val_loss" in record else {}))
                 bar.update(1)  # after the postfix: a plain line printed now shows this step's values
-                if save or self.preempted:  # preempted: SIGINT/SIGTERM/SIGUSR1 on any rank before this step's all-reduce
+                if save or self.preempted:
+                    # preempted: SIGINT/SIGTERM/SIGUSR1 on any rank before this step's all-reduce
                     path = self.checkpointer.save(self.model, self.optimizer, self.scheduler, self.step)
                     if info.is_main:
                         bar.write(self.checkpointer.save_line(path))
                 if self.preempted:
                     break
         except BaseException:
-            self.logger.close("failed")  # metrics.jsonl and the event files are complete up to the last logged step
+            # metrics.jsonl and the event files are complete up to the last logged step
+            self.logger.close("failed")
             raise
         finally:
             bar.close()
@@ -413,32 +416,28 @@ class Trainer:
         return self.history
 
     def set_trainable(self, trainable: str, frozen: str = "") -> None:
-        """Change which parameters train between steps (e.g. unfreeze blocks after a frozen start); a collective.
+        """Change which parameters train between steps (e.g. unfreeze blocks after a frozen start);
+        a collective.
 
-        Applies the patterns as ``train.trainable``/``train.frozen`` (:func:`shardlm.model.freeze.apply_freeze`)
-        to the sharded parameters (FSDP2 passes ``requires_grad`` on to the unsharded ones at the next
-        all-gather), then rebuilds the optimizer over the trainable parameters, keeping the AdamW state of
-        those that had one, and the LR schedule at the current step. The run's checkpointer stays (its run id,
-        save numbering, data identity and special ids): the next checkpoint is this run's, for retention and
-        ``--resume=auto``, and records the new ``train.trainable`` / ``train.frozen``.
+        Applies the patterns as ``train.trainable``/``train.frozen``
+        (:func:`shardlm.model.freeze.apply_freeze`) to the sharded parameters (FSDP2 passes ``requires_grad``
+        on to the unsharded ones at the next all-gather), then rebuilds the optimizer over the trainable
+        parameters, keeping the AdamW state of those that had one, and the LR schedule at the current step.
+        The run's checkpointer stays (its run id, save numbering, data identity and special ids): the next
+        checkpoint is this run's, for retention and ``--resume=auto``, and records the new ``train.trainable``
+        / ``train.frozen``.
         """
         self.checkpointer.wait()  # a background save still in flight
         apply_freeze(unwrap(self.model), trainable, frozen)
         self.cfg.train.trainable, self.cfg.train.frozen = trainable, frozen
-        old = self.optimizer
-        self.optimizer = build_optimizer(self.model, self.cfg.train, self.info.device)
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                if p in old.state:
-                    self.optimizer.state[p] = old.state[p]
-        self.scheduler = build_scheduler(self.optimizer, self.cfg.train)
-        for _ in range(self.step):
-            self.scheduler.step()
+        self.optimizer, self.scheduler = rebuild_optimizer(self.model, self.optimizer, self.cfg.train,
+                                                           self.info.device, self.step)
         self.checkpointer.trainable_changed()  # the same run: the next save records the new trainable set
         self.local_shard_bytes = None
 
     def _remember(self, record: dict[str, Any]) -> None:
-        """Keep ``record`` in :attr:`history`: appended with ``keep_history`` (tests), else as the only entry."""
+        """Keep ``record`` in :attr:`history`: appended with ``keep_history`` (tests), else as the
+        only entry."""
         if not self.keep_history:
             self.history.clear()
         self.history.append(record)

@@ -43,7 +43,7 @@ from shardlm.errors import ConfigError
 from shardlm.model.attention import document_positions
 from shardlm.model.decoder import attention
 from shardlm.model.moe import MoE
-from shardlm.parallel.cp_attention import BlockwiseAttention, SequenceMask, lse_kernels
+from shardlm.parallel.cp_attention import BlockwiseAttention, SequenceMask, lse_kernels, visible
 from shardlm.parallel.dist import DistInfo
 
 #: the target id the loss ignores (padding tokens' labels), as ``shardlm.data.instruct.IGNORE_INDEX``
@@ -204,16 +204,8 @@ class ContextParallel:
         """The fallback's boolean (1 or batch, 1, 2·c, T_pad) mask of this rank's queries over the gathered
         keys, True = attend: key j of query i when j <= i (global indices), i - window < j and in the same
         document."""
-        q = self.local_indices(t_pad, device).view(-1, 1)
-        k = gathered_indices(t_pad, self.size).to(device).view(1, -1)
-        allowed = k <= q
-        if spec.window:
-            allowed = allowed & (k > q - spec.window)
-        allowed = allowed.unsqueeze(0)
-        if spec.documents is not None:
-            docs = spec.documents
-            allowed = allowed & (docs[:, q.view(-1)].unsqueeze(2) == docs[:, k.view(-1)].unsqueeze(1))
-        return allowed.unsqueeze(1)
+        keys = gathered_indices(t_pad, self.size).to(device)
+        return visible(self.local_indices(t_pad, device), keys, spec).unsqueeze(1)
 
     def shard_batch(self, inputs: torch.Tensor, targets: torch.Tensor,
                     documents: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:

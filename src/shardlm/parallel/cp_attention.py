@@ -94,6 +94,21 @@ class Block:
     """(batch or 1, 1, c, c) bool, True = attend, where some but not all pairs are visible; None otherwise."""
 
 
+def visible(queries: torch.Tensor, keys: torch.Tensor, spec: SequenceMask) -> torch.Tensor:
+    """Which keys each query sees, by global token index: queries (n,) and keys (m,) int64 ->
+    (1 or batch, n, m) bool, True = attend: key j of query i when j <= i, i - window < j (``spec.window`` >
+    0) and, with ``spec.documents``, both are in the same document."""
+    qi, kj = queries.view(-1, 1), keys.view(1, -1)
+    allowed = kj <= qi
+    if spec.window:
+        allowed = allowed & (kj > qi - spec.window)
+    allowed = allowed.unsqueeze(0)
+    if spec.documents is not None:
+        docs = spec.documents
+        allowed = allowed & (docs[:, queries].unsqueeze(2) == docs[:, keys].unsqueeze(1))
+    return allowed
+
+
 def blocks(cp: int, rank: int, c: int, spec: SequenceMask | None, device: torch.device) -> Iterator[Block]:
     """The blocks this rank computes, per query chunk the diagonal one first (every query sees itself there,
     so the merge starts from a finite log-sum-exp), masks built one block at a time. ``spec`` None: causal by
@@ -109,15 +124,8 @@ def blocks(cp: int, rank: int, c: int, spec: SequenceMask | None, device: torch.
                 continue
             if spec.window and (k_chunk + 1) * c - 1 <= q_chunk * c - spec.window:
                 continue  # every key of the block is at or before every query's window start
-            qi = torch.arange(q_chunk * c, (q_chunk + 1) * c, device=device).view(-1, 1)
-            kj = torch.arange(k_chunk * c, (k_chunk + 1) * c, device=device).view(1, -1)
-            allowed = kj <= qi
-            if spec.window:
-                allowed = allowed & (kj > qi - spec.window)
-            allowed = allowed.unsqueeze(0)
-            if spec.documents is not None:
-                docs = spec.documents
-                allowed = allowed & (docs[:, qi.view(-1)].unsqueeze(2) == docs[:, kj.view(-1)].unsqueeze(1))
+            allowed = visible(torch.arange(q_chunk * c, (q_chunk + 1) * c, device=device),
+                              torch.arange(k_chunk * c, (k_chunk + 1) * c, device=device), spec)
             if not allowed.any():
                 continue
             yield Block(query, p, False, None if allowed.all() else allowed.unsqueeze(1))

@@ -36,6 +36,13 @@ def tracked(data: Path, root: Path, name: str, extra: dict | None = None, **hook
     return {"name": name, "overrides": tiny_overrides(data, root / name, overrides), **hooks}
 
 
+@pytest.fixture(autouse=True)
+def mlflow_file_store_readable(monkeypatch):
+    """Reading the runs' MLflow file store back in this process: MLflow 3 refuses a file store unless
+    ``MLFLOW_ALLOW_FILE_STORE`` is set (the trainer sets it for its own process only)."""
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+
+
 @pytest.fixture(scope="module")
 def runs(small_data, tmp_path_factory):
     """Launch 1: a tracked run, an unreachable MLflow server, then a run killed after step 5 (checkpoint at

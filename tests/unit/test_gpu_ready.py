@@ -305,17 +305,16 @@ def test_peak_memory_is_reset_after_each_logged_record(monkeypatch):
     reset_device_peaks(torch.device("cuda", 2))
     assert resets == [torch.device("cuda", 2)]
     # the trainer resets right after reading the peaks for a record (a described GPU; collectives stubbed)
-    from types import SimpleNamespace
-
+    from shardlm.train import step_metrics
     from shardlm.train import trainer as trainer_module
 
+    assert trainer_module.per_rank_values is step_metrics.per_rank_values  # what train_step calls
     order = []
-    monkeypatch.setattr(trainer_module, "device_memory",
+    monkeypatch.setattr(step_metrics, "device_memory",
                         lambda d: order.append("read") or {"max_allocated_bytes": 7})
-    monkeypatch.setattr(trainer_module, "reset_device_peaks", lambda d: order.append(("reset", d)))
-    fake = SimpleNamespace(info=SimpleNamespace(device=torch.device("cuda", 0)),
-                           local_shard_bytes={"total": 1})
-    assert trainer_module.Trainer._per_rank_values(fake) == {"shard_bytes": 1, "max_allocated_bytes": 7}
+    monkeypatch.setattr(step_metrics, "reset_device_peaks", lambda d: order.append(("reset", d)))
+    values = step_metrics.per_rank_values(None, {"total": 1}, torch.device("cuda", 0))
+    assert values == {"shard_bytes": 1, "max_allocated_bytes": 7}
     assert order == ["read", ("reset", torch.device("cuda", 0))]
 
 

@@ -258,6 +258,18 @@ def tiny_overrides(data_dir: Path, run_dir: Path, extra: dict | None = None) -> 
     return [f"--{k}={v}" for k, v in base.items()]
 
 
+def assert_full_disk_error(err: str, ckpts: Path) -> None:
+    """A run stopped by a full file system while saving step-2 (step-1 fitted): one ``error:`` line, no
+    traceback, naming the cause, the half-written directory and the newest complete checkpoint, and nothing
+    under ``ckpts`` but ``step-1`` (nothing half-written that looks complete)."""
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    assert errors[0].startswith(f"error: saving checkpoint {ckpts / 'step-2'} failed: No space left on "
+                                f"device: {ckpts / '.tmp-step-2'}/"), errors[0]
+    assert errors[0].endswith(f"; the newest complete checkpoint is still {ckpts / 'step-1'}")
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step-1"]
+
+
 def tensorboard_scalars(log_dir: Path, tag: str) -> list[tuple[int, float]]:
     """(step, value) of every ``tag`` event in the event files of ``log_dir``, read raw (no purging)."""
     from tensorboard.backend.event_processing.event_file_loader import EventFileLoader

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import tiny_overrides, torchrun
+from conftest import assert_full_disk_error, tiny_overrides, torchrun
 from shardlm.cli.main import main as shardlm_main
 from shardlm.cli.train import main as train_main
 from shardlm.config import TrainConfig
@@ -257,13 +257,7 @@ def test_full_disk_names_the_cause_keeps_the_previous_checkpoint_and_resumes_exa
     run, ckpts = tiny_fs / "run", tiny_fs / "run" / "checkpoints"
     # a checkpoint is ~1.7 MB: step-1 fits on the 3 MB file system, step-2 does not
     assert train_main(one_process(small_data, run)) == 2
-    out = capsys.readouterr()
-    errors = [line for line in out.err.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "Traceback" not in out.err, out.err
-    assert errors[0].startswith(f"error: saving checkpoint {ckpts / 'step-2'} failed: No space left on "
-                                f"device: {ckpts / '.tmp-step-2'}/"), errors[0]
-    assert errors[0].endswith(f"; the newest complete checkpoint is still {ckpts / 'step-1'}")
-    assert sorted(p.name for p in ckpts.iterdir()) == ["step-1"]  # nothing half-written that looks complete
+    assert_full_disk_error(capsys.readouterr().err, ckpts)
     # a read-only file system: the same kind of one-line error
     subprocess.run(["mount", "-o", "remount,ro", str(tiny_fs)], check=True)
     assert train_main(one_process(small_data, run, **{"checkpoint.resume": '"auto"'})) == 2

@@ -9,8 +9,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -67,6 +71,32 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         raise pytest.UsageError("tests in the wrong folder:\n" + "\n".join(wrong))
 
 
+#: free disk space (GB) under pytest's base temporary directory that a run with the SmolLM2 tests needs: the
+#: most the suite held there at once was SUITE_PEAK_GB (sampled every 2 s over a whole run), plus a margin
+SUITE_PEAK_GB = 3.0
+NEEDED_FREE_GB = 5.0
+
+
+def free_gb_under(path: Path) -> tuple[Path, float]:
+    """The nearest existing directory at or above ``path`` and the free space of its file system in GB."""
+    while not path.exists():
+        path = path.parent
+    return path, shutil.disk_usage(path).free / 1e9
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Refuse a run that would fill the disk part way (every later test then errors on its temporary
+    directory): with the SmolLM2 tests selected, ask for :data:`NEEDED_FREE_GB` free where pytest writes."""
+    if not any("smol_dir" in getattr(item, "fixturenames", ()) for item in session.items):
+        return
+    where, free = free_gb_under(Path(session.config.option.basetemp or tempfile.gettempdir()))
+    if free < NEEDED_FREE_GB:
+        raise pytest.UsageError(
+            f"the tests need about {NEEDED_FREE_GB:.0f} GB free under {where} (SmolLM2 weights, checkpoints "
+            f"and exports; at most {SUITE_PEAK_GB:.1f} GB at once), and {free:.1f} GB is free: free some "
+            "space or point TMPDIR (or --basetemp) at a larger disk")
+
+
 #: the test being set up or run (set by pytest_runtest_setup): launches check that it is marked ``dist``
 _current: list[pytest.Item] = []
 
@@ -116,6 +146,20 @@ def run_scenarios(
         s["name"]: [json.loads((out / s["name"] / f"rank{r}.json").read_text()) for r in range(nproc)]
         for s in scenarios
     }
+
+
+@contextmanager
+def scratch_dir(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[Path]:
+    """A new directory under pytest's base temporary directory for a module-scoped fixture, removed when the
+    fixture ends (``with scratch_dir(...) as root: ... yield``). pytest removes a passed test's ``tmp_path``
+    when the test ends (``tmp_path_retention_policy = "failed"``) but keeps ``mktemp`` directories until the
+    session ends; the fixtures that write SmolLM2 or Gemma 3 weights and checkpoints (0.5-4 GB each) use this
+    so that the suite's disk use stays that of one module at a time."""
+    path = tmp_path_factory.mktemp(name)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def smollm2_gguf() -> Path:

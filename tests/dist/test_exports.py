@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, cli_error, torchrun
+from conftest import ROOT, cli_error, scratch_dir, torchrun
 from shardlm.cli.main import main as shardlm_main
 from shardlm.convert.export import rebuild_partial_model
 from shardlm.convert.hf_in import load_model_dir
@@ -32,18 +32,18 @@ def ids_of(path: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def lora_run(smol_dir, tmp_path_factory) -> dict:
+def lora_run(smol_dir, tmp_path_factory):
     """The README's LoRA command, run as written in a README-shaped directory, with 2 steps and a checkpoint
     after each (the only overrides), no evaluation."""
-    work = tmp_path_factory.mktemp("readme")
-    (work / "models").mkdir()
-    os.symlink(ROOT / "configs", work / "configs")
-    os.symlink(ROOT / "examples", work / "examples")
-    os.symlink(smol_dir, work / "models" / "smollm2-135m")
-    proc = torchrun(2,
-                    ["-m", "shardlm.train", "--config", "configs/smollm2-135m-lora.toml", "--train.steps=2",
-                        "--train.eval_interval=0", "--checkpoint.interval=1"], timeout=900, cwd=work)
-    return {"work": work, "run": work / "runs" / "smollm2-135m-lora", "stdout": proc.stdout}
+    with scratch_dir(tmp_path_factory, "readme") as work:  # 0.6 GB: removed when this module ends
+        (work / "models").mkdir()
+        os.symlink(ROOT / "configs", work / "configs")
+        os.symlink(ROOT / "examples", work / "examples")
+        os.symlink(smol_dir, work / "models" / "smollm2-135m")
+        proc = torchrun(2,
+                        ["-m", "shardlm.train", "--config", "configs/smollm2-135m-lora.toml", "--train.steps=2",
+                            "--train.eval_interval=0", "--checkpoint.interval=1"], timeout=900, cwd=work)
+        yield {"work": work, "run": work / "runs" / "smollm2-135m-lora", "stdout": proc.stdout}
 
 
 @pytest.mark.dist

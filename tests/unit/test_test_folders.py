@@ -118,3 +118,22 @@ def test_a_unit_test_cannot_start_a_process_group_of_several_ranks():
     assert single_process.launch_in("python -m torch.distributed.run x.py") == "torch.distributed.run"
     assert single_process.launch_in([b"python", Path("a/b_worker.py")]) == "_worker.py"
     assert single_process.launch_in(["python", "-m", "shardlm", "--help"]) is None
+
+
+def collect(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                           *args], capture_output=True, text=True, timeout=120, cwd=TESTS.parent)
+
+
+def test_a_run_with_the_smollm2_tests_on_a_nearly_full_disk_is_refused_at_collection(tiny_fs):
+    """Too little free space where pytest writes (a 3 MB tmpfs as --basetemp's disk): collecting the SmolLM2
+    tests stops with one message naming the space needed and free, exit 4 (a usage error), before any test
+    runs; the same collection with the default base directory passes, and so does a selection without the
+    SmolLM2 tests on the tiny disk."""
+    smol = "tests/dist/test_pretrained_finetune.py"
+    proc = collect(f"--basetemp={tiny_fs / 'base'}", smol)
+    assert proc.returncode == 4, proc.stdout + proc.stderr
+    text = proc.stdout + proc.stderr
+    assert f"the tests need about 5 GB free under {tiny_fs}" in text and "GB is free" in text
+    assert collect(smol).returncode == 0
+    assert collect(f"--basetemp={tiny_fs / 'base'}", "tests/unit/test_json_file.py").returncode == 0

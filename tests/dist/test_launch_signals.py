@@ -168,6 +168,43 @@ def test_launcher_bad_override_ends_with_the_one_line_error(small_data, tmp_path
     assert not any("Traceback" in line or "torch/distributed/elastic" in line for line in lines), lines
 
 
+def ranks_of(launcher: int) -> list[int]:
+    """The pids of ``python -m shardlm.train`` processes whose parent is ``launcher`` (the ranks that
+    torchrun, run inside the launcher, started)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if parent == launcher and b"shardlm.train" in argv:
+            pids.append(int(entry.name))
+    return pids
+
+
+@pytest.mark.dist
+def test_ctrl_c_while_the_ranks_import_torch_is_one_line_and_exit_130(small_data, tmp_path):
+    """Ctrl-C 0.1 s after both ranks started (each is still importing torch, which takes seconds here):
+    the launcher's one line, exit 130, no rank's KeyboardInterrupt traceback (the package no longer imports
+    the trainer before ``shardlm.train.__main__``, which takes the interrupt), nothing written."""
+    require_dist_marker()
+    run = tmp_path / "early"
+    proc = subprocess.Popen([*SHARDLM, *tiny_overrides(small_data, run, EXTRA)], env=env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    while len(ranks_of(proc.pid)) < 2 and proc.poll() is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    lines = out.strip().splitlines()
+    assert proc.returncode == 130, lines[-20:]
+    assert lines == ["error: stopped by Ctrl-C before training began (no checkpoint written)"], lines[-30:]
+    assert not (run / "checkpoints").exists()
+
+
 @pytest.mark.dist
 def test_console_words_progress_lines_and_the_report_of_a_resumed_run(runs, small_data, tmp_path, capsys):
     out, root = runs

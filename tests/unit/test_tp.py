@@ -92,6 +92,21 @@ def test_async_tp_is_refused_on_cpu_before_the_process_group(monkeypatch):
         load_config(None, ["--parallel.tp=2", "--parallel.async_tp=true"])
 
 
+def test_plan_of_async_tp_on_the_cpu_is_refused_as_training_refuses_it(capsys):
+    """``shardlm plan --device cpu`` of an async TP config: the same one message as training's start, exit
+    2; on an H100 the same config is planned (control)."""
+    from conftest import ROOT, cli_error
+    from shardlm.cli.main import main as shardlm_main
+
+    args = ["plan", str(ROOT / "configs" / "llama3-8b.toml"), "--world-size", "8", "--parallel.tp=2",
+            "--parallel.compile=true", "--parallel.async_tp=true", '--parallel.activation_checkpoint="full"']
+    err = cli_error(capsys, [*args, "--device", "cpu"])
+    assert err == ("error: parallel.async_tp needs CUDA (TorchInductor's micro-pipelined TP runs on "
+                   "symmetric GPU memory), but the planned device is cpu: set parallel.async_tp = false")
+    assert shardlm_main([*args, "--device", "h100"]) == 0
+    assert "peak" in capsys.readouterr().out
+
+
 def test_the_planner_plans_tensor_parallel():
     """Per rank FSDP 2 x TP 2 holds the same quarter of the model state as FSDP 4 and less activation memory
     per micro-batch of the same size; the 70B config (FSDP 8 x TP 8 on 64 H100s) prints its layout and fits;

@@ -40,7 +40,7 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> None:
     Raises:
         ConfigError: a bad world size or headroom, an unknown device or preset, ``--model.*`` overrides
             together with a preset or ``--model-config`` (which replace the config's shape and its
-            ``model.init_from``).
+            ``model.init_from``), ``parallel.async_tp`` with ``--device cpu``.
         ModelDirError: an unreadable ``--model-config`` or a model the decoder does not build.
     """
     if args.model_preset == "list":
@@ -74,6 +74,9 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> None:
         )
         overrides = shape_overrides(shape) + overrides
     cfg = load_config(args.config, overrides)
+    from shardlm.parallel.dist import check_async_tp_device
+
+    check_async_tp_device(cfg.parallel, "cpu" if args.device == "cpu" else "cuda", "the planned device")
     note = preference_note(cfg) if cfg.data.format == "preference" else ""
     from shardlm.plan.preference import preference_rows
 

@@ -144,6 +144,19 @@ def pick_backend(device: torch.device, requested: str = "auto", cpu_collectives:
     return "gloo"
 
 
+def check_async_tp_device(pcfg: ParallelConfig, device_type: str, what: str) -> None:
+    """Refuse ``parallel.async_tp`` on a device other than CUDA (``device_type``: ``"cuda"``, ``"cpu"``...),
+    at the start of training and in ``shardlm plan --device cpu``; ``what`` names the device in the message.
+
+    Raises:
+        ConfigError: ``pcfg.async_tp`` and ``device_type`` is not ``"cuda"``.
+    """
+    if pcfg.async_tp and device_type != "cuda":
+        raise ConfigError("parallel.async_tp needs CUDA (TorchInductor's micro-pipelined TP runs on "
+                          f"symmetric GPU memory), but {what} is {device_type}: set parallel.async_tp = "
+                          "false")
+
+
 def init_distributed(pcfg: ParallelConfig, cpu_collectives: bool = False) -> DistInfo:
     """Start (or join the already started) default process group and pick this rank's device.
 
@@ -164,10 +177,7 @@ def init_distributed(pcfg: ParallelConfig, cpu_collectives: bool = False) -> Dis
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     dp_mesh_shape(pcfg, world_size, local_world_size())  # bad mesh: one ConfigError, before any collective
     device = pick_device(pcfg.device, local_rank, local_world_size())
-    if pcfg.async_tp and device.type != "cuda":
-        raise ConfigError("parallel.async_tp needs CUDA (TorchInductor's micro-pipelined TP runs on "
-                          f"symmetric GPU memory), but this rank's device is {device.type}: set "
-                          "parallel.async_tp = false")
+    check_async_tp_device(pcfg, device.type, "this rank's device")
     backend = pick_backend(device, pcfg.backend, cpu_collectives or pcfg.cpu_offload)
     if device.type == "cuda":
         torch.cuda.set_device(device)

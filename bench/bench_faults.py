@@ -68,7 +68,7 @@ def worker(spec_path: str) -> None:
     from shardlm.checkpoint import saving as saving_module  # the save path: its manifest and retention
     from shardlm.config import load_config
     from shardlm.parallel import exit_process, init_distributed
-    from shardlm.train import Trainer
+    from shardlm.train.trainer import Trainer
 
     spec = json.loads(Path(spec_path).read_text())
     rank = int(os.environ["RANK"])

@@ -76,7 +76,7 @@ def worker(spec_path: str) -> None:
     from shardlm.metrics.peak import measure_train_step_peak
     from shardlm.parallel import all_gather_ints, exit_process, init_distributed
     from shardlm.plan import plan_memory
-    from shardlm.train import Trainer
+    from shardlm.train.trainer import Trainer
 
     spec = json.loads(Path(spec_path).read_text())
     results = []

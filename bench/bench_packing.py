@@ -54,7 +54,7 @@ def worker(spec_path: str) -> None:
     from shardlm.config import load_config
     from shardlm.data.packing import PackedExamples
     from shardlm.parallel import all_gather_ints, exit_process, init_distributed
-    from shardlm.train import Trainer
+    from shardlm.train.trainer import Trainer
 
     spec = json.loads(Path(spec_path).read_text())
     cfg = load_config(None, spec["overrides"])

@@ -40,8 +40,8 @@ def worker(spec_path: str) -> None:
     from shardlm.config import load_config
     from shardlm.metrics import local_bytes
     from shardlm.parallel import all_gather_ints, exit_process, init_distributed
-    from shardlm.train import Trainer
     from shardlm.train.build import unwrap
+    from shardlm.train.trainer import Trainer
 
     spec = json.loads(Path(spec_path).read_text())
     results = []

@@ -116,7 +116,7 @@ def write_random_data(out: Path, vocab: int, tokens: int, seed: int = 0) -> Path
 
 
 def trainer_for(cfg: Config, device: torch.device, backend: str):
-    from shardlm.train import Trainer
+    from shardlm.train.trainer import Trainer
 
     return Trainer(cfg, DistInfo(0, 0, 1, device, backend), keep_history=True)  # every record, for the checks
 

@@ -329,7 +329,7 @@ def test_a_model_trained_on_a_mixture_exports_its_tokenizers_model_ids(tmp_path:
     from conftest import tiny_overrides
     from shardlm.config import load_config
     from shardlm.parallel import init_distributed
-    from shardlm.train import Trainer
+    from shardlm.train.trainer import Trainer
 
     a, b = _two_sources(tmp_path, lines=120)
     sources = (f'[{{path = "{a.path}", weight = 0.7, name = "a"}}, '

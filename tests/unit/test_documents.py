@@ -339,7 +339,7 @@ def _trainer_steps(overrides: list[str], steps: int):
     """A one-process Trainer of ``overrides`` (its process group of one rank) and the records of
     ``steps`` steps."""
     from shardlm.parallel import init_distributed
-    from shardlm.train import Trainer
+    from shardlm.train.trainer import Trainer
 
     cfg = load_config(None, overrides)
     started = torch.distributed.is_initialized()

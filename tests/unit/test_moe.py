@@ -197,7 +197,7 @@ def test_the_logged_aux_loss_under_accumulation_is_the_mean_of_transformers_per_
     from shardlm.config import load_config
     from shardlm.convert.hf_out import save_model_dir
     from shardlm.parallel import init_distributed
-    from shardlm.train import Trainer
+    from shardlm.train.trainer import Trainer
     cfg = load_config(None, tiny_overrides(small_data, tmp_path / "run", {
         "model.family": '"qwen3_moe"', "model.n_experts": 8, "model.n_experts_per_token": 2,
         "model.head_width": 16, "model.moe_ffn_hidden": 32, "model.norm_topk_prob": "true",

@@ -45,7 +45,7 @@ from shardlm.checkpoint import fs_errors
 from shardlm.checkpoint.manifest import CheckpointError
 from shardlm.config import ConfigError, load_config
 from shardlm.parallel import exit_process, init_distributed
-from shardlm.train import Trainer
+from shardlm.train.trainer import Trainer
 
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 

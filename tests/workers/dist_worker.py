@@ -20,8 +20,8 @@ from shardlm.config import load_config
 from shardlm.metrics import local_bytes
 from shardlm.model.llama import Llama
 from shardlm.parallel import exit_process, init_distributed
-from shardlm.train import Trainer
 from shardlm.train.build import unwrap
+from shardlm.train.trainer import Trainer
 
 
 def shard_coordinate(p: torch.Tensor, rank: int, world: int) -> tuple[int, int]:

@@ -26,8 +26,8 @@ from shardlm.convert.peft_out import gather_full_params
 from shardlm.metrics import local_bytes
 from shardlm.model.lora import is_nf4, lora_modules
 from shardlm.parallel import exit_process, init_distributed
-from shardlm.train import Trainer
 from shardlm.train.build import unwrap
+from shardlm.train.trainer import Trainer
 
 
 def local_copy(p: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,7 @@ from shardlm.metrics.peak import measure_train_step_peak
 from shardlm.parallel import all_gather_ints, exit_process, init_distributed
 from shardlm.plan import plan_memory
 from shardlm.plan.preference import preference_rows
-from shardlm.train import Trainer
+from shardlm.train.trainer import Trainer
 
 
 def main() -> None:

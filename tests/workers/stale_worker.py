@@ -19,7 +19,7 @@ import torch.distributed as dist
 from shardlm.config import ConfigError, load_config
 from shardlm.data.build import data_dir
 from shardlm.parallel import exit_process, init_distributed
-from shardlm.train import Trainer
+from shardlm.train.trainer import Trainer
 
 
 def main() -> None:

@@ -49,7 +49,7 @@ def cmd_profile(args: argparse.Namespace, overrides: list[str]) -> None:
 
     from shardlm.config import load_config
     from shardlm.metrics.overlap import STEP_PREFIX, classify_events, plot_timeline, summarize
-    from shardlm.train import Trainer
+    from shardlm.train.trainer import Trainer
 
     if args.steps < 1 or args.warmup < 0:
         raise ConfigError(f"--steps must be >= 1 and --warmup >= 0, got {args.steps} and {args.warmup}")

@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     config_path, overrides = parse_args(sys.argv[1:] if argv is None else argv)
 
     def run() -> int:
-        from shardlm.train import Trainer
+        from shardlm.train.trainer import Trainer
 
         trainer = Trainer(train_config(config_path, overrides))
         trainer.train()

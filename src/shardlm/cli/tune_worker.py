@@ -2,12 +2,12 @@
 
 Started by :func:`shardlm.plan.tune.launch` as ``torchrun ... -m shardlm.cli.tune_worker SPEC.json``. Every
 rank reads the spec (config, overrides, the candidates to measure, the staged search's base, warm-up and
-measured steps, repeats), builds the run's :class:`shardlm.train.Trainer` for each candidate (its data, model,
-optimizer; no checkpoints, no evaluation, no trackers; a run directory of its own under the launch's work
-directory), runs ``warmup`` steps, then times ``steps`` steps. A step's time is the slowest rank's (an
-all-reduce of the times after the candidate, not a collective per step). Repeats measure the whole list again
-in the same order, so a load that drifts touches every candidate alike. After the first round of a staged
-search, the ranks, which hold the same times, compute the same second-round candidate
+measured steps, repeats), builds the run's :class:`shardlm.train.trainer.Trainer` for each candidate (its
+data, model, optimizer; no checkpoints, no evaluation, no trackers; a run directory of its own under the
+launch's work directory), runs ``warmup`` steps, then times ``steps`` steps. A step's time is the slowest
+rank's (an all-reduce of the times after the candidate, not a collective per step). Repeats measure the whole
+list again in the same order, so a load that drifts touches every candidate alike. After the first round of a
+staged search, the ranks, which hold the same times, compute the same second-round candidate
 (:func:`shardlm.plan.tune_search.combine`) and measure it when it fits. Last, the ``confirm`` fastest rows are
 measured once more, one after another, and their times pooled: the pick between close contenders rests on
 twice the steps. Rank 0 writes the rows as JSON and prints one ``tune: ...`` line per measurement; after each
@@ -39,7 +39,7 @@ from shardlm.parallel import DistInfo, init_distributed
 from shardlm.parallel.dist import exit_process
 from shardlm.plan.tune_candidates import Candidate, Planner, apply
 from shardlm.plan.tune_search import Row, combine
-from shardlm.train import Trainer
+from shardlm.train.trainer import Trainer
 
 
 def label(cand: Candidate) -> str:

@@ -1,6 +1,6 @@
 """Per-rank peak memory of one training step, predicted by replaying the step's allocations.
 
-The planner walks one optimizer step in the order :meth:`shardlm.train.Trainer.train_step` runs
+The planner walks one optimizer step in the order :meth:`shardlm.train.trainer.Trainer.train_step` runs
 it (micro-batch forward group by group, loss, backward group by group, clip, AdamW) and keeps a
 ledger of the bytes alive in each category: parameters (sharded fp32 masters + unsharded copies),
 gradients, optimizer state, all-gather and reduce-scatter buffers (DDP: its all-reduce buckets),

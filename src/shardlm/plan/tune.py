@@ -55,10 +55,11 @@ Prefetch depths beyond the other block groups are cut to their number (:meth:`Ca
 settings that run the same are measured once.
 
 All candidates are measured in one torchrun launch (:mod:`shardlm.cli.tune_worker`): for each in turn the
-workers build the run's :class:`shardlm.train.Trainer` (same data, model, optimizer), run ``warmup`` steps,
-then time ``steps`` steps; a step's time is the slowest rank's; a candidate's time is the median. The pick is
-the candidate with the most tokens/s (global batch × sequence length / step time); before it is made, the
-``confirm`` (default 2) fastest candidates are measured once more, one after another, and their times pooled.
+workers build the run's :class:`shardlm.train.trainer.Trainer` (same data, model, optimizer), run ``warmup``
+steps, then time ``steps`` steps; a step's time is the slowest rank's; a candidate's time is the median. The
+pick is the candidate with the most tokens/s (global batch × sequence length / step time); before it is made,
+the ``confirm`` (default 2) fastest candidates are measured once more, one after another, and their times
+pooled.
 
 Three modules: :mod:`shardlm.plan.tune_candidates` (the candidates, their predicted peaks, the memory budget),
 :mod:`shardlm.plan.tune_search` (the staged and full searches, the pick, what to say when nothing fits) and

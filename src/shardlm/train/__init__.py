@@ -2,17 +2,8 @@
 schedule (``optim.py``), and the ``Trainer`` (``trainer.py``: set-up, the training step, evaluation, the loop)
 with the parts it calls on: the run directory (``run_dir.py``), the data per format (``datasets.py``), the
 start-up summary (``summary.py``), the record entries of MoE and mixture runs (``step_metrics.py``) and the
-final export (``final_export.py``)."""
+final export (``final_export.py``).
 
-__all__ = ["Trainer", "run_dir"]
-
-
-def __getattr__(name: str):
-    """``Trainer`` and ``run_dir`` from ``trainer.py``, imported on first use (PEP 562), so that
-    ``python -m shardlm.train`` reaches ``__main__`` (which takes a Ctrl-C during the imports) before torch
-    is imported."""
-    if name in __all__:
-        from shardlm.train import trainer
-
-        return getattr(trainer, name)
-    raise AttributeError(f"module 'shardlm.train' has no attribute {name!r}")
+The package imports nothing itself (``from shardlm.train.trainer import Trainer``): ``python -m
+shardlm.train`` reaches its ``__main__``, which takes a Ctrl-C that arrives while torch is still being
+imported, before anything heavy is imported."""

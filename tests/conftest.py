@@ -139,11 +139,12 @@ def run_scenarios(
     nproc: int, scenarios: list[dict], out: Path, timeout: float = 600
 ) -> dict[str, list[dict]]:
     """Run scenarios in one torchrun launch (see tests/workers/dist_worker.py); return {name:
-    [rank reports]}."""
+    [rank reports]}. The launch's stdout and stderr are kept in ``out/launch-<nproc>.log``."""
     out.mkdir(parents=True, exist_ok=True)
     spec = out / f"spec-{nproc}.json"
     spec.write_text(json.dumps({"out": str(out), "scenarios": scenarios}))
-    torchrun(nproc, [str(WORKER), str(spec)], timeout=timeout)
+    proc = torchrun(nproc, [str(WORKER), str(spec)], timeout=timeout)
+    (out / f"launch-{nproc}.log").write_text(proc.stdout + proc.stderr)
     return {
         s["name"]: [json.loads((out / s["name"] / f"rank{r}.json").read_text()) for r in range(nproc)]
         for s in scenarios

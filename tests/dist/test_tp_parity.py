@@ -169,6 +169,10 @@ def test_export_of_a_tensor_parallel_run_loads_in_transformers(runs):
         diff = (hf(tokens).logits - load_model_dir(final)(tokens)).abs().max().item()
     print(f"export of FSDP 2 x TP 2: transformers vs shardlm logits {diff:.1e}")
     assert diff <= 1e-5
+    # the 4-rank launch's output: the exports of FSDP x TP (_StridedShard over dp, Shard over tp) no longer
+    # print DTensor's per-rank note about two sequential all-gathers (exact: an all-gather reduces nothing)
+    log = (root / "out" / "launch-4.log").read_text()
+    assert "model written to" in log and "sequential all_gather" not in log
 
 
 @pytest.mark.dist

@@ -11,7 +11,10 @@ checks every tensor against the shape ``config.json`` implies and writes a direc
 from __future__ import annotations
 
 import json
+import logging
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 
@@ -33,6 +36,27 @@ from shardlm.model.decoder import CausalLM
 from shardlm.model.hf_config import hf_config, read_model_dir_config, written_special_ids
 
 
+class _SequentialAllGatherNote(logging.Filter):
+    """Leaves out DTensor's note (a warning per rank) that an FSDP x TP parameter (``_StridedShard`` over dp,
+    ``Shard`` over tp) is gathered by two sequential all-gathers "that may give inconsistent results between
+    ranks due to different reduction orders": an all-gather reduces nothing, so every rank gets the same exact
+    value (the export equals the unsharded model: tests/dist/test_tp_parity.py)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "sequential all_gather" not in record.getMessage()
+
+
+@contextmanager
+def _without_sequential_all_gather_note() -> Iterator[None]:
+    """DTensor's redistribute logger without :class:`_SequentialAllGatherNote`'s note, for the ``with``."""
+    log, note = logging.getLogger("torch.distributed.tensor._redistribute"), _SequentialAllGatherNote()
+    log.addFilter(note)
+    try:
+        yield
+    finally:
+        log.removeFilter(note)
+
+
 def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """All-gather the model's full (unsharded) state dict onto rank 0, on CPU.
 
@@ -40,7 +64,8 @@ def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     an empty dict. Uses ``get_model_state_dict(full_state_dict=True, cpu_offload=True)``
     (torch.distributed.checkpoint.state_dict), which gathers one tensor at a time.
     """
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    with _without_sequential_all_gather_note():
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def save_model_dir(state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: str | Path,
@@ -126,7 +151,8 @@ def gather_full(p: torch.Tensor, owner: int, rank: int) -> torch.Tensor | None:
     if not isinstance(p, DTensor):
         return p if owner == rank else None
     if p.device_mesh.ndim != 1 or not p.placements[0].is_shard(0):
-        full = p.full_tensor()
+        with _without_sequential_all_gather_note():
+            full = p.full_tensor()
         return full if owner == rank else None
     group = p.device_mesh.get_group()
     n = dist.get_world_size(group)

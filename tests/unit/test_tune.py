@@ -49,7 +49,8 @@ def as_candidate(row: dict[str, str]) -> Candidate:
     micro = int(row["micro-batch x accum"].split(" x ")[0])
     return Candidate(row["reshard"] == "true", int(forward), int(backward), row["AC"], micro,
                      row["grad sync"] if row["grad sync"] != "-" else "every_micro_batch",
-                     row["compile"] == "true", int(row["blocks/group"]), int(row["tp"]), int(row["ep"]))
+                     row["compile"] == "true", int(row["blocks/group"]), int(row["tp"]), int(row["ep"]),
+                     int(row["cp"]))
 
 
 def test_no_candidate_fits_says_what_would(tmp_path, capsys, monkeypatch):
@@ -88,10 +89,11 @@ def test_staged_search_candidates():
         base.with_value("prefetch", (2, 2)), *[base.with_value("batching", (m, s)) for m in (2, 1)
                                                for s in ("every_micro_batch", "last_micro_batch")],
         base.with_value("compile", True), base.with_value("grouping", 2), base.with_value("grouping", 4),
-        base.with_value("tp", 2)]
+        base.with_value("tp", 2), base.with_value("cp", 2)]
     assert all(r.fits for r in rows)
     # the full grid: reshard x prefetch x AC x batching x compile x grouping (1, 2, all 4 blocks) x tp x ep
-    assert [len(v) for v in space(cfg, 2).values()] == [2, 3, 4, 5, 2, 3, 2, 1]
+    # x cp
+    assert [len(v) for v in space(cfg, 2).values()] == [2, 3, 4, 5, 2, 3, 2, 1, 2]
     # a group of 2 blocks prefetched holds 2 blocks more; one group of 4 more still than 2 groups of 2
     prefetched = base.with_value("prefetch", (1, 1))
     assert roomy.bytes(prefetched.with_value("grouping", 2)) > roomy.bytes(prefetched)

@@ -367,7 +367,8 @@ def test_a_long_sequence_that_fits_only_split_is_tuned_at_cp_2(tmp_path, capsys,
     """At 2 ranks a 4,096-token sequence does not fit a budget under any cp 1 candidate (not even full
     checkpointing at micro-batch 1) but does split over 2 ranks: tune starts from cp 2, shows the cp 1 rows
     as not fitting, measures only fitting cp 2 rows (the measuring is faked in process: nothing trains) and
-    writes ``parallel.cp = 2``. No cp 2 row has tp 2 (4 ranks)."""
+    writes ``parallel.cp = 2``. No cp 2 row has tp 2 (4 ranks). Below cp 2's need nothing fits: the error says
+    what cp 2 needs."""
     from shardlm.cli import tune_worker
     from shardlm.plan.tune_search import smallest_candidate
 
@@ -411,3 +412,9 @@ def test_a_long_sequence_that_fits_only_split_is_tuned_at_cp_2(tmp_path, capsys,
     dotted_line = next(line for line in captured.splitlines() if line.startswith("dotted overrides: "))
     assert "--parallel.cp=2" in dotted_line and "\ncp = 2\n" in out.read_text()
     assert config_candidate(load_config([str(config), str(out)], LONG), 2) == as_candidate(picked)
+    # below cp 2's smallest nothing fits: the error names cp 2's need (the least), and what more ranks need
+    err = cli_error(capsys, ["tune", str(config), "--world-size", "2", "--memory-per-rank",
+                             f"{at_cp2 * 0.99 / GIB:.9f}", "--headroom", "0", *LONG])
+    assert (f"even activation checkpointing 'full' with micro-batch 1 at parallel.cp=2 needs "
+            f"{tune.size(at_cp2)} per rank" in err), err
+    assert "more ranks: --world-size 4 --train.global_batch_size=4, with parallel.cp=2, activation" in err

@@ -315,7 +315,7 @@ def test_context_parallel_candidates_are_those_the_trainer_accepts():
     each of them and no other, each row's cp x tp accepted and its batch per data-parallel rank G·cp·tp / N;
     refused: cp 4 on a 3-token sequence, cp 1 when G = 2 sequences cannot feed 4 data-parallel ranks (the
     config's cp 2 comes first), cp 4 × tp 2 on 4 ranks, any cp with preference tuning. LoRA trains under CP
-    (the trainer accepts it), so it is offered."""
+    (the trainer accepts it), so it is offered. Round 2 never combines a cp and a tp beyond the ranks."""
     g4 = "--train.global_batch_size=4"  # 4 sequences: one per data-parallel rank at 4 ranks without CP
     cases = {(2, ()): [1, 2], (4, (g4,)): [1, 2, 4], (4, ("--parallel.cp=2",)): [2, 4],
              (4, ("--parallel.cp=2", g4)): [2, 1, 4], (4, (g4, "--train.seq_len=3")): [1, 2],
@@ -335,6 +335,15 @@ def test_context_parallel_candidates_are_those_the_trainer_accepts():
             assert trainer_accepts_cp([*overrides, f"--parallel.tp={r.cand.tp}"], n, r.cand.cp), r.cand
             g = cfg.train.global_batch_size
             assert tune_candidates.local_batch(cfg, n, r.cand.tp, r.cand.cp) == g * r.cand.cp * r.cand.tp // n
+    # cp 2 x tp 2 needs 4 ranks: round 2 at 2 ranks combines the faster of the two only, never both
+    cfg = load_config(str(ROOT / "configs" / "20m.toml"), LONG)
+    two, own = Planner(cfg, 2, "cpu", 64 * GIB), config_candidate(cfg, 2)
+    both = own.with_value("cp", 2).with_value("tp", 2)
+    assert not two.allowed(both)
+    assert Planner(load_config(str(ROOT / "configs" / "20m.toml"), [*LONG, g4]), 4, "cpu", 0).allowed(both)
+    times = {own: 1.0, own.with_value("tp", 2): 0.5, own.with_value("cp", 2): 0.4}
+    best = combine([Row(c, two.bytes(c), True, times=[t]) for c, t in times.items()], own, two)
+    assert (best.tp, best.cp) == (2, 1)
 
 
 def test_a_context_parallel_candidate_predicts_what_shardlm_plan_prints(capsys):

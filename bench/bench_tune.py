@@ -10,8 +10,9 @@ the grid)::
     python bench/bench_tune.py --config configs/debug-shape.toml --repeats 2
 
 The grid is every candidate of the space ``shardlm tune`` searches (reshard after forward x prefetch depth x
-activation checkpointing x micro-batch and gradient sync x compile x blocks per group, the global batch fixed;
-``--ac`` and ``--micro-batch`` limit it) that the planner says fits, each measured as tune measures
+activation checkpointing x micro-batch and gradient sync x compile x blocks per group x tp x ep x cp, the
+global batch fixed; ``--ac`` and ``--micro-batch`` limit it) that the planner says fits, each measured as tune
+measures
 (``--warmup`` steps, then ``--steps`` timed steps; the slowest rank per step; the median; ``--repeats`` passes
 over the whole list, pooled). It prints the staged search's table, the grid's table, and how the staged pick's
 step time in the grid compares with the grid's best row (the issue asks: within 5 %). Tokens are the config's

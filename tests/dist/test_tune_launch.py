@@ -1,5 +1,5 @@
-"""``shardlm tune`` under torchrun: the fitting candidates measured in one launch, a killed rank keeping the
-measurements, a crashed worker's output shown."""
+"""``shardlm tune`` under torchrun: the fitting candidates measured in one launch (tensor and context parallel
+among them), a killed rank keeping the measurements, a crashed worker's output shown."""
 
 from __future__ import annotations
 
@@ -67,7 +67,14 @@ def test_tune_measures_the_fitting_candidates_in_one_launch(tmp_path, small_data
     # 8 rows
     assert tensor_parallel and all(r["micro-batch x accum"].endswith(" x 2") for r in tensor_parallel)
     assert all(r["AC"] in ("none", "full") for r in tensor_parallel) and {r["ep"] for r in rows} == {"1"}
+    # and context parallel over both ranks (each sequence split in two): one data-parallel rank, which takes
+    # all 8 sequences (micro-batch x accumulation); never with tp 2 (cp x tp = 4 ranks)
+    split = [r for r in measured if r["cp"] == "2"]
+    assert split and all(r["tp"] == "1" for r in split)
+    assert all(int(m) * int(k) == 8 for m, k in (r["micro-batch x accum"].split(" x ") for r in split))
+    assert {r["cp"] for r in rows} == {"1", "2"}
     progress = re.findall(r"^tune: reshard=.*$", captured.err, re.M)  # one line per measurement
+    assert any(" cp=2 tp=1 " in line for line in progress)
     assert len([line for line in progress if not line.endswith("(confirming)")]) == len(measured)
     assert len([line for line in progress if line.endswith("(confirming)")]) == 2  # the 2 fastest, once more
     assert len([r for r in measured if "confirmed" in r["note"]]) == 2
@@ -87,6 +94,7 @@ def test_tune_measures_the_fitting_candidates_in_one_launch(tmp_path, small_data
     assert chosen == as_candidate(picked[0])
     assert Planner(tuned, 2, "cpu", budget).fits(chosen)
     assert set(re.findall(r"^\[(\w+)\]", out.read_text(), re.M)) == {"parallel", "train"}
+    assert re.search(r"^cp = (\d+)$", out.read_text(), re.M).group(1) == picked[0]["cp"]
     line = next(line for line in captured.out.splitlines() if line.startswith("dotted overrides: "))
     assert config_candidate(load_config(str(config), line.split(": ", 1)[1].split()), 2) == chosen
     assert tuned.model == cfg.model and tuned.train.global_batch_size == 8 and tuned.run.name == "tiny"

@@ -14,7 +14,7 @@ from conftest import ROOT, cli_error
 from shardlm.cli.main import main as shardlm_main
 from shardlm.cli.train import parse_args
 from shardlm.config import load_config
-from shardlm.plan import tune
+from shardlm.plan import tune, tune_candidates
 from shardlm.plan.devices import GIB
 from shardlm.plan.tune import Candidate, Planner, Row, combine, config_candidate, first_round, space
 
@@ -49,7 +49,8 @@ def as_candidate(row: dict[str, str]) -> Candidate:
     micro = int(row["micro-batch x accum"].split(" x ")[0])
     return Candidate(row["reshard"] == "true", int(forward), int(backward), row["AC"], micro,
                      row["grad sync"] if row["grad sync"] != "-" else "every_micro_batch",
-                     row["compile"] == "true", int(row["blocks/group"]), int(row["tp"]), int(row["ep"]))
+                     row["compile"] == "true", int(row["blocks/group"]), int(row["tp"]), int(row["ep"]),
+                     int(row["cp"]))
 
 
 def test_no_candidate_fits_says_what_would(tmp_path, capsys, monkeypatch):
@@ -88,10 +89,11 @@ def test_staged_search_candidates():
         base.with_value("prefetch", (2, 2)), *[base.with_value("batching", (m, s)) for m in (2, 1)
                                                for s in ("every_micro_batch", "last_micro_batch")],
         base.with_value("compile", True), base.with_value("grouping", 2), base.with_value("grouping", 4),
-        base.with_value("tp", 2)]
+        base.with_value("tp", 2), base.with_value("cp", 2)]
     assert all(r.fits for r in rows)
     # the full grid: reshard x prefetch x AC x batching x compile x grouping (1, 2, all 4 blocks) x tp x ep
-    assert [len(v) for v in space(cfg, 2).values()] == [2, 3, 4, 5, 2, 3, 2, 1]
+    # x cp
+    assert [len(v) for v in space(cfg, 2).values()] == [2, 3, 4, 5, 2, 3, 2, 1, 2]
     # a group of 2 blocks prefetched holds 2 blocks more; one group of 4 more still than 2 groups of 2
     prefetched = base.with_value("prefetch", (1, 1))
     assert roomy.bytes(prefetched.with_value("grouping", 2)) > roomy.bytes(prefetched)
@@ -277,3 +279,151 @@ def test_tensor_parallel_candidates_under_context_parallel_count_the_cp_ranks():
     with pytest.raises(ConfigError, match=r"train.global_batch_size=1 must be divisible by the world "
                                           r"size 4 / parallel.cp=2 = 2 \(the ranks of a CP group share"):
         local_batch(cfg, 4)
+
+
+#: the 20m model at 4,096 tokens a sequence, 2 sequences a step (micro-batch 1): long enough that the
+#: activations dominate and CP 2 halves them
+LONG = ["--train.seq_len=4096", "--model.max_seq_len=4096", "--train.global_batch_size=2",
+        "--train.micro_batch_size=1"]
+
+
+def trainer_accepts_cp(overrides: list[str], world_size: int, cp: int) -> bool:
+    """Whether training refuses ``parallel.cp = cp`` on the 20m config with ``overrides`` at ``world_size``
+    ranks, by the trainer's own checks called directly: the config's (load_config), the mesh's
+    (init_distributed's dp_mesh_shape), the model split's (build_model's check_tp on a CP rank's tokens),
+    the batch over the N / (cp·tp) data-parallel ranks (the trainer's gradient_accumulation_steps; at
+    micro-batch 1, so that any micro-batch that divides does)."""
+    from shardlm.config import gradient_accumulation_steps
+    from shardlm.errors import ConfigError
+    from shardlm.parallel.dist import dp_mesh_shape
+    from shardlm.parallel.tp import check_tp
+
+    try:
+        cfg = load_config(str(ROOT / "configs" / "20m.toml"),
+                          [*overrides, f"--parallel.cp={cp}", "--train.micro_batch_size=1"])
+        dp_mesh_shape(cfg.parallel, world_size, world_size)
+        check_tp(cfg.model, cfg.parallel.tp, cfg.train.seq_len, cfg.lora.enabled, cp)
+        gradient_accumulation_steps(cfg, world_size // (cp * cfg.parallel.tp))
+    except ConfigError:
+        return False
+    return True
+
+
+def test_context_parallel_candidates_are_those_the_trainer_accepts():
+    """A long-context config at 2 and 4 ranks: tune's cp values are the config's, then each other divisor of
+    N that the trainer's own checks accept (:func:`trainer_accepts_cp`), and the staged search's rows hold
+    each of them and no other, each row's cp x tp accepted and its batch per data-parallel rank G·cp·tp / N;
+    refused: cp 4 on a 3-token sequence, cp 1 when G = 2 sequences cannot feed 4 data-parallel ranks (the
+    config's cp 2 comes first), cp 4 × tp 2 on 4 ranks, any cp with preference tuning. LoRA trains under CP
+    (the trainer accepts it), so it is offered. Round 2 never combines a cp and a tp beyond the ranks."""
+    g4 = "--train.global_batch_size=4"  # 4 sequences: one per data-parallel rank at 4 ranks without CP
+    cases = {(2, ()): [1, 2], (4, (g4,)): [1, 2, 4], (4, ("--parallel.cp=2",)): [2, 4],
+             (4, ("--parallel.cp=2", g4)): [2, 1, 4], (4, (g4, "--train.seq_len=3")): [1, 2],
+             (4, (g4, "--parallel.tp=2")): [1, 2], (4, (g4, "--data.format=preference")): [1],
+             (2, ("--lora.enabled=true",)): [1, 2]}
+    for (n, extra), expected in cases.items():
+        overrides = [*LONG, *extra]
+        cfg = load_config(str(ROOT / "configs" / "20m.toml"), overrides)
+        assert space(cfg, n)["cp"] == expected, (n, extra)
+        assert sorted(expected) == [d for d in range(1, n + 1) if n % d == 0
+                                    and trainer_accepts_cp(overrides, n, d)], (n, extra)
+        if cfg.data.format == "preference":
+            continue  # the planner plans preference rows apart (plan/preference.py); no search here
+        rows = first_round(cfg, Planner(cfg, n, "cpu", 64 * GIB), "staged")
+        assert {r.cand.cp for r in rows} == set(expected), (n, extra)
+        for r in rows:  # every cp x tp of a row the trainer accepts, and its batch counts the row's cp
+            assert trainer_accepts_cp([*overrides, f"--parallel.tp={r.cand.tp}"], n, r.cand.cp), r.cand
+            g = cfg.train.global_batch_size
+            assert tune_candidates.local_batch(cfg, n, r.cand.tp, r.cand.cp) == g * r.cand.cp * r.cand.tp // n
+    # cp 2 x tp 2 needs 4 ranks: round 2 at 2 ranks combines the faster of the two only, never both
+    cfg = load_config(str(ROOT / "configs" / "20m.toml"), LONG)
+    two, own = Planner(cfg, 2, "cpu", 64 * GIB), config_candidate(cfg, 2)
+    both = own.with_value("cp", 2).with_value("tp", 2)
+    assert not two.allowed(both)
+    assert Planner(load_config(str(ROOT / "configs" / "20m.toml"), [*LONG, g4]), 4, "cpu", 0).allowed(both)
+    times = {own: 1.0, own.with_value("tp", 2): 0.5, own.with_value("cp", 2): 0.4}
+    best = combine([Row(c, two.bytes(c), True, times=[t]) for c, t in times.items()], own, two)
+    assert (best.tp, best.cp) == (2, 1)
+
+
+def test_a_context_parallel_candidate_predicts_what_shardlm_plan_prints(capsys):
+    """A cp 2 candidate's predicted peak is the planner's under CP: the bytes of plan_memory for the same
+    settings (what ``shardlm plan`` calls) and the total ``shardlm plan`` prints for them; CP 2 plans less
+    than CP 1 by more than the printed precision, so the comparison tells them apart."""
+    from shardlm.plan.memory import plan_memory
+    from shardlm.plan.tune_candidates import dotted
+
+    config = str(ROOT / "configs" / "20m.toml")
+    cfg = load_config(config, LONG)
+    planner = Planner(cfg, 2, "cpu", 64 * GIB)
+    own = config_candidate(cfg, 2)
+    totals = {}
+    for cp in (1, 2):
+        cand = own.with_value("cp", cp)
+        overrides = [*LONG, *dotted(cand).split()]
+        assert planner.bytes(cand) == plan_memory(load_config(config, overrides), 2, "cpu").peak
+        capsys.readouterr()
+        assert shardlm_main(["plan", config, "--world-size", "2", "--device", "cpu", *overrides]) == 0
+        out = capsys.readouterr().out
+        assert (f"context parallel {cp}: each sequence split over {cp} ranks" in out) == (cp > 1)
+        total = next(line for line in out.splitlines() if line.strip().startswith("total "))
+        totals[cp] = float(total.split()[1])
+        assert totals[cp] == round(planner.bytes(cand) / GIB, 3), cp
+    assert totals[1] - totals[2] > 0.1
+
+
+def test_a_long_sequence_that_fits_only_split_is_tuned_at_cp_2(tmp_path, capsys, monkeypatch):
+    """At 2 ranks a 4,096-token sequence does not fit a budget under any cp 1 candidate (not even full
+    checkpointing at micro-batch 1) but does split over 2 ranks: tune starts from cp 2, shows the cp 1 rows
+    as not fitting, measures only fitting cp 2 rows (the measuring is faked in process: nothing trains) and
+    writes ``parallel.cp = 2``. No cp 2 row has tp 2 (4 ranks). Below cp 2's need nothing fits: the error says
+    what cp 2 needs."""
+    from shardlm.cli import tune_worker
+    from shardlm.plan.tune_search import smallest_candidate
+
+    config = tmp_path / "long.toml"
+    config.write_text((ROOT / "configs" / "20m.toml").read_text())
+    cfg = load_config(str(config), LONG)
+    probe = Planner(cfg, 2, "cpu", 0)
+    at_cp1 = probe.bytes(Candidate(True, 0, 0, "full", 1, "every_micro_batch"))
+    at_cp2 = probe.bytes(Candidate(True, 0, 0, "full", 1, "every_micro_batch", cp=2))
+    assert at_cp2 < at_cp1 and smallest_candidate(cfg, probe).cp == 2
+    budget = (at_cp1 + at_cp2) / 2
+    step_s = iter(0.1 * (k % 5 + 1) for k in range(1000))
+
+    def fake_time_candidate(run_cfg, info):
+        assert Planner(cfg, 2, "cpu", budget).fits(config_candidate(run_cfg, 2))  # only fitting ones run
+        return [next(step_s)] * run_cfg.train.steps, -1
+
+    def in_process_launch(spec, world_size, workdir):
+        tune_worker.measure({**spec, "out": str(workdir / "rows.json"), "workdir": str(workdir)})
+        return [Row.from_dict(d) for d in json.loads((workdir / "rows.json").read_text())]
+
+    two_ranks = SimpleNamespace(world_size=2, is_main=True, device=torch.device("cpu"))  # no process group
+    monkeypatch.setattr(tune_worker, "time_candidate", fake_time_candidate)
+    monkeypatch.setattr(tune_worker, "init_distributed", lambda pcfg: two_ranks)
+    monkeypatch.setattr(tune, "launch", in_process_launch)
+    out = tmp_path / "tuned.toml"
+    capsys.readouterr()
+    assert shardlm_main(["tune", str(config), "--world-size", "2", "--out", str(out), "--warmup", "1",
+                         "--steps", "1", "--memory-per-rank", f"{budget / GIB:.9f}", "--headroom", "0",
+                         *LONG]) == 0
+    captured = capsys.readouterr().out
+    rows = table_rows(captured)
+    assert "fsdp at world size 2, cp 1/2," in captured
+    assert {r["cp"] for r in rows} == {"1", "2"} and {r["tp"] for r in rows if r["cp"] == "2"} == {"1"}
+    assert all(r["fits"] == "no" and r["step s"] == "-" for r in rows if r["cp"] == "1")
+    measured = [r for r in rows if r["step s"] != "-"]
+    assert len(measured) > 3 and all(r["cp"] == "2" and r["fits"] == "yes" for r in measured)
+    for r in rows:
+        assert (float(r["predicted MiB/rank"].replace(",", "")) * 2**20 <= budget) == (r["fits"] == "yes")
+    picked = next(r for r in rows if "picked" in r["note"])
+    dotted_line = next(line for line in captured.splitlines() if line.startswith("dotted overrides: "))
+    assert "--parallel.cp=2" in dotted_line and "\ncp = 2\n" in out.read_text()
+    assert config_candidate(load_config([str(config), str(out)], LONG), 2) == as_candidate(picked)
+    # below cp 2's smallest nothing fits: the error names cp 2's need (the least), and what more ranks need
+    err = cli_error(capsys, ["tune", str(config), "--world-size", "2", "--memory-per-rank",
+                             f"{at_cp2 * 0.99 / GIB:.9f}", "--headroom", "0", *LONG])
+    assert (f"even activation checkpointing 'full' with micro-batch 1 at parallel.cp=2 needs "
+            f"{tune.size(at_cp2)} per rank" in err), err
+    assert "more ranks: --world-size 4 --train.global_batch_size=4, with parallel.cp=2, activation" in err

@@ -37,7 +37,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``tune`` on the ``shardlm`` command's subparsers."""
     p = sub.add_parser(
         "tune",
-        help="measure candidate FSDP settings (and tensor / expert-parallel degrees) that fit "
+        help="measure candidate FSDP settings (and context / tensor / expert-parallel degrees) that fit "
         "(one torchrun launch) and write the fastest as config overrides",
     )
     p.add_argument("config", help="TOML config (overrides follow as --section.key=value)")
@@ -105,9 +105,9 @@ def cmd_tune(args: argparse.Namespace, overrides: list[str]) -> None:
         loaded.append(cfg)
         layouts = "".join(
             f", {d} {'/'.join(map(str, sorted({r.cand.key(d) for r in rows})))}"
-            for d in ("tp", "ep")
+            for d in ("cp", "tp", "ep")
             if len({r.cand.key(d) for r in rows}) > 1
-        )  # the tensor / expert-parallel degrees tried
+        )  # the context / tensor / expert-parallel degrees tried
         print(f"tune | {cfg.run.name}: fsdp at world size {args.world_size}{layouts}, global batch "
               f"{cfg.train.global_batch_size} x {cfg.train.seq_len} tokens; usable memory "
               f"{size(budget.bytes)} per rank ({budget.source}); {sum(r.fits for r in rows)} of {len(rows)} "

@@ -47,7 +47,7 @@ def label(cand: Candidate) -> str:
     return (f"reshard={str(cand.reshard_after_forward).lower()} prefetch={cand.forward_prefetch}/"
             f"{cand.backward_prefetch} ac={cand.activation_checkpoint} micro-batch={cand.micro_batch_size} "
             f"sync={cand.grad_sync} compile={str(cand.compile).lower()} blocks/group={cand.blocks_per_group} "
-            f"tp={cand.tp} ep={cand.ep}")
+            f"cp={cand.cp} tp={cand.tp} ep={cand.ep}")
 
 
 def run_config(cfg: Config, cand: Candidate, spec: dict[str, Any], index: int) -> Config:

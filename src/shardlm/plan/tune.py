@@ -27,6 +27,13 @@ tensor parallel         ``parallel.tp``: the config's, and each divisor of N tha
                         planner models there)
 expert parallel         ``parallel.ep`` (mixtures of experts): the config's, and each divisor of N and of
                         ``model.n_experts`` that the trainer accepts (no HSDP)
+context parallel        ``parallel.cp``: the config's, and each divisor of N that the trainer accepts with the
+                        config's tp and ep (``train.seq_len`` >= cp; no preference tuning; N / (cp·tp)
+                        data-parallel ranks dividing the global batch; cp × tp dividing N). The cp ranks of
+                        a group split each sequence and take the same samples: the same micro-batch means cp
+                        times the micro-batches. The predicted peak is the planner's under CP
+                        (:mod:`shardlm.plan.context_parallel`); when nothing fits at the config's cp, the
+                        staged search's base is the first other cp at which something does
 ======================  ==========================================================================
 
 ``train.loss_chunk_tokens`` is not tuned: the planner counts the chunked loss by it (:mod:`shardlm.plan.loss`:
@@ -45,10 +52,11 @@ Search (``--search``):
 * ``staged`` (the default): activation checkpointing is not searched but follows the memory: each candidate
   takes the lightest mode that fits with its other settings (recomputation only adds time; ``full`` checks
   this). The *base* is the config's reshard, prefetch and batching (or, when nothing fits with those, its
-  smaller micro-batches, then the same with resharding and no prefetch). Round 1 measures the config's own
-  settings (when they fit), the base, and every candidate that differs from the base in one of reshard,
-  prefetch, batching, compile, grouping, tp, ep; round 2 takes the fastest value of each of these and measures
-  their combination when it is new and fits.
+  smaller micro-batches, then the same with resharding and no prefetch, then all these at each other cp).
+  Round 1 measures the config's own settings (when they fit), the base, and every candidate that differs
+  from the base in one of reshard, prefetch, batching, compile, grouping, tp, ep, cp; round 2 takes the
+  fastest value of each of these and measures their combination when it is new, the trainer accepts it
+  (cp × tp dividing N) and it fits.
 * ``full``: every fitting candidate of the whole product (the benchmark's grid, ``bench/bench_tune.py``).
 
 Prefetch depths beyond the other block groups are cut to their number (:meth:`Candidate.normalized`), so that
@@ -247,28 +255,28 @@ def run_tune(config: str | None, overrides: list[str], world_size: int, budget: 
 def format_table(rows: list[Row], cfg: Config, world_size: int, picked: Candidate | None) -> str:
     """The table ``shardlm tune`` prints: one line per candidate, measured or not (``-``)."""
     head = ["#", "reshard", "prefetch f/b", "AC", "micro-batch x accum", "grad sync", "compile",
-            "blocks/group", "tp", "ep", "predicted MiB/rank", "fits", "step s", "tokens/s", "note"]
+            "blocks/group", "cp", "tp", "ep", "predicted MiB/rank", "fits", "step s", "tokens/s", "note"]
     gpu = any(r.measured_peak_bytes >= 0 for r in rows)
     if gpu:
-        head.insert(12, "measured MiB")
+        head.insert(13, "measured MiB")
     own = config_candidate(cfg, world_size)
     tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_len
     lines = []
     for i, r in enumerate(rows, 1):
         c, step = r.cand, r.step_s
-        accum = local_batch(cfg, world_size, c.tp) // c.micro_batch_size
+        accum = local_batch(cfg, world_size, c.tp, c.cp) // c.micro_batch_size
         note = ", ".join(n for n, on in (("picked", c == picked), ("config", c == own),
                                          (f"round {r.round}", r.round > 1), ("confirmed", r.confirmed),
                                          ("skipped: time budget", r.skipped)) if on)
         cells = [str(i), str(c.reshard_after_forward).lower(), f"{c.forward_prefetch}/{c.backward_prefetch}",
                  c.activation_checkpoint, f"{c.micro_batch_size} x {accum}",
                  c.grad_sync if accum > 1 else "-", str(c.compile).lower(), str(c.blocks_per_group),
-                 str(c.tp), str(c.ep), f"{r.predicted_bytes / MIB:,.1f}",
+                 str(c.cp), str(c.tp), str(c.ep), f"{r.predicted_bytes / MIB:,.1f}",
                  "yes" if r.fits else "no",
                  f"{step:.3f}" if step is not None else "-",
                  f"{tokens_per_step / step:,.0f}" if step is not None else "-", note]
         if gpu:
-            cells.insert(12, f"{r.measured_peak_bytes / MIB:,.1f}" if r.measured_peak_bytes >= 0 else "-")
+            cells.insert(13, f"{r.measured_peak_bytes / MIB:,.1f}" if r.measured_peak_bytes >= 0 else "-")
         lines.append(cells)
     widths = [max(len(h), *(len(cells[i]) for cells in lines)) for i, h in enumerate(head)]
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shardlm.config import Config, ConfigError, validate
+from shardlm.config import Config, ConfigError, gradient_accumulation_steps, validate
 from shardlm.parallel.ac import find_cxx_compiler
 from shardlm.parallel.dist import dp_mesh_shape
 from shardlm.parallel.ep import check_ep
@@ -28,9 +28,9 @@ from shardlm.plan.param_groups import param_groups
 AC_ORDER = ("none", "selective", "every_n", "full")
 PREFETCH_DEPTHS = (0, 1, 2)
 SEARCHES = ("staged", "full")
-DIMENSIONS = ("reshard", "prefetch", "ac", "batching", "compile", "grouping", "tp", "ep")
+DIMENSIONS = ("reshard", "prefetch", "ac", "batching", "compile", "grouping", "tp", "ep", "cp")
 #: what the staged search varies; the checkpointing follows: the lightest mode that fits
-STAGED_DIMENSIONS = ("reshard", "prefetch", "batching", "compile", "grouping", "tp", "ep")
+STAGED_DIMENSIONS = ("reshard", "prefetch", "batching", "compile", "grouping", "tp", "ep", "cp")
 
 
 def ac_modes(tp: int) -> tuple[str, ...]:
@@ -54,13 +54,16 @@ class Candidate:
     """Tensor-parallel degree (``parallel.tp``); the data-parallel ranks are N / tp."""
     ep: int = 1
     """Expert-parallel degree (``parallel.ep``, mixtures of experts only)."""
+    cp: int = 1
+    """Context-parallel degree (``parallel.cp``): each sequence split over cp ranks, N / (cp·tp) of them
+    data-parallel."""
 
     def key(self, dimension: str) -> Any:
         """This candidate's value in ``dimension`` (one of :data:`DIMENSIONS`)."""
         return {"reshard": self.reshard_after_forward,
                 "prefetch": (self.forward_prefetch, self.backward_prefetch), "ac": self.activation_checkpoint,
                 "batching": (self.micro_batch_size, self.grad_sync), "compile": self.compile,
-                "grouping": self.blocks_per_group, "tp": self.tp, "ep": self.ep}[dimension]
+                "grouping": self.blocks_per_group, "tp": self.tp, "ep": self.ep, "cp": self.cp}[dimension]
 
     def with_value(self, dimension: str, value: Any) -> Candidate:
         """A copy with ``dimension`` set to ``value`` (as :meth:`key` returns it)."""
@@ -74,7 +77,7 @@ class Candidate:
             return dataclasses.replace(self, compile=value)
         if dimension == "grouping":
             return dataclasses.replace(self, blocks_per_group=value)
-        if dimension in ("tp", "ep"):
+        if dimension in ("tp", "ep", "cp"):
             return dataclasses.replace(self, **{dimension: value})
         return dataclasses.replace(self, micro_batch_size=value[0], grad_sync=value[1])
 
@@ -98,6 +101,7 @@ class Candidate:
             "parallel.blocks_per_group": self.blocks_per_group,
             "parallel.tp": self.tp,
             "parallel.ep": self.ep,
+            "parallel.cp": self.cp,
         }
 
     def to_dict(self) -> dict[str, Any]:
@@ -136,16 +140,18 @@ def apply(cfg: Config, cand: Candidate) -> Config:
     return out
 
 
-def local_batch(cfg: Config, world_size: int, tp: int = 1) -> int:
-    """Sequences per data-parallel rank per step, G / (N / (cp·tp)): the ``parallel.cp`` ranks of a
-    context-parallel group and the ``tp`` ranks of a tensor-parallel group take the same sequences
-    (:func:`shardlm.config.gradient_accumulation_steps`' data-parallel world size).
+def local_batch(cfg: Config, world_size: int, tp: int = 1, cp: int | None = None) -> int:
+    """Sequences per data-parallel rank per step, G / (N / (cp·tp)): the ``cp`` ranks of a context-parallel
+    group and the ``tp`` ranks of a tensor-parallel group take the same sequences
+    (:func:`shardlm.config.gradient_accumulation_steps`' data-parallel world size). ``cp``: a candidate's
+    context-parallel degree, the config's ``parallel.cp`` when None.
 
     Raises:
-        ConfigError: ``parallel.cp`` does not divide N, or N / cp (the data-parallel ranks at tp 1, so that
-            the batch divides at every tp) does not divide the global batch.
+        ConfigError: ``cp`` does not divide N, or N / cp (the data-parallel ranks at tp 1, so that the batch
+            divides at every tp) does not divide the global batch.
     """
-    g, cp = cfg.train.global_batch_size, cfg.parallel.cp
+    g = cfg.train.global_batch_size
+    cp = cfg.parallel.cp if cp is None else cp
     if world_size < 1:
         raise ConfigError(f"--world-size must be >= 1, got {world_size}")
     if world_size % cp:
@@ -158,31 +164,37 @@ def local_batch(cfg: Config, world_size: int, tp: int = 1) -> int:
     return g * tp // dp
 
 
-def layout_allowed(cfg: Config, world_size: int, tp: int, ep: int) -> bool:
+def layout_allowed(cfg: Config, world_size: int, tp: int, ep: int, cp: int | None = None) -> bool:
     """Whether a run of ``cfg`` at ``world_size`` ranks (one node: the machine ``shardlm tune`` measures on)
-    accepts ``parallel.tp = tp`` and ``parallel.ep = ep``: the trainer's own checks, which refuse a tp that
-    does not divide the query or key/value heads, the FFN width, the vocabulary, the sequence or the ranks of
-    the node, tp with LoRA, a mixture of experts or preference tuning (:func:`shardlm.config.validate`,
-    :func:`shardlm.parallel.tp.check_tp`, :func:`shardlm.parallel.dist.dp_mesh_shape`), and an ep that does
-    not divide the experts or the ranks, or ep without experts, outside FSDP or with HSDP
-    (:func:`shardlm.parallel.ep.check_ep`). Under context parallel (``parallel.cp`` > 1) a tp is one whose
-    ``cp × tp`` divides the ranks and the tokens of a CP rank (sequence parallel splits them)."""
+    accepts ``parallel.tp = tp``, ``parallel.ep = ep`` and ``parallel.cp = cp`` (the config's when None): the
+    trainer's own checks, which refuse a tp that does not divide the query or key/value heads, the FFN width,
+    the vocabulary, the sequence or the ranks of the node, tp with LoRA, a mixture of experts or preference
+    tuning (:func:`shardlm.config.validate`, :func:`shardlm.parallel.tp.check_tp`,
+    :func:`shardlm.parallel.dist.dp_mesh_shape`), an ep that does not divide the experts or the ranks, or ep
+    without experts, outside FSDP or with HSDP (:func:`shardlm.parallel.ep.check_ep`), and a cp that does not
+    divide the ranks, is longer than ``train.seq_len``, or comes with preference tuning (``validate``).
+    Under context parallel (cp > 1) a tp is one whose ``cp × tp`` divides the ranks and the tokens of a CP
+    rank (sequence parallel splits them); the N / (cp·tp) data-parallel ranks must divide the global batch
+    (:func:`shardlm.config.gradient_accumulation_steps` at micro-batch 1)."""
     out = copy.deepcopy(cfg)
     out.parallel.tp, out.parallel.ep = tp, ep
+    out.parallel.cp = cfg.parallel.cp if cp is None else cp
     try:
         validate(out)
         check_tp(out.model, tp, out.train.seq_len, out.lora.enabled, out.parallel.cp)
         check_ep(out.model.n_experts, ep, world_size, out.parallel.mode, out.parallel.dp_replicate)
         dp_mesh_shape(out.parallel, world_size, world_size)
+        out.train.micro_batch_size = 1
+        gradient_accumulation_steps(out, world_size // (out.parallel.cp * tp))
     except ConfigError:
         return False
     return True
 
 
 def degrees(cfg: Config, world_size: int, dimension: str) -> list[int]:
-    """The values of ``dimension`` (``tp`` or ``ep``): the config's own, then every other divisor of the world
-    size that :func:`layout_allowed` accepts with the config's value of the other one."""
-    own = {"tp": cfg.parallel.tp, "ep": cfg.parallel.ep}
+    """The values of ``dimension`` (``tp``, ``ep`` or ``cp``): the config's own, then every other divisor of
+    the world size that :func:`layout_allowed` accepts with the config's values of the other two."""
+    own = {"tp": cfg.parallel.tp, "ep": cfg.parallel.ep, "cp": cfg.parallel.cp}
     allowed = [d for d in range(1, world_size + 1) if world_size % d == 0 and d != own[dimension]
                and layout_allowed(cfg, world_size, **{**own, dimension: d})]
     return [own[dimension], *allowed]
@@ -200,8 +212,9 @@ def space(cfg: Config, world_size: int) -> dict[str, list[Any]]:
     """The values of each dimension (see the module docstring), the config's own first where it is one
     of them."""
     p = cfg.parallel
-    tp_values = degrees(cfg, world_size, "tp")
-    per_rank = local_batch(cfg, world_size, min(tp_values))  # its divisors divide the batch at every tp value
+    tp_values, cp_values = degrees(cfg, world_size, "tp"), degrees(cfg, world_size, "cp")
+    # its divisors divide the batch at every tp and cp value (G·cp·tp / N)
+    per_rank = local_batch(cfg, world_size, min(tp_values), min(cp_values))
     micro = sorted({per_rank >> j for j in range(4) if per_rank % (1 << j) == 0}
                    | ({cfg.train.micro_batch_size} if per_rank % cfg.train.micro_batch_size == 0 else set()),
                    reverse=True)
@@ -220,7 +233,7 @@ def space(cfg: Config, world_size: int) -> dict[str, list[Any]]:
                                        if k != p.blocks_per_group]
     return {"reshard": [True, False], "prefetch": prefetch, "ac": list(AC_ORDER), "batching": batching,
             "compile": compile_values, "grouping": grouping, "tp": tp_values,
-            "ep": degrees(cfg, world_size, "ep")}
+            "ep": degrees(cfg, world_size, "ep"), "cp": cp_values}
 
 
 def config_candidate(cfg: Config, world_size: int) -> Candidate:
@@ -233,7 +246,8 @@ def config_candidate(cfg: Config, world_size: int) -> Candidate:
     per_rank = local_batch(cfg, world_size, p.tp)
     micro = max(m for m in range(1, min(per_rank, cfg.train.micro_batch_size) + 1) if per_rank % m == 0)
     return Candidate(reshard, p.forward_prefetch, p.backward_prefetch, p.activation_checkpoint, micro,
-                     p.grad_sync, p.compile, p.blocks_per_group, p.tp, p.ep).normalized(cfg.model.n_layers)
+                     p.grad_sync, p.compile, p.blocks_per_group, p.tp, p.ep,
+                     p.cp).normalized(cfg.model.n_layers)
 
 
 def block_bytes(cfg: Config, world_size: int) -> int:
@@ -253,8 +267,9 @@ class Planner:
     def __init__(self, cfg: Config, world_size: int, device: str, budget: float) -> None:
         self.cfg, self.world_size, self.device, self.budget = cfg, world_size, device, budget
         self._cache: dict[Candidate, int] = {}
-        # (blocks per group, tp, ep) -> the largest group's bytes
+        # (blocks per group, tp, ep) -> the largest group's bytes (FSDP shards over N / tp at every cp)
         self._group: dict[tuple[int, int, int], int] = {}
+        self._layout: dict[tuple[int, int, int], bool] = {}  # (tp, ep, cp) -> layout_allowed
 
     def bytes(self, cand: Candidate) -> int:
         """Predicted peak bytes per rank of ``cand``: the planner's, plus the explicit prefetch's blocks.
@@ -277,10 +292,17 @@ class Planner:
         return self.bytes(cand) <= self.budget
 
     def allowed(self, cand: Candidate) -> bool:
-        """Whether the planner predicts ``cand`` at all: a micro-batch that divides the batch of a
-        data-parallel rank at its ``tp`` (:func:`local_batch`), a checkpointing mode it models at that ``tp``
-        (:func:`ac_modes`)."""
-        per_rank = local_batch(self.cfg, self.world_size, cand.tp)
+        """Whether the planner predicts ``cand`` at all: a tp, ep and cp the trainer accepts together
+        (:func:`layout_allowed`; the config's own always), a micro-batch that divides the batch of a
+        data-parallel rank at that ``cp`` and ``tp`` (:func:`local_batch`), a checkpointing mode it models at
+        that ``tp`` (:func:`ac_modes`)."""
+        layout, p = (cand.tp, cand.ep, cand.cp), self.cfg.parallel
+        if layout not in self._layout:  # the config's own: the planner's own errors say what is wrong with it
+            self._layout[layout] = layout == (p.tp, p.ep, p.cp) or layout_allowed(self.cfg, self.world_size,
+                                                                                  *layout)
+        if not self._layout[layout]:
+            return False
+        per_rank = local_batch(self.cfg, self.world_size, cand.tp, cand.cp)
         return per_rank % cand.micro_batch_size == 0 and cand.activation_checkpoint in ac_modes(cand.tp)
 
 

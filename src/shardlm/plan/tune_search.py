@@ -43,17 +43,23 @@ def lightest_fitting(cand: Candidate, planner: Planner) -> Candidate:
 def base_candidate(cfg: Config, planner: Planner) -> Candidate | None:
     """The staged search's starting point: the config's reshard, prefetch and batching with the lightest
     checkpointing that fits; when nothing does, the config's smaller micro-batches, then the same with
-    resharding and no prefetch; None when none of these fits."""
+    resharding and no prefetch; when none of these fits at the config's ``parallel.cp``, the same at each
+    other cp of :func:`space` in turn (a long sequence split over more ranks: fewer activations per rank);
+    None when nothing fits."""
     own = config_candidate(cfg, planner.world_size)
     dims = space(cfg, planner.world_size)
     batching = [own.key("batching")] + [b for b in dims["batching"] if b[0] < own.micro_batch_size]
     starts = [own,
               dataclasses.replace(own, reshard_after_forward=True, forward_prefetch=0, backward_prefetch=0)]
-    for start in starts:
-        for value in batching:
-            cand = lightest_fitting(start.with_value("batching", value), planner)
-            if planner.fits(cand):
-                return cand
+    for cp in dims["cp"]:  # the config's first
+        for start in starts:
+            for value in batching:
+                cand = start.with_value("cp", cp).with_value("batching", value)
+                if cp != own.cp and not planner.allowed(cand.with_value("ac", ac_modes(cand.tp)[0])):
+                    continue  # e.g. cp x the config's tp does not divide the ranks
+                cand = lightest_fitting(cand, planner)
+                if planner.fits(cand):
+                    return cand
     return None
 
 
@@ -101,10 +107,10 @@ def first_round(cfg: Config, planner: Planner, search: str) -> list[Row]:
     dims = space(cfg, planner.world_size)
     if search == "full":
         product = itertools.product(dims["reshard"], dims["prefetch"], dims["ac"], dims["batching"],
-                                    dims["compile"], dims["grouping"], dims["tp"], dims["ep"])
-        cands = list(dict.fromkeys(Candidate(r, f, b, ac, m, s, c, g, t, e).normalized(cfg.model.n_layers)
+                                    dims["compile"], dims["grouping"], dims["tp"], dims["ep"], dims["cp"])
+        cands = list(dict.fromkeys(Candidate(r, f, b, ac, m, s, c, g, t, e, k).normalized(cfg.model.n_layers)
                                    # the same settings once
-                                   for r, (f, b), ac, (m, s), c, g, t, e in product))
+                                   for r, (f, b), ac, (m, s), c, g, t, e, k in product))
         cands = [c for c in cands if planner.allowed(c)]
         rows = [Row(c, planner.bytes(c), planner.fits(c)) for c in cands]
         if not any(r.fits for r in rows):
@@ -143,11 +149,21 @@ def combine(rows: list[Row], base: Candidate, planner: Planner) -> Candidate:
     return lightest_fitting(best.normalized(planner.cfg.model.n_layers), planner)
 
 
+def smallest_candidate(cfg: Config, planner: Planner) -> Candidate:
+    """Full checkpointing, micro-batch 1, resharding, no prefetch, one block per group, no tp or ep, at the
+    cp of :func:`space` whose predicted peak is the least (the config's cp on a tie)."""
+    smallest = Candidate(True, 0, 0, "full", 1, "every_micro_batch", cp=cfg.parallel.cp)
+    others = [smallest.with_value("cp", cp) for cp in space(cfg, planner.world_size)["cp"]]
+    return min([smallest] + [c for c in others if planner.allowed(c)], key=planner.bytes)
+
+
 def no_fit_message(cfg: Config, planner: Planner) -> str:
-    """What to say when no candidate fits: what the smallest candidate needs, and what would fit instead: more
-    ranks (with the checkpointing and micro-batch they need), bf16 compute, CPU offload on a GPU."""
+    """What to say when no candidate fits: what the smallest candidate needs (:func:`smallest_candidate`), and
+    what would fit instead: more ranks (with the checkpointing, micro-batch and, when it differs from the
+    config's, the cp they need), bf16 compute, CPU offload on a GPU."""
     n, budget = planner.world_size, planner.budget
-    smallest = Candidate(True, 0, 0, "full", 1, "every_micro_batch")
+    smallest = smallest_candidate(cfg, planner)
+    at_cp = f" at parallel.cp={smallest.cp}" if smallest.cp > 1 else ""
     fixes: list[str] = []
     for m in (2 * n, 4 * n, 8 * n, 16 * n, 32 * n, 64 * n):
         wider = copy.deepcopy(cfg)
@@ -158,7 +174,8 @@ def no_fit_message(cfg: Config, planner: Planner) -> str:
         if base is not None:
             batch = "" if wider.train.global_batch_size == g else \
                 f" --train.global_batch_size={wider.train.global_batch_size}"
-            fixes.append(f"more ranks: --world-size {m}{batch}, with activation checkpointing "
+            split = f"parallel.cp={base.cp}, " if base.cp != cfg.parallel.cp else ""
+            fixes.append(f"more ranks: --world-size {m}{batch}, with {split}activation checkpointing "
                          f"'{base.activation_checkpoint}' and micro-batch {base.micro_batch_size} "
                          f"({size(wide.bytes(base))} per rank)")
             break
@@ -174,12 +191,12 @@ def no_fit_message(cfg: Config, planner: Planner) -> str:
             setattr(variant.parallel, key, value)
         need = plan_memory(variant, n, planner.device).peak
         if need <= budget:
-            fixes.append(f"{text} (with activation checkpointing 'full' and micro-batch 1: {size(need)} "
-                         "per rank)")
+            fixes.append(f"{text} (with activation checkpointing 'full' and micro-batch 1{at_cp}: "
+                         f"{size(need)} per rank)")
     what = "; ".join(fixes) if fixes else ("nothing up to 64x the ranks: a smaller model, a shorter "
                                            "train.seq_len, or more memory per rank")
-    return (f"no candidate fits at world size {n}: even activation checkpointing 'full' with micro-batch 1 "
-            f"needs {size(planner.bytes(smallest))} per rank, {size(budget)} usable; what would fit: "
+    return (f"no candidate fits at world size {n}: even activation checkpointing 'full' with micro-batch 1"
+            f"{at_cp} needs {size(planner.bytes(smallest))} per rank, {size(budget)} usable; what would fit: "
             f"{what}")
 
 

@@ -135,3 +135,25 @@ def test_launcher_outcome_keeps_the_ranks_exit_code():
     twice = launch.Forwarder()
     twice.received = [signal.SIGINT, signal.SIGINT]
     assert launch.outcome({0: -2, 1: -2}, twice)[0] == 130
+
+
+def test_ctrl_c_while_the_command_still_imports_torch_is_one_line(capsys, monkeypatch):
+    """Ctrl-C before ``shardlm train --nproc-per-node 2`` starts its ranks, while the command itself still
+    imports torch (``run_cli``'s import of ``shardlm.parallel.dist``): one line and exit 130, no traceback."""
+    import builtins
+
+    from shardlm.cli.errors import run_cli
+
+    real_import = builtins.__import__
+
+    def interrupted_import(name, *args, **kwargs):
+        if name == "shardlm.parallel.dist":
+            raise KeyboardInterrupt
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setattr(builtins, "__import__", interrupted_import)
+    ran = []
+    assert run_cli(lambda: ran.append(1)) == 130
+    monkeypatch.setattr(builtins, "__import__", real_import)
+    assert not ran and capsys.readouterr().err == "error: stopped by Ctrl-C\n"

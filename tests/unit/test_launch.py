@@ -157,3 +157,16 @@ def test_ctrl_c_while_the_command_still_imports_torch_is_one_line(capsys, monkey
     assert run_cli(lambda: ran.append(1)) == 130
     monkeypatch.setattr(builtins, "__import__", real_import)
     assert not ran and capsys.readouterr().err == "error: stopped by Ctrl-C\n"
+
+
+def test_ctrl_c_while_the_ranks_prepare_data_or_build_the_model_is_one_line():
+    """A Ctrl-C that reaches a rank inside ``run_cli`` (after its imports, before the training loop's handler:
+    data preparation, the model's build) ends that rank with 130 and no line (under torchrun the launcher
+    says it): the launcher then prints its one line, whatever the other ranks' codes."""
+    early = launch.Forwarder()
+    early.received = [signal.SIGINT]
+    line = "error: stopped by Ctrl-C before training began (no checkpoint written)"
+    for codes in ({0: 130, 1: 130}, {0: 130, 1: -2}, {0: -2, 1: 130}, {0: 130, 1: -15}):
+        assert launch.outcome(codes, early) == (130, line), codes
+    assert launch.outcome({0: 5, 1: 5}, early) == (5, None)  # saved: the ranks printed the resume command
+    assert launch.outcome({0: 130, 1: 130}) == (130, None)  # no Ctrl-C forwarded: the ranks' own

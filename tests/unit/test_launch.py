@@ -135,3 +135,73 @@ def test_launcher_outcome_keeps_the_ranks_exit_code():
     twice = launch.Forwarder()
     twice.received = [signal.SIGINT, signal.SIGINT]
     assert launch.outcome({0: -2, 1: -2}, twice)[0] == 130
+
+
+def test_ctrl_c_while_the_command_still_imports_torch_is_one_line(capsys, monkeypatch):
+    """Ctrl-C before ``shardlm train --nproc-per-node 2`` starts its ranks, while the command itself still
+    imports torch (``run_cli``'s import of ``shardlm.parallel.dist``): one line and exit 130, no traceback."""
+    import builtins
+
+    from shardlm.cli.errors import run_cli
+
+    real_import = builtins.__import__
+
+    def interrupted_import(name, *args, **kwargs):
+        if name == "shardlm.parallel.dist":
+            raise KeyboardInterrupt
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setattr(builtins, "__import__", interrupted_import)
+    ran = []
+    assert run_cli(lambda: ran.append(1)) == 130
+    monkeypatch.setattr(builtins, "__import__", real_import)
+    assert not ran and capsys.readouterr().err == "error: stopped by Ctrl-C\n"
+
+
+def test_ctrl_c_while_the_ranks_prepare_data_or_build_the_model_is_one_line():
+    """A Ctrl-C that reaches a rank inside ``run_cli`` (after its imports, before the training loop's handler:
+    data preparation, the model's build) ends that rank with 130 and no line (under torchrun the launcher
+    says it): the launcher then prints its one line, whatever the other ranks' codes."""
+    early = launch.Forwarder()
+    early.received = [signal.SIGINT]
+    line = "error: stopped by Ctrl-C before training began (no checkpoint written)"
+    for codes in ({0: 130, 1: 130}, {0: 130, 1: -2}, {0: -2, 1: 130}, {0: 130, 1: -15}):
+        assert launch.outcome(codes, early) == (130, line), codes
+    assert launch.outcome({0: 5, 1: 5}, early) == (5, None)  # saved: the ranks printed the resume command
+    assert launch.outcome({0: 130, 1: 130}) == (130, None)  # no Ctrl-C forwarded: the ranks' own
+
+
+INTERRUPTED_IN_A_CALLBACK = """
+import builtins, os, runpy, signal, sys, time, weakref
+real_import = builtins.__import__
+
+class Garbage:
+    pass
+
+def interrupted_import(name, *args, **kwargs):
+    if name == "shardlm.cli.train" and not getattr(builtins, "_done", False):
+        builtins._done = True
+        # the Ctrl-C arrives while the import machinery runs a weakref callback (its module locks' cb):
+        # Python prints 'Exception ignored in' and the import goes on
+        ref = weakref.ref(Garbage(), lambda r: (os.kill(os.getpid(), signal.SIGINT), time.sleep(0.2)))
+    return real_import(name, *args, **kwargs)
+
+builtins.__import__ = interrupted_import
+sys.argv = ["shardlm.train", "--config", "missing.toml"]
+runpy.run_module("shardlm.train", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_a_ctrl_c_while_a_rank_imports_ends_it_even_inside_a_callback(tmp_path):
+    """``python -m shardlm.train`` taking a Ctrl-C while it still imports, at a moment when Python runs a
+    weakref callback (the import machinery's, e.g.): the rank ends by SIGINT without a line, as an uncaught
+    Ctrl-C does, instead of printing 'Exception ignored' and going on to train."""
+    import subprocess
+    import sys
+
+    src = str(Path(launch.__file__).parents[2])
+    proc = subprocess.run([sys.executable, "-c", INTERRUPTED_IN_A_CALLBACK], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path, env={**os.environ, "PYTHONPATH": src})
+    assert proc.returncode == -signal.SIGINT, proc.stdout + proc.stderr
+    assert proc.stdout + proc.stderr == ""

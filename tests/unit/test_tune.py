@@ -427,3 +427,45 @@ def test_a_long_sequence_that_fits_only_split_is_tuned_at_cp_2(tmp_path, capsys,
     assert (f"even activation checkpointing 'full' with micro-batch 1 at parallel.cp=2 needs "
             f"{tune.size(at_cp2)} per rank" in err), err
     assert "more ranks: --world-size 4 --train.global_batch_size=4, with parallel.cp=2, activation" in err
+
+
+def test_the_printed_train_command_trains_the_pick_whatever_the_tune_overrides(tmp_path, capsys, monkeypatch):
+    """``shardlm tune ... --parallel.cp=2 --train.micro_batch_size=4`` whose pick is cp 1 at another
+    micro-batch: the ``train with:`` command (printed and in the file's header) layers the pick file after the
+    config and leaves out the overrides of the settings the pick sets (an override applies after every
+    ``--config``, so it would undo the pick); the others stay. The measuring is faked in process."""
+    import shlex
+
+    from shardlm.cli import tune_worker
+
+    config = tmp_path / "tiny.toml"
+    config.write_text(TINY.format(data=tmp_path / "none"))
+
+    def fake_time_candidate(run_cfg, info):  # the less cp and micro-batch, the faster
+        return [0.1 * run_cfg.parallel.cp * run_cfg.train.micro_batch_size] * run_cfg.train.steps, -1
+
+    def in_process_launch(spec, world_size, workdir):
+        tune_worker.measure({**spec, "out": str(workdir / "rows.json"), "workdir": str(workdir)})
+        return [Row.from_dict(d) for d in json.loads((workdir / "rows.json").read_text())]
+
+    two_ranks = SimpleNamespace(world_size=2, is_main=True, device=torch.device("cpu"))  # no process group
+    monkeypatch.setattr(tune_worker, "time_candidate", fake_time_candidate)
+    monkeypatch.setattr(tune_worker, "init_distributed", lambda pcfg: two_ranks)
+    monkeypatch.setattr(tune, "launch", in_process_launch)
+    out = tmp_path / "tuned.toml"
+    given = ["--parallel.cp=2", "--train.micro_batch_size=4", "--train.lr=1e-3"]
+    capsys.readouterr()
+    assert shardlm_main(["tune", str(config), "--world-size", "2", "--out", str(out), "--warmup", "0",
+                         "--steps", "1", "--confirm", "0", "--memory-per-rank", "8", *given]) == 0
+    captured = capsys.readouterr().out
+    picked = as_candidate(next(r for r in table_rows(captured) if "picked" in r["note"]))
+    assert picked.cp == 1 and picked.micro_batch_size < 4
+    printed = next(line for line in captured.splitlines() if line.startswith("wrote "))
+    header = next(line for line in out.read_text().splitlines() if line.startswith("# train: "))
+    for train in (printed.split("train with: ", 1)[1], header.split("# train: ", 1)[1]):
+        argv = shlex.split(train)
+        assert argv[:3] == ["torchrun", "--nproc_per_node=2", "-m"] and argv[3] == "shardlm.train"
+        paths, overrides = parse_args(argv[4:])
+        assert overrides == ["--train.lr=1e-3"], train
+        trained = load_config(paths, overrides)
+        assert config_candidate(trained, 2) == picked and trained.train.lr == 1e-3

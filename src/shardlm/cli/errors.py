@@ -41,10 +41,13 @@ def run_cli(fn: Callable[[], int | None]) -> int:
     :data:`PEER_REPORT_DELAY_S` (see there), so an error that every rank raises is printed once, and an
     error raised on one rank other than 0 is still printed.
     """
-    from shardlm.parallel.dist import shutdown  # here, not at the top: ``shardlm --help`` imports no torch
-
     rank = int(os.environ.get("RANK", "0"))
+    shutdown: Callable[[], None] | None = None
     try:
+        # here, not at the top: ``shardlm --help`` imports no torch; in the try: a Ctrl-C while torch imports
+        # (before ``shardlm train`` starts its ranks) is one line too
+        from shardlm.parallel.dist import shutdown
+
         return fn() or 0
     except USER_ERRORS as e:
         _report(str(e), rank)
@@ -71,4 +74,5 @@ def run_cli(fn: Callable[[], int | None]) -> int:
             print(f"error: stopped by Ctrl-C{kept}", file=sys.stderr, flush=True)
         return 130
     finally:
-        shutdown()
+        if shutdown is not None:
+            shutdown()

@@ -149,9 +149,11 @@ def outcome(codes: dict[int, int], forwarder: Forwarder | None = None) -> tuple[
             "complete checkpoint, if any, is the one --resume=auto takes",
         )
     own = sorted(r for r, c in codes.items() if c in SHARDLM_EXIT_CODES)
-    if own:
+    ctrl_c = forwarder is not None and signal.SIGINT in forwarder.received
+    # a rank's 130 under torchrun is silent (cli/errors.py run_cli: the launcher says it)
+    if own and not (ctrl_c and codes[own[0]] == INTERRUPTED_EXIT_CODE):
         return codes[own[0]], None
-    if forwarder is not None and signal.SIGINT in forwarder.received and -signal.SIGINT in codes.values():
+    if ctrl_c and {-signal.SIGINT, INTERRUPTED_EXIT_CODE} & set(codes.values()):
         # Ctrl-C before the training loop had started (imports, data, model): nothing to save yet
         return INTERRUPTED_EXIT_CODE, "error: stopped by Ctrl-C before training began (no checkpoint written)"
     crashed = sorted(r for r, c in codes.items() if c > 0)  # before the ranks torchrun killed afterwards

@@ -132,9 +132,11 @@ def cmd_tune(args: argparse.Namespace, overrides: list[str]) -> None:
     own = next((r for r in rows if r.cand == config_candidate(cfg, args.world_size) and r.times), None)
     versus = f"; the config's settings: {own.step_s:.3f} s ({own.step_s / best.step_s:.2f}x)" if own else ""
     command = shlex.join(["shardlm", "tune", args.config, "--world-size", str(args.world_size), *overrides])
-    train = (f"torchrun --nproc_per_node={args.world_size} -m shardlm.train --config {args.config} --config "
-             f"{out}"
-             + (f" {shlex.join(overrides)}" if overrides else ""))
+    # an override applies after every --config: those of the settings the pick sets would undo it
+    tuned = tuple(f"--{key}=" for key in best.cand.overrides())
+    kept = [o for o in overrides if not o.startswith(tuned)]
+    train = shlex.join(["torchrun", f"--nproc_per_node={args.world_size}", "-m", "shardlm.train", "--config",
+                        args.config, "--config", str(out), *kept])
     header = [f"written by: {command} ({time.strftime('%Y-%m-%d %H:%M')}, {result.seconds:.0f} s)",
               f"picked: {best.step_s:.3f} s/step, {tokens / best.step_s:,.0f} tokens/s at world size "
               f"{args.world_size}{versus}",

@@ -135,6 +135,9 @@ def test_launcher_outcome_keeps_the_ranks_exit_code():
     twice = launch.Forwarder()
     twice.received = [signal.SIGINT, signal.SIGINT]
     assert launch.outcome({0: -2, 1: -2}, twice)[0] == 130
+    # the first Ctrl-C reached no rank (forwarded while torchrun spawned them): the second was the ranks'
+    # first, they saved and printed the resume command, which stays the last line
+    assert launch.outcome({0: 5, 1: 5}, twice) == (5, None)
 
 
 def test_ctrl_c_while_the_command_still_imports_torch_is_one_line(capsys, monkeypatch):

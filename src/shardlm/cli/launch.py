@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from shardlm.errors import ConfigError
+from shardlm.errors import STOPPED_EXIT_CODE, ConfigError
 
 #: exit code after a second Ctrl-C stopped the ranks at once (128 + SIGINT, as a shell reports it)
 INTERRUPTED_EXIT_CODE = 130
@@ -142,6 +142,8 @@ def outcome(codes: dict[int, int], forwarder: Forwarder | None = None) -> tuple[
     wins, then the lowest crashed rank's (its traceback is above), over ranks that torchrun killed afterwards;
     when every rank was killed, the lowest one's, as exit 128 + signal (as a shell shows it).
     """
+    if STOPPED_EXIT_CODE in codes.values():  # the ranks saved and printed the resume command; the Ctrl-C
+        return STOPPED_EXIT_CODE, None  # they took may be the launcher's second (the first can reach no rank)
     if forwarder is not None and forwarder.interrupted_twice:
         return (
             INTERRUPTED_EXIT_CODE,

@@ -372,13 +372,27 @@ def test_a_context_parallel_candidate_predicts_what_shardlm_plan_prints(capsys):
     assert totals[1] - totals[2] > 0.1
 
 
+def measure_in_process(monkeypatch, time_candidate) -> None:
+    """Make ``shardlm tune`` measure in this process at 2 ranks (no torchrun, no process group), each
+    candidate's step times from ``time_candidate(run_cfg, info) -> (times, peak bytes)``."""
+    from shardlm.cli import tune_worker
+
+    def in_process_launch(spec, world_size, workdir):
+        tune_worker.measure({**spec, "out": str(workdir / "rows.json"), "workdir": str(workdir)})
+        return [Row.from_dict(d) for d in json.loads((workdir / "rows.json").read_text())]
+
+    two_ranks = SimpleNamespace(world_size=2, is_main=True, device=torch.device("cpu"))
+    monkeypatch.setattr(tune_worker, "time_candidate", time_candidate)
+    monkeypatch.setattr(tune_worker, "init_distributed", lambda pcfg: two_ranks)
+    monkeypatch.setattr(tune, "launch", in_process_launch)
+
+
 def test_a_long_sequence_that_fits_only_split_is_tuned_at_cp_2(tmp_path, capsys, monkeypatch):
     """At 2 ranks a 4,096-token sequence does not fit a budget under any cp 1 candidate (not even full
     checkpointing at micro-batch 1) but does split over 2 ranks: tune starts from cp 2, shows the cp 1 rows
     as not fitting, measures only fitting cp 2 rows (the measuring is faked in process: nothing trains) and
     writes ``parallel.cp = 2``. No cp 2 row has tp 2 (4 ranks). Below cp 2's need nothing fits: the error says
     what cp 2 needs."""
-    from shardlm.cli import tune_worker
     from shardlm.plan.tune_search import smallest_candidate
 
     config = tmp_path / "long.toml"
@@ -395,14 +409,7 @@ def test_a_long_sequence_that_fits_only_split_is_tuned_at_cp_2(tmp_path, capsys,
         assert Planner(cfg, 2, "cpu", budget).fits(config_candidate(run_cfg, 2))  # only fitting ones run
         return [next(step_s)] * run_cfg.train.steps, -1
 
-    def in_process_launch(spec, world_size, workdir):
-        tune_worker.measure({**spec, "out": str(workdir / "rows.json"), "workdir": str(workdir)})
-        return [Row.from_dict(d) for d in json.loads((workdir / "rows.json").read_text())]
-
-    two_ranks = SimpleNamespace(world_size=2, is_main=True, device=torch.device("cpu"))  # no process group
-    monkeypatch.setattr(tune_worker, "time_candidate", fake_time_candidate)
-    monkeypatch.setattr(tune_worker, "init_distributed", lambda pcfg: two_ranks)
-    monkeypatch.setattr(tune, "launch", in_process_launch)
+    measure_in_process(monkeypatch, fake_time_candidate)
     out = tmp_path / "tuned.toml"
     capsys.readouterr()
     assert shardlm_main(["tune", str(config), "--world-size", "2", "--out", str(out), "--warmup", "1",
@@ -436,7 +443,6 @@ def test_the_printed_train_command_trains_the_pick_whatever_the_tune_overrides(t
     ``--config``, so it would undo the pick); the others stay. The measuring is faked in process."""
     import shlex
 
-    from shardlm.cli import tune_worker
 
     config = tmp_path / "tiny.toml"
     config.write_text(TINY.format(data=tmp_path / "none"))
@@ -444,14 +450,7 @@ def test_the_printed_train_command_trains_the_pick_whatever_the_tune_overrides(t
     def fake_time_candidate(run_cfg, info):  # the less cp and micro-batch, the faster
         return [0.1 * run_cfg.parallel.cp * run_cfg.train.micro_batch_size] * run_cfg.train.steps, -1
 
-    def in_process_launch(spec, world_size, workdir):
-        tune_worker.measure({**spec, "out": str(workdir / "rows.json"), "workdir": str(workdir)})
-        return [Row.from_dict(d) for d in json.loads((workdir / "rows.json").read_text())]
-
-    two_ranks = SimpleNamespace(world_size=2, is_main=True, device=torch.device("cpu"))  # no process group
-    monkeypatch.setattr(tune_worker, "time_candidate", fake_time_candidate)
-    monkeypatch.setattr(tune_worker, "init_distributed", lambda pcfg: two_ranks)
-    monkeypatch.setattr(tune, "launch", in_process_launch)
+    measure_in_process(monkeypatch, fake_time_candidate)
     out = tmp_path / "tuned.toml"
     given = ["--parallel.cp=2", "--train.micro_batch_size=4", "--train.lr=1e-3"]
     capsys.readouterr()

@@ -95,3 +95,25 @@ def test_the_registry_refuses_clashes_and_unknown_names():
                        match="general.architecture='mistral'; the GGUF architectures built are "
                                             "llama, qwen2, qwen3, gemma3"):
         families.by_gguf_architecture("mistral", "m.gguf")
+
+
+def help_text(argv: list[str], capsys) -> str:
+    """What ``shardlm ARGV`` prints (a help: it exits 0), its whitespace folded to single spaces."""
+    from shardlm.cli.main import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 0
+    return " ".join(capsys.readouterr().out.split())
+
+
+def test_the_help_lists_every_registered_family(toy, capsys):
+    """``shardlm --help`` names every family ``shardlm import`` reads (from the registry, so a new one is
+    listed: the toy too), and ``import --help`` the GGUF architectures; before, five of eight were
+    written out by hand."""
+    text = help_text(["--help"], capsys)
+    hf = ", ".join(families.FAMILIES)
+    assert len(families.FAMILIES) == len(families.BUILT) + 1 and f"(families: {hf})" in text
+    assert "gpt_oss" in text and "mixtral" in text and "qwen3_moe" in text and "toy" in text
+    gguf = help_text(["import", "--help"], capsys)
+    assert "GGUF file (families: llama, qwen2, qwen3, gemma3, toy;" in gguf

@@ -53,12 +53,16 @@ def _import(args: argparse.Namespace, overrides: list[str]) -> None:
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
-    """Register ``import`` on the ``shardlm`` command's subparsers."""
-    p = sub.add_parser("import", help="convert a GGUF file (--gguf) or an HF model directory (Llama, Qwen2, "
-                       "Qwen3, Mistral, Gemma 3) into an HF directory to start training from "
-                       "(model.init_from)")
+    """Register ``import`` on the ``shardlm`` command's subparsers; the families it names are the registry's
+    (:data:`shardlm.model.families.FAMILIES`), so a new family is listed without an edit here."""
+    from shardlm.model.families import FAMILIES  # no torch: the help stays fast
+
+    hf = ", ".join(f.name for f in FAMILIES.values())
+    gguf = ", ".join(f.name for f in FAMILIES.values() if f.gguf_architecture)
+    p = sub.add_parser("import", help=f"convert a GGUF file (--gguf) or an HF model directory (families: "
+                       f"{hf}) into an HF directory to start training from (model.init_from)")
     p.add_argument("source", nargs="?", help="HF model directory (config.json + *.safetensors)")
     p.add_argument("out_dir", help="output directory")
     p.add_argument("--gguf",
-                   help="GGUF file: Llama, Qwen2, Qwen3 or Gemma 3 (needs: pip install 'shardlm[gguf]')")
+                   help=f"GGUF file (families: {gguf}; needs: pip install 'shardlm[gguf]')")
     p.set_defaults(fn=cmd_import)

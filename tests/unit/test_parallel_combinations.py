@@ -58,14 +58,20 @@ def test_tensor_parallel_on_a_mixture_of_experts_is_refused_context_parallel_loa
     assert load_config(None, [*MOE, "--parallel.cp=2", "--parallel.ep=2"]).parallel.cp == 2
 
 
-@pytest.mark.parametrize("extra,what",
-                         [(["--parallel.tp=2"], "parallel.tp=2"), (["--parallel.cp=2"], "parallel.cp=2"),
-                                        (MOE, r"a mixture-of-experts model \(model.n_experts=4\)")])
-def test_preference_tuning_with_tp_cp_or_moe_is_refused(extra, what):
+@pytest.mark.parametrize("extra,what,fix",
+                         [(["--parallel.tp=2"], "parallel.tp=2", "set parallel.tp = 1 "),
+                          (["--parallel.cp=2"], "parallel.cp=2", "set parallel.cp = 1 "),
+                          (["--parallel.tp=2", "--parallel.cp=2"], "parallel.tp=2 and parallel.cp=2",
+                           "set parallel.tp = 1 and parallel.cp = 1 "),
+                          (MOE, r"a mixture-of-experts model \(model.n_experts=4\)", "tune a dense model")])
+def test_preference_tuning_with_tp_cp_or_moe_is_refused(extra, what, fix):
+    """The refusal says what to change; it advised "use FSDP (parallel.mode = 'fsdp')" to users already on
+    FSDP (the default), whose fix is parallel.tp = 1."""
     with pytest.raises(ConfigError,
                        match=rf"preference tuning \(data.format = 'preference'\) with {what} is not "
-                                          "built yet"):
+                                          rf"built yet: {fix}") as refused:
         load_config(None, ["--data.format=preference", *extra])
+    assert "parallel.mode" not in str(refused.value)
 
 
 def test_a_global_batch_that_cp_x_tp_data_parallel_ranks_cannot_split_names_both():

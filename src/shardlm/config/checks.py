@@ -97,15 +97,17 @@ def validate(cfg: Config) -> None:
     if cp > t.seq_len:  # as ContextParallel refuses it in training: here for plan and tune too
         raise ConfigError(f"train.seq_len={t.seq_len} is shorter than parallel.cp={cp}: a sequence "
                           f"split over {cp} ranks needs at least {cp} tokens (one per rank)")
-    split = [f"parallel.{k}={getattr(cfg.parallel, k)}" for k in ("tp", "cp") if getattr(cfg.parallel, k) > 1]
-    if cfg.data.format == "preference" and (split or cfg.model.n_experts):
-        what = (
-            " and ".join(split)
-            if split
-            else f"a mixture-of-experts model (model.n_experts={cfg.model.n_experts})"
-        )
-        raise ConfigError(f"preference tuning (data.format = 'preference') with {what} is not built yet: use "
-                          "FSDP (parallel.mode = 'fsdp'), with LoRA if the model is large")
+    split = [k for k in ("tp", "cp") if getattr(cfg.parallel, k) > 1]
+    if cfg.data.format == "preference" and split:  # the advice is the setting to change, not a mode
+        given = " and ".join(f"parallel.{k}={getattr(cfg.parallel, k)}" for k in split)
+        fix = " and ".join(f"parallel.{k} = 1" for k in split)
+        raise ConfigError(f"preference tuning (data.format = 'preference') with {given} is not built yet: "
+                          f"set {fix} (FSDP alone then shards the model over every rank; add LoRA if it is "
+                          "still too large)")
+    if cfg.data.format == "preference" and cfg.model.n_experts:
+        raise ConfigError("preference tuning (data.format = 'preference') with a mixture-of-experts model "
+                          f"(model.n_experts={cfg.model.n_experts}) is not built yet: tune a dense model "
+                          "(model.n_experts = 0)")
     if cfg.model.n_experts and cfg.parallel.tp > 1:  # CP is built for MoE (router statistics pooled)
         raise ConfigError(f"parallel.tp={cfg.parallel.tp} on a mixture-of-experts model (model.n_experts="
                           f"{cfg.model.n_experts}) is not built yet: use expert parallelism (parallel.ep) "

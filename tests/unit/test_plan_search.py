@@ -44,6 +44,29 @@ def suggested(out: str) -> list[tuple[list[str], float]]:
     return found
 
 
+def test_the_plan_names_what_it_plans_shows_the_rows_that_apply_and_ends_with_the_verdict(capsys):
+    """The first line names the preset planned; the breakdown has no row for what the run does not have (a
+    reference without preference tuning, all-gather and reduce-scatter buffers in one process); the last
+    line is the verdict, its only line."""
+    tiny = str(ROOT / "configs" / "shakespeare-tiny.toml")
+    for argv, absent, present in [
+        (["--world-size", "2", "--model-preset", "smollm2-135m"], ["preference reference"],
+         ["all-gather buffers", "reduce-scatter buffers", "gradients"]),
+        (["--world-size", "1", "--parallel.mode=single"],
+         ["preference reference", "all-gather buffers", "reduce-scatter buffers"], ["gradients"]),
+    ]:
+        out = plan_out(capsys, [tiny, "--device", "cpu", *argv])
+        lines = out.splitlines()
+        name = "smollm2-135m (--model-preset) with the settings of " if "--model-preset" in argv else ""
+        assert lines[0].startswith(f"plan | {name}shakespeare-tiny: "), lines[0]
+        rows = [line.strip() for line in lines if line.endswith(" GiB") and line.startswith("    ")]
+        assert rows[-1].startswith("total") and len(rows) == 10 - len(absent), rows
+        assert not [r for r in rows if any(r.startswith(a) for a in absent)], rows
+        assert all(any(r.startswith(p) for r in rows) for p in present), rows
+        verdicts = [line for line in lines if line.startswith(("  fits:", "  does not fit:"))]
+        assert verdicts == [lines[-1]] and lines[-1].startswith("  fits: "), out
+
+
 def hf_param_count(config) -> int:
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
@@ -54,6 +77,13 @@ def test_70b_preset_on_8_h100_lists_combinations_that_fit_when_passed_back(capsy
     argv = [LLAMA3_8B, "--world-size", "8", "--device", "h100", "--model-preset", "llama3.1-70b"]
     out = plan_out(capsys, argv)
     assert "70,553,706,496 parameters" in out and "  does not fit:" in out
+    lines = out.splitlines()  # the preset's name over its parameters (it printed the config's, llama3-8b)
+    assert lines[0].startswith("plan | llama3.1-70b (--model-preset) with the settings of llama3-8b: "
+                               "70,553,706,496 parameters"), lines[0]
+    # the verdict once, after the step time, then what fits (it sat between the breakdown and the rest)
+    verdict = [i for i, line in enumerate(lines) if line.startswith(("  fits:", "  does not fit:"))]
+    step = next(i for i, line in enumerate(lines) if line.startswith("  step time:"))
+    assert len(verdict) == 1 and verdict[0] > step + 1 and lines[verdict[0] + 1].startswith("  fits with")
     fits = suggested(out)
     assert fits, out
     sizes = [int(flags[flags.index("--world-size") + 1]) for flags, _ in fits]

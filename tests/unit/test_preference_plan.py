@@ -24,6 +24,8 @@ def test_plan_of_a_preference_config_plans_both_rows_and_names_the_reference(cap
         and "planned as 4 rows per micro-batch (chosen and rejected of 2 pairs)" in out
     )
     assert "reference: model, a frozen copy in the peak" in out
+    lines = out.splitlines()  # the note before the verdict, the verdict last
+    assert lines[-2].startswith("  preference: planned as") and lines[-1].startswith("  fits: "), out
     cfg = load_config(argv[0], argv[5:])
     n = sum(p.numel() for p in meta_model(Config(model=cfg.model)).parameters())
     row = next(line for line in out.splitlines() if "preference reference" in line)

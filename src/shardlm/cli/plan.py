@@ -77,10 +77,12 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> None:
     from shardlm.parallel.dist import check_async_tp_device
 
     check_async_tp_device(cfg.parallel, "cpu" if args.device == "cpu" else "cuda", "the planned device")
-    note = preference_note(cfg) if cfg.data.format == "preference" else ""
+    notes = [preference_note(cfg)] if cfg.data.format == "preference" else []
     from shardlm.plan.preference import preference_rows
 
-    print(format_plan(preference_rows(cfg), args.world_size, args.device, args.headroom) + note)
+    model = (f"{args.model_preset} (--model-preset)" if args.model_preset
+             else f"{args.model_config} (--model-config)" if args.model_config else "")
+    print(format_plan(preference_rows(cfg), args.world_size, args.device, args.headroom, model, notes))
 
 
 def preference_note(cfg: Config) -> str:
@@ -89,7 +91,7 @@ def preference_note(cfg: Config) -> str:
     from shardlm.plan.preference import reference_memory
 
     ref = reference_memory(cfg)
-    text = (f"\n  preference: planned as {2 * cfg.train.micro_batch_size} rows per micro-batch (chosen and "
+    text = (f"  preference: planned as {2 * cfg.train.micro_batch_size} rows per micro-batch (chosen and "
             f"rejected of {cfg.train.micro_batch_size} pairs); reference: {ref.kind}")
     if ref.live_model:
         text += (", a frozen copy in the peak (its fp32 shards, its final norm + output unsharded after its "

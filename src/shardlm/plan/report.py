@@ -97,8 +97,25 @@ def document_lines(cfg: Config, world_size: int, device_name: str, step_flops: f
     return lines
 
 
-def format_plan(cfg: Config, world_size: int, device_name: str, headroom: float) -> str:
-    """The report ``shardlm plan`` prints."""
+def part_applies(cfg: Config, part: str) -> bool:
+    """Whether the breakdown's ``part`` (:data:`shardlm.plan.ledger.PARTS`) exists in a run of ``cfg``: the
+    all-gather buffers under FSDP, the reduce-scatter buffers (DDP's buckets) with more than one process,
+    the reference with preference tuning; the rest always."""
+    needs = {"all_gather": cfg.parallel.mode == "fsdp", "reduce_scatter": cfg.parallel.mode != "single",
+             "reference": cfg.data.format == "preference"}
+    return needs.get(part, True)
+
+
+def format_plan(cfg: Config, world_size: int, device_name: str, headroom: float, model: str = "",
+                notes: list[str] | None = None) -> str:
+    """The report ``shardlm plan`` prints: what is planned, the memory breakdown (the rows that apply to the
+    run, :func:`part_applies`; a 0 in one says the part holds nothing at the peak's moment), the gradient-sync
+    choices, the data, the step time, ``notes`` (lines), and last the verdict (fits / does not fit) followed,
+    when it does not fit, by the combinations that do.
+
+    ``model``: the name of the model shape planned when it is not the config's own (``--model-preset NAME``,
+    ``--model-config FILE``); the first line then names it and the config whose settings it runs under.
+    """
     device = get_device(device_name)
     plan: MemoryPlan = plan_memory(cfg, world_size, device_name)
     times = plan_time(cfg, world_size, device, plan.params)
@@ -106,7 +123,8 @@ def format_plan(cfg: Config, world_size: int, device_name: str, headroom: float)
     st = cfg.parallel
     active = plan.params - inactive_expert_params(meta_model(cfg))  # a mixture of experts: k of E per token
     lines = [
-        f"plan | {cfg.run.name}: {plan.params:,} parameters"
+        f"plan | {model + f' with the settings of {cfg.run.name}' if model else cfg.run.name}: "
+        f"{plan.params:,} parameters"
         + (
             f" ({active:,} active per token, expert parallel {getattr(st, 'ep', 1)})"
             if active != plan.params
@@ -149,15 +167,11 @@ def format_plan(cfg: Config, world_size: int, device_name: str, headroom: float)
         )
     for part in PARTS:
         label = loss_label(cfg.train.loss_chunk_tokens) if part == "temporaries" else LABELS[part]
-        lines.append(f"    {label:<48} {plan.breakdown.get(part, 0) / GIB:9.3f} GiB")
+        if part_applies(cfg, part) or plan.breakdown.get(part, 0):  # a row with bytes always
+            lines.append(f"    {label:<48} {plan.breakdown.get(part, 0) / GIB:9.3f} GiB")
     lines.append(f"    {'total':<48} {plan.peak / GIB:9.3f} GiB")
     if plan.host_bytes:
         lines.append(f"    (in host memory, CPU offload: {plan.host_bytes / GIB:.3f} GiB)")
-    fits = plan.peak <= budget
-    lines.append(f"  {'fits' if fits else 'does not fit'}: {plan.peak / GIB:.1f} GiB of "
-                 f"{budget / GIB:.1f} GiB usable ({headroom:.0%} kept for fragmentation)")
-    if not fits:
-        lines.extend(format_fits(search(cfg, world_size, device_name, budget)))
     if plan.micro_batches > 1 and st.mode != "single":
         lines.extend(grad_sync_choices(cfg, world_size, device_name, budget))
     lines += document_lines(cfg, world_size, device_name, times.flops)
@@ -167,7 +181,13 @@ def format_plan(cfg: Config, world_size: int, device_name: str, headroom: float)
         f"{times.comm_s:.3f} s ({times.comm_bytes / GIB:.2f} GiB per rank)",
         f"             {times.overlapped_s:.3f} s fully overlapped, {times.serial_s:.3f} s serial (lower "
         "bounds: 100% MFU)",
+        *(notes or []),
     ]
+    fits = plan.peak <= budget  # the verdict last, where the reader ends, then what to change
+    lines.append(f"  {'fits' if fits else 'does not fit'}: {plan.peak / GIB:.1f} GiB of "
+                 f"{budget / GIB:.1f} GiB usable ({headroom:.0%} kept for fragmentation)")
+    if not fits:
+        lines.extend(format_fits(search(cfg, world_size, device_name, budget)))
     return "\n".join(lines)
 
 

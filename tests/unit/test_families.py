@@ -301,3 +301,30 @@ def test_config_refuses_a_window_where_the_family_has_none():
         model_config_from_hf_dict(
             {**transformers.Qwen2Config(**COMMON).to_dict(), "use_sliding_window": True}
         )
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma3", "mixtral", "gpt_oss"])
+def test_a_model_without_a_window_exports_what_transformers_loads(family, tmp_path):
+    """A sliding-window family with ``model.sliding_window = 0`` (every layer global): its export loads in
+    transformers with the same logits, and imports back to the same config. Gemma 3 and gpt-oss wrote
+    ``sliding_window: null``, which their transformers configs refuse (they need an int; 0 with every layer
+    ``full_attention``); Mistral's and Mixtral's null means no window."""
+    from shardlm.convert.hf_out import save_model_dir
+    from shardlm.model.config import ModelConfig
+
+    moe = family in ("mixtral", "gpt_oss")  # 4 experts of width 32, top 2
+    cfg = ModelConfig(family=family, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                      ffn_hidden=32 if moe else 96, vocab_size=VOCAB, max_seq_len=64, sliding_window=0,
+                      n_experts=4 if moe else 0)
+    model = Llama(cfg).eval()
+    model.init_weights(seed=3)
+    out = save_model_dir(model.state_dict(), cfg, tmp_path / family)
+    config = json.loads((out / "config.json").read_text())
+    assert config.get("sliding_window") is not None or family in ("mistral", "mixtral"), config
+    assert model_config_from_hf_dict(config) == cfg
+    hf, info = hf_model(out)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    with torch.no_grad():
+        theirs, mine = hf(IDS).logits, model(IDS)
+    scale = theirs.abs().max().item()
+    assert (theirs - mine).abs().max().item() <= 1e-5 * max(scale, 1.0), (family, scale)

@@ -32,10 +32,12 @@ def _int_if_whole(x: float) -> int | float:
 
 
 def hf_fields_out(cfg: ModelConfig) -> dict[str, Any]:
-    """Gemma 3's ``config.json`` fields beyond the shared ones, in ``Gemma3TextConfig``'s names."""
+    """Gemma 3's ``config.json`` fields beyond the shared ones, in ``Gemma3TextConfig``'s names. Without a
+    window (``model.sliding_window = 0``) every layer is ``full_attention`` and ``sliding_window`` is 0:
+    transformers refuses null there (its masks need an int even when no layer uses it)."""
     return {
         "query_pre_attn_scalar": _int_if_whole(cfg.query_pre_attn_scalar or cfg.head_dim),
-        "sliding_window": cfg.sliding_window or None,
+        "sliding_window": cfg.sliding_window,
         "rope_local_base_freq": cfg.rope_local_theta or cfg.rope_theta,
         "layer_types": [
             "sliding_attention" if cfg.is_local(i) else "full_attention" for i in range(cfg.n_layers)

@@ -29,7 +29,8 @@ HF_DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta
 
 
 def hf_fields_out(cfg: ModelConfig) -> dict[str, Any]:
-    """gpt-oss's ``config.json`` fields beyond the shared ones."""
+    """gpt-oss's ``config.json`` fields beyond the shared ones. Without a window (``model.sliding_window =
+    0``) every layer is ``full_attention`` and ``sliding_window`` is 0: transformers refuses null there."""
     return {
         "num_local_experts": cfg.n_experts,
         "num_experts_per_tok": cfg.n_experts_per_token,
@@ -38,7 +39,7 @@ def hf_fields_out(cfg: ModelConfig) -> dict[str, Any]:
         "swiglu_limit": cfg.swiglu_limit,
         "router_aux_loss_coef": cfg.router_aux_loss_coef,
         "attention_bias": True,
-        "sliding_window": cfg.sliding_window or None,
+        "sliding_window": cfg.sliding_window,
         "layer_types": [
             "sliding_attention" if cfg.is_local(i) else "full_attention" for i in range(cfg.n_layers)
         ],
@@ -49,8 +50,9 @@ def hf_fields_in(cfg: ModelConfig, config: dict[str, Any], local_rope: dict[str,
     """Set ``cfg``'s experts, clamped SwiGLU and alternating windows from ``config.json``, in place.
 
     Raises:
-        ModelDirError: ``attention_bias`` false, ``layer_types`` other than sliding / full alternating, or a
-            ``quantization_config`` (the released MXFP4 experts are not read).
+        ModelDirError: ``attention_bias`` false, ``layer_types`` other than sliding / full alternating
+            (every layer full without a window), or a ``quantization_config`` (the released MXFP4 experts
+            are not read).
     """
     quant = config.get("quantization_config")
     if quant:
@@ -68,11 +70,12 @@ def hf_fields_in(cfg: ModelConfig, config: dict[str, Any], local_rope: dict[str,
     cfg.router_aux_loss_coef = float(config.get("router_aux_loss_coef", 0.001))  # transformers 5.24 default
     # transformers 5.24's default when absent
     cfg.sliding_window = int(config.get("sliding_window", 128) or 0)
-    types = config.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
-                                          for i in range(cfg.n_layers)]
-    built = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(cfg.n_layers)]
+    built = ["sliding_attention" if cfg.sliding_window and (i + 1) % 2 else "full_attention"
+             for i in range(cfg.n_layers)]
+    types = config.get("layer_types") or built
     if types != built:
-        raise ModelDirError(f"{source}: layer_types {types} is not sliding / full alternating; not supported")
+        raise ModelDirError(f"{source}: layer_types {types} is not sliding / full alternating (every layer "
+                            "full without a sliding_window); not supported")
     cfg.sliding_window_pattern = 2 if cfg.sliding_window else 0
 
 

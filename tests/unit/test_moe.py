@@ -129,8 +129,8 @@ def test_lora_on_experts_is_refused_by_name():
     (0, 2, 2, "fsdp", "parallel.ep=2 needs a mixture of experts"),
 ])
 def test_bad_expert_parallel_layouts_are_refused_by_name(n_experts, ep, world, mode, message):
+    from shardlm.config.layout import check_ep
     from shardlm.errors import ConfigError
-    from shardlm.parallel.ep import check_ep
     with pytest.raises(ConfigError, match=message):
         check_ep(n_experts, ep, world, mode)
     check_ep(n_experts or 8, 2, 4, "fsdp")  # a layout that is built passes

@@ -1,21 +1,21 @@
 """Combinations of the parallelisms and objectives that are not built together yet: each is refused with one
-message naming both settings, before any process group starts (``config.validate``, ``parallel/dist.py``,
-``parallel/tp.py``). Refused today: tensor parallel on a mixture-of-experts model (context parallel, with or
-without expert parallel, is built: tests/dist/test_moe_parallel.py); preference tuning with tensor or context
-parallel or on a mixture of experts; tensor parallel under context parallel when a CP rank's tokens do not
-split evenly over the tensor-parallel ranks. Context parallel with TP, HSDP and DDP is built (trained against
-one process in tests/dist/test_cp_parity.py, and planned by ``shardlm plan``); its layouts are
-checked here."""
+message naming both settings, before any process group starts and before any data is prepared
+(``config.validate``, ``config/layout.py``, ``parallel/dist.py``). Refused today: tensor parallel on a
+mixture-of-experts model (context parallel, with or without expert parallel, is built:
+tests/dist/test_moe_parallel.py); preference tuning with tensor or context parallel or on a mixture of
+experts; tensor parallel under context parallel when a CP rank's tokens do not split evenly over the
+tensor-parallel ranks. Context parallel with TP, HSDP and DDP is built (trained against one process in
+tests/dist/test_cp_parity.py, and planned by ``shardlm plan``); its layouts are checked here."""
 
 from __future__ import annotations
 
 import pytest
 
 from shardlm.config import ParallelConfig, load_config
+from shardlm.config.layout import check_tp
 from shardlm.errors import ConfigError
 from shardlm.model.config import ModelConfig
 from shardlm.parallel.dist import dp_mesh_shape, mesh_dims
-from shardlm.parallel.tp import check_tp
 
 MOE = ["--model.family=qwen3_moe", "--model.n_experts=4", "--model.n_experts_per_token=2"]
 
@@ -99,3 +99,35 @@ def test_the_planner_refuses_a_world_size_that_cp_x_tp_does_not_divide_naming_bo
         plan_memory(cfg, 6, "cpu")  # 6 is a multiple of cp and of tp, not of both
     # the control: CP x TP is planned (tests/dist/test_cp_parity.py: how)
     assert plan_memory(cfg, 4, "cpu").peak > 0
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["--parallel.tp=2", "--model.n_kv_heads=1"],
+     r"parallel.tp=2 must divide the key/value heads \(model.n_kv_heads\) = 1: each tensor-parallel rank "),
+    (["--parallel.tp=2", "--model.vocab_size=511"], r"parallel.tp=2 must divide model.vocab_size = 511"),
+    (["--parallel.tp=2", "--lora.enabled=true"], r"parallel.tp=2 with lora.enabled is not supported"),
+    ([*MOE, "--parallel.ep=3"], r"parallel.ep=3 must divide model.n_experts=4"),
+    (["--parallel.ep=2"], r"parallel.ep=2 needs a mixture of experts"),
+])
+def test_a_split_the_model_cannot_take_is_refused_when_the_config_loads(overrides, message):
+    """The tensor- and expert-parallel sizes are checked with the configuration (same messages as the
+    model's build): before, a tp not dividing the key/value heads was refused after the data was prepared."""
+    base = ["--model.dim=64", "--model.n_heads=4", "--model.n_kv_heads=2", "--model.ffn_hidden=128",
+            "--model.vocab_size=512", "--train.seq_len=32"]
+    load_config(None, base + ["--parallel.tp=2"])  # the control: this split loads
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, base + overrides)
+
+
+def test_an_expert_split_the_ranks_cannot_take_is_refused_before_any_data_is_prepared(tmp_path, capsys):
+    """A run whose parallel.ep does not divide its ranks (what the configuration cannot know) stops before
+    preparing data: no data directory is written. It was refused when the model was built, after."""
+    from conftest import tiny_overrides
+    from shardlm.cli.train import main as train_main
+
+    data = tmp_path / "data"
+    code = train_main(tiny_overrides(data, tmp_path / "run") + [*MOE, "--parallel.ep=2",
+                                                                 "--parallel.device=cpu"])
+    err = capsys.readouterr().err
+    assert code == 2 and "error: parallel.ep=2 must divide the data-parallel ranks (1)" in err, err
+    assert not data.exists()

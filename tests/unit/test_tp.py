@@ -9,10 +9,10 @@ import torch
 
 from conftest import ROOT
 from shardlm.config import ParallelConfig, load_config
+from shardlm.config.layout import check_tp
 from shardlm.errors import ConfigError
 from shardlm.model.config import ModelConfig
 from shardlm.parallel.dist import data_parallel_rank, dp_mesh_shape, mesh_dims
-from shardlm.parallel.tp import check_tp
 
 
 # ---- the mesh and bad input: one message each, no launch ---------------------------------------------------

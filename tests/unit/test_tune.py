@@ -207,8 +207,8 @@ def test_tensor_and_expert_parallel_candidates():
     that layout (a tp-way model's pieces, ep-way experts), a tp row checkpoints only as the planner models it
     (none or full), its micro-batches are tp times more (N / tp data-parallel ranks), and the full grid holds
     no other mode with tp."""
+    from shardlm.config.layout import check_ep
     from shardlm.errors import ConfigError
-    from shardlm.parallel.ep import check_ep
     from shardlm.plan.memory import plan_memory
     from shardlm.plan.tune_candidates import apply
 
@@ -294,9 +294,9 @@ def trainer_accepts_cp(overrides: list[str], world_size: int, cp: int) -> bool:
     the batch over the N / (cp·tp) data-parallel ranks (the trainer's gradient_accumulation_steps; at
     micro-batch 1, so that any micro-batch that divides does)."""
     from shardlm.config import gradient_accumulation_steps
+    from shardlm.config.layout import check_tp
     from shardlm.errors import ConfigError
     from shardlm.parallel.dist import dp_mesh_shape
-    from shardlm.parallel.tp import check_tp
 
     try:
         cfg = load_config(str(ROOT / "configs" / "20m.toml"),

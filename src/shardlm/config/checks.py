@@ -9,6 +9,7 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING
 
+from shardlm.config.layout import check_ep, check_tp
 from shardlm.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -112,6 +113,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"parallel.tp={cfg.parallel.tp} on a mixture-of-experts model (model.n_experts="
                           f"{cfg.model.n_experts}) is not built yet: use expert parallelism (parallel.ep) "
                           "with FSDP")
+    # the split's sizes against the model and the sequence: here, before any data is prepared
+    check_tp(m, cfg.parallel.tp, t.seq_len, cfg.lora.enabled, cp)
+    check_ep(m.n_experts, cfg.parallel.ep, None, cfg.parallel.mode, cfg.parallel.dp_replicate)
     for key in ("interval", "keep"):
         if getattr(cfg.checkpoint, key) < 0:
             raise ConfigError(f"checkpoint.{key} must be >= 0, got {getattr(cfg.checkpoint, key)}")

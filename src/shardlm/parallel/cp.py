@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
+from shardlm.config.layout import padded_length
 from shardlm.errors import ConfigError
 from shardlm.model.attention import document_positions
 from shardlm.model.decoder import attention
@@ -48,14 +49,6 @@ from shardlm.parallel.dist import DistInfo
 
 #: the target id the loss ignores (padding tokens' labels), as ``shardlm.data.instruct.IGNORE_INDEX``
 IGNORE_INDEX = -100
-
-
-def padded_length(seq_len: int, cp: int) -> int:
-    """``seq_len`` rounded up to a multiple of ``2·cp`` (the load-balanced split's chunk count); ``seq_len``
-    itself at ``cp = 1`` (no split)."""
-    if cp == 1:
-        return seq_len
-    return -(-seq_len // (2 * cp)) * (2 * cp)
 
 
 def chunk_indices(seq_len: int, cp: int, cp_rank: int) -> torch.Tensor:

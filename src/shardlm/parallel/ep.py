@@ -96,32 +96,6 @@ class ExpertParallel:
         return funcol.wait_tensor(out) if isinstance(out, funcol.AsyncCollectiveTensor) else out
 
 
-def check_ep(n_experts: int, ep: int, world_size: int, mode: str, dp_replicate: int = 1) -> None:
-    """Refuse an expert-parallel layout that cannot be built (one message naming the cause).
-
-    Raises:
-        ConfigError: ``ep`` > 1 without MoE layers, with ``parallel.mode`` other than fsdp, not dividing
-            ``n_experts`` or the data-parallel ranks, or with HSDP (``dp_replicate`` other than 1: not built).
-    """
-    if ep == 1:
-        return
-    if ep < 1:
-        raise ConfigError(f"parallel.ep must be >= 1, got {ep}")
-    if not n_experts:
-        raise ConfigError(f"parallel.ep={ep} needs a mixture of experts (model.n_experts > 0)")
-    if mode != "fsdp":
-        raise ConfigError(f"parallel.ep={ep} needs parallel.mode='fsdp' (got {mode!r}): the experts of an ep "
-                          "rank are FSDP-sharded over the other data-parallel ranks; DDP would replicate "
-                          "every expert")
-    if n_experts % ep:
-        raise ConfigError(f"parallel.ep={ep} must divide model.n_experts={n_experts} (each ep rank holds "
-                          "n_experts / ep whole experts)")
-    if world_size % ep:
-        raise ConfigError(f"parallel.ep={ep} must divide the data-parallel ranks ({world_size})")
-    if dp_replicate != 1:
-        raise ConfigError(f"parallel.ep={ep} with parallel.dp_replicate={dp_replicate} (HSDP) is not built")
-
-
 def apply_ep(model: nn.Module, mesh: DeviceMesh) -> list[Experts]:
     """Make every MoE layer's experts expert-parallel over ``mesh["ep"]`` (see the module's recipe), in place.
 

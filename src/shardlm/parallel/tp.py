@@ -34,44 +34,12 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from shardlm.errors import ConfigError
 from shardlm.model.config import ModelConfig
 from shardlm.model.decoder import CausalLM
-from shardlm.parallel.cp import padded_length
 
 #: the positional arguments of ``Attention.forward`` after x: cos, sin, cache, doc_mask (plain tensors
 #: or None)
 _ATTENTION_EXTRA_ARGS = 4
-
-
-def check_tp(cfg: ModelConfig, tp: int, seq_len: int, lora: bool = False, cp: int = 1) -> None:
-    """Refuse a model that a ``tp``-way split cannot cut evenly, naming the size that does not divide.
-
-    Each rank holds n_heads / tp query heads, n_kv_heads / tp key/value heads (grouped-query attention keeps
-    its groups whole only then), ffn_dim / tp of the FFN width, vocab_size / tp vocabulary rows, and 1 / tp of
-    its tokens between blocks: of ``seq_len``, or under context parallelism (``cp`` > 1) of its CP share
-    ``padded_length(seq_len, cp) / cp`` (:mod:`shardlm.parallel.cp`: sequence parallel splits a CP rank's head
-    and tail chunks over its tensor-parallel group).
-
-    Raises:
-        ConfigError: one of those does not divide by ``tp``; LoRA with tensor parallel (its adapters are not
-            split: not supported).
-    """
-    if tp == 1:
-        return
-    tokens = ("train.seq_len (sequence parallel splits the tokens)", seq_len) if cp == 1 else (
-        f"the tokens per context-parallel rank (train.seq_len={seq_len} padded to a multiple of 2 × "
-        f"parallel.cp, / parallel.cp={cp}; sequence parallel splits them)", padded_length(seq_len, cp) // cp)
-    sizes = {"model.n_heads": cfg.n_heads, "the key/value heads (model.n_kv_heads)": cfg.kv_heads,
-             "the FFN width (model.ffn_hidden)": cfg.ffn_dim, "model.vocab_size": cfg.vocab_size,
-             tokens[0]: tokens[1]}
-    for name, size in sizes.items():
-        if size % tp:
-            raise ConfigError(f"parallel.tp={tp} must divide {name} = {size}: each tensor-parallel rank "
-                              "holds an equal part; pick a tp that divides it")
-    if lora:
-        raise ConfigError(f"parallel.tp={tp} with lora.enabled is not supported (the LoRA adapters are not "
-                          "split over the tensor-parallel ranks); use parallel.tp=1 for LoRA")
 
 
 def block_plan(cfg: ModelConfig) -> dict:

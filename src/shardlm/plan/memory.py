@@ -36,12 +36,11 @@ from dataclasses import dataclass
 import torch
 
 from shardlm.config import Config, ConfigError, gradient_accumulation_steps
+from shardlm.config.layout import check_ep, check_tp
 from shardlm.model.cpu_matmul import use_fp32_matmul
 from shardlm.parallel.cp import padded_length
-from shardlm.parallel.ep import check_ep
 from shardlm.parallel.options import dtype_from_name
 from shardlm.parallel.reduce_scatter import resolve_reduce_scatter
-from shardlm.parallel.tp import check_tp
 from shardlm.plan import activations as act
 from shardlm.plan.context_parallel import (
     cp_backward_transient,
@@ -106,8 +105,8 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
     Raises:
         ConfigError: bad world size (or one ``parallel.cp`` does not divide), global batch not divisible,
             unknown dtype or AC mode; an expert- or tensor-parallel layout the trainer refuses
-            (:func:`shardlm.parallel.ep.check_ep`, :func:`shardlm.parallel.tp.check_tp`); tensor parallel on a
-            world size it does not divide or with selective / every-n checkpointing (not modelled).
+            (:func:`shardlm.config.layout.check_ep`, :func:`~shardlm.config.layout.check_tp`); tensor parallel
+            on a world size it does not divide or with selective / every-n checkpointing (not modelled).
     """
     st = Settings.from_config(cfg)
     tp = cfg.parallel.tp

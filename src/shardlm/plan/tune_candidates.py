@@ -14,10 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from shardlm.config import Config, ConfigError, gradient_accumulation_steps, validate
+from shardlm.config.layout import check_ep, check_tp
 from shardlm.parallel.ac import find_cxx_compiler
 from shardlm.parallel.dist import dp_mesh_shape
-from shardlm.parallel.ep import check_ep
-from shardlm.parallel.tp import check_tp
 from shardlm.plan.activations import TP_AC_MODES
 from shardlm.plan.devices import GIB, MIB, device_for_cuda_name, get_device
 from shardlm.plan.memory import plan_memory
@@ -169,10 +168,10 @@ def layout_allowed(cfg: Config, world_size: int, tp: int, ep: int, cp: int | Non
     accepts ``parallel.tp = tp``, ``parallel.ep = ep`` and ``parallel.cp = cp`` (the config's when None): the
     trainer's own checks, which refuse a tp that does not divide the query or key/value heads, the FFN width,
     the vocabulary, the sequence or the ranks of the node, tp with LoRA, a mixture of experts or preference
-    tuning (:func:`shardlm.config.validate`, :func:`shardlm.parallel.tp.check_tp`,
+    tuning (:func:`shardlm.config.validate`, :func:`shardlm.config.layout.check_tp`,
     :func:`shardlm.parallel.dist.dp_mesh_shape`), an ep that does not divide the experts or the ranks, or ep
-    without experts, outside FSDP or with HSDP (:func:`shardlm.parallel.ep.check_ep`), and a cp that does not
-    divide the ranks, is longer than ``train.seq_len``, or comes with preference tuning (``validate``).
+    without experts, outside FSDP or with HSDP (:func:`shardlm.config.layout.check_ep`), and a cp that does
+    not divide the ranks, is longer than ``train.seq_len``, or comes with preference tuning (``validate``).
     Under context parallel (cp > 1) a tp is one whose ``cp × tp`` divides the ranks and the tokens of a CP
     rank (sequence parallel splits them); the N / (cp·tp) data-parallel ranks must divide the global batch
     (:func:`shardlm.config.gradient_accumulation_steps` at micro-batch 1)."""

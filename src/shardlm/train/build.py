@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
 from shardlm.config import Config
+from shardlm.config.layout import check_ep, check_tp
 from shardlm.convert.hf_in import load_pretrained_
 from shardlm.errors import ConfigError
 from shardlm.model.cpu_matmul import apply_fp32_matmul, use_fp32_matmul
@@ -31,11 +32,11 @@ from shardlm.model.lora import (
 from shardlm.parallel.ac import apply_ac, apply_compile
 from shardlm.parallel.cp import ContextParallel, apply_cp
 from shardlm.parallel.dist import DistInfo, dp_submesh
-from shardlm.parallel.ep import apply_ep, build_ep_mesh, check_ep
+from shardlm.parallel.ep import apply_ep, build_ep_mesh
 from shardlm.parallel.fsdp import apply_fsdp
 from shardlm.parallel.options import dtype_from_name, mixed_precision_policy, offload_policy
 from shardlm.parallel.reduce_scatter import resolve_reduce_scatter
-from shardlm.parallel.tp import ASYNC_TP_COMPILE_OPTIONS, apply_tp, check_tp
+from shardlm.parallel.tp import ASYNC_TP_COMPILE_OPTIONS, apply_tp
 
 
 def build_model(cfg: Config, info: DistInfo, mesh: DeviceMesh | None,
@@ -64,7 +65,7 @@ def build_model(cfg: Config, info: DistInfo, mesh: DeviceMesh | None,
 
     Raises:
         ConfigError: ``single`` mode with more than one rank; a model ``parallel.tp`` cannot split, or LoRA
-            with tensor parallel (:func:`~shardlm.parallel.tp.check_tp`).
+            with tensor parallel (:func:`~shardlm.config.layout.check_tp`).
     """
     mode = cfg.parallel.mode
     if mode == "single" and info.world_size > 1:

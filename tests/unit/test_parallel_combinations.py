@@ -131,3 +131,19 @@ def test_an_expert_split_the_ranks_cannot_take_is_refused_before_any_data_is_pre
     err = capsys.readouterr().err
     assert code == 2 and "error: parallel.ep=2 must divide the data-parallel ranks (1)" in err, err
     assert not data.exists()
+
+
+def test_the_checks_that_need_the_ranks_name_the_setting():
+    """What the Trainer checks against the ranks before preparing data (the model's build checked it after):
+    one process's mode on two ranks, an expert-parallel degree the ranks cannot take."""
+    from shardlm.config.layout import check_ranks
+
+    single = load_config(None, ["--parallel.mode=single"])
+    check_ranks(single, 1)
+    with pytest.raises(ConfigError, match=r"parallel.mode='single' runs one process, but the world size is "
+                                          "2"):
+        check_ranks(single, 2)
+    moe = load_config(None, [*MOE, "--parallel.ep=2"])
+    check_ranks(moe, 4)
+    with pytest.raises(ConfigError, match=r"parallel.ep=2 must divide the data-parallel ranks \(3\)"):
+        check_ranks(moe, 3)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from shardlm.errors import ConfigError
 
 if TYPE_CHECKING:
+    from shardlm.config.sections import Config
     from shardlm.model.config import ModelConfig
 
 
@@ -77,3 +78,17 @@ def check_ep(n_experts: int, ep: int, world_size: int | None, mode: str, dp_repl
         raise ConfigError(f"parallel.ep={ep} must divide the data-parallel ranks ({world_size})")
     if dp_replicate != 1:
         raise ConfigError(f"parallel.ep={ep} with parallel.dp_replicate={dp_replicate} (HSDP) is not built")
+
+
+def check_ranks(cfg: Config, world_size: int) -> None:
+    """The checks of ``cfg``'s layout that need the number of ranks, for a run to make before it prepares
+    any data (the rest are :func:`shardlm.config.validate`'s; the mesh's, ``parallel/dist.py``'s
+    ``dp_mesh_shape``, run when the process group starts).
+
+    Raises:
+        ConfigError: ``parallel.mode = 'single'`` on more than one rank; an expert-parallel degree the ranks
+            cannot take (:func:`check_ep`).
+    """
+    if cfg.parallel.mode == "single" and world_size > 1:
+        raise ConfigError(f"parallel.mode='single' runs one process, but the world size is {world_size}")
+    check_ep(cfg.model.n_experts, cfg.parallel.ep, world_size, cfg.parallel.mode, cfg.parallel.dp_replicate)

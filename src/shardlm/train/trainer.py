@@ -22,7 +22,7 @@ import torch
 from shardlm.checkpoint.dcp import Checkpointer
 from shardlm.checkpoint.run import resume_command, write_run_config
 from shardlm.config import Config, gradient_accumulation_steps
-from shardlm.config.layout import check_ep
+from shardlm.config.layout import check_ranks
 from shardlm.data import eval_windows, load_meta
 from shardlm.data.attention_choice import may_be_block_causal
 from shardlm.data.build import data_dir, prepare_data
@@ -90,9 +90,7 @@ class Trainer:
         #: tensor-parallel or context-parallel group share samples)
         self.dp_rank, self.dp_size = data_parallel_rank(self.info, cfg.parallel)
         self.accum_steps = gradient_accumulation_steps(cfg, self.dp_size)
-        # the expert-parallel split against the ranks, before any data is prepared (the rest: validate)
-        check_ep(cfg.model.n_experts, cfg.parallel.ep, self.info.world_size, cfg.parallel.mode,
-                 cfg.parallel.dp_replicate)
+        check_ranks(cfg, self.info.world_size)  # the layout against the ranks, before any data is prepared
         #: the kernel of block-causal attention (shardlm/model/attention.py), None under causal attention
         self.attention_backend = None
         if may_be_block_causal(cfg):  # a backend this device lacks: refused before anything starts

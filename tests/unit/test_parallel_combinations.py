@@ -49,7 +49,8 @@ def test_tp_under_cp_needs_a_cp_rank_s_tokens_to_split_evenly():
 
 
 def test_tensor_parallel_on_a_mixture_of_experts_is_refused_context_parallel_loads():
-    message = r"parallel.tp=2 on a mixture-of-experts model \(model.n_experts=4\) is not built yet"
+    message = (r"parallel.tp=2 on a mixture-of-experts model \(model.n_experts=4\) is not built yet: set "
+               r"parallel.tp = 1 \(expert parallelism, parallel.ep, splits the experts instead\)")
     with pytest.raises(ConfigError, match=message):
         load_config(None, [*MOE, "--parallel.tp=2"])
     with pytest.raises(ConfigError, match=r"parallel.tp=2 on a mixture-of-experts"):

@@ -111,8 +111,8 @@ def validate(cfg: Config) -> None:
                           "(model.n_experts = 0)")
     if cfg.model.n_experts and cfg.parallel.tp > 1:  # CP is built for MoE (router statistics pooled)
         raise ConfigError(f"parallel.tp={cfg.parallel.tp} on a mixture-of-experts model (model.n_experts="
-                          f"{cfg.model.n_experts}) is not built yet: use expert parallelism (parallel.ep) "
-                          "with FSDP")
+                          f"{cfg.model.n_experts}) is not built yet: set parallel.tp = 1 (expert "
+                          "parallelism, parallel.ep, splits the experts instead)")
     # the split's sizes against the model and the sequence: here, before any data is prepared
     check_tp(m, cfg.parallel.tp, t.seq_len, cfg.lora.enabled, cp)
     check_ep(m.n_experts, cfg.parallel.ep, None, cfg.parallel.mode, cfg.parallel.dp_replicate)

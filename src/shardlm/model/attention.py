@@ -177,7 +177,8 @@ def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, scale: fl
     return fold_sinks(out, lse, sinks)[0]
 
 
-def fold_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def fold_sinks(out: torch.Tensor, lse: torch.Tensor,
+               sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Join attention sinks to an attention result that left them out: the sink logit of each head becomes one
     more term of every query's softmax normaliser, a key whose value is zero.
 

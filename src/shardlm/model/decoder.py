@@ -301,9 +301,9 @@ class CausalLM(nn.Module):
         elif documents is not None:
             if self.cfg.attention == "causal":
                 raise ValueError("documents= given to a model with attention = 'causal', under which every "
-                                 "token attends to the earlier tokens of the other documents of its row: set "
-                                 "attention = 'block_causal' (or 'auto') to keep the documents apart, or pass "
-                                 "no documents for plain causal attention")
+                                 "token attends to the earlier tokens of the other documents of its row: "
+                                 "set attention = 'block_causal' (or 'auto') to keep the documents apart, or "
+                                 "pass no documents for plain causal attention")
             if cache is not None or documents.shape != tokens.shape:
                 raise ValueError(f"documents {tuple(documents.shape)} need tokens of the same shape "
                                  f"{tuple(tokens.shape)} and no cache")

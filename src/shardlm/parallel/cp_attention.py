@@ -251,7 +251,7 @@ class BlockwiseAttention(torch.autograd.Function):
             dkv, works = ring_pass(dkv, group, rank)  # on to the next rank; the last pass brings ours home
             _wait(works)
         d_sinks = None
-        if sinks is not None:  # the softmax gradient of the sink's column: -P_sink · D, summed over the queries
+        if sinks is not None:  # the softmax gradient of the sink's column: -P_sink · D, summed over queries
             delta = (d_out.double() * out.double()).sum(-1)  # (b, h, 2·c)
             p_sink = torch.exp(sinks.double().view(1, -1, 1) - lse.double())
             d_sinks = (-(p_sink * delta).sum((0, 2))).to(sinks.dtype)

@@ -20,11 +20,14 @@ def test_cp2_attention_equals_one_rank_forward_and_grads(tmp_path):
     out = tmp_path / "cp.json"
     torchrun(4, [str(WORKER), str(out)], timeout=240)  # CP 2 (two groups of 2 ranks) and CP 4
     results = json.loads(out.read_text())
-    cases = {"causal_odd", "block_causal_odd", "sliding_window", "sliding_block_causal_odd"}
+    sinks = {"sinks_causal_odd", "sinks_sliding_block_causal_odd"}  # gpt-oss: joined once to the normaliser
+    cases = {"causal_odd", "block_causal_odd", "sliding_window", "sliding_block_causal_odd"} | sinks
     assert set(results) == cases | {f"{c}/fallback" for c in cases} | {f"{c}@cp4" for c in cases}
     for name, r in results.items():
         for key in ("out", "dq", "dk", "dv"):
             assert r[key] <= 1e-6, (name, key, r[key])
+        # the sinks' gradient (relative to its magnitude); they change the output (the case bites)
+        assert r["dsinks"] <= 1e-5 and (r["vs_no_sinks"] > 0.1) == name.startswith("sinks"), (name, r)
     for name in cases:  # blockwise: nothing of T_pad rows saved for the backward; the fallback keeps K/V
         blockwise, fallback, cp4 = results[name], results[f"{name}/fallback"], results[f"{name}@cp4"]
         assert blockwise["cp"] == fallback["cp"] == 2 and cp4["cp"] == 4

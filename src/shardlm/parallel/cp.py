@@ -18,7 +18,9 @@ so gradients are exact. Every CP rank of a group holds the same batch (they are 
 each builds its masks and rotary positions locally, with no collective; only K and V travel. Padding tokens
 sit after every real token: no real query attends to them, their labels are ignored (-100), and each pad token
 forms a document of its own. A mixture of experts needs nothing more for its outputs (routing is per token);
-its router statistics leave the padding out (:meth:`ContextParallel.shard_batch`).
+its router statistics leave the padding out (:meth:`ContextParallel.shard_batch`). Attention sinks (gpt-oss:
+a logit per head in each query's softmax normaliser) pass through :meth:`ContextParallel.attend` like the
+mask: joined once to each query's normaliser over the whole sequence (blockwise: to the merged log-sum-exp).
 
 Memory per rank, blockwise: activations of ``T_pad / cp`` tokens (attention's saved tensors included); K and V
 of two ranks' tokens (held and incoming) and in the backward their gradients, for one layer at a time; one

@@ -31,45 +31,14 @@ sink's column); the ranks' parts are summed with the other parameters' gradients
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from shardlm.model.attention import fold_sinks
-
-#: a kernel with log-sum-exp: (q, k, v, causal, additive mask or None, scale) -> (out, lse (b, h, n) float32)
-Forward = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-#: its backward: (d_out, q, k, v, out, lse, causal, mask, scale) -> (dq, dk, dv)
-Backward = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-
-
-def lse_kernels(device_type: str) -> tuple[Forward, Backward] | None:
-    """The attention kernel with a log-sum-exp, and its backward, for ``device_type``; None where shardlm has
-    none (then :class:`~shardlm.parallel.cp.ContextParallel` keeps its all-gather path under a dense mask).
-
-    CPU: ``torch.ops.aten._scaled_dot_product_flash_attention_for_cpu`` and its ``_backward``, private ATen
-    ops pinned by torch==2.13.0 (the project's pin). Measured there: they read grouped K/V heads as they are
-    (no repeat), take an additive ``attn_mask`` of q's dtype (not a boolean one) broadcast over batch and
-    heads, and return out 0 and lse 0 for a row whose keys are all masked (:class:`BlockwiseAttention` sets
-    such rows' lse to -inf). CUDA's counterparts (``_scaled_dot_product_flash_attention`` /
-    ``_efficient_attention``, which PyTorch's ``context_parallel`` uses) are not wired: no GPU has run them
-    here, so CUDA keeps the tested fallback.
-    """
-    ops = torch.ops.aten
-    if device_type != "cpu" or not hasattr(ops, "_scaled_dot_product_flash_attention_for_cpu_backward"):
-        return None
-    fwd_op = ops._scaled_dot_product_flash_attention_for_cpu
-    bwd_op = ops._scaled_dot_product_flash_attention_for_cpu_backward
-
-    def forward(q, k, v, causal, mask, scale):
-        return fwd_op(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
-
-    def backward(d_out, q, k, v, out, lse, causal, mask, scale):
-        return bwd_op(d_out, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale)
-
-    return forward, backward
+from shardlm.model.attention import lse_kernels as lse_kernels  # where the kernels live (re-exported)
 
 
 @dataclass(frozen=True)

@@ -305,7 +305,7 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
                 mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(
                     ~mask, float("-inf"))
             mask = mask.to(q.dtype)
-            mask = mask.view((1,) * (4 - mask.dim()) + tuple(mask.shape))
+            mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
         return KernelSinkAttention.apply(q, k, v, sinks, mask is None, mask, scale, kernels)
     repeat = q.shape[1] // k.shape[1]
     if repeat > 1:

@@ -235,7 +235,9 @@ def check_block_causal(device: torch.device) -> list[dict]:
     """(e) block-causal attention on the device, fp32 with TF32 off: a packed row of three examples (Mistral's
     sliding window of 32, shorter than two of them) against each example alone from position 0, per backend
     that trains there (``sdpa``; ``flex`` compiled on CUDA; on CPU ``flex`` is forward only): logits within
-    1e-5, gradients of the summed loss within 1e-4 (relative, all parameters)."""
+    1e-5, gradients of the summed loss within 1e-4 (relative, all parameters). Then the same for gpt-oss
+    (attention sinks, unit-size so that they take a real share of each softmax: under ``flex`` joined to the
+    kernel's log-sum-exp, whose gradient the compiled backward must carry)."""
     from shardlm.model.config import ModelConfig
     from shardlm.model.llama import Llama
 
@@ -252,13 +254,19 @@ def check_block_causal(device: torch.device) -> list[dict]:
     torch.set_float32_matmul_precision("highest")  # TF32 off: fp32 against fp32
     rows = []
     try:
-        for backend in ("sdpa", "flex"):
+        for family, backend in (("mistral", "sdpa"), ("mistral", "flex"), ("gpt_oss", "sdpa"),
+                                ("gpt_oss", "flex")):
             train = backend == "sdpa" or device.type == "cuda"
-            cfg = ModelConfig(family="mistral", dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=256,
+            experts = dict(n_experts=4, sliding_window_pattern=2) if family == "gpt_oss" else {}
+            cfg = ModelConfig(family=family, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=256,
                               vocab_size=512, max_seq_len=256, sliding_window=32, attention="block_causal",
-                              attention_backend=backend)
+                              attention_backend=backend, **experts)
             model = Llama(cfg).to(device)
             model.init_weights(0)
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if name.endswith("sinks"):
+                        p.copy_(torch.randn(p.shape, generator=gen).to(device))
             with torch.set_grad_enabled(train):
                 logits = model(tokens, documents=documents)[0]
                 alone = [model(e[None].to(device))[0] for e in examples]
@@ -277,7 +285,8 @@ def check_block_causal(device: torch.device) -> list[dict]:
             ok = diff <= 1e-5 and (not train or grad <= 1e-4)
             rows.append(
                 {
-                    "check": f"e. block-causal {backend}: packed row = each example alone",
+                    "check": f"e. block-causal {backend}{', gpt-oss sinks' if family == 'gpt_oss' else ''}: "
+                             "packed row = each example alone",
                     "max_logits_diff": diff,
                     "grad_rel_diff": grad,
                     "result": f"logits {diff:.1e} (limit 1e-5), gradients "

@@ -110,10 +110,10 @@ def test_packed_row_equals_each_example_alone(name, backend):
             targets[r, pos:pos + n - 1] = ex[1:]
             alone_targets.append(torch.cat([ex[1:], torch.tensor([-100])]))
             pos += n
-    # control: the same row under causal attention (documents ignored) differs from the examples alone
+    # control: the same row under causal attention (no documents) differs from the examples alone
     causal = random_model(name, attention="causal", backend=backend)
     with torch.no_grad():
-        leaked = causal(tokens, documents=documents)
+        leaked = causal(tokens)
         second = examples[0][1]
         start = len(examples[0][0])
         assert (leaked[0, start:start + len(second)] - causal(second[None])[0]).abs().max().item() > 1e-3
@@ -133,15 +133,16 @@ def test_packed_row_equals_each_example_alone(name, backend):
 
 @pytest.mark.parametrize("name", ["mistral", "gemma3"])
 def test_backends_agree_and_causal_is_unchanged(name):
-    """sdpa and flex give the same logits (1e-6); ``causal`` with documents, and ``block_causal`` without, are
-    bit for bit today's causal forward."""
+    """sdpa and flex give the same logits (1e-6); ``block_causal`` without documents is bit for bit the causal
+    forward, and ``causal`` with documents (which it cannot keep apart) is refused."""
     tokens, documents, _ = packed_rows()
     with torch.no_grad():
         dense = random_model(name, backend="sdpa")(tokens, documents=documents)
         flex = random_model(name, backend="flex")(tokens, documents=documents)
         assert (dense - flex).abs().max().item() < 1e-6
         plain = random_model(name, attention="causal")(tokens)
-        assert torch.equal(random_model(name, attention="causal")(tokens, documents=documents), plain)
+        with pytest.raises(ValueError, match="documents= given to a model with attention = 'causal'"):
+            random_model(name, attention="causal")(tokens, documents=documents)
         assert torch.equal(random_model(name)(tokens), plain)
 
 

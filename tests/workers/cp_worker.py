@@ -3,7 +3,9 @@
 Usage: ``torchrun --nproc_per_node=N tests/workers/cp_worker.py OUT.json`` (N = 2 or 4, see :func:`main`).
 Every rank builds the same full q, k, v (seeded), computes one-rank attention under the dense reference mask
 and its gradients, then its own CP share (:class:`shardlm.parallel.cp.ContextParallel`) and their gradients,
-and records the largest differences on its tokens per case. Rank 0 writes ``OUT.json``: ``{case: {"out": diff,
+and records the largest differences on its tokens per case (``dsinks``: the attention sinks' gradient, summed
+over the CP group, against one rank's, relative to its magnitude; ``vs_no_sinks``: how far the sinks move the
+output). Rank 0 writes ``OUT.json``: ``{case: {"out": diff,
 "dq": .., "dk": .., "dv": .., "masked": ..}}`` with each diff the maximum over ranks; ``vs_causal`` is how far
 the case's attention is from plain causal attention (documents and windows must make a difference, so a case
 cannot pass by ignoring them). Each case runs blockwise (``CASE``), in the fallback (``CASE/fallback``, the
@@ -27,12 +29,15 @@ from shardlm.parallel import exit_process
 from shardlm.parallel.cp import ContextParallel, padded_length
 from shardlm.parallel.cp_attention import lse_kernels
 
-#: (name, sequence length, window, block-causal documents as run lengths or None)
+#: (name, sequence length, window, block-causal documents as run lengths or None, attention sinks)
 CASES = [
-    ("causal_odd", 13, 0, None),
-    ("block_causal_odd", 13, 0, [4, 6, 3]),
-    ("sliding_window", 16, 5, None),
-    ("sliding_block_causal_odd", 15, 4, [7, 8]),
+    ("causal_odd", 13, 0, None, False),
+    ("block_causal_odd", 13, 0, [4, 6, 3], False),
+    ("sliding_window", 16, 5, None, False),
+    ("sliding_block_causal_odd", 15, 4, [7, 8], False),
+    # gpt-oss: a sink logit per head in each query's softmax over the whole sequence, once
+    ("sinks_causal_odd", 13, 0, None, True),
+    ("sinks_sliding_block_causal_odd", 15, 4, [7, 8], True),
 ]
 
 
@@ -47,21 +52,26 @@ def documents_of(runs: list[int] | None, batch: int, t: int) -> torch.Tensor | N
     return torch.stack(rows)
 
 
-def run_case(cp: ContextParallel, t: int, window: int, runs: list[int] | None) -> dict[str, float]:
+def run_case(cp: ContextParallel, t: int, window: int, runs: list[int] | None,
+             with_sinks: bool) -> dict[str, float]:
     b, h, kvh, d = 2, 4, 2, 8
     gen = torch.Generator().manual_seed(t * 100 + window)
     q, k, v, w = (torch.randn(b, n, t, d, generator=gen, dtype=torch.float64).float()
                   for n in (h, kvh, kvh, h))
+    sinks = torch.randn(h, generator=gen) if with_sinks else None
     w = w / t  # the upstream gradient of a mean over the tokens, as a loss gives it
     docs = documents_of(runs, b, t)
     ref_docs = docs if docs is not None else torch.zeros(b, t, dtype=torch.int64)
     mask = dense_mask(ref_docs, window)
     qf, kf, vf = (x.clone().requires_grad_() for x in (q, k, v))
-    ref = attention(qf, kf, vf, mask)
+    sf = sinks.clone().requires_grad_() if with_sinks else None
+    ref = attention(qf, kf, vf, mask, sinks=sf)
     (ref * w).sum().backward()
     causal = attention(q, k, v, dense_mask(torch.zeros(b, t, dtype=torch.int64)))
+    without_sinks = attention(q, k, v, mask)
 
     ql, kl, vl = (cp.shard(x, 0, dim=2).requires_grad_() for x in (q, k, v))
+    sl = sinks.clone().requires_grad_() if with_sinks else None
     cp._additive.clear()
     cp_mask = cp.masks(t, docs, {window}, q.device)[window]
     saved: list[torch.Tensor] = []
@@ -71,8 +81,13 @@ def run_case(cp: ContextParallel, t: int, window: int, runs: list[int] | None) -
         return x
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-        out = cp.attend(ql, kl, vl, cp_mask)
+        out = cp.attend(ql, kl, vl, cp_mask, sinks=sl)
     (out * cp.shard(w, 0, dim=2)).sum().backward()
+    sink_diff = 0.0
+    if with_sinks:  # each CP rank's part from its own queries; the group's sum is the sinks' gradient
+        grad = sl.grad.clone()
+        dist.all_reduce(grad, group=cp.group)
+        sink_diff = (grad - sf.grad).abs().max().item() / sf.grad.abs().max().item()
 
     real = cp.local_indices(t) < t  # this rank's real (not padding) tokens
     idx = cp.local_indices(t)[real]
@@ -82,6 +97,7 @@ def run_case(cp: ContextParallel, t: int, window: int, runs: list[int] | None) -
 
     return {"out": diff(out.detach(), ref.detach()), "dq": diff(ql.grad, qf.grad),
             "dk": diff(kl.grad, kf.grad), "dv": diff(vl.grad, vf.grad),
+            "dsinks": sink_diff, "vs_no_sinks": (ref.detach() - without_sinks).abs().max().item(),
             "vs_causal": (ref.detach() - causal).abs().max().item(), "padding": int((~real).sum()),
             "dense_mask": cp_mask is not None, "t_pad": padded_length(t, cp.size),
             "saved_rows": max(x.shape[2] for x in saved if x.dim() >= 3),  # (b, h, seq, ...) as attention's
@@ -103,8 +119,8 @@ def main() -> None:
         runs_of.append((ContextParallel(dist.group.WORLD), blockwise, "@cp4"))
     for cp, kernels, suffix in runs_of:
         cp.kernels = kernels
-        for name, t, window, runs in CASES:
-            r = run_case(cp, t, window, runs)
+        for name, t, window, runs, with_sinks in CASES:
+            r = run_case(cp, t, window, runs, with_sinks)
             gathered = [None] * world
             dist.all_gather_object(gathered, r)
             results[name + suffix] = {key: max(g[key] for g in gathered) for key in r}

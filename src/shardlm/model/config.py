@@ -139,8 +139,9 @@ class ModelConfig:
     boundaries; see shardlm/model/attention.py). ``auto`` (the default) is resolved once at set-up: a resumed
     run keeps its checkpoint's value; a new one trains ``block_causal`` when its samples hold documents
     (pre-training data that records its document starts, ``data.pack``), else ``causal``
-    (shardlm/data/attention_choice.py); checkpoints and ``config.json`` record the resolved value. Not a
-    shape: kept on ``init_from``."""
+    (shardlm/data/attention_choice.py); checkpoints and ``config.json`` record the resolved value. A model
+    used directly (``CausalLM(cfg)(tokens, documents=...)``) reads ``auto`` the same way: block-causal when
+    it is given documents; ``causal`` refuses them (ValueError). Not a shape: kept on ``init_from``."""
     attention_backend: Literal["auto", "sdpa", "flex", "varlen"] = "auto"
     """Kernel of block-causal attention: ``sdpa`` (a dense additive mask, any device), ``flex``
     (flex_attention with a BlockMask: compiled on CUDA, eager on CPU), ``auto`` (flex on CUDA, sdpa

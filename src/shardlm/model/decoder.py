@@ -111,14 +111,14 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.dim, bias=cfg.arch.attention_out_bias)
-        if cfg.arch.attention_sinks:  # gpt-oss: one learned logit per head in every query's softmax
-            self.sinks = nn.Parameter(torch.zeros(self.n_heads))
+        # gpt-oss: one learned logit per head in every query's softmax normaliser (None: no sinks)
+        self.sinks = nn.Parameter(torch.zeros(self.n_heads)) if cfg.arch.attention_sinks else None
         if cfg.arch.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps, cfg.arch.gemma_norms)
             self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps, cfg.arch.gemma_norms)
-        #: the attention kernel ``attend(q, k, v, mask, scale=...)``: :func:`attention`, or a hook set from
-        #: outside (context parallelism's, ``shardlm/parallel/cp.py``: attention across a sequence split
-        #: over ranks)
+        #: the attention kernel ``attend(q, k, v, mask, scale=..., sinks=...)``: :func:`attention`, or a hook
+        #: set from outside (context parallelism's, ``shardlm/parallel/cp.py``: attention across a sequence
+        #: split over ranks); every mask form, and the sinks, go through it
         self.attend = attention
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -149,10 +149,7 @@ class Attention(nn.Module):
             k, v, mask = cache.update(k, v, self.window)
         elif self.window and self.window < t:
             mask = sliding_window_mask(t, self.window, x.device)
-        if hasattr(self, "sinks"):
-            out = doc_attention.sink_attention(q, k, v, mask, self.sinks, self.scale)
-        else:
-            out = self.attend(q, k, v, mask, scale=self.scale)
+        out = self.attend(q, k, v, mask, scale=self.scale, sinks=self.sinks)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -273,10 +270,11 @@ class CausalLM(nn.Module):
         start at the cache's length minus that row's left padding, and the cache advances by seq.
 
         ``documents`` (batch, seq) int64, non-decreasing per row: the document index of each token of a packed
-        row. Under ``cfg.attention = "block_causal"`` each token attends only to earlier tokens of its own
-        document, and its rotary position restarts at 0 at the document's first token
-        (:mod:`shardlm.model.attention`, backend ``cfg.attention_backend``); under ``"causal"`` (and
-        ``"auto"``, which training resolves before building the model) it is ignored.
+        row. Under ``cfg.attention = "block_causal"``, and ``"auto"`` (which resolves to block-causal when the
+        samples hold documents, as training resolves it before building the model), each token attends only
+        to earlier tokens of its own document, and its rotary position restarts at 0 at the document's first
+        token (:mod:`shardlm.model.attention`, backend ``cfg.attention_backend``). Under ``"causal"`` the
+        documents would attend to each other: refused.
 
         ``positions`` (batch, seq) int64 and ``masks`` (by window, 0 = global layers) come together: the
         rotary position of each token and each layer's attention mask, made outside for tokens that are a part
@@ -286,8 +284,9 @@ class CausalLM(nn.Module):
 
         Raises:
             ValueError: the sequence (or cache length + seq) exceeds ``max_seq_len``; ``documents`` with a
-                cache or of another shape than ``tokens``; a backend this PyTorch lacks; ``positions`` without
-                ``masks`` (or the other way round), or with a cache or ``documents``.
+                cache, of another shape than ``tokens`` or under ``cfg.attention = "causal"``; a backend this
+                PyTorch lacks; ``positions`` without ``masks`` (or the other way round), or with a cache or
+                ``documents``.
         """
         t = tokens.shape[1]
         decoder = self.model
@@ -299,7 +298,12 @@ class CausalLM(nn.Module):
         if masks is not None:  # a part of a longer sequence: positions and masks made outside
             doc_masks = masks
             rope = decoder.rope_at(positions)
-        elif documents is not None and self.cfg.attention == "block_causal":
+        elif documents is not None:
+            if self.cfg.attention == "causal":
+                raise ValueError("documents= given to a model with attention = 'causal', under which every "
+                                 "token attends to the earlier tokens of the other documents of its row: "
+                                 "set attention = 'block_causal' (or 'auto') to keep the documents apart, or "
+                                 "pass no documents for plain causal attention")
             if cache is not None or documents.shape != tokens.shape:
                 raise ValueError(f"documents {tuple(documents.shape)} need tokens of the same shape "
                                  f"{tuple(tokens.shape)} and no cache")

@@ -18,7 +18,9 @@ so gradients are exact. Every CP rank of a group holds the same batch (they are 
 each builds its masks and rotary positions locally, with no collective; only K and V travel. Padding tokens
 sit after every real token: no real query attends to them, their labels are ignored (-100), and each pad token
 forms a document of its own. A mixture of experts needs nothing more for its outputs (routing is per token);
-its router statistics leave the padding out (:meth:`ContextParallel.shard_batch`).
+its router statistics leave the padding out (:meth:`ContextParallel.shard_batch`). Attention sinks (gpt-oss:
+a logit per head in each query's softmax normaliser) pass through :meth:`ContextParallel.attend` like the
+mask: joined once to each query's normaliser over the whole sequence (blockwise: to the merged log-sum-exp).
 
 Memory per rank, blockwise: activations of ``T_pad / cp`` tokens (attention's saved tensors included); K and V
 of two ranks' tokens (held and incoming) and in the backward their gradients, for one layer at a time; one
@@ -228,10 +230,13 @@ class ContextParallel:
         return _GatherSequence.apply(x, self.group)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: SequenceMask | None = None,
-               scale: float | None = None) -> torch.Tensor:
+               scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of this rank's queries q (batch, n_heads, 2·c, head_dim) over the keys and values of the
         whole sequence: k, v (batch, n_kv_heads, 2·c, head_dim) are all-gathered, then attended to under
-        ``mask`` from :meth:`masks` (None: causal by global position). Returns q's shape and dtype.
+        ``mask`` from :meth:`masks` (None: causal by global position). ``sinks`` (n_heads,): attention sinks
+        (gpt-oss), one logit per head in each query's softmax normaliser over the whole sequence (blockwise:
+        joined once to the merged log-sum-exp; the fallback: :func:`~shardlm.model.attention.attention`'s).
+        Returns q's shape and dtype.
 
         Blockwise (:class:`~shardlm.parallel.cp_attention.BlockwiseAttention`) where :attr:`kernels` exist:
         memory linear in ``T_pad`` and transient. Else the fallback: the all-gather saves K and V of all
@@ -242,18 +247,19 @@ class ContextParallel:
         gradient).
         """
         if self.kernels is not None and self.group is not None and self.size > 1:
-            return BlockwiseAttention.apply(q, k, v, mask, self.group, self.rank, scale, self.kernels)
+            return BlockwiseAttention.apply(q, k, v, mask, self.group, self.rank, scale, self.kernels, sinks)
         k, v = self.gather(k), self.gather(v)
         if mask is None:
-            return self._causal(q, k, v, scale)
+            return self._causal(q, k, v, scale, sinks)
         key = (id(mask), q.dtype)
         if key not in self._additive:
             dense = self.dense_mask(mask, q.shape[2] * self.size, q.device)
             self._additive[key] = torch.zeros(dense.shape, dtype=q.dtype, device=q.device).masked_fill_(
                 ~dense, float("-inf"))
-        return attention(q, k, v, self._additive[key], scale=scale)
+        return attention(q, k, v, self._additive[key], scale=scale, sinks=sinks)
 
-    def _causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
+    def _causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Causal attention by global position of this rank's q (b, h, 2·c, d) over gathered k, v
         (see :meth:`attend`)."""
         b, h, n, d = q.shape
@@ -262,7 +268,8 @@ class ContextParallel:
         order = torch.argsort(gathered_indices(t_pad, self.size))[:length].to(q.device)
         local = self.local_indices(t_pad, q.device)
         queries = q.new_zeros(b, h, length, d).index_copy(2, local, q)
-        out = attention(queries, k.index_select(2, order), v.index_select(2, order), None, scale=scale)
+        out = attention(queries, k.index_select(2, order), v.index_select(2, order), None, scale=scale,
+                        sinks=sinks)
         return out.index_select(2, local)
 
 

@@ -19,47 +19,26 @@ every block's ``dS = P ∘ (dP - D)`` is the block of the full row's (FlashAtten
 and value gradients (float32) travel with their K and V and reach their owner after ``cp`` passes, each summed
 in ring order. Memory beyond the saved tensors: two ranks' K/V (the held and the incoming) and in the backward
 their gradients, ``4·c`` rows each, whatever ``cp``.
+
+Attention sinks (gpt-oss: a logit per head in every query's softmax normaliser, a key of value zero) join
+each query chunk's merged log-sum-exp once, after all its blocks, on the rank that holds the query
+(:func:`shardlm.model.attention.fold_sinks`): ``lse' = log(exp(lse) + exp(sink))``, ``out' = out ·
+exp(lse - lse')``. The backward runs each block's kernel with ``out'`` and ``lse'``, which is exact for the
+softmax with the sink (its column's value is zero, so it adds nothing to ``dP``), and the sink's gradient is
+``-Σ exp(sink - lse') · D`` over this rank's queries (``D = rowsum(dO ∘ out')``, the softmax gradient of the
+sink's column); the ranks' parts are summed with the other parameters' gradients.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-#: a kernel with log-sum-exp: (q, k, v, causal, additive mask or None, scale) -> (out, lse (b, h, n) float32)
-Forward = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-#: its backward: (d_out, q, k, v, out, lse, causal, mask, scale) -> (dq, dk, dv)
-Backward = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-
-
-def lse_kernels(device_type: str) -> tuple[Forward, Backward] | None:
-    """The attention kernel with a log-sum-exp, and its backward, for ``device_type``; None where shardlm has
-    none (then :class:`~shardlm.parallel.cp.ContextParallel` keeps its all-gather path under a dense mask).
-
-    CPU: ``torch.ops.aten._scaled_dot_product_flash_attention_for_cpu`` and its ``_backward``, private ATen
-    ops pinned by torch==2.13.0 (the project's pin). Measured there: they read grouped K/V heads as they are
-    (no repeat), take an additive ``attn_mask`` of q's dtype (not a boolean one) broadcast over batch and
-    heads, and return out 0 and lse 0 for a row whose keys are all masked (:class:`BlockwiseAttention` sets
-    such rows' lse to -inf). CUDA's counterparts (``_scaled_dot_product_flash_attention`` /
-    ``_efficient_attention``, which PyTorch's ``context_parallel`` uses) are not wired: no GPU has run them
-    here, so CUDA keeps the tested fallback.
-    """
-    ops = torch.ops.aten
-    if device_type != "cpu" or not hasattr(ops, "_scaled_dot_product_flash_attention_for_cpu_backward"):
-        return None
-    fwd_op = ops._scaled_dot_product_flash_attention_for_cpu
-    bwd_op = ops._scaled_dot_product_flash_attention_for_cpu_backward
-
-    def forward(q, k, v, causal, mask, scale):
-        return fwd_op(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
-
-    def backward(d_out, q, k, v, out, lse, causal, mask, scale):
-        return bwd_op(d_out, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale)
-
-    return forward, backward
+from shardlm.model.attention import fold_sinks
+from shardlm.model.attention import lse_kernels as lse_kernels  # where the kernels live (re-exported)
 
 
 @dataclass(frozen=True)
@@ -172,9 +151,10 @@ def _rows(chunk: int, c: int) -> slice:
 
 
 class BlockwiseAttention(torch.autograd.Function):
-    """See the module docstring. ``forward(q, k, v, spec, group, rank, scale, kernels)``: q (b, h, 2·c, d),
-    k, v (b, kv_h, 2·c, d) this rank's tokens (head chunk, tail chunk) -> (b, h, 2·c, d) in q's dtype;
-    ``spec`` a :class:`SequenceMask` or None (causal), ``kernels`` from :func:`lse_kernels`.
+    """See the module docstring. ``forward(q, k, v, spec, group, rank, scale, kernels, sinks=None)``: q (b, h,
+    2·c, d), k, v (b, kv_h, 2·c, d) this rank's tokens (head chunk, tail chunk) -> (b, h, 2·c, d) in q's
+    dtype; ``spec`` a :class:`SequenceMask` or None (causal), ``kernels`` from :func:`lse_kernels`,
+    ``sinks`` None or (h,) attention sinks (one logit per head, joined once to each query's normaliser).
 
     K and V travel around the ring (:func:`ring_pass`): at step s this rank holds CP rank ``(rank - s) %
     cp``'s two chunks and sends them on while it attends to them; in the backward their float32 gradients
@@ -182,7 +162,7 @@ class BlockwiseAttention(torch.autograd.Function):
     order)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, spec, group, rank, scale, kernels):
+    def forward(ctx, q, k, v, spec, group, rank, scale, kernels, sinks=None):
         fwd = kernels[0]
         cp, c = group.size(), q.shape[2] // 2
         b, h, n, d = q.shape
@@ -209,15 +189,17 @@ class BlockwiseAttention(torch.autograd.Function):
             _wait(works)
             kv = received
         for query, (o_acc, m_acc) in merged.items():
+            if sinks is not None:  # the sink joins the whole row's normaliser: once, after every block
+                o_acc, m_acc = fold_sinks(o_acc, m_acc, sinks.detach())
             out[:, :, _rows(query, c)] = o_acc
             lse[:, :, _rows(query, c)] = m_acc
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.spec, ctx.group, ctx.rank, ctx.scale, ctx.kernels = spec, group, rank, scale, kernels
         return out
 
     @staticmethod
     def backward(ctx, d_out):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         bwd, group, rank = ctx.kernels[1], ctx.group, ctx.rank
         cp, c = group.size(), q.shape[2] // 2
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -237,4 +219,10 @@ class BlockwiseAttention(torch.autograd.Function):
             kv = received
             dkv, works = ring_pass(dkv, group, rank)  # on to the next rank; the last pass brings ours home
             _wait(works)
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
+        d_sinks = None
+        if sinks is not None:  # the softmax gradient of the sink's column: -P_sink · D, summed over queries
+            delta = (d_out.double() * out.double()).sum(-1)  # (b, h, 2·c)
+            p_sink = torch.exp(sinks.double().view(1, -1, 1) - lse.double())
+            d_sinks = (-(p_sink * delta).sum((0, 2))).to(sinks.dtype)
+        return (dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None,
+                d_sinks)

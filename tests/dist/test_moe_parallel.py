@@ -5,11 +5,15 @@ layout; an EP run's export loads in transformers.
 Three torchrun launches (2, 1 and 4 ranks) on a ~200k-parameter Qwen3-MoE (8 experts, top-2, 8-token
 sequences, so that experts go without tokens in some micro-batches), plus one launch of the expert-parallel
 layer alone with a routing that leaves an EP rank without any token, and gpt-oss's experts under EP
-(tests/workers/ep_worker.py).
+(tests/workers/ep_worker.py). Padded instruction samples (each padded differently, and CP's own padding on
+top) under CP 2 and CP 2 x EP 2 equal one process too: the router statistics count the real tokens only.
 """
 
 from __future__ import annotations
 
+import json
+
+import numpy as np
 import pytest
 import torch
 
@@ -29,13 +33,33 @@ MOE = {"model.family": '"qwen3_moe"', "model.n_experts": 8, "model.n_experts_per
 PADDED = {"train.seq_len": 10}
 
 
+#: instruction data: 26-token samples (examples of 16-30 tokens, each padded or cut), padded to 28 at CP 2
+INSTRUCT = {"train.seq_len": 26}
+WORDS = "when in disgrace with fortune and men's eyes i all alone beweep my outcast state".split()
+
+
+@pytest.fixture(scope="module")
+def chat_data(small_data, tmp_path_factory):
+    """40 short prompt/response examples prepared as instruction data with the small corpus' tokenizer."""
+    from shardlm.data.instruct import prepare_instructions
+    d = tmp_path_factory.mktemp("chat")
+    rng = np.random.default_rng(7)
+    with (d / "chat.jsonl").open("w") as f:
+        for _ in range(40):
+            p, r = int(rng.integers(1, 3)), int(rng.integers(1, 5))
+            f.write(json.dumps({"prompt": " ".join(rng.choice(WORDS, p)),
+                                "response": " ".join(rng.choice(WORDS, r))}) + "\n")
+    prepare_instructions(str(d / "chat.jsonl"), str(d / "data"), str(small_data / "tokenizer.json"), 512, 0.1)
+    return d / "data"
+
+
 def moe(extra: dict | None = None, micro: int = 4) -> dict:
     # one micro-batch per rank and step: the aux loss's statistics are those of the whole global batch
     return {**MOE, "train.micro_batch_size": micro, **(extra or {})}
 
 
 @pytest.fixture(scope="module")
-def results(small_data, tmp_path_factory):
+def results(small_data, chat_data, tmp_path_factory):
     runs = tmp_path_factory.mktemp("moe")
     out = {}
     out.update(run_scenarios(2, [
@@ -45,6 +69,7 @@ def results(small_data, tmp_path_factory):
         scenario("ep2_ac", small_data, runs,
                  moe({"parallel.ep": 2, "parallel.activation_checkpoint": '"full"'}, micro=2)),
         scenario("cp2", small_data, runs, moe({**PADDED, "parallel.cp": 2})),  # one data-parallel rank
+        scenario("cp2_instruct", chat_data, runs, moe({**INSTRUCT, "parallel.cp": 2})),
     ], runs))
     step2 = runs / "ep2" / "checkpoints" / "step-2"
     out.update(run_scenarios(1, [
@@ -54,6 +79,8 @@ def results(small_data, tmp_path_factory):
                                                          "checkpoint.resume": f'"{step2}"'})),
         scenario("single_padded", small_data, runs, moe({**PADDED, "parallel.mode": '"single"',
                                                          "train.log_moe_layers": "true"})),
+        scenario("single_instruct", chat_data, runs, moe({**INSTRUCT, "parallel.mode": '"single"',
+                                                          "train.log_moe_layers": "true"})),
     ], runs))
     out.update(run_scenarios(4, [
         scenario("ep2_fsdp2", small_data, runs,
@@ -70,6 +97,8 @@ def results(small_data, tmp_path_factory):
         scenario("cp2_ep2", small_data, runs, moe({**PADDED, "parallel.cp": 2, "parallel.ep": 2,
                                                    "train.log_moe_layers": "true"}, micro=2)),
         scenario("cp2_ep4", small_data, runs, moe({**PADDED, "parallel.cp": 2, "parallel.ep": 4}, micro=2)),
+        scenario("cp2_ep2_instruct", chat_data, runs, moe({**INSTRUCT, "parallel.cp": 2, "parallel.ep": 2,
+                                                           "train.log_moe_layers": "true"}, micro=2)),
     ], runs))
     return out, runs
 
@@ -81,7 +110,8 @@ def losses(reports, key="loss"):
 @pytest.mark.dist
 @pytest.mark.parametrize("name,reference", [
     ("fsdp2", "single"), ("ep2", "single"), ("ep2_ac", "single"), ("ep2_fsdp2", "single"),
-    *[(name, "single_padded") for name in ("cp2", "fsdp2_cp2", "hsdp2_cp2", "cp4", "cp2_ep2", "cp2_ep4")]])
+    *[(name, "single_padded") for name in ("cp2", "fsdp2_cp2", "hsdp2_cp2", "cp4", "cp2_ep2", "cp2_ep4")],
+    ("cp2_instruct", "single_instruct"), ("cp2_ep2_instruct", "single_instruct")])
 def test_fsdp_expert_and_context_parallel_equal_one_process(results, name, reference):
     """Loss, aux and z-loss, gradient norm, tokens per expert and the final weights as one process's. Under CP
     each rank routes its share of every sequence; the router statistics are pooled over all ranks (data- and
@@ -97,14 +127,17 @@ def test_fsdp_expert_and_context_parallel_equal_one_process(results, name, refer
                                                                 [b[key] for b in want])
     for key in ("tokens_per_expert_min", "tokens_per_expert_max", "tokens_per_expert_mean"):
         assert [a[key] for a in got] == [b[key] for b in want]
-    seq = 10 if reference == "single_padded" else 8  # CP's padding not counted: 12 or 16 positions routed
-    assert want[0]["tokens_per_expert_mean"] == 4 * seq * 2 / 8  # tokens · k / E per (layer, expert)
+    if reference == "single_instruct":  # the samples' own padding is not counted either
+        assert all(r["tokens_per_expert_mean"] < 4 * 26 * 2 / 8 for r in want)
+    else:
+        seq = 10 if reference == "single_padded" else 8  # CP's padding not counted: 12 or 16 positions routed
+        assert want[0]["tokens_per_expert_mean"] == 4 * seq * 2 / 8  # tokens · k / E per (layer, expert)
     layers = [(r["tokens_per_expert_min/layer0"], r["tokens_per_expert_max/layer1"]) for r in want]
     assert all(r["tokens_per_expert_min"] == min(r["tokens_per_expert_min/layer0"],
                                                  r["tokens_per_expert_min/layer1"])
                # train.log_moe_layers: per layer, consistent with the whole
                for r in want) and len(layers) == 3
-    if name in ("ep2_fsdp2", "cp2_ep2"):
+    if name in ("ep2_fsdp2", "cp2_ep2", "cp2_ep2_instruct"):
         assert [(r["tokens_per_expert_min/layer0"], r["tokens_per_expert_max/layer1"]) for r in got] == layers
     assert want[0]["moe_aux_loss"] > 0.9  # ~1 when balanced (E · Σ f·P)
     p = {k: v for f in (runs / name / "final").glob("*.safetensors") for k, v in load_file(str(f)).items()}

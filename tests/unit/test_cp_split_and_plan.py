@@ -139,21 +139,28 @@ def test_planner_counts_a_rank_s_share_of_the_sequence():
 
 
 def test_a_cp_rank_s_moe_layers_count_only_its_real_tokens():
-    """shard_batch marks CP's padding for the router statistics of each MoE layer: 10 tokens padded to 12 at
-    CP 2, rank 0 holds global positions 0-2 and 9-11 (10 and 11 padding), rank 1 positions 3-8
-    (no padding)."""
+    """shard_batch gives each rank its slice of the real-token mask, CP's padding False: 10 tokens padded to
+    12 at CP 2, rank 0 holds global positions 0-2 and 9-11 (10 and 11 padding), rank 1 positions 3-8; with the
+    data's own padding (row 1 real up to position 4) its slice too. No padding at all: no mask."""
     from shardlm.model.moe import MoE
     inputs = torch.arange(20).view(2, 10)
-    for rank, counted in ((0, [True] * 4 + [False] * 2), (1, None)):
+    data_real = torch.arange(10).expand(2, 10) < torch.tensor([[10], [5]])
+    for rank, want, want_data in (
+        (0, [[True] * 4 + [False] * 2] * 2, [[True] * 4 + [False] * 2, [True] * 3 + [False] * 3]),
+        (1, [[True] * 6] * 2, [[True] * 6, [True] * 2 + [False] * 4]),
+    ):
         cp = ContextParallel(None)
         cp.size, cp.rank = 2, rank
-        cp.moe_layers = [MoE(8, 4, 8, 2), MoE(8, 4, 8, 2)]
-        x, _, _ = cp.shard_batch(inputs, inputs, None)
-        assert x.shape == (2, 6)
-        for layer in cp.moe_layers:
-            assert (layer.counted.tolist() if layer.counted is not None else None) == counted
-            layer(torch.randn(2, 6, 8))
-            assert layer.stats.tokens == (8 if rank == 0 else 12)
+        x, _, extra = cp.shard_batch(inputs, inputs, None)
+        assert x.shape == (2, 6) and extra["real_tokens"].tolist() == want
+        _, _, extra_data = cp.shard_batch(inputs, inputs, None, data_real)
+        assert extra_data["real_tokens"].tolist() == want_data
+        layer = MoE(8, 4, 8, 2)
+        layer(torch.randn(2, 6, 8), extra["real_tokens"])
+        assert layer.stats.tokens == (8 if rank == 0 else 12)
+    cp = ContextParallel(None)
+    cp.size, cp.rank = 2, 0
+    assert "real_tokens" not in cp.shard_batch(inputs[:, :8], inputs[:, :8], None)[2]
 
 
 @pytest.mark.parametrize("ep", [1, 2])

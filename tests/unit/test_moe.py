@@ -53,9 +53,9 @@ def test_moe_block_equals_transformers(family, norm):
 
 
 def test_padding_left_out_of_the_router_statistics_gives_transformers_masked_aux_loss():
-    """``MoE.count_only`` (context parallel's padding): the output is unchanged, the statistics are those of
-    the counted positions only, and the aux loss is transformers' ``load_balancing_loss_func`` under the same
-    ``attention_mask``; an input of another length is refused."""
+    """``real_tokens`` (per row): the output is unchanged, the statistics are those of the real tokens only,
+    and the aux loss is transformers' ``load_balancing_loss_func`` under the same ``attention_mask``; an
+    all-True mask gives the unmasked statistics bit for bit; a mask of another shape is refused."""
     from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
     from shardlm.train.moe_loss import moe_loss_term
@@ -64,26 +64,28 @@ def test_padding_left_out_of_the_router_statistics_gives_transformers_masked_aux
     for p in layer.parameters():
         torch.nn.init.normal_(p, std=0.3)
     x = torch.randn(3, 7, 32)
-    counted = torch.tensor([True, True, False, True, True, True, False])  # two padding positions per row
+    mask = torch.arange(7).expand(3, 7) < torch.tensor([[7], [5], [2]])  # 7, 5 and 2 real tokens
     y_all = layer(x)
     full = moe_loss_term(layer, 1.0, 1.0)
-    layer.count_only(counted)
-    y = layer(x)
+    y = layer(x, mask)
     torch.testing.assert_close(y, y_all, atol=0, rtol=0)
-    assert layer.stats.tokens == 15 and layer.stats.counts.sum() == 30
-    mask = counted.expand(3, 7)
+    assert layer.stats.tokens == 14 and layer.stats.counts.sum() == 28
     logits = layer.gate(x.reshape(-1, 32)).detach()
     want = load_balancing_loss_func((logits,), 8, 2, mask)
     got = moe_loss_term(layer, 1.0, 1.0)
-    assert abs(got.aux.item() - want.item()) <= 1e-6 and abs(full.aux.item() - want.item()) > 1e-4
+    assert abs(got.aux.item() - want.item()) <= 1e-6 * want.item()
+    assert abs(full.aux.item() - want.item()) > 1e-4
     z = torch.logsumexp(logits[mask.reshape(-1)], -1).pow(2).mean()
     torch.testing.assert_close(got.z, z)
     chosen = layer.gate(x[mask]).topk(2).indices.reshape(-1)
     assert got.counts.tolist() == [torch.bincount(chosen, minlength=8).float().tolist()]
-    with pytest.raises(ValueError, match="counts 7 positions per sequence"):
-        layer(torch.randn(3, 8, 32))
-    layer.count_only(None)
-    assert layer(x).shape == x.shape and layer.stats.tokens == 21
+    layer(x, torch.ones(3, 7, dtype=torch.bool))
+    every = moe_loss_term(layer, 1.0, 1.0)
+    for a, b in ((every.aux, full.aux), (every.z, full.z), (every.counts, full.counts),
+                 (every.term, full.term)):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match=r"real_tokens \(3, 7\) must have the input's shape"):
+        layer(torch.randn(3, 8, 32), mask)
 
 
 def test_topk_softmax_routing_is_softmax_over_the_top_k_logits():

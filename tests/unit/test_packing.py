@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from conftest import cli_error
 from shardlm.config import load_config
-from shardlm.data.instruct import InstructionExamples, prepare_instructions, split_batch
+from shardlm.data.instruct import PADDING_DOCUMENT, InstructionExamples, prepare_instructions, split_batch
 from shardlm.data.loader import TokenWindows
 from shardlm.data.packing import DocumentWindows, PackedExamples, best_fit_decreasing
 from shardlm.data.prepare import load_meta, prepare_corpus
@@ -281,7 +281,7 @@ def test_best_fit_decreasing():
 
 def test_packed_rows_hold_the_examples(packed_data):
     """Every trainable example lands in one row with its own tokens and labels; its first token is not a
-    target; documents count up per example; padding is its own document; the target counts equal the unpacked
+    target; documents count up per example; padding is document -1; the target counts equal the unpacked
     ones; truncations are counted; the rows depend on the seed only."""
     plain = InstructionExamples(str(packed_data), "train", SEQ, skip_untrainable=True)
     packed = PackedExamples(plain, seed=3)
@@ -307,7 +307,7 @@ def test_packed_rows_hold_the_examples(packed_data):
             assert rows[r, 1, pos] == -100 and torch.equal(rows[r, 1, pos + 1:pos + n], alone[d, 1, 1:n])
             assert (rows[r, 2, pos:pos + n] == d).all()
             pos += n
-        assert (rows[r, 1, pos:] == -100).all() and (rows[r, 2, pos:] == len(members)).all()
+        assert (rows[r, 1, pos:] == -100).all() and (rows[r, 2, pos:] == PADDING_DOCUMENT).all()
     assert packed.num_targets(list(range(len(packed)))) == plain.num_targets(
         [e for r in packed.rows for e in r]
     )
@@ -315,7 +315,7 @@ def test_packed_rows_hold_the_examples(packed_data):
     assert PackedExamples(plain, seed=3).rows == packed.rows
     assert "1 truncated to 65 tokens (lines 4); 1 left out" in packed.summary() and packed.fill > 0.9
     placed = sum(min(int(lengths[e]), SEQ + 1) for r in packed.rows for e in r)
-    assert packed.padding == int((rows[:, 2] == torch.tensor([len(r) for r in packed.rows])[:, None]).sum())
+    assert packed.padding == int((rows[:, 2] == PADDING_DOCUMENT).sum())
     assert packed.unpacked_padding == (len(plain) - len(packed.dropped)) * (SEQ + 1) - placed
 
 

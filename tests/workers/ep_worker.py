@@ -1,6 +1,8 @@
 """The expert-parallel MoE layer at 4 ranks (EP 2 x FSDP 2, EP 4, EP 1 x FSDP 4, and gpt-oss's experts at EP 2
 x FSDP 2) against one process, forward and backward, with a routing that sends no token to experts 6 and 7 (so
-EP 4's last rank receives none at all).
+EP 4's last rank receives none at all); then on padded rows (each rank's row real up to another position): the
+router statistics pooled over the ranks and the aux and z terms' gradients equal one process's over the real
+tokens.
 
 Usage (from tests/dist/test_moe_parallel.py): ``torchrun --nproc_per_node=4 tests/workers/ep_worker.py``;
 prints one ``OK`` line per layout and rank.
@@ -10,11 +12,13 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import distribute_tensor
 
 from shardlm.model.moe import ClampedSwiGLUExperts, MoE
 from shardlm.parallel.ep import apply_ep, build_ep_mesh
+from shardlm.train.moe_loss import moe_loss_term
 
 
 def moe(gpt_oss: bool) -> MoE:
@@ -68,8 +72,54 @@ def check(rank: int, world: int, ep: int, gpt_oss: bool) -> None:
     torch.testing.assert_close(y, y_ref.reshape(world, 6, 16)[rank], atol=1e-6, rtol=1e-5)
     (y.square().sum() * world).backward()  # the trainer's convention: × N, FSDP averages
     for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
-        torch.testing.assert_close(p.grad.full_tensor(), q.grad, atol=1e-5, rtol=1e-5, msg=f"ep={ep} {name}")
+        assert_near(p.grad.full_tensor(), q.grad, f"ep={ep} {name}")
+    check_padded(rank, world, model, ref, x_all, router.weight, ep)
     print(f"rank {rank} ep {ep}{' gpt-oss' if gpt_oss else ''}: OK", flush=True)
+
+
+#: fp32 rounding of a sum over the 24 tokens in another order (24 · 2⁻²⁴), twice
+GRAD_REL = 2 * 24 * 2.0 ** -24
+
+
+def assert_near(got: torch.Tensor, want: torch.Tensor, what: str, rel: float = GRAD_REL) -> None:
+    """|got - want| <= rel · max |want| everywhere: a bound scaled to the gradient's magnitude (fp32 sums in
+    another order; an elementwise bound fails on the small entries of a gradient whose largest is ~1e4:
+    measured 1.2e-7 relative to the largest on an AVX-512 machine, over atol 1e-5 + rtol 1e-5 elementwise)."""
+    diff, scale = (got - want).abs().max().item(), want.abs().max().item()
+    assert diff <= rel * scale, f"{what}: max diff {diff:.3e} > {rel:g} x {scale:.3e}"
+
+
+def one_process_terms(ref: MoE, aux_coef: float, z_coef: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(aux, the differentiable aux and z term) of ``ref``'s last forward in this process alone (no
+    all-reduce: every rank holds the same one-process layer), by moe_loss.py's formula."""
+    s = ref.stats
+    f = s.counts / s.tokens
+    aux = ref.n_experts * (f * s.prob_sum / s.tokens).sum()
+    return aux.detach(), aux_coef * aux + z_coef * s.z_sum / s.tokens
+
+
+def check_padded(rank: int, world: int, model: nn.Module, ref: MoE, x_all: torch.Tensor,
+                 router_weight: torch.Tensor, ep: int) -> None:
+    """Padded rows: rank r's row real up to position ``6 - r`` (r = 3: 3 real tokens); the statistics pooled
+    over the ranks (moe_loss_term's all-reduce) equal the one-process layer's over all rows with the same
+    mask, and so do the router weight's gradients of the aux and z terms."""
+    real_all = torch.arange(6).expand(world, 6) < (6 - torch.arange(world)).unsqueeze(1)
+    ref.zero_grad(set_to_none=True)
+    model.zero_grad(set_to_none=True)
+    ref(x_all.reshape(-1, 16), real_all.reshape(-1))
+    aux_ref, term_ref = one_process_terms(ref, 0.5, 0.1)
+    term_ref.backward()
+    y = model(x_all[rank], real_all[rank])
+    got = moe_loss_term(model, 0.5, 0.1)
+    assert got.counts.sum() == int(real_all.sum()) * ref.top_k
+    assert torch.equal(got.counts[0], ref.stats.counts)
+    assert abs(got.aux - aux_ref) <= 1e-6 * aux_ref, (ep, got.aux.item(), aux_ref.item())
+    assert abs(got.z - ref.stats.z_sum / ref.stats.tokens) <= 1e-6 * got.z
+    # the trainer's convention: x N, FSDP averages; the output in the graph (times 0) as the token loss puts
+    # it there, so that FSDP's backward hooks run
+    ((y.square().sum() * 0.0 + got.term) * world).backward()
+    mine = [p for n, p in model.named_parameters() if n.endswith(("gate.weight", "router.weight"))][0]
+    assert_near(mine.grad.full_tensor(), router_weight.grad, f"ep={ep} padded router gradient")
 
 
 if __name__ == "__main__":

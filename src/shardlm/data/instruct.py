@@ -17,8 +17,11 @@ Prepared layout (beside the usual ``meta.json`` and ``tokenizer.json``, with ``"
 ``<split>.bin`` token ids of all examples back to back, ``<split>.mask`` one uint8 per token (1 =
 response), ``<split>.idx`` int64 (example start offsets, plus the end; then the JSONL line numbers).
 A sample is one example, truncated or padded to ``seq_len + 1`` tokens: :meth:`InstructionExamples.get`
-returns tokens and labels stacked as (batch, 2, seq_len + 1), labels = token at response positions,
-``IGNORE_INDEX`` (-100) elsewhere; the trainer takes inputs = tokens[:, :-1], targets = labels[:, 1:].
+returns tokens, labels and documents stacked as (batch, 3, seq_len + 1), labels = token at response positions,
+``IGNORE_INDEX`` (-100) elsewhere, documents 0 on the example and :data:`PADDING_DOCUMENT` (-1) on its padding
+(the layout of a packed row holding one example, :mod:`shardlm.data.packing`); the trainer takes inputs =
+tokens[:, :-1], targets = labels[:, 1:], and the real-token mask from the documents (the router statistics of
+a mixture of experts count only real tokens).
 The training step divides the summed loss by the number of response targets of the whole global
 batch (all micro-batches and ranks), so the loss does not depend on how the batch is split.
 """
@@ -48,6 +51,9 @@ from shardlm.data.tokenizer_files import (
 from shardlm.errors import DataError
 
 IGNORE_INDEX = -100
+#: the document index of padding tokens in a sample's documents channel (``get`` of instruction examples and
+#: packed rows): padding is no document, and a mixture of experts' router statistics leave it out
+PADDING_DOCUMENT = -1
 """Label of a position that is not trained (PyTorch's ``cross_entropy`` default ``ignore_index``)."""
 
 def read_instructions(path: str) -> list[tuple[int, list[dict[str, str]]]]:
@@ -225,10 +231,11 @@ class InstructionExamples:
         return int(self.target_counts[np.asarray(ids, dtype=np.int64)].sum()) if len(ids) else 0
 
     def get(self, ids: list[int]) -> torch.Tensor:
-        """Tokens and labels of examples ``ids``: int64 (len(ids), 2, seq_len + 1), labels
-        -100 off-response."""
-        out = torch.full((len(ids), 2, self.seq_len + 1), IGNORE_INDEX, dtype=torch.int64)
+        """Tokens, labels and documents of examples ``ids``: int64 (len(ids), 3, seq_len + 1), labels -100
+        off-response, documents 0 on the example's tokens and :data:`PADDING_DOCUMENT` on its padding."""
+        out = torch.full((len(ids), 3, self.seq_len + 1), IGNORE_INDEX, dtype=torch.int64)
         out[:, 0] = self.pad
+        out[:, 2] = PADDING_DOCUMENT
         for row, i in enumerate(ids):
             start = int(self.offsets[i])
             end = min(int(self.offsets[i + 1]), start + self.seq_len + 1)
@@ -236,11 +243,13 @@ class InstructionExamples:
             keep = torch.from_numpy(self.mask[start:end].astype(bool))
             out[row, 0, :end - start] = toks
             out[row, 1, :end - start] = torch.where(keep, toks, IGNORE_INDEX)
+            out[row, 2, :end - start] = 0
         return out
 
 
 def split_batch(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(inputs, targets) of a batch: (B, T+1) token windows -> next tokens; (B, 2, T+1) -> the labels row.
+    """(inputs, targets) of a batch: (B, T+1) token windows -> next tokens; (B, 2 or 3, T+1) -> the labels
+    row.
 
     Returns two (B, T) int64 tensors; targets hold ``IGNORE_INDEX`` where nothing is trained.
     """

@@ -4,7 +4,8 @@ Examples are placed into rows by best-fit decreasing (BFD; Johnson, "Near-optima
 1973; TRL's ``packing_strategy="bfd"``): longest first (ties in a seeded order), each into the row whose free
 space is the smallest that holds it, a new row when none does. The rows depend only on the prepared examples,
 ``seq_len`` and the seed, so they are the same at any world size; the global batch sampler then draws rows
-as it draws examples. The rest of a row is padding (its own document, label -100).
+as it draws examples. The rest of a row is padding (document :data:`~shardlm.data.instruct.PADDING_DOCUMENT`,
+-1: no document; label -100).
 
 Each example keeps its response-only labels (:mod:`shardlm.data.instruct`); the first token of every example
 is never a target, so no target crosses an example boundary. A row carries a third channel, the document
@@ -24,14 +25,25 @@ import bisect
 import numpy as np
 import torch
 
-from shardlm.data.instruct import IGNORE_INDEX, InstructionExamples
+from shardlm.data.instruct import IGNORE_INDEX, PADDING_DOCUMENT, InstructionExamples
 from shardlm.errors import DataError
 
 
 def batch_documents(batch: torch.Tensor) -> torch.Tensor | None:
-    """The document index of each input token of a batch, (B, T) int64, when it has one (packed rows and
-    :class:`DocumentWindows` are (B, 3, T + 1): tokens, labels, documents); None for plain samples."""
+    """The document index of each input token of a batch, (B, T) int64, when it has one (instruction
+    examples, packed rows and :class:`DocumentWindows` are (B, 3, T + 1): tokens, labels, documents; padding
+    :data:`~shardlm.data.instruct.PADDING_DOCUMENT`); None for plain samples."""
     return batch[:, 2, :-1] if batch.dim() == 3 and batch.shape[1] == 3 else None
+
+
+def batch_real_tokens(batch: torch.Tensor) -> torch.Tensor | None:
+    """Which input tokens of a batch are real, (B, T) bool: True where the documents channel
+    (:func:`batch_documents`) is not :data:`~shardlm.data.instruct.PADDING_DOCUMENT`, i.e. every token of an
+    example (prompt and response) or of a text window; None for plain samples (no padding: all real).
+    transformers' ``attention_mask`` of the same inputs, as the router statistics of a mixture of experts
+    count them (:class:`~shardlm.model.moe.MoE`)."""
+    documents = batch_documents(batch)
+    return None if documents is None else documents != PADDING_DOCUMENT
 
 
 def best_fit_decreasing(lengths: np.ndarray, capacity: int, seed: int) -> list[list[int]]:
@@ -134,8 +146,8 @@ class PackedExamples:
 
     def get(self, ids: list[int]) -> torch.Tensor:
         """Rows ``ids``: int64 (len(ids), 3, seq_len + 1): tokens, labels (-100 off-response, on each
-        example's first token and on padding), and each token's document index (0, 1, ... per example,
-        then padding)."""
+        example's first token and on padding), and each token's document index (0, 1, ... per example;
+        padding :data:`~shardlm.data.instruct.PADDING_DOCUMENT`, -1)."""
         row = self.seq_len + 1
         out = torch.empty((len(ids), 3, row), dtype=torch.int64)
         for r, i in enumerate(ids):
@@ -144,13 +156,13 @@ class PackedExamples:
             pos = 0
             for d, e in enumerate(members):
                 n = min(int(self.examples.offsets[e + 1] - self.examples.offsets[e]), row)
-                out[r, :2, pos:pos + n] = sample[d, :, :n]
+                out[r, :2, pos:pos + n] = sample[d, :2, :n]
                 out[r, 1, pos] = IGNORE_INDEX  # never the target of the previous example's last token
                 out[r, 2, pos:pos + n] = d
                 pos += n
             out[r, 0, pos:] = self.examples.pad
             out[r, 1, pos:] = IGNORE_INDEX
-            out[r, 2, pos:] = len(members)
+            out[r, 2, pos:] = PADDING_DOCUMENT
         return out
 
     def summary(self) -> str:

@@ -84,8 +84,8 @@ def squared_document_lengths(documents: torch.Tensor) -> int:
     """Σ over rows of Σ n² over each row's documents (runs of equal index), for :func:`model_flops`.
 
     Args:
-        documents: (B, T) int64 on the host, non-decreasing per row: each input token's document index (0 from
-            each row's first token; :func:`shardlm.data.packing.batch_documents`).
+        documents: (B, T) int64 on the host, each document one run of equal ids: each input token's document
+            index (0 from each row's first token; :func:`shardlm.data.packing.batch_documents`).
     """
     if documents.numel() == 0:
         return 0

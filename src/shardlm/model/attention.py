@@ -1,7 +1,8 @@
 """Document masking (block-causal attention) for packed samples, and the attention backends that run it.
 
 A packed row holds several documents back to back. ``documents`` (batch, seq) int64 gives each token the
-index of its document within the row (non-decreasing along the row; padding is a document of its own).
+index of its document within the row (documents back to back, each one run of equal ids; the padding after
+them is a document of its own, id -1 in the prepared data).
 Under block-causal attention a query attends only to earlier keys of its own document (and, on a local
 layer, only to the last ``window`` of them), and its rotary position counts from 0 at its document's first
 token (:func:`document_positions`), so each document gets the logits it would get alone. This is the mask
@@ -93,8 +94,9 @@ def resolve_backend(backend: str, device: torch.device | str, training: bool = F
 def document_positions(documents: torch.Tensor) -> torch.Tensor:
     """Position of each token within its document: (batch, seq) int64 -> (batch, seq) int64.
 
-    ``documents`` must be non-decreasing along each row (documents back to back); a token's position is its
-    index minus the index of the first token of its run of equal document ids, so it restarts at 0.
+    ``documents`` holds each document as one run of equal ids along its row (back to back); a token's
+    position is its index minus the index of the first token of its run of equal document ids, so it
+    restarts at 0.
     """
     t = documents.shape[1]
     index = torch.arange(t, device=documents.device).expand_as(documents)

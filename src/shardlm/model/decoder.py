@@ -165,7 +165,9 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(hidden, cfg.dim, bias=False)
         self.gelu = cfg.arch.activation == "gelu_tanh"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, real_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """``real_tokens`` is the feed-forward's common signature (:class:`~shardlm.model.moe.MoE` counts
+        them); a dense layer keeps no statistics and ignores it."""
         gate = self.gate_proj(x)
         gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
         return self.down_proj(gate * self.up_proj(x))
@@ -194,13 +196,15 @@ class Block(nn.Module):
         self.mlp = build_moe(cfg) if cfg.is_moe_layer(layer) else MLP(cfg)  # MoE: shardlm/model/moe.py
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: LayerKVCache | None = None, doc_mask: Any = None) -> torch.Tensor:
+                cache: LayerKVCache | None = None, doc_mask: Any = None,
+                real_tokens: torch.Tensor | None = None) -> torch.Tensor:
         if hasattr(self, "post_feedforward_layernorm"):  # Gemma: norms before and after
             h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, cache,
                                                                  doc_mask))
-            return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+            return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h),
+                                                                real_tokens=real_tokens))
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, doc_mask)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return h + self.mlp(self.post_attention_layernorm(h), real_tokens=real_tokens)
 
 
 class Decoder(nn.Module):
@@ -258,7 +262,8 @@ class CausalLM(nn.Module):
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None,
                 documents: torch.Tensor | None = None,
                 head: Callable[[CausalLM, torch.Tensor], torch.Tensor] | None = None,
-                positions: torch.Tensor | None = None, masks: dict[int, Any] | None = None) -> torch.Tensor:
+                positions: torch.Tensor | None = None, masks: dict[int, Any] | None = None,
+                real_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (batch, seq) int64 -> logits (batch, seq, vocab_size), or ``head``'s result.
 
         With ``head`` the output projection is left to it: it gets this model and the final norm's output
@@ -269,7 +274,7 @@ class CausalLM(nn.Module):
         mask. With a :class:`KVCache` they continue the cached sequences: each row's positions
         start at the cache's length minus that row's left padding, and the cache advances by seq.
 
-        ``documents`` (batch, seq) int64, non-decreasing per row: the document index of each token of a packed
+        ``documents`` (batch, seq) int64, padding -1: the document index of each token of a packed
         row. Under ``cfg.attention = "block_causal"``, and ``"auto"`` (which resolves to block-causal when the
         samples hold documents, as training resolves it before building the model), each token attends only
         to earlier tokens of its own document, and its rotary position restarts at 0 at the document's first
@@ -282,11 +287,16 @@ class CausalLM(nn.Module):
         they replace the causal and block-causal set-up above, and each layer hands its mask to its
         ``attend`` hook.
 
+        ``real_tokens`` (batch, seq) bool: True at every token that is not padding (transformers'
+        ``attention_mask``); the mixture-of-experts layers count only these in their router statistics
+        (:class:`~shardlm.model.moe.MoE`). None: every token is real. Attention and outputs do not depend on
+        it.
+
         Raises:
             ValueError: the sequence (or cache length + seq) exceeds ``max_seq_len``; ``documents`` with a
                 cache, of another shape than ``tokens`` or under ``cfg.attention = "causal"``; a backend this
                 PyTorch lacks; ``positions`` without ``masks`` (or the other way round), or with a cache or
-                ``documents``.
+                ``documents``; ``real_tokens`` of another shape than ``tokens``.
         """
         t = tokens.shape[1]
         decoder = self.model
@@ -295,6 +305,9 @@ class CausalLM(nn.Module):
             masks is not None and (cache is not None or documents is not None)
         ):
             raise ValueError("positions and masks come together, without a cache or documents")
+        if real_tokens is not None and real_tokens.shape != tokens.shape:
+            raise ValueError(f"real_tokens {tuple(real_tokens.shape)} needs the shape of the tokens "
+                             f"{tuple(tokens.shape)}")
         if masks is not None:  # a part of a longer sequence: positions and masks made outside
             doc_masks = masks
             rope = decoder.rope_at(positions)
@@ -331,9 +344,9 @@ class CausalLM(nn.Module):
         for i, layer in enumerate(decoder.layers):
             cos, sin = rope[layer.local and len(rope) > 1]
             if doc_masks is not None:
-                h = layer(h, cos, sin, None, doc_masks[layer.self_attn.window])
+                h = layer(h, cos, sin, None, doc_masks[layer.self_attn.window], real_tokens=real_tokens)
             else:
-                h = layer(h, cos, sin) if cache is None else layer(h, cos, sin, cache.layers[i])
+                h = layer(h, cos, sin, None if cache is None else cache.layers[i], real_tokens=real_tokens)
         if cache is not None:
             cache.advance(t)
         h = decoder.norm(h)

@@ -16,8 +16,12 @@ The forward, in four steps that expert parallelism can wrap from outside (``shar
 4. the outputs weighted and summed back per token (``index_add_``, in ascending expert order as transformers).
 
 Each forward stores its router statistics (:class:`RouterStats`) on the layer for the load-balancing loss
-(:mod:`shardlm.train.moe_loss`), which needs them over the whole batch of all ranks; padding positions set
-with :meth:`MoE.count_only` are left out of them.
+(:mod:`shardlm.train.moe_loss`), which needs them over the whole batch of all ranks. They count the *real*
+tokens only: ``forward(x, real_tokens)`` takes a (batch, seq) boolean mask, True at every input token that is
+not padding, as transformers' ``attention_mask`` in ``load_balancing_loss_func``: prompt and response tokens
+alike, whether or not they are scored; the padding of a padded sample, the padding tail of a packed row and
+context parallelism's padding are routed like any token (their outputs are unused) but left out. Without a
+mask every token counts (pre-training windows, which hold no padding).
 """
 
 from __future__ import annotations
@@ -138,15 +142,16 @@ class RouterStats:
     """One forward's router statistics of one MoE layer (what the load-balancing loss needs of it)."""
 
     prob_sum: torch.Tensor
-    """(E,) fp32, differentiable: the router probabilities summed over this forward's tokens."""
+    """(E,) fp32, differentiable: the router probabilities summed over this forward's counted tokens."""
     counts: torch.Tensor
-    """(E,) fp32, no gradient: how many (token, slot) assignments each expert received (sums to tokens
-    · k)."""
+    """(E,) fp32, no gradient: how many (token, slot) assignments each expert received from the counted
+    tokens (sums to tokens · k)."""
     z_sum: torch.Tensor
-    """() fp32, differentiable: sum over tokens of logsumexp(router logits)², the router
+    """() fp32, differentiable: sum over the counted tokens of logsumexp(router logits)², the router
     z-loss's numerator."""
-    tokens: int
-    """Tokens routed in this forward."""
+    tokens: torch.Tensor
+    """() fp32, no gradient: the counted tokens of this forward (all routed tokens without a mask; the real
+    ones with ``real_tokens``)."""
 
 
 class MoE(nn.Module):
@@ -174,22 +179,22 @@ class MoE(nn.Module):
         setattr(self, router_name, nn.Linear(dim, n_experts, bias=router_bias))
         self.experts = experts if experts is not None else Experts(n_experts, dim, hidden)
         self.stats: RouterStats | None = None
-        #: (seq,) bool or None (all): the positions of each sequence whose tokens :attr:`stats` counts; see
-        #: :meth:`count_only`
-        self.counted: torch.Tensor | None = None
-        self._counted_per_row = 0
 
-    def count_only(self, positions: torch.Tensor | None) -> None:
-        """Count only the tokens at ``positions`` ((seq,) bool, True = counted; None: all) in the router
-        statistics of the following forwards, whose input must then be (..., seq, dim). Padding is routed like
-        any token (its output is unused) but stays out of the load-balancing loss, as the positions
-        transformers' ``load_balancing_loss_func`` masks by its ``attention_mask``. Set from outside (context
-        parallelism pads each sequence to a multiple of 2·cp)."""
-        self.counted = None if positions is None else positions.to(torch.bool)
-        self._counted_per_row = 0 if positions is None else int(self.counted.sum())
+    def forward(self, x: torch.Tensor, real_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """(..., dim) -> (..., dim), and :attr:`stats` of this forward.
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ``real_tokens``: bool of x's shape without ``dim`` (e.g. (batch, seq)), True at the tokens the router
+        statistics count (the real ones: transformers' ``attention_mask``), or None: all. Every token is
+        routed and gets its output either way. The counting multiplies by the mask instead of selecting
+        rows, so an all-True mask gives the statistics of no mask bit for bit (and no read to the host).
+
+        Raises:
+            ValueError: ``real_tokens`` of another shape than ``x.shape[:-1]``.
+        """
         shape = x.shape
+        if real_tokens is not None and tuple(real_tokens.shape) != tuple(shape[:-1]):
+            raise ValueError(f"real_tokens {tuple(real_tokens.shape)} must have the input's shape without "
+                             f"its last dimension: {tuple(shape[:-1])}")
         x = x.reshape(-1, shape[-1])
         logits = getattr(self, self.router_name)(x)  # (tokens, E)
         weights, chosen, probs = route(logits, self.top_k, self.routing, self.norm_topk_prob)
@@ -201,16 +206,16 @@ class MoE(nn.Module):
         out = out * weights.reshape(-1)[order].unsqueeze(-1)
         y = torch.zeros_like(x).index_add_(0, token_of, out.to(x.dtype))
         z = torch.logsumexp(logits.float(), dim=-1).pow(2)  # (tokens,)
-        if self.counted is None:
-            self.stats = RouterStats(probs.sum(0), counts.detach().float(), z.sum(), x.shape[0])
+        if real_tokens is None:
+            self.stats = RouterStats(probs.sum(0), counts.detach().float(), z.sum(),
+                                     torch.tensor(float(x.shape[0]), device=x.device))
         else:
-            if len(shape) < 3 or shape[-2] != self.counted.numel():
-                raise ValueError(f"the MoE layer counts {self.counted.numel()} positions per sequence "
-                                 f"(count_only) but got input of shape {tuple(shape)}")
-            keep = self.counted.to(x.device).expand(shape[:-1]).reshape(-1)
-            kept = torch.bincount(chosen[keep].reshape(-1), minlength=self.n_experts)
-            self.stats = RouterStats(probs[keep].sum(0), kept.detach().float(), z[keep].sum(),
-                                     self._counted_per_row * (x.shape[0] // shape[-2]))
+            real = real_tokens.reshape(-1).to(device=x.device, dtype=torch.int64)  # (tokens,) 1 = counted
+            kept = torch.zeros(self.n_experts, dtype=torch.int64, device=x.device).index_add_(
+                0, flat, real.repeat_interleave(self.top_k))
+            weight = real.to(probs.dtype)
+            self.stats = RouterStats((probs * weight.unsqueeze(-1)).sum(0), kept.float(), (z * weight).sum(),
+                                     real.sum().float())
         return y.reshape(shape)
 
 

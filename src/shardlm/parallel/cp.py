@@ -18,7 +18,8 @@ so gradients are exact. Every CP rank of a group holds the same batch (they are 
 each builds its masks and rotary positions locally, with no collective; only K and V travel. Padding tokens
 sit after every real token: no real query attends to them, their labels are ignored (-100), and each pad token
 forms a document of its own. A mixture of experts needs nothing more for its outputs (routing is per token);
-its router statistics leave the padding out (:meth:`ContextParallel.shard_batch`). Attention sinks (gpt-oss:
+its router statistics leave the padding out: each rank's chunks carry their slice of the batch's real-token
+mask, CP's padding False (:meth:`ContextParallel.shard_batch`). Attention sinks (gpt-oss:
 a logit per head in each query's softmax normaliser) pass through :meth:`ContextParallel.attend` like the
 mask: joined once to each query's normaliser over the whole sequence (blockwise: to the merged log-sum-exp).
 
@@ -45,7 +46,6 @@ from shardlm.config.layout import padded_length
 from shardlm.errors import ConfigError
 from shardlm.model.attention import document_positions
 from shardlm.model.decoder import attention
-from shardlm.model.moe import MoE
 from shardlm.parallel.cp_attention import BlockwiseAttention, SequenceMask, lse_kernels, visible
 from shardlm.parallel.dist import DistInfo
 
@@ -123,9 +123,6 @@ class ContextParallel:
         self.block_causal = False
         #: the fallback's additive dense masks of this batch, by (id(mask), dtype) (see :meth:`attend`)
         self._additive: dict[tuple[int, torch.dtype], torch.Tensor] = {}
-        #: the model's mixture-of-experts layers, set by :func:`apply_cp`: their router statistics count this
-        #: rank's real tokens only (:meth:`shard_batch`)
-        self.moe_layers: list[MoE] = []
 
     @property
     def attention_path(self) -> str:
@@ -183,7 +180,8 @@ class ContextParallel:
         :meth:`attend` builds each block's mask (or the fallback its dense one, :meth:`dense_mask`).
 
         ``documents`` (batch, seq_len) int64; padding (index >= seq_len) is a document of its own per token
-        (ids -1, -2, ...), so no real query sees it.
+        (ids -2, -3, ...: below the data's own padding document, -1, :data:`shardlm.data.packing.PADDING`),
+        so no real query sees it.
         """
         causal_only = documents is None and all(w == 0 or w >= seq_len for w in windows)
         if causal_only:
@@ -191,7 +189,7 @@ class ContextParallel:
         docs = None
         if documents is not None:
             t_pad = padded_length(seq_len, self.size)
-            docs = torch.cat([documents, torch.arange(-1, seq_len - t_pad - 1, -1, device=device)
+            docs = torch.cat([documents, torch.arange(-2, seq_len - t_pad - 2, -1, device=device)
                               .expand(documents.shape[0], -1)], dim=1)
         return {w: SequenceMask(docs, w if 0 < w < seq_len else 0) for w in sorted(windows)}
 
@@ -202,24 +200,27 @@ class ContextParallel:
         keys = gathered_indices(t_pad, self.size).to(device)
         return visible(self.local_indices(t_pad, device), keys, spec).unsqueeze(1)
 
-    def shard_batch(self, inputs: torch.Tensor, targets: torch.Tensor,
-                    documents: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+    def shard_batch(self, inputs: torch.Tensor, targets: torch.Tensor, documents: torch.Tensor | None,
+                    real_tokens: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
         """This rank's share of a batch: inputs and targets (B, T) int64 -> (B, 2·c) each (padding: token 0,
-        target ``IGNORE_INDEX``), and the model's keyword arguments ``positions`` (:meth:`rope_positions`) and
-        ``masks`` (:meth:`masks`). ``documents`` (B, T) is used under block-causal attention only.
+        target ``IGNORE_INDEX``), and the model's keyword arguments ``positions`` (:meth:`rope_positions`),
+        ``masks`` (:meth:`masks`) and ``real_tokens``. ``documents`` (B, T) is used under block-causal
+        attention only.
 
-        A mixture of experts' layers count only this rank's real tokens in their router statistics
-        (:meth:`~shardlm.model.moe.MoE.count_only`): the load-balancing and z-loss, pooled over every rank
-        (:func:`shardlm.train.moe_loss.moe_loss_term`), are then those of the unsplit sequences."""
+        ``real_tokens`` (B, T) bool, True at the batch's real tokens (None: all real): this rank's slice of
+        it, (B, 2·c), False at CP's padding; None when there is no padding at all. A mixture of experts'
+        layers count only these tokens in their router statistics, so the load-balancing and z-loss, pooled
+        over every rank (:func:`shardlm.train.moe_loss.moe_loss_term`), are those of the unsplit sequences."""
         b, t = inputs.shape
         self._additive.clear()  # the previous batch's masks
-        if self.moe_layers:
-            real = chunk_indices(t, self.size, self.rank) < t  # (2·c,) bool, on the host
-            for layer in self.moe_layers:
-                layer.count_only(None if bool(real.all()) else real)
         docs = documents if self.block_causal else None
         extra = {"positions": self.rope_positions(b, t, docs, inputs.device),
                  "masks": self.masks(t, docs, self.windows, inputs.device)}
+        if real_tokens is not None or padded_length(t, self.size) > t:
+            if real_tokens is None:
+                real_tokens = torch.ones((b, t), dtype=torch.bool, device=inputs.device)
+            extra["real_tokens"] = self.shard(real_tokens, False)
         return self.shard(inputs, 0), self.shard(targets, IGNORE_INDEX), extra
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
@@ -278,14 +279,14 @@ def apply_cp(model: nn.Module, cp: ContextParallel) -> nn.Module:
 
     The model then expects each rank's tokens as :meth:`ContextParallel.shard` gives them, with
     ``positions`` from :meth:`ContextParallel.rope_positions` and ``masks`` from
-    :meth:`ContextParallel.masks`; its MoE layers (routing is per token, so their outputs need nothing) leave
-    CP's padding out of their router statistics (:meth:`ContextParallel.shard_batch`). Returns the same model.
+    :meth:`ContextParallel.masks`, and ``real_tokens`` (its MoE layers, whose routing is per token, then leave
+    CP's padding out of their router statistics; :meth:`ContextParallel.shard_batch`). Returns the same
+    model.
 
     Raises:
         ValueError: the model has no attention layer with an ``attend`` hook.
     """
     cp.block_causal = model.cfg.attention == "block_causal"
-    cp.moe_layers = [m for m in model.modules() if isinstance(m, MoE)]
     cp.windows = set()
     for module in model.modules():
         if hasattr(module, "attend") and hasattr(module, "q_proj"):

@@ -46,8 +46,8 @@ class SequenceMask:
     """What masked CP attention needs to build any block's mask: the sequence's document ids and a window."""
 
     documents: torch.Tensor | None
-    """(batch, T_pad) int64 document ids of the padded sequence (each padding token a document of its own:
-    ids -1, -2, ...), or None (one document)."""
+    """(batch, T_pad) int64 document ids of the padded sequence (the data's padding -1; each token of CP's
+    padding a document of its own: ids -2, -3, ...), or None (one document)."""
     window: int
     """Sliding window in tokens: query i sees key j only when i - window < j (0 = no window)."""
 

@@ -10,9 +10,10 @@ Its gradient flows through S only (C counts discrete choices). Computed over the
 ranks together: one all-reduce of every layer's (C, S, z) and the token count (no gradient) after the forward;
 then each rank's differentiable term is ``E · Σ_e (C_e / R) · (S_e^local / R)``, whose sum over ranks is the
 aux loss of the ranks' tokens together, so N ranks equal one process that sees the same tokens in one forward.
-Under context parallelism the ranks of a CP group hold parts of the same sequences: pooled over every rank
-(the default group), without CP's padding (:meth:`shardlm.model.moe.MoE.count_only`), the statistics are
-those of the whole sequences.
+Only real tokens count (the ``real_tokens`` mask of :class:`shardlm.model.moe.MoE`, transformers'
+``attention_mask``): R is layers × real tokens, and padding adds to neither C nor S. Under context
+parallelism the ranks of a CP group hold parts of the same sequences, each its slice of the mask (CP's own
+padding False): pooled over every rank (the default group), the statistics are those of the whole sequences.
 Optional router z-loss (Zoph et al., "ST-MoE", 2022, eq. 5): the mean over (layer, token) rows of
 logsumexp(router logits)².
 """
@@ -69,7 +70,7 @@ def moe_loss_term(model: nn.Module, aux_coef: float, z_coef: float = 0.0,
     local_p = torch.stack([s.prob_sum for s in stats])  # (layers, E), differentiable
     local_z = torch.stack([s.z_sum for s in stats])  # (layers,), differentiable
     flat = torch.cat([torch.stack([s.counts for s in stats]).reshape(-1), local_p.detach().reshape(-1),
-                      local_z.detach(), local_p.new_tensor([float(stats[0].tokens)])])
+                      local_z.detach(), stats[0].tokens.reshape(1).to(local_p)])
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(flat, group=group)
     counts = flat[:n * e].view(n, e)

@@ -28,7 +28,7 @@ from shardlm.data.attention_choice import may_be_block_causal
 from shardlm.data.build import data_dir, prepare_data
 from shardlm.data.instruct import IGNORE_INDEX, split_batch
 from shardlm.data.mixture import MixtureSampler
-from shardlm.data.packing import batch_documents
+from shardlm.data.packing import batch_documents, batch_real_tokens
 from shardlm.data.preference import PREFERENCE
 from shardlm.data.sync import check_same_data
 from shardlm.errors import ConfigError
@@ -298,12 +298,14 @@ class Trainer:
 
     def _loss_sum(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The summed token loss of this rank's share of ``batch`` (its sequence chunks under ``parallel.cp``)
-        and the targets it scored: (0-dim fp32, (B, T / cp) int64, -100 where nothing is scored)."""
+        and the targets it scored: (0-dim fp32, (B, T / cp) int64, -100 where nothing is scored). A mixture of
+        experts' router statistics count the batch's real tokens (not padding: :func:`batch_real_tokens`)."""
         inputs, targets = split_batch(batch)  # instruction data: targets are -100 off-response
-        documents, extra = batch_documents(batch), {}
+        documents, real = batch_documents(batch), batch_real_tokens(batch)
+        extra = {} if real is None else {"real_tokens": real}
         if self.cp.size > 1:
-            # this rank's head and tail chunks, rotary positions and masks by global position
-            inputs, targets, extra = self.cp.shard_batch(inputs, targets, documents)
+            # this rank's head and tail chunks, rotary positions, masks and real tokens by global position
+            inputs, targets, extra = self.cp.shard_batch(inputs, targets, documents, real)
             documents = None
         loss = model_loss_sum(self.model, inputs, targets, self.cfg.train.loss_chunk_tokens, documents,
                               **extra)

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from shardlm.checkpoint.dcp import Checkpointer
+from shardlm.checkpoint.resume import check_resume_target
 from shardlm.checkpoint.run import resume_command, write_run_config
 from shardlm.config import Config, gradient_accumulation_steps
 from shardlm.data import eval_windows, load_meta
@@ -99,6 +100,8 @@ class Trainer:
                 raise ConfigError(str(exc)) from None
         self.run_dir = run_dir(cfg)
         check_run_dir(cfg, self.run_dir)  # refused unless empty, resuming or run.overwrite; cleared below
+        # --resume=PATH that is no checkpoint, or whose refused settings differ: said before any data work
+        check_resume_target(cfg)
         start = time.perf_counter()
         # every rank encodes its share; waiting is on the store, not a collective
         prepare_data(cfg, self.info)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -168,3 +169,23 @@ def test_resume_auto_without_a_checkpoint_says_it_starts_from_step_0(small_data,
     said = [line for line in out.splitlines() if line.startswith("--resume=auto")]
     assert said == [f"--resume=auto: no checkpoint found in {run / 'checkpoints'}; training starts from step "
                     "0"], out
+
+
+def test_generate_with_a_run_directory_names_the_model_directory_to_pass(checkpointed_run, tmp_path, capsys):
+    """``generate --model RUN_DIR`` (the run's config.json is not a model's): one error naming RUN_DIR/final,
+    which then works; a run without final/ yet names its newest checkpoint to export."""
+    from conftest import cli_error
+    from shardlm.cli.main import main as shardlm_main
+
+    run = checkpointed_run
+    err = cli_error(capsys, ["generate", "--model", str(run), "--prompt", "To be", "--max-new-tokens", "2"])
+    assert err == (f"error: {run} is a training run's directory, not a model directory: its trained model is "
+                   f"{run / 'final'}: pass --model {run / 'final'}")
+    assert shardlm_main(["generate", "--model", str(run / "final"), "--prompt", "To be",
+                         "--max-new-tokens", "2"]) == 0
+    unfinished = tmp_path / "unfinished"
+    shutil.copytree(run, unfinished, ignore=shutil.ignore_patterns("final"))
+    err = cli_error(capsys, ["generate", "--model", str(unfinished), "--prompt", "To be"])
+    assert err == (f"error: {unfinished} is a training run's directory, not a model directory, and it has no "
+                   f"final model yet: export its newest checkpoint with `shardlm export "
+                   f"{unfinished / 'checkpoints' / 'step-4'} OUT` and pass --model OUT")

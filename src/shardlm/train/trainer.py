@@ -46,7 +46,7 @@ from shardlm.parallel import (
     set_gradient_sync,
 )
 from shardlm.parallel.cp import build_context_parallel
-from shardlm.parallel.dist import data_parallel_rank, set_matmul_precision, to_device
+from shardlm.parallel.dist import HostScalar, data_parallel_rank, set_matmul_precision, to_device
 from shardlm.parallel.faults import FaultMonitor, guard_collectives
 from shardlm.train.build import build_model, unwrap
 from shardlm.train.datasets import build_datasets, resolve_attention
@@ -188,10 +188,13 @@ class Trainer:
         Beyond FSDP's own collectives the step issues one all-reduce, the gradient norm's (see
         :func:`shardlm.train.optim.clip_grad_norm_`), which also carries the loss sum, the preemption flag
         and, when ``log``, each rank's memory figures in its own slots (a gather inside the sum). The target
-        count of the global batch is known on the host (see :meth:`_global_targets`): no collective. Nothing
-        is read to the host unless ``log``: then one transfer returns the step's record (global values and
-        per-rank summaries); otherwise None. A step whose loss or gradient norm is not finite is not applied
-        (nor is any after it); the next read raises :class:`NonFiniteError` naming it.
+        count of the global batch is known on the host (see :meth:`_global_targets`): no collective. When
+        ``log``, one transfer returns the step's record (global values and per-rank summaries); otherwise the
+        step returns None and reads, with checkpointing on, only the preemption flag (one scalar, its copy
+        started after the all-reduce and waited for once the update is queued: :class:`HostScalar`), so that
+        a signal on any rank stops every rank after this same step (:attr:`preempted`). A step whose loss or
+        gradient norm is not finite is not applied (nor is any after it); the next read of the record raises
+        :class:`NonFiniteError` naming it.
         """
         cfg, info, model = self.cfg, self.info, self.model
         start = time.perf_counter()
@@ -251,6 +254,9 @@ class Trainer:
             extras[len(extras) - n_stats:] = stats
         max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else math.inf
         grad_norm = clip_grad_norm_(model.parameters(), max_norm, extras)  # fp64: the same at any sharding
+        # a signal on any rank (summed above) stops every rank after this step: read at every step, not only
+        # when logging (the ranks all read the same sum, so they agree on the step)
+        stop_flag = HostScalar(extras[1]) if cfg.checkpoint.enabled and not log else None
         loss_mean = extras[0] / float(n_tokens)
         self.nonfinite.check(self.step + 1, loss_mean, grad_norm, self.optimizer)
         lr = self.scheduler.get_last_lr()[0]
@@ -263,6 +269,7 @@ class Trainer:
         self._interval["seconds"] += time.perf_counter() - start
         self._interval["steps"] += 1
         if not log:
+            self.preempted = self.preempted or (stop_flag is not None and stop_flag.item() > 0)
             return None
         # the one host read of the step: global values, the sticky non-finite record, the per-rank slots
         values = torch.cat([torch.stack([loss_mean, grad_norm.to(loss_mean.device), extras[1]]),
@@ -376,20 +383,20 @@ class Trainer:
                 log = step % t.log_interval == 0 or last or evaluate or save
                 self.checkpointer.check_background(step)  # a failed background save stops the run here
                 record = self.train_step(log=log)
-                if record is None:
-                    bar.update(1)
-                    continue
-                if evaluate:
-                    record["val_loss"] = self.evaluate()
-                record["elapsed_s"] = time.perf_counter() - job_start
-                self.logger.log(record)
-                self._remember(record)
-                bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}",
-                                mfu=f"{record['mfu']:.1%}",
-                                **({"val": f"{record['val_loss']:.3f}"} if "val_loss" in record else {}))
+                if record is not None:
+                    if evaluate:
+                        record["val_loss"] = self.evaluate()
+                    record["elapsed_s"] = time.perf_counter() - job_start
+                    self.logger.log(record)
+                    self._remember(record)
+                    bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}",
+                                    mfu=f"{record['mfu']:.1%}",
+                                    **({"val": f"{record['val_loss']:.3f}"} if "val_loss" in record else {}))
                 bar.update(1)  # after the postfix: a plain line printed now shows this step's values
                 if save or self.preempted:
                     # preempted: SIGINT/SIGTERM/SIGUSR1 on any rank before this step's all-reduce
+                    if record is None:  # a step not logged: its non-finite check before the save
+                        self.nonfinite.raise_if_recorded(self.nonfinite.record.tolist())
                     path = self.checkpointer.save(self.model, self.optimizer, self.scheduler, self.step)
                     if info.is_main:
                         bar.write(self.checkpointer.save_line(path))

@@ -100,8 +100,7 @@ class Trainer:
                 raise ConfigError(str(exc)) from None
         self.run_dir = run_dir(cfg)
         check_run_dir(cfg, self.run_dir)  # refused unless empty, resuming or run.overwrite; cleared below
-        # --resume=PATH that is no checkpoint, or whose refused settings differ: said before any data work
-        check_resume_target(cfg)
+        check_resume_target(cfg)  # --resume=PATH not a checkpoint, or a refused change: before any data work
         start = time.perf_counter()
         # every rank encodes its share; waiting is on the store, not a collective
         prepare_data(cfg, self.info)
@@ -115,8 +114,7 @@ class Trainer:
         t = cfg.train
         self.special_ids = model_special_ids_of(self.meta)  # what every export and checkpoint records
         self.checkpointer = self._build_checkpointer()
-        #: model.attention as this run trains (``auto`` resolved in cfg: the checkpoint's, or the data's)
-        #: and why
+        #: model.attention as this run trains (``auto`` resolved in cfg: the checkpoint's, or the data's), why
         self.attention = resolve_attention(cfg, self.checkpointer.resumed_config())
         if self.attention.warning and self.info.is_main:
             print(self.attention.warning, file=sys.stderr, flush=True)
@@ -125,15 +123,13 @@ class Trainer:
         self.train_data, self.val_data, self.sampler = build_datasets(cfg, self.meta,
                                                                       self.attention_backend is not None)
         self.mesh = build_mesh(self.info, cfg.parallel) if cfg.parallel.mode != "single" else None
-        #: this rank's context-parallel group (shardlm/parallel/cp.py); one rank's, no split, at parallel.cp
-        #: = 1
+        #: this rank's context-parallel group (shardlm/parallel/cp.py); one rank's, no split, at parallel.cp=1
         self.cp = build_context_parallel(self.info, cfg.parallel.cp, cfg.parallel.tp)
         self.cp.check_sequence(t.seq_len)
         self.model, self.pretrained_load_stats = build_model(cfg, self.info, self.mesh, self.cp)
         # the data and the model are checked: only now may run.overwrite remove the previous run's files
         prepare_run_dir(cfg, self.info, self.run_dir)
-        #: the preference objective and its reference (shardlm/train/preference_step.py), None for
-        #: token losses
+        #: the preference objective and its reference (train/preference_step.py), None for token losses
         self.preference = (PreferenceObjective.build(cfg, self.info, self.mesh, self.model, self.train_data,
                                                      self.run_dir) if cfg.data.format == PREFERENCE else None)
         self.optimizer = build_optimizer(self.model, t, self.info.device)
@@ -143,8 +139,7 @@ class Trainer:
             apply_train_config(self.optimizer, self.scheduler, t, self.step)
         #: this run's id: new on a fresh start, the checkpoint's when resuming (shardlm/checkpoint/run.py)
         self.run_id: str = self.checkpointer.run_id
-        # MFU: model FLOPs per token (6N + 12·L·H·Q·T; per step: step_metrics.py) and the peak that
-        # runs (mfu.py)
+        # MFU: model FLOPs per token (6N + 12·L·H·Q·T; per step: step_metrics.py), the peak that runs (mfu.py)
         self.flops_per_token = model_flops_per_token(cfg.model, t.seq_len)
         self.peak = peak_flops_per_rank(cfg, self.info)
         self.preempted = False
@@ -189,10 +184,9 @@ class Trainer:
         :func:`shardlm.train.optim.clip_grad_norm_`), which also carries the loss sum, the preemption flag
         and, when ``log``, each rank's memory figures in its own slots (a gather inside the sum). The target
         count of the global batch is known on the host (see :meth:`_global_targets`): no collective. When
-        ``log``, one transfer returns the step's record (global values and per-rank summaries); otherwise the
-        step returns None and reads, with checkpointing on, only the preemption flag (one scalar, its copy
-        started after the all-reduce and waited for once the update is queued: :class:`HostScalar`), so that
-        a signal on any rank stops every rank after this same step (:attr:`preempted`). A step whose loss or
+        ``log``, one transfer returns the step's record (global values and per-rank summaries); otherwise
+        None, and with checkpointing on the one read is the preemption flag (a scalar, :class:`HostScalar`):
+        a signal on any rank stops every rank after this step (:attr:`preempted`). A step whose loss or
         gradient norm is not finite is not applied (nor is any after it); the next read of the record raises
         :class:`NonFiniteError` naming it.
         """
@@ -254,8 +248,7 @@ class Trainer:
             extras[len(extras) - n_stats:] = stats
         max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else math.inf
         grad_norm = clip_grad_norm_(model.parameters(), max_norm, extras)  # fp64: the same at any sharding
-        # a signal on any rank (summed above) stops every rank after this step: read at every step, not only
-        # when logging (the ranks all read the same sum, so they agree on the step)
+        # the stop flag (a signal on any rank, summed above): read every step, every rank stops after this one
         stop_flag = HostScalar(extras[1]) if cfg.checkpoint.enabled and not log else None
         loss_mean = extras[0] / float(n_tokens)
         self.nonfinite.check(self.step + 1, loss_mean, grad_norm, self.optimizer)
@@ -378,8 +371,7 @@ class Trainer:
                 last = step == t.steps
                 evaluate = bool(t.eval_interval) and (step % t.eval_interval == 0 or last)
                 save = self.checkpointer.should_save(step, last)
-                # read to the host on logging, evaluation and save steps only (the read also checks for a
-                # non-finite step and a preemption signal on any rank)
+                # the record is read on logging, evaluation and save steps only (with the non-finite check)
                 log = step % t.log_interval == 0 or last or evaluate or save
                 self.checkpointer.check_background(step)  # a failed background save stops the run here
                 record = self.train_step(log=log)

@@ -535,7 +535,12 @@ def test_bad_preference_settings_and_a_reference_with_another_tokenizer(tok_dir,
              "preference.label_smoothing applies to loss 'dpo' or 'simpo' (loss is 'ipo')"),
             (["--preference.reference=lora_base"],
              "preference.reference = 'lora_base' needs lora.enabled = true"),
-            (["--preference.beta=0"], "preference.beta must be positive, got 0.0")):
+            (["--preference.beta=0"], "preference.beta must be positive, got 0.0"),
+            (["--preference.nll_tokens=prompt_and_completion"],
+             "preference.nll_tokens chooses the tokens of the NLL term, which loss 'dpo' has only with "
+             "preference.rpo_alpha > 0"),
+            (["--preference.loss=orpo", "--preference.nll_tokens=prompt"],
+             "preference.nll_tokens")):
         with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
             load_config(None, base + extra)
     with pytest.raises(ConfigError,

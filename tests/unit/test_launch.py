@@ -56,6 +56,21 @@ def test_resume_auto_with_the_run_dir_alone_restores_its_config(tmp_path, monkey
     assert again.run.dir == "" and [c.key for c in config_changes(default.to_dict(), again.to_dict())] == []
 
 
+def test_other_prepared_data_is_refused_by_content():
+    """The prepared data is compared by content at resume: another tokenizer.json (its SHA-256) or another
+    meta.json record is named; the same is no problem."""
+    from shardlm.checkpoint.resume_config import data_problems
+
+    manifest = {"files": {"tokenizer.json": {"sha256": "a" * 64}}, "data": {"content_sha256": "ab"}}
+    assert data_problems(manifest, {"content_sha256": "ab"}, "a" * 64) == []
+    (problem,) = data_problems(manifest, {"content_sha256": "ab"}, "b" * 64)
+    assert problem.startswith("the tokenizer differs (tokenizer.json SHA-256 aaaaaaaaaaaa... in the "
+                              "checkpoint, bbbbbbbbbbbb... in the data directory)"), problem
+    (problem,) = data_problems(manifest, {"content_sha256": "cd"}, "a" * 64)
+    assert problem == ("the prepared data differs from the checkpoint's (meta.json: content_sha256 "
+                       '"ab" -> "cd")')
+
+
 def test_the_resume_setting_is_not_a_change():
     old = load_config(None, []).to_dict()
     new = load_config(None, ["--checkpoint.resume=auto"]).to_dict()

@@ -309,14 +309,20 @@ def damaged(kind: str, src: Path, tmp_path: Path) -> tuple[Path, str]:
         (ckpt / ".metadata").write_bytes(pickle.dumps(Malicious(tmp_path / "PWNED")))
         rehash(ckpt, ".metadata")
         return ckpt, "refusing to load posix.system"
-    if kind == "other model shape":
+    if kind == "changed model setting":  # refused from the recorded config, before any data preparation
+        return ckpt, ("model.ffn_hidden changed 128 -> 96 (the model's shape and initialisation are fixed by "
+                      "the checkpoint's tensors)")
+    if kind == "other model shape":  # no config recorded (as before it was): the tensors' shapes refuse it
+        manifest = json.loads((ckpt / "manifest.json").read_text())
+        del manifest["config"]
+        (ckpt / "manifest.json").write_text(json.dumps(manifest))
         return ckpt, ("tensor model.model.layers.0.mlp.gate_proj.weight has shape (128, 64) in the "
                       "checkpoint but (96, 64) in the model")
     raise AssertionError(kind)
 
 
-BAD = ["other model shape", "truncated shard", "flipped byte", "missing metadata", "not a checkpoint",
-       "malicious pickle"]
+BAD = ["changed model setting", "other model shape", "truncated shard", "flipped byte", "missing metadata",
+       "not a checkpoint", "malicious pickle"]
 
 
 @pytest.mark.dist
@@ -325,14 +331,15 @@ def test_bad_checkpoint_one_clear_error(kind, runs, small_data, tmp_path, capsys
     _, root, _ = runs
     ckpt, needle = damaged(kind, root / "ref" / "checkpoints" / "step-5", tmp_path)
     extra = {"checkpoint.resume": f'"{ckpt}"',
-             **({"model.ffn_hidden": 96} if kind == "other model shape" else {})}
+             **({"model.ffn_hidden": 96} if kind in ("changed model setting", "other model shape") else {})}
     code = train_main(tiny_overrides(small_data, tmp_path / "run", extra))
     err = capsys.readouterr().err
     assert code == 2, err
     assert err.count("error:") == 1 and needle in err, err
     assert "Traceback" not in err
     assert not (tmp_path / "run" / "final").exists()
-    if kind != "other model shape":  # export refuses the same checkpoint the same way, writing nothing
+    if kind not in ("changed model setting", "other model shape"):
+        # export refuses the same checkpoint the same way, writing nothing
         assert shardlm_main(["export", str(ckpt), str(tmp_path / "exported")]) == 2
         assert needle in capsys.readouterr().err and not (tmp_path / "exported").exists()
     assert not (tmp_path / "PWNED").exists()  # the malicious pickle never ran

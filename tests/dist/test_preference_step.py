@@ -1,7 +1,8 @@
 """Preference tuning's step: FSDP at 2 ranks equals one process over 3 steps (dpo with a reference model and
-with precomputed log-probs, LoRA with the base as reference, ipo + rpo_alpha, orpo), the references agree, the
-precomputed table is the same at 1 and 2 ranks and reused by a resume and a second run, a resume is bit-exact;
-TRL's metrics in TensorBoard; the planned peak against the measured one.
+with precomputed log-probs, LoRA with the base as reference, ipo + rpo_alpha, orpo with its NLL term over
+prompt and completion as TRL's ORPOTrainer: its mean over the global batch's tokens), the references agree,
+the precomputed table is the same at 1 and 2 ranks and reused by a resume and a second run, a resume is
+bit-exact; TRL's metrics in TensorBoard; the planned peak against the measured one.
 
 The tiny model and the tokenizer of tests/unit/test_preference.py (``write_tokenizer_dir``), the committed
 examples/preference-shakespeare.jsonl.
@@ -40,7 +41,7 @@ def dist_overrides(data: Path, tokenizer: Path, run: Path, extra: dict) -> list[
 
 
 METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
-           "logps/chosen", "logps/rejected", "logits/chosen", "logits/rejected")
+           "logps/chosen", "logps/rejected", "logits/chosen", "logits/rejected", "nll_loss")
 
 
 @pytest.mark.dist
@@ -145,7 +146,7 @@ def test_two_ranks_equal_one_process_references_agree_and_resume_is_exact(tok_di
                 # relative to them (the loss too: β times a difference of such sums), as in the comparison
                 # with TRL above
                 scale = {"rewards": 0.5 * abs(b["logps/chosen"]), "loss": 0.5 * abs(b["logps/chosen"]),
-                         "logps": abs(b[key])}.get(key.split("/")[0], 1.0)
+                         "logps": abs(b[key]), "nll_loss": abs(b[key])}.get(key.split("/")[0], 1.0)
                 assert abs(a[key] - b[key]) < TOL * max(1.0, scale), (name, a["step"], key, a[key], b[key])
     assert torch.allclose(two["table"], one["table"], rtol=TOL, atol=0)  # precomputed at 1 and 2 ranks
     assert abs(two["model"][0]["loss"] - two["pre"][0]["loss"]) < TOL  # reference (a) == (b) at step 1

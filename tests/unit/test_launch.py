@@ -56,6 +56,21 @@ def test_resume_auto_with_the_run_dir_alone_restores_its_config(tmp_path, monkey
     assert again.run.dir == "" and [c.key for c in config_changes(default.to_dict(), again.to_dict())] == []
 
 
+def test_other_prepared_data_is_refused_by_content():
+    """The prepared data is compared by content at resume: another tokenizer.json (its SHA-256) or another
+    meta.json record is named; the same is no problem."""
+    from shardlm.checkpoint.resume_config import data_problems
+
+    manifest = {"files": {"tokenizer.json": {"sha256": "a" * 64}}, "data": {"content_sha256": "ab"}}
+    assert data_problems(manifest, {"content_sha256": "ab"}, "a" * 64) == []
+    (problem,) = data_problems(manifest, {"content_sha256": "ab"}, "b" * 64)
+    assert problem.startswith("the tokenizer differs (tokenizer.json SHA-256 aaaaaaaaaaaa... in the "
+                              "checkpoint, bbbbbbbbbbbb... in the data directory)"), problem
+    (problem,) = data_problems(manifest, {"content_sha256": "cd"}, "a" * 64)
+    assert problem == ("the prepared data differs from the checkpoint's (meta.json: content_sha256 "
+                       '"ab" -> "cd")')
+
+
 def test_the_resume_setting_is_not_a_change():
     old = load_config(None, []).to_dict()
     new = load_config(None, ["--checkpoint.resume=auto"]).to_dict()
@@ -80,6 +95,33 @@ def test_first_ctrl_c_is_recorded_and_the_next_signal_stops_at_once(tmp_path, ca
     finally:
         c.close()
     assert {s: signal.getsignal(s) for s in before} == before
+
+
+def test_ctrl_c_saves_after_the_step_it_came_in_not_at_the_next_logging_step(tmp_path, small_data,
+                                                                           monkeypatch, capfd):
+    """A Ctrl-C during step 3 of a run that logs every 10 steps: the run saves ``step-3`` and stops after
+    step 3, as its line says (the flag was read only on logging steps: it went on to step 10)."""
+    from conftest import tiny_overrides
+    from shardlm.cli.train import main as train_main
+    from shardlm.errors import STOPPED_EXIT_CODE
+    from shardlm.train.trainer import Trainer
+
+    original = Trainer.train_step
+
+    def step(self, log: bool = True):
+        if self.step == 2:  # step 3 starts: Ctrl-C while it computes
+            os.kill(os.getpid(), signal.SIGINT)
+        return original(self, log)
+
+    monkeypatch.setattr(Trainer, "train_step", step)
+    run = tmp_path / "run"
+    code = train_main(tiny_overrides(small_data, run, {"train.log_interval": 10, "train.eval_interval": 0,
+                                                       "checkpoint.interval": 0}))
+    out, err = capfd.readouterr()
+    assert code == STOPPED_EXIT_CODE, err[-2000:]
+    assert "Ctrl-C: finishing this step, then saving a checkpoint" in err
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-3"]
+    assert f"stopped after step 3 on a signal; checkpoint {run / 'checkpoints' / 'step-3'}." in out
 
 
 def test_after_sigterm_only_ctrl_c_stops_at_once(tmp_path):

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -115,3 +117,75 @@ def test_non_finite_loss_stops_and_writes_nothing(tmp_path, small_data, capsys):
     assert len(records) < 20
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in records)
     assert not (run / "final").exists()
+
+
+@pytest.fixture(scope="module")
+def checkpointed_run(tmp_path_factory, small_data) -> Path:
+    """A tiny run of 4 steps with checkpoints step-2 and step-4 (no evaluation)."""
+    run = tmp_path_factory.mktemp("checkpointed") / "run"
+    assert train_main(tiny_overrides(small_data, run, {"train.steps": 4, "checkpoint.interval": 2,
+                                                       "train.eval_interval": 0})) == 0
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-2", "step-4"]
+    return run
+
+
+def test_resume_from_a_run_directory_says_what_to_pass(checkpointed_run, small_data, tmp_path, capsys):
+    """``--resume=RUN_DIR`` (a run directory, not a checkpoint): one error naming both ways to resume it,
+    before any data preparation or model building, and the run untouched."""
+    run = checkpointed_run
+    before = sorted(str(p.relative_to(run)) for p in run.rglob("*"))
+    capsys.readouterr()
+    code = train_main(tiny_overrides(small_data, run, {"train.steps": 6}) + [f"--resume={run}"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("error:") == 1 and "Traceback" not in err, err
+    assert err.strip() == (f"error: {run} is a run directory, not a checkpoint: to continue its run, pass "
+                           f"--resume=auto --run.dir={run}; or pass one of its checkpoints, the newest is "
+                           f"--resume={run / 'checkpoints' / 'step-4'}"), err
+    assert sorted(str(p.relative_to(run)) for p in run.rglob("*")) == before
+
+
+def test_resume_from_a_checkpoint_without_config_refuses_before_preparing_data(checkpointed_run, tmp_path,
+                                                                                monkeypatch, capsys):
+    """``--resume=CKPT`` alone (no ``--config``: every setting is the default, the Shakespeare corpus and a
+    larger model): refused at once, naming the settings that cannot change and the way to pass the run's,
+    before the default corpus is prepared or a run directory made."""
+    monkeypatch.chdir(tmp_path)  # the defaults' data.dir and run.dir are relative: here
+    ckpt = checkpointed_run / "checkpoints" / "step-4"
+    capsys.readouterr()
+    code = train_main([f"--resume={ckpt}"])
+    out, err = capsys.readouterr()
+    assert code == 2 and err.count("error:") == 1 and "Traceback" not in err, err
+    assert err.startswith(f"error: cannot resume from {ckpt}: model.dim changed 64 -> "), err
+    assert 'data.corpus changed "' in err and "--resume=auto --run.dir=RUN_DIR" in err, err
+    assert "prepare:" not in out + err and list(tmp_path.iterdir()) == []  # no data, no run directory
+
+
+def test_resume_auto_without_a_checkpoint_says_it_starts_from_step_0(small_data, tmp_path, capsys):
+    run = tmp_path / "fresh"
+    code = train_main(tiny_overrides(small_data, run, {"train.steps": 2, "train.eval_interval": 0})
+                      + ["--resume=auto"])
+    out = capsys.readouterr().out
+    assert code == 0
+    said = [line for line in out.splitlines() if line.startswith("--resume=auto")]
+    assert said == [f"--resume=auto: no checkpoint found in {run / 'checkpoints'}; training starts from step "
+                    "0"], out
+
+
+def test_generate_with_a_run_directory_names_the_model_directory_to_pass(checkpointed_run, tmp_path, capsys):
+    """``generate --model RUN_DIR`` (the run's config.json is not a model's): one error naming RUN_DIR/final,
+    which then works; a run without final/ yet names its newest checkpoint to export."""
+    from conftest import cli_error
+    from shardlm.cli.main import main as shardlm_main
+
+    run = checkpointed_run
+    err = cli_error(capsys, ["generate", "--model", str(run), "--prompt", "To be", "--max-new-tokens", "2"])
+    assert err == (f"error: {run} is a training run's directory, not a model directory: its trained model is "
+                   f"{run / 'final'}: pass --model {run / 'final'}")
+    assert shardlm_main(["generate", "--model", str(run / "final"), "--prompt", "To be",
+                         "--max-new-tokens", "2"]) == 0
+    unfinished = tmp_path / "unfinished"
+    shutil.copytree(run, unfinished, ignore=shutil.ignore_patterns("final"))
+    err = cli_error(capsys, ["generate", "--model", str(unfinished), "--prompt", "To be"])
+    assert err == (f"error: {unfinished} is a training run's directory, not a model directory, and it has no "
+                   f"final model yet: export its newest checkpoint with `shardlm export "
+                   f"{unfinished / 'checkpoints' / 'step-4'} OUT` and pass --model OUT")

@@ -191,7 +191,7 @@ def test_dpo_ipo_hinge_equal_trls_dpo_trainer(loss_type, prepared, hf_dirs, tok_
     policy, reference = shardlm_model(hf_dirs["policy"]), shardlm_model(hf_dirs["reference"])
     inp, tgt = split_batch(batch)
     with torch.no_grad():
-        ref_logps, _ = completion_logps(reference, inp, tgt, 0)
+        ref_logps, _, _ = completion_logps(reference, inp, tgt, 0)
         trl_ref = trainer.ref_model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
                                     labels=inputs["input_ids"].masked_fill(inputs["completion_mask"] == 0,
                                                                            -100),
@@ -245,7 +245,7 @@ def test_conservative_dpo_equals_trls_label_smoothing(prepared, hf_dirs, tok_dir
     policy, reference = shardlm_model(hf_dirs["policy"]), shardlm_model(hf_dirs["reference"])
     inp, tgt = split_batch(batch)
     with torch.no_grad():
-        ref_logps, _ = completion_logps(reference, inp, tgt, 0)
+        ref_logps, _, _ = completion_logps(reference, inp, tgt, 0)
     for chunk in (0, 7):
         ours_loss, stats = micro_batch_loss(policy, batch, "dpo", beta, eps, 0.5, 0.0, chunk, ref_logps, 8,
                                             data.num_chosen_targets(list(range(8))))
@@ -269,6 +269,9 @@ def trl_concatenated_forward(
 
 @pytest.mark.parametrize("loss", ["simpo", "orpo"])
 def test_simpo_orpo_equal_trls_cpo_and_orpo_losses(loss, prepared, hf_dirs):
+    """simpo with cpo_alpha (CPOTrainer's NLL: the chosen completions) and orpo with ``nll_tokens =
+    "completion"`` (the paper's L_SFT) from TRL's loss functions on the same logits; orpo's default, TRL's
+    ORPOTrainer end to end, is :func:`test_orpo_equals_trls_orpo_trainer_loss_and_gradient`."""
     from trl.experimental.cpo import CPOTrainer
     from trl.experimental.orpo import ORPOTrainer
 
@@ -293,7 +296,7 @@ def test_simpo_orpo_equal_trls_cpo_and_orpo_losses(loss, prepared, hf_dirs):
         expected = nll - losses.mean()
     policy = shardlm_model(hf_dirs["policy"])
     ours_loss, stats = micro_batch_loss(policy, batch, loss, beta, smoothing, gamma, cpo_alpha, 5, None, 8,
-                                        data.num_chosen_targets(ids))
+                                        data.num_chosen_targets(ids), nll_tokens="completion")
     ours = metrics_of(stats.tolist(), 8)
     assert abs(ours_loss.item() - expected.item()) < TOL
     trl_metrics = {"rewards/chosen": c_rew.mean(), "rewards/rejected": r_rew.mean(),
@@ -302,6 +305,80 @@ def test_simpo_orpo_equal_trls_cpo_and_orpo_losses(loss, prepared, hf_dirs):
                    "logps/rejected": avg[8:].mean()}
     for key, value in trl_metrics.items():
         assert abs(ours[key] - value.item()) < TOL, (key, ours[key], value.item())
+
+
+def trl_orpo_batch(batch: torch.Tensor, pad: int) -> dict[str, torch.Tensor]:
+    """shardlm's concatenated rows (2P, 2, T + 1) as the batch TRL's ORPOTrainer collates: per side
+    ``*_input_ids`` (right-padded with ``pad``), ``*_attention_mask`` (1 on the real tokens: up to the end of
+    the completion) and ``*_labels`` (-100 off the completion)."""
+    p = batch.shape[0] // 2
+    out = {}
+    for side, rows in (("chosen", batch[:p]), ("rejected", batch[p:])):
+        labelled = rows[:, 1].ne(IGNORE_INDEX)
+        lengths = [int(torch.nonzero(row).max()) + 1 for row in labelled]
+        width = max(lengths)
+        mask = torch.arange(width) < torch.tensor(lengths)[:, None]
+        out[f"{side}_input_ids"] = torch.where(mask, rows[:, 0, :width], pad)
+        out[f"{side}_attention_mask"] = mask.long()
+        out[f"{side}_labels"] = torch.where(mask, rows[:, 1, :width], -100)
+    return out
+
+
+def test_orpo_equals_trls_orpo_trainer_loss_and_gradient(prepared, hf_dirs, tok_dir, tmp_path):
+    """``orpo`` at its default (``preference.nll_tokens = "auto"``: the NLL term over prompt + chosen
+    completion) equals TRL 1.16's ORPOTrainer's whole objective, its own ``get_batch_loss_metrics`` on the
+    same token rows (its NLL is the cross-entropy of the chosen rows' ``input_ids`` where ``attention_mask``
+    is 1, shifted: the prompt included): the loss, every parameter's gradient and its metrics, with the
+    log-probs plain and in chunks of 7 tokens; with ``nll_tokens = "completion"`` the loss differs from it
+    (by the prompt's share of the NLL)."""
+    from datasets import Dataset
+    from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+    rows, out = prepared
+    data = PreferencePairs(str(out), "train", SEQ_LEN)
+    ids = list(range(8))
+    batch = data.get(ids)
+    beta = 0.25
+    tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(str(tok_dir))
+    hf_policy = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dirs["policy"]), dtype=torch.float32)
+    config = ORPOConfig(output_dir=str(tmp_path), beta=beta, max_length=SEQ_LEN + 1, report_to=[],
+                        use_cpu=True, bf16=False, per_device_train_batch_size=8)
+    trainer = ORPOTrainer(model=hf_policy, args=config, processing_class=tokenizer,
+                          train_dataset=Dataset.from_list([conversational(r) for r in rows[:8]]))
+    trl_loss, trl_metrics = trainer.get_batch_loss_metrics(trainer.model, trl_orpo_batch(batch,
+                                                                                         trainer.padding_value))
+    trl_loss.backward()
+    trl_grads = {n: q.grad for n, q in trainer.model.named_parameters()}
+    nll_targets = data.num_chosen_targets(ids, prompt=True)
+    assert nll_targets > data.num_chosen_targets(ids) + 8 * 10  # the prompts (>= 10 tokens each) count
+
+    policy = shardlm_model(hf_dirs["policy"])
+    for chunk in (0, 7):
+        policy.zero_grad(set_to_none=True)
+        ours_loss, stats = micro_batch_loss(policy, batch, "orpo", beta, 0.0, 0.5, 0.0, chunk, None, 8,
+                                            nll_targets)
+        ours_loss.backward()
+        assert abs(ours_loss.item() - trl_loss.item()) < TOL * abs(trl_loss.item()), chunk
+        grads, worst = dict(policy.named_parameters()), 0.0
+        assert grads.keys() == trl_grads.keys()
+        for name, theirs in trl_grads.items():
+            # each gradient: sums over ~700 tokens of fp32 products, rounded in another order than TRL's
+            diff = (grads[name].grad - theirs).norm() / theirs.norm()
+            worst = max(worst, diff.item())
+            assert diff < TOL, (chunk, name, diff.item())
+        print(f"orpo chunk {chunk}: loss relative difference "
+              f"{abs(ours_loss.item() - trl_loss.item()) / trl_loss.item():.1e}, gradients' largest "
+              f"{worst:.1e}")
+        ours = metrics_of(stats.tolist(), 8)
+        for key in ("nll_loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+                    "logps/chosen", "logps/rejected"):
+            assert abs(ours[key] - trl_metrics[key]) < TOL * max(1.0, abs(trl_metrics[key])), (key, ours[key],
+                                                                                            trl_metrics[key])
+    completion_only, _ = micro_batch_loss(policy, batch, "orpo", beta, 0.0, 0.5, 0.0, 0, None, 8,
+                                          data.num_chosen_targets(ids), nll_tokens="completion")
+    print(f"orpo, NLL over the completions only: loss {completion_only.item():.6f}, TRL's "
+          f"{trl_loss.item():.6f}")
+    assert abs(completion_only.item() - trl_loss.item()) > 1e-2
 
 
 def test_lora_reference_is_the_base_with_adapters_off(prepared, hf_dirs):
@@ -314,7 +391,7 @@ def test_lora_reference_is_the_base_with_adapters_off(prepared, hf_dirs):
         for name, p in policy.named_parameters():
             if "lora_" in name:
                 p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.1)
-        base_logps, _ = completion_logps(base, inp, tgt, 0)
+        base_logps, _, _ = completion_logps(base, inp, tgt, 0)
 
     def reference(model: torch.nn.Module, switch_off: bool) -> torch.Tensor:
         with torch.no_grad(), (adapters_off(model) if switch_off else torch.enable_grad()):
@@ -392,9 +469,9 @@ def test_rows_without_scored_tokens_still_give_the_head_a_gradient(chunk):
                              "--train.seq_len=8"])
     model = CausalLM(cfg.model)
     hidden = torch.randn(2, 5, 32, requires_grad=True)
-    logps, means = head_logps(model, hidden, torch.full((2, 5), IGNORE_INDEX), chunk)
+    logps, means, nll = head_logps(model, hidden, torch.full((2, 5), IGNORE_INDEX), chunk)
     logps.sum().backward()
-    assert logps.tolist() == [0.0, 0.0] and means.tolist() == [0.0, 0.0]
+    assert logps.tolist() == [0.0, 0.0] and means.tolist() == [0.0, 0.0] and nll.tolist() == [0.0, 0.0]
     assert model.lm_head.weight.grad is not None and not model.lm_head.weight.grad.any()
     assert hidden.grad is not None and not hidden.grad.any()
 
@@ -403,11 +480,11 @@ def test_pair_stats_count_ties_as_wrong_and_average_logits_per_token():
     logps = torch.tensor([-3.0, -5.0, -4.0, -5.0])
     terms = pair_losses("dpo", 0.5, 0.0, 0.0, logps, torch.tensor([3, 2, 4, 2]),
                         torch.tensor([-4.0, -5.0, -4.0, -5.0]))
-    stats = metrics_of(pair_stats(terms, logps, torch.tensor([3.0, 2.0, 8.0, 2.0]),
-                                  torch.tensor([3, 2, 4, 2]))
-                       .tolist(), 2)
+    stats = metrics_of(pair_stats(terms, torch.tensor([3.0, 2.0, 8.0, 2.0]), torch.tensor([3, 2, 4, 2]),
+                                  torch.tensor([-6.0, -9.0]), torch.tensor([5, 7])).tolist(), 2)
     assert stats["rewards/accuracies"] == 0.5  # pair 1 wins (0.5 > 0), pair 2 ties (0 == 0): counted wrong
     assert stats["logits/chosen"] == 5.0 / 5 and stats["logits/rejected"] == 10.0 / 6
+    assert stats["nll_loss"] == 15.0 / 12  # over the NLL term's tokens, not the completions' (7)
 
 
 def test_bad_preference_input(tok_dir, tmp_path, capsys):
@@ -458,7 +535,12 @@ def test_bad_preference_settings_and_a_reference_with_another_tokenizer(tok_dir,
              "preference.label_smoothing applies to loss 'dpo' or 'simpo' (loss is 'ipo')"),
             (["--preference.reference=lora_base"],
              "preference.reference = 'lora_base' needs lora.enabled = true"),
-            (["--preference.beta=0"], "preference.beta must be positive, got 0.0")):
+            (["--preference.beta=0"], "preference.beta must be positive, got 0.0"),
+            (["--preference.nll_tokens=prompt_and_completion"],
+             "preference.nll_tokens chooses the tokens of the NLL term, which loss 'dpo' has only with "
+             "preference.rpo_alpha > 0"),
+            (["--preference.loss=orpo", "--preference.nll_tokens=prompt"],
+             "preference.nll_tokens")):
         with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
             load_config(None, base + extra)
     with pytest.raises(ConfigError,

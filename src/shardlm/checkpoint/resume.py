@@ -25,7 +25,14 @@ from shardlm.checkpoint.manifest import (
     sha256_file,
 )
 from shardlm.checkpoint.resume_config import REFUSED, config_changes, data_problems
-from shardlm.checkpoint.run import new_run_id, run_checkpoints, run_dir_run_id
+from shardlm.checkpoint.run import (
+    RUN_CONFIG,
+    new_run_id,
+    newest_first,
+    read_entries,
+    run_checkpoints,
+    run_dir_run_id,
+)
 from shardlm.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner
 from shardlm.checkpoint.state import check_shapes, frozen_any, training_state, verify_checkpoint
 from shardlm.config import Config
@@ -42,6 +49,52 @@ def resume_mode(cfg: Config) -> str:
     if cfg.checkpoint.resume:
         return cfg.checkpoint.resume
     return "auto" if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0 else ""
+
+
+#: what a refused resume advises
+RESUME_ADVICE = ("Resume with the checkpoint's values (the run's --config FILE, or --resume=auto "
+                 "--run.dir=RUN_DIR, which reads them from the run's config.json), or start a new run")
+
+
+def run_dir_hint(path: Path) -> str:
+    """When ``path`` is a run directory (it has ``checkpoints/`` or ``config.json``) rather than a checkpoint,
+    what to pass instead: ``--resume=auto --run.dir=PATH``, or its newest checkpoint; else ``""``."""
+    if not ((path / "checkpoints").is_dir() or (path / RUN_CONFIG).is_file()):
+        return ""
+    root = path / "checkpoints"
+    entries = run_checkpoints(root, run_dir_run_id(path)) or newest_first(read_entries(root))
+    newest = (f"; or pass one of its checkpoints, the newest is --resume={entries[0].path}" if entries
+              else " (it has no complete checkpoint yet)")
+    return (f"{path} is a run directory, not a checkpoint: to continue its run, pass --resume=auto "
+            f"--run.dir={path}{newest}")
+
+
+def check_resume_target(cfg: Config) -> None:
+    """Refuse an explicit ``--resume=PATH`` (``checkpoint.resume`` neither ``auto`` nor empty) before any
+    data is prepared or model built: a path that is a run directory, not a checkpoint (:func:`run_dir_hint`
+    says what to pass), one without a readable manifest, or a checkpoint whose recorded config differs from
+    ``cfg`` in a setting a resume cannot change (:mod:`shardlm.checkpoint.resume_config`; ``model.attention
+    = "auto"`` is left to :func:`shardlm.train.datasets.resolve_attention`, which takes the checkpoint's).
+    The full checks (files, shapes, data) follow at :meth:`Resuming.load`.
+
+    Raises:
+        CheckpointError: not a checkpoint (naming the run directory's alternatives when it is one).
+        ConfigError: a refused setting differs, naming each with its old and new value.
+    """
+    mode = resume_mode(cfg)
+    if mode in ("", "auto"):
+        return
+    path = Path(mode)
+    try:
+        manifest = read_manifest(path)
+    except CheckpointError as e:
+        hint = run_dir_hint(path)
+        raise CheckpointError(hint if hint else str(e)) from None
+    refused = [f"{c.key} changed {json.dumps(c.old)} -> {json.dumps(c.new)} ({c.why})"
+               for c in config_changes(manifest.get("config") or {}, cfg.to_dict())
+               if c.rule == REFUSED and not (c.key == "model.attention" and c.new == "auto")]
+    if refused:
+        raise ConfigError(f"cannot resume from {path}: " + "; ".join(refused) + ". " + RESUME_ADVICE)
 
 
 class Resuming:
@@ -184,8 +237,7 @@ class Resuming:
             tokenizer = sha256_file(self.tokenizer_path)
         refused += data_problems(manifest, self.data_meta, tokenizer)
         if refused:
-            raise ConfigError(f"cannot resume from {path}: " + "; ".join(refused)
-                              + ". Resume with the checkpoint's values, or start a new run")
+            raise ConfigError(f"cannot resume from {path}: " + "; ".join(refused) + ". " + RESUME_ADVICE)
 
     def load(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> int:
         """Resume as configured: load model, optimizer, LR scheduler; return the step (0 when starting fresh).
@@ -236,6 +288,9 @@ class Resuming:
             self.last_load = {"step": step, "seconds": time.perf_counter() - start, "path": str(path)}
         if path is not None and self.info.is_main:
             print(f"resumed run {self.run_id} from {path} at step {step} ({self.last_load['seconds']:.2f} s)",
+                  flush=True)
+        elif self.resume == "auto" and self.info.is_main:  # said, so that a fresh start is not a surprise
+            print(f"--resume=auto: no checkpoint found in {self.root}; training starts from step 0",
                   flush=True)
         return step
 

@@ -127,6 +127,12 @@ def run_dir_run_id(run_dir: Path) -> str | None:
     return max(entries, key=lambda e: (e.time_unix, e.save_seq, e.step)).run_id
 
 
+def is_run_dir(path: Path) -> bool:
+    """Whether ``path`` is a training run's directory: its ``config.json`` records a run id, or it holds
+    ``checkpoints/`` (a model directory's ``config.json`` is the model's, with no run id)."""
+    return read_run_id(path) is not None or (path / "checkpoints").is_dir()
+
+
 def remove_directory(path: Path) -> None:
     """Delete a directory so that no half-deleted copy ever looks complete.
 

@@ -144,18 +144,44 @@ def check_sampling(args: argparse.Namespace, overrides: list[str]):
     return sampling
 
 
+def run_dir_model(path: Path) -> None:
+    """Refuse a training run's directory given as ``--model`` (its ``config.json`` is the run's, not a
+    model's), naming the model directory to pass: the run's ``final/`` (as Hugging Face's ``from_pretrained``
+    and vLLM, shardlm does not guess a subdirectory), or, before the run has finished, ``shardlm export`` of
+    its newest checkpoint.
+
+    Raises:
+        ModelDirError: ``path`` is a run directory (:func:`shardlm.checkpoint.run.is_run_dir`).
+    """
+    from shardlm.checkpoint.run import is_run_dir, run_checkpoints, run_dir_run_id
+    from shardlm.errors import ModelDirError
+
+    if not is_run_dir(path):
+        return
+    final, what = path / "final", f"{path} is a training run's directory, not a model directory"
+    if (final / "config.json").is_file():
+        raise ModelDirError(f"{what}: its trained model is {final}: pass --model {final}")
+    saved = run_checkpoints(path / "checkpoints", run_dir_run_id(path))
+    if saved:
+        raise ModelDirError(f"{what}, and it has no final model yet: export its newest checkpoint with "
+                            f"`shardlm export {saved[0].path} OUT` and pass --model OUT")
+    raise ModelDirError(f"{what}, and it has no final model or checkpoint yet")
+
+
 def load_for_generation(model_dir: str):
     """``(model, tokenizer.json path, eos ids)`` of a model directory, the model in eval mode on CUDA when
     there is one.
 
     Raises:
-        ModelDirError: no ``tokenizer.json`` beside ``config.json``, or an invalid model directory.
+        ModelDirError: a run directory (:func:`run_dir_model`), no ``tokenizer.json`` beside ``config.json``,
+        or an invalid model directory.
     """
     import torch
 
     from shardlm.convert.hf_in import load_model_dir, model_dir_special_ids
     from shardlm.errors import ModelDirError
 
+    run_dir_model(Path(model_dir))
     tok_path = Path(model_dir) / "tokenizer.json"
     if (Path(model_dir) / "config.json").is_file() and not tok_path.is_file():
         raise ModelDirError(f"{model_dir}: tokenizer.json not found")

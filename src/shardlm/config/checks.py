@@ -178,6 +178,9 @@ def validate_preference(cfg: Config) -> None:
                           f"{pref.loss!r})")
     if pref.rpo_alpha < 0:
         raise ConfigError(f"preference.rpo_alpha must be >= 0, got {pref.rpo_alpha}")
+    if pref.nll_tokens != "auto" and pref.loss != "orpo" and not pref.rpo_alpha:
+        raise ConfigError(f"preference.nll_tokens chooses the tokens of the NLL term, which loss "
+                          f"{pref.loss!r} has only with preference.rpo_alpha > 0")
     if pref.reference == "lora_base" and not cfg.lora.enabled:
         raise ConfigError("preference.reference = 'lora_base' needs lora.enabled = true (the base with the "
                           "adapters off is the reference)")

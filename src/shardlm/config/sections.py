@@ -268,7 +268,15 @@ class PreferenceConfig:
     rpo_alpha: float = 0.0
     """Weight α of an added NLL term on the chosen completions (mean over their tokens of the global batch;
     RPO, Pang et al. 2024; TRL's ``loss_type=["sigmoid", "sft"]`` with weights ``[1, α]``, CPO's
-    ``cpo_alpha``). ORPO always has this term with weight 1; α adds to it."""
+    ``cpo_alpha``). ORPO always has this term with weight 1; α adds to it. Which tokens: ``nll_tokens``."""
+    nll_tokens: Literal["auto", "completion", "prompt_and_completion"] = "auto"
+    """The tokens of the chosen sequences whose mean NLL is the NLL term (ORPO's, and ``rpo_alpha``'s):
+    ``completion``, the chosen completion's tokens (Hong et al. 2024's L_SFT; TRL's DPOTrainer ``sft`` and
+    CPOTrainer's ``cpo_alpha``); or ``prompt_and_completion``, every next-token target of prompt + chosen
+    completion, that is every token of the sequence but its first (TRL 1.16's ORPOTrainer). ``auto`` is
+    ``prompt_and_completion`` for ``orpo`` (as TRL's ORPOTrainer) and ``completion`` for the other losses.
+    Either way the mean is over those tokens of the whole global batch; the preference loss itself (rewards,
+    odds ratio, ``logps/*``) stays over the completions."""
     reference: Literal["auto", "model", "lora_base"] = "auto"
     """The reference policy of dpo / ipo / hinge: ``model``, a frozen copy FSDP-sharded beside the policy
     (eval, no gradients), loaded from ``reference_from``; ``lora_base``, the policy itself with its LoRA

@@ -225,7 +225,8 @@ class PreferencePairs:
     Attributes: ``dropped`` (pairs left out because the prompt alone fills ``max_length``, their JSONL lines
     in ``dropped_lines``), ``truncated`` (kept pairs with a sequence cut at ``max_length``), ``chosen_counts``
     / ``rejected_counts`` (int64 (n,): scored completion tokens of each kept pair: completion positions
-    in 1..seq_len).
+    in 1..seq_len), ``chosen_sequence_counts`` (int64 (n,): next-token targets of each prompt + chosen
+    completion, all of its tokens but the first).
 
     Raises:
         DataError: not a preference directory, or every pair's prompt fills ``max_length``.
@@ -254,6 +255,8 @@ class PreferencePairs:
         # scored completion tokens: positions max(prompt, 1) .. min(prompt + completion, max_length) - 1
         first = np.maximum(prompt, 1)
         self.chosen_counts = np.minimum(prompt + chosen, max_length) - first
+        # next-token targets of prompt + chosen: positions 1 .. min(prompt + chosen, max_length) - 1
+        self.chosen_sequence_counts = np.minimum(prompt + chosen, max_length) - 1
         self.rejected_counts = np.minimum(prompt + rejected, max_length) - first
         self.pad = (meta.get("special_ids") or {}).get("eos") or 0
 
@@ -267,9 +270,12 @@ class PreferencePairs:
                 f"(keep_start); {self.dropped} dropped: prompt fills max_length"
                 + (f" (lines {', '.join(map(str, self.dropped_lines[:5]))})" if self.dropped else ""))
 
-    def num_chosen_targets(self, ids: list[int]) -> int:
-        """Scored chosen-completion tokens of pairs ``ids`` (host arithmetic, no read of the tokens)."""
-        return int(self.chosen_counts[np.asarray(ids, dtype=np.int64)].sum()) if len(ids) else 0
+    def num_chosen_targets(self, ids: list[int], prompt: bool = False) -> int:
+        """Scored chosen-completion tokens of pairs ``ids`` or, with ``prompt``, the next-token targets of
+        their whole chosen sequences (prompt and completion: every token but the first) (host arithmetic, no
+        read of the tokens)."""
+        counts = self.chosen_sequence_counts if prompt else self.chosen_counts
+        return int(counts[np.asarray(ids, dtype=np.int64)].sum()) if len(ids) else 0
 
     def _row(self, out: torch.Tensor, row: int, start: int, prompt: int, offset: int, length: int) -> None:
         n = min(prompt + length, self.seq_len + 1)

@@ -117,6 +117,26 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device)
 
 
+class HostScalar:
+    """A 0-dim device value read on the host with as little waiting as possible: the copy starts at
+    construction (on CUDA asynchronously, into pinned memory, followed by an event), and :meth:`item` waits
+    for that copy only, so work queued in between (an optimizer step) keeps the device busy while the host
+    waits. On a CPU device the value is there at once."""
+
+    def __init__(self, value: torch.Tensor) -> None:
+        self._host = value.detach().to("cpu", non_blocking=True)
+        self._event = None
+        if value.is_cuda:
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def item(self) -> float:
+        """The value (the one host read; waits for the copy, not for what was queued after it)."""
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host.item()
+
+
 def process_group_kwargs(device: torch.device, backend: str, timeout: timedelta) -> dict:
     """Keyword arguments of ``init_process_group`` that depend on the device.
 

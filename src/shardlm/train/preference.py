@@ -17,10 +17,15 @@ difference (c: chosen, r: rejected)::
                                                                      ``simpo``)
     orpo    -β·logσ(Δavg - Δlog(1 - exp(avg)))                       Hong et al. 2024, Eqs. 4-7 (TRL
                                                                      ORPOTrainer), λ=β
-    + α·NLL   mean NLL of the chosen tokens (RPO, Pang et al. 2024; ORPO's L_SFT with weight 1 + α)
+    + α·NLL   mean NLL of the chosen sequences' tokens (RPO, Pang et al. 2024; ORPO's L_SFT with weight
+              1 + α), over ``preference.nll_tokens``: the completions' tokens (TRL's DPOTrainer ``sft``,
+              CPOTrainer's ``cpo_alpha``, the ORPO paper's L_SFT) or every next-token target of prompt +
+              completion (TRL 1.16's ORPOTrainer, whose ``concatenated_forward`` takes the cross-entropy of
+              the chosen rows' ``input_ids`` where ``attention_mask`` is 1, shifted by one; ``auto``: this
+              for orpo, the completions otherwise)
 
 The step's loss is the mean of the per-pair losses over the pairs of the whole global batch plus the NLL
-term's mean over the chosen tokens of the whole global batch; each micro-batch contributes its sums divided by
+term's mean over the NLL tokens of the whole global batch; each micro-batch contributes its sums divided by
 those global counts (known on the host), so N ranks equal one process. Rewards as TRL logs them: ``β·(logp -
 ref)`` (dpo / ipo / hinge), ``β·avg`` (simpo / orpo); ``logps/*`` are ``logp`` (dpo / ipo / hinge) or ``avg``
 (simpo / orpo), as the trainers return them; ``logits/*`` the mean over the completions' scored tokens of the
@@ -53,7 +58,10 @@ NEEDS_REFERENCE = ("dpo", "ipo", "hinge")
 #: per-micro-batch sums the step all-reduces, in this order (:meth:`PreferenceObjective.metrics` divides them)
 STAT_NAMES = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
               "logps/rejected", "logits/chosen", "logits/rejected", "tokens/chosen", "tokens/rejected",
-              "nll_loss")
+              "nll_loss", "tokens/nll")
+
+#: ``preference.nll_tokens`` values, ``auto`` resolved by :func:`nll_token_set`
+NLL_TOKEN_SETS = ("completion", "prompt_and_completion")
 
 
 def _token_logps(llama: nn.Module, hidden: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
@@ -73,24 +81,30 @@ def _token_logps(llama: nn.Module, hidden: Tensor, targets: Tensor) -> tuple[Ten
     return logp, logits.detach().mean(1)
 
 
-def head_logps(llama: nn.Module, hidden: Tensor, targets: Tensor, chunk_tokens: int) -> tuple[Tensor, Tensor]:
-    """Per sequence: summed log-probs of the scored targets, and the sum of their logits' vocabulary means.
+def head_logps(llama: nn.Module, hidden: Tensor, targets: Tensor, chunk_tokens: int,
+               nll_targets: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Per sequence: summed log-probs of the scored targets, the sum of their logits' vocabulary means, and
+    summed log-probs of the NLL term's targets.
 
     Args:
         llama: the :class:`~shardlm.model.llama.Llama` whose ``lm_head`` (any of its forms: plain, LoRA, NF4
             base) and ``final_logit_softcap`` make the logits, as its own forward does.
         hidden: (R, T, D) final-norm output, compute dtype; targets: (R, T) int64, ``IGNORE_INDEX``
         off-completion. chunk_tokens: scored tokens per chunk (0: one chunk of all). With gradients each chunk
-        is checkpointed: its
-            logits (chunk × V fp32) are freed after the forward and made again in the backward.
+        is checkpointed: its logits (chunk × V fp32) are freed after the forward and made again in the
+        backward. nll_targets: (R, T) int64, ``IGNORE_INDEX`` off the NLL term's tokens, equal to
+        ``targets`` wherever those are scored (a superset: the prompt's targets too), or None (the NLL term's
+        tokens are the scored ones). Every token of either set is projected once.
 
-    Returns ``(logps, logit_sums)``, both (R,) fp32; ``logit_sums`` has no gradient.
+    Returns ``(logps, logit_sums, nll_logps)``, each (R,) fp32: over ``targets``' scored tokens, and over
+    ``nll_targets``' (``logps`` itself when None); ``logit_sums`` has no gradient.
     """
     r, t, d = hidden.shape
     flat_t = targets.reshape(-1)
-    rows = (flat_t != IGNORE_INDEX).nonzero().squeeze(1)  # only the scored tokens are projected
+    flat_all = flat_t if nll_targets is None else nll_targets.reshape(-1)
+    rows = (flat_all != IGNORE_INDEX).nonzero().squeeze(1)  # only the scored tokens are projected
     h = hidden.reshape(-1, d).index_select(0, rows)
-    tgt = flat_t.index_select(0, rows)
+    tgt = flat_all.index_select(0, rows)
     n = h.shape[0]
     chunk = chunk_tokens or max(n, 1)
     logps, means = [], []
@@ -105,19 +119,54 @@ def head_logps(llama: nn.Module, hidden: Tensor, targets: Tensor, chunk_tokens: 
         means.append(mean)
     seq = rows // t
     out = torch.zeros(r, dtype=torch.float32, device=hidden.device)
-    return out.index_add(0, seq, torch.cat(logps)), out.index_add(0, seq, torch.cat(means))
+    lp, mean = torch.cat(logps), torch.cat(means)
+    if nll_targets is None:
+        summed = out.index_add(0, seq, lp)
+        return summed, out.index_add(0, seq, mean), summed
+    scored = flat_t.index_select(0, rows) != IGNORE_INDEX  # of the projected tokens, those of ``targets``
+    zero = lp.new_zeros(())
+    return (out.index_add(0, seq, torch.where(scored, lp, zero)),
+            out.index_add(0, seq, torch.where(scored, mean, zero)), out.index_add(0, seq, lp))
 
 
 def completion_logps(
-    model: nn.Module, inputs: Tensor, targets: Tensor, chunk_tokens: int
-) -> tuple[Tensor, Tensor]:
+    model: nn.Module, inputs: Tensor, targets: Tensor, chunk_tokens: int, nll_targets: Tensor | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`head_logps` of ``model`` (a Llama, FSDP-sharded or not) on ``inputs`` (R, T): one forward, the
     output head applied through the model's ``head`` argument (so FSDP's hooks of the root run as for the
     token loss)."""
-    def head(llama: nn.Module, hidden: Tensor) -> tuple[Tensor, Tensor]:
-        return head_logps(llama, hidden, targets, chunk_tokens)
+    def head(llama: nn.Module, hidden: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        return head_logps(llama, hidden, targets, chunk_tokens, nll_targets)
 
     return model(inputs, head=head)
+
+
+def nll_token_set(loss: str, nll_tokens: str) -> str:
+    """``preference.nll_tokens`` with ``auto`` resolved: ``prompt_and_completion`` for ``orpo`` (TRL 1.16's
+    ORPOTrainer), ``completion`` for the other losses (TRL's DPOTrainer ``sft``, CPOTrainer's
+    ``cpo_alpha``).
+
+    Raises:
+        ValueError: ``nll_tokens`` is none of ``auto``, ``completion``, ``prompt_and_completion``.
+    """
+    if nll_tokens == "auto":
+        return "prompt_and_completion" if loss == "orpo" else "completion"
+    if nll_tokens not in NLL_TOKEN_SETS:
+        raise ValueError(f"unknown nll_tokens {nll_tokens!r} (auto, {', '.join(NLL_TOKEN_SETS)})")
+    return nll_tokens
+
+
+def sequence_targets(batch: Tensor) -> Tensor:
+    """(R, T) int64 next-token targets of every row's whole sequence, prompt and completion (TRL's
+    ORPOTrainer: the row's ``input_ids`` where ``attention_mask`` is 1, shifted by one), ``IGNORE_INDEX`` on
+    the right padding, for a batch (R, 2, T + 1) of :meth:`shardlm.data.preference.PreferencePairs.get`: a
+    row's real tokens end where its completion (the last labelled token) ends; a row without a labelled token
+    has no target."""
+    tokens, labels = batch[:, 0, 1:], batch[:, 1, 1:]
+    position = torch.arange(1, labels.shape[1] + 1, device=labels.device)
+    # targets at positions < end: the labelled ones and every one before them
+    end = (labels.ne(IGNORE_INDEX) * position).amax(1, keepdim=True)
+    return torch.where(position <= end, tokens, IGNORE_INDEX)
 
 
 @contextlib.contextmanager
@@ -198,14 +247,19 @@ def nll_weight(loss: str, rpo_alpha: float) -> float:
     return (1.0 if loss == "orpo" else 0.0) + rpo_alpha
 
 
-def pair_stats(terms: PairTerms, logps: Tensor, logit_sums: Tensor, counts: Tensor) -> Tensor:
-    """The micro-batch's sums of :data:`STAT_NAMES`, (len(STAT_NAMES),) fp64 (no gradient)."""
+def pair_stats(terms: PairTerms, logit_sums: Tensor, counts: Tensor, nll_logps: Tensor,
+               nll_counts: Tensor) -> Tensor:
+    """The micro-batch's sums of :data:`STAT_NAMES`, (len(STAT_NAMES),) fp64 (no gradient).
+
+    Args: terms: :func:`pair_losses`' P pairs. logit_sums, counts: (2P,) of :func:`head_logps` and the
+    scored completion tokens of each row; nll_logps, nll_counts: (P,) the chosen rows' summed log-probs
+    over the NLL term's tokens and their number."""
     p = terms.losses.shape[0]
     c, r = terms.chosen_rewards, terms.rejected_rewards
     return torch.stack([
         c.sum(), r.sum(), (c > r).float().sum(), (c - r).sum(), terms.chosen_logps.sum(),
         terms.rejected_logps.sum(), logit_sums[:p].sum(), logit_sums[p:].sum(), counts[:p].sum().float(),
-        counts[p:].sum().float(), -logps[:p].detach().sum()]).double()
+        counts[p:].sum().float(), -nll_logps.detach().sum(), nll_counts.sum().float()]).double()
 
 
 def metrics_of(sums: list[float], pairs: int) -> dict[str, float]:
@@ -215,32 +269,39 @@ def metrics_of(sums: list[float], pairs: int) -> dict[str, float]:
     out = {k: s[k] / pairs for k in STAT_NAMES[:6]}
     out["logits/chosen"] = s["logits/chosen"] / max(s["tokens/chosen"], 1.0)
     out["logits/rejected"] = s["logits/rejected"] / max(s["tokens/rejected"], 1.0)
-    out["nll_loss"] = s["nll_loss"] / max(s["tokens/chosen"], 1.0)
+    out["nll_loss"] = s["nll_loss"] / max(s["tokens/nll"], 1.0)
     return out
 
 
 def micro_batch_loss(model: nn.Module, batch: Tensor, loss: str, beta: float, label_smoothing: float,
                      simpo_gamma: float, rpo_alpha: float, chunk_tokens: int, ref_logps: Tensor | None,
-                     global_pairs: int, global_chosen_tokens: int) -> tuple[Tensor, Tensor]:
+                     global_pairs: int, global_nll_tokens: int, nll_tokens: str = "auto"
+                     ) -> tuple[Tensor, Tensor]:
     """One micro-batch's share of the global batch's preference loss, and its :func:`pair_stats`.
 
     Args:
         batch: (2P, 2, T + 1) int64 from :meth:`shardlm.data.preference.PreferencePairs.get` (chosen rows
         first). ref_logps: (2P,) the reference's summed log-probs of the same rows (dpo / ipo / hinge), else
-        None. global_pairs, global_chosen_tokens: the pairs and the scored chosen tokens of the whole global
-        batch (all
-            ranks and micro-batches): the divisors of the two means.
+        None. global_pairs, global_nll_tokens: the pairs and the NLL term's chosen tokens of the whole global
+        batch (all ranks and micro-batches; :meth:`PreferencePairs.num_chosen_targets
+        <shardlm.data.preference.PreferencePairs.num_chosen_targets>` with ``prompt`` for
+        ``prompt_and_completion``): the divisors of the two means. nll_tokens: ``preference.nll_tokens``
+        (``auto`` resolved by :func:`nll_token_set`).
 
     Returns ``(loss, stats)``: a 0-dim fp32 tensor with gradient (summed over the micro-batches and ranks it
     is the step's loss), and (len(STAT_NAMES),) fp64.
     """
     inputs, targets = split_batch(batch)
-    logps, logit_sums = completion_logps(model, inputs, targets, chunk_tokens)
+    p = batch.shape[0] // 2
+    nll_targets = None
+    if nll_token_set(loss, nll_tokens) == "prompt_and_completion":  # the chosen rows' whole sequences
+        nll_targets = torch.cat([sequence_targets(batch[:p]), targets[p:]])
+    logps, logit_sums, nll_logps = completion_logps(model, inputs, targets, chunk_tokens, nll_targets)
     counts = targets.ne(IGNORE_INDEX).sum(1)
+    nll_counts = counts[:p] if nll_targets is None else nll_targets[:p].ne(IGNORE_INDEX).sum(1)
     terms = pair_losses(loss, beta, label_smoothing, simpo_gamma, logps, counts, ref_logps)
-    p = terms.losses.shape[0]
     total = terms.losses.sum() / global_pairs
     weight = nll_weight(loss, rpo_alpha)
     if weight:
-        total = total + weight * (-logps[:p].sum()) / max(global_chosen_tokens, 1)
-    return total, pair_stats(terms, logps, logit_sums, counts)
+        total = total + weight * (-nll_logps[:p].sum()) / max(global_nll_tokens, 1)
+    return total, pair_stats(terms, logit_sums, counts, nll_logps[:p], nll_counts)

@@ -55,6 +55,8 @@ from shardlm.train.preference import (
     completion_logps,
     metrics_of,
     micro_batch_loss,
+    nll_token_set,
+    nll_weight,
 )
 
 
@@ -178,11 +180,20 @@ class PreferenceObjective:
             ref += ", log-probs precomputed" + (" (reused)" if self.reused else "")
         return (f"{p.loss}, beta {p.beta:g}" + (f", gamma {p.simpo_gamma:g}" if p.loss == "simpo" else "")
                 + (f", label smoothing {p.label_smoothing:g}" if p.label_smoothing else "")
-                + (f", rpo_alpha {p.rpo_alpha:g}" if p.rpo_alpha else "") + f"; {ref}; {self.data.summary()}")
+                + (f", rpo_alpha {p.rpo_alpha:g}" if p.rpo_alpha else "")
+                + (f", NLL over the chosen {self.nll_tokens().replace('_', ' ')}"
+                   if nll_weight(p.loss, p.rpo_alpha) else "") + f"; {ref}; {self.data.summary()}")
+
+    def nll_tokens(self) -> str:
+        """The NLL term's tokens, ``preference.nll_tokens`` resolved (:func:`nll_token_set`)."""
+        p = self.cfg.preference
+        return nll_token_set(p.loss, p.nll_tokens)
 
     def normalisers(self, step_ids: list[int]) -> tuple[int, int]:
-        """The pairs and the scored chosen tokens of a global batch (host arithmetic)."""
-        return len(step_ids), self.data.num_chosen_targets(step_ids)
+        """The pairs and the NLL term's chosen tokens (the completions', or the whole sequences' targets) of
+        a global batch (host arithmetic)."""
+        prompt = self.nll_tokens() == "prompt_and_completion"
+        return len(step_ids), self.data.num_chosen_targets(step_ids, prompt=prompt)
 
     def reference_logps(self, model: nn.Module, batch: torch.Tensor, ids: list[int]) -> torch.Tensor | None:
         """(2P,) fp32 reference log-probs of a micro-batch's rows (chosen first), or None without
@@ -206,7 +217,7 @@ class PreferenceObjective:
         p = self.cfg.preference
         ref = self.reference_logps(model, batch, ids)
         return micro_batch_loss(model, batch, p.loss, p.beta, p.label_smoothing, p.simpo_gamma, p.rpo_alpha,
-                                self.cfg.train.loss_chunk_tokens, ref, norm[0], norm[1])
+                                self.cfg.train.loss_chunk_tokens, ref, norm[0], norm[1], p.nll_tokens)
 
     @staticmethod
     def zero_stats(device: torch.device) -> torch.Tensor:

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from shardlm.checkpoint.dcp import Checkpointer
+from shardlm.checkpoint.resume import check_resume_target
 from shardlm.checkpoint.run import resume_command, write_run_config
 from shardlm.config import Config, gradient_accumulation_steps
 from shardlm.config.layout import check_ranks
@@ -46,7 +47,7 @@ from shardlm.parallel import (
     set_gradient_sync,
 )
 from shardlm.parallel.cp import build_context_parallel
-from shardlm.parallel.dist import data_parallel_rank, set_matmul_precision, to_device
+from shardlm.parallel.dist import HostScalar, data_parallel_rank, set_matmul_precision, to_device
 from shardlm.parallel.faults import FaultMonitor, guard_collectives
 from shardlm.train.build import build_model, unwrap
 from shardlm.train.datasets import build_datasets, resolve_attention
@@ -101,6 +102,7 @@ class Trainer:
                 raise ConfigError(str(exc)) from None
         self.run_dir = run_dir(cfg)
         check_run_dir(cfg, self.run_dir)  # refused unless empty, resuming or run.overwrite; cleared below
+        check_resume_target(cfg)  # --resume=PATH not a checkpoint, or a refused change: before any data work
         start = time.perf_counter()
         # every rank encodes its share; waiting is on the store, not a collective
         prepare_data(cfg, self.info)
@@ -114,8 +116,7 @@ class Trainer:
         t = cfg.train
         self.special_ids = model_special_ids_of(self.meta)  # what every export and checkpoint records
         self.checkpointer = self._build_checkpointer()
-        #: model.attention as this run trains (``auto`` resolved in cfg: the checkpoint's, or the data's)
-        #: and why
+        #: model.attention as this run trains (``auto`` resolved in cfg: the checkpoint's, or the data's), why
         self.attention = resolve_attention(cfg, self.checkpointer.resumed_config())
         if self.attention.warning and self.info.is_main:
             print(self.attention.warning, file=sys.stderr, flush=True)
@@ -124,15 +125,13 @@ class Trainer:
         self.train_data, self.val_data, self.sampler = build_datasets(cfg, self.meta,
                                                                       self.attention_backend is not None)
         self.mesh = build_mesh(self.info, cfg.parallel) if cfg.parallel.mode != "single" else None
-        #: this rank's context-parallel group (shardlm/parallel/cp.py); one rank's, no split, at parallel.cp
-        #: = 1
+        #: this rank's context-parallel group (shardlm/parallel/cp.py); one rank's, no split, at parallel.cp=1
         self.cp = build_context_parallel(self.info, cfg.parallel.cp, cfg.parallel.tp)
         self.cp.check_sequence(t.seq_len)
         self.model, self.pretrained_load_stats = build_model(cfg, self.info, self.mesh, self.cp)
         # the data and the model are checked: only now may run.overwrite remove the previous run's files
         prepare_run_dir(cfg, self.info, self.run_dir)
-        #: the preference objective and its reference (shardlm/train/preference_step.py), None for
-        #: token losses
+        #: the preference objective and its reference (train/preference_step.py), None for token losses
         self.preference = (PreferenceObjective.build(cfg, self.info, self.mesh, self.model, self.train_data,
                                                      self.run_dir) if cfg.data.format == PREFERENCE else None)
         self.optimizer = build_optimizer(self.model, t, self.info.device)
@@ -142,8 +141,7 @@ class Trainer:
             apply_train_config(self.optimizer, self.scheduler, t, self.step)
         #: this run's id: new on a fresh start, the checkpoint's when resuming (shardlm/checkpoint/run.py)
         self.run_id: str = self.checkpointer.run_id
-        # MFU: model FLOPs per token (6N + 12·L·H·Q·T; per step: step_metrics.py) and the peak that
-        # runs (mfu.py)
+        # MFU: model FLOPs per token (6N + 12·L·H·Q·T; per step: step_metrics.py), the peak that runs (mfu.py)
         self.flops_per_token = model_flops_per_token(cfg.model, t.seq_len)
         self.peak = peak_flops_per_rank(cfg, self.info)
         self.preempted = False
@@ -187,10 +185,12 @@ class Trainer:
         Beyond FSDP's own collectives the step issues one all-reduce, the gradient norm's (see
         :func:`shardlm.train.optim.clip_grad_norm_`), which also carries the loss sum, the preemption flag
         and, when ``log``, each rank's memory figures in its own slots (a gather inside the sum). The target
-        count of the global batch is known on the host (see :meth:`_global_targets`): no collective. Nothing
-        is read to the host unless ``log``: then one transfer returns the step's record (global values and
-        per-rank summaries); otherwise None. A step whose loss or gradient norm is not finite is not applied
-        (nor is any after it); the next read raises :class:`NonFiniteError` naming it.
+        count of the global batch is known on the host (see :meth:`_global_targets`): no collective. When
+        ``log``, one transfer returns the step's record (global values and per-rank summaries); otherwise
+        None, and with checkpointing on the one read is the preemption flag (a scalar, :class:`HostScalar`):
+        a signal on any rank stops every rank after this step (:attr:`preempted`). A step whose loss or
+        gradient norm is not finite is not applied (nor is any after it); the next read of the record raises
+        :class:`NonFiniteError` naming it.
         """
         cfg, info, model = self.cfg, self.info, self.model
         start = time.perf_counter()
@@ -250,6 +250,8 @@ class Trainer:
             extras[len(extras) - n_stats:] = stats
         max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else math.inf
         grad_norm = clip_grad_norm_(model.parameters(), max_norm, extras)  # fp64: the same at any sharding
+        # the stop flag (a signal on any rank, summed above): read every step, every rank stops after this one
+        stop_flag = HostScalar(extras[1]) if cfg.checkpoint.enabled and not log else None
         loss_mean = extras[0] / float(n_tokens)
         self.nonfinite.check(self.step + 1, loss_mean, grad_norm, self.optimizer)
         lr = self.scheduler.get_last_lr()[0]
@@ -262,6 +264,7 @@ class Trainer:
         self._interval["seconds"] += time.perf_counter() - start
         self._interval["steps"] += 1
         if not log:
+            self.preempted = self.preempted or (stop_flag is not None and stop_flag.item() > 0)
             return None
         # the one host read of the step: global values, the sticky non-finite record, the per-rank slots
         values = torch.cat([torch.stack([loss_mean, grad_norm.to(loss_mean.device), extras[1]]),
@@ -372,25 +375,24 @@ class Trainer:
                 last = step == t.steps
                 evaluate = bool(t.eval_interval) and (step % t.eval_interval == 0 or last)
                 save = self.checkpointer.should_save(step, last)
-                # read to the host on logging, evaluation and save steps only (the read also checks for a
-                # non-finite step and a preemption signal on any rank)
+                # the record is read on logging, evaluation and save steps only (with the non-finite check)
                 log = step % t.log_interval == 0 or last or evaluate or save
                 self.checkpointer.check_background(step)  # a failed background save stops the run here
                 record = self.train_step(log=log)
-                if record is None:
-                    bar.update(1)
-                    continue
-                if evaluate:
-                    record["val_loss"] = self.evaluate()
-                record["elapsed_s"] = time.perf_counter() - job_start
-                self.logger.log(record)
-                self._remember(record)
-                bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}",
-                                mfu=f"{record['mfu']:.1%}",
-                                **({"val": f"{record['val_loss']:.3f}"} if "val_loss" in record else {}))
+                if record is not None:
+                    if evaluate:
+                        record["val_loss"] = self.evaluate()
+                    record["elapsed_s"] = time.perf_counter() - job_start
+                    self.logger.log(record)
+                    self._remember(record)
+                    bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}",
+                                    mfu=f"{record['mfu']:.1%}",
+                                    **({"val": f"{record['val_loss']:.3f}"} if "val_loss" in record else {}))
                 bar.update(1)  # after the postfix: a plain line printed now shows this step's values
                 if save or self.preempted:
                     # preempted: SIGINT/SIGTERM/SIGUSR1 on any rank before this step's all-reduce
+                    if record is None:  # a step not logged: its non-finite check before the save
+                        self.nonfinite.raise_if_recorded(self.nonfinite.record.tolist())
                     path = self.checkpointer.save(self.model, self.optimizer, self.scheduler, self.step)
                     if info.is_main:
                         bar.write(self.checkpointer.save_line(path))

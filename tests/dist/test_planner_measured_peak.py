@@ -40,7 +40,7 @@ CONFIGS = {
     # (plan/loss.py) they are -12.2 % and -10.6 to -14.1 % against the busiest rank: on gloo the peak moves
     # between ranks and steps (2.37-3.12 MB over 4 ranks with full checkpointing) with the timing of TP's
     # collectives (gloo's reduce_scatter_tensor clones its input; all-gathered inputs wait for their
-    # collectives). See README, "Tensor parallel".
+    # collectives). See docs/benchmarks.md, "Tensor parallel".
     "fsdp2_tp2_mb8": (4, {"parallel.tp": 2, "train.global_batch_size": 16, "train.micro_batch_size": 8},
                       "none"),
     "fsdp2_tp2_mb4_chunk64": (4,
@@ -60,7 +60,7 @@ MOE_CONFIGS = {"moe_fsdp2_mb4": (2, MOE, "none"), "moe_ep2_mb4": (2, {**MOE, "pa
 # Known gap, measured and left out of the bound: at 4 ranks with 2 micro-batches of 2 and full
 # activation checkpointing the planner predicts 2,365,780 bytes and the peak measures 2,786,576
 # (-15%): FSDP2 keeps more unsharded-gradient buffers alive between micro-batches there than the
-# replay models. See README, "Memory planner".
+# replay models. See docs/benchmarks.md, "Planner".
 # (The measured peak of a rank is the median of 3 steady-state steps: one step in about 4 measures one
 # group-sized buffer more, with the timing between the ranks; with a single step this case ranged from
 # -3.8% to -10.5% over 10 launches.)

@@ -241,10 +241,10 @@ def test_every_config_field_has_a_resume_rule():
     keys = list(flatten(Config().to_dict()))
     assert len(keys) > 50
     assert {rule(k)[0] for k in keys} == {"takes effect", "refused"}  # rule() raises for a field without one
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    for key in RULES:  # each rule is in the README's table (a row may list several fields of a section)
+    page = (Path(__file__).resolve().parents[2] / "docs" / "checkpoints.md").read_text()
+    for key in RULES:  # each rule is in the docs' resume table (a row may list several fields of a section)
         section, field = key.split(".")
-        assert f"`{key}`" in readme or f"`{field}`" in readme, key
+        assert f"`{key}`" in page or f"`{field}`" in page, key
 
 
 # ---- file-system faults and file modes (one process each) -------------------------------------------------

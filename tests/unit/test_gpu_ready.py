@@ -3,7 +3,7 @@ attention, MFU.
 
 The device-choice rules (TF32 on CUDA, one rank per GPU, ``device_id`` for NCCL, pinned host batches) are
 decision functions in ``shardlm/parallel/dist.py``; here they are called with CUDA devices described, not
-present. What only a GPU can show is run by ``bench/gpu_check.py`` (see README, "First GPU job").
+present. What only a GPU can show is run by ``bench/gpu_check.py`` (see docs/gpu.md).
 """
 
 from __future__ import annotations

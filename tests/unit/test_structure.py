@@ -1,5 +1,5 @@
 """The layout rules: no import cycle among shardlm's modules, imports at the top outside the CLI, a CLI that
-parses its arguments before importing torch, and a README layout table that matches the folders."""
+parses its arguments before importing torch, and a layout table in docs/design.md that matches the folders."""
 
 from __future__ import annotations
 
@@ -318,10 +318,10 @@ def test_help_shows_every_default(command):
     assert "(default:" in proc.stdout
 
 
-def test_readme_layout_matches_the_folders():
-    """Every package folder is in the README's layout table, each with an ``__init__`` docstring."""
-    readme = (ROOT / "README.md").read_text()
-    table = set(re.findall(r"^\| `src/shardlm/(\w+)/` \|", readme, flags=re.M))
+def test_design_page_layout_matches_the_folders():
+    """Every package folder is in the layout table of docs/design.md, each with an ``__init__`` docstring."""
+    page = (ROOT / "docs" / "design.md").read_text()
+    table = set(re.findall(r"^\| `src/shardlm/(\w+)/` \|", page, flags=re.M))
     folders = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
     assert table == folders
     for init in PACKAGE.glob("*/__init__.py"):

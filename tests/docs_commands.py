@@ -1,0 +1,438 @@
+"""The commands of README.md and docs/**/*.md, read and checked against the real parsers and config keys.
+
+Shared by tests/unit/test_docs_commands.py (every page checked statically) and tests/dist/test_docs_run.py
+(the ``run`` blocks executed). The convention (docs/design.md and the pages follow it): the line directly
+before a ```bash block that holds a shardlm or torchrun command is ``<!-- docs-test: run -->`` (the test runs
+the block as written) or ``<!-- docs-test: skip REASON -->`` (not run, REASON says why); either way its
+subcommands, flags, ``--section.key=value`` overrides and ``--config`` files are checked. ``--section.key``
+anywhere in a page, ``section.key = value`` in inline code and the keys of ```toml blocks are checked too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import re
+import shlex
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shardlm.cli import reference
+from shardlm.config.reference import config_keys, sections
+
+MARKER = re.compile(r"^<!--\s*docs-test:\s*(?P<verb>\S+)\s*(?P<reason>.*?)\s*-->$")
+FENCE = re.compile(r"^(?P<indent>\s*)(?P<fence>`{3,}|~{3,})\s*(?P<lang>[\w+-]*)")
+SHELL = {"bash", "sh", "shell"}
+#: ``--section.key`` anywhere in a page's text (prose, tables, code)
+DASHED_KEY = re.compile(r"(?<![\w.-])--(?P<section>[a-z_]+)\.(?P<key>[a-z_]+)\b")
+#: ``section.key = value`` (or ``section.key=value``) as a whole inline code span
+INLINE_SETTING = re.compile(r"`(?P<section>[a-z_]+)\.(?P<key>[a-z_]+)\s*=[^`]*`")
+CONTROL = {"&&", "||", ";", "|", "&", "|&", "(", ")", ";;", "{", "}"}
+REDIRECT = {">", ">>", "<", ">&", "&>", "<<<", ">|"}
+PYTHON = re.compile(r"^(.*/)?python(3(\.\d+)?)?$")
+
+
+@dataclass
+class Block:
+    """A fenced code block of a page: its language, text, 1-based line of the opening fence, and the
+    ``docs-test`` marker on the line before (verb ``run``/``skip``/other, reason; None: no marker)."""
+
+    page: str
+    line: int
+    lang: str
+    text: str
+    marker: str | None = None
+    reason: str = ""
+
+
+@dataclass
+class Command:
+    """One simple command of a shell block: its words (after ``VAR=value`` prefixes and redirections are
+    taken off) and the 1-based line of the page it starts on."""
+
+    words: list[str]
+    line: int
+
+
+@dataclass
+class Page:
+    """A page's blocks and the problems found in it (``"page:line: what"``)."""
+
+    path: str
+    text: str
+    blocks: list[Block] = field(default_factory=list)
+    orphan_markers: list[int] = field(default_factory=list)
+
+
+def page_order(root: Path) -> list[str]:
+    """README.md, then the pages of mkdocs.yml's nav in order, then any other docs/**/*.md (sorted), as
+    paths relative to ``root``."""
+    nav = []
+    mkdocs = root / "mkdocs.yml"
+    if mkdocs.is_file():
+        text = mkdocs.read_text()
+        nav_part = text[text.index("\nnav:") :] if "\nnav:" in text else ""
+        nav = ["docs/" + m for m in re.findall(r":\s*([\w./-]+\.md)\s*$", nav_part, flags=re.M)]
+    found = sorted(p.relative_to(root).as_posix() for p in (root / "docs").rglob("*.md"))
+    pages = (["README.md"] if (root / "README.md").is_file() else []) + [p for p in nav if p in found]
+    return pages + [p for p in found if p not in pages]
+
+
+def read_page(root: Path, name: str) -> Page:
+    """The fenced blocks of page ``name`` with their markers; a marker line not directly followed by a
+    fence is recorded in ``orphan_markers``."""
+    lines = (root / name).read_text().splitlines()
+    page = Page(name, "\n".join(lines))
+    i = 0
+    while i < len(lines):
+        m = FENCE.match(lines[i])
+        if not m:
+            if MARKER.match(lines[i].strip()) and not (i + 1 < len(lines) and FENCE.match(lines[i + 1])):
+                page.orphan_markers.append(i + 1)
+            i += 1
+            continue
+        fence, indent = m.group("fence"), len(m.group("indent"))
+        body, j = [], i + 1
+        while j < len(lines) and not lines[j].strip().startswith(fence):
+            body.append(lines[j][indent:] if lines[j][:indent].isspace() else lines[j].lstrip())
+            j += 1
+        marker = MARKER.match(lines[i - 1].strip()) if i > 0 else None
+        page.blocks.append(Block(name, i + 1, m.group("lang").lower(), "\n".join(body),
+                                 marker.group("verb") if marker else None,
+                                 marker.group("reason") if marker else ""))
+        i = j + 1
+    return page
+
+
+def split_commands(text: str, first_line: int) -> tuple[list[Command], list[tuple[str, str, int]], list[str]]:
+    """The simple commands of a shell block whose first line is line ``first_line`` of its page, its
+    here-documents as ``(target file, body, line)`` and the
+    files its redirections write (``> FILE``, ``tee FILE``).
+
+    Lines joined at a trailing backslash; comments dropped; split at ``&&``, ``||``, ``;``, ``|``;
+    leading ``VAR=value`` words and redirections taken off.
+
+    Raises:
+        ValueError: a line shlex cannot split (an unbalanced quote), naming the line.
+    """
+    lines = text.split("\n")
+    commands, heredocs, written = [], [], []
+    i = 0
+    while i < len(lines):
+        start = i
+        logical = lines[i]
+        while logical.endswith("\\") and i + 1 < len(lines):
+            i += 1
+            logical = logical[:-1] + " " + lines[i]
+        i += 1
+        here = re.search(r"<<-?\s*(['\"]?)(\w+)\1", logical)
+        if here:
+            body = []
+            while i < len(lines) and lines[i].strip() != here.group(2):
+                body.append(lines[i])
+                i += 1
+            i += 1
+            logical = logical[:here.start()] + logical[here.end():]
+            target = re.search(r"(?:>|\btee)\s+(['\"]?)([^\s'\"|;&]+)\1", logical)
+            heredocs.append((target.group(2) if target else "", "\n".join(body), first_line + start))
+        lexer = shlex.shlex(logical, posix=True, punctuation_chars=True)
+        lexer.whitespace_split = True
+        try:
+            words = list(lexer)
+        except ValueError as e:
+            line = first_line + start
+            raise ValueError(f"{line}: cannot split {logical!r} as the shell would: {e}") from None
+        current: list[str] = []
+        for word in [*words, ";"]:
+            if word not in CONTROL:
+                current.append(word)
+                continue
+            current, files = _without_redirections(current)
+            written += files
+            if current:
+                commands.append(Command(current, first_line + start))
+            current = []
+    for cmd in commands:
+        if cmd.words[0] == "tee":
+            written += [w for w in cmd.words[1:] if not w.startswith("-")]
+    return commands, heredocs, written
+
+
+def _without_redirections(words: list[str]) -> tuple[list[str], list[str]]:
+    """``words`` without redirections (``> f``, ``2>&1``...) and leading ``VAR=value`` assignments, and the
+    files written by ``>``/``>>``."""
+    out, written, skip = [], [], False
+    for k, word in enumerate(words):
+        if skip:
+            skip = False
+            if words[k - 1] in (">", ">>", ">|"):
+                written.append(word)
+            continue
+        if word in REDIRECT:
+            skip = True
+            if out and out[-1].isdigit():
+                out.pop()
+            continue
+        out.append(word)
+    while out and re.match(r"^[A-Za-z_]\w*=", out[0]):
+        out.pop(0)
+    return out, written
+
+
+class ParseError(Exception):
+    """argparse's error message, raised instead of its exit."""
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """``parser.parse_known_args(argv)`` with argparse's errors (of the parser or a subparser) raised as
+    :class:`ParseError` and ``--help`` printing nothing.
+
+    Raises:
+        ParseError: what argparse would print after ``error:``.
+    """
+
+    def error(message: str) -> None:
+        raise ParseError(message)
+
+    stack = [parser]
+    while stack:
+        p = stack.pop()
+        p.error = error  # type: ignore[method-assign]
+        stack += [sub for sub, _ in reference.subcommands(p).values()]
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        try:
+            return parser.parse_known_args(argv)
+        except SystemExit:  # --help
+            return argparse.Namespace(help=True), []
+
+
+def shardlm_start(words: list[str]) -> tuple[str, list[str]] | None:
+    """Where a shardlm command starts in a simple command's words (after wrappers such as ``srun ...``,
+    ``timeout 60``): ``("shardlm", args)``, ``("-m MODULE", args)`` for ``python -m shardlm...``, or
+    ``("torchrun", args)``; None for any other command."""
+    for k, word in enumerate(words):
+        if word == "shardlm" or word.endswith("/shardlm"):
+            return "shardlm", words[k + 1:]
+        if word == "torchrun" or word.endswith("/torchrun"):
+            return "torchrun", words[k + 1:]
+        if PYTHON.match(word) and words[k + 1:k + 2] == ["-m"] and len(words) > k + 2:
+            module = words[k + 2]
+            if module == "torch.distributed.run":
+                return "torchrun", words[k + 3:]
+            if module == "shardlm" or module.startswith("shardlm."):
+                return f"-m {module}", words[k + 3:]
+    return None
+
+
+@dataclass
+class Checker:
+    """Checks the commands of one repository (``root``) against this source tree's parsers and config."""
+
+    root: Path
+    keys: set[str] = field(default_factory=config_keys)
+    #: the parsers of :func:`shardlm.cli.reference.programs` (built once: a few ms each)
+    programs: dict[str, argparse.ArgumentParser] = field(default_factory=reference.programs)
+
+    def key_problem(self, section: str, key: str) -> str | None:
+        """Why ``section.key`` is no config key (None: it is one)."""
+        if f"{section}.{key}" in self.keys:
+            return None
+        if section not in sections() and section != "data.sources":
+            return f"unknown config section '{section}' in {section}.{key}"
+        return f"unknown config key {section}.{key}"
+
+    def check_page(self, page: Page) -> list[str]:
+        """The problems of one page, each ``"page:line: what"``."""
+        out = [f"{page.path}:{n}: a docs-test marker not directly followed by a ``` block" for n in
+               page.orphan_markers]
+        lines = page.text.split("\n")
+        sections_named = set(sections())
+        # shell and TOML blocks are checked as commands and tables below
+        checked = {b.line + k for b in page.blocks if b.lang in SHELL | {"toml"}
+                   for k in range(len(b.text.split("\n")) + 2)}
+        for n, line in enumerate(lines, 1):
+            if n in checked:
+                continue
+            for m in list(DASHED_KEY.finditer(line)) + list(INLINE_SETTING.finditer(line)):
+                if m.group("section") in sections_named and (why := self.key_problem(m["section"], m["key"])):
+                    out.append(f"{page.path}:{n}: {why}")
+        written: set[str] = set()
+        for block in page.blocks:
+            where = f"{page.path}:{block.line}"
+            if block.lang not in SHELL:
+                if block.marker is not None:
+                    out.append(f"{where}: a docs-test marker before a ```{block.lang or 'plain'} block (only "
+                               "```bash blocks are run or checked as commands)")
+                if block.lang == "toml":
+                    out += [f"{where}: {p}" for p in self.toml_problems(block.text)]
+                continue
+            try:
+                commands, heredocs, files = split_commands(block.text, block.line + 1)
+            except ValueError as e:
+                out.append(f"{page.path}:{e}")
+                continue
+            for target, body, line in heredocs:
+                written.add(target)
+                if target.endswith(".toml"):
+                    out += [f"{page.path}:{line}: {p}" for p in self.toml_problems(body)]
+            shardlm_commands = [(c, s) for c in commands if (s := shardlm_start(c.words))]
+            if shardlm_commands or block.marker is not None:
+                if block.marker is None:
+                    out.append(f"{where}: a ```bash block with a shardlm/torchrun command needs "
+                               "'<!-- docs-test: run -->' or '<!-- docs-test: skip REASON -->' on the line "
+                               "before it")
+                elif block.marker not in ("run", "skip"):
+                    out.append(f"{where}: unknown docs-test marker '{block.marker}' (run or skip REASON)")
+                elif block.marker == "skip" and not block.reason:
+                    out.append(f"{where}: '<!-- docs-test: skip -->' needs a reason (why it is not run)")
+            for command, (kind, args) in shardlm_commands:
+                for problem in self.command_problems(kind, args, written):
+                    out.append(f"{page.path}:{command.line}: {problem} (in: {shlex.join(command.words)})")
+                if kind == "shardlm" and args[:1] == ["tune"]:
+                    parsed, _ = _parse(self.programs["shardlm tune"], args[1:])
+                    written.add(getattr(parsed, "out", None) or "")
+            written |= set(files)
+        return out
+
+    def toml_problems(self, text: str) -> list[str]:
+        """Unknown keys of a TOML text whose tables are config sections (a snippet that does not parse, or
+        whose tables are no config sections, e.g. pyproject.toml, is not checked)."""
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError:
+            return []
+        if not set(data) & set(sections()):
+            return []
+        out = []
+        for section, table in data.items():
+            if not isinstance(table, dict):
+                out.append(f"'{section}' is not a [section] table")
+                continue
+            for key, value in table.items():
+                if (why := self.key_problem(section, key)):
+                    out.append(why)
+                elif section == "data" and key == "sources" and isinstance(value, list):
+                    out += [why for item in value if isinstance(item, dict) for k in item
+                            if (why := self.key_problem("data.sources", k))]
+        return out
+
+    def command_problems(self, kind: str, args: list[str], written: set[str]) -> list[str]:
+        """What is wrong with one shardlm command line (``kind`` and ``args`` from :func:`shardlm_start`):
+        an unknown subcommand or flag, a bad value of a flag (as argparse says), an override that is no
+        config key or lacks ``=value``, a ``--config`` file that neither exists nor was written earlier on
+        the page."""
+        programs = self.programs
+        values = [re.sub(r"\$\{?\w+\}?|\$\([^)]*\)", "1", a) for a in args]  # shell variables: any value
+        dollar = {v for v, a in zip(values, args) if v != a}
+        if kind == "torchrun":
+            from torch.distributed.run import get_args_parser
+
+            try:
+                parsed, rest = _parse(get_args_parser(), values)
+            except ParseError as e:
+                return [f"torchrun: {e}"]
+            if not getattr(parsed, "module", False) or not parsed.training_script.startswith("shardlm"):
+                return []
+            kind, values = f"-m {parsed.training_script}", parsed.training_script_args + rest
+        if kind in ("-m shardlm", "-m shardlm.data"):
+            values = (["prepare"] if kind == "-m shardlm.data" else []) + values
+            kind = "shardlm"
+        if kind == "shardlm":
+            parser, name = programs["shardlm"], "shardlm"
+        elif kind in ("-m shardlm.train", "-m shardlm.eval"):
+            name = f"python {kind}"
+            parser = programs[name]
+        elif kind == "-m shardlm.cli.reference":
+            return []
+        else:
+            return [f"python {kind}: no such shardlm module to run"]
+        try:
+            parsed, rest = _parse(parser, values)
+        except ParseError as e:
+            return [f"{name}: {e}"]
+        if getattr(parsed, "help", False):
+            return []
+        program = programs.get(f"shardlm {parsed.command}") if name == "shardlm" else parser
+        configs = getattr(parsed, "config", None)
+        configs = [configs] if isinstance(configs, str) else list(configs or [])
+        if parsed.__dict__.get("fn") is not None and parsed.command == "train":
+            try:
+                launched, rest = _parse(programs["python -m shardlm.train"], rest)
+            except ParseError as e:
+                return [f"shardlm train: {e}"]
+            configs += launched.config or []
+        out = []
+        takes = reference.takes_overrides(program)
+        for item in rest:
+            if not takes:
+                out.append(f"{program.prog}: unknown argument {item}")
+            elif not item.startswith("--") or "." not in item.split("=", 1)[0]:
+                out.append(f"{program.prog}: unknown argument {item}")
+            elif "=" not in item:
+                out.append(f"{program.prog}: {item} needs =VALUE (overrides are --section.key=value)")
+            else:
+                section, _, key = item[2:].split("=", 1)[0].partition(".")
+                if (why := self.key_problem(section, key)):
+                    out.append(f"{program.prog}: {why}")
+        for path in configs:
+            if path not in dollar and path not in written and not (self.root / path).is_file():
+                out.append(f"config file {path} does not exist (not in the repository, nor written earlier "
+                           "on the page)")
+        return out
+
+
+def check_docs(root: Path, checker: Checker | None = None) -> list[str]:
+    """Every problem of every page under ``root`` (README.md and docs/**/*.md), ``"page:line: what"``."""
+    checker = checker or Checker(root)
+    return [p for name in page_order(root) for p in checker.check_page(read_page(root, name))]
+
+
+def run_blocks(root: Path, name: str) -> list[Block]:
+    """The ``<!-- docs-test: run -->`` shell blocks of page ``name``, in page order."""
+    return [b for b in read_page(root, name).blocks if b.marker == "run" and b.lang in SHELL]
+
+
+def anchors(text: str) -> set[str]:
+    """The heading anchors of a Markdown text as GitHub and the site (mkdocs.yml's toc slugify) make them:
+    lower case, punctuation dropped, every space a hyphen, ``-1``, ``-2`` on repeats; code blocks skipped."""
+    from pymdownx.slugs import slugify
+
+    slug = slugify(case="lower")
+    out: set[str] = set()
+    fence = None
+    for line in text.split("\n"):
+        m = FENCE.match(line)
+        if m and (fence is None or m.group("fence").startswith(fence)):
+            fence = None if fence else m.group("fence")[:3]
+            continue
+        heading = re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if fence is None and heading:
+            plain = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading.group(1)).replace("`", "")
+            base = slug(plain, "-")
+            name, n = base, 0
+            while name in out:
+                n += 1
+                name = f"{base}-{n}"
+            out.add(name)
+    return out
+
+
+def readme_link_problems(root: Path) -> list[str]:
+    """README.md's relative links whose file (or the heading anchor in a Markdown target) does not exist:
+    the site's strict build checks docs/, not the README."""
+    text = (root / "README.md").read_text()
+    out = []
+    for n, line in enumerate(text.split("\n"), 1):
+        for target in re.findall(r"\]\(([^)\s]+)\)", line):
+            if re.match(r"^[a-z]+:", target):
+                continue  # http:, https:, mailto:
+            path, _, anchor = target.partition("#")
+            file = (root / path) if path else root / "README.md"
+            if not file.exists():
+                out.append(f"README.md:{n}: link to {target}: {path} does not exist")
+            elif anchor and file.suffix == ".md" and anchor not in anchors(file.read_text()):
+                out.append(f"README.md:{n}: link to {target}: no heading with the anchor #{anchor} in "
+                           f"{path or 'README.md'}")
+    return out

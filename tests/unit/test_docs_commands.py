@@ -1,0 +1,169 @@
+"""Every command in README.md and docs/**/*.md is checked against the real parsers and config keys
+(tests/docs_commands.py): subcommands, flags, ``--section.key`` overrides anywhere in a page, ``--config``
+files, the ``docs-test`` marker before each command block; the README's links resolve. A renamed config key
+fails the check, naming the key."""
+
+from __future__ import annotations
+
+import dataclasses
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import docs_commands
+from conftest import ROOT
+from shardlm.config import reference as config_reference
+from shardlm.config.sections import DataConfig
+
+
+def test_every_command_in_the_docs_is_valid():
+    problems = docs_commands.check_docs(ROOT)
+    assert not problems, "commands in the docs that shardlm would refuse:\n" + "\n".join(problems)
+    readme = docs_commands.read_page(ROOT, "README.md")
+    commands = [c for b in readme.blocks if b.lang in docs_commands.SHELL
+                for c in docs_commands.split_commands(b.text, b.line + 1)[0]]
+    checked = [c for c in commands if docs_commands.shardlm_start(c.words)]
+    assert len(checked) >= 3, "the README's shardlm commands were not found: the check would see nothing"
+
+
+def test_the_readme_links_resolve():
+    problems = docs_commands.readme_link_problems(ROOT)
+    assert not problems, "\n".join(problems)
+
+
+def write_page(root: Path, text: str) -> None:
+    (root / "configs").mkdir(parents=True, exist_ok=True)
+    (root / "configs" / "a.toml").write_text("[train]\nsteps = 2\n")
+    (root / "docs").mkdir(exist_ok=True)
+    (root / "README.md").write_text("# r\n")
+    (root / "docs" / "page.md").write_text(textwrap.dedent(text))
+
+
+FIXTURE = '''\
+# A page
+
+<!-- docs-test: run -->
+```bash
+shardlm train --nproc-per-node 2 --config configs/a.toml --resume=auto --data.pack=true
+OMP_NUM_THREADS=1 srun --nodes=2 torchrun --nnodes=2 --nproc_per_node=4 --rdzv-backend=c10d \\
+    --rdzv-endpoint=$HEAD:29500 -m shardlm.train --config configs/a.toml --train.steps=5 2>&1 | tee log.txt
+python -m shardlm.data --config configs/a.toml --workers 2 && shardlm plan configs/a.toml --world-size 8 \\
+    --parallel.tp=2
+cat > mine.toml <<'EOF'
+[data]
+pack = true
+EOF
+shardlm tune configs/a.toml --world-size 2 --out t.toml && shardlm train --config mine.toml --config t.toml
+shardlm generate --model runs/a/final --prompt 'ROMEO\\n' --help
+```
+
+Set `data.pack = true`, or `--checkpoint.async=true`; `model.safetensors` is a file.
+
+```bash
+shardlm trian --config configs/a.toml
+```
+
+<!-- docs-test: skip -->
+```bash
+shardlm generate --model m --tempreature 0.5
+shardlm generate --model m --train.steps=1
+torchrun --standalone --nproc_per_node=2 -m shardlm.train --config configs/a.toml --train.step=5
+shardlm prepare --config configs/nope.toml --train.steps 50
+```
+
+Prose: `--lora.rnk=4` and `data.packing = true`.
+
+<!-- docs-test: sometimes -->
+```toml
+[train]
+step = 5
+```
+
+<!-- docs-test: run -->
+
+```bash
+echo the marker is not directly before this block
+```
+'''
+
+
+def test_the_check_finds_each_kind_of_mistake_and_passes_the_rest(tmp_path):
+    write_page(tmp_path, FIXTURE)
+    problems = docs_commands.check_docs(tmp_path)
+    p = "docs/page.md"
+    # argparse's wording of the choices differs between Python versions
+    typo = [n for n, problem in enumerate(problems) if "trian" in problem]
+    assert typo == [4], problems
+    assert problems[4].startswith(f"{p}:21: shardlm: argument command: invalid choice: 'trian' (choose from ")
+    assert problems[4].endswith(" (in: shardlm trian --config configs/a.toml)")
+    assert problems[:4] + problems[5:] == [
+        f"{p}:40: a docs-test marker not directly followed by a ``` block",
+        f"{p}:32: unknown config key lora.rnk",
+        f"{p}:32: unknown config key data.packing",
+        f"{p}:20: a ```bash block with a shardlm/torchrun command needs '<!-- docs-test: run -->' or "
+        "'<!-- docs-test: skip REASON -->' on the line before it",
+        f"{p}:25: '<!-- docs-test: skip -->' needs a reason (why it is not run)",
+        f"{p}:26: shardlm generate: unknown argument --tempreature (in: shardlm generate --model m "
+        "--tempreature 0.5)",
+        f"{p}:26: shardlm generate: unknown argument 0.5 (in: shardlm generate --model m --tempreature 0.5)",
+        f"{p}:27: shardlm generate: unknown argument --train.steps=1 (in: shardlm generate --model m "
+        "--train.steps=1)",
+        f"{p}:28: torchrun --nproc_per_node=N -m shardlm.train: unknown config key train.step (in: torchrun "
+        "--standalone --nproc_per_node=2 -m shardlm.train --config configs/a.toml --train.step=5)",
+        f"{p}:29: shardlm prepare: --train.steps needs =VALUE (overrides are --section.key=value) (in: "
+        "shardlm prepare --config configs/nope.toml --train.steps 50)",
+        f"{p}:29: shardlm prepare: unknown argument 50 (in: shardlm prepare --config configs/nope.toml "
+        "--train.steps 50)",
+        f"{p}:29: config file configs/nope.toml does not exist (not in the repository, nor written earlier "
+        "on the page) (in: shardlm prepare --config configs/nope.toml --train.steps 50)",
+        f"{p}:35: a docs-test marker before a ```toml block (only ```bash blocks are run or checked as "
+        "commands)",
+        f"{p}:35: unknown config key train.step"]
+
+
+def test_a_renamed_config_key_fails_the_check_naming_it(tmp_path, monkeypatch):
+    """The keys come from the config dataclasses: rename ``DataConfig.pack`` to ``packing`` (as a refactor
+    would) and every page that names ``data.pack`` fails, naming the page, the line and the key."""
+    write_page(tmp_path, "Packing: `data.pack = true`.\n\n<!-- docs-test: run -->\n```bash\n"
+                         "shardlm prepare --config configs/a.toml --data.pack=true\n```\n")
+    assert docs_commands.check_docs(tmp_path) == []
+    fields = [(f.name if f.name != "pack" else "packing", f.type, f) for f in dataclasses.fields(DataConfig)]
+    renamed = dataclasses.make_dataclass("DataConfig", fields)
+    real = config_reference.sections()
+    monkeypatch.setattr(config_reference, "sections", lambda: {**real, "data": renamed})
+    assert "data.packing" in config_reference.config_keys()
+    checker = docs_commands.Checker(tmp_path, keys=config_reference.config_keys())
+    assert docs_commands.check_docs(tmp_path, checker) == [
+        "docs/page.md:1: unknown config key data.pack",
+        "docs/page.md:5: shardlm prepare: unknown config key data.pack (in: shardlm prepare --config "
+        "configs/a.toml --data.pack=true)"]
+    # the real pages: the same rename fails wherever they name the key
+    named = [p for p in docs_commands.check_docs(ROOT, docs_commands.Checker(ROOT, keys=checker.keys))
+             if "data.pack" in p]
+    if "data.pack" in "".join((ROOT / name).read_text() for name in docs_commands.page_order(ROOT)):
+        assert named and all(p.split(":")[0] in docs_commands.page_order(ROOT) for p in named), named
+
+
+def test_split_commands_follows_the_shell():
+    commands, heredocs, written = docs_commands.split_commands(
+        "A=1 shardlm x --y 'a b' # comment\nshardlm p \\\n  --q=1 > out.txt 2>&1; echo ok\n"
+        "cat > c.toml <<EOF\n[train]\nsteps = 1\nEOF\ntee -a t.log", 10)
+    assert [(c.words, c.line) for c in commands] == [
+        (["shardlm", "x", "--y", "a b"], 10), (["shardlm", "p", "--q=1"], 11), (["echo", "ok"], 11),
+        (["cat"], 13), (["tee", "-a", "t.log"], 17)]
+    assert heredocs == [("c.toml", "[train]\nsteps = 1", 13)]
+    assert written == ["out.txt", "c.toml", "t.log"]
+    with pytest.raises(ValueError, match="^12: cannot split"):
+        docs_commands.split_commands("ok\n\nshardlm 'x", 10)
+
+
+def test_the_readme_link_check_finds_a_missing_file_and_anchor(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "data.md").write_text("# Data\n\n## HSDP / TP\n\n```bash\n# not a heading\n```\n")
+    (tmp_path / "README.md").write_text("[a](docs/data.md#hsdp--tp) [b](docs/data.md#not-a-heading)\n"
+                                        "[c](docs/gone.md) [d](https://x.org/y) [e](#top)\n# Top\n")
+    assert docs_commands.readme_link_problems(tmp_path) == [
+        "README.md:1: link to docs/data.md#not-a-heading: no heading with the anchor #not-a-heading in "
+        "docs/data.md",
+        "README.md:2: link to docs/gone.md: docs/gone.md does not exist"]

@@ -13,8 +13,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import os
 import re
 import shlex
+import signal
+import subprocess
+import sys
+import time
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -436,3 +441,51 @@ def readme_link_problems(root: Path) -> list[str]:
                 out.append(f"README.md:{n}: link to {target}: no heading with the anchor #{anchor} in "
                            f"{path or 'README.md'}")
     return out
+
+
+@dataclass
+class BlockRun:
+    """What running a ``run`` block did: exit code (None: killed at the timeout), wall seconds, output."""
+
+    block: Block
+    returncode: int | None
+    seconds: float
+    output: str
+
+    def failure(self, tail: int = 3000) -> str | None:
+        """``"page:line: ..."`` with the end of the output when the block failed; None when it passed."""
+        if self.returncode == 0:
+            return None
+        what = f"timed out after {self.seconds:.0f} s" if self.returncode is None else \
+            f"failed (exit {self.returncode}) after {self.seconds:.1f} s"
+        where = f"{self.block.page}:{self.block.line}"
+        return f"{where}: the block {what}; its output ends:\n{self.output[-tail:]}"
+
+
+def docs_env(root: Path) -> dict[str, str]:
+    """The environment a documented command runs in: one thread per process, this tree's ``src`` first on
+    the path (the ``shardlm`` command beside this Python then runs this tree's code)."""
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = str(root / "src")
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    return env
+
+
+def run_block(block: Block, cwd: Path, env: dict[str, str], timeout: float) -> BlockRun:
+    """Run ``block`` exactly as written with ``bash -e -o pipefail`` in ``cwd``; past ``timeout`` seconds
+    its whole process group is killed. Whatever it started that is still running at its end is ended."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(["bash", "-e", "-o", "pipefail", "-c", block.text], cwd=cwd, env=env, text=True,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+        code: int | None = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        code = None
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    return BlockRun(block, code, time.perf_counter() - start, output)

@@ -167,3 +167,22 @@ def test_the_readme_link_check_finds_a_missing_file_and_anchor(tmp_path):
         "README.md:1: link to docs/data.md#not-a-heading: no heading with the anchor #not-a-heading in "
         "docs/data.md",
         "README.md:2: link to docs/gone.md: docs/gone.md does not exist"]
+
+
+def test_a_failing_run_block_is_named_by_page_and_line_with_its_output(tmp_path):
+    """The runner of tests/dist/test_docs_run.py: blocks run in order in one directory, ``-e`` stops a block
+    at its first failing command, ``pipefail`` sees a failure inside a pipe, a hang is killed at the
+    timeout."""
+    run = "<!-- docs-test: run -->\n```bash\n"
+    write_page(tmp_path, f"{run}echo one > f.txt\n```\n\n{run}cat f.txt\nfalse\necho not reached\n```\n\n"
+                         f"{run}false | cat\n```\n\n{run}sleep 30\n```\n")
+    blocks = docs_commands.run_blocks(tmp_path, "docs/page.md")
+    assert [b.line for b in blocks] == [2, 7, 14, 19]
+    env = docs_commands.docs_env(ROOT)
+    runs = [docs_commands.run_block(b, tmp_path, env, timeout=3) for b in blocks]
+    assert [r.returncode for r in runs] == [0, 1, 1, None]
+    assert runs[0].failure() is None and runs[1].output == "one\n"
+    assert runs[1].failure().startswith("docs/page.md:7: the block failed (exit 1) after ")
+    assert runs[1].failure().endswith("; its output ends:\none\n")
+    assert runs[3].failure().startswith("docs/page.md:19: the block timed out after 3 s")
+    assert runs[3].seconds < 10

@@ -296,8 +296,9 @@ class Checker:
                 for problem in self.command_problems(kind, args, written):
                     out.append(f"{page.path}:{command.line}: {problem} (in: {shlex.join(command.words)})")
                 if kind == "shardlm" and args[:1] == ["tune"]:
-                    parsed, _ = _parse(self.programs["shardlm tune"], args[1:])
-                    written.add(getattr(parsed, "out", None) or "")
+                    with contextlib.suppress(ParseError):
+                        parsed, _ = _parse(self.programs["shardlm tune"], args[1:])
+                        written.add(parsed.out or f"{Path(parsed.config).stem}.tuned.toml")  # its default
             written |= set(files)
         return out
 

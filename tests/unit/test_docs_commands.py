@@ -128,8 +128,11 @@ def test_a_renamed_config_key_fails_the_check_naming_it(tmp_path, monkeypatch):
     write_page(tmp_path, "Packing: `data.pack = true`.\n\n<!-- docs-test: run -->\n```bash\n"
                          "shardlm prepare --config configs/a.toml --data.pack=true\n```\n")
     assert docs_commands.check_docs(tmp_path) == []
-    fields = [(f.name if f.name != "pack" else "packing", f.type, f) for f in dataclasses.fields(DataConfig)]
+    fields = [(f.name if f.name != "pack" else "packing", f.type,
+               dataclasses.field(default=f.default, default_factory=f.default_factory))  # new Field objects
+              for f in dataclasses.fields(DataConfig)]
     renamed = dataclasses.make_dataclass("DataConfig", fields)
+    assert "pack" in {f.name for f in dataclasses.fields(DataConfig)}  # the real one is untouched
     real = config_reference.sections()
     monkeypatch.setattr(config_reference, "sections", lambda: {**real, "data": renamed})
     assert "data.packing" in config_reference.config_keys()
@@ -179,10 +182,10 @@ def test_a_failing_run_block_is_named_by_page_and_line_with_its_output(tmp_path)
     blocks = docs_commands.run_blocks(tmp_path, "docs/page.md")
     assert [b.line for b in blocks] == [2, 7, 14, 19]
     env = docs_commands.docs_env(ROOT)
-    runs = [docs_commands.run_block(b, tmp_path, env, timeout=3) for b in blocks]
+    runs = [docs_commands.run_block(b, tmp_path, env, timeout=2) for b in blocks]
     assert [r.returncode for r in runs] == [0, 1, 1, None]
     assert runs[0].failure() is None and runs[1].output == "one\n"
     assert runs[1].failure().startswith("docs/page.md:7: the block failed (exit 1) after ")
     assert runs[1].failure().endswith("; its output ends:\none\n")
-    assert runs[3].failure().startswith("docs/page.md:19: the block timed out after 3 s")
+    assert runs[3].failure().startswith("docs/page.md:19: the block timed out after 2 s")
     assert runs[3].seconds < 10

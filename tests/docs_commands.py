@@ -278,6 +278,7 @@ class Checker:
             except ValueError as e:
                 out.append(f"{page.path}:{e}")
                 continue
+            written |= set(files)  # what the block writes with > or tee (a config, say) counts from its start
             for target, body, line in heredocs:
                 written.add(target)
                 if target.endswith(".toml"):
@@ -299,7 +300,6 @@ class Checker:
                     with contextlib.suppress(ParseError):
                         parsed, _ = _parse(self.programs["shardlm tune"], args[1:])
                         written.add(parsed.out or f"{Path(parsed.config).stem}.tuned.toml")  # its default
-            written |= set(files)
         return out
 
     def toml_problems(self, text: str) -> list[str]:

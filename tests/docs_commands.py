@@ -4,7 +4,8 @@ Shared by tests/unit/test_docs_commands.py (every page checked statically) and t
 (the ``run`` blocks executed). The convention (docs/design.md and the pages follow it): the line directly
 before a ```bash block that holds a shardlm or torchrun command is ``<!-- docs-test: run -->`` (the test runs
 the block as written) or ``<!-- docs-test: skip REASON -->`` (not run, REASON says why); either way its
-subcommands, flags, ``--section.key=value`` overrides and ``--config`` files are checked. ``--section.key``
+subcommands, flags, ``--section.key=value`` overrides, ``--config`` files and the scripts ``python x.py``
+runs are checked. ``--section.key``
 anywhere in a page, ``section.key = value`` in inline code and the keys of ```toml blocks are checked too.
 """
 
@@ -284,6 +285,11 @@ class Checker:
                 if target.endswith(".toml"):
                     out += [f"{page.path}:{line}: {p}" for p in self.toml_problems(body)]
             shardlm_commands = [(c, s) for c in commands if (s := shardlm_start(c.words))]
+            for c in commands:  # ``python bench/x.py``, ``python examples/y.py``: the script exists
+                runs_file = PYTHON.match(c.words[0]) and c.words[1:2] not in (["-m"], ["-c"])
+                script = next((w for w in c.words[1:] if not w.startswith("-")), "") if runs_file else ""
+                if script.endswith(".py") and script not in written and not (self.root / script).is_file():
+                    out.append(f"{page.path}:{c.line}: {script} does not exist (in: {shlex.join(c.words)})")
             if shardlm_commands or block.marker is not None:
                 if block.marker is None:
                     out.append(f"{where}: a ```bash block with a shardlm/torchrun command needs "

@@ -148,6 +148,14 @@ def test_a_renamed_config_key_fails_the_check_naming_it(tmp_path, monkeypatch):
         assert named and all(p.split(":")[0] in docs_commands.page_order(ROOT) for p in named), named
 
 
+def test_a_python_script_that_is_not_there_is_named(tmp_path):
+    write_page(tmp_path, "<!-- docs-test: skip slow -->\n```bash\npython configs/a.toml.py --x 1 && "
+                         "OMP_NUM_THREADS=1 python3 bench/gone.py --y\npython -c 'print(1)'\n```\n")
+    (tmp_path / "configs" / "a.toml.py").write_text("")
+    assert docs_commands.check_docs(tmp_path) == [
+        "docs/page.md:3: bench/gone.py does not exist (in: python3 bench/gone.py --y)"]
+
+
 def test_split_commands_follows_the_shell():
     commands, heredocs, written = docs_commands.split_commands(
         "A=1 shardlm x --y 'a b' # comment\nshardlm p \\\n  --q=1 > out.txt 2>&1; echo ok\n"

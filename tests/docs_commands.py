@@ -33,6 +33,8 @@ FENCE = re.compile(r"^(?P<indent>\s*)(?P<fence>`{3,}|~{3,})\s*(?P<lang>[\w+-]*)"
 SHELL = {"bash", "sh", "shell"}
 #: ``--section.key`` anywhere in a page's text (prose, tables, code)
 DASHED_KEY = re.compile(r"(?<![\w.-])--(?P<section>[a-z_]+)\.(?P<key>[a-z_]+)\b")
+#: an inline code span that starts like a command: ``shardlm tune --time-budget``, ``torchrun --nnodes=2``
+INLINE_COMMAND = re.compile(r"`((?:shardlm|torchrun) [^`]*)`")
 #: ``section.key = value`` (or ``section.key=value``) as a whole inline code span
 INLINE_SETTING = re.compile(r"`(?P<section>[a-z_]+)\.(?P<key>[a-z_]+)\s*=[^`]*`")
 CONTROL = {"&&", "||", ";", "|", "&", "|&", "(", ")", ";;", "{", "}"}
@@ -206,6 +208,7 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[argparse.N
     while stack:
         p = stack.pop()
         p.error = error  # type: ignore[method-assign]
+        p.allow_abbrev = False  # a page spells each option in full
         stack += [sub for sub, _ in reference.subcommands(p).values()]
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         try:
@@ -264,6 +267,9 @@ class Checker:
             for m in list(DASHED_KEY.finditer(line)) + list(INLINE_SETTING.finditer(line)):
                 if m.group("section") in sections_named and (why := self.key_problem(m["section"], m["key"])):
                     out.append(f"{page.path}:{n}: {why}")
+            for span in INLINE_COMMAND.findall(line):
+                out += [f"{page.path}:{n}: {why} (in: `{span}`)"
+                        for why in self.inline_problems(span.split())]
         written: set[str] = set()
         for block in page.blocks:
             where = f"{page.path}:{block.line}"
@@ -307,6 +313,31 @@ class Checker:
                         parsed, _ = _parse(self.programs["shardlm tune"], args[1:])
                         written.add(parsed.out or f"{Path(parsed.config).stem}.tuned.toml")  # its default
         return out
+
+    def inline_problems(self, words: list[str]) -> list[str]:
+        """An inline mention such as ``shardlm export SOURCE OUT_DIR --format hf`` or ``torchrun
+        --max-restarts=1``: its subcommand and each ``--option`` it names exist (values and placeholders are
+        not checked; ``--section.key`` is checked as everywhere)."""
+        if words[0] == "torchrun":
+            from torch.distributed.run import get_args_parser
+
+            options = set(get_args_parser()._option_string_actions)
+            name, words = "torchrun", words[1:words.index("-m")] if "-m" in words else words[1:]
+        else:
+            subs = reference.subcommands(self.programs["shardlm"])
+            if words[1].startswith("-"):
+                name, words = "shardlm", words[1:]
+                options = set(self.programs[name]._option_string_actions)
+            elif words[1] not in subs:
+                return [f"shardlm has no subcommand {words[1]}"]
+            else:
+                name = f"shardlm {words[1]}"
+                options = set(self.programs[name]._option_string_actions)
+                if words[1] == "train":  # passed on to the ranks
+                    options |= set(self.programs["python -m shardlm.train"]._option_string_actions)
+                words = words[2:]
+        flags = [w.split("=", 1)[0] for w in words if w.startswith("--")]
+        return [f"{name} has no option {f}" for f in flags if "." not in f and f not in options]
 
     def toml_problems(self, text: str) -> list[str]:
         """Unknown keys of a TOML text whose tables are config sections (a snippet that does not parse, or

@@ -156,6 +156,16 @@ def test_a_python_script_that_is_not_there_is_named(tmp_path):
         "docs/page.md:3: bench/gone.py does not exist (in: python3 bench/gone.py --y)"]
 
 
+def test_inline_commands_name_real_subcommands_and_options(tmp_path):
+    write_page(tmp_path, "Use `shardlm export SOURCE OUT_DIR --format hf`, `shardlm train --resume=auto`, "
+                         "`torchrun --max-restarts=1 -m shardlm.train --x`, `shardlm --help`.\n"
+                         "Not `shardlm exprt`, `shardlm tune --budget 60`, `torchrun --max-restart=1`.\n")
+    assert docs_commands.check_docs(tmp_path) == [
+        "docs/page.md:2: shardlm has no subcommand exprt (in: `shardlm exprt`)",
+        "docs/page.md:2: shardlm tune has no option --budget (in: `shardlm tune --budget 60`)",
+        "docs/page.md:2: torchrun has no option --max-restart (in: `torchrun --max-restart=1`)"]
+
+
 def test_split_commands_follows_the_shell():
     commands, heredocs, written = docs_commands.split_commands(
         "A=1 shardlm x --y 'a b' # comment\nshardlm p \\\n  --q=1 > out.txt 2>&1; echo ok\n"

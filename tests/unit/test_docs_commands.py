@@ -14,7 +14,6 @@ import pytest
 import docs_commands
 from conftest import ROOT
 from shardlm.config import reference as config_reference
-from shardlm.config.sections import DataConfig
 
 
 def test_every_command_in_the_docs_is_valid():
@@ -122,30 +121,46 @@ def test_the_check_finds_each_kind_of_mistake_and_passes_the_rest(tmp_path):
         f"{p}:35: unknown config key train.step"]
 
 
+def renamed_keys(monkeypatch: pytest.MonkeyPatch, section: str, key: str) -> set[str]:
+    """The config's keys after renaming field ``key`` of ``[section]``'s dataclass to ``key + "_renamed"``
+    (a new dataclass, as a refactor would leave it; the real one untouched)."""
+    real = config_reference.sections()
+    fields = [(f.name if f.name != key else f"{key}_renamed", f.type,
+               dataclasses.field(default=f.default, default_factory=f.default_factory))  # new Field objects
+              for f in dataclasses.fields(real[section])]
+    monkeypatch.setattr(config_reference, "sections",
+                        lambda: {**real, section: dataclasses.make_dataclass(section, fields)})
+    keys = config_reference.config_keys()
+    assert f"{section}.{key}_renamed" in keys and f"{section}.{key}" not in keys
+    assert key in {f.name for f in dataclasses.fields(real[section])}
+    return keys
+
+
 def test_a_renamed_config_key_fails_the_check_naming_it(tmp_path, monkeypatch):
-    """The keys come from the config dataclasses: rename ``DataConfig.pack`` to ``packing`` (as a refactor
-    would) and every page that names ``data.pack`` fails, naming the page, the line and the key."""
+    """The keys come from the config dataclasses: rename ``DataConfig.pack`` (as a refactor would) and a
+    page that names ``data.pack`` fails, naming the page, the line and the key."""
     write_page(tmp_path, "Packing: `data.pack = true`.\n\n<!-- docs-test: run -->\n```bash\n"
                          "shardlm prepare --config configs/a.toml --data.pack=true\n```\n")
     assert docs_commands.check_docs(tmp_path) == []
-    fields = [(f.name if f.name != "pack" else "packing", f.type,
-               dataclasses.field(default=f.default, default_factory=f.default_factory))  # new Field objects
-              for f in dataclasses.fields(DataConfig)]
-    renamed = dataclasses.make_dataclass("DataConfig", fields)
-    assert "pack" in {f.name for f in dataclasses.fields(DataConfig)}  # the real one is untouched
-    real = config_reference.sections()
-    monkeypatch.setattr(config_reference, "sections", lambda: {**real, "data": renamed})
-    assert "data.packing" in config_reference.config_keys()
-    checker = docs_commands.Checker(tmp_path, keys=config_reference.config_keys())
+    checker = docs_commands.Checker(tmp_path, keys=renamed_keys(monkeypatch, "data", "pack"))
     assert docs_commands.check_docs(tmp_path, checker) == [
         "docs/page.md:1: unknown config key data.pack",
         "docs/page.md:5: shardlm prepare: unknown config key data.pack (in: shardlm prepare --config "
         "configs/a.toml --data.pack=true)"]
-    # the real pages: the same rename fails wherever they name the key
-    named = [p for p in docs_commands.check_docs(ROOT, docs_commands.Checker(ROOT, keys=checker.keys))
-             if "data.pack" in p]
-    if "data.pack" in "".join((ROOT / name).read_text() for name in docs_commands.page_order(ROOT)):
-        assert named and all(p.split(":")[0] in docs_commands.page_order(ROOT) for p in named), named
+
+
+def test_renaming_a_key_the_real_pages_name_fails_the_real_check(monkeypatch):
+    """The same on README.md and docs/: the first ``--section.key`` of the README (a key it documents),
+    renamed in its dataclass, makes the check of the real pages fail at each place that names it."""
+    readme = (ROOT / "README.md").read_text()
+    first = docs_commands.DASHED_KEY.search(readme)
+    assert first, "the README names no --section.key"
+    section, key = first["section"], first["key"]
+    keys = renamed_keys(monkeypatch, section, key)
+    problems = docs_commands.check_docs(ROOT, docs_commands.Checker(ROOT, keys=keys))
+    named = [p for p in problems if f"unknown config key {section}.{key}" in p]
+    assert any(p.startswith("README.md:") for p in named), problems
+    assert len(named) >= readme.count(f"--{section}.{key}"), named
 
 
 def test_a_python_script_that_is_not_there_is_named(tmp_path):

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import docs_commands
+import docs_pages
 from conftest import ROOT
 from shardlm.config import reference as config_reference
 
@@ -19,15 +20,15 @@ from shardlm.config import reference as config_reference
 def test_every_command_in_the_docs_is_valid():
     problems = docs_commands.check_docs(ROOT)
     assert not problems, "commands in the docs that shardlm would refuse:\n" + "\n".join(problems)
-    readme = docs_commands.read_page(ROOT, "README.md")
-    commands = [c for b in readme.blocks if b.lang in docs_commands.SHELL
-                for c in docs_commands.split_commands(b.text, b.line + 1)[0]]
+    readme = docs_pages.read_page(ROOT, "README.md")
+    commands = [c for b in readme.blocks if b.lang in docs_pages.SHELL
+                for c in docs_pages.split_commands(b.text, b.line + 1)[0]]
     checked = [c for c in commands if docs_commands.shardlm_start(c.words)]
     assert len(checked) >= 3, "the README's shardlm commands were not found: the check would see nothing"
 
 
 def test_the_readme_links_resolve():
-    problems = docs_commands.readme_link_problems(ROOT)
+    problems = docs_pages.readme_link_problems(ROOT)
     assert not problems, "\n".join(problems)
 
 
@@ -182,7 +183,7 @@ def test_inline_commands_name_real_subcommands_and_options(tmp_path):
 
 
 def test_split_commands_follows_the_shell():
-    commands, heredocs, written = docs_commands.split_commands(
+    commands, heredocs, written = docs_pages.split_commands(
         "A=1 shardlm x --y 'a b' # comment\nshardlm p \\\n  --q=1 > out.txt 2>&1; echo ok\n"
         "cat > c.toml <<EOF\n[train]\nsteps = 1\nEOF\ntee -a t.log", 10)
     assert [(c.words, c.line) for c in commands] == [
@@ -191,7 +192,7 @@ def test_split_commands_follows_the_shell():
     assert heredocs == [("c.toml", "[train]\nsteps = 1", 13)]
     assert written == ["out.txt", "c.toml", "t.log"]
     with pytest.raises(ValueError, match="^12: cannot split"):
-        docs_commands.split_commands("ok\n\nshardlm 'x", 10)
+        docs_pages.split_commands("ok\n\nshardlm 'x", 10)
 
 
 def test_the_readme_link_check_finds_a_missing_file_and_anchor(tmp_path):
@@ -199,7 +200,7 @@ def test_the_readme_link_check_finds_a_missing_file_and_anchor(tmp_path):
     (tmp_path / "docs" / "data.md").write_text("# Data\n\n## HSDP / TP\n\n```bash\n# not a heading\n```\n")
     (tmp_path / "README.md").write_text("[a](docs/data.md#hsdp--tp) [b](docs/data.md#not-a-heading)\n"
                                         "[c](docs/gone.md) [d](https://x.org/y) [e](#top)\n# Top\n")
-    assert docs_commands.readme_link_problems(tmp_path) == [
+    assert docs_pages.readme_link_problems(tmp_path) == [
         "README.md:1: link to docs/data.md#not-a-heading: no heading with the anchor #not-a-heading in "
         "docs/data.md",
         "README.md:2: link to docs/gone.md: docs/gone.md does not exist"]
@@ -212,10 +213,10 @@ def test_a_failing_run_block_is_named_by_page_and_line_with_its_output(tmp_path)
     run = "<!-- docs-test: run -->\n```bash\n"
     write_page(tmp_path, f"{run}echo one > f.txt\n```\n\n{run}cat f.txt\nfalse\necho not reached\n```\n\n"
                          f"{run}false | cat\n```\n\n{run}sleep 30\n```\n")
-    blocks = docs_commands.run_blocks(tmp_path, "docs/page.md")
+    blocks = docs_pages.run_blocks(tmp_path, "docs/page.md")
     assert [b.line for b in blocks] == [2, 7, 14, 19]
-    env = docs_commands.docs_env(ROOT)
-    runs = [docs_commands.run_block(b, tmp_path, env, timeout=2) for b in blocks]
+    env = docs_pages.docs_env(ROOT)
+    runs = [docs_pages.run_block(b, tmp_path, env, timeout=2) for b in blocks]
     assert [r.returncode for r in runs] == [0, 1, 1, None]
     assert runs[0].failure() is None and runs[1].output == "one\n"
     assert runs[1].failure().startswith("docs/page.md:7: the block failed (exit 1) after ")

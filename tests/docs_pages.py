@@ -102,7 +102,7 @@ def read_page(root: Path, name: str) -> Page:
 def split_commands(text: str, first_line: int) -> tuple[list[Command], list[tuple[str, str, int]], list[str]]:
     """The simple commands of a shell block whose first line is line ``first_line`` of its page, its
     here-documents as ``(target file, body, line)`` and the
-    files its redirections write (``> FILE``, ``tee FILE``).
+    files it writes (``> FILE``, ``tee FILE``, ``cp SRC FILE``).
 
     Lines joined at a trailing backslash; comments dropped; split at ``&&``, ``||``, ``;``, ``|``;
     leading ``VAR=value`` words and redirections taken off.
@@ -148,8 +148,11 @@ def split_commands(text: str, first_line: int) -> tuple[list[Command], list[tupl
                 commands.append(Command(current, first_line + start))
             current = []
     for cmd in commands:
+        files = [w for w in cmd.words[1:] if not w.startswith("-")]
         if cmd.words[0] == "tee":
-            written += [w for w in cmd.words[1:] if not w.startswith("-")]
+            written += files
+        elif cmd.words[0] in ("cp", "mv") and len(files) == 2:  # cp configs/x.toml my.toml
+            written.append(files[1])
     return commands, heredocs, written
 
 

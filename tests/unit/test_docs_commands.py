@@ -185,12 +185,12 @@ def test_inline_commands_name_real_subcommands_and_options(tmp_path):
 def test_split_commands_follows_the_shell():
     commands, heredocs, written = docs_pages.split_commands(
         "A=1 shardlm x --y 'a b' # comment\nshardlm p \\\n  --q=1 > out.txt 2>&1; echo ok\n"
-        "cat > c.toml <<EOF\n[train]\nsteps = 1\nEOF\ntee -a t.log", 10)
+        "cat > c.toml <<EOF\n[train]\nsteps = 1\nEOF\ntee -a t.log && cp -r configs/a.toml my.toml", 10)
     assert [(c.words, c.line) for c in commands] == [
         (["shardlm", "x", "--y", "a b"], 10), (["shardlm", "p", "--q=1"], 11), (["echo", "ok"], 11),
-        (["cat"], 13), (["tee", "-a", "t.log"], 17)]
+        (["cat"], 13), (["tee", "-a", "t.log"], 17), (["cp", "-r", "configs/a.toml", "my.toml"], 17)]
     assert heredocs == [("c.toml", "[train]\nsteps = 1", 13)]
-    assert written == ["out.txt", "c.toml", "t.log"]
+    assert written == ["out.txt", "c.toml", "t.log", "my.toml"]
     with pytest.raises(ValueError, match="^12: cannot split"):
         docs_pages.split_commands("ok\n\nshardlm 'x", 10)
 

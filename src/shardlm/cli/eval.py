@@ -78,13 +78,18 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> None:
             )
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m shardlm.eval``; returns the exit code."""
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of ``python -m shardlm.eval`` (under torchrun): the options of ``shardlm eval``."""
     parser = argparse.ArgumentParser(prog="torchrun --nproc_per_node=N -m shardlm.eval",
                                      description="Perplexity of a model directory on a text, split over "
                                                  "ranks.")
     _add_arguments(parser)
-    args, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m shardlm.eval``; returns the exit code."""
+    args, overrides = build_parser().parse_known_args(sys.argv[1:] if argv is None else argv)
     return run_cli(lambda: cmd_eval(args, overrides))
 
 

@@ -59,7 +59,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "checkpoint)")
     p.add_argument("--shutdown-timeout", "--shutdown_timeout", type=int, default=300,
                    help="seconds the ranks get, after a signal, to save and stop before they are killed")
-    p.set_defaults(fn=cmd_train)
+    p.set_defaults(fn=cmd_train, takes_overrides=True)
 
 
 def launch_options(args: argparse.Namespace) -> list[str]:

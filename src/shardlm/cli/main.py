@@ -90,8 +90,10 @@ def print_data_layout(cfg, meta: dict) -> None:
               "average)")
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``shardlm`` console script; returns the exit code."""
+def build_parser() -> argparse.ArgumentParser:
+    """The ``shardlm`` command's parser with every subcommand (imports no torch). A subcommand whose
+    parser has the default ``takes_overrides=True`` passes the arguments it does not know to
+    :func:`shardlm.config.load_config` as ``--section.key=value`` overrides; the others refuse them."""
     parser = HelpParser(prog="shardlm", description="FSDP2 training of Llama-style models. "
                         "Train with: shardlm train --nproc-per-node N --config FILE "
                         "(or torchrun --nproc_per_node=N -m shardlm.train --config FILE)")
@@ -102,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="encoding processes per rank (default data.workers: 0 = the cores this process may "
                         "use); under torchrun (torchrun ... -m shardlm.data --config FILE) every rank takes "
                         "a share")
-    p.set_defaults(fn=cmd_prepare)
+    p.set_defaults(fn=cmd_prepare, takes_overrides=True)
     from shardlm.cli import checkpoint, eval, generate, launch, plan, pretrained, profile, report, tune
 
     launch.add_parser(sub)  # train
@@ -114,7 +116,12 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_parser(sub)
     profile.add_parser(sub)
     tune.add_parser(sub)
-    args, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``shardlm`` console script; returns the exit code."""
+    args, overrides = build_parser().parse_known_args(sys.argv[1:] if argv is None else argv)
     return run_cli(lambda: args.fn(args, overrides))
 
 

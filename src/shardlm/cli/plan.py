@@ -31,7 +31,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     shape.add_argument("--model-config", metavar="FILE",
                        help="the model shape from a Hugging Face config.json (or a directory holding one), "
                             "replacing the config's [model] shape (and its model.init_from)")
-    p.set_defaults(fn=cmd_plan)
+    p.set_defaults(fn=cmd_plan, takes_overrides=True)
 
 
 def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> None:

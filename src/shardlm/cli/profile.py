@@ -22,7 +22,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("config", help="TOML config (overrides follow as --section.key=value)")
     p.add_argument("--steps", type=int, default=3, help="profiled steps")
     p.add_argument("--warmup", type=int, default=1, help="steps run before profiling")
-    p.set_defaults(fn=cmd_profile)
+    p.set_defaults(fn=cmd_profile, takes_overrides=True)
 
 
 def format_report(per_rank: list[list[dict[str, float]]]) -> str:

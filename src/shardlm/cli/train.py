@@ -19,8 +19,9 @@ from shardlm.errors import STOPPED_EXIT_CODE
 from shardlm.json_file import read_json
 
 
-def parse_args(argv: list[str]) -> tuple[list[str] | None, list[str]]:
-    """Split ``argv`` into the config paths and the ``--section.key=value`` overrides."""
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of ``python -m shardlm.train`` (under torchrun); what it does not know are the
+    ``--section.key=value`` overrides."""
     parser = argparse.ArgumentParser(
         prog="torchrun --nproc_per_node=N -m shardlm.train",
         description="Train a Llama model with FSDP2. Overrides: --section.key=value, e.g. --train.steps=50.")
@@ -35,7 +36,12 @@ def parse_args(argv: list[str]) -> tuple[list[str] | None, list[str]]:
         "directory; the same as --checkpoint.resume. --resume=auto --run.dir=DIR without --config "
         "continues that run with the settings of its config.json",
     )
-    args, overrides = parser.parse_known_args(argv)
+    return parser
+
+
+def parse_args(argv: list[str]) -> tuple[list[str] | None, list[str]]:
+    """Split ``argv`` into the config paths and the ``--section.key=value`` overrides."""
+    args, overrides = build_parser().parse_known_args(argv)
     if args.resume is not None:
         overrides.append(f"--checkpoint.resume={json.dumps(args.resume)}")  # a TOML basic string
     return args.config, overrides

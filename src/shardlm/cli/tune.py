@@ -76,7 +76,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--search", default="staged", choices=["staged", "full"],
                    help="staged: the config's settings, one change at a time, then the best of each "
                         "combined; full: every fitting candidate (slow; the benchmark's grid)")
-    p.set_defaults(fn=cmd_tune)
+    p.set_defaults(fn=cmd_tune, takes_overrides=True)
 
 
 def cmd_tune(args: argparse.Namespace, overrides: list[str]) -> None:

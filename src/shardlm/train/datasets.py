@@ -8,12 +8,14 @@ from typing import Any, NamedTuple
 from shardlm.checkpoint.resume_config import BEFORE_RECORDED
 from shardlm.config import Config
 from shardlm.data import GlobalBatchSampler, TokenWindows
-from shardlm.data.attention_choice import AUTO, AttentionChoice, choose_attention
+from shardlm.data.attention_choice import AUTO, AttentionChoice, choose_attention, may_be_block_causal
 from shardlm.data.build import data_dir
 from shardlm.data.instruct import InstructionExamples
 from shardlm.data.mixture import MixtureSampler, MixtureWindows, source_names
 from shardlm.data.packing import DocumentWindows, PackedExamples
 from shardlm.data.preference import PREFERENCE, PreferencePairs
+from shardlm.errors import ConfigError
+from shardlm.model.attention import resolve_backend
 
 
 class RunData(NamedTuple):
@@ -85,3 +87,18 @@ def resolve_attention(cfg: Config, resumed: dict[str, Any] | None) -> AttentionC
         choice = choose_attention(cfg)
     cfg.model.attention = choice.attention
     return choice
+
+
+def training_attention_backend(cfg: Config, device: Any) -> str | None:
+    """The kernel block-causal attention trains with on ``device`` (``model.attention_backend`` resolved:
+    :func:`shardlm.model.attention.resolve_backend`), or None when the run cannot be block-causal.
+
+    Raises:
+        ConfigError: a backend this device or PyTorch lacks, or one that cannot train there (flex on CPU);
+            called before any data is prepared, so the refusal comes first."""
+    if not may_be_block_causal(cfg):
+        return None
+    try:
+        return resolve_backend(cfg.model.attention_backend, device, training=True)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None

@@ -25,7 +25,6 @@ from shardlm.checkpoint.run import resume_command, write_run_config
 from shardlm.config import Config, gradient_accumulation_steps
 from shardlm.config.layout import check_ranks
 from shardlm.data import eval_windows, load_meta
-from shardlm.data.attention_choice import may_be_block_causal
 from shardlm.data.build import data_dir, prepare_data
 from shardlm.data.instruct import IGNORE_INDEX, split_batch
 from shardlm.data.mixture import MixtureSampler
@@ -37,7 +36,6 @@ from shardlm.metrics import MetricsLogger, model_flops_per_token, shard_bytes
 from shardlm.metrics.per_rank import per_rank_summaries
 from shardlm.metrics.progress import progress
 from shardlm.metrics.trackers import check_packages, start_trackers
-from shardlm.model.attention import resolve_backend
 from shardlm.model.freeze import apply_freeze
 from shardlm.parallel import (
     DistInfo,
@@ -50,7 +48,7 @@ from shardlm.parallel.cp import build_context_parallel
 from shardlm.parallel.dist import HostScalar, data_parallel_rank, set_matmul_precision, to_device
 from shardlm.parallel.faults import FaultMonitor, guard_collectives
 from shardlm.train.build import build_model, unwrap
-from shardlm.train.datasets import build_datasets, resolve_attention
+from shardlm.train.datasets import build_datasets, resolve_attention, training_attention_backend
 from shardlm.train.final_export import export_model, model_special_ids_of, written_line
 from shardlm.train.loss import model_loss_sum
 from shardlm.train.mfu import peak_flops_per_rank
@@ -93,13 +91,7 @@ class Trainer:
         self.accum_steps = gradient_accumulation_steps(cfg, self.dp_size)
         check_ranks(cfg, self.info.world_size)  # the layout against the ranks, before any data is prepared
         #: the kernel of block-causal attention (shardlm/model/attention.py), None under causal attention
-        self.attention_backend = None
-        if may_be_block_causal(cfg):  # a backend this device lacks: refused before anything starts
-            try:
-                self.attention_backend = resolve_backend(cfg.model.attention_backend, self.info.device,
-                                                         training=True)
-            except ValueError as exc:
-                raise ConfigError(str(exc)) from None
+        self.attention_backend = training_attention_backend(cfg, self.info.device)
         self.run_dir = run_dir(cfg)
         check_run_dir(cfg, self.run_dir)  # refused unless empty, resuming or run.overwrite; cleared below
         check_resume_target(cfg)  # --resume=PATH not a checkpoint, or a refused change: before any data work
@@ -304,7 +296,8 @@ class Trainer:
         and the targets it scored: (0-dim fp32, (B, T / cp) int64, -100 where nothing is scored). A mixture of
         experts' router statistics count the batch's real tokens (not padding: :func:`batch_real_tokens`)."""
         inputs, targets = split_batch(batch)  # instruction data: targets are -100 off-response
-        documents, real = batch_documents(batch), batch_real_tokens(batch)
+        real = batch_real_tokens(batch)  # instruction rows' documents channel: only block-causal reads it
+        documents = batch_documents(batch) if self.cfg.model.attention == "block_causal" else None
         extra = {} if real is None else {"real_tokens": real}
         if self.cp.size > 1:
             # this rank's head and tail chunks, rotary positions, masks and real tokens by global position

@@ -4,8 +4,8 @@ and 6).
 Llama 3 RoPE: llama.cpp keeps the llama3 ``rope_scaling`` only as the ``rope_freqs`` tensor; the import
 rebuilds it, and the logits equal the HF original's (transformers ``LlamaForCausalLM``, eager fp32) within 64
 fp32 roundings of the largest logit, for Llama 3.1's settings, Llama 3.2 1B's real ones on a tiny shape, and a
-config whose top-level ``original_max_position_embeddings`` llama.cpp honours (the fitted path). Other per-
-dimension frequency tensors are refused by name. Tokenizers: llama, qwen2, qwen3 and gemma3 files whose
+config whose top-level ``original_max_position_embeddings`` llama.cpp honours (the fitted path). Other
+per-dimension frequency tensors are refused by name. Tokenizers: llama, qwen2, qwen3 and gemma3 files whose
 vocabulary lacks ``<|endoftext|>`` import with a tokenizer that fits the embedding, and train 2 steps with no
 override; a file without tokenizer metadata is one error line.
 """

@@ -171,7 +171,8 @@ def test_compile_close_to_eager(results):
     pdiff = max_param_diff(results, "compile", "base")
     print(f"compile vs eager: max loss diff {diff:.2e}, params {pdiff:.2e}")
     assert_close(losses(results, "compile"), losses(results, "base"), rtol=COMPILE_TOL, what="loss")
-    assert_all_close(params(results, "compile"), params(results, "base"), rtol=10 * COMPILE_TOL, what="params")
+    assert_all_close(params(results, "compile"), params(results, "base"), rtol=10 * COMPILE_TOL,
+                     what="params")
 
 
 @pytest.mark.dist

@@ -37,7 +37,8 @@ def test_batch_split_does_not_change_the_loss(instruct_data, tmp_path):
     ref = results["instruct1x4"]
     for name, history in results.items():
         assert len(history) == len(ref)
-        assert_close([b["loss"] for b in history], [a["loss"] for a in ref], rtol=16 * EPS, what=f"{name} loss")
+        assert_close([b["loss"] for b in history], [a["loss"] for a in ref], rtol=16 * EPS,
+                     what=f"{name} loss")
         assert_close(history[-1]["val_loss"], ref[-1]["val_loss"], rtol=16 * EPS, what=f"{name} val loss")
     print("\ninstruction loss per step: " + ", ".join(
         f"{n}: {[round(h['loss'], 7) for h in hist]}" for n, hist in results.items()))

@@ -132,9 +132,9 @@ def test_tensor_parallel_equals_one_process(runs, name, tp):
 
 @pytest.mark.dist
 def test_mixed_precision_under_tensor_parallel(runs):
-    """bf16 compute (fp32 shards and reduction) at TP 2 trains like fp32 in one process: losses within 2e-3
-    of the largest loss over the 4 steps (bf16 rounding; measured 1.7e-4; FSDP's bf16 against fp32 differs by ~3e-3 over 20
-    steps here)."""
+    """bf16 compute (fp32 shards and reduction) at TP 2 trains like fp32 in one process: losses within 2e-3 of
+    the largest loss over the 4 steps (bf16 rounding; measured 1.7e-4; FSDP's bf16 against fp32 differs by
+    ~3e-3 over 20 steps here)."""
     reports, _ = runs
     got, ref = history(reports["tp2_bf16"]), history(reports["single"])
     diff = max(abs(got[s]["loss"] - ref[s]["loss"]) for s in ref)

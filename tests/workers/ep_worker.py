@@ -15,6 +15,7 @@ from torch.distributed.tensor import distribute_tensor
 
 from shardlm.model.moe import ClampedSwiGLUExperts, MoE
 from shardlm.parallel.ep import apply_ep, build_ep_mesh
+from tolerance import EPS, assert_close
 
 
 def moe(gpt_oss: bool) -> MoE:
@@ -65,10 +66,10 @@ def check(rank: int, world: int, ep: int, gpt_oss: bool) -> None:
         for (_name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
             p.copy_(distribute_tensor(q.detach(), p.device_mesh, p.placements))
     y = model(x_all[rank])
-    torch.testing.assert_close(y, y_ref.reshape(world, 6, 16)[rank], atol=1e-6, rtol=1e-5)
+    assert_close(y, y_ref.reshape(world, 6, 16)[rank], rtol=64 * EPS, what=f"ep={ep} output")
     (y.square().sum() * world).backward()  # the trainer's convention: × N, FSDP averages
     for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
-        torch.testing.assert_close(p.grad.full_tensor(), q.grad, atol=1e-5, rtol=1e-5, msg=f"ep={ep} {name}")
+        assert_close(p.grad.full_tensor(), q.grad, rtol=64 * EPS, what=f"ep={ep} {name}")
     print(f"rank {rank} ep {ep}{' gpt-oss' if gpt_oss else ''}: OK", flush=True)
 
 

@@ -25,7 +25,7 @@ def test_cp2_attention_equals_one_rank_forward_and_grads(tmp_path):
     assert set(results) == cases | {f"{c}/fallback" for c in cases} | {f"{c}@cp4" for c in cases}
     for name, r in results.items():
         for key in ("out", "dq", "dk", "dv"):  # relative to the one-rank reference's largest value
-            check(r[key], 16 * EPS * r[f"{key}_scale"], scale=r[f"{key}_scale"], what=f"{name} {key}")
+            check(r[key], 32 * EPS * r[f"{key}_scale"], scale=r[f"{key}_scale"], what=f"{name} {key}")
     for name in cases:  # blockwise: nothing of T_pad rows saved for the backward; the fallback keeps K/V
         blockwise, fallback, cp4 = results[name], results[f"{name}/fallback"], results[f"{name}@cp4"]
         assert blockwise["cp"] == fallback["cp"] == 2 and cp4["cp"] == 4

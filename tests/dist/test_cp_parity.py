@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from conftest import torchrun
+from tolerance import EPS, assert_all_close, assert_close, check
 
 WORKER = Path(__file__).resolve().parents[1] / "workers" / "cp_worker.py"
 
@@ -24,8 +25,8 @@ def test_cp2_attention_equals_one_rank_forward_and_grads(tmp_path):
     cases = {"causal_odd", "block_causal_odd", "sliding_window", "sliding_block_causal_odd"} | sinks
     assert set(results) == cases | {f"{c}/fallback" for c in cases} | {f"{c}@cp4" for c in cases}
     for name, r in results.items():
-        for key in ("out", "dq", "dk", "dv"):
-            assert r[key] <= 1e-6, (name, key, r[key])
+        for key in ("out", "dq", "dk", "dv"):  # relative to the one-rank reference's largest value
+            check(r[key], 32 * EPS * r[f"{key}_scale"], scale=r[f"{key}_scale"], what=f"{name} {key}")
         # the sinks' gradient (relative to its magnitude); they change the output (the case bites)
         assert r["dsinks"] <= 1e-5 and (r["vs_no_sinks"] > 0.1) == name.startswith("sinks"), (name, r)
     for name in cases:  # blockwise: nothing of T_pad rows saved for the backward; the fallback keeps K/V
@@ -141,21 +142,21 @@ def test_cp_training_equals_one_process(cp_runs, name, reference):
     ref_loss = [r["loss"] for r in ref if "loss" in r]
     loss_diff = max(abs(a["loss"] - b) for a, b in zip(hist, ref_loss))
     print(f"\n{name} vs {reference}: max loss diff {loss_diff:.2e} over {len(hist)} steps")
-    assert loss_diff <= 1e-6, (hist, ref_loss)
+    assert_close([a["loss"] for a in hist], ref_loss, rtol=16 * EPS, what="loss")
     ref_val = [r["val_loss"] for r in ref if "val_loss" in r]
     # DOCS evaluates nothing
     assert len(ref_val) == (0 if reference in ("one_docs", "one_gpt_oss_window") else 1)
-    assert all(abs(hist[-1]["val_loss"] - v) <= 1e-6 for v in ref_val)
+    assert_close([hist[-1]["val_loss"]] * len(ref_val), ref_val, rtol=16 * EPS, what="val loss")
     assert hist[0]["loss"] != hist[-1]["loss"]  # it trained
     p, q = (load_file(str(runs / n / "final" / "model.safetensors")) for n in (name, reference))
     # as test_fsdp_parity
-    assert p.keys() == q.keys() and max((p[k] - q[k]).abs().max().item() for k in p) <= 1e-4
+    assert_all_close(p, q, rtol=1e-4, what="params")
     if "gpt_oss" in name:
         # the first step's gradient (sinks included) before AdamW's sign-like first updates amplify fp32
         # rounding in the parameters (measured: 1e-8 of the norm; parameters after 3 steps differ by up to
         # 3e-5, sinks 1e-7)
         norms = [r["grad_norm"] for r in ref if "loss" in r]
-        assert abs(hist[0]["grad_norm"] - norms[0]) <= 1e-6 * norms[0], (hist[0]["grad_norm"], norms[0])
+        assert_close(hist[0]["grad_norm"], norms[0], rtol=1e-6, what="step-1 gradient norm")
         assert any(k.endswith("self_attn.sinks") for k in p)
 
 
@@ -171,9 +172,9 @@ def test_cp_checkpoint_resumes_at_cp1_exactly(cp_runs, resumed, source):
             else [r for r in logged(runs / resumed) if "loss" in r])
     ref = out[source][0]["history"]
     assert [r["step"] for r in hist] == [3]
-    assert abs(hist[0]["loss"] - ref[-1]["loss"]) <= 1e-6
+    assert_close(hist[0]["loss"], ref[-1]["loss"], rtol=16 * EPS, what="step-3 loss")
     p, q = (load_file(str(runs / n / "final" / "model.safetensors")) for n in (resumed, source))
-    assert p.keys() == q.keys() and max((p[k] - q[k]).abs().max().item() for k in p) <= 1e-4
+    assert_all_close(p, q, rtol=1e-4, what="params")
 
 
 @pytest.mark.dist

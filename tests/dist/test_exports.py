@@ -21,6 +21,7 @@ from shardlm.cli.main import main as shardlm_main
 from shardlm.convert.export import rebuild_partial_model
 from shardlm.convert.hf_in import load_model_dir
 from shardlm.convert.peft_out import MERGE_RECORD
+from tolerance import EPS, assert_close
 
 IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 QUESTION = "What is the capital of France?"
@@ -139,6 +140,7 @@ def test_lora_checkpoint_exports_as_peft_and_merged(lora_run, smol_dir, tmp_path
     print(f"MEASURED step-1 LoRA checkpoint, max logit diff vs shardlm's adapter model: PEFT adapter in peft "
           f"{diff:.3g} (base alone, transformers vs shardlm: {base_diff:.3g}), shardlm's merged export "
           f"{diff_merged:.3g}")
-    # fp32 kernels of two libraries over 30 layers (the base alone is of the same order)
-    assert diff <= 2e-4, diff
-    assert diff_merged <= 1e-3, diff_merged  # W + s·B·A rounded once in fp32, over 30 layers
+    # fp32 kernels of two libraries over 30 layers (the base alone is of the same order), relative to the
+    # largest logit
+    assert_close(got, want, rtol=64 * EPS, what="PEFT adapter in peft")
+    assert_close(got_merged, want, rtol=256 * EPS, what="merged")  # W + s·B·A rounded once in fp32, 30 layers

@@ -13,7 +13,9 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import run_scenarios, scenario
+from tolerance import EPS, assert_all_close, assert_close
 
+#: relative to the largest loss of the reference run (~6) and to the largest parameter (a norm's, ~1)
 LOSS_TOL, PARAM_TOL = 1e-5, 1e-4
 
 
@@ -65,9 +67,10 @@ def test_loss_and_params_match_one_process(results, name, reference):
     print(
         f"{name} vs {reference}: max loss diff {loss_diff:.2e}, val {val_diff:.2e}, params {param_diff:.2e}"
     )
-    assert loss_diff <= LOSS_TOL
-    assert val_diff <= LOSS_TOL
-    assert param_diff <= PARAM_TOL
+    assert_close([a["loss"] for a in hist], [b["loss"] for b in ref], rtol=LOSS_TOL, what="loss")
+    assert_close(*([r["val_loss"] for r in h if "val_loss" in r] for h in (hist, ref)), rtol=LOSS_TOL,
+                 what="val loss")
+    assert_all_close(p, q, rtol=PARAM_TOL, what="params")
     assert hist[-1]["loss"] < hist[0]["loss"] - 0.5  # it learned something: the comparison is not vacuous
 
 
@@ -101,8 +104,8 @@ def test_the_same_run_twice_reports_mfu_against_the_same_peak(results):
 @pytest.mark.dist
 def test_chunked_loss_at_two_ranks_equals_the_plain_loss_in_one_process(results):
     """FSDP at 2 ranks with chunks of 100 tokens (not dividing 128) against one process on the whole logits:
-    loss and gradient norm of steps 1-3 within 1e-6 relative, every step's loss within 1e-5, final
-    params 1e-4."""
+    loss and gradient norm of steps 1-3 within 16 fp32 roundings (relative), every step's loss within 1e-5 of
+    the largest loss, final params 1e-4 of the largest."""
     out, runs = results
     hist, ref = out["fsdp2_chunk100"][0]["history"], out["single_plain"][0]["history"]
     assert len(hist) == len(ref) == 20
@@ -114,7 +117,11 @@ def test_chunked_loss_at_two_ranks_equals_the_plain_loss_in_one_process(results)
     param_diff = max((p[k] - q[k]).abs().max().item() for k in p)
     print(f"chunked at 2 ranks vs plain in one process: steps 1-3 max relative diff {first:.1e}, 20 steps "
           f"loss {loss_diff:.1e}, params {param_diff:.1e}")
-    assert first <= 1e-6 and loss_diff <= LOSS_TOL and param_diff <= PARAM_TOL
+    for k in ("loss", "grad_norm"):  # steps 1-3: the same gradients, 16 fp32 roundings
+        for a, b in zip(hist[:3], ref[:3]):
+            assert_close(a[k], b[k], rtol=16 * EPS, what=f"step {b['step']} {k}")
+    assert_close([a["loss"] for a in hist], [b["loss"] for b in ref], rtol=LOSS_TOL, what="loss")
+    assert_all_close(p, q, rtol=PARAM_TOL, what="params")
     assert hist[-1]["loss"] < hist[0]["loss"] - 0.5
 
 

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from conftest import ROOT, cpu_env
+from tolerance import check
 
 
 # ---- the one-shot GPU check, run here in its CPU mode ------------------------------------------------------
@@ -40,11 +41,16 @@ def test_gpu_check_runs_in_cpu_mode(tmp_path):
                                           "h. CP 2 = one process"]
     assert all(r["pass"] for r in rows) and table.count("| ok |") == 9 and table.count("| skipped |") == 3
     # TP 2 ran on gloo (two launches, 3 steps each): the losses of one process; the CUDA-only rows say why not
-    assert len(rows[8]["losses"]) == 3 and rows[8]["max_loss_diff"] <= 1e-5, rows[8]
+    assert len(rows[8]["losses"]) == 3, rows[8]
+    scale = max(abs(x) for x in rows[8]["losses"])  # relative to the loss
+    check(rows[8]["max_loss_diff"], 1e-5 * scale, scale=scale, what="TP 2 loss")
     assert [r.get("skipped", False) for r in rows[8:]] == [False, True, True, True]
     assert "needs CUDA" in rows[9]["result"] and "CUDA bf16 path" in rows[10]["result"]
-    for row in (rows[4], rows[6]):  # sdpa trains on CPU: Mistral, and gpt-oss with its sinks
-        assert row["max_logits_diff"] <= 1e-5 and row["grad_rel_diff"] <= 1e-4, row
+    # the gpu check reports absolute logit differences without their scale (its own thresholds)
+    for row, name in ((rows[4], "Mistral"), (rows[6], "gpt-oss")):  # sdpa trains on CPU, gpt-oss with its sinks
+        check(row["max_logits_diff"], 1e-5, what=f"{name} packed logits (absolute)")
+        check(row["grad_rel_diff"], 1e-4, what=f"{name} packed gradients, relative")
     speed = rows[0]
     assert 0 < speed["mfu"] < 1 and speed["tokens_per_s"] > 0
-    assert rows[1]["max_loss_diff"] <= 1e-4 and rows[2]["max_logits_diff"] <= 1e-3
+    check(rows[1]["max_loss_diff"], 1e-4, what="device vs CPU loss (absolute)")
+    check(rows[2]["max_logits_diff"], 1e-3, what="export logits (absolute)")

@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 
 from shardlm.data.preference import prepare_preferences
 from test_preference import ROOT, TOL, write_tokenizer_dir
+from tolerance import assert_close, check
 
 
 @pytest.fixture(scope="module")
@@ -147,10 +148,11 @@ def test_two_ranks_equal_one_process_references_agree_and_resume_is_exact(tok_di
                 # with TRL above
                 scale = {"rewards": 0.5 * abs(b["logps/chosen"]), "loss": 0.5 * abs(b["logps/chosen"]),
                          "logps": abs(b[key]), "nll_loss": abs(b[key])}.get(key.split("/")[0], 1.0)
-                assert abs(a[key] - b[key]) < TOL * max(1.0, scale), (name, a["step"], key, a[key], b[key])
+                check(abs(a[key] - b[key]), TOL * max(1.0, scale), scale=scale, what=f"{name} {key}")
     assert torch.allclose(two["table"], one["table"], rtol=TOL, atol=0)  # precomputed at 1 and 2 ranks
-    assert abs(two["model"][0]["loss"] - two["pre"][0]["loss"]) < TOL  # reference (a) == (b) at step 1
-    assert abs(two["model"][0]["loss"] - math.log(2)) < TOL  # the reference is the initial policy
+    # reference (a) == (b) at step 1; the reference is the initial policy: log 2
+    assert_close(two["model"][0]["loss"], two["pre"][0]["loss"], rtol=TOL, what="step-1 loss, (a) vs (b)")
+    assert_close(two["model"][0]["loss"], math.log(2), rtol=TOL, what="step-1 loss vs log 2")
     assert two["pre_resumed"][-1]["step"] == 3 and two["pre_resumed"][-1]["loss"] == two["pre"][-1]["loss"]
     assert [r["loss"] for r in two["pre_second"]] == [r["loss"] for r in two["pre"]]
     # it trains

@@ -20,6 +20,7 @@ from test_pretrained import (
     random_hf_dir,
     transformers,
 )
+from tolerance import EPS, assert_close, check
 
 WORKER = Path(__file__).resolve().parents[1] / "workers" / "pretrained_worker.py"
 
@@ -125,11 +126,17 @@ def test_smollm2_finetune_chunked_loss_equals_plain(finetune):
           f"{[f'{d:.1e}' for d in to_exact]}, plain vs fp64 {[f'{d:.1e}' for d in plain_to_exact]}, chunked "
           f"vs plain {[f'{d:.1e}' for d in to_plain]}; grad norm {norm:.1e} (losses "
           f"{[round(r['loss'], 4) for r in plain]})")
-    assert max(to_exact) <= 1e-5  # the bound, against the exact loss
+    # the bound (1e-5), against the exact loss: relative to the loss, 64 fp32 roundings
+    assert_close([r["loss"] for r in chunked], [r["loss"] for r in exact], rtol=64 * EPS,
+                 what="chunked vs fp64")
     # the chunked loss is nearer the exact one than the plain loss is
     assert max(to_exact) < max(plain_to_exact)
-    assert to_plain[0] <= 1e-5 and max(to_plain) <= 2e-5 and norm <= 1e-3
-    assert abs(chunked[0]["grad_norm"] / plain[0]["grad_norm"] - 1) <= 1e-5  # step 1: the same gradients
+    assert_close(chunked[0]["loss"], plain[0]["loss"], rtol=64 * EPS, what="step-1 chunked vs plain")
+    assert_close([r["loss"] for r in chunked], [r["loss"] for r in plain], rtol=128 * EPS,
+                 what="chunked vs plain")
+    check(norm, 1e-3, what="grad norm, relative")
+    # step 1: the same gradients
+    assert_close(chunked[0]["grad_norm"], plain[0]["grad_norm"], rtol=1e-5, what="step-1 grad norm")
     # the steps changed the model: the comparison is not vacuous
     assert chunked[-1]["loss"] != chunked[0]["loss"]
 
@@ -214,7 +221,7 @@ def test_eval_stride_equals_transformers_strided_perplexity(
           f"shardlm {one['perplexity']:.6f} (1 rank), {two['perplexity']:.6f} (2 ranks)")
     assert one["tokens"] == two["tokens"] == count == len(stream) - 1 and two["world_size"] == 2
     for r in (one, two):
-        assert abs(r["perplexity"] / math.exp(mean) - 1) < 1e-4, r
+        assert_close(r["perplexity"], math.exp(mean), rtol=1e-4, what="strided perplexity")
         assert r["stride"] == stride and r["context"] == context
     # default stride: half the context; stride = context: today's non-overlapping windows (fewer tokens)
     assert shardlm_main(["eval", *args[:6], "--json"]) == 0

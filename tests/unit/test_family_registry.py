@@ -19,6 +19,7 @@ from shardlm.model.config import ModelConfig
 from shardlm.model.decoder import CausalLM
 from shardlm.model.families.registry import unregister
 from shardlm.plan.activations import block_saved_none, shape_of
+from tolerance import EPS, assert_close
 
 #: a toy family: Qwen3's q/k norms plus Qwen2's q/k/v biases, under names no other family uses
 TOY = families.Family("toy", "toy_lm", "ToyForCausalLM", qkv_bias=True, qk_norm=True,
@@ -51,7 +52,7 @@ def test_a_toy_family_needs_only_a_registry_entry(toy):
     qwen3.init_weights(seed=3)  # the same values for the same names: the toy has only the (zero) biases more
     tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        assert torch.allclose(model(tokens), qwen3(tokens), rtol=0, atol=1e-6)
+        assert_close(model(tokens), qwen3(tokens), rtol=16 * EPS, what="toy vs qwen3")
         model.model.layers[0].self_attn.v_proj.bias.fill_(0.5)
         assert (model(tokens) - qwen3(tokens)).abs().max() > 1e-3
     # config.json both ways, in the toy's names

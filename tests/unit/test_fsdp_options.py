@@ -20,13 +20,18 @@ from shardlm.model.cpu_matmul import (
 from shardlm.model.llama import Llama
 from shardlm.parallel import apply_ac, apply_compile, pick_backend
 from shardlm.parallel.options import check_reshard_after_forward, describe, dtype_from_name
+from tolerance import EPS, assert_all_close, assert_close, check
 
-COMPILE_TOL = 1e-4  # compiled vs eager: different kernel fusion, same math
+#: compiled vs eager training over 10 steps (tests/dist): different kernel fusion, the same math; relative to
+#: the largest loss (the parameters: 10x, relative to the largest parameter)
+COMPILE_TOL = 1e-4
 
 
 def test_bf16_linear_fp32_operator():
-    """Forward and both gradients equal an fp64 reference within bf16 rounding, and are no further from it
-    than PyTorch's bf16 kernel; ``auto`` follows the CPU's flags; names stay those of ``nn.Linear``."""
+    """Forward and both gradients are the fp64 reference correctly rounded to bf16, except where the reference
+    lies within the fp32 sum's rounding error of a tie (there the other neighbour is right too), and no
+    further from it than PyTorch's bf16 kernel; ``auto`` follows the CPU's flags; names stay those of
+    ``nn.Linear``."""
     g = torch.Generator().manual_seed(0)
     x64 = torch.randn(3, 37, 96, generator=g, dtype=torch.float64)
     w64 = torch.randn(80, 96, generator=g, dtype=torch.float64) / 10
@@ -40,12 +45,24 @@ def test_bf16_linear_fp32_operator():
         assert y.dtype == x.grad.dtype == w.grad.dtype == torch.bfloat16
         results[name] = (y, x.grad, w.grad)
     xb, wb = x64.bfloat16().double(), w64.bfloat16().double()  # the exact bf16 operands
-    ref = (xb @ wb.T, dy.double() @ wb, dy.double().reshape(-1, 80).T @ xb.reshape(-1, 96))
-    for got_fp32, got_bf16, exact in zip(*results.values(), ref):
+    dyb = dy.double()
+    ref = (xb @ wb.T, dyb @ wb, dyb.reshape(-1, 80).T @ xb.reshape(-1, 96))
+    # the sums of |terms| and the lengths of the fp32 sums, for their rounding error (Higham: <= K·u·Σ|terms|)
+    sums = ((xb.abs() @ wb.abs().T, 96), (dyb.abs() @ wb.abs(), 80),
+            (dyb.abs().reshape(-1, 80).T @ xb.abs().reshape(-1, 96), 111))
+    for got_fp32, got_bf16, exact, (terms, k) in zip(*results.values(), ref, sums):
+        # the bf16 products are exact in fp32, so only the fp32 sum and the final bf16 rounding err: the
+        # result is the correctly rounded one (measured: 1 element of 27216 differs, a tie), or, where the
+        # sum's error can cross a tie, the other neighbour: the reference then sits at the midpoint of the two
+        rounded = exact.float().bfloat16()
+        off = got_fp32 != rounded
+        midpoint = (got_fp32.double() + rounded.double()) / 2
+        near_tie = ((exact - midpoint).abs() / (k * EPS * terms))[off]
+        check(near_tie.max().item() if off.any() else 0.0, 1.0,
+              what="distance from a tie / the fp32 sum's error")
         err_fp32 = ((got_fp32.double() - exact).abs() / exact.abs().clamp_min(1e-3)).max().item()
         err_bf16 = ((got_bf16.double() - exact).abs() / exact.abs().clamp_min(1e-3)).max().item()
-        # one bf16 rounding of the fp32 sum (unit roundoff 2^-8), plus a little for fp32 accumulation
-        assert err_fp32 <= 1.01 * 2 ** -8 and err_fp32 <= err_bf16 + 2 ** -9, (err_fp32, err_bf16)
+        assert err_fp32 <= err_bf16 + 2 ** -9, (err_fp32, err_bf16)
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False), torch.nn.Linear(4, 4))
     names = [n for n, _ in model.named_parameters()]
@@ -85,8 +102,8 @@ def test_compile_with_activation_checkpointing(mode):
         loss.backward()
         results.append((loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}))
     (eager_loss, eager_grads), (loss, grads) = results
-    assert abs(loss - eager_loss) <= COMPILE_TOL and grads.keys() == eager_grads.keys()
-    assert max((grads[n] - eager_grads[n]).abs().max().item() for n in grads) <= COMPILE_TOL
+    assert_close(loss, eager_loss, rtol=64 * EPS, what="compiled loss")
+    assert_all_close(grads, eager_grads, rtol=64 * EPS, what="compiled gradients")
 
 
 # ---- unit tests and bad input ------------------------------------------------------------------

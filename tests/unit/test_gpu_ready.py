@@ -31,6 +31,7 @@ from shardlm.parallel.dist import (
 )
 from shardlm.plan.devices import DEVICES, device_for_cuda_name
 from shardlm.plan.time import plan_time
+from tolerance import EPS, assert_all_close, assert_close
 
 GPU_CONFIGS = {"llama3-8b.toml", "llama3.2-1b.toml", "llama3.2-1b-32k.toml", "llama3-70b.toml",
                "qwen3-30b-a3b.toml"}
@@ -322,7 +323,7 @@ def test_peak_memory_is_reset_after_each_logged_record(monkeypatch):
 @pytest.mark.parametrize("heads,kv_heads,masked", [(8, 2, False), (9, 3, False), (8, 2, True), (4, 4, False)])
 def test_enable_gqa_attention_equals_repeat_interleave(heads, kv_heads, masked):
     """SDPA with ``enable_gqa=True`` (what the model uses on this PyTorch) against the earlier
-    ``repeat_interleave`` path, fp32: outputs within 1e-6, gradients within 1e-5."""
+    ``repeat_interleave`` path, fp32: outputs within 16 fp32 roundings of the largest, gradients within 64."""
     from shardlm.model.llama import SDPA_ENABLE_GQA, attention
 
     assert SDPA_ENABLE_GQA  # torch 2.13 has it: the model really takes the enable_gqa path here
@@ -338,14 +339,16 @@ def test_enable_gqa_attention_equals_repeat_interleave(heads, kv_heads, masked):
     diff = (grouped - repeated).abs().max().item()
     print(f"heads {heads}/{kv_heads}{' masked' if masked else ''}: max |enable_gqa - repeat_interleave| = "
           f"{diff:.1e}")
-    assert grouped.shape == (2, heads, 33, 16) and diff <= 1e-6
+    assert grouped.shape == (2, heads, 33, 16)
+    assert_close(grouped, repeated, rtol=16 * EPS, what="attention output")
     g1 = torch.autograd.grad(grouped.square().sum(), (q, k, v))
     g2 = torch.autograd.grad(repeated.square().sum(), (q, k, v))
-    assert max((a - b).abs().max().item() for a, b in zip(g1, g2)) <= 1e-5
+    assert_all_close(dict(enumerate(g1)), dict(enumerate(g2)), rtol=64 * EPS, what="q, k, v gradients")
 
 
 def test_model_forward_is_the_same_with_either_attention_path(monkeypatch):
-    """A whole GQA Llama: logits with enable_gqa and with repeated K/V agree within 1e-6 (fp32)."""
+    """A whole GQA Llama: logits with enable_gqa and with repeated K/V agree within 64 fp32 roundings of the
+    largest."""
     from shardlm.config import ModelConfig
     from shardlm.model import llama as llama_module
     from shardlm.model.llama import Llama
@@ -367,7 +370,7 @@ def test_model_forward_is_the_same_with_either_attention_path(monkeypatch):
             ),
         )
         repeated = model(tokens)
-    assert (grouped - repeated).abs().max().item() <= 1e-6
+    assert_close(grouped, repeated, rtol=64 * EPS, what="logits")
 
 
 def test_leak_guard_names_and_restores_a_patched_global():

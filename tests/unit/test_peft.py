@@ -29,6 +29,7 @@ from shardlm.model.lora import (
 from shardlm.parallel.dist import DistInfo
 from shardlm.plan.memory import meta_model, param_groups, plan_memory
 from shardlm.train.build import build_model
+from tolerance import EPS, assert_close
 
 TINY = ["--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2",
         "--model.ffn_hidden=128", "--model.vocab_size=512", "--model.max_seq_len=64",
@@ -62,14 +63,14 @@ def test_lora_at_step_zero_equals_the_base():
         if dtype == "float32":
             assert torch.equal(got, want)
         else:  # the base rounded to bf16, nothing else
-            assert (got - want).abs().max().item() < 0.02
+            assert_close(got, want, rtol=8 * 2 ** -8, what="bf16 base")  # 8 bf16 roundings of the largest
 
 
 def test_compiled_lora_matches_eager():
     """``parallel.compile`` (TorchInductor per block) with LoRA adapters on an fp32 base: the logits equal
-    eager ones within 1e-5 (a different kernel fusion, the same math). Forward only, to keep a cold compile
-    short (about 35 s with backward on a loaded machine; the adapters' gradients agreed within 1.2e-9 when
-    checked by hand)."""
+    eager ones within 64 fp32 roundings of the largest (a different kernel fusion, the same math). Forward
+    only, to keep a cold compile short (about 35 s with backward on a loaded machine; the adapters' gradients
+    agreed within 1.2e-9 when checked by hand)."""
     models = {}
     for compiled in (False, True):
         model = tiny_lora(["--lora.alpha=8.0", f"--parallel.compile={str(compiled).lower()}"])
@@ -83,7 +84,7 @@ def test_compiled_lora_matches_eager():
         eager, compiled = models[False](tokens), models[True](tokens)
     assert all(b._compiled_call_impl is not None for b in models[True].model.layers)  # block.compile() took
     measured("compiled vs eager LoRA, max logit diff", (compiled - eager).abs().max().item())
-    assert (compiled - eager).abs().max().item() <= 1e-5
+    assert_close(compiled, eager, rtol=64 * EPS, what="compiled vs eager")
 
 
 def test_freeze_patterns():
@@ -135,7 +136,7 @@ def test_merged_and_peft_exports_give_the_adapter_models_logits(tmp_path, family
     merged = load_model_dir(merged_dir)
     measured(f"{family} merged export vs adapter model, max logit diff",
              (merged(tokens) - want).abs().max().item())
-    assert (merged(tokens) - want).abs().max().item() <= 1e-5
+    assert_close(merged(tokens), want, rtol=64 * EPS, what=f"{family} merged")
     base_state = {k: v for k, v in state.items() if ".lora_" not in k}
     base_dir = save_model_dir(base_state, model.cfg, tmp_path / "base")
     adapter = save_peft_dir(state,
@@ -147,7 +148,7 @@ def test_merged_and_peft_exports_give_the_adapter_models_logits(tmp_path, family
         got = with_adapter(tokens).logits
     measured(f"{family} peft export in transformers vs adapter model, max logit diff",
              (got - want).abs().max().item())
-    assert (got - want).abs().max().item() <= 1e-5
+    assert_close(got, want, rtol=64 * EPS, what=f"{family} peft in transformers")
 
 
 def test_bad_lora_input_one_clear_message():

@@ -29,6 +29,7 @@ from shardlm.train.preference import (
     pair_losses,
     pair_stats,
 )
+from tolerance import assert_close, check
 
 transformers = pytest.importorskip("transformers", reason="pip install -e '.[test]'")
 trl = pytest.importorskip("trl", reason="pip install -e '.[test]' (trl==1.16.0)")
@@ -196,7 +197,7 @@ def test_dpo_ipo_hinge_equal_trls_dpo_trainer(loss_type, prepared, hf_dirs, tok_
                                     labels=inputs["input_ids"].masked_fill(inputs["completion_mask"] == 0,
                                                                            -100),
                                     fused_lm_head=True).log_probs.sum(1)  # TRL's per-sequence log-probs
-    assert torch.allclose(ref_logps, trl_ref, rtol=TOL, atol=TOL), (ref_logps - trl_ref).abs().max()
+    assert_close(ref_logps, trl_ref, rtol=TOL, what="reference log-probs")
     for chunk in (0, 7):  # the plain and the chunked log-probs: the same loss and metrics
         ours_loss, stats = micro_batch_loss(policy, batch, loss, beta, 0.0, 0.5,
                                             alpha if loss_type == "dpo_rpo" else 0.0, chunk, ref_logps, 8,
@@ -206,12 +207,12 @@ def test_dpo_ipo_hinge_equal_trls_dpo_trainer(loss_type, prepared, hf_dirs, tok_
         # summation order is ~1e-5): the tolerance is 1e-6 relative to those
         loss_tol = TOL * max(1.0, beta * abs(theirs["logps/chosen"]))
         print(f"{loss_type} chunk {chunk}: |loss - TRL's| = {abs(ours_loss.item() - trl_loss.item()):.2e}")
-        assert abs(ours_loss.item() - trl_loss.item()) < loss_tol, (chunk, ours_loss.item(), trl_loss.item())
+        check(abs(ours_loss.item() - trl_loss.item()), loss_tol, what=f"{loss_type} loss, chunk {chunk}")
         for key in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
                     "logps/chosen", "logps/rejected", "logits/chosen", "logits/rejected"):
             # summed log-probs of ~100 nats carry fp32 rounding of ~1e-5 (summation order): relative to them
             scale = max(1.0, abs(theirs["logps/chosen"]) * (beta if key.startswith("rewards/") else 1.0))
-            assert abs(ours[key] - theirs[key]) < TOL * scale, (key, ours[key], theirs[key])
+            check(abs(ours[key] - theirs[key]), TOL * scale, scale=scale, what=f"{loss_type} {key}")
     assert 0 < theirs["rewards/accuracies"] < 1  # a batch where the metric can be wrong either way
 
 
@@ -251,9 +252,10 @@ def test_conservative_dpo_equals_trls_label_smoothing(prepared, hf_dirs, tok_dir
                                             data.num_chosen_targets(list(range(8))))
         loss_tol = TOL * max(1.0, beta * abs(logps[0][:8].mean().item()))  # as in the DPO test above
         print(f"cDPO chunk {chunk}: |loss - TRL's| = {abs(ours_loss.item() - expected.mean().item()):.2e}")
-        assert abs(ours_loss.item() - expected.mean().item()) < loss_tol
+        check(abs(ours_loss.item() - expected.mean().item()), loss_tol, what=f"cDPO loss, chunk {chunk}")
         ours = metrics_of(stats.tolist(), 8)
-        assert abs(ours["rewards/margins"] - (c_rew - r_rew).mean().item()) < loss_tol  # CPO's β·log-ratios
+        check(abs(ours["rewards/margins"] - (c_rew - r_rew).mean().item()), loss_tol,  # CPO's β·log-ratios
+              what="cDPO margins")
 
 
 def trl_concatenated_forward(
@@ -298,13 +300,15 @@ def test_simpo_orpo_equal_trls_cpo_and_orpo_losses(loss, prepared, hf_dirs):
     ours_loss, stats = micro_batch_loss(policy, batch, loss, beta, smoothing, gamma, cpo_alpha, 5, None, 8,
                                         data.num_chosen_targets(ids), nll_tokens="completion")
     ours = metrics_of(stats.tolist(), 8)
-    assert abs(ours_loss.item() - expected.item()) < TOL
+    # fp32 rounding is relative to the operands: the β-scaled average log-probs and the NLL
+    scale = max(1.0, abs(nll.item()), beta * avg.abs().max().item())
+    check(abs(ours_loss.item() - expected.item()), TOL * scale, scale=scale, what=f"{loss} loss")
     trl_metrics = {"rewards/chosen": c_rew.mean(), "rewards/rejected": r_rew.mean(),
                    "rewards/accuracies": (c_rew > r_rew).float().mean(),
                    "rewards/margins": (c_rew - r_rew).mean(), "logps/chosen": avg[:8].mean(),
                    "logps/rejected": avg[8:].mean()}
     for key, value in trl_metrics.items():
-        assert abs(ours[key] - value.item()) < TOL, (key, ours[key], value.item())
+        check(abs(ours[key] - value.item()), TOL * scale, scale=scale, what=f"{loss} {key}")
 
 
 def trl_orpo_batch(batch: torch.Tensor, pad: int) -> dict[str, torch.Tensor]:

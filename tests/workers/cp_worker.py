@@ -98,6 +98,9 @@ def run_case(cp: ContextParallel, t: int, window: int, runs: list[int] | None,
     return {"out": diff(out.detach(), ref.detach()), "dq": diff(ql.grad, qf.grad),
             "dk": diff(kl.grad, kf.grad), "dv": diff(vl.grad, vf.grad),
             "dsinks": sink_diff, "vs_no_sinks": (ref.detach() - without_sinks).abs().max().item(),
+            # the magnitudes the differences are relative to: the one-rank reference's largest values
+            **{f"{key}_scale": x.abs().max().item() for key, x in
+               (("out", ref), ("dq", qf.grad), ("dk", kf.grad), ("dv", vf.grad))},
             "vs_causal": (ref.detach() - causal).abs().max().item(), "padding": int((~real).sum()),
             "dense_mask": cp_mask is not None, "t_pad": padded_length(t, cp.size),
             "saved_rows": max(x.shape[2] for x in saved if x.dim() >= 3),  # (b, h, seq, ...) as attention's

@@ -75,7 +75,9 @@ def compare(name: str, overrides: dict, mesh, seed: int = 0) -> dict[str, float]
     out: dict[str, float] = {}
     with torch.no_grad():
         logits = model(tokens, documents=docs)
-        out["logits"] = (logits.full_tensor() - ref(tokens, documents=docs)).abs().max().item()
+        want = ref(tokens, documents=docs)
+        out["logits"] = (logits.full_tensor() - want).abs().max().item()
+        out["logits_scale"] = want.abs().max().item()  # the magnitude the difference is relative to
         out["logits_are_split"] = float(isinstance(logits, DTensor) and logits.placements[0].is_shard(2))
         with loss_parallel():
             lp = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX,

@@ -135,8 +135,9 @@ def test_packed_row_equals_each_example_alone(name, backend):
 
 @pytest.mark.parametrize("name", ["mistral", "gemma3"])
 def test_backends_agree_and_causal_is_unchanged(name):
-    """sdpa and flex give the same logits (64 fp32 roundings of the largest); ``block_causal`` without documents
-    is bit for bit the causal forward, and ``causal`` with documents (which it cannot keep apart) is refused."""
+    """sdpa and flex give the same logits (64 fp32 roundings of the largest); ``block_causal`` without
+    documents is bit for bit the causal forward, and ``causal`` with documents (which it cannot keep apart)
+    is refused."""
     tokens, documents, _ = packed_rows()
     with torch.no_grad():
         dense = random_model(name, backend="sdpa")(tokens, documents=documents)

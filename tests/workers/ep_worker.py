@@ -108,7 +108,8 @@ def check_padded(rank: int, world: int, model: nn.Module, ref: MoE, x_all: torch
     # it there, so that FSDP's backward hooks run
     ((y.square().sum() * 0.0 + got.term) * world).backward()
     mine = [p for n, p in model.named_parameters() if n.endswith(("gate.weight", "router.weight"))][0]
-    assert_close(mine.grad.full_tensor(), router_weight.grad, rtol=64 * EPS, what=f"ep={ep} padded router gradient")
+    assert_close(mine.grad.full_tensor(), router_weight.grad, rtol=64 * EPS,
+                 what=f"ep={ep} padded router gradient")
 
 
 if __name__ == "__main__":

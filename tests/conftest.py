@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from shardlm.convert.gguf_in import import_gguf
@@ -194,6 +195,26 @@ def small_data(tmp_path_factory, small_corpus) -> Path:
     out = tmp_path_factory.mktemp("data") / "small"
     prepare_corpus(str(small_corpus), str(out), None, 512, 0.1)
     return out
+
+
+CHAT_WORDS = "when in disgrace with fortune and men's eyes i all alone beweep my outcast state".split()
+
+
+def prepare_chat_examples(out: Path, small_data: Path, n: int = 40, max_prompt_words: int = 3,
+                          max_response_words: int = 6, seed: int = 7) -> Path:
+    """``n`` short prompt/response examples (1..max words each, seeded), written to ``out/chat.jsonl`` and
+    prepared as instruction data with the small corpus' tokenizer into ``out/data`` (returned): most are far
+    shorter than a test's sequence, so each sample is padded differently."""
+    from shardlm.data.instruct import prepare_instructions
+    rng = np.random.default_rng(seed)
+    with (out / "chat.jsonl").open("w") as f:
+        for _ in range(n):
+            p, r = int(rng.integers(1, max_prompt_words + 1)), int(rng.integers(1, max_response_words + 1))
+            f.write(json.dumps({"prompt": " ".join(rng.choice(CHAT_WORDS, p)),
+                                "response": " ".join(rng.choice(CHAT_WORDS, r))}) + "\n")
+    prepare_instructions(str(out / "chat.jsonl"), str(out / "data"), str(small_data / "tokenizer.json"), 512,
+                         0.1)
+    return out / "data"
 
 
 #: process-wide switches and functions that tests patch; a test that leaves any of them changed fails

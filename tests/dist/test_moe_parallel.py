@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import WORKER, run_scenarios, scenario, torchrun
+from conftest import WORKER, prepare_chat_examples, run_scenarios, scenario, torchrun
 from tolerance import EPS, assert_all_close, assert_close
 
 #: relative: to each logged value's largest over the steps (16 fp32 roundings), to the largest parameter
@@ -37,22 +37,13 @@ PADDED = {"train.seq_len": 10}
 
 #: instruction data: 26-token samples (examples of 16-30 tokens, each padded or cut), padded to 28 at CP 2
 INSTRUCT = {"train.seq_len": 26}
-WORDS = "when in disgrace with fortune and men's eyes i all alone beweep my outcast state".split()
 
 
 @pytest.fixture(scope="module")
 def chat_data(small_data, tmp_path_factory):
     """40 short prompt/response examples prepared as instruction data with the small corpus' tokenizer."""
-    from shardlm.data.instruct import prepare_instructions
-    d = tmp_path_factory.mktemp("chat")
-    rng = np.random.default_rng(7)
-    with (d / "chat.jsonl").open("w") as f:
-        for _ in range(40):
-            p, r = int(rng.integers(1, 3)), int(rng.integers(1, 5))
-            f.write(json.dumps({"prompt": " ".join(rng.choice(WORDS, p)),
-                                "response": " ".join(rng.choice(WORDS, r))}) + "\n")
-    prepare_instructions(str(d / "chat.jsonl"), str(d / "data"), str(small_data / "tokenizer.json"), 512, 0.1)
-    return d / "data"
+    return prepare_chat_examples(tmp_path_factory.mktemp("chat"), small_data, max_prompt_words=2,
+                                 max_response_words=4)
 
 
 def moe(extra: dict | None = None, micro: int = 4) -> dict:

@@ -9,15 +9,15 @@ row; the trainer's step logs transformers' masked values on padded instruction d
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from conftest import prepare_chat_examples
 from shardlm.convert.hf_in import load_model_dir
-from shardlm.data.instruct import InstructionExamples, prepare_instructions, split_batch
+from shardlm.data.instruct import InstructionExamples, split_batch
 from shardlm.data.packing import PackedExamples, batch_documents, batch_real_tokens
 from shardlm.model.config import ModelConfig
 from shardlm.model.decoder import CausalLM
@@ -137,7 +137,6 @@ def test_router_gradient_of_the_aux_term_equals_transformers(pair):
 
 
 # ---- instruction data: packed rows and the trainer ---------------------------------------------------------
-WORDS = "when in disgrace with fortune and men's eyes i all alone beweep my outcast state".split()
 SEQ = 64
 
 
@@ -145,15 +144,7 @@ SEQ = 64
 def chat_data(small_data, tmp_path_factory) -> Path:
     """40 short prompt/response examples (1-3 prompt words, 1-6 response words), prepared as instruction data
     with the small corpus' tokenizer: most are far shorter than ``SEQ``, each padded differently."""
-    d = tmp_path_factory.mktemp("chat")
-    rng = np.random.default_rng(7)
-    with (d / "chat.jsonl").open("w") as f:
-        for _ in range(40):
-            p, r = int(rng.integers(1, 4)), int(rng.integers(1, 7))
-            f.write(json.dumps({"prompt": " ".join(rng.choice(WORDS, p)),
-                                "response": " ".join(rng.choice(WORDS, r))}) + "\n")
-    prepare_instructions(str(d / "chat.jsonl"), str(d / "data"), str(small_data / "tokenizer.json"), 512, 0.1)
-    return d / "data"
+    return prepare_chat_examples(tmp_path_factory.mktemp("chat"), small_data)
 
 
 def moe_model() -> CausalLM:

@@ -146,7 +146,7 @@ def test_cp_training_equals_one_process(cp_runs, name, reference):
     ref_val = [r["val_loss"] for r in ref if "val_loss" in r]
     # DOCS evaluates nothing
     assert len(ref_val) == (0 if reference in ("one_docs", "one_gpt_oss_window") else 1)
-    assert_close([hist[-1]["val_loss"]] * len(ref_val), ref_val, rtol=16 * EPS, what="val loss")
+    assert_close([hist[-1]["val_loss"] for _ in ref_val], ref_val, rtol=16 * EPS, what="val loss")
     assert hist[0]["loss"] != hist[-1]["loss"]  # it trained
     p, q = (load_file(str(runs / n / "final" / "model.safetensors")) for n in (name, reference))
     # as test_fsdp_parity

@@ -42,7 +42,7 @@ def test_gpu_check_runs_in_cpu_mode(tmp_path):
     assert all(r["pass"] for r in rows) and table.count("| ok |") == 9 and table.count("| skipped |") == 3
     # TP 2 ran on gloo (two launches, 3 steps each): the losses of one process; the CUDA-only rows say why not
     assert len(rows[8]["losses"]) == 3, rows[8]
-    scale = max(abs(x) for x in rows[8]["losses"])  # relative to the loss
+    scale = max(abs(x) for x in rows[8]["losses"].values())  # relative to the loss (by step)
     check(rows[8]["max_loss_diff"], 1e-5 * scale, scale=scale, what="TP 2 loss")
     assert [r.get("skipped", False) for r in rows[8:]] == [False, True, True, True]
     assert "needs CUDA" in rows[9]["result"] and "CUDA bf16 path" in rows[10]["result"]

@@ -118,3 +118,16 @@ def test_the_help_lists_every_registered_family(toy, capsys):
     assert "gpt_oss" in text and "mixtral" in text and "qwen3_moe" in text and "toy" in text
     gguf = help_text(["import", "--help"], capsys)
     assert "GGUF file (families: llama, qwen2, qwen3, gemma3, toy;" in gguf
+
+
+@pytest.mark.parametrize("family,pattern,experts", [("gpt_oss", 0, 4), ("gpt_oss", 3, 4), ("mistral", 2, 0),
+                                                    ("mixtral", 2, 4)])
+def test_a_window_layout_the_export_cannot_express_is_refused(family, pattern, experts):
+    """gpt-oss's config.json alternates sliding / full layers (pattern 2) and Mistral's / Mixtral's has every
+    layer local (pattern 0): any other pattern would train a model its own export could not load."""
+    cfg = ModelConfig(family=family, dim=32, n_layers=4, n_heads=4, ffn_hidden=64, vocab_size=64,
+                      max_seq_len=64, sliding_window=8, sliding_window_pattern=pattern, n_experts=experts)
+    with pytest.raises(ConfigError, match=f"model.family '{family}' with model.sliding_window builds "
+                                          r"model.sliding_window_pattern = [02] .* not " + str(pattern)):
+        cfg.check()
+    ModelConfig(**{**cfg.__dict__, "sliding_window_pattern": 2 if family == "gpt_oss" else 0}).check()

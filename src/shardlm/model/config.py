@@ -28,7 +28,7 @@ class ModelConfig:
 
     family: str = "llama"
     """Model family, a name registered in :data:`~shardlm.model.families.FAMILIES` (``llama``, ``qwen2``,
-    ``qwen3``, ``mistral``, ``gemma3``, ``qwen3_moe``, ``mixtral``): its fixed traits and
+    ``qwen3``, ``mistral``, ``gemma3``, ``qwen3_moe``, ``mixtral``, ``gpt_oss``): its fixed traits and
     particulars [model_type]."""
     dim: int = 256
     """Hidden size, the width of the residual stream [hidden_size]."""

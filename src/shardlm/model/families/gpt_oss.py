@@ -80,7 +80,8 @@ def hf_fields_in(cfg: ModelConfig, config: dict[str, Any], local_rope: dict[str,
 
 
 FAMILY = Family(
-    "gpt_oss", "gpt_oss", "GptOssForCausalLM", qkv_bias=True, sliding_window=True, moe=True,
+    "gpt_oss", "gpt_oss", "GptOssForCausalLM", qkv_bias=True, sliding_window=True, window_patterns=(2,),
+    moe=True,
     routing="topk_softmax", router_bias=True, router_name="router", experts="clamped_swiglu",
     attention_sinks=True, attention_out_bias=True, hf_default_rope_theta=150000.0, hf_default_head_dim=64,
     hf_default_rope=HF_DEFAULT_ROPE,

@@ -35,6 +35,6 @@ def hf_fields_in(cfg: ModelConfig, config: dict[str, Any], local_rope: dict[str,
 
 
 FAMILY = Family(
-    "mistral", "mistral", "MistralForCausalLM", sliding_window=True,
+    "mistral", "mistral", "MistralForCausalLM", sliding_window=True, window_patterns=(0,),
     hf_fields_out=hf_fields_out, hf_fields_in=hf_fields_in,
 )

@@ -43,7 +43,8 @@ def hf_fields_in(cfg: ModelConfig, config: dict[str, Any], local_rope: dict[str,
 
 
 FAMILY = Family(
-    "mixtral", "mixtral", "MixtralForCausalLM", sliding_window=True, moe=True, always_norm_topk=True,
+    "mixtral", "mixtral", "MixtralForCausalLM", sliding_window=True, window_patterns=(0,), moe=True,
+    always_norm_topk=True,
     hf_default_rope_theta=1e6, hf_fields_out=hf_fields_out, hf_fields_in=hf_fields_in,
     hf_expert_names=("block_sparse_moe", "w1", "w3", "w2"),
 )

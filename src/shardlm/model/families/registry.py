@@ -79,6 +79,9 @@ class Family:
     sliding_window: bool = False
     """The family has sliding-window (local) layers, so ``model.sliding_window`` may be set (Mistral,
     Gemma 3)."""
+    window_patterns: tuple[int, ...] | None = None
+    """The ``model.sliding_window_pattern`` values its ``config.json`` can express with a window (None: any):
+    Mistral and Mixtral (0: every layer local), gpt-oss (2: sliding / full alternating)."""
     moe: bool = False
     """A mixture of experts: the feed-forward of its sparse layers is :class:`shardlm.model.moe.MoE`, so
     ``model.n_experts`` must be set (Qwen3-MoE, Mixtral)."""
@@ -153,12 +156,21 @@ class Family:
         """Refuse a configuration this family does not build, naming the key.
 
         Raises:
-            ConfigError: ``model.sliding_window`` set for a family without sliding-window layers.
+            ConfigError: ``model.sliding_window`` set for a family without sliding-window layers, or with a
+                ``model.sliding_window_pattern`` its exported ``config.json`` cannot express (the trained
+                model would not load).
         """
         if cfg.sliding_window and not self.sliding_window:
             names = " or ".join(repr(f.name) for f in FAMILIES.values() if f.sliding_window)
             raise ConfigError(f"model.sliding_window applies to model.family {names} (family is "
                               f"{self.name!r})")
+        patterns = self.window_patterns
+        if cfg.sliding_window and patterns is not None and cfg.sliding_window_pattern not in patterns:
+            allowed = " or ".join(str(p) for p in patterns)
+            raise ConfigError(f"model.family {self.name!r} with model.sliding_window builds "
+                              f"model.sliding_window_pattern = {allowed} (its config.json's layer layout), "
+                              f"not {cfg.sliding_window_pattern}: set "
+                              f"--model.sliding_window_pattern={allowed}")
 
 
 #: every family the decoder builds, by ``model.family``, in the order registered

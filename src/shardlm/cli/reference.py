@@ -105,7 +105,9 @@ def cli_reference() -> str:
     helps = {f"shardlm {name}": text for name, (_, text) in subcommands(all_programs["shardlm"]).items()}
     for name, parser in all_programs.items():
         lines += [f"## {name}", ""]
-        text = " ".join(t for t in (helps.get(name, ""), parser.description or "") if t)
+        # the one-line help, then the parser's description: each a sentence of its own
+        parts = (helps.get(name, ""), parser.description or "")
+        text = " ".join(t if t.endswith(".") else t + "." for t in parts if t)
         if text:
             lines += [_cell(text), ""]
         subs = subcommands(parser)

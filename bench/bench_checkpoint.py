@@ -52,7 +52,7 @@ def worker(spec_path: str) -> None:
 
     from shardlm.checkpoint.dcp import Checkpointer, local_bytes, training_state
     from shardlm.config import Config, ModelConfig
-    from shardlm.model.llama import num_params
+    from shardlm.model.decoder import num_params
     from shardlm.parallel import all_gather_ints, all_reduce_sum, build_mesh, init_distributed
     from shardlm.parallel.dist import exit_process
     from shardlm.train.build import build_model, unwrap

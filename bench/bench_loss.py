@@ -42,7 +42,7 @@ def step(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, chunk: int, so
         loss = linear_cross_entropy_sum(h, w, targets, chunk, softcap)
     else:
         logits = F.linear(h, w).unsqueeze(0)
-        if softcap:  # as Llama.forward
+        if softcap:  # as CausalLM.forward
             logits = torch.tanh(logits / softcap) * softcap
         loss = token_loss_sum(logits, targets.unsqueeze(0))
         del logits  # as model_loss_sum: nothing holds the logits during the backward

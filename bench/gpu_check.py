@@ -239,7 +239,7 @@ def check_block_causal(device: torch.device) -> list[dict]:
     (attention sinks, unit-size so that they take a real share of each softmax: under ``flex`` joined to the
     kernel's log-sum-exp, whose gradient the compiled backward must carry)."""
     from shardlm.model.config import ModelConfig
-    from shardlm.model.llama import Llama
+    from shardlm.model.decoder import CausalLM
 
     gen = torch.Generator().manual_seed(0)
     examples = [torch.randint(0, 512, (n,), generator=gen) for n in (40, 70, 30)]
@@ -261,7 +261,7 @@ def check_block_causal(device: torch.device) -> list[dict]:
             cfg = ModelConfig(family=family, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=256,
                               vocab_size=512, max_seq_len=256, sliding_window=32, attention="block_causal",
                               attention_backend=backend, **experts)
-            model = Llama(cfg).to(device)
+            model = CausalLM(cfg).to(device)
             model.init_weights(0)
             with torch.no_grad():
                 for name, p in model.named_parameters():

@@ -14,7 +14,7 @@ from shardlm.config import load_config
 from shardlm.data.instruct import InstructionExamples, split_batch
 from shardlm.data.loader import GlobalBatchSampler
 from shardlm.data.packing import PackedExamples
-from shardlm.model.llama import Llama
+from shardlm.model.decoder import CausalLM
 from shardlm.train.loss import token_loss_sum
 from test_packing import (  # noqa: F401 (fixtures)
     ROOT,
@@ -84,7 +84,7 @@ def test_packed_training_fsdp_equals_one_process_and_resumes(packed_data, doc_da
         for name in ("packed1", "packed2", "packed4"):
             assert [i for r in out[name] for i in r["sample_ids"][str(step)]] == sampler.step_ids(step), name
     # step 1 at the initial weights: the examples of its rows, one by one
-    model = Llama(cfg.model)
+    model = CausalLM(cfg.model)
     model.init_weights(cfg.train.seed)
     examples = [e for i in sampler.step_ids(0) for e in packed.rows[i]]
     plain = packed.examples

@@ -14,7 +14,7 @@ import torch
 from shardlm.convert.hf_in import load_model_dir
 from shardlm.model import attention as doc_attention
 from shardlm.model.config import ModelConfig
-from shardlm.model.llama import Llama
+from shardlm.model.decoder import CausalLM
 from test_moe_families import RELEASED_YARN, hf_config
 from test_packing import prepare_doc_data
 
@@ -222,10 +222,10 @@ def test_sinks_through_the_cpu_kernel_equal_the_eager_reference(form):
 
 
 # ---- a model built directly: documents= is honoured or refused, never ignored ------------------------------
-def direct_model(attention: str) -> Llama:
+def direct_model(attention: str) -> CausalLM:
     cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=96, vocab_size=128,
                       max_seq_len=64, attention=attention)
-    model = Llama(cfg)
+    model = CausalLM(cfg)
     model.init_weights(0)
     return model
 

@@ -19,7 +19,7 @@ from shardlm.data.prepare import load_meta, prepare_corpus
 from shardlm.errors import ConfigError, DataError
 from shardlm.model import attention as doc_attention
 from shardlm.model.config import ModelConfig
-from shardlm.model.llama import Llama
+from shardlm.model.decoder import CausalLM
 from test_packing import ROOT, SEQ, WORDS, prepare_chat_data, prepare_doc_data, prepare_mixture_data
 from tolerance import assert_close
 
@@ -188,7 +188,7 @@ def test_block_causal_eval_equals_each_document_alone(doc_data, small_data, tmp_
     info = DistInfo(0, 0, 1, torch.device("cpu"), "gloo")
     cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128, vocab_size=512,
                       max_seq_len=64)
-    model = Llama(cfg)
+    model = CausalLM(cfg)
     model.init_weights(0)
     tok = load_tokenizer(str(small_data / "tokenizer.json"))
     corpus = doc_data.parent / "docs.jsonl"
@@ -468,7 +468,7 @@ def test_logged_flops_count_the_attention_of_each_document(packed_data, doc_data
 
     cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=96, vocab_size=128,
                       max_seq_len=64)
-    n = sum(p.numel() for name, p in Llama(cfg).named_parameters() if name != "model.embed_tokens.weight")
+    n = sum(p.numel() for name, p in CausalLM(cfg).named_parameters() if name != "model.embed_tokens.weight")
     documents = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2], [0] * 8])  # lengths 3, 2, 3 and 8
     assert squared_document_lengths(documents) == 9 + 4 + 9 + 64
     assert model_flops(cfg, 16, 86) == 6 * n * 16 + 12 * 2 * 4 * 16 * 86
@@ -486,7 +486,7 @@ def test_logged_flops_count_the_attention_of_each_document(packed_data, doc_data
             * (
                 sum(
                     p.numel()
-                    for name, p in Llama(model).named_parameters()
+                    for name, p in CausalLM(model).named_parameters()
                     if name != "model.embed_tokens.weight"
                 )
             )

@@ -23,7 +23,7 @@ from shardlm.cli.main import main as shardlm_main
 from shardlm.convert.hf_config import model_config_from_hf_dict
 from shardlm.convert.hf_in import load_model_dir
 from shardlm.errors import ModelDirError
-from shardlm.model.llama import Llama, num_params
+from shardlm.model.decoder import CausalLM, num_params
 from tolerance import EPS, assert_close
 
 transformers = pytest.importorskip("transformers", reason="pip install -e '.[test]'")
@@ -278,7 +278,7 @@ def test_plan_parameter_count_equals_transformers(name, tmp_path, capsys):
         theirs = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(hf_config).parameters())
     cfg = model_config_from_hf_dict(hf_config.to_dict())
     with torch.device("meta"):
-        assert num_params(Llama(cfg)) == theirs
+        assert num_params(CausalLM(cfg)) == theirs
     # `shardlm plan` from a model directory with that config.json prints the same count
     model_dir = tmp_path / name
     model_dir.mkdir()
@@ -317,7 +317,7 @@ def test_a_model_without_a_window_exports_what_transformers_loads(family, tmp_pa
     cfg = ModelConfig(family=family, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
                       ffn_hidden=32 if moe else 96, vocab_size=VOCAB, max_seq_len=64, sliding_window=0,
                       n_experts=4 if moe else 0)
-    model = Llama(cfg).eval()
+    model = CausalLM(cfg).eval()
     model.init_weights(seed=3)
     out = save_model_dir(model.state_dict(), cfg, tmp_path / family)
     config = json.loads((out / "config.json").read_text())

@@ -17,7 +17,7 @@ from shardlm.model.cpu_matmul import (
     cpu_has_bf16_instructions,
     use_fp32_matmul,
 )
-from shardlm.model.llama import Llama
+from shardlm.model.decoder import CausalLM
 from shardlm.parallel import apply_ac, apply_compile, pick_backend
 from shardlm.parallel.options import check_reshard_after_forward, describe, dtype_from_name
 from tolerance import EPS, assert_all_close, assert_close, check
@@ -93,7 +93,7 @@ def test_compile_with_activation_checkpointing(mode):
     tokens = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
     results = []
     for compiled in (False, True):
-        model = Llama(cfg)
+        model = CausalLM(cfg)
         model.init_weights(0)
         if compiled:
             assert apply_ac(model.model.layers, mode, 2) == ([1] if mode == "every_n" else [0, 1])
@@ -164,7 +164,7 @@ def test_bad_input_one_clear_error(overrides, needle, tmp_path, small_data, caps
 
 def test_activation_checkpointing_saves_less_and_keeps_names():
     from shardlm.config import ModelConfig
-    from shardlm.model.llama import Llama
+    from shardlm.model.decoder import CausalLM
     from shardlm.parallel import apply_ac
     from shardlm.parallel.saved_activations import SavedActivationCounter
 
@@ -172,7 +172,7 @@ def test_activation_checkpointing_saves_less_and_keeps_names():
     tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
     saved, grads, names = {}, {}, {}
     for mode in ("none", "full", "every_n", "selective"):
-        model = Llama(cfg)
+        model = CausalLM(cfg)
         model.init_weights(0)
         assert apply_ac(model.model.layers, mode, 2) == {"none": [], "every_n": [1, 3]}.get(
             mode, [0, 1, 2, 3]

@@ -189,7 +189,7 @@ def test_rope_scaling_rebuilt_from_llama_cpp_factors_gives_the_same_frequencies(
     from gguf_files import llama_cpp_rope_factors
     from shardlm.convert.gguf_in import rope_scaling_from_factors
     from shardlm.model.config import ModelConfig
-    from shardlm.model.llama import rope_inv_freq
+    from shardlm.model.decoder import rope_inv_freq
 
     hp = {"rope_scaling": {"rope_type": "llama3", "rope_theta": theta, "factor": factor,
                            "low_freq_factor": low, "high_freq_factor": high},

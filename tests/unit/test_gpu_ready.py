@@ -324,7 +324,7 @@ def test_peak_memory_is_reset_after_each_logged_record(monkeypatch):
 def test_enable_gqa_attention_equals_repeat_interleave(heads, kv_heads, masked):
     """SDPA with ``enable_gqa=True`` (what the model uses on this PyTorch) against the earlier
     ``repeat_interleave`` path, fp32: outputs within 16 fp32 roundings of the largest, gradients within 64."""
-    from shardlm.model.llama import SDPA_ENABLE_GQA, attention
+    from shardlm.model.decoder import SDPA_ENABLE_GQA, attention
 
     assert SDPA_ENABLE_GQA  # torch 2.13 has it: the model really takes the enable_gqa path here
     gen = torch.Generator().manual_seed(heads * 10 + kv_heads)
@@ -351,10 +351,10 @@ def test_model_forward_is_the_same_with_either_attention_path(monkeypatch):
     largest."""
     from shardlm.config import ModelConfig
     from shardlm.model import llama as llama_module
-    from shardlm.model.llama import Llama
+    from shardlm.model.decoder import CausalLM
 
     torch.manual_seed(0)
-    model = Llama(ModelConfig(dim=64, n_layers=2, n_heads=8, n_kv_heads=2, vocab_size=101, max_seq_len=32))
+    model = CausalLM(ModelConfig(dim=64, n_layers=2, n_heads=8, n_kv_heads=2, vocab_size=101, max_seq_len=32))
     tokens = torch.randint(0, 101, (2, 32))
     with torch.no_grad():
         grouped = model(tokens)

@@ -24,7 +24,7 @@ from shardlm.cli.train import main as train_main
 from shardlm.convert.hf_config import read_model_dir_config
 from shardlm.convert.hf_in import INDEX_NAME, load_model_dir, load_pretrained_
 from shardlm.errors import ModelDirError
-from shardlm.model.llama import Llama
+from shardlm.model.decoder import CausalLM
 from tolerance import EPS, assert_close
 
 transformers = pytest.importorskip("transformers", reason="pip install -e '.[test]'")
@@ -103,7 +103,7 @@ def test_stray_and_consolidated_files_beside_the_index_are_ignored(sharded, tmp_
     # the sharded (init_from) loader takes the same files: the layer-0 key projection is the shard's, not
     # the stray's
     with torch.device("meta"):
-        model = Llama(read_model_dir_config(d))
+        model = CausalLM(read_model_dir_config(d))
     model.to_empty(device="cpu")
     load_pretrained_(model, d)
     assert torch.equal(model.get_parameter("model.layers.0.self_attn.k_proj.weight"),
@@ -147,7 +147,7 @@ def test_one_tensor_in_two_files_without_an_index_is_refused_by_every_reader(sha
         assert expected in cli_error(capsys, argv), argv
     assert not (tmp_path / "o").exists()
     with torch.device("meta"):
-        model = Llama(read_model_dir_config(d))
+        model = CausalLM(read_model_dir_config(d))
     model.to_empty(device="cpu")
     with pytest.raises(ModelDirError, match=expected):  # init_from's loader (train/build.py)
         load_pretrained_(model, d)

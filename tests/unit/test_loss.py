@@ -15,8 +15,8 @@ from shardlm.config import Config, ConfigError, validate
 from shardlm.data.instruct import IGNORE_INDEX
 from shardlm.model.config import ModelConfig
 from shardlm.model.cpu_matmul import apply_fp32_matmul
+from shardlm.model.decoder import CausalLM
 from shardlm.model.freeze import apply_freeze
-from shardlm.model.llama import Llama
 from shardlm.model.lora import LoRASpec, apply_lora, set_fp32_matmul
 from shardlm.parallel.ac import apply_ac
 from shardlm.plan import plan_memory
@@ -35,10 +35,10 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-def tiny(family: str = "llama", tied: bool = False, softcap: float = 0.0, seed: int = 0) -> Llama:
+def tiny(family: str = "llama", tied: bool = False, softcap: float = 0.0, seed: int = 0) -> CausalLM:
     cfg = ModelConfig(family=family, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64,
                       vocab_size=VOCAB, max_seq_len=64, tie_embeddings=tied, final_logit_softcap=softcap)
-    model = Llama(cfg)
+    model = CausalLM(cfg)
     model.init_weights(seed)
     with torch.no_grad():
         # Gemma's zero-initialised norms and small logits would hide errors: perturb everything
@@ -59,7 +59,7 @@ def batch(ignored: slice | None = slice(5, 9), seed: int = 0) -> tuple[torch.Ten
 
 
 def loss_and_grads(
-    model: Llama, inputs, targets, chunk: int
+    model: CausalLM, inputs, targets, chunk: int
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
     model.zero_grad(set_to_none=True)
     loss = model_loss_sum(model, inputs, targets, chunk)
@@ -67,7 +67,7 @@ def loss_and_grads(
     return loss.detach(), {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
 
 
-def assert_same(model: Llama, inputs, targets, chunk: int, tol: float = REL) -> dict[str, float]:
+def assert_same(model: CausalLM, inputs, targets, chunk: int, tol: float = REL) -> dict[str, float]:
     loss0, grads0 = loss_and_grads(model, inputs, targets, 0)
     loss1, grads1 = loss_and_grads(model, inputs, targets, chunk)
     errors = {"loss": rel(loss1, loss0)}
@@ -175,9 +175,9 @@ def test_qlora_nf4_output_projection():
 
     cfg = ModelConfig(family="llama", dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64,
                       vocab_size=320, max_seq_len=64)  # 320 x 32 values: whole NF4 scaler blocks
-    init = Llama(cfg)
+    init = CausalLM(cfg)
     init.init_weights(0)
-    model = Llama(cfg)
+    model = CausalLM(cfg)
     apply_lora(model, LoRASpec(4, 8.0, 0.0, "lm_head,q_proj", "nf4"))
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from shardlm.config import ConfigError, ModelConfig, load_config
-from shardlm.model.llama import Llama, num_params, rotary_tables
+from shardlm.model.decoder import CausalLM, num_params, rotary_tables
 from tolerance import EPS, assert_close
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -17,19 +17,19 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_llama3_8b_config_has_8b_parameters():
     cfg = load_config(str(ROOT / "configs/llama3-8b.toml"))
     with torch.device("meta"):
-        model = Llama(cfg.model)
+        model = CausalLM(cfg.model)
     assert num_params(model) == 8_030_261_248
 
 
 def test_hf_parameter_names_and_tying():
     cfg = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, vocab_size=100,
                       max_seq_len=16)
-    names = [n for n, _ in Llama(cfg).named_parameters()]
+    names = [n for n, _ in CausalLM(cfg).named_parameters()]
     assert names[:3] == ["model.embed_tokens.weight", "model.layers.0.input_layernorm.weight",
                          "model.layers.0.self_attn.q_proj.weight"]
     assert names[-2:] == ["model.norm.weight", "lm_head.weight"]
     cfg.tie_embeddings = True
-    tied = Llama(cfg)
+    tied = CausalLM(cfg)
     assert "lm_head.weight" not in dict(tied.named_parameters())
     tied.to_empty(device="cpu")
     assert tied.lm_head.weight is tied.model.embed_tokens.weight
@@ -45,7 +45,7 @@ def test_rotary_tables_match_hf_formula():
 
 def test_init_is_seeded_per_tensor():
     cfg = ModelConfig(dim=32, n_layers=2, n_heads=4, vocab_size=100, max_seq_len=16)
-    a, b, c = Llama(cfg), Llama(cfg), Llama(cfg)
+    a, b, c = CausalLM(cfg), CausalLM(cfg), CausalLM(cfg)
     a.init_weights(1), b.init_weights(1), c.init_weights(2)
     for (n, p), (_, q), (_, r) in zip(a.named_parameters(), b.named_parameters(), c.named_parameters()):
         assert torch.equal(p, q), n
@@ -55,7 +55,7 @@ def test_init_is_seeded_per_tensor():
 
 def test_causal_forward_shape_and_masking():
     cfg = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=1, vocab_size=50, max_seq_len=16)
-    model = Llama(cfg)
+    model = CausalLM(cfg)
     model.init_weights(0)
     x = torch.randint(0, 50, (2, 10))
     logits = model(x)

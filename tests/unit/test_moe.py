@@ -235,7 +235,7 @@ def test_start_up_summary_names_the_experts_and_the_active_parameters():
     """The summary's model line: experts, top-k, MoE layers and the active count, which equals the total less
     the (E - k) / E share of each MoE layer's expert weights (computed here from the shapes)."""
     from shardlm.config import load_config
-    from shardlm.model.llama import Llama, num_params
+    from shardlm.model.decoder import CausalLM, num_params
     from shardlm.train.summary import model_experts
 
     cfg = load_config(None,
@@ -244,7 +244,7 @@ def test_start_up_summary_names_the_experts_and_the_active_parameters():
                        "--model.n_heads=4",
                              "--model.vocab_size=256", "--model.dense_layers=[1]"])
     with torch.device("meta"):
-        model = Llama(cfg.model)
+        model = CausalLM(cfg.model)
     experts = 3 * 64 * 32  # gate, up and down of one expert
     active = num_params(model) - 2 * experts * (8 - 2)  # two MoE layers, 6 of 8 experts idle per token
     assert model_experts(cfg, model) == ("; mixture of experts: 8 experts, top-2, in 2 of 3 layers, "

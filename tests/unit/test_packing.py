@@ -26,7 +26,7 @@ from shardlm.data.prepare import load_meta, prepare_corpus
 from shardlm.errors import DataError
 from shardlm.model import attention as doc_attention
 from shardlm.model.config import ModelConfig
-from shardlm.model.llama import Llama
+from shardlm.model.decoder import CausalLM
 from shardlm.train.loss import token_loss_sum
 from tolerance import EPS, assert_close, assert_norm_close
 
@@ -49,11 +49,11 @@ LENGTHS = [(11, 14, 9), (16, 5, 12)]  # two rows of three examples each, then pa
 ROW = 40
 
 
-def random_model(name: str, attention: str = "block_causal", backend: str = "sdpa") -> Llama:
+def random_model(name: str, attention: str = "block_causal", backend: str = "sdpa") -> CausalLM:
     """Family ``name``'s small model, fp32, every parameter perturbed (seeded)."""
     cfg = FAMILY_CASES[name]
     cfg = ModelConfig(**{**cfg.__dict__, "attention": attention, "attention_backend": backend})
-    model = Llama(cfg)
+    model = CausalLM(cfg)
     model.init_weights(0)
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -81,7 +81,8 @@ def packed_rows() -> tuple[torch.Tensor, torch.Tensor, list[list[torch.Tensor]]]
     return tokens, documents, examples
 
 
-def summed_loss_grads(model: Llama, logits: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+def summed_loss_grads(model: CausalLM, logits: torch.Tensor,
+                      targets: torch.Tensor) -> dict[str, torch.Tensor]:
     """Gradients of the summed next-token loss (targets -100 where nothing is trained)."""
     model.zero_grad(set_to_none=True)
     F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum").backward()
@@ -330,7 +331,7 @@ def test_packed_batch_loss_equals_examples_one_by_one(packed_data):
     packed = PackedExamples(plain, seed=0)
     cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128, vocab_size=512,
                       max_seq_len=64, attention="block_causal")
-    model = Llama(cfg)
+    model = CausalLM(cfg)
     model.init_weights(0)
     ids = list(range(len(packed)))
     with torch.no_grad():
@@ -403,7 +404,7 @@ def test_window_across_documents_gives_the_second_its_own_logits(doc_data):
     assert windows.num_targets(list(range(len(windows)))) == int((targets != -100).sum())
     cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128, vocab_size=512,
                       max_seq_len=64, attention="block_causal")
-    model = Llama(cfg)
+    model = CausalLM(cfg)
     model.init_weights(0)
     with torch.no_grad():
         logits = model(inputs[w:w + 1], documents=batch[w:w + 1, 2, :-1])[0]

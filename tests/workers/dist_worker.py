@@ -18,7 +18,7 @@ import torch
 
 from shardlm.config import load_config
 from shardlm.metrics import local_bytes
-from shardlm.model.llama import Llama
+from shardlm.model.decoder import CausalLM
 from shardlm.parallel import exit_process, init_distributed
 from shardlm.train.build import unwrap
 from shardlm.train.trainer import Trainer
@@ -45,7 +45,7 @@ def local_digests(trainer: Trainer) -> dict[str, str]:
 def shard_report(trainer: Trainer) -> dict:
     """Placements, local rows and init difference of every parameter on this rank."""
     model = unwrap(trainer.model)
-    ref = Llama(trainer.cfg.model)
+    ref = CausalLM(trainer.cfg.model)
     ref.init_weights(trainer.cfg.train.seed)
     ref_params = dict(ref.named_parameters())
     rank, world = trainer.info.rank, trainer.info.world_size

@@ -1,6 +1,5 @@
 """One readable decoder for every model family (:mod:`shardlm.model.families`), in the Hugging Face layout,
-with no distributed code: :class:`CausalLM` (formerly ``Llama``; ``shardlm.model.llama`` is this module under
-its old name).
+with no distributed code: :class:`CausalLM`.
 
 Parameter names equal transformers' ``*ForCausalLM`` names (``model.layers.0.self_attn.q_proj.weight``,
 ``lm_head.weight``...), so importing or exporting HF weights is a plain copy. Rotary embeddings use
@@ -46,9 +45,9 @@ from shardlm.model.kv_cache import KVCache, LayerKVCache
 from shardlm.model.moe import build_moe
 from shardlm.model.rope import rope_buffers, rope_inv_freq, rotary_tables, rotate_half
 
-__all__ = [  # with the KV cache and RoPE names that ``shardlm.model.llama`` had before they moved out
+__all__ = [  # with the KV cache and RoPE names, importable from here as well as from their own modules
     "INIT_BLOCK_ELEMENTS", "MLP", "SDPA_ENABLE_GQA", "Attention", "Block", "CausalLM", "Decoder", "KVCache",
-    "LayerKVCache", "Llama", "RMSNorm", "attention", "num_params", "rope_buffers", "rope_inv_freq",
+    "LayerKVCache", "RMSNorm", "attention", "num_params", "rope_buffers", "rope_inv_freq",
     "rotary_tables", "rotate_half", "sdpa_has_enable_gqa", "sliding_window_mask",
 ]
 
@@ -445,6 +444,3 @@ def num_params(model: nn.Module, exclude_embedding: bool = False) -> int:
         total -= model.model.embed_tokens.weight.numel()
     return total
 
-
-#: the decoder's old name, kept importable (``from shardlm.model.llama import Llama``)
-Llama = CausalLM

@@ -13,16 +13,16 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from shardlm.model.llama import Llama
+from shardlm.model.decoder import CausalLM
 from shardlm.parallel.options import add_async_all_gather, check_reshard_after_forward, set_prefetch
 from shardlm.parallel.reduce_scatter import use_all_to_all_reduce_scatter
 
 
-def apply_fsdp(model: Llama, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None = None,
+def apply_fsdp(model: CausalLM, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None = None,
                reshard_after_forward: bool | int = True, *, offload: OffloadPolicy | None = None,
                forward_prefetch: int = 0, backward_prefetch: int = 0, async_all_gather: bool = False,
                reduce_scatter: str = "native", blocks_per_group: int = 1,
-               experts: list[nn.Module] = (), expert_mesh: DeviceMesh | None = None) -> Llama:
+               experts: list[nn.Module] = (), expert_mesh: DeviceMesh | None = None) -> CausalLM:
     """Shard ``model`` in torchtitan's grouping: embedding, each block, final norm + output, root.
 
     1. the token embedding is one group (unless tied: then it stays with the output projection);

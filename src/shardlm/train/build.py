@@ -19,8 +19,8 @@ from shardlm.config.layout import check_ep, check_tp
 from shardlm.convert.hf_in import load_pretrained_
 from shardlm.errors import ConfigError
 from shardlm.model.cpu_matmul import apply_fp32_matmul, use_fp32_matmul
+from shardlm.model.decoder import CausalLM
 from shardlm.model.freeze import apply_freeze
-from shardlm.model.llama import Llama
 from shardlm.model.lora import (
     LoRASpec,
     apply_lora,
@@ -55,12 +55,12 @@ def build_model(cfg: Config, info: DistInfo, mesh: DeviceMesh | None,
 
     No rank ever holds the whole unsharded model: under ``fsdp`` only each rank's shards are
     allocated (``to_empty``) and filled by ``init_weights``, each rank drawing only its own shard's rows
-    (:meth:`~shardlm.model.llama.Llama.initial_rows`), or, with ``model.init_from``, by ``load_pretrained_``
+    (:meth:`CausalLM.initial_rows`), or, with ``model.init_from``, by ``load_pretrained_``
     reading only the shard's rows. A randomly initialised base under ``[lora]`` (tests, benchmarks) is drawn
     one full tensor at a time on every rank (:func:`init_base_weights_`: an NF4 base is quantised from the
     whole value); the values are the same as ``init_weights``'.
 
-    Returns ``(model, load_stats)``: the ``Llama`` (FSDP-sharded or plain) or a ``DistributedDataParallel``
+    Returns ``(model, load_stats)``: the ``CausalLM`` (FSDP-sharded or plain) or a ``DistributedDataParallel``
     around it, and :func:`shardlm.convert.hf_in.load_pretrained_`'s byte counts (None for a random init).
 
     Raises:
@@ -73,7 +73,7 @@ def build_model(cfg: Config, info: DistInfo, mesh: DeviceMesh | None,
     pcfg = cfg.parallel
     check_tp(cfg.model, pcfg.tp, cfg.train.seq_len, cfg.lora.enabled, pcfg.cp)  # a model tp cannot split
     with torch.device("meta"):
-        model = Llama(cfg.model)
+        model = CausalLM(cfg.model)
     lora = cfg.lora
     if lora.enabled:  # adapters on the targeted layers, everything else frozen
         apply_lora(model, LoRASpec(lora.rank, lora.alpha, lora.dropout, lora.targets, lora.base_dtype))
@@ -132,8 +132,8 @@ def build_model(cfg: Config, info: DistInfo, mesh: DeviceMesh | None,
 
 
 @torch.no_grad()
-def init_base_weights_(model: Llama, seed: int, skip: set[str]) -> None:
-    """``Llama.init_weights`` for a model with adapters: every parameter not in ``skip`` from
+def init_base_weights_(model: CausalLM, seed: int, skip: set[str]) -> None:
+    """``CausalLM.init_weights`` for a model with adapters: every parameter not in ``skip`` from
     ``model.initial_value`` (an NF4 base is quantised from the whole value), then the rotary tables."""
     for name, param in model.named_parameters():
         if name not in skip:
@@ -150,6 +150,6 @@ def init_adapters_(model: nn.Module, seed: int) -> None:
         set_from_full_(module.lora_B.weight, b)
 
 
-def unwrap(model: nn.Module) -> Llama:
-    """The ``Llama`` inside a DDP wrapper (or the model itself)."""
+def unwrap(model: nn.Module) -> CausalLM:
+    """The ``CausalLM`` inside a DDP wrapper (or the model itself)."""
     return model.module if isinstance(model, DistributedDataParallel) else model

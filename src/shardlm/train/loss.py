@@ -56,7 +56,7 @@ def model_loss_sum(model: nn.Module, inputs: Tensor, targets: Tensor, chunk_toke
     """The summed token loss of ``model`` on ``inputs``: plain (``chunk_tokens == 0``) or chunked.
 
     Args:
-        model: a :class:`~shardlm.model.llama.Llama`, or it wrapped (FSDP2, DDP): called once, so every
+        model: a :class:`~shardlm.model.decoder.CausalLM`, or it wrapped (FSDP2, DDP): called once, so every
             wrapper's hooks run (FSDP's all-gather of the output projection with the final norm, as for the
             plain loss).
         inputs: (B, T) int64 token ids; targets: (B, T) int64, ``IGNORE_INDEX`` where nothing is scored.
@@ -67,7 +67,7 @@ def model_loss_sum(model: nn.Module, inputs: Tensor, targets: Tensor, chunk_toke
             tokens: the vocabulary-parallel loss (:mod:`shardlm.train.vocab_parallel_loss`), whose logits
             stay split.
         documents: (B, T) int64 document index per token for block-causal attention (packed rows; see
-            ``Llama.forward``), or None for a plain causal mask.
+            ``CausalLM.forward``), or None for a plain causal mask.
         model_kwargs: passed on to the model's forward (context parallelism's ``positions`` and ``masks``).
 
     Returns a 0-dim fp32 tensor (nats, summed over the scored targets).
@@ -89,7 +89,7 @@ def model_loss_sum(model: nn.Module, inputs: Tensor, targets: Tensor, chunk_toke
 
 
 def output_loss_sum(llama: nn.Module, hidden: Tensor, targets: Tensor, chunk_tokens: int) -> Tensor:
-    """The chunked loss of a :class:`~shardlm.model.llama.Llama`'s output head on its final hidden states.
+    """The chunked loss of a :class:`~shardlm.model.decoder.CausalLM` output head on its final hidden states.
 
     Reads the head as the model's own forward would apply it: ``lm_head`` (an ``nn.Linear``, its CPU
     fp32-multiply form :class:`~shardlm.model.cpu_matmul.Fp32MatmulLinear`, or a

@@ -87,7 +87,7 @@ def head_logps(llama: nn.Module, hidden: Tensor, targets: Tensor, chunk_tokens: 
     summed log-probs of the NLL term's targets.
 
     Args:
-        llama: the :class:`~shardlm.model.llama.Llama` whose ``lm_head`` (any of its forms: plain, LoRA, NF4
+        llama: the :class:`CausalLM` whose ``lm_head`` (any of its forms: plain, LoRA, NF4
             base) and ``final_logit_softcap`` make the logits, as its own forward does.
         hidden: (R, T, D) final-norm output, compute dtype; targets: (R, T) int64, ``IGNORE_INDEX``
         off-completion. chunk_tokens: scored tokens per chunk (0: one chunk of all). With gradients each chunk

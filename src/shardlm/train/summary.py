@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from shardlm.data.packing import DocumentWindows, PackedExamples
 from shardlm.data.preference import PREFERENCE
 from shardlm.metrics import format_bytes, local_bytes, shard_bytes
-from shardlm.model.llama import num_params
+from shardlm.model.decoder import num_params
 from shardlm.model.moe import inactive_expert_params
 from shardlm.parallel import all_gather_ints
 from shardlm.parallel.options import describe

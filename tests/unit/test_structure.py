@@ -147,6 +147,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("shardlm.data",),  # readers, tokenizer, preparation, loader
     ("shardlm.checkpoint",),  # DCP checkpoints (they keep the tokenizer files and the data identity)
     ("shardlm.convert",),  # model directories in and out: HF, GGUF, PEFT
+    ("shardlm.rl",),  # rewards, advantages, the GRPO-family losses, the rollout
     ("shardlm.train",),  # building the model, loss, optimizer, the Trainer
     ("shardlm.eval", "shardlm.plan", "shardlm.convert.export"),  # evaluation, the planner, a checkpoint out
     ("shardlm.cli", "shardlm.__main__"),  # the shardlm command, torchrun entry points and workers
@@ -199,13 +200,13 @@ def test_the_layer_check_finds_an_upward_import():
              "shardlm.config": {"shardlm.convert", "shardlm.convert.hf_config", "shardlm.model.hf_config"}}
     assert upward_imports(graph, {"shardlm.convert"}) == [
         "shardlm.config (layer 2) -> shardlm.convert.hf_config (layer 6)",
-        "shardlm.model.decoder (layer 1) -> shardlm.train (layer 7)",
-        "shardlm.model.decoder (layer 1) -> shardlm.train.loss (layer 7)"]
+        "shardlm.model.decoder (layer 1) -> shardlm.train (layer 8)",
+        "shardlm.model.decoder (layer 1) -> shardlm.train.loss (layer 8)"]
     assert upward_imports(graph, set()) == [
         "shardlm.config (layer 2) -> shardlm.convert (layer 6)",
         "shardlm.config (layer 2) -> shardlm.convert.hf_config (layer 6)",
-        "shardlm.model.decoder (layer 1) -> shardlm.train (layer 7)",
-        "shardlm.model.decoder (layer 1) -> shardlm.train.loss (layer 7)"]
+        "shardlm.model.decoder (layer 1) -> shardlm.train (layer 8)",
+        "shardlm.model.decoder (layer 1) -> shardlm.train.loss (layer 8)"]
 
 
 def test_no_import_from_a_lower_layer_to_a_higher_one():

@@ -55,7 +55,7 @@ from shardlm.plan.loss import loss_events
 from shardlm.plan.moe import all_to_all_transient, moe_layer_saved
 from shardlm.plan.param_groups import Group, block_group_name, meta_model, param_groups, planner_model
 from shardlm.plan.preference import no_grad_block_bytes, no_grad_head_bytes, reference_memory
-from shardlm.train.preference_step import reference_config
+from shardlm.train.reference import reference_config
 
 __all__ = ["PARTS", "Group", "MemoryPlan", "Settings", "meta_model", "param_groups", "plan_memory"]
 

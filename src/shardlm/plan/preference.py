@@ -1,5 +1,5 @@
 """What preference tuning (``data.format = "preference"``) adds to a step's memory: both rows of a pair, and
-the reference (:mod:`shardlm.train.preference_step`).
+the reference (:mod:`shardlm.train.reference`).
 
 * **Rows**: a micro-batch of P pairs runs 2P sequences (chosen and rejected) through one forward:
   :func:`preference_rows` is the config the planner plans, its batch sizes counted in rows.
@@ -31,7 +31,7 @@ from shardlm.config import Config
 from shardlm.data.build import data_dir
 from shardlm.data.preference import PREFERENCE, PreferencePairs
 from shardlm.data.prepare import is_prepared, load_meta
-from shardlm.train.preference_step import reference_kind
+from shardlm.train.reference import reference_kind
 
 
 def preference_rows(cfg: Config) -> Config:
@@ -71,7 +71,7 @@ class ReferenceMemory:
 
 def reference_memory(cfg: Config) -> ReferenceMemory:
     """The reference of ``cfg`` as the planner counts it (see the module docstring); the kind is
-    :func:`shardlm.train.preference_step.reference_kind`'s."""
+    :func:`shardlm.train.reference.reference_kind`'s."""
     if cfg.data.format != "preference":
         return ReferenceMemory("", False, 0, False)
     kind = reference_kind(cfg)

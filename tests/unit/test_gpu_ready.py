@@ -350,7 +350,7 @@ def test_model_forward_is_the_same_with_either_attention_path(monkeypatch):
     """A whole GQA Llama: logits with enable_gqa and with repeated K/V agree within 64 fp32 roundings of the
     largest."""
     from shardlm.config import ModelConfig
-    from shardlm.model import llama as llama_module
+    from shardlm.model import decoder as decoder_module
     from shardlm.model.decoder import CausalLM
 
     torch.manual_seed(0)
@@ -359,10 +359,10 @@ def test_model_forward_is_the_same_with_either_attention_path(monkeypatch):
     with torch.no_grad():
         grouped = model(tokens)
         monkeypatch.setattr(
-            llama_module,
+            decoder_module,
             "attention",
             lambda q, k, v, mask=None, scale=None: (
-                llama_module.F.scaled_dot_product_attention(
+                decoder_module.F.scaled_dot_product_attention(
                     q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), is_causal=True, scale=scale
                 )
                 if mask is None

@@ -27,9 +27,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from shardlm.checkpoint.run import LAUNCH_ENV
-from shardlm.cli.train import parse_args, train_config
 from shardlm.cli.train import main as train_main
+from shardlm.cli.train import parse_args, train_config
 from shardlm.config import Config, ConfigError
 from shardlm.config.checks import gradient_accumulation_steps
 from shardlm.parallel.dist import dp_mesh_shape, pick_backend
@@ -51,8 +53,9 @@ def require_ray() -> None:
     """
     try:
         import ray.train.torch  # noqa: F401
-    except ImportError as e:
-        raise ConfigError(f"--ray needs Ray Train, which is not installed ({e}): {INSTALL_HINT}") from None
+    except ImportError:
+        raise ConfigError(f"--ray needs Ray Train (the ray package with its train extra), which is not "
+                          f"installed here: {INSTALL_HINT}") from None
 
 
 def check_workers(cfg: Config, num_workers: int) -> None:
@@ -151,8 +154,6 @@ def train(config: str | Sequence[str] | None, overrides: Sequence[str] = (), *, 
     use_gpu = cfg.parallel.device != "cpu" and ray.cluster_resources().get("GPU", 0) > 0
     if cfg.parallel.device == "cuda" and not use_gpu:
         raise ConfigError("parallel.device='cuda' but the Ray cluster has no GPU")
-    import torch
-
     backend = pick_backend(torch.device("cuda" if use_gpu else "cpu"), cfg.parallel.backend,
                            cfg.parallel.cpu_offload)
     launch = launch or shlex.join(["shardlm", "train", "--ray", f"--num-workers={num_workers}"]

@@ -55,13 +55,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default=None, help="host:port of the rendezvous")
     p.add_argument("--rdzv-id", "--rdzv_id", default=None, help="the job's id, the same on every machine")
     p.add_argument("--max-restarts", "--max_restarts", type=int, default=0,
-                   help="times torchrun restarts the ranks after a failure (they resume from the newest "
-                        "checkpoint)")
+                   help="times torchrun (Ray, with --ray) restarts the ranks after a failure (they resume "
+                        "from the newest checkpoint)")
     p.add_argument("--shutdown-timeout", "--shutdown_timeout", type=int, default=300,
                    help="seconds the ranks get, after a signal, to save and stop before they are killed")
     p.add_argument("--ray", action="store_true",
                    help="start the ranks as Ray Train workers instead of torchrun (needs shardlm[ray]; "
-                        "--max-restarts is then Ray's FailureConfig.max_failures)")
+                        "the workers add --resume=auto)")
     p.add_argument("--num-workers", "--num_workers", type=int, default=None,
                    help="with --ray: ranks (Ray workers), one CPU or GPU each")
     p.add_argument("--ray-address", "--ray_address", default=None,

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import ROOT
 from shardlm.cli.main import main
-from shardlm.integrations.ray import worker_argv
+from shardlm.integrations.ray import WorkerExit, failure_cause, worker_argv
 
 TINY = ["--config", str(ROOT / "configs" / "shakespeare-tiny.toml"), "--train.global_batch_size=8",
         "--train.micro_batch_size=4"]
@@ -51,3 +51,20 @@ def test_the_workers_resume_from_the_newest_checkpoint_unless_a_resume_is_given(
                                                                       "--resume=auto"]
     for given in (["--resume=runs/x/checkpoints/step-4"], ["--checkpoint.resume=auto"]):
         assert worker_argv(["--config", "a.toml", *given]) == ["--config", "a.toml", *given]
+
+
+class WorkerGroupError(RuntimeError):
+    """Shaped as Ray Train's: the failed ranks' errors in ``worker_failures``."""
+
+    def __init__(self, message: str, worker_failures: dict[int, BaseException]) -> None:
+        super().__init__(message)
+        self.worker_failures = worker_failures
+
+
+def test_a_failed_ray_run_is_one_line_naming_each_failed_rank():
+    died = RuntimeError("The actor died unexpectedly before finishing this task.\n\tclass_name: X")
+    error = WorkerGroupError("Training failed due to worker errors:\n...",
+                             {1: died, 0: WorkerExit("rank 0 exited with code 4")})
+    assert failure_cause(error) == ("rank 0: WorkerExit: rank 0 exited with code 4; rank 1: RuntimeError: "
+                                    "The actor died unexpectedly before finishing this task.")
+    assert failure_cause(RuntimeError("x" * 200)) == "RuntimeError: " + "x" * 160

@@ -159,23 +159,33 @@ def train(config: str | Sequence[str] | None, overrides: Sequence[str] = (), *, 
     launch = launch or shlex.join(["shardlm", "train", "--ray", f"--num-workers={num_workers}"]
                                   + ([f"--ray-address={address}"] if address else [])
                                   + ([f"--max-restarts={max_failures}"] if max_failures else []))
+    # a new name per launch: Ray Train restores its own records of a run of the same name and storage path
+    # (shardlm's checkpoints in the run directory are what a restart resumes from)
+    name = f"shardlm-{cfg.run.name}-{os.getpid()}-{ray.get_runtime_context().get_job_id()}"
     trainer = TorchTrainer(
         train_loop,
         train_loop_config={"argv": worker_argv(argv), "cwd": str(Path.cwd()), "launch": launch},
         torch_config=TorchConfig(backend=backend, timeout_s=int(cfg.parallel.timeout_s)),
         scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=use_gpu),
-        run_config=RunConfig(name=f"shardlm-{cfg.run.name}-{os.getpid()}-{ray.get_runtime_context().get_job_id()}",
-                             storage_path=storage_path,
+        run_config=RunConfig(name=name, storage_path=storage_path,
                              failure_config=FailureConfig(max_failures=max_failures)),
     )
     try:
         trainer.fit()
-    except Exception as e:  # Ray's TrainingFailedError (its module moves between Ray versions)
-        if type(e).__name__ not in ("TrainingFailedError", "WorkerGroupError", "ControllerError"):
-            raise
+    except ray.train.TrainingFailedError as e:
         tries = "no restart" if not max_failures else f"{max_failures} restart{'s' * (max_failures != 1)}"
-        cause = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-        print(f"error: the Ray Train run failed after {tries} ({cause}); the newest complete checkpoint, if "
-              "any, is the one --resume=auto takes", file=sys.stderr, flush=True)
+        print(f"error: the Ray Train run failed after {tries} ({failure_cause(e)}); the newest complete "
+              "checkpoint, if any, is the one --resume=auto takes", file=sys.stderr, flush=True)
         return 1
     return 0
+
+
+def failure_cause(error: BaseException) -> str:
+    """One line for Ray Train's failure ``error``: per failed rank (``WorkerGroupError.worker_failures``) the
+    error's type and the first line of its message (at most 160 characters), else ``error``'s own."""
+    def line(e: BaseException) -> str:
+        first = next((x.strip() for x in str(e).splitlines() if x.strip()), "")
+        return f"{type(e).__name__}: {first[:160]}" if first else type(e).__name__
+
+    failures = getattr(error, "worker_failures", None) or {}
+    return "; ".join(f"rank {r}: {line(e)}" for r, e in sorted(failures.items())) or line(error)

@@ -55,10 +55,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default=None, help="host:port of the rendezvous")
     p.add_argument("--rdzv-id", "--rdzv_id", default=None, help="the job's id, the same on every machine")
     p.add_argument("--max-restarts", "--max_restarts", type=int, default=0,
-                   help="times torchrun restarts the ranks after a failure (they resume from the newest "
-                        "checkpoint)")
+                   help="times torchrun (Ray, with --ray) restarts the ranks after a failure (they resume "
+                        "from the newest checkpoint)")
     p.add_argument("--shutdown-timeout", "--shutdown_timeout", type=int, default=300,
                    help="seconds the ranks get, after a signal, to save and stop before they are killed")
+    p.add_argument("--ray", action="store_true",
+                   help="start the ranks as Ray Train workers instead of torchrun (needs shardlm[ray]; "
+                        "the workers add --resume=auto)")
+    p.add_argument("--num-workers", "--num_workers", type=int, default=None,
+                   help="with --ray: ranks (Ray workers), one CPU or GPU each")
+    p.add_argument("--ray-address", "--ray_address", default=None,
+                   help="with --ray: the Ray cluster to join (auto, ray://HOST:10001; default RAY_ADDRESS, "
+                        "else a local cluster of this machine)")
+    p.add_argument("--ray-storage", "--ray_storage", default=None,
+                   help="with --ray: Ray Train's storage_path for its own records (default ~/ray_results; "
+                        "checkpoints stay in the run directory)")
     p.set_defaults(fn=cmd_train, takes_overrides=True)
 
 
@@ -168,6 +179,30 @@ def outcome(codes: dict[int, int], forwarder: Forwarder | None = None) -> tuple[
     return code, f"error: rank {rank} failed with exit code {code} (its traceback is above)"
 
 
+def cmd_train_ray(args: argparse.Namespace, rest: list[str]) -> int:
+    """``shardlm train --ray --num-workers N``: the ranks as Ray Train workers
+    (:func:`shardlm.integrations.ray.train`).
+
+    Raises:
+        ConfigError: ``--num-workers`` without ``--ray`` or missing with it, torchrun's own options given with
+            ``--ray``, or what :func:`shardlm.integrations.ray.train` raises (Ray not installed first).
+    """
+    from shardlm.integrations import ray as ray_launch
+
+    if not args.ray:
+        raise ConfigError("--num-workers is for Ray Train workers: add --ray (or use --nproc-per-node N to "
+                          "start N ranks with torchrun)")
+    ray_launch.require_ray()
+    torchrun_given = [o for o in launch_options(args) if not o.startswith("--max-restarts=")]
+    if torchrun_given:
+        raise ConfigError(f"--ray starts the ranks as Ray workers: {' '.join(torchrun_given)} is torchrun's; "
+                          "give --num-workers N (and --ray-address for a cluster)")
+    if args.num_workers is None:
+        raise ConfigError("--ray needs --num-workers N: the number of ranks (Ray workers)")
+    return ray_launch.train(None, rest, num_workers=args.num_workers, address=args.ray_address,
+                            max_failures=args.max_restarts, storage_path=args.ray_storage)
+
+
 def quiet_torchrun_logs() -> None:
     """Leave out torchrun's own log lines (``Sending process ... closing signal``, ``failed (exitcode:
     2)``...): the outcome is reported once, by :func:`outcome`."""
@@ -183,6 +218,8 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
     """Train: in this process for one rank on one machine, else under torchrun (see the module docstring)."""
     from shardlm.checkpoint.run import LAUNCH_ENV
 
+    if args.ray or args.num_workers is not None:
+        return cmd_train_ray(args, rest)
     if args.nproc_per_node < 1:
         raise ConfigError(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}")
     os.environ[LAUNCH_ENV] = shlex.join(["shardlm", "train", *launch_options(args)])

@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from tests.tolerance import EPS, assert_close, assert_norm_close
 
 from shardlm.train.distill_loss import (
     DistillSpec,
@@ -17,6 +16,7 @@ from shardlm.train.distill_loss import (
     distill_logits_sum,
     divergence_rows,
 )
+from tolerance import EPS, assert_close, assert_norm_close
 
 trl = pytest.importorskip("trl", reason="pip install -e '.[test]' (trl==1.16.0)")
 from trl.experimental.gkd import GKDTrainer  # noqa: E402

@@ -55,7 +55,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("teacher", type=Path, help="the teacher's model directory")
     parser.add_argument("out", type=Path, help="the student's model directory (created)")
-    parser.add_argument("--every", type=int, default=2, help="keep every this many-th layer (default 2: half)")
+    parser.add_argument("--every", type=int, default=2,
+                        help="keep every this many-th layer (default 2: half the layers)")
     args = parser.parse_args()
     n = make_student(args.teacher, args.out, args.every)
     print(f"student of {n} layers -> {args.out}")

@@ -422,7 +422,7 @@ def test_precomputed_table_is_keyed_by_the_references_and_the_datas_content(prep
     from shardlm.config import load_config
     from shardlm.data.preference import PreferencePairs
     from shardlm.parallel.dist import DistInfo
-    from shardlm.train.preference_step import reference_table_path
+    from shardlm.train.reference import reference_table_path
 
     _, data = prepared
     info = DistInfo(0, 0, 1, torch.device("cpu"), "gloo")
@@ -525,7 +525,7 @@ def test_bad_preference_settings_and_a_reference_with_another_tokenizer(tok_dir,
     from conftest import cli_error
     from shardlm.config import load_config
     from shardlm.errors import ConfigError
-    from shardlm.train.preference_step import check_reference_tokenizer
+    from shardlm.train.reference import check_reference_tokenizer
 
     pairs = write_jsonl(tmp_path / "pairs.jsonl", pairs_from_examples(4))
     base = ["--data.format=preference", f"--data.corpus={pairs}",

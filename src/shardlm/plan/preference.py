@@ -1,5 +1,5 @@
 """What preference tuning (``data.format = "preference"``) adds to a step's memory: both rows of a pair, and
-the reference (:mod:`shardlm.train.preference_step`); and what distillation's teacher adds
+the reference (:mod:`shardlm.train.reference`); and what distillation's teacher adds
 (:mod:`shardlm.train.teacher`).
 
 * **Rows**: a micro-batch of P pairs runs 2P sequences (chosen and rejected) through one forward:
@@ -38,7 +38,7 @@ from shardlm.data.build import data_dir
 from shardlm.data.preference import PREFERENCE, PreferencePairs
 from shardlm.data.prepare import is_prepared, load_meta
 from shardlm.plan.activations import Shape
-from shardlm.train.preference_step import reference_config, reference_kind
+from shardlm.train.reference import reference_config, reference_kind
 from shardlm.train.teacher import teacher_config
 
 #: the kind of :class:`ReferenceMemory` of a distillation teacher
@@ -97,7 +97,7 @@ class ReferenceMemory:
 
 def reference_memory(cfg: Config) -> ReferenceMemory:
     """The reference of ``cfg`` as the planner counts it (see the module docstring); the kind is
-    :func:`shardlm.train.preference_step.reference_kind`'s, or ``teacher`` under distillation."""
+    :func:`shardlm.train.reference.reference_kind`'s, or ``teacher`` under distillation."""
     if cfg.distill.teacher_from:
         return ReferenceMemory(TEACHER, True, 0, False, loss_buffers=10 if cfg.distill.loss == "jsd" else 6)
     if cfg.data.format != "preference":
@@ -114,7 +114,7 @@ def reference_memory(cfg: Config) -> ReferenceMemory:
 def frozen_model_config(cfg: Config) -> Config:
     """The config of the frozen model that runs beside the trained one: the distillation teacher's
     (:func:`~shardlm.train.teacher.teacher_config`) or the preference reference's
-    (:func:`~shardlm.train.preference_step.reference_config`)."""
+    (:func:`~shardlm.train.reference.reference_config`)."""
     return teacher_config(cfg) if cfg.distill.teacher_from else reference_config(cfg)
 
 

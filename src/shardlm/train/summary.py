@@ -32,7 +32,7 @@ def job_summary(trainer: Trainer) -> str:
     model = unwrap(trainer.model)
     params = shard_bytes(trainer.model)["params"]
     per_rank = all_gather_ints(params, info.device)
-    rows = cfg.train.global_batch_size * (2 if trainer.preference else 1)  # sequences per step
+    rows = cfg.train.global_batch_size * trainer.objective.rows_per_sample  # sequences per step
     samples = {"instruct": "packed rows" if cfg.data.pack else "examples", PREFERENCE: "pairs"}.get(
         cfg.data.format, "windows")
     lines = [
@@ -64,7 +64,7 @@ def job_summary(trainer: Trainer) -> str:
         ),
         f"  settings   {describe(cfg.parallel, info.device.type)}",
         f"  batch      global {cfg.train.global_batch_size} "
-        + (f"pairs ({2 * cfg.train.global_batch_size} seqs)" if trainer.preference else "seqs")
+        + (f"{samples} ({rows} seqs)" if rows != cfg.train.global_batch_size else "seqs")
         + f" x {cfg.train.seq_len} tokens = {rows * cfg.train.seq_len:,} tokens/step; micro-batch "
         f"{cfg.train.micro_batch_size}/{'data-parallel ' if trainer.cp.size > 1 else ''}rank; gradient "
         f"accumulation {trainer.accum_steps}",
@@ -92,7 +92,7 @@ def job_summary(trainer: Trainer) -> str:
             if isinstance(trainer.train_data, PackedExamples)
             else []
         ),
-        *([f"  preference {trainer.preference.describe()}"] if trainer.preference is not None else []),
+        *([f"  {trainer.objective.name:<10} {line}"] if (line := trainer.objective.describe()) else []),
         f"  MFU        {trainer.flops_per_token * cfg.train.seq_len:,.0f} model FLOPs per sequence (6N + "
         "12·L·H·Q·T"
         + (

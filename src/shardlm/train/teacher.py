@@ -25,7 +25,7 @@ from shardlm.model.lora import LoRALinear
 from shardlm.parallel.dist import DistInfo
 from shardlm.train.build import build_model
 from shardlm.train.distill_loss import DistillSpec, Head, distill_hidden_sum
-from shardlm.train.preference_step import check_reference_tokenizer
+from shardlm.train.reference import check_reference_tokenizer
 
 
 def distill_spec(cfg: Config) -> DistillSpec:
@@ -55,7 +55,7 @@ def build_teacher(cfg: Config, info: DistInfo, mesh: DeviceMesh | None) -> nn.Mo
 
     Raises:
         ConfigError: the teacher's tokenizer differs from the student's ``data.tokenizer``
-            (:func:`~shardlm.train.preference_step.check_reference_tokenizer`).
+            (:func:`~shardlm.train.reference.check_reference_tokenizer`).
     """
     check_reference_tokenizer(cfg.distill.teacher_from, cfg.data.tokenizer, key="distill.teacher_from",
                               role="teacher", of="student")

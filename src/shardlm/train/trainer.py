@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +27,8 @@ from shardlm.config import Config, gradient_accumulation_steps
 from shardlm.config.layout import check_ranks
 from shardlm.data import eval_windows, load_meta
 from shardlm.data.build import data_dir, prepare_data
-from shardlm.data.instruct import IGNORE_INDEX, split_batch
+from shardlm.data.instruct import IGNORE_INDEX
 from shardlm.data.mixture import MixtureSampler
-from shardlm.data.packing import batch_documents, batch_real_tokens
-from shardlm.data.preference import PREFERENCE
 from shardlm.data.sync import check_same_data
 from shardlm.errors import ConfigError
 from shardlm.metrics import MetricsLogger, model_flops_per_token, shard_bytes
@@ -50,10 +49,15 @@ from shardlm.parallel.faults import FaultMonitor, guard_collectives
 from shardlm.train.build import build_model, unwrap
 from shardlm.train.datasets import build_datasets, resolve_attention, training_attention_backend
 from shardlm.train.final_export import export_model, model_special_ids_of, written_line
-from shardlm.train.loss import model_loss_sum
 from shardlm.train.mfu import peak_flops_per_rank
-from shardlm.train.moe_loss import moe_loss_term
 from shardlm.train.nonfinite import NonFiniteGuard
+from shardlm.train.objectives import (
+    Objective,
+    ObjectiveContext,
+    build_auxiliary_terms,
+    build_objective,
+)
+from shardlm.train.objectives.token import TokenObjective
 from shardlm.train.optim import (
     apply_train_config,
     build_optimizer,
@@ -61,9 +65,8 @@ from shardlm.train.optim import (
     clip_grad_norm_,
     rebuild_optimizer,
 )
-from shardlm.train.preference_step import PreferenceObjective
 from shardlm.train.run_dir import check_run_dir, prepare_run_dir, run_dir
-from shardlm.train.step_metrics import mixture_metrics, moe_metrics, per_rank_values, step_model_flops
+from shardlm.train.step_metrics import mixture_metrics, per_rank_values, step_model_flops
 from shardlm.train.summary import job_summary
 
 __all__ = ["Trainer", "model_special_ids_of", "run_dir"]  # both importable from here as before
@@ -75,10 +78,15 @@ class Trainer:
     Attributes of interest to tests: ``history`` (the logged records: every one with ``keep_history``, else
     only the latest, so memory does not grow with the run), ``sample_ids`` ({step: the sample ids this rank
     consumed}, kept only with ``keep_history``), ``local_shard_bytes`` (this rank's parameter, gradient and
-    optimizer bytes, measured at the first step), ``model``, ``optimizer``.
+    optimizer bytes, measured at the first step), ``model``, ``optimizer``, ``objective``.
+
+    ``objective``: a factory of the step's :class:`~shardlm.train.objectives.Objective` from an
+    :class:`~shardlm.train.objectives.ObjectiveContext`; by default the config's
+    (:func:`~shardlm.train.objectives.build_objective`).
     """
 
-    def __init__(self, cfg: Config, info: DistInfo | None = None, keep_history: bool = False) -> None:
+    def __init__(self, cfg: Config, info: DistInfo | None = None, keep_history: bool = False,
+                 objective: Callable[[ObjectiveContext], Objective] | None = None) -> None:
         self.cfg = cfg
         # a tracker switched on without its package: one clear error before anything starts
         check_packages(cfg)
@@ -123,9 +131,14 @@ class Trainer:
         self.model, self.pretrained_load_stats = build_model(cfg, self.info, self.mesh, self.cp)
         # the data and the model are checked: only now may run.overwrite remove the previous run's files
         prepare_run_dir(cfg, self.info, self.run_dir)
-        #: the preference objective and its reference (train/preference_step.py), None for token losses
-        self.preference = (PreferenceObjective.build(cfg, self.info, self.mesh, self.model, self.train_data,
-                                                     self.run_dir) if cfg.data.format == PREFERENCE else None)
+        context = ObjectiveContext(cfg, self.info, self.mesh, self.model, self.train_data, self.cp,
+                                   self.run_dir)
+        #: what the step optimises (train/objectives/): the token loss, preference tuning (with its reference)
+        self.objective = (objective or build_objective)(context)
+        #: terms added to any objective's loss: a mixture of experts' router losses
+        self.terms = build_auxiliary_terms(context)
+        #: the token loss on the validation samples (evaluation, whatever the objective)
+        self.tokens = TokenObjective(cfg, self.val_data, self.cp, self.info.device)
         self.optimizer = build_optimizer(self.model, t, self.info.device)
         self.scheduler = build_scheduler(self.optimizer, t)
         self.step = self.checkpointer.load(self.model, self.optimizer, self.scheduler)  # 0 unless resuming
@@ -172,79 +185,69 @@ class Trainer:
 
     # ---- the training step ----------------------------------------------------------------
     def train_step(self, log: bool = True) -> dict[str, Any] | None:
-        """One optimizer step on global batch ``self.step``.
+        """One optimizer step on global batch ``self.step``, whatever the objective
+        (:mod:`shardlm.train.objectives.objective` gives the order of the calls).
 
         Beyond FSDP's own collectives the step issues one all-reduce, the gradient norm's (see
-        :func:`shardlm.train.optim.clip_grad_norm_`), which also carries the loss sum, the preemption flag
-        and, when ``log``, each rank's memory figures in its own slots (a gather inside the sum). The target
-        count of the global batch is known on the host (see :meth:`_global_targets`): no collective. When
+        :func:`shardlm.train.optim.clip_grad_norm_`), which also carries the loss sum, the preemption flag,
+        the objective's statistic sums and, when ``log``, each rank's memory figures in its own slots (a
+        gather inside the sum). The objective's denominator is known on the host: no collective. When
         ``log``, one transfer returns the step's record (global values and per-rank summaries); otherwise
         None, and with checkpointing on the one read is the preemption flag (a scalar, :class:`HostScalar`):
         a signal on any rank stops every rank after this step (:attr:`preempted`). A step whose loss or
         gradient norm is not finite is not applied (nor is any after it); the next read of the record raises
         :class:`NonFiniteError` naming it.
         """
-        cfg, info, model = self.cfg, self.info, self.model
+        cfg, info, model, objective = self.cfg, self.info, self.model, self.objective
         start = time.perf_counter()
         micro_ids = self.sampler.micro_batches(self.step, self.dp_rank, self.dp_size,
                                                cfg.train.micro_batch_size)
         if self.keep_history:
             self.sample_ids[self.step] = [i for ids in micro_ids for i in ids]
-        # The loss is the mean over every target token of the global batch, so the update equals one step on
-        # the whole batch in one process. FSDP/DDP average gradients over the N ranks of their mesh (the
+        inputs = objective.prepare_step(self.step, micro_ids, self.sampler.step_ids(self.step))
+        # The loss is the global batch's numerators over its denominator, so the update equals one step on the
+        # whole batch in one process. FSDP/DDP average gradients over the N ranks of their mesh (the
         # data-parallel ranks, with the CP ranks that join the shard group; not the TP peers), hence × N.
-        # scale = N / n_tokens in fp32, rounded as ``N / torch.tensor([n_tokens])`` rounds (1/n, then × N)
-        # its micro-batch losses are already shares of the global mean: divided by 1 here
-        pref = self.preference
-        norm = pref.normalisers(self.sampler.step_ids(self.step)) if pref is not None else None
-        n_tokens = np.float32(1 if pref is not None else self._global_targets(self.step))
-        scale = float((np.float32(1.0) / n_tokens) * np.float32(info.world_size // cfg.parallel.tp))
-        # pinned, async on CUDA
-        batches = [to_device(self.train_data.get(ids), info.device) for ids in micro_ids]
+        # scale = N / denominator in fp32, rounded as ``N / torch.tensor([d])`` rounds (1/d, then × N)
+        denominator = np.float32(inputs.denominator)
+        scale = float((np.float32(1.0) / denominator) * np.float32(info.world_size // cfg.parallel.tp))
+        # the step's random stream (LoRA dropout), keyed by seed, step and rank: resume is exact
+        torch.manual_seed((cfg.train.seed * 1_000_003 + self.step) * 4099 + info.rank)
         loss_sum = torch.zeros((), dtype=torch.float64, device=info.device)
-        # [aux, z, counts (layers, E)], MoE
-        moe_sums = torch.zeros(0, dtype=torch.float64, device=info.device)
-        stats = PreferenceObjective.zero_stats(info.device) if pref is not None else None
-        if cfg.lora.enabled and cfg.lora.dropout > 0:
-            # LoRA dropout: seeded per step and rank (resume is exact)
-            torch.manual_seed((cfg.train.seed * 1_000_003 + self.step) * 4099 + info.rank)
-        for i, batch in enumerate(batches):
+        stats = torch.zeros(len(objective.stat_names), dtype=torch.float64, device=info.device)
+        term_sums: list[torch.Tensor | None] = [None] * len(self.terms)  # already global (e.g. MoE's)
+        for i, (batch, ids) in enumerate(zip(inputs.batches, micro_ids)):
             # parallel.grad_sync: reduce-scatter on every micro-batch or on the last only
-            set_gradient_sync(model, last_micro_batch=(i == len(batches) - 1), policy=cfg.parallel.grad_sync)
+            set_gradient_sync(model, last_micro_batch=(i == len(inputs.batches) - 1),
+                              policy=cfg.parallel.grad_sync)
             # per block: all-gather shards, compute, reshard; then the loss (chunked: never the whole logits)
-            if pref is None:
-                loss, _ = self._loss_sum(batch)
-            else:
-                # chosen and rejected rows in one forward; the reference's log-probs first, without gradients
-                loss, batch_stats = pref.loss(model, batch, micro_ids[i], norm)
+            loss, batch_stats = objective.loss(model, batch, ids, inputs)
+            if batch_stats is not None:
                 stats += batch_stats
-            # a mixture of experts: + the load-balancing loss over all ranks' tokens of this micro-step (one
-            # all-reduce), averaged over the micro-steps; its shares sum to it over ranks, hence × N as
-            # the loss
-            moe = moe_loss_term(model, cfg.model.router_aux_loss_coef, cfg.model.router_z_loss_coef)
-            objective = loss * scale
-            if moe is not None:
-                objective = objective + moe.term * (info.world_size / len(batches))
-                sums = torch.cat([torch.stack([moe.aux, moe.z]), moe.counts.reshape(-1)]).double()
-                moe_sums = sums if i == 0 else moe_sums + sums
-            objective.backward()  # per block: all-gather, grads, reduce-scatter (per grad_sync)
+            total = loss * scale
+            for j, term in enumerate(self.terms):  # after the forward: e.g. MoE load balancing over all ranks
+                value, sums = term(model, len(inputs.batches))
+                total = total + value
+                term_sums[j] = sums if term_sums[j] is None else term_sums[j] + sums
+            total.backward()  # per block: all-gather, grads, reduce-scatter (per grad_sync)
             loss_sum += loss.detach()
-        # summed over ranks inside the gradient norm's all-reduce: [loss sum, preemption flag, per-rank slots]
+        # summed over ranks inside the gradient norm's all-reduce: [loss sum, preemption flag, per-rank slots,
+        # the objective's statistic sums]
         per_rank = per_rank_values(self.model, self.local_shard_bytes, self.info.device) if log else {}
-        n_stats = 0 if stats is None else len(stats)  # the preference metrics' sums, in the last slots
+        n_stats = len(stats)
         extras = torch.zeros(2 + info.world_size * len(per_rank) + n_stats, dtype=torch.float64,
                              device=info.device)
         extras[0] = loss_sum if self._counts_loss() else 0.0  # a tensor-parallel group's loss, once
         extras[1].fill_(float(self.checkpointer.signal_received()))
         for j, value in enumerate(per_rank.values()):  # this rank's slots (fills: no host-to-device copy)
             extras[2 + info.rank * len(per_rank) + j].fill_(float(value))
-        if stats is not None:
+        if n_stats:
             extras[len(extras) - n_stats:] = stats
         max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else math.inf
         grad_norm = clip_grad_norm_(model.parameters(), max_norm, extras)  # fp64: the same at any sharding
         # the stop flag (a signal on any rank, summed above): read every step, every rank stops after this one
         stop_flag = HostScalar(extras[1]) if cfg.checkpoint.enabled and not log else None
-        loss_mean = extras[0] / float(n_tokens)
+        loss_mean = extras[0] / float(denominator)
         self.nonfinite.check(self.step + 1, loss_mean, grad_norm, self.optimizer)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()  # each rank updates only its own shard (none after a non-finite step)
@@ -258,22 +261,25 @@ class Trainer:
         if not log:
             self.preempted = self.preempted or (stop_flag is not None and stop_flag.item() > 0)
             return None
-        # the one host read of the step: global values, the sticky non-finite record, the per-rank slots
+        # the one host read of the step: global values, the sticky non-finite record, the per-rank slots and
+        # statistic sums, the auxiliary terms' sums
+        term_values = [s for s in term_sums if s is not None]
         values = torch.cat([torch.stack([loss_mean, grad_norm.to(loss_mean.device), extras[1]]),
-                            self.nonfinite.record, extras[2:], moe_sums]).tolist()
-        moe_values = values[len(values) - len(moe_sums):]
-        values = values[:len(values) - len(moe_sums)]
+                            self.nonfinite.record, extras[2:], *term_values]).tolist()
+        n_terms = sum(len(s) for s in term_values)
+        term_flat = values[len(values) - n_terms:]
+        values = values[:len(values) - n_terms]
         loss_value, grad_norm_value, signals = values[:3]
         self.nonfinite.raise_if_recorded(values[3:6])
         self.preempted = self.preempted or signals > 0
         seconds, steps = self._interval["seconds"], self._interval["steps"]
         self._interval = {"seconds": 0.0, "steps": 0}
         elapsed = seconds / steps  # mean host time per step since the last record (synchronised by the read)
-        # a pair: 2 rows
-        tokens = cfg.train.global_batch_size * cfg.train.seq_len * (2 if pref is not None else 1)
+        rows = cfg.train.global_batch_size * objective.rows_per_sample
+        tokens = rows * cfg.train.seq_len
         # this rank's share of the step's model FLOPs: 6N per token + attention per document (step_metrics.py)
-        ids, rows = self.sampler.step_ids(self.step - 1), tokens // cfg.train.seq_len
-        flops = step_model_flops(cfg, self.train_data, ids, rows) / info.world_size
+        flops = step_model_flops(cfg, self.train_data, self.sampler.step_ids(self.step - 1), rows) / \
+            info.world_size
         record = {
             "step": self.step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm_value,
             "tokens_per_s": tokens / elapsed, "tokens_per_s_per_rank": tokens / elapsed / info.world_size,
@@ -282,36 +288,14 @@ class Trainer:
         }
         record.update(per_rank_summaries(list(per_rank), values[6:len(values) - n_stats], info.world_size,
                                          cfg.train.log_per_rank))
-        if pref is not None:  # TRL's names: rewards/*, logps/*, logits/*
-            record.update(pref.metrics(values[len(values) - n_stats:], norm[0]))
-        if moe_values:
-            # a mixture of experts: the step's means over micro-steps; tokens per (layer, expert) pair
-            record.update(moe_metrics(moe_values, len(batches), cfg.model, cfg.train.log_moe_layers))
+        record.update(objective.metrics(values[len(values) - n_stats:], inputs))  # e.g. TRL's rewards/*
+        for term, sums in zip(self.terms, term_sums):
+            n = len(sums)
+            record.update(term.metrics(term_flat[:n], len(inputs.batches)))
+            term_flat = term_flat[n:]
         if isinstance(self.sampler, MixtureSampler):  # per source: tokens seen so far and its own epoch
             record.update(mixture_metrics(self.sampler, self.step, cfg))
         return record
-
-    def _loss_sum(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The summed token loss of this rank's share of ``batch`` (its sequence chunks under ``parallel.cp``)
-        and the targets it scored: (0-dim fp32, (B, T / cp) int64, -100 where nothing is scored). A mixture of
-        experts' router statistics count the batch's real tokens (not padding: :func:`batch_real_tokens`)."""
-        inputs, targets = split_batch(batch)  # instruction data: targets are -100 off-response
-        real = batch_real_tokens(batch)  # instruction rows' documents channel: only block-causal reads it
-        documents = batch_documents(batch) if self.cfg.model.attention == "block_causal" else None
-        extra = {} if real is None else {"real_tokens": real}
-        if self.cp.size > 1:
-            # this rank's head and tail chunks, rotary positions, masks and real tokens by global position
-            inputs, targets, extra = self.cp.shard_batch(inputs, targets, documents, real)
-            documents = None
-        loss = model_loss_sum(self.model, inputs, targets, self.cfg.train.loss_chunk_tokens, documents,
-                              **extra)
-        return loss, targets
-
-    def _global_targets(self, step: int) -> int:
-        """Target tokens of global batch ``step`` over all ranks, counted on the host (every rank knows every
-        id of the batch; windows count ``seq_len`` each, instruction examples their precomputed
-        response tokens)."""
-        return self.train_data.num_targets(self.sampler.step_ids(step))
 
     def _counts_loss(self) -> bool:
         """Whether this rank's loss enters the sums over ranks: one rank per tensor-parallel group (its
@@ -328,7 +312,7 @@ class Trainer:
         for ids in batches:
             # every rank runs the same number of forwards (FSDP all-gathers); padding batches count zero
             batch = to_device(self.val_data.get(ids or [0]), info.device)
-            loss, targets = self._loss_sum(batch)
+            loss, targets = self.tokens.loss_sum(self.model, batch)
             if ids and self._counts_loss():
                 totals += torch.stack([loss.double(), targets.ne(IGNORE_INDEX).sum().double()])
         all_reduce_sum(totals)

@@ -1,0 +1,117 @@
+"""The interface between the training step and what it optimises.
+
+The step (:meth:`shardlm.train.trainer.Trainer.train_step`) runs the same algorithm for every objective:
+
+1. ``inputs = objective.prepare_step(step, micro_ids, step_ids)``: the micro-batches on the device and the
+   global batch's *denominator* (its target tokens, pairs or sequences), known on every rank before any
+   micro-batch runs, without a collective;
+2. per micro-batch: ``numerator, sums = objective.loss(model, batch, ids, inputs)``, plus each
+   :class:`AuxiliaryTerm`; ``(numerator · N / denominator + terms).backward()`` (N the ranks that FSDP
+   averages gradients over);
+3. one all-reduce (the gradient norm's) that also carries the numerators' and ``sums``' totals, the update,
+   and, on logging steps, one host read: ``loss = Σ numerators / denominator`` and
+   ``objective.metrics(sums, inputs)``.
+
+Because the denominator is the whole global batch's, N ranks compute the same update as one process that
+sees the global batch at once. An objective adds itself to a run in one file: a subclass of
+:class:`Objective` (and, for the built-in ones, a line in :func:`shardlm.train.objectives.build_objective`;
+the Python API also takes a factory, ``Trainer(cfg, objective=...)``).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from shardlm.config import Config
+from shardlm.parallel.cp import ContextParallel
+from shardlm.parallel.dist import DistInfo
+
+
+@dataclass
+class StepInputs:
+    """What one optimizer step reads, built by :meth:`Objective.prepare_step` before its micro-batches run."""
+
+    batches: list[Any]
+    """One per micro-batch of this rank, on the device (what :meth:`Objective.loss` takes)."""
+    denominator: float
+    """The global batch's normaliser (> 0), the same on every rank: the reported loss is the sum over ranks
+    and micro-batches of the numerators divided by it (target tokens for the token loss, 1 for an
+    objective whose numerators are already shares of the mean)."""
+    context: Any = None
+    """Whatever else the objective's ``loss`` and ``metrics`` need of this step (host values)."""
+
+
+@dataclass
+class ObjectiveContext:
+    """What an objective may need from the run when it is built: the config, this process, the device mesh,
+    the (sharded) policy model, the training samples, the context-parallel group and the run directory."""
+
+    cfg: Config
+    info: DistInfo
+    mesh: DeviceMesh | None
+    model: nn.Module
+    train_data: Any
+    cp: ContextParallel
+    run_dir: Path
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Objective(ABC):
+    """An objective of the training step (see the module docstring for the order of the calls).
+
+    Attributes:
+        name: what the run summary and the docs call it (``token cross-entropy``, ``preference``...).
+        stat_names: the names of the fp64 sums :meth:`loss` returns per micro-batch, in order; the step sums
+            them over micro-batches and ranks (inside its one all-reduce) and hands them to :meth:`metrics`.
+        rows_per_sample: sequences the model runs per sample of the global batch (a preference pair: 2),
+            for the summary, the throughput and MFU.
+    """
+
+    name: str = "objective"
+    stat_names: tuple[str, ...] = ()
+    rows_per_sample: int = 1
+
+    @abstractmethod
+    def prepare_step(self, step: int, micro_ids: list[list[int]], step_ids: list[int]) -> StepInputs:
+        """This rank's micro-batches of global batch ``step`` (0-based) and the batch's denominator.
+
+        Args:
+            step: the optimizer steps done so far (the batch's index).
+            micro_ids: this rank's sample ids, one list per micro-batch.
+            step_ids: every sample id of the global batch (all ranks), for host-side counts.
+        """
+
+    @abstractmethod
+    def loss(self, model: nn.Module, batch: Any, ids: list[int], inputs: StepInputs
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One micro-batch: its loss numerator (0-dim fp32, with gradient; this rank's part only) and its
+        statistic sums ((len(stat_names),) fp64, no gradient) or None when ``stat_names`` is empty."""
+
+    def metrics(self, sums: list[float], inputs: StepInputs) -> dict[str, float]:
+        """The step record's entries from the statistic sums over every micro-batch and rank."""
+        return {}
+
+    def describe(self) -> str | None:
+        """One line for the run summary (after the objective's name), or None."""
+        return None
+
+
+class AuxiliaryTerm(ABC):
+    """A term added to any objective's loss after each micro-batch's forward (a mixture of experts' router
+    losses). Its sums are read on the host with the step's record (already global: no all-reduce)."""
+
+    @abstractmethod
+    def __call__(self, model: nn.Module, micro_batches: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The term to add to this micro-batch's objective (0-dim, with gradient; this rank's share of it)
+        and its sums ((n,) fp64, no gradient)."""
+
+    @abstractmethod
+    def metrics(self, sums: list[float], micro_batches: int) -> dict[str, float]:
+        """The record's entries from the sums over the step's micro-batches."""

@@ -1,0 +1,26 @@
+"""Which objective and which auxiliary terms a run trains with, from its config and model."""
+
+from __future__ import annotations
+
+from shardlm.data.preference import PREFERENCE
+from shardlm.train.moe_loss import moe_layers
+from shardlm.train.objectives.moe import MoERouterLoss
+from shardlm.train.objectives.objective import AuxiliaryTerm, Objective, ObjectiveContext
+from shardlm.train.objectives.preference import PreferenceObjective
+from shardlm.train.objectives.token import TokenObjective
+
+#: ``data.format`` -> the objective its samples train (any other format: the token loss)
+BY_DATA_FORMAT = {PREFERENCE: PreferenceObjective}
+
+
+def build_objective(ctx: ObjectiveContext) -> Objective:
+    """The run's objective: the one its ``data.format`` names in :data:`BY_DATA_FORMAT` (preference pairs),
+    else the token loss of pre-training and SFT. Building a preference objective builds its reference
+    (a collective under FSDP)."""
+    return BY_DATA_FORMAT.get(ctx.cfg.data.format, TokenObjective).build(ctx)
+
+
+def build_auxiliary_terms(ctx: ObjectiveContext) -> list[AuxiliaryTerm]:
+    """The terms added to the objective: a mixture of experts' router losses when the model has MoE
+    layers; none otherwise."""
+    return [MoERouterLoss(ctx.cfg, ctx.info.world_size)] if moe_layers(ctx.model) else []

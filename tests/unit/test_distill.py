@@ -92,7 +92,7 @@ def model_dirs(tmp_path_factory) -> dict[str, Path]:
         torch.manual_seed(len(out))
         cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=width, intermediate_size=2 * width,
                                        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                                       max_position_embeddings=64, rms_norm_eps=1e-6,
+                                       max_position_embeddings=128, rms_norm_eps=1e-6,
                                        tie_word_embeddings=False)
         transformers.LlamaForCausalLM(cfg).float().save_pretrained(str(root / name))
         for f in ("tokenizer.json", "tokenizer_config.json"):

@@ -81,14 +81,15 @@ def test_distill_keys_without_a_teacher_are_refused():
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory) -> dict[str, Path]:
     """A random transformers Llama teacher (2 layers, width 64) and student (1 layer, width 32) of one
-    512-id tokenizer, and a teacher of another tokenizer, saved with save_pretrained."""
+    512-id tokenizer, a teacher of another tokenizer, and a larger teacher (4 layers, width 128: its bytes
+    well above the measurement's noise), saved with save_pretrained."""
     transformers = pytest.importorskip("transformers", reason="pip install -e '.[test]'")
     from test_preference import write_tokenizer_dir
 
     root = tmp_path_factory.mktemp("distill")
     tok = write_tokenizer_dir(root)
     out = {}
-    for name, width, layers in (("teacher", 64, 2), ("student", 32, 1), ("other", 64, 2)):
+    for name, width, layers in (("teacher", 64, 2), ("student", 32, 1), ("other", 64, 2), ("large", 128, 4)):
         torch.manual_seed(len(out))
         cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=width, intermediate_size=2 * width,
                                        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,

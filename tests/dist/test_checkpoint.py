@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from conftest import scenario, tensorboard_scalars, tiny_overrides, torchrun
 from shardlm.cli.main import main as shardlm_main
 from shardlm.cli.train import main as train_main
-from shardlm.convert.export import export_checkpoint
+from shardlm.train.export import export_checkpoint
 from shardlm.convert.hf_in import load_model_dir
 from tolerance import assert_all_close, assert_close, check
 

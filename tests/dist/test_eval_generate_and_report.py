@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from conftest import cpu_env, run_scenarios, tiny_overrides, torchrun
 from shardlm.cli.main import main as shardlm_main
-from shardlm.convert.export import export_checkpoint
+from shardlm.train.export import export_checkpoint
 from shardlm.convert.hf_in import load_model_dir
 from shardlm.data import load_tokenizer, read_documents, special_token_ids
 from shardlm.eval import context_windows, token_stream

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from conftest import ROOT, cli_error, scratch_dir, torchrun
 from shardlm.cli.main import main as shardlm_main
-from shardlm.convert.export import rebuild_partial_model
+from shardlm.train.export import rebuild_partial_model
 from shardlm.convert.hf_in import load_model_dir
 from shardlm.convert.peft_out import MERGE_RECORD
 from tolerance import EPS, assert_close

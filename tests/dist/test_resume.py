@@ -20,7 +20,7 @@ from conftest import assert_full_disk_error, tiny_overrides, torchrun
 from shardlm.cli.main import main as shardlm_main
 from shardlm.cli.train import main as train_main
 from shardlm.config import TrainConfig
-from shardlm.convert.export import export_checkpoint
+from shardlm.train.export import export_checkpoint
 from shardlm.data import prepare_corpus
 from shardlm.train.optim import lr_at
 

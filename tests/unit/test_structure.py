@@ -46,22 +46,22 @@ def imported(node: ast.Import | ast.ImportFrom, known: set[str]) -> set[str]:
     return out
 
 
-def top_level_graph() -> dict[str, set[str]]:
-    """Module -> the shardlm modules it imports when it is imported (statements outside functions)."""
-    trees = modules()
+def top_level_graph(trees: dict[str, ast.Module] | None = None) -> dict[str, set[str]]:
+    """Module -> the shardlm modules it imports when it is imported (statements outside functions), and
+    those it imports for type annotations only (under ``if TYPE_CHECKING:``): a circle of imports is a
+    circle of dependencies whether or not Python runs it. ``trees``: the modules' syntax trees (default:
+    the package's, :func:`modules`)."""
+    trees = modules() if trees is None else trees
     known = set(trees)
     graph = {}
     for name, tree in trees.items():
         deps: set[str] = set()
         stack: list[ast.AST] = list(tree.body)
         while stack:
-            # module level, including if/try blocks, but not function or class bodies or TYPE_CHECKING
+            # module level, including if/try blocks (TYPE_CHECKING among them), not function or class bodies
             node = stack.pop()
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 deps |= imported(node, known)
-            elif isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING",
-                                                                         "typing.TYPE_CHECKING"):
-                stack += node.orelse  # imports for type annotations only: never run
             elif isinstance(node, (ast.If, ast.Try)):
                 stack += [*node.body, *node.orelse, *getattr(node, "finalbody", []),
                           *[s for h in getattr(node, "handlers", []) for s in h.body]]
@@ -69,6 +69,26 @@ def top_level_graph() -> dict[str, set[str]]:
         ancestors = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)}
         graph[name] = deps - {name} - ancestors
     return graph
+
+
+def folder_of(module: str) -> str:
+    """The top-level folder (package) of ``module`` under ``shardlm/``, or ``shardlm`` for the files at the
+    top (``errors.py``, ``atomic.py``...)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and (PACKAGE / parts[1]).is_dir()) else "shardlm"
+
+
+def folder_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Folder -> the other folders its modules import, the ``python -m`` shims (every ``__main__``, a program
+    nothing imports) left out."""
+    folders: dict[str, set[str]] = {}
+    for module, deps in graph.items():
+        if module.rsplit(".", 1)[-1] == "__main__":
+            continue
+        here = folder_of(module)
+        folders.setdefault(here, set())
+        folders[here] |= {folder_of(d) for d in deps} - {here}
+    return folders
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -106,6 +126,48 @@ def test_no_import_cycle():
     assert find_cycle(graph) is None, f"import cycle: {' -> '.join(find_cycle(graph))}"
 
 
+def test_no_cycle_among_folders():
+    """No two folders import each other, directly or around a circle (the ``python -m`` shims aside)."""
+    folders = folder_graph(top_level_graph())
+    assert {"model", "train", "cli", "shardlm"} <= set(folders) and "model" in folders["train"]
+    assert find_cycle(folders) is None, f"folder cycle: {' -> '.join(find_cycle(folders))}"
+
+
+def with_module_text(module: str, text: str) -> dict[str, ast.Module]:
+    """The package's syntax trees with ``text`` appended to ``module``'s (an edit made on paper)."""
+    trees = modules()
+    trees[module] = ast.parse(ast.unparse(trees[module]) + "\n" + text)
+    return trees
+
+
+def test_a_type_hint_only_cycle_is_found():
+    """An import under ``TYPE_CHECKING`` closes a circle as any other does: the model importing the trainer
+    for an annotation is reported."""
+    hint = ("from typing import TYPE_CHECKING\n"
+            "if TYPE_CHECKING:\n    from shardlm.train.trainer import Trainer\n")
+    graph = top_level_graph(with_module_text("shardlm.model.decoder", hint))
+    cycle = find_cycle(graph)
+    assert cycle is not None and "shardlm.model.decoder" in cycle and "shardlm.train.trainer" in cycle
+    assert find_cycle(folder_graph(graph)) is not None
+    assert upward_imports(graph, set()) == [
+        "shardlm.model.decoder (layer 1) -> shardlm.train (layer 8)",
+        "shardlm.model.decoder (layer 1) -> shardlm.train.trainer (layer 8)"]
+
+
+def test_a_folder_back_import_is_found():
+    """A module of a lower folder importing one of a higher folder is reported, as convert importing the
+    trainer's model builder would be; the ``__main__`` shims are programs and may import anything."""
+    back = "from shardlm.train.build import build_model\n"
+    graph = top_level_graph(with_module_text("shardlm.convert.hf_out", back))
+    assert "train" in folder_graph(graph)["convert"]
+    assert find_cycle(folder_graph(graph)) is not None  # train imports convert
+    assert upward_imports(graph, set()) == [
+        "shardlm.convert.hf_out (layer 6) -> shardlm.train (layer 8)",
+        "shardlm.convert.hf_out (layer 6) -> shardlm.train.build (layer 8)"]
+    shim = top_level_graph(with_module_text("shardlm.train.__main__", "import shardlm.cli.main\n"))
+    assert "cli" not in folder_graph(shim)["train"]
+
+
 def family_branches(tree: ast.Module) -> list[str]:
     """Comparisons of a family's name (``x.family == ...``, ``family in (...)``, ``family not in ...``)
     in ``tree``."""
@@ -135,7 +197,7 @@ def test_no_branch_on_a_family_name_outside_the_families_package():
 
 #: shardlm's layers, bottom to top, written down once: a module imports modules of its own layer or lower
 #: ones, never of a higher one. A module belongs to the layer that names it or its nearest package (a longer
-#: name wins: ``shardlm.convert.export`` sits above the rest of ``convert``); every ``__main__`` (a program,
+#: name wins); every ``__main__`` (a program,
 #: which nothing imports) is in the top layer with the CLI.
 LAYERS: tuple[tuple[str, ...], ...] = (
     # leaves: error types, atomic writes, checked JSON reads, the device table
@@ -149,7 +211,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("shardlm.convert",),  # model directories in and out: HF, GGUF, PEFT
     ("shardlm.rl",),  # rewards, advantages, the GRPO-family losses, the rollout
     ("shardlm.train",),  # building the model, loss, optimizer, the Trainer
-    ("shardlm.eval", "shardlm.plan", "shardlm.convert.export"),  # evaluation, the planner, a checkpoint out
+    ("shardlm.eval", "shardlm.plan"),  # evaluation, the planner
     ("shardlm.cli", "shardlm.__main__"),  # the shardlm command, torchrun entry points and workers
 )
 
@@ -187,11 +249,8 @@ def upward_imports(graph: dict[str, set[str]], empty_packages: set[str]) -> list
 
 
 def test_the_layer_check_finds_an_upward_import():
-    assert (
-        layer_of("shardlm.convert.hf_in")
-        < layer_of("shardlm.train.trainer")
-        < layer_of("shardlm.convert.export")
-    )
+    assert layer_of("shardlm.convert.hf_in") < layer_of("shardlm.train.export") < \
+        layer_of("shardlm.plan.memory")
     assert layer_of("shardlm.train.__main__") == layer_of("shardlm.cli.main") == len(LAYERS) - 1
     with pytest.raises(ValueError, match="shardlm_extra is in no layer"):
         layer_of("shardlm_extra")

@@ -47,8 +47,8 @@ def cmd_export(args: argparse.Namespace, overrides: list[str]) -> None:
 
     import torch
 
-    from shardlm.convert.export import export_checkpoint
     from shardlm.convert.hf_out import copy_model_dir
+    from shardlm.train.export import export_checkpoint
 
     if overrides:
         raise ConfigError(f"unknown arguments: {' '.join(overrides)}")

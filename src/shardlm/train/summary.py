@@ -3,25 +3,51 @@ the memory per rank, printed by rank 0 before step 1."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import Any, Protocol
 
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from shardlm.config import Config
+from shardlm.data.attention_choice import AttentionChoice
 from shardlm.data.packing import DocumentWindows, PackedExamples
 from shardlm.data.preference import PREFERENCE
 from shardlm.metrics import format_bytes, local_bytes, shard_bytes
 from shardlm.model.decoder import num_params
 from shardlm.model.moe import inactive_expert_params
-from shardlm.parallel import all_gather_ints
+from shardlm.parallel import DistInfo, all_gather_ints
+from shardlm.parallel.cp import ContextParallel
 from shardlm.parallel.options import describe
 from shardlm.train.build import unwrap
-
-if TYPE_CHECKING:
-    from torch import nn
-
-    from shardlm.config import Config
-    from shardlm.train.trainer import Trainer
+from shardlm.train.mfu import PeakFlops
+from shardlm.train.objectives import Objective
 
 
-def job_summary(trainer: Trainer) -> str:
+class SummarySource(Protocol):
+    """What the summary reads of a run: the attributes of :class:`shardlm.train.trainer.Trainer` it names
+    (declared here so that this module, which the trainer imports, does not import it back)."""
+
+    cfg: Config
+    info: DistInfo
+    mesh: DeviceMesh | None
+    model: nn.Module
+    objective: Objective
+    cp: ContextParallel
+    run_dir: Path
+    accum_steps: int
+    dp_size: int
+    attention: AttentionChoice
+    attention_backend: str | None
+    train_data: Any
+    val_data: Any
+    meta: dict[str, Any]
+    flops_per_token: float
+    peak: PeakFlops
+    pretrained_load_stats: dict[str, int] | None
+
+
+def job_summary(trainer: SummarySource) -> str:
     """A one-screen description of ``trainer``'s job: model, parallelism, batch, data, MFU's peak, memory
     per rank.
 

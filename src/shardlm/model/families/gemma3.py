@@ -12,13 +12,10 @@ weight and stores neither the local RoPE base nor the layer pattern (llama.cpp's
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from shardlm.errors import ModelDirError
-from shardlm.model.families.registry import GGUF_BLOCK_NAMES, Family
-
-if TYPE_CHECKING:
-    from shardlm.model.config import ModelConfig
+from shardlm.model.families.registry import GGUF_BLOCK_NAMES, Family, ModelFields
 
 #: Gemma's four norms per block: llama.cpp names the norm before the MLP ``ffn_norm``
 GGUF_GEMMA_BLOCK_NAMES = {**GGUF_BLOCK_NAMES, "post_attention_norm": "post_attention_layernorm",
@@ -31,7 +28,7 @@ def _int_if_whole(x: float) -> int | float:
     return int(x) if float(x).is_integer() else x
 
 
-def hf_fields_out(cfg: ModelConfig) -> dict[str, Any]:
+def hf_fields_out(cfg: ModelFields) -> dict[str, Any]:
     """Gemma 3's ``config.json`` fields beyond the shared ones, in ``Gemma3TextConfig``'s names. Without a
     window (``model.sliding_window = 0``) every layer is ``full_attention`` and ``sliding_window`` is 0:
     transformers refuses null there (its masks need an int even when no layer uses it)."""
@@ -47,7 +44,7 @@ def hf_fields_out(cfg: ModelConfig) -> dict[str, Any]:
     }
 
 
-def hf_fields_in(cfg: ModelConfig, config: dict[str, Any], local_rope: dict[str, Any], source: str) -> None:
+def hf_fields_in(cfg: ModelFields, config: dict[str, Any], local_rope: dict[str, Any], source: str) -> None:
     """Set ``cfg``'s sliding window, layer pattern, local RoPE base, ``query_pre_attn_scalar`` and
     soft-capping from ``config.json``, in place, as transformers decides them.
 
@@ -80,7 +77,7 @@ def hf_fields_in(cfg: ModelConfig, config: dict[str, Any], local_rope: dict[str,
     cfg.final_logit_softcap = float(config.get("final_logit_softcapping") or 0.0)
 
 
-def gguf_fields_in(cfg: ModelConfig, metadata: Callable[[str, Any], Any]) -> None:
+def gguf_fields_in(cfg: ModelFields, metadata: Callable[[str, Any], Any]) -> None:
     """Set ``cfg``'s sliding window (default 4096), layer pattern (every 6th global), local RoPE base (10000)
     and, for the 27B model, ``query_pre_attn_scalar`` (hidden / heads, llama.cpp's rule) from GGUF metadata,
     in place."""

@@ -15,20 +15,17 @@ refused: dequantise them first.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from shardlm.errors import ModelDirError
-from shardlm.model.families.registry import Family
-
-if TYPE_CHECKING:
-    from shardlm.model.config import ModelConfig
+from shardlm.model.families.registry import Family, ModelFields
 
 #: transformers 5.24's ``GptOssConfig`` RoPE when ``config.json`` has none: the released checkpoints' YaRN
 HF_DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                    "truncate": False, "original_max_position_embeddings": 4096}
 
 
-def hf_fields_out(cfg: ModelConfig) -> dict[str, Any]:
+def hf_fields_out(cfg: ModelFields) -> dict[str, Any]:
     """gpt-oss's ``config.json`` fields beyond the shared ones. Without a window (``model.sliding_window =
     0``) every layer is ``full_attention`` and ``sliding_window`` is 0: transformers refuses null there."""
     return {
@@ -46,7 +43,7 @@ def hf_fields_out(cfg: ModelConfig) -> dict[str, Any]:
     }
 
 
-def hf_fields_in(cfg: ModelConfig, config: dict[str, Any], local_rope: dict[str, Any], source: str) -> None:
+def hf_fields_in(cfg: ModelFields, config: dict[str, Any], local_rope: dict[str, Any], source: str) -> None:
     """Set ``cfg``'s experts, clamped SwiGLU and alternating windows from ``config.json``, in place.
 
     Raises:

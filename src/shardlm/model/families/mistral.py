@@ -6,21 +6,18 @@ files of Mistral models carry llama.cpp's ``llama`` architecture and import as t
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from shardlm.errors import ModelDirError
-from shardlm.model.families.registry import Family
-
-if TYPE_CHECKING:
-    from shardlm.model.config import ModelConfig
+from shardlm.model.families.registry import Family, ModelFields
 
 
-def hf_fields_out(cfg: ModelConfig) -> dict[str, Any]:
+def hf_fields_out(cfg: ModelFields) -> dict[str, Any]:
     """Mistral's ``config.json`` field beyond the shared ones: ``sliding_window`` (None when 0)."""
     return {"sliding_window": cfg.sliding_window or None}
 
 
-def hf_fields_in(cfg: ModelConfig, config: dict[str, Any], local_rope: dict[str, Any], source: str) -> None:
+def hf_fields_in(cfg: ModelFields, config: dict[str, Any], local_rope: dict[str, Any], source: str) -> None:
     """Set ``cfg.sliding_window`` from ``config.json`` (every layer local), in place.
 
     Raises:

@@ -10,16 +10,13 @@ built only as 0. On disk the experts are ``block_sparse_moe.experts.{e}.w1/w2/w3
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from shardlm.errors import ModelDirError
-from shardlm.model.families.registry import Family
-
-if TYPE_CHECKING:
-    from shardlm.model.config import ModelConfig
+from shardlm.model.families.registry import Family, ModelFields
 
 
-def hf_fields_out(cfg: ModelConfig) -> dict[str, Any]:
+def hf_fields_out(cfg: ModelFields) -> dict[str, Any]:
     """Mixtral's ``config.json`` fields beyond the shared ones (``intermediate_size`` is the
     experts' width)."""
     return {"num_local_experts": cfg.n_experts, "num_experts_per_tok": cfg.n_experts_per_token,
@@ -27,7 +24,7 @@ def hf_fields_out(cfg: ModelConfig) -> dict[str, Any]:
             "router_jitter_noise": 0.0, "sliding_window": cfg.sliding_window or None}
 
 
-def hf_fields_in(cfg: ModelConfig, config: dict[str, Any], local_rope: dict[str, Any], source: str) -> None:
+def hf_fields_in(cfg: ModelFields, config: dict[str, Any], local_rope: dict[str, Any], source: str) -> None:
     """Set ``cfg``'s experts and sliding window from ``config.json``, in place.
 
     Raises:

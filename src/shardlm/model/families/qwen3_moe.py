@@ -11,16 +11,13 @@ false. The hub's weights hold one tensor per expert (:mod:`shardlm.convert.hf_ex
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from shardlm.errors import ModelDirError
-from shardlm.model.families.registry import Family
-
-if TYPE_CHECKING:
-    from shardlm.model.config import ModelConfig
+from shardlm.model.families.registry import Family, ModelFields
 
 
-def hf_fields_out(cfg: ModelConfig) -> dict[str, Any]:
+def hf_fields_out(cfg: ModelFields) -> dict[str, Any]:
     """Qwen3-MoE's ``config.json`` fields beyond the shared ones: the experts, routing and sparse layers."""
     return {"num_experts": cfg.n_experts, "num_experts_per_tok": cfg.n_experts_per_token,
             "moe_intermediate_size": cfg.expert_ffn_dim, "norm_topk_prob": cfg.norm_topk_prob,
@@ -28,7 +25,7 @@ def hf_fields_out(cfg: ModelConfig) -> dict[str, Any]:
             "router_aux_loss_coef": cfg.router_aux_loss_coef, "sliding_window": None}
 
 
-def hf_fields_in(cfg: ModelConfig, config: dict[str, Any], local_rope: dict[str, Any], source: str) -> None:
+def hf_fields_in(cfg: ModelFields, config: dict[str, Any], local_rope: dict[str, Any], source: str) -> None:
     """Set ``cfg``'s experts, routing and sparse layers from ``config.json``, in place.
 
     Raises:

@@ -21,12 +21,45 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
 from shardlm.errors import ConfigError, ModelDirError
 
-if TYPE_CHECKING:
-    from shardlm.model.config import ModelConfig
+
+class ModelFields(Protocol):
+    """What a family's functions read and set of a model's :class:`~shardlm.model.config.ModelConfig`,
+    declared here so that no family imports the config module (which imports the families)."""
+
+    family: str
+    dim: int
+    n_layers: int
+    n_heads: int
+    rope_theta: float
+    rope_local_theta: float
+    sliding_window: int
+    sliding_window_pattern: int
+    query_pre_attn_scalar: float
+    final_logit_softcap: float
+    n_experts: int
+    n_experts_per_token: int
+    moe_ffn_hidden: int
+    moe_layer_step: int
+    dense_layers: tuple[int, ...]
+    norm_topk_prob: bool
+    router_aux_loss_coef: float
+    swiglu_alpha: float
+    swiglu_limit: float
+
+    @property
+    def arch(self) -> Family: ...
+
+    @property
+    def head_dim(self) -> int: ...
+
+    @property
+    def expert_ffn_dim(self) -> int: ...
+
+    def is_local(self, layer: int) -> bool: ...
 
 #: the decoder's gate activations -> their Hugging Face ``config.json`` names
 HF_ACTIVATIONS = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}
@@ -40,16 +73,16 @@ GGUF_BLOCK_NAMES: Mapping[str, str] = {
 }
 
 
-def _no_fields(cfg: ModelConfig) -> dict[str, Any]:
+def _no_fields(cfg: ModelFields) -> dict[str, Any]:
     """No ``config.json`` fields beyond the shared ones."""
     return {}
 
 
-def _read_nothing(cfg: ModelConfig, config: dict[str, Any], local_rope: dict[str, Any], source: str) -> None:
+def _read_nothing(cfg: ModelFields, config: dict[str, Any], local_rope: dict[str, Any], source: str) -> None:
     """Read no ``config.json`` fields beyond the shared ones."""
 
 
-def _read_no_metadata(cfg: ModelConfig, metadata: Callable[[str, Any], Any]) -> None:
+def _read_no_metadata(cfg: ModelFields, metadata: Callable[[str, Any], Any]) -> None:
     """Read no GGUF metadata beyond the shared keys."""
 
 
@@ -124,10 +157,10 @@ class Family:
     """``head_dim`` when ``config.json`` has none; 0 means ``hidden_size / num_attention_heads``."""
     hf_default_tie: bool = False
     """``tie_word_embeddings`` when ``config.json`` has none."""
-    hf_fields_out: Callable[[ModelConfig], dict[str, Any]] = _no_fields
+    hf_fields_out: Callable[[ModelFields], dict[str, Any]] = _no_fields
     """``config.json`` fields of the family beyond the shared shape, activation and false flags (a sliding
     window, Gemma's local RoPE base...): ``hf_fields_out(cfg) -> dict``."""
-    hf_fields_in: Callable[[ModelConfig, dict[str, Any], dict[str, Any], str], None] = _read_nothing
+    hf_fields_in: Callable[[ModelFields, dict[str, Any], dict[str, Any], str], None] = _read_nothing
     """Sets ``cfg``'s family fields from a ``config.json`` dict, in place, after the shared ones:
     ``hf_fields_in(cfg, config, local_rope, source)``, ``local_rope`` the 5.x ``rope_parameters`` of the
     sliding-window layers ({} if none); raises ModelDirError naming ``source`` and the field it refuses."""
@@ -148,11 +181,11 @@ class Family:
     """A ``rope_freqs`` tensor is llama3 RoPE scaling, rebuilt into the config (Llama); otherwise refused."""
     gguf_linear_rope: bool = False
     """``rope.scaling.type = linear`` is read as ``rope_linear_factor`` (Gemma 3); otherwise refused."""
-    gguf_fields_in: Callable[[ModelConfig, Callable[[str, Any], Any]], None] = _read_no_metadata
+    gguf_fields_in: Callable[[ModelFields, Callable[[str, Any], Any]], None] = _read_no_metadata
     """Sets ``cfg``'s family fields from GGUF metadata, in place: ``gguf_fields_in(cfg, metadata)`` with
     ``metadata(key, default)`` the value of ``<architecture>.<key>``."""
 
-    def check(self, cfg: ModelConfig) -> None:
+    def check(self, cfg: ModelFields) -> None:
         """Refuse a configuration this family does not build, naming the key.
 
         Raises:

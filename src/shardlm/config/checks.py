@@ -10,7 +10,8 @@ import math
 from typing import TYPE_CHECKING
 
 from shardlm.config.layout import check_ep, check_tp
-from shardlm.errors import ConfigError
+from shardlm.errors import ConfigError, ModelDirError
+from shardlm.model.hf_config import read_model_dir_config
 
 if TYPE_CHECKING:
     from shardlm.config.sections import Config
@@ -56,6 +57,7 @@ def validate(cfg: Config) -> None:
     if d.sources and d.format != "text":
         raise ConfigError("data.sources (a mixture) needs data.format = 'text'")
     validate_preference(cfg)
+    validate_distill(cfg)
     if d.pack and d.format != "instruct":
         raise ConfigError("data.pack packs instruction examples: it needs data.format = 'instruct' (text "
                           "windows are already full, and block-causal by default where the data records "
@@ -187,6 +189,53 @@ def validate_preference(cfg: Config) -> None:
     if pref.reference == "lora_base" and pref.reference_from:
         raise ConfigError("preference.reference_from names a reference model: it needs preference.reference "
                           "= 'model' (or 'auto' without LoRA), not 'lora_base'")
+
+
+def validate_distill(cfg: Config) -> None:
+    """Check ``[distill]`` against the rest of the config, the teacher's ``config.json`` included (its
+    vocabulary against the student's); raise ConfigError naming the key. The teacher's tokenizer is compared
+    with the student's when the teacher is built (:func:`shardlm.train.teacher.build_teacher`)."""
+    dist = cfg.distill
+    if not dist.teacher_from:
+        changed = [f.name for f in dataclasses.fields(dist) if getattr(dist, f.name) != f.default]
+        if changed:
+            raise ConfigError(f"distill.{changed[0]} applies to distillation, which distill.teacher_from "
+                              "turns on (it is empty)")
+        return
+    if cfg.data.format != "instruct":
+        raise ConfigError(f"distillation (distill.teacher_from) is built for data.format = 'instruct' (the "
+                          f"divergence over the response tokens); format is {cfg.data.format!r}")
+    for key in ("tp", "cp"):
+        if getattr(cfg.parallel, key) > 1:
+            raise ConfigError(f"distillation with parallel.{key}={getattr(cfg.parallel, key)} is not built "
+                              f"yet: set parallel.{key} = 1 (FSDP alone shards student and teacher)")
+    if dist.lmbda != 0:
+        if not 0 <= dist.lmbda <= 1:
+            raise ConfigError(f"distill.lmbda must be in [0, 1], got {dist.lmbda}")
+        raise ConfigError(f"distill.lmbda={dist.lmbda}: on-policy distillation (responses sampled by the "
+                          "student) needs the RL rollout (shardlm/rl), which is not built yet: set "
+                          "distill.lmbda = 0 (offline, on the dataset's responses)")
+    if dist.loss == "jsd" and not 0 < dist.beta < 1:
+        raise ConfigError(f"distill.beta must be in (0, 1) for loss 'jsd' (0 is forward_kl, 1 reverse_kl), "
+                          f"got {dist.beta}")
+    if dist.loss != "jsd" and dist.beta != 0.5:
+        raise ConfigError(f"distill.beta applies to loss 'jsd' (loss is {dist.loss!r})")
+    if not dist.temperature > 0:
+        raise ConfigError(f"distill.temperature must be positive, got {dist.temperature}")
+    if not 0 <= dist.alpha <= 1:
+        raise ConfigError(f"distill.alpha must be in [0, 1] (the divergence's weight), got {dist.alpha}")
+    vocab = cfg.model.vocab_size
+    if not 0 <= dist.top_k < vocab:
+        raise ConfigError(f"distill.top_k={dist.top_k} must be in [0, {vocab}) (0 = the whole vocabulary; "
+                          f"the student's vocabulary has {vocab} tokens)")
+    try:
+        teacher = read_model_dir_config(dist.teacher_from)
+    except ModelDirError as e:
+        raise ConfigError(f"distill.teacher_from: {e}") from None
+    if teacher.vocab_size != vocab:
+        raise ConfigError(f"distill.teacher_from {dist.teacher_from} has a vocabulary of "
+                          f"{teacher.vocab_size} tokens, the student (model.vocab_size) {vocab}: the teacher "
+                          "must use the student's tokenizer")
 
 
 def gradient_accumulation_steps(cfg: Config, dp_world_size: int) -> int:

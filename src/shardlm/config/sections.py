@@ -292,6 +292,41 @@ class PreferenceConfig:
 
 
 @dataclass
+class DistillConfig:
+    """Knowledge distillation from a frozen teacher (shardlm/train/distill_loss.py, formulas and sources
+    there): on instruction data (``data.format = "instruct"``) the student's loss at each response token is
+    ``alpha · D(student, teacher) + (1 - alpha) · cross-entropy``, averaged over the global batch's response
+    tokens. On when ``teacher_from`` names a teacher."""
+
+    teacher_from: str = ""
+    """HF model directory of the teacher (any family shardlm imports), FSDP-sharded beside the student on the
+    same mesh, frozen, in eval mode. Its vocabulary size and tokenizer (``tokenizer.json``) must equal the
+    student's. Empty: no distillation."""
+    loss: Literal["forward_kl", "reverse_kl", "jsd"] = "forward_kl"
+    """The divergence D: ``forward_kl`` KL(teacher ‖ student) (Hinton et al. 2015), ``reverse_kl``
+    KL(student ‖ teacher) (MiniLLM, Gu et al. 2024), ``jsd`` the generalised Jensen-Shannon divergence of
+    GKD (Agarwal et al. 2024) with weight ``beta``; TRL's ``GKDTrainer.generalized_jsd_loss`` with beta 0, 1
+    and ``beta``."""
+    beta: float = 0.5
+    """β of ``jsd``, in (0, 1): ``β · KL(teacher ‖ M) + (1 - β) · KL(student ‖ M)`` with ``M = β · teacher +
+    (1 - β) · student``; near 0 it approaches the forward KL, near 1 the reverse KL."""
+    temperature: float = 1.0
+    """T > 0: both models' logits are divided by T before the divergence (no T² factor, as TRL); the
+    cross-entropy term stays at temperature 1."""
+    alpha: float = 0.5
+    """Weight of the divergence in [0, 1]; the student's cross-entropy on the response tokens has
+    ``1 - alpha`` (torchtune's ``kd_ratio``). 1: distillation alone (TRL's GKD); 0: plain fine-tuning with
+    the teacher only measured."""
+    top_k: int = 0
+    """0: the divergence over the whole vocabulary. k in [1, vocabulary): over the teacher's k most likely
+    tokens plus one bucket for all the others (TRL's sparse teacher form with its tail bucket)."""
+    lmbda: float = 0.0
+    """GKD's on-policy share λ: the fraction of batches whose responses the student samples itself. Only 0
+    (offline: the dataset's responses) is built; on-policy needs the RL rollout (shardlm/rl), not there
+    yet."""
+
+
+@dataclass
 class Config:
     """The whole configuration of a run: one section per dataclass."""
 
@@ -304,6 +339,7 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     preference: PreferenceConfig = field(default_factory=PreferenceConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
 
     def to_dict(self) -> dict[str, Any]:
         """The config as nested plain dicts (tuples become lists), for JSON/TOML output; keys are the TOML

@@ -54,8 +54,13 @@ from shardlm.plan.ledger import PARTS, Ledger, MemoryPlan
 from shardlm.plan.loss import loss_events
 from shardlm.plan.moe import all_to_all_transient, moe_layer_saved
 from shardlm.plan.param_groups import Group, block_group_name, meta_model, param_groups, planner_model
-from shardlm.plan.preference import no_grad_block_bytes, no_grad_head_bytes, reference_memory
-from shardlm.train.reference import reference_config
+from shardlm.plan.preference import (
+    distill_loss_bytes,
+    frozen_model_config,
+    no_grad_block_bytes,
+    no_grad_head_bytes,
+    reference_memory,
+)
 
 __all__ = ["PARTS", "Group", "MemoryPlan", "Settings", "meta_model", "param_groups", "plan_memory"]
 
@@ -181,7 +186,7 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
     ref_groups: list[Group] = []
     ref_stored = 0
     if ref.live_model:
-        ref_cfg = reference_config(cfg)
+        ref_cfg = frozen_model_config(cfg)  # the reference's, or the distillation teacher's
         ref_groups = param_groups(ref_cfg, n, pb, tp)[0]
         ref_s = act.shape_of(ref_cfg.model, cfg.train.micro_batch_size, t_pad // cp, pb)
         ref_stored = sum(g.stored_shard_bytes for g in ref_groups)
@@ -293,26 +298,20 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
             phase = f"{mb} reference forward"
             led.add("reference", pb * ref_s.tokens * ref_s.d, phase)  # the hidden states
             for g in ref_groups:
-                held = (
-                    round(g.numel * pb * g.gather_factor)
-                    if fsdp and st.reshard_after_forward and g.name not in ("root", "head")
-                    else 0
-                )
+                held = (round(g.numel * pb * g.gather_factor)
+                        if fsdp and st.reshard_after_forward and g.name not in ("root", "head") else 0)
                 buffer = round(n * g.shard_numel * pb * g.gather_factor) if held else 0
                 led.add("reference", buffer + held, phase)  # all-gathered, copied out
                 led.free("reference", buffer)
-                work = (
-                    no_grad_block_bytes(ref_s.tokens, ref_s.d, ref_s.f, pb)
-                    if g.name.startswith("block")
-                    else 0
-                )
+                work = (no_grad_block_bytes(ref_s.tokens, ref_s.d, ref_s.f, pb)
+                        if g.name.startswith("block") else 0)
                 led.add("reference", work, phase)
                 led.free("reference", work + held)
-            scored = ref.loss_tokens(ref_s.tokens, ref_s.b)
-            work = no_grad_head_bytes(scored, ref_s.vocab, ref_s.d, pb, cfg.train.loss_chunk_tokens)
-            # the root's, the head's weights kept unsharded
-            led.add("reference", work, f"{mb} reference log-probs")
-            led.free("reference", work + pb * ref_s.tokens * ref_s.d)
+            # the reference's log-probs, or the teacher's weight copy and hidden states, kept for the loss
+            work = ref.head_bytes(ref_s, pb, cfg.train.loss_chunk_tokens)
+            led.add("reference", work, f"{mb} reference head")
+            kept = work + pb * ref_s.tokens * ref_s.d if ref.kind == "teacher" else 0
+            led.free("reference", work + pb * ref_s.tokens * ref_s.d - kept)
         elif ref.policy_forward:  # ---- the policy's own forward with its adapters off, no grad ----
             phase = f"{mb} reference forward (adapters off)"
             led.add("temporaries", pb * bd, phase)
@@ -368,8 +367,10 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
                                              fp32_matmul, head_trains, device != "cpu")
         if ref.kind:
             # preference: the scored tokens' hidden states, selected (kept for the output's backward)
+            extra = distill_loss_bytes(ref, scored, s.vocab, ref_s.d if ref.live_model else 0, pb, chunk)
             fwd_events = [("temporaries", pb * scored * s.d, "log-probs: hidden states selected"),
-                          *fwd_events]
+                          ("temporaries", extra, "distillation loss"), *fwd_events,
+                          ("temporaries", -extra, "loss")]
             bwd_events = [*bwd_events, ("temporaries", -pb * scored * s.d, "output backward")]
         if tp > 1:
             fwd_events = [("temporaries", pb * bd, "loss: hidden states all-gathered"), *fwd_events,
@@ -397,6 +398,7 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
                 led.add("grads", round(4 * head_numel * train_frac), f"{mb} output backward")
                 led.free("grads", round(4 * head_numel * train_frac))
         led.free("activations", head_acts)
+        led.free("reference", kept if ref.kind == "teacher" else 0)  # the teacher's hidden states and weight
         if fsdp and "head" in by_name:
             post_backward(by_name["head"], sync, f"{mb} output reduce-scatter")
         for layer in reversed(range(s.n_layers)):

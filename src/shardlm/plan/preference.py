@@ -1,5 +1,6 @@
 """What preference tuning (``data.format = "preference"``) adds to a step's memory: both rows of a pair, and
-the reference (:mod:`shardlm.train.reference`).
+the reference (:mod:`shardlm.train.reference`); and what distillation's teacher adds
+(:mod:`shardlm.train.teacher`).
 
 * **Rows**: a micro-batch of P pairs runs 2P sequences (chosen and rejected) through one forward:
   :func:`preference_rows` is the config the planner plans, its batch sizes counted in rows.
@@ -15,6 +16,11 @@ the reference (:mod:`shardlm.train.reference`).
 * **The base with LoRA's adapters off** (``lora_base``): the policy's own forward under ``torch.no_grad``:
   only that forward's transients, at a moment when the policy holds no activations (the step's peak
   is elsewhere).
+* **A distillation teacher** (``distill.teacher_from``, kind ``teacher``): stored and run as a frozen
+  reference model, in its own shape (:func:`shardlm.train.teacher.teacher_config`); instead of log-probs
+  its forward keeps its final hidden states (c·N·D_t) and a copy of its output weight (c·V·D_t) until the
+  student's loss, which holds a few more ``chunk × vocab`` fp32 buffers than the cross-entropy
+  (:func:`distill_loss_bytes`).
 * **Precomputed** (``precompute_reference``): the (pairs, 2) fp64 table of every training pair on each rank;
   the reference model is freed before step 1.
 """
@@ -31,7 +37,12 @@ from shardlm.config import Config
 from shardlm.data.build import data_dir
 from shardlm.data.preference import PREFERENCE, PreferencePairs
 from shardlm.data.prepare import is_prepared, load_meta
-from shardlm.train.reference import reference_kind
+from shardlm.plan.activations import Shape
+from shardlm.train.reference import reference_config, reference_kind
+from shardlm.train.teacher import teacher_config
+
+#: the kind of :class:`ReferenceMemory` of a distillation teacher
+TEACHER = "teacher"
 
 
 def preference_rows(cfg: Config) -> Config:
@@ -50,9 +61,10 @@ class ReferenceMemory:
     """What the reference takes on each rank (bytes), for :func:`shardlm.plan.memory.plan_memory`."""
 
     kind: str
-    """``model``, ``lora_base``, ``none``, or ``""`` (not preference data)."""
+    """``model``, ``lora_base``, ``none``, ``teacher`` (distillation), or ``""`` (neither)."""
     live_model: bool
-    """A frozen reference model runs a forward in every micro-batch (kind ``model``, not precomputed)."""
+    """A frozen model runs a forward in every micro-batch (kind ``model``, not precomputed, or
+    ``teacher``)."""
     table_bytes: int
     """The precomputed table: 16 bytes per training pair (0 when not precomputed or the data is
     not prepared)."""
@@ -63,6 +75,20 @@ class ReferenceMemory:
     """Mean scored (completion) tokens per row of the prepared training pairs (chosen and rejected alike); 0
     when not preference data or not prepared (then every token counts: an upper bound)."""
 
+    loss_buffers: int = 0
+    """Distillation: fp32 buffers of ``chunk × vocab`` values one chunk of the distillation loss holds at its
+    high point beyond the cross-entropy's (:mod:`shardlm.train.distill_loss`: both models' scaled logits and
+    log-probs, the divergence's terms and their gradients; counted from the code: 6 for the KLs, 10 for the
+    JSD, whose mixture adds its log and both sides' probabilities)."""
+
+    def head_bytes(self, shape: Shape, c: int, chunk: int) -> int:
+        """The high point of the frozen model's output head on a micro-batch of ``shape`` (compute dtype of
+        ``c`` bytes): the reference's log-probs (:func:`no_grad_head_bytes`), or the teacher's copy of its
+        output weight (V × D, kept for the student's loss: :func:`shardlm.train.teacher.teacher_outputs`)."""
+        if self.kind == TEACHER:
+            return c * shape.vocab * shape.d
+        return no_grad_head_bytes(self.loss_tokens(shape.tokens, shape.b), shape.vocab, shape.d, c, chunk)
+
     def loss_tokens(self, tokens: int, rows: int) -> int:
         """Tokens the log-probs' head projects in a micro-batch of ``rows`` rows and ``tokens`` tokens: only
         the scored ones (:func:`shardlm.train.preference.head_logps`), their mean count when known."""
@@ -71,7 +97,9 @@ class ReferenceMemory:
 
 def reference_memory(cfg: Config) -> ReferenceMemory:
     """The reference of ``cfg`` as the planner counts it (see the module docstring); the kind is
-    :func:`shardlm.train.reference.reference_kind`'s."""
+    :func:`shardlm.train.reference.reference_kind`'s, or ``teacher`` under distillation."""
+    if cfg.distill.teacher_from:
+        return ReferenceMemory(TEACHER, True, 0, False, loss_buffers=10 if cfg.distill.loss == "jsd" else 6)
     if cfg.data.format != "preference":
         return ReferenceMemory("", False, 0, False)
     kind = reference_kind(cfg)
@@ -81,6 +109,24 @@ def reference_memory(cfg: Config) -> ReferenceMemory:
                      if is_prepared(out) else (0, 0.0))
     return ReferenceMemory(kind, kind == "model" and not pre, 16 * pairs if pre else 0,
                            kind == "lora_base" and not pre, scored)
+
+
+def frozen_model_config(cfg: Config) -> Config:
+    """The config of the frozen model that runs beside the trained one: the distillation teacher's
+    (:func:`~shardlm.train.teacher.teacher_config`) or the preference reference's
+    (:func:`~shardlm.train.reference.reference_config`)."""
+    return teacher_config(cfg) if cfg.distill.teacher_from else reference_config(cfg)
+
+
+def distill_loss_bytes(ref: ReferenceMemory, scored: int, vocab: int, teacher_dim: int, c: int,
+                       chunk: int) -> int:
+    """What one chunk of the distillation loss holds beyond the chunked cross-entropy (bytes): the
+    teacher's scored hidden states, selected (c·n·D_t), and :attr:`ReferenceMemory.loss_buffers` fp32
+    ``k × V`` buffers (k = min(chunk, scored); chunk 0: every scored token); 0 without distillation."""
+    if ref.kind != TEACHER:
+        return 0
+    k = min(chunk, scored) if chunk else scored
+    return c * scored * teacher_dim + ref.loss_buffers * 4 * k * vocab
 
 
 @functools.lru_cache(maxsize=8)

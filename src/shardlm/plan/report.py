@@ -30,6 +30,8 @@ LABELS = {
     "buffers": "buffers (RoPE tables)",
     "reference": "preference reference (frozen model / table)",
 }
+#: the ``reference`` part's label under distillation
+TEACHER_LABEL = "distillation teacher (frozen model)"
 
 
 def loss_label(chunk_tokens: int) -> str:
@@ -167,6 +169,8 @@ def format_plan(cfg: Config, world_size: int, device_name: str, headroom: float,
         )
     for part in PARTS:
         label = loss_label(cfg.train.loss_chunk_tokens) if part == "temporaries" else LABELS[part]
+        if part == "reference" and cfg.distill.teacher_from:
+            label = TEACHER_LABEL
         if part_applies(cfg, part) or plan.breakdown.get(part, 0):  # a row with bytes always
             lines.append(f"    {label:<48} {plan.breakdown.get(part, 0) / GIB:9.3f} GiB")
     lines.append(f"    {'total':<48} {plan.peak / GIB:9.3f} GiB")

@@ -57,8 +57,10 @@ def reference_kind(cfg: Config) -> str:
     return pref.reference
 
 
-def check_reference_tokenizer(reference_dir: str, tokenizer_path: str) -> None:
-    """Refuse a reference model whose tokenizer is not the policy's (its log-probs would be of other tokens).
+def check_reference_tokenizer(reference_dir: str, tokenizer_path: str, key: str = "preference.reference_from",
+                              role: str = "reference", of: str = "policy") -> None:
+    """Refuse a reference model (or a distillation teacher: ``key``, ``role`` and ``of`` name them in the
+    message) whose tokenizer is not the trained model's (its log-probs would be of other tokens).
 
     Raises:
         ConfigError: ``reference_dir`` has no ``tokenizer.json``, or its vocabulary (ids and added tokens)
@@ -66,16 +68,15 @@ def check_reference_tokenizer(reference_dir: str, tokenizer_path: str) -> None:
     """
     theirs = Path(reference_dir) / "tokenizer.json"
     if not theirs.is_file():
-        raise ConfigError(f"preference.reference_from {reference_dir} has no tokenizer.json: cannot check "
-                          "that the reference reads the same token ids as the policy")
+        raise ConfigError(f"{key} {reference_dir} has no tokenizer.json: cannot check that the {role} reads "
+                          f"the same token ids as the {of}")
     a, b = Tokenizer.from_file(str(theirs)), Tokenizer.from_file(str(tokenizer_path))
     added_a = {i: t.content for i, t in a.get_added_tokens_decoder().items()}
     added_b = {i: t.content for i, t in b.get_added_tokens_decoder().items()}
     if a.get_vocab(with_added_tokens=True) != b.get_vocab(with_added_tokens=True) or added_a != added_b:
-        raise ConfigError(f"preference.reference_from {reference_dir}: its tokenizer differs from the "
-                          f"policy's ({tokenizer_path}; {a.get_vocab_size()} vs {b.get_vocab_size()} "
-                          "tokens): the reference would score other tokens than the policy; use a reference "
-                          "with the policy's tokenizer")
+        raise ConfigError(f"{key} {reference_dir}: its tokenizer differs from the {of}'s ({tokenizer_path}; "
+                          f"{a.get_vocab_size()} vs {b.get_vocab_size()} tokens): the {role} would score "
+                          f"other tokens than the {of}; use a {role} with the {of}'s tokenizer")
 
 
 def reference_identity(cfg: Config, kind: str) -> dict[str, Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from shardlm.data.preference import PREFERENCE
 from shardlm.train.moe_loss import moe_layers
+from shardlm.train.objectives.distill import DistillationObjective
 from shardlm.train.objectives.moe import MoERouterLoss
 from shardlm.train.objectives.objective import AuxiliaryTerm, Objective, ObjectiveContext
 from shardlm.train.objectives.preference import PreferenceObjective
@@ -17,6 +18,8 @@ def build_objective(ctx: ObjectiveContext) -> Objective:
     """The run's objective: the one its ``data.format`` names in :data:`BY_DATA_FORMAT` (preference pairs),
     else the token loss of pre-training and SFT. Building a preference objective builds its reference
     (a collective under FSDP)."""
+    if ctx.cfg.distill.teacher_from:  # instruction data with a teacher (config/checks.py: validate_distill)
+        return DistillationObjective.build(ctx)
     return BY_DATA_FORMAT.get(ctx.cfg.data.format, TokenObjective).build(ctx)
 
 

@@ -62,8 +62,8 @@ class DistillationObjective(Objective):
                                       self.cfg.train.loss_chunk_tokens, documents, **extra)
 
     def metrics(self, sums: list[float], inputs: StepInputs) -> dict[str, float]:
-        """Per response token of the global batch: the divergence (``distill/divergence``: the forward or reverse KL
-        or the JSD), the student's and the teacher's cross-entropy."""
+        """Per response token of the global batch: the divergence (``distill/divergence``: the forward or
+        reverse KL or the JSD), the student's and the teacher's cross-entropy."""
         n = inputs.denominator
         return {"distill/divergence": sums[0] / n, "distill/student_ce": sums[1] / n,
                 "distill/teacher_ce": sums[2] / n}

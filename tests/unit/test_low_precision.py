@@ -26,6 +26,7 @@ from shardlm.parallel.float8 import (
     float8_layers,
     has_fsdp_float8_weights,
 )
+from tolerance import EPS, assert_close
 
 #: torchao's float8 numerics bound (dB): output and gradients against high precision
 SQNR_DB = 20.0
@@ -147,3 +148,33 @@ def test_qat_fake_quantisation_equals_torchaos_quantised_model(scheme):
     scale = c.abs().max().item()
     assert (a - b).abs().max().item() <= 1e-5 * scale  # measured: 0 for the dynamic schemes
     assert (a - c).abs().max().item() > 1e-3 * scale  # the quantisation is visible
+
+
+def test_the_planner_all_gathers_float8_weights_at_one_byte_and_runs_their_gemms_at_the_float8_peak():
+    """``shardlm plan`` under ``train.float8``: the converted layers' P8 weights all-gather at 1 byte instead
+    of 2 (tensorwise only) and their 6·P8 FLOPs per token run at the float8 peak (H100 1979 TFLOP/s against
+    989 bf16); an A100 has no float8 peak and plans as bf16."""
+    from shardlm.devices import get_device
+    from shardlm.plan.time import float8_params, fsdp_comm_bytes, plan_time
+
+    # N = 4, P = 1000 of which 600 float8, k = 2, resharded, synced every micro-batch, bf16/fp32
+    assert_close(fsdp_comm_bytes(4, 1000, 2, True, True, 2, 4, float8_params=600),
+                 0.75 * (2 * 2 * (400 * 2 + 600) + 2 * 1000 * 4), rtol=4 * EPS)
+    flags = ["--parallel.param_dtype=bfloat16", "--train.global_batch_size=8", "--train.micro_batch_size=1",
+             "--train.seq_len=64"] + [f"--model.{k}={v}" for k, v in TINY.items()]
+    plans = {f: load_config(None, flags + [f"--train.float8={f}"]) for f in ("none", "tensorwise", "rowwise")}
+    p8 = float8_params(plans["tensorwise"])
+    assert p8 == 2 * (64 * 64 * 2 + 32 * 64 * 2 + 3 * 64 * 128)  # q, o; k, v; gate, up, down per block
+    h100, a100 = get_device("h100"), get_device("a100-80gb")
+    params = sum(p.numel() for p in tiny().parameters())
+    base, tw, rw = (plan_time(cfg, 8, h100, params) for cfg in plans.values())
+    # 8 ranks, 1 micro-batch of 64 tokens each; all-gathered for forward and again for backward
+    assert_close(base.comm_bytes - tw.comm_bytes, 7 / 8 * 2 * p8 * (2 - 1), rtol=4 * EPS,
+                 scale=base.comm_bytes)
+    assert rw.comm_bytes == base.comm_bytes  # rowwise weights travel in bf16
+    f8 = 6 * p8 * 64
+    assert tw.float8_flops == rw.float8_flops == f8 and base.float8_flops == 0
+    assert_close(tw.compute_s, (base.flops - f8) / 989e12 + f8 / 1979e12, rtol=4 * EPS)
+    assert tw.compute_s < 0.8 * base.compute_s
+    assert plan_time(plans["tensorwise"], 8, a100, params).compute_s == \
+        plan_time(plans["none"], 8, a100, params).compute_s

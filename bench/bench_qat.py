@@ -82,6 +82,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--scheme", default="int8_dynamic_activation_int4_weight",
                         choices=sorted(QAT_SCHEMES))
+    parser.add_argument("--group-size", type=int, default=32, help="train.qat_group_size (0: per row)")
     parser.add_argument("--pretrain-steps", type=int, default=200)
     parser.add_argument("--finetune-steps", type=int, default=100)
     parser.add_argument("--eval-tokens", type=int, default=32768)
@@ -98,9 +99,10 @@ def main() -> None:
     tuned = out / "data" / "tune"
     plain = train(overrides(tuned, out / "plain", args.finetune_steps, 1e-3, tune))
     train(overrides(tuned, out / "qat", args.finetune_steps, 1e-3,
-                    {**tune, "train.qat": json.dumps(args.scheme)}))
+                    {**tune, "train.qat": json.dumps(args.scheme), "train.qat_group_size": args.group_size}))
     excluded = json.loads((out / "qat" / "final-quantized" / "qat.json").read_text())["not_quantized"]
-    save_quantized_dir(out / "plain" / "final", out / "plain" / "final-ptq", args.scheme, excluded)
+    save_quantized_dir(out / "plain" / "final", out / "plain" / "final-ptq", args.scheme, excluded,
+                       args.group_size)
     losses = {name: val_loss(out / path, plain, args.eval_tokens) for name, path in {
         "base (pre-trained)": "base/final",
         "plain fine-tune (unquantised reference)": "plain/final",
@@ -109,15 +111,16 @@ def main() -> None:
         "QAT fine-tune, unquantised weights": "qat/final",
     }.items()}
     reference = losses["plain fine-tune (unquantised reference)"]
-    print(f"\nscheme {args.scheme}; pre-train {args.pretrain_steps} steps, fine-tune {args.finetune_steps} "
-          f"steps; validation loss over {args.eval_tokens} tokens (nats/token)")
+    print(f"\nscheme {args.scheme}, group size {args.group_size}; pre-train {args.pretrain_steps} steps, "
+          f"fine-tune {args.finetune_steps} steps; validation loss over {args.eval_tokens} tokens (nats/token)")
     for name, value in losses.items():
         print(f"  {name:45s} {value:.4f}  ({value - reference:+.4f} vs the reference)")
     ptq = losses["plain fine-tune, quantised afterwards (PTQ)"] - reference
     qat = losses["QAT fine-tune, quantised (final-quantized)"] - reference
     verdict = "closer" if abs(qat) < abs(ptq) else "not closer"
     print(f"quantisation gap: PTQ {ptq:+.4f}, QAT {qat:+.4f} -> QAT {verdict}")
-    (out / "results.json").write_text(json.dumps({"scheme": args.scheme, "losses": losses,
+    (out / "results.json").write_text(json.dumps({"scheme": args.scheme, "group_size": args.group_size,
+                                                  "losses": losses,
                                                   "gap_ptq": ptq, "gap_qat": qat}, indent=2) + "\n")
     print(f"results in {out / 'results.json'}")
 

@@ -35,7 +35,7 @@ def test_the_quantised_export_loads_in_transformers_and_computes_what_training_c
     assert len(hist) == 4 and hist[-1]["loss"] < hist[0]["loss"]  # FSDP trained through the fake quantisers
     quantized = run_dir / "final-quantized"
     record = json.loads((quantized / "qat.json").read_text())
-    assert record == {"scheme": SCHEME, "torchao_config": "Int8DynamicActivationIntxWeightConfig",
+    assert record == {"scheme": SCHEME, "group_size": 32, "torchao_config": "Int8DynamicActivationIntxWeightConfig",
                       "not_quantized": ["lm_head"], "source": str(run_dir / "final")}
     config = json.loads((quantized / "config.json").read_text())["quantization_config"]
     assert config["quant_method"] == "torchao" and config["modules_to_not_convert"] == ["lm_head"]

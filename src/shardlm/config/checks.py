@@ -200,6 +200,9 @@ def validate_low_precision(cfg: Config) -> None:
             raise ConfigError(f"train.{key}={value!r} with lora.enabled is not built: LoRA's frozen base "
                               f"is not an nn.Linear the {key} conversion can reach; set train.{key} = 'none' "
                               "or turn LoRA off")
+    if t.qat_group_size < 0:
+        raise ConfigError(f"train.qat_group_size must be >= 0 (0 = one scale per output row), got "
+                          f"{t.qat_group_size}")
     if t.float8 != "none" and t.qat != "none":
         raise ConfigError(f"train.float8={t.float8!r} and train.qat={t.qat!r} both replace the linear "
                           "layers: choose one")

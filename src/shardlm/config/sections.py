@@ -146,6 +146,10 @@ class TrainConfig:
     activations; ``int8_dynamic_activation_int8_weight``: int8 weights per row; ``int4_weight_only``,
     ``int8_weight_only``: weights only. Needs the ``lowprec`` extra (torchao); not with ``[lora]`` or
     ``train.float8``."""
+    qat_group_size: int = 32
+    """Inputs per weight scale of ``train.qat``'s int4 schemes (torchao's group size); 0 = one scale per
+    output row (coarser: a larger quantisation error). A layer whose input width it does not divide stays in
+    full precision. The int8 schemes always use one scale per row."""
 
 
 @dataclass

@@ -17,7 +17,7 @@ import shutil
 from pathlib import Path
 
 from shardlm.atomic import atomic_directory
-from shardlm.model.qat import base_config, check_scheme
+from shardlm.model.qat import GROUP_SIZE, base_config, check_scheme, group_of
 
 #: written beside the weights: the scheme and the layers left in full precision
 QAT_RECORD = "qat.json"
@@ -25,11 +25,13 @@ QAT_RECORD = "qat.json"
 WEIGHT_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json")
 
 
-def save_quantized_dir(model_dir: str | Path, out_dir: str | Path, scheme: str, excluded: list[str]) -> Path:
+def save_quantized_dir(model_dir: str | Path, out_dir: str | Path, scheme: str, excluded: list[str],
+                       group_size: int = GROUP_SIZE) -> Path:
     """Write ``model_dir`` (an HF model directory of the trained weights) quantised with ``scheme``
     (:data:`shardlm.model.qat.QAT_SCHEMES`) to ``out_dir``, atomically; ``excluded``: the ``nn.Linear`` names
-    left unquantised (:func:`shardlm.model.qat.qat_excluded`). The tokenizer's files are copied; ``qat.json``
-    records the scheme, torchao's config class and the excluded layers. Returns ``out_dir``.
+    left unquantised (:func:`shardlm.model.qat.qat_excluded`); ``group_size``: the int4 schemes' inputs per
+    scale (``train.qat_group_size``). The tokenizer's files are copied; ``qat.json`` records the scheme, the
+    group size, torchao's config class and the excluded layers. Returns ``out_dir``.
 
     Raises:
         ConfigError: an unknown scheme.
@@ -38,7 +40,7 @@ def save_quantized_dir(model_dir: str | Path, out_dir: str | Path, scheme: str, 
     from transformers import AutoModelForCausalLM, TorchAoConfig
 
     src, out = Path(model_dir), Path(out_dir)
-    config = base_config(scheme)
+    config = base_config(scheme, group_size)
     model = AutoModelForCausalLM.from_pretrained(
         src, quantization_config=TorchAoConfig(config, modules_to_not_convert=list(excluded)))
     with atomic_directory(out) as tmp:
@@ -46,7 +48,8 @@ def save_quantized_dir(model_dir: str | Path, out_dir: str | Path, scheme: str, 
         for path in sorted(src.iterdir()):
             if path.is_file() and path.name not in WEIGHT_FILES and not path.name.endswith(".safetensors"):
                 shutil.copy2(path, tmp / path.name)
-        record = {"scheme": scheme, "torchao_config": type(config).__name__, "not_quantized": list(excluded),
+        record = {"scheme": scheme, "group_size": group_of(scheme, group_size),
+                  "torchao_config": type(config).__name__, "not_quantized": list(excluded),
                   "source": str(src)}
         (tmp / QAT_RECORD).write_text(json.dumps(record, indent=2) + "\n")
     return out

@@ -11,18 +11,19 @@ through transformers' ``TorchAoConfig`` (:mod:`shardlm.convert.quantized_out`).
 
 =======================================  =====================================================================
 ``int8_dynamic_activation_int4_weight``  ``Int8DynamicActivationIntxWeightConfig(weight_dtype=int4,
-                                         weight_granularity=PerGroup(32))``: int4 weights (symmetric, a scale
-                                         per 32 inputs), int8 activations (asymmetric, per token), "8da4w"
+                                         weight_granularity=PerGroup(g))``: int4 weights (symmetric, a scale
+                                         per g inputs), int8 activations (asymmetric, per token), "8da4w"
 ``int8_dynamic_activation_int8_weight``  the same with int8 weights, one scale per output row
-``int4_weight_only``                     ``IntxWeightOnlyConfig(weight_dtype=int4, granularity=PerGroup(32))``
+``int4_weight_only``                     ``IntxWeightOnlyConfig(weight_dtype=int4, granularity=PerGroup(g))``
 ``int8_weight_only``                     ``IntxWeightOnlyConfig(weight_dtype=int8, granularity=PerAxis(0))``
 =======================================  =====================================================================
 
 All four are torchao's CPU-capable "unpacked to int8" layout (``IntxUnpackedToInt8Tensor``), which torchao
 stores in safetensors and transformers loads. Targeted layers: every ``nn.Linear`` of the blocks except
 the output projection ``lm_head`` (the chunked loss reads its weight directly, past any module wrapper) and a
-mixture of experts' router; with per-group schemes a layer whose input width is not a multiple of the group
-(32) is left in full precision. The same rule picks the layers quantised at export (:func:`qat_excluded`).
+mixture of experts' router; g is ``train.qat_group_size`` (torchao's group size, default 32; 0: one scale per
+output row, ``PerAxis(0)``), and with g > 0 a layer whose input width is not a multiple of g is left in full
+precision. The same rule picks the layers quantised at export (:func:`qat_excluded`).
 """
 
 from __future__ import annotations
@@ -35,16 +36,18 @@ from torch import nn
 
 from shardlm.errors import ConfigError
 
-#: ``train.qat`` schemes -> (activation int8 dynamic?, weight bits, per-group size or 0 = per output row)
-QAT_SCHEMES: dict[str, tuple[bool, int, int]] = {
-    "int8_dynamic_activation_int4_weight": (True, 4, 32),
-    "int8_dynamic_activation_int8_weight": (True, 8, 0),
-    "int4_weight_only": (False, 4, 32),
-    "int8_weight_only": (False, 8, 0),
+#: ``train.qat`` schemes -> (activation int8 dynamic?, weight bits); int4 weights per group, int8 per row
+QAT_SCHEMES: dict[str, tuple[bool, int]] = {
+    "int8_dynamic_activation_int4_weight": (True, 4),
+    "int8_dynamic_activation_int8_weight": (True, 8),
+    "int4_weight_only": (False, 4),
+    "int8_weight_only": (False, 8),
 }
+#: inputs per int4 weight scale unless ``train.qat_group_size`` says otherwise (torchao's QAT examples' 32)
+GROUP_SIZE = 32
 
 
-def check_scheme(scheme: str) -> tuple[bool, int, int]:
+def check_scheme(scheme: str) -> tuple[bool, int]:
     """The row of :data:`QAT_SCHEMES` for ``scheme``.
 
     Raises:
@@ -56,13 +59,21 @@ def check_scheme(scheme: str) -> tuple[bool, int, int]:
     return QAT_SCHEMES[scheme]
 
 
-def base_config(scheme: str) -> Any:
-    """torchao's post-training quantisation config of ``scheme`` (see the module docstring's table).
+def group_of(scheme: str, group_size: int = GROUP_SIZE) -> int:
+    """Inputs per weight scale of ``scheme``: ``group_size`` for int4 weights, 0 (one per output row) for
+    int8."""
+    return group_size if check_scheme(scheme)[1] == 4 else 0
+
+
+def base_config(scheme: str, group_size: int = GROUP_SIZE) -> Any:
+    """torchao's post-training quantisation config of ``scheme`` with int4 weights' ``group_size`` (0: one
+    scale per output row; see the module docstring's table).
 
     Raises:
         ConfigError: as :func:`check_scheme`.
     """
-    dynamic, bits, group = check_scheme(scheme)
+    dynamic, bits = check_scheme(scheme)
+    group = group_of(scheme, group_size)
     from torchao.quantization import (
         Int8DynamicActivationIntxWeightConfig,
         IntxWeightOnlyConfig,
@@ -77,9 +88,10 @@ def base_config(scheme: str) -> Any:
     return IntxWeightOnlyConfig(weight_dtype=dtype, granularity=granularity)
 
 
-def qat_filter(model: nn.Module, scheme: str) -> Callable[[nn.Module, str], bool]:
+def qat_filter(model: nn.Module, scheme: str,
+               group_size: int = GROUP_SIZE) -> Callable[[nn.Module, str], bool]:
     """``(module, name) -> bool``: whether ``scheme`` fake-quantises (and the export quantises) ``module``."""
-    _, _, group = check_scheme(scheme)
+    group = group_of(scheme, group_size)
     excluded = {"lm_head"} | {f"{name}.{module.router_name}" for name, module in model.named_modules()
                               if hasattr(module, "router_name")}
 
@@ -90,15 +102,15 @@ def qat_filter(model: nn.Module, scheme: str) -> Callable[[nn.Module, str], bool
     return targeted
 
 
-def qat_excluded(model: nn.Module, scheme: str) -> list[str]:
+def qat_excluded(model: nn.Module, scheme: str, group_size: int = GROUP_SIZE) -> list[str]:
     """Names of ``model``'s ``nn.Linear`` layers that ``scheme`` leaves in full precision (``lm_head``,
     routers, unaligned layers): transformers' ``modules_to_not_convert`` at export."""
-    targeted = qat_filter(model, scheme)
+    targeted = qat_filter(model, scheme, group_size)
     return [name for name, module in model.named_modules()
             if isinstance(module, nn.Linear) and not targeted(module, name)]
 
 
-def apply_qat(model: nn.Module, scheme: str) -> list[str]:
+def apply_qat(model: nn.Module, scheme: str, group_size: int = GROUP_SIZE) -> list[str]:
     """Fake-quantise ``model``'s targeted linear layers in place for ``scheme`` (torchao's
     ``QATConfig(base_config(scheme), step="prepare")``); return their names. Works on the meta device, before
     ``fully_shard``.
@@ -106,13 +118,14 @@ def apply_qat(model: nn.Module, scheme: str) -> list[str]:
     Raises:
         ConfigError: as :func:`check_scheme`; no layer is targeted.
     """
-    targeted = qat_filter(model, scheme)
+    targeted = qat_filter(model, scheme, group_size)
     names = [name for name, module in model.named_modules() if targeted(module, name)]
     if not names:
         raise ConfigError(f"train.qat={scheme!r}: no linear layer to fake-quantise (every one is lm_head, a "
-                          "router, or has an input width that is not a multiple of 32)")
+                          f"router, or has an input width that is not a multiple of train.qat_group_size="
+                          f"{group_size})")
     from torchao.quantization import quantize_
     from torchao.quantization.qat import QATConfig
 
-    quantize_(model, QATConfig(base_config(scheme), step="prepare"), filter_fn=targeted)
+    quantize_(model, QATConfig(base_config(scheme, group_size), step="prepare"), filter_fn=targeted)
     return names

@@ -91,7 +91,7 @@ def build_model(cfg: Config, info: DistInfo, mesh: DeviceMesh | None,
     if cfg.train.float8 != "none":  # torchao's float8 linears, before FSDP (emulated on a CPU)
         apply_float8(model, cfg.train.float8, info.device, fsdp=mode == "fsdp")
     if cfg.train.qat != "none":  # torchao's fake-quantised linears
-        apply_qat(model, cfg.train.qat)
+        apply_qat(model, cfg.train.qat, cfg.train.qat_group_size)
     # a CPU kernel choice, names unchanged (not under TP: its custom operator has no DTensor sharding rule)
     if use_fp32_matmul(pcfg.cpu_bf16_matmul, info.device, pcfg.param_dtype) and pcfg.tp == 1:
         apply_fp32_matmul(model)

@@ -70,8 +70,9 @@ def export_model(model: torch.nn.Module, cfg: Config, info: DistInfo, out_dir: P
     if cfg.train.qat != "none":  # the trained weights quantised as they were fake-quantised in training
         group = _export_group(info)
         if info.is_main:
-            save_quantized_dir(out_dir, quantized_dir(out_dir), cfg.train.qat,
-                               qat_excluded(unwrap(model), cfg.train.qat))
+            t = cfg.train
+            save_quantized_dir(out_dir, quantized_dir(out_dir), t.qat,
+                               qat_excluded(unwrap(model), t.qat, t.qat_group_size), t.qat_group_size)
         _wait_for_writers(group)
 
 

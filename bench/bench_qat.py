@@ -112,7 +112,8 @@ def main() -> None:
     }.items()}
     reference = losses["plain fine-tune (unquantised reference)"]
     print(f"\nscheme {args.scheme}, group size {args.group_size}; pre-train {args.pretrain_steps} steps, "
-          f"fine-tune {args.finetune_steps} steps; validation loss over {args.eval_tokens} tokens (nats/token)")
+          f"fine-tune {args.finetune_steps} steps; validation loss over {args.eval_tokens} tokens "
+          "(nats/token)")
     for name, value in losses.items():
         print(f"  {name:45s} {value:.4f}  ({value - reference:+.4f} vs the reference)")
     ptq = losses["plain fine-tune, quantised afterwards (PTQ)"] - reference

@@ -142,10 +142,10 @@ class TrainConfig:
     ``lm_head`` or routers) train through the fake quantisation of this scheme, and the run also writes
     ``final-quantized/``, the trained model quantised with it (torchao's ``IntxUnpackedToInt8Tensor`` in
     safetensors, ``quantization_config`` in config.json: transformers loads it with torchao installed).
-    ``int8_dynamic_activation_int4_weight``: int4 weights (a scale per 32 inputs) and int8 dynamic
-    activations; ``int8_dynamic_activation_int8_weight``: int8 weights per row; ``int4_weight_only``,
-    ``int8_weight_only``: weights only. Needs the ``lowprec`` extra (torchao); not with ``[lora]`` or
-    ``train.float8``."""
+    ``int8_dynamic_activation_int4_weight``: int4 weights (a scale per ``qat_group_size`` inputs) and int8
+    dynamic activations; ``int8_dynamic_activation_int8_weight``: int8 weights per row;
+    ``int4_weight_only``, ``int8_weight_only``: weights only. Needs the ``lowprec`` extra (torchao,
+    transformers); not with ``[lora]`` or ``train.float8``."""
     qat_group_size: int = 32
     """Inputs per weight scale of ``train.qat``'s int4 schemes (torchao's group size); 0 = one scale per
     output row (coarser: a larger quantisation error). A layer whose input width it does not divide stays in

@@ -33,6 +33,9 @@ f-h. tensor parallel 2 (and async TP with compile) and context parallel 2 agains
    matmul (``torch._grouped_mm``) against the loop: ``bench/gpu_check_parallel.py``. A row that needs more
    GPUs than the machine has is skipped with the reason (so on one GPU: TP and CP skipped, the grouped matmul
    run; with ``--device cpu`` TP 2 runs on gloo and the CUDA-only rows are skipped).
+i. float8 (``train.float8``: tensorwise, rowwise, MXFP8) against bf16 on the speed check's config, the same
+   ``--steps`` steps: step time, tokens/s, memory, and the loss curve above torchao's 20 dB SQNR:
+   ``bench/gpu_check_float8.py`` (a recipe the GPU lacks is skipped; all three on a CPU).
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from gpu_check_float8 import check_float8  # noqa: E402
 from gpu_check_parallel import check_context_parallel, check_grouped_mm, check_tensor_parallel  # noqa: E402
 
 from shardlm.config import Config, ParallelConfig, load_config  # noqa: E402
@@ -127,27 +131,47 @@ def config(base: str | None, overrides: list[str], device: torch.device, data: P
                               f"--parallel.device={device.type}"])
 
 
+def speed_setup(device: torch.device, work: Path, steps: int) -> tuple[str | None, list[str], Path]:
+    """The speed check's config file (None: the CPU stand-in), its overrides, and its random data (written
+    once under ``work``)."""
+    base = str(ROOT / "configs" / "llama3.2-1b.toml") if device.type == "cuda" else None
+    extra = [] if device.type == "cuda" else [
+        "--parallel.param_dtype=bfloat16", "--parallel.reduce_dtype=float32",
+        "--parallel.activation_checkpoint=selective", *SPEED_CPU]
+    probe = load_config(base, extra)
+    t = probe.train
+    tokens = (steps + 2) * t.global_batch_size * (t.seq_len + 1) + t.seq_len * 64
+    data = work / "data-speed"
+    if not (data / "meta.json").is_file():
+        write_random_data(data, probe.model.vocab_size, tokens)
+    return base, extra, data
+
+
+def speed_runs(device: torch.device, backend: str, work: Path, steps: int):
+    """``run(overrides, run_dir)`` for check i: ``steps`` records of the speed check's config with
+    ``overrides``; ``max_memory_allocated`` over the steps after the first in the last record."""
+    def run(overrides: list[str], run_dir: Path) -> list[dict]:
+        base, extra, data = speed_setup(device, work, steps)
+        cfg = config(base, [*extra, "--parallel.compile=true", "--checkpoint.enabled=false", *overrides],
+                     device, data, run_dir)
+        trainer = trainer_for(cfg, device, backend)
+        records = [trainer.train_step()]
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        records += [trainer.train_step() for _ in range(steps - 1)]
+        records[-1]["max_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
+        del trainer
+        torch.cuda.empty_cache()
+        return records
+    return run
+
+
 def check_speed(device: torch.device, backend: str, work: Path, steps: int) -> dict:
     """(a) bf16 + compile + selective AC: tokens/s, MFU, peak allocated memory against the planner."""
     from shardlm.plan import plan_memory
     from shardlm.plan.devices import device_for_cuda_name
 
-    base = str(ROOT / "configs" / "llama3.2-1b.toml") if device.type == "cuda" else None
-    extra = (
-        []
-        if device.type == "cuda"
-        else [
-            "--parallel.param_dtype=bfloat16",
-            "--parallel.reduce_dtype=float32",
-            "--parallel.activation_checkpoint=selective",
-            *SPEED_CPU,
-        ]
-    )
-    probe = load_config(base, extra)
-    tokens = (steps + 2) * probe.train.global_batch_size * (
-        probe.train.seq_len + 1
-    ) + probe.train.seq_len * 64
-    data = write_random_data(work / "data-speed", probe.model.vocab_size, tokens)
+    base, extra, data = speed_setup(device, work, steps)
     cfg = config(base, [*extra, "--parallel.compile=true", "--checkpoint.enabled=false"], device, data,
                  work / "run-speed")
     trainer = trainer_for(cfg, device, backend)
@@ -392,6 +416,8 @@ def main() -> int:
             "f. tensor parallel": lambda: check_tensor_parallel(device, work, tiny_data, tiny(device)),
             "g. MoE grouped matmul": lambda: check_grouped_mm(device),
             "h. context parallel": lambda: check_context_parallel(device, work, tiny_data, tiny(device)),
+            "i. float8": lambda: check_float8(device, args.steps, speed_runs(device, info.backend, work,
+                                                                             args.steps), work),
         }
         for label, check in checks.items():
             t0 = time.perf_counter()

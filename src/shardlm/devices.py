@@ -3,14 +3,17 @@ throughput per precision, collective bandwidth.
 
 Peaks are the vendors' datasheet numbers, dense (the datasheets print sparse figures twice as high):
 
-| device | bf16 | TF32 | fp32 (no tensor cores) | memory | source |
-|---|---|---|---|---|---|
-| H100 SXM | 989 TFLOP/s | 495 | 67 | 80 GB HBM3 | NVIDIA H100 Tensor Core GPU datasheet |
-| H100 PCIe | 756 | 378 | 51 | 80 GB HBM2e | same datasheet |
-| H100 96 GB (torchtitan's runs) | 989 | 495 | 67 | 96 GB HBM3 | H100 SXM compute |
-| H200 SXM | 989 | 495 | 67 | 141 GB HBM3e | NVIDIA H200 datasheet |
-| A100 SXM 80 GB | 312 | 156 | 19.5 | 80 GB HBM2e | NVIDIA A100 datasheet |
-| B200 (HGX) | 2250 | 1100 | 75 | 180 GB HBM3e | NVIDIA HGX B200 datasheet, per GPU |
+| device | bf16 | TF32 | fp32 (no tensor cores) | fp8 | memory | source |
+|---|---|---|---|---|---|---|
+| H100 SXM | 989 TFLOP/s | 495 | 67 | 1979 | 80 GB HBM3 | NVIDIA H100 Tensor Core GPU datasheet |
+| H100 PCIe | 756 | 378 | 51 | 1513 | 80 GB HBM2e | same datasheet |
+| H100 96 GB (torchtitan's runs) | 989 | 495 | 67 | 1979 | 96 GB HBM3 | H100 SXM compute |
+| H200 SXM | 989 | 495 | 67 | 1979 | 141 GB HBM3e | NVIDIA H200 datasheet |
+| A100 SXM 80 GB | 312 | 156 | 19.5 | none | 80 GB HBM2e | NVIDIA A100 datasheet |
+| B200 (HGX) | 2250 | 1100 | 75 | 4500 | 180 GB HBM3e | NVIDIA HGX B200 datasheet, per GPU |
+
+The fp8 column is the dense float8 tensor-core peak (e4m3/e5m2; on B200 MXFP8 runs at the same rate): the
+GEMMs of ``train.float8``'s converted layers run against it, the rest at bf16's.
 
 Which peak applies is the precision that runs (:func:`shardlm.parallel.dist.compute_precision`): bf16
 compute, fp32 with TF32 (the default on CUDA), or fp32 without it (``parallel.tf32 = false``).
@@ -53,14 +56,18 @@ class Device:
     """Collective bus bandwidth per rank across nodes, bytes/s."""
     gpus_per_node: int = 8
     """Ranks per node: shard groups larger than this use ``inter_node_bw``."""
+    peak_flops_fp8: float = 0.0
+    """Dense peak FLOP/s for float8 matrix multiplies (0: no float8 tensor cores)."""
 
     def peak_flops(self, precision: str) -> float:
-        """Dense peak FLOP/s for ``precision``: ``"bf16"``, ``"tf32"`` or ``"fp32"``.
+        """Dense peak FLOP/s for ``precision``: ``"bf16"``, ``"tf32"``, ``"fp32"`` or ``"fp8"`` (0 on a device
+        without float8 tensor cores).
 
         Raises:
             ValueError: another precision name.
         """
-        peaks = {"bf16": self.peak_flops_bf16, "tf32": self.peak_flops_tf32, "fp32": self.peak_flops_fp32}
+        peaks = {"bf16": self.peak_flops_bf16, "tf32": self.peak_flops_tf32, "fp32": self.peak_flops_fp32,
+                 "fp8": self.peak_flops_fp8}
         if precision not in peaks:
             raise ValueError(f"unknown precision {precision!r} (known: {', '.join(peaks)})")
         return peaks[precision]
@@ -78,12 +85,12 @@ def _cpu_memory() -> int:
 
 
 DEVICES: dict[str, Device] = {
-    "h100": Device("h100", 81559 * MIB, 989e12, 495e12, 67e12, 450e9, 50e9),
-    "h100-pcie": Device("h100-pcie", 81559 * MIB, 756e12, 378e12, 51e12, 300e9, 50e9),
-    "h100-96gb": Device("h100-96gb", 97871 * MIB, 989e12, 495e12, 67e12, 450e9, 50e9),
-    "h200": Device("h200", 143771 * MIB, 989e12, 495e12, 67e12, 450e9, 50e9),
+    "h100": Device("h100", 81559 * MIB, 989e12, 495e12, 67e12, 450e9, 50e9, peak_flops_fp8=1979e12),
+    "h100-pcie": Device("h100-pcie", 81559 * MIB, 756e12, 378e12, 51e12, 300e9, 50e9, peak_flops_fp8=1513e12),
+    "h100-96gb": Device("h100-96gb", 97871 * MIB, 989e12, 495e12, 67e12, 450e9, 50e9, peak_flops_fp8=1979e12),
+    "h200": Device("h200", 143771 * MIB, 989e12, 495e12, 67e12, 450e9, 50e9, peak_flops_fp8=1979e12),
     "a100-80gb": Device("a100-80gb", 81920 * MIB, 312e12, 156e12, 19.5e12, 300e9, 25e9),
-    "b200": Device("b200", 183359 * MIB, 2250e12, 1100e12, 75e12, 900e9, 50e9),
+    "b200": Device("b200", 183359 * MIB, 2250e12, 1100e12, 75e12, 900e9, 50e9, peak_flops_fp8=4500e12),
     "cpu": Device("cpu", _cpu_memory(), 1e11, 5e10, 5e10, 5e9, 5e9, gpus_per_node=1 << 30),
 }
 

@@ -38,13 +38,16 @@ def test_gpu_check_runs_in_cpu_mode(tmp_path):
                                           "alone",
                                           "f. TP 2 = one process", "f'. async TP 2 (compile) = one process",
                                           "g. MoE grouped matmul (torch._grouped_mm) = loop",
-                                          "h. CP 2 = one process"]
-    assert all(r["pass"] for r in rows) and table.count("| ok |") == 9 and table.count("| skipped |") == 3
+                                          "h. CP 2 = one process", "i. float8 tensorwise vs bf16",
+                                          "i. float8 rowwise vs bf16", "i. float8 mxfp8 vs bf16"]
+    assert all(r["pass"] for r in rows) and table.count("| ok |") == 9 and table.count("| skipped |") == 6
+    # float8 rows run on a GPU with float8 tensor cores; on a CPU each says why not
+    assert all(r["skipped"] and "float8 is emulated" in r["result"] for r in rows[12:])
     # TP 2 ran on gloo (two launches, 3 steps each): the losses of one process; the CUDA-only rows say why not
     assert len(rows[8]["losses"]) == 3, rows[8]
     scale = max(abs(x) for x in rows[8]["losses"].values())  # relative to the loss (by step)
     check(rows[8]["max_loss_diff"], 1e-5 * scale, scale=scale, what="TP 2 loss")
-    assert [r.get("skipped", False) for r in rows[8:]] == [False, True, True, True]
+    assert [r.get("skipped", False) for r in rows[8:12]] == [False, True, True, True]
     assert "needs CUDA" in rows[9]["result"] and "CUDA bf16 path" in rows[10]["result"]
     # the gpu check reports absolute logit differences without their scale (its own thresholds)
     for row, name in ((rows[4], "Mistral"), (rows[6], "gpt-oss")):  # sdpa trains on CPU, gpt-oss with its sinks

@@ -109,6 +109,12 @@ def main() -> None:
             "rows": getattr(trainer.train_data, "rows", None),  # packed instruction data: example ids per row
             # block-causal windows: starts or eod
             "document_source": getattr(trainer.train_data, "source", None),
+            # train.float8 = "tensorwise" under FSDP: the weights all-gathered in float8, and the optimizer's
+            # post-step hooks (the scales' precomputation)
+            "float8_all_gather_weights": sum(
+                type(getattr(p, "_local_tensor", None)).__name__ == "WeightWithDynamicFloat8CastTensor"
+                for p in unwrap(trainer.model).parameters()),
+            "optimizer_post_hooks": len(trainer.optimizer._optimizer_step_post_hooks),
         })
         write_rank_report(out, scenario["name"], info.rank, report)
 

@@ -58,6 +58,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError("data.sources (a mixture) needs data.format = 'text'")
     validate_preference(cfg)
     validate_distill(cfg)
+    validate_low_precision(cfg)
     if d.pack and d.format != "instruct":
         raise ConfigError("data.pack packs instruction examples: it needs data.format = 'instruct' (text "
                           "windows are already full, and block-causal by default where the data records "
@@ -236,6 +237,28 @@ def validate_distill(cfg: Config) -> None:
         raise ConfigError(f"distill.teacher_from {dist.teacher_from} has a vocabulary of "
                           f"{teacher.vocab_size} tokens, the student (model.vocab_size) {vocab}: the teacher "
                           "must use the student's tokenizer")
+def validate_low_precision(cfg: Config) -> None:
+    """Check ``train.float8`` and ``train.qat`` against the rest of the config (the device is checked when the
+    model is built: :func:`shardlm.parallel.float8.check_float8_device`); raise ConfigError naming the key."""
+    t, p = cfg.train, cfg.parallel
+    for key in ("float8", "qat"):
+        value = getattr(t, key)
+        if value != "none" and cfg.lora.enabled:
+            raise ConfigError(f"train.{key}={value!r} with lora.enabled is not built: LoRA's frozen base "
+                              f"is not an nn.Linear the {key} conversion can reach; set train.{key} = 'none' "
+                              "or turn LoRA off")
+    if t.qat_group_size < 0:
+        raise ConfigError(f"train.qat_group_size must be >= 0 (0 = one scale per output row), got "
+                          f"{t.qat_group_size}")
+    if t.float8 != "none" and t.qat != "none":
+        raise ConfigError(f"train.float8={t.float8!r} and train.qat={t.qat!r} both replace the linear "
+                          "layers: choose one")
+    if t.float8 != "none" and p.tp > 1:
+        raise ConfigError(f"train.float8={t.float8!r} with parallel.tp={p.tp} is not built yet (float8 "
+                          "tensor parallel): set parallel.tp = 1")
+    if t.float8 == "mxfp8" and p.param_dtype != "bfloat16":
+        raise ConfigError("train.float8='mxfp8' computes in bf16: it needs parallel.mode = 'fsdp' with "
+                          f"parallel.param_dtype = 'bfloat16' (param_dtype is {p.param_dtype!r})")
 
 
 def gradient_accumulation_steps(cfg: Config, dp_world_size: int) -> int:

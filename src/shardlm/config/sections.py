@@ -127,6 +127,29 @@ class TrainConfig:
     each chunk's logits (this many × vocab fp32 values) are made, turned into its loss and gradients, and
     freed, so the whole logits never exist (``shardlm/train/loss.py``); same results as the plain loss up to
     summation order. 0 = the plain loss (the whole logits, their fp32 log-softmax and gradients)."""
+    float8: Literal["none", "tensorwise", "rowwise", "mxfp8"] = "none"
+    """Float8 training of the blocks' linear layers with torchao (shardlm/parallel/float8.py): ``tensorwise``
+    (one scale per tensor; under FSDP the weights are all-gathered in float8), ``rowwise`` (a scale per row;
+    weights all-gathered in ``parallel.param_dtype``), ``mxfp8`` (MX blocks of 32, Blackwell only; needs
+    ``parallel.param_dtype = "bfloat16"``). Not converted: ``lm_head``, MoE routers and experts, layers
+    whose dimensions are not multiples of 16 (32 for mxfp8). A GPU needs float8 tensor cores (compute
+    capability 8.9; 10.0 for mxfp8), else the run is refused; on a CPU float8 always runs emulated
+    (numerics, not speed). Use with ``parallel.compile = true`` on a GPU. Not with ``[lora]``, ``train.qat``
+    or ``parallel.tp > 1``."""
+    qat: Literal["none", "int8_dynamic_activation_int4_weight", "int8_dynamic_activation_int8_weight",
+                 "int4_weight_only", "int8_weight_only"] = "none"
+    """Quantisation-aware training with torchao (shardlm/model/qat.py): the blocks' linear layers (not
+    ``lm_head`` or routers) train through the fake quantisation of this scheme, and the run also writes
+    ``final-quantized/``, the trained model quantised with it (torchao's ``IntxUnpackedToInt8Tensor`` in
+    safetensors, ``quantization_config`` in config.json: transformers loads it with torchao installed).
+    ``int8_dynamic_activation_int4_weight``: int4 weights (a scale per ``qat_group_size`` inputs) and int8
+    dynamic activations; ``int8_dynamic_activation_int8_weight``: int8 weights per row;
+    ``int4_weight_only``, ``int8_weight_only``: weights only. Needs the ``lowprec`` extra (torchao,
+    transformers); not with ``[lora]`` or ``train.float8``."""
+    qat_group_size: int = 32
+    """Inputs per weight scale of ``train.qat``'s int4 schemes (torchao's group size); 0 = one scale per
+    output row (coarser: a larger quantisation error). A layer whose input width it does not divide stays in
+    full precision. The int8 schemes always use one scale per row."""
 
 
 @dataclass

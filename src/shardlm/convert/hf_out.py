@@ -57,6 +57,17 @@ def _without_sequential_all_gather_note() -> Iterator[None]:
         log.removeFilter(note)
 
 
+def plain_tensor(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or the one tensor a wrapper subclass holds (torchao's MXFP8 training weights,
+    ``train.float8 = "mxfp8"``: same shape, dtype and values), so that it can be written; a subclass of
+    several inner tensors (NF4) is returned as it is."""
+    plain = type(t) in (torch.Tensor, nn.Parameter) or isinstance(t, DTensor)
+    if plain or not hasattr(t, "__tensor_flatten__"):
+        return t
+    inner = t.__tensor_flatten__()[0]
+    return getattr(t, inner[0]) if len(inner) == 1 else t
+
+
 def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """All-gather the model's full (unsharded) state dict onto rank 0, on CPU.
 
@@ -84,7 +95,7 @@ def save_model_dir(state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: st
     ``generation_config.json``) are copied in by name last.
     """
     out = Path(out_dir)
-    tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
+    tensors = {k: plain_tensor(v.detach()).contiguous().cpu() for k, v in state.items()}
     if cfg.tie_embeddings:
         tensors.pop("lm_head.weight", None)
     tensors = to_disk(cfg, tensors)  # a mixture of experts: the hub's per-expert tensors
@@ -152,12 +163,12 @@ def gather_full(p: torch.Tensor, owner: int, rank: int) -> torch.Tensor | None:
         return p if owner == rank else None
     if p.device_mesh.ndim != 1 or not p.placements[0].is_shard(0):
         with _without_sequential_all_gather_note():
-            full = p.full_tensor()
+            full = plain_tensor(p.full_tensor())
         return full if owner == rank else None
     group = p.device_mesh.get_group()
     n = dist.get_world_size(group)
     rows = -(-p.shape[0] // n)  # torch.chunk's rows per rank; the last ranks may hold fewer, or none
-    local = p.to_local()
+    local = plain_tensor(p.to_local())
     padded = local.new_zeros((rows, *p.shape[1:]))
     padded[:local.shape[0]] = local
     if rank != owner:

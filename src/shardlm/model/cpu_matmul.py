@@ -104,15 +104,16 @@ def use_fp32_matmul(setting: str, device: torch.device, param_dtype: str, cpuinf
 
 
 def apply_fp32_matmul(model: nn.Module) -> int:
-    """Turn every bias-free ``nn.Linear`` of ``model`` (not NF4) into :class:`Fp32MatmulLinear` in place.
+    """Turn every bias-free ``nn.Linear`` of ``model`` with a plain weight into :class:`Fp32MatmulLinear` in
+    place (a tensor subclass keeps its own kernel: torchao's NF4 of QLoRA, its MXFP8 training weights).
 
     Parameter names and values are unchanged (only the class, hence ``forward``, changes). Returns how
     many layers were changed.
     """
     changed = 0
     for module in model.modules():
-        # an NF4 weight (QLoRA, nominally bf16) keeps torchao's dequantising linear
-        if type(module) is nn.Linear and module.bias is None and type(module.weight).__name__ != "NF4Tensor":
+        # an NF4 weight (QLoRA, nominally bf16) keeps torchao's dequantising linear, an MXFP8 one its MX GEMMs
+        if type(module) is nn.Linear and module.bias is None and type(module.weight) is nn.Parameter:
             module.__class__ = Fp32MatmulLinear
             changed += 1
     return changed

@@ -16,7 +16,7 @@ from shardlm.plan.ledger import PARTS, MemoryPlan
 from shardlm.plan.memory import Settings, plan_memory
 from shardlm.plan.param_groups import meta_model
 from shardlm.plan.search import format_fits, search
-from shardlm.plan.time import plan_time
+from shardlm.plan.time import TimePlan, plan_time
 
 GIB = 1024**3
 LABELS = {
@@ -181,7 +181,7 @@ def format_plan(cfg: Config, world_size: int, device_name: str, headroom: float,
     lines += document_lines(cfg, world_size, device_name, times.flops)
     lines += [
         f"  step time: compute {times.compute_s:.3f} s ({times.flops:.3e} FLOPs at the {times.precision} "
-        f"peak, {times.peak_flops / 1e12:.0f} TFLOP/s), communication "
+        f"peak, {times.peak_flops / 1e12:.0f} TFLOP/s{float8_part(times)}), communication "
         f"{times.comm_s:.3f} s ({times.comm_bytes / GIB:.2f} GiB per rank)",
         f"             {times.overlapped_s:.3f} s fully overlapped, {times.serial_s:.3f} s serial (lower "
         "bounds: 100% MFU)",
@@ -195,3 +195,12 @@ def format_plan(cfg: Config, world_size: int, device_name: str, headroom: float,
     return "\n".join(lines)
 
 
+
+
+def float8_part(times: TimePlan) -> str:
+    """The float8 share of a step's compute, for the step-time line: ``; 1.2e12 of them float8 GEMMs at 1979
+    TFLOP/s`` (empty without float8 GEMMs)."""
+    if not times.float8_flops:
+        return ""
+    return (f"; {times.float8_flops:.3e} of them float8 GEMMs at {times.peak_flops_fp8 / 1e12:.0f} TFLOP/s, "
+            "MFU still stated against the bf16 peak as torchtitan does")

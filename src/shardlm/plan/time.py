@@ -15,6 +15,13 @@ forward (all-gathered again for backward), s = k when gradients are reduce-scatt
 micro-batch and 1 when only on the last, b bytes per element of ``param_dtype``/``reduce_dtype``.
 DDP all-reduces the gradients: 2·(N−1)/N · s·P·4. HSDP (R replicas of shard groups of S ranks)
 adds the all-reduce of each gradient shard across replicas: 2·(R−1)/R · (P/S) · b_reduce.
+
+Float8 (``train.float8``, :mod:`shardlm.parallel.float8`): the P8 parameters of the converted linear layers
+all-gather at 1 byte each under ``tensorwise`` (P·b_param becomes (P − P8)·b_param + P8), and their GEMMs,
+6·P8 FLOPs per token (8·P8 with full recomputation), run at the device's float8 peak on a device that has one
+(:attr:`shardlm.devices.Device.peak_flops_fp8`), everything else at the compute precision's. MFU stays
+stated against the bf16 peak, as torchtitan states it under float8 (its float8 runs "inflate mfu%": compare
+tokens/s).
 """
 
 from __future__ import annotations
@@ -26,13 +33,16 @@ import torch
 from shardlm.config import Config, gradient_accumulation_steps
 from shardlm.metrics.flops import model_flops
 from shardlm.parallel.dist import compute_precision, dp_mesh_shape
+from shardlm.parallel.float8 import float8_layers
 from shardlm.plan.devices import Device
 from shardlm.plan.documents import attention_context
 from shardlm.plan.memory import Settings
+from shardlm.plan.param_groups import meta_model
 
 
 def fsdp_comm_bytes(n: int, params: int, micro_batches: int, reshard_after_forward: bool,
-                    grad_sync_every_micro_batch: bool, param_bytes: int, reduce_bytes: int) -> float:
+                    grad_sync_every_micro_batch: bool, param_bytes: int, reduce_bytes: int,
+                    float8_params: float = 0) -> float:
     """Bytes one rank sends (= receives) per step under FSDP: the formula in the module docstring.
 
     Args:
@@ -42,10 +52,12 @@ def fsdp_comm_bytes(n: int, params: int, micro_batches: int, reshard_after_forwa
         reshard_after_forward: r = 1 if True.
         grad_sync_every_micro_batch: s = k if True, else 1.
         param_bytes, reduce_bytes: b_param, b_reduce.
+        float8_params: P8, the parameters all-gathered in float8 (1 byte each) instead.
     """
     r = 1 if reshard_after_forward else 0
     s = micro_batches if grad_sync_every_micro_batch else 1
-    return (n - 1) / n * (micro_batches * (1 + r) * params * param_bytes + s * params * reduce_bytes)
+    gathered = (params - float8_params) * param_bytes + float8_params
+    return (n - 1) / n * (micro_batches * (1 + r) * gathered + s * params * reduce_bytes)
 
 
 def ddp_comm_bytes(n: int, params: int, syncs: int, grad_bytes: int = 4) -> float:
@@ -112,6 +124,10 @@ class TimePlan:
     """The precision the matmuls run in (``bf16``, ``tf32`` or ``fp32``), whose peak ``compute_s`` uses."""
     peak_flops: float = 0.0
     """That peak, FLOP/s per rank."""
+    float8_flops: float = 0.0
+    """Of ``flops``, those of float8 GEMMs run at ``peak_flops_fp8`` (``train.float8``, a device with it)."""
+    peak_flops_fp8: float = 0.0
+    """The device's float8 peak, FLOP/s per rank (0: none, or float8 off)."""
 
     @property
     def overlapped_s(self) -> float:
@@ -140,23 +156,39 @@ def plan_time(cfg: Config, world_size: int, device: Device, params: int) -> Time
     flops = flops_per_token(cfg, st.ac_mode) * tokens / (cp * tp)
     precision = compute_precision(torch.device("cpu" if device.name == "cpu" else "cuda"), cfg.parallel)
     peak = device.peak_flops(precision)
+    p8 = float8_params(cfg)
+    # the converted GEMMs at the float8 peak where the device has one (a CPU emulates: no faster)
+    fp8_peak = device.peak_flops("fp8") if p8 else 0.0
+    f8_flops = (8 if st.ac_mode == "full" else 6) * p8 * tokens / (cp * tp) if fp8_peak else 0.0
+    compute_s = (flops - f8_flops) / peak + (f8_flops / fp8_peak if f8_flops else 0.0)
+    gathered8 = p8 if cfg.train.float8 == "tensorwise" else 0  # torchao all-gathers float8 tensorwise only
     every = st.grad_sync != "last_micro_batch"  # reduce-scatter on every micro-batch
     if st.mode == "fsdp":
         replicas, shard = dp_mesh_shape(cfg.parallel, world_size, world_size)
         shard *= cp  # FSDP shards over dp_shard x cp
         local = params / tp  # FSDP shards each rank's tensor-parallel piece
         comm = fsdp_comm_bytes(shard, local, k, st.reshard_after_forward, every, st.param_bytes,
-                               st.reduce_bytes)
+                               st.reduce_bytes, gathered8 / tp)
         comm += hsdp_all_reduce_bytes(replicas, shard, local, st.reduce_bytes)
         tp_bytes = tp_comm_bytes(tp, cfg.model.n_layers, tokens, cfg.model.dim, st.param_bytes,
                                  st.ac_mode == "full")
         if tp_bytes:  # on the tensor-parallel group's own (intra-node) links
-            return TimePlan(flops, comm + tp_bytes, flops / peak,
+            return TimePlan(flops, comm + tp_bytes, compute_s,
                             comm / device.bandwidth(world_size) + tp_bytes / device.bandwidth(tp), precision,
-                            peak)
+                            peak, f8_flops, fp8_peak)
     elif st.mode == "ddp":
         comm = ddp_comm_bytes(world_size, params, k if every else 1)
     else:
         comm = 0.0
-    return TimePlan(flops, comm, flops / peak, comm / device.bandwidth(world_size) if comm else 0.0,
-                    precision, peak)
+    return TimePlan(flops, comm, compute_s, comm / device.bandwidth(world_size) if comm else 0.0,
+                    precision, peak, f8_flops, fp8_peak)
+
+
+def float8_params(cfg: Config) -> int:
+    """P8: the weight elements of the linear layers ``train.float8`` converts (0 when it is off), counted on
+    a meta-device model (:func:`shardlm.parallel.float8.float8_layers`: the blocks' aligned ``nn.Linear``
+    layers, not ``lm_head``, routers or experts)."""
+    if cfg.train.float8 == "none":
+        return 0
+    model = meta_model(cfg)  # as build_model makes it (float8 excludes LoRA: plain linears)
+    return sum(model.get_submodule(name).weight.numel() for name in float8_layers(model, cfg.train.float8))

@@ -29,10 +29,12 @@ from shardlm.model.lora import (
     set_fp32_matmul,
     set_from_full_,
 )
+from shardlm.model.qat import apply_qat
 from shardlm.parallel.ac import apply_ac, apply_compile
 from shardlm.parallel.cp import ContextParallel, apply_cp
 from shardlm.parallel.dist import DistInfo, dp_submesh
 from shardlm.parallel.ep import apply_ep, build_ep_mesh
+from shardlm.parallel.float8 import apply_float8, use_byte_all_gather
 from shardlm.parallel.fsdp import apply_fsdp
 from shardlm.parallel.options import dtype_from_name, mixed_precision_policy, offload_policy
 from shardlm.parallel.reduce_scatter import resolve_reduce_scatter
@@ -46,7 +48,9 @@ def build_model(cfg: Config, info: DistInfo, mesh: DeviceMesh | None,
     First the parameter-efficient set-up, on the meta device: ``train.trainable``/``train.frozen`` freeze
     parameters (:mod:`shardlm.model.freeze`), or ``[lora]`` replaces the targeted linear layers by
     :class:`~shardlm.model.lora.LoRALinear` (base frozen, stored fp32/bf16/NF4, adapters fp32; with NF4 every
-    frozen weight matrix, the token embedding included, is NF4). Then the CPU's bf16 matrix-multiply kernel
+    frozen weight matrix, the token embedding included, is NF4). Then ``train.float8`` (torchao's float8
+    linears, :func:`~shardlm.parallel.float8.apply_float8`) or ``train.qat`` (fake-quantised linears,
+    :func:`~shardlm.model.qat.apply_qat`). Then the CPU's bf16 matrix-multiply kernel
     (``cpu_bf16_matmul``, :mod:`shardlm.model.cpu_matmul`), tensor parallel (``parallel.tp``,
     :func:`~shardlm.parallel.tp.apply_tp` on ``mesh["tp"]``), activation checkpointing, compile, then
     :func:`apply_fsdp` over the data-parallel dimensions (or DDP), as torchtitan orders them. With a ``cp``
@@ -84,6 +88,10 @@ def build_model(cfg: Config, info: DistInfo, mesh: DeviceMesh | None,
             quantize_base_meta_(model, "cpu" if pcfg.cpu_offload else info.device, compute)
     elif cfg.train.trainable or cfg.train.frozen:
         apply_freeze(model, cfg.train.trainable, cfg.train.frozen)
+    if cfg.train.float8 != "none":  # torchao's float8 linears, before FSDP (emulated on a CPU)
+        apply_float8(model, cfg.train.float8, info.device, fsdp=mode == "fsdp")
+    if cfg.train.qat != "none":  # torchao's fake-quantised linears
+        apply_qat(model, cfg.train.qat, cfg.train.qat_group_size)
     # a CPU kernel choice, names unchanged (not under TP: its custom operator has no DTensor sharding rule)
     if use_fp32_matmul(pcfg.cpu_bf16_matmul, info.device, pcfg.param_dtype) and pcfg.tp == 1:
         apply_fp32_matmul(model)
@@ -110,6 +118,8 @@ def build_model(cfg: Config, info: DistInfo, mesh: DeviceMesh | None,
                    backward_prefetch=pcfg.backward_prefetch, async_all_gather=pcfg.async_all_gather,
                    reduce_scatter=resolve_reduce_scatter(pcfg.reduce_scatter, info.device.type),
                    blocks_per_group=pcfg.blocks_per_group, experts=experts, expert_mesh=expert_mesh)
+        if cfg.train.float8 != "none" and info.backend == "gloo":  # gloo has no float8 all-gather
+            use_byte_all_gather(model)
     # with CPU offload the shards live in CPU memory; buffers (rotary tables) still go to the device
     model.to_empty(device="cpu" if pcfg.cpu_offload else info.device)
     load_stats = None

@@ -17,8 +17,10 @@ from shardlm.convert.hf_out import (
     save_sharded_model_dir,
 )
 from shardlm.convert.peft_out import base_model_path, gather_full_params, save_merged_dir, save_peft_dir
+from shardlm.convert.quantized_out import save_quantized_dir
 from shardlm.data.build import data_dir
 from shardlm.model.lora import LoRASpec
+from shardlm.model.qat import qat_excluded
 from shardlm.parallel import DistInfo
 from shardlm.train.build import unwrap
 
@@ -47,7 +49,8 @@ def export_model(model: torch.nn.Module, cfg: Config, info: DistInfo, out_dir: P
 
     With LoRA the directory holds the merged weights (base + scaled B·A, fp32), and ``<out_dir>-adapter``
     the adapters in PEFT's format (:mod:`shardlm.convert.peft_out`), both written by rank 0 whatever the
-    size (:func:`export_lora`). ``special_ids``: :func:`model_special_ids_of`.
+    size (:func:`export_lora`). With ``train.qat`` rank 0 then writes :func:`quantized_dir` from ``out_dir``
+    (:func:`shardlm.convert.quantized_out.save_quantized_dir`). ``special_ids``: :func:`model_special_ids_of`.
     """
     if cfg.lora.enabled:
         export_lora(model, cfg, info, out_dir, Path(f"{out_dir}-adapter"), special_ids)
@@ -57,20 +60,36 @@ def export_model(model: torch.nn.Module, cfg: Config, info: DistInfo, out_dir: P
     tokenizer = data_dir(cfg) / "tokenizer.json"
     if total > cfg.run.export_single_file_bytes:
         save_sharded_model_dir(named, cfg.model, out_dir, info.rank, info.world_size, tokenizer, special_ids)
-        return
-    state = gather_full_state_dict(model)
-    group = _export_group(info)
-    if info.is_main:
-        save_model_dir(state, cfg.model, out_dir, tokenizer, special_ids)
-    del state
-    _wait_for_writers(group)
+    else:
+        state = gather_full_state_dict(model)
+        group = _export_group(info)
+        if info.is_main:
+            save_model_dir(state, cfg.model, out_dir, tokenizer, special_ids)
+        del state
+        _wait_for_writers(group)
+    if cfg.train.qat != "none":  # the trained weights quantised as they were fake-quantised in training
+        group = _export_group(info)
+        if info.is_main:
+            t = cfg.train
+            save_quantized_dir(out_dir, quantized_dir(out_dir), t.qat,
+                               qat_excluded(unwrap(model), t.qat, t.qat_group_size), t.qat_group_size)
+        _wait_for_writers(group)
+
+
+def quantized_dir(out_dir: Path) -> Path:
+    """Where a quantisation-aware run writes its quantised model: ``<out_dir>-quantized``."""
+    return Path(f"{out_dir}-quantized")
 
 
 def written_line(cfg: Config, out_dir: Path) -> str:
     """The end-of-run line: every directory :func:`export_model` wrote to ``out_dir`` (and
     ``<out_dir>-adapter``)."""
     if not cfg.lora.enabled:
-        return f"model written to {out_dir} (Hugging Face model directory)"
+        line = f"model written to {out_dir} (Hugging Face model directory)"
+        if cfg.train.qat != "none":
+            line += (f" and {quantized_dir(out_dir)} (quantized with torchao's {cfg.train.qat}, as trained; "
+                     "transformers loads it with torchao installed)")
+        return line
     return (f"model written to {out_dir} (Hugging Face model directory, LoRA merged into the "
             f"{cfg.lora.merge_into.replace('_', ' ')}) and {out_dir}-adapter (PEFT adapter on "
             f"{base_model_path(cfg.model.init_from) or 'no pretrained base'})")

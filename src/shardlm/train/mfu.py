@@ -15,6 +15,10 @@ the precision that actually runs (:func:`shardlm.parallel.dist.compute_precision
 4. otherwise (an unknown GPU, or a CPU whose clock cannot be read) a rate measured once at start-up with large
    matrix products in that precision and with the kernel training uses
    (:func:`shardlm.metrics.flops.measure_matmul_flops`), all ranks measuring together, as they train.
+
+Under ``train.float8`` the peak stays the one of the compute precision (bf16), as torchtitan states MFU under
+float8: the float8 GEMMs can take MFU past what bf16 allows, so float8 and bf16 runs compare on tokens/s (the
+peak's ``source`` says so).
 """
 
 from __future__ import annotations
@@ -49,6 +53,15 @@ def peak_flops_per_rank(cfg: Config, info: DistInfo, seconds: float = 0.5) -> Pe
     A measurement (case 3) is a collective (barriers around it): every rank must call this at the same point.
     It is done once per process and setting, so several trainers in one process share it.
     """
+    peak = _peak_flops_per_rank(cfg, info, seconds)
+    if cfg.train.float8 == "none":
+        return peak
+    return PeakFlops(peak.flops, peak.precision, f"{peak.source}; float8 GEMMs counted against this "
+                     "peak, as torchtitan does: compare float8 runs on tokens/s")
+
+
+def _peak_flops_per_rank(cfg: Config, info: DistInfo, seconds: float) -> PeakFlops:
+    """:func:`peak_flops_per_rank` before the float8 note."""
     precision = compute_precision(info.device, cfg.parallel)
     if cfg.train.peak_flops > 0:
         return PeakFlops(cfg.train.peak_flops, precision, "train.peak_flops")

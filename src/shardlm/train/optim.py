@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from shardlm.config import TrainConfig
+from shardlm.parallel.float8 import after_optimizer_step, has_fsdp_float8_weights
 
 
 def param_groups(model: nn.Module, weight_decay: float, decay_norms_and_embeddings: bool) -> list[dict]:
@@ -38,13 +39,18 @@ def build_optimizer(model: nn.Module, tcfg: TrainConfig, device: torch.device) -
     """AdamW (Loshchilov & Hutter, 2019) over ``model``'s (possibly sharded) parameters.
 
     The fused kernel is used where PyTorch supports it for the device (CUDA and CPU in torch 2.13);
-    it works on DTensor shards, so each rank updates only its own shard.
+    it works on DTensor shards, so each rank updates only its own shard. With float8 all-gathers
+    (``train.float8 = "tensorwise"`` under FSDP) every ``step()`` ends with
+    :func:`shardlm.parallel.float8.after_optimizer_step` (a post-step hook; a collective, as the step is).
     """
     fused = device.type in ("cuda", "cpu")
-    return torch.optim.AdamW(
+    optimizer = torch.optim.AdamW(
         param_groups(model, tcfg.weight_decay, tcfg.decay_norms_and_embeddings),
         lr=tcfg.lr, betas=tcfg.betas, eps=tcfg.eps, fused=fused,
     )
+    if has_fsdp_float8_weights(model):  # float8 all-gathers: the next scales in one all-reduce per step
+        optimizer.register_step_post_hook(lambda *_: after_optimizer_step(model))
+    return optimizer
 
 
 def lr_at(step: int, tcfg: TrainConfig) -> float:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Protocol
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -16,8 +17,10 @@ from shardlm.data.preference import PREFERENCE
 from shardlm.metrics import format_bytes, local_bytes, shard_bytes
 from shardlm.model.decoder import num_params
 from shardlm.model.moe import inactive_expert_params
+from shardlm.model.qat import qat_filter
 from shardlm.parallel import DistInfo, all_gather_ints
 from shardlm.parallel.cp import ContextParallel
+from shardlm.parallel.float8 import float8_emulated, float8_layers
 from shardlm.parallel.options import describe
 from shardlm.train.build import unwrap
 from shardlm.train.mfu import PeakFlops
@@ -119,6 +122,7 @@ def job_summary(trainer: SummarySource) -> str:
             else []
         ),
         *([f"  {trainer.objective.name:<10} {line}"] if (line := trainer.objective.describe()) else []),
+        *low_precision_lines(cfg, model, info.device),
         f"  MFU        {trainer.flops_per_token * cfg.train.seq_len:,.0f} model FLOPs per sequence (6N + "
         "12·L·H·Q·T"
         + (
@@ -175,3 +179,23 @@ def model_experts(cfg: Config, model: nn.Module) -> str:
         f"{m.n_layers} layers, {num_params(model) - inactive_expert_params(model):,} parameters active per "
         "token"
     )
+
+
+def low_precision_lines(cfg: Config, model: nn.Module, device: torch.device) -> list[str]:
+    """The ``train.float8`` / ``train.qat`` line of the summary: the recipe or scheme, how many linear layers
+    it covers, and on a CPU that float8 runs emulated (numerics, not speed); none when both are off."""
+    t = cfg.train
+    if t.float8 != "none":
+        n = len(float8_layers(model, t.float8))  # the converted layers still pass the rule that chose them
+        fsdp8 = t.float8 == "tensorwise" and cfg.parallel.mode == "fsdp"
+        gather = ", weights all-gathered in float8" if fsdp8 else ""
+        where = (" (emulated on the CPU: float8 numerics, not float8 speed)" if float8_emulated(device)
+                 else "; MFU against the bf16 peak, as torchtitan states it")
+        return [f"  float8     {t.float8} on {n} linear layers{gather}{where}"]
+    if t.qat != "none":
+        targeted = qat_filter(model, t.qat, t.qat_group_size)
+        n = sum(targeted(m, name) for name, m in model.named_modules())
+        return [f"  qat        {t.qat}: {n} linear layers fake-quantised; "
+                "the quantised model is written to final-quantized"]
+    return []
+

@@ -56,7 +56,7 @@ class DataConfig:
     shardlm/data/instruct.py); ``preference``: a .jsonl of ``prompt``/``chosen``/``rejected`` pairs for the
     ``[preference]`` objective (shardlm/data/preference.py); ``prompts``: ``prompt`` (text or chat
     messages) and any other fields the reward functions read, for the ``[rl]`` objective
-    (shardlm/rl/prompts.py)."""
+    (shardlm/data/prompts.py)."""
     pack: bool = False
     """Pack several instruction examples into each sample of ``seq_len + 1`` tokens (best-fit decreasing, the
     rest padded; shardlm/data/packing.py), under block-causal attention so that no example sees another

@@ -63,3 +63,9 @@ def test_rl_settings_need_prompts():
         load_config(None, ["--rl.num_generations=4"])
     one = load_config(None, BASE + ["--rl.num_generations=1", "--rl.scale_rewards=none"])
     assert one.rl.num_generations == 1
+
+
+def test_auto_attention_is_causal_for_prompts():
+    from shardlm.data.attention_choice import choose_attention
+    choice = choose_attention(load_config(None, BASE))
+    assert choice.attention == "causal" and "prompt and completion" in choice.why

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from shardlm.config import load_config
+from shardlm.data.attention_choice import choose_attention
 from shardlm.errors import ConfigError
 
 BASE = ["--data.format=prompts", "--train.seq_len=64", "--train.global_batch_size=8",
@@ -66,6 +67,5 @@ def test_rl_settings_need_prompts():
 
 
 def test_auto_attention_is_causal_for_prompts():
-    from shardlm.data.attention_choice import choose_attention
     choice = choose_attention(load_config(None, BASE))
     assert choice.attention == "causal" and "prompt and completion" in choice.why

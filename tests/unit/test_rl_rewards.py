@@ -11,6 +11,7 @@ import torch
 from shardlm.config.sections import RLConfig
 from shardlm.errors import ConfigError
 from shardlm.rl.rewards import (
+    RewardFunction,
     accuracy,
     final_answer,
     load_reward_functions,
@@ -20,6 +21,7 @@ from shardlm.rl.rewards import (
 )
 
 trl = pytest.importorskip("trl", reason="pip install -e '.[test]' (trl==1.16.0)")
+from trl.rewards import get_soft_overlong_punishment  # noqa: E402
 
 
 def fields(n, **extra):
@@ -63,7 +65,6 @@ def test_builtins_loaded_and_bound(tmp_path):
 
 @pytest.mark.parametrize(("max_len", "cache"), [(100, 20), (16, 16), (8, 1)])
 def test_overlong_equals_trl(max_len, cache):
-    from trl.rewards import get_soft_overlong_punishment
     rl = RLConfig(rewards=("shardlm.rl.rewards:overlong",), max_completion_length=max_len,
                   overlong_cache=cache)
     (f,) = load_reward_functions(rl)
@@ -96,7 +97,6 @@ def test_extra_fields_passed_per_completion():
         seen.update(kw, prompts=prompts, completions=completions)
         return [0.0] * len(completions)
 
-    from shardlm.rl.rewards import RewardFunction
     chat = [{"role": "user", "content": "hi"}]
     rows = [{"prompt": chat, "answer": 1, "tag": "x"}, {"prompt": "text", "answer": 2}]
     score([RewardFunction("t:spy", "spy", spy, ())], ["c0", "c1"], [[1], [2]], rows, [5, 6])
@@ -153,7 +153,6 @@ def _bad(kind):
     ("string", r"returned '1' .* prompt 9 \('What is 2 \+ 2\?'\)"),
 ])
 def test_bad_reward_one_message(kind, match):
-    from shardlm.rl.rewards import RewardFunction
     f = RewardFunction("mine:f", "f", _bad(kind), ())
     with pytest.raises(ConfigError, match=match) as err:
         score([f], ["ok", "boom", "ok"], [[1]] * 3, fields(3), [7, 8, 9])

@@ -10,6 +10,7 @@ import torch
 
 from shardlm.config.sections import RLConfig
 from shardlm.errors import ConfigError
+from shardlm.rl.completions import completion_metrics, loss_mask, truncated
 from shardlm.rl.rewards import (
     RewardFunction,
     accuracy,
@@ -163,3 +164,22 @@ def test_rewards_all_equal():
     assert rewards_all_equal(torch.tensor([1.0, 1.0, math.nan]))
     assert rewards_all_equal(torch.tensor([math.nan]))
     assert not rewards_all_equal(torch.tensor([1.0, 0.0]))
+
+
+def test_truncation_mask_and_completion_metrics():
+    """TRL 1.16.0 grpo_trainer.py lines 2294-2310 and 2488-2493, on a batch with ended and truncated
+    completions (stop ids: end-of-turn 2, pad 0)."""
+    ids = [[5, 6, 2], [5, 6, 7, 8], [2], [9, 9, 9, 0], [4, 4, 4, 4]]
+    cut = truncated(ids, {2, 0})
+    assert cut.tolist() == [False, True, False, False, True]
+    lengths = torch.tensor([len(x) for x in ids])
+    m = completion_metrics(lengths, cut)
+    assert m["completions/mean_length"] == lengths.float().mean().item() and m["completions/max_length"] == 4
+    assert m["completions/clipped_ratio"] == torch.tensor(0.4).item()  # fp32, as TRL's mean
+    assert m["completions/mean_terminated_length"] == torch.tensor(8 / 3).item()
+    assert (m["completions/min_terminated_length"], m["completions/max_terminated_length"]) == (1.0, 4.0)
+    assert completion_metrics(lengths[[1, 4]], cut[[1, 4]])["completions/mean_terminated_length"] == 0.0
+    mask = (torch.arange(4).unsqueeze(0) < lengths.unsqueeze(1)).long()
+    assert torch.equal(loss_mask(mask, cut, False), mask)
+    masked = loss_mask(mask, cut, True)
+    assert masked.sum(1).tolist() == [3, 0, 1, 4, 0] and masked.dtype == mask.dtype

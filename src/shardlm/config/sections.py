@@ -50,11 +50,13 @@ class DataConfig:
     """Fraction of the token stream (its tail) held out for validation."""
     dir: str = ""
     """Directory of the prepared token ids; empty means ``data/<config name>``."""
-    format: Literal["text", "instruct", "preference"] = "text"
+    format: Literal["text", "instruct", "preference", "prompts"] = "text"
     """``text``: a corpus for language modelling; ``instruct``: a .jsonl of ``messages`` or
     ``prompt``/``response`` examples, chat-formatted, loss on response tokens only (see
     shardlm/data/instruct.py); ``preference``: a .jsonl of ``prompt``/``chosen``/``rejected`` pairs for the
-    ``[preference]`` objective (shardlm/data/preference.py)."""
+    ``[preference]`` objective (shardlm/data/preference.py); ``prompts``: ``prompt`` (text or chat
+    messages) and any other fields the reward functions read, for the ``[rl]`` objective
+    (shardlm/data/prompts.py)."""
     pack: bool = False
     """Pack several instruction examples into each sample of ``seq_len + 1`` tokens (best-fit decreasing, the
     rest padded; shardlm/data/packing.py), under block-causal attention so that no example sees another
@@ -292,6 +294,90 @@ class PreferenceConfig:
 
 
 @dataclass
+class RLConfig:
+    """Online reinforcement learning of the GRPO family on ``data.format = "prompts"`` (shardlm/rl/: the
+    formulas, as TRL 1.16's ``GRPOTrainer``, in advantages.py and loss.py). Names are TRL's ``GRPOConfig``
+    names. ``train.global_batch_size`` and ``train.micro_batch_size`` count completions (sequences); a global
+    batch holds ``global_batch_size / num_generations`` prompts."""
+
+    num_generations: int = 8
+    """G: completions sampled per prompt, the group whose rewards give each completion its advantage."""
+    max_prompt_length: int = 512
+    """Most tokens of a rendered prompt (chat template and generation prompt included); longer prompts are
+    left out when the data is prepared, and counted in its output."""
+    max_completion_length: int = 256
+    """Most tokens sampled per completion; a completion that reaches it without an end-of-turn id is
+    truncated. ``max_prompt_length + max_completion_length`` must fit ``train.seq_len + 1``."""
+    temperature: float = 1.0
+    """Sampling temperature (the log-probs of the loss are of the logits divided by it, as TRL)."""
+    top_p: float = 1.0
+    """Nucleus sampling: the smallest set of tokens whose probability reaches this; 1 = all tokens."""
+    top_k: int = 0
+    """Sample among the k most probable tokens only; 0 = all tokens."""
+    steps_per_generation: int = 1
+    """Optimizer steps (global batches) per generation batch: the completions sampled at once are split into
+    this many global batches. TRL counts this in micro-steps (its default, the gradient accumulation steps,
+    is one optimizer step: 1 here)."""
+    generation_batch_size: int = 0
+    """Completions sampled per generation batch, all ranks together; 0 = ``train.global_batch_size ×
+    steps_per_generation``. Set one of the two (as TRL)."""
+    num_iterations: int = 1
+    """μ: updates per generation batch; each reuses the same completions, with the log-probs they were
+    sampled with (the old policy's) in the importance ratio."""
+    loss_type: Literal["grpo", "dr_grpo", "dapo", "cispo", "sapo"] = "dapo"
+    """How the per-token losses are normalised, over the whole global batch: ``grpo`` mean over each
+    sequence's tokens, then over sequences; ``dr_grpo`` sum over tokens / (sequences ×
+    max_completion_length) (Liu et al. 2025); ``dapo`` sum over tokens / the completion tokens (Yu et al.
+    2025; TRL's default); ``cispo`` the clipped importance weight, detached, times the advantage and the
+    log-prob, normalised as dapo (MiniMax-M1, 2025); ``sapo`` a soft sigmoid gate instead of the clip,
+    normalised as grpo (Gao et al. 2025). TRL's ``bnpo`` normalises over its local batch; over the global
+    batch it is ``dapo``, so it is not offered."""
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    """``token``: one importance ratio per token; ``sequence``: one per completion, the exponent of its
+    mean per-token log-ratio (GSPO, Zheng et al. 2025; with ``loss_type = "grpo"`` as in the paper)."""
+    epsilon: float = 0.2
+    """ε: the ratio is clipped to [1 - ε, 1 + epsilon_high]."""
+    epsilon_high: float = 0.0
+    """Upper ε of the clip (clip-higher, DAPO recommends 0.28); for ``cispo`` the largest importance weight
+    (ScaleRL recommends 5.0). 0 = ``epsilon``."""
+    delta: float = 0.0
+    """Two-sided clipping (INTELLECT-2): the unclipped ratio is also capped at δ (> 1 + epsilon_high);
+    0 = off."""
+    sapo_temperature_pos: float = 1.0
+    """SAPO's gate temperature for tokens of a positive advantage."""
+    sapo_temperature_neg: float = 1.05
+    """SAPO's gate temperature for tokens of a zero or negative advantage."""
+    beta: float = 0.0
+    """β: weight of the per-token KL to the reference policy (k3 estimator ``exp(ref - logp) - (ref - logp) -
+    1``); 0 = no reference is built."""
+    use_bias_correction_kl: bool = True
+    """Multiply the per-token KL by the importance ratio (TRL's default)."""
+    reference: Literal["auto", "model", "lora_base"] = "auto"
+    """The reference policy of the KL term (β > 0), as ``preference.reference``: ``model`` a frozen copy,
+    ``lora_base`` the policy with its LoRA adapters off, ``auto`` the latter under LoRA."""
+    reference_from: str = ""
+    """HF model directory of the reference model; empty means ``model.init_from``."""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """Divide each advantage by the standard deviation of its group's rewards (``group``), of the whole
+    global batch's (``batch``, Hu et al. 2025), or not at all (``none``, Dr. GRPO)."""
+    mask_truncated_completions: bool = False
+    """Leave completions that reached ``max_completion_length`` without an end-of-turn id out of the loss
+    (DAPO's overlong filtering); they still count in the reward metrics."""
+    rewards: tuple[str, ...] = ("shardlm.rl.rewards:accuracy",)
+    """Reward functions, each ``package.module:function`` or ``path/to/file.py:function``, called as TRL's
+    (``prompts``, ``completions``, ``completion_ids`` and the prompt's other fields as keywords; one float or
+    None per completion). Built-ins: ``shardlm.rl.rewards:accuracy``, ``:format``, ``:overlong``."""
+    reward_weights: tuple[float, ...] = ()
+    """Weight of each reward function in the summed reward; empty = 1 each."""
+    format_pattern: str = r"^<think>.*?</think>\s*<answer>.*?</answer>$"
+    """The regular expression ``shardlm.rl.rewards:format`` matches the whole completion against
+    (``re.DOTALL``): 1 on a match, else 0."""
+    overlong_cache: int = 0
+    """L_cache of ``shardlm.rl.rewards:overlong``: the penalty grows linearly from 0 at
+    ``max_completion_length - overlong_cache`` tokens to -1 at ``max_completion_length`` (DAPO, Eq. 13)."""
+
+
+@dataclass
 class Config:
     """The whole configuration of a run: one section per dataclass."""
 
@@ -304,6 +390,7 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     preference: PreferenceConfig = field(default_factory=PreferenceConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
 
     def to_dict(self) -> dict[str, Any]:
         """The config as nested plain dicts (tuples become lists), for JSON/TOML output; keys are the TOML

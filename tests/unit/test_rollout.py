@@ -167,6 +167,35 @@ def test_sampler_logprobs_against_the_full_forward(softcap):
     assert model.lm_head.weight.grad.abs().sum() > 0
 
 
+def test_lora_policy_samples_in_eval_mode_and_scores_bit_for_bit():
+    """LoRA adapters (dropout 0.5, which must not act in the rollout) on q_proj, v_proj and lm_head: the
+    rollout does not depend on the batch size, and the step's forward (train mode, dropout 0 here as the
+    exactness claim needs) reproduces the scored log-probs bit for bit, gradients reaching the adapters
+    only."""
+    from shardlm.model.lora import LoRASpec, apply_lora, lora_modules
+
+    model = tiny_model()
+    apply_lora(model, LoRASpec(4, 8.0, 0.5, "q_proj,v_proj,lm_head"))
+    with torch.no_grad():
+        for name, module in lora_modules(model):
+            module.lora_A.weight.copy_(module.initial_adapters(name, 0)[0])
+            module.lora_B.weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(2))
+    model.train()
+    ro = rollout(model, prompts_of(4), list(range(4)), 2, batch_size=3, **KW)
+    assert model.training  # restored after the rollout
+    assert by_key(rollout(model, prompts_of(4), list(range(4)), 2, batch_size=0, **KW)) == by_key(ro)
+    rows = list(range(ro.completion_ids.shape[0]))
+    scored = score_rollout(model, ro, [rows], KW["temperature"])
+    for _, module in lora_modules(model):
+        module.dropout.p = 0.0
+    batch = trainer_batch(ro, rows)
+    logps, _ = token_logps(model, batch, KW["temperature"])
+    assert torch.equal(logps.detach(), scored)
+    logps.sum().backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert grads and all("lora_" in n for n in grads)
+
+
 def test_trainer_rows_are_right_padded_with_targets_on_the_completion_only():
     model = tiny_model()
     ro = rollout(model, prompts_of(3), [0, 1, 2], 2, **KW)

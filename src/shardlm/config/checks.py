@@ -231,6 +231,13 @@ def validate_rl(cfg: Config) -> None:
         raise ConfigError(f"rl.generation_batch_size = {gen} completions must be a multiple of "
                           f"train.global_batch_size = {t.global_batch_size} and of rl.num_generations = "
                           f"{rl.num_generations} (whole groups)")
+    if rl.num_iterations > 1 or gen > t.global_batch_size:
+        raise ConfigError(f"rl.num_iterations = {rl.num_iterations} and a generation batch of {gen} "
+                          f"completions for train.global_batch_size = {t.global_batch_size}: several updates "
+                          "per generation batch (rl.num_iterations > 1, rl.steps_per_generation > 1 or "
+                          "rl.generation_batch_size > train.global_batch_size) are not built yet in the "
+                          "training step; set rl.num_iterations = 1 and rl.steps_per_generation = 1 (one "
+                          "rollout per optimizer step)")
     if not 0 <= rl.epsilon < 1 or rl.epsilon_high < 0:
         raise ConfigError(f"rl.epsilon must be in [0, 1) and rl.epsilon_high >= 0, got {rl.epsilon} and "
                           f"{rl.epsilon_high}")

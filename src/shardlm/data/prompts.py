@@ -38,6 +38,7 @@ from shardlm.atomic import atomic_directory
 from shardlm.data.corpus import jsonl_file, jsonl_objects
 from shardlm.data.identity import chat_template_identity, corpus_identity, source_identity, tokenizer_identity
 from shardlm.data.instruct import open_chat_tokenizer
+from shardlm.data.loader import GlobalBatchSampler
 from shardlm.data.meta import load_meta, token_dtype
 from shardlm.data.tokenizer import special_token_ids
 from shardlm.data.tokenizer_files import model_special_ids, write_tokenizer_files
@@ -208,3 +209,38 @@ class PromptsDataset:
         reward functions receive (:func:`shardlm.rl.rewards.score`). Fresh dicts: the caller may change
         them."""
         return [dict(self._fields[i]) for i in ids]
+
+
+class CompletionSampler(GlobalBatchSampler):
+    """The world-size-independent order of the completions of online RL: global batch ``step`` holds the
+    ``global_batch_size / num_generations`` prompts that a :class:`GlobalBatchSampler` over the prompts draws
+    for it (seeded, epoch after epoch), each with its ``num_generations`` completions. A sample id is a
+    completion id, ``prompt id · G + generation``, so a global batch lists every group whole, prompt after
+    prompt; the inherited :meth:`rank_ids` and :meth:`micro_batches` cut it into ranks' contiguous shares and
+    micro-batches of completions.
+
+    Args:
+        num_prompts: the training prompts (>= 1). global_batch_size: completions per step, a multiple of
+        ``num_generations``. num_generations: G. seed: the order's seed.
+
+    Raises:
+        ValueError: ``global_batch_size`` not a multiple of ``num_generations``, or as
+        :class:`GlobalBatchSampler`.
+    """
+
+    def __init__(self, num_prompts: int, global_batch_size: int, num_generations: int, seed: int) -> None:
+        if num_generations < 1 or global_batch_size % num_generations:
+            raise ValueError(f"global_batch_size={global_batch_size} completions is not a whole number of "
+                             f"groups of num_generations={num_generations}")
+        super().__init__(num_prompts, global_batch_size, seed)
+        self.num_generations = int(num_generations)
+        self.prompts = GlobalBatchSampler(num_prompts, global_batch_size // num_generations, seed)
+
+    def epoch_of(self, step: int) -> float:
+        """Fractional epoch over the prompts reached at the start of ``step``."""
+        return self.prompts.epoch_of(step)
+
+    def step_ids(self, step: int) -> list[int]:
+        """Completion ids of global batch ``step``: ``p · G + g`` for each of its prompts p, g in 0..G-1."""
+        g = self.num_generations
+        return [p * g + k for p in self.prompts.step_ids(step) for k in range(g)]

@@ -151,7 +151,8 @@ def token_logps(model: nn.Module, batch: RLBatch, temperature: float, chunk_toke
         zero = torch.zeros(m.shape, dtype=torch.float32, device=hidden.device)
         return zero.masked_scatter(m, lp), zero.masked_scatter(m, ent)
 
-    device = model.model.rope_cos.device  # the compute device (shardlm.rl.rollout.compute_device)
+    # the compute device (shardlm.rl.rollout.compute_device), through a DDP wrapper's module
+    device = getattr(model, "module", model).model.rope_cos.device
     return model(batch.inputs.to(device), head=head, real_tokens=batch.real.to(device))
 
 

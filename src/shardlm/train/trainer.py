@@ -340,7 +340,8 @@ class Trainer:
         bar = progress(t.steps, "train", "step", initial=self.step, disable=not info.is_main)
         job_start = time.perf_counter()
         self.checkpointer.install_signal_handlers()
-        if cfg.model.init_from and t.eval_interval and self.step == 0:  # fine-tuning: the pretrained start
+        evaluates = bool(t.eval_interval) and self.objective.val_loss  # RL: no validation loss
+        if cfg.model.init_from and evaluates and self.step == 0:  # fine-tuning: the pretrained start
             start = {"step": 0, "val_loss": self.evaluate()}
             self.logger.log(start)
             self._remember(start)
@@ -350,7 +351,7 @@ class Trainer:
             while self.step < t.steps:
                 step = self.step + 1  # the step about to run (1-based)
                 last = step == t.steps
-                evaluate = bool(t.eval_interval) and (step % t.eval_interval == 0 or last)
+                evaluate = evaluates and (step % t.eval_interval == 0 or last)
                 save = self.checkpointer.should_save(step, last)
                 # the record is read on logging, evaluation and save steps only (with the non-finite check)
                 log = step % t.log_interval == 0 or last or evaluate or save

@@ -77,6 +77,10 @@ class Objective(ABC):
     name: str = "objective"
     stat_names: tuple[str, ...] = ()
     rows_per_sample: int = 1
+    val_loss: bool = True
+    """Whether evaluation (``train.eval_interval``) computes the token loss on the validation samples; an
+    objective without one (online RL: the validation prompts are kept aside, not scored) sets False and the
+    run evaluates nothing."""
 
     @abstractmethod
     def prepare_step(self, step: int, micro_ids: list[list[int]], step_ids: list[int]) -> StepInputs:

@@ -8,8 +8,8 @@ import json
 from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from conftest import write_chatml_tokenizer
 from shardlm.config import load_config
 from shardlm.data.build import prepare_data
 from shardlm.data.prompts import PromptsDataset, prepare_prompts
@@ -18,28 +18,13 @@ from shardlm.rl.rewards import load_reward_functions, score
 from shardlm.rl.tasks import arithmetic_prompts, main, write_jsonl
 
 transformers = pytest.importorskip("transformers", reason="pip install -e '.[test]'")
-CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
-          "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
-          "{% endif %}")
 VOCAB = 400
 
 
 @pytest.fixture(scope="module")
 def tok_dir(tmp_path_factory) -> Path:
     """A small byte-level BPE with ChatML's special tokens and template."""
-    d = tmp_path_factory.mktemp("tok")
-    texts = [r["prompt"] + " " + r["answer"] for r in arithmetic_prompts(300, seed=5)] * 3
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(texts, trainers.BpeTrainer(
-        vocab_size=VOCAB, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"], show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok.save(str(d / "tokenizer.json"))
-    (d / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "pad_token": "<|im_end|>",
-        "unk_token": "<|endoftext|>", "chat_template": CHATML}))
-    return d
+    return write_chatml_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
 ROWS = [

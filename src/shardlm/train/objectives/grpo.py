@@ -214,6 +214,7 @@ class GRPOObjective(Objective):
             firsts.append(firsts[-1] + len(ids))
         batches = [trainer_batch(ro, range(a, b), self.pad_id) for a, b in zip(firsts, firsts[1:])]
         context = {"rollout": ro, "advantages": adv.advantages[offset:offset + len(mine)],
+                   "completion_ids": completions, "rewards": table,  # the global batch's
                    "metrics": metrics, "diff_max": 0.0, "logps_s": 0.0,
                    "rollout_s": rolled - start, "reward_s": time.perf_counter() - rolled}
         return StepInputs(batches, denominator, context)

@@ -60,7 +60,9 @@ def test_three_steps_record_trls_metrics_and_dapos_loss(root, monkeypatch, capsy
     trainer.objective.prepare_step = lambda *a: steps.append(prepare(*a)) or steps[-1]
     before = [p.detach().clone() for p in trainer.model.parameters()]
     history = trainer.train()
-    assert "rl         dapo, 4 completions per prompt" in capsys.readouterr().out
+    printed = capsys.readouterr()
+    assert "rl         dapo, 4 completions per prompt" in printed.out
+    assert f"reward={history[-1]['reward']:.3f}" in printed.err  # the console's progress line
     assert [r["step"] for r in history] == [1, 2, 3] and all("val_loss" not in r for r in history)
     for record, inputs in zip(history, steps):
         assert set(NAMES) <= set(record), set(NAMES) - set(record)

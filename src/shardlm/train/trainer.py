@@ -365,6 +365,8 @@ class Trainer:
                     self._remember(record)
                     bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}",
                                     mfu=f"{record['mfu']:.1%}",
+                                    **{k.split("/")[-1]: f"{record[k]:.3f}"
+                                       for k in self.objective.progress_keys},  # RL: reward
                                     **({"val": f"{record['val_loss']:.3f}"} if "val_loss" in record else {}))
                 bar.update(1)  # after the postfix: a plain line printed now shows this step's values
                 if save or self.preempted:

@@ -110,6 +110,7 @@ class GRPOObjective(Objective):
     """
 
     name = "rl"
+    progress_keys = ("reward",)
     val_loss = False
 
     def __init__(self, cfg: Config, info: DistInfo, model: nn.Module, data: PromptsDataset,

@@ -77,6 +77,9 @@ class Objective(ABC):
     name: str = "objective"
     stat_names: tuple[str, ...] = ()
     rows_per_sample: int = 1
+    progress_keys: tuple[str, ...] = ()
+    """Entries of the step's record (from :meth:`metrics`) the console's progress line shows beside the loss
+    (online RL: ``reward``)."""
     val_loss: bool = True
     """Whether evaluation (``train.eval_interval``) computes the token loss on the validation samples; an
     objective without one (online RL: the validation prompts are kept aside, not scored) sets False and the

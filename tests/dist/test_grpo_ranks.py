@@ -1,6 +1,7 @@
 """Online RL at 2 FSDP ranks equals one process over 3 steps (one torchrun launch per world size): the same
 completions token for token and the same rewards at every step, the losses and the exported weights within
-the tolerance of tests/tolerance.py; plain dapo, and LoRA with a KL term to the base (the adapters off)."""
+the tolerance of tests/tolerance.py; plain dapo, and LoRA with a KL term to the base (the adapters off). A
+run resumed at step 2 samples, scores and loses at step 3 exactly what the uninterrupted run did."""
 
 from __future__ import annotations
 
@@ -25,14 +26,25 @@ def test_two_ranks_equal_one_process(tmp_path):
     reports = {}
     for nproc, mode in ((1, "single"), (2, "fsdp")):
         out = tmp_path / f"out{nproc}"
+        runs = tmp_path / f"runs{nproc}"
         scenarios = [{"name": name, "overrides": rl_overrides(tmp_path, extra={
-            **extra, "parallel.mode": f'"{mode}"', "checkpoint.enabled": "false",
-            "run.dir": f'"{tmp_path / f"runs{nproc}" / name}"'})} for name, extra in SCENARIOS.items()]
+            **extra, "parallel.mode": f'"{mode}"', "checkpoint.interval": 2, "checkpoint.keep": 0,
+            "run.dir": f'"{runs / name}"'})} for name, extra in SCENARIOS.items()]
+        if nproc == 2:  # resumed at step 2: step 3 samples and scores what the uninterrupted run did
+            scenarios.append({"name": "resumed", "overrides": rl_overrides(tmp_path, extra={
+                "parallel.mode": '"fsdp"', "checkpoint.interval": 2, "checkpoint.keep": 0,
+                "run.dir": f'"{runs / "dapo"}"',
+                "checkpoint.resume": f'"{runs / "dapo" / "checkpoints" / "step-2"}"'})})
         out.mkdir()
         (out / "spec.json").write_text(json.dumps({"out": str(out), "scenarios": scenarios}))
         torchrun(nproc, [str(ROOT / "tests" / "workers" / "grpo_worker.py"), str(out / "spec.json")],
                  timeout=600)
-        reports[nproc] = {name: json.loads((out / name / "rank0.json").read_text()) for name in SCENARIOS}
+        reports[nproc] = {s["name"]: json.loads((out / s["name"] / "rank0.json").read_text())
+                          for s in scenarios}
+    resumed, whole = reports[2]["resumed"], reports[2]["dapo"]
+    assert [r["step"] for r in resumed["history"]] == [3]
+    assert resumed["steps"][0] == whole["steps"][2]  # the same completions and rewards
+    assert resumed["history"][0]["loss"] == whole["history"][2]["loss"]
     for name in SCENARIOS:
         one, two = reports[1][name], reports[2][name]
         assert [r["step"] for r in two["history"]] == [1, 2, 3]

@@ -217,6 +217,58 @@ def prepare_chat_examples(out: Path, small_data: Path, n: int = 40, max_prompt_w
     return out / "data"
 
 
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+          "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+          "{% endif %}")
+
+
+def write_chatml_tokenizer(d: Path, vocab: int = 400) -> Path:
+    """A small byte-level BPE trained on seeded arithmetic prompts, with ChatML's special tokens and template
+    (``<|im_end|>`` its end-of-turn id), written to ``d`` (``tokenizer.json`` and ``tokenizer_config.json``);
+    returns ``d``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from shardlm.rl.tasks import arithmetic_prompts
+    texts = [r["prompt"] + " " + r["answer"] for r in arithmetic_prompts(300, seed=5)] * 3
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=vocab, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    d.mkdir(parents=True, exist_ok=True)
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "pad_token": "<|im_end|>",
+        "unk_token": "<|endoftext|>", "chat_template": CHATML}))
+    return d
+
+
+def rl_overrides(root: Path, n_prompts: int = 40, extra: dict | None = None) -> list[str]:
+    """Overrides of a tiny online-RL run on ``n_prompts`` seeded arithmetic prompts (written, with a ChatML
+    tokenizer, under ``root`` unless there already), rewarded by accuracy and by containing a digit (so a
+    random model's groups differ): 2 layers of width 32, 4 completions per prompt of up to 12 tokens, global
+    batch 8 completions, 3 steps, no evaluation."""
+    from shardlm.rl.tasks import arithmetic_prompts, write_jsonl
+    if not (root / "tok" / "tokenizer.json").is_file():
+        write_chatml_tokenizer(root / "tok")
+        write_jsonl(root / "arith.jsonl", arithmetic_prompts(n_prompts, seed=1))
+    base = {
+        "data.format": '"prompts"', "data.corpus": f'"{root / "arith.jsonl"}"',
+        "data.dir": f'"{root / "data"}"', "data.tokenizer": f'"{root / "tok" / "tokenizer.json"}"',
+        "data.val_fraction": 0.1, "model.dim": 32, "model.n_layers": 2, "model.n_heads": 4,
+        "model.n_kv_heads": 2, "model.ffn_hidden": 64,
+        "model.vocab_size": 400, "model.max_seq_len": 48, "train.seq_len": 40, "train.global_batch_size": 8,
+        "train.micro_batch_size": 2, "train.steps": 3, "train.warmup_steps": 1, "train.lr": 1e-2,
+        "train.min_lr": 1e-3, "train.eval_interval": 0, "train.log_interval": 1, "train.grad_clip": 0.0,
+        "rl.num_generations": 4, "rl.max_prompt_length": 28, "rl.max_completion_length": 12,
+        "rl.rewards": "['shardlm.rl.rewards:accuracy', 'shardlm.rl.rewards:format']",
+        "rl.format_pattern": "'[0-9 ].*'", "run.dir": f'"{root / "run"}"', "run.overwrite": "true",
+    }
+    base.update(extra or {})
+    return [f"--{k}={v}" for k, v in base.items()]
+
+
 #: process-wide switches and functions that tests patch; a test that leaves any of them changed fails
 #: (:func:`process_globals_unchanged`), since every later test in the process would run against the change
 GUARDED_FUNCTIONS = [("torch.cuda", "is_available"), ("torch.cuda", "device_count"),

@@ -61,7 +61,8 @@ def test_the_config_reference_has_every_key_with_type_default_and_meaning():
             if line.startswith("| `")}
     assert set(rows) == keys
     assert rows["train.lr"][:2] == ["`float`", "`0.0003`"] and "learning rate" in rows["train.lr"][2]
-    assert rows["data.format"][:2] == ['`"text" or "instruct" or "preference"`', '`"text"`']
+    assert rows["data.format"][:2] == ['`"text" or "instruct" or "preference" or "prompts"`',
+                                   '`"text"`']
     assert rows["train.betas"][:2] == ["`[float, float]`", "`[0.9, 0.95]`"]
     assert rows["parallel.reshard_after_forward"][0] == "`bool or int`"
     for section, cls in config_reference.sections().items():

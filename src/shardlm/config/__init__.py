@@ -7,7 +7,13 @@ sections are in ``sections.py`` (``[parallel]`` in ``parallelism.py``, ``[model]
 ``checks.py``; every name is importable from here.
 """
 
-from shardlm.config.checks import gradient_accumulation_steps, validate, validate_distill, validate_preference
+from shardlm.config.checks import (
+    gradient_accumulation_steps,
+    validate,
+    validate_distill,
+    validate_preference,
+    validate_rl,
+)
 from shardlm.config.load import apply_init_from, load_config, parse_cli_value
 from shardlm.config.parallelism import ParallelConfig
 from shardlm.config.sections import (
@@ -20,6 +26,7 @@ from shardlm.config.sections import (
     LoRAConfig,
     MetricsConfig,
     PreferenceConfig,
+    RLConfig,
     RunConfig,
     TrainConfig,
 )
@@ -28,5 +35,6 @@ from shardlm.model.config import FAMILIES, ModelConfig
 
 __all__ = ["FAMILIES", "KEYWORD_KEYS", "CheckpointConfig", "Config", "ConfigError", "DataConfig",
            "DataSource", "DistillConfig", "LoRAConfig", "MetricsConfig", "ModelConfig", "ParallelConfig",
-           "PreferenceConfig", "RunConfig", "TrainConfig", "apply_init_from", "gradient_accumulation_steps",
-           "load_config", "parse_cli_value", "validate", "validate_distill", "validate_preference"]
+           "PreferenceConfig", "RLConfig", "RunConfig", "TrainConfig", "apply_init_from",
+           "gradient_accumulation_steps", "load_config", "parse_cli_value", "validate", "validate_distill",
+           "validate_preference", "validate_rl"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import TYPE_CHECKING
 
 from shardlm.config.layout import check_ep, check_tp
@@ -59,6 +60,7 @@ def validate(cfg: Config) -> None:
     validate_preference(cfg)
     validate_distill(cfg)
     validate_low_precision(cfg)
+    validate_rl(cfg)
     if d.pack and d.format != "instruct":
         raise ConfigError("data.pack packs instruction examples: it needs data.format = 'instruct' (text "
                           "windows are already full, and block-causal by default where the data records "
@@ -102,14 +104,15 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"train.seq_len={t.seq_len} is shorter than parallel.cp={cp}: a sequence "
                           f"split over {cp} ranks needs at least {cp} tokens (one per rank)")
     split = [k for k in ("tp", "cp") if getattr(cfg.parallel, k) > 1]
-    if cfg.data.format == "preference" and split:  # the advice is the setting to change, not a mode
+    tuning = {"preference": "preference tuning", "prompts": "reinforcement learning"}.get(cfg.data.format)
+    if tuning and split:  # the advice is the setting to change, not a mode
         given = " and ".join(f"parallel.{k}={getattr(cfg.parallel, k)}" for k in split)
         fix = " and ".join(f"parallel.{k} = 1" for k in split)
-        raise ConfigError(f"preference tuning (data.format = 'preference') with {given} is not built yet: "
+        raise ConfigError(f"{tuning} (data.format = {cfg.data.format!r}) with {given} is not built yet: "
                           f"set {fix} (FSDP alone then shards the model over every rank; add LoRA if it is "
                           "still too large)")
-    if cfg.data.format == "preference" and cfg.model.n_experts:
-        raise ConfigError("preference tuning (data.format = 'preference') with a mixture-of-experts model "
+    if tuning and cfg.model.n_experts:
+        raise ConfigError(f"{tuning} (data.format = {cfg.data.format!r}) with a mixture-of-experts model "
                           f"(model.n_experts={cfg.model.n_experts}) is not built yet: tune a dense model "
                           "(model.n_experts = 0)")
     if cfg.model.n_experts and cfg.parallel.tp > 1:  # CP is built for MoE (router statistics pooled)
@@ -259,6 +262,84 @@ def validate_low_precision(cfg: Config) -> None:
     if t.float8 == "mxfp8" and p.param_dtype != "bfloat16":
         raise ConfigError("train.float8='mxfp8' computes in bf16: it needs parallel.mode = 'fsdp' with "
                           f"parallel.param_dtype = 'bfloat16' (param_dtype is {p.param_dtype!r})")
+
+
+def validate_rl(cfg: Config) -> None:
+    """Check ``[rl]`` against the rest of the config; raise ConfigError naming the key."""
+    rl, d, t = cfg.rl, cfg.data, cfg.train
+    if d.format != "prompts":
+        changed = [f.name for f in dataclasses.fields(rl) if getattr(rl, f.name) != f.default]
+        if changed:
+            raise ConfigError(f"rl.{changed[0]} applies to data.format = 'prompts' (format is {d.format!r})")
+        return
+    if d.pack:
+        raise ConfigError("data.pack does not apply to data.format = 'prompts': each completion is one row")
+    if cfg.model.attention == "block_causal":
+        raise ConfigError("data.format = 'prompts' needs model.attention = 'causal' or 'auto' (completions "
+                          "are not packed)")
+    for key in ("num_generations", "max_prompt_length", "max_completion_length", "steps_per_generation",
+                "num_iterations"):
+        if getattr(rl, key) < 1:
+            raise ConfigError(f"rl.{key} must be >= 1, got {getattr(rl, key)}")
+    if rl.num_generations == 1 and rl.scale_rewards != "none":
+        raise ConfigError(f"rl.num_generations = 1 with rl.scale_rewards = {rl.scale_rewards!r}: the "
+                          "standard deviation of a group of one completion is undefined (and its advantage "
+                          "always 0); sample rl.num_generations >= 2 per prompt")
+    if rl.max_prompt_length + rl.max_completion_length > t.seq_len + 1:
+        raise ConfigError(f"rl.max_prompt_length + rl.max_completion_length = {rl.max_prompt_length} + "
+                          f"{rl.max_completion_length} tokens cannot fit train.seq_len + 1 = "
+                          f"{t.seq_len + 1}: raise train.seq_len or lower one of them")
+    if not rl.temperature > 0:
+        raise ConfigError(f"rl.temperature must be positive, got {rl.temperature}")
+    if not 0 < rl.top_p <= 1:
+        raise ConfigError(f"rl.top_p must be in (0, 1], got {rl.top_p}")
+    if rl.top_k < 0:
+        raise ConfigError(f"rl.top_k must be >= 0 (0 = all tokens), got {rl.top_k}")
+    if rl.generation_batch_size and rl.steps_per_generation != 1:
+        raise ConfigError("set rl.generation_batch_size or rl.steps_per_generation, not both (one gives the "
+                          "other: generation_batch_size = train.global_batch_size × steps_per_generation)")
+    gen = rl.generation_batch_size or t.global_batch_size * rl.steps_per_generation
+    if gen % t.global_batch_size or gen % rl.num_generations:
+        raise ConfigError(f"rl.generation_batch_size = {gen} completions must be a multiple of "
+                          f"train.global_batch_size = {t.global_batch_size} and of rl.num_generations = "
+                          f"{rl.num_generations} (whole groups)")
+    if rl.num_iterations > 1 or gen > t.global_batch_size:
+        raise ConfigError(f"rl.num_iterations = {rl.num_iterations} and a generation batch of {gen} "
+                          f"completions for train.global_batch_size = {t.global_batch_size}: several updates "
+                          "per generation batch (rl.num_iterations > 1, rl.steps_per_generation > 1 or "
+                          "rl.generation_batch_size > train.global_batch_size) are not built yet in the "
+                          "training step; set rl.num_iterations = 1 and rl.steps_per_generation = 1 (one "
+                          "rollout per optimizer step)")
+    if not 0 <= rl.epsilon < 1 or rl.epsilon_high < 0:
+        raise ConfigError(f"rl.epsilon must be in [0, 1) and rl.epsilon_high >= 0, got {rl.epsilon} and "
+                          f"{rl.epsilon_high}")
+    if rl.delta and (rl.loss_type not in ("grpo", "dr_grpo", "dapo") or rl.delta <= 1):
+        raise ConfigError(f"rl.delta = {rl.delta} caps the ratio of a clipped loss: it needs rl.loss_type "
+                          "grpo, dr_grpo or dapo and a value > 1 (0 = off)")
+    if not (rl.sapo_temperature_pos > 0 and rl.sapo_temperature_neg > 0):
+        raise ConfigError("rl.sapo_temperature_pos and rl.sapo_temperature_neg must be positive")
+    if rl.beta < 0:
+        raise ConfigError(f"rl.beta must be >= 0, got {rl.beta}")
+    if rl.reference == "lora_base" and not cfg.lora.enabled:
+        raise ConfigError("rl.reference = 'lora_base' needs lora.enabled = true (the base with the adapters "
+                          "off is the reference)")
+    if rl.reference == "lora_base" and rl.reference_from:
+        raise ConfigError("rl.reference_from names a reference model: it needs rl.reference = 'model' (or "
+                          "'auto' without LoRA), not 'lora_base'")
+    if not rl.rewards:
+        raise ConfigError("rl.rewards is empty: name at least one reward function")
+    if rl.reward_weights and len(rl.reward_weights) != len(rl.rewards):
+        raise ConfigError(f"rl.reward_weights has {len(rl.reward_weights)} weights for {len(rl.rewards)} "
+                          "rl.rewards")
+    try:
+        re.compile(rl.format_pattern)
+    except re.error as e:
+        raise ConfigError(f"rl.format_pattern is not a regular expression: {e}") from e
+    if any(s.endswith(":overlong") for s in rl.rewards) and not 1 <= rl.overlong_cache \
+            <= rl.max_completion_length:
+        raise ConfigError(f"the overlong reward needs rl.overlong_cache between 1 and "
+                          f"rl.max_completion_length = {rl.max_completion_length} (the tokens over which "
+                          f"the penalty grows), got {rl.overlong_cache}")
 
 
 def gradient_accumulation_steps(cfg: Config, dp_world_size: int) -> int:

@@ -1,6 +1,7 @@
 """The sections of a run's configuration: one dataclass per TOML section, a docstring per field, and
 :class:`Config`, which holds them. ``[model]`` is :class:`~shardlm.model.config.ModelConfig` and
-``[parallel]`` :class:`~shardlm.config.parallelism.ParallelConfig`, each beside its own rules."""
+``[parallel]`` :class:`~shardlm.config.parallelism.ParallelConfig`, each beside its own rules; the objectives'
+sections (``[preference]``, ``[distill]``, ``[rl]``) are in :mod:`shardlm.config.objectives`."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from shardlm.config.objectives import DistillConfig, PreferenceConfig, RLConfig
 from shardlm.config.parallelism import ParallelConfig
 from shardlm.model.config import ModelConfig
 
@@ -50,11 +52,13 @@ class DataConfig:
     """Fraction of the token stream (its tail) held out for validation."""
     dir: str = ""
     """Directory of the prepared token ids; empty means ``data/<config name>``."""
-    format: Literal["text", "instruct", "preference"] = "text"
+    format: Literal["text", "instruct", "preference", "prompts"] = "text"
     """``text``: a corpus for language modelling; ``instruct``: a .jsonl of ``messages`` or
     ``prompt``/``response`` examples, chat-formatted, loss on response tokens only (see
     shardlm/data/instruct.py); ``preference``: a .jsonl of ``prompt``/``chosen``/``rejected`` pairs for the
-    ``[preference]`` objective (shardlm/data/preference.py)."""
+    ``[preference]`` objective (shardlm/data/preference.py); ``prompts``: ``prompt`` (text or chat
+    messages) and any other fields the reward functions read, for the ``[rl]`` objective
+    (shardlm/data/prompts.py)."""
     pack: bool = False
     """Pack several instruction examples into each sample of ``seq_len + 1`` tokens (best-fit decreasing, the
     rest padded; shardlm/data/packing.py), under block-causal attention so that no example sees another
@@ -271,85 +275,6 @@ class LoRAConfig:
 
 
 @dataclass
-class PreferenceConfig:
-    """Preference tuning on ``data.format = "preference"`` pairs (shardlm/train/preference.py, formulas and
-    sources there). The global batch and the micro-batch count pairs; each pair is two sequences in
-    one forward."""
-
-    loss: Literal["dpo", "ipo", "hinge", "simpo", "orpo"] = "dpo"
-    """``dpo`` (Rafailov et al. 2023; TRL's ``sigmoid``), ``ipo`` (Azar et al. 2023, per-token averaged as
-    TRL), ``hinge`` (SLiC, Zhao et al. 2023), and the reference-free ``simpo`` (Meng et al. 2024) and ``orpo``
-    (Hong et al. 2024)."""
-    beta: float = 0.1
-    """β: the inverse temperature of the implicit reward (dpo, hinge, simpo), IPO's τ, and ORPO's λ (the
-    weight of the odds-ratio term, as TRL's ``ORPOConfig.beta``)."""
-    label_smoothing: float = 0.0
-    """ε of conservative DPO (Mitchell 2023): the loss ``-(1-ε)·logσ(βΔ) - ε·logσ(-βΔ)``; dpo and simpo only,
-    in [0, 0.5)."""
-    simpo_gamma: float = 0.5
-    """SimPO's target reward margin γ (the loss is ``-logσ(β·(avg logp_c - avg logp_r) - γ)``)."""
-    rpo_alpha: float = 0.0
-    """Weight α of an added NLL term on the chosen completions (mean over their tokens of the global batch;
-    RPO, Pang et al. 2024; TRL's ``loss_type=["sigmoid", "sft"]`` with weights ``[1, α]``, CPO's
-    ``cpo_alpha``). ORPO always has this term with weight 1; α adds to it. Which tokens: ``nll_tokens``."""
-    nll_tokens: Literal["auto", "completion", "prompt_and_completion"] = "auto"
-    """The tokens of the chosen sequences whose mean NLL is the NLL term (ORPO's, and ``rpo_alpha``'s):
-    ``completion``, the chosen completion's tokens (Hong et al. 2024's L_SFT; TRL's DPOTrainer ``sft`` and
-    CPOTrainer's ``cpo_alpha``); or ``prompt_and_completion``, every next-token target of prompt + chosen
-    completion, that is every token of the sequence but its first (TRL 1.16's ORPOTrainer). ``auto`` is
-    ``prompt_and_completion`` for ``orpo`` (as TRL's ORPOTrainer) and ``completion`` for the other losses.
-    Either way the mean is over those tokens of the whole global batch; the preference loss itself (rewards,
-    odds ratio, ``logps/*``) stays over the completions."""
-    reference: Literal["auto", "model", "lora_base"] = "auto"
-    """The reference policy of dpo / ipo / hinge: ``model``, a frozen copy FSDP-sharded beside the policy
-    (eval, no gradients), loaded from ``reference_from``; ``lora_base``, the policy itself with its LoRA
-    adapters switched off (needs ``lora.enabled``; no second copy); ``auto`` is ``lora_base`` under LoRA,
-    else ``model``."""
-    reference_from: str = ""
-    """HF model directory of the reference model; empty means ``model.init_from`` (or, without it, the
-    policy's own random initialisation). Its tokenizer must equal the policy's."""
-    precompute_reference: bool = False
-    """Compute the reference log-probs of every training pair once, before step 1 (FSDP-sharded, the pairs
-    split over ranks), store them in the run directory keyed by the reference's identity and the data, and
-    reuse them on resume or a second run; the reference model is freed before training."""
-
-
-@dataclass
-class DistillConfig:
-    """Knowledge distillation from a frozen teacher (shardlm/train/distill_loss.py, formulas and sources
-    there): on instruction data (``data.format = "instruct"``) the student's loss at each response token is
-    ``alpha · D(student, teacher) + (1 - alpha) · cross-entropy``, averaged over the global batch's response
-    tokens. On when ``teacher_from`` names a teacher."""
-
-    teacher_from: str = ""
-    """HF model directory of the teacher (any family shardlm imports), FSDP-sharded beside the student on the
-    same mesh, frozen, in eval mode. Its vocabulary size and tokenizer (``tokenizer.json``) must equal the
-    student's. Empty: no distillation."""
-    loss: Literal["forward_kl", "reverse_kl", "jsd"] = "forward_kl"
-    """The divergence D: ``forward_kl`` KL(teacher ‖ student) (Hinton et al. 2015), ``reverse_kl``
-    KL(student ‖ teacher) (MiniLLM, Gu et al. 2024), ``jsd`` the generalised Jensen-Shannon divergence of
-    GKD (Agarwal et al. 2024) with weight ``beta``; TRL's ``GKDTrainer.generalized_jsd_loss`` with beta 0, 1
-    and ``beta``."""
-    beta: float = 0.5
-    """β of ``jsd``, in (0, 1): ``β · KL(teacher ‖ M) + (1 - β) · KL(student ‖ M)`` with ``M = β · teacher +
-    (1 - β) · student``; near 0 it approaches the forward KL, near 1 the reverse KL."""
-    temperature: float = 1.0
-    """T > 0: both models' logits are divided by T before the divergence (no T² factor, as TRL); the
-    cross-entropy term stays at temperature 1."""
-    alpha: float = 0.5
-    """Weight of the divergence in [0, 1]; the student's cross-entropy on the response tokens has
-    ``1 - alpha`` (torchtune's ``kd_ratio``). 1: distillation alone (TRL's GKD); 0: plain fine-tuning with
-    the teacher only measured."""
-    top_k: int = 0
-    """0: the divergence over the whole vocabulary. k in [1, vocabulary): over the teacher's k most likely
-    tokens plus one bucket for all the others (TRL's sparse teacher form with its tail bucket)."""
-    lmbda: float = 0.0
-    """GKD's on-policy share λ: the fraction of batches whose responses the student samples itself. Only 0
-    (offline: the dataset's responses) is built; on-policy needs the RL rollout (shardlm/rl), not there
-    yet."""
-
-
-@dataclass
 class Config:
     """The whole configuration of a run: one section per dataclass."""
 
@@ -363,6 +288,7 @@ class Config:
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     preference: PreferenceConfig = field(default_factory=PreferenceConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
 
     def to_dict(self) -> dict[str, Any]:
         """The config as nested plain dicts (tuples become lists), for JSON/TOML output; keys are the TOML

@@ -7,7 +7,8 @@ The rule (one place, used by the trainer and by ``shardlm plan`` / ``tune``):
   document (Llama 3's document mask; torchtitan's default);
 * **packed instruction data** (``data.pack = true``): ``block_causal`` (the examples of a row must not see
   each other);
-* **unpacked instruction data** (one example per sample) and **preference pairs**: ``causal``. A sample holds
+* **unpacked instruction data** (one example per sample), **preference pairs** and **prompts** (RL: a
+  prompt and its completion per row): ``causal``. A sample holds
   one example and then padding; block-causal attention would give the example's tokens exactly the same
   outputs (the padding comes after them and is never a target), only at the cost of a mask;
 * text data prepared **before document starts were recorded** (or by another program): ``causal``, with one
@@ -51,6 +52,8 @@ def choose_attention(cfg: Config) -> AttentionChoice:
     d = cfg.data
     if d.format == "preference":
         return AttentionChoice("causal", "auto: preference pairs are one sequence per row")
+    if d.format == "prompts":
+        return AttentionChoice("causal", "auto: each prompt and completion is one sequence per row")
     if d.format == "instruct":
         if d.pack:
             return AttentionChoice("block_causal", "auto: packed instruction examples (data.pack)")

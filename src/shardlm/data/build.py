@@ -27,6 +27,7 @@ store (never a collective).
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from collections.abc import Callable
@@ -40,6 +41,7 @@ from shardlm.data.meta import lacking_document_starts
 from shardlm.data.mixture import MIXTURE, prepare_mixture, source_names
 from shardlm.data.preference import PREFERENCE, describe_preferences, prepare_preferences
 from shardlm.data.prepare import default_workers, is_prepared, load_meta, prepare_corpus
+from shardlm.data.prompts import PROMPTS, describe_prompts, prepare_prompts
 from shardlm.data.sync import StoreSync, default_store
 from shardlm.errors import ConfigError, DataError
 from shardlm.parallel.dist import DistInfo, run_on_main
@@ -164,9 +166,13 @@ def prepare_data(cfg: Config, info: DistInfo | None = None, on_stale: str = "") 
     if policy not in ("prepare", "refuse"):
         raise ValueError(f"on_stale must be 'prepare' or 'refuse', got {on_stale!r}")
     distributed = info is not None and info.world_size > 1
-    if d.format in ("instruct", PREFERENCE):  # small: rank 0 prepares alone
-        prepare, describe_one = ((prepare_instructions, describe_instructions) if d.format == "instruct" else
-                                 (prepare_preferences, describe_preferences))
+    if d.format in ("instruct", PREFERENCE, PROMPTS):  # small: rank 0 prepares alone
+        prepare, describe_one = {
+            "instruct": (prepare_instructions, describe_instructions),
+            PREFERENCE: (prepare_preferences, describe_preferences),
+            PROMPTS: (functools.partial(prepare_prompts, max_prompt_length=cfg.rl.max_prompt_length),
+                      functools.partial(describe_prompts, max_prompt_length=cfg.rl.max_prompt_length)),
+        }[d.format]
 
         def instruct() -> None:
             if not d.tokenizer:  # its own clear error

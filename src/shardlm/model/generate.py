@@ -2,7 +2,9 @@
 
 Batched prompts are left-padded to a common length; the :class:`~shardlm.model.kv_cache.KVCache` masks
 the padding and gives each row positions from 0, so a row's tokens do not depend on the others.
-Sampling: temperature scaling, then top-k, then top-p (nucleus, Holtzman et al. 2020) filtering.
+Sampling: temperature scaling, then top-k, then top-p (nucleus, Holtzman et al. 2020) filtering; the token
+is drawn from one generator (:func:`decode_steps`), or by the caller (its ``choose`` argument; the rollout of
+:mod:`shardlm.rl.rollout` draws each row from its own stream with :func:`inverse_cdf`).
 """
 
 from __future__ import annotations
@@ -70,11 +72,35 @@ def check_prompts(prompts: list[list[int]], max_seq_len: int) -> None:
                              "so nothing can be generated after it")
 
 
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Draw one id per row by inverting its cumulative distribution: the first id whose running sum of
+    ``probs`` exceeds ``u · total`` (Devroye, "Non-Uniform Random Variate Generation", 1986, §III.2).
+
+    Args:
+        probs: (batch, vocab) float, non-negative (zeros for filtered ids), each row with a positive sum
+            (need not be exactly 1).
+        u: (batch,) uniforms in [0, 1), one per row (the caller's random streams).
+
+    Returns (batch,) int64 ids, never one of probability 0. A row's draw depends only on its own
+    probabilities and ``u`` (a sequential sum along the row), not on the other rows of the batch.
+    """
+    cdf = probs.cumsum(-1)
+    ids = torch.searchsorted(cdf, (u.to(cdf.dtype) * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
+    # u · total may round up to total: take the last id of positive probability then
+    last = probs.shape[-1] - 1 - (probs > 0).flip(-1).int().argmax(-1)
+    return torch.minimum(ids, last)
+
+
 @torch.no_grad()
 def decode_steps(model: CausalLM, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingConfig,
-                 use_cache: bool = True) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+                 use_cache: bool = True,
+                 choose: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Yield ``(logits, next_ids)`` per step: (batch, vocab) float32 logits of the last position,
     (batch,) int64.
+
+    ``choose(logits)`` -> (batch,) int64, when given, picks the next ids instead of the draw from
+    ``sampling`` (whose settings are then only checked): the caller's own random streams.
 
     With ``use_cache`` the prompts are run once (prefill) and each step then feeds one token per row.
     Without it each step runs the whole sequence through the training code path (``cache=None``);
@@ -97,11 +123,14 @@ def decode_steps(model: CausalLM, prompts: list[list[int]], max_new_tokens: int,
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], dtype=torch.long, device=device)
     gen = torch.Generator(device=device).manual_seed(sampling.seed)
     steps = min(max_new_tokens, model.cfg.max_seq_len - width)
-    cache = KVCache(model.cfg, pad, model.lm_head.weight.dtype, device) if use_cache else None
+    # the cache holds what this call can reach (prompt + new tokens), not the whole context
+    cache = KVCache(model.cfg, pad, model.lm_head.weight.dtype, device, width + steps) if use_cache else None
     feed = ids
     for _ in range(steps):
         logits = (model(feed, cache=cache) if use_cache else model(ids))[:, -1].float()
-        if sampling.temperature == 0:
+        if choose is not None:
+            nxt = choose(logits)
+        elif sampling.temperature == 0:
             nxt = logits.argmax(-1)
         else:
             probs = torch.softmax(

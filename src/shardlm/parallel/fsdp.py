@@ -1,4 +1,5 @@
-"""Applying FSDP2 (``fully_shard``) to the model: the recipe, in one function.
+"""Applying FSDP2 (``fully_shard``) to the model: the recipe, in one function; and :func:`gathered`, the whole
+model unsharded for a block of forwards (decoding).
 
 FSDP2 (https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html) turns each parameter
 into a DTensor sharded on dim 0 (``Shard(0)``) over the mesh. Each ``fully_shard`` call makes one
@@ -9,9 +10,12 @@ reduce-scattered (averaged over ranks) when backward leaves the group.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from shardlm.model.decoder import CausalLM
 from shardlm.parallel.options import add_async_all_gather, check_reshard_after_forward, set_prefetch
@@ -85,3 +89,47 @@ def apply_fsdp(model: CausalLM, mesh: DeviceMesh, mp_policy: MixedPrecisionPolic
     if reduce_scatter == "all_to_all":
         use_all_to_all_reduce_scatter(model)
     return model
+
+
+#: ids of the models inside :func:`gathered` now (a nested call gathers nothing again)
+_GATHERED: set[int] = set()
+
+
+@contextlib.contextmanager
+def gathered(model: nn.Module) -> Iterator[None]:
+    """Inside the block every FSDP group of ``model`` is unsharded (all-gathered once, on entry) and stays so
+    through any number of forwards; on exit every group is resharded (its gathered copy freed) and resharding
+    after forward is as it was. A model without FSDP groups, or one already inside ``gathered``, is left as it
+    is.
+
+    For decoding (:mod:`shardlm.rl.rollout`): without it each forward of one new token would all-gather every
+    block again, and every rank would have to run the same number of forwards. Inside, forwards run no
+    collective, so ranks may run different numbers of them; entry and exit are each one all-gather (exit:
+    none) per group, in the same order on every rank, so every rank must enter. Memory: the whole model in
+    the compute dtype (``param_dtype``) on every rank while inside, besides the shards.
+
+    Uses FSDP2's public ``unshard`` / ``reshard`` and, to keep the forwards from resharding, each group's
+    ``post_forward_mesh_info`` (saved and restored: ``set_reshard_after_forward`` cannot restore an integer
+    setting or the root's default), after the root's lazy initialisation (torch 2.13, the project's pin).
+    """
+    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not modules or id(model) in _GATHERED:
+        yield
+        return
+    if isinstance(model, FSDPModule):  # the root decides its own resharding on its first forward: now
+        model._get_fsdp_state()._lazy_init()
+    groups = [g for m in modules for g in m._get_fsdp_state()._fsdp_param_groups]
+    saved = [g.post_forward_mesh_info for g in groups]
+    _GATHERED.add(id(model))
+    try:
+        for g in groups:
+            g.post_forward_mesh_info = None  # no reshard after a forward
+        for m in modules:
+            m.unshard()
+        yield
+    finally:
+        for m in modules:
+            m.reshard()
+        for g, info in zip(groups, saved):
+            g.post_forward_mesh_info = info
+        _GATHERED.discard(id(model))

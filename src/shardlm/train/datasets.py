@@ -1,5 +1,6 @@
 """A run's training and validation data and its sampler, per data format: text windows, instruction examples
-(one per sample, or packed into rows), preference pairs, or a mixture of text sources drawn by weight."""
+(one per sample, or packed into rows), preference pairs, prompts of online RL, or a mixture of text sources
+drawn by weight."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from shardlm.data.instruct import InstructionExamples
 from shardlm.data.mixture import MixtureSampler, MixtureWindows, source_names
 from shardlm.data.packing import DocumentWindows, PackedExamples
 from shardlm.data.preference import PREFERENCE, PreferencePairs
+from shardlm.data.prompts import PROMPTS, CompletionSampler, PromptsDataset
 from shardlm.errors import ConfigError
 from shardlm.model.attention import resolve_backend
 
@@ -26,7 +28,8 @@ class RunData(NamedTuple):
     + 1) tokens and labels (preference pairs: 2·len(ids) rows, chosen then rejected), and
     ``num_targets(ids)``, the target tokens those samples hold (known on the host)."""
     val: Any
-    """The validation samples (one per row; the chosen completions of preference pairs)."""
+    """The validation samples (one per row; the chosen completions of preference pairs; the validation
+    prompts of RL, which nothing evaluates)."""
     sampler: GlobalBatchSampler
     """The world-size-independent order of the training samples (:class:`~shardlm.data.mixture.MixtureSampler`
     for a mixture)."""
@@ -56,6 +59,10 @@ def build_datasets(cfg: Config, meta: dict[str, Any], document_masking: bool) ->
         train_data = PreferencePairs(str(data_dir(cfg)), "train", t.seq_len)
         val_data = PreferencePairs(str(data_dir(cfg)), "val", t.seq_len).chosen_examples()
         sampler = GlobalBatchSampler(len(train_data), t.global_batch_size, t.seed)
+    elif cfg.data.format == PROMPTS:  # online RL: the global batch counts completions, G per prompt
+        train_data = PromptsDataset(str(data_dir(cfg)), "train")
+        val_data = PromptsDataset(str(data_dir(cfg)), "val")  # not evaluated (GRPOObjective.val_loss)
+        sampler = CompletionSampler(len(train_data), t.global_batch_size, cfg.rl.num_generations, t.seed)
     elif cfg.data.pack:  # rows of several examples (shardlm/data/packing.py); validation stays one per sample
         train_data = PackedExamples(InstructionExamples(str(data_dir(cfg)), "train", t.seq_len,
                                                         skip_untrainable=True), t.seed)

@@ -105,9 +105,10 @@ def table_key(cfg: Config, kind: str, data: PreferencePairs) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-def reference_config(cfg: Config) -> Config:
+def reference_config(cfg: Config, reference_from: str | None = None) -> Config:
     """The frozen reference model's config: the policy's (same parallelism, mesh and seed) without LoRA,
-    freezing or activation checkpointing, in the shape of ``preference.reference_from`` when set.
+    freezing or activation checkpointing, in the shape of ``reference_from`` when set (None:
+    ``preference.reference_from``; online RL passes ``rl.reference_from``).
 
     Raises:
         ModelDirError: ``preference.reference_from`` has no readable ``config.json``
@@ -117,16 +118,19 @@ def reference_config(cfg: Config) -> Config:
     ref_cfg.lora = type(cfg.lora)()
     ref_cfg.train.trainable = ref_cfg.train.frozen = ""
     ref_cfg.parallel.activation_checkpoint = "none"  # no backward: nothing to recompute
-    if cfg.preference.reference_from:
-        ref_cfg.model.init_from = cfg.preference.reference_from
+    source = cfg.preference.reference_from if reference_from is None else reference_from
+    if source:
+        ref_cfg.model.init_from = source
         apply_init_from(ref_cfg)
     return ref_cfg
 
 
-def build_reference(cfg: Config, info: DistInfo, mesh: DeviceMesh | None) -> nn.Module:
+def build_reference(cfg: Config, info: DistInfo, mesh: DeviceMesh | None,
+                    reference_from: str | None = None) -> nn.Module:
     """The frozen reference model: built as the policy would be (:func:`reference_config`) from
-    ``preference.reference_from`` (its own shape) or ``model.init_from``; eval mode, no gradients."""
-    model, _ = build_model(reference_config(cfg), info, mesh)
+    ``reference_from`` (None: ``preference.reference_from``; its own shape) or ``model.init_from``; eval mode,
+    no gradients."""
+    model, _ = build_model(reference_config(cfg, reference_from), info, mesh)
     model.requires_grad_(False)
     return model.eval()
 

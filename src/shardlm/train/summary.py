@@ -14,6 +14,7 @@ from shardlm.config import Config
 from shardlm.data.attention_choice import AttentionChoice
 from shardlm.data.packing import DocumentWindows, PackedExamples
 from shardlm.data.preference import PREFERENCE
+from shardlm.data.prompts import PROMPTS
 from shardlm.metrics import format_bytes, local_bytes, shard_bytes
 from shardlm.model.decoder import num_params
 from shardlm.model.moe import inactive_expert_params
@@ -62,8 +63,8 @@ def job_summary(trainer: SummarySource) -> str:
     params = shard_bytes(trainer.model)["params"]
     per_rank = all_gather_ints(params, info.device)
     rows = cfg.train.global_batch_size * trainer.objective.rows_per_sample  # sequences per step
-    samples = {"instruct": "packed rows" if cfg.data.pack else "examples", PREFERENCE: "pairs"}.get(
-        cfg.data.format, "windows")
+    samples = {"instruct": "packed rows" if cfg.data.pack else "examples", PREFERENCE: "pairs",
+               PROMPTS: "prompts"}.get(cfg.data.format, "windows")
     lines = [
         f"shardlm | {cfg.run.name} -> {trainer.run_dir}",
         f"  model      {num_params(model):,} parameters, {cfg.model.n_layers} layers, dim {cfg.model.dim}, "
@@ -115,7 +116,8 @@ def job_summary(trainer: SummarySource) -> str:
             else ""
         ),
         f"  data       {len(trainer.train_data):,} train {samples}, {len(trainer.val_data):,} val {samples}, "
-        f"unigram entropy {trainer.meta['unigram_entropy_nats']:.3f} nats",
+        + (f"unigram entropy {trainer.meta['unigram_entropy_nats']:.3f} nats"
+           if trainer.objective.val_loss else "no validation loss (the objective does not evaluate one)"),
         *(
             [f"  packing    {trainer.train_data.summary()}"]
             if isinstance(trainer.train_data, PackedExamples)

@@ -340,7 +340,8 @@ class Trainer:
         bar = progress(t.steps, "train", "step", initial=self.step, disable=not info.is_main)
         job_start = time.perf_counter()
         self.checkpointer.install_signal_handlers()
-        if cfg.model.init_from and t.eval_interval and self.step == 0:  # fine-tuning: the pretrained start
+        evaluates = bool(t.eval_interval) and self.objective.val_loss  # RL: no validation loss
+        if cfg.model.init_from and evaluates and self.step == 0:  # fine-tuning: the pretrained start
             start = {"step": 0, "val_loss": self.evaluate()}
             self.logger.log(start)
             self._remember(start)
@@ -350,7 +351,7 @@ class Trainer:
             while self.step < t.steps:
                 step = self.step + 1  # the step about to run (1-based)
                 last = step == t.steps
-                evaluate = bool(t.eval_interval) and (step % t.eval_interval == 0 or last)
+                evaluate = evaluates and (step % t.eval_interval == 0 or last)
                 save = self.checkpointer.should_save(step, last)
                 # the record is read on logging, evaluation and save steps only (with the non-finite check)
                 log = step % t.log_interval == 0 or last or evaluate or save
@@ -364,6 +365,8 @@ class Trainer:
                     self._remember(record)
                     bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}",
                                     mfu=f"{record['mfu']:.1%}",
+                                    **{k.split("/")[-1]: f"{record[k]:.3f}"
+                                       for k in self.objective.progress_keys},  # RL: reward
                                     **({"val": f"{record['val_loss']:.3f}"} if "val_loss" in record else {}))
                 bar.update(1)  # after the postfix: a plain line printed now shows this step's values
                 if save or self.preempted:

@@ -4,7 +4,10 @@ The step (:meth:`shardlm.train.trainer.Trainer.train_step`) runs the same algori
 
 1. ``inputs = objective.prepare_step(step, micro_ids, step_ids)``: the micro-batches on the device and the
    global batch's *denominator* (its target tokens, pairs or sequences), known on every rank before any
-   micro-batch runs, without a collective;
+   micro-batch runs. It runs on every rank, in the same order, once per step, so it may run collectives:
+   the token and preference objectives run none (their denominators are host counts); online RL
+   (``grpo.py``) samples its completions there (the rollout: one all-gather per FSDP group) and all-gathers
+   them (one all-gather) so that every rank scores the whole global batch;
 2. per micro-batch: ``numerator, sums = objective.loss(model, batch, ids, inputs)``, plus each
    :class:`AuxiliaryTerm`; ``(numerator · N / denominator + terms).backward()`` (N the ranks that FSDP
    averages gradients over);
@@ -15,7 +18,10 @@ The step (:meth:`shardlm.train.trainer.Trainer.train_step`) runs the same algori
 Because the denominator is the whole global batch's, N ranks compute the same update as one process that
 sees the global batch at once. An objective adds itself to a run in one file: a subclass of
 :class:`Objective` (and, for the built-in ones, a line in :func:`shardlm.train.objectives.build_objective`;
-the Python API also takes a factory, ``Trainer(cfg, objective=...)``).
+the Python API also takes a factory, ``Trainer(cfg, objective=...)``). Besides the calls above, the run reads
+three class attributes: ``rows_per_sample`` (throughput and MFU), ``progress_keys`` (record entries the
+console's progress line shows) and ``val_loss`` (False: evaluation, the token loss on the validation samples,
+is skipped).
 """
 
 from __future__ import annotations
@@ -77,6 +83,13 @@ class Objective(ABC):
     name: str = "objective"
     stat_names: tuple[str, ...] = ()
     rows_per_sample: int = 1
+    progress_keys: tuple[str, ...] = ()
+    """Entries of the step's record (from :meth:`metrics`) the console's progress line shows beside the loss
+    (online RL: ``reward``)."""
+    val_loss: bool = True
+    """Whether evaluation (``train.eval_interval``) computes the token loss on the validation samples; an
+    objective without one (online RL: the validation prompts are kept aside, not scored) sets False and the
+    run evaluates nothing."""
 
     @abstractmethod
     def prepare_step(self, step: int, micro_ids: list[list[int]], step_ids: list[int]) -> StepInputs:

@@ -1,0 +1,279 @@
+"""Online reinforcement learning of the GRPO family (``data.format = "prompts"``, the ``[rl]`` section) as an
+objective of the training step, in TRL 1.16's order.
+
+:meth:`GRPOObjective.prepare_step` of global batch ``step`` (every rank, in the same order):
+
+1. this rank's prompts: the sampler's completion ids ``p · G + g`` (:class:`~shardlm.data.prompts
+   .CompletionSampler`), whole groups per rank (checked when the objective is built);
+2. the rollout by the policy itself (:func:`shardlm.rl.rollout.rollout`; collectives: one all-gather per FSDP
+   group on entry), each completion's stream keyed by (``train.seed``, step, prompt id, generation);
+3. one all-gather of every rank's completions (lengths, truncation flags, token ids): every rank then holds
+   the global batch's completions and scores all of them with the reward functions
+   (:func:`shardlm.rl.rewards.score`; a reward that raises raises on every rank: no hang), the group-relative
+   advantages (:func:`shardlm.rl.advantages.group_advantages`), the ``completions/*`` and reward metrics, and
+   the loss's denominator (:func:`shardlm.rl.loss.loss_denominator` of the loss mask's lengths);
+4. the micro-batches: this rank's rollout rows as the trainer reads them
+   (:func:`shardlm.rl.logps.trainer_batch`).
+
+Per micro-batch, :meth:`GRPOObjective.loss`: the reference's log-probs when ``rl.beta`` > 0 (no gradient; a
+frozen copy, or the policy with its LoRA adapters off: :mod:`shardlm.train.reference`), the policy's per-token
+log-probs and entropies with gradient (:func:`shardlm.rl.logps.token_logps`), and the numerator of
+:func:`shardlm.rl.loss.policy_loss_sum`. One rollout per optimizer step: the old log-probs are
+``logps.detach()`` (TRL at ``num_iterations`` 1), so the importance ratio is exactly 1 and the clip ratios 0;
+``rl.num_iterations`` > 1 and several steps per generation are refused by the config checks.
+
+Metrics (TRL's names): ``reward``, ``reward_std``, ``rewards/<f>/mean|std``, ``frac_reward_zero_std``,
+``completions/*`` (exact over the global batch, from the gathered lengths), ``kl`` (β > 0), ``entropy``,
+``clip_ratio/low_mean|high_mean|region_mean`` (clipped losses) or ``cispo_clip_ratio`` (sums and counts in the
+step's one all-reduce); ``sampling/logprob_diff_max``: max |decode log-prob - trainer log-prob| over the
+global batch's completion tokens, each rank's maximum in its own slot of the all-reduce's sum (TRL's
+``clip_ratio/low_min`` and ``high_max``, which need MIN / MAX reductions, are left out: at one update per
+rollout they are 0); ``rewards/all_equal_steps``, the steps so far whose scored rewards were all equal (a
+warning on the first); and rank 0's seconds of ``time/rollout_s``, ``time/reward_s`` (gather and scoring) and
+``time/logps_s`` (the reference's and the policy's forwards): the update is the rest of ``step_time_s``.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+from tokenizers import Tokenizer
+from torch import nn
+
+from shardlm.config import Config
+from shardlm.data.build import data_dir
+from shardlm.data.prompts import PromptsDataset
+from shardlm.errors import ConfigError
+from shardlm.metrics import format_bytes, local_bytes
+from shardlm.parallel.dist import DistInfo
+from shardlm.rl.advantages import group_advantages, reward_metrics
+from shardlm.rl.completions import completion_metrics, loss_mask
+from shardlm.rl.logps import RLBatch, logprob_diff_max, token_logps, trainer_batch
+from shardlm.rl.loss import CLIPPED, loss_denominator, policy_loss_sum
+from shardlm.rl.rewards import (
+    RewardFunction,
+    check_fields,
+    load_reward_functions,
+    reward_weights,
+    rewards_all_equal,
+    score,
+)
+from shardlm.rl.rollout import Rollout, rollout
+from shardlm.train.build import unwrap
+from shardlm.train.objectives.objective import Objective, ObjectiveContext, StepInputs
+from shardlm.train.preference import adapters_off
+from shardlm.train.reference import build_reference, check_reference_tokenizer
+
+
+def rl_reference_kind(cfg: Config) -> str:
+    """``none`` (β = 0), ``lora_base`` or ``model`` (``rl.reference`` with ``auto`` resolved: the base under
+    LoRA without ``rl.reference_from``, else a frozen model)."""
+    rl = cfg.rl
+    if rl.beta == 0:
+        return "none"
+    if rl.reference == "auto":
+        return "lora_base" if cfg.lora.enabled and not rl.reference_from else "model"
+    return rl.reference
+
+
+def stream_keys(prompt_ids: list[int], num_prompts: int) -> list[int]:
+    """The rollout's key of each prompt of a global batch, in order: its id, or for its k-th repeat in the
+    same batch (a batch that straddles two epochs) ``id + k · num_prompts``, so every completion of the batch
+    has its own random stream and the keys do not depend on the world size."""
+    seen: dict[int, int] = {}
+    out = []
+    for p in prompt_ids:
+        k = seen.get(p, 0)
+        seen[p] = k + 1
+        out.append(p + k * num_prompts)
+    return out
+
+
+def sum_metric_names(cfg: Config) -> tuple[str, ...]:
+    """The metrics :func:`~shardlm.rl.loss.policy_loss_sum` reports as [sum, count] for this config."""
+    rl = cfg.rl
+    clip = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean") \
+        if rl.loss_type in CLIPPED else ("cispo_clip_ratio",) if rl.loss_type == "cispo" else ()
+    return (("kl",) if rl.beta else ()) + ("entropy",) + clip
+
+
+class GRPOObjective(Objective):
+    """The GRPO family's loss of one rollout per step (module docstring).
+
+    Args:
+        cfg: the run's config. info: this process. model: the policy (FSDP2-sharded, DDP-wrapped or plain).
+        data: the training prompts. tokenizer: the data's tokenizer (decodes the completions for the rewards).
+        funcs: the loaded reward functions. stop_ids: the ids that end a completion; pad_id: the id after it.
+        kind: the reference (:func:`rl_reference_kind`); reference: the frozen model of kind ``model``.
+    """
+
+    name = "rl"
+    progress_keys = ("reward",)
+    val_loss = False
+
+    def __init__(self, cfg: Config, info: DistInfo, model: nn.Module, data: PromptsDataset,
+                 tokenizer: Tokenizer, funcs: list[RewardFunction], stop_ids: list[int], pad_id: int,
+                 kind: str = "none", reference: nn.Module | None = None) -> None:
+        self.cfg, self.info, self.model, self.data, self.tokenizer = cfg, info, model, data, tokenizer
+        self.funcs, self.stop_ids, self.pad_id, self.kind, self.reference = funcs, stop_ids, pad_id, kind, \
+            reference
+        self.weights = reward_weights(cfg.rl)
+        self.sum_names = sum_metric_names(cfg)
+        #: [sum, count] per metric, then one slot per rank for its largest decode-vs-trainer log-prob gap
+        self.stat_names = tuple(f"{n}/{part}" for n in self.sum_names for part in ("sum", "count")) + tuple(
+            f"sampling/logprob_diff_max/rank{r}" for r in range(info.world_size))
+        self.all_equal_steps = 0
+
+    @classmethod
+    def build(cls, ctx: ObjectiveContext) -> GRPOObjective:
+        """The objective of ``ctx``'s run: reward functions loaded and checked against every training prompt's
+        fields, the reference built when ``rl.beta`` > 0 (a collective under FSDP).
+
+        Raises:
+            ConfigError: a rank's share of the global batch that is not whole groups, an unknown or bad reward
+            function, a training prompt without a field a reward needs, a tokenizer without an end-of-turn id,
+            a reference model with another tokenizer.
+        """
+        cfg, info = ctx.cfg, ctx.info
+        rl, t = cfg.rl, cfg.train
+        per_rank = t.global_batch_size // info.world_size
+        if per_rank % rl.num_generations:
+            raise ConfigError(f"train.global_batch_size = {t.global_batch_size} completions over "
+                              f"{info.world_size} ranks gives each {per_rank}, not a whole number of groups "
+                              f"of rl.num_generations = {rl.num_generations}: each rank samples whole "
+                              "groups; make the global batch a multiple of num_generations x ranks")
+        funcs = load_reward_functions(rl)
+        data: PromptsDataset = ctx.train_data
+        ids = list(range(len(data)))
+        check_fields(funcs, data.fields(ids), ids)
+        root = data_dir(cfg)
+        special = data.meta.get("model_special_ids") or {}
+        eos = special.get("eos") or []
+        stop_ids = [int(i) for i in ([eos] if isinstance(eos, int) else eos)]
+        if not stop_ids:
+            raise ConfigError(f"{root / 'tokenizer.json'}: the tokenizer names no end-of-turn (eos) token: "
+                              "completions could not stop; set eos_token in its tokenizer_config.json")
+        pad = special.get("pad")
+        kind = rl_reference_kind(cfg)
+        reference = None
+        if kind == "model":
+            if rl.reference_from:
+                check_reference_tokenizer(rl.reference_from,
+                                          cfg.data.tokenizer or str(root / "tokenizer.json"))
+            reference = build_reference(cfg, info, ctx.mesh, rl.reference_from)
+        return cls(cfg, info, ctx.model, data, Tokenizer.from_file(str(root / "tokenizer.json")), funcs,
+                   stop_ids, stop_ids[0] if pad is None else int(pad), kind, reference)
+
+    def describe(self) -> str:
+        """One line for the run summary."""
+        rl = self.cfg.rl
+        ref = {"none": "no reference", "model": "reference: a frozen model",
+               "lora_base": "reference: the base with the LoRA adapters off"}[self.kind]
+        if self.reference is not None:
+            ref += f" ({format_bytes(sum(local_bytes(q) for q in self.reference.parameters()))} of shards)"
+        return (f"{rl.loss_type}, {rl.num_generations} completions per prompt of up to "
+                f"{rl.max_completion_length} tokens, temperature {rl.temperature:g}, beta {rl.beta:g}, "
+                f"{rl.importance_sampling_level}-level ratio, scale_rewards {rl.scale_rewards}; rewards "
+                + ", ".join(f.name for f in self.funcs) + f"; {ref}")
+
+    # ---- the step ---------------------------------------------------------------------------------
+    def prepare_step(self, step: int, micro_ids: list[list[int]], step_ids: list[int]) -> StepInputs:
+        """Rollout, rewards of the global batch, advantages and the denominator (module docstring, 1-4);
+        collectives: the rollout's all-gathers and one all-gather of the completions."""
+        cfg, rl = self.cfg, self.cfg.rl
+        G = rl.num_generations
+        start = time.perf_counter()
+        mine = [c for ids in micro_ids for c in ids]
+        offset = self.info.rank * len(mine)  # this rank's first row in the global batch (contiguous shares)
+        keys = stream_keys([c // G for c in step_ids[::G]], len(self.data))
+        ro = rollout(unwrap(self.model), self.data.get([c // G for c in mine[::G]]),
+                     keys[offset // G:(offset + len(mine)) // G], G,
+                     max_completion_length=rl.max_completion_length, stop_ids=self.stop_ids,
+                     seed=cfg.train.seed, step=step, temperature=rl.temperature,
+                     top_p=rl.top_p, top_k=rl.top_k, pad_id=self.pad_id)
+        rolled = time.perf_counter()
+        lengths, truncated, completions = self.gather_completions(ro)
+        fields = self.data.fields([c // G for c in step_ids])
+        texts = self.tokenizer.decode_batch(completions, skip_special_tokens=True)
+        table = score(self.funcs, texts, completions, fields, [c // G for c in step_ids])
+        adv = group_advantages(table, self.weights, G, rl.scale_rewards)
+        kept = lengths * ~truncated if rl.mask_truncated_completions else lengths
+        denominator = loss_denominator(rl.loss_type, kept, rl.max_completion_length)
+        metrics = {**reward_metrics(table, [f.name for f in self.funcs], adv),
+                   **completion_metrics(lengths, truncated)}
+        if rewards_all_equal(adv.rewards):
+            self.all_equal_steps += 1
+            if self.all_equal_steps == 1 and self.info.is_main:
+                print(f"warning: step {step + 1}: every completion of the global batch has the same reward: "
+                      "no group has a learning signal (counted in rewards/all_equal_steps)", file=sys.stderr,
+                      flush=True)
+        metrics["rewards/all_equal_steps"] = float(self.all_equal_steps)
+        firsts = [0]
+        for ids in micro_ids:  # micro-batch j holds this rank's rows firsts[j] .. firsts[j + 1] - 1
+            firsts.append(firsts[-1] + len(ids))
+        batches = [trainer_batch(ro, range(a, b), self.pad_id) for a, b in zip(firsts, firsts[1:])]
+        context = {"rollout": ro, "advantages": adv.advantages[offset:offset + len(mine)],
+                   "completion_ids": completions, "rewards": table,  # the global batch's
+                   "metrics": metrics, "diff_max": 0.0, "logps_s": 0.0,
+                   "rollout_s": rolled - start, "reward_s": time.perf_counter() - rolled}
+        return StepInputs(batches, denominator, context)
+
+    def gather_completions(self, ro: Rollout) -> tuple[torch.Tensor, torch.Tensor, list[list[int]]]:
+        """Every rank's completions in rank order (the global batch's order): (N,) int64 lengths, (N,) bool
+        truncation flags and the token-id lists; one all-gather of (rows, 2 + max_completion_length) int64
+        (every rank has the same number of rows)."""
+        width = self.cfg.rl.max_completion_length
+        local = torch.full((ro.completion_ids.shape[0], 2 + width), self.pad_id, dtype=torch.long)
+        local[:, 0], local[:, 1] = ro.lengths, ro.truncated.long()
+        local[:, 2:2 + ro.completion_ids.shape[1]] = ro.completion_ids
+        if self.info.world_size > 1:
+            out = torch.empty((self.info.world_size * local.shape[0], local.shape[1]), dtype=torch.long,
+                              device=self.info.device)
+            torch.distributed.all_gather_single(out, local.to(self.info.device))
+            local = out.cpu()
+        lengths = local[:, 0]
+        return lengths, local[:, 1].bool(), [row[2:2 + n].tolist() for row, n in zip(local, lengths.tolist())]
+
+    def loss(self, model: nn.Module, batch: RLBatch, ids: list[int], inputs: StepInputs
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This micro-batch's numerator (0-dim fp32, with gradient) and its statistic sums (fp64)."""
+        rl, ctx = self.cfg.rl, inputs.context
+        chunk = self.cfg.train.loss_chunk_tokens
+        ro: Rollout = ctx["rollout"]
+        start = time.perf_counter()
+        ref = None
+        if self.kind != "none":
+            with torch.no_grad():
+                if self.kind == "lora_base":
+                    with adapters_off(model):
+                        ref = token_logps(model, batch, rl.temperature, chunk)[0]
+                else:
+                    ref = token_logps(self.reference, batch, rl.temperature, chunk)[0]
+        logps, entropies = token_logps(model, batch, rl.temperature, chunk)
+        ctx["logps_s"] += time.perf_counter() - start
+        device = logps.device
+        mask = loss_mask(batch.completion_mask, ro.truncated[batch.rows], rl.mask_truncated_completions)
+        terms = policy_loss_sum(rl, logps, ctx["advantages"][batch.rows].to(device), mask.to(device),
+                                ref_logps=ref, entropies=entropies.detach())
+        stats = torch.zeros(len(self.stat_names), dtype=torch.float64)
+        for i, name in enumerate(self.sum_names):
+            stats[2 * i:2 * i + 2] = terms.sums[name].double().cpu()
+        # the rank's running maximum, as increments: their sum over micro-batches is the maximum
+        gap = logprob_diff_max(ro.logps[batch.rows], logps.detach().cpu(), batch.completion_mask)
+        new = max(ctx["diff_max"], gap)
+        stats[2 * len(self.sum_names) + self.info.rank] = new - ctx["diff_max"]
+        ctx["diff_max"] = new
+        return terms.loss_sum, stats.to(device)
+
+    def metrics(self, sums: list[float], inputs: StepInputs) -> dict[str, float]:
+        """The step's metrics (module docstring) from the all-reduced sums and the host values."""
+        ctx = inputs.context
+        out = dict(ctx["metrics"])
+        for i, name in enumerate(self.sum_names):
+            out[name] = sums[2 * i] / max(sums[2 * i + 1], 1.0)
+        out["sampling/logprob_diff_max"] = max(sums[2 * len(self.sum_names):])
+        out.update({"time/rollout_s": ctx["rollout_s"], "time/reward_s": ctx["reward_s"],
+                    "time/logps_s": ctx["logps_s"]})
+        return out

@@ -1,0 +1,71 @@
+"""The ``[rl]`` section: read from TOML / overrides, and each refusal's one message naming the key."""
+
+from __future__ import annotations
+
+import pytest
+
+from shardlm.config import load_config
+from shardlm.data.attention_choice import choose_attention
+from shardlm.errors import ConfigError
+
+BASE = ["--data.format=prompts", "--train.seq_len=64", "--train.global_batch_size=8",
+        "--rl.num_generations=4", "--rl.max_prompt_length=32", "--rl.max_completion_length=32"]
+
+
+def test_rl_section_read(tmp_path):
+    toml = tmp_path / "rl.toml"
+    toml.write_text('[data]\nformat = "prompts"\n[train]\nseq_len = 64\n[rl]\nnum_generations = 4\n'
+                    'max_prompt_length = 16\nmax_completion_length = 48\nloss_type = "grpo"\n'
+                    'importance_sampling_level = "sequence"\nrewards = ["shardlm.rl.rewards:accuracy", '
+                    '"shardlm.rl.rewards:format"]\nreward_weights = [1.0, 0.2]\nepsilon_high = 0.28\n')
+    cfg = load_config(str(toml))
+    assert cfg.rl.loss_type == "grpo" and cfg.rl.importance_sampling_level == "sequence"
+    assert cfg.rl.rewards == ("shardlm.rl.rewards:accuracy", "shardlm.rl.rewards:format")
+    assert cfg.rl.reward_weights == (1.0, 0.2) and cfg.rl.epsilon_high == 0.28
+    assert cfg.to_dict()["rl"]["num_generations"] == 4
+
+
+def test_defaults_are_trls():
+    cfg = load_config(None, BASE)
+    assert (cfg.rl.loss_type, cfg.rl.scale_rewards, cfg.rl.importance_sampling_level) == ("dapo", "group",
+                                                                                          "token")
+    assert (cfg.rl.epsilon, cfg.rl.beta, cfg.rl.temperature, cfg.rl.num_iterations) == (0.2, 0.0, 1.0, 1)
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--rl.loss_type=bnpo"], "rl.loss_type: 'bnpo' is not one of"),
+    (["--rl.loss_type=ppo"], "rl.loss_type: 'ppo' is not one of"),
+    (["--rl.num_generations=1"], "rl.num_generations = 1 with rl.scale_rewards = 'group'"),
+    (["--rl.num_generations=1", "--rl.scale_rewards=batch"], "standard deviation of a group of one"),
+    (["--rl.max_completion_length=34"], "32 + 34 tokens cannot fit train.seq_len + 1 = 65"),
+    (["--rl.temperature=0"], "rl.temperature must be positive"),
+    (["--rl.top_p=0"], "rl.top_p must be in (0, 1]"),
+    (["--rl.generation_batch_size=12"], "rl.generation_batch_size = 12 completions must be a multiple"),
+    (["--rl.generation_batch_size=16", "--rl.steps_per_generation=2"], "not both"),
+    (["--rl.num_generations=3"], "of rl.num_generations = 3 (whole groups)"),
+    (["--rl.delta=1.5", "--rl.loss_type=cispo"], "rl.delta = 1.5 caps the ratio"),
+    (["--rl.reference=lora_base", "--rl.beta=0.1"], "rl.reference = 'lora_base' needs lora.enabled"),
+    (["--rl.reward_weights=[1.0, 2.0]"], "rl.reward_weights has 2 weights for 1 rl.rewards"),
+    (["--rl.rewards=[]"], "rl.rewards is empty"),
+    (["--rl.format_pattern=(unclosed"], "rl.format_pattern is not a regular expression"),
+    (["--rl.rewards=['shardlm.rl.rewards:overlong']"], "rl.overlong_cache between 1 and"),
+    (["--data.pack=true"], "data.pack does not apply to data.format = 'prompts'"),
+    (["--parallel.tp=2", "--parallel.mode=fsdp"], "reinforcement learning (data.format = 'prompts') with "
+                                                  "parallel.tp=2 is not built yet"),
+])
+def test_refusals(extra, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, BASE + extra)
+    assert message in str(err.value)
+
+
+def test_rl_settings_need_prompts():
+    with pytest.raises(ConfigError, match="rl.num_generations applies to data.format = 'prompts'"):
+        load_config(None, ["--rl.num_generations=4"])
+    one = load_config(None, BASE + ["--rl.num_generations=1", "--rl.scale_rewards=none"])
+    assert one.rl.num_generations == 1
+
+
+def test_auto_attention_is_causal_for_prompts():
+    choice = choose_attention(load_config(None, BASE))
+    assert choice.attention == "causal" and "prompt and completion" in choice.why

@@ -33,6 +33,7 @@ from torch import nn
 from shardlm.errors import ConfigError, ModelDirError
 from shardlm.model.attention import dense_mask, document_positions
 from shardlm.model.config import ModelConfig
+from shardlm.model.decoder import CausalLM
 
 #: config.json fields that change the logits after the output projection and are applied here (by the chunked
 #: loss and by ``forward``): Gemma 2/3's final soft-cap
@@ -238,3 +239,10 @@ def build_hf_model(cfg: ModelConfig) -> HFCausalLM:
         ModelDirError: see :func:`read_hf_config`. ConfigError: see :func:`decoder_layer_list`.
     """
     return HFCausalLM(cfg, read_hf_config(cfg.init_from))
+
+
+def build_causal_lm(cfg: ModelConfig) -> nn.Module:
+    """The model of ``cfg`` on the current default device: :class:`CausalLM` (``backend = "native"``) or
+    :func:`build_hf_model`'s (``"transformers"``). The one place that chooses; training, FLOPs and the planner
+    build through it."""
+    return build_hf_model(cfg) if cfg.backend == "transformers" else CausalLM(cfg)

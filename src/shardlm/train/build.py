@@ -21,7 +21,7 @@ from shardlm.errors import ConfigError
 from shardlm.model.cpu_matmul import apply_fp32_matmul, use_fp32_matmul
 from shardlm.model.decoder import CausalLM
 from shardlm.model.freeze import apply_freeze
-from shardlm.model.hf_backend import build_hf_model
+from shardlm.model.hf_backend import build_causal_lm
 from shardlm.model.lora import (
     LoRASpec,
     apply_lora,
@@ -77,7 +77,7 @@ def build_model(cfg: Config, info: DistInfo, mesh: DeviceMesh | None,
     pcfg = cfg.parallel
     check_tp(cfg.model, pcfg.tp, cfg.train.seq_len, cfg.lora.enabled, pcfg.cp)  # a model tp cannot split
     with torch.device("meta"):  # shardlm's decoder, or transformers' model of init_from (model/hf_backend.py)
-        model = build_hf_model(cfg.model) if cfg.model.backend == "transformers" else CausalLM(cfg.model)
+        model = build_causal_lm(cfg.model)
     lora = cfg.lora
     if lora.enabled:  # adapters on the targeted layers, everything else frozen
         apply_lora(model, LoRASpec(lora.rank, lora.alpha, lora.dropout, lora.targets, lora.base_dtype))

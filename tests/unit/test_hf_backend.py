@@ -45,10 +45,10 @@ def train_three_steps(data: Path, run: Path, init_from: Path, backend: str, extr
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe"])
 def test_transformers_backend_trains_as_the_native_decoder(arch, small_data, tmp_path):
     """The same transformers checkpoint trained 3 steps (packed pre-training windows: block-causal attention,
-    chunked loss, gradient accumulation 2) by the native decoder and by the transformers backend: losses within
-    1e-6 of the largest, parameters within 1e-6 in norm (Llama: bit-identical, measured; Qwen3-MoE: the expert
-    sums run in another order, AdamW's normalisation lifts the difference of a rarely-routed expert's small
-    gradient to ~3e-7 in one element)."""
+    chunked loss, gradient accumulation 2) by the native decoder and by the transformers backend: losses
+    within 1e-6 of the largest, parameters within 1e-6 in norm (Llama: bit-identical, measured; Qwen3-MoE: the
+    expert sums run in another order, AdamW's normalisation lifts the difference of a rarely-routed expert's
+    small gradient to ~3e-7 in one element)."""
     init = hf_dir(tmp_path / "init", arch)
     native, native_state = train_three_steps(small_data, tmp_path / "native", init, "native")
     hf, hf_state = train_three_steps(small_data, tmp_path / "hf", init, "transformers")
@@ -57,8 +57,8 @@ def test_transformers_backend_trains_as_the_native_decoder(arch, small_data, tmp
     assert_close(hf, native, rtol=1e-6, scale=max(native), what=f"{arch} losses")
     assert hf_state.keys() == native_state.keys()
     assert_norm_close(hf_state, native_state, rtol=1e-6, what=f"{arch} parameters")
-    start = {k: v for k, v in transformers.AutoModelForCausalLM.from_pretrained(str(init)).state_dict().items()
-             if k in hf_state}
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(init)).state_dict()
+    start = {k: v for k, v in loaded.items() if k in hf_state}
     moved = max((hf_state[k] - start[k]).abs().max().item() for k in start)
     assert moved > 1e-4  # the weights did train: the comparison is not of two untouched copies
 
@@ -101,7 +101,8 @@ def test_packed_rows_equal_documents_alone_and_keep_them_apart(arch, tmp_path):
         changed[:, 5:9] = (changed[:, 5:9] + 17) % 509 + 3
         perturbed = model(changed, documents=docs)
     for a, b in (bounds[0], bounds[2]):  # MoE: other tokens in an expert's batch change the sums' order only
-        assert_close(perturbed[:, a:b], packed[:, a:b], rtol=1e-6, what=f"{arch} untouched document [{a}, {b})")
+        assert_close(perturbed[:, a:b], packed[:, a:b], rtol=1e-6,
+                     what=f"{arch} untouched document [{a}, {b})")
     assert (perturbed[:, 5:9] - packed[:, 5:9]).abs().max() > 1e-3
 
 
@@ -135,7 +136,8 @@ def test_bad_input_one_message_each(tmp_path):
 
     unknown = tmp_path / "unknown"
     unknown.mkdir()
-    (unknown / "config.json").write_text(json.dumps({"model_type": "wonderlm", "architectures": ["WonderLM"]}))
+    (unknown / "config.json").write_text(json.dumps({"model_type": "wonderlm",
+                                                     "architectures": ["WonderLM"]}))
     with pytest.raises(ModelDirError, match="model_type 'wonderlm' is not an architecture transformers"):
         load_with(unknown)
     remote = tmp_path / "remote"
@@ -151,8 +153,9 @@ def test_bad_input_one_message_each(tmp_path):
         with torch.device("meta"):
             build_hf_model(cfg.model)
     cohere = tmp_path / "cohere"
-    transformers.CohereConfig(num_hidden_layers=1, hidden_size=16, intermediate_size=32, num_attention_heads=2,
-                              vocab_size=64, logit_scale=0.0625).save_pretrained(str(cohere))
+    transformers.CohereConfig(num_hidden_layers=1, hidden_size=16, intermediate_size=32,
+                              num_attention_heads=2, vocab_size=64,
+                              logit_scale=0.0625).save_pretrained(str(cohere))
     with pytest.raises(ModelDirError, match="logit_scale=0.0625 scales the logits"):
         load_with(cohere)
     llama = hf_dir(tmp_path / "llama", "llama")

@@ -26,8 +26,8 @@ def main() -> None:
         trainer.model.eval()
         with torch.no_grad():
             logits = trainer.model(PROBE.to(trainer.info.device)).float().cpu()
-        write_rank_report(out, scenario["name"], trainer.info.rank,
-                          {"history": history, "logits": logits.tolist(), "world_size": trainer.info.world_size})
+        report = {"history": history, "logits": logits.tolist(), "world_size": trainer.info.world_size}
+        write_rank_report(out, scenario["name"], trainer.info.rank, report)
 
 
 if __name__ == "__main__":

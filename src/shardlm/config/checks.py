@@ -165,16 +165,18 @@ def check_transformers_backend(cfg: Config) -> None:
     """
     if cfg.model.backend != "transformers":
         return
-    split = [f"parallel.{k}={getattr(cfg.parallel, k)}" for k in ("tp", "cp", "ep") if getattr(cfg.parallel, k) > 1]
+    p = cfg.parallel
+    split = [f"parallel.{k}={getattr(p, k)}" for k in ("tp", "cp", "ep") if getattr(p, k) > 1]
     if split:
-        raise ConfigError(f"model.backend='transformers' with {' and '.join(split)} is not built yet: FSDP (and "
-                          "HSDP, DDP) only; set them to 1 or use model.backend='native' for its families")
+        raise ConfigError(f"model.backend='transformers' with {' and '.join(split)} is not built yet: "
+                          "FSDP (and HSDP, DDP) only; set them to 1 or use model.backend='native' for its "
+                          "families")
     if cfg.data.format == "preference":
         raise ConfigError("model.backend='transformers' with data.format='preference' is not built yet (the "
                           "reference model is the native decoder): use data.format 'text' or 'instruct'")
     if cfg.lora.enabled and cfg.lora.base_dtype == "nf4":
-        raise ConfigError("model.backend='transformers' with lora.base_dtype='nf4' is not built yet: use 'fp32' "
-                          "or 'bf16'")
+        raise ConfigError("model.backend='transformers' with lora.base_dtype='nf4' is not built yet: use "
+                          "'fp32' or 'bf16'")
 
 
 def validate_preference(cfg: Config) -> None:

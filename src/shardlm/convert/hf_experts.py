@@ -26,8 +26,8 @@ import torch
 
 from shardlm.model.config import ModelConfig
 
-#: the per-expert names of transformers 5.x's common on-disk layout (Qwen2/3-MoE, DeepSeek V3, Qwen3-Next, GLM-4
-#: MoE...), read for ``model.backend = "transformers"``: (module, gate, up, down) as a family's
+#: the per-expert names of transformers 5.x's common on-disk layout (Qwen2/3-MoE, DeepSeek V3, Qwen3-Next,
+#: GLM-4 MoE...), read for ``model.backend = "transformers"``: (module, gate, up, down) as a family's
 #: ``hf_expert_names``
 TRANSFORMERS_EXPERT_NAMES = ("mlp", "gate_proj", "up_proj", "down_proj")
 

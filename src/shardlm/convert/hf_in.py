@@ -183,8 +183,9 @@ def check_weights(
 
 
 def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """The buffers of ``model`` that its state dict holds (not in a module's non-persistent set), by name: none
-    in shardlm's decoder (its rotary tables are not saved); a transformers model may have some (DeepSeek V3's
+    """The buffers of ``model`` that its state dict holds (not in a module's non-persistent set), by name:
+    none in shardlm's decoder (its rotary tables are not saved); a transformers model may have some (DeepSeek
+    V3's
     ``e_score_correction_bias``), saved with the weights and loaded whole."""
     out = []
     for module_name, module in model.named_modules():

@@ -100,11 +100,11 @@ def save_model_dir(state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: st
 
 def save_transformers_dir(state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: str | Path,
                           tokenizer_path: str | Path | None = None) -> Path:
-    """Write the weights of a ``model.backend = "transformers"`` model as transformers' own ``save_pretrained``
-    writes them (its on-disk names, e.g. per-expert tensors; ``config.json`` from ``cfg.init_from``'s config),
-    atomically; return the path. The model is built on the meta device and takes ``state``'s tensors (names are
-    transformers'); ``generation_config.json`` is the source directory's when it has one; the tokenizer's files
-    go along with ``tokenizer_path``.
+    """Write the weights of a ``model.backend = "transformers"`` model as transformers' own
+    ``save_pretrained`` writes them (its on-disk names, e.g. per-expert tensors; ``config.json`` from
+    ``cfg.init_from``'s config), atomically; return the path. The model is built on the meta device and takes
+    ``state``'s tensors (names are transformers'); ``generation_config.json`` is the source directory's when
+    it has one; the tokenizer's files go along with ``tokenizer_path``.
 
     Raises:
         RuntimeError: ``state`` does not hold exactly the model's tensors (load_state_dict's message).

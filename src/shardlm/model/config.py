@@ -186,9 +186,10 @@ class ModelConfig:
         if m.backend == "transformers":
             if not m.init_from:
                 raise ConfigError("model.backend='transformers' needs model.init_from: a Hugging Face model "
-                                  "directory with config.json and *.safetensors (for a random start, write one "
-                                  "with transformers: AutoModelForCausalLM.from_config(config).save_pretrained)")
-            return  # the shape is transformers' (read from init_from); the native families' rules do not apply
+                                  "directory with config.json and *.safetensors (for a random start, write "
+                                  "one with transformers: AutoModelForCausalLM.from_config(config)"
+                                  ".save_pretrained)")
+            return  # the shape is transformers' (from init_from); the native families' rules do not apply
         positive = {
             "model.dim": m.dim, "model.n_layers": m.n_layers, "model.n_heads": m.n_heads,
             "model.vocab_size": m.vocab_size, "model.max_seq_len": m.max_seq_len,

@@ -7,7 +7,8 @@ keeps the two halves of that model under the names transformers gives them, ``mo
 decoder layers, final norm) and ``lm_head``, so its parameter names, its state dict and its checkpoints are
 transformers' names, and everything shardlm applies from outside finds what it finds on :class:`CausalLM`:
 ``model.layers`` (the decoder layers: FSDP groups, activation checkpointing, compile), ``model.embed_tokens``,
-``model.norm``, ``lm_head`` (the chunked loss reads it), ``cfg.tie_embeddings`` and ``cfg.final_logit_softcap``.
+``model.norm``, ``lm_head`` (the chunked loss reads it), ``cfg.tie_embeddings`` and
+``cfg.final_logit_softcap``.
 
 ``forward(tokens, documents=..., head=...)`` runs the decoder (``model(input_ids, position_ids,
 attention_mask)``) to its final hidden states and either returns ``head(self, hidden)`` (the chunked loss of
@@ -39,9 +40,9 @@ from shardlm.model.decoder import CausalLM
 #: loss and by ``forward``): Gemma 2/3's final soft-cap
 APPLIED_LOGIT_FIELDS = ("final_logit_softcapping",)
 
-#: config.json fields that scale the logits in some models' own ``forward`` (Cohere's ``logit_scale``, Granite's
-#: ``logits_scaling``, ...), not applied by this backend: a model with one of them set (to other than 1) is
-#: refused by name
+#: config.json fields that scale the logits in some models' own ``forward`` (Cohere's ``logit_scale``,
+#: Granite's ``logits_scaling``, ...), not applied by this backend: a model with one of them set (to other
+#: than 1) is refused by name
 REFUSED_LOGIT_FIELDS = ("logit_scale", "logits_scaling", "output_multiplier_scale", "lm_head_multiplier",
                         "mup_width_multiplier", "output_mult")
 
@@ -64,12 +65,13 @@ def read_hf_config(path: str | Path) -> Any:
 
     file = Path(path) / "config.json"
     if not file.is_file():
-        raise ModelDirError(f"model.init_from={str(path)!r}: no config.json there (model.backend='transformers' "
-                            "reads the architecture from it)")
+        raise ModelDirError(f"model.init_from={str(path)!r}: no config.json there "
+                            "(model.backend='transformers' reads the architecture from it)")
     raw = json.loads(file.read_text())
     if raw.get("auto_map"):
-        raise ModelDirError(f"{file}: a remote-code model (auto_map {sorted(raw['auto_map'])}): its modelling "
-                            "code is not part of transformers, and shardlm never turns on trust_remote_code")
+        raise ModelDirError(f"{file}: a remote-code model (auto_map {sorted(raw['auto_map'])}): its "
+                            "modelling code is not part of transformers, and shardlm never turns on "
+                            "trust_remote_code")
     model_type = raw.get("model_type")
     if model_type not in CONFIG_MAPPING:
         raise ModelDirError(f"{file}: model_type {model_type!r} is not an architecture transformers "
@@ -78,8 +80,8 @@ def read_hf_config(path: str | Path) -> Any:
     for field in REFUSED_LOGIT_FIELDS:
         value = getattr(config, field, None)
         if value not in (None, 1, 1.0):
-            raise ModelDirError(f"{file}: {field}={value} scales the logits in the model's own forward, which "
-                                "the transformers backend's loss does not apply: not supported yet")
+            raise ModelDirError(f"{file}: {field}={value} scales the logits in the model's own forward, "
+                                "which the transformers backend's loss does not apply: not supported yet")
     return config
 
 
@@ -123,16 +125,17 @@ def decoder_layer_list(hf_model: nn.Module) -> nn.ModuleList:
     decoder = getattr(hf_model, "model", None)
     layers = getattr(decoder, "layers", None)
     if not isinstance(layers, nn.ModuleList) or not len(layers) or not blocks:
-        raise ConfigError(f"{name}: no decoder-layer list at model.layers (found {type(layers).__name__}): the "
-                          "transformers backend shards and checkpoints one decoder layer at a time")
+        raise ConfigError(f"{name}: no decoder-layer list at model.layers (found {type(layers).__name__}): "
+                          "the transformers backend shards and checkpoints one decoder layer at a time")
     kinds = {type(layer).__name__ for layer in layers}
     if not kinds <= blocks:
         raise ConfigError(f"{name}: model.layers holds {sorted(kinds)}, not the model's decoder layers "
                           f"{sorted(blocks)} (_no_split_modules)")
     for part in ("embed_tokens", "norm"):
         if not isinstance(getattr(decoder, part, None), nn.Module):
-            raise ConfigError(f"{name}: its decoder has no {part} module (the layout the transformers backend "
-                              "groups for FSDP: model.embed_tokens, model.layers, model.norm, lm_head)")
+            raise ConfigError(f"{name}: its decoder has no {part} module (the layout the transformers "
+                              "backend groups for FSDP: model.embed_tokens, model.layers, model.norm, "
+                              "lm_head)")
     return layers
 
 
@@ -152,10 +155,11 @@ class HFCausalLM(nn.Module):
         self.cfg, self.hf_config = cfg, hf_config
         if str(getattr(hf_config, "_attn_implementation_internal", None) or "").startswith("flash"):
             raise ConfigError(f"{cfg.init_from}: attn_implementation "
-                              f"{hf_config._attn_implementation_internal!r} is a flash kernel this backend does "
-                              "not run: the transformers backend uses sdpa")
+                              f"{hf_config._attn_implementation_internal!r} is a flash kernel this backend "
+                              "does not run: the transformers backend uses sdpa")
         try:
-            hf = AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa", trust_remote_code=False)
+            hf = AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa",
+                                                  trust_remote_code=False)
         except ValueError as err:  # an architecture without sdpa, or not a causal LM
             raise ConfigError(f"{cfg.init_from}: transformers cannot build {type(hf_config).__name__} as a "
                               f"causal LM with sdpa attention: {err}") from None
@@ -224,10 +228,12 @@ def check_packing(model_type: str, attention: str) -> None:
         ValueError: ``attention = "causal"``; a model type outside :data:`PACKING_VERIFIED` (named).
     """
     if attention == "causal":
-        raise ValueError("documents= given to a model with attention = 'causal': set 'block_causal' (or 'auto')")
+        raise ValueError("documents= given to a model with attention = 'causal': set 'block_causal' (or "
+                         "'auto')")
     if model_type not in PACKING_VERIFIED:
-        raise ValueError(f"packed documents on model_type {model_type!r}: not verified to keep documents apart "
-                         f"under the transformers backend (verified: {', '.join(sorted(PACKING_VERIFIED))}); "
+        raise ValueError(f"packed documents on model_type {model_type!r}: not verified to keep documents "
+                         "apart under the transformers backend (verified: "
+                         f"{', '.join(sorted(PACKING_VERIFIED))}); "
                          "train it unpacked (data.pack = false)")
 
 

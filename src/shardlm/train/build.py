@@ -61,8 +61,9 @@ def build_model(cfg: Config, info: DistInfo, mesh: DeviceMesh | None,
     one full tensor at a time on every rank (:func:`init_base_weights_`: an NF4 base is quantised from the
     whole value); the values are the same as ``init_weights``'.
 
-    ``model.backend = "transformers"``: the model is transformers' (:class:`~shardlm.model.hf_backend.HFCausalLM`,
-    always loaded from ``model.init_from``), and the same steps apply to its decoder layers.
+    ``model.backend = "transformers"``: the model is transformers'
+    (:class:`~shardlm.model.hf_backend.HFCausalLM`, always loaded from ``model.init_from``), and the same
+    steps apply to its decoder layers.
 
     Returns ``(model, load_stats)``: the ``CausalLM`` (FSDP-sharded or plain) or a ``DistributedDataParallel``
     around it, and :func:`shardlm.convert.hf_in.load_pretrained_`'s byte counts (None for a random init).

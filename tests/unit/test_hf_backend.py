@@ -183,12 +183,14 @@ def test_lora_through_shardlm_adapters_equals_native(small_data, tmp_path):
 
 def test_plan_counts_the_transformers_model_and_marks_activations_an_estimate(tmp_path):
     """``shardlm plan`` of a DeepSeek V3 model: the parameter count is the transformers model's own (its
-    meta model's, latent attention and shared experts included), and the activations are marked an estimate."""
+    meta model's, latent attention and shared experts included), and the activations are marked an
+    estimate."""
     from shardlm.plan.report import format_plan
 
     path = hf_dir(tmp_path / "deepseek_v3", "deepseek_v3")
     cfg = load_with(path, {"train.seq_len": 32, "train.global_batch_size": 8, "train.micro_batch_size": 4})
-    expected = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_pretrained(str(path)).parameters())
+    reference = transformers.AutoModelForCausalLM.from_pretrained(str(path))
+    expected = sum(p.numel() for p in reference.parameters())
     text = format_plan(cfg, 2, "cpu", 0.05)
     assert f": {expected:,} parameters, fsdp at world size 2" in text, text
     assert "activations an estimate, the native decoder's formula" in text

@@ -52,6 +52,9 @@ def runs(small_data, tmp_path_factory):
 
         two = [case(f"{arch}_{backend}", arch, 2, {"model.backend": f'"{backend}"'})
                for arch in NATIVE for backend in ("native", "transformers")]
+        two += [case(f"llama_{backend}_bf16", "llama", 2, {"model.backend": f'"{backend}"',
+                                                          "parallel.param_dtype": '"bfloat16"'})
+                for backend in ("native", "transformers")]
         for arch in NEW_ARCHS:
             two.append(case(f"{arch}_2", arch, 2, {"parallel.activation_checkpoint": '"full"',
                                                    "checkpoint.interval": 2}))
@@ -99,8 +102,9 @@ def test_fsdp_transformers_backend_equals_native(runs, arch):
 @pytest.mark.parametrize("arch", NEW_ARCHS)
 def test_new_architecture_fsdp_equals_one_process_resumes_and_exports(runs, arch):
     """2 ranks (FSDP, full activation checkpointing) against one process: losses within 1e-6 of the largest,
-    exported weights within 1e-6 in norm (but the ill-conditioned key biases: :func:`conditioned`); the run resumed from step 2 has step 3's loss and the final weights
-    bit for bit; transformers' ``from_pretrained`` of the export gives the trained model's logits (1e-6)."""
+    exported weights within 1e-6 in norm (but the ill-conditioned key biases: :func:`conditioned`); the run
+    resumed from step 2 has step 3's loss and the final weights bit for bit; transformers' ``from_pretrained``
+    of the export gives the trained model's logits (1e-6)."""
     root, reports = runs
     two, one = losses(reports[f"{arch}_2"]), losses(reports[f"{arch}_1"])
     print(f"\n{arch}: 2 ranks {two}, 1 process {one}")
@@ -116,3 +120,15 @@ def test_new_architecture_fsdp_equals_one_process_resumes_and_exports(runs, arch
     with torch.no_grad():
         logits = model.eval()(PROBE).logits
     assert_close(logits, torch.tensor(reports[f"{arch}_2"]["logits"]), rtol=1e-6, what=f"{arch} reload")
+
+
+@pytest.mark.dist
+def test_fsdp_mixed_precision_transformers_backend_equals_native(runs):
+    """bf16 compute (FSDP's mixed precision, fp32 master weights and reductions) at 2 ranks: the transformers
+    backend's Llama losses within 1e-6 of the native decoder's (the same operators in the same order)."""
+    _, reports = runs
+    native, hf = losses(reports["llama_native_bf16"]), losses(reports["llama_transformers_bf16"])
+    print(f"\nllama bf16 at 2 ranks: native {native}, transformers {hf}")
+    assert len(native) == len(hf) == 3
+    assert_close(hf, native, rtol=1e-6, scale=max(native), what="bf16 losses")
+    assert hf != losses(reports["llama_transformers"])  # bf16 did change the numerics

@@ -223,9 +223,9 @@ def load_pretrained_(
     ``safe_open(...).get_slice(name)[offset:offset + rows]`` and copied (cast to the parameter's dtype) into
     its local tensor, so each rank materialises only its own rows; persistent buffers
     (:func:`persistent_buffers`, a transformers model's) are read whole on every rank. Rotary tables are
-    recomputed afterwards (``init_rotary``). Parameters named in ``skip`` (LoRA adapters) are left alone. An NF4 base weight (QLoRA)
-    is read whole and quantised whole before its rows are kept (:func:`shardlm.model.lora.set_from_full_`), so
-    it counts as a full read.
+    recomputed afterwards (``init_rotary``). Parameters named in ``skip`` (LoRA adapters) are left alone. An
+    NF4 base weight (QLoRA) is read whole and quantised whole before its rows are kept
+    (:func:`shardlm.model.lora.set_from_full_`), so it counts as a full read.
 
     Returns:
         ``{"bytes_read": bytes materialised from the files on this rank, "total_bytes": bytes of

@@ -129,8 +129,8 @@ def load_with(path: Path, extra: dict | None = None):
 
 def test_bad_input_one_message_each(tmp_path):
     """An architecture transformers does not know, a remote-code model, a model without a decoder-layer list
-    (GPT-2: ``transformer.h``), a logit scale the loss does not apply (Cohere), tensor parallel, no
-    ``init_from``: each refused with a message naming the cause."""
+    (GPT-2: ``transformer.h``), an attention without sdpa (Gemma 2), a logit scale the loss does not apply
+    (Cohere), tensor parallel, no ``init_from``: each refused with a message naming the cause."""
     from shardlm.errors import ConfigError, ModelDirError
     from shardlm.model.hf_backend import build_hf_model
 
@@ -152,6 +152,13 @@ def test_bad_input_one_message_each(tmp_path):
     with pytest.raises(ConfigError, match="GPT2LMHeadModel: no decoder-layer list at model.layers"):
         with torch.device("meta"):
             build_hf_model(cfg.model)
+    gemma2 = tmp_path / "gemma2"  # attention soft-capping: eager only in transformers, no sdpa
+    transformers.Gemma2Config(num_hidden_layers=1, hidden_size=16, intermediate_size=32,
+                              num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                              vocab_size=64).save_pretrained(str(gemma2))
+    with pytest.raises(ConfigError, match="cannot build Gemma2Config as a causal LM with sdpa attention"):
+        with torch.device("meta"):
+            build_hf_model(load_with(gemma2).model)
     cohere = tmp_path / "cohere"
     transformers.CohereConfig(num_hidden_layers=1, hidden_size=16, intermediate_size=32,
                               num_attention_heads=2, vocab_size=64,

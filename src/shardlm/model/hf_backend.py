@@ -153,14 +153,12 @@ class HFCausalLM(nn.Module):
 
         super().__init__()
         self.cfg, self.hf_config = cfg, hf_config
-        if str(getattr(hf_config, "_attn_implementation_internal", None) or "").startswith("flash"):
-            raise ConfigError(f"{cfg.init_from}: attn_implementation "
-                              f"{hf_config._attn_implementation_internal!r} is a flash kernel this backend "
-                              "does not run: the transformers backend uses sdpa")
+        # always sdpa (any device): a model whose attention needs another kernel (eager-only soft-capping,
+        # flash-only code) is refused here with transformers' own reason
         try:
             hf = AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa",
                                                   trust_remote_code=False)
-        except ValueError as err:  # an architecture without sdpa, or not a causal LM
+        except ValueError as err:
             raise ConfigError(f"{cfg.init_from}: transformers cannot build {type(hf_config).__name__} as a "
                               f"causal LM with sdpa attention: {err}") from None
         decoder_layer_list(hf)

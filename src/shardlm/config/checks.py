@@ -31,6 +31,7 @@ def validate(cfg: Config) -> None:
     if cfg.parallel.timeout_s <= 0:
         raise ConfigError(f"parallel.timeout_s must be positive (seconds), got {cfg.parallel.timeout_s}")
     m.check()  # the model's own rules (shape, family, mixture of experts, RoPE scaling)
+    check_transformers_backend(cfg)
     positive = {
         "train.steps": t.steps, "train.seq_len": t.seq_len, "train.global_batch_size": t.global_batch_size,
         "train.micro_batch_size": t.micro_batch_size, "train.log_interval": t.log_interval,
@@ -158,6 +159,30 @@ def validate(cfg: Config) -> None:
                               "are read from it); a randomly initialised base has only the training base")
     elif lora.base_dtype != "float32":
         raise ConfigError(f"lora.base_dtype={lora.base_dtype!r} needs lora.enabled = true")
+
+
+def check_transformers_backend(cfg: Config) -> None:
+    """Refuse, by name, what ``model.backend = "transformers"`` does not run yet: tensor, context and expert
+    parallelism (the transformers model has no plans for them here), preference tuning (its reference model is
+    the native decoder's), NF4 LoRA bases (not checked on these models).
+
+    Raises:
+        ConfigError: naming the setting and what to set instead.
+    """
+    if cfg.model.backend != "transformers":
+        return
+    p = cfg.parallel
+    split = [f"parallel.{k}={getattr(p, k)}" for k in ("tp", "cp", "ep") if getattr(p, k) > 1]
+    if split:
+        raise ConfigError(f"model.backend='transformers' with {' and '.join(split)} is not built yet: "
+                          "FSDP (and HSDP, DDP) only; set them to 1 or use model.backend='native' for its "
+                          "families")
+    if cfg.data.format == "preference":
+        raise ConfigError("model.backend='transformers' with data.format='preference' is not built yet (the "
+                          "reference model is the native decoder): use data.format 'text' or 'instruct'")
+    if cfg.lora.enabled and cfg.lora.base_dtype == "nf4":
+        raise ConfigError("model.backend='transformers' with lora.base_dtype='nf4' is not built yet: use "
+                          "'fp32' or 'bf16'")
 
 
 def validate_preference(cfg: Config) -> None:

@@ -18,6 +18,7 @@ from shardlm.config.checks import validate
 from shardlm.config.sections import KEYWORD_KEYS, Config
 from shardlm.errors import ConfigError
 from shardlm.model.config import ModelConfig
+from shardlm.model.hf_backend import fill_model_config, read_hf_config
 from shardlm.model.hf_config import read_model_dir_config
 
 
@@ -167,10 +168,19 @@ def apply_init_from(cfg: Config) -> None:
     Raises:
         ModelDirError: the directory or its ``config.json`` is missing or invalid, or not a Llama.
     """
+    if cfg.model.backend == "transformers":  # transformers' config of any architecture
+        fill_model_config(cfg.model, read_hf_config(cfg.model.init_from))
+        _default_tokenizer(cfg)
+        return
     src = read_model_dir_config(cfg.model.init_from)
     for f in dataclasses.fields(ModelConfig):
-        if f.name not in ("init_std", "init_from", "attention", "attention_backend"):
+        if f.name not in ("init_std", "init_from", "attention", "attention_backend", "backend"):
             setattr(cfg.model, f.name, getattr(src, f.name))
+    _default_tokenizer(cfg)
+
+
+def _default_tokenizer(cfg: Config) -> None:
+    """``data.tokenizer``: ``model.init_from``'s ``tokenizer.json`` when empty and the file exists."""
     tokenizer = Path(cfg.model.init_from) / "tokenizer.json"
     if not cfg.data.tokenizer and tokenizer.is_file():
         cfg.data.tokenizer = str(tokenizer)

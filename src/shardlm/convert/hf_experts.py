@@ -26,8 +26,21 @@ import torch
 
 from shardlm.model.config import ModelConfig
 
+#: the per-expert names of transformers 5.x's common on-disk layout (Qwen2/3-MoE, DeepSeek V3, Qwen3-Next,
+#: GLM-4 MoE...), read for ``model.backend = "transformers"``: (module, gate, up, down) as a family's
+#: ``hf_expert_names``
+TRANSFORMERS_EXPERT_NAMES = ("mlp", "gate_proj", "up_proj", "down_proj")
+
 _STACKED = re.compile(r"^(model\.layers\.\d+\.)mlp\.experts\.(gate_up_proj|down_proj)$")
 _ROUTER = re.compile(r"^(model\.layers\.\d+\.)mlp\.gate\.(weight|bias)$")
+
+
+def expert_names(cfg: ModelConfig) -> tuple[str, str, str, str] | None:
+    """(module, gate, up, down) of the on-disk expert tensors: the family's ``hf_expert_names``, or
+    :data:`TRANSFORMERS_EXPERT_NAMES` under the transformers backend; None: no stacked experts."""
+    if cfg.backend == "transformers":
+        return TRANSFORMERS_EXPERT_NAMES
+    return cfg.arch.hf_expert_names
 
 
 def disk_shapes(cfg: ModelConfig, name: str, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
@@ -37,9 +50,9 @@ def disk_shapes(cfg: ModelConfig, name: str, shape: tuple[int, ...]) -> dict[str
     A stacked expert tensor (E, rows, cols) is ``E`` (gate_up: ``2E``) per-expert tensors; a Mixtral router is
     renamed; any other parameter is itself.
     """
-    if not cfg.arch.hf_expert_names:
+    if not expert_names(cfg):
         return {name: tuple(shape)}
-    module, gate, up, down = cfg.arch.hf_expert_names
+    module, gate, up, down = expert_names(cfg)
     stacked = _STACKED.match(name)
     if stacked:
         prefix, which = stacked.groups()
@@ -65,7 +78,7 @@ def read_rows(cfg: ModelConfig, name: str, shape: tuple[int, ...], start: int, s
     slices it (callers with row access read plain tensors themselves). Shapes as :func:`disk_shapes`.
     """
     names = list(disk_shapes(cfg, name, shape))
-    if not _STACKED.match(name) or not cfg.arch.hf_expert_names:
+    if not _STACKED.match(name) or not expert_names(cfg):
         return read(names[0])[start:stop]
     per = len(names) // shape[0]  # tensors per expert: 2 (gate, up) or 1 (down)
     experts = [torch.cat([read(n) for n in names[e * per:(e + 1) * per]]) for e in range(start, stop)]
@@ -80,7 +93,7 @@ def to_disk(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch
     out: dict[str, torch.Tensor] = {}
     for name, t in state.items():
         names = list(disk_shapes(cfg, name, tuple(t.shape)))
-        if not (_STACKED.match(name) and cfg.arch.hf_expert_names):
+        if not (_STACKED.match(name) and expert_names(cfg)):
             out[names[0]] = t
             continue
         pieces = [piece for e in range(t.shape[0]) for piece in (t[e].chunk(len(names) // t.shape[0]))]

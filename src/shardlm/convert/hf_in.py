@@ -162,6 +162,8 @@ def check_weights(
             expected.update(
                 disk_shapes(cfg, name, tuple(p.shape)) if cfg is not None else {name: tuple(p.shape)}
             )
+    for name, buf in persistent_buffers(model):  # saved with the weights (DeepSeek V3's routing bias)
+        expected[name] = tuple(buf.shape)
     tied = getattr(cfg, "tie_embeddings", False)
     for name, shape in expected.items():
         if name not in where:
@@ -178,6 +180,19 @@ def check_weights(
         ):
             raise ModelDirError(f"{path}: unexpected tensor {name} (config.json does not describe it)")
     return where
+
+
+def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The buffers of ``model`` that its state dict holds (not in a module's non-persistent set), by name:
+    none in shardlm's decoder (its rotary tables are not saved); a transformers model may have some (DeepSeek
+    V3's
+    ``e_score_correction_bias``), saved with the weights and loaded whole."""
+    out = []
+    for module_name, module in model.named_modules():
+        for name, buf in module.named_buffers(recurse=False):
+            if buf is not None and name not in module._non_persistent_buffers_set:
+                out.append((f"{module_name}.{name}" if module_name else name, buf))
+    return out
 
 
 def local_rows(param: torch.Tensor) -> tuple[int, int]:
@@ -206,10 +221,11 @@ def load_pretrained_(
 
     Each parameter's local rows ``[offset, offset + rows)`` are read with
     ``safe_open(...).get_slice(name)[offset:offset + rows]`` and copied (cast to the parameter's dtype) into
-    its local tensor, so each rank materialises only its own rows. Rotary tables are recomputed afterwards
-    (``init_rotary``). Parameters named in ``skip`` (LoRA adapters) are left alone. An NF4 base weight (QLoRA)
-    is read whole and quantised whole before its rows are kept (:func:`shardlm.model.lora.set_from_full_`), so
-    it counts as a full read.
+    its local tensor, so each rank materialises only its own rows; persistent buffers
+    (:func:`persistent_buffers`, a transformers model's) are read whole on every rank. Rotary tables are
+    recomputed afterwards (``init_rotary``). Parameters named in ``skip`` (LoRA adapters) are left alone. An
+    NF4 base weight (QLoRA) is read whole and quantised whole before its rows are kept
+    (:func:`shardlm.model.lora.set_from_full_`), so it counts as a full read.
 
     Returns:
         ``{"bytes_read": bytes materialised from the files on this rank, "total_bytes": bytes of
@@ -255,6 +271,11 @@ def load_pretrained_(
                     stats["full_tensors"].append(name)
                 local.copy_(piece.to(local.dtype))
             stats["total_bytes"] += math.prod(param.shape) * _itemsize(tslice.get_dtype())
+        for name, buf in persistent_buffers(model):  # small and not sharded: read whole on every rank
+            value = _open(handles, where[name]).get_tensor(name)
+            buf.copy_(value.to(buf.dtype))
+            stats["bytes_read"] += value.numel() * value.element_size()
+            stats["total_bytes"] += value.numel() * value.element_size()
     finally:
         handles.clear()
     model.init_rotary()

@@ -33,6 +33,7 @@ from shardlm.errors import ModelDirError
 from shardlm.json_file import read_json
 from shardlm.model.config import ModelConfig
 from shardlm.model.decoder import CausalLM
+from shardlm.model.hf_backend import read_hf_config
 from shardlm.model.hf_config import hf_config, read_model_dir_config, written_special_ids
 
 
@@ -94,6 +95,8 @@ def save_model_dir(state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: st
     :func:`shardlm.model.hf_config.written_special_ids`). ``extra_files`` (e.g. a source's
     ``generation_config.json``) are copied in by name last.
     """
+    if cfg.backend == "transformers":
+        return save_transformers_dir(state, cfg, out_dir, tokenizer_path)
     out = Path(out_dir)
     tensors = {k: plain_tensor(v.detach()).contiguous().cpu() for k, v in state.items()}
     if cfg.tie_embeddings:
@@ -103,6 +106,36 @@ def save_model_dir(state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: st
     with atomic_directory(out) as tmp:
         save_safetensors(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
         write_model_files(tmp, cfg, dtype, tokenizer_path, special_ids, extra_files)
+    return out
+
+
+def save_transformers_dir(state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: str | Path,
+                          tokenizer_path: str | Path | None = None) -> Path:
+    """Write the weights of a ``model.backend = "transformers"`` model as transformers' own
+    ``save_pretrained`` writes them (its on-disk names, e.g. per-expert tensors; ``config.json`` from
+    ``cfg.init_from``'s config), atomically; return the path. The model is built on the meta device and takes
+    ``state``'s tensors (names are transformers'); ``generation_config.json`` is the source directory's when
+    it has one; the tokenizer's files go along with ``tokenizer_path``.
+
+    Raises:
+        RuntimeError: ``state`` does not hold exactly the model's tensors (load_state_dict's message).
+    """
+    from transformers import AutoModelForCausalLM
+
+    config = read_hf_config(cfg.init_from)
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
+    hf.load_state_dict({k: v.detach().contiguous().cpu() for k, v in state.items()}, assign=True)
+    if cfg.tie_embeddings:
+        hf.tie_weights()
+    out = Path(out_dir)
+    with atomic_directory(out) as tmp:
+        hf.save_pretrained(tmp)
+        generation = Path(cfg.init_from) / "generation_config.json"
+        if generation.is_file():
+            shutil.copyfile(generation, tmp / generation.name)
+        if tokenizer_path is not None:
+            write_tokenizer_files(tokenizer_path, tmp, model_max_length=cfg.max_seq_len)
     return out
 
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from shardlm.model.config import ModelConfig
 from shardlm.model.cpu_matmul import CPUINFO, bf16_linear_fp32
-from shardlm.model.decoder import CausalLM
+from shardlm.model.hf_backend import build_causal_lm
 from shardlm.model.moe import inactive_expert_params
 
 
@@ -46,7 +46,7 @@ def flops_params(cfg: ModelConfig) -> int:
     key = repr(cfg)
     if key not in _N_CACHE:
         with torch.device("meta"):
-            model = CausalLM(cfg)
+            model = build_causal_lm(cfg)  # shardlm's decoder or transformers'
         n = sum(p.numel() for name, p in model.named_parameters() if name != "model.embed_tokens.weight")
         if cfg.tie_embeddings:
             # the shared table is listed once, as the embedding: count it as the output projection

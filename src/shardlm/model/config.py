@@ -147,6 +147,13 @@ class ModelConfig:
     (flex_attention with a BlockMask: compiled on CUDA, eager on CPU), ``auto`` (flex on CUDA, sdpa
     elsewhere). Same results. ``varlen`` (flash attention over cu_seqlens, CUDA only) is refused by name: not
     built until it can be tested."""
+    backend: Literal["native", "transformers"] = "native"
+    """Which code runs the model: ``native`` (shardlm's own decoder, the families above) or ``transformers``
+    (any causal LM of the installed transformers, ``AutoModelForCausalLM.from_config`` of ``init_from``'s
+    ``config.json``, sharded per decoder layer by shardlm's FSDP2; shardlm/model/hf_backend.py). The
+    transformers backend needs ``init_from`` with weights, reads the shape fields from its config, and refuses
+    tensor, context and expert parallelism, a KV cache and remote code (``trust_remote_code`` is never turned
+    on)."""
     init_from: str = ""
     """Hugging Face model directory (``config.json`` + ``*.safetensors``) to start from instead of a random
     init; empty means random. When set, the model's shape (every field above except ``init_std`` and the two
@@ -174,6 +181,15 @@ class ModelConfig:
             unregistered family.
         """
         m = self
+        if m.backend not in ("native", "transformers"):
+            raise ConfigError(f"model.backend must be 'native' or 'transformers', got {m.backend!r}")
+        if m.backend == "transformers":
+            if not m.init_from:
+                raise ConfigError("model.backend='transformers' needs model.init_from: a Hugging Face model "
+                                  "directory with config.json and *.safetensors (for a random start, write "
+                                  "one with transformers: AutoModelForCausalLM.from_config(config)"
+                                  ".save_pretrained)")
+            return  # the shape is transformers' (from init_from); the native families' rules do not apply
         positive = {
             "model.dim": m.dim, "model.n_layers": m.n_layers, "model.n_heads": m.n_heads,
             "model.vocab_size": m.vocab_size, "model.max_seq_len": m.max_seq_len,

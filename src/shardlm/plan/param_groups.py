@@ -22,6 +22,7 @@ import torch
 from shardlm.config import Config
 from shardlm.model.decoder import CausalLM
 from shardlm.model.freeze import apply_freeze
+from shardlm.model.hf_backend import build_causal_lm
 from shardlm.model.lora import NF4_BLOCK, LoRALinear, LoRASpec, apply_lora, nf4_scaler_block
 
 
@@ -45,7 +46,7 @@ def meta_model(cfg: Config) -> CausalLM:
     """The model on the meta device with the run's LoRA adapters or frozen parameters applied
     (as build_model)."""
     with torch.device("meta"):
-        model = CausalLM(cfg.model)
+        model = build_causal_lm(cfg.model)  # transformers' model under its backend: counted from it
     lora = cfg.lora
     if lora.enabled:
         apply_lora(model, LoRASpec(lora.rank, lora.alpha, lora.dropout, lora.targets, lora.base_dtype))

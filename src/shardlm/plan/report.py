@@ -174,6 +174,9 @@ def format_plan(cfg: Config, world_size: int, device_name: str, headroom: float,
         if part_applies(cfg, part) or plan.breakdown.get(part, 0):  # a row with bytes always
             lines.append(f"    {label:<48} {plan.breakdown.get(part, 0) / GIB:9.3f} GiB")
     lines.append(f"    {'total':<48} {plan.peak / GIB:9.3f} GiB")
+    if cfg.model.backend == "transformers":  # parameters counted from its model; activations are not
+        lines.append("    (model.backend = 'transformers': parameters counted from its model; activations an "
+                     "estimate, the native decoder's formula at its width, layers and heads)")
     if plan.host_bytes:
         lines.append(f"    (in host memory, CPU offload: {plan.host_bytes / GIB:.3f} GiB)")
     if plan.micro_batches > 1 and st.mode != "single":

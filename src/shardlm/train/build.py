@@ -21,6 +21,7 @@ from shardlm.errors import ConfigError
 from shardlm.model.cpu_matmul import apply_fp32_matmul, use_fp32_matmul
 from shardlm.model.decoder import CausalLM
 from shardlm.model.freeze import apply_freeze
+from shardlm.model.hf_backend import build_causal_lm
 from shardlm.model.lora import (
     LoRASpec,
     apply_lora,
@@ -64,6 +65,10 @@ def build_model(cfg: Config, info: DistInfo, mesh: DeviceMesh | None,
     one full tensor at a time on every rank (:func:`init_base_weights_`: an NF4 base is quantised from the
     whole value); the values are the same as ``init_weights``'.
 
+    ``model.backend = "transformers"``: the model is transformers'
+    (:class:`~shardlm.model.hf_backend.HFCausalLM`, always loaded from ``model.init_from``), and the same
+    steps apply to its decoder layers.
+
     Returns ``(model, load_stats)``: the ``CausalLM`` (FSDP-sharded or plain) or a ``DistributedDataParallel``
     around it, and :func:`shardlm.convert.hf_in.load_pretrained_`'s byte counts (None for a random init).
 
@@ -76,8 +81,8 @@ def build_model(cfg: Config, info: DistInfo, mesh: DeviceMesh | None,
         raise ConfigError(f"parallel.mode='single' runs one process, but the world size is {info.world_size}")
     pcfg = cfg.parallel
     check_tp(cfg.model, pcfg.tp, cfg.train.seq_len, cfg.lora.enabled, pcfg.cp)  # a model tp cannot split
-    with torch.device("meta"):
-        model = CausalLM(cfg.model)
+    with torch.device("meta"):  # shardlm's decoder, or transformers' model of init_from (model/hf_backend.py)
+        model = build_causal_lm(cfg.model)
     lora = cfg.lora
     if lora.enabled:  # adapters on the targeted layers, everything else frozen
         apply_lora(model, LoRASpec(lora.rank, lora.alpha, lora.dropout, lora.targets, lora.base_dtype))

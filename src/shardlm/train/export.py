@@ -29,11 +29,12 @@ from shardlm.checkpoint.dcp import check_shapes, verify_checkpoint
 from shardlm.checkpoint.manifest import read_manifest, sha256_file
 from shardlm.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner
 from shardlm.config import Config, LoRAConfig, ParallelConfig, TrainConfig
+from shardlm.convert.hf_in import persistent_buffers
 from shardlm.convert.hf_out import save_model_dir
 from shardlm.convert.peft_out import base_model_path, gather_full_params, save_merged_dir, save_peft_dir
 from shardlm.errors import CheckpointError, ConfigError
 from shardlm.model.config import ModelConfig
-from shardlm.model.decoder import CausalLM
+from shardlm.model.hf_backend import build_causal_lm
 from shardlm.model.lora import LoRASpec
 from shardlm.parallel.dist import DistInfo
 from shardlm.train.build import build_model
@@ -69,10 +70,11 @@ def load_model_weights(ckpt: str | Path) -> tuple[dict[str, torch.Tensor], Model
                               "load_partial_checkpoint")
     cfg = checkpoint_model_config(manifest)
     with torch.device("meta"):
-        model = CausalLM(cfg)
+        model = build_causal_lm(cfg)  # shardlm's decoder or transformers' (model.backend)
     stored = metadata.state_dict_metadata
     state: dict[str, torch.Tensor] = {}
-    for name, p in model.named_parameters():  # tied weights are listed once
+    # tied weights are listed once; persistent buffers (a transformers model's) are saved with the weights
+    for name, p in [*model.named_parameters(), *persistent_buffers(model)]:
         entry = stored.get(f"model.{name}")
         dtype = entry.properties.dtype if isinstance(entry, TensorStorageMetadata) else p.dtype
         state[name] = torch.empty(p.shape, dtype=dtype)

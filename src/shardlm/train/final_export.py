@@ -58,7 +58,8 @@ def export_model(model: torch.nn.Module, cfg: Config, info: DistInfo, out_dir: P
     named = list(unwrap(model).named_parameters())
     total = sum(p.numel() * p.element_size() for _, p in named)
     tokenizer = data_dir(cfg) / "tokenizer.json"
-    if total > cfg.run.export_single_file_bytes:
+    # the transformers backend writes through save_pretrained, from the whole state on rank 0
+    if total > cfg.run.export_single_file_bytes and cfg.model.backend == "native":
         save_sharded_model_dir(named, cfg.model, out_dir, info.rank, info.world_size, tokenizer, special_ids)
     else:
         state = gather_full_state_dict(model)

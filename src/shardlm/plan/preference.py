@@ -8,7 +8,8 @@ the reference (:mod:`shardlm.train.reference`); and what distillation's teacher 
   and FSDP groups, no LoRA or freezing, no activation checkpointing), so per rank it stores the fp32 shards of
   every parameter and has no gradient or AdamW state. Its forward runs under ``torch.no_grad`` on the
   micro-batch's rows before the policy's: each group is all-gathered, used and resharded after forward (per
-  ``parallel.reshard_after_forward``), and nothing is saved for backward. FSDP2 never reshards the final-norm
+  ``parallel.reshard_after_forward``; FSDP2 frees a group's all-gather buffer only at the next group's
+  copy-out, :func:`frozen_forward`), and nothing is saved for backward. FSDP2 never reshards the final-norm
   + output group (``reshard_after_forward=False``) nor the root group (the root does not reshard after
   forward), and without a backward nothing reshards them later: after its first forward the reference keeps
   those two groups unsharded for the rest of the run (``torch.distributed.fsdp._fully_shard``, torch

@@ -84,10 +84,10 @@ def test_planned_peak_and_teacher_bytes_within_10_percent_of_measured(model_dirs
     (a 4-layer, width-128 teacher, a 1-layer width-32 student), and what the teacher adds to the peak.
 
     Measured (2 shared CPU cores): the student alone +2.2% (planned 1,223,936 bytes, measured 1,198,008);
-    with the teacher -13.7% (3,761,520 planned, 4,358,994 measured): the planner misses about 0.6 MB, about one
-    of the teacher's unsharded blocks, in FSDP's no-grad forward at 2 ranks (in one process the planned
-    transients of a distillation micro-batch are within 2% of the measured ones). The issue's 10% is not met
-    here: the bounds below are what holds, so that a worse plan fails."""
+    with the teacher -0.2% (4,352,368 planned, 4,358,994 measured), the teacher's share 3,128,432 planned
+    against 3,160,986 measured (-1.0%). The peak is in the teacher's no-grad forward, where FSDP2 keeps each
+    block's all-gather buffer until the next block's copy-out (shardlm.plan.preference.frozen_forward):
+    without it the plan was 3,761,520 (-13.7%), the teacher's share 2,537,584 (-20%)."""
     from conftest import torchrun
 
     data = tmp_path / "data"
@@ -109,5 +109,5 @@ def test_planned_peak_and_teacher_bytes_within_10_percent_of_measured(model_dirs
     at_start = max(r["kd"]["measured_starts"]) - max(r["ce"]["measured_starts"])
     print(f"teacher: planned {planned:,}, measured {measured:,} in the peak ({at_start:,} at step start)")
     assert abs(r["ce"]["predicted"] / max(r["ce"]["measured_peaks"]) - 1) <= 0.10
-    assert abs(r["kd"]["predicted"] / max(r["kd"]["measured_peaks"]) - 1) <= 0.20
-    assert planned > 0.2 * r["kd"]["predicted"] and abs(planned / measured - 1) <= 0.25, (planned, measured)
+    assert abs(r["kd"]["predicted"] / max(r["kd"]["measured_peaks"]) - 1) <= 0.10
+    assert planned > 0.2 * r["kd"]["predicted"] and abs(planned / measured - 1) <= 0.10, (planned, measured)

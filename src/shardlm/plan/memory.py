@@ -56,6 +56,7 @@ from shardlm.plan.moe import all_to_all_transient, moe_layer_saved
 from shardlm.plan.param_groups import Group, block_group_name, meta_model, param_groups, planner_model
 from shardlm.plan.preference import (
     distill_loss_bytes,
+    frozen_forward,
     frozen_model_config,
     no_grad_block_bytes,
     no_grad_head_bytes,
@@ -297,19 +298,12 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
         if ref.live_model:  # ---- the reference model's forward, no grad: group by group, nothing saved ----
             phase = f"{mb} reference forward"
             led.add("reference", pb * ref_s.tokens * ref_s.d, phase)  # the hidden states
-            for g in ref_groups:
-                held = (round(g.numel * pb * g.gather_factor)
-                        if fsdp and st.reshard_after_forward and g.name not in ("root", "head") else 0)
-                buffer = round(n * g.shard_numel * pb * g.gather_factor) if held else 0
-                led.add("reference", buffer + held, phase)  # all-gathered, copied out
-                led.free("reference", buffer)
-                work = (no_grad_block_bytes(ref_s.tokens, ref_s.d, ref_s.f, pb)
-                        if g.name.startswith("block") else 0)
-                led.add("reference", work, phase)
-                led.free("reference", work + held)
+            retained = frozen_forward(led, ref_groups, n, pb, fsdp and st.reshard_after_forward,
+                                      no_grad_block_bytes(ref_s.tokens, ref_s.d, ref_s.f, pb), phase)
             # the reference's log-probs, or the teacher's weight copy and hidden states, kept for the loss
             work = ref.head_bytes(ref_s, pb, cfg.train.loss_chunk_tokens)
             led.add("reference", work, f"{mb} reference head")
+            led.free("reference", retained)  # the root's post-forward frees the last all-gather buffer
             kept = work + pb * ref_s.tokens * ref_s.d if ref.kind == "teacher" else 0
             led.free("reference", work + pb * ref_s.tokens * ref_s.d - kept)
         elif ref.policy_forward:  # ---- the policy's own forward with its adapters off, no grad ----

@@ -8,7 +8,8 @@ the reference (:mod:`shardlm.train.reference`); and what distillation's teacher 
   and FSDP groups, no LoRA or freezing, no activation checkpointing), so per rank it stores the fp32 shards of
   every parameter and has no gradient or AdamW state. Its forward runs under ``torch.no_grad`` on the
   micro-batch's rows before the policy's: each group is all-gathered, used and resharded after forward (per
-  ``parallel.reshard_after_forward``), and nothing is saved for backward. FSDP2 never reshards the final-norm
+  ``parallel.reshard_after_forward``; FSDP2 frees a group's all-gather buffer only at the next group's
+  copy-out, :func:`frozen_forward`), and nothing is saved for backward. FSDP2 never reshards the final-norm
   + output group (``reshard_after_forward=False``) nor the root group (the root does not reshard after
   forward), and without a backward nothing reshards them later: after its first forward the reference keeps
   those two groups unsharded for the rest of the run (``torch.distributed.fsdp._fully_shard``, torch
@@ -38,6 +39,8 @@ from shardlm.data.build import data_dir
 from shardlm.data.preference import PREFERENCE, PreferencePairs
 from shardlm.data.prepare import is_prepared, load_meta
 from shardlm.plan.activations import Shape
+from shardlm.plan.ledger import Ledger
+from shardlm.plan.param_groups import Group
 from shardlm.train.reference import reference_config, reference_kind
 from shardlm.train.teacher import teacher_config
 
@@ -138,6 +141,41 @@ def _train_pairs(out: str, seq_len: int, version: int) -> tuple[int, float]:
         return 0, 0.0
     train = PreferencePairs(out, "train", seq_len)
     return len(train), float(train.chosen_counts.mean() + train.rejected_counts.mean()) / 2
+
+
+def frozen_forward(led: Ledger, groups: list[Group], n: int, c: int, reshard: bool, block_work: int,
+                   phase: str) -> int:
+    """Replay a frozen model's no-grad forward, group by group in forward order, into ``led``'s ``reference``
+    part; returns the bytes of the last all-gather buffer, which the caller frees after the output head (the
+    root's post-forward frees it).
+
+    Args:
+        groups: the frozen model's FSDP groups (:func:`shardlm.plan.param_groups.param_groups`). n: ranks in
+            the shard group. c: bytes per value of the compute dtype. reshard: FSDP with
+            ``reshard_after_forward`` (False: every group stays unsharded after the first step, nothing is
+            all-gathered). block_work: a block's own high point (:func:`no_grad_block_bytes`).
+
+    In a steady-state step only the block groups are all-gathered (the root and the output group stay
+    unsharded, see the module docstring). Each is all-gathered into a flat buffer (n × its padded shard)
+    and copied out into its unsharded parameters; in forward with a synchronous all-gather and ``n > 1``,
+    FSDP2 keeps that buffer until the next group's copy-out, to overlap it with the next all-gather
+    (``FSDPParamGroup.wait_for_unshard``, torch 2.13), and the root's post-forward frees the last one. So
+    while a block runs its unsharded parameters, its all-gather buffer and the block's transients are alive,
+    and at a block's copy-out the previous block's buffer too.
+    """
+    retained = 0
+    for g in groups:
+        held = round(g.numel * c * g.gather_factor) if reshard and g.name not in ("root", "head") else 0
+        buffer = round(n * g.shard_numel * c * g.gather_factor) if held else 0
+        led.add("reference", buffer + held, phase)  # all-gathered, copied out
+        led.free("reference", retained if held else 0)  # the previous group's buffer, after this copy-out
+        if held:
+            retained = buffer if n > 1 else 0
+            led.free("reference", buffer - retained)
+        work = block_work if g.name.startswith("block") else 0
+        led.add("reference", work, phase)
+        led.free("reference", work + held)  # resharded after forward
+    return retained
 
 
 def no_grad_block_bytes(tokens: int, dim: int, ffn: int, c: int) -> int:

@@ -48,6 +48,8 @@ RULES: dict[str, tuple[str, str]] = {
     "data.tokenizer_sample_bytes": (REFUSED, _DATA),
     "data.piece_bytes": (TAKES_EFFECT, "only how preparation cuts its work; the prepared data is compared"),
     "data.workers": (TAKES_EFFECT, "only how many processes prepare the data"),
+    "data.pad_multiple": (TAKES_EFFECT, "only how much padding a micro-batch computes (the same samples; "
+                                        "losses equal up to summation order)"),
     "data.dir": (TAKES_EFFECT,
                  "allowed when the data there is the same (meta.json and tokenizer.json SHA-256 "
                                "are compared)"),

@@ -63,6 +63,9 @@ def validate(cfg: Config) -> None:
     if d.pack and cfg.model.attention == "causal":
         raise ConfigError("data.pack needs model.attention = 'block_causal' (or 'auto', the default): under "
                           "'causal' the packed examples would attend to each other")
+    if d.pad_multiple < 0:
+        raise ConfigError(f"data.pad_multiple must be >= 0 (0 pads every row to train.seq_len + 1), got "
+                          f"{d.pad_multiple}")
     if not 0.0 < cfg.data.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction must be in (0, 1), got {cfg.data.val_fraction}")
     if t.min_lr > t.lr or t.lr <= 0:

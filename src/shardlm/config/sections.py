@@ -61,6 +61,12 @@ class DataConfig:
     (``model.attention = "auto"``, the default, then resolves to ``block_causal``; ``causal`` is refused).
     Only for ``format = "instruct"``: pre-training windows are already full (block-causal there
     by default)."""
+    pad_multiple: int = 8
+    """Unpacked instruction examples and preference pairs: each micro-batch's rows are padded to its longest
+    sequence, the positions the model computes rounded up to a multiple of this (and of what
+    ``parallel.cp`` and ``parallel.tp`` need), at most ``train.seq_len`` (shardlm/data/instruct.py's
+    ``row_width``). 0 pads every row to ``train.seq_len + 1`` tokens. Packed rows and text windows are always
+    full. Same losses up to summation order; bit-identical where the longest row fills ``seq_len``."""
     sources: list[DataSource] = field(default_factory=list)
     """A mixture, instead of ``corpus``: ``[[data.sources]]`` tables with ``path`` and ``weight`` (and
     ``name``). Each global batch draws its samples from the sources in proportion to the weights; all sources

@@ -66,7 +66,7 @@ from shardlm.train.optim import (
     rebuild_optimizer,
 )
 from shardlm.train.run_dir import check_run_dir, prepare_run_dir, run_dir
-from shardlm.train.step_metrics import mixture_metrics, per_rank_values, step_model_flops
+from shardlm.train.step_metrics import mixture_metrics, per_rank_values, step_model_flops, step_shapes
 from shardlm.train.summary import job_summary
 
 __all__ = ["Trainer", "model_special_ids_of", "run_dir"]  # both importable from here as before
@@ -276,10 +276,13 @@ class Trainer:
         self._interval = {"seconds": 0.0, "steps": 0}
         elapsed = seconds / steps  # mean host time per step since the last record (synchronised by the read)
         rows = cfg.train.global_batch_size * objective.rows_per_sample
-        tokens = rows * cfg.train.seq_len
+        # the positions the model computed (micro-batches padded to their longest compute fewer than seq_len)
+        shapes = step_shapes(self.sampler, self.train_data, self.step - 1, self.dp_size,
+                             cfg.train.micro_batch_size, objective.rows_per_sample, cfg.train.seq_len)
+        tokens = sum(r * w for r, w in shapes)
         # this rank's share of the step's model FLOPs: 6N per token + attention per document (step_metrics.py)
-        flops = step_model_flops(cfg, self.train_data, self.sampler.step_ids(self.step - 1), rows) / \
-            info.world_size
+        flops = step_model_flops(cfg, self.train_data, self.sampler.step_ids(self.step - 1), rows,
+                                 shapes) / info.world_size
         record = {
             "step": self.step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm_value,
             "tokens_per_s": tokens / elapsed, "tokens_per_s_per_rank": tokens / elapsed / info.world_size,

@@ -282,7 +282,8 @@ class PreferencePairs:
 
     def width(self, ids: list[int], rejected: bool = True) -> int:
         """Tokens per row of ``get(ids)`` (chosen and, with ``rejected``, rejected sequences): the longest
-        sequence (cut at ``seq_len + 1``) through :func:`~shardlm.data.instruct.row_width` (host arithmetic)."""
+        sequence (cut at ``seq_len + 1``) through :func:`~shardlm.data.instruct.row_width` (host
+        arithmetic)."""
         rows = self.idx[np.asarray(ids, dtype=np.int64)]
         longest = rows[:, 1] + (np.maximum(rows[:, 2], rows[:, 3]) if rejected else rows[:, 2])
         top = int(min(longest.max(), self.seq_len + 1)) if len(ids) else 1
@@ -298,9 +299,9 @@ class PreferencePairs:
 
     def get(self, ids: list[int], rejected: bool = True) -> torch.Tensor:
         """Tokens and labels of pairs ``ids``: int64 (2·len(ids), 2, :meth:`width`), the chosen sequences
-        first, then the rejected ones in the same order (TRL's concatenated batch); labels ``IGNORE_INDEX`` off
-        the completion, tokens padded with ``eos`` (or 0) on the right. Without ``rejected``: the chosen rows
-        only, (len(ids), 2, ``width(ids, rejected=False)``)."""
+        first, then the rejected ones in the same order (TRL's concatenated batch); labels ``IGNORE_INDEX``
+        off the completion, tokens padded with ``eos`` (or 0) on the right. Without ``rejected``: the chosen
+        rows only, (len(ids), 2, ``width(ids, rejected=False)``)."""
         b = len(ids)
         out = torch.full(((2 if rejected else 1) * b, 2, self.width(ids, rejected)), IGNORE_INDEX,
                          dtype=torch.int64)

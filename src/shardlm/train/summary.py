@@ -92,8 +92,8 @@ def job_summary(trainer: SummarySource) -> str:
         f"  batch      global {cfg.train.global_batch_size} "
         + (f"{samples} ({rows} seqs)" if rows != cfg.train.global_batch_size else "seqs")
         + f" x {cfg.train.seq_len} tokens = {rows * cfg.train.seq_len:,} tokens/step"
-        + (f" at most (each micro-batch padded to its longest, a multiple of {trainer.train_data.pad_multiple})"
-           if getattr(trainer.train_data, "pad_multiple", 0) else "")
+        + (" at most (each micro-batch padded to its longest, a multiple of "
+           f"{trainer.train_data.pad_multiple})" if getattr(trainer.train_data, "pad_multiple", 0) else "")
         + "; micro-batch "
         f"{cfg.train.micro_batch_size}/{'data-parallel ' if trainer.cp.size > 1 else ''}rank; gradient "
         f"accumulation {trainer.accum_steps}",

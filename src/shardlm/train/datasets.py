@@ -37,7 +37,8 @@ def row_multiple(cfg: Config) -> int:
     """What the positions of a row padded to its micro-batch's longest are rounded up to:
     ``data.pad_multiple`` (0: no trimming, every row ``seq_len + 1`` tokens), times what the parallel layout
     needs of a row's length: a multiple of ``tp`` (sequence parallel splits the tokens) and, under context
-    parallelism, of ``2 · cp · tp`` (two chunks per CP rank, each split by sequence parallel) so no CP padding is added."""
+    parallelism, of ``2 · cp · tp`` (two chunks per CP rank, each split by sequence parallel) so no CP
+    padding is added."""
     m, p = cfg.data.pad_multiple, cfg.parallel
     if m <= 0:
         return 0

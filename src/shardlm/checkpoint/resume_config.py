@@ -143,6 +143,12 @@ NOT_COMPARED = ("checkpoint.resume",)
 BEFORE_RECORDED: dict[str, Any] = {"model.attention": "causal", "data.pack": False}
 
 
+#: settings whose ``"auto"`` on resume means "the run's own choice": the checkpoint's value is kept
+#: (shardlm/config/auto.py, shardlm/train/defaults.py), so an ``"auto"`` there is no change
+KEPT_WHEN_AUTO = frozenset({"parallel.reshard_after_forward", "parallel.blocks_per_group",
+                            "parallel.activation_checkpoint", "train.loss_chunk_tokens"})
+
+
 def config_changes(old: dict[str, Any], new: dict[str, Any]) -> list[Change]:
     """Every field of ``new`` (``Config.to_dict()``) whose value differs in ``old`` (the checkpoint's),
     in order.
@@ -155,7 +161,7 @@ def config_changes(old: dict[str, Any], new: dict[str, Any]) -> list[Change]:
     changes = []
     for key, value in after.items():
         previous = before.get(key, _MISSING)
-        if previous == value or key in NOT_COMPARED:
+        if previous == value or key in NOT_COMPARED or (value == "auto" and key in KEPT_WHEN_AUTO):
             continue
         what, why = rule(key) if previous is not _MISSING else (TAKES_EFFECT,
                                                                 "not recorded in the checkpoint")

@@ -9,6 +9,7 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING
 
+from shardlm.config.auto import AUTO
 from shardlm.config.layout import check_ep, check_tp
 from shardlm.errors import ConfigError
 
@@ -77,7 +78,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"train.peak_flops must be >= 0 (FLOP/s; 0 = automatic), got {t.peak_flops}")
     if t.grad_clip < 0:
         raise ConfigError(f"train.grad_clip must be >= 0, got {t.grad_clip}")
-    if t.loss_chunk_tokens < 0:
+    if t.loss_chunk_tokens != AUTO and t.loss_chunk_tokens < 0:
         raise ConfigError("train.loss_chunk_tokens must be >= 0 (scored tokens per chunk of the fused "
                           f"output projection and loss; 0 = the plain loss), got {t.loss_chunk_tokens}")
     for key in ("dp_replicate", "dp_shard"):
@@ -126,12 +127,13 @@ def validate(cfg: Config) -> None:
     for key in ("forward_prefetch", "backward_prefetch"):
         if getattr(p, key) < 0:
             raise ConfigError(f"parallel.{key} must be >= 0, got {getattr(p, key)}")
-    if not 1 <= p.blocks_per_group <= m.n_layers:
+    if p.blocks_per_group != AUTO and not 1 <= p.blocks_per_group <= m.n_layers:
         raise ConfigError(f"parallel.blocks_per_group must be between 1 and model.n_layers={m.n_layers} (one "
                           f"group of all blocks), got {p.blocks_per_group}")
     if p.activation_checkpoint_n < 1:
         raise ConfigError(f"parallel.activation_checkpoint_n must be >= 1, got {p.activation_checkpoint_n}")
-    if not isinstance(p.reshard_after_forward, bool) and p.reshard_after_forward < 2:
+    if not isinstance(p.reshard_after_forward, bool) and p.reshard_after_forward != AUTO and \
+            p.reshard_after_forward < 2:
         raise ConfigError(f"parallel.reshard_after_forward must be true, false or an integer N > 1, "
                           f"got {p.reshard_after_forward}")
     if p.mode != "fsdp":
@@ -139,7 +141,7 @@ def validate(cfg: Config) -> None:
                      "forward_prefetch": 0, "backward_prefetch": 0, "async_all_gather": False,
                      "cpu_offload": False, "reduce_scatter": "auto", "blocks_per_group": 1}
         for key, default in fsdp_only.items():
-            if getattr(p, key) != default:
+            if getattr(p, key) not in (default, AUTO):
                 raise ConfigError(f"parallel.{key} applies to parallel.mode='fsdp' only (mode is {p.mode!r})")
     lora = cfg.lora
     if lora.enabled:

@@ -128,11 +128,14 @@ class TrainConfig:
     ``norm``. Empty: everything is trainable (see shardlm/model/freeze.py)."""
     frozen: str = ""
     """Comma-separated name patterns of parameters to freeze (as ``trainable``), applied after it."""
-    loss_chunk_tokens: int = 256
+    loss_chunk_tokens: Literal["auto"] | int = "auto"
     """Scored tokens per chunk of the fused output projection and cross-entropy (training and evaluation):
     each chunk's logits (this many × vocab fp32 values) are made, turned into its loss and gradients, and
     freed, so the whole logits never exist (``shardlm/train/loss.py``); same results as the plain loss up to
-    summation order. 0 = the plain loss (the whole logits, their fp32 log-softmax and gradients)."""
+    summation order. 0 = the plain loss (the whole logits, their fp32 log-softmax and gradients). ``auto``:
+    chosen at start-up (``shardlm train``: the plain loss when a micro-batch's whole fp32 logits are at most
+    64 MiB and the planned step fits, else 256; shardlm/plan/defaults.py), kept on resume; 256 where nothing
+    chooses."""
 
 
 @dataclass

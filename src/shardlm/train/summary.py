@@ -20,6 +20,7 @@ from shardlm.parallel import DistInfo, all_gather_ints
 from shardlm.parallel.cp import ContextParallel
 from shardlm.parallel.options import describe
 from shardlm.train.build import unwrap
+from shardlm.train.defaults import DefaultChoice, describe_defaults
 from shardlm.train.mfu import PeakFlops
 from shardlm.train.objectives import Objective
 
@@ -39,6 +40,7 @@ class SummarySource(Protocol):
     dp_size: int
     attention: AttentionChoice
     attention_backend: str | None
+    default_choices: list[DefaultChoice]
     train_data: Any
     val_data: Any
     meta: dict[str, Any]
@@ -89,6 +91,7 @@ def job_summary(trainer: SummarySource) -> str:
             else ""
         ),
         f"  settings   {describe(cfg.parallel, info.device.type)}",
+        *[f"  auto       {line}" for line in describe_defaults(trainer.default_choices)],
         f"  batch      global {cfg.train.global_batch_size} "
         + (f"{samples} ({rows} seqs)" if rows != cfg.train.global_batch_size else "seqs")
         + f" x {cfg.train.seq_len} tokens = {rows * cfg.train.seq_len:,} tokens/step"

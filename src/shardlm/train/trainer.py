@@ -48,6 +48,7 @@ from shardlm.parallel.dist import HostScalar, data_parallel_rank, set_matmul_pre
 from shardlm.parallel.faults import FaultMonitor, guard_collectives
 from shardlm.train.build import build_model, unwrap
 from shardlm.train.datasets import build_datasets, resolve_attention, training_attention_backend
+from shardlm.train.defaults import Chooser, resolve_defaults
 from shardlm.train.final_export import export_model, model_special_ids_of, written_line
 from shardlm.train.mfu import peak_flops_per_rank
 from shardlm.train.nonfinite import NonFiniteGuard
@@ -83,10 +84,15 @@ class Trainer:
     ``objective``: a factory of the step's :class:`~shardlm.train.objectives.Objective` from an
     :class:`~shardlm.train.objectives.ObjectiveContext`; by default the config's
     (:func:`~shardlm.train.objectives.build_objective`).
+
+    ``defaults``: chooses the settings left ``"auto"`` for a new run (:mod:`shardlm.train.defaults`;
+    ``shardlm train`` passes the planner's :func:`shardlm.plan.defaults.choose_defaults`); without it they
+    take their fixed defaults. A resumed run keeps its checkpoint's values.
     """
 
     def __init__(self, cfg: Config, info: DistInfo | None = None, keep_history: bool = False,
-                 objective: Callable[[ObjectiveContext], Objective] | None = None) -> None:
+                 objective: Callable[[ObjectiveContext], Objective] | None = None,
+                 defaults: Chooser | None = None) -> None:
         self.cfg = cfg
         # a tracker switched on without its package: one clear error before anything starts
         check_packages(cfg)
@@ -121,6 +127,9 @@ class Trainer:
         if self.attention.warning and self.info.is_main:
             print(self.attention.warning, file=sys.stderr, flush=True)
         self.attention_backend = self.attention_backend if cfg.model.attention == "block_causal" else None
+        #: the "auto" settings as this run resolved them, in place in cfg (train/defaults.py): the resumed
+        #: checkpoint's, the chooser's (shardlm train: the planner's), else the fixed defaults
+        self.default_choices = resolve_defaults(cfg, self.checkpointer.resumed_config(), defaults, self.info)
         # train/val samples and the sampler, per data format (train/datasets.py)
         self.train_data, self.val_data, self.sampler = build_datasets(cfg, self.meta,
                                                                       self.attention_backend is not None)

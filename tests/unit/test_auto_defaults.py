@@ -1,5 +1,5 @@
-"""Settings left ``"auto"`` (reshard after forward, blocks per FSDP group, activation checkpointing, the loss's
-chunking): the planner chooses them for a new run by the memory it plans, a user's setting wins, a resume
+"""Settings left ``"auto"`` (reshard after forward, blocks per FSDP group, activation checkpointing, the
+loss's chunking): the planner chooses them for a new run by the memory it plans, a user's setting wins, a resume
 keeps the checkpoint's values, the summary says what was chosen and why."""
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ def info(world: int) -> DistInfo:
 
 
 def tiny(small_data, tmp_path, extra: dict | None = None):
-    return load_config(None, tiny_overrides(small_data, tmp_path, {"train.micro_batch_size": 4, **(extra or {})}))
+    extra = {"train.micro_batch_size": 4, **(extra or {})}
+    return load_config(None, tiny_overrides(small_data, tmp_path, extra))
 
 
 def test_defaults_are_auto_and_read_as_the_fixed_ones_until_chosen(small_data, tmp_path):

@@ -1,6 +1,6 @@
 """Settings left ``"auto"`` (reshard after forward, blocks per FSDP group, activation checkpointing, the
-loss's chunking): the planner chooses them for a new run by the memory it plans, a user's setting wins, a resume
-keeps the checkpoint's values, the summary says what was chosen and why."""
+loss's chunking): the planner chooses them for a new run by the memory it plans, a user's setting wins, a
+resume keeps the checkpoint's values, the summary says what was chosen and why."""
 
 from __future__ import annotations
 

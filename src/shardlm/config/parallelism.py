@@ -56,7 +56,7 @@ class ParallelConfig:
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     """FSDP gradient reduce-scatter dtype (``MixedPrecisionPolicy.reduce_dtype``); gradient shards are kept
     in fp32."""
-    reshard_after_forward: Literal["auto"] | bool | int = "auto"
+    reshard_after_forward: bool | int | Literal["auto"] = "auto"
     """Blocks and embedding after forward: ``true`` free the full weights (all-gather again in backward),
     ``false`` keep them (no backward all-gather, more memory), or N (1 < N < world size, N divides it): keep
     an N-way shard (backward all-gathers within groups of N ranks). The root always keeps FSDP's default
@@ -70,7 +70,7 @@ class ParallelConfig:
     backward_prefetch: int = 0
     """Explicit backward prefetch depth: block group i's pre-backward all-gathers groups i-1..i-k
     (``set_modules_to_backward_prefetch``); 0 leaves FSDP's implicit one-group backward prefetch."""
-    blocks_per_group: Literal["auto"] | int = "auto"
+    blocks_per_group: int | Literal["auto"] = "auto"
     """Transformer blocks per FSDP group (one ``fully_shard`` call): their parameters are all-gathered
     together and their gradients reduce-scattered together, the last group taking the remainder. 1 is
     torchtitan's grouping; more means fewer, larger collectives (less per-collective latency and hook

@@ -128,7 +128,7 @@ class TrainConfig:
     ``norm``. Empty: everything is trainable (see shardlm/model/freeze.py)."""
     frozen: str = ""
     """Comma-separated name patterns of parameters to freeze (as ``trainable``), applied after it."""
-    loss_chunk_tokens: Literal["auto"] | int = "auto"
+    loss_chunk_tokens: int | Literal["auto"] = "auto"
     """Scored tokens per chunk of the fused output projection and cross-entropy (training and evaluation):
     each chunk's logits (this many × vocab fp32 values) are made, turned into its loss and gradients, and
     freed, so the whole logits never exist (``shardlm/train/loss.py``); same results as the plain loss up to

@@ -118,8 +118,8 @@ def choose_defaults(cfg: Config, keys: list[str], info: Any,
             while k > 1 and fits("parallel.blocks_per_group", k) is None:
                 k //= 2
             value = k
-            why = (f"auto: {k} block(s) of {size(block_bytes)} of parameters per FSDP group (about "
-                   f"{size(GROUP_BYTES)} per collective, fewer and larger all-gathers and reduce-scatters)")
+            why = (f"auto: {k} of {len(layers)} blocks per FSDP group, {size(k * block_bytes)} of parameters "
+                   f"per all-gather (grouped up to about {size(GROUP_BYTES)}: fewer, larger collectives)")
         put(trial, "parallel.blocks_per_group", value)
         out["parallel.blocks_per_group"] = (value, why)
     if "train.loss_chunk_tokens" in keys:

@@ -271,5 +271,5 @@ def test_gpt_oss_trains_block_causal_under_auto_on_documents(small_data, tmp_pat
     assert len(losses) == 6 and all(torch.isfinite(torch.tensor(losses)))
     assert losses[-1] < losses[0]
     summary = capsys.readouterr().out
-    assert ("attention  block_causal (backend sdpa, per-document positions); auto: pre-training data"
+    assert ("attention  block_causal (backend per_document, per-document positions); auto: pre-training data"
             in summary)

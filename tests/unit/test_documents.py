@@ -123,7 +123,8 @@ def test_planner_counts_packing_block_causal_flops_and_the_mask(packed_data, doc
             / docs.numel()
         )
     base = [f"--train.seq_len={SEQ}", "--model.attention=block_causal", "--train.micro_batch_size=2",
-            "--train.global_batch_size=4", "--parallel.mode=single"]
+            "--train.global_batch_size=4", "--parallel.mode=single",
+            "--model.attention_backend=sdpa"]  # the dense mask the planner counts (per_document holds none)
     text = load_config(str(ROOT / "configs/shakespeare-tiny.toml"), base + [f"--data.dir={doc_data}"])
     windows = DocumentWindows(TokenWindows(str(doc_data), "train", SEQ),
                               load_meta(str(doc_data))["special_ids"]["eod"])
@@ -386,8 +387,8 @@ def test_new_runs_train_block_causal_by_their_data_and_resumed_runs_keep_theirs(
     auto, summary, a = _trainer_steps(overrides(doc_data, "auto"), 2)
     assert auto.cfg.model.attention == "block_causal" and planned_attention(load_config(None, overrides(
         doc_data, "x"))) == "block_causal"
-    assert ("attention  block_causal (backend sdpa, per-document positions); auto: pre-training data with "
-            "recorded document starts; documents from the recorded starts") in summary, summary
+    assert ("attention  block_causal (backend per_document, per-document positions); auto: pre-training data "
+            "with recorded document starts; documents from the recorded starts") in summary, summary
     assert auto.train_data.get(auto.sampler.step_ids(0))[:, 2].max() > 0  # step 1's windows cross documents
     _, _, b = _trainer_steps(overrides(doc_data, "block", **{"model.attention": '"block_causal"'}), 2)
     causal, summary, c = _trainer_steps(overrides(doc_data, "causal", **{"model.attention": '"causal"'}), 2)

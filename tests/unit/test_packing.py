@@ -44,7 +44,7 @@ FAMILY_CASES = {
                           rope_theta=1e6, rope_local_theta=10000.0, query_pre_attn_scalar=24,
                           rope_linear_factor=2.0, final_logit_softcap=30.0, **COMMON),
 }
-BACKENDS = ["sdpa", "flex"]
+BACKENDS = ["sdpa", "per_document", "flex"]
 LENGTHS = [(11, 14, 9), (16, 5, 12)]  # two rows of three examples each, then padding to ROW tokens
 ROW = 40
 
@@ -190,7 +190,7 @@ def test_missing_flex_backend_is_one_clear_error(monkeypatch):
     monkeypatch.setattr(doc_attention, "flex_attention", None)
     with pytest.raises(ValueError, match="flex_attention.*use 'sdpa'"):
         doc_attention.resolve_backend("flex", "cpu")
-    assert doc_attention.resolve_backend("auto", "cpu") == "sdpa"
+    assert doc_attention.resolve_backend("auto", "cpu") == "per_document"
     tokens, documents, _ = packed_rows()
     with pytest.raises(ValueError, match="flex"):
         random_model("llama", backend="flex")(tokens, documents=documents)

@@ -567,3 +567,20 @@ def test_bad_preference_settings_and_a_reference_with_another_tokenizer(tok_dir,
         check_reference_tokenizer(str(other), str(tok_dir / "tokenizer.json"))
     with pytest.raises(ConfigError, match="has no tokenizer.json"):
         check_reference_tokenizer(str(tmp_path), str(tok_dir / "tokenizer.json"))
+
+
+def test_pairs_padded_to_the_longest_row_are_the_full_rows_cut(prepared):
+    """``pad_multiple``: chosen and rejected rows of a micro-batch share one width, the longest sequence's
+    positions rounded up to the multiple; the rows are the full-width rows cut there (the rest padding only),
+    and the chosen-only rows (validation) take the chosen sequences' own width."""
+    _, out = prepared
+    full = PreferencePairs(str(out), "train", SEQ_LEN)
+    trimmed = PreferencePairs(str(out), "train", SEQ_LEN, pad_multiple=4)
+    ids = [0, 1, 2]
+    a, b = full.get(ids), trimmed.get(ids)
+    assert b.shape[2] == trimmed.width(ids) and (b.shape[2] - 1) % 4 == 0 or b.shape[2] == SEQ_LEN + 1
+    assert torch.equal(a[:, :, :b.shape[2]], b) and (a[:, 1, b.shape[2]:] == IGNORE_INDEX).all()
+    chosen = trimmed.chosen_examples()
+    assert torch.equal(chosen.get(ids), a[:3, :, :chosen.width(ids)])
+    assert chosen.width(ids) <= b.shape[2]
+    assert min(trimmed.width([i]) for i in range(len(trimmed))) < SEQ_LEN + 1  # some rows are trimmed

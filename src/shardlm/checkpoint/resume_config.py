@@ -48,6 +48,8 @@ RULES: dict[str, tuple[str, str]] = {
     "data.tokenizer_sample_bytes": (REFUSED, _DATA),
     "data.piece_bytes": (TAKES_EFFECT, "only how preparation cuts its work; the prepared data is compared"),
     "data.workers": (TAKES_EFFECT, "only how many processes prepare the data"),
+    "data.pad_multiple": (TAKES_EFFECT, "only how much padding a micro-batch computes (the same samples; "
+                                        "losses equal up to summation order)"),
     "data.dir": (TAKES_EFFECT,
                  "allowed when the data there is the same (meta.json and tokenizer.json SHA-256 "
                                "are compared)"),
@@ -141,6 +143,12 @@ NOT_COMPARED = ("checkpoint.resume",)
 BEFORE_RECORDED: dict[str, Any] = {"model.attention": "causal", "data.pack": False}
 
 
+#: settings whose ``"auto"`` on resume means "the run's own choice": the checkpoint's value is kept
+#: (shardlm/config/auto.py, shardlm/train/defaults.py), so an ``"auto"`` there is no change
+KEPT_WHEN_AUTO = frozenset({"parallel.reshard_after_forward", "parallel.blocks_per_group",
+                            "parallel.activation_checkpoint", "train.loss_chunk_tokens"})
+
+
 def config_changes(old: dict[str, Any], new: dict[str, Any]) -> list[Change]:
     """Every field of ``new`` (``Config.to_dict()``) whose value differs in ``old`` (the checkpoint's),
     in order.
@@ -153,7 +161,7 @@ def config_changes(old: dict[str, Any], new: dict[str, Any]) -> list[Change]:
     changes = []
     for key, value in after.items():
         previous = before.get(key, _MISSING)
-        if previous == value or key in NOT_COMPARED:
+        if previous == value or key in NOT_COMPARED or (value == "auto" and key in KEPT_WHEN_AUTO):
             continue
         what, why = rule(key) if previous is not _MISSING else (TAKES_EFFECT,
                                                                 "not recorded in the checkpoint")

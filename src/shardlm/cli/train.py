@@ -94,9 +94,11 @@ def main(argv: list[str] | None = None) -> int:
     config_path, overrides = parse_args(sys.argv[1:] if argv is None else argv)
 
     def run() -> int:
+        from shardlm.plan.defaults import choose_defaults
         from shardlm.train.trainer import Trainer
 
-        trainer = Trainer(train_config(config_path, overrides))
+        # the settings left "auto" are chosen by the planner (a resumed run keeps its checkpoint's)
+        trainer = Trainer(train_config(config_path, overrides), defaults=choose_defaults)
         trainer.train()
         return STOPPED_EXIT_CODE if trainer.preempted else 0
 

@@ -10,6 +10,7 @@ import math
 import re
 from typing import TYPE_CHECKING
 
+from shardlm.config.auto import AUTO
 from shardlm.config.layout import check_ep, check_tp
 from shardlm.errors import ConfigError, ModelDirError
 from shardlm.model.hf_config import read_model_dir_config
@@ -69,6 +70,9 @@ def validate(cfg: Config) -> None:
     if d.pack and cfg.model.attention == "causal":
         raise ConfigError("data.pack needs model.attention = 'block_causal' (or 'auto', the default): under "
                           "'causal' the packed examples would attend to each other")
+    if d.pad_multiple < 0:
+        raise ConfigError(f"data.pad_multiple must be >= 0 (0 pads every row to train.seq_len + 1), got "
+                          f"{d.pad_multiple}")
     if not 0.0 < cfg.data.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction must be in (0, 1), got {cfg.data.val_fraction}")
     if t.min_lr > t.lr or t.lr <= 0:
@@ -80,7 +84,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"train.peak_flops must be >= 0 (FLOP/s; 0 = automatic), got {t.peak_flops}")
     if t.grad_clip < 0:
         raise ConfigError(f"train.grad_clip must be >= 0, got {t.grad_clip}")
-    if t.loss_chunk_tokens < 0:
+    if t.loss_chunk_tokens != AUTO and t.loss_chunk_tokens < 0:
         raise ConfigError("train.loss_chunk_tokens must be >= 0 (scored tokens per chunk of the fused "
                           f"output projection and loss; 0 = the plain loss), got {t.loss_chunk_tokens}")
     for key in ("dp_replicate", "dp_shard"):
@@ -130,12 +134,13 @@ def validate(cfg: Config) -> None:
     for key in ("forward_prefetch", "backward_prefetch"):
         if getattr(p, key) < 0:
             raise ConfigError(f"parallel.{key} must be >= 0, got {getattr(p, key)}")
-    if not 1 <= p.blocks_per_group <= m.n_layers:
+    if p.blocks_per_group != AUTO and not 1 <= p.blocks_per_group <= m.n_layers:
         raise ConfigError(f"parallel.blocks_per_group must be between 1 and model.n_layers={m.n_layers} (one "
                           f"group of all blocks), got {p.blocks_per_group}")
     if p.activation_checkpoint_n < 1:
         raise ConfigError(f"parallel.activation_checkpoint_n must be >= 1, got {p.activation_checkpoint_n}")
-    if not isinstance(p.reshard_after_forward, bool) and p.reshard_after_forward < 2:
+    if not isinstance(p.reshard_after_forward, bool) and p.reshard_after_forward != AUTO and \
+            p.reshard_after_forward < 2:
         raise ConfigError(f"parallel.reshard_after_forward must be true, false or an integer N > 1, "
                           f"got {p.reshard_after_forward}")
     if p.mode != "fsdp":
@@ -143,7 +148,7 @@ def validate(cfg: Config) -> None:
                      "forward_prefetch": 0, "backward_prefetch": 0, "async_all_gather": False,
                      "cpu_offload": False, "reduce_scatter": "auto", "blocks_per_group": 1}
         for key, default in fsdp_only.items():
-            if getattr(p, key) != default:
+            if getattr(p, key) not in (default, AUTO):
                 raise ConfigError(f"parallel.{key} applies to parallel.mode='fsdp' only (mode is {p.mode!r})")
     lora = cfg.lora
     if lora.enabled:

@@ -31,7 +31,8 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
                 return _coerce(key, value, arm)
             except ConfigError:
                 continue
-        names = " or ".join(getattr(a, "__name__", str(a)) for a in typing.get_args(typ))
+        names = " or ".join(" or ".join(map(repr, typing.get_args(a))) if typing.get_origin(a) is Literal
+                            else getattr(a, "__name__", str(a)) for a in typing.get_args(typ))
         raise ConfigError(f"{key}: expected {names}, got {value!r}")
     if origin is Literal:
         if value not in typing.get_args(typ):

@@ -56,11 +56,13 @@ class ParallelConfig:
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     """FSDP gradient reduce-scatter dtype (``MixedPrecisionPolicy.reduce_dtype``); gradient shards are kept
     in fp32."""
-    reshard_after_forward: bool | int = True
+    reshard_after_forward: bool | int | Literal["auto"] = "auto"
     """Blocks and embedding after forward: ``true`` free the full weights (all-gather again in backward),
     ``false`` keep them (no backward all-gather, more memory), or N (1 < N < world size, N divides it): keep
     an N-way shard (backward all-gathers within groups of N ranks). The root always keeps FSDP's default
-    (not resharded)."""
+    (not resharded). ``auto``: chosen at start-up (``shardlm train``: ``false`` when the planned step fits
+    the memory per rank with it, else ``true``; shardlm/plan/defaults.py), kept on resume; ``true`` where
+    nothing chooses (the Python API)."""
     forward_prefetch: int = 0
     """Explicit forward prefetch depth: block group i's pre-forward all-gathers groups i+1..i+k
     (``set_modules_to_forward_prefetch``; a group is one block unless ``blocks_per_group``); 0 leaves FSDP's
@@ -68,12 +70,14 @@ class ParallelConfig:
     backward_prefetch: int = 0
     """Explicit backward prefetch depth: block group i's pre-backward all-gathers groups i-1..i-k
     (``set_modules_to_backward_prefetch``); 0 leaves FSDP's implicit one-group backward prefetch."""
-    blocks_per_group: int = 1
+    blocks_per_group: int | Literal["auto"] = "auto"
     """Transformer blocks per FSDP group (one ``fully_shard`` call): their parameters are all-gathered
     together and their gradients reduce-scattered together, the last group taking the remainder. 1 is
     torchtitan's grouping; more means fewer, larger collectives (less per-collective latency and hook
     overhead) and more memory held unsharded at once. Prefetch depths count groups. Results are bit-identical
-    for every value."""
+    for every value. ``auto``: chosen at start-up (``shardlm train``: blocks grouped until a group holds
+    about 64 MiB of parameters, where a collective's fixed cost stops mattering, while the planned step fits;
+    shardlm/plan/defaults.py), kept on resume; 1 where nothing chooses."""
     async_all_gather: bool = False
     """Issue the next block's all-gather from the current block's forward pre-hook with
     ``unshard(async_op=True)``; FSDP waits on it just before that block runs."""
@@ -85,10 +89,13 @@ class ParallelConfig:
     cpu_offload: bool = False
     """Keep parameter shards, gradient shards and optimizer state in CPU memory (``CPUOffloadPolicy``; pinned
     only when an accelerator exists); the optimizer step runs on the CPU."""
-    activation_checkpoint: Literal["none", "full", "every_n", "selective"] = "none"
+    activation_checkpoint: Literal["auto", "none", "full", "every_n", "selective"] = "auto"
     """Activation checkpointing of the blocks: ``full`` recomputes every block in backward, ``every_n`` every
     n-th block (``activation_checkpoint_n``), ``selective`` keeps matrix-multiply and attention outputs and
-    recomputes the element-wise ops (torchtitan's "selective op"). Parameter names do not change."""
+    recomputes the element-wise ops (torchtitan's "selective op"). Parameter names do not change. ``auto``:
+    chosen at start-up (``shardlm train``: the least recomputation whose planned step fits the memory per
+    rank: ``none``, else ``selective``, else ``full``; shardlm/plan/defaults.py), kept on resume; ``none``
+    where nothing chooses."""
     activation_checkpoint_n: int = 2
     """For ``activation_checkpoint = "every_n"``: checkpoint blocks n, 2n, ... (1-based), i.e. every
     n-th block."""

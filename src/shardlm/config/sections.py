@@ -65,6 +65,12 @@ class DataConfig:
     (``model.attention = "auto"``, the default, then resolves to ``block_causal``; ``causal`` is refused).
     Only for ``format = "instruct"``: pre-training windows are already full (block-causal there
     by default)."""
+    pad_multiple: int = 8
+    """Unpacked instruction examples and preference pairs: each micro-batch's rows are padded to its longest
+    sequence, the positions the model computes rounded up to a multiple of this (and of what
+    ``parallel.cp`` and ``parallel.tp`` need), at most ``train.seq_len`` (shardlm/data/instruct.py's
+    ``row_width``). 0 pads every row to ``train.seq_len + 1`` tokens. Packed rows and text windows are always
+    full. Same losses up to summation order; bit-identical where the longest row fills ``seq_len``."""
     sources: list[DataSource] = field(default_factory=list)
     """A mixture, instead of ``corpus``: ``[[data.sources]]`` tables with ``path`` and ``weight`` (and
     ``name``). Each global batch draws its samples from the sources in proportion to the weights; all sources
@@ -126,11 +132,14 @@ class TrainConfig:
     ``norm``. Empty: everything is trainable (see shardlm/model/freeze.py)."""
     frozen: str = ""
     """Comma-separated name patterns of parameters to freeze (as ``trainable``), applied after it."""
-    loss_chunk_tokens: int = 256
+    loss_chunk_tokens: int | Literal["auto"] = "auto"
     """Scored tokens per chunk of the fused output projection and cross-entropy (training and evaluation):
     each chunk's logits (this many × vocab fp32 values) are made, turned into its loss and gradients, and
     freed, so the whole logits never exist (``shardlm/train/loss.py``); same results as the plain loss up to
-    summation order. 0 = the plain loss (the whole logits, their fp32 log-softmax and gradients)."""
+    summation order. 0 = the plain loss (the whole logits, their fp32 log-softmax and gradients). ``auto``:
+    chosen at start-up (``shardlm train``: the plain loss when a micro-batch's whole fp32 logits are at most
+    64 MiB and the planned step fits, else 256; shardlm/plan/defaults.py), kept on resume; 256 where nothing
+    chooses."""
     float8: Literal["none", "tensorwise", "rowwise", "mxfp8"] = "none"
     """Float8 training of the blocks' linear layers with torchao (shardlm/parallel/float8.py): ``tensorwise``
     (one scale per tensor; under FSDP the weights are all-gathered in float8), ``rowwise`` (a scale per row;

@@ -56,6 +56,24 @@ IGNORE_INDEX = -100
 PADDING_DOCUMENT = -1
 """Label of a position that is not trained (PyTorch's ``cross_entropy`` default ``ignore_index``)."""
 
+def row_width(longest: int, seq_len: int, multiple: int) -> int:
+    """Tokens per row of a micro-batch padded to its longest sequence: ``T + 1`` where ``T`` (the positions
+    the model computes) is the longest sequence's ``longest - 1`` inputs rounded up to a multiple of
+    ``multiple``, at most ``seq_len``; ``multiple`` 0 gives ``seq_len + 1`` (every row padded to the full
+    sample, the layout before padding to the longest). A ``seq_len`` that is not a multiple is kept as it is
+    when the rounding would pass it (it is valid for every parallel layout already).
+
+    Args:
+        longest: tokens of the micro-batch's longest row (1..seq_len + 1). seq_len: ``train.seq_len``.
+        multiple: >= 0 (:func:`shardlm.train.datasets.row_multiple` makes it: ``data.pad_multiple`` with
+            the divisibility context and tensor parallelism need).
+    """
+    if multiple <= 0:
+        return seq_len + 1
+    t = -(-max(longest - 1, 1) // multiple) * multiple
+    return min(t, seq_len) + 1
+
+
 def read_instructions(path: str) -> list[tuple[int, list[dict[str, str]]]]:
     """Read a JSONL instruction file into ``[(line number, messages)]``.
 
@@ -189,6 +207,9 @@ class InstructionExamples:
 
     Longer examples are truncated; shorter ones padded (pad token = ``eos`` or 0, label -100).
 
+    ``pad_multiple``: 0 pads every sample to ``seq_len + 1`` tokens; N > 0 pads the examples of one ``get``
+    to their longest, rounded up to a multiple of N inputs (:func:`row_width`).
+
     ``skip_untrainable``: an example with no response token inside its first ``seq_len + 1`` tokens gets
     ``target_counts`` 0 instead of an error (packing leaves it out and counts it:
     :mod:`shardlm.data.packing`).
@@ -199,7 +220,8 @@ class InstructionExamples:
             raise ``train.seq_len``).
     """
 
-    def __init__(self, out_dir: str, split: str, seq_len: int, skip_untrainable: bool = False) -> None:
+    def __init__(self, out_dir: str, split: str, seq_len: int, skip_untrainable: bool = False,
+                 pad_multiple: int = 0) -> None:
         meta = load_meta(out_dir)
         if meta.get("format") != "instruct":
             raise DataError(f"{out_dir} is not a prepared instruction directory")
@@ -210,7 +232,10 @@ class InstructionExamples:
         n = (len(idx) - 1) // 2
         self.offsets, self.lines = idx[:n + 1], idx[n + 1:]
         self.seq_len = seq_len
+        self.pad_multiple = pad_multiple
         self.pad = (meta.get("special_ids") or {}).get("eos") or 0
+        #: tokens of each example as a sample holds them (cut at seq_len + 1), int64 (n,)
+        self.lengths = np.minimum(np.diff(self.offsets), seq_len + 1)
         # response tokens at positions 1..seq_len of each example: the targets the loss counts (int64, (n,))
         self.target_counts = np.zeros(n, dtype=np.int64)
         for i in range(n):  # the first target is position 1: a response token must fall in 1..seq_len
@@ -230,10 +255,16 @@ class InstructionExamples:
         once at load: every rank can count a whole global batch on the host, without reading the examples."""
         return int(self.target_counts[np.asarray(ids, dtype=np.int64)].sum()) if len(ids) else 0
 
+    def width(self, ids: list[int]) -> int:
+        """Tokens per row of ``get(ids)``: :func:`row_width` of their longest example (host arithmetic)."""
+        longest = int(self.lengths[np.asarray(ids, dtype=np.int64)].max()) if len(ids) else 1
+        return row_width(longest, self.seq_len, self.pad_multiple)
+
     def get(self, ids: list[int]) -> torch.Tensor:
-        """Tokens, labels and documents of examples ``ids``: int64 (len(ids), 3, seq_len + 1), labels -100
-        off-response, documents 0 on the example's tokens and :data:`PADDING_DOCUMENT` on its padding."""
-        out = torch.full((len(ids), 3, self.seq_len + 1), IGNORE_INDEX, dtype=torch.int64)
+        """Tokens, labels and documents of examples ``ids``: int64 (len(ids), 3, :meth:`width`), labels -100
+        off-response, documents 0 on the example's tokens and :data:`PADDING_DOCUMENT` on its padding (width
+        ``seq_len + 1`` when ``pad_multiple`` is 0)."""
+        out = torch.full((len(ids), 3, self.width(ids)), IGNORE_INDEX, dtype=torch.int64)
         out[:, 0] = self.pad
         out[:, 2] = PADDING_DOCUMENT
         for row, i in enumerate(ids):

@@ -44,7 +44,7 @@ from shardlm.atomic import atomic_directory
 from shardlm.data.chat import ChatTemplate
 from shardlm.data.corpus import jsonl_file, jsonl_objects
 from shardlm.data.identity import chat_template_identity, corpus_identity, source_identity, tokenizer_identity
-from shardlm.data.instruct import IGNORE_INDEX, open_chat_tokenizer
+from shardlm.data.instruct import IGNORE_INDEX, open_chat_tokenizer, row_width
 from shardlm.data.prepare import load_meta, token_dtype, unigram_entropy
 from shardlm.data.tokenizer import special_token_ids
 from shardlm.data.tokenizer_files import model_special_ids, write_tokenizer_files
@@ -232,7 +232,7 @@ class PreferencePairs:
         DataError: not a preference directory, or every pair's prompt fills ``max_length``.
     """
 
-    def __init__(self, out_dir: str, split: str, seq_len: int) -> None:
+    def __init__(self, out_dir: str, split: str, seq_len: int, pad_multiple: int = 0) -> None:
         meta = load_meta(out_dir)
         if meta.get("format") != PREFERENCE:
             raise DataError(f"{out_dir} is not a prepared preference directory (format "
@@ -259,6 +259,9 @@ class PreferencePairs:
         self.chosen_sequence_counts = np.minimum(prompt + chosen, max_length) - 1
         self.rejected_counts = np.minimum(prompt + rejected, max_length) - first
         self.pad = (meta.get("special_ids") or {}).get("eos") or 0
+        #: 0: every row ``seq_len + 1`` tokens; N: the rows of one ``get`` padded to their longest
+        #: (:func:`~shardlm.data.instruct.row_width`)
+        self.pad_multiple = pad_multiple
 
     def __len__(self) -> int:
         """Number of pairs (after dropping those whose prompt fills ``max_length``)."""
@@ -277,25 +280,37 @@ class PreferencePairs:
         counts = self.chosen_sequence_counts if prompt else self.chosen_counts
         return int(counts[np.asarray(ids, dtype=np.int64)].sum()) if len(ids) else 0
 
+    def width(self, ids: list[int], rejected: bool = True) -> int:
+        """Tokens per row of ``get(ids)`` (chosen and, with ``rejected``, rejected sequences): the longest
+        sequence (cut at ``seq_len + 1``) through :func:`~shardlm.data.instruct.row_width` (host
+        arithmetic)."""
+        rows = self.idx[np.asarray(ids, dtype=np.int64)]
+        longest = rows[:, 1] + (np.maximum(rows[:, 2], rows[:, 3]) if rejected else rows[:, 2])
+        top = int(min(longest.max(), self.seq_len + 1)) if len(ids) else 1
+        return row_width(top, self.seq_len, self.pad_multiple)
+
     def _row(self, out: torch.Tensor, row: int, start: int, prompt: int, offset: int, length: int) -> None:
-        n = min(prompt + length, self.seq_len + 1)
+        n = min(prompt + length, out.shape[2])
         ids = np.concatenate([self.tokens[start:start + prompt],
                               self.tokens[start + offset:start + offset + length]])
         toks = torch.from_numpy(ids[:n].astype(np.int64))
         out[row, 0, :n] = toks
         out[row, 1, prompt:n] = toks[prompt:]
 
-    def get(self, ids: list[int]) -> torch.Tensor:
-        """Tokens and labels of pairs ``ids``: int64 (2·len(ids), 2, seq_len + 1), the chosen sequences first,
-        then the rejected ones in the same order (TRL's concatenated batch); labels ``IGNORE_INDEX`` off the
-        completion, tokens padded with ``eos`` (or 0) on the right."""
+    def get(self, ids: list[int], rejected: bool = True) -> torch.Tensor:
+        """Tokens and labels of pairs ``ids``: int64 (2·len(ids), 2, :meth:`width`), the chosen sequences
+        first, then the rejected ones in the same order (TRL's concatenated batch); labels ``IGNORE_INDEX``
+        off the completion, tokens padded with ``eos`` (or 0) on the right. Without ``rejected``: the chosen
+        rows only, (len(ids), 2, ``width(ids, rejected=False)``)."""
         b = len(ids)
-        out = torch.full((2 * b, 2, self.seq_len + 1), IGNORE_INDEX, dtype=torch.int64)
+        out = torch.full(((2 if rejected else 1) * b, 2, self.width(ids, rejected)), IGNORE_INDEX,
+                         dtype=torch.int64)
         out[:, 0] = self.pad
         for row, i in enumerate(ids):
-            start, prompt, chosen, rejected, _ = (int(x) for x in self.idx[i])
+            start, prompt, chosen, rejected_length, _ = (int(x) for x in self.idx[i])
             self._row(out, row, start, prompt, prompt, chosen)
-            self._row(out, b + row, start, prompt, prompt + chosen, rejected)
+            if rejected:
+                self._row(out, b + row, start, prompt, prompt + chosen, rejected_length)
         return out
 
     def chosen_examples(self) -> ChosenExamples:
@@ -319,6 +334,10 @@ class ChosenExamples:
         """Scored chosen tokens of pairs ``ids``."""
         return self.pairs.num_chosen_targets(ids)
 
+    def width(self, ids: list[int]) -> int:
+        """Tokens per row of ``get(ids)``."""
+        return self.pairs.width(ids, rejected=False)
+
     def get(self, ids: list[int]) -> torch.Tensor:
-        """Chosen tokens and labels of pairs ``ids``: int64 (len(ids), 2, seq_len + 1)."""
-        return self.pairs.get(ids)[:len(ids)]
+        """Chosen tokens and labels of pairs ``ids``: int64 (len(ids), 2, :meth:`width`)."""
+        return self.pairs.get(ids, rejected=False)

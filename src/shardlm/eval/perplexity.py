@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shardlm.config import TrainConfig
+from shardlm.config.auto import FIXED
 from shardlm.convert.hf_in import load_model_dir
 from shardlm.data import load_tokenizer, read_documents, special_token_ids
 from shardlm.data.instruct import IGNORE_INDEX
@@ -208,8 +208,9 @@ def _score(model: CausalLM, stream: list[int], windows: list[tuple[int, int, int
                 pos += e - b
         targets = targets.to(info.device)
         docs = document_index[:, :-1].to(info.device) if documents else None
-        # the chunked loss at train.loss_chunk_tokens' default: never the whole logits (shardlm/train/loss.py)
-        loss = model_loss_sum(model, tokens[:, :-1].to(info.device), targets, TrainConfig.loss_chunk_tokens,
+        # the chunked loss at train.loss_chunk_tokens' fixed default: never the whole logits (train/loss.py)
+        chunk = FIXED["train.loss_chunk_tokens"]
+        loss = model_loss_sum(model, tokens[:, :-1].to(info.device), targets, chunk,
                               docs)
         n = int((targets != IGNORE_INDEX).sum())
         totals += torch.stack(

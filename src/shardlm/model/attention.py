@@ -12,9 +12,16 @@ self-attention between different documents within the same sequence") and torcht
 Backends, behind :func:`attention` (the mask's type selects the kernel):
 
 =========  =====================================================================================
+``per_document``
+           each row cut into its documents (runs of equal ids, the padding one of them) and SDPA run on
+           each alone, causal (``is_causal``; a local layer: a (n, n) band mask of the document's n
+           tokens): no score between two documents is computed, no (seq, seq) mask exists. Any device;
+           the CPU default (measured faster than the dense mask at packed rows whose documents average a
+           quarter of the row: see ``bench/bench_packing.py``). Sinks as under any mask.
 ``sdpa``   PyTorch ``scaled_dot_product_attention`` with a dense additive mask (batch, 1, seq, seq) made
            once per forward in the compute dtype: any device, memory ``batch · seq²`` elements per
-           distinct window, saved for backward once (not per layer). The CPU default and the reference.
+           distinct window, saved for backward once (not per layer). The reference the others are
+           tested against.
 ``flex``   ``torch.nn.attention.flex_attention`` with a ``BlockMask`` (Dong et al., "Flex Attention", 2024):
            compiled on CUDA (the default there), eager elsewhere (slow; forward only on CPU: PyTorch
            has no flex backward there).
@@ -34,6 +41,7 @@ path :func:`sink_attention`, through the flash kernel of :func:`lse_kernels`).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -52,7 +60,7 @@ except ImportError:  # pragma: no cover - an older PyTorch
 ATTENTION_KINDS = ("causal", "block_causal")
 #: the backends ``model.attention_backend`` may name (``auto`` picks one by device; ``varlen`` is refused
 #: by name)
-BACKENDS = ("auto", "sdpa", "flex", "varlen")
+BACKENDS = ("auto", "per_document", "sdpa", "flex", "varlen")
 
 
 def flex_available() -> bool:
@@ -63,7 +71,8 @@ def flex_available() -> bool:
 def resolve_backend(backend: str, device: torch.device | str, training: bool = False) -> str:
     """The backend that runs block-causal attention on ``device``: ``sdpa`` or ``flex``.
 
-    ``auto`` is ``flex`` on CUDA when this PyTorch has it, ``sdpa`` otherwise (the dense-mask reference).
+    ``auto`` is ``flex`` on CUDA when this PyTorch has it (its ``BlockMask`` skips the masked-out blocks in
+    the fused kernel; not run here: no GPU), ``per_document`` otherwise (SDPA on each document alone).
     ``training``: gradients are needed; PyTorch's flex attention has no backward on CPU (its
     ``_validate_device`` refuses it, PyTorch 2.13), so ``flex`` is then refused on CPU.
 
@@ -80,7 +89,7 @@ def resolve_backend(backend: str, device: torch.device | str, training: bool = F
                          "blocks) or 'sdpa'")
     device_type = torch.device(device).type
     if backend == "auto":
-        return "flex" if device_type == "cuda" and flex_available() else "sdpa"
+        return "flex" if device_type == "cuda" and flex_available() else "per_document"
     if backend == "flex" and not flex_available():
         raise ValueError("model.attention_backend='flex' needs torch.nn.attention.flex_attention, which "
                          f"PyTorch {torch.__version__} lacks (PyTorch >= 2.5); use 'sdpa' (a dense mask) or "
@@ -132,6 +141,52 @@ def additive_mask(
     )
 
 
+@dataclass(frozen=True)
+class DocumentRuns:
+    """Block-causal attention as the documents of each row, for :func:`per_document_attention`: ``runs[b]``
+    the (start, length) of each run of equal document ids along row b, in order (padding is a run too, as
+    under :func:`dense_mask`), ``window`` the layer's (0: global). Host integers, read once per forward."""
+
+    runs: tuple[tuple[tuple[int, int], ...], ...]
+    window: int = 0
+
+
+def document_runs(documents: torch.Tensor, window: int = 0) -> DocumentRuns:
+    """The runs of equal ids along each row of ``documents`` (batch, seq) int64 (one device-to-host read)."""
+    t = documents.shape[1]
+    starts = torch.ones_like(documents, dtype=torch.bool)
+    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    runs = []
+    for row in starts.cpu().tolist():
+        first = [i for i, s in enumerate(row) if s] + [t]
+        runs.append(tuple((a, b - a) for a, b in zip(first[:-1], first[1:])))
+    return DocumentRuns(tuple(runs), window)
+
+
+def per_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: DocumentRuns,
+                           scale: float | None = None, sinks: torch.Tensor | None = None,
+                           enable_gqa: bool = True) -> torch.Tensor:
+    """Block-causal attention as causal attention over each document alone: the documents of ``runs`` cut
+    out of q (batch, n_heads, seq, head_dim), k and v (batch, n_kv_heads, seq, head_dim), each through
+    :func:`attention` (SDPA's ``is_causal``; under a window shorter than the document a (n, n) boolean band
+    mask), the outputs joined back in order. Equal to :func:`attention` under :func:`dense_mask` (each query
+    sees exactly the keys of its own document, up to itself and the window) up to the kernels' summation
+    order; the scores between documents are never computed. Returns q's shape and dtype; the gradient flows
+    through the slices and the join."""
+    rows = []
+    for b, row in enumerate(runs.runs):
+        parts = []
+        for start, n in row:
+            qs, ks, vs = (x[b:b + 1, :, start:start + n] for x in (q, k, v))
+            mask = None
+            if runs.window and runs.window < n:
+                i = torch.arange(n, device=q.device)
+                mask = (i.view(1, n) <= i.view(n, 1)) & (i.view(1, n) > i.view(n, 1) - runs.window)
+            parts.append(attention(qs, ks, vs, mask, enable_gqa, scale, sinks))
+        rows.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
+    return rows[0] if len(rows) == 1 else torch.cat(rows, dim=0)
+
+
 def block_mask(documents: torch.Tensor, window: int = 0) -> Any:
     """The same pattern as :func:`dense_mask` as a flex-attention ``BlockMask`` (batch, 1 head, seq, seq),
     built on ``documents``' device (``create_block_mask``'s own default is CUDA)."""
@@ -147,8 +202,12 @@ def block_mask(documents: torch.Tensor, window: int = 0) -> Any:
 
 def document_masks(documents: torch.Tensor, windows: set[int], backend: str,
                    dtype: torch.dtype = torch.float32) -> dict[int, Any]:
-    """One mask per distinct window (0 = a global layer) for a forward pass: a ``BlockMask`` (``flex``) or an
-    additive mask in ``dtype``, the attention's compute dtype (``sdpa``, :func:`additive_mask`)."""
+    """One mask per distinct window (0 = a global layer) for a forward pass: a ``BlockMask`` (``flex``), the
+    rows' documents (``per_document``, :class:`DocumentRuns`) or an additive mask in ``dtype``, the
+    attention's compute dtype (``sdpa``, :func:`additive_mask`)."""
+    if backend == "per_document":
+        runs = document_runs(documents)
+        return {w: DocumentRuns(runs.runs, w) for w in sorted(windows)}
     if backend == "flex":
         return {w: block_mask(documents, w) for w in sorted(windows)}
     return {w: additive_mask(documents, w, dtype) for w in sorted(windows)}
@@ -344,7 +403,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
         q: (batch, n_heads, seq, head_dim); k, v: (batch, n_kv_heads, kv_seq, head_dim), n_kv_heads
             dividing n_heads; query head h reads key/value head h // (n_heads / n_kv_heads).
         mask: None (causal over equal lengths), a boolean/additive mask broadcastable to
-            (batch, n_heads, seq, kv_seq) (SDPA), or a flex-attention ``BlockMask`` (the flex backend).
+            (batch, n_heads, seq, kv_seq) (SDPA), a flex-attention ``BlockMask`` (the flex backend), or
+            :class:`DocumentRuns` (the per-document backend, :func:`per_document_attention`).
         enable_gqa: pass the grouped heads to SDPA as they are (``enable_gqa=True``; no K/V copies, which
             at Llama 3 8B's 32/8 heads would be 4x the K/V memory); False repeats K and V with
             ``repeat_interleave`` first (HF's ``repeat_kv``), for a PyTorch without ``enable_gqa``.
@@ -364,6 +424,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     if sinks is not None and tuple(sinks.shape) != (q.shape[1],):
         raise ValueError(f"attention sinks of shape {tuple(sinks.shape)} for {q.shape[1]} query heads: one "
                          "logit per head is needed")
+    if isinstance(mask, DocumentRuns):
+        return per_document_attention(q, k, v, mask, scale, sinks, enable_gqa)
     if BlockMask is not None and isinstance(mask, BlockMask):
         return flex(q, k, v, mask, scale, sinks)
     if sinks is not None:

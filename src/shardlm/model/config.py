@@ -142,11 +142,13 @@ class ModelConfig:
     (shardlm/data/attention_choice.py); checkpoints and ``config.json`` record the resolved value. A model
     used directly (``CausalLM(cfg)(tokens, documents=...)``) reads ``auto`` the same way: block-causal when
     it is given documents; ``causal`` refuses them (ValueError). Not a shape: kept on ``init_from``."""
-    attention_backend: Literal["auto", "sdpa", "flex", "varlen"] = "auto"
-    """Kernel of block-causal attention: ``sdpa`` (a dense additive mask, any device), ``flex``
-    (flex_attention with a BlockMask: compiled on CUDA, eager on CPU), ``auto`` (flex on CUDA, sdpa
-    elsewhere). Same results. ``varlen`` (flash attention over cu_seqlens, CUDA only) is refused by name: not
-    built until it can be tested."""
+    attention_backend: Literal["auto", "per_document", "sdpa", "flex", "varlen"] = "auto"
+    """Kernel of block-causal attention: ``per_document`` (SDPA over each document of a row alone: the scores
+    between documents are never computed; any device), ``sdpa`` (a dense additive mask over the whole row,
+    any device: the reference), ``flex`` (flex_attention with a BlockMask: compiled on CUDA, eager on CPU,
+    no CPU backward), ``auto`` (flex on CUDA, per_document elsewhere). Same results up to rounding.
+    ``varlen`` (flash attention over cu_seqlens, CUDA only) is refused by name: not built until it can be
+    tested."""
     backend: Literal["native", "transformers"] = "native"
     """Which code runs the model: ``native`` (shardlm's own decoder, the families above) or ``transformers``
     (any causal LM of the installed transformers, ``AutoModelForCausalLM.from_config`` of ``init_from``'s

@@ -13,6 +13,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.nn.parallel import DistributedDataParallel
 
 from shardlm.config import ParallelConfig
+from shardlm.config.auto import AUTO, FIXED
 from shardlm.errors import ConfigError
 from shardlm.parallel.reduce_scatter import resolve_reduce_scatter
 
@@ -113,13 +114,16 @@ def describe(pcfg: ParallelConfig, device_type: str) -> str:
 
     ``device_type`` (``"cpu"``, ``"cuda"``) resolves ``reduce_scatter = "auto"`` to what runs. FSDP's own
     settings (reshard, prefetch, blocks per group, dtypes, reduce-scatter) are named under ``fsdp`` only.
+    A setting still ``"auto"`` (not chosen yet) is named by its fixed default (:mod:`shardlm.config.auto`).
     """
-    common = f"activation checkpointing {pcfg.activation_checkpoint}, compile {str(pcfg.compile).lower()}"
+    fixed = {name: FIXED[f"parallel.{name}"] for name in ("activation_checkpoint", "reshard_after_forward",
+                                                           "blocks_per_group")}
+    ac, reshard, blocks = (fixed[n] if getattr(pcfg, n) == AUTO else getattr(pcfg, n) for n in fixed)
+    common = f"activation checkpointing {ac}, compile {str(pcfg.compile).lower()}"
     if pcfg.mode != "fsdp":
         return common
-    reshard = pcfg.reshard_after_forward
     return (f"reshard after forward {str(reshard).lower() if isinstance(reshard, bool) else reshard}, "
-            f"prefetch {pcfg.forward_prefetch}/{pcfg.backward_prefetch}, {pcfg.blocks_per_group} block(s) "
+            f"prefetch {pcfg.forward_prefetch}/{pcfg.backward_prefetch}, {blocks} block(s) "
             f"per group, {pcfg.param_dtype} compute / {pcfg.reduce_dtype} reduce, reduce-scatter "
             f"{resolve_reduce_scatter(pcfg.reduce_scatter, device_type)}, {common}")
 

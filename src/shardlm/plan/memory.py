@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from shardlm.config import Config, ConfigError, gradient_accumulation_steps
+from shardlm.config.auto import with_fixed_defaults
 from shardlm.config.layout import check_ep, check_tp
 from shardlm.model.cpu_matmul import use_fp32_matmul
 from shardlm.parallel.cp import padded_length
@@ -114,6 +115,7 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
             (:func:`shardlm.config.layout.check_ep`, :func:`~shardlm.config.layout.check_tp`); tensor parallel
             on a world size it does not divide or with selective / every-n checkpointing (not modelled).
     """
+    cfg = with_fixed_defaults(cfg)  # "auto" settings not chosen yet: their fixed defaults
     st = Settings.from_config(cfg)
     tp = cfg.parallel.tp
     check_tp(cfg.model, tp, cfg.train.seq_len, cfg.lora.enabled, cfg.parallel.cp)  # as training

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from shardlm.config import Config
+from shardlm.config.auto import with_fixed_defaults
 from shardlm.model.decoder import CausalLM
 from shardlm.model.freeze import apply_freeze
 from shardlm.model.hf_backend import build_causal_lm
@@ -104,6 +105,7 @@ def param_groups(
     are this rank's tensor-parallel pieces (:func:`tp_local_shape`), which FSDP shards over ``world_size``
     ranks; P stays the whole model's count.
     """
+    cfg = with_fixed_defaults(cfg)  # "auto" settings not chosen yet: their fixed defaults
     model = planner_model(cfg)
     nf4 = cfg.lora.enabled and cfg.lora.base_dtype == "nf4"
     base_bytes = {"float32": 4, "bfloat16": 2, "nf4": 2}[cfg.lora.base_dtype]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 
 from shardlm.config import Config
+from shardlm.config.auto import with_fixed_defaults
 from shardlm.metrics.memory import format_bytes
 from shardlm.model.moe import inactive_expert_params
 from shardlm.parallel.cp import padded_length
@@ -118,6 +119,7 @@ def format_plan(cfg: Config, world_size: int, device_name: str, headroom: float,
     ``model``: the name of the model shape planned when it is not the config's own (``--model-preset NAME``,
     ``--model-config FILE``); the first line then names it and the config whose settings it runs under.
     """
+    cfg = with_fixed_defaults(cfg)  # "auto" settings not chosen yet: their fixed defaults
     device = get_device(device_name)
     plan: MemoryPlan = plan_memory(cfg, world_size, device_name)
     times = plan_time(cfg, world_size, device, plan.params)

@@ -25,6 +25,7 @@ import itertools
 from dataclasses import dataclass
 
 from shardlm.config import Config, ConfigError, gradient_accumulation_steps, validate
+from shardlm.config.auto import with_fixed_defaults
 from shardlm.plan.activations import TP_AC_MODES
 from shardlm.plan.devices import Device, get_device
 from shardlm.plan.memory import plan_memory
@@ -270,6 +271,7 @@ def search(cfg: Config, world_size: int, device_name: str, budget: float, first_
         At most ``limit`` :class:`Fit`, by world size, each faster than all before it (the first few at the
         smallest world size by step time); empty when nothing tried fits.
     """
+    cfg = with_fixed_defaults(cfg)  # "auto" settings not chosen yet: their fixed defaults
     device = get_device(device_name)
     params = param_groups(cfg, 1)[1]
     base_s = step_seconds(cfg, world_size, device, params)

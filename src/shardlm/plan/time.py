@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from shardlm.config import Config, gradient_accumulation_steps
+from shardlm.config.auto import with_fixed_defaults
 from shardlm.metrics.flops import model_flops
 from shardlm.parallel.dist import compute_precision, dp_mesh_shape
 from shardlm.parallel.float8 import float8_layers
@@ -147,6 +148,7 @@ def plan_time(cfg: Config, world_size: int, device: Device, params: int) -> Time
     "bfloat16"``, else TF32 on a GPU unless ``parallel.tf32 = false``, else fp32
     (:func:`shardlm.parallel.dist.compute_precision`).
     """
+    cfg = with_fixed_defaults(cfg)  # "auto" settings not chosen yet: their fixed defaults
     st = Settings.from_config(cfg)
     # context parallel: each rank computes 1/cp of a sequence's tokens (K/V traffic not counted)
     cp = cfg.parallel.cp

@@ -90,6 +90,7 @@ from typing import Any
 
 import shardlm
 from shardlm.config import Config, ConfigError, load_config
+from shardlm.config.auto import with_fixed_defaults
 from shardlm.errors import TuneError
 from shardlm.plan.devices import MIB
 from shardlm.plan.tune_candidates import (
@@ -208,7 +209,7 @@ def prepare(config: str | None, overrides: list[str], world_size: int, budget: B
         ConfigError: a bad config, world size or search, or ``parallel.mode`` other than ``fsdp``.
         TuneError: no candidate fits (:func:`no_fit_message`).
     """
-    cfg = load_config(config, overrides)
+    cfg = with_fixed_defaults(load_config(config, overrides))  # tune measures from the fixed defaults
     if cfg.parallel.mode != "fsdp":
         raise ConfigError("shardlm tune chooses FSDP settings: parallel.mode must be 'fsdp', not "
                           f"{cfg.parallel.mode!r}")

@@ -4,6 +4,7 @@ drawn by weight."""
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 from shardlm.checkpoint.resume_config import BEFORE_RECORDED
@@ -35,6 +36,19 @@ class RunData(NamedTuple):
     for a mixture)."""
 
 
+def row_multiple(cfg: Config) -> int:
+    """What the positions of a row padded to its micro-batch's longest are rounded up to:
+    ``data.pad_multiple`` (0: no trimming, every row ``seq_len + 1`` tokens), times what the parallel layout
+    needs of a row's length: a multiple of ``tp`` (sequence parallel splits the tokens) and, under context
+    parallelism, of ``2 · cp · tp`` (two chunks per CP rank, each split by sequence parallel) so no CP
+    padding is added."""
+    m, p = cfg.data.pad_multiple, cfg.parallel
+    if m <= 0:
+        return 0
+    need = p.tp * (2 * p.cp if p.cp > 1 else 1)
+    return m * need // math.gcd(m, need)
+
+
 def build_datasets(cfg: Config, meta: dict[str, Any], document_masking: bool) -> RunData:
     """The training and validation data of ``cfg``'s prepared data directory and the sampler over it.
 
@@ -47,7 +61,7 @@ def build_datasets(cfg: Config, meta: dict[str, Any], document_masking: bool) ->
             (:class:`~shardlm.data.packing.DocumentWindows`).
     """
     t = cfg.train
-    dataset = InstructionExamples if cfg.data.format == "instruct" else TokenWindows
+    multiple = row_multiple(cfg)  # unpacked examples and pairs: each micro-batch padded to its longest
     if cfg.data.sources:  # a mixture: one dataset per source, drawn by weight
         names = source_names(cfg.data.sources)
         train_data = MixtureWindows([TokenWindows(str(data_dir(cfg) / n), "train", t.seq_len) for n in names])
@@ -56,8 +70,8 @@ def build_datasets(cfg: Config, meta: dict[str, Any], document_masking: bool) ->
         sampler = MixtureSampler([len(w) for w in train_data.windows],
                                  [s.weight for s in cfg.data.sources], t.global_batch_size, t.seed)
     elif cfg.data.format == PREFERENCE:  # pairs: the global batch counts pairs; validation: the chosen's NLL
-        train_data = PreferencePairs(str(data_dir(cfg)), "train", t.seq_len)
-        val_data = PreferencePairs(str(data_dir(cfg)), "val", t.seq_len).chosen_examples()
+        train_data = PreferencePairs(str(data_dir(cfg)), "train", t.seq_len, multiple)
+        val_data = PreferencePairs(str(data_dir(cfg)), "val", t.seq_len, multiple).chosen_examples()
         sampler = GlobalBatchSampler(len(train_data), t.global_batch_size, t.seed)
     elif cfg.data.format == PROMPTS:  # online RL: the global batch counts completions, G per prompt
         train_data = PromptsDataset(str(data_dir(cfg)), "train")
@@ -66,11 +80,15 @@ def build_datasets(cfg: Config, meta: dict[str, Any], document_masking: bool) ->
     elif cfg.data.pack:  # rows of several examples (shardlm/data/packing.py); validation stays one per sample
         train_data = PackedExamples(InstructionExamples(str(data_dir(cfg)), "train", t.seq_len,
                                                         skip_untrainable=True), t.seed)
-        val_data = dataset(str(data_dir(cfg)), "val", t.seq_len)
+        val_data = InstructionExamples(str(data_dir(cfg)), "val", t.seq_len, pad_multiple=multiple)
+        sampler = GlobalBatchSampler(len(train_data), t.global_batch_size, t.seed)
+    elif cfg.data.format == "instruct":
+        train_data = InstructionExamples(str(data_dir(cfg)), "train", t.seq_len, pad_multiple=multiple)
+        val_data = InstructionExamples(str(data_dir(cfg)), "val", t.seq_len, pad_multiple=multiple)
         sampler = GlobalBatchSampler(len(train_data), t.global_batch_size, t.seed)
     else:
-        train_data = dataset(str(data_dir(cfg)), "train", t.seq_len)
-        val_data = dataset(str(data_dir(cfg)), "val", t.seq_len)
+        train_data = TokenWindows(str(data_dir(cfg)), "train", t.seq_len)
+        val_data = TokenWindows(str(data_dir(cfg)), "val", t.seq_len)
         sampler = GlobalBatchSampler(len(train_data), t.global_batch_size, t.seed)
     if document_masking and cfg.data.format == "text":  # pre-training: document masking inside windows
         eod = (meta.get("special_ids") or {}).get("eod")  # when the data records no document starts

@@ -55,14 +55,32 @@ def mixture_metrics(sampler: MixtureSampler, step: int, cfg: Config) -> dict[str
     return record
 
 
-def step_model_flops(cfg: Config, data: Any, ids: list[int], rows: int) -> int:
+def step_shapes(sampler: Any, data: Any, step: int, dp_size: int, micro_batch_size: int,
+                rows_per_sample: int, seq_len: int) -> list[tuple[int, int]]:
+    """(rows, positions per row) of every micro-batch of global batch ``step`` over all data-parallel ranks,
+    as the model computes them: samples padded to their micro-batch's longest (``data.width``: instruction
+    examples, preference pairs) have their own width, every other kind ``seq_len`` (host arithmetic: the
+    sampler's ids and the samples' lengths, no read of the tokens, no collective)."""
+    width = getattr(data, "width", None)
+    if width is None:
+        return [(len(sampler.step_ids(step)) * rows_per_sample, seq_len)]
+    return [(len(ids) * rows_per_sample, width(ids) - 1) for r in range(dp_size)
+            for ids in sampler.micro_batches(step, r, dp_size, micro_batch_size)]
+
+
+def step_model_flops(cfg: Config, data: Any, ids: list[int], rows: int,
+                     shapes: list[tuple[int, int]] | None = None) -> int:
     """Model FLOPs of one optimizer step over global batch ``ids`` of ``data`` (the run's training samples),
     all ranks together: :func:`shardlm.metrics.flops.model_flops` of its ``rows`` sequences of
     ``train.seq_len`` tokens (2 per preference pair), Σ n² over the documents of each sequence the model is
     given: ``seq_len²`` each under causal attention (or a sample of one document), each document's length
     squared under block-causal attention (packed rows: each example and the padding, from the rows' lengths;
-    windows: cut at each document start, read on the host as the step's target count reads them)."""
+    windows: cut at each document start, read on the host as the step's target count reads them).
+    ``shapes`` (:func:`step_shapes`): the (rows, positions) of each micro-batch when rows are padded to
+    their micro-batch's longest; the tokens are then Σ rows·T and the attention Σ rows·T²."""
     t = cfg.train.seq_len
+    if shapes is not None and any(width != t for _, width in shapes):
+        return model_flops(cfg.model, sum(r * w for r, w in shapes), sum(r * w * w for r, w in shapes))
     squared = rows * t * t
     if cfg.model.attention == "block_causal" and rows == len(ids):
         if isinstance(data, PackedExamples):

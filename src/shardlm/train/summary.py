@@ -24,6 +24,7 @@ from shardlm.parallel.cp import ContextParallel
 from shardlm.parallel.float8 import float8_emulated, float8_layers
 from shardlm.parallel.options import describe
 from shardlm.train.build import unwrap
+from shardlm.train.defaults import DefaultChoice, describe_defaults
 from shardlm.train.mfu import PeakFlops
 from shardlm.train.objectives import Objective
 
@@ -43,6 +44,7 @@ class SummarySource(Protocol):
     dp_size: int
     attention: AttentionChoice
     attention_backend: str | None
+    default_choices: list[DefaultChoice]
     train_data: Any
     val_data: Any
     meta: dict[str, Any]
@@ -93,9 +95,13 @@ def job_summary(trainer: SummarySource) -> str:
             else ""
         ),
         f"  settings   {describe(cfg.parallel, info.device.type)}",
+        *[f"  auto       {line}" for line in describe_defaults(trainer.default_choices)],
         f"  batch      global {cfg.train.global_batch_size} "
         + (f"{samples} ({rows} seqs)" if rows != cfg.train.global_batch_size else "seqs")
-        + f" x {cfg.train.seq_len} tokens = {rows * cfg.train.seq_len:,} tokens/step; micro-batch "
+        + f" x {cfg.train.seq_len} tokens = {rows * cfg.train.seq_len:,} tokens/step"
+        + (" at most (each micro-batch padded to its longest, a multiple of "
+           f"{trainer.train_data.pad_multiple})" if getattr(trainer.train_data, "pad_multiple", 0) else "")
+        + "; micro-batch "
         f"{cfg.train.micro_batch_size}/{'data-parallel ' if trainer.cp.size > 1 else ''}rank; gradient "
         f"accumulation {trainer.accum_steps}",
         f"  attention  {cfg.model.attention}"

@@ -48,6 +48,7 @@ from shardlm.parallel.dist import HostScalar, data_parallel_rank, set_matmul_pre
 from shardlm.parallel.faults import FaultMonitor, guard_collectives
 from shardlm.train.build import build_model, unwrap
 from shardlm.train.datasets import build_datasets, resolve_attention, training_attention_backend
+from shardlm.train.defaults import Chooser, resolve_defaults
 from shardlm.train.final_export import export_model, model_special_ids_of, written_line
 from shardlm.train.mfu import peak_flops_per_rank
 from shardlm.train.nonfinite import NonFiniteGuard
@@ -66,7 +67,7 @@ from shardlm.train.optim import (
     rebuild_optimizer,
 )
 from shardlm.train.run_dir import check_run_dir, prepare_run_dir, run_dir
-from shardlm.train.step_metrics import mixture_metrics, per_rank_values, step_model_flops
+from shardlm.train.step_metrics import mixture_metrics, per_rank_values, step_model_flops, step_shapes
 from shardlm.train.summary import job_summary
 
 __all__ = ["Trainer", "model_special_ids_of", "run_dir"]  # both importable from here as before
@@ -83,10 +84,15 @@ class Trainer:
     ``objective``: a factory of the step's :class:`~shardlm.train.objectives.Objective` from an
     :class:`~shardlm.train.objectives.ObjectiveContext`; by default the config's
     (:func:`~shardlm.train.objectives.build_objective`).
+
+    ``defaults``: chooses the settings left ``"auto"`` for a new run (:mod:`shardlm.train.defaults`;
+    ``shardlm train`` passes the planner's :func:`shardlm.plan.defaults.choose_defaults`); without it they
+    take their fixed defaults. A resumed run keeps its checkpoint's values.
     """
 
     def __init__(self, cfg: Config, info: DistInfo | None = None, keep_history: bool = False,
-                 objective: Callable[[ObjectiveContext], Objective] | None = None) -> None:
+                 objective: Callable[[ObjectiveContext], Objective] | None = None,
+                 defaults: Chooser | None = None) -> None:
         self.cfg = cfg
         # a tracker switched on without its package: one clear error before anything starts
         check_packages(cfg)
@@ -121,6 +127,9 @@ class Trainer:
         if self.attention.warning and self.info.is_main:
             print(self.attention.warning, file=sys.stderr, flush=True)
         self.attention_backend = self.attention_backend if cfg.model.attention == "block_causal" else None
+        #: the "auto" settings as this run resolved them, in place in cfg (train/defaults.py): the resumed
+        #: checkpoint's, the chooser's (shardlm train: the planner's), else the fixed defaults
+        self.default_choices = resolve_defaults(cfg, self.checkpointer.resumed_config(), defaults, self.info)
         # train/val samples and the sampler, per data format (train/datasets.py)
         self.train_data, self.val_data, self.sampler = build_datasets(cfg, self.meta,
                                                                       self.attention_backend is not None)
@@ -276,10 +285,13 @@ class Trainer:
         self._interval = {"seconds": 0.0, "steps": 0}
         elapsed = seconds / steps  # mean host time per step since the last record (synchronised by the read)
         rows = cfg.train.global_batch_size * objective.rows_per_sample
-        tokens = rows * cfg.train.seq_len
+        # the positions the model computed (micro-batches padded to their longest compute fewer than seq_len)
+        shapes = step_shapes(self.sampler, self.train_data, self.step - 1, self.dp_size,
+                             cfg.train.micro_batch_size, objective.rows_per_sample, cfg.train.seq_len)
+        tokens = sum(r * w for r, w in shapes)
         # this rank's share of the step's model FLOPs: 6N per token + attention per document (step_metrics.py)
-        flops = step_model_flops(cfg, self.train_data, self.sampler.step_ids(self.step - 1), rows) / \
-            info.world_size
+        flops = step_model_flops(cfg, self.train_data, self.sampler.step_ids(self.step - 1), rows,
+                                 shapes) / info.world_size
         record = {
             "step": self.step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm_value,
             "tokens_per_s": tokens / elapsed, "tokens_per_s_per_rank": tokens / elapsed / info.world_size,

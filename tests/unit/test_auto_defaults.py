@@ -1,0 +1,128 @@
+"""Settings left ``"auto"`` (reshard after forward, blocks per FSDP group, activation checkpointing, the
+loss's chunking): the planner chooses them for a new run by the memory it plans, a user's setting wins, a
+resume keeps the checkpoint's values, the summary says what was chosen and why."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import tiny_overrides
+from shardlm.checkpoint.resume_config import config_changes
+from shardlm.config import load_config
+from shardlm.config.auto import FIXED, unresolved, with_fixed_defaults
+from shardlm.parallel import init_distributed
+from shardlm.parallel.dist import DistInfo
+from shardlm.plan import plan_memory
+from shardlm.plan.defaults import choose_defaults
+from shardlm.train.defaults import resolve_defaults
+from shardlm.train.trainer import Trainer
+
+KEYS = list(FIXED)
+
+
+def info(world: int) -> DistInfo:
+    return DistInfo(0, 0, world, torch.device("cpu"), "gloo")
+
+
+def tiny(small_data, tmp_path, extra: dict | None = None):
+    extra = {"train.micro_batch_size": 4, **(extra or {})}
+    return load_config(None, tiny_overrides(small_data, tmp_path, extra))
+
+
+def test_defaults_are_auto_and_read_as_the_fixed_ones_until_chosen(small_data, tmp_path):
+    cfg = tiny(small_data, tmp_path)
+    assert unresolved(cfg) == KEYS
+    fixed = with_fixed_defaults(cfg)
+    assert unresolved(fixed) == [] and unresolved(cfg) == KEYS  # a copy
+    assert (fixed.parallel.reshard_after_forward, fixed.parallel.blocks_per_group,
+            fixed.parallel.activation_checkpoint, fixed.train.loss_chunk_tokens) == (True, 1, "none", 256)
+    assert plan_memory(cfg, 2).peak == plan_memory(fixed, 2).peak  # the planner reads auto as fixed
+
+
+def test_the_planner_chooses_the_fastest_settings_that_fit(small_data, tmp_path):
+    cfg = tiny(small_data, tmp_path)
+    roomy = choose_defaults(cfg, KEYS, info(2), budget_bytes=64 * 2**30)
+    assert roomy["parallel.activation_checkpoint"][0] == "none"
+    assert roomy["parallel.reshard_after_forward"][0] is False
+    assert roomy["parallel.blocks_per_group"][0] == cfg.model.n_layers  # tiny blocks: one group of all
+    assert roomy["train.loss_chunk_tokens"][0] == 0  # 4 x 32 x 512 fp32 logits: 0.25 MiB
+    assert "no backward all-gather" in roomy["parallel.reshard_after_forward"][1]
+    assert unresolved(cfg) == KEYS  # cfg untouched
+    # a budget between the planned peaks: resharding fits, keeping the weights does not
+    fixed = with_fixed_defaults(cfg)
+    kept = with_fixed_defaults(cfg)
+    kept.parallel.reshard_after_forward = False
+    low, high = plan_memory(fixed, 2).peak, plan_memory(kept, 2).peak
+    assert low < high
+    tight = choose_defaults(cfg, ["parallel.reshard_after_forward"], info(2), budget_bytes=(low + high) / 2)
+    assert tight["parallel.reshard_after_forward"][0] is True
+    assert "does not fit" in tight["parallel.reshard_after_forward"][1]
+    starved = choose_defaults(cfg, ["parallel.activation_checkpoint"], info(2), budget_bytes=1.0)
+    assert starved["parallel.activation_checkpoint"][0] == "full"
+    one = choose_defaults(cfg, KEYS, info(1), budget_bytes=64 * 2**30)
+    assert one["parallel.reshard_after_forward"][0] is True and one["parallel.blocks_per_group"][0] == 1
+    big_vocab = tiny(small_data, tmp_path, {"model.vocab_size": 65536, "train.seq_len": 128,
+                                             "model.max_seq_len": 128})
+    assert choose_defaults(big_vocab, ["train.loss_chunk_tokens"], info(2), 64 * 2**30)[
+        "train.loss_chunk_tokens"][0] == 256  # 4 x 128 x 65536 x 4 = 128 MiB of logits
+
+
+def test_user_settings_win_and_resume_keeps_the_checkpoints_choices(small_data, tmp_path):
+    cfg = tiny(small_data, tmp_path, {"parallel.blocks_per_group": 2, "train.loss_chunk_tokens": 64})
+    asked = []
+
+    def chooser(c, keys, _info):
+        asked.extend(keys)
+        return {"parallel.reshard_after_forward": (False, "auto: test")}
+
+    choices = resolve_defaults(cfg, None, chooser, info(2))
+    assert asked == ["parallel.reshard_after_forward", "parallel.activation_checkpoint"]
+    assert [(c.key, c.value) for c in choices] == [("parallel.reshard_after_forward", False),
+                                                   ("parallel.activation_checkpoint", "none")]
+    assert (cfg.parallel.blocks_per_group, cfg.train.loss_chunk_tokens) == (2, 64)  # the user's
+    assert "no planner" in choices[1].why
+    # resume: the checkpoint's recorded values, never the chooser's
+    resumed = tiny(small_data, tmp_path)
+    recorded = {"parallel": {"reshard_after_forward": False, "blocks_per_group": 3,
+                             "activation_checkpoint": "selective"}, "train": {"loss_chunk_tokens": 0}}
+
+    def refuse(*_):
+        raise AssertionError("a resumed run does not choose again")
+
+    choices = resolve_defaults(resumed, recorded, refuse, info(2))
+    assert {c.key: c.value for c in choices} == {"parallel.reshard_after_forward": False,
+                                                 "parallel.blocks_per_group": 3,
+                                                 "parallel.activation_checkpoint": "selective",
+                                                 "train.loss_chunk_tokens": 0}
+    assert all(c.why == "auto: the resumed checkpoint's" for c in choices)
+    # an "auto" in the new config is no change against the checkpoint; a value set is one
+    new = tiny(small_data, tmp_path).to_dict()
+    old = {**new, "parallel": {**new["parallel"], **recorded["parallel"]},
+           "train": {**new["train"], **recorded["train"]}}
+    assert not [c for c in config_changes(old, new) if c.key in FIXED]
+    new["train"]["loss_chunk_tokens"] = 128
+    assert [c.key for c in config_changes(old, new) if c.key in FIXED] == ["train.loss_chunk_tokens"]
+
+
+@pytest.mark.parametrize("planner", [False, True])
+def test_the_summary_says_what_was_chosen_and_why(small_data, tmp_path, planner):
+    cfg = tiny(small_data, tmp_path / "run", {"parallel.mode": '"single"'})
+    started = torch.distributed.is_initialized()
+    try:
+        trainer = Trainer(cfg, init_distributed(cfg.parallel), defaults=choose_defaults if planner else None)
+        summary = trainer.summary()
+        record = trainer.train_step()
+    finally:
+        if not started and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    assert unresolved(trainer.cfg) == [] and record["loss"] > 0
+    lines = [line for line in summary.splitlines() if line.startswith("  auto ")]
+    assert len(lines) == 4, summary
+    if planner:
+        assert trainer.cfg.train.loss_chunk_tokens == 0
+        assert "train.loss_chunk_tokens = 0 (auto: the plain loss" in summary
+        assert "parallel.reshard_after_forward = true (auto: one rank or not FSDP" in summary
+    else:
+        assert trainer.cfg.train.loss_chunk_tokens == 256
+        assert "parallel.blocks_per_group = 1 (auto: the fixed default (no planner ran))" in summary

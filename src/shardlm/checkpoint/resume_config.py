@@ -32,6 +32,7 @@ _SCHEDULE = "the LR schedule is rebuilt from the new config at the resumed step"
 _ADAMW = "set in AdamW's parameter groups at the resumed step (its moments are kept)"
 
 #: dotted config key (or ``section.*``) -> (rule, why); the first match wins, keys before wildcards
+_QAT = "the fake quantisation a run trains through, and the quantised model it exports, are fixed"
 RULES: dict[str, tuple[str, str]] = {
     "model.attention": (REFUSED, "a run continues with the attention pattern it was trained with"),
     "model.attention_backend": (TAKES_EFFECT,
@@ -85,6 +86,14 @@ RULES: dict[str, tuple[str, str]] = {
                                         "the same reference log-probs, computed once before training "
                                                       "or at every step"),
     "preference.*": (REFUSED, "the objective (loss, its parameters, the reference) a run optimises is fixed"),
+    "distill.*": (REFUSED, "the objective (the teacher, the divergence and its weights) a run optimises is "
+                           "fixed"),
+    "rl.*": (REFUSED, "the objective (sampling, rewards, the loss and its parameters) a run optimises is "
+                      "fixed, and the completions of a resumed step must be the uninterrupted run's"),
+    "train.float8": (TAKES_EFFECT, "the weights are saved in full precision under the same names: only how "
+                                   "the linear layers compute from here"),
+    "train.qat": (REFUSED, _QAT),
+    "train.qat_group_size": (REFUSED, _QAT),
     "parallel.*": (TAKES_EFFECT, "the checkpoint does not depend on the world size or the sharding"),
     "run.*": (TAKES_EFFECT, "where and under which name the run writes"),
     "checkpoint.*": (TAKES_EFFECT, "read at every step"),

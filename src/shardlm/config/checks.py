@@ -9,7 +9,7 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING
 
-from shardlm.config.layout import check_ep, check_tp
+from shardlm.config.layout import check_ep, check_pp, check_tp
 from shardlm.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -116,6 +116,7 @@ def validate(cfg: Config) -> None:
     # the split's sizes against the model and the sequence: here, before any data is prepared
     check_tp(m, cfg.parallel.tp, t.seq_len, cfg.lora.enabled, cp)
     check_ep(m.n_experts, cfg.parallel.ep, None, cfg.parallel.mode, cfg.parallel.dp_replicate)
+    check_pp(cfg, None)
     for key in ("interval", "keep"):
         if getattr(cfg.checkpoint, key) < 0:
             raise ConfigError(f"checkpoint.{key} must be >= 0, got {getattr(cfg.checkpoint, key)}")
@@ -197,7 +198,7 @@ def gradient_accumulation_steps(cfg: Config, dp_world_size: int) -> int:
     """
     g, mbs = cfg.train.global_batch_size, cfg.train.micro_batch_size
     per_step = dp_world_size * mbs
-    inner = " × ".join(f"parallel.{k}={getattr(cfg.parallel, k)}" for k in ("cp", "tp")
+    inner = " × ".join(f"parallel.{k}={getattr(cfg.parallel, k)}" for k in ("pp", "cp", "tp")
                        if getattr(cfg.parallel, k) > 1)  # the dimensions whose ranks share samples
     if g % per_step:
         raise ConfigError(

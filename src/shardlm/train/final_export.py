@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from shardlm.config import Config
 from shardlm.convert.hf_out import (
@@ -20,6 +21,7 @@ from shardlm.convert.peft_out import base_model_path, gather_full_params, save_m
 from shardlm.data.build import data_dir
 from shardlm.model.lora import LoRASpec
 from shardlm.parallel import DistInfo
+from shardlm.parallel.dist import data_parallel_rank
 from shardlm.train.build import unwrap
 
 
@@ -55,10 +57,13 @@ def export_model(model: torch.nn.Module, cfg: Config, info: DistInfo, out_dir: P
     named = list(unwrap(model).named_parameters())
     total = sum(p.numel() * p.element_size() for _, p in named)
     tokenizer = data_dir(cfg) / "tokenizer.json"
-    if total > cfg.run.export_single_file_bytes:
+    if cfg.parallel.pp > 1:  # each stage holds some of the names: gathered from the stages onto rank 0
+        state = gather_pipeline_state_dict(model, info, cfg)
+    elif total > cfg.run.export_single_file_bytes:
         save_sharded_model_dir(named, cfg.model, out_dir, info.rank, info.world_size, tokenizer, special_ids)
         return
-    state = gather_full_state_dict(model)
+    else:
+        state = gather_full_state_dict(model)
     group = _export_group(info)
     if info.is_main:
         save_model_dir(state, cfg.model, out_dir, tokenizer, special_ids)
@@ -101,6 +106,24 @@ def export_lora(model: torch.nn.Module, cfg: Config, info: DistInfo, merged_dir:
                           special_ids)
     del state
     _wait_for_writers(group)
+
+
+def gather_pipeline_state_dict(model: torch.nn.Module, info: DistInfo, cfg: Config) -> dict[str, torch.Tensor]:
+    """The whole model's full state dict on rank 0 (CPU tensors; ``{}`` elsewhere) from the pipeline's stages:
+    each stage's parameters all-gathered over its data-parallel ranks (a collective of the stage), then sent
+    by the stage's first rank to rank 0 with ``gather_object`` (the whole model passes through rank 0's
+    memory once, as the one-file export's does)."""
+    part = {}
+    for name, p in unwrap(model).named_parameters():
+        full = p.full_tensor() if isinstance(p, DTensor) else p
+        part[name] = full.detach().cpu()
+    leader = data_parallel_rank(info, cfg.parallel)[0] == 0 and info.rank % (cfg.parallel.tp * cfg.parallel.cp) == 0
+    parts: list[Any] = [None] * info.world_size if info.is_main else None
+    torch.distributed.gather_object(part if leader else {}, parts, dst=0)
+    state: dict[str, torch.Tensor] = {}
+    for piece in parts or []:
+        state.update(piece)
+    return state
 
 
 def _export_group(info: DistInfo) -> torch.distributed.ProcessGroup | None:

@@ -17,10 +17,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
 
 from shardlm.config import Config
-from shardlm.parallel.dist import DistInfo
-from shardlm.parallel.options import dtype_from_name
+from shardlm.parallel.dist import DistInfo, dp_submesh
+from shardlm.parallel.options import dtype_from_name, mixed_precision_policy
 from shardlm.parallel.pp import StagePlan, build_schedule, stage_plan
 from shardlm.train.loss import model_loss_sum
 from shardlm.train.microbatches import MicroBatches, PlainMicroBatches
@@ -52,18 +54,24 @@ class PipelineMicroBatches:
 
     Args:
         cfg: the run's config (``parallel.pp_schedule``, the micro-batch and sequence sizes, the compute
-            dtype, ``train.loss_chunk_tokens``). info: this process. group: the ``pp`` process group.
+            dtype, ``train.loss_chunk_tokens``). info: this process. mesh: the device mesh (``pp`` and the
+            data-parallel dimensions).
         parts: this rank's stage parts, in ``plan.stage_ids``' order. plan: this rank's stages.
         micro_batches: micro-batches per step (the gradient accumulation steps).
     """
 
-    def __init__(self, cfg: Config, info: DistInfo, group: dist.ProcessGroup, parts: list[nn.Module],
+    def __init__(self, cfg: Config, info: DistInfo, mesh: DeviceMesh, parts: list[nn.Module],
                  plan: StagePlan, micro_batches: int) -> None:
-        self.plan, self.group, self.device = plan, group, info.device
+        self.plan, self.group, self.device = plan, mesh["pp"].get_group(), info.device
         self.holds_loss = plan.last
         last = plan.n_stages - 1
         self.modules = [StageModule(part, s == last, cfg.train.loss_chunk_tokens)
                         for part, s in zip(parts, plan.stage_ids)]
+        for module in self.modules:
+            # the FSDP root of the stage: PyTorch's stage then defers FSDP's gradient reduction and resharding
+            # to the step's last backward (the zero-bubble schedules need the unsharded parameters between a
+            # micro-batch's input and weight backward)
+            fully_shard(module, mesh=dp_submesh(mesh), mp_policy=mixed_precision_policy(cfg.parallel))
         m, t, d = cfg.train.micro_batch_size, cfg.train.seq_len, cfg.model.dim
         self.dtype = dtype_from_name("parallel.param_dtype", cfg.parallel.param_dtype)
 
@@ -83,7 +91,7 @@ class PipelineMicroBatches:
         self._scale = 1.0
         self._numerators: list[torch.Tensor] = []
         self.schedule = build_schedule(cfg.parallel.pp_schedule, self.modules, plan, micro_batches,
-                                       self._loss, group, info.device, meta)
+                                       self._loss, self.group, info.device, meta)
 
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """The schedule's loss function: the last stage's output is the micro-batch's loss numerator."""
@@ -142,4 +150,4 @@ def build_micro_batches(cfg: Config, info: DistInfo, mesh: Any, model: nn.Module
         return PlainMicroBatches(model, p.grad_sync, info.device)
     plan = stage_plan(cfg.model.n_layers, p.pp, mesh["pp"].get_local_rank(), p.pp_schedule,
                       p.pp_layers_per_stage)
-    return PipelineMicroBatches(cfg, info, mesh["pp"].get_group(), parts, plan, micro_batches)
+    return PipelineMicroBatches(cfg, info, mesh, parts, plan, micro_batches)

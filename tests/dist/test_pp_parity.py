@@ -75,7 +75,8 @@ def test_pipeline_equals_one_process(runs, name):
     assert reports[name][0]["mesh"] == ["pp", "dp_shard"]
     # the samples of a step: those of one stage's data-parallel ranks, in rank order
     per_stage = ranks // pp
-    ids = {s: [i for r in reports[name][:per_stage] for i in r["sample_ids"][s]] for s in reports[name][0]["sample_ids"]}
+    ids = {s: [i for r in reports[name][:per_stage] for i in r["sample_ids"][s]]
+           for s in reports[name][0]["sample_ids"]}
     assert ids == reports["single"][0]["sample_ids"]
     for rank, report in enumerate(reports[name]):  # a stage's ranks hold its names only; all stages all names
         held = set(report["params"])

@@ -122,8 +122,8 @@ def pp_stage_layers(n_layers: int, stages: int, layers_per_stage: tuple[int, ...
                               "parallel.pp_layers_per_stage (blocks per stage, summing to n_layers)")
         layers_per_stage = (n_layers // stages,) * stages
     if len(layers_per_stage) != stages or min(layers_per_stage) < 1 or sum(layers_per_stage) != n_layers:
-        raise ConfigError(f"parallel.pp_layers_per_stage={list(layers_per_stage)} must give {stages} stages of "
-                          f"at least one block each, summing to model.n_layers={n_layers}")
+        raise ConfigError(f"parallel.pp_layers_per_stage={list(layers_per_stage)} must give {stages} "
+                          f"stages of at least one block each, summing to model.n_layers={n_layers}")
     starts = [sum(layers_per_stage[:i]) for i in range(stages)]
     return [range(s, s + n) for s, n in zip(starts, layers_per_stage)]
 
@@ -172,18 +172,18 @@ def check_pp(cfg: Config, world_size: int | None, micro_batches: int | None = No
         if bad:
             raise ConfigError(f"pipeline parallel (parallel.pp={p.pp}) with {what} is not built: {fix}")
     if p.pp_schedule in NOT_EXACT_SCHEDULES:
-        raise ConfigError(f"parallel.pp_schedule={p.pp_schedule!r} runs here but does not yet equal one process "
-                          "(measured at PP 2: the same losses, gradient norms 13% smaller: a weight gradient "
-                          "lost between the split input and weight backward): use 'gpipe', '1f1b' or "
-                          "'interleaved_1f1b'")
+        raise ConfigError(f"parallel.pp_schedule={p.pp_schedule!r} runs here but does not yet equal one "
+                          "process (measured at PP 2: the same losses, gradient norms 13% smaller: a weight "
+                          "gradient lost between the split input and weight backward): use 'gpipe', '1f1b' "
+                          "or 'interleaved_1f1b'")
     pp_stage_layers(m.n_layers, p.pp * VIRTUAL_STAGES[p.pp_schedule], p.pp_layers_per_stage)
     if world_size is not None and world_size % p.pp:
-        raise ConfigError(f"parallel.pp={p.pp} must divide the world size {world_size} (each stage is held by "
-                          "world size / pp ranks)")
+        raise ConfigError(f"parallel.pp={p.pp} must divide the world size {world_size} (each stage is held "
+                          "by world size / pp ranks)")
     need = min_pp_microbatches(p.pp_schedule, p.pp)
     if micro_batches is not None and micro_batches < need:
         raise ConfigError(
-            f"parallel.pp_schedule={p.pp_schedule!r} at parallel.pp={p.pp} needs at least {need} micro-batches "
-            f"per step, but the step has {micro_batches} (train.global_batch_size / (data-parallel ranks × "
-            "train.micro_batch_size)): lower train.micro_batch_size, raise train.global_batch_size, or use "
-            "pp_schedule = 'gpipe'")
+            f"parallel.pp_schedule={p.pp_schedule!r} at parallel.pp={p.pp} needs at least {need} "
+            f"micro-batches per step, but the step has {micro_batches} (train.global_batch_size / "
+            "(data-parallel ranks × train.micro_batch_size)): lower train.micro_batch_size, raise "
+            "train.global_batch_size, or use pp_schedule = 'gpipe'")

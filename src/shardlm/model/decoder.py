@@ -237,11 +237,8 @@ class CausalLM(nn.Module):
     ``forward(tokens)``: tokens (batch, seq) int64 with seq <= ``max_seq_len`` -> logits
     (batch, seq, vocab_size) in the compute dtype. With ``tie_embeddings`` the output projection
     is the embedding tensor itself, and ``named_parameters()`` lists it once, as HF does.
-
-    A part of the model (a pipeline stage, cut from outside: :mod:`shardlm.parallel.pp`) has ``None`` in place
-    of what it does not hold, every name unchanged: without ``model.embed_tokens`` the input is the previous
-    part's hidden states (batch, seq, dim); a ``None`` block is skipped; without ``model.norm`` the output is
-    the blocks' hidden states (batch, seq, dim).
+    A part (a pipeline stage, :mod:`shardlm.parallel.pp`) has ``None`` for what it lacks, names unchanged: no
+    embedding: the input is hidden states (batch, seq, dim); a None block is skipped; no norm: returns those.
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -342,15 +339,10 @@ class CausalLM(nn.Module):
         else:
             positions = cache.positions(t)  # (batch, seq), raises past the cache's capacity
             rope = decoder.rope_at(positions)
-        if decoder.embed_tokens is None:  # a part without the embedding: ``tokens`` are hidden states
-            h = tokens
-        else:
-            h = decoder.embed_tokens(tokens)
-            if self.cfg.arch.gemma_norms:  # Gemma: sqrt(dim), rounded to the embedding's dtype first (as HF)
-                h = h * torch.tensor(self.cfg.dim ** 0.5).to(h.dtype)
-        for i, layer in enumerate(decoder.layers):
-            if layer is None:  # a block this part does not hold
-                continue
+        h = tokens if decoder.embed_tokens is None else decoder.embed_tokens(tokens)  # a part: hidden states
+        if self.cfg.arch.gemma_norms and decoder.embed_tokens is not None:  # Gemma: sqrt(dim), rounded (HF)
+            h = h * torch.tensor(self.cfg.dim ** 0.5).to(h.dtype)
+        for i, layer in ((i, b) for i, b in enumerate(decoder.layers) if b is not None):  # a part: its own
             cos, sin = rope[layer.local and len(rope) > 1]
             if doc_masks is not None:
                 h = layer(h, cos, sin, None, doc_masks[layer.self_attn.window], real_tokens=real_tokens)

@@ -260,8 +260,8 @@ def dp_mesh_shape(pcfg: ParallelConfig, world_size: int, ranks_per_node: int) ->
     """
     r, s, tp = pcfg.dp_replicate, pcfg.dp_shard, pcfg.tp
     if world_size % pcfg.pp:
-        raise ConfigError(f"parallel.pp={pcfg.pp} must divide the world size {world_size} (each pipeline stage "
-                          "is held by world size / pp ranks)")
+        raise ConfigError(f"parallel.pp={pcfg.pp} must divide the world size {world_size} (each pipeline "
+                          "stage is held by world size / pp ranks)")
     world_size //= pcfg.pp  # pipeline stages outermost: the mesh below is one stage's ranks
     cp = pcfg.cp  # context parallel: cp ranks (tp apart) per data-parallel rank (parallel/cp.py)
     if world_size % cp:
@@ -336,12 +336,13 @@ def data_parallel_rank(info: DistInfo, pcfg: ParallelConfig | None) -> tuple[int
     The model-parallel dimensions (``cp``, then ``tp``) are innermost (:func:`mesh_dims`), so the ``cp × tp``
     consecutive ranks of one data-parallel coordinate read the same samples: ``dp_rank = rank // (cp × tp)``,
     ``dp_size = world_size // (cp × tp)``; a tensor-parallel group computes on the same tokens, a
-    context-parallel group splits each sequence (``parallel.cp``). Under pipeline parallelism (``parallel.pp``,
-    outermost) every stage's ranks read the same samples: the index is the one within the stage.
+    context-parallel group splits each sequence (``parallel.cp``). Under pipeline parallelism
+    (``parallel.pp``, outermost) every stage's ranks read the same samples: the index is the one within the
+    stage.
     """
     if pcfg is None:
         return info.rank, info.world_size
-    inner, stage = pcfg.tp * pcfg.cp, info.world_size // pcfg.pp  # a stage's ranks: consecutive (pp outermost)
+    inner, stage = pcfg.tp * pcfg.cp, info.world_size // pcfg.pp  # a stage's ranks: consecutive
     return (info.rank % stage) // inner, stage // inner
 
 

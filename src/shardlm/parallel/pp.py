@@ -140,7 +140,8 @@ def apply_pp(model: CausalLM, plan: StagePlan) -> list[CausalLM]:
 
 
 def build_schedule(schedule: str, parts: list[nn.Module], plan: StagePlan, micro_batches: int,
-                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], group: torch.distributed.ProcessGroup,
+                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                   group: torch.distributed.ProcessGroup,
                    device: torch.device, meta: Callable[[int], dict[str, tuple[torch.Tensor | None, ...]]]):
     """PyTorch's ``schedule`` over this rank's ``parts`` (one :class:`PipelineStage` each, on the ``pp``
     process ``group``).

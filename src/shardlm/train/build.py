@@ -72,10 +72,10 @@ def build_model_parts(cfg: Config, info: DistInfo, mesh: DeviceMesh | None, cp: 
     (:func:`~shardlm.parallel.pp.apply_pp`, on ``mesh["pp"]``'s coordinate), and activation checkpointing,
     compile and FSDP (over this stage's data-parallel ranks) apply to each stage's part.
 
-    Returns ``(model, parts, load_stats)``: the ``CausalLM`` (FSDP-sharded or plain; under ``parallel.pp`` this
-    rank's stages only) or a ``DistributedDataParallel`` around it, the pipeline parts of this rank's stages
-    (``[]`` without pipeline parallelism), and :func:`shardlm.convert.hf_in.load_pretrained_`'s byte counts
-    (None for a random init).
+    Returns ``(model, parts, load_stats)``: the ``CausalLM`` (FSDP-sharded or plain; under ``parallel.pp``
+    this rank's stages only) or a ``DistributedDataParallel`` around it, the pipeline parts of this rank's
+    stages (``[]`` without pipeline parallelism), and :func:`shardlm.convert.hf_in.load_pretrained_`'s byte
+    counts (None for a random init).
 
     Raises:
         ConfigError: ``single`` mode with more than one rank; a model ``parallel.tp`` cannot split, or LoRA

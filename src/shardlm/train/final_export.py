@@ -108,7 +108,8 @@ def export_lora(model: torch.nn.Module, cfg: Config, info: DistInfo, merged_dir:
     _wait_for_writers(group)
 
 
-def gather_pipeline_state_dict(model: torch.nn.Module, info: DistInfo, cfg: Config) -> dict[str, torch.Tensor]:
+def gather_pipeline_state_dict(model: torch.nn.Module, info: DistInfo, cfg: Config
+                               ) -> dict[str, torch.Tensor]:
     """The whole model's full state dict on rank 0 (CPU tensors; ``{}`` elsewhere) from the pipeline's stages:
     each stage's parameters all-gathered over its data-parallel ranks (a collective of the stage), then sent
     by the stage's first rank to rank 0 with ``gather_object`` (the whole model passes through rank 0's
@@ -117,7 +118,8 @@ def gather_pipeline_state_dict(model: torch.nn.Module, info: DistInfo, cfg: Conf
     for name, p in unwrap(model).named_parameters():
         full = p.full_tensor() if isinstance(p, DTensor) else p
         part[name] = full.detach().cpu()
-    leader = data_parallel_rank(info, cfg.parallel)[0] == 0 and info.rank % (cfg.parallel.tp * cfg.parallel.cp) == 0
+    inner = cfg.parallel.tp * cfg.parallel.cp
+    leader = data_parallel_rank(info, cfg.parallel)[0] == 0 and info.rank % inner == 0  # one rank per stage
     parts: list[Any] = [None] * info.world_size if info.is_main else None
     torch.distributed.gather_object(part if leader else {}, parts, dst=0)
     state: dict[str, torch.Tensor] = {}

@@ -175,7 +175,8 @@ def _grouped_sum_of_squares(grads: list[torch.Tensor], local: list[torch.Tensor]
 
 @torch.no_grad()
 def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float,
-                    extras: torch.Tensor | None = None, across: dist.ProcessGroup | None = None) -> torch.Tensor:
+                    extras: torch.Tensor | None = None, across: dist.ProcessGroup | None = None
+                    ) -> torch.Tensor:
     """Clip gradients in place by their global L2 norm; return that norm, computed so that it does not depend
     on how the gradients are sharded.
 

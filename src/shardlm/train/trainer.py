@@ -129,7 +129,8 @@ class Trainer:
         self.cp = build_context_parallel(self.info, cfg.parallel.cp, cfg.parallel.tp)
         self.cp.check_sequence(t.seq_len)
         #: under pipeline parallelism this rank's stages; ``parts`` the schedule's modules of each stage
-        self.model, self.parts, self.pretrained_load_stats = build_model_parts(cfg, self.info, self.mesh, self.cp)
+        self.model, self.parts, self.pretrained_load_stats = build_model_parts(cfg, self.info, self.mesh,
+                                                                               self.cp)
         #: how the step runs its micro-batches: one after the other, or through the pipeline's schedule
         self.micro_batches = build_micro_batches(cfg, self.info, self.mesh, self.model, self.parts,
                                                  self.accum_steps)

@@ -49,7 +49,8 @@ class TokenObjective(Objective):
         """The summed token loss of this rank's share of the micro-batch (no statistics)."""
         return self.loss_sum(model, batch)[0], None
 
-    def pipeline_batch(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    def pipeline_batch(self, batch: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """Inputs, targets and, under block-causal attention, the documents (every stage masks by them)."""
         inputs, targets = split_batch(batch)
         documents = batch_documents(batch) if self.cfg.model.attention == "block_causal" else None

@@ -44,7 +44,7 @@ LAYOUTS = {
 
 
 def worker(spec_path: str) -> None:
-    """One torchrun rank: every layout of the spec, ``warmup`` + ``steps`` steps each; rank reports to JSON."""
+    """One torchrun rank: every layout of the spec, ``warmup`` + ``steps`` steps each; a JSON per rank."""
     import torch
 
     from shardlm.config import load_config

@@ -2,7 +2,8 @@
 with FSDP over each stage's data-parallel ranks; its checkpoints resume in one process.
 
 Three torchrun launches on the tiny model with 4 blocks (fp32, gloo, block-causal attention by the data):
-PP 2 under ``gpipe``, ``1f1b`` (checkpoints at steps 2 and 3) and ``interleaved_1f1b`` (4 stages of one block);
+PP 2 under ``gpipe``, ``1f1b`` (checkpoints at steps 2 and 3), ``interleaved_1f1b``, ``zbv`` and ``dualpipev``
+(the last three: 4 stages of one block, two per rank; the V schedules split each backward into input and weight);
 FSDP 2 x PP 2 (``1f1b``) and PP 4 (``1f1b``, one block per stage) at 4 ranks; one process: the reference and
 a resume of PP 2's step-2 checkpoint.
 """
@@ -24,6 +25,8 @@ PIPELINES = {
     "pp2_gpipe": (2, {"parallel.pp": 2, "parallel.pp_schedule": '"gpipe"'}),
     "pp2_1f1b": (2, {"parallel.pp": 2, "parallel.pp_schedule": '"1f1b"'}),
     "pp2_interleaved": (2, {"parallel.pp": 2, "parallel.pp_schedule": '"interleaved_1f1b"'}),
+    "pp2_zbv": (2, {"parallel.pp": 2, "parallel.pp_schedule": '"zbv"'}),
+    "pp2_dualpipev": (2, {"parallel.pp": 2, "parallel.pp_schedule": '"dualpipev"'}),
     "fsdp2_pp2": (4, {"parallel.pp": 2, "parallel.pp_schedule": '"1f1b"'}),
     "pp4_1f1b": (4, {"parallel.pp": 4, "parallel.pp_schedule": '"1f1b"'}),
 }
@@ -78,10 +81,11 @@ def test_pipeline_equals_one_process(runs, name):
     ids = {s: [i for r in reports[name][:per_stage] for i in r["sample_ids"][s]]
            for s in reports[name][0]["sample_ids"]}
     assert ids == reports["single"][0]["sample_ids"]
+    last = 0 if name.endswith(("zbv", "dualpipev")) else pp - 1  # a V: the last stage on the first rank
     for rank, report in enumerate(reports[name]):  # a stage's ranks hold its names only; all stages all names
         held = set(report["params"])
-        assert ("model.embed_tokens.weight" in held) == (rank < per_stage), rank
-        assert ("lm_head.weight" in held) == (rank >= ranks - per_stage), rank
+        assert ("model.embed_tokens.weight" in held) == (rank // per_stage == 0), rank
+        assert ("lm_head.weight" in held) == (rank // per_stage == last), rank
     assert set().union(*(r["params"] for r in reports[name])) == set(q)
 
 

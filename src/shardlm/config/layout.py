@@ -103,8 +103,9 @@ def check_ranks(cfg: Config, world_size: int) -> None:
 VIRTUAL_STAGES = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zbv": 2, "dualpipev": 2}
 
 
-#: schedules that run on CPU with gloo but whose update differs from one process's (refused, by name)
-NOT_EXACT_SCHEDULES = ("zbv", "dualpipev")
+#: schedules that split a micro-batch's backward into an input and a weight part (zero bubble): a stage's
+#: blocks stay unsharded from forward to the weight part (``reshard_after_forward`` does not apply)
+SPLIT_BACKWARD_SCHEDULES = ("zbv", "dualpipev")
 
 
 def pp_stage_layers(n_layers: int, stages: int, layers_per_stage: tuple[int, ...] = ()) -> list[range]:
@@ -144,8 +145,8 @@ def check_pp(cfg: Config, world_size: int | None, micro_batches: int | None = No
         ConfigError: ``parallel.pp`` < 1 or not dividing the world size; stages that do not divide the blocks
             (:func:`pp_stage_layers`); fewer micro-batches per step than the schedule needs
             (:func:`min_pp_microbatches`); with ``parallel.pp`` > 1, a setting not built with it: preference
-            tuning, a mixture of experts, LoRA, tied embeddings, tensor, context or expert parallel, a mode
-            other than fsdp, or a schedule of :data:`NOT_EXACT_SCHEDULES`.
+            tuning, a mixture of experts, LoRA, tied embeddings, tensor, context or expert parallel, or a mode
+            other than fsdp.
     """
     p, m = cfg.parallel, cfg.model
     if p.pp < 1:
@@ -171,11 +172,6 @@ def check_pp(cfg: Config, world_size: int | None, micro_batches: int | None = No
     for bad, what, fix in refused:
         if bad:
             raise ConfigError(f"pipeline parallel (parallel.pp={p.pp}) with {what} is not built: {fix}")
-    if p.pp_schedule in NOT_EXACT_SCHEDULES:
-        raise ConfigError(f"parallel.pp_schedule={p.pp_schedule!r} runs here but does not yet equal one "
-                          "process (measured at PP 2: the same losses, gradient norms 13% smaller: a weight "
-                          "gradient lost between the split input and weight backward): use 'gpipe', '1f1b' "
-                          "or 'interleaved_1f1b'")
     pp_stage_layers(m.n_layers, p.pp * VIRTUAL_STAGES[p.pp_schedule], p.pp_layers_per_stage)
     if world_size is not None and world_size % p.pp:
         raise ConfigError(f"parallel.pp={p.pp} must divide the world size {world_size} (each stage is held "

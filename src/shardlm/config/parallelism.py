@@ -54,9 +54,10 @@ class ParallelConfig:
     every backward), ``1f1b`` (one forward, one backward: at most ``pp`` micro-batches in flight),
     ``interleaved_1f1b`` (two stages per rank, looped: stage s on rank s mod ``pp``; a smaller bubble),
     ``zbv`` (zero-bubble V: two stages per rank in a V, backward split into input and weight parts) and
-    ``dualpipev`` (DeepSeek's DualPipe in a V). All five run on CPU with gloo; ``zbv`` and ``dualpipev`` are
-    refused for now (their gradients differ from one process's under shardlm's stages). ``1f1b`` and the
-    interleaved schedule need at least as many micro-batches per step as ranks in the pipeline."""
+    ``dualpipev`` (DeepSeek's DualPipe in a V). All five run on CPU with gloo. Under ``zbv`` and ``dualpipev``
+    a stage's blocks stay unsharded from a micro-batch's forward to its weight backward
+    (``reshard_after_forward`` does not apply). ``1f1b``, the interleaved and the V schedules need at least as
+    many micro-batches per step as ranks in the pipeline (``dualpipev``: as stages)."""
     pp_layers_per_stage: tuple[int, ...] = ()
     """Blocks per stage, first stage first (as many numbers as stages, summing to ``model.n_layers``); the
     first stage also holds the embedding and the last the final norm and output projection. Empty = an even

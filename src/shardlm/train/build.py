@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
 from shardlm.config import Config
-from shardlm.config.layout import check_ep, check_tp
+from shardlm.config.layout import SPLIT_BACKWARD_SCHEDULES, check_ep, check_tp
 from shardlm.convert.hf_in import load_pretrained_
 from shardlm.errors import ConfigError
 from shardlm.model.cpu_matmul import apply_fp32_matmul, use_fp32_matmul
@@ -126,8 +126,11 @@ def build_model_parts(cfg: Config, info: DistInfo, mesh: DeviceMesh | None, cp: 
         ep_mesh = build_ep_mesh(info.device.type, info.world_size, pcfg.ep)
         experts, fsdp_mesh, expert_mesh = apply_ep(model, ep_mesh), ep_mesh["dp_shard"], ep_mesh["efsdp"]
     if mode == "fsdp":
+        # the zero-bubble schedules differentiate the parameters the forward used, after the input backward
+        split = pcfg.pp > 1 and pcfg.pp_schedule in SPLIT_BACKWARD_SCHEDULES
         for part in parts or [model]:  # a pipeline stage: over its own data-parallel ranks
-            apply_fsdp(part, fsdp_mesh, mixed_precision_policy(pcfg), pcfg.reshard_after_forward,
+            reshard = False if split else pcfg.reshard_after_forward
+            apply_fsdp(part, fsdp_mesh, mixed_precision_policy(pcfg), reshard,
                        offload=offload_policy(pcfg, info.device), forward_prefetch=pcfg.forward_prefetch,
                        backward_prefetch=pcfg.backward_prefetch, async_all_gather=pcfg.async_all_gather,
                        reduce_scatter=resolve_reduce_scatter(pcfg.reduce_scatter, info.device.type),

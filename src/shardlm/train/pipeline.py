@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
 from shardlm.config import Config
+from shardlm.config.layout import SPLIT_BACKWARD_SCHEDULES
 from shardlm.parallel.dist import DistInfo, dp_submesh
 from shardlm.parallel.options import dtype_from_name, mixed_precision_policy
 from shardlm.parallel.pp import StagePlan, build_schedule, stage_plan
@@ -38,14 +39,15 @@ class StageModule(nn.Module):
     stage, shape (1,).
     """
 
-    def __init__(self, part: nn.Module, last: bool, chunk_tokens: int) -> None:
+    def __init__(self, part: nn.Module, last: bool, chunk_tokens: int, split_backward: bool = False) -> None:
         super().__init__()
-        self.part, self.last, self.chunk_tokens = part, last, chunk_tokens
+        self.part, self.last, self.chunk_tokens, self.split = part, last, chunk_tokens, split_backward
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor,
                 documents: torch.Tensor | None = None) -> torch.Tensor:
         if self.last:  # (1,): the schedule concatenates the micro-batches' outputs
-            return model_loss_sum(self.part, x, targets, self.chunk_tokens, documents).reshape(1)
+            return model_loss_sum(self.part, x, targets, self.chunk_tokens, documents,
+                                  backward_twice=self.split).reshape(1)
         return self.part(x, documents=documents)
 
 
@@ -65,7 +67,8 @@ class PipelineMicroBatches:
         self.plan, self.group, self.device = plan, mesh["pp"].get_group(), info.device
         self.holds_loss = plan.last
         last = plan.n_stages - 1
-        self.modules = [StageModule(part, s == last, cfg.train.loss_chunk_tokens)
+        split = cfg.parallel.pp_schedule in SPLIT_BACKWARD_SCHEDULES  # input, then weight backward
+        self.modules = [StageModule(part, s == last, cfg.train.loss_chunk_tokens, split)
                         for part, s in zip(parts, plan.stage_ids)]
         for module in self.modules:
             # the FSDP root of the stage: PyTorch's stage then defers FSDP's gradient reduction and resharding

@@ -44,8 +44,8 @@ def refusal(overrides: list[str], world_size: int | None = None) -> str:
     (["--parallel.pp=2", "--parallel.tp=2"], None, "with tensor parallel (parallel.tp=2)"),
     (["--parallel.pp=2", '--parallel.pp_schedule="dualpipev"', "--train.global_batch_size=8",
       "--train.micro_batch_size=4"], 2,
-     "parallel.pp_schedule='dualpipev' at parallel.pp=2 needs at least 4 micro-batches per step, but the step "
-     "has 2"),
+     "parallel.pp_schedule='dualpipev' at parallel.pp=2 needs at least 4 micro-batches per step, but the "
+     "step has 2"),
     (["--parallel.pp=2"], 3, "parallel.pp=2 must divide the world size 3"),
 ])
 def test_bad_pipeline_layouts_are_refused_by_name(overrides, world, words):

@@ -2,13 +2,14 @@
 
 Usage (a script, not a test; it launches torchrun itself, once for every layout)::
 
-    python bench/bench_pp.py                       # 3 timed steps after 1 warm-up (~4 min on 2 idle cores)
+    python bench/bench_pp.py                       # 3 timed steps after 1 warm-up (~4 min on 2 cores)
     python bench/bench_pp.py --steps 5 --out bench/pp_results.json
 
 A deeper tiny model (dim 128, 8 blocks, 4 heads, FFN 384, vocabulary 512, 64 tokens a sequence), fp32, the
 same global batch of 16 sequences in every layout, 2 sequences a micro-batch, on three Shakespeare plays
 (prepared once into a temporary directory). Layouts: FSDP 4; PP 4 under ``gpipe`` and ``1f1b`` (two blocks a
-stage); PP 2 × FSDP 2 under ``1f1b`` and ``interleaved_1f1b`` (4 stages of two blocks).
+stage), ``zbv`` and ``dualpipev`` (8 stages of one block, two per rank in a V); PP 2 × FSDP 2 under ``1f1b``
+and ``interleaved_1f1b`` (4 stages of two blocks).
 
 Per rank: the median step time (host seconds, the step synchronised by its record) and the bytes of its
 parameter, gradient and AdamW shards after a step (``Trainer.local_shard_bytes``): a pipeline rank holds only
@@ -38,6 +39,8 @@ LAYOUTS = {
     "FSDP 4": {},
     "PP 4 gpipe": {"parallel.pp": 4, "parallel.pp_schedule": '"gpipe"'},
     "PP 4 1f1b": {"parallel.pp": 4, "parallel.pp_schedule": '"1f1b"'},
+    "PP 4 zbv": {"parallel.pp": 4, "parallel.pp_schedule": '"zbv"'},
+    "PP 4 dualpipev": {"parallel.pp": 4, "parallel.pp_schedule": '"dualpipev"'},
     "PP 2 x FSDP 2 1f1b": {"parallel.pp": 2, "parallel.pp_schedule": '"1f1b"'},
     "PP 2 x FSDP 2 interleaved": {"parallel.pp": 2, "parallel.pp_schedule": '"interleaved_1f1b"'},
 }

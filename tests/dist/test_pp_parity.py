@@ -4,8 +4,8 @@ with FSDP over each stage's data-parallel ranks; its checkpoints resume in one p
 Three torchrun launches on the tiny model with 4 blocks (fp32, gloo, block-causal attention by the data):
 PP 2 under ``gpipe``, ``1f1b`` (checkpoints at steps 2 and 3), ``interleaved_1f1b``, ``zbv`` and ``dualpipev``
 (the last three: 4 stages of one block, two per rank; the V schedules split each backward into input and weight);
-FSDP 2 x PP 2 (``1f1b``) and PP 4 (``1f1b``, one block per stage) at 4 ranks; one process: the reference and
-a resume of PP 2's step-2 checkpoint.
+then FSDP 2 and PP 2 resuming FSDP 2's step-2 checkpoint; FSDP 2 x PP 2 (``1f1b``) and PP 4 (``1f1b``, one block
+per stage) at 4 ranks; one process: the reference and a resume of PP 2's step-2 checkpoint.
 """
 
 from __future__ import annotations
@@ -39,8 +39,12 @@ def runs(small_data, tmp_path_factory):
     d, out = small_data, root / "out"
     reports = {}
     for ranks in (2, 4):
-        reports.update(run_scenarios(ranks, [scenario(name, d, root, {**FEW, **extra})
-                                             for name, (n, extra) in PIPELINES.items() if n == ranks], out))
+        scenarios = [scenario(name, d, root, {**FEW, **extra}) for name, (n, extra) in PIPELINES.items()
+                     if n == ranks]
+        if ranks == 2:  # FSDP 2's step-2 checkpoint resumed at PP 2 (after FSDP 2 ran, in the same launch)
+            scenarios += [scenario("fsdp2", d, root, FEW), scenario("fsdp2_to_pp2", d, root, {
+                **FEW, **PIPELINES["pp2_1f1b"][1], "checkpoint.resume": f'"{root / "fsdp2/checkpoints/step-2"}"'})]
+        reports.update(run_scenarios(ranks, scenarios, out))
     reports.update(run_scenarios(1, [
         scenario("single", d, root, {**FEW, "parallel.mode": '"single"'}),
         scenario("pp2_to_single", d, root, {**FEW, "parallel.mode": '"single"',
@@ -87,6 +91,19 @@ def test_pipeline_equals_one_process(runs, name):
         assert ("model.embed_tokens.weight" in held) == (rank // per_stage == 0), rank
         assert ("lm_head.weight" in held) == (rank // per_stage == last), rank
     assert set().union(*(r["params"] for r in reports[name])) == set(q)
+
+
+@pytest.mark.dist
+def test_fsdp_checkpoint_resumes_at_pp2(runs):
+    """FSDP 2's step-2 checkpoint resumes at PP 2: step 3's loss within 16 fp32 roundings of FSDP 2's own step
+    3, the final weights within 1e-6 of the largest of one process's."""
+    reports, root = runs
+    got, writer = history(reports["fsdp2_to_pp2"]), history(reports["fsdp2"])
+    assert sorted(got) == [STEPS]
+    print(f"FSDP 2 -> PP 2: step {STEPS} loss {got[STEPS]['loss']:.7f} vs {writer[STEPS]['loss']:.7f}")
+    assert_close(got[STEPS]["loss"], writer[STEPS]["loss"], rtol=16 * EPS, what="step-3 loss")
+    p, q = (load_file(str(root / n / "final" / "model.safetensors")) for n in ("fsdp2_to_pp2", "single"))
+    assert_all_close(p, q, rtol=1e-6, what="params after the resume")
 
 
 @pytest.mark.dist

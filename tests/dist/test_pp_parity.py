@@ -10,11 +10,14 @@ per stage) at 4 ranks; one process: the reference and a resume of PP 2's step-2 
 
 from __future__ import annotations
 
+import json
+import math
+
 import pytest
 from safetensors.torch import load_file
 from torch.distributed.checkpoint import FileSystemReader
 
-from conftest import run_scenarios, scenario
+from conftest import run_scenarios, scenario, tiny_overrides, torchrun
 from tolerance import EPS, assert_all_close, assert_close
 
 STEPS = 3
@@ -121,3 +124,22 @@ def test_pipeline_checkpoint_resumes_in_one_process(runs):
     assert_close(got[STEPS]["loss"], writer[STEPS]["loss"], rtol=16 * EPS, what="step-3 loss")
     p, q = (load_file(str(root / n / "final" / "model.safetensors")) for n in ("pp2_to_single", "single"))
     assert_all_close(p, q, rtol=1e-6, what="params after the resume")
+
+
+@pytest.mark.dist
+def test_a_non_finite_step_stops_every_stage(small_data, tmp_path):
+    """PP 2 with an absurd learning rate: the loss (last stage) and the gradient norm (summed over the stages)
+    turn NaN at step 2; every rank stops with one error line, no rank hangs, and the log holds only finite
+    steps."""
+    run = tmp_path / "run"
+    proc = torchrun(2, ["-m", "shardlm.train", *tiny_overrides(small_data, run, {
+        **FEW, "train.steps": 20, "train.eval_interval": 0, "checkpoint.enabled": "false", "train.lr": 1e30,
+        "train.min_lr": 1e30, "train.warmup_steps": 0, "train.grad_clip": 0.0, "parallel.pp": 2})],
+        check=False)
+    err = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "is not finite" in errors[0], err[-3000:]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert 1 <= len(records) < 20
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in records)

@@ -68,7 +68,8 @@ def shard_report(trainer: Trainer) -> dict:
         "params": params,
         "rope_equal": torch.equal(model.model.rope_cos.cpu(), ref.model.rope_cos)
         and torch.equal(model.model.rope_sin.cpu(), ref.model.rope_sin),
-        "tied_same_tensor": model.lm_head.weight is model.model.embed_tokens.weight,
+        "tied_same_tensor": model.lm_head is not None and model.model.embed_tokens is not None
+        and model.lm_head.weight is model.model.embed_tokens.weight,  # (a pipeline stage holds one or none)
     }
 
 

@@ -229,7 +229,7 @@ class Resuming:
         refused = [f"{c.key} changed {json.dumps(c.old)} -> {json.dumps(c.new)} ({c.why})"
                    for c in self.changes if c.rule == REFUSED]
         try:
-            check_shapes(path, metadata, state)
+            check_shapes(path, metadata, state, part=self.cfg.parallel.pp > 1)  # a stage: not every tensor
         except CheckpointError as e:
             raise CheckpointError("; ".join([str(e), *refused])) from None
         tokenizer = None

@@ -94,6 +94,11 @@ RULES: dict[str, tuple[str, str]] = {
                                    "the linear layers compute from here"),
     "train.qat": (REFUSED, _QAT),
     "train.qat_group_size": (REFUSED, _QAT),
+    "parallel.pp": (TAKES_EFFECT, "each stage saves and loads its own parameters under the whole model's "
+                    "names: a checkpoint resumes at any number of stages, or none"),
+    "parallel.pp_schedule": (TAKES_EFFECT, "the schedule orders the micro-batches of a step, not what is "
+                             "saved"),
+    "parallel.pp_layers_per_stage": (TAKES_EFFECT, "the cut between stages does not change the names saved"),
     "parallel.*": (TAKES_EFFECT, "the checkpoint does not depend on the world size or the sharding"),
     "run.*": (TAKES_EFFECT, "where and under which name the run writes"),
     "checkpoint.*": (TAKES_EFFECT, "read at every step"),

@@ -67,12 +67,15 @@ def local_bytes(state: dict[str, Any]) -> int:
     return total
 
 
-def check_shapes(path: Path, metadata: Metadata, state: dict[str, Any]) -> None:
+def check_shapes(path: Path, metadata: Metadata, state: dict[str, Any], part: bool = False) -> None:
     """Compare every tensor of ``state`` (global shapes for DTensors) with the checkpoint's metadata.
+
+    ``part``: ``state`` is a part of the model (a pipeline stage's): the checkpoint's other tensors are the
+    other stages' (a change of the model's shape is refused with its config field, ``resume_config.py``).
 
     Raises:
         CheckpointError: naming the first tensor missing from the checkpoint or of another shape (both
-            shapes), or the first model tensor in the checkpoint that this model lacks.
+            shapes), or (unless ``part``) the first model tensor in the checkpoint that this model lacks.
     """
     stored = metadata.state_dict_metadata
     ours = flat_tensors(state)
@@ -85,6 +88,8 @@ def check_shapes(path: Path, metadata: Metadata, state: dict[str, Any]) -> None:
                 f"checkpoint {path} does not fit this model: tensor {name} has shape {tuple(entry.size)} in "
                 f"the checkpoint but {tuple(tensor.shape)} in the model")
     for name, entry in stored.items():
+        if part:  # the other stages' tensors are not this part's
+            break
         if name.startswith("model.") and isinstance(entry, TensorStorageMetadata) and name not in ours:
             raise CheckpointError(f"checkpoint {path} has tensor {name} {tuple(entry.size)}, which this "
                                   "model lacks")

@@ -40,7 +40,8 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> None:
     Raises:
         ConfigError: a bad world size or headroom, an unknown device or preset, ``--model.*`` overrides
             together with a preset or ``--model-config`` (which replace the config's shape and its
-            ``model.init_from``), ``parallel.async_tp`` with ``--device cpu``.
+            ``model.init_from``), ``parallel.async_tp`` with ``--device cpu``, pipeline stages
+            (``parallel.pp`` > 1: not modelled yet).
         ModelDirError: an unreadable ``--model-config`` or a model the decoder does not build.
     """
     if args.model_preset == "list":
@@ -74,6 +75,9 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> None:
         )
         overrides = shape_overrides(shape) + overrides
     cfg = load_config(args.config, overrides)
+    if cfg.parallel.pp > 1:  # the planner's model of a step has no stages yet: no silent wrong numbers
+        raise ConfigError(f"shardlm plan does not model pipeline stages yet (parallel.pp={cfg.parallel.pp}): "
+                          "plan the layout without them (parallel.pp = 1); bench/bench_pp.py measures them")
     from shardlm.parallel.dist import check_async_tp_device
 
     check_async_tp_device(cfg.parallel, "cpu" if args.device == "cpu" else "cuda", "the planned device")

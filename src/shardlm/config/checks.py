@@ -11,7 +11,7 @@ import re
 from typing import TYPE_CHECKING
 
 from shardlm.config.auto import AUTO
-from shardlm.config.layout import check_ep, check_tp
+from shardlm.config.layout import check_ep, check_pp, check_tp
 from shardlm.errors import ConfigError, ModelDirError
 from shardlm.model.hf_config import read_model_dir_config
 
@@ -127,6 +127,7 @@ def validate(cfg: Config) -> None:
     # the split's sizes against the model and the sequence: here, before any data is prepared
     check_tp(m, cfg.parallel.tp, t.seq_len, cfg.lora.enabled, cp)
     check_ep(m.n_experts, cfg.parallel.ep, None, cfg.parallel.mode, cfg.parallel.dp_replicate)
+    check_pp(cfg, None)
     for key in ("interval", "keep"):
         if getattr(cfg.checkpoint, key) < 0:
             raise ConfigError(f"checkpoint.{key} must be >= 0, got {getattr(cfg.checkpoint, key)}")
@@ -177,14 +178,16 @@ def check_transformers_backend(cfg: Config) -> None:
     if cfg.model.backend != "transformers":
         return
     p = cfg.parallel
-    split = [f"parallel.{k}={getattr(p, k)}" for k in ("tp", "cp", "ep") if getattr(p, k) > 1]
+    split = [f"parallel.{k}={getattr(p, k)}" for k in ("tp", "cp", "ep", "pp") if getattr(p, k) > 1]
     if split:
         raise ConfigError(f"model.backend='transformers' with {' and '.join(split)} is not built yet: "
                           "FSDP (and HSDP, DDP) only; set them to 1 or use model.backend='native' for its "
                           "families")
-    if cfg.data.format == "preference":
-        raise ConfigError("model.backend='transformers' with data.format='preference' is not built yet (the "
-                          "reference model is the native decoder): use data.format 'text' or 'instruct'")
+    if cfg.data.format in ("preference", "prompts") or cfg.distill.teacher_from:
+        what = "distill.teacher_from" if cfg.distill.teacher_from else f"data.format={cfg.data.format!r}"
+        raise ConfigError(f"model.backend='transformers' with {what} is not built yet (the reference, the "
+                          "sampler and the teacher use the native decoder): use data.format 'text' or "
+                          "'instruct' without a teacher")
     if cfg.lora.enabled and cfg.lora.base_dtype == "nf4":
         raise ConfigError("model.backend='transformers' with lora.base_dtype='nf4' is not built yet: use "
                           "'fp32' or 'bf16'")
@@ -286,6 +289,9 @@ def validate_low_precision(cfg: Config) -> None:
     if t.float8 != "none" and t.qat != "none":
         raise ConfigError(f"train.float8={t.float8!r} and train.qat={t.qat!r} both replace the linear "
                           "layers: choose one")
+    if (t.float8 != "none" or t.qat != "none") and p.pp > 1:
+        raise ConfigError(f"train.float8={t.float8!r} / train.qat={t.qat!r} with parallel.pp={p.pp} is not "
+                          "built yet (low precision through pipeline stages): set parallel.pp = 1")
     if t.float8 != "none" and p.tp > 1:
         raise ConfigError(f"train.float8={t.float8!r} with parallel.tp={p.tp} is not built yet (float8 "
                           "tensor parallel): set parallel.tp = 1")
@@ -380,7 +386,7 @@ def gradient_accumulation_steps(cfg: Config, dp_world_size: int) -> int:
     """
     g, mbs = cfg.train.global_batch_size, cfg.train.micro_batch_size
     per_step = dp_world_size * mbs
-    inner = " × ".join(f"parallel.{k}={getattr(cfg.parallel, k)}" for k in ("cp", "tp")
+    inner = " × ".join(f"parallel.{k}={getattr(cfg.parallel, k)}" for k in ("pp", "cp", "tp")
                        if getattr(cfg.parallel, k) > 1)  # the dimensions whose ranks share samples
     if g % per_step:
         raise ConfigError(

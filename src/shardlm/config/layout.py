@@ -87,8 +87,99 @@ def check_ranks(cfg: Config, world_size: int) -> None:
 
     Raises:
         ConfigError: ``parallel.mode = 'single'`` on more than one rank; an expert-parallel degree the ranks
-            cannot take (:func:`check_ep`).
+            cannot take (:func:`check_ep`); a pipeline layout the ranks cannot take (:func:`check_pp`).
     """
     if cfg.parallel.mode == "single" and world_size > 1:
         raise ConfigError(f"parallel.mode='single' runs one process, but the world size is {world_size}")
     check_ep(cfg.model.n_experts, cfg.parallel.ep, world_size, cfg.parallel.mode, cfg.parallel.dp_replicate)
+    p, t = cfg.parallel, cfg.train
+    dp = world_size // max(1, p.pp * p.tp * p.cp)  # the ranks that read different samples
+    per_step = dp * t.micro_batch_size
+    check_pp(cfg, world_size, t.global_batch_size // per_step if per_step and not
+             t.global_batch_size % per_step else None)
+
+
+#: stages per pipeline rank of each ``parallel.pp_schedule``: the interleaved and V schedules hold two
+VIRTUAL_STAGES = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zbv": 2, "dualpipev": 2}
+
+
+#: schedules that split a micro-batch's backward into an input and a weight part (zero bubble): a stage's
+#: blocks stay unsharded from forward to the weight part (``reshard_after_forward`` does not apply)
+SPLIT_BACKWARD_SCHEDULES = ("zbv", "dualpipev")
+
+
+def pp_stage_layers(n_layers: int, stages: int, layers_per_stage: tuple[int, ...] = ()) -> list[range]:
+    """The blocks of each pipeline stage, first stage first: ``layers_per_stage`` when given, else an even
+    split (``parallel.pp_layers_per_stage``).
+
+    Raises:
+        ConfigError: an even split the stages do not divide; a ``layers_per_stage`` of another length than the
+            stages, with a stage of no block, or not summing to ``n_layers``.
+    """
+    if not layers_per_stage:
+        if n_layers % stages:
+            raise ConfigError(f"{stages} pipeline stages do not divide model.n_layers={n_layers}: pick a "
+                              "parallel.pp (or schedule) whose stages divide the blocks, or give "
+                              "parallel.pp_layers_per_stage (blocks per stage, summing to n_layers)")
+        layers_per_stage = (n_layers // stages,) * stages
+    if len(layers_per_stage) != stages or min(layers_per_stage) < 1 or sum(layers_per_stage) != n_layers:
+        raise ConfigError(f"parallel.pp_layers_per_stage={list(layers_per_stage)} must give {stages} "
+                          f"stages of at least one block each, summing to model.n_layers={n_layers}")
+    starts = [sum(layers_per_stage[:i]) for i in range(stages)]
+    return [range(s, s + n) for s, n in zip(starts, layers_per_stage)]
+
+
+def min_pp_microbatches(schedule: str, pp: int) -> int:
+    """The fewest micro-batches per step ``schedule`` runs at ``pp`` pipeline ranks (PyTorch's own bounds:
+    ``dualpipev`` one per stage, the other schedules but ``gpipe`` one per rank)."""
+    if schedule == "gpipe":
+        return 1
+    return pp * VIRTUAL_STAGES[schedule] if schedule == "dualpipev" else pp
+
+
+def check_pp(cfg: Config, world_size: int | None, micro_batches: int | None = None) -> None:
+    """Refuse a pipeline-parallel layout that cannot be built (one message naming the cause); ``world_size``
+    and ``micro_batches`` None: before the ranks are known (the configuration's check).
+
+    Raises:
+        ConfigError: ``parallel.pp`` < 1 or not dividing the world size; stages that do not divide the blocks
+            (:func:`pp_stage_layers`); fewer micro-batches per step than the schedule needs
+            (:func:`min_pp_microbatches`); with ``parallel.pp`` > 1, a setting not built with it: preference
+            tuning, a mixture of experts, LoRA, tied embeddings, tensor, context or expert parallel, or a mode
+            other than fsdp.
+    """
+    p, m = cfg.parallel, cfg.model
+    if p.pp < 1:
+        raise ConfigError(f"parallel.pp must be >= 1 (1 = no pipeline), got {p.pp}")
+    if p.pp == 1:
+        if p.pp_layers_per_stage:
+            raise ConfigError("parallel.pp_layers_per_stage needs pipeline stages (parallel.pp > 1)")
+        return
+    refused = [
+        (cfg.data.format == "preference", "preference tuning (data.format = 'preference')",
+         "train it with FSDP (parallel.pp = 1)"),
+        (bool(m.n_experts), f"a mixture of experts (model.n_experts={m.n_experts})",
+         "its router losses are not carried through the stages yet; set parallel.pp = 1"),
+        (cfg.lora.enabled, "LoRA (lora.enabled)", "set parallel.pp = 1"),
+        (m.tie_embeddings, "tied embeddings (model.tie_embeddings)",
+         "the embedding lives on the first stage and the output projection on the last; set parallel.pp = 1"),
+        (p.tp > 1, f"tensor parallel (parallel.tp={p.tp})", "set parallel.tp = 1"),
+        (p.cp > 1, f"context parallel (parallel.cp={p.cp})", "set parallel.cp = 1"),
+        (p.ep > 1, f"expert parallel (parallel.ep={p.ep})", "set parallel.ep = 1"),
+        (p.mode != "fsdp", f"parallel.mode={p.mode!r}", "use parallel.mode = 'fsdp' (each stage FSDP-sharded "
+         "over its data-parallel ranks)"),
+    ]
+    for bad, what, fix in refused:
+        if bad:
+            raise ConfigError(f"pipeline parallel (parallel.pp={p.pp}) with {what} is not built: {fix}")
+    pp_stage_layers(m.n_layers, p.pp * VIRTUAL_STAGES[p.pp_schedule], p.pp_layers_per_stage)
+    if world_size is not None and world_size % p.pp:
+        raise ConfigError(f"parallel.pp={p.pp} must divide the world size {world_size} (each stage is held "
+                          "by world size / pp ranks)")
+    need = min_pp_microbatches(p.pp_schedule, p.pp)
+    if micro_batches is not None and micro_batches < need:
+        raise ConfigError(
+            f"parallel.pp_schedule={p.pp_schedule!r} at parallel.pp={p.pp} needs at least {need} "
+            f"micro-batches per step, but the step has {micro_batches} (train.global_batch_size / "
+            "(data-parallel ranks × train.micro_batch_size)): lower train.micro_batch_size, raise "
+            "train.global_batch_size, or use pp_schedule = 'gpipe'")

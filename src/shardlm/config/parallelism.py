@@ -41,6 +41,27 @@ class ParallelConfig:
     along the sequence between the blocks (sequence parallel), the loss vocabulary-parallel
     (``shardlm/parallel/tp.py``). The innermost mesh dimension (consecutive ranks, within one node);
     ``dp_replicate × dp_shard × tp`` must equal the world size. Needs ``mode = "fsdp"``; 1 = off."""
+    pp: int = 1
+    """Pipeline-parallel stages (``shardlm/parallel/pp.py``): the blocks are cut into ``pp`` consecutive
+    stages (``pp`` × 2 with the interleaved and V schedules), each held by the ranks of one ``pp`` coordinate,
+    the outermost mesh dimension (torchtitan's order ``pp, dp_replicate, dp_shard, cp, tp``); activations and
+    their gradients travel between neighbouring stages point to point, and every stage is FSDP-sharded over
+    its own data-parallel ranks. The step's micro-batches (``train.micro_batch_size`` each) are the
+    pipeline's.
+    ``pp`` must divide the world size; 1 = no pipeline."""
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev"] = "1f1b"
+    """The pipeline schedule (``torch.distributed.pipelining``): ``gpipe`` (every micro-batch forward, then
+    every backward), ``1f1b`` (one forward, one backward: at most ``pp`` micro-batches in flight),
+    ``interleaved_1f1b`` (two stages per rank, looped: stage s on rank s mod ``pp``; a smaller bubble),
+    ``zbv`` (zero-bubble V: two stages per rank in a V, backward split into input and weight parts) and
+    ``dualpipev`` (DeepSeek's DualPipe in a V). All five run on CPU with gloo. Under ``zbv`` and ``dualpipev``
+    a stage's blocks stay unsharded from a micro-batch's forward to its weight backward
+    (``reshard_after_forward`` does not apply). ``1f1b``, the interleaved and the V schedules need at least as
+    many micro-batches per step as ranks in the pipeline (``dualpipev``: as stages)."""
+    pp_layers_per_stage: tuple[int, ...] = ()
+    """Blocks per stage, first stage first (as many numbers as stages, summing to ``model.n_layers``); the
+    first stage also holds the embedding and the last the final norm and output projection. Empty = an even
+    split, which the stages must divide."""
     async_tp: bool = False
     """Asynchronous tensor parallel on CUDA: TorchInductor splits each TP all-gather / reduce-scatter and the
     matrix multiply beside it into micro-pipelined pieces over symmetric memory

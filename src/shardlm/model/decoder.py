@@ -237,6 +237,8 @@ class CausalLM(nn.Module):
     ``forward(tokens)``: tokens (batch, seq) int64 with seq <= ``max_seq_len`` -> logits
     (batch, seq, vocab_size) in the compute dtype. With ``tie_embeddings`` the output projection
     is the embedding tensor itself, and ``named_parameters()`` lists it once, as HF does.
+    A part (a pipeline stage, :mod:`shardlm.parallel.pp`) has ``None`` for what it lacks, names unchanged: no
+    embedding: the input is hidden states (batch, seq, dim); a None block is skipped; no norm: returns those.
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -324,8 +326,8 @@ class CausalLM(nn.Module):
             backend = doc_attention.resolve_backend(self.cfg.attention_backend, tokens.device,
                                                       torch.is_grad_enabled())
             doc_masks = doc_attention.document_masks(
-                documents, {layer.self_attn.window for layer in decoder.layers}, backend,
-                decoder.embed_tokens.weight.dtype)
+                documents, {layer.self_attn.window for layer in decoder.layers if layer is not None}, backend,
+                decoder.embed_tokens.weight.dtype if decoder.embed_tokens is not None else tokens.dtype)
             positions = doc_attention.document_positions(documents)  # (batch, seq), 0 at each document start
             rope = decoder.rope_at(positions)
         elif cache is None:
@@ -337,10 +339,10 @@ class CausalLM(nn.Module):
         else:
             positions = cache.positions(t)  # (batch, seq), raises past the cache's capacity
             rope = decoder.rope_at(positions)
-        h = decoder.embed_tokens(tokens)
-        if self.cfg.arch.gemma_norms:  # Gemma: sqrt(dim), rounded to the embedding's dtype first (as HF)
+        h = tokens if decoder.embed_tokens is None else decoder.embed_tokens(tokens)  # a part: hidden states
+        if self.cfg.arch.gemma_norms and decoder.embed_tokens is not None:  # Gemma: sqrt(dim), rounded (HF)
             h = h * torch.tensor(self.cfg.dim ** 0.5).to(h.dtype)
-        for i, layer in enumerate(decoder.layers):
+        for i, layer in ((i, b) for i, b in enumerate(decoder.layers) if b is not None):  # a part: its own
             cos, sin = rope[layer.local and len(rope) > 1]
             if doc_masks is not None:
                 h = layer(h, cos, sin, None, doc_masks[layer.self_attn.window], real_tokens=real_tokens)
@@ -348,6 +350,8 @@ class CausalLM(nn.Module):
                 h = layer(h, cos, sin, None if cache is None else cache.layers[i], real_tokens=real_tokens)
         if cache is not None:
             cache.advance(t)
+        if decoder.norm is None:  # a part without the final norm: the blocks' output
+            return h
         h = decoder.norm(h)
         if head is not None:
             return head(self, h)

@@ -238,7 +238,8 @@ def local_world_size() -> int:
 
 def dp_mesh_shape(pcfg: ParallelConfig, world_size: int, ranks_per_node: int) -> tuple[int, int]:
     """The data-parallel mesh shape ``(dp_replicate, dp_shard)`` for ``world_size`` ranks (``world_size / cp``
-    data- parallel ranks under context parallelism, ``parallel.cp``).
+    data- parallel ranks under context parallelism, ``parallel.cp``; of one pipeline stage's ``world_size /
+    pp`` ranks under pipeline parallelism, ``parallel.pp``, the outermost dimension).
 
     The data-parallel ranks are the world divided by the inner dimensions, ``parallel.cp`` and ``parallel.tp``
     (:func:`mesh_dims`); ``dp_shard = -1`` takes all remaining ones, ``dp_ranks // dp_replicate``
@@ -258,6 +259,10 @@ def dp_mesh_shape(pcfg: ParallelConfig, world_size: int, ranks_per_node: int) ->
             ``parallel.mode='fsdp'``.
     """
     r, s, tp = pcfg.dp_replicate, pcfg.dp_shard, pcfg.tp
+    if world_size % pcfg.pp:
+        raise ConfigError(f"parallel.pp={pcfg.pp} must divide the world size {world_size} (each pipeline "
+                          "stage is held by world size / pp ranks)")
+    world_size //= pcfg.pp  # pipeline stages outermost: the mesh below is one stage's ranks
     cp = pcfg.cp  # context parallel: cp ranks (tp apart) per data-parallel rank (parallel/cp.py)
     if world_size % cp:
         raise ConfigError(f"parallel.cp={cp} must divide the world size {world_size} (each sequence is split "
@@ -302,7 +307,8 @@ def dp_mesh_shape(pcfg: ParallelConfig, world_size: int, ranks_per_node: int) ->
 
 
 def mesh_dims(pcfg: ParallelConfig | None, world_size: int, ranks_per_node: int) -> list[tuple[str, int]]:
-    """The device mesh's named dimensions, outermost first: ``dp_replicate`` (HSDP only), ``dp_shard``
+    """The device mesh's named dimensions, outermost first: ``pp`` (pipeline stages, when > 1),
+    ``dp_replicate`` (HSDP only), ``dp_shard``
     (always, with ``parallel.cp`` folded in: FSDP shards parameters over ``dp_shard × cp``), then the inner,
     model-parallel one (``tp``, when > 1), torchtitan's order; sizes multiply to the world size. The CP groups
     are built beside it (:func:`shardlm.parallel.cp.build_context_parallel`: the ``cp`` ranks of one dp and tp
@@ -315,7 +321,7 @@ def mesh_dims(pcfg: ParallelConfig | None, world_size: int, ranks_per_node: int)
         return [("dp_shard", world_size)]
     r, s = dp_mesh_shape(pcfg, world_size, ranks_per_node)
     s *= pcfg.cp  # FSDP shards over dp_shard × cp: a CP group's ranks (tp apart) lie in one shard row
-    dims = [("dp_replicate", r), ("dp_shard", s), ("tp", pcfg.tp)]
+    dims = [("pp", pcfg.pp), ("dp_replicate", r), ("dp_shard", s), ("tp", pcfg.tp)]
     return [(name, size) for name, size in dims if size > 1 or name == "dp_shard"]
 
 
@@ -330,10 +336,14 @@ def data_parallel_rank(info: DistInfo, pcfg: ParallelConfig | None) -> tuple[int
     The model-parallel dimensions (``cp``, then ``tp``) are innermost (:func:`mesh_dims`), so the ``cp × tp``
     consecutive ranks of one data-parallel coordinate read the same samples: ``dp_rank = rank // (cp × tp)``,
     ``dp_size = world_size // (cp × tp)``; a tensor-parallel group computes on the same tokens, a
-    context-parallel group splits each sequence (``parallel.cp``).
+    context-parallel group splits each sequence (``parallel.cp``). Under pipeline parallelism
+    (``parallel.pp``, outermost) every stage's ranks read the same samples: the index is the one within the
+    stage.
     """
-    inner = pcfg.tp * pcfg.cp if pcfg is not None else 1
-    return info.rank // inner, info.world_size // inner
+    if pcfg is None:
+        return info.rank, info.world_size
+    inner, stage = pcfg.tp * pcfg.cp, info.world_size // pcfg.pp  # a stage's ranks: consecutive
+    return (info.rank % stage) // inner, stage // inner
 
 
 def build_mesh(info: DistInfo, pcfg: ParallelConfig | None = None) -> DeviceMesh:

@@ -61,7 +61,8 @@ def apply_fsdp(model: CausalLM, mesh: DeviceMesh, mp_policy: MixedPrecisionPolic
     common = dict(mesh=mesh, mp_policy=mp_policy or MixedPrecisionPolicy(),
                   offload_policy=offload or OffloadPolicy())
     decoder = model.model
-    if not model.cfg.tie_embeddings:
+    # a pipeline stage (shardlm/parallel/pp.py) lacks the parts other stages hold: None
+    if not model.cfg.tie_embeddings and decoder.embed_tokens is not None:
         fully_shard(decoder.embed_tokens, reshard_after_forward=reshard_after_forward, **common)
     world = mesh.size()
     for module in experts:
@@ -71,21 +72,22 @@ def apply_fsdp(model: CausalLM, mesh: DeviceMesh, mp_policy: MixedPrecisionPolic
         # a one-rank group divides by the factor without a collective; forcing the sum there divided
         # twice (measured)
         module.set_force_sum_reduction_for_comms(expert_mesh.size() > 1)
-    layers = list(decoder.layers)
+    layers = [layer for layer in decoder.layers if layer is not None]
     block_groups = [layers[i:i + blocks_per_group] for i in range(0, len(layers), blocks_per_group)]
     for group in block_groups:
         # one module or a list: a list is one group (one all-gather, one reduce-scatter)
         fully_shard(group[0] if len(group) == 1 else group, reshard_after_forward=reshard_after_forward,
                     **common)
-    if not model.cfg.tie_embeddings:
+    if not model.cfg.tie_embeddings and decoder.norm is not None:
         fully_shard([decoder.norm, model.lm_head], reshard_after_forward=False, **common)
     fully_shard(model, **common)
     # a group's modules share one FSDP state: its first stands for it
     firsts = [group[0] for group in block_groups]
     set_prefetch(firsts, forward_prefetch, backward_prefetch)
     if async_all_gather:
-        groups = ([] if model.cfg.tie_embeddings else [decoder.embed_tokens]) + firsts
-        add_async_all_gather(model, groups + ([] if model.cfg.tie_embeddings else [decoder.norm]))
+        ends = [] if model.cfg.tie_embeddings else [decoder.embed_tokens, decoder.norm]
+        groups = [m for m in ends[:1] if m is not None] + firsts
+        add_async_all_gather(model, groups + [m for m in ends[1:] if m is not None])
     if reduce_scatter == "all_to_all":
         use_all_to_all_reduce_scatter(model)
     return model

@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
 from shardlm.config import Config
-from shardlm.config.layout import check_ep, check_tp
+from shardlm.config.layout import SPLIT_BACKWARD_SCHEDULES, check_ep, check_tp
 from shardlm.convert.hf_in import load_pretrained_
 from shardlm.errors import ConfigError
 from shardlm.model.cpu_matmul import apply_fp32_matmul, use_fp32_matmul
@@ -38,12 +38,20 @@ from shardlm.parallel.ep import apply_ep, build_ep_mesh
 from shardlm.parallel.float8 import apply_float8, use_byte_all_gather
 from shardlm.parallel.fsdp import apply_fsdp
 from shardlm.parallel.options import dtype_from_name, mixed_precision_policy, offload_policy
+from shardlm.parallel.pp import apply_pp, stage_plan
 from shardlm.parallel.reduce_scatter import resolve_reduce_scatter
 from shardlm.parallel.tp import ASYNC_TP_COMPILE_OPTIONS, apply_tp
 
 
 def build_model(cfg: Config, info: DistInfo, mesh: DeviceMesh | None,
                 cp: ContextParallel | None = None) -> tuple[nn.Module, dict[str, Any] | None]:
+    """:func:`build_model_parts` without the pipeline parts: ``(model, load_stats)``."""
+    model, _, load_stats = build_model_parts(cfg, info, mesh, cp)
+    return model, load_stats
+
+
+def build_model_parts(cfg: Config, info: DistInfo, mesh: DeviceMesh | None, cp: ContextParallel | None = None
+                      ) -> tuple[nn.Module, list[nn.Module], dict[str, Any] | None]:
     """Build the model on the meta device, wrap it for ``cfg.parallel.mode``, materialise, initialise.
 
     First the parameter-efficient set-up, on the meta device: ``train.trainable``/``train.frozen`` freeze
@@ -69,8 +77,14 @@ def build_model(cfg: Config, info: DistInfo, mesh: DeviceMesh | None,
     (:class:`~shardlm.model.hf_backend.HFCausalLM`, always loaded from ``model.init_from``), and the same
     steps apply to its decoder layers.
 
-    Returns ``(model, load_stats)``: the ``CausalLM`` (FSDP-sharded or plain) or a ``DistributedDataParallel``
-    around it, and :func:`shardlm.convert.hf_in.load_pretrained_`'s byte counts (None for a random init).
+    With pipeline stages (``parallel.pp`` > 1) the model is first cut to this rank's stages
+    (:func:`~shardlm.parallel.pp.apply_pp`, on ``mesh["pp"]``'s coordinate), and activation checkpointing,
+    compile and FSDP (over this stage's data-parallel ranks) apply to each stage's part.
+
+    Returns ``(model, parts, load_stats)``: the ``CausalLM`` (FSDP-sharded or plain; under ``parallel.pp``
+    this rank's stages only) or a ``DistributedDataParallel`` around it, the pipeline parts of this rank's
+    stages (``[]`` without pipeline parallelism), and :func:`shardlm.convert.hf_in.load_pretrained_`'s byte
+    counts (None for a random init).
 
     Raises:
         ConfigError: ``single`` mode with more than one rank; a model ``parallel.tp`` cannot split, or LoRA
@@ -101,15 +115,22 @@ def build_model(cfg: Config, info: DistInfo, mesh: DeviceMesh | None,
     if use_fp32_matmul(pcfg.cpu_bf16_matmul, info.device, pcfg.param_dtype) and pcfg.tp == 1:
         apply_fp32_matmul(model)
         set_fp32_matmul(model)
+    parts = []
+    if pcfg.pp > 1:  # torchtitan's order: the pipeline cut first, then everything else per stage
+        plan = stage_plan(cfg.model.n_layers, pcfg.pp, mesh["pp"].get_local_rank(), pcfg.pp_schedule,
+                          pcfg.pp_layers_per_stage)
+        parts = apply_pp(model, plan)
     if pcfg.tp > 1:
         # torchtitan's order: TP, (CP's attention), AC, compile, FSDP over the data-parallel dimensions
         apply_tp(model, mesh["tp"])
     if cp is not None and cp.size > 1:  # attention across the sequence split (before AC wraps the blocks)
         apply_cp(model, cp)
-    apply_ac(model.model.layers, pcfg.activation_checkpoint, pcfg.activation_checkpoint_n)
-    if pcfg.compile:
-        # async TP (CUDA): TorchInductor pipelines the blocks' TP collectives with their multiplies
-        apply_compile(model.model.layers, ASYNC_TP_COMPILE_OPTIONS if pcfg.async_tp else None)
+    for part in parts or [model]:
+        blocks = nn.ModuleList(layer for layer in part.model.layers if layer is not None)
+        apply_ac(blocks, pcfg.activation_checkpoint, pcfg.activation_checkpoint_n)
+        if pcfg.compile:
+            # async TP (CUDA): TorchInductor pipelines the blocks' TP collectives with their multiplies
+            apply_compile(blocks, ASYNC_TP_COMPILE_OPTIONS if pcfg.async_tp else None)
     check_ep(cfg.model.n_experts, pcfg.ep, info.world_size, mode, pcfg.dp_replicate)
     experts, expert_mesh = [], None
     fsdp_mesh = dp_submesh(mesh) if mode == "fsdp" else None  # FSDP over the data-parallel dimensions
@@ -118,15 +139,20 @@ def build_model(cfg: Config, info: DistInfo, mesh: DeviceMesh | None,
         ep_mesh = build_ep_mesh(info.device.type, info.world_size, pcfg.ep)
         experts, fsdp_mesh, expert_mesh = apply_ep(model, ep_mesh), ep_mesh["dp_shard"], ep_mesh["efsdp"]
     if mode == "fsdp":
-        apply_fsdp(model, fsdp_mesh, mixed_precision_policy(pcfg), pcfg.reshard_after_forward,
-                   offload=offload_policy(pcfg, info.device), forward_prefetch=pcfg.forward_prefetch,
-                   backward_prefetch=pcfg.backward_prefetch, async_all_gather=pcfg.async_all_gather,
-                   reduce_scatter=resolve_reduce_scatter(pcfg.reduce_scatter, info.device.type),
-                   blocks_per_group=pcfg.blocks_per_group, experts=experts, expert_mesh=expert_mesh)
+        # the zero-bubble schedules differentiate the parameters the forward used, after the input backward
+        split = pcfg.pp > 1 and pcfg.pp_schedule in SPLIT_BACKWARD_SCHEDULES
+        for part in parts or [model]:  # a pipeline stage: over its own data-parallel ranks
+            reshard = False if split else pcfg.reshard_after_forward
+            apply_fsdp(part, fsdp_mesh, mixed_precision_policy(pcfg), reshard,
+                       offload=offload_policy(pcfg, info.device), forward_prefetch=pcfg.forward_prefetch,
+                       backward_prefetch=pcfg.backward_prefetch, async_all_gather=pcfg.async_all_gather,
+                       reduce_scatter=resolve_reduce_scatter(pcfg.reduce_scatter, info.device.type),
+                       blocks_per_group=pcfg.blocks_per_group, experts=experts, expert_mesh=expert_mesh)
         if cfg.train.float8 != "none" and info.backend == "gloo":  # gloo has no float8 all-gather
             use_byte_all_gather(model)
     # with CPU offload the shards live in CPU memory; buffers (rotary tables) still go to the device
-    model.to_empty(device="cpu" if pcfg.cpu_offload else info.device)
+    for part in [model, *parts]:  # a part's own rotary buffers too
+        part.to_empty(device="cpu" if pcfg.cpu_offload else info.device)
     load_stats = None
     adapters = {f"{name}.{ab}.weight" for name, _ in lora_modules(model) for ab in ("lora_A", "lora_B")}
     if cfg.model.init_from:  # pretrained: each rank reads only its shards' rows (convert/hf_in.py)
@@ -135,6 +161,8 @@ def build_model(cfg: Config, info: DistInfo, mesh: DeviceMesh | None,
         init_base_weights_(model, cfg.train.seed, skip=adapters)
     else:
         model.init_weights(cfg.train.seed)
+    for part in parts:
+        part.init_rotary()
     init_adapters_(model, cfg.train.seed)
     if pcfg.cpu_offload:
         for module in model.modules():
@@ -142,8 +170,8 @@ def build_model(cfg: Config, info: DistInfo, mesh: DeviceMesh | None,
                 setattr(module, name, buf.to(info.device))
     if mode == "ddp":
         device_ids = [info.device.index] if info.device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=device_ids), load_stats
-    return model, load_stats
+        return DistributedDataParallel(model, device_ids=device_ids), parts, load_stats
+    return model, parts, load_stats
 
 
 @torch.no_grad()

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from shardlm.config import Config
 from shardlm.convert.hf_out import (
@@ -22,6 +23,7 @@ from shardlm.data.build import data_dir
 from shardlm.model.lora import LoRASpec
 from shardlm.model.qat import qat_excluded
 from shardlm.parallel import DistInfo
+from shardlm.parallel.dist import data_parallel_rank
 from shardlm.train.build import unwrap
 
 
@@ -58,16 +60,18 @@ def export_model(model: torch.nn.Module, cfg: Config, info: DistInfo, out_dir: P
     named = list(unwrap(model).named_parameters())
     total = sum(p.numel() * p.element_size() for _, p in named)
     tokenizer = data_dir(cfg) / "tokenizer.json"
-    # the transformers backend writes through save_pretrained, from the whole state on rank 0
-    if total > cfg.run.export_single_file_bytes and cfg.model.backend == "native":
-        save_sharded_model_dir(named, cfg.model, out_dir, info.rank, info.world_size, tokenizer, special_ids)
-    else:
-        state = gather_full_state_dict(model)
+    # pipeline stages each hold some of the names, and the transformers backend writes through
+    # save_pretrained: both from the whole state, gathered onto rank 0
+    if cfg.parallel.pp > 1 or total <= cfg.run.export_single_file_bytes or cfg.model.backend != "native":
+        state = gather_pipeline_state_dict(model, info, cfg) if cfg.parallel.pp > 1 else \
+            gather_full_state_dict(model)
         group = _export_group(info)
         if info.is_main:
             save_model_dir(state, cfg.model, out_dir, tokenizer, special_ids)
         del state
         _wait_for_writers(group)
+    else:
+        save_sharded_model_dir(named, cfg.model, out_dir, info.rank, info.world_size, tokenizer, special_ids)
     if cfg.train.qat != "none":  # the trained weights quantised as they were fake-quantised in training
         group = _export_group(info)
         if info.is_main:
@@ -121,6 +125,26 @@ def export_lora(model: torch.nn.Module, cfg: Config, info: DistInfo, merged_dir:
                           special_ids)
     del state
     _wait_for_writers(group)
+
+
+def gather_pipeline_state_dict(model: torch.nn.Module, info: DistInfo, cfg: Config
+                               ) -> dict[str, torch.Tensor]:
+    """The whole model's full state dict on rank 0 (CPU tensors; ``{}`` elsewhere) from the pipeline's stages:
+    each stage's parameters all-gathered over its data-parallel ranks (a collective of the stage), then sent
+    by the stage's first rank to rank 0 with ``gather_object`` (the whole model passes through rank 0's
+    memory once, as the one-file export's does)."""
+    part = {}
+    for name, p in unwrap(model).named_parameters():
+        full = p.full_tensor() if isinstance(p, DTensor) else p
+        part[name] = full.detach().cpu()
+    inner = cfg.parallel.tp * cfg.parallel.cp
+    leader = data_parallel_rank(info, cfg.parallel)[0] == 0 and info.rank % inner == 0  # one rank per stage
+    parts: list[Any] = [None] * info.world_size if info.is_main else None
+    torch.distributed.gather_object(part if leader else {}, parts, dst=0)
+    state: dict[str, torch.Tensor] = {}
+    for piece in parts or []:
+        state.update(piece)
+    return state
 
 
 def _export_group(info: DistInfo) -> torch.distributed.ProcessGroup | None:

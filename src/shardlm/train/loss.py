@@ -52,7 +52,8 @@ def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def model_loss_sum(model: nn.Module, inputs: Tensor, targets: Tensor, chunk_tokens: int,
-                   documents: Tensor | None = None, **model_kwargs: Any) -> Tensor:
+                   documents: Tensor | None = None, backward_twice: bool = False,
+                   **model_kwargs: Any) -> Tensor:
     """The summed token loss of ``model`` on ``inputs``: plain (``chunk_tokens == 0``) or chunked.
 
     Args:
@@ -68,6 +69,8 @@ def model_loss_sum(model: nn.Module, inputs: Tensor, targets: Tensor, chunk_toke
             stay split.
         documents: (B, T) int64 document index per token for block-causal attention (packed rows; see
             ``CausalLM.forward``), or None for a plain causal mask.
+        backward_twice: the chunked loss's gradients may be asked for twice (see
+            :func:`linear_cross_entropy_sum`).
         model_kwargs: passed on to the model's forward (context parallelism's ``positions`` and ``masks``).
 
     Returns a 0-dim fp32 tensor (nats, summed over the scored targets).
@@ -83,12 +86,13 @@ def model_loss_sum(model: nn.Module, inputs: Tensor, targets: Tensor, chunk_toke
         return token_loss_sum(model(inputs, documents=documents, **model_kwargs), targets)
 
     def head(llama: nn.Module, hidden: Tensor) -> Tensor:
-        return output_loss_sum(llama, hidden, targets, chunk_tokens)
+        return output_loss_sum(llama, hidden, targets, chunk_tokens, backward_twice)
 
     return model(inputs, documents=documents, head=head, **model_kwargs)
 
 
-def output_loss_sum(llama: nn.Module, hidden: Tensor, targets: Tensor, chunk_tokens: int) -> Tensor:
+def output_loss_sum(llama: nn.Module, hidden: Tensor, targets: Tensor, chunk_tokens: int,
+                    backward_twice: bool = False) -> Tensor:
     """The chunked loss of a :class:`~shardlm.model.decoder.CausalLM` output head on its final hidden states.
 
     Reads the head as the model's own forward would apply it: ``lm_head`` (an ``nn.Linear``, its CPU
@@ -120,12 +124,12 @@ def output_loss_sum(llama: nn.Module, hidden: Tensor, targets: Tensor, chunk_tok
         weight = weight.to(hidden.dtype)
     fp32_matmul = fp32_matmul and hidden.dtype == torch.bfloat16
     return linear_cross_entropy_sum(hidden, weight, targets, chunk_tokens, llama.cfg.final_logit_softcap,
-                                    lora, fp32_matmul)
+                                    lora, fp32_matmul, backward_twice)
 
 
 def linear_cross_entropy_sum(hidden: Tensor, weight: Tensor, targets: Tensor, chunk_tokens: int,
                              softcap: float = 0.0, lora: tuple[Tensor, Tensor, float] | None = None,
-                             fp32_matmul: bool = False) -> Tensor:
+                             fp32_matmul: bool = False, backward_twice: bool = False) -> Tensor:
     """``token_loss_sum(softcap(hidden · weightᵀ [+ LoRA]), targets)``, computed ``chunk_tokens`` scored
     tokens at a time.
 
@@ -149,6 +153,8 @@ def linear_cross_entropy_sum(hidden: Tensor, weight: Tensor, targets: Tensor, ch
             the adapters' dtype.
         fp32_matmul: bf16 operands multiplied in fp32 and rounded to bf16 (``parallel.cpu_bf16_matmul``, the
             CPU kernel of :mod:`shardlm.model.cpu_matmul`); the weight is upcast once per call.
+        backward_twice: allow a second backward with the same incoming gradient (a pipeline's zero-bubble
+            schedules split the backward into an input and a weight part): the gradients are kept until then.
 
     Returns a 0-dim fp32 tensor: the sum in nats over the scored targets.
 
@@ -166,7 +172,7 @@ def linear_cross_entropy_sum(hidden: Tensor, weight: Tensor, targets: Tensor, ch
     inputs = (h, weight, u, b)
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs):
         return _LinearCrossEntropy.apply(h, weight, u, b, targets.reshape(-1), chunk_tokens, softcap, scaling,
-                                         fp32_matmul)
+                                         fp32_matmul, backward_twice)
     return _chunked(h, weight, u, b, targets.reshape(-1), chunk_tokens, softcap, scaling, fp32_matmul,
                     (False, False, False, False))[0]
 
@@ -285,16 +291,23 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h: Tensor, w: Tensor, u: Tensor | None, b: Tensor | None,  # noqa: ANN001 - autograd's ctx
-                targets: Tensor, chunk: int, softcap: float, scaling: float, fp32_matmul: bool) -> Tensor:
+                targets: Tensor, chunk: int, softcap: float, scaling: float, fp32_matmul: bool,
+                backward_twice: bool = False) -> Tensor:
         need = tuple(x is not None and x.requires_grad for x in (h, w, u, b))
         loss, rows, dh, dw, du, db = _chunked(h, w, u, b, targets, chunk, softcap, scaling, fp32_matmul, need)
         ctx.grads = [dh, dw, du, db]
+        ctx.twice, ctx.first = backward_twice, None  # (the first backward's incoming gradient and results)
         ctx.rows, ctx.n = rows, h.shape[0]
         ctx.dtypes = (h.dtype, w.dtype, None if u is None else u.dtype, None if b is None else b.dtype)
         return loss
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:  # noqa: ANN001 - autograd's ctx
+        if ctx.first is not None and torch.equal(grad, ctx.first[0]):
+            # the second of a split backward (zero-bubble schedules: the input part, then the weight part):
+            # the same results, copied (autograd may have kept the first ones as a parameter's .grad)
+            return (*(None if g is None else g.clone() for g in ctx.first[1]), None, None, None, None, None,
+                    None)
         if ctx.grads is None:
             raise RuntimeError("the chunked loss's backward ran twice (retain_graph): its gradients are made "
                                "in forward and handed out once; use train.loss_chunk_tokens = 0 for a double "
@@ -312,4 +325,6 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 g = full.index_copy_(0, ctx.rows, g)
             out.append(g)
             del g
-        return (*out, None, None, None, None, None)
+        if ctx.twice:  # kept for a second backward (split into input and weight parts)
+            ctx.first = (grad.detach().clone(), out)
+        return (*out, None, None, None, None, None, None)

@@ -181,7 +181,8 @@ def _grouped_sum_of_squares(grads: list[torch.Tensor], local: list[torch.Tensor]
 
 @torch.no_grad()
 def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float,
-                    extras: torch.Tensor | None = None) -> torch.Tensor:
+                    extras: torch.Tensor | None = None, across: dist.ProcessGroup | None = None
+                    ) -> torch.Tensor:
     """Clip gradients in place by their global L2 norm; return that norm, computed so that it does not depend
     on how the gradients are sharded.
 
@@ -204,6 +205,8 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float,
         parameters: the model's parameters (plain tensors or DTensors; those without ``.grad`` are skipped).
         max_norm: the largest allowed norm; ``math.inf`` only measures.
         extras: optional 1-D float64 tensor on the gradients' device, summed over all ranks in place.
+        across: ranks holding other parameters (the pipeline's stages, ``mesh["pp"]``'s group): their sums of
+            squares are added (one all-reduce more) so the norm is the whole model's.
 
     Returns:
         A 0-dim float64 tensor on the gradients' device: the global norm before clipping (NaN or inf when a
@@ -211,15 +214,21 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float,
     """
     grads = [p.grad for p in parameters if p.grad is not None]
     world = dist.get_world_size() if dist.is_initialized() else 1
-    if not grads:
+    if not grads and across is None:
         if extras is not None and world > 1:
             dist.all_reduce(extras)
         return torch.zeros((), dtype=torch.float64)
     local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-    if world > 1 and all(isinstance(g, DTensor) and g.device_mesh.size() == world for g in grads):
+    if not grads:  # a pipeline stage without trainable parameters: nothing of its own to add
+        total = torch.zeros((), dtype=torch.float64, device=extras.device if extras is not None else "cpu")
+        if extras is not None:
+            dist.all_reduce(extras)
+    elif world > 1 and all(isinstance(g, DTensor) and g.device_mesh.size() == world for g in grads):
         total = _world_sum_of_squares(grads, local, extras)  # every mesh spans the world: one all-reduce
     else:
         total = _grouped_sum_of_squares(grads, local, extras, world)
+    if across is not None:
+        dist.all_reduce(total, group=across)
     norm = total.sqrt()
     if math.isfinite(max_norm):
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)

@@ -41,12 +41,11 @@ from shardlm.parallel import (
     all_reduce_sum,
     build_mesh,
     init_distributed,
-    set_gradient_sync,
 )
 from shardlm.parallel.cp import build_context_parallel
 from shardlm.parallel.dist import HostScalar, data_parallel_rank, set_matmul_precision, to_device
 from shardlm.parallel.faults import FaultMonitor, guard_collectives
-from shardlm.train.build import build_model, unwrap
+from shardlm.train.build import build_model_parts, unwrap
 from shardlm.train.datasets import build_datasets, resolve_attention, training_attention_backend
 from shardlm.train.defaults import Chooser, resolve_defaults
 from shardlm.train.final_export import export_model, model_special_ids_of, written_line
@@ -66,6 +65,7 @@ from shardlm.train.optim import (
     clip_grad_norm_,
     rebuild_optimizer,
 )
+from shardlm.train.pipeline import build_micro_batches
 from shardlm.train.run_dir import check_run_dir, prepare_run_dir, run_dir
 from shardlm.train.step_metrics import mixture_metrics, per_rank_values, step_model_flops, step_shapes
 from shardlm.train.summary import job_summary
@@ -137,7 +137,12 @@ class Trainer:
         #: this rank's context-parallel group (shardlm/parallel/cp.py); one rank's, no split, at parallel.cp=1
         self.cp = build_context_parallel(self.info, cfg.parallel.cp, cfg.parallel.tp)
         self.cp.check_sequence(t.seq_len)
-        self.model, self.pretrained_load_stats = build_model(cfg, self.info, self.mesh, self.cp)
+        #: under pipeline parallelism this rank's stages; ``parts`` the schedule's modules of each stage
+        self.model, self.parts, self.pretrained_load_stats = build_model_parts(cfg, self.info, self.mesh,
+                                                                               self.cp)
+        #: how the step runs its micro-batches: one after the other, or through the pipeline's schedule
+        self.micro_batches = build_micro_batches(cfg, self.info, self.mesh, self.model, self.parts,
+                                                 self.accum_steps)
         # the data and the model are checked: only now may run.overwrite remove the previous run's files
         prepare_run_dir(cfg, self.info, self.run_dir)
         context = ObjectiveContext(cfg, self.info, self.mesh, self.model, self.train_data, self.cp,
@@ -219,27 +224,11 @@ class Trainer:
         # data-parallel ranks, with the CP ranks that join the shard group; not the TP peers), hence × N.
         # scale = N / denominator in fp32, rounded as ``N / torch.tensor([d])`` rounds (1/d, then × N)
         denominator = np.float32(inputs.denominator)
-        scale = float((np.float32(1.0) / denominator) * np.float32(info.world_size // cfg.parallel.tp))
+        scale = float((np.float32(1.0) / denominator) * np.float32(self.grad_average_ranks))
         # the step's random stream (LoRA dropout), keyed by seed, step and rank: resume is exact
         torch.manual_seed((cfg.train.seed * 1_000_003 + self.step) * 4099 + info.rank)
-        loss_sum = torch.zeros((), dtype=torch.float64, device=info.device)
-        stats = torch.zeros(len(objective.stat_names), dtype=torch.float64, device=info.device)
-        term_sums: list[torch.Tensor | None] = [None] * len(self.terms)  # already global (e.g. MoE's)
-        for i, (batch, ids) in enumerate(zip(inputs.batches, micro_ids)):
-            # parallel.grad_sync: reduce-scatter on every micro-batch or on the last only
-            set_gradient_sync(model, last_micro_batch=(i == len(inputs.batches) - 1),
-                              policy=cfg.parallel.grad_sync)
-            # per block: all-gather shards, compute, reshard; then the loss (chunked: never the whole logits)
-            loss, batch_stats = objective.loss(model, batch, ids, inputs)
-            if batch_stats is not None:
-                stats += batch_stats
-            total = loss * scale
-            for j, term in enumerate(self.terms):  # after the forward: e.g. MoE load balancing over all ranks
-                value, sums = term(model, len(inputs.batches))
-                total = total + value
-                term_sums[j] = sums if term_sums[j] is None else term_sums[j] + sums
-            total.backward()  # per block: all-gather, grads, reduce-scatter (per grad_sync)
-            loss_sum += loss.detach()
+        # forward and backward of every micro-batch: one after the other, or by the pipeline's schedule
+        loss_sum, stats, term_sums = self.micro_batches.run(objective, self.terms, inputs, micro_ids, scale)
         # summed over ranks inside the gradient norm's all-reduce: [loss sum, preemption flag, per-rank slots,
         # the objective's statistic sums]
         per_rank = per_rank_values(self.model, self.local_shard_bytes, self.info.device) if log else {}
@@ -253,7 +242,9 @@ class Trainer:
         if n_stats:
             extras[len(extras) - n_stats:] = stats
         max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else math.inf
-        grad_norm = clip_grad_norm_(model.parameters(), max_norm, extras)  # fp64: the same at any sharding
+        # fp64: the same at any sharding; summed over the pipeline's stages too
+        grad_norm = clip_grad_norm_(model.parameters(), max_norm, extras,
+                                    across=self.mesh["pp"].get_group() if cfg.parallel.pp > 1 else None)
         # the stop flag (a signal on any rank, summed above): read every step, every rank stops after this one
         stop_flag = HostScalar(extras[1]) if cfg.checkpoint.enabled and not log else None
         loss_mean = extras[0] / float(denominator)
@@ -311,8 +302,15 @@ class Trainer:
 
     def _counts_loss(self) -> bool:
         """Whether this rank's loss enters the sums over ranks: one rank per tensor-parallel group (its
-        first), whose ranks all hold the same loss of the same samples."""
-        return self.info.rank % self.cfg.parallel.tp == 0
+        first), whose ranks all hold the same loss of the same samples; under pipeline parallelism a rank of
+        the last stage."""
+        return self.info.rank % self.cfg.parallel.tp == 0 and self.micro_batches.holds_loss
+
+    @property
+    def grad_average_ranks(self) -> int:
+        """The ranks FSDP/DDP average gradients over: the data-parallel ranks with the CP ranks that join the
+        shard group, not the TP peers nor the other pipeline stages."""
+        return self.info.world_size // (self.cfg.parallel.tp * self.cfg.parallel.pp)
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -324,7 +322,7 @@ class Trainer:
         for ids in batches:
             # every rank runs the same number of forwards (FSDP all-gathers); padding batches count zero
             batch = to_device(self.val_data.get(ids or [0]), info.device)
-            loss, targets = self.tokens.loss_sum(self.model, batch)
+            loss, targets = self.micro_batches.eval_loss_sum(self.tokens, batch)
             if ids and self._counts_loss():
                 totals += torch.stack([loss.double(), targets.ne(IGNORE_INDEX).sum().double()])
         all_reduce_sum(totals)

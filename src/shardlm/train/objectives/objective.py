@@ -36,6 +36,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from shardlm.config import Config
+from shardlm.errors import ConfigError
 from shardlm.parallel.cp import ContextParallel
 from shardlm.parallel.dist import DistInfo
 
@@ -110,6 +111,18 @@ class Objective(ABC):
     def metrics(self, sums: list[float], inputs: StepInputs) -> dict[str, float]:
         """The step record's entries from the statistic sums over every micro-batch and rank."""
         return {}
+
+    def pipeline_batch(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """One micro-batch as a pipeline of stages runs it (:mod:`shardlm.train.pipeline`): the first stage's
+        input (B, T) int64, the last stage's targets (B, T) int64 (-100: not scored) for the token loss, and
+        tensors every stage's forward takes, (B, ...) each. Only an objective whose loss is the token loss of
+        one forward has one.
+
+        Raises:
+            ConfigError: this objective cannot run through pipeline stages (named).
+        """
+        raise ConfigError(f"pipeline parallel (parallel.pp > 1) runs the token loss of pre-training and SFT; "
+                          f"the {self.name} objective is not built for it: set parallel.pp = 1")
 
     def describe(self) -> str | None:
         """One line for the run summary (after the objective's name), or None."""

@@ -49,6 +49,13 @@ class TokenObjective(Objective):
         """The summed token loss of this rank's share of the micro-batch (no statistics)."""
         return self.loss_sum(model, batch)[0], None
 
+    def pipeline_batch(self, batch: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """Inputs, targets and, under block-causal attention, the documents (every stage masks by them)."""
+        inputs, targets = split_batch(batch)
+        documents = batch_documents(batch) if self.cfg.model.attention == "block_causal" else None
+        return inputs, targets, {} if documents is None else {"documents": documents}
+
     def loss_sum(self, model: nn.Module, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The summed token loss of this rank's share of ``batch`` (its sequence chunks under ``parallel.cp``)
         and the targets it scored: (0-dim fp32, (B, T / cp) int64, -100 where nothing is scored). A mixture of

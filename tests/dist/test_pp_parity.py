@@ -1,0 +1,145 @@
+"""Pipeline parallel (``parallel.pp``) equals one process: every schedule that runs here, at 2 and 4 ranks,
+with FSDP over each stage's data-parallel ranks; its checkpoints resume in one process.
+
+Three torchrun launches on the tiny model with 4 blocks (fp32, gloo, block-causal attention by the data):
+PP 2 under ``gpipe``, ``1f1b`` (checkpoints at steps 2 and 3), ``interleaved_1f1b``, ``zbv`` and ``dualpipev``
+(the last three: 4 stages of one block, two per rank; the V schedules split each backward into input and weight);
+then FSDP 2 and PP 2 resuming FSDP 2's step-2 checkpoint; FSDP 2 x PP 2 (``1f1b``) and PP 4 (``1f1b``, one block
+per stage) at 4 ranks; one process: the reference and a resume of PP 2's step-2 checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from safetensors.torch import load_file
+from torch.distributed.checkpoint import FileSystemReader
+
+from conftest import run_scenarios, scenario, tiny_overrides, torchrun
+from tolerance import EPS, assert_all_close, assert_close
+
+STEPS = 3
+FEW = {"train.steps": STEPS, "train.eval_interval": STEPS, "checkpoint.interval": 2, "checkpoint.keep": 0,
+       "model.n_layers": 4, "train.micro_batch_size": 2}
+#: name -> (ranks, overrides); every PP run against ``single``
+PIPELINES = {
+    "pp2_gpipe": (2, {"parallel.pp": 2, "parallel.pp_schedule": '"gpipe"'}),
+    "pp2_1f1b": (2, {"parallel.pp": 2, "parallel.pp_schedule": '"1f1b"'}),
+    "pp2_interleaved": (2, {"parallel.pp": 2, "parallel.pp_schedule": '"interleaved_1f1b"'}),
+    "pp2_zbv": (2, {"parallel.pp": 2, "parallel.pp_schedule": '"zbv"'}),
+    "pp2_dualpipev": (2, {"parallel.pp": 2, "parallel.pp_schedule": '"dualpipev"'}),
+    "fsdp2_pp2": (4, {"parallel.pp": 2, "parallel.pp_schedule": '"1f1b"'}),
+    "pp4_1f1b": (4, {"parallel.pp": 4, "parallel.pp_schedule": '"1f1b"'}),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(small_data, tmp_path_factory):
+    """Every launch of this file: {name: [rank reports]} and the run root."""
+    root = tmp_path_factory.mktemp("pp")
+    d, out = small_data, root / "out"
+    reports = {}
+    for ranks in (2, 4):
+        scenarios = [scenario(name, d, root, {**FEW, **extra}) for name, (n, extra) in PIPELINES.items()
+                     if n == ranks]
+        if ranks == 2:  # FSDP 2's step-2 checkpoint resumed at PP 2 (after FSDP 2 ran, in the same launch)
+            scenarios += [scenario("fsdp2", d, root, FEW), scenario("fsdp2_to_pp2", d, root, {
+                **FEW, **PIPELINES["pp2_1f1b"][1], "checkpoint.resume": f'"{root / "fsdp2/checkpoints/step-2"}"'})]
+        reports.update(run_scenarios(ranks, scenarios, out))
+    reports.update(run_scenarios(1, [
+        scenario("single", d, root, {**FEW, "parallel.mode": '"single"'}),
+        scenario("pp2_to_single", d, root, {**FEW, "parallel.mode": '"single"',
+                                            "checkpoint.resume": f'"{root / "pp2_1f1b/checkpoints/step-2"}"'}),
+    ], out))
+    return reports, root
+
+
+def history(report: list[dict]) -> dict[int, dict]:
+    return {rec["step"]: rec for rec in report[0]["history"]}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("name", list(PIPELINES))
+def test_pipeline_equals_one_process(runs, name):
+    """Each schedule at PP 2, FSDP 2 x PP 2 and PP 4 against one process over 3 steps: losses, gradient norms
+    and the validation loss within 1e-6 relative, final weights within 1e-6 of the largest (measured: equal
+    bit for bit at PP 2 and PP 4, the same sums in the same order), the same samples; the mesh has ``pp``
+    outermost and each rank holds only its stages' parameters."""
+    reports, root = runs
+    got, ref = history(reports[name]), history(reports["single"])
+    assert sorted(got) == sorted(ref) == list(range(1, STEPS + 1))
+    p, q = (load_file(str(root / n / "final" / "model.safetensors")) for n in (name, "single"))
+    loss = max(abs(got[s]["loss"] - ref[s]["loss"]) for s in ref)
+    params = max((p[k] - q[k]).abs().max().item() for k in q)
+    print(f"{name} vs one process: loss {loss:.1e}, params {params:.1e}")
+    assert_close([got[s]["loss"] for s in ref], [ref[s]["loss"] for s in ref], rtol=1e-6, what="loss")
+    assert_close([got[s]["grad_norm"] for s in ref], [ref[s]["grad_norm"] for s in ref], rtol=1e-6,
+                 what="grad norm")
+    assert_close(got[STEPS]["val_loss"], ref[STEPS]["val_loss"], rtol=1e-6, what="val loss")
+    assert p.keys() == q.keys()
+    assert_all_close(p, q, rtol=1e-6, what="params")
+    ranks, extra = PIPELINES[name]
+    pp = extra["parallel.pp"]
+    assert reports[name][0]["mesh"] == ["pp", "dp_shard"]
+    # the samples of a step: those of one stage's data-parallel ranks, in rank order
+    per_stage = ranks // pp
+    ids = {s: [i for r in reports[name][:per_stage] for i in r["sample_ids"][s]]
+           for s in reports[name][0]["sample_ids"]}
+    assert ids == reports["single"][0]["sample_ids"]
+    last = 0 if name.endswith(("zbv", "dualpipev")) else pp - 1  # a V: the last stage on the first rank
+    for rank, report in enumerate(reports[name]):  # a stage's ranks hold its names only; all stages all names
+        held = set(report["params"])
+        assert ("model.embed_tokens.weight" in held) == (rank // per_stage == 0), rank
+        assert ("lm_head.weight" in held) == (rank // per_stage == last), rank
+    assert set().union(*(r["params"] for r in reports[name])) == set(q)
+
+
+@pytest.mark.dist
+def test_fsdp_checkpoint_resumes_at_pp2(runs):
+    """FSDP 2's step-2 checkpoint resumes at PP 2: step 3's loss within 16 fp32 roundings of FSDP 2's own step
+    3, the final weights within 1e-6 of the largest of one process's."""
+    reports, root = runs
+    got, writer = history(reports["fsdp2_to_pp2"]), history(reports["fsdp2"])
+    assert sorted(got) == [STEPS]
+    print(f"FSDP 2 -> PP 2: step {STEPS} loss {got[STEPS]['loss']:.7f} vs {writer[STEPS]['loss']:.7f}")
+    assert_close(got[STEPS]["loss"], writer[STEPS]["loss"], rtol=16 * EPS, what="step-3 loss")
+    p, q = (load_file(str(root / n / "final" / "model.safetensors")) for n in ("fsdp2_to_pp2", "single"))
+    assert_all_close(p, q, rtol=1e-6, what="params after the resume")
+
+
+@pytest.mark.dist
+def test_pipeline_checkpoint_resumes_in_one_process(runs):
+    """PP 2's step-2 checkpoint holds the names of one process's (each stage saved its own) and resumes in one
+    process: step 3's loss within 16 fp32 roundings of PP 2's own step 3, and the final weights within 1e-6 of
+    the largest of one process's."""
+    reports, root = runs
+    keys = {name: set(FileSystemReader(str(root / name / "checkpoints" / "step-2")).read_metadata()
+                      .state_dict_metadata) for name in ("pp2_1f1b", "single")}
+    assert keys["pp2_1f1b"] == keys["single"]
+    got, writer = history(reports["pp2_to_single"]), history(reports["pp2_1f1b"])
+    assert sorted(got) == [STEPS]
+    print(f"PP 2 -> one process: step {STEPS} loss {got[STEPS]['loss']:.7f} vs {writer[STEPS]['loss']:.7f}")
+    assert_close(got[STEPS]["loss"], writer[STEPS]["loss"], rtol=16 * EPS, what="step-3 loss")
+    p, q = (load_file(str(root / n / "final" / "model.safetensors")) for n in ("pp2_to_single", "single"))
+    assert_all_close(p, q, rtol=1e-6, what="params after the resume")
+
+
+@pytest.mark.dist
+def test_a_non_finite_step_stops_every_stage(small_data, tmp_path):
+    """PP 2 with an absurd learning rate: the loss (last stage) and the gradient norm (summed over the stages)
+    turn NaN at step 2; every rank stops with one error line, no rank hangs, and the log holds only finite
+    steps."""
+    run = tmp_path / "run"
+    proc = torchrun(2, ["-m", "shardlm.train", *tiny_overrides(small_data, run, {
+        **FEW, "train.steps": 20, "train.eval_interval": 0, "checkpoint.enabled": "false", "train.lr": 1e30,
+        "train.min_lr": 1e30, "train.warmup_steps": 0, "train.grad_clip": 0.0, "parallel.pp": 2})],
+        check=False)
+    err = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "is not finite" in errors[0], err[-3000:]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert 1 <= len(records) < 20
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in records)

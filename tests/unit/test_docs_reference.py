@@ -64,7 +64,7 @@ def test_the_config_reference_has_every_key_with_type_default_and_meaning():
     assert rows["data.format"][:2] == ['`"text" or "instruct" or "preference" or "prompts"`',
                                    '`"text"`']
     assert rows["train.betas"][:2] == ["`[float, float]`", "`[0.9, 0.95]`"]
-    assert rows["parallel.reshard_after_forward"][0] == "`bool or int or "auto"`"
+    assert rows["parallel.reshard_after_forward"][0] == '`bool or int or "auto"`'
     for section, cls in config_reference.sections().items():
         missing = [f.name for f in dataclasses.fields(cls) if f.name not in config_reference.field_docs(cls)]
         assert not missing, f"[{section}] fields without a docstring: {missing}"

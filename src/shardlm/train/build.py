@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
 from shardlm.config import Config
+from shardlm.config.auto import with_fixed_defaults
 from shardlm.config.layout import SPLIT_BACKWARD_SCHEDULES, check_ep, check_tp
 from shardlm.convert.hf_in import load_pretrained_
 from shardlm.errors import ConfigError
@@ -90,6 +91,7 @@ def build_model_parts(cfg: Config, info: DistInfo, mesh: DeviceMesh | None, cp: 
         ConfigError: ``single`` mode with more than one rank; a model ``parallel.tp`` cannot split, or LoRA
             with tensor parallel (:func:`~shardlm.config.layout.check_tp`).
     """
+    cfg = with_fixed_defaults(cfg)  # a setting still "auto" (nothing chose it: an export, a tool) reads fixed
     mode = cfg.parallel.mode
     if mode == "single" and info.world_size > 1:
         raise ConfigError(f"parallel.mode='single' runs one process, but the world size is {info.world_size}")

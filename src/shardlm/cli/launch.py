@@ -121,6 +121,7 @@ class Forwarder:
     def __init__(self) -> None:
         self.received: list[int] = []
         self._old: dict[int, Any] = {}
+        self._forwarding = False  # a handler is passing a signal on (a signal may interrupt it)
 
     def __enter__(self) -> Forwarder:
         for sig in FORWARDED:
@@ -132,12 +133,27 @@ class Forwarder:
             signal.signal(sig, signal.SIG_IGN if self.received else handler)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
+        """Count the signal and pass it on to the ranks, the first two of each kind only (a third Ctrl-C
+        changes nothing for them); a signal that arrives while one is being passed on is counted, and the
+        handler it interrupted passes it on (a burst of signals nests no handlers)."""
         self.received.append(signum)
-        for pid in child_pids():
-            try:
-                os.kill(pid, signum)
-            except ProcessLookupError:
-                pass
+        if self._forwarding:
+            return
+        self._forwarding = True
+        try:
+            sent = len(self.received) - 1
+            while sent < len(self.received):
+                sig = self.received[sent]
+                sent += 1
+                if self.received[:sent].count(sig) > 2:
+                    continue
+                for pid in child_pids():
+                    try:
+                        os.kill(pid, sig)
+                    except ProcessLookupError:
+                        pass
+        finally:
+            self._forwarding = False
 
     @property
     def interrupted_twice(self) -> bool:

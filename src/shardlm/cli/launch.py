@@ -122,6 +122,7 @@ class Forwarder:
         self.received: list[int] = []
         self._old: dict[int, Any] = {}
         self._forwarding = False  # a handler is passing a signal on (a signal may interrupt it)
+        self._pending: int | None = None  # a signal that arrived meanwhile
 
     def __enter__(self) -> Forwarder:
         for sig in FORWARDED:
@@ -133,25 +134,25 @@ class Forwarder:
             signal.signal(sig, signal.SIG_IGN if self.received else handler)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        """Count the signal and pass it on to the ranks, the first two of each kind only (a third Ctrl-C
-        changes nothing for them); a signal that arrives while one is being passed on is counted, and the
-        handler it interrupted passes it on (a burst of signals nests no handlers)."""
+        """Count the signal and pass it on to the ranks. A signal that arrives while one is being passed on
+        is counted and passed on once more by the handler it interrupted (a burst of signals, Ctrl-C held
+        down on a loaded machine, nests no handlers); the next one outside a handler is passed on again."""
         self.received.append(signum)
         if self._forwarding:
+            self._pending = signum
             return
-        self._forwarding = True
+        self._forwarding, sig = True, signum
         try:
-            sent = len(self.received) - 1
-            while sent < len(self.received):
-                sig = self.received[sent]
-                sent += 1
-                if self.received[:sent].count(sig) > 2:
-                    continue
+            for _ in range(2):  # this signal, then at most one that arrived meanwhile
+                self._pending = None
                 for pid in child_pids():
                     try:
                         os.kill(pid, sig)
                     except ProcessLookupError:
                         pass
+                if self._pending is None:
+                    break
+                sig = self._pending
         finally:
             self._forwarding = False
 

@@ -150,7 +150,7 @@ def test_planner_peak_follows_the_precision_that_runs():
         if d.name != "cpu":
             assert d.peak_flops("bf16") > d.peak_flops("tf32") > d.peak_flops("fp32") > 0
     with pytest.raises(ValueError, match="unknown precision"):
-        h100.peak_flops("fp8")
+        h100.peak_flops("fp4")
 
 
 def test_datasheet_lookup_by_cuda_device_name():

@@ -222,7 +222,8 @@ def test_trainer_logs_transformers_masked_statistics_on_padded_instruction_data(
         "model.family": f'"{family}"', "model.n_experts": 8, "model.n_experts_per_token": 2,
         "model.head_width": 16, "model.moe_ffn_hidden": 32, "model.norm_topk_prob": "true",
         "model.router_aux_loss_coef": 0.05, "model.router_z_loss_coef": 0.01, "parallel.mode": '"single"',
-        "train.seq_len": SEQ, "train.global_batch_size": 4, "train.micro_batch_size": 4}))
+        "train.seq_len": SEQ, "train.global_batch_size": 4, "train.micro_batch_size": 4,
+        "data.pad_multiple": 0}))  # rows of SEQ + 1 tokens, as the mask below
     started = torch.distributed.is_initialized()
     seen = []
     try:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from shardlm.config import Config, ConfigError, gradient_accumulation_steps, validate
+from shardlm.config.auto import with_fixed_defaults
 from shardlm.config.layout import check_ep, check_tp
 from shardlm.parallel.ac import find_cxx_compiler
 from shardlm.parallel.dist import dp_mesh_shape
@@ -210,6 +211,7 @@ def sync_policies(cfg: Config) -> list[str]:
 def space(cfg: Config, world_size: int) -> dict[str, list[Any]]:
     """The values of each dimension (see the module docstring), the config's own first where it is one
     of them."""
+    cfg = with_fixed_defaults(cfg)  # an "auto" setting is searched from its fixed default
     p = cfg.parallel
     tp_values, cp_values = degrees(cfg, world_size, "tp"), degrees(cfg, world_size, "cp")
     # its divisors divide the batch at every tp and cp value (G·cp·tp / N)
@@ -240,6 +242,7 @@ def config_candidate(cfg: Config, world_size: int) -> Candidate:
     planner models true and false only; a micro-batch that does not divide G / N becomes the largest smaller
     one that does; a grad_sync that has no effect with one micro-batch is kept as it is; prefetch depths are
     cut to the other block groups, :meth:`Candidate.normalized`)."""
+    cfg = with_fixed_defaults(cfg)  # an "auto" setting is searched from its fixed default
     p = cfg.parallel
     reshard = p.reshard_after_forward if isinstance(p.reshard_after_forward, bool) else True
     per_rank = local_batch(cfg, world_size, p.tp)
@@ -252,6 +255,7 @@ def config_candidate(cfg: Config, world_size: int) -> Candidate:
 def block_bytes(cfg: Config, world_size: int) -> int:
     """Bytes of the largest block group's unsharded parameters in the compute dtype (what one prefetch holds;
     under tensor parallel this rank's pieces, FSDP-sharded over the N / tp data-parallel ranks)."""
+    cfg = with_fixed_defaults(cfg)  # an "auto" setting is searched from its fixed default
     param_bytes = 2 if cfg.parallel.param_dtype == "bfloat16" else 4
     tp = cfg.parallel.tp
     groups, _, _ = param_groups(cfg, world_size // tp, param_bytes, tp)

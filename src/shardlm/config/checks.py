@@ -193,11 +193,17 @@ def check_transformers_backend(cfg: Config) -> None:
                           "'fp32' or 'bf16'")
 
 
+def set_fields(section: object) -> list[str]:
+    """The names of a config section's (a dataclass instance's) fields that differ from their defaults, in
+    declaration order: a section set while what turns it on is off is refused naming the first."""
+    return [f.name for f in dataclasses.fields(section) if getattr(section, f.name) != f.default]
+
+
 def validate_preference(cfg: Config) -> None:
     """Check ``[preference]`` against the rest of the config; raise ConfigError naming the key."""
     pref, d = cfg.preference, cfg.data
     if d.format != "preference":
-        changed = [f.name for f in dataclasses.fields(pref) if getattr(pref, f.name) != f.default]
+        changed = set_fields(pref)
         if changed:
             raise ConfigError(f"preference.{changed[0]} applies to data.format = 'preference' (format is "
                               f"{d.format!r})")
@@ -234,7 +240,7 @@ def validate_distill(cfg: Config) -> None:
     with the student's when the teacher is built (:func:`shardlm.train.teacher.build_teacher`)."""
     dist = cfg.distill
     if not dist.teacher_from:
-        changed = [f.name for f in dataclasses.fields(dist) if getattr(dist, f.name) != f.default]
+        changed = set_fields(dist)
         if changed:
             raise ConfigError(f"distill.{changed[0]} applies to distillation, which distill.teacher_from "
                               "turns on (it is empty)")
@@ -304,7 +310,7 @@ def validate_rl(cfg: Config) -> None:
     """Check ``[rl]`` against the rest of the config; raise ConfigError naming the key."""
     rl, d, t = cfg.rl, cfg.data, cfg.train
     if d.format != "prompts":
-        changed = [f.name for f in dataclasses.fields(rl) if getattr(rl, f.name) != f.default]
+        changed = set_fields(rl)
         if changed:
             raise ConfigError(f"rl.{changed[0]} applies to data.format = 'prompts' (format is {d.format!r})")
         return

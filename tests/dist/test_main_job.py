@@ -66,7 +66,7 @@ from shardlm.config import ConfigError
 rank, case = int(os.environ["RANK"]), sys.argv[1]
 def fail():
     if case == "rank 0 late":  # every rank raises the same error; rank 1 exits first
-        time.sleep(1.0 if rank == 0 else 0.0)
+        time.sleep(0.3 if rank == 0 else 0.0)
         raise ConfigError("same error on every rank")
     if rank == 1:  # only rank 1 fails; rank 0 would go on (here: waits to be stopped)
         raise ConfigError("error of rank 1 alone")

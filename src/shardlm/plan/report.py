@@ -110,7 +110,7 @@ def part_applies(cfg: Config, part: str) -> bool:
 
 
 def format_plan(cfg: Config, world_size: int, device_name: str, headroom: float, model: str = "",
-                notes: list[str] | None = None) -> str:
+                notes: list[str] | None = None, auto: list[str] | None = None) -> str:
     """The report ``shardlm plan`` prints: what is planned, the memory breakdown (the rows that apply to the
     run, :func:`part_applies`; a 0 in one says the part holds nothing at the peak's moment), the gradient-sync
     choices, the data, the step time, ``notes`` (lines), and last the verdict (fits / does not fit) followed,
@@ -118,6 +118,8 @@ def format_plan(cfg: Config, world_size: int, device_name: str, headroom: float,
 
     ``model``: the name of the model shape planned when it is not the config's own (``--model-preset NAME``,
     ``--model-config FILE``); the first line then names it and the config whose settings it runs under.
+    ``auto``: the lines of the settings a new run would choose (``key = value (why)``, as the run's summary
+    prints them; already resolved in ``cfg``), after the settings line.
     """
     cfg = with_fixed_defaults(cfg)  # "auto" settings not chosen yet: their fixed defaults
     device = get_device(device_name)
@@ -159,6 +161,7 @@ def format_plan(cfg: Config, world_size: int, device_name: str, headroom: float,
             if st.cp > 1 and st.tp > 1
             else ""
         ),
+        *[f"  auto       {line}" for line in auto or []],
         f"  per-rank peak memory (at {plan.phase}):",
     ]
     if st.mode == "fsdp" and st.tp > 1:  # the mesh, outermost first (parallel/dist.py's mesh_dims)

@@ -161,8 +161,8 @@ def test_plan_prints_the_choices_the_trainer_makes(small_data, tmp_path, capsys,
     assert "train.loss_chunk_tokens = 0 (auto: the plain loss" in one
     # two ranks: the chooser as the trainer calls it (resolve_defaults, its DistInfo), no second process
     two = plan(2)
-    expected = describe_defaults(resolve_defaults(load_config(None, overrides), None, choose_defaults, info(2)))
-    assert auto_lines(two) == expected, two
+    fresh = load_config(None, overrides)
+    assert auto_lines(two) == describe_defaults(resolve_defaults(fresh, None, choose_defaults, info(2))), two
     assert "parallel.reshard_after_forward = false (auto: weights kept" in two
     assert f"parallel.blocks_per_group = {cfg.model.n_layers} (auto: " in two
     # the plan is of the chosen settings; a value the user sets is kept, printed in the settings, not as auto

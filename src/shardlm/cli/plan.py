@@ -11,6 +11,7 @@ from shardlm.errors import ConfigError
 
 if TYPE_CHECKING:
     from shardlm.config import Config
+    from shardlm.train.defaults import DefaultChoice
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -82,7 +83,7 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> None:
     from shardlm.parallel.dist import check_async_tp_device
 
     check_async_tp_device(cfg.parallel, "cpu" if args.device == "cpu" else "cuda", "the planned device")
-    auto = auto_lines(cfg, args.world_size, args.device)  # resolved in cfg: the plan is of what would run
+    auto = auto_choices(cfg, args.world_size, args.device)  # resolved in cfg: the plan is of what would run
     notes = [preference_note(cfg)] if cfg.data.format == "preference" else []
     from shardlm.plan.preference import preference_rows
 
@@ -91,11 +92,11 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> None:
     print(format_plan(preference_rows(cfg), args.world_size, args.device, args.headroom, model, notes, auto))
 
 
-def auto_lines(cfg: Config, world_size: int, device_name: str) -> list[str]:
+def auto_choices(cfg: Config, world_size: int, device_name: str) -> list[DefaultChoice]:
     """Resolve ``cfg``'s settings left ``"auto"`` in place as ``shardlm train`` would for a new run of
     ``world_size`` ranks on ``device_name`` (the same chooser, :func:`shardlm.plan.defaults.choose_defaults`,
-    and the same lines as the run's summary, :func:`shardlm.train.defaults.describe_defaults`); the
-    lines, one per setting, ``key = value (why)``.
+    printed as the run's summary prints them, :func:`shardlm.train.defaults.describe_defaults`); the
+    choices, one per setting left ``"auto"``.
 
     On a CPU the budget is the RAM available now over the ranks, as at launch; on a GPU the memory of
     ``device_name`` (the trainer reads the GPU's own, a little different on some). A resumed run keeps its
@@ -111,12 +112,11 @@ def auto_lines(cfg: Config, world_size: int, device_name: str) -> list[str]:
 
     from shardlm.parallel.dist import DistInfo
     from shardlm.plan.defaults import choose_defaults
-    from shardlm.train.defaults import describe_defaults, resolve_defaults
+    from shardlm.train.defaults import resolve_defaults
 
     cpu = device_name == "cpu"
     info = DistInfo(0, 0, world_size, torch.device("cpu" if cpu else "cuda"), "gloo" if cpu else "nccl")
-    choices = resolve_defaults(cfg, None, partial(choose_defaults, device_name=device_name), info)
-    return describe_defaults(choices)
+    return resolve_defaults(cfg, None, partial(choose_defaults, device_name=device_name), info)
 
 
 def preference_note(cfg: Config) -> str:

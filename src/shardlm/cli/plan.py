@@ -17,7 +17,8 @@ if TYPE_CHECKING:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``plan`` on the ``shardlm`` command's subparsers."""
     p = sub.add_parser(
-        "plan", help="predict per-rank peak memory and step time of a config; what fits if it does not"
+        "plan", help="predict per-rank peak memory and step time of a config, with the values a new run "
+                     "would choose for settings left auto; what fits if it does not"
     )
     p.add_argument("config", nargs="?", help="TOML config (overrides follow as --section.key=value)")
     p.add_argument("--world-size", type=int, help="number of ranks N (required with a config)")

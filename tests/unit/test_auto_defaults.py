@@ -9,13 +9,14 @@ import torch
 
 from conftest import tiny_overrides
 from shardlm.checkpoint.resume_config import config_changes
+from shardlm.cli.main import main as shardlm_main
 from shardlm.config import load_config
 from shardlm.config.auto import FIXED, unresolved, with_fixed_defaults
 from shardlm.parallel import init_distributed
 from shardlm.parallel.dist import DistInfo
-from shardlm.plan import plan_memory
+from shardlm.plan import plan_memory, tune_candidates
 from shardlm.plan.defaults import choose_defaults
-from shardlm.train.defaults import resolve_defaults
+from shardlm.train.defaults import describe_defaults, resolve_defaults
 from shardlm.train.trainer import Trainer
 
 KEYS = list(FIXED)
@@ -126,3 +127,48 @@ def test_the_summary_says_what_was_chosen_and_why(small_data, tmp_path, planner)
     else:
         assert trainer.cfg.train.loss_chunk_tokens == 256
         assert "parallel.blocks_per_group = 1 (auto: the fixed default (no planner ran))" in summary
+
+
+def auto_lines(text: str) -> list[str]:
+    """The ``auto`` lines of a run summary or a plan, without their indent and label."""
+    return [line.split("auto", 1)[1].strip() for line in text.splitlines() if line.startswith("  auto ")]
+
+
+def test_plan_prints_the_choices_the_trainer_makes(small_data, tmp_path, capsys, monkeypatch):
+    """``shardlm plan`` resolves the settings left auto with the trainer's chooser, prints them as the run's
+    summary does, and plans the step with them."""
+    monkeypatch.setattr(tune_candidates, "available_host_memory", lambda: 16 * 2**30)  # the budget's RAM
+    extra = {"train.micro_batch_size": 4}
+    overrides = tiny_overrides(small_data, tmp_path / "run", extra)
+    toml = tmp_path / "run.toml"
+    toml.write_text("")
+
+    def plan(world: int, *more: str) -> str:
+        capsys.readouterr()
+        assert shardlm_main(["plan", str(toml), "--world-size", str(world), "--device", "cpu", *overrides,
+                             *more]) == 0
+        return capsys.readouterr().out
+
+    one = plan(1)
+    cfg = load_config(None, overrides)
+    started = torch.distributed.is_initialized()
+    try:  # the trainer at one rank in this process (FSDP over one rank): its summary's lines
+        summary = Trainer(cfg, init_distributed(cfg.parallel), defaults=choose_defaults).summary()
+    finally:
+        if not started and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    assert len(auto_lines(summary)) == 4 and auto_lines(one) == auto_lines(summary), (one, summary)
+    assert "train.loss_chunk_tokens = 0 (auto: the plain loss" in one
+    # two ranks: the chooser as the trainer calls it (resolve_defaults, its DistInfo), no second process
+    two = plan(2)
+    fresh = load_config(None, overrides)
+    assert auto_lines(two) == describe_defaults(resolve_defaults(fresh, None, choose_defaults, info(2))), two
+    assert "parallel.reshard_after_forward = false (auto: weights kept" in two
+    assert f"parallel.blocks_per_group = {cfg.model.n_layers} (auto: " in two
+    # the plan is of the chosen settings; a value the user sets is kept, printed in the settings, not as auto
+    assert f"reshard_after_forward false, {cfg.model.n_layers} block(s) per FSDP group" in two
+    assert "temporaries (whole logits, log-softmax, grads)" in two
+    mine = plan(2, "--parallel.reshard_after_forward=true", "--train.loss_chunk_tokens=64")
+    assert [line.split(" =")[0] for line in auto_lines(mine)] == ["parallel.blocks_per_group",
+                                                                  "parallel.activation_checkpoint"]
+    assert "reshard_after_forward true" in mine and "temporaries (loss in 64-token chunks" in mine

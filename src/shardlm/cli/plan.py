@@ -1,5 +1,6 @@
-"""``shardlm plan``: per-rank peak memory and step time of a config, before launching it; when it does not
-fit, the combinations of settings that do (``shardlm/plan/search.py``)."""
+"""``shardlm plan``: per-rank peak memory and step time of a config, before launching it; the values a new
+run would take for the settings left ``"auto"`` (``shardlm/plan/defaults.py``); when it does not fit, the
+combinations of settings that do (``shardlm/plan/search.py``)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,14 @@ from shardlm.errors import ConfigError
 
 if TYPE_CHECKING:
     from shardlm.config import Config
+    from shardlm.train.defaults import DefaultChoice
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``plan`` on the ``shardlm`` command's subparsers."""
     p = sub.add_parser(
-        "plan", help="predict per-rank peak memory and step time of a config; what fits if it does not"
+        "plan", help="predict per-rank peak memory and step time of a config, with the values a new run "
+                     "would choose for settings left auto; what fits if it does not"
     )
     p.add_argument("config", nargs="?", help="TOML config (overrides follow as --section.key=value)")
     p.add_argument("--world-size", type=int, help="number of ranks N (required with a config)")
@@ -81,12 +84,40 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> None:
     from shardlm.parallel.dist import check_async_tp_device
 
     check_async_tp_device(cfg.parallel, "cpu" if args.device == "cpu" else "cuda", "the planned device")
+    auto = auto_choices(cfg, args.world_size, args.device)  # resolved in cfg: the plan is of what would run
     notes = [preference_note(cfg)] if cfg.data.format == "preference" else []
     from shardlm.plan.preference import preference_rows
 
     model = (f"{args.model_preset} (--model-preset)" if args.model_preset
              else f"{args.model_config} (--model-config)" if args.model_config else "")
-    print(format_plan(preference_rows(cfg), args.world_size, args.device, args.headroom, model, notes))
+    print(format_plan(preference_rows(cfg), args.world_size, args.device, args.headroom, model, notes, auto))
+
+
+def auto_choices(cfg: Config, world_size: int, device_name: str) -> list[DefaultChoice]:
+    """Resolve ``cfg``'s settings left ``"auto"`` in place as ``shardlm train`` would for a new run of
+    ``world_size`` ranks on ``device_name`` (the same chooser, :func:`shardlm.plan.defaults.choose_defaults`,
+    printed as the run's summary prints them, :func:`shardlm.train.defaults.describe_defaults`); the
+    choices, one per setting left ``"auto"``.
+
+    On a CPU the budget is the RAM available now over the ranks, as at launch; on a GPU the memory of
+    ``device_name`` (the trainer reads the GPU's own, a little different on some). A resumed run keeps its
+    checkpoint's values instead; the data must be prepared for the choices to count its documents as the
+    trainer does (it prepares before choosing).
+
+    Raises:
+        ConfigError: an unknown device.
+    """
+    from functools import partial
+
+    import torch
+
+    from shardlm.parallel.dist import DistInfo
+    from shardlm.plan.defaults import choose_defaults
+    from shardlm.train.defaults import resolve_defaults
+
+    cpu = device_name == "cpu"
+    info = DistInfo(0, 0, world_size, torch.device("cpu" if cpu else "cuda"), "gloo" if cpu else "nccl")
+    return resolve_defaults(cfg, None, partial(choose_defaults, device_name=device_name), info)
 
 
 def preference_note(cfg: Config) -> str:

@@ -1,5 +1,6 @@
 """The planner's choice of the settings a new run leaves ``"auto"`` (:mod:`shardlm.config.auto`), made once at
-start-up by ``shardlm train`` (:func:`choose_defaults`, the chooser of :mod:`shardlm.train.defaults`).
+start-up by ``shardlm train`` (:func:`choose_defaults`, the chooser of :mod:`shardlm.train.defaults`) and
+shown before launch by ``shardlm plan``, which plans the run with them.
 
 The rule: the fastest setting whose planned step (:func:`shardlm.plan.memory.plan_memory`, the prepared
 data's documents and the run's parallel layout included) fits the memory per rank, less 20% headroom
@@ -43,8 +44,8 @@ PLAIN_LOGITS_BYTES = 64 << 20
 HEADROOM = 0.2
 
 
-def choose_defaults(cfg: Config, keys: list[str], info: Any,
-                    budget_bytes: float | None = None) -> dict[str, tuple[Any, str]]:
+def choose_defaults(cfg: Config, keys: list[str], info: Any, budget_bytes: float | None = None,
+                    device_name: str | None = None) -> dict[str, tuple[Any, str]]:
     """The values of ``keys`` (dotted, each ``"auto"`` in ``cfg``) for a new run on ``info``'s world size
     and device, with the reason of each (module docstring); ``cfg`` is not changed.
 
@@ -53,16 +54,25 @@ def choose_defaults(cfg: Config, keys: list[str], info: Any,
         keys: the fields to choose (a subset of :data:`shardlm.config.auto.FIXED`).
         info: a :class:`~shardlm.parallel.dist.DistInfo` (``world_size``, ``device``).
         budget_bytes: the usable memory per rank; None measures it (:func:`memory_budget`, 20% headroom).
+        device_name: the planner's name of the device (:data:`shardlm.plan.devices.DEVICES`, ``cpu``), as
+            ``shardlm plan --device`` gives it: its memory (a CPU's: the RAM available now over the ranks)
+            instead of the memory of ``info``'s device; None: ``info``'s device (a GPU by its CUDA name).
+
+    Raises:
+        ConfigError: an unknown ``device_name``.
     """
     world, device = info.world_size, info.device.type
-    if budget_bytes is None:
+    if budget_bytes is None and device_name is not None:
+        budget = memory_budget(device_name, world, HEADROOM, None)
+        budget_bytes, plan_device = budget.bytes, budget.device
+    elif budget_bytes is None:
         cuda = device == "cuda"
         budget = memory_budget("auto", world, HEADROOM, None,
                                torch.cuda.get_device_name(info.device) if cuda else None,
                                torch.cuda.get_device_properties(info.device).total_memory if cuda else 0)
         budget_bytes, plan_device = budget.bytes, budget.device
     else:
-        plan_device = "cpu" if device == "cpu" else "h100"
+        plan_device = device_name or ("cpu" if device == "cpu" else "h100")
     trial = copy.deepcopy(cfg)
     for key in keys:
         put(trial, key, FIXED[key])

@@ -18,6 +18,7 @@ from shardlm.plan.memory import Settings, plan_memory
 from shardlm.plan.param_groups import meta_model
 from shardlm.plan.search import format_fits, search
 from shardlm.plan.time import TimePlan, plan_time
+from shardlm.train.defaults import DefaultChoice, describe_defaults
 
 GIB = 1024**3
 LABELS = {
@@ -110,7 +111,7 @@ def part_applies(cfg: Config, part: str) -> bool:
 
 
 def format_plan(cfg: Config, world_size: int, device_name: str, headroom: float, model: str = "",
-                notes: list[str] | None = None) -> str:
+                notes: list[str] | None = None, auto: list[DefaultChoice] | None = None) -> str:
     """The report ``shardlm plan`` prints: what is planned, the memory breakdown (the rows that apply to the
     run, :func:`part_applies`; a 0 in one says the part holds nothing at the peak's moment), the gradient-sync
     choices, the data, the step time, ``notes`` (lines), and last the verdict (fits / does not fit) followed,
@@ -118,6 +119,10 @@ def format_plan(cfg: Config, world_size: int, device_name: str, headroom: float,
 
     ``model``: the name of the model shape planned when it is not the config's own (``--model-preset NAME``,
     ``--model-config FILE``); the first line then names it and the config whose settings it runs under.
+    ``auto``: the settings a new run would choose for those left ``"auto"`` (already resolved in ``cfg``),
+    printed after the settings line as the run's summary prints them; the combinations that fit carry them
+    as flags (unless a combination sets one itself), so that passed back they plan as printed instead of
+    being chosen again.
     """
     cfg = with_fixed_defaults(cfg)  # "auto" settings not chosen yet: their fixed defaults
     device = get_device(device_name)
@@ -159,6 +164,7 @@ def format_plan(cfg: Config, world_size: int, device_name: str, headroom: float,
             if st.cp > 1 and st.tp > 1
             else ""
         ),
+        *[f"  auto       {line}" for line in describe_defaults(auto or [])],
         f"  per-rank peak memory (at {plan.phase}):",
     ]
     if st.mode == "fsdp" and st.tp > 1:  # the mesh, outermost first (parallel/dist.py's mesh_dims)
@@ -196,10 +202,19 @@ def format_plan(cfg: Config, world_size: int, device_name: str, headroom: float,
     lines.append(f"  {'fits' if fits else 'does not fit'}: {plan.peak / GIB:.1f} GiB of "
                  f"{budget / GIB:.1f} GiB usable ({headroom:.0%} kept for fragmentation)")
     if not fits:
-        lines.extend(format_fits(search(cfg, world_size, device_name, budget)))
+        found = search(cfg, world_size, device_name, budget)
+        for f in found:  # the auto settings as planned, pinned
+            given = {flag.split("=")[0] for flag in " ".join(f.flags).split()}
+            f.flags += [flag for flag in auto_flags(auto or []) if flag.split("=")[0] not in given]
+        lines.extend(format_fits(found))
     return "\n".join(lines)
 
 
+
+
+def auto_flags(choices: list[DefaultChoice]) -> list[str]:
+    """``--key=value`` for each setting chosen for ``"auto"`` (booleans in TOML's lower case)."""
+    return [f"--{c.key}={str(c.value).lower() if isinstance(c.value, bool) else c.value}" for c in choices]
 
 
 def float8_part(times: TimePlan) -> str:

@@ -40,8 +40,8 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> None:
     Raises:
         ConfigError: a bad world size or headroom, an unknown device or preset, ``--model.*`` overrides
             together with a preset or ``--model-config`` (which replace the config's shape and its
-            ``model.init_from``), ``parallel.async_tp`` with ``--device cpu``, a pipeline layout training refuses
-            (:func:`shardlm.config.layout.check_pp`).
+            ``model.init_from``), ``parallel.async_tp`` with ``--device cpu``, a pipeline layout training
+            refuses (:func:`shardlm.config.layout.check_pp`).
         ModelDirError: an unreadable ``--model-config`` or a model the decoder does not build.
     """
     if args.model_preset == "list":

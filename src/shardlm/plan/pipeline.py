@@ -1,5 +1,5 @@
-"""The plan of a pipeline-parallel step (``parallel.pp`` > 1): each pipeline rank's peak memory, the schedule's
-bubble and the bytes sent between stages.
+"""The plan of a pipeline-parallel step (``parallel.pp`` > 1): each pipeline rank's peak memory, the
+schedule's bubble and the bytes sent between stages.
 
 A pipeline rank holds its stages' blocks (:func:`shardlm.parallel.pp.stage_plan`), the embedding on the first
 stage, the final norm and output projection on the last, each FSDP-sharded over the world size / pp
@@ -48,8 +48,8 @@ from shardlm.plan.time import fsdp_comm_bytes, plan_time
 
 def in_flight(schedule: str, pp: int, micro_batches: int, rank: int) -> int:
     """The most (stage, micro-batch) forwards pipeline rank ``rank`` holds before their backward, under
-    ``schedule`` at ``pp`` ranks and ``micro_batches`` per step; one unit is one of its stages' activations for
-    one micro-batch.
+    ``schedule`` at ``pp`` ranks and ``micro_batches`` per step; one unit is one of its stages' activations
+    for one micro-batch.
 
     - ``gpipe``: every micro-batch (all forwards, then all backwards; Huang et al. 2019, GPipe);
     - ``1f1b``: ``min(m, pp - rank)`` (PipeDream-Flush, Narayanan et al. 2021 §2.2; PyTorch's
@@ -112,7 +112,8 @@ def plan_pp_memory(cfg: Config, world_size: int, device: str = "cpu") -> list[St
     """Predict each pipeline rank's peak memory in one steady-state step of ``cfg`` (``parallel.pp`` > 1) at
     ``world_size`` ranks (see the module docstring for what is counted).
 
-    Returns one :class:`StageMemory` per pipeline rank, first rank first (bytes; ranks of one stage are alike).
+    Returns one :class:`StageMemory` per pipeline rank, first rank first (bytes; ranks of one stage are
+    alike).
 
     Raises:
         ConfigError: a layout training refuses (:func:`shardlm.config.layout.check_pp`: stages that do not
@@ -168,7 +169,7 @@ def plan_pp_memory(cfg: Config, world_size: int, device: str = "cpu") -> list[St
         steady = k * len(plan.stage_ids) > flying  # a forward after a backward: every gradient exists
         first_grads = max(g.grad_numel for g in mine) * max(pb, rb)  # one group's, at the first backward
         b["grads"] = grads if steady else first_grads
-        phase = "steady 1F1B (all gradients, activations in flight)" if steady else "first backward"
+        phase = "steady state: every gradient, the activations in flight" if steady else "first backward"
         sent = k * bd * (sends + receives)  # activations forward, their gradients back
         out.append(StageMemory(rank, plan.stage_ids, tuple(layers), sum(q.numel() for q in tensors), flying,
                                sum(b.values()), b, phase, sent))
@@ -208,15 +209,20 @@ def format_pp_plan(cfg: Config, world_size: int, device_name: str, headroom: flo
         f"checkpointing {p.activation_checkpoint}",
         f"  bubble     {bubble:.1%} of the step idle ({bubble_rule(p.pp_schedule)})",
         "  per pipeline rank (GiB):",
-        "    rank  stages  blocks     parameters  in flight   params    grads  optimizer  activations  buffers"
-        "  temporaries     peak",
+        "    rank  stages  blocks     parameters  in flight   params    grads  optimizer  activations"
+        "  buffers  temporaries     peak",
     ]
-    for x in stages:
+    shown = stages if len(stages) <= 8 else [*stages[:3], None, *stages[-3:]]  # the middle ranks are alike
+    for x in shown:
+        if x is None:
+            lines.append(f"    {'...':>4}")
+            continue
         b = x.breakdown
         blocks = f"{x.layers[0]}-{x.layers[-1]}" if len(x.stages) == 1 else f"{len(x.layers)} blocks"
         lines.append(f"    {x.rank:>4}  {','.join(map(str, x.stages)):>6}  {blocks:>6}  {x.params:>13,}  "
                      f"{x.in_flight:>9}  {b['params'] / gib:7.2f}  {b['grads'] / gib:7.2f}  "
-                     f"{b['optimizer'] / gib:9.2f}  {b['activations'] / gib:11.2f}  {b['buffers'] / gib:7.2f}  "
+                     f"{b['optimizer'] / gib:9.2f}  {b['activations'] / gib:11.2f}  "
+                     f"{b['buffers'] / gib:7.2f}  "
                      f"{b['temporaries'] / gib:11.2f}  {x.peak / gib:7.2f}")
     worst = max(stages, key=lambda x: x.peak)
     lines += [
@@ -246,9 +252,10 @@ def bubble_rule(schedule: str) -> str:
 
 def t_stage_comm(cfg: Config, dp: int, params: int) -> float:
     """Bytes one rank sends per step in FSDP's collectives over its stage's ``dp`` ranks for ``params``
-    parameters: the parameters all-gathered for each micro-batch's forward and again for its backward when
-    blocks reshard after forward, the gradients reduce-scattered once (deferred to the last backward):
-    (dp−1)/dp · [k·(1+r)·P·b_param + P·b_reduce] (:func:`shardlm.plan.time.fsdp_comm_bytes`)."""
+    parameters (:func:`shardlm.plan.time.fsdp_comm_bytes`), the gradients reduce-scattered once (deferred to
+    the last backward). PyTorch's stage keeps the parameters gathered after each backward until the last: with
+    ``reshard_after_forward`` they are all-gathered for each micro-batch's forward and again for its backward
+    (at most, 2·k times), without it once a step."""
     st = Settings.from_config(cfg)
-    k = gradient_accumulation_steps(cfg, dp)
+    k = gradient_accumulation_steps(cfg, dp) if st.reshard_after_forward else 1
     return fsdp_comm_bytes(dp, params, k, st.reshard_after_forward, False, st.param_bytes, st.reduce_bytes)

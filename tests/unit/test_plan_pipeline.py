@@ -31,25 +31,32 @@ def torch_in_flight(schedule: str, pp: int, m: int) -> list[int]:
     o.microbatches_per_round = m // o.number_of_rounds
     style = "loop" if schedule == "interleaved_1f1b" else "v"
     o.stage_index_to_group_rank = S.generate_stage_to_rank_mapping(pp, 2 * pp, style=style)
-    out = []
+    out, last = [], 0
     for rank in range(pp):
-        alive, most = 0, 0
+        alive, most, alive_last = 0, 0, 0
         for a in o._calculate_single_rank_operations(rank):
             if a is None:
                 continue
-            alive += a.computation_type == C.FORWARD
-            alive -= a.computation_type in (C.FULL_BACKWARD, C.BACKWARD_INPUT)
+            kind = a.computation_type
+            step = (kind == C.FORWARD) - (kind in (C.FULL_BACKWARD, C.BACKWARD_INPUT))
+            alive += step
             most = max(most, alive)
+            if a.stage_index == 2 * pp - 1:
+                alive_last += step
+                last = max(last, alive_last)
         out.append(most)
-    return out
+    return out, last
 
 
 @pytest.mark.parametrize("schedule", list(CLASSES))
 @pytest.mark.parametrize("pp,m", [(2, 4), (2, 8), (4, 8), (4, 16), (8, 16)])
 def test_in_flight_matches_pytorchs_schedules(schedule, pp, m):
     """The closed forms equal the counts of torch 2.13's action lists (e.g. interleaved at pp 4: 11, 9, 7, 5;
-    zbv 8 on every rank; dualpipev 8, 8, 8, 9)."""
-    assert [in_flight(schedule, pp, m, r) for r in range(pp)] == torch_in_flight(schedule, pp, m)
+    zbv 8 on every rank; dualpipev 8, 8, 8, 9), and the last stage holds one micro-batch at a time (what
+    plan_pp_memory assumes for a rank holding it beside another stage)."""
+    per_rank, last = torch_in_flight(schedule, pp, m)
+    assert [in_flight(schedule, pp, m, r) for r in range(pp)] == per_rank
+    assert last == 1
 
 
 def test_in_flight_and_bubble_of_the_single_stage_schedules():

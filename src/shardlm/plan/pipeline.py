@@ -60,7 +60,10 @@ def in_flight(schedule: str, pp: int, micro_batches: int, rank: int) -> int:
     - ``zbv``: ``2·pp`` on every rank; ``dualpipev``: ``2·pp``, ``2·pp + 1`` on the last rank.
 
     The last three are the action lists of torch 2.13's schedules counted (checked by
-    tests/unit/test_plan_pipeline.py against ``_calculate_single_rank_operations``).
+    tests/unit/test_plan_pipeline.py against ``_calculate_single_rank_operations``); of them, the last stage's
+    are one at a time (its backward follows its forward), which :func:`plan_pp_memory` uses: a rank holding
+    the last stage and another keeps the last stage's activations (the chunked loss's gradients among them)
+    once and the other's for the rest.
     """
     m = micro_batches
     if schedule == "gpipe":
@@ -164,6 +167,9 @@ def plan_pp_memory(cfg: Config, world_size: int, device: str = "cpu") -> list[St
             per_mb.append(saved)
         flying = in_flight(p.pp_schedule, p.pp, k, rank)
         b["activations"] = flying * max(per_mb)
+        if plan.last and len(per_mb) > 1:  # the last stage's backward follows its forward: one at a time
+            b["activations"] = per_mb[-1 if plan.stage_ids[-1] == plan.n_stages - 1 else 0] + (flying - 1) * (
+                max(x for x, sid in zip(per_mb, plan.stage_ids) if sid != plan.n_stages - 1))
         b["temporaries"] = max(act.block_backward_transient(s), loss_high - loss_kept if plan.last else 0)
         grads = sum(g.grad_numel for g in mine) * max(pb, rb)
         steady = k * len(plan.stage_ids) > flying  # a forward after a backward: every gradient exists

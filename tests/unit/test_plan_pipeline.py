@@ -118,3 +118,8 @@ def test_shardlm_plan_refuses_a_pipeline_training_refuses(capsys):
     assert shardlm_main(["plan", str(ROOT / "configs" / "llama3-8b.toml"), "--world-size", "16",
                          "--parallel.pp=3", "--parallel.tp=1", "--model.tie_embeddings=false"]) == 2
     assert "3 pipeline stages do not divide model.n_layers=32" in capsys.readouterr().err
+    assert shardlm_main(["plan", str(ROOT / "configs" / "llama3-8b.toml"), "--world-size", "16",
+                         "--parallel.pp=2", "--parallel.tp=1", "--model.tie_embeddings=false",
+                         "--parallel.dp_replicate=2"]) == 2
+    err = capsys.readouterr().err
+    assert "parallel.dp_replicate=2 with parallel.pp=2: the pipeline planner models" in err

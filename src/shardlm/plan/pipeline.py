@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from shardlm.config import Config, gradient_accumulation_steps
+from shardlm.config import Config, ConfigError, gradient_accumulation_steps
 from shardlm.config.auto import with_fixed_defaults
 from shardlm.config.layout import VIRTUAL_STAGES, check_pp
 from shardlm.parallel.pp import stage_plan
@@ -120,10 +120,16 @@ def plan_pp_memory(cfg: Config, world_size: int, device: str = "cpu") -> list[St
 
     Raises:
         ConfigError: a layout training refuses (:func:`shardlm.config.layout.check_pp`: stages that do not
-            divide the blocks, too few micro-batches for the schedule, a setting not built with stages).
+            divide the blocks, too few micro-batches for the schedule, a setting not built with stages); HSDP
+            (``parallel.dp_replicate`` != 1), not modelled with stages.
     """
     cfg = with_fixed_defaults(cfg)
     p = cfg.parallel
+    check_pp(cfg, world_size)
+    if p.dp_replicate != 1:
+        raise ConfigError(f"parallel.dp_replicate={p.dp_replicate} with parallel.pp={p.pp}: the pipeline "
+                          "planner models each stage FSDP-sharded over all of its world size / pp ranks, "
+                          "not HSDP")
     dp = world_size // p.pp
     k = gradient_accumulation_steps(cfg, dp)
     check_pp(cfg, world_size, k)

@@ -13,8 +13,10 @@ and ``interleaved_1f1b`` (4 stages of two blocks).
 
 Per rank: the median step time (host seconds, the step synchronised by its record) and the bytes of its
 parameter, gradient and AdamW shards after a step (``Trainer.local_shard_bytes``): a pipeline rank holds only
-its stages' parameters. The activations in flight (GPipe: every micro-batch's; 1F1B: at most ``pp`` on the
-first stage) are not measured here: the CPU allocator keeps no peak.
+its stages' parameters; the peak of one more step (``shardlm.metrics.peak.measure_train_step_peak``: live
+storages at its start plus the allocator's events during it, activations in flight included) beside the
+planner's prediction for that rank (``shardlm plan``'s: :func:`shardlm.plan.pipeline.plan_pp_memory` per
+pipeline rank, :func:`shardlm.plan.plan_memory` for FSDP 4).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ def worker(spec_path: str) -> None:
     import torch
 
     from shardlm.config import load_config
+    from shardlm.metrics.peak import measure_train_step_peak
     from shardlm.parallel import exit_process, init_distributed
     from shardlm.train.trainer import Trainer
 
@@ -65,7 +68,9 @@ def worker(spec_path: str) -> None:
             trainer.train_step(log=True)
             if i >= spec["warmup"]:
                 times.append(time.perf_counter() - start)
-        results[name] = {"step_s": statistics.median(times), "shard_bytes": trainer.local_shard_bytes}
+        peak = measure_train_step_peak(trainer)["peak"]
+        results[name] = {"step_s": statistics.median(times), "shard_bytes": trainer.local_shard_bytes,
+                         "peak": peak}
         torch.distributed.barrier()
     rank = torch.distributed.get_rank()
     Path(spec["out"], f"rank{rank}.json").write_text(json.dumps(results))
@@ -79,7 +84,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = parser.parse_args()
     from conftest import cpu_env, tiny_overrides
+    from shardlm.config import load_config
     from shardlm.data import prepare_corpus, read_documents
+    from shardlm.plan import plan_memory
+    from shardlm.plan.pipeline import plan_pp_memory
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -94,12 +102,23 @@ def main() -> None:
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
                         __file__, "--worker", str(spec)], env=cpu_env(), check=True)
         ranks = [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(4)]
-    table = {name: [r[name] for r in ranks] for name in LAYOUTS}
-    print(f"{'layout':28} {'step s (max over ranks)':>24}  shard MiB per rank (params + grads + AdamW)")
+        predicted = {}
+        for name, overrides in layouts.items():
+            cfg = load_config(None, overrides)
+            if cfg.parallel.pp > 1:  # pp is the outermost mesh dimension: rank r on pipeline rank r // dp
+                stages = plan_pp_memory(cfg, 4)
+                predicted[name] = [stages[r // (4 // cfg.parallel.pp)].peak for r in range(4)]
+            else:
+                predicted[name] = [plan_memory(cfg, 4).peak] * 4
+    table = {name: [{**r[name], "predicted": predicted[name][i]} for i, r in enumerate(ranks)]
+             for name in LAYOUTS}
+    print(f"{'layout':28} {'step s (max over ranks)':>24}  shard MiB per rank (params + grads + AdamW); "
+          "peak MiB per rank, measured / predicted")
     for name, per_rank in table.items():
         step = max(r["step_s"] for r in per_rank)
         mib = ", ".join(f"{r['shard_bytes']['total'] / 2**20:.2f}" for r in per_rank)
-        print(f"{name:28} {step:24.3f}  {mib}")
+        peaks = ", ".join(f"{r['peak'] / 2**20:.2f} / {r['predicted'] / 2**20:.2f}" for r in per_rank)
+        print(f"{name:28} {step:24.3f}  {mib}; {peaks}")
     if args.out:
         args.out.write_text(json.dumps(table, indent=1))
 

@@ -14,10 +14,12 @@ import json
 import math
 
 import pytest
+import torch
 from safetensors.torch import load_file
 from torch.distributed.checkpoint import FileSystemReader
 
 from conftest import run_scenarios, scenario, tiny_overrides, torchrun
+from shardlm.convert.hf_in import load_model_dir
 from tolerance import EPS, assert_all_close, assert_close
 
 STEPS = 3
@@ -143,3 +145,22 @@ def test_a_non_finite_step_stops_every_stage(small_data, tmp_path):
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert 1 <= len(records) < 20
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in records)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("name", ["pp2_1f1b", "pp2_zbv", "pp4_1f1b", "fsdp2_pp2"])
+def test_export_of_a_pipeline_run_loads_in_transformers(runs, name):
+    """The final export of a PP run (every stage's parameters gathered onto rank 0; under ``zbv`` the first
+    and the last stage on one rank) loads in transformers with no key missing or unexpected, and its logits
+    equal shardlm's model read from the same directory within 64 fp32 roundings."""
+    transformers = pytest.importorskip("transformers", reason="pip install -e '.[test]'")
+    _, root = runs
+    final = root / name / "final"
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(final, output_loading_info=True,
+                                                                 dtype=torch.float32)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    tokens = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got = hf.eval()(tokens).logits
+        assert_close(load_model_dir(final)(tokens), got, rtol=64 * EPS, what=f"{name} logits")
+    assert got.shape == (2, 32, 512)

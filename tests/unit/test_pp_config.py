@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import ROOT
 from shardlm.config import load_config
 from shardlm.config.layout import check_ranks
 from shardlm.errors import ConfigError
@@ -116,14 +115,3 @@ def test_stages_chained_equal_the_whole_model():
             h = parts[s](h)
         ref = whole(tokens)
     assert_close(h, ref, rtol=8 * 2.0 ** -23, what="chained stages' logits")
-
-
-def test_the_planner_refuses_pipeline_stages_by_name(capsys):
-    """``shardlm plan`` does not model stages yet: one message, exit status 2, rather than a plan that
-    ignores them."""
-    from shardlm.cli.main import main as shardlm_main
-
-    assert shardlm_main(["plan", str(ROOT / "configs" / "llama3-8b.toml"), "--world-size", "16",
-                         "--parallel.pp=2", "--model.tie_embeddings=false"]) == 2
-    err = capsys.readouterr().err
-    assert "shardlm plan does not model pipeline stages yet (parallel.pp=2)" in err

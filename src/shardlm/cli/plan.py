@@ -43,8 +43,8 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> None:
     Raises:
         ConfigError: a bad world size or headroom, an unknown device or preset, ``--model.*`` overrides
             together with a preset or ``--model-config`` (which replace the config's shape and its
-            ``model.init_from``), ``parallel.async_tp`` with ``--device cpu``, pipeline stages
-            (``parallel.pp`` > 1: not modelled yet).
+            ``model.init_from``), ``parallel.async_tp`` with ``--device cpu``, a pipeline layout training
+            refuses (:func:`shardlm.config.layout.check_pp`).
         ModelDirError: an unreadable ``--model-config`` or a model the decoder does not build.
     """
     if args.model_preset == "list":
@@ -78,9 +78,13 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> None:
         )
         overrides = shape_overrides(shape) + overrides
     cfg = load_config(args.config, overrides)
-    if cfg.parallel.pp > 1:  # the planner's model of a step has no stages yet: no silent wrong numbers
-        raise ConfigError(f"shardlm plan does not model pipeline stages yet (parallel.pp={cfg.parallel.pp}): "
-                          "plan the layout without them (parallel.pp = 1); bench/bench_pp.py measures them")
+    model = (f"{args.model_preset} (--model-preset)" if args.model_preset
+             else f"{args.model_config} (--model-config)" if args.model_config else "")
+    if cfg.parallel.pp > 1:  # per pipeline rank: its stages' memory, the bubble (shardlm/plan/pipeline.py)
+        from shardlm.plan.pipeline import format_pp_plan
+
+        print(format_pp_plan(cfg, args.world_size, args.device, args.headroom, model))
+        return
     from shardlm.parallel.dist import check_async_tp_device
 
     check_async_tp_device(cfg.parallel, "cpu" if args.device == "cpu" else "cuda", "the planned device")
@@ -88,8 +92,6 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> None:
     notes = [preference_note(cfg)] if cfg.data.format == "preference" else []
     from shardlm.plan.preference import preference_rows
 
-    model = (f"{args.model_preset} (--model-preset)" if args.model_preset
-             else f"{args.model_config} (--model-config)" if args.model_config else "")
     print(format_plan(preference_rows(cfg), args.world_size, args.device, args.headroom, model, notes, auto))
 
 

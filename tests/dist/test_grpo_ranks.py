@@ -61,3 +61,21 @@ def test_two_ranks_equal_one_process(tmp_path):
         w2 = load_file(str(tmp_path / "runs2" / name / "final" / "model.safetensors"))
         assert_all_close(w2, w1, rtol=TOL, what=f"{name} exported weights, 2 ranks vs 1")
         assert all(torch.isfinite(v).all() for v in w1.values())
+        for nproc in (1, 2):
+            assert_export_loads_in_transformers(tmp_path / f"runs{nproc}" / name / "final", reports[nproc][name],
+                                                what=f"{name} at {nproc} rank(s)")
+
+
+def assert_export_loads_in_transformers(final, report: dict, what: str) -> None:
+    """The run's export ``final/`` loads in transformers with no missing or unexpected weight, and its logits
+    on the worker's probe tokens equal those of the trained policy in the training processes (the LoRA run's
+    export has the adapters merged into the base) within 64 fp32 roundings."""
+    import transformers
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(str(final), dtype=torch.float32,
+                                                                 output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], (what, info)
+    with torch.no_grad():
+        theirs = hf.eval()(torch.tensor(report["probe"])).logits
+    ours = torch.tensor(report["logits"])
+    assert ours.shape == theirs.shape == (2, 16, 400), (what, ours.shape, theirs.shape)
+    assert_close(theirs, ours, rtol=64 * EPS, what=f"{what}: transformers' logits of the export vs the policy's")

@@ -99,6 +99,18 @@ def test_arithmetic_task_seeded_and_correct(tmp_path):
         arithmetic_prompts(3, ops="/")
 
 
+def test_arithmetic_task_system_message(tmp_path):
+    """``--system`` adds the same ``system`` field to every row and leaves the draws as they were."""
+    plain = arithmetic_prompts(20, seed=3)
+    with_system = arithmetic_prompts(20, seed=3, system="Answer with the number only.")
+    assert [{k: v for k, v in r.items() if k != "system"} for r in with_system] == plain
+    assert {r["system"] for r in with_system} == {"Answer with the number only."}
+    assert all("system" not in r for r in plain)
+    main([str(tmp_path / "s.jsonl"), "--n", "4", "--seed", "3", "--system", "Be brief."])
+    rows = [json.loads(line) for line in (tmp_path / "s.jsonl").read_text().splitlines()]
+    assert rows == arithmetic_prompts(4, seed=3, system="Be brief.")
+
+
 def test_prepare_data_dispatches_prompts_and_rewards_read_the_fields(tmp_path, tok_dir):
     """``prepare_data`` of a prompts config (the path ``shardlm prepare`` and training take), then the
     accuracy reward on the prepared fields: the right answer scores 1, another 0."""

@@ -2,16 +2,29 @@
 
 Usage: ``torchrun --nproc_per_node=N tests/workers/grpo_worker.py SPEC.json`` with a spec as
 tests/workers/dist_worker.py's. Each rank writes ``DIR/<name>/rank<r>.json``: the logged history and, per
-step, the global batch's completions (token ids) and reward table as the objective gathered them; the run's
-export (``<run dir>/final``) holds the trained weights.
+step, the global batch's completions (token ids) and reward table as the objective gathered them, and the
+trained policy's fp32 logits on :data:`PROBE` (every rank runs the forward; the FSDP shards are gathered as in
+training); the run's export (``<run dir>/final``) holds the trained weights.
 """
 
 from __future__ import annotations
 
 import sys
 
+import torch
+
 from dist_worker import scenario_trainers, write_rank_report
 from shardlm.parallel import exit_process
+
+#: (2, 16) token ids the trained policy's logits are recorded on (tests/dist/test_grpo_ranks.py feeds the
+#: same ids to the export loaded in transformers); below the tiny test models' vocabulary of 400
+PROBE = torch.randint(0, 400, (2, 16), generator=torch.Generator().manual_seed(0)).tolist()
+
+
+def policy_logits(trainer) -> list:
+    """The trained model's logits on :data:`PROBE`: (2, 16, vocab) fp32, as nested lists."""
+    with torch.no_grad():
+        return trainer.model(torch.tensor(PROBE)).float().tolist()
 
 
 def main() -> None:
@@ -27,7 +40,8 @@ def main() -> None:
 
         trainer.objective.prepare_step = recording
         history = trainer.train()
-        write_rank_report(out, scenario["name"], trainer.info.rank, {"history": history, "steps": steps})
+        report = {"history": history, "steps": steps, "probe": PROBE, "logits": policy_logits(trainer)}
+        write_rank_report(out, scenario["name"], trainer.info.rank, report)
 
 
 if __name__ == "__main__":

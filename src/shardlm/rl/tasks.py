@@ -20,13 +20,16 @@ from collections.abc import Sequence
 OPERATIONS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 
 
-def arithmetic_prompts(n: int, seed: int = 0, max_operand: int = 99, ops: str = "+-") -> list[dict[str, str]]:
+def arithmetic_prompts(n: int, seed: int = 0, max_operand: int = 99, ops: str = "+-",
+                       system: str = "") -> list[dict[str, str]]:
     """``n`` prompts ``"What is a <op> b?"`` with their ``answer`` (the exact integer, as text).
 
     Args:
         n: how many. seed: the random seed (``random.Random(seed)``: the same prompts on any machine).
         max_operand: operands are drawn uniformly from 0..max_operand.
         ops: the operations drawn from, uniformly: any of ``+``, ``-``, ``*``.
+        system: when not empty, every row gets a ``system`` field with this text (rendered as the chat's
+            system message, :mod:`shardlm.data.prompts`); the random draws do not depend on it.
 
     Raises:
         ValueError: ``n`` < 1, ``max_operand`` < 1, or an unknown operation.
@@ -40,7 +43,8 @@ def arithmetic_prompts(n: int, seed: int = 0, max_operand: int = 99, ops: str = 
     out = []
     for _ in range(n):
         a, b, op = rng.randint(0, max_operand), rng.randint(0, max_operand), rng.choice(ops)
-        out.append({"prompt": f"What is {a} {op} {b}?", "answer": str(OPERATIONS[op](a, b))})
+        row = {"prompt": f"What is {a} {op} {b}?", "answer": str(OPERATIONS[op](a, b))}
+        out.append({**row, "system": system} if system else row)
     return out
 
 
@@ -53,7 +57,8 @@ def write_jsonl(path: str | pathlib.Path, rows: Sequence[dict]) -> pathlib.Path:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m shardlm.rl.tasks OUT.jsonl [--n N] [--seed S] [--max-operand M] [--ops +-*]``."""
+    """``python -m shardlm.rl.tasks OUT.jsonl [--n N] [--seed S] [--max-operand M] [--ops +-*]
+    [--system TEXT]``."""
     parser = argparse.ArgumentParser(prog="python -m shardlm.rl.tasks",
                                      description="Write seeded arithmetic prompts with their answers.")
     parser.add_argument("out", help="the .jsonl file to write")
@@ -61,8 +66,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0, help="random seed")
     parser.add_argument("--max-operand", type=int, default=99, help="largest operand")
     parser.add_argument("--ops", default="+-", help="operations drawn from (any of + - *)")
+    parser.add_argument("--system", default="", help="a system message for every prompt (default: none)")
     args = parser.parse_args(argv)
-    path = write_jsonl(args.out, arithmetic_prompts(args.n, args.seed, args.max_operand, args.ops))
+    rows = arithmetic_prompts(args.n, args.seed, args.max_operand, args.ops, args.system)
+    path = write_jsonl(args.out, rows)
     print(f"wrote {args.n} arithmetic prompts to {path}")
 
 

@@ -34,13 +34,12 @@ and take the median of steps 3-10.
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 import time
 import types
 
 import torch
-import torch._utils as torch_utils
+from cpu_as_device import report_cpu_as_device
 from torch.distributed.fsdp import FSDPModule
 
 VOCAB = 2048  # torchtitan's debugmodel vocabulary
@@ -59,42 +58,7 @@ sys.modules["torchtitan.models.moe.kernels"] = _moe_kernels
 
 
 # 2. the CPU as torchtitan's device
-class _CpuAsDevice(types.ModuleType):
-    """``torch.cpu`` plus the ``torch.cuda``-style calls torchtitan makes (no-ops on a CPU)."""
-
-    def __getattr__(self, name):
-        return getattr(torch.cpu, name)
-
-    def get_device_name(self, *args, **kwargs):
-        return "cpu"
-
-    def get_device_properties(self, *args, **kwargs):
-        return types.SimpleNamespace(total_memory=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-
-    def memory_stats(self, *args, **kwargs):
-        return {}
-
-    def reset_peak_memory_stats(self, *args, **kwargs):
-        pass
-
-    def empty_cache(self, *args, **kwargs):
-        pass
-
-    def set_device(self, *args, **kwargs):
-        pass
-
-    def current_device(self, *args, **kwargs):
-        return 0
-
-    def synchronize(self, *args, **kwargs):
-        pass
-
-
-_cpu_module = _CpuAsDevice("cpu_as_device")
-_get_device_module = torch_utils._get_device_module
-torch_utils._get_available_device_type = lambda: "cpu"
-torch_utils._get_device_module = lambda device_type="cpu": (
-    _cpu_module if device_type == "cpu" else _get_device_module(device_type))
+report_cpu_as_device()  # bench/cpu_as_device.py, before torchtitan is imported
 
 import torchtitan.models.llama3.infra.parallelize as llama3_parallelize  # noqa: E402
 import torchtitan.protocols.train_spec as train_spec  # noqa: E402

@@ -75,3 +75,27 @@ def test_auto_is_per_document_on_cpu_and_flex_on_cuda():
     assert doc_attention.resolve_backend("auto", "cpu", training=True) == "per_document"
     if doc_attention.flex_available():
         assert doc_attention.resolve_backend("auto", "cuda", training=True) == "flex"
+
+
+def test_rows_cut_at_the_same_places_share_each_kernel_call(monkeypatch):
+    """Rows 0-1 (two documents) go through two calls together, row 2 (one document) through one, row 3 (as
+    rows 0-1 but not next to them) through two of its own: 5 SDPA calls instead of 7, equal to the dense
+    mask."""
+    two, one = [0] * 25 + [1] * 15, [0] * 40
+    documents = torch.tensor([two, two, one, two])
+    runs = doc_attention.document_masks(documents, {0}, "per_document")[0]
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(4, h, 40, 16, generator=gen) for h in (4, 2, 2))
+    calls = []
+    sdpa = doc_attention.F.scaled_dot_product_attention
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(doc_attention.F, "scaled_dot_product_attention", counted)
+    out = doc_attention.attention(q, k, v, runs)
+    assert calls == [2, 2, 1, 1, 1]  # the batch of each call
+    monkeypatch.setattr(doc_attention.F, "scaled_dot_product_attention", sdpa)
+    ref = doc_attention.attention(q, k, v, doc_attention.additive_mask(documents, 0))
+    assert_close(out, ref, rtol=RTOL, what="grouped per-document vs dense attention output")

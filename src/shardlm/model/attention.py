@@ -171,20 +171,28 @@ def per_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ru
     :func:`attention` (SDPA's ``is_causal``; under a window shorter than the document a (n, n) boolean band
     mask), the outputs joined back in order. Equal to :func:`attention` under :func:`dense_mask` (each query
     sees exactly the keys of its own document, up to itself and the window) up to the kernels' summation
-    order; the scores between documents are never computed. Returns q's shape and dtype; the gradient flows
-    through the slices and the join."""
-    rows = []
+    order; the scores between documents are never computed. Consecutive rows cut at the same places (in
+    unpacked or long-document data, most rows: one document each) go through each kernel call together, one
+    call per document position instead of one per row and document. Returns q's shape and dtype; the
+    gradient flows through the slices and the join."""
+    groups: list[tuple[int, int]] = []  # [first, last + 1) row ranges of equal runs
     for b, row in enumerate(runs.runs):
+        if groups and runs.runs[groups[-1][0]] == row:
+            groups[-1] = (groups[-1][0], b + 1)
+        else:
+            groups.append((b, b + 1))
+    out = []
+    for first, end in groups:
         parts = []
-        for start, n in row:
-            qs, ks, vs = (x[b:b + 1, :, start:start + n] for x in (q, k, v))
+        for start, n in runs.runs[first]:
+            qs, ks, vs = (x[first:end, :, start:start + n] for x in (q, k, v))
             mask = None
             if runs.window and runs.window < n:
                 i = torch.arange(n, device=q.device)
                 mask = (i.view(1, n) <= i.view(n, 1)) & (i.view(1, n) > i.view(n, 1) - runs.window)
             parts.append(attention(qs, ks, vs, mask, enable_gqa, scale, sinks))
-        rows.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
-    return rows[0] if len(rows) == 1 else torch.cat(rows, dim=0)
+        out.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
+    return out[0] if len(out) == 1 else torch.cat(out, dim=0)
 
 
 def block_mask(documents: torch.Tensor, window: int = 0) -> Any:

@@ -93,8 +93,8 @@ def test_bad_inputs_one_message_each(root, tmp_path, one_rank_group):
         load_config(None, rl_overrides(root, extra={"rl.num_generations": 1}))
     with pytest.raises(ConfigError, match="cannot fit train.seq_len"):
         load_config(None, rl_overrides(root, extra={"rl.max_completion_length": 20}))
-    with pytest.raises(ConfigError, match="rl.num_iterations = 2 .* are not built yet"):
-        load_config(None, rl_overrides(root, extra={"rl.num_iterations": 2}))
+    with pytest.raises(ConfigError, match="checkpoint.interval = 5 would save inside a generation cycle"):
+        load_config(None, rl_overrides(root, extra={"rl.num_iterations": 2, "checkpoint.interval": 5}))
     bad = rl_overrides(root, extra={"rl.rewards": "['shardlm.rl.nowhere:accuracy']",
                                     "run.dir": f'"{tmp_path / "run"}"'})
     with pytest.raises(ConfigError, match=r"rl.rewards\[0\] = 'shardlm.rl.nowhere:accuracy': cannot load"):

@@ -44,13 +44,13 @@ from torch import nn
 
 from shardlm.config import Config
 from shardlm.data.build import data_dir
-from shardlm.data.prompts import PromptsDataset
+from shardlm.data.prompts import CompletionSampler, PromptsDataset
 from shardlm.errors import ConfigError
 from shardlm.metrics import format_bytes, local_bytes
 from shardlm.parallel.dist import DistInfo
 from shardlm.rl.advantages import group_advantages, reward_metrics
 from shardlm.rl.completions import completion_metrics, loss_mask
-from shardlm.rl.logps import RLBatch, logprob_diff_max, token_logps, trainer_batch
+from shardlm.rl.logps import RLBatch, logprob_diff_max, score_rollout, token_logps, trainer_batch
 from shardlm.rl.loss import CLIPPED, loss_denominator, policy_loss_sum
 from shardlm.rl.rewards import (
     RewardFunction,
@@ -115,7 +115,7 @@ class GRPOObjective(Objective):
 
     def __init__(self, cfg: Config, info: DistInfo, model: nn.Module, data: PromptsDataset,
                  tokenizer: Tokenizer, funcs: list[RewardFunction], stop_ids: list[int], pad_id: int,
-                 kind: str = "none", reference: nn.Module | None = None) -> None:
+                 sampler: CompletionSampler, kind: str = "none", reference: nn.Module | None = None) -> None:
         self.cfg, self.info, self.model, self.data, self.tokenizer = cfg, info, model, data, tokenizer
         self.funcs, self.stop_ids, self.pad_id, self.kind, self.reference = funcs, stop_ids, pad_id, kind, \
             reference
@@ -125,6 +125,10 @@ class GRPOObjective(Objective):
         self.stat_names = tuple(f"{n}/{part}" for n in self.sum_names for part in ("sum", "count")) + tuple(
             f"sampling/logprob_diff_max/rank{r}" for r in range(info.world_size))
         self.all_equal_steps = 0
+        #: the order of the completions (:class:`~shardlm.data.prompts.CompletionSampler`)
+        self.sampler = sampler
+        #: (the cycle's first step, its S slices: :meth:`generate`); None before the first generation
+        self.generation: tuple[int, list[dict]] | None = None
 
     @classmethod
     def build(cls, ctx: ObjectiveContext) -> GRPOObjective:
@@ -164,7 +168,7 @@ class GRPOObjective(Objective):
                                           cfg.data.tokenizer or str(root / "tokenizer.json"))
             reference = build_reference(cfg, info, ctx.mesh, rl.reference_from)
         return cls(cfg, info, ctx.model, data, Tokenizer.from_file(str(root / "tokenizer.json")), funcs,
-                   stop_ids, stop_ids[0] if pad is None else int(pad), kind, reference)
+                   stop_ids, stop_ids[0] if pad is None else int(pad), ctx.sampler, kind, reference)
 
     def describe(self) -> str:
         """One line for the run summary."""
@@ -178,47 +182,96 @@ class GRPOObjective(Objective):
                 f"{rl.importance_sampling_level}-level ratio, scale_rewards {rl.scale_rewards}; rewards "
                 + ", ".join(f.name for f in self.funcs) + f"; {ref}")
 
-    # ---- the step ---------------------------------------------------------------------------------
+    # ---- the step ----------------------------------------------------------------------------------
     def prepare_step(self, step: int, micro_ids: list[list[int]], step_ids: list[int]) -> StepInputs:
-        """Rollout, rewards of the global batch, advantages and the denominator (module docstring, 1-4);
-        collectives: the rollout's all-gathers and one all-gather of the completions."""
-        cfg, rl = self.cfg, self.cfg.rl
-        G = rl.num_generations
+        """Step ``step``'s slice of its cycle's generation batch (module docstring), sampled and scored first
+        when ``step`` starts a cycle (collectives: the rollout's all-gathers, one all-gather of the
+        completions and, with several updates per generation, the old log-probs' forwards).
+
+        Raises:
+            ConfigError: ``step`` inside a cycle whose generation batch this process did not sample (a resume
+                from a checkpoint saved mid-cycle: the buffer is not saved).
+        """
+        sampler = self.sampler
+        c0 = step - step % sampler.cycle
+        if step == c0:
+            self.generation = (c0, self.generate(c0))
+        elif self.generation is None or self.generation[0] != c0:
+            raise ConfigError(f"step {step + 1} is inside the generation cycle of steps {c0 + 1} .. "
+                              f"{c0 + sampler.cycle} (rl.steps_per_generation x rl.num_iterations = "
+                              f"{sampler.cycle}) whose completions, old log-probs and advantages were not "
+                              "saved with the checkpoint: resume from a checkpoint at the start of a cycle "
+                              f"(a step that is a multiple of {sampler.cycle})")
+        parts = self.generation[1][step % sampler.steps_per_generation]
+        if [c for ids in micro_ids for c in ids] != parts["ids"]:
+            raise RuntimeError(f"step {step + 1}: the trainer's completion ids differ from the generation "
+                               "batch's slice (a bug)")
+        fresh = step == c0  # the generation's own times are reported once, by the step that sampled
+        context = {**parts["context"], "diff_max": 0.0,
+                   "logps_s": parts["context"]["logps_s"] if fresh else 0.0,
+                   "rollout_s": parts["context"]["rollout_s"] if fresh else 0.0,
+                   "reward_s": parts["context"]["reward_s"] if fresh else 0.0}
+        return StepInputs(parts["batches"], parts["denominator"], context)
+
+    def generate(self, c0: int) -> list[dict]:
+        """Sample, gather and score the generation batch of the cycle starting at step ``c0`` (module
+        docstring, 1-4) and cut it into its S steps: per step, this rank's completion ids (``ids``), its
+        micro-batches, the step's denominator and the context :meth:`loss` reads."""
+        cfg, rl, info, sampler = self.cfg, self.cfg.rl, self.info, self.sampler
+        G, S, W = rl.num_generations, sampler.steps_per_generation, info.world_size
         start = time.perf_counter()
-        mine = [c for ids in micro_ids for c in ids]
-        offset = self.info.rank * len(mine)  # this rank's first row in the global batch (contiguous shares)
-        keys = stream_keys([c // G for c in step_ids[::G]], len(self.data))
-        ro = rollout(unwrap(self.model), self.data.get([c // G for c in mine[::G]]),
-                     keys[offset // G:(offset + len(mine)) // G], G,
+        steps = sampler.generation_steps(c0)
+        gen_ids = [c for s in steps for c in sampler.step_ids(s)]  # the generation batch, slice after slice
+        micro = [sampler.micro_batches(s, info.rank, W, cfg.train.micro_batch_size) for s in steps]
+        B = len(gen_ids) // S
+        per_rank = B // W
+        mine = [j * B + info.rank * per_rank + i for j in range(S) for i in range(per_rank)]  # global rows
+        keys = stream_keys([c // G for c in gen_ids[::G]], len(self.data))
+        ro = rollout(unwrap(self.model), self.data.get([gen_ids[r] // G for r in mine[::G]]),
+                     [keys[r // G] for r in mine[::G]], G,
                      max_completion_length=rl.max_completion_length, stop_ids=self.stop_ids,
-                     seed=cfg.train.seed, step=step, temperature=rl.temperature,
+                     seed=cfg.train.seed, step=c0, temperature=rl.temperature,
                      top_p=rl.top_p, top_k=rl.top_k, pad_id=self.pad_id)
         rolled = time.perf_counter()
         lengths, truncated, completions = self.gather_completions(ro)
-        fields = self.data.fields([c // G for c in step_ids])
+        # rank-major (rank, slice, row) to the generation batch's order (slice, rank, row)
+        order = [w * S * per_rank + j * per_rank + i
+                 for j in range(S) for w in range(W) for i in range(per_rank)]
+        lengths, truncated = lengths[order], truncated[order]
+        completions = [completions[i] for i in order]
+        prompt_ids = [c // G for c in gen_ids]
         texts = self.tokenizer.decode_batch(completions, skip_special_tokens=True)
-        table = score(self.funcs, texts, completions, fields, [c // G for c in step_ids])
-        adv = group_advantages(table, self.weights, G, rl.scale_rewards)
+        table = score(self.funcs, texts, completions, self.data.fields(prompt_ids), prompt_ids)
+        adv = group_advantages(table, self.weights, G, rl.scale_rewards)  # over the whole generation batch
         kept = lengths * ~truncated if rl.mask_truncated_completions else lengths
-        denominator = loss_denominator(rl.loss_type, kept, rl.max_completion_length)
+        denominator = loss_denominator(rl.loss_type, kept, rl.max_completion_length, S)
         metrics = {**reward_metrics(table, [f.name for f in self.funcs], adv),
                    **completion_metrics(lengths, truncated)}
         if rewards_all_equal(adv.rewards):
             self.all_equal_steps += 1
             if self.all_equal_steps == 1 and self.info.is_main:
-                print(f"warning: step {step + 1}: every completion of the global batch has the same reward: "
-                      "no group has a learning signal (counted in rewards/all_equal_steps)", file=sys.stderr,
-                      flush=True)
+                print(f"warning: step {c0 + 1}: every completion of the generation batch has the same "
+                      "reward: no group has a learning signal (counted in rewards/all_equal_steps)",
+                      file=sys.stderr, flush=True)
         metrics["rewards/all_equal_steps"] = float(self.all_equal_steps)
-        firsts = [0]
-        for ids in micro_ids:  # micro-batch j holds this rank's rows firsts[j] .. firsts[j + 1] - 1
-            firsts.append(firsts[-1] + len(ids))
-        batches = [trainer_batch(ro, range(a, b), self.pad_id) for a, b in zip(firsts, firsts[1:])]
-        context = {"rollout": ro, "advantages": adv.advantages[offset:offset + len(mine)],
-                   "completion_ids": completions, "rewards": table,  # the global batch's
-                   "metrics": metrics, "diff_max": 0.0, "logps_s": 0.0,
-                   "rollout_s": rolled - start, "reward_s": time.perf_counter() - rolled}
-        return StepInputs(batches, denominator, context)
+        scored = time.perf_counter()
+        rows = []  # per slice, its micro-batches' rollout rows
+        for j, ids in enumerate(micro):
+            firsts = [j * per_rank]
+            for m in ids:
+                firsts.append(firsts[-1] + len(m))
+            rows.append([range(a, b) for a, b in zip(firsts, firsts[1:])])
+        # the old policy's log-probs: the trainer's forward of the same micro-batches, before any update of
+        # the cycle (bit for bit the first update's: ratio exactly 1); none at one update per generation
+        old = None if sampler.cycle == 1 else score_rollout(
+            unwrap(self.model), ro, [r for rs in rows for r in rs], rl.temperature,
+            cfg.train.loss_chunk_tokens, self.pad_id)
+        context = {"rollout": ro, "advantages": adv.advantages[mine], "old_logps": old,
+                   "completion_ids": completions, "rewards": table,  # the generation batch's
+                   "metrics": metrics, "logps_s": time.perf_counter() - scored,
+                   "rollout_s": rolled - start, "reward_s": scored - rolled}
+        return [{"ids": [c for m in micro[j] for c in m], "denominator": denominator, "context": context,
+                 "batches": [trainer_batch(ro, r, self.pad_id) for r in rows[j]]} for j in range(S)]
 
     def gather_completions(self, ro: Rollout) -> tuple[torch.Tensor, torch.Tensor, list[list[int]]]:
         """Every rank's completions in rank order (the global batch's order): (N,) int64 lengths, (N,) bool
@@ -255,13 +308,15 @@ class GRPOObjective(Objective):
         ctx["logps_s"] += time.perf_counter() - start
         device = logps.device
         mask = loss_mask(batch.completion_mask, ro.truncated[batch.rows], rl.mask_truncated_completions)
+        old = None if ctx["old_logps"] is None else ctx["old_logps"][batch.rows].to(device)
         terms = policy_loss_sum(rl, logps, ctx["advantages"][batch.rows].to(device), mask.to(device),
-                                ref_logps=ref, entropies=entropies.detach())
+                                old_logps=old, ref_logps=ref, entropies=entropies.detach())
         stats = torch.zeros(len(self.stat_names), dtype=torch.float64)
         for i, name in enumerate(self.sum_names):
             stats[2 * i:2 * i + 2] = terms.sums[name].double().cpu()
         # the rank's running maximum, as increments: their sum over micro-batches is the maximum
-        gap = logprob_diff_max(ro.logps[batch.rows], logps.detach().cpu(), batch.completion_mask)
+        trainer = logps.detach().cpu() if old is None else ctx["old_logps"][batch.rows]  # at generation
+        gap = logprob_diff_max(ro.logps[batch.rows], trainer, batch.completion_mask)
         new = max(ctx["diff_max"], gap)
         stats[2 * len(self.sum_names) + self.info.rank] = new - ctx["diff_max"]
         ctx["diff_max"] = new

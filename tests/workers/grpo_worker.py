@@ -5,8 +5,8 @@ tests/workers/dist_worker.py's. Each rank writes ``DIR/<name>/rank<r>.json``: th
 step, the generation batch's completions (token ids) and reward table as the objective gathered them, the
 largest |log-prob - old log-prob| of the step's completion tokens over this rank's micro-batches and whether
 they were all equal bit for bit (``ratio``: None at one update per generation, where no old log-probs
-exist), and the trained policy's fp32 logits on :data:`PROBE` (every rank runs the forward; the FSDP shards are gathered as in
-training); the run's export (``<run dir>/final``) holds the trained weights.
+exist), and the trained policy's fp32 logits on :data:`PROBE` (every rank runs the forward; the FSDP shards
+are gathered as in training); the run's export (``<run dir>/final``) holds the trained weights.
 """
 
 from __future__ import annotations

@@ -139,8 +139,8 @@ def test_steps_of_a_generation_cycle_train_on_trls_slices(S, mu):
     batch_size = generation batch / G, repeat_count S·μ) feeds each step a generation batch, which
     ``_prepare_inputs`` samples at every (S·μ)-th step, splits with ``split_tensor_dict`` into S and serves
     slice ``step % S`` of. Over the same prompt order (the sampler's own; TRL's per-process shuffle of the
-    generation batch before the split is left out: CompletionSampler's docstring), every step's completion ids are
-    TRL's."""
+    generation batch before the split is left out: CompletionSampler's docstring), every step's completion
+    ids are TRL's."""
     trl_utils = pytest.importorskip("trl.trainer.utils", reason="pip install -e '.[test]' (trl==1.16.0)")
     G, P, cycles = 4, 3, 3  # P prompts per global batch of P·G completions
     sampler = CompletionSampler(30, P * G, G, seed=5, steps_per_generation=S, num_iterations=mu)

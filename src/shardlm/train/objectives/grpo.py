@@ -1,36 +1,59 @@
 """Online reinforcement learning of the GRPO family (``data.format = "prompts"``, the ``[rl]`` section) as an
 objective of the training step, in TRL 1.16's order.
 
-:meth:`GRPOObjective.prepare_step` of global batch ``step`` (every rank, in the same order):
+Generation cycles (TRL's ``_prepare_inputs``): with S = ``rl.steps_per_generation`` (or
+``rl.generation_batch_size / train.global_batch_size``) and μ = ``rl.num_iterations``, the steps come in
+cycles of S·μ. The first step of a cycle samples and scores one generation batch of S global batches
+(:class:`~shardlm.data.prompts.CompletionSampler`: prompt batches ``c·S .. c·S + S - 1``) with the policy of
+that step; step ``s`` of the run trains on slice ``s % S`` of it, so the whole generation batch is trained on
+μ times. S = μ = 1 is one rollout per optimizer step.
 
-1. this rank's prompts: the sampler's completion ids ``p · G + g`` (:class:`~shardlm.data.prompts
-   .CompletionSampler`), whole groups per rank (checked when the objective is built);
-2. the rollout by the policy itself (:func:`shardlm.rl.rollout.rollout`; collectives: one all-gather per FSDP
-   group on entry), each completion's stream keyed by (``train.seed``, step, prompt id, generation);
-3. one all-gather of every rank's completions (lengths, truncation flags, token ids): every rank then holds
-   the global batch's completions and scores all of them with the reward functions
+:meth:`GRPOObjective.generate`, at the first step ``c0`` of a cycle (every rank, in the same order):
+
+1. this rank's prompts: its contiguous share of each of the S global batches (completion ids ``p · G + g``),
+   whole groups per rank (checked when the objective is built);
+2. one rollout of all of them by the policy itself (:func:`shardlm.rl.rollout.rollout`; collectives: one
+   all-gather per FSDP group on entry), each completion's stream keyed by (``train.seed``, ``c0``, prompt
+   id, generation);
+3. one all-gather of every rank's completions (lengths, truncation flags, token ids), put in the generation
+   batch's order: every rank then holds them all and scores all of them with the reward functions
    (:func:`shardlm.rl.rewards.score`; a reward that raises raises on every rank: no hang), the group-relative
-   advantages (:func:`shardlm.rl.advantages.group_advantages`), the ``completions/*`` and reward metrics, and
-   the loss's denominator (:func:`shardlm.rl.loss.loss_denominator` of the loss mask's lengths);
-4. the micro-batches: this rank's rollout rows as the trainer reads them
-   (:func:`shardlm.rl.logps.trainer_batch`).
+   advantages over the whole generation batch (:func:`shardlm.rl.advantages.group_advantages`; its std
+   for ``scale_rewards = "batch"``, as TRL's over the gathered generation batch), the ``completions/*`` and
+   reward metrics, and the denominator of each step's loss (:func:`shardlm.rl.loss.loss_denominator` of the
+   loss mask's lengths of the generation batch);
+4. each step's micro-batches: this rank's rollout rows as the trainer reads them
+   (:func:`shardlm.rl.logps.trainer_batch`), the same the training step runs;
+5. when S·μ > 1, the old policy's log-probs (:func:`shardlm.rl.logps.score_rollout`): the trainer's forward
+   of those micro-batches without gradients, before any update of the cycle, so the first update's
+   importance ratio is exactly 1 (bit for bit: the same rows, batches and widths; with LoRA dropout > 0 the
+   training forward drops units and it is not), and later updates' ratios are those of the updated policy
+   to the sampling one. At S·μ = 1 there are none: the old log-probs are ``logps.detach()`` (TRL at one
+   update per generation).
+
+:meth:`GRPOObjective.prepare_step` serves step ``s`` its slice (after :meth:`~GRPOObjective.generate` at a
+cycle's first step). The cycle's buffer (completions, old log-probs, advantages) lives in memory only: a
+step inside a cycle whose generation this process did not run (a resume from a checkpoint saved mid-cycle:
+at preemption or at the last step) is refused with a :class:`~shardlm.errors.ConfigError`, and the config
+checks refuse a ``checkpoint.interval`` that is not a multiple of S·μ.
 
 Per micro-batch, :meth:`GRPOObjective.loss`: the reference's log-probs when ``rl.beta`` > 0 (no gradient; a
 frozen copy, or the policy with its LoRA adapters off: :mod:`shardlm.train.reference`), the policy's per-token
 log-probs and entropies with gradient (:func:`shardlm.rl.logps.token_logps`), and the numerator of
-:func:`shardlm.rl.loss.policy_loss_sum`. One rollout per optimizer step: the old log-probs are
-``logps.detach()`` (TRL at ``num_iterations`` 1), so the importance ratio is exactly 1 and the clip ratios 0;
-``rl.num_iterations`` > 1 and several steps per generation are refused by the config checks.
+:func:`shardlm.rl.loss.policy_loss_sum` with the old log-probs.
 
 Metrics (TRL's names): ``reward``, ``reward_std``, ``rewards/<f>/mean|std``, ``frac_reward_zero_std``,
-``completions/*`` (exact over the global batch, from the gathered lengths), ``kl`` (β > 0), ``entropy``,
+``completions/*`` (exact over the generation batch, from the gathered lengths; every step of a cycle
+reports its generation batch's), ``kl`` (β > 0), ``entropy``,
 ``clip_ratio/low_mean|high_mean|region_mean`` (clipped losses) or ``cispo_clip_ratio`` (sums and counts in the
-step's one all-reduce); ``sampling/logprob_diff_max``: max |decode log-prob - trainer log-prob| over the
-global batch's completion tokens, each rank's maximum in its own slot of the all-reduce's sum (TRL's
-``clip_ratio/low_min`` and ``high_max``, which need MIN / MAX reductions, are left out: at one update per
-rollout they are 0); ``rewards/all_equal_steps``, the steps so far whose scored rewards were all equal (a
-warning on the first); and rank 0's seconds of ``time/rollout_s``, ``time/reward_s`` (gather and scoring) and
-``time/logps_s`` (the reference's and the policy's forwards): the update is the rest of ``step_time_s``.
+step's one all-reduce); ``sampling/logprob_diff_max``: max |decode log-prob - trainer log-prob at generation|
+over the step's completion tokens, each rank's maximum in its own slot of the all-reduce's sum (TRL's
+``clip_ratio/low_min`` and ``high_max``, which need MIN / MAX reductions, are left out);
+``rewards/all_equal_steps``, the generations so far whose scored rewards were all equal (a warning on the
+first); and rank 0's seconds of ``time/rollout_s``, ``time/reward_s`` (gather and scoring) and
+``time/logps_s`` (the old log-probs' forwards at generation, the reference's and the policy's forwards),
+the generation's own at a cycle's first step and 0 at the others: the update is the rest of
+``step_time_s``.
 """
 
 from __future__ import annotations
@@ -100,12 +123,13 @@ def sum_metric_names(cfg: Config) -> tuple[str, ...]:
 
 
 class GRPOObjective(Objective):
-    """The GRPO family's loss of one rollout per step (module docstring).
+    """The GRPO family's loss, one rollout per generation cycle (module docstring).
 
     Args:
         cfg: the run's config. info: this process. model: the policy (FSDP2-sharded, DDP-wrapped or plain).
         data: the training prompts. tokenizer: the data's tokenizer (decodes the completions for the rewards).
         funcs: the loaded reward functions. stop_ids: the ids that end a completion; pad_id: the id after it.
+        sampler: the run's order of the completions (the step's sampler): the global batches of a cycle.
         kind: the reference (:func:`rl_reference_kind`); reference: the frozen model of kind ``model``.
     """
 

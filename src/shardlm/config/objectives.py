@@ -128,10 +128,11 @@ class RLConfig:
     """How the per-token losses are normalised, over the whole global batch: ``grpo`` mean over each
     sequence's tokens, then over sequences; ``dr_grpo`` sum over tokens / (sequences ×
     max_completion_length) (Liu et al. 2025); ``dapo`` sum over tokens / the completion tokens (with
-    steps_per_generation S > 1: the generation batch's / S, as TRL) (Yu et al. 2025; TRL's default); ``cispo`` the clipped importance weight, detached, times the advantage and the
-    log-prob, normalised as dapo (MiniMax-M1, 2025); ``sapo`` a soft sigmoid gate instead of the clip,
-    normalised as grpo (Gao et al. 2025). TRL's ``bnpo`` normalises over its local batch; over the global
-    batch it is ``dapo``, so it is not offered."""
+    steps_per_generation S > 1: the generation batch's / S, as TRL) (Yu et al. 2025; TRL's default);
+    ``cispo`` the clipped importance weight, detached, times the advantage and the log-prob, normalised as
+    dapo (MiniMax-M1, 2025); ``sapo`` a soft sigmoid gate instead of the clip, normalised as grpo (Gao et
+    al. 2025). TRL's ``bnpo`` normalises over its local batch; over the global batch it is ``dapo``, so it is
+    not offered."""
     importance_sampling_level: Literal["token", "sequence"] = "token"
     """``token``: one importance ratio per token; ``sequence``: one per completion, the exponent of its
     mean per-token log-ratio (GSPO, Zheng et al. 2025; with ``loss_type = "grpo"`` as in the paper)."""

@@ -110,3 +110,17 @@ def test_bad_inputs_one_message_each(root, tmp_path, one_rank_group):
     with pytest.raises(ConfigError, match="whole groups"):
         load_config(None, rl_overrides(root, extra={"rl.num_generations": 3}))
     assert json.loads((root / "data" / "meta.json").read_text())["format"] == "prompts"
+
+
+def test_resume_inside_a_generation_cycle_is_refused(root, tmp_path, one_rank_group):
+    """The last step's checkpoint of a run of 1 step at num_iterations 2 lies inside the cycle of steps 1-2,
+    whose buffer (completions, old log-probs, advantages) is not saved: resuming there is refused by name,
+    never trained on a buffer sampled again by another policy."""
+    run = tmp_path / "run"
+    extra = {"rl.num_iterations": 2, "train.steps": 1, "checkpoint.interval": 0, "run.dir": f'"{run}"'}
+    assert [r["step"] for r in Trainer(load_config(None, rl_overrides(root, extra=extra))).train()] == [1]
+    resume = {**extra, "train.steps": 2, "run.overwrite": "false",
+              "checkpoint.resume": f'"{run / "checkpoints" / "step-1"}"'}
+    with pytest.raises(ConfigError, match=r"step 2 is inside the generation cycle of steps 1 \.\. 2 .*resume "
+                                          "from a checkpoint at the start of a cycle"):
+        Trainer(load_config(None, rl_overrides(root, extra=resume))).train()

@@ -239,7 +239,7 @@ class GRPOObjective(Objective):
 
     def generate(self, c0: int) -> list[dict]:
         """Sample, gather and score the generation batch of the cycle starting at step ``c0`` (module
-        docstring, 1-4) and cut it into its S steps: per step, this rank's completion ids (``ids``), its
+        docstring, 1-5) and cut it into its S steps: per step, this rank's completion ids (``ids``), its
         micro-batches, the step's denominator and the context :meth:`loss` reads."""
         cfg, rl, info, sampler = self.cfg, self.cfg.rl, self.info, self.sampler
         G, S, W = rl.num_generations, sampler.steps_per_generation, info.world_size

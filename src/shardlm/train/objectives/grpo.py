@@ -204,7 +204,16 @@ class GRPOObjective(Objective):
         return (f"{rl.loss_type}, {rl.num_generations} completions per prompt of up to "
                 f"{rl.max_completion_length} tokens, temperature {rl.temperature:g}, beta {rl.beta:g}, "
                 f"{rl.importance_sampling_level}-level ratio, scale_rewards {rl.scale_rewards}; rewards "
-                + ", ".join(f.name for f in self.funcs) + f"; {ref}")
+                + ", ".join(f.name for f in self.funcs) + f"; {ref}" + self.describe_cycle())
+
+    def describe_cycle(self) -> str:
+        """``""`` at one update per generation, else the cycle: generation batch, S and μ."""
+        sampler = self.sampler
+        if sampler.cycle == 1:
+            return ""
+        return (f"; a generation batch of {sampler.global_batch_size * sampler.steps_per_generation} "
+                f"completions every {sampler.cycle} steps ({sampler.steps_per_generation} steps per "
+                f"generation x {sampler.num_iterations} iterations)")
 
     # ---- the step ----------------------------------------------------------------------------------
     def prepare_step(self, step: int, micro_ids: list[list[int]], step_ids: list[int]) -> StepInputs:

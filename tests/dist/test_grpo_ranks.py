@@ -1,7 +1,11 @@
 """Online RL at 2 FSDP ranks equals one process over 3 steps (one torchrun launch per world size): the same
 completions token for token and the same rewards at every step, the losses and the exported weights within
-the tolerance of tests/tolerance.py; plain dapo, and LoRA with a KL term to the base (the adapters off). A
-run resumed at step 2 samples, scores and loses at step 3 exactly what the uninterrupted run did."""
+the tolerance of tests/tolerance.py; plain dapo, LoRA with a KL term to the base (the adapters off), and
+several updates per generation batch: rl.num_iterations = 2 (grpo, clip-higher) and rl.steps_per_generation =
+2 (dapo), where the first update of each cycle of 2 steps has an importance ratio of exactly 1 (the old
+log-probs are the trainer's forward at generation) and the second does not. A run resumed at step 2 samples,
+scores and loses at step 3 exactly what the uninterrupted run did (dapo, and num_iterations 2: a new
+cycle)."""
 
 from __future__ import annotations
 
@@ -17,7 +21,10 @@ from tolerance import EPS, assert_all_close, assert_close
 TOL = 8 * EPS  # ~1e-6 relative
 SCENARIOS = {"dapo": {},
              "lora_kl": {"lora.enabled": "true", "lora.rank": 4, "lora.alpha": 8.0, "rl.beta": 0.1,
-                         "rl.loss_type": '"grpo"'}}
+                         "rl.loss_type": '"grpo"'},
+             "iter2": {"rl.num_iterations": 2, "rl.loss_type": '"grpo"', "rl.epsilon": 0.05,
+                       "rl.epsilon_high": 0.08, "rl.scale_rewards": '"batch"'},
+             "spg2": {"rl.steps_per_generation": 2}}  # the last two: cycles of 2 steps
 KEYS = ("loss", "reward", "entropy", "completions/mean_length", "grad_norm")
 
 
@@ -31,20 +38,38 @@ def test_two_ranks_equal_one_process(tmp_path):
             **extra, "parallel.mode": f'"{mode}"', "checkpoint.interval": 2, "checkpoint.keep": 0,
             "run.dir": f'"{runs / name}"'})} for name, extra in SCENARIOS.items()]
         if nproc == 2:  # resumed at step 2: step 3 samples and scores what the uninterrupted run did
-            scenarios.append({"name": "resumed", "overrides": rl_overrides(tmp_path, extra={
-                "parallel.mode": '"fsdp"', "checkpoint.interval": 2, "checkpoint.keep": 0,
-                "run.dir": f'"{runs / "dapo"}"',
-                "checkpoint.resume": f'"{runs / "dapo" / "checkpoints" / "step-2"}"'})})
+            for name in ("dapo", "iter2"):
+                scenarios.append({"name": f"resumed_{name}", "overrides": rl_overrides(tmp_path, extra={
+                    **SCENARIOS[name], "parallel.mode": '"fsdp"', "checkpoint.interval": 2,
+                    "checkpoint.keep": 0, "run.dir": f'"{runs / name}"',
+                    "checkpoint.resume": f'"{runs / name / "checkpoints" / "step-2"}"'})})
         out.mkdir()
         (out / "spec.json").write_text(json.dumps({"out": str(out), "scenarios": scenarios}))
         torchrun(nproc, [str(ROOT / "tests" / "workers" / "grpo_worker.py"), str(out / "spec.json")],
                  timeout=600)
         reports[nproc] = {s["name"]: json.loads((out / s["name"] / "rank0.json").read_text())
                           for s in scenarios}
-    resumed, whole = reports[2]["resumed"], reports[2]["dapo"]
-    assert [r["step"] for r in resumed["history"]] == [3]
-    assert resumed["steps"][0] == whole["steps"][2]  # the same completions and rewards
-    assert resumed["history"][0]["loss"] == whole["history"][2]["loss"]
+    for name in ("dapo", "iter2"):
+        resumed, whole = reports[2][f"resumed_{name}"], reports[2][name]
+        assert [r["step"] for r in resumed["history"]] == [3]
+        assert resumed["steps"][0] == whole["steps"][2]  # the same completions, rewards (and ratio of 1)
+        assert resumed["history"][0]["loss"] == whole["history"][2]["loss"]
+    for name in ("iter2", "spg2"):
+        for nproc in (1, 2):
+            steps, history = reports[nproc][name]["steps"], reports[nproc][name]["history"]
+            # step 1 and 3 start a cycle: the ratio is exactly 1; step 2 trains after an update: it is not
+            for rank in range(nproc):
+                mine = json.loads((tmp_path / f"out{nproc}" / name / f"rank{rank}.json").read_text())["steps"]
+                assert [s["ratio"]["exact"] for s in mine] == [True, False, True], (name, nproc, rank)
+                assert mine[0]["ratio"]["gap"] == mine[2]["ratio"]["gap"] == 0.0 < mine[1]["ratio"]["gap"]
+            # one generation batch per cycle: step 2 reports step 1's completions, step 3 new ones
+            assert steps[1]["completions"] == steps[0]["completions"] != steps[2]["completions"]
+            assert len(steps[0]["completions"]) == 8 * (2 if name == "spg2" else 1)
+            rollout_s = [r["time/rollout_s"] for r in history]
+            assert rollout_s[0] > 0.0 == rollout_s[1] < rollout_s[2]
+    for nproc in (1, 2):  # a small clip range: tokens clipped after one update, none at a ratio of 1
+        clipped = [r["clip_ratio/region_mean"] for r in reports[nproc]["iter2"]["history"]]
+        assert clipped[0] == clipped[2] == 0.0 < clipped[1], clipped
     for name in SCENARIOS:
         one, two = reports[1][name], reports[2][name]
         assert [r["step"] for r in two["history"]] == [1, 2, 3]

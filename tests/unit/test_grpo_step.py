@@ -93,8 +93,8 @@ def test_bad_inputs_one_message_each(root, tmp_path, one_rank_group):
         load_config(None, rl_overrides(root, extra={"rl.num_generations": 1}))
     with pytest.raises(ConfigError, match="cannot fit train.seq_len"):
         load_config(None, rl_overrides(root, extra={"rl.max_completion_length": 20}))
-    with pytest.raises(ConfigError, match="rl.num_iterations = 2 .* are not built yet"):
-        load_config(None, rl_overrides(root, extra={"rl.num_iterations": 2}))
+    with pytest.raises(ConfigError, match="checkpoint.interval = 5 would save inside a generation cycle"):
+        load_config(None, rl_overrides(root, extra={"rl.num_iterations": 2, "checkpoint.interval": 5}))
     bad = rl_overrides(root, extra={"rl.rewards": "['shardlm.rl.nowhere:accuracy']",
                                     "run.dir": f'"{tmp_path / "run"}"'})
     with pytest.raises(ConfigError, match=r"rl.rewards\[0\] = 'shardlm.rl.nowhere:accuracy': cannot load"):
@@ -110,3 +110,17 @@ def test_bad_inputs_one_message_each(root, tmp_path, one_rank_group):
     with pytest.raises(ConfigError, match="whole groups"):
         load_config(None, rl_overrides(root, extra={"rl.num_generations": 3}))
     assert json.loads((root / "data" / "meta.json").read_text())["format"] == "prompts"
+
+
+def test_resume_inside_a_generation_cycle_is_refused(root, tmp_path, one_rank_group):
+    """The last step's checkpoint of a run of 1 step at num_iterations 2 lies inside the cycle of steps 1-2,
+    whose buffer (completions, old log-probs, advantages) is not saved: resuming there is refused by name,
+    never trained on a buffer sampled again by another policy."""
+    run = tmp_path / "run"
+    extra = {"rl.num_iterations": 2, "train.steps": 1, "checkpoint.interval": 0, "run.dir": f'"{run}"'}
+    assert [r["step"] for r in Trainer(load_config(None, rl_overrides(root, extra=extra))).train()] == [1]
+    resume = {**extra, "train.steps": 2, "run.overwrite": "false",
+              "checkpoint.resume": f'"{run / "checkpoints" / "step-1"}"'}
+    with pytest.raises(ConfigError, match=r"step 2 is inside the generation cycle of steps 1 \.\. 2 .*resume "
+                                          "from a checkpoint at the start of a cycle"):
+        Trainer(load_config(None, rl_overrides(root, extra=resume))).train()

@@ -43,6 +43,10 @@ def test_defaults_are_trls():
     (["--rl.generation_batch_size=12"], "rl.generation_batch_size = 12 completions must be a multiple"),
     (["--rl.generation_batch_size=16", "--rl.steps_per_generation=2"], "not both"),
     (["--rl.num_generations=3"], "of rl.num_generations = 3 (whole groups)"),
+    # a checkpoint inside a generation cycle (its buffer is not saved) is refused by its schedule
+    (["--rl.num_iterations=2", "--checkpoint.interval=3"], "checkpoint.interval = 3 would save inside a "
+                                                           "generation cycle of 2 steps"),
+    (["--rl.generation_batch_size=24", "--rl.num_iterations=2"], "a generation cycle of 6 steps"),
     (["--rl.delta=1.5", "--rl.loss_type=cispo"], "rl.delta = 1.5 caps the ratio"),
     (["--rl.reference=lora_base", "--rl.beta=0.1"], "rl.reference = 'lora_base' needs lora.enabled"),
     (["--rl.reward_weights=[1.0, 2.0]"], "rl.reward_weights has 2 weights for 1 rl.rewards"),

@@ -63,8 +63,14 @@ def batch(seed: int = 0, off_policy: bool = True):
     return logps, old, ref, adv, mask, entropies
 
 
-def trl_loss(rl: RLConfig, logps, old, ref, adv, mask, entropies):
-    """TRL's loss, gradient w.r.t. ``logps`` and logged metrics on the whole batch."""
+def trl_loss(rl: RLConfig, logps, old, ref, adv, mask, entropies, steps_per_generation=1, rows=slice(None)):
+    """TRL's loss, gradient w.r.t. ``logps`` and logged metrics on the whole batch, or on its ``rows`` as one
+    of the ``steps_per_generation`` slices of the whole batch as a generation batch (``num_items_in_batch``
+    counts the whole's tokens, as ``_generate_and_score_completions`` does)."""
+    num_items = mask.sum()
+    logps, old, ref, adv, mask, entropies = (None if x is None else x[rows]
+                                             for x in (logps, old, ref, adv, mask, entropies))
+    B = mask.shape[0]
     leaf = logps.clone().requires_grad_(True)
     t = object.__new__(GRPOTrainer)
     t.loss_type, t.importance_sampling_level, t.beta = rl.loss_type, rl.importance_sampling_level, rl.beta
@@ -72,7 +78,8 @@ def trl_loss(rl: RLConfig, logps, old, ref, adv, mask, entropies):
     t.max_completion_length = rl.max_completion_length
     t.args = SimpleNamespace(delta=rl.delta or None, use_bias_correction_kl=rl.use_bias_correction_kl,
                              sapo_temperature_pos=rl.sapo_temperature_pos,
-                             sapo_temperature_neg=rl.sapo_temperature_neg, steps_per_generation=1)
+                             sapo_temperature_neg=rl.sapo_temperature_neg,
+                             steps_per_generation=steps_per_generation)
     t.top_entropy_quantile, t.off_policy_mask_threshold, t.use_vllm = 1.0, None, False
     t._entropy_bonus_enabled, t.aux_loss_enabled = False, False
     t.model, t.current_gradient_accumulation_steps = SimpleNamespace(training=True), 1
@@ -82,7 +89,7 @@ def trl_loss(rl: RLConfig, logps, old, ref, adv, mask, entropies):
     inputs = {"prompt_ids": torch.zeros(B, 2, dtype=torch.long),
               "prompt_mask": torch.ones(B, 2, dtype=torch.long),
               "completion_ids": torch.zeros(B, T, dtype=torch.long), "completion_mask": mask,
-              "advantages": adv, "num_items_in_batch": mask.sum()}
+              "advantages": adv, "num_items_in_batch": num_items}
     if old is not None:
         inputs["old_per_token_logps"] = old
     if rl.beta:
@@ -92,11 +99,12 @@ def trl_loss(rl: RLConfig, logps, old, ref, adv, mask, entropies):
     return loss.detach(), leaf.grad, {k: v[0] for k, v in t._metrics["train"].items()}
 
 
-def ours(rl: RLConfig, logps, old, ref, adv, mask, entropies, parts=((0, B),)):
+def ours(rl: RLConfig, logps, old, ref, adv, mask, entropies, parts=((0, B),), steps_per_generation=1):
     """shardlm's loss over the row ranges ``parts`` (micro-batches of any rank), summed and divided by the
-    global denominator; its gradient and metrics."""
+    global denominator (of the whole batch as a generation batch of ``steps_per_generation`` steps); its
+    gradient (zero off ``parts``) and metrics."""
     leaf = logps.clone().requires_grad_(True)
-    denom = loss_denominator(rl.loss_type, mask.sum(-1), rl.max_completion_length)
+    denom = loss_denominator(rl.loss_type, mask.sum(-1), rl.max_completion_length, steps_per_generation)
     total = torch.zeros(())
     sums, mins, maxs = {}, {}, {}
     for lo, hi in parts:
@@ -114,6 +122,25 @@ def ours(rl: RLConfig, logps, old, ref, adv, mask, entropies, parts=((0, B),)):
     loss = total / denom
     loss.backward()
     return loss.detach(), leaf.grad, metrics_from(sums, mins, maxs)
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_each_step_of_a_generation_batch_equals_trl(loss_type):
+    """A generation batch of 8 completions in steps_per_generation = 2 optimizer steps of 4 (TRL at one
+    process, gradient accumulation 1): each step's loss over its slice, with the denominator of
+    :func:`loss_denominator` (dapo and cispo: the generation batch's tokens / 2), equals TRL's."""
+    rl = settings(loss_type, "token", 0.0, True)
+    data = batch(seed=7, off_policy=True)
+    for j in range(2):
+        rows = slice(4 * j, 4 * j + 4)
+        want_loss, want_grad, _ = trl_loss(rl, *data, steps_per_generation=2, rows=rows)
+        loss, grad, _ = ours(rl, *data, parts=((4 * j, 4 * j + 4),), steps_per_generation=2)
+        assert_close(loss, want_loss, rtol=TOL, scale=loss_scale(data[3]), what=f"{loss_type} step {j}")
+        assert_close(grad[rows], want_grad, rtol=TOL, what=f"{loss_type} step {j} d loss / d logps")
+        other = slice(4 - 4 * j, 8 - 4 * j)
+        assert grad[rows].abs().sum() > 0 and not grad[other].any()  # the step's slice only
+    with pytest.raises(ValueError, match="cannot be split into steps_per_generation=3"):
+        loss_denominator(loss_type, data[4].sum(-1), rl.max_completion_length, 3)
 
 
 def settings(loss_type, level, beta, high, delta=0.0):

@@ -1,6 +1,7 @@
 """Prompts data (``data.format = "prompts"``): rendered as transformers' ``apply_chat_template`` with the
 generation prompt, extra fields kept for the reward functions, long prompts counted and left out, bad rows
-refused; the seeded arithmetic task; and the prepared prompts scored by the accuracy reward."""
+refused; the seeded arithmetic task; the prepared prompts scored by the accuracy reward; and the completions
+each step of a generation cycle trains on, as TRL's sampler and buffer give them."""
 
 from __future__ import annotations
 
@@ -8,11 +9,12 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import write_chatml_tokenizer
 from shardlm.config import load_config
 from shardlm.data.build import prepare_data
-from shardlm.data.prompts import PromptsDataset, prepare_prompts
+from shardlm.data.prompts import CompletionSampler, PromptsDataset, prepare_prompts
 from shardlm.errors import DataError
 from shardlm.rl.rewards import load_reward_functions, score
 from shardlm.rl.tasks import arithmetic_prompts, main, write_jsonl
@@ -129,3 +131,31 @@ def test_prepare_data_dispatches_prompts_and_rewards_read_the_fields(tmp_path, t
     table = score(load_reward_functions(cfg.rl), completions, [[1]] * 4, fields, [0, 0, 1, 1])
     assert table[:, 0].tolist() == [1.0, 0.0, 0.0, 1.0]
     assert prepare_data(cfg) == meta  # prepared once: the second call uses it
+
+
+@pytest.mark.parametrize("S, mu", [(1, 1), (2, 1), (1, 2), (3, 2)])
+def test_steps_of_a_generation_cycle_train_on_trls_slices(S, mu):
+    """TRL 1.16 at one process and gradient accumulation 1: its ``RepeatSampler`` (mini_repeat_count G,
+    batch_size = generation batch / G, repeat_count S·μ) feeds each step a generation batch, which
+    ``_prepare_inputs`` samples at every (S·μ)-th step, splits with ``split_tensor_dict`` into S and serves
+    slice ``step % S`` of. Over the same prompt order (the sampler's own; TRL's per-process shuffle of the
+    generation batch before the split is left out: CompletionSampler's docstring), every step's completion
+    ids are TRL's."""
+    trl_utils = pytest.importorskip("trl.trainer.utils", reason="pip install -e '.[test]' (trl==1.16.0)")
+    G, P, cycles = 4, 3, 3  # P prompts per global batch of P·G completions
+    sampler = CompletionSampler(30, P * G, G, seed=5, steps_per_generation=S, num_iterations=mu)
+    order = [p for b in range(cycles * S) for p in sampler.prompts.step_ids(b)]
+    positions = list(trl_utils.RepeatSampler(order, mini_repeat_count=G, batch_size=S * P,
+                                             repeat_count=S * mu, shuffle=False))
+    gen = S * P * G
+    assert len(positions) == cycles * S * mu * gen
+    buffer = None
+    for step in range(cycles * S * mu):
+        batch = positions[step * gen:(step + 1) * gen]  # the dataloader's batch of this step
+        if step % (S * mu) == 0:  # generate, split, buffer
+            ids = torch.tensor([order[k] * G + i % G for i, k in enumerate(batch)])
+            buffer = trl_utils.split_tensor_dict({"ids": ids}, S)
+        assert sampler.step_ids(step) == buffer[step % S]["ids"].tolist(), step
+        c0 = step - step % (S * mu)
+        assert sampler.generation_steps(step) == list(range(c0, c0 + S))
+    assert sampler.cycle == S * mu

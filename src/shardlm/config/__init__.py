@@ -9,6 +9,7 @@ sections are in ``sections.py`` (``[parallel]`` in ``parallelism.py``, ``[model]
 
 from shardlm.config.checks import (
     gradient_accumulation_steps,
+    steps_per_generation,
     validate,
     validate_distill,
     validate_preference,
@@ -36,5 +37,5 @@ from shardlm.model.config import FAMILIES, ModelConfig
 __all__ = ["FAMILIES", "KEYWORD_KEYS", "CheckpointConfig", "Config", "ConfigError", "DataConfig",
            "DataSource", "DistillConfig", "LoRAConfig", "MetricsConfig", "ModelConfig", "ParallelConfig",
            "PreferenceConfig", "RLConfig", "RunConfig", "TrainConfig", "apply_init_from",
-           "gradient_accumulation_steps", "load_config", "parse_cli_value", "validate", "validate_distill",
-           "validate_preference", "validate_rl"]
+           "gradient_accumulation_steps", "load_config", "parse_cli_value", "steps_per_generation",
+           "validate", "validate_distill", "validate_preference", "validate_rl"]

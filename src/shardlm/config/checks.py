@@ -345,13 +345,14 @@ def validate_rl(cfg: Config) -> None:
         raise ConfigError(f"rl.generation_batch_size = {gen} completions must be a multiple of "
                           f"train.global_batch_size = {t.global_batch_size} and of rl.num_generations = "
                           f"{rl.num_generations} (whole groups)")
-    if rl.num_iterations > 1 or gen > t.global_batch_size:
-        raise ConfigError(f"rl.num_iterations = {rl.num_iterations} and a generation batch of {gen} "
-                          f"completions for train.global_batch_size = {t.global_batch_size}: several updates "
-                          "per generation batch (rl.num_iterations > 1, rl.steps_per_generation > 1 or "
-                          "rl.generation_batch_size > train.global_batch_size) are not built yet in the "
-                          "training step; set rl.num_iterations = 1 and rl.steps_per_generation = 1 (one "
-                          "rollout per optimizer step)")
+    cycle = steps_per_generation(cfg) * rl.num_iterations
+    c = cfg.checkpoint
+    if cycle > 1 and c.enabled and c.interval % cycle:
+        raise ConfigError(f"checkpoint.interval = {c.interval} would save inside a generation cycle of "
+                          f"{cycle} steps (rl.steps_per_generation x rl.num_iterations): the completions, "
+                          "old log-probs and advantages of a cycle are not saved with a checkpoint, so a "
+                          "resume must start a cycle; make checkpoint.interval a multiple of "
+                          f"{cycle} (or 0)")
     if not 0 <= rl.epsilon < 1 or rl.epsilon_high < 0:
         raise ConfigError(f"rl.epsilon must be in [0, 1) and rl.epsilon_high >= 0, got {rl.epsilon} and "
                           f"{rl.epsilon_high}")
@@ -382,6 +383,15 @@ def validate_rl(cfg: Config) -> None:
         raise ConfigError(f"the overlong reward needs rl.overlong_cache between 1 and "
                           f"rl.max_completion_length = {rl.max_completion_length} (the tokens over which "
                           f"the penalty grows), got {rl.overlong_cache}")
+
+
+def steps_per_generation(cfg: Config) -> int:
+    """S, the optimizer steps (global batches) each generation batch of online RL is split into:
+    ``rl.generation_batch_size / train.global_batch_size`` when that is set, else ``rl.steps_per_generation``
+    (:func:`validate_rl` checks the division)."""
+    rl = cfg.rl
+    return rl.generation_batch_size // cfg.train.global_batch_size if rl.generation_batch_size \
+        else rl.steps_per_generation
 
 
 def gradient_accumulation_steps(cfg: Config, dp_world_size: int) -> int:

@@ -109,23 +109,30 @@ class RLConfig:
     top_k: int = 0
     """Sample among the k most probable tokens only; 0 = all tokens."""
     steps_per_generation: int = 1
-    """Optimizer steps (global batches) per generation batch: the completions sampled at once are split into
-    this many global batches. TRL counts this in micro-steps (its default, the gradient accumulation steps,
-    is one optimizer step: 1 here)."""
+    """S, optimizer steps (global batches) per generation batch: the completions sampled at once, with the
+    policy of the step that samples, are split into this many global batches, step ``s`` of a cycle of S ×
+    num_iterations steps training on slice ``s % S`` (TRL's buffer; without TRL's per-process shuffle: the
+    slices are the sampler's global batches, whole groups). Advantages are over the whole generation batch.
+    TRL counts this in micro-steps (its default, the gradient accumulation steps, is one optimizer step: 1
+    here). ``checkpoint.interval`` must be a multiple of S × num_iterations (the buffer is not saved)."""
     generation_batch_size: int = 0
     """Completions sampled per generation batch, all ranks together; 0 = ``train.global_batch_size ×
-    steps_per_generation``. Set one of the two (as TRL)."""
+    steps_per_generation``. Set one of the two (as TRL): a multiple of ``train.global_batch_size``, it sets
+    steps_per_generation to their ratio."""
     num_iterations: int = 1
-    """μ: updates per generation batch; each reuses the same completions, with the log-probs they were
-    sampled with (the old policy's) in the importance ratio."""
+    """μ: updates per generation batch: the whole generation batch is trained on μ times (S × μ steps per
+    generation), each update with the old policy's log-probs in the importance ratio: the trainer's forward
+    of the same micro-batches at generation, without gradients, so the first update's ratio is exactly 1.
+    ``checkpoint.interval`` must be a multiple of steps_per_generation × μ (the buffer is not saved)."""
     loss_type: Literal["grpo", "dr_grpo", "dapo", "cispo", "sapo"] = "dapo"
     """How the per-token losses are normalised, over the whole global batch: ``grpo`` mean over each
     sequence's tokens, then over sequences; ``dr_grpo`` sum over tokens / (sequences ×
-    max_completion_length) (Liu et al. 2025); ``dapo`` sum over tokens / the completion tokens (Yu et al.
-    2025; TRL's default); ``cispo`` the clipped importance weight, detached, times the advantage and the
-    log-prob, normalised as dapo (MiniMax-M1, 2025); ``sapo`` a soft sigmoid gate instead of the clip,
-    normalised as grpo (Gao et al. 2025). TRL's ``bnpo`` normalises over its local batch; over the global
-    batch it is ``dapo``, so it is not offered."""
+    max_completion_length) (Liu et al. 2025); ``dapo`` sum over tokens / the completion tokens (with
+    steps_per_generation S > 1: the generation batch's / S, as TRL) (Yu et al. 2025; TRL's default);
+    ``cispo`` the clipped importance weight, detached, times the advantage and the log-prob, normalised as
+    dapo (MiniMax-M1, 2025); ``sapo`` a soft sigmoid gate instead of the clip, normalised as grpo (Gao et
+    al. 2025). TRL's ``bnpo`` normalises over its local batch; over the global batch it is ``dapo``, so it is
+    not offered."""
     importance_sampling_level: Literal["token", "sequence"] = "token"
     """``token``: one importance ratio per token; ``sequence``: one per completion, the exponent of its
     mean per-token log-ratio (GSPO, Zheng et al. 2025; with ``loss_type = "grpo"`` as in the paper)."""

@@ -214,33 +214,61 @@ class PromptsDataset:
 class CompletionSampler(GlobalBatchSampler):
     """The world-size-independent order of the completions of online RL: global batch ``step`` holds the
     ``global_batch_size / num_generations`` prompts that a :class:`GlobalBatchSampler` over the prompts draws
-    for it (seeded, epoch after epoch), each with its ``num_generations`` completions. A sample id is a
-    completion id, ``prompt id · G + generation``, so a global batch lists every group whole, prompt after
-    prompt; the inherited :meth:`rank_ids` and :meth:`micro_batches` cut it into ranks' contiguous shares and
-    micro-batches of completions.
+    for its prompt batch :meth:`prompt_batch` (seeded, epoch after epoch), each with its ``num_generations``
+    completions. A sample id is a completion id, ``prompt id · G + generation``, so a global batch lists every
+    group whole, prompt after prompt; the inherited :meth:`rank_ids` and :meth:`micro_batches` cut it into
+    ranks' contiguous shares and micro-batches of completions.
+
+    Several updates per generation batch (TRL 1.16's ``GRPOTrainer``: its ``RepeatSampler`` yields each
+    generation batch ``steps_per_generation × num_iterations`` times, ``_prepare_inputs`` samples at every
+    ``steps_per_generation × num_iterations``-th step and trains on slice ``step % steps_per_generation``):
+    the cycle of ``S × I`` steps starting at step ``c·S·I`` samples prompt batches ``c·S .. c·S + S - 1``
+    (one generation batch: TRL's chunk ``c`` of the prompt order) and step ``s`` trains on prompt batch
+    ``c·S + s % S``. TRL shuffles the generation batch on each process before slicing it (an order that
+    depends on the world size); here slice j is prompt batch ``c·S + j`` as drawn, groups whole.
 
     Args:
         num_prompts: the training prompts (>= 1). global_batch_size: completions per step, a multiple of
-        ``num_generations``. num_generations: G. seed: the order's seed.
+        ``num_generations``. num_generations: G. seed: the order's seed. steps_per_generation: S (>= 1),
+        num_iterations: I (>= 1).
 
     Raises:
-        ValueError: ``global_batch_size`` not a multiple of ``num_generations``, or as
+        ValueError: ``global_batch_size`` not a multiple of ``num_generations``, S or I < 1, or as
         :class:`GlobalBatchSampler`.
     """
 
-    def __init__(self, num_prompts: int, global_batch_size: int, num_generations: int, seed: int) -> None:
+    def __init__(self, num_prompts: int, global_batch_size: int, num_generations: int, seed: int,
+                 steps_per_generation: int = 1, num_iterations: int = 1) -> None:
         if num_generations < 1 or global_batch_size % num_generations:
             raise ValueError(f"global_batch_size={global_batch_size} completions is not a whole number of "
                              f"groups of num_generations={num_generations}")
+        if steps_per_generation < 1 or num_iterations < 1:
+            raise ValueError(f"steps_per_generation={steps_per_generation} and num_iterations="
+                             f"{num_iterations} must be >= 1")
         super().__init__(num_prompts, global_batch_size, seed)
         self.num_generations = int(num_generations)
+        self.steps_per_generation, self.num_iterations = int(steps_per_generation), int(num_iterations)
+        #: optimizer steps per generation batch (TRL's ``generate_every``)
+        self.cycle = self.steps_per_generation * self.num_iterations
         self.prompts = GlobalBatchSampler(num_prompts, global_batch_size // num_generations, seed)
+
+    def prompt_batch(self, step: int) -> int:
+        """The prompt batch global batch ``step`` trains on: ``(step // (S·I))·S + step % S`` (``step`` at
+        S = I = 1)."""
+        return step // self.cycle * self.steps_per_generation + step % self.steps_per_generation
+
+    def generation_steps(self, step: int) -> list[int]:
+        """The S steps whose global batches make the generation batch of ``step``'s cycle, in slice order:
+        ``c0 .. c0 + S - 1`` with ``c0`` the cycle's first step (they hold prompt batches ``c·S + j``)."""
+        c0 = step - step % self.cycle
+        return list(range(c0, c0 + self.steps_per_generation))
 
     def epoch_of(self, step: int) -> float:
         """Fractional epoch over the prompts reached at the start of ``step``."""
-        return self.prompts.epoch_of(step)
+        return self.prompts.epoch_of(self.prompt_batch(step))
 
     def step_ids(self, step: int) -> list[int]:
-        """Completion ids of global batch ``step``: ``p · G + g`` for each of its prompts p, g in 0..G-1."""
+        """Completion ids of global batch ``step``: ``p · G + g`` for each prompt p of its prompt batch
+        (:meth:`prompt_batch`), g in 0..G-1."""
         g = self.num_generations
-        return [p * g + k for p in self.prompts.step_ids(step) for k in range(g)]
+        return [p * g + k for p in self.prompts.step_ids(self.prompt_batch(step)) for k in range(g)]

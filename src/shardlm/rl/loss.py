@@ -25,10 +25,9 @@ The loss of a global batch (all ranks, all micro-batches), with S_i = Σ_t m·l 
 gives the denominator of the whole global batch from the completion lengths, known on the host before the
 step. Σ over micro-batches and ranks of the numerators, divided by the denominator, is TRL's loss of the
 whole batch (TRL's own ``bnpo``, normalised over its local batch, is ``dapo`` over the global batch: not
-offered). These equal TRL at num_processes = 1 and ``steps_per_generation`` = gradient accumulation steps
-(one optimizer step per generation batch); with several optimizer steps per generation, each step here is
-normalised by its own global batch, where TRL's dapo divides by the generation batch's tokens ×
-accumulation / steps_per_generation (an average).
+offered). With several optimizer steps per generation batch (``steps_per_generation`` S > 1), each step's
+grpo, dr_grpo and sapo denominators are its own global batch's, and dapo and cispo divide by the generation
+batch's completion tokens / S, as TRL's ``num_items_in_batch`` × accumulation / steps_per_generation.
 
 The metrics (:class:`PolicyLossTerms`) are TRL's: sums and counts to all-reduce (SUM) and divide, and the
 per-sequence extremes to reduce with MIN / MAX.
@@ -53,34 +52,44 @@ PER_SEQUENCE_MEAN = ("grpo", "sapo")
 CLIPPED = ("grpo", "dr_grpo", "dapo")
 
 
-def loss_denominator(loss_type: str, completion_lengths: Tensor | list[int],
-                     max_completion_length: int) -> float:
-    """The global denominator of the loss: the numerators of every micro-batch of every rank, summed and
-    divided by this, give the loss of the whole global batch (host arithmetic, no collective).
+def loss_denominator(loss_type: str, completion_lengths: Tensor | list[int], max_completion_length: int,
+                     steps_per_generation: int = 1) -> float:
+    """The global denominator of one optimizer step's loss: the numerators of every micro-batch of every rank
+    of the step, summed and divided by this, give the loss of the step's global batch (host arithmetic, no
+    collective).
 
     Args:
         loss_type: one of :data:`LOSS_TYPES`.
-        completion_lengths: (n_seq,) the masked completion tokens Σ_t m of each sequence of the GLOBAL batch
-            (after ``mask_truncated_completions``: a masked completion counts 0 tokens, but still counts as a
-            sequence).
+        completion_lengths: (n_seq,) the masked completion tokens Σ_t m of each sequence of the whole
+            GENERATION batch (all ranks; after ``mask_truncated_completions``: a masked completion counts 0
+            tokens, but still counts as a sequence).
         max_completion_length: ``rl.max_completion_length`` (tokens).
+        steps_per_generation: S, the optimizer steps the generation batch is split into (equal global
+            batches of n_seq / S sequences).
 
     Returns:
-        n_seq (grpo, sapo); n_seq × max_completion_length (dr_grpo); max(Σ lengths, 1) (dapo, cispo).
+        n_seq / S (grpo, sapo: the step's sequences); n_seq / S × max_completion_length (dr_grpo);
+        max(Σ lengths, 1) / S (dapo, cispo: TRL 1.16's ``num_items_in_batch`` of the generation batch ×
+        gradient_accumulation_steps / steps_per_generation, summed over processes, so a step is normalised
+        by the generation batch's average tokens per step, not by its own).
 
     Raises:
-        ValueError: an unknown loss type or an empty batch.
+        ValueError: an unknown loss type, an empty batch, or n_seq not a multiple of S.
     """
     lengths = torch.as_tensor(completion_lengths)
     n_seq = lengths.numel()
     if n_seq == 0:
         raise ValueError("the global batch has no sequences")
+    if steps_per_generation < 1 or n_seq % steps_per_generation:
+        raise ValueError(f"{n_seq} sequences cannot be split into steps_per_generation="
+                         f"{steps_per_generation} equal global batches")
+    per_step = n_seq // steps_per_generation
     if loss_type in PER_SEQUENCE_MEAN:
-        return float(n_seq)
+        return float(per_step)
     if loss_type == "dr_grpo":
-        return float(n_seq * max_completion_length)
+        return float(per_step * max_completion_length)
     if loss_type in ("dapo", "cispo"):
-        return float(max(int(lengths.sum().item()), 1))
+        return float(max(int(lengths.sum().item()), 1)) / steps_per_generation
     raise ValueError(f"unknown loss_type {loss_type!r}; one of {LOSS_TYPES}")
 
 

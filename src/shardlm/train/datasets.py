@@ -8,7 +8,7 @@ import math
 from typing import Any, NamedTuple
 
 from shardlm.checkpoint.resume_config import BEFORE_RECORDED
-from shardlm.config import Config
+from shardlm.config import Config, steps_per_generation
 from shardlm.data import GlobalBatchSampler, TokenWindows
 from shardlm.data.attention_choice import AUTO, AttentionChoice, choose_attention, may_be_block_causal
 from shardlm.data.build import data_dir
@@ -76,7 +76,8 @@ def build_datasets(cfg: Config, meta: dict[str, Any], document_masking: bool) ->
     elif cfg.data.format == PROMPTS:  # online RL: the global batch counts completions, G per prompt
         train_data = PromptsDataset(str(data_dir(cfg)), "train")
         val_data = PromptsDataset(str(data_dir(cfg)), "val")  # not evaluated (GRPOObjective.val_loss)
-        sampler = CompletionSampler(len(train_data), t.global_batch_size, cfg.rl.num_generations, t.seed)
+        sampler = CompletionSampler(len(train_data), t.global_batch_size, cfg.rl.num_generations, t.seed,
+                                    steps_per_generation(cfg), cfg.rl.num_iterations)
     elif cfg.data.pack:  # rows of several examples (shardlm/data/packing.py); validation stays one per sample
         train_data = PackedExamples(InstructionExamples(str(data_dir(cfg)), "train", t.seq_len,
                                                         skip_untrainable=True), t.seed)

@@ -146,7 +146,7 @@ class Trainer:
         # the data and the model are checked: only now may run.overwrite remove the previous run's files
         prepare_run_dir(cfg, self.info, self.run_dir)
         context = ObjectiveContext(cfg, self.info, self.mesh, self.model, self.train_data, self.cp,
-                                   self.run_dir)
+                                   self.run_dir, sampler=self.sampler)
         #: what the step optimises (train/objectives/): the token loss, preference tuning (with its reference)
         self.objective = (objective or build_objective)(context)
         #: terms added to any objective's loss: a mixture of experts' router losses

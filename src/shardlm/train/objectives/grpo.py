@@ -1,36 +1,59 @@
 """Online reinforcement learning of the GRPO family (``data.format = "prompts"``, the ``[rl]`` section) as an
 objective of the training step, in TRL 1.16's order.
 
-:meth:`GRPOObjective.prepare_step` of global batch ``step`` (every rank, in the same order):
+Generation cycles (TRL's ``_prepare_inputs``): with S = ``rl.steps_per_generation`` (or
+``rl.generation_batch_size / train.global_batch_size``) and μ = ``rl.num_iterations``, the steps come in
+cycles of S·μ. The first step of a cycle samples and scores one generation batch of S global batches
+(:class:`~shardlm.data.prompts.CompletionSampler`: prompt batches ``c·S .. c·S + S - 1``) with the policy of
+that step; step ``s`` of the run trains on slice ``s % S`` of it, so the whole generation batch is trained on
+μ times. S = μ = 1 is one rollout per optimizer step.
 
-1. this rank's prompts: the sampler's completion ids ``p · G + g`` (:class:`~shardlm.data.prompts
-   .CompletionSampler`), whole groups per rank (checked when the objective is built);
-2. the rollout by the policy itself (:func:`shardlm.rl.rollout.rollout`; collectives: one all-gather per FSDP
-   group on entry), each completion's stream keyed by (``train.seed``, step, prompt id, generation);
-3. one all-gather of every rank's completions (lengths, truncation flags, token ids): every rank then holds
-   the global batch's completions and scores all of them with the reward functions
+:meth:`GRPOObjective.generate`, at the first step ``c0`` of a cycle (every rank, in the same order):
+
+1. this rank's prompts: its contiguous share of each of the S global batches (completion ids ``p · G + g``),
+   whole groups per rank (checked when the objective is built);
+2. one rollout of all of them by the policy itself (:func:`shardlm.rl.rollout.rollout`; collectives: one
+   all-gather per FSDP group on entry), each completion's stream keyed by (``train.seed``, ``c0``, prompt
+   id, generation);
+3. one all-gather of every rank's completions (lengths, truncation flags, token ids), put in the generation
+   batch's order: every rank then holds them all and scores all of them with the reward functions
    (:func:`shardlm.rl.rewards.score`; a reward that raises raises on every rank: no hang), the group-relative
-   advantages (:func:`shardlm.rl.advantages.group_advantages`), the ``completions/*`` and reward metrics, and
-   the loss's denominator (:func:`shardlm.rl.loss.loss_denominator` of the loss mask's lengths);
-4. the micro-batches: this rank's rollout rows as the trainer reads them
-   (:func:`shardlm.rl.logps.trainer_batch`).
+   advantages over the whole generation batch (:func:`shardlm.rl.advantages.group_advantages`; its std
+   for ``scale_rewards = "batch"``, as TRL's over the gathered generation batch), the ``completions/*`` and
+   reward metrics, and the denominator of each step's loss (:func:`shardlm.rl.loss.loss_denominator` of the
+   loss mask's lengths of the generation batch);
+4. each step's micro-batches: this rank's rollout rows as the trainer reads them
+   (:func:`shardlm.rl.logps.trainer_batch`), the same the training step runs;
+5. when S·μ > 1, the old policy's log-probs (:func:`shardlm.rl.logps.score_rollout`): the trainer's forward
+   of those micro-batches without gradients, before any update of the cycle, so the first update's
+   importance ratio is exactly 1 (bit for bit: the same rows, batches and widths; with LoRA dropout > 0 the
+   training forward drops units and it is not), and later updates' ratios are those of the updated policy
+   to the sampling one. At S·μ = 1 there are none: the old log-probs are ``logps.detach()`` (TRL at one
+   update per generation).
+
+:meth:`GRPOObjective.prepare_step` serves step ``s`` its slice (after :meth:`~GRPOObjective.generate` at a
+cycle's first step). The cycle's buffer (completions, old log-probs, advantages) lives in memory only: a
+step inside a cycle whose generation this process did not run (a resume from a checkpoint saved mid-cycle:
+at preemption or at the last step) is refused with a :class:`~shardlm.errors.ConfigError`, and the config
+checks refuse a ``checkpoint.interval`` that is not a multiple of S·μ.
 
 Per micro-batch, :meth:`GRPOObjective.loss`: the reference's log-probs when ``rl.beta`` > 0 (no gradient; a
 frozen copy, or the policy with its LoRA adapters off: :mod:`shardlm.train.reference`), the policy's per-token
 log-probs and entropies with gradient (:func:`shardlm.rl.logps.token_logps`), and the numerator of
-:func:`shardlm.rl.loss.policy_loss_sum`. One rollout per optimizer step: the old log-probs are
-``logps.detach()`` (TRL at ``num_iterations`` 1), so the importance ratio is exactly 1 and the clip ratios 0;
-``rl.num_iterations`` > 1 and several steps per generation are refused by the config checks.
+:func:`shardlm.rl.loss.policy_loss_sum` with the old log-probs.
 
 Metrics (TRL's names): ``reward``, ``reward_std``, ``rewards/<f>/mean|std``, ``frac_reward_zero_std``,
-``completions/*`` (exact over the global batch, from the gathered lengths), ``kl`` (β > 0), ``entropy``,
+``completions/*`` (exact over the generation batch, from the gathered lengths; every step of a cycle
+reports its generation batch's), ``kl`` (β > 0), ``entropy``,
 ``clip_ratio/low_mean|high_mean|region_mean`` (clipped losses) or ``cispo_clip_ratio`` (sums and counts in the
-step's one all-reduce); ``sampling/logprob_diff_max``: max |decode log-prob - trainer log-prob| over the
-global batch's completion tokens, each rank's maximum in its own slot of the all-reduce's sum (TRL's
-``clip_ratio/low_min`` and ``high_max``, which need MIN / MAX reductions, are left out: at one update per
-rollout they are 0); ``rewards/all_equal_steps``, the steps so far whose scored rewards were all equal (a
-warning on the first); and rank 0's seconds of ``time/rollout_s``, ``time/reward_s`` (gather and scoring) and
-``time/logps_s`` (the reference's and the policy's forwards): the update is the rest of ``step_time_s``.
+step's one all-reduce); ``sampling/logprob_diff_max``: max |decode log-prob - trainer log-prob at generation|
+over the step's completion tokens, each rank's maximum in its own slot of the all-reduce's sum (TRL's
+``clip_ratio/low_min`` and ``high_max``, which need MIN / MAX reductions, are left out);
+``rewards/all_equal_steps``, the generations so far whose scored rewards were all equal (a warning on the
+first); and rank 0's seconds of ``time/rollout_s``, ``time/reward_s`` (gather and scoring) and
+``time/logps_s`` (the old log-probs' forwards at generation, the reference's and the policy's forwards),
+the generation's own at a cycle's first step and 0 at the others: the update is the rest of
+``step_time_s``.
 """
 
 from __future__ import annotations
@@ -44,13 +67,13 @@ from torch import nn
 
 from shardlm.config import Config
 from shardlm.data.build import data_dir
-from shardlm.data.prompts import PromptsDataset
+from shardlm.data.prompts import CompletionSampler, PromptsDataset
 from shardlm.errors import ConfigError
 from shardlm.metrics import format_bytes, local_bytes
 from shardlm.parallel.dist import DistInfo
 from shardlm.rl.advantages import group_advantages, reward_metrics
 from shardlm.rl.completions import completion_metrics, loss_mask
-from shardlm.rl.logps import RLBatch, logprob_diff_max, token_logps, trainer_batch
+from shardlm.rl.logps import RLBatch, logprob_diff_max, score_rollout, token_logps, trainer_batch
 from shardlm.rl.loss import CLIPPED, loss_denominator, policy_loss_sum
 from shardlm.rl.rewards import (
     RewardFunction,
@@ -100,12 +123,13 @@ def sum_metric_names(cfg: Config) -> tuple[str, ...]:
 
 
 class GRPOObjective(Objective):
-    """The GRPO family's loss of one rollout per step (module docstring).
+    """The GRPO family's loss, one rollout per generation cycle (module docstring).
 
     Args:
         cfg: the run's config. info: this process. model: the policy (FSDP2-sharded, DDP-wrapped or plain).
         data: the training prompts. tokenizer: the data's tokenizer (decodes the completions for the rewards).
         funcs: the loaded reward functions. stop_ids: the ids that end a completion; pad_id: the id after it.
+        sampler: the run's order of the completions (the step's sampler): the global batches of a cycle.
         kind: the reference (:func:`rl_reference_kind`); reference: the frozen model of kind ``model``.
     """
 
@@ -115,7 +139,7 @@ class GRPOObjective(Objective):
 
     def __init__(self, cfg: Config, info: DistInfo, model: nn.Module, data: PromptsDataset,
                  tokenizer: Tokenizer, funcs: list[RewardFunction], stop_ids: list[int], pad_id: int,
-                 kind: str = "none", reference: nn.Module | None = None) -> None:
+                 sampler: CompletionSampler, kind: str = "none", reference: nn.Module | None = None) -> None:
         self.cfg, self.info, self.model, self.data, self.tokenizer = cfg, info, model, data, tokenizer
         self.funcs, self.stop_ids, self.pad_id, self.kind, self.reference = funcs, stop_ids, pad_id, kind, \
             reference
@@ -125,6 +149,10 @@ class GRPOObjective(Objective):
         self.stat_names = tuple(f"{n}/{part}" for n in self.sum_names for part in ("sum", "count")) + tuple(
             f"sampling/logprob_diff_max/rank{r}" for r in range(info.world_size))
         self.all_equal_steps = 0
+        #: the order of the completions (:class:`~shardlm.data.prompts.CompletionSampler`)
+        self.sampler = sampler
+        #: (the cycle's first step, its S slices: :meth:`generate`); None before the first generation
+        self.generation: tuple[int, list[dict]] | None = None
 
     @classmethod
     def build(cls, ctx: ObjectiveContext) -> GRPOObjective:
@@ -164,7 +192,7 @@ class GRPOObjective(Objective):
                                           cfg.data.tokenizer or str(root / "tokenizer.json"))
             reference = build_reference(cfg, info, ctx.mesh, rl.reference_from)
         return cls(cfg, info, ctx.model, data, Tokenizer.from_file(str(root / "tokenizer.json")), funcs,
-                   stop_ids, stop_ids[0] if pad is None else int(pad), kind, reference)
+                   stop_ids, stop_ids[0] if pad is None else int(pad), ctx.sampler, kind, reference)
 
     def describe(self) -> str:
         """One line for the run summary."""
@@ -176,49 +204,107 @@ class GRPOObjective(Objective):
         return (f"{rl.loss_type}, {rl.num_generations} completions per prompt of up to "
                 f"{rl.max_completion_length} tokens, temperature {rl.temperature:g}, beta {rl.beta:g}, "
                 f"{rl.importance_sampling_level}-level ratio, scale_rewards {rl.scale_rewards}; rewards "
-                + ", ".join(f.name for f in self.funcs) + f"; {ref}")
+                + ", ".join(f.name for f in self.funcs) + f"; {ref}" + self.describe_cycle())
 
-    # ---- the step ---------------------------------------------------------------------------------
+    def describe_cycle(self) -> str:
+        """``""`` at one update per generation, else the cycle: generation batch, S and μ."""
+        sampler = self.sampler
+        if sampler.cycle == 1:
+            return ""
+        return (f"; a generation batch of {sampler.global_batch_size * sampler.steps_per_generation} "
+                f"completions every {sampler.cycle} steps ({sampler.steps_per_generation} steps per "
+                f"generation x {sampler.num_iterations} iterations)")
+
+    # ---- the step ----------------------------------------------------------------------------------
     def prepare_step(self, step: int, micro_ids: list[list[int]], step_ids: list[int]) -> StepInputs:
-        """Rollout, rewards of the global batch, advantages and the denominator (module docstring, 1-4);
-        collectives: the rollout's all-gathers and one all-gather of the completions."""
-        cfg, rl = self.cfg, self.cfg.rl
-        G = rl.num_generations
+        """Step ``step``'s slice of its cycle's generation batch (module docstring), sampled and scored first
+        when ``step`` starts a cycle (collectives: the rollout's all-gathers, one all-gather of the
+        completions and, with several updates per generation, the old log-probs' forwards).
+
+        Raises:
+            ConfigError: ``step`` inside a cycle whose generation batch this process did not sample (a resume
+                from a checkpoint saved mid-cycle: the buffer is not saved).
+        """
+        sampler = self.sampler
+        c0 = step - step % sampler.cycle
+        if step == c0:
+            self.generation = (c0, self.generate(c0))
+        elif self.generation is None or self.generation[0] != c0:
+            raise ConfigError(f"step {step + 1} is inside the generation cycle of steps {c0 + 1} .. "
+                              f"{c0 + sampler.cycle} (rl.steps_per_generation x rl.num_iterations = "
+                              f"{sampler.cycle}) whose completions, old log-probs and advantages were not "
+                              "saved with the checkpoint: resume from a checkpoint at the start of a cycle "
+                              f"(a step that is a multiple of {sampler.cycle})")
+        parts = self.generation[1][step % sampler.steps_per_generation]
+        if [c for ids in micro_ids for c in ids] != parts["ids"]:
+            raise RuntimeError(f"step {step + 1}: the trainer's completion ids differ from the generation "
+                               "batch's slice (a bug)")
+        fresh = step == c0  # the generation's own times are reported once, by the step that sampled
+        context = {**parts["context"], "diff_max": 0.0,
+                   "logps_s": parts["context"]["logps_s"] if fresh else 0.0,
+                   "rollout_s": parts["context"]["rollout_s"] if fresh else 0.0,
+                   "reward_s": parts["context"]["reward_s"] if fresh else 0.0}
+        return StepInputs(parts["batches"], parts["denominator"], context)
+
+    def generate(self, c0: int) -> list[dict]:
+        """Sample, gather and score the generation batch of the cycle starting at step ``c0`` (module
+        docstring, 1-5) and cut it into its S steps: per step, this rank's completion ids (``ids``), its
+        micro-batches, the step's denominator and the context :meth:`loss` reads."""
+        cfg, rl, info, sampler = self.cfg, self.cfg.rl, self.info, self.sampler
+        G, S, W = rl.num_generations, sampler.steps_per_generation, info.world_size
         start = time.perf_counter()
-        mine = [c for ids in micro_ids for c in ids]
-        offset = self.info.rank * len(mine)  # this rank's first row in the global batch (contiguous shares)
-        keys = stream_keys([c // G for c in step_ids[::G]], len(self.data))
-        ro = rollout(unwrap(self.model), self.data.get([c // G for c in mine[::G]]),
-                     keys[offset // G:(offset + len(mine)) // G], G,
+        steps = sampler.generation_steps(c0)
+        gen_ids = [c for s in steps for c in sampler.step_ids(s)]  # the generation batch, slice after slice
+        micro = [sampler.micro_batches(s, info.rank, W, cfg.train.micro_batch_size) for s in steps]
+        B = len(gen_ids) // S
+        per_rank = B // W
+        mine = [j * B + info.rank * per_rank + i for j in range(S) for i in range(per_rank)]  # global rows
+        keys = stream_keys([c // G for c in gen_ids[::G]], len(self.data))
+        ro = rollout(unwrap(self.model), self.data.get([gen_ids[r] // G for r in mine[::G]]),
+                     [keys[r // G] for r in mine[::G]], G,
                      max_completion_length=rl.max_completion_length, stop_ids=self.stop_ids,
-                     seed=cfg.train.seed, step=step, temperature=rl.temperature,
+                     seed=cfg.train.seed, step=c0, temperature=rl.temperature,
                      top_p=rl.top_p, top_k=rl.top_k, pad_id=self.pad_id)
         rolled = time.perf_counter()
         lengths, truncated, completions = self.gather_completions(ro)
-        fields = self.data.fields([c // G for c in step_ids])
+        # rank-major (rank, slice, row) to the generation batch's order (slice, rank, row)
+        order = [w * S * per_rank + j * per_rank + i
+                 for j in range(S) for w in range(W) for i in range(per_rank)]
+        lengths, truncated = lengths[order], truncated[order]
+        completions = [completions[i] for i in order]
+        prompt_ids = [c // G for c in gen_ids]
         texts = self.tokenizer.decode_batch(completions, skip_special_tokens=True)
-        table = score(self.funcs, texts, completions, fields, [c // G for c in step_ids])
-        adv = group_advantages(table, self.weights, G, rl.scale_rewards)
+        table = score(self.funcs, texts, completions, self.data.fields(prompt_ids), prompt_ids)
+        adv = group_advantages(table, self.weights, G, rl.scale_rewards)  # over the whole generation batch
         kept = lengths * ~truncated if rl.mask_truncated_completions else lengths
-        denominator = loss_denominator(rl.loss_type, kept, rl.max_completion_length)
+        denominator = loss_denominator(rl.loss_type, kept, rl.max_completion_length, S)
         metrics = {**reward_metrics(table, [f.name for f in self.funcs], adv),
                    **completion_metrics(lengths, truncated)}
         if rewards_all_equal(adv.rewards):
             self.all_equal_steps += 1
             if self.all_equal_steps == 1 and self.info.is_main:
-                print(f"warning: step {step + 1}: every completion of the global batch has the same reward: "
-                      "no group has a learning signal (counted in rewards/all_equal_steps)", file=sys.stderr,
-                      flush=True)
+                print(f"warning: step {c0 + 1}: every completion of the generation batch has the same "
+                      "reward: no group has a learning signal (counted in rewards/all_equal_steps)",
+                      file=sys.stderr, flush=True)
         metrics["rewards/all_equal_steps"] = float(self.all_equal_steps)
-        firsts = [0]
-        for ids in micro_ids:  # micro-batch j holds this rank's rows firsts[j] .. firsts[j + 1] - 1
-            firsts.append(firsts[-1] + len(ids))
-        batches = [trainer_batch(ro, range(a, b), self.pad_id) for a, b in zip(firsts, firsts[1:])]
-        context = {"rollout": ro, "advantages": adv.advantages[offset:offset + len(mine)],
-                   "completion_ids": completions, "rewards": table,  # the global batch's
-                   "metrics": metrics, "diff_max": 0.0, "logps_s": 0.0,
-                   "rollout_s": rolled - start, "reward_s": time.perf_counter() - rolled}
-        return StepInputs(batches, denominator, context)
+        scored = time.perf_counter()
+        rows = []  # per slice, its micro-batches' rollout rows
+        for j, ids in enumerate(micro):
+            firsts = [j * per_rank]
+            for m in ids:
+                firsts.append(firsts[-1] + len(m))
+            rows.append([range(a, b) for a, b in zip(firsts, firsts[1:])])
+        # the old policy's log-probs: the trainer's forward of the same micro-batches, before any update of
+        # the cycle (bit for bit the first update's: ratio exactly 1); none at one update per generation
+        old = None if sampler.cycle == 1 else score_rollout(
+            unwrap(self.model), ro, [r for rs in rows for r in rs], rl.temperature,
+            cfg.train.loss_chunk_tokens, self.pad_id)
+        context = {"rollout": ro, "advantages": adv.advantages[mine], "old_logps": old,
+                   "completion_ids": completions, "rewards": table,  # the generation batch's
+                   "metrics": metrics, "logps_s": time.perf_counter() - scored,
+                   "rollout_s": rolled - start, "reward_s": scored - rolled}
+        return [{"ids": [c for m in micro[j] for c in m], "denominator": denominator, "context": context,
+                 "batches": [trainer_batch(ro, r, self.pad_id) for r in rows[j]]} for j in range(S)]
 
     def gather_completions(self, ro: Rollout) -> tuple[torch.Tensor, torch.Tensor, list[list[int]]]:
         """Every rank's completions in rank order (the global batch's order): (N,) int64 lengths, (N,) bool
@@ -255,13 +341,15 @@ class GRPOObjective(Objective):
         ctx["logps_s"] += time.perf_counter() - start
         device = logps.device
         mask = loss_mask(batch.completion_mask, ro.truncated[batch.rows], rl.mask_truncated_completions)
+        old = None if ctx["old_logps"] is None else ctx["old_logps"][batch.rows].to(device)
         terms = policy_loss_sum(rl, logps, ctx["advantages"][batch.rows].to(device), mask.to(device),
-                                ref_logps=ref, entropies=entropies.detach())
+                                old_logps=old, ref_logps=ref, entropies=entropies.detach())
         stats = torch.zeros(len(self.stat_names), dtype=torch.float64)
         for i, name in enumerate(self.sum_names):
             stats[2 * i:2 * i + 2] = terms.sums[name].double().cpu()
         # the rank's running maximum, as increments: their sum over micro-batches is the maximum
-        gap = logprob_diff_max(ro.logps[batch.rows], logps.detach().cpu(), batch.completion_mask)
+        trainer = logps.detach().cpu() if old is None else ctx["old_logps"][batch.rows]  # at generation
+        gap = logprob_diff_max(ro.logps[batch.rows], trainer, batch.completion_mask)
         new = max(ctx["diff_max"], gap)
         stats[2 * len(self.sum_names) + self.info.rank] = new - ctx["diff_max"]
         ctx["diff_max"] = new

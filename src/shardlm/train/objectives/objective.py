@@ -58,7 +58,9 @@ class StepInputs:
 @dataclass
 class ObjectiveContext:
     """What an objective may need from the run when it is built: the config, this process, the device mesh,
-    the (sharded) policy model, the training samples, the context-parallel group and the run directory."""
+    the (sharded) policy model, the training samples, the context-parallel group, the run directory and the
+    training samples' order (the step's sampler: online RL reads the global batches of a whole generation
+    cycle from it)."""
 
     cfg: Config
     info: DistInfo
@@ -68,6 +70,7 @@ class ObjectiveContext:
     cp: ContextParallel
     run_dir: Path
     extra: dict[str, Any] = field(default_factory=dict)
+    sampler: Any = None
 
 
 class Objective(ABC):

@@ -171,10 +171,8 @@ def per_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ru
     :func:`attention` (SDPA's ``is_causal``; under a window shorter than the document a (n, n) boolean band
     mask), the outputs joined back in order. Equal to :func:`attention` under :func:`dense_mask` (each query
     sees exactly the keys of its own document, up to itself and the window) up to the kernels' summation
-    order; the scores between documents are never computed. Consecutive rows cut at the same places (in
-    unpacked or long-document data, most rows: one document each) go through each kernel call together, one
-    call per document position instead of one per row and document. Returns q's shape and dtype; the
-    gradient flows through the slices and the join."""
+    order; the scores between documents are never computed. Consecutive rows cut at the same places go
+    through each call together. Returns q's shape and dtype; the gradient flows through the slices."""
     groups: list[tuple[int, int]] = []  # [first, last + 1) row ranges of equal runs
     for b, row in enumerate(runs.runs):
         if groups and runs.runs[groups[-1][0]] == row:

@@ -8,7 +8,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 PARTS = ("params", "grads", "optimizer", "all_gather", "reduce_scatter", "activations", "temporaries",
-         "buffers", "reference")
+         "buffers", "reference", "rollout")
 """Categories of the breakdown, in display order."""
 
 

@@ -4,7 +4,8 @@ memory at the start of each step, and its time beside the update's.
 The rollout (:func:`shardlm.rl.rollout.rollout`, called by the GRPO objective's ``prepare_step`` before the
 step's first micro-batch) samples all of this rank's rows at once: B = ``train.global_batch_size`` / N
 completions (the rank's prompts × G, N the data-parallel ranks; the generation batch is the global batch).
-Notation: W = ``rl.max_prompt_length`` (the batch is left-padded to its longest prompt: an upper bound),
+Notation: W the prompt positions (the batch is left-padded to its longest prompt): the prepared training
+prompts' longest when the data is prepared, else ``rl.max_prompt_length`` (a bound; :func:`prompt_width`),
 C = ``rl.max_completion_length`` (at most ``model.max_seq_len`` − W steps), L layers, H heads, H_kv key-value
 heads, Q the head width, D the model width, V the vocabulary, c bytes per value of the compute dtype
 (``parallel.param_dtype`` under FSDP, 4 otherwise), P the parameters.
@@ -42,12 +43,18 @@ B · ((C − 1) · W + C · (C − 1) / 2), over the peak when that is longer.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from pathlib import Path
 
+import numpy as np
 import torch
 
 from shardlm.config import Config
 from shardlm.config.auto import with_fixed_defaults
+from shardlm.data.build import data_dir
+from shardlm.data.prepare import is_prepared, load_meta
+from shardlm.data.prompts import PROMPTS
 from shardlm.devices import Device
 from shardlm.metrics.flops import flops_params
 from shardlm.parallel.dist import compute_precision
@@ -86,7 +93,7 @@ class RolloutPlan:
     rows: int
     """B: completions sampled together on this rank."""
     prompt: int
-    """W: prompt positions (``rl.max_prompt_length``, an upper bound)."""
+    """W: prompt positions (:func:`prompt_width`)."""
     completion: int
     """C: decode steps (new tokens per completion at most)."""
     gathered_bytes: int
@@ -118,6 +125,26 @@ def rollout_rows(cfg: Config, world_size: int) -> int:
     return cfg.train.global_batch_size // dp
 
 
+def prompt_width(cfg: Config) -> int:
+    """W: the longest training prompt of the prepared data (tokens, from its ``train.idx``), at most
+    ``rl.max_prompt_length``; ``rl.max_prompt_length`` when the data is not prepared yet (or not prompts)."""
+    out = str(data_dir(cfg))
+    if not is_prepared(out):
+        return cfg.rl.max_prompt_length
+    return min(cfg.rl.max_prompt_length,
+               _longest_prompt(out, (Path(out) / "meta.json").stat().st_mtime_ns) or cfg.rl.max_prompt_length)
+
+
+@functools.lru_cache(maxsize=8)
+def _longest_prompt(out: str, version: int) -> int:
+    """The longest train prompt of a prepared prompts directory, read once per ``version`` (``meta.json``'s
+    mtime); 0 for other prepared data or no prompts."""
+    if load_meta(out).get("format") != PROMPTS:
+        return 0
+    idx = np.fromfile(Path(out) / "train.idx", dtype=np.int64).reshape(-1, 3)  # (start, length, line)
+    return int(idx[:, 1].max()) if len(idx) else 0
+
+
 def compute_bytes(cfg: Config) -> int:
     """c: bytes per value the sampler computes and caches in: ``parallel.param_dtype``'s under FSDP (the
     gathered weights' dtype, which the cache takes from ``lm_head``), fp32 otherwise."""
@@ -138,7 +165,7 @@ def replay_rollout(led: Ledger, cfg: Config, world_size: int, groups: list[Group
     """
     c = compute_bytes(cfg)
     m, rl = cfg.model, cfg.rl
-    rows, prompt = rollout_rows(cfg, world_size), rl.max_prompt_length
+    rows, prompt = rollout_rows(cfg, world_size), prompt_width(cfg)
     steps = max(min(rl.max_completion_length, m.max_seq_len - prompt), 0)
     held = 0
     for g in groups if fsdp else []:
@@ -164,7 +191,7 @@ def plan_rollout(cfg: Config, world_size: int, device: Device) -> RolloutPlan:
     cfg = with_fixed_defaults(cfg)
     m, rl = cfg.model, cfg.rl
     c = compute_bytes(cfg)
-    rows, prompt = rollout_rows(cfg, world_size), rl.max_prompt_length
+    rows, prompt = rollout_rows(cfg, world_size), prompt_width(cfg)
     steps = max(min(rl.max_completion_length, m.max_seq_len - prompt), 0)
     n_params = flops_params(m)  # N: every parameter but the input embedding
     weights = c * n_params

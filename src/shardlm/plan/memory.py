@@ -446,4 +446,4 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
     led.add("temporaries", 0, "clip and optimizer step")
     breakdown = dict(led.at)
     host = stored + 3 * 4 * train_local + 4 * n_tensors + ref_stored if offload else 0
-    return MemoryPlan(led.peak, breakdown, led.phase, host, p_total, k)
+    return MemoryPlan(led.peak, breakdown, led.phase, host, p_total, k, highs=led.highs)

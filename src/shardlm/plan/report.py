@@ -200,7 +200,8 @@ def format_plan(cfg: Config, world_size: int, device_name: str, headroom: float,
         f"{times.comm_s:.3f} s ({times.comm_bytes / GIB:.2f} GiB per rank)",
         f"             {times.overlapped_s:.3f} s fully overlapped, {times.serial_s:.3f} s serial (lower "
         "bounds: 100% MFU)",
-        *(format_rollout(plan_rollout(cfg, world_size, device), times.compute_s)
+        *(format_rollout(plan_rollout(cfg, world_size, device), times.compute_s, plan.highs.get("rollout", 0),
+                         plan.peak)
           if cfg.data.format == "prompts" else []),
         *(notes or []),
     ]

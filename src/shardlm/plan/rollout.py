@@ -157,7 +157,8 @@ def replay_rollout(led: Ledger, cfg: Config, world_size: int, groups: list[Group
                    fsdp: bool) -> None:
     """Replay the rollout into ``led`` before the step's first micro-batch (module docstring): under FSDP each
     group all-gathered (``all_gather``) and copied out (``params``), then the KV cache and the prefill's
-    transients (``rollout``); all freed again at its end.
+    transients (``rollout``); all freed again at its end. The high point is marked ``rollout``
+    (:attr:`shardlm.plan.ledger.MemoryPlan.highs`).
 
     Args:
         groups: the policy's FSDP groups (:func:`shardlm.plan.param_groups.param_groups`); n: ranks in the
@@ -172,12 +173,14 @@ def replay_rollout(led: Ledger, cfg: Config, world_size: int, groups: list[Group
         buffer = round(n * g.shard_numel * c * g.gather_factor)
         led.add("all_gather", buffer, "rollout all-gather")
         led.add("params", round(g.numel * c * g.gather_factor), "rollout all-gather")
+        led.mark("rollout")
         led.free("all_gather", buffer)
         held += round(g.numel * c * g.gather_factor)
     kv = kv_cache_bytes(m.n_layers, m.kv_heads, m.head_dim, rows, prompt + steps, c)
     work = prefill_bytes(rows, prompt, m.dim, m.vocab_size, c, m.final_logit_softcap > 0)
     led.add("rollout", kv, "rollout KV cache")
     led.add("rollout", work, "rollout prefill")
+    led.mark("rollout")
     led.free("rollout", kv + work)
     led.free("params", held)
 
@@ -221,9 +224,10 @@ def plan_rollout(cfg: Config, world_size: int, device: Device) -> RolloutPlan:
         kind, ref_flops, ref_flops / peak)
 
 
-def format_rollout(plan: RolloutPlan, update_s: float) -> list[str]:
+def format_rollout(plan: RolloutPlan, update_s: float, high: int, peak: int) -> list[str]:
     """The plan report's lines on the rollout: its memory (in the peak's ``rollout`` and ``params`` rows when
-    the peak is the rollout's) and its time beside the update's compute time ``update_s``."""
+    the peak is the rollout's), its high point ``high`` beside the step's ``peak`` (bytes), and its time
+    beside the update's compute time ``update_s``."""
     mib = 1024**2
     ref = {"none": "none (rl.beta = 0)", "model": "a frozen copy (its shards in the reference row)",
            "lora_base": "the base with the LoRA adapters off (no second copy)"}[plan.reference]
@@ -232,7 +236,8 @@ def format_rollout(plan: RolloutPlan, update_s: float) -> list[str]:
         f"  rollout: {plan.rows} completions per rank of <= {plan.prompt} prompt + {plan.completion} new "
         f"tokens; sampler's gathered weights {plan.gathered_bytes / mib:,.1f} MiB, KV cache "
         f"{plan.kv_bytes / mib:,.1f} MiB, prefill transients {plan.prefill_bytes / mib:,.1f} MiB; "
-        f"reference: {ref}",
+        f"reference: {ref}; the rollout's high point {high / 1024**3:.3f} GiB per rank ("
+        + ("the step's peak)" if high >= peak else f"the update's {peak / 1024**3:.3f} GiB is the peak)"),
         f"  rollout time: prefill {plan.prefill_s:.4f} s ({plan.prefill_flops:.3e} FLOPs), decode "
         f"{plan.decode_s:.4f} s ({plan.completion - 1 if plan.completion else 0} one-token steps reading "
         f"{plan.decode_bytes / mib:,.1f} MiB: weights and KV cache at the memory bandwidth), "

@@ -57,6 +57,7 @@ from shardlm.data.prepare import is_prepared, load_meta
 from shardlm.data.prompts import PROMPTS
 from shardlm.devices import Device
 from shardlm.metrics.flops import flops_params
+from shardlm.metrics.memory import format_bytes
 from shardlm.parallel.dist import compute_precision
 from shardlm.parallel.options import dtype_from_name
 from shardlm.plan.ledger import Ledger
@@ -228,19 +229,18 @@ def format_rollout(plan: RolloutPlan, update_s: float, high: int, peak: int) -> 
     """The plan report's lines on the rollout: its memory (in the peak's ``rollout`` and ``params`` rows when
     the peak is the rollout's), its high point ``high`` beside the step's ``peak`` (bytes), and its time
     beside the update's compute time ``update_s``."""
-    mib = 1024**2
     ref = {"none": "none (rl.beta = 0)", "model": "a frozen copy (its shards in the reference row)",
            "lora_base": "the base with the LoRA adapters off (no second copy)"}[plan.reference]
     total = plan.prefill_s + plan.decode_s
     return [
         f"  rollout: {plan.rows} completions per rank of <= {plan.prompt} prompt + {plan.completion} new "
-        f"tokens; sampler's gathered weights {plan.gathered_bytes / mib:,.1f} MiB, KV cache "
-        f"{plan.kv_bytes / mib:,.1f} MiB, prefill transients {plan.prefill_bytes / mib:,.1f} MiB; "
+        f"tokens; sampler's gathered weights {format_bytes(plan.gathered_bytes)}, KV cache "
+        f"{format_bytes(plan.kv_bytes)}, prefill transients {format_bytes(plan.prefill_bytes)}; "
         f"reference: {ref}; the rollout's high point {high / 1024**3:.3f} GiB per rank ("
         + ("the step's peak)" if high >= peak else f"the update's {peak / 1024**3:.3f} GiB is the peak)"),
         f"  rollout time: prefill {plan.prefill_s:.4f} s ({plan.prefill_flops:.3e} FLOPs), decode "
         f"{plan.decode_s:.4f} s ({plan.completion - 1 if plan.completion else 0} one-token steps reading "
-        f"{plan.decode_bytes / mib:,.1f} MiB: weights and KV cache at the memory bandwidth), "
+        f"{format_bytes(plan.decode_bytes)}: weights and KV cache at the memory bandwidth), "
         f"{plan.rows * plan.completion / total if total else 0:,.0f} tokens/s; update compute "
         f"{update_s + plan.reference_s:.4f} s"
         + (f" (reference forward {plan.reference_s:.4f} s of it)" if plan.reference_s else "")

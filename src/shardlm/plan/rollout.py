@@ -248,7 +248,7 @@ def format_rollout(plan: RolloutPlan, update_s: float, high: int, peak: int) -> 
         f"  rollout time: prefill {plan.prefill_s:.4f} s ({plan.prefill_flops:.3e} FLOPs), decode "
         f"{plan.decode_s:.4f} s ({plan.completion - 1 if plan.completion else 0} one-token steps reading "
         f"{format_bytes(plan.decode_bytes)}: weights and KV cache at the memory bandwidth), "
-        f"{plan.rows * plan.completion / total if total else 0:,.0f} tokens/s; update compute "
+        f"{plan.rows * plan.completion / total if total else 0:,.0f} tokens/s per rank; update compute "
         f"{update_s + plan.reference_s:.4f} s"
         + (f" (reference forward {plan.reference_s:.4f} s of it)" if plan.reference_s else "")
         + " (lower bounds)",

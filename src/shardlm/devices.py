@@ -3,14 +3,17 @@ throughput per precision, collective bandwidth.
 
 Peaks are the vendors' datasheet numbers, dense (the datasheets print sparse figures twice as high):
 
-| device | bf16 | TF32 | fp32 (no tensor cores) | fp8 | memory | source |
-|---|---|---|---|---|---|---|
-| H100 SXM | 989 TFLOP/s | 495 | 67 | 1979 | 80 GB HBM3 | NVIDIA H100 Tensor Core GPU datasheet |
-| H100 PCIe | 756 | 378 | 51 | 1513 | 80 GB HBM2e | same datasheet |
-| H100 96 GB (torchtitan's runs) | 989 | 495 | 67 | 1979 | 96 GB HBM3 | H100 SXM compute |
-| H200 SXM | 989 | 495 | 67 | 1979 | 141 GB HBM3e | NVIDIA H200 datasheet |
-| A100 SXM 80 GB | 312 | 156 | 19.5 | none | 80 GB HBM2e | NVIDIA A100 datasheet |
-| B200 (HGX) | 2250 | 1100 | 75 | 4500 | 180 GB HBM3e | NVIDIA HGX B200 datasheet, per GPU |
+| device | bf16 | TF32 | fp32 (no tensor cores) | fp8 | memory | memory bandwidth | source |
+|---|---|---|---|---|---|---|---|
+| H100 SXM | 989 TFLOP/s | 495 | 67 | 1979 | 80 GB HBM3 | 3.35 TB/s | NVIDIA H100 Tensor Core GPU datasheet |
+| H100 PCIe | 756 | 378 | 51 | 1513 | 80 GB HBM2e | 2.0 TB/s | same datasheet |
+| H100 96 GB (torchtitan's runs) | 989 | 495 | 67 | 1979 | 96 GB HBM3 | 3.35 TB/s | H100 SXM's (assumed) |
+| H200 SXM | 989 | 495 | 67 | 1979 | 141 GB HBM3e | 4.8 TB/s | NVIDIA H200 datasheet |
+| A100 SXM 80 GB | 312 | 156 | 19.5 | none | 80 GB HBM2e | 2.039 TB/s | NVIDIA A100 datasheet |
+| B200 (HGX) | 2250 | 1100 | 75 | 4500 | 180 GB HBM3e | 8 TB/s | NVIDIA HGX B200 datasheet, per GPU |
+
+The memory bandwidth is what a memory-bound decode step reads its weights and KV cache at (the planner's
+rollout time, :mod:`shardlm.plan.rollout`).
 
 The fp8 column is the dense float8 tensor-core peak (e4m3/e5m2; on B200 MXFP8 runs at the same rate): the
 GEMMs of ``train.float8``'s converted layers run against it, the rest at bf16's.
@@ -19,8 +22,8 @@ Which peak applies is the precision that runs (:func:`shardlm.parallel.dist.comp
 compute, fp32 with TF32 (the default on CUDA), or fp32 without it (``parallel.tf32 = false``).
 Bandwidths are per-GPU bus bandwidths for collectives: NVLink 4 ~450 GB/s per direction (H100/H200),
 NVLink 3 ~300 GB/s (A100), NVLink 5 ~900 GB/s (B200); across nodes one 400 Gb/s InfiniBand NIC per GPU,
-~50 GB/s. The ``cpu`` entry is nominal (a 2-core machine with gloo over loopback) and only orders
-magnitudes; MFU on a CPU uses a measured peak instead (``shardlm/train/mfu.py``).
+~50 GB/s. The ``cpu`` entry is nominal (a 2-core machine with gloo over loopback, 20 GB/s of DRAM bandwidth)
+and only orders magnitudes; MFU on a CPU uses a measured peak instead (``shardlm/train/mfu.py``).
 """
 
 from __future__ import annotations
@@ -58,6 +61,8 @@ class Device:
     """Ranks per node: shard groups larger than this use ``inter_node_bw``."""
     peak_flops_fp8: float = 0.0
     """Dense peak FLOP/s for float8 matrix multiplies (0: no float8 tensor cores)."""
+    memory_bandwidth: float = 0.0
+    """Device memory (HBM; the CPU's DRAM) bandwidth, bytes/s (0: unknown)."""
 
     def peak_flops(self, precision: str) -> float:
         """Dense peak FLOP/s for ``precision``: ``"bf16"``, ``"tf32"``, ``"fp32"`` or ``"fp8"`` (0 on a device
@@ -85,13 +90,20 @@ def _cpu_memory() -> int:
 
 
 DEVICES: dict[str, Device] = {
-    "h100": Device("h100", 81559 * MIB, 989e12, 495e12, 67e12, 450e9, 50e9, peak_flops_fp8=1979e12),
-    "h100-pcie": Device("h100-pcie", 81559 * MIB, 756e12, 378e12, 51e12, 300e9, 50e9, peak_flops_fp8=1513e12),
-    "h100-96gb": Device("h100-96gb", 97871 * MIB, 989e12, 495e12, 67e12, 450e9, 50e9, peak_flops_fp8=1979e12),
-    "h200": Device("h200", 143771 * MIB, 989e12, 495e12, 67e12, 450e9, 50e9, peak_flops_fp8=1979e12),
-    "a100-80gb": Device("a100-80gb", 81920 * MIB, 312e12, 156e12, 19.5e12, 300e9, 25e9),
-    "b200": Device("b200", 183359 * MIB, 2250e12, 1100e12, 75e12, 900e9, 50e9, peak_flops_fp8=4500e12),
-    "cpu": Device("cpu", _cpu_memory(), 1e11, 5e10, 5e10, 5e9, 5e9, gpus_per_node=1 << 30),
+    "h100": Device("h100", 81559 * MIB, 989e12, 495e12, 67e12, 450e9, 50e9, peak_flops_fp8=1979e12,
+                   memory_bandwidth=3.35e12),
+    "h100-pcie": Device("h100-pcie", 81559 * MIB, 756e12, 378e12, 51e12, 300e9, 50e9, peak_flops_fp8=1513e12,
+                        memory_bandwidth=2.0e12),
+    "h100-96gb": Device("h100-96gb", 97871 * MIB, 989e12, 495e12, 67e12, 450e9, 50e9, peak_flops_fp8=1979e12,
+                        memory_bandwidth=3.35e12),
+    "h200": Device("h200", 143771 * MIB, 989e12, 495e12, 67e12, 450e9, 50e9, peak_flops_fp8=1979e12,
+                   memory_bandwidth=4.8e12),
+    "a100-80gb": Device("a100-80gb", 81920 * MIB, 312e12, 156e12, 19.5e12, 300e9, 25e9,
+                        memory_bandwidth=2.039e12),
+    "b200": Device("b200", 183359 * MIB, 2250e12, 1100e12, 75e12, 900e9, 50e9, peak_flops_fp8=4500e12,
+                   memory_bandwidth=8e12),
+    "cpu": Device("cpu", _cpu_memory(), 1e11, 5e10, 5e10, 5e9, 5e9, gpus_per_node=1 << 30,
+                  memory_bandwidth=2e10),
 }
 
 #: substrings of ``torch.cuda.get_device_name()`` -> key of :data:`DEVICES`, most specific first

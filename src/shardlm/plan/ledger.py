@@ -8,7 +8,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 PARTS = ("params", "grads", "optimizer", "all_gather", "reduce_scatter", "activations", "temporaries",
-         "buffers", "reference")
+         "buffers", "reference", "rollout")
 """Categories of the breakdown, in display order."""
 
 
@@ -25,6 +25,8 @@ class MemoryPlan:
     """Number of model parameters P (tied weights once)."""
     micro_batches: int = 1
     notes: list[str] = field(default_factory=list)
+    highs: dict[str, int] = field(default_factory=dict)
+    """The total at the high point of named phases, when it is not the peak's (``rollout``: online RL's)."""
 
 
 class Ledger:
@@ -34,10 +36,19 @@ class Ledger:
         self.now: dict[str, int] = defaultdict(int)
         self.peak, self.at, self.phase = 0, {}, ""
         self.excluded = device_excludes
+        self.highs: dict[str, int] = {}
+
+    def total(self) -> int:
+        """Bytes alive on the device now (the parts not excluded)."""
+        return sum(v for k, v in self.now.items() if k not in self.excluded)
+
+    def mark(self, name: str) -> None:
+        """Remember the total now as the high point of the phase ``name`` if it is the highest seen."""
+        self.highs[name] = max(self.highs.get(name, 0), self.total())
 
     def add(self, part: str, nbytes: int, phase: str) -> None:
         self.now[part] += nbytes
-        total = sum(v for k, v in self.now.items() if k not in self.excluded)
+        total = self.total()
         if total > self.peak:
             self.peak, self.phase = total, phase
             self.at = {k: (0 if k in self.excluded else self.now.get(k, 0)) for k in PARTS}

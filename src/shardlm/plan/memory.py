@@ -23,9 +23,10 @@ and no AdamW state; a LoRA base is stored in ``lora.base_dtype`` (fp32 or bf16: 
 NF4: every frozen weight matrix, the token embedding and output projection included, at ~0.52 bytes per value,
 all-gathered as such and dequantised one layer at a time, a transient not modelled; norms stay fp32).
 
-Preference tuning (:mod:`shardlm.plan.preference`): the reference's bytes are the ``reference`` part; a frozen
-reference model's no-grad forward is replayed at the start of each micro-batch, LoRA's base (the policy with
-its adapters off) as the policy's own no-grad forward.
+Preference tuning and online RL (:mod:`shardlm.plan.preference`): the reference's bytes are the
+``reference`` part; a frozen reference model's no-grad forward is replayed at the start of each micro-batch,
+LoRA's base (the policy with its adapters off) as the policy's own no-grad forward. Online RL's rollout is
+replayed before the first micro-batch (:mod:`shardlm.plan.rollout`: the ``rollout`` part).
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ from shardlm.plan.preference import (
     no_grad_head_bytes,
     reference_memory,
 )
+from shardlm.plan.rollout import replay_rollout
 
 __all__ = ["PARTS", "Group", "MemoryPlan", "Settings", "meta_model", "param_groups", "plan_memory"]
 
@@ -202,6 +204,8 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
                                      if g.name in ("root", "head") or not st.reshard_after_forward),
                     "step start")
     led.add("reference", ref.table_bytes, "step start")
+    if cfg.data.format == "prompts":  # online RL: the rollout, before the micro-batches (plan/rollout.py)
+        replay_rollout(led, cfg, world_size, groups, n, fsdp)
 
     unsharded: dict[str, bool] = {}
     prefetched: dict[str, int] = {}  # group -> bytes of its all-gather buffer awaiting copy-out
@@ -442,4 +446,4 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
     led.add("temporaries", 0, "clip and optimizer step")
     breakdown = dict(led.at)
     host = stored + 3 * 4 * train_local + 4 * n_tensors + ref_stored if offload else 0
-    return MemoryPlan(led.peak, breakdown, led.phase, host, p_total, k)
+    return MemoryPlan(led.peak, breakdown, led.phase, host, p_total, k, highs=led.highs)

@@ -22,6 +22,9 @@ the reference (:mod:`shardlm.train.reference`); and what distillation's teacher 
   its forward keeps its final hidden states (c·N·D_t) and a copy of its output weight (c·V·D_t) until the
   student's loss, which holds a few more ``chunk × vocab`` fp32 buffers than the cross-entropy
   (:func:`distill_loss_bytes`).
+* **Online RL** (``data.format = "prompts"``, ``rl.beta`` > 0): the same kinds, by
+  :func:`shardlm.train.objectives.grpo.rl_reference_kind`, never precomputed; its log-probs' head projects at
+  most ``rl.max_completion_length`` tokens per row (:mod:`shardlm.plan.rollout` counts the rollout).
 * **Precomputed** (``precompute_reference``): the (pairs, 2) fp64 table of every training pair on each rank;
   the reference model is freed before step 1.
 """
@@ -41,6 +44,7 @@ from shardlm.data.prepare import is_prepared, load_meta
 from shardlm.plan.activations import Shape
 from shardlm.plan.ledger import Ledger
 from shardlm.plan.param_groups import Group
+from shardlm.train.objectives.grpo import rl_reference_kind
 from shardlm.train.reference import reference_config, reference_kind
 from shardlm.train.teacher import teacher_config
 
@@ -103,6 +107,10 @@ def reference_memory(cfg: Config) -> ReferenceMemory:
     :func:`shardlm.train.reference.reference_kind`'s, or ``teacher`` under distillation."""
     if cfg.distill.teacher_from:
         return ReferenceMemory(TEACHER, True, 0, False, loss_buffers=10 if cfg.distill.loss == "jsd" else 6)
+    if cfg.data.format == "prompts":  # online RL: at most max_completion_length scored tokens per row
+        kind = rl_reference_kind(cfg)
+        return ReferenceMemory(kind, kind == "model", 0, kind == "lora_base",
+                               float(cfg.rl.max_completion_length))
     if cfg.data.format != "preference":
         return ReferenceMemory("", False, 0, False)
     kind = reference_kind(cfg)
@@ -116,9 +124,11 @@ def reference_memory(cfg: Config) -> ReferenceMemory:
 
 def frozen_model_config(cfg: Config) -> Config:
     """The config of the frozen model that runs beside the trained one: the distillation teacher's
-    (:func:`~shardlm.train.teacher.teacher_config`) or the preference reference's
-    (:func:`~shardlm.train.reference.reference_config`)."""
-    return teacher_config(cfg) if cfg.distill.teacher_from else reference_config(cfg)
+    (:func:`~shardlm.train.teacher.teacher_config`) or the reference's
+    (:func:`~shardlm.train.reference.reference_config`; online RL's from ``rl.reference_from``)."""
+    if cfg.distill.teacher_from:
+        return teacher_config(cfg)
+    return reference_config(cfg, cfg.rl.reference_from if cfg.data.format == "prompts" else None)
 
 
 def distill_loss_bytes(ref: ReferenceMemory, scored: int, vocab: int, teacher_dim: int, c: int,

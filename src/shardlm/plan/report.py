@@ -16,6 +16,7 @@ from shardlm.plan.documents import document_mask_bytes, document_shape, has_docu
 from shardlm.plan.ledger import PARTS, MemoryPlan
 from shardlm.plan.memory import Settings, plan_memory
 from shardlm.plan.param_groups import meta_model
+from shardlm.plan.rollout import format_rollout, plan_rollout
 from shardlm.plan.search import format_fits, search
 from shardlm.plan.time import TimePlan, plan_time
 from shardlm.train.defaults import DefaultChoice, describe_defaults
@@ -31,7 +32,10 @@ LABELS = {
     "temporaries": "temporaries (loss, backward transients)",  # the loss's part: loss_label()
     "buffers": "buffers (RoPE tables)",
     "reference": "preference reference (frozen model / table)",
+    "rollout": "rollout (KV cache, prefill transients)",
 }
+#: the ``reference`` part's label under online RL
+RL_REFERENCE_LABEL = "RL reference (frozen model)"
 #: the ``reference`` part's label under distillation
 TEACHER_LABEL = "distillation teacher (frozen model)"
 
@@ -106,7 +110,7 @@ def part_applies(cfg: Config, part: str) -> bool:
     all-gather buffers under FSDP, the reduce-scatter buffers (DDP's buckets) with more than one process,
     the reference with preference tuning; the rest always."""
     needs = {"all_gather": cfg.parallel.mode == "fsdp", "reduce_scatter": cfg.parallel.mode != "single",
-             "reference": cfg.data.format == "preference"}
+             "reference": cfg.data.format == "preference", "rollout": cfg.data.format == "prompts"}
     return needs.get(part, True)
 
 
@@ -177,8 +181,8 @@ def format_plan(cfg: Config, world_size: int, device_name: str, headroom: float,
         )
     for part in PARTS:
         label = loss_label(cfg.train.loss_chunk_tokens) if part == "temporaries" else LABELS[part]
-        if part == "reference" and cfg.distill.teacher_from:
-            label = TEACHER_LABEL
+        if part == "reference" and (cfg.distill.teacher_from or cfg.data.format == "prompts"):
+            label = TEACHER_LABEL if cfg.distill.teacher_from else RL_REFERENCE_LABEL
         if part_applies(cfg, part) or plan.breakdown.get(part, 0):  # a row with bytes always
             lines.append(f"    {label:<48} {plan.breakdown.get(part, 0) / GIB:9.3f} GiB")
     lines.append(f"    {'total':<48} {plan.peak / GIB:9.3f} GiB")
@@ -196,6 +200,9 @@ def format_plan(cfg: Config, world_size: int, device_name: str, headroom: float,
         f"{times.comm_s:.3f} s ({times.comm_bytes / GIB:.2f} GiB per rank)",
         f"             {times.overlapped_s:.3f} s fully overlapped, {times.serial_s:.3f} s serial (lower "
         "bounds: 100% MFU)",
+        *(format_rollout(plan_rollout(cfg, world_size, device), times.compute_s, plan.highs.get("rollout", 0),
+                         plan.peak)
+          if cfg.data.format == "prompts" else []),
         *(notes or []),
     ]
     fits = plan.peak <= budget  # the verdict last, where the reader ends, then what to change

@@ -6,7 +6,9 @@ PP 2 under ``gpipe``, ``1f1b`` (checkpoints at steps 2 and 3), ``interleaved_1f1
 (the last three: 4 stages of one block, two per rank; the V schedules split each backward into input and weight);
 then FSDP 2 and PP 2 resuming FSDP 2's step-2 checkpoint; FSDP 2 x PP 2 (``1f1b``), PP 4 (``1f1b``, one block
 per stage) and TP 2 x PP 2 (``1f1b``, and ``zbv``: the vocabulary-parallel loss under a split backward) at 4
-ranks; one process: the reference and a resume of PP 2's step-2 checkpoint.
+ranks; one process: the references and a resume of PP 2's step-2 checkpoint. The small corpus is one document
+(no micro-batch holds a document start); PP 4 and TP 2 x PP 2 under ``zbv`` run on it cut into short
+documents (:data:`ON_DOCUMENTS`: every stage masks by them).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from conftest import run_scenarios, scenario, tiny_overrides, torchrun
 from shardlm.convert.hf_in import load_model_dir
+from shardlm.data import prepare_corpus
 from tolerance import EPS, assert_all_close, assert_close
 
 STEPS = 3
@@ -38,23 +41,40 @@ PIPELINES = {
     "tp2_pp2_1f1b": (4, {"parallel.pp": 2, "parallel.tp": 2, "parallel.pp_schedule": '"1f1b"'}),
     "tp2_pp2_zbv": (4, {"parallel.pp": 2, "parallel.tp": 2, "parallel.pp_schedule": '"zbv"'}),
 }
+#: the runs on short documents (block-causal attention; a micro-batch without a document start comes plain),
+#: against ``single_docs``
+ON_DOCUMENTS = ("pp4_1f1b", "tp2_pp2_zbv")
 
 
 @pytest.fixture(scope="module")
-def runs(small_data, tmp_path_factory):
+def docs_data(small_corpus, tmp_path_factory):
+    """The small corpus cut into documents of 4 lines (about 50 tokens: most 32-token windows hold a
+    document start, some none), tokenized with a 512-token BPE."""
+    pieces = tmp_path_factory.mktemp("docs")
+    lines = small_corpus.read_text().splitlines()
+    for i in range(0, len(lines), 4):
+        (pieces / f"{i:06d}.txt").write_text("\n".join(lines[i:i + 4]))
+    out = tmp_path_factory.mktemp("docs_data") / "docs"
+    prepare_corpus(str(pieces), str(out), None, 512, 0.1)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(small_data, docs_data, tmp_path_factory):
     """Every launch of this file: {name: [rank reports]} and the run root."""
     root = tmp_path_factory.mktemp("pp")
     d, out = small_data, root / "out"
     reports = {}
     for ranks in (2, 4):
-        scenarios = [scenario(name, d, root, {**FEW, **extra}) for name, (n, extra) in PIPELINES.items()
-                     if n == ranks]
+        scenarios = [scenario(name, docs_data if name in ON_DOCUMENTS else d, root, {**FEW, **extra})
+                     for name, (n, extra) in PIPELINES.items() if n == ranks]
         if ranks == 2:  # FSDP 2's step-2 checkpoint resumed at PP 2 (after FSDP 2 ran, in the same launch)
             scenarios += [scenario("fsdp2", d, root, FEW), scenario("fsdp2_to_pp2", d, root, {
                 **FEW, **PIPELINES["pp2_1f1b"][1], "checkpoint.resume": f'"{root / "fsdp2/checkpoints/step-2"}"'})]
         reports.update(run_scenarios(ranks, scenarios, out))
     reports.update(run_scenarios(1, [
         scenario("single", d, root, {**FEW, "parallel.mode": '"single"'}),
+        scenario("single_docs", docs_data, root, {**FEW, "parallel.mode": '"single"'}),
         scenario("pp2_to_single", d, root, {**FEW, "parallel.mode": '"single"',
                                             "checkpoint.resume": f'"{root / "pp2_1f1b/checkpoints/step-2"}"'}),
     ], out))
@@ -78,9 +98,10 @@ def test_pipeline_equals_one_process(runs, name):
     gradient norms within 1e-6 relative, weights within 1e-4 of the largest (measured: losses equal, gradient
     norms 5e-9 relative, weights 4.9e-6, under both schedules)."""
     reports, root = runs
-    got, ref = history(reports[name]), history(reports["single"])
+    single = "single_docs" if name in ON_DOCUMENTS else "single"
+    got, ref = history(reports[name]), history(reports[single])
     assert sorted(got) == sorted(ref) == list(range(1, STEPS + 1))
-    p, q = (load_file(str(root / n / "final" / "model.safetensors")) for n in (name, "single"))
+    p, q = (load_file(str(root / n / "final" / "model.safetensors")) for n in (name, single))
     loss = max(abs(got[s]["loss"] - ref[s]["loss"]) for s in ref)
     params = max((p[k] - q[k]).abs().max().item() for k in q)
     print(f"{name} vs one process: loss {loss:.1e}, params {params:.1e}")
@@ -99,7 +120,7 @@ def test_pipeline_equals_one_process(runs, name):
     per_stage = ranks // pp
     ids = {s: [i for r in reports[name][:per_stage:tp] for i in r["sample_ids"][s]]
            for s in reports[name][0]["sample_ids"]}
-    assert ids == reports["single"][0]["sample_ids"]
+    assert ids == reports[single][0]["sample_ids"]
     last = 0 if name.endswith(("zbv", "dualpipev")) else pp - 1  # a V: the last stage on the first rank
     for rank, report in enumerate(reports[name]):  # a stage's ranks hold its names only; all stages all names
         held = set(report["params"])

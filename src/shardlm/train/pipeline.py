@@ -115,7 +115,10 @@ class PipelineMicroBatches:
         pieces = [objective.pipeline_batch(batch) for batch in inputs.batches]
         tokens = torch.cat([p[0] for p in pieces])
         targets = torch.cat([p[1] for p in pieces])
-        kwargs = {k: torch.cat([p[2][k] for p in pieces]) for k in pieces[0][2]}
+        kwargs = {}
+        if any("documents" in p[2] for p in pieces):  # one tensor for the schedule to split: a micro-batch
+            # without a document start comes plain (shardlm/data/packing.py), each row one document (0)
+            kwargs["documents"] = torch.cat([p[2].get("documents", torch.zeros_like(p[1])) for p in pieces])
         self._scale, self._numerators = scale, []
         args = (tokens,) if self.plan.first else ()
         self.schedule.step(*args, target=targets, targets=targets, **kwargs)

@@ -8,6 +8,11 @@ tokens × vocabulary is sent or kept).
 Each micro-batch's loss numerator is multiplied by the step's scale (N / the global batch's denominator, the
 same as without stages) before the schedule differentiates it, and the schedule does not scale gradients, so
 the update equals one process's on the whole batch.
+
+Under tensor parallel (``parallel.tp`` > 1) every stage's part is split over its ``tp`` ranks: a rank sends
+and receives only its sequence shard of the hidden states (B, T / tp, D; the rank with the same ``tp``
+coordinate on the neighbouring stage is its peer in the ``pp`` group), the later stages are told the whole
+length T (the rotary tables, the documents), and the last stage's loss is vocabulary-parallel.
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ class StageModule(nn.Module):
     def forward(self, x: torch.Tensor, targets: torch.Tensor,
                 documents: torch.Tensor | None = None) -> torch.Tensor:
         # hidden states of a sequence shard (tensor parallel): the rotary tables cover the whole sequence
-        extra = {} if self.first else {"seq_len": x.shape[1] * self.tp}
+        extra = {"seq_len": x.shape[1] * self.tp} if self.tp > 1 and not self.first else {}
         if self.last:  # (1,): the schedule concatenates the micro-batches' outputs
             return model_loss_sum(self.part, x, targets, self.chunk_tokens, documents,
                                   backward_twice=self.split, **extra).reshape(1)

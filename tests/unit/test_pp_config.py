@@ -12,6 +12,7 @@ from shardlm.errors import ConfigError
 from shardlm.model.decoder import CausalLM
 from shardlm.parallel.dist import DistInfo, data_parallel_rank, mesh_dims
 from shardlm.parallel.pp import apply_pp, stage_plan
+from shardlm.plan.pipeline import plan_pp_memory
 from shardlm.train.objectives.objective import Objective
 from tolerance import assert_close
 
@@ -41,7 +42,7 @@ def refusal(overrides: list[str], world_size: int | None = None) -> str:
      "pipeline parallel (parallel.pp=2) with preference tuning (data.format = 'preference') is not built"),
     (["--parallel.pp=2", "--model.tie_embeddings=true"], None, "with tied embeddings"),
     (["--parallel.pp=2", "--lora.enabled=true"], None, "with LoRA"),
-    (["--parallel.pp=2", "--parallel.tp=2"], None, "with tensor parallel (parallel.tp=2)"),
+    (["--parallel.pp=2", "--parallel.cp=2"], None, "with context parallel (parallel.cp=2)"),
     (["--parallel.pp=2", '--parallel.pp_schedule="dualpipev"', "--train.global_batch_size=8",
       "--train.micro_batch_size=4"], 2,
      "parallel.pp_schedule='dualpipev' at parallel.pp=2 needs at least 4 micro-batches per step, but the "
@@ -61,6 +62,22 @@ def test_gpipe_takes_fewer_micro_batches_than_stages():
     assert mesh_dims(cfg.parallel, 4, 4) == [("pp", 2), ("dp_shard", 2)]
     info = [DistInfo(r, r, 4, torch.device("cpu"), "gloo") for r in range(4)]
     assert [data_parallel_rank(i, cfg.parallel) for i in info] == [(0, 2), (1, 2), (0, 2), (1, 2)]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_tensor_parallel_within_stages_is_accepted(schedule):
+    """TP 2 x PP 2 at 4 ranks: accepted under a looped and a V schedule; the mesh is ``pp, dp_shard, tp``
+    (tp innermost), the two ranks of a tensor-parallel group read the same samples, and the pipeline planner
+    refuses it by name (not modelled)."""
+    cfg = load_config(None, TINY + ["--parallel.pp=2", "--parallel.tp=2",
+                                    f'--parallel.pp_schedule="{schedule}"', "--train.global_batch_size=8",
+                                    "--train.micro_batch_size=2"])
+    check_ranks(cfg, 4)
+    assert mesh_dims(cfg.parallel, 4, 4) == [("pp", 2), ("dp_shard", 1), ("tp", 2)]
+    info = [DistInfo(r, r, 4, torch.device("cpu"), "gloo") for r in range(4)]
+    assert [data_parallel_rank(i, cfg.parallel) for i in info] == [(0, 1)] * 4
+    with pytest.raises(ConfigError, match="the pipeline planner does not model tensor parallel"):
+        plan_pp_memory(cfg, 4)
 
 
 def test_an_objective_without_a_pipeline_form_is_refused_by_name():

@@ -145,8 +145,14 @@ def check_pp(cfg: Config, world_size: int | None, micro_batches: int | None = No
         ConfigError: ``parallel.pp`` < 1 or not dividing the world size; stages that do not divide the blocks
             (:func:`pp_stage_layers`); fewer micro-batches per step than the schedule needs
             (:func:`min_pp_microbatches`); with ``parallel.pp`` > 1, a setting not built with it: preference
-            tuning, a mixture of experts, LoRA, tied embeddings, tensor, context or expert parallel, or a mode
-            other than fsdp.
+            tuning, a mixture of experts, LoRA, tied embeddings, context or expert parallel, or a mode other
+            than fsdp.
+
+    Tensor parallel (``parallel.tp`` > 1) composes with every schedule: each stage's part is split over its
+    ``tp`` ranks (:func:`shardlm.parallel.tp.apply_tp` skips what the stage does not hold), the hidden states
+    travel between stages as each rank's sequence shard (seq_len / tp tokens), the last stage's loss is
+    vocabulary-parallel, and the gradient norm is summed over the ``tp`` and then the ``pp`` groups; what
+    ``tp`` must divide is :func:`check_tp`'s.
     """
     p, m = cfg.parallel, cfg.model
     if p.pp < 1:
@@ -163,7 +169,6 @@ def check_pp(cfg: Config, world_size: int | None, micro_batches: int | None = No
         (cfg.lora.enabled, "LoRA (lora.enabled)", "set parallel.pp = 1"),
         (m.tie_embeddings, "tied embeddings (model.tie_embeddings)",
          "the embedding lives on the first stage and the output projection on the last; set parallel.pp = 1"),
-        (p.tp > 1, f"tensor parallel (parallel.tp={p.tp})", "set parallel.tp = 1"),
         (p.cp > 1, f"context parallel (parallel.cp={p.cp})", "set parallel.cp = 1"),
         (p.ep > 1, f"expert parallel (parallel.ep={p.ep})", "set parallel.ep = 1"),
         (p.mode != "fsdp", f"parallel.mode={p.mode!r}", "use parallel.mode = 'fsdp' (each stage FSDP-sharded "

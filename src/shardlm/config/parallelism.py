@@ -40,15 +40,17 @@ class ParallelConfig:
     o and down by rows, the embedding and output projection by vocabulary rows, norms and residuals sharded
     along the sequence between the blocks (sequence parallel), the loss vocabulary-parallel
     (``shardlm/parallel/tp.py``). The innermost mesh dimension (consecutive ranks, within one node);
-    ``dp_replicate × dp_shard × tp`` must equal the world size. Needs ``mode = "fsdp"``; 1 = off."""
+    ``dp_replicate × dp_shard × tp`` must equal the world size (per pipeline stage under ``pp``). Needs
+    ``mode = "fsdp"``; composes with ``pp`` (each stage split over its ``tp`` ranks); 1 = off."""
     pp: int = 1
     """Pipeline-parallel stages (``shardlm/parallel/pp.py``): the blocks are cut into ``pp`` consecutive
     stages (``pp`` × 2 with the interleaved and V schedules), each held by the ranks of one ``pp`` coordinate,
     the outermost mesh dimension (torchtitan's order ``pp, dp_replicate, dp_shard, cp, tp``); activations and
     their gradients travel between neighbouring stages point to point, and every stage is FSDP-sharded over
     its own data-parallel ranks. The step's micro-batches (``train.micro_batch_size`` each) are the
-    pipeline's.
-    ``pp`` must divide the world size; 1 = no pipeline."""
+    pipeline's. With ``tp`` > 1 each stage is also split over its ``tp`` ranks (every schedule) and a rank
+    sends its sequence shard (``seq_len / tp`` tokens) to the next stage; ``shardlm plan`` does not model
+    that layout yet. ``pp`` must divide the world size; 1 = no pipeline."""
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev"] = "1f1b"
     """The pipeline schedule (``torch.distributed.pipelining``): ``gpipe`` (every micro-batch forward, then
     every backward), ``1f1b`` (one forward, one backward: at most ``pp`` micro-batches in flight),

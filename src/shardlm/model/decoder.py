@@ -238,7 +238,8 @@ class CausalLM(nn.Module):
     (batch, seq, vocab_size) in the compute dtype. With ``tie_embeddings`` the output projection
     is the embedding tensor itself, and ``named_parameters()`` lists it once, as HF does.
     A part (a pipeline stage, :mod:`shardlm.parallel.pp`) has ``None`` for what it lacks, names unchanged: no
-    embedding: the input is hidden states (batch, seq, dim); a None block is skipped; no norm: returns those.
+    embedding: the input is hidden states (batch, seq, dim), or a rank's (batch, seq / T, dim) under sequence
+    parallel with ``seq_len=seq``; a None block is skipped; no norm: returns those.
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -264,7 +265,7 @@ class CausalLM(nn.Module):
                 documents: torch.Tensor | None = None,
                 head: Callable[[CausalLM, torch.Tensor], torch.Tensor] | None = None,
                 positions: torch.Tensor | None = None, masks: dict[int, Any] | None = None,
-                real_tokens: torch.Tensor | None = None) -> torch.Tensor:
+                real_tokens: torch.Tensor | None = None, seq_len: int | None = None) -> torch.Tensor:
         """tokens (batch, seq) int64 -> logits (batch, seq, vocab_size), or ``head``'s result.
 
         With ``head`` the output projection is left to it: it gets this model and the final norm's output
@@ -290,16 +291,16 @@ class CausalLM(nn.Module):
 
         ``real_tokens`` (batch, seq) bool: True at every token that is not padding (transformers'
         ``attention_mask``); the mixture-of-experts layers count only these in their router statistics
-        (:class:`~shardlm.model.moe.MoE`). None: every token is real. Attention and outputs do not depend on
-        it.
+        (:class:`~shardlm.model.moe.MoE`). None: every token is real. Attention and outputs ignore it.
+        ``seq_len``: seq when ``tokens`` are a part's hidden states of seq / T tokens (the class docstring).
 
         Raises:
             ValueError: the sequence (or cache length + seq) exceeds ``max_seq_len``; ``documents`` with a
-                cache, of another shape than ``tokens`` or under ``cfg.attention = "causal"``; a backend this
-                PyTorch lacks; ``positions`` without ``masks`` (or the other way round), or with a cache or
-                ``documents``; ``real_tokens`` of another shape than ``tokens``.
+                cache, of another shape than (batch, seq) or under ``cfg.attention = "causal"``; a backend
+                this PyTorch lacks; ``positions`` without ``masks`` (or the other way round), or with a cache
+                or ``documents``; ``real_tokens`` of another shape than ``tokens``.
         """
-        t = tokens.shape[1]
+        t = tokens.shape[1] if seq_len is None else seq_len
         decoder = self.model
         doc_masks = None
         if (positions is None) != (masks is None) or (
@@ -318,9 +319,8 @@ class CausalLM(nn.Module):
                                  "token attends to the earlier tokens of the other documents of its row: "
                                  "set attention = 'block_causal' (or 'auto') to keep the documents apart, or "
                                  "pass no documents for plain causal attention")
-            if cache is not None or documents.shape != tokens.shape:
-                raise ValueError(f"documents {tuple(documents.shape)} need tokens of the same shape "
-                                 f"{tuple(tokens.shape)} and no cache")
+            if cache is not None or documents.shape != (tokens.shape[0], t):
+                raise ValueError(f"documents {tuple(documents.shape)} need {(tokens.shape[0], t)}, no cache")
             if t > self.cfg.max_seq_len:
                 raise ValueError(f"sequence of {t} tokens exceeds max_seq_len={self.cfg.max_seq_len}")
             backend = doc_attention.resolve_backend(self.cfg.attention_backend, tokens.device,

@@ -86,18 +86,26 @@ def apply_tp(model: CausalLM, tp_mesh: DeviceMesh) -> CausalLM:
        vocabulary (a DTensor ``Shard(-1)``; the chunked loss reads the projection's weight itself);
     4. tied embeddings: the output projection takes the embedding's (already split) weight back.
 
+    A pipeline stage (:func:`shardlm.parallel.pp.apply_pp`: what it does not hold is ``None``) gets the
+    plan of what it holds: the embedding on the first stage only, the final norm and output projection on
+    the last, its own blocks; between stages the hidden states travel as each rank's local
+    (batch, seq / T, dim) sequence shard.
+
     Async TP (``parallel.async_tp``, CUDA only) is a compile option of the blocks afterwards:
     :data:`ASYNC_TP_COMPILE_OPTIONS`.
 
     Returns the same object; its parameters are DTensors on ``tp_mesh``.
     """
-    parallelize_module(model, tp_mesh, {
+    plan = {
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "model.norm": SequenceParallel(),
         "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
-    })
+    }
+    held = {name: module for name, module in model.named_modules() if module is not None}
+    parallelize_module(model, tp_mesh, {name: style for name, style in plan.items() if name in held})
     for block in model.model.layers:
-        parallelize_module(block, tp_mesh, block_plan(model.cfg))
+        if block is not None:  # a pipeline stage holds only its own blocks
+            parallelize_module(block, tp_mesh, block_plan(model.cfg))
     if model.cfg.tie_embeddings:  # one Parameter again: both are Shard(0) over the vocabulary
         model.lm_head.weight = model.model.embed_tokens.weight
     return model

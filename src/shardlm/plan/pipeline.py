@@ -24,8 +24,9 @@ data-parallel ranks of its stage (``shardlm/train/pipeline.py``). Its peak, per 
 
 The peak is the larger of two moments: the first backward (the in-flight micro-batches' activations, no
 gradient yet) and, when the schedule runs a forward after a backward, the steady state (the same activations
-and every gradient). Tensor, context and expert parallel and LoRA are refused with stages by
-:func:`shardlm.config.layout.check_pp`, so none is modelled here.
+and every gradient). Context and expert parallel and LoRA are refused with stages by
+:func:`shardlm.config.layout.check_pp`; tensor parallel with stages trains but is not modelled here (refused
+by :func:`plan_pp_memory`).
 """
 
 from __future__ import annotations
@@ -121,7 +122,8 @@ def plan_pp_memory(cfg: Config, world_size: int, device: str = "cpu") -> list[St
     Raises:
         ConfigError: a layout training refuses (:func:`shardlm.config.layout.check_pp`: stages that do not
             divide the blocks, too few micro-batches for the schedule, a setting not built with stages); HSDP
-            (``parallel.dp_replicate`` != 1), not modelled with stages.
+            (``parallel.dp_replicate`` != 1) or tensor parallel (``parallel.tp`` > 1), not modelled with
+            stages.
     """
     cfg = with_fixed_defaults(cfg)
     p = cfg.parallel
@@ -130,6 +132,10 @@ def plan_pp_memory(cfg: Config, world_size: int, device: str = "cpu") -> list[St
         raise ConfigError(f"parallel.dp_replicate={p.dp_replicate} with parallel.pp={p.pp}: the pipeline "
                           "planner models each stage FSDP-sharded over all of its world size / pp ranks, "
                           "not HSDP")
+    if p.tp != 1:
+        raise ConfigError(f"parallel.tp={p.tp} with parallel.pp={p.pp}: the pipeline planner does not model "
+                          "tensor parallel within the stages yet (training runs it); plan with "
+                          "parallel.tp = 1")
     dp = world_size // p.pp
     k = gradient_accumulation_steps(cfg, dp)
     check_pp(cfg, world_size, k)

@@ -110,7 +110,8 @@ def output_loss_sum(llama: nn.Module, hidden: Tensor, targets: Tensor, chunk_tok
     head = llama.lm_head
     weight = head.weight
     if isinstance(weight, DTensor):  # tensor parallel: this rank's vocabulary rows (no LoRA, parallel/tp.py)
-        return vocab_parallel_loss_sum(hidden, weight, targets, chunk_tokens, llama.cfg.final_logit_softcap)
+        return vocab_parallel_loss_sum(hidden, weight, targets, chunk_tokens, llama.cfg.final_logit_softcap,
+                                       backward_twice)
     lora = None
     fp32_matmul = isinstance(head, Fp32MatmulLinear)
     if isinstance(head, LoRALinear):

@@ -8,6 +8,11 @@ tokens × vocabulary is sent or kept).
 Each micro-batch's loss numerator is multiplied by the step's scale (N / the global batch's denominator, the
 same as without stages) before the schedule differentiates it, and the schedule does not scale gradients, so
 the update equals one process's on the whole batch.
+
+Under tensor parallel (``parallel.tp`` > 1) every stage's part is split over its ``tp`` ranks: a rank sends
+and receives only its sequence shard of the hidden states (B, T / tp, D; the rank with the same ``tp``
+coordinate on the neighbouring stage is its peer in the ``pp`` group), the later stages are told the whole
+length T (the rotary tables, the documents), and the last stage's loss is vocabulary-parallel.
 """
 
 from __future__ import annotations
@@ -35,20 +40,25 @@ class StageModule(nn.Module):
     and on the last stage the summed token loss of the micro-batch (0-dim fp32) in place of the logits.
 
     ``forward(x, targets, documents=None)``: x the token ids (B, T) int64 on the first stage, else the
-    previous stage's hidden states (B, T, D); returns the hidden states (B, T, D), or the loss on the last
-    stage, shape (1,).
+    previous stage's hidden states (B, T / tp, D: under tensor parallel each rank's sequence shard, the
+    blocks' residual stream); returns the hidden states (B, T / tp, D), or the loss on the last stage, shape
+    (1,).
     """
 
-    def __init__(self, part: nn.Module, last: bool, chunk_tokens: int, split_backward: bool = False) -> None:
+    def __init__(self, part: nn.Module, first: bool, last: bool, chunk_tokens: int,
+                 split_backward: bool = False, tp: int = 1) -> None:
         super().__init__()
         self.part, self.last, self.chunk_tokens, self.split = part, last, chunk_tokens, split_backward
+        self.first, self.tp = first, tp
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor,
                 documents: torch.Tensor | None = None) -> torch.Tensor:
+        # hidden states of a sequence shard (tensor parallel): the rotary tables cover the whole sequence
+        extra = {"seq_len": x.shape[1] * self.tp} if self.tp > 1 and not self.first else {}
         if self.last:  # (1,): the schedule concatenates the micro-batches' outputs
             return model_loss_sum(self.part, x, targets, self.chunk_tokens, documents,
-                                  backward_twice=self.split).reshape(1)
-        return self.part(x, documents=documents)
+                                  backward_twice=self.split, **extra).reshape(1)
+        return self.part(x, documents=documents, **extra)
 
 
 class PipelineMicroBatches:
@@ -68,7 +78,8 @@ class PipelineMicroBatches:
         self.holds_loss = plan.last
         last = plan.n_stages - 1
         split = cfg.parallel.pp_schedule in SPLIT_BACKWARD_SCHEDULES  # input, then weight backward
-        self.modules = [StageModule(part, s == last, cfg.train.loss_chunk_tokens, split)
+        self.tp = cfg.parallel.tp
+        self.modules = [StageModule(part, s == 0, s == last, cfg.train.loss_chunk_tokens, split, self.tp)
                         for part, s in zip(parts, plan.stage_ids)]
         for module in self.modules:
             # the FSDP root of the stage: PyTorch's stage then defers FSDP's gradient reduction and resharding
@@ -76,10 +87,11 @@ class PipelineMicroBatches:
             # micro-batch's input and weight backward)
             fully_shard(module, mesh=dp_submesh(mesh), mp_policy=mixed_precision_policy(cfg.parallel))
         m, t, d = cfg.train.micro_batch_size, cfg.train.seq_len, cfg.model.dim
+        t_local = t // self.tp  # under tensor parallel a rank sends and receives its sequence shard
         self.dtype = dtype_from_name("parallel.param_dtype", cfg.parallel.param_dtype)
 
         def hidden(grad: bool = False) -> torch.Tensor:
-            return torch.empty((m, t, d), dtype=self.dtype, device="meta", requires_grad=grad)
+            return torch.empty((m, t_local, d), dtype=self.dtype, device="meta", requires_grad=grad)
 
         # every stage's input, output and their gradients given (meta): no stage infers them by running
         def meta(stage: int) -> dict[str, tuple[torch.Tensor | None, ...]]:
@@ -108,7 +120,10 @@ class PipelineMicroBatches:
         pieces = [objective.pipeline_batch(batch) for batch in inputs.batches]
         tokens = torch.cat([p[0] for p in pieces])
         targets = torch.cat([p[1] for p in pieces])
-        kwargs = {k: torch.cat([p[2][k] for p in pieces]) for k in pieces[0][2]}
+        kwargs = {}
+        if any("documents" in p[2] for p in pieces):  # one tensor for the schedule to split: a micro-batch
+            # without a document start comes plain (shardlm/data/packing.py), each row one document (0)
+            kwargs["documents"] = torch.cat([p[2].get("documents", torch.zeros_like(p[1])) for p in pieces])
         self._scale, self._numerators = scale, []
         args = (tokens,) if self.plan.first else ()
         self.schedule.step(*args, target=targets, targets=targets, **kwargs)
@@ -131,7 +146,8 @@ class PipelineMicroBatches:
             if owner != me:
                 continue
             if s > 0 and self.plan.owner(s - 1) != me:
-                h = torch.empty((*inputs.shape, self.modules[0].part.cfg.dim), dtype=self.dtype,
+                b, t = inputs.shape  # under tensor parallel: this rank's sequence shard
+                h = torch.empty((b, t // self.tp, self.modules[0].part.cfg.dim), dtype=self.dtype,
                                 device=self.device)
                 dist.recv(h, group=self.group, group_src=self.plan.owner(s - 1))
             out = self.modules[self.plan.stage_ids.index(s)](h, targets, **kwargs)

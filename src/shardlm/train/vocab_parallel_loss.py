@@ -32,7 +32,7 @@ from shardlm.data.instruct import IGNORE_INDEX
 
 
 def vocab_parallel_loss_sum(hidden: DTensor, weight: DTensor, targets: Tensor, chunk_tokens: int,
-                            softcap: float = 0.0) -> Tensor:
+                            softcap: float = 0.0, backward_twice: bool = False) -> Tensor:
     """Summed next-token cross-entropy of ``softcap(hidden · weightᵀ)`` with ``weight`` split over
     the vocabulary.
 
@@ -43,6 +43,9 @@ def vocab_parallel_loss_sum(hidden: DTensor, weight: DTensor, targets: Tensor, c
         targets: (B, T) int64 ids in [0, V) or ``IGNORE_INDEX``, the same on every rank of the group.
         chunk_tokens: tokens per chunk, >= 1 (the peak is about ``chunk_tokens × V / T`` fp32 values per
         rank). softcap: Gemma's final logit soft-cap c (``c · tanh(z / c)``); 0 = none.
+        backward_twice: allow a second backward with the same incoming gradient (a pipeline's zero-bubble
+            schedules split the backward into an input and a weight part): the results are kept until then,
+            as in :func:`shardlm.train.loss.linear_cross_entropy_sum`.
 
     Returns a 0-dim fp32 tensor, the sum in nats over the scored targets, equal on every rank of the group
     (and to the plain loss up to summation order: fp32 within 1e-6 relative, tested).
@@ -71,7 +74,7 @@ def vocab_parallel_loss_sum(hidden: DTensor, weight: DTensor, targets: Tensor, c
     args = (h.reshape(-1, h.shape[-1]), w, targets.reshape(-1), chunk_tokens, softcap, mesh.get_group(),
             offset[0])
     if torch.is_grad_enabled() and (h.requires_grad or w.requires_grad):
-        return _VocabParallelCrossEntropy.apply(*args)
+        return _VocabParallelCrossEntropy.apply(*args, backward_twice)
     return _chunks(*args, need_h=False, need_w=False)[0]
 
 
@@ -134,18 +137,25 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h: Tensor, w: Tensor, targets: Tensor, chunk: int, softcap: float,  # noqa: ANN001 - ctx
-                group: dist.ProcessGroup, v0: int) -> Tensor:
+                group: dist.ProcessGroup, v0: int, backward_twice: bool = False) -> Tensor:
         need_h, need_w = h.requires_grad, w.requires_grad  # (grad mode is off inside forward)
         loss, dh, dw = _chunks(h, w, targets, chunk, softcap, group, v0, need_h, need_w)
         ctx.grads = [dh, dw]
+        ctx.twice, ctx.first = backward_twice, None  # (the first backward's incoming gradient and results)
         ctx.dtypes = (h.dtype, w.dtype)
         return loss
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:  # noqa: ANN001 - autograd's ctx
+        if ctx.first is not None and torch.equal(grad, ctx.first[0]):
+            # the second of a split backward (zero-bubble schedules): the same results, copied
+            return (*(None if g is None else g.clone() for g in ctx.first[1]), None, None, None, None, None,
+                    None)
         if ctx.grads is None:
             raise RuntimeError("the vocabulary-parallel loss's backward ran twice (retain_graph): its "
                                "gradients are made in forward and handed out once")
         grads, ctx.grads = ctx.grads, None
         out = [None if g is None else g.mul_(grad).to(dtype) for g, dtype in zip(grads, ctx.dtypes)]
-        return (*out, None, None, None, None, None)
+        if ctx.twice:  # kept for a second backward (split into input and weight parts)
+            ctx.first = (grad.detach().clone(), out)
+        return (*out, None, None, None, None, None, None)

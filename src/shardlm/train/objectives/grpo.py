@@ -228,6 +228,7 @@ class GRPOObjective(Objective):
         sampler = self.sampler
         c0 = step - step % sampler.cycle
         if step == c0:
+            self.generation = None  # the last cycle's buffer is not held through the next rollout
             self.generation = (c0, self.generate(c0))
         elif self.generation is None or self.generation[0] != c0:
             raise ConfigError(f"step {step + 1} is inside the generation cycle of steps {c0 + 1} .. "

@@ -5,6 +5,8 @@ peak of a real one-process step whose peak is the rollout's."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -108,25 +110,28 @@ def one_rank_group():
         torch.distributed.destroy_process_group()
 
 
-def test_planned_peak_within_10_percent_of_a_measured_rollout_step(tmp_path_factory, one_rank_group):
+def test_planned_peak_within_5_percent_of_a_measured_rollout_step(tmp_path_factory, one_rank_group):
     """One process (FSDP at world size 1), 32 completions sampled at once and trained 2 at a time, so the
     rollout is the step's peak; step 3 measured (:mod:`shardlm.metrics.peak`). Measured when added: planned
     2,549,332 bytes, measured 2,572,128 (steps 3-5: 2,572,128, 2,572,128, 2,512,768): -0.9 %; with W =
     rl.max_prompt_length (28, the bound before the data is prepared) instead of the longest prompt (25):
-    +7.0 %. Run after the other planner tests of tests/unit the same step measures 2,688,696 (-5.2 %): the
-    bound is the planner's stated 10 %."""
-    from shardlm.metrics.peak import measure_train_step_peak
+    +7.0 %. The storage that earlier tests of this process left alive (the measure counts every live tensor)
+    is taken off: without that, after the other tests of tests/unit the same step measured 2,688,696; with it
+    2,598,048 alone and after them (-1.9 %)."""
+    from shardlm.metrics.peak import live_storage_bytes, measure_train_step_peak
     from shardlm.train.trainer import Trainer
 
     cfg = rl_config(tmp_path_factory.mktemp("measured"), **{"train.global_batch_size": 32, "train.steps": 4})
+    gc.collect()
+    before = live_storage_bytes()  # what this process held before the run
     trainer = Trainer(cfg)
     trainer.train_step()
     trainer.train_step()
-    measured = measure_train_step_peak(trainer)["peak"]
+    measured = measure_train_step_peak(trainer)["peak"] - before
     data = trainer.objective.data
     assert prompt_width(cfg) == max(len(p) for p in data.get(list(range(len(data))))) < 28
     plan = plan_memory(cfg, 1, "cpu")
     assert plan.phase.startswith("rollout") and plan.highs["rollout"] == plan.peak, plan.phase
     gap = plan.peak / measured - 1
     print(f"\nplanned {plan.peak:,} measured {measured:,}: {gap:+.1%}")
-    assert abs(gap) <= 0.10, (plan.peak, measured, plan.breakdown)
+    assert abs(gap) <= 0.05, (plan.peak, measured, plan.breakdown)

@@ -44,9 +44,9 @@ def live_storage_bytes() -> int:
             if obj.device.type != "cpu":
                 continue
             storage = obj.untyped_storage()
-        except Exception:  # noqa: BLE001 - exotic tensor subclasses without a plain storage
+            ptr = storage.data_ptr()
+        except Exception:  # noqa: BLE001 - tensor subclasses without a plain storage (a compiler's fakes)
             continue
-        ptr = storage.data_ptr()
         if ptr:
             seen[ptr] = max(seen.get(ptr, 0), storage.nbytes())
     return sum(seen.values())

@@ -19,14 +19,23 @@ data-parallel ranks of its stage (``shardlm/train/pipeline.py``). Its peak, per 
   activation buffer per micro-batch on every stage after the first and one gradient buffer per micro-batch on
   every stage before the last (``torch/distributed/pipelining/stage.py``, ``_setup_forward_recv_info`` and
   ``_create_grad_recv_info``), each ``micro_batch_size × seq_len × dim`` in ``param_dtype``;
-- ``temporaries``: one block's backward high point (:func:`shardlm.plan.activations.block_backward_transient`)
-  or, on the last stage, the loss's (chunk buffers, its backward).
+- ``temporaries``: one block's backward high point (:func:`shardlm.plan.activations.block_backward_transient`;
+  a fully checkpointed block's recomputed activations beside it) or, on the last stage, the loss's (chunk
+  buffers, its backward).
+
+Under tensor parallel (``parallel.tp`` > 1, the mesh ``pp × dp_shard × tp``) each group holds the rank's
+tensor-parallel pieces (:func:`shardlm.plan.param_groups.tp_local_shape`: q/k/v, gate/up and the embedding
+and output projection by rows, o/down by columns, norms whole), FSDP-sharded over the stage's world size /
+(pp · tp) data-parallel ranks; the activations are sequence-parallel (:func:`shardlm.plan.activations.
+block_saved_tp`: B / tp tokens between the blocks), a rank sends and receives its sequence shard (B × T / tp
+× D per boundary per micro-batch, ``shardlm/train/pipeline.py``) and the last stage's loss is
+vocabulary-parallel (:func:`shardlm.plan.loss.vocab_parallel_loss_events`).
 
 The peak is the larger of two moments: the first backward (the in-flight micro-batches' activations, no
 gradient yet) and, when the schedule runs a forward after a backward, the steady state (the same activations
 and every gradient). Context and expert parallel and LoRA are refused with stages by
-:func:`shardlm.config.layout.check_pp`; tensor parallel with stages trains but is not modelled here (refused
-by :func:`plan_pp_memory`).
+:func:`shardlm.config.layout.check_pp`; tensor parallel with selective or every-n checkpointing is not
+modelled (refused by :func:`plan_pp_memory`).
 """
 
 from __future__ import annotations
@@ -122,8 +131,9 @@ def plan_pp_memory(cfg: Config, world_size: int, device: str = "cpu") -> list[St
     Raises:
         ConfigError: a layout training refuses (:func:`shardlm.config.layout.check_pp`: stages that do not
             divide the blocks, too few micro-batches for the schedule, a setting not built with stages); HSDP
-            (``parallel.dp_replicate`` != 1) or tensor parallel (``parallel.tp`` > 1), not modelled with
-            stages.
+            (``parallel.dp_replicate`` != 1), not modelled with stages; tensor parallel that training refuses
+            (:func:`shardlm.config.layout.check_tp`), on a world size pp · tp does not divide, or with
+            selective or every-n checkpointing (not modelled).
     """
     cfg = with_fixed_defaults(cfg)
     p = cfg.parallel
@@ -186,6 +196,9 @@ def plan_pp_memory(cfg: Config, world_size: int, device: str = "cpu") -> list[St
             b["activations"] = per_mb[-1 if plan.stage_ids[-1] == plan.n_stages - 1 else 0] + (flying - 1) * (
                 max(x for x, sid in zip(per_mb, plan.stage_ids) if sid != plan.n_stages - 1))
         block_high = act.block_backward_transient_tp(s, tp) if tp > 1 else act.block_backward_transient(s)
+        whole = act.block_saved_tp(s, tp, "none") if tp > 1 else act.block_saved_none(s)
+        if any(act.fully_checkpointed(st.ac_mode, i, st.ac_every_n) for i in layers):  # its forward, again
+            block_high += whole - s.c * s.tokens // tp * s.d  # beside the input it kept
         b["temporaries"] = max(block_high, loss_high - loss_kept if plan.last else 0)
         grads = sum(g.grad_numel for g in mine) * max(pb, rb)
         steady = k * len(plan.stage_ids) > flying  # a forward after a backward: every gradient exists

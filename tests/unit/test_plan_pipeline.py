@@ -9,9 +9,9 @@ import torch.distributed.pipelining.schedules as S
 from torch.distributed.pipelining.schedules import _ComputationType as C
 
 from conftest import ROOT
-from shardlm.config import load_config
+from shardlm.config import ConfigError, load_config
 from shardlm.plan.param_groups import meta_model
-from shardlm.plan.pipeline import bubble_fraction, in_flight, plan_pp_memory
+from shardlm.plan.pipeline import bubble_fraction, in_flight, plan_pp_memory, stage_dp
 from tolerance import EPS, assert_close
 
 CLASSES = {"interleaved_1f1b": S.ScheduleInterleaved1F1B, "zbv": S.ScheduleZBVZeroBubble,
@@ -107,7 +107,8 @@ def test_shardlm_plan_prints_each_pipeline_rank(capsys):
     rows = [r for r in (line.split() for line in out.splitlines()) if len(r) == 12]
     assert [r[0] for r in rows] == [str(i) for i in range(8)]
     assert [r[4] for r in rows] == ["8", "7", "6", "5", "4", "3", "2", "1"]
-    assert out.splitlines()[-1].startswith("  fits: 65.1 GiB on pipeline rank 0")
+    # 65.1 GiB before a checkpointed block's recomputed activations were counted in its backward (+2.9 GiB)
+    assert out.splitlines()[-1].startswith("  fits: 68.0 GiB on pipeline rank 0")
 
 
 def test_shardlm_plan_refuses_a_pipeline_training_refuses(capsys):
@@ -123,3 +124,55 @@ def test_shardlm_plan_refuses_a_pipeline_training_refuses(capsys):
                          "--parallel.dp_replicate=2"]) == 2
     err = capsys.readouterr().err
     assert "parallel.dp_replicate=2 with parallel.pp=2: the pipeline planner models" in err
+
+
+def test_tensor_parallel_within_the_stages():
+    """TP 2 x PP 2 of the tiny model at 4 ranks (one data-parallel rank per stage, full checkpointing, fp32),
+    each value derived here by hand from the shapes: dim 32, 4 heads of 8 (2 key/value heads), FFN 64,
+    vocabulary 128, 8 micro-batches of 2 x 16 tokens per step (B = 32, B / tp = 16 tokens between blocks)."""
+    cfg = load_config(None, [*TINY, "--parallel.pp=2", "--parallel.tp=2",
+                             '--parallel.activation_checkpoint="full"'])
+    first, last = plan_pp_memory(cfg, 4)
+    # a block's TP piece: q 1024, k 512, v 512, o 1024, gate/up/down 2048 each, split by 2; 2 norms whole
+    block = (1024 + 512 + 512 + 1024 + 3 * 2048) // 2 + 2 * 32
+    head = 128 * 32 // 2 + 32  # output projection by vocabulary rows, the final norm whole
+    # AdamW: 2 fp32 moments, a step per tensor (9 per block)
+    assert last.breakdown["optimizer"] == 8 * (4 * block + head) + 4 * (4 * 9 + 2)
+    assert first.breakdown["optimizer"] == 8 * (4 * block + 128 * 32 // 2) + 4 * (4 * 9 + 1)
+    hidden = 4 * 16 * 32  # one micro-batch's sequence shard, fp32
+    assert first.sent_bytes == last.sent_bytes == 8 * hidden  # 8 micro-batches over the one boundary
+    assert last.breakdown["buffers"] == 2 * 4 * 32 * 8 + 8 * hidden  # RoPE tables, a receive buffer each
+    # 1F1B: 2 in flight on the first rank (4 blocks' inputs and the stage output kept), 1 on the last (4
+    # inputs, the final norm's fp32 normalised x, rsqrt and input, the loss's hidden gradient (every token)
+    # and fp32 accumulator of the local 64 vocabulary rows)
+    assert first.breakdown["activations"] == 2 * (4 * hidden + hidden)
+    loss_kept = 4 * 32 * 32 + 4 * 64 * 32
+    assert last.breakdown["activations"] == 4 * hidden + (hidden + 4 * 16 + hidden) + loss_kept
+    # a block's backward: SwiGLU gradients on the local FFN width, the gathered output gradient and input
+    # partial gradient, beside its recomputed activations (two sequence-parallel norms, attention on 2 query
+    # heads and 1 key/value head, residuals on 16 tokens, SwiGLU on 32 of 64) less the kept input
+    norms = 2 * (4 * 16 * 32 + 4 * 16 + 4 * 32 * 32)
+    attention = 2 * 4 * 32 * 2 * 8 + 2 * 4 * 32 * 1 * 8 + 4 * 2 * 2 * 16
+    recomputed = norms + attention + 2 * hidden + 4 * 4 * 32 * 32
+    assert last.breakdown["temporaries"] == 2 * 4 * 32 * 32 + 2 * 4 * 32 * 32 + recomputed - hidden
+    assert stage_dp(512, 8, 8) == 8
+    with pytest.raises(ConfigError, match="parallel.pp=8 x parallel.tp=8 = 64 must divide the world size 96"):
+        stage_dp(96, 8, 8)
+
+
+def test_shardlm_plan_405b_with_tensor_parallel_in_the_stages(capsys):
+    """Issue 44's layout: Llama 3.1 405B on 512 H100s, TP 8 within a node, PP 8 (interleaved, 16 stages of 7
+    or 8 blocks), FSDP over the other 8, bf16 parameters, full checkpointing: it fits and is compute-bound."""
+    from shardlm.cli.main import main as shardlm_main
+
+    assert shardlm_main(["plan", str(ROOT / "configs" / "llama3-70b.toml"), "--world-size", "512", "--device",
+                         "h100", "--model-preset", "llama3.1-405b", "--parallel.tp=8", "--parallel.pp=8",
+                         '--parallel.pp_schedule="interleaved_1f1b"',
+                         "--parallel.pp_layers_per_stage=[7,8,8,8,8,8,8,8,8,8,8,8,8,8,8,7]",
+                         "--parallel.reshard_after_forward=false"]) == 0
+    out = capsys.readouterr().out
+    assert "mesh pp 8 x dp_shard 8 x tp 8: schedule interleaved_1f1b, 16 stages, 8 micro-batches" in out
+    assert "; compute-bound: compute outlasts communication" in out
+    rows = [r for r in (line.split() for line in out.splitlines()) if len(r) == 13 and r[0].isdigit()]
+    assert [r[0] for r in rows] == [str(i) for i in range(8)]
+    assert out.splitlines()[-1].startswith("  fits: 51.7 GiB on pipeline rank 4 (steady state")

@@ -3,6 +3,8 @@ stage plan and the pruned model: no torchrun (tests/dist/test_pp_parity.py runs 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -67,8 +69,8 @@ def test_gpipe_takes_fewer_micro_batches_than_stages():
 @pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
 def test_tensor_parallel_within_stages_is_accepted(schedule):
     """TP 2 x PP 2 at 4 ranks: accepted under a looped and a V schedule; the mesh is ``pp, dp_shard, tp``
-    (tp innermost), the two ranks of a tensor-parallel group read the same samples, and the pipeline planner
-    refuses it by name (not modelled)."""
+    (tp innermost), the two ranks of a tensor-parallel group read the same samples; the pipeline planner
+    plans it (one row per pipeline rank) and refuses by name the checkpointing it does not model under TP."""
     cfg = load_config(None, TINY + ["--parallel.pp=2", "--parallel.tp=2",
                                     f'--parallel.pp_schedule="{schedule}"', "--train.global_batch_size=8",
                                     "--train.micro_batch_size=2"])
@@ -76,8 +78,11 @@ def test_tensor_parallel_within_stages_is_accepted(schedule):
     assert mesh_dims(cfg.parallel, 4, 4) == [("pp", 2), ("dp_shard", 1), ("tp", 2)]
     info = [DistInfo(r, r, 4, torch.device("cpu"), "gloo") for r in range(4)]
     assert [data_parallel_rank(i, cfg.parallel) for i in info] == [(0, 1)] * 4
-    with pytest.raises(ConfigError, match="the pipeline planner does not model tensor parallel"):
-        plan_pp_memory(cfg, 4)
+    assert [x.rank for x in plan_pp_memory(cfg, 4)] == [0, 1]
+    selective = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel,
+                                                                       activation_checkpoint="selective"))
+    with pytest.raises(ConfigError, match="planner models tensor parallel with parallel.activation_"):
+        plan_pp_memory(selective, 4)
 
 
 def test_an_objective_without_a_pipeline_form_is_refused_by_name():

@@ -227,6 +227,18 @@ def block_saved_tp(s: Shape, tp: int, mode: str) -> int:
     return 2 * sp_norm_saved(s, tp) + extra + attn + residuals + 4 * c * s.tokens * f
 
 
+def head_saved(s: Shape, mode: str, tp: int = 1) -> int:
+    """Bytes the final norm keeps for backward (the output projection's input included), with the last block's
+    output when no block counted it (:func:`final_norm_saved` + :func:`last_output_saved`). Under tensor
+    parallel (``tp`` > 1, ``mode`` none or full) on the B/T local tokens: the fp32 normalised x and rsqrt, and
+    under checkpointing the block output; the loss all-gathers the hidden states itself
+    (:func:`shardlm.plan.loss.vocab_parallel_loss_events`)."""
+    if tp == 1:
+        return final_norm_saved(s) + last_output_saved(s, mode)
+    local = s.tokens // tp * s.d
+    return 4 * local + 4 * s.tokens // tp + (s.c * local if mode != "none" else 0)
+
+
 def block_backward_transient_tp(s: Shape, tp: int) -> int:
     """Extra bytes at the high point of a block's backward under tensor parallel: the SwiGLU product's
     gradients on the local FFN width (2·c·B·f/T), the output gradient all-gathered over the sequence for the

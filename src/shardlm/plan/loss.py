@@ -108,6 +108,21 @@ def loss_events(tokens: int, vocab: int, dim: int, c: int, chunk: int, softcap: 
     return fwd, bwd
 
 
+def vocab_parallel_loss_events(tokens: int, vocab: int, dim: int, c: int, chunk: int, tp: int,
+                               gathered: int = 0, **kw: bool) -> tuple[list[Event], list[Event]]:
+    """:func:`loss_events` of one tensor-parallel rank (``parallel.tp`` = ``tp``; ``tp`` = 1: the plain call):
+    the vocabulary-parallel loss (``shardlm/train/vocab_parallel_loss.py``) on the rank's V / tp rows of the
+    output projection over every token, chunked (the whole micro-batch one chunk when ``chunk`` is 0), its
+    forward inside the all-gather of the sequence-parallel hidden states into ``gathered`` tokens (default
+    ``tokens``; c·gathered·D bytes, freed once the loss is made). ``kw``: :func:`loss_events`' flags."""
+    if tp == 1:
+        return loss_events(tokens, vocab, dim, c, chunk, **kw)
+    fwd, bwd = loss_events(tokens, vocab // tp, dim, c, chunk or tokens, **kw)
+    hidden = c * (gathered or tokens) * dim
+    gather = ("temporaries", hidden, "loss: hidden states all-gathered")
+    return [gather, *fwd, ("temporaries", -hidden, "loss")], bwd
+
+
 def loss_peak_bytes(tokens: int, vocab: int, dim: int, c: int, chunk: int, softcap: bool = False,
                     fp32_matmul: bool = False, weight_grad: bool = True, cuda: bool = False) -> int:
     """The high point, in bytes, of one micro-batch's loss forward and backward over what existed before it

@@ -53,7 +53,7 @@ from shardlm.plan.context_parallel import (
 )
 from shardlm.plan.documents import document_mask_bytes, has_documents
 from shardlm.plan.ledger import PARTS, Ledger, MemoryPlan
-from shardlm.plan.loss import loss_events
+from shardlm.plan.loss import vocab_parallel_loss_events
 from shardlm.plan.moe import all_to_all_transient, moe_layer_saved
 from shardlm.plan.param_groups import Group, block_group_name, meta_model, param_groups, planner_model
 from shardlm.plan.preference import (
@@ -354,17 +354,15 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
                 reshard(blocks[layer])
         if fsdp and "head" in by_name:
             unshard(by_name["head"], f"{mb} forward output")
-        head_acts = act.final_norm_saved(s) + act.last_output_saved(s, st.ac_mode)
-        if tp > 1:  # on the local tokens; the loss all-gathers the hidden states (a temporary, below)
-            local = s.tokens // tp * s.d
-            head_acts = 4 * local + 4 * s.tokens // tp + (s.c * local if st.ac_mode != "none" else 0)
+        head_acts = act.head_saved(s, st.ac_mode, tp)  # under TP on the local tokens
         led.add("activations", head_acts, f"{mb} forward output")
         # ---- loss and its backward (plan/loss.py: plain on whole logits, or chunked; under TP
         # vocabulary-parallel: the vocabulary's local rows, every token, the hidden states all-gathered) ----
         chunk = cfg.train.loss_chunk_tokens or (s.tokens if tp > 1 else 0)
         scored = ref.loss_tokens(s.tokens, s.b)  # preference: only the completions' tokens are projected
-        fwd_events, bwd_events = loss_events(scored, s.vocab // tp, s.d, pb, chunk, softcap,
-                                             fp32_matmul, head_trains, device != "cpu")
+        fwd_events, bwd_events = vocab_parallel_loss_events(
+            scored, s.vocab, s.d, pb, chunk, tp, s.tokens, softcap=softcap, fp32_matmul=fp32_matmul,
+            weight_grad=head_trains, cuda=device != "cpu")
         if ref.kind:
             # preference: the scored tokens' hidden states, selected (kept for the output's backward)
             extra = distill_loss_bytes(ref, scored, s.vocab, ref_s.d if ref.live_model else 0, pb, chunk)
@@ -372,9 +370,6 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
                           ("temporaries", extra, "distillation loss"), *fwd_events,
                           ("temporaries", -extra, "loss")]
             bwd_events = [*bwd_events, ("temporaries", -pb * scored * s.d, "output backward")]
-        if tp > 1:
-            fwd_events = [("temporaries", pb * bd, "loss: hidden states all-gathered"), *fwd_events,
-                          ("temporaries", -pb * bd, "loss")]
         for _part, nbytes, what in fwd_events:
             if nbytes > 0:
                 led.add("temporaries", nbytes, f"{mb} {what}")

@@ -19,14 +19,23 @@ data-parallel ranks of its stage (``shardlm/train/pipeline.py``). Its peak, per 
   activation buffer per micro-batch on every stage after the first and one gradient buffer per micro-batch on
   every stage before the last (``torch/distributed/pipelining/stage.py``, ``_setup_forward_recv_info`` and
   ``_create_grad_recv_info``), each ``micro_batch_size × seq_len × dim`` in ``param_dtype``;
-- ``temporaries``: one block's backward high point (:func:`shardlm.plan.activations.block_backward_transient`)
-  or, on the last stage, the loss's (chunk buffers, its backward).
+- ``temporaries``: one block's backward high point (:func:`shardlm.plan.activations.block_backward_transient`;
+  a fully checkpointed block's recomputed activations beside it) or, on the last stage, the loss's (chunk
+  buffers, its backward).
+
+Under tensor parallel (``parallel.tp`` > 1, the mesh ``pp × dp_shard × tp``) each group holds the rank's
+tensor-parallel pieces (:func:`shardlm.plan.param_groups.tp_local_shape`: q/k/v, gate/up and the embedding
+and output projection by rows, o/down by columns, norms whole), FSDP-sharded over the stage's world size /
+(pp · tp) data-parallel ranks; the activations are sequence-parallel (:func:`shardlm.plan.activations.
+block_saved_tp`: B / tp tokens between the blocks), a rank sends and receives its sequence shard (B × T / tp
+× D per boundary per micro-batch, ``shardlm/train/pipeline.py``) and the last stage's loss is
+vocabulary-parallel (:func:`shardlm.plan.loss.vocab_parallel_loss_events`).
 
 The peak is the larger of two moments: the first backward (the in-flight micro-batches' activations, no
 gradient yet) and, when the schedule runs a forward after a backward, the steady state (the same activations
 and every gradient). Context and expert parallel and LoRA are refused with stages by
-:func:`shardlm.config.layout.check_pp`; tensor parallel with stages trains but is not modelled here (refused
-by :func:`plan_pp_memory`).
+:func:`shardlm.config.layout.check_pp`; tensor parallel with selective or every-n checkpointing is not
+modelled (refused by :func:`plan_pp_memory`).
 """
 
 from __future__ import annotations
@@ -36,15 +45,15 @@ from dataclasses import dataclass
 
 from shardlm.config import Config, ConfigError, gradient_accumulation_steps
 from shardlm.config.auto import with_fixed_defaults
-from shardlm.config.layout import VIRTUAL_STAGES, check_pp
+from shardlm.config.layout import VIRTUAL_STAGES, check_pp, check_tp
 from shardlm.parallel.pp import stage_plan
 from shardlm.plan import activations as act
 from shardlm.plan.devices import get_device
 from shardlm.plan.ledger import PARTS
-from shardlm.plan.loss import loss_events
+from shardlm.plan.loss import vocab_parallel_loss_events
 from shardlm.plan.memory import Settings
 from shardlm.plan.param_groups import param_groups, planner_model
-from shardlm.plan.time import fsdp_comm_bytes, plan_time
+from shardlm.plan.time import fsdp_comm_bytes, plan_time, tp_comm_bytes
 
 
 def in_flight(schedule: str, pp: int, micro_batches: int, rank: int) -> int:
@@ -122,8 +131,9 @@ def plan_pp_memory(cfg: Config, world_size: int, device: str = "cpu") -> list[St
     Raises:
         ConfigError: a layout training refuses (:func:`shardlm.config.layout.check_pp`: stages that do not
             divide the blocks, too few micro-batches for the schedule, a setting not built with stages); HSDP
-            (``parallel.dp_replicate`` != 1) or tensor parallel (``parallel.tp`` > 1), not modelled with
-            stages.
+            (``parallel.dp_replicate`` != 1), not modelled with stages; tensor parallel that training refuses
+            (:func:`shardlm.config.layout.check_tp`), on a world size pp · tp does not divide, or with
+            selective or every-n checkpointing (not modelled).
     """
     cfg = with_fixed_defaults(cfg)
     p = cfg.parallel
@@ -132,21 +142,23 @@ def plan_pp_memory(cfg: Config, world_size: int, device: str = "cpu") -> list[St
         raise ConfigError(f"parallel.dp_replicate={p.dp_replicate} with parallel.pp={p.pp}: the pipeline "
                           "planner models each stage FSDP-sharded over all of its world size / pp ranks, "
                           "not HSDP")
-    if p.tp != 1:
-        raise ConfigError(f"parallel.tp={p.tp} with parallel.pp={p.pp}: the pipeline planner does not model "
-                          "tensor parallel within the stages yet (training runs it); plan with "
-                          "parallel.tp = 1")
-    dp = world_size // p.pp
+    st = Settings.from_config(cfg)
+    tp = p.tp
+    check_tp(cfg.model, tp, cfg.train.seq_len, cfg.lora.enabled, p.cp)  # as training
+    if tp > 1 and st.ac_mode not in act.TP_AC_MODES:
+        raise ConfigError(f"parallel.tp={tp} with parallel.pp={p.pp}: the pipeline planner models tensor "
+                          "parallel with parallel.activation_checkpoint none or full, not "
+                          f"{st.ac_mode!r}")
+    dp = stage_dp(world_size, p.pp, tp)
     k = gradient_accumulation_steps(cfg, dp)
     check_pp(cfg, world_size, k)
-    st = Settings.from_config(cfg)
     pb, rb = st.param_bytes, st.reduce_bytes
     one = dataclasses.replace(cfg, parallel=dataclasses.replace(p, blocks_per_group=1))
-    groups = {g.name: g for g in param_groups(one, dp, pb)[0]}
+    groups = {g.name: g for g in param_groups(one, dp, pb, tp)[0]}  # TP-local pieces over dp ranks
     model = planner_model(cfg)
     s = act.shape_of(cfg.model, cfg.train.micro_batch_size, cfg.train.seq_len, pb)
-    bd = s.c * s.tokens * s.d  # one hidden state sent or received
-    fwd, bwd = loss_events(s.tokens, s.vocab, s.d, pb, cfg.train.loss_chunk_tokens)
+    bd = s.c * s.tokens // tp * s.d  # one hidden state sent or received: the rank's sequence shard
+    fwd, bwd = vocab_parallel_loss_events(s.tokens, s.vocab, s.d, pb, cfg.train.loss_chunk_tokens, tp)
     loss_kept = sum(n for _, n, _ in fwd)  # what the loss keeps from its forward (chunked: gradients)
     alive, loss_high = 0, 0
     for _, n, _ in fwd + bwd:
@@ -169,11 +181,12 @@ def plan_pp_memory(cfg: Config, world_size: int, device: str = "cpu") -> list[St
         b["buffers"] = 2 * 4 * cfg.model.max_seq_len * s.hd + k * bd * (receives + sends)
         per_mb = []
         for sid in plan.stage_ids:
-            saved = sum(act.block_saved(s, st.ac_mode, i, st.ac_every_n) for i in plan.layers[sid])
+            saved = sum(act.block_saved_tp(s, tp, st.ac_mode) if tp > 1 else
+                        act.block_saved(s, st.ac_mode, i, st.ac_every_n) for i in plan.layers[sid])
             if sid == 0:
-                saved += act.embedding_saved(s, st.ac_mode)
+                saved += act.embedding_saved(s, st.ac_mode) // tp  # on the local tokens under TP
             if sid == plan.n_stages - 1:
-                saved += act.final_norm_saved(s) + act.last_output_saved(s, st.ac_mode) + loss_kept
+                saved += act.head_saved(s, st.ac_mode, tp) + loss_kept
             elif not (s.c == 4 and st.ac_mode == "none"):  # the output, unless its block saved it
                 saved += bd
             per_mb.append(saved)
@@ -182,7 +195,11 @@ def plan_pp_memory(cfg: Config, world_size: int, device: str = "cpu") -> list[St
         if plan.last and len(per_mb) > 1:  # the last stage's backward follows its forward: one at a time
             b["activations"] = per_mb[-1 if plan.stage_ids[-1] == plan.n_stages - 1 else 0] + (flying - 1) * (
                 max(x for x, sid in zip(per_mb, plan.stage_ids) if sid != plan.n_stages - 1))
-        b["temporaries"] = max(act.block_backward_transient(s), loss_high - loss_kept if plan.last else 0)
+        block_high = act.block_backward_transient_tp(s, tp) if tp > 1 else act.block_backward_transient(s)
+        whole = act.block_saved_tp(s, tp, "none") if tp > 1 else act.block_saved_none(s)
+        if any(act.fully_checkpointed(st.ac_mode, i, st.ac_every_n) for i in layers):  # its forward, again
+            block_high += whole - s.c * s.tokens // tp * s.d  # beside the input it kept
+        b["temporaries"] = max(block_high, loss_high - loss_kept if plan.last else 0)
         grads = sum(g.grad_numel for g in mine) * max(pb, rb)
         steady = k * len(plan.stage_ids) > flying  # a forward after a backward: every gradient exists
         first_grads = max(g.grad_numel for g in mine) * max(pb, rb)  # one group's, at the first backward
@@ -192,6 +209,19 @@ def plan_pp_memory(cfg: Config, world_size: int, device: str = "cpu") -> list[St
         out.append(StageMemory(rank, plan.stage_ids, tuple(layers), sum(q.numel() for q in tensors), flying,
                                sum(b.values()), b, phase, sent))
     return out
+
+
+def stage_dp(world_size: int, pp: int, tp: int) -> int:
+    """The data-parallel (FSDP) ranks of one pipeline stage: ``world_size / (pp · tp)`` (the mesh
+    ``pp × dp_shard × tp``, :func:`shardlm.parallel.dist.mesh_dims`).
+
+    Raises:
+        ConfigError: ``pp · tp`` does not divide ``world_size``.
+    """
+    if world_size % (pp * tp):
+        raise ConfigError(f"parallel.pp={pp} x parallel.tp={tp} = {pp * tp} must divide the world size "
+                          f"{world_size}")
+    return world_size // (pp * tp)
 
 
 def format_pp_plan(cfg: Config, world_size: int, device_name: str, headroom: float, model: str = "") -> str:
@@ -204,7 +234,8 @@ def format_pp_plan(cfg: Config, world_size: int, device_name: str, headroom: flo
     device = get_device(device_name)
     p = cfg.parallel
     stages = plan_pp_memory(cfg, world_size, device_name)
-    dp = world_size // p.pp
+    tp = p.tp
+    dp = stage_dp(world_size, p.pp, tp)
     k = gradient_accumulation_steps(cfg, dp)
     bubble = bubble_fraction(p.pp_schedule, p.pp, k)
     budget = device.memory_bytes * (1 - headroom)
@@ -213,15 +244,20 @@ def format_pp_plan(cfg: Config, world_size: int, device_name: str, headroom: flo
     flat = dataclasses.replace(cfg, parallel=dataclasses.replace(p, pp=1))
     t = plan_time(flat, world_size, device, total)  # compute per rank: the step's FLOPs over all ranks
     compute = t.compute_s / (1 - bubble)
-    fsdp = max(t_stage_comm(cfg, dp, x.params) for x in stages)
+    fsdp = max(t_stage_comm(cfg, dp, x.params / tp) for x in stages)  # each rank's TP pieces (P / tp)
     p2p = max(x.sent_bytes for x in stages)
-    comm_s = fsdp / device.bandwidth(dp) if dp > 1 else 0.0
-    comm_s += p2p / device.inter_node_bw
+    tokens = k * cfg.train.micro_batch_size * cfg.train.seq_len  # per data-parallel rank per step
+    tp_bytes = max(tp_comm_bytes(tp, len(x.layers), tokens, cfg.model.dim,
+                                 Settings.from_config(cfg).param_bytes,
+                                 p.activation_checkpoint == "full") for x in stages)
+    comm_s = fsdp / device.bandwidth(dp * tp) if dp > 1 else 0.0  # a stage's FSDP group: dp ranks tp apart
+    comm_s += p2p / device.inter_node_bw + (tp_bytes / device.bandwidth(tp) if tp > 1 else 0.0)
     lines = [
         f"plan | {model + f' with the settings of {cfg.run.name}' if model else cfg.run.name}: {total:,} "
         f"parameters, fsdp x pipeline parallel at world size {world_size} on {device.name} "
         f"({device.memory_bytes / gib:.1f} GiB)",
-        f"  layout     mesh pp {p.pp} x dp_shard {dp}: schedule {p.pp_schedule}, "
+        f"  layout     mesh pp {p.pp} x dp_shard {dp}{f' x tp {tp}' if tp > 1 else ''}: schedule "
+        f"{p.pp_schedule}, "
         f"{len(stages[0].stages) * p.pp} stages, {k} micro-batches of {cfg.train.micro_batch_size} x "
         f"{cfg.train.seq_len} tokens per step; param_dtype {p.param_dtype or 'float32'}, activation "
         f"checkpointing {p.activation_checkpoint}",
@@ -248,9 +284,14 @@ def format_pp_plan(cfg: Config, world_size: int, device_name: str, headroom: flo
         "states forward, their gradients back)",
         f"  step time: compute {compute:.3f} s ({t.compute_s:.3f} s of FLOPs at the {t.precision} peak, "
         f"stretched by the bubble), communication {comm_s:.3f} s (FSDP over {dp} rank(s) "
-        f"{fsdp / gib:.2f} GiB, point-to-point at the inter-node bandwidth)",
+        f"{fsdp / gib:.2f} GiB, point-to-point at the inter-node bandwidth"
+        f"{', tensor parallel' if tp > 1 else ''})",
+        *([f"             tensor parallel {tp_bytes / gib:.2f} GiB per rank on its {tp} ranks' links "
+            "(the blocks' all-gathers and reduce-scatters)"] if tp > 1 else []),
         f"             {max(compute, comm_s):.3f} s fully overlapped, {compute + comm_s:.3f} s serial "
-        "(lower bounds: 100% MFU)",
+        f"(lower bounds: 100% MFU); "
+        + ("compute-bound: compute outlasts communication" if compute >= comm_s else
+           "communication-bound: communication outlasts compute"),
     ]
     if p.pp_schedule in UNDER_PREDICTED:
         lines.append(f"  note: {UNDER_PREDICTED[p.pp_schedule]}")

@@ -53,7 +53,7 @@ from shardlm.plan.context_parallel import (
 )
 from shardlm.plan.documents import document_mask_bytes, has_documents
 from shardlm.plan.ledger import PARTS, Ledger, MemoryPlan
-from shardlm.plan.loss import loss_events
+from shardlm.plan.loss import loss_events, rl_head_events
 from shardlm.plan.moe import all_to_all_transient, moe_layer_saved
 from shardlm.plan.param_groups import Group, block_group_name, meta_model, param_groups, planner_model
 from shardlm.plan.preference import (
@@ -359,12 +359,13 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
             local = s.tokens // tp * s.d
             head_acts = 4 * local + 4 * s.tokens // tp + (s.c * local if st.ac_mode != "none" else 0)
         led.add("activations", head_acts, f"{mb} forward output")
-        # ---- loss and its backward (plan/loss.py: plain on whole logits, or chunked; under TP
-        # vocabulary-parallel: the vocabulary's local rows, every token, the hidden states all-gathered) ----
+        # ---- loss and its backward (plan/loss.py: plain on whole logits, or chunked; under TP vocabulary-
+        # parallel: the vocabulary's local rows, every token, the hidden states all-gathered; RL: its own) --
         chunk = cfg.train.loss_chunk_tokens or (s.tokens if tp > 1 else 0)
         scored = ref.loss_tokens(s.tokens, s.b)  # preference: only the completions' tokens are projected
-        fwd_events, bwd_events = loss_events(scored, s.vocab // tp, s.d, pb, chunk, softcap,
-                                             fp32_matmul, head_trains, device != "cpu")
+        args = (scored, s.vocab // tp, s.d, pb, chunk, softcap)
+        fwd_events, bwd_events = (rl_head_events(*args, head_trains) if cfg.data.format == "prompts"  # RL
+                                  else loss_events(*args, fp32_matmul, head_trains, device != "cpu"))
         if ref.kind:
             # preference: the scored tokens' hidden states, selected (kept for the output's backward)
             extra = distill_loss_bytes(ref, scored, s.vocab, ref_s.d if ref.live_model else 0, pb, chunk)

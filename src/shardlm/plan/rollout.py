@@ -43,9 +43,10 @@ B · ((C − 1) · W + C · (C − 1) / 2), over the peak when that is longer.
 Measured (tests/unit/test_rollout_plan.py, one process, the rollout the step's peak): -0.9 % against the
 measured peak. At 2 FSDP ranks (gloo) a rollout alone measures 1,397,572 bytes against the planned high point
 1,364,628 (-2.4 %, W one token over the ranks' longest), but the step's peak there is the update's backward,
-which the planner's cross-entropy model of the head (:mod:`shardlm.plan.loss`) under-counts for the RL head
-(log-softmax and entropy, :func:`shardlm.rl.logps.token_logps`): -19 % to -27 % (tiny model, 2 to 8
-micro-batches).
+at the RL head's (:func:`shardlm.plan.loss.rl_head_events`; tests/dist/test_planner_measured_peak.py: -1.0 %
+and -3.5 % at global batch 16 and 32 in micro-batches of 4; -19 % to -27 % when the head was planned as a
+cross-entropy). The KV cache is freed when the rollout ends (no reference cycle keeps it:
+:class:`shardlm.model.kv_cache.LayerKVCache`).
 """
 
 from __future__ import annotations

@@ -13,13 +13,14 @@ from test_families import (
     FAMILY_CASES,
     IDS,
     family_dirs,  # noqa: F401 (fixtures)
+    hf_configs,
     hf_model,
 )
 from tolerance import EPS, assert_close
 
 
 @pytest.fixture(scope="module")
-def parity(family_dirs, small_data, tmp_path_factory):
+def parity(family_dirs, small_data, tmp_path_factory):  # noqa: F811 (the imported fixture)
     """3 steps of each family from its imported weights, at 1 process and FSDP 2 ranks (two
     torchrun launches)."""
     runs = tmp_path_factory.mktemp("family_parity")
@@ -42,8 +43,20 @@ def parity(family_dirs, small_data, tmp_path_factory):
                     "train.micro_batch_size": 4, "parallel.param_dtype": '"bfloat16"',
                     "parallel.cpu_bf16_matmul": '"fp32"'}),
             ]
+            # pipeline parallel, 2 stages of one block, 2 micro-batches of 4 (families whose embedding is
+            # not tied to the output projection: the others are refused by name, tests/unit/test_pp_config.py)
+            scenarios += [scenario(f"{name}_pp2", small_data, runs, {
+                **extra, "model.init_from": f'"{family_dirs[name]}"', "train.micro_batch_size": 4,
+                "parallel.pp": 2}) for name in PP_CASES]
         out.update(run_scenarios(world, scenarios, runs))
     return out, runs
+
+
+def untied(name: str) -> bool:
+    return not getattr(hf_configs()[name], "tie_word_embeddings", False)
+
+
+PP_CASES = [name for name in FAMILY_CASES if untied(name)]
 
 
 @pytest.mark.dist
@@ -76,3 +89,21 @@ def test_checkpointing_offload_and_bf16_kernel_per_family(parity):
     assert losses["gemma3_ac_offload"] == losses["gemma3_2"]
     # bf16 training against fp32 over 3 steps: within 4 bf16 roundings (2**-8 each) of the largest loss
     assert_close(losses["qwen2_bf16"], losses["qwen2_untied_2"], rtol=4 * 2 ** -8, what="bf16 loss")
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("name", PP_CASES)
+def test_pipeline_two_stages_equal_one_process_and_final_loads(parity, name):
+    """PP 2 (1f1b, one block a stage) of each family with an untied output projection: the losses of one
+    process over 3 steps, and the export (gathered from both stages) loads in transformers with its logits."""
+    out, runs = parity
+    one, pp = ([h for h in out[run][0]["history"] if "loss" in h] for run in (f"{name}_1", f"{name}_pp2"))
+    assert len(one) == len(pp) == 3
+    print(f"\n{name}: PP 2 vs one process, losses {[h['loss'] for h in pp]} vs {[h['loss'] for h in one]}")
+    assert_close([b["loss"] for b in pp], [a["loss"] for a in one], rtol=16 * EPS, what="loss")
+    final = runs / f"{name}_pp2" / "final"
+    hf, info = hf_model(final)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    ours = load_model_dir(final).eval()
+    with torch.no_grad():
+        assert_close(ours(IDS), hf(IDS).logits, rtol=64 * EPS, what="export vs transformers")

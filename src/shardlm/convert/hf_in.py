@@ -145,12 +145,15 @@ def _indexed_tensor_files(path: Path) -> dict[str, Path]:
 
 
 def check_weights(
-    path: str | Path, model: nn.Module, skip: set[str] | frozenset[str] = frozenset()
+    path: str | Path, model: nn.Module, skip: set[str] | frozenset[str] = frozenset(),
+    elsewhere: set[str] | frozenset[str] = frozenset(),
 ) -> dict[str, Path]:
     """Check that the directory holds exactly the model's tensors with the model's shapes (headers only).
 
     Parameters named in ``skip`` (LoRA adapters) are not expected in the files; a mixture of experts' stacked
     tensors are expected in the hub's per-expert layout (:func:`shardlm.convert.hf_experts.disk_shapes`).
+    Tensors named in ``elsewhere`` (a pipeline stage's: the other stages' parameters) may be in the files and
+    are not read.
     Returns :func:`tensor_files`. Raises ModelDirError naming a missing, unexpected or wrongly-shaped tensor
     (with both shapes).
     """
@@ -175,6 +178,7 @@ def check_weights(
     for name in where:
         if (
             name not in expected
+            and name not in elsewhere
             and not name.endswith(_IGNORED_SUFFIXES)
             and not (tied and name == "lm_head.weight")
         ):
@@ -215,7 +219,8 @@ def local_rows(param: torch.Tensor) -> tuple[int, int]:
 
 @torch.no_grad()
 def load_pretrained_(
-    model: nn.Module, path: str | Path, skip: set[str] | frozenset[str] = frozenset()
+    model: nn.Module, path: str | Path, skip: set[str] | frozenset[str] = frozenset(),
+    elsewhere: set[str] | frozenset[str] = frozenset(),
 ) -> dict[str, Any]:
     """Fill ``model``'s parameters (plain or ``Shard(0)`` DTensors) from an HF model directory, in place.
 
@@ -223,7 +228,8 @@ def load_pretrained_(
     ``safe_open(...).get_slice(name)[offset:offset + rows]`` and copied (cast to the parameter's dtype) into
     its local tensor, so each rank materialises only its own rows; persistent buffers
     (:func:`persistent_buffers`, a transformers model's) are read whole on every rank. Rotary tables are
-    recomputed afterwards (``init_rotary``). Parameters named in ``skip`` (LoRA adapters) are left alone. An
+    recomputed afterwards (``init_rotary``). Parameters named in ``skip`` (LoRA adapters) are left alone, and
+    the files' tensors named in ``elsewhere`` (another pipeline stage's) are not read. An
     NF4 base weight (QLoRA) is read whole and quantised whole before its rows are kept
     (:func:`shardlm.model.lora.set_from_full_`), so it counts as a full read.
 
@@ -235,7 +241,7 @@ def load_pretrained_(
     Raises:
         ModelDirError: a missing, unexpected or wrongly-shaped tensor (named), before anything is read.
     """
-    where = check_weights(path, model, skip)
+    where = check_weights(path, model, skip, elsewhere)
     stats: dict[str, Any] = {"bytes_read": 0, "total_bytes": 0, "max_slice_bytes": 0, "full_tensors": []}
     handles: dict[Path, Any] = {}
     try:

@@ -117,11 +117,13 @@ def build_model_parts(cfg: Config, info: DistInfo, mesh: DeviceMesh | None, cp: 
     if use_fp32_matmul(pcfg.cpu_bf16_matmul, info.device, pcfg.param_dtype) and pcfg.tp == 1:
         apply_fp32_matmul(model)
         set_fp32_matmul(model)
-    parts = []
+    parts, elsewhere = [], set()
     if pcfg.pp > 1:  # torchtitan's order: the pipeline cut first, then everything else per stage
         plan = stage_plan(cfg.model.n_layers, pcfg.pp, mesh["pp"].get_local_rank(), pcfg.pp_schedule,
                           pcfg.pp_layers_per_stage)
+        whole = {name for name, _ in model.named_parameters()}
         parts = apply_pp(model, plan)
+        elsewhere = whole - {name for name, _ in model.named_parameters()}  # the other stages' weights
     if pcfg.tp > 1:
         # torchtitan's order: TP, (CP's attention), AC, compile, FSDP over the data-parallel dimensions
         apply_tp(model, mesh["tp"])
@@ -158,7 +160,7 @@ def build_model_parts(cfg: Config, info: DistInfo, mesh: DeviceMesh | None, cp: 
     load_stats = None
     adapters = {f"{name}.{ab}.weight" for name, _ in lora_modules(model) for ab in ("lora_A", "lora_B")}
     if cfg.model.init_from:  # pretrained: each rank reads only its shards' rows (convert/hf_in.py)
-        load_stats = load_pretrained_(model, cfg.model.init_from, skip=adapters)
+        load_stats = load_pretrained_(model, cfg.model.init_from, skip=adapters, elsewhere=elsewhere)
     elif adapters:
         init_base_weights_(model, cfg.train.seed, skip=adapters)
     else:

@@ -5,8 +5,9 @@ Three torchrun launches on the tiny model with 4 blocks (fp32, gloo, block-causa
 PP 2 under ``gpipe``, ``1f1b`` (checkpoints at steps 2 and 3), ``interleaved_1f1b``, ``zbv`` and ``dualpipev``
 (the last three: 4 stages of one block, two per rank; the V schedules split each backward into input and weight);
 then FSDP 2 and PP 2 resuming FSDP 2's step-2 checkpoint; FSDP 2 x PP 2 (``1f1b``), PP 4 (``1f1b``, one block
-per stage) and TP 2 x PP 2 (``1f1b``, and ``zbv``: the vocabulary-parallel loss under a split backward) at 4
-ranks; one process: the references and a resume of PP 2's step-2 checkpoint. The small corpus is one document
+per stage, ``1f1b`` and ``gpipe``; 8 blocks under ``interleaved_1f1b``, ``zbv`` and ``dualpipev``) and TP 2 x
+PP 2 (``1f1b``, and ``zbv``: the vocabulary-parallel loss under a split backward) at 4 ranks; one process: the
+references and a resume of PP 2's step-2 checkpoint. The small corpus is one document
 (no micro-batch holds a document start); PP 4 and TP 2 x PP 2 under ``zbv`` run on it cut into short
 documents (:data:`ON_DOCUMENTS`: every stage masks by them).
 """
@@ -40,6 +41,12 @@ PIPELINES = {
     "pp4_1f1b": (4, {"parallel.pp": 4, "parallel.pp_schedule": '"1f1b"'}),
     "tp2_pp2_1f1b": (4, {"parallel.pp": 2, "parallel.tp": 2, "parallel.pp_schedule": '"1f1b"'}),
     "tp2_pp2_zbv": (4, {"parallel.pp": 2, "parallel.tp": 2, "parallel.pp_schedule": '"zbv"'}),
+    "pp4_gpipe": (4, {"parallel.pp": 4, "parallel.pp_schedule": '"gpipe"'}),
+    # two stages per rank at PP 4: 8 stages of one block; dualpipev needs as many micro-batches as stages
+    "pp4_interleaved": (4, {**(DEEP := {"model.n_layers": 8, "train.global_batch_size": 16}),
+                            "parallel.pp": 4, "parallel.pp_schedule": '"interleaved_1f1b"'}),
+    "pp4_zbv": (4, {**DEEP, "parallel.pp": 4, "parallel.pp_schedule": '"zbv"'}),
+    "pp4_dualpipev": (4, {**DEEP, "parallel.pp": 4, "parallel.pp_schedule": '"dualpipev"'}),
 }
 #: the runs on short documents (block-causal attention; a micro-batch without a document start comes plain),
 #: against ``single_docs``
@@ -75,6 +82,7 @@ def runs(small_data, docs_data, tmp_path_factory):
     reports.update(run_scenarios(1, [
         scenario("single", d, root, {**FEW, "parallel.mode": '"single"'}),
         scenario("single_docs", docs_data, root, {**FEW, "parallel.mode": '"single"'}),
+        scenario("single_deep", d, root, {**FEW, **DEEP, "parallel.mode": '"single"'}),
         scenario("pp2_to_single", d, root, {**FEW, "parallel.mode": '"single"',
                                             "checkpoint.resume": f'"{root / "pp2_1f1b/checkpoints/step-2"}"'}),
     ], out))
@@ -99,7 +107,8 @@ def test_pipeline_equals_one_process(runs, name):
     4.9e-6 under ``1f1b``, 1.7e-6 under ``zbv`` on short documents; gradient norms 5e-9 relative under
     ``1f1b``, up to 3e-7 on documents in a manual run)."""
     reports, root = runs
-    single = "single_docs" if name in ON_DOCUMENTS else "single"
+    single = "single_docs" if name in ON_DOCUMENTS else "single_deep" if "model.n_layers" in \
+        PIPELINES[name][1] else "single"
     got, ref = history(reports[name]), history(reports[single])
     assert sorted(got) == sorted(ref) == list(range(1, STEPS + 1))
     p, q = (load_file(str(root / n / "final" / "model.safetensors")) for n in (name, single))

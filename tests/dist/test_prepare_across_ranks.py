@@ -160,8 +160,14 @@ def test_ctrl_c_part_way_is_one_line_exit_130_and_the_same_prepare_continues(tmp
     config.write_text(f'[model]\nvocab_size = 400\n[data]\ncorpus = "{corpus}"\ndir = "{out}"\n'
                       f'tokenizer = "{tokenizer_file}"\npiece_bytes = 5000\nworkers = 2\n')
     cmd = [sys.executable, "-m", "shardlm", "prepare", "--config", str(config)]
+    def as_a_terminal_starts_it() -> None:  # Ctrl-C acts in the child whatever this process inherited
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+    # in the whole suite an earlier test leaves this process ignoring SIGINT, which a child inherits: it then
+    # finished (exit 0) instead of stopping (reproduced: this test under a parent with SIGINT ignored)
     proc = subprocess.Popen(cmd, env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=as_a_terminal_starts_it)
     tokens = staging_dir(out) / "tokens"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and len(list(tokens.glob("*.json"))) < 2 and proc.poll() is None:

@@ -59,6 +59,16 @@ def untied(name: str) -> bool:
 PP_CASES = [name for name in FAMILY_CASES if untied(name)]
 
 
+def assert_export_loads(final) -> None:
+    """The exported directory loads in transformers with every weight matched, and its logits equal shardlm's
+    model read from it within 64 fp32 roundings."""
+    hf, info = hf_model(final)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    ours = load_model_dir(final).eval()
+    with torch.no_grad():
+        assert_close(ours(IDS), hf(IDS).logits, rtol=64 * EPS, what="export vs transformers")
+
+
 @pytest.mark.dist
 @pytest.mark.parametrize("name", FAMILY_CASES)
 def test_fsdp_two_ranks_equal_one_process_and_final_loads(parity, name):
@@ -69,12 +79,7 @@ def test_fsdp_two_ranks_equal_one_process_and_final_loads(parity, name):
     print(f"\n{name}: FSDP 2 ranks vs one process, max loss diff over 3 steps {diff:.2e} "
           f"(losses {[round(h['loss'], 4) for h in one]})")
     assert_close([b["loss"] for b in two], [a["loss"] for a in one], rtol=16 * EPS, what="loss")
-    final = runs / f"{name}_2" / "final"
-    hf, info = hf_model(final)
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
-    ours = load_model_dir(final).eval()
-    with torch.no_grad():
-        assert_close(ours(IDS), hf(IDS).logits, rtol=64 * EPS, what="export vs transformers")
+    assert_export_loads(runs / f"{name}_2" / "final")
 
 
 @pytest.mark.dist
@@ -101,9 +106,4 @@ def test_pipeline_two_stages_equal_one_process_and_final_loads(parity, name):
     assert len(one) == len(pp) == 3
     print(f"\n{name}: PP 2 vs one process, losses {[h['loss'] for h in pp]} vs {[h['loss'] for h in one]}")
     assert_close([b["loss"] for b in pp], [a["loss"] for a in one], rtol=16 * EPS, what="loss")
-    final = runs / f"{name}_pp2" / "final"
-    hf, info = hf_model(final)
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
-    ours = load_model_dir(final).eval()
-    with torch.no_grad():
-        assert_close(ours(IDS), hf(IDS).logits, rtol=64 * EPS, what="export vs transformers")
+    assert_export_loads(runs / f"{name}_pp2" / "final")

@@ -202,7 +202,7 @@ def one_rank_group():
         torch.distributed.destroy_process_group()
 
 
-def test_planned_peak_within_5_percent_of_a_measured_rollout_step(tmp_path_factory, one_rank_group):
+def test_planned_peak_within_3_percent_of_a_measured_rollout_step(tmp_path_factory, one_rank_group):
     """One process (FSDP at world size 1), 32 completions sampled at once and trained 2 at a time, so the
     rollout is the step's peak; step 3 measured (:mod:`shardlm.metrics.peak`). Measured when added: planned
     2,549,332 bytes, measured 2,572,128 (steps 3-5: 2,572,128, 2,572,128, 2,512,768): -0.9 %; with W =
@@ -226,4 +226,4 @@ def test_planned_peak_within_5_percent_of_a_measured_rollout_step(tmp_path_facto
     assert plan.phase.startswith("rollout") and plan.highs["rollout"] == plan.peak, plan.phase
     gap = plan.peak / measured - 1
     print(f"\nplanned {plan.peak:,} measured {measured:,}: {gap:+.1%}")
-    assert abs(gap) <= 0.05, (plan.peak, measured, plan.breakdown)
+    assert abs(gap) <= 0.03, (plan.peak, measured, plan.breakdown)

@@ -3,7 +3,10 @@ completions token for token and the same rewards at every step, the losses and t
 the tolerance of tests/tolerance.py; plain dapo, LoRA with a KL term to the base (the adapters off), and
 several updates per generation batch: rl.num_iterations = 2 (grpo, clip-higher) and rl.steps_per_generation =
 2 (dapo), where the first update of each cycle of 2 steps has an importance ratio of exactly 1 (the old
-log-probs are the trainer's forward at generation) and the second does not. A run resumed at step 2 samples,
+log-probs are the trainer's forward at generation) and the second does not; the exact rollout
+(rl.rollout = "exact", num_iterations 2, a chunked head), whose sampler's log-probs are the old ones and
+equal the trainer's bit for bit (sampling/logprob_diff_max 0 at every step; the key-value cache's dapo run's
+is not). A run resumed at step 2 samples,
 scores and loses at step 3 exactly what the uninterrupted run did (dapo, and num_iterations 2: a new
 cycle)."""
 
@@ -24,7 +27,8 @@ SCENARIOS = {"dapo": {},
                          "rl.loss_type": '"grpo"'},
              "iter2": {"rl.num_iterations": 2, "rl.loss_type": '"grpo"', "rl.epsilon": 0.05,
                        "rl.epsilon_high": 0.08, "rl.scale_rewards": '"batch"'},
-             "spg2": {"rl.steps_per_generation": 2}}  # the last two: cycles of 2 steps
+             "spg2": {"rl.steps_per_generation": 2},  # with iter2 and exact: cycles of 2 steps
+             "exact": {"rl.rollout": '"exact"', "rl.num_iterations": 2, "train.loss_chunk_tokens": 8}}
 KEYS = ("loss", "reward", "entropy", "completions/mean_length", "grad_norm")
 
 
@@ -54,7 +58,10 @@ def test_two_ranks_equal_one_process(tmp_path):
         assert [r["step"] for r in resumed["history"]] == [3]
         assert resumed["steps"][0] == whole["steps"][2]  # the same completions, rewards (and ratio of 1)
         assert resumed["history"][0]["loss"] == whole["history"][2]["loss"]
-    for name in ("iter2", "spg2"):
+    for nproc in (1, 2):  # the exact rollout's log-probs are the trainer's; the key-value cache's are not
+        assert [r["sampling/logprob_diff_max"] for r in reports[nproc]["exact"]["history"]] == [0.0] * 3
+        assert max(r["sampling/logprob_diff_max"] for r in reports[nproc]["dapo"]["history"]) > 0.0
+    for name in ("iter2", "spg2", "exact"):
         for nproc in (1, 2):
             steps, history = reports[nproc][name]["steps"], reports[nproc][name]["history"]
             # step 1 and 3 start a cycle: the ratio is exactly 1; step 2 trains after an update: it is not

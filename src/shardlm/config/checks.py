@@ -337,6 +337,16 @@ def validate_rl(cfg: Config) -> None:
         raise ConfigError(f"rl.top_p must be in (0, 1], got {rl.top_p}")
     if rl.top_k < 0:
         raise ConfigError(f"rl.top_k must be >= 0 (0 = all tokens), got {rl.top_k}")
+    if rl.rollout == "exact":
+        why = ("a mixture of experts (each expert multiplies the tokens routed to it, later ones too)"
+               if cfg.model.n_experts else "parallel.compile (the compiled training graph computes otherwise "
+               "than the eager sampling forward)" if cfg.parallel.compile else
+               "LoRA dropout (the training forward drops units the sampler keeps)"
+               if cfg.lora.enabled and cfg.lora.dropout else "")
+        if why:
+            raise ConfigError(f"rl.rollout = 'exact' draws each token from the training step's own forward "
+                              f"so that their log-probs are equal bit for bit, which {why} breaks: use "
+                              "rl.rollout = 'kv_cache'")
     if rl.generation_batch_size and rl.steps_per_generation != 1:
         raise ConfigError("set rl.generation_batch_size or rl.steps_per_generation, not both (one gives the "
                           "other: generation_batch_size = train.global_batch_size × steps_per_generation)")

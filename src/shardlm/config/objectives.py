@@ -108,6 +108,13 @@ class RLConfig:
     """Nucleus sampling: the smallest set of tokens whose probability reaches this; 1 = all tokens."""
     top_k: int = 0
     """Sample among the k most probable tokens only; 0 = all tokens."""
+    rollout: Literal["kv_cache", "exact"] = "kv_cache"
+    """How the policy samples its completions (shardlm/rl): ``kv_cache``, one prefill and one-token forwards
+    over a key-value cache (fast; the sampler's log-probs differ from the training step's in their last bits,
+    ``sampling/logprob_diff_max``, about 1e-5 in fp32); ``exact``, each token drawn from the training step's
+    own forward of the micro-batch it trains in (the sampler's log-probs equal the trainer's bit for bit and
+    the metric is 0; one forward of the micro-batch per completion token, for short completions; not with a
+    mixture of experts, ``parallel.compile`` or LoRA dropout)."""
     steps_per_generation: int = 1
     """S, optimizer steps (global batches) per generation batch: the completions sampled at once, with the
     policy of the step that samples, are split into this many global batches, step ``s`` of a cycle of S ×

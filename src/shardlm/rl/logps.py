@@ -33,8 +33,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from shardlm.data.instruct import IGNORE_INDEX
-from shardlm.parallel.fsdp import gathered
-from shardlm.rl.rollout import Rollout
+from shardlm.rl.rollout import Rollout, sampling_mode
 
 
 @dataclass
@@ -49,6 +48,8 @@ class RLBatch:
         completion_mask: (R, Tc) bool, the rollout's mask of these rows: True where :func:`token_logps`
             returns a log-prob.
         rows: (R,) int64, the rollout rows, in order.
+        scored: (R, Tc) bool, where :func:`token_logps` computes a log-prob when that is more than the
+            completion tokens (the exact rollout's window: :func:`trainer_batch`); None = ``completion_mask``.
     """
 
     inputs: Tensor
@@ -56,38 +57,59 @@ class RLBatch:
     real: Tensor
     completion_mask: Tensor
     rows: Tensor
+    scored: Tensor | None = None
 
 
-def trainer_batch(rollout: Rollout, rows: Sequence[int], pad_id: int = 0) -> RLBatch:
+def trainer_batch(rollout: Rollout, rows: Sequence[int], pad_id: int = 0, window: int = 0) -> RLBatch:
     """The :class:`RLBatch` of ``rows`` of ``rollout`` (a micro-batch: the same rows give the same tensors,
     the condition of bit-equal log-probs).
 
+    With ``window`` > 0 (the exact rollout, :mod:`shardlm.rl.exact`; ``window`` its
+    ``max_completion_length``): the rows are as wide as the longest prompt of the rows + ``window`` - 1
+    positions, each row's completion followed by ``pad_id`` (not cut before its last token), and every row
+    is scored at its ``window`` positions from its prompt's end, whatever its completion's length (the
+    padding's targets are ``pad_id``; ``completion_mask`` still marks the completion): the shapes the exact
+    rollout drew each token with, known before any token was drawn.
+
     Raises:
-        ValueError: no rows, or a row index outside the rollout.
+        ValueError: no rows, a row index outside the rollout, or a window narrower than the rollout's
+            completions.
     """
     rows = [int(r) for r in rows]
     n = rollout.completion_ids.shape[0]
     if not rows or not all(0 <= r < n for r in rows):
         raise ValueError(f"trainer_batch needs rollout rows in [0, {n}), got {rows}")
+    if window and window != rollout.completion_ids.shape[1]:
+        raise ValueError(f"a window of {window} positions needs a rollout of completions {window} wide, got "
+                         f"{rollout.completion_ids.shape[1]}")
     lengths = rollout.lengths.tolist()
     seqs = [rollout.prompts[r] + rollout.completion_ids[r, :lengths[r]].tolist() for r in rows]
-    width = max(len(s) for s in seqs) - 1
+    if window:
+        width = max(len(rollout.prompts[r]) for r in rows) + window - 1
+    else:
+        width = max(len(s) for s in seqs) - 1
     inputs = torch.full((len(rows), width), pad_id, dtype=torch.long)
     targets = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
     real = torch.zeros((len(rows), width), dtype=torch.bool)
     for i, (r, seq) in enumerate(zip(rows, seqs)):
         start = len(rollout.prompts[r]) - 1  # the position whose next token is the completion's first
-        inputs[i, :len(seq) - 1] = torch.tensor(seq[:-1])
-        targets[i, start:start + lengths[r]] = torch.tensor(seq[start + 1:])
-        real[i, :len(seq) - 1] = True
+        if window:
+            seq = seq[:width]  # a completion of the whole window: its last token is no input
+            targets[i, start:start + window] = rollout.completion_ids[r]
+            inputs[i, :len(seq)] = torch.tensor(seq)
+            real[i, :len(seq)] = True
+        else:
+            inputs[i, :len(seq) - 1] = torch.tensor(seq[:-1])
+            targets[i, start:start + lengths[r]] = torch.tensor(seq[start + 1:])
+            real[i, :len(seq) - 1] = True
     index = torch.tensor(rows, dtype=torch.long)
-    return RLBatch(inputs, targets, real, rollout.completion_mask[index], index)
+    mask = rollout.completion_mask[index]
+    return RLBatch(inputs, targets, real, mask, index, torch.ones_like(mask) if window else None)
 
 
-def _chunk_logps(llama: nn.Module, hidden: Tensor, targets: Tensor,
-                 temperature: float) -> tuple[Tensor, Tensor]:
-    """Log-prob (c,) fp32 of each target under ``log_softmax(softcap(lm_head(hidden)) / temperature)``, and
-    the entropy (c,) fp32 of that distribution, for ``hidden`` (c, D).
+def scaled_logits(llama: nn.Module, hidden: Tensor, temperature: float) -> Tensor:
+    """``softcap(lm_head(hidden)) / temperature`` in fp32, (c, vocab), for ``hidden`` (c, D): the logits
+    every log-prob of this module is of (:func:`token_logps`; the exact rollout draws its tokens from them).
 
     ``lm_head.forward`` is called, not the module, as in :func:`shardlm.train.preference.head_logps`: under
     FSDP2 each call of a group's module would register one more post-backward, and ranks run different
@@ -96,11 +118,25 @@ def _chunk_logps(llama: nn.Module, hidden: Tensor, targets: Tensor,
     cap = llama.cfg.final_logit_softcap
     if cap:
         logits = torch.tanh(logits / cap) * cap
-    z = logits.float() / temperature
+    return logits.float() / temperature
+
+
+def _chunk_logps(llama: nn.Module, hidden: Tensor, targets: Tensor,
+                 temperature: float) -> tuple[Tensor, Tensor]:
+    """Log-prob (c,) fp32 of each target under ``log_softmax`` of :func:`scaled_logits`, and the entropy
+    (c,) fp32 of that distribution, for ``hidden`` (c, D)."""
+    z = scaled_logits(llama, hidden, temperature)
     lse = torch.logsumexp(z, dim=1)
     logp = z.gather(1, targets.unsqueeze(1)).squeeze(1) - lse
     entropy = lse - (torch.softmax(z, dim=1) * z).sum(1)
     return logp, entropy
+
+
+def scored_rows(targets: Tensor) -> Tensor:
+    """The flat indices (n,) int64 into ``targets.reshape(-1)`` of the scored positions (targets other than
+    ``IGNORE_INDEX``), in row-major order: the hidden states :func:`token_logps` projects, ``chunk_tokens``
+    at a time in this order."""
+    return (targets.reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1)
 
 
 def token_logps(model: nn.Module, batch: RLBatch, temperature: float, chunk_tokens: int = 0,
@@ -119,7 +155,8 @@ def token_logps(model: nn.Module, batch: RLBatch, temperature: float, chunk_toke
         batch: :func:`trainer_batch`'s rows; temperature: > 0, the rollout's; chunk_tokens: scored tokens
             per chunk, 0 = one chunk.
 
-    Returns ``(logps, entropies)``: each (R, Tc) fp32 aligned with ``batch.completion_mask`` (0 off it);
+    Returns ``(logps, entropies)``: each (R, Tc) fp32 aligned with ``batch.completion_mask`` (0 off
+    ``batch.scored``, which is the completion mask but for the exact rollout's window);
     ``logps`` carries the gradient when enabled (``entropies`` too: detach it for a metric).
 
     Raises:
@@ -129,11 +166,11 @@ def token_logps(model: nn.Module, batch: RLBatch, temperature: float, chunk_toke
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if chunk_tokens < 0:
         raise ValueError(f"chunk_tokens must be >= 0 (0 = one chunk), got {chunk_tokens}")
-    mask = batch.completion_mask
+    mask = batch.completion_mask if batch.scored is None else batch.scored
 
     def head(llama: nn.Module, hidden: Tensor) -> tuple[Tensor, Tensor]:
         flat = batch.targets.reshape(-1).to(hidden.device)
-        rows = (flat != IGNORE_INDEX).nonzero().squeeze(1)  # row-major: the order of the mask's True values
+        rows = scored_rows(flat)  # row-major: the order of the mask's True values
         h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)
         tgt = flat.index_select(0, rows)
         n = h.shape[0]
@@ -174,13 +211,8 @@ def score_rollout(model: nn.Module, rollout: Rollout, micro_batches: Sequence[Se
     bit the log-probs its forward computes: the old log-probs of ``num_iterations`` > 1, and at 1 the proof
     that the importance ratio is exactly 1. Rows in no micro-batch stay 0."""
     out = torch.zeros(rollout.logps.shape, dtype=torch.float32)
-    training = model.training
-    model.eval()
-    try:
-        with gathered(model):
-            for rows in micro_batches:
-                batch = trainer_batch(rollout, rows, pad_id)
-                out[batch.rows] = token_logps(model, batch, temperature, chunk_tokens)[0].cpu()
-    finally:
-        model.train(training)
+    with sampling_mode(model):
+        for rows in micro_batches:
+            batch = trainer_batch(rollout, rows, pad_id)
+            out[batch.rows] = token_logps(model, batch, temperature, chunk_tokens)[0].cpu()
     return out

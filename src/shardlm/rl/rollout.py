@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -67,6 +69,28 @@ def stream_uniforms(seed: int, step: int, prompt_id: int, generation: int, n: in
     :func:`stream_seed` (CPU whatever the device, so the draws do not depend on it)."""
     gen = torch.Generator().manual_seed(stream_seed(seed, step, prompt_id, generation))
     return torch.rand(n, generator=gen)
+
+
+def completion_uniforms(seed: int, step: int, prompt_ids: list[int], num_generations: int, n: int) -> Tensor:
+    """(B, n) float32, B = len(prompt_ids) × G: row ``i·G + g`` holds the first ``n`` uniforms of completion
+    ``g`` of prompt ``prompt_ids[i]`` (:func:`stream_uniforms`), the t-th drawing its t-th token."""
+    if not prompt_ids:
+        return torch.zeros(0, n)
+    return torch.stack([stream_uniforms(seed, step, p, g, n)
+                        for p in prompt_ids for g in range(num_generations)])
+
+
+@contextmanager
+def sampling_mode(model: nn.Module) -> Iterator[None]:
+    """``model`` in eval mode (no LoRA dropout) inside :func:`~shardlm.parallel.fsdp.gathered` (one all-gather
+    per FSDP group on entry, on every rank; no collective inside), its training mode restored on exit."""
+    training = model.training
+    model.eval()
+    try:
+        with gathered(model):
+            yield
+    finally:
+        model.train(training)
 
 
 @dataclass
@@ -211,21 +235,14 @@ def rollout(model: nn.Module, prompts: list[list[int]], prompt_ids: list[int], n
     check_rollout_args(prompts, prompt_ids, num_generations, max_completion_length, model.cfg.max_seq_len,
                        sampling, batch_size)
     rows = [(i, g) for i in range(len(prompts)) for g in range(num_generations)]
-    uniforms = torch.stack([stream_uniforms(seed, step, prompt_ids[i], g, max_completion_length)
-                            for i, g in rows]) if rows else torch.zeros(0, max_completion_length)
+    uniforms = completion_uniforms(seed, step, prompt_ids, num_generations, max_completion_length)
     step_batch = batch_size or max(len(rows), 1)
     pieces = []
-    training = model.training
-    model.eval()
-    try:
-        with gathered(model):  # one all-gather per group on every rank, then decode steps without collectives
-            for start in range(0, len(rows), step_batch):
-                part = rows[start:start + step_batch]
-                pieces.append(sample_rows(model, [prompts[i] for i, _ in part],
-                                          uniforms[start:start + len(part)], sampling, max_completion_length,
-                                          set(stop_ids), pad_id))
-    finally:
-        model.train(training)
+    with sampling_mode(model):  # one all-gather per group on every rank, then steps without collectives
+        for start in range(0, len(rows), step_batch):
+            part = rows[start:start + step_batch]
+            pieces.append(sample_rows(model, [prompts[i] for i, _ in part], uniforms[start:start + len(part)],
+                                      sampling, max_completion_length, set(stop_ids), pad_id))
     width = max((p[0].shape[1] for p in pieces), default=0)
 
     def widen(t: Tensor, fill: float | int) -> Tensor:

@@ -12,9 +12,10 @@ that step; step ``s`` of the run trains on slice ``s % S`` of it, so the whole g
 
 1. this rank's prompts: its contiguous share of each of the S global batches (completion ids ``p · G + g``),
    whole groups per rank (checked when the objective is built);
-2. one rollout of all of them by the policy itself (:func:`shardlm.rl.rollout.rollout`; collectives: one
-   all-gather per FSDP group on entry), each completion's stream keyed by (``train.seed``, ``c0``, prompt
-   id, generation);
+2. one rollout of all of them by the policy itself (:func:`shardlm.rl.rollout.rollout`, or with
+   ``rl.rollout = "exact"`` :func:`shardlm.rl.exact.exact_rollout`, micro-batch by micro-batch as step 4
+   cuts them; collectives: one all-gather per FSDP group on entry), each completion's stream keyed by
+   (``train.seed``, ``c0``, prompt id, generation);
 3. one all-gather of every rank's completions (lengths, truncation flags, token ids), put in the generation
    batch's order: every rank then holds them all and scores all of them with the reward functions
    (:func:`shardlm.rl.rewards.score`; a reward that raises raises on every rank: no hang), the group-relative
@@ -23,13 +24,13 @@ that step; step ``s`` of the run trains on slice ``s % S`` of it, so the whole g
    reward metrics, and the denominator of each step's loss (:func:`shardlm.rl.loss.loss_denominator` of the
    loss mask's lengths of the generation batch);
 4. each step's micro-batches: this rank's rollout rows as the trainer reads them
-   (:func:`shardlm.rl.logps.trainer_batch`), the same the training step runs;
+   (:func:`shardlm.rl.logps.trainer_batch`; the exact rollout's window), the same the training step runs;
 5. when S·μ > 1, the old policy's log-probs (:func:`shardlm.rl.logps.score_rollout`): the trainer's forward
    of those micro-batches without gradients, before any update of the cycle, so the first update's
    importance ratio is exactly 1 (bit for bit: the same rows, batches and widths; with LoRA dropout > 0 the
    training forward drops units and it is not), and later updates' ratios are those of the updated policy
-   to the sampling one. At S·μ = 1 there are none: the old log-probs are ``logps.detach()`` (TRL at one
-   update per generation).
+   to the sampling one; the exact rollout's own log-probs are these already (no forward). At S·μ = 1
+   there are none: the old log-probs are ``logps.detach()`` (TRL at one update per generation).
 
 :meth:`GRPOObjective.prepare_step` serves step ``s`` its slice (after :meth:`~GRPOObjective.generate` at a
 cycle's first step). The cycle's buffer (completions, old log-probs, advantages) lives in memory only: a
@@ -46,8 +47,9 @@ Metrics (TRL's names): ``reward``, ``reward_std``, ``rewards/<f>/mean|std``, ``f
 ``completions/*`` (exact over the generation batch, from the gathered lengths; every step of a cycle
 reports its generation batch's), ``kl`` (β > 0), ``entropy``,
 ``clip_ratio/low_mean|high_mean|region_mean`` (clipped losses) or ``cispo_clip_ratio`` (sums and counts in the
-step's one all-reduce); ``sampling/logprob_diff_max``: max |decode log-prob - trainer log-prob at generation|
-over the step's completion tokens, each rank's maximum in its own slot of the all-reduce's sum (TRL's
+step's one all-reduce); ``sampling/logprob_diff_max``: max |sampler's log-prob - trainer's at generation|
+(0 under the exact rollout) over the step's completion tokens, each rank's maximum in its own slot of the
+all-reduce's sum (TRL's
 ``clip_ratio/low_min`` and ``high_max``, which need MIN / MAX reductions, are left out);
 ``rewards/all_equal_steps``, the generations so far whose scored rewards were all equal (a warning on the
 first); and rank 0's seconds of ``time/rollout_s``, ``time/reward_s`` (gather and scoring) and
@@ -73,6 +75,7 @@ from shardlm.metrics import format_bytes, local_bytes
 from shardlm.parallel.dist import DistInfo
 from shardlm.rl.advantages import group_advantages, reward_metrics
 from shardlm.rl.completions import completion_metrics, loss_mask
+from shardlm.rl.exact import exact_rollout
 from shardlm.rl.logps import RLBatch, logprob_diff_max, score_rollout, token_logps, trainer_batch
 from shardlm.rl.loss import CLIPPED, loss_denominator, policy_loss_sum
 from shardlm.rl.rewards import (
@@ -144,6 +147,7 @@ class GRPOObjective(Objective):
         self.funcs, self.stop_ids, self.pad_id, self.kind, self.reference = funcs, stop_ids, pad_id, kind, \
             reference
         self.weights = reward_weights(cfg.rl)
+        self.exact = cfg.rl.rollout == "exact"  # shardlm.rl.exact
         self.sum_names = sum_metric_names(cfg)
         #: [sum, count] per metric, then one slot per rank for its largest decode-vs-trainer log-prob gap
         self.stat_names = tuple(f"{n}/{part}" for n in self.sum_names for part in ("sum", "count")) + tuple(
@@ -204,7 +208,8 @@ class GRPOObjective(Objective):
         return (f"{rl.loss_type}, {rl.num_generations} completions per prompt of up to "
                 f"{rl.max_completion_length} tokens, temperature {rl.temperature:g}, beta {rl.beta:g}, "
                 f"{rl.importance_sampling_level}-level ratio, scale_rewards {rl.scale_rewards}; rewards "
-                + ", ".join(f.name for f in self.funcs) + f"; {ref}" + self.describe_cycle())
+                + ", ".join(f.name for f in self.funcs) + f"; {ref}"
+                + ("; exact rollout" if self.exact else "") + self.describe_cycle())
 
     def describe_cycle(self) -> str:
         """``""`` at one update per generation, else the cycle: generation batch, S and μ."""
@@ -241,7 +246,7 @@ class GRPOObjective(Objective):
             raise RuntimeError(f"step {step + 1}: the trainer's completion ids differ from the generation "
                                "batch's slice (a bug)")
         fresh = step == c0  # the generation's own times are reported once, by the step that sampled
-        context = {**parts["context"], "diff_max": 0.0,
+        context = {**parts["context"], "diff_max": 0.0, "fresh": fresh,
                    "logps_s": parts["context"]["logps_s"] if fresh else 0.0,
                    "rollout_s": parts["context"]["rollout_s"] if fresh else 0.0,
                    "reward_s": parts["context"]["reward_s"] if fresh else 0.0}
@@ -261,11 +266,22 @@ class GRPOObjective(Objective):
         per_rank = B // W
         mine = [j * B + info.rank * per_rank + i for j in range(S) for i in range(per_rank)]  # global rows
         keys = stream_keys([c // G for c in gen_ids[::G]], len(self.data))
-        ro = rollout(unwrap(self.model), self.data.get([gen_ids[r] // G for r in mine[::G]]),
-                     [keys[r // G] for r in mine[::G]], G,
-                     max_completion_length=rl.max_completion_length, stop_ids=self.stop_ids,
-                     seed=cfg.train.seed, step=c0, temperature=rl.temperature,
-                     top_p=rl.top_p, top_k=rl.top_k, pad_id=self.pad_id)
+        rows = []  # per slice, its micro-batches' rollout rows
+        for j, ids in enumerate(micro):
+            firsts = [j * per_rank]
+            for m in ids:
+                firsts.append(firsts[-1] + len(m))
+            rows.append([range(a, b) for a, b in zip(firsts, firsts[1:])])
+        prompts = self.data.get([gen_ids[r] // G for r in mine[::G]])
+        sampling = dict(max_completion_length=rl.max_completion_length, stop_ids=self.stop_ids,
+                        seed=cfg.train.seed, step=c0, temperature=rl.temperature, top_p=rl.top_p,
+                        top_k=rl.top_k, pad_id=self.pad_id)
+        if self.exact:  # each micro-batch decoded as the step will run it
+            ro = exact_rollout(unwrap(self.model), prompts, [keys[r // G] for r in mine[::G]], G,
+                               [r for rs in rows for r in rs], chunk_tokens=cfg.train.loss_chunk_tokens,
+                               **sampling)
+        else:
+            ro = rollout(unwrap(self.model), prompts, [keys[r // G] for r in mine[::G]], G, **sampling)
         rolled = time.perf_counter()
         lengths, truncated, completions = self.gather_completions(ro)
         # rank-major (rank, slice, row) to the generation batch's order (slice, rank, row)
@@ -289,23 +305,19 @@ class GRPOObjective(Objective):
                       file=sys.stderr, flush=True)
         metrics["rewards/all_equal_steps"] = float(self.all_equal_steps)
         scored = time.perf_counter()
-        rows = []  # per slice, its micro-batches' rollout rows
-        for j, ids in enumerate(micro):
-            firsts = [j * per_rank]
-            for m in ids:
-                firsts.append(firsts[-1] + len(m))
-            rows.append([range(a, b) for a, b in zip(firsts, firsts[1:])])
         # the old policy's log-probs: the trainer's forward of the same micro-batches, before any update of
-        # the cycle (bit for bit the first update's: ratio exactly 1); none at one update per generation
-        old = None if sampler.cycle == 1 else score_rollout(
+        # the cycle (bit for bit the first update's: ratio exactly 1), which the exact rollout's are already;
+        # none at one update per generation
+        old = None if sampler.cycle == 1 else ro.logps if self.exact else score_rollout(
             unwrap(self.model), ro, [r for rs in rows for r in rs], rl.temperature,
             cfg.train.loss_chunk_tokens, self.pad_id)
+        window = rl.max_completion_length if self.exact else 0
         context = {"rollout": ro, "advantages": adv.advantages[mine], "old_logps": old,
                    "completion_ids": completions, "rewards": table,  # the generation batch's
                    "metrics": metrics, "logps_s": time.perf_counter() - scored,
                    "rollout_s": rolled - start, "reward_s": scored - rolled}
         return [{"ids": [c for m in micro[j] for c in m], "denominator": denominator, "context": context,
-                 "batches": [trainer_batch(ro, r, self.pad_id) for r in rows[j]]} for j in range(S)]
+                 "batches": [trainer_batch(ro, r, self.pad_id, window) for r in rows[j]]} for j in range(S)]
 
     def gather_completions(self, ro: Rollout) -> tuple[torch.Tensor, torch.Tensor, list[list[int]]]:
         """Every rank's completions in rank order (the global batch's order): (N,) int64 lengths, (N,) bool
@@ -349,7 +361,9 @@ class GRPOObjective(Objective):
         for i, name in enumerate(self.sum_names):
             stats[2 * i:2 * i + 2] = terms.sums[name].double().cpu()
         # the rank's running maximum, as increments: their sum over micro-batches is the maximum
-        trainer = logps.detach().cpu() if old is None else ctx["old_logps"][batch.rows]  # at generation
+        # the trainer's at generation: this forward's at a cycle's first step (no update yet), else the
+        # cycle's old log-probs
+        trainer = logps.detach().cpu() if old is None or ctx["fresh"] else ctx["old_logps"][batch.rows]
         gap = logprob_diff_max(ro.logps[batch.rows], trainer, batch.completion_mask)
         new = max(ctx["diff_max"], gap)
         stats[2 * len(self.sum_names) + self.info.rank] = new - ctx["diff_max"]

@@ -32,7 +32,7 @@ LABELS = {
     "temporaries": "temporaries (loss, backward transients)",  # the loss's part: loss_label()
     "buffers": "buffers (RoPE tables)",
     "reference": "preference reference (frozen model / table)",
-    "rollout": "rollout (KV cache, prefill transients)",
+    "rollout": "rollout (KV cache and prefill, or the exact forward)",
 }
 #: the ``reference`` part's label under online RL
 RL_REFERENCE_LABEL = "RL reference (frozen model)"

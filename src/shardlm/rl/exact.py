@@ -63,6 +63,7 @@ def _wanted_logits(llama: nn.Module, hidden: Tensor, scored: Tensor, wanted: lis
         here = [i - c * chunk for i in wanted if i // chunk == c]
         z_rows.append(z[here])
         lse_rows.append(lse[here])
+        del z, lse  # before the next chunk's
     return torch.cat(z_rows), torch.cat(lse_rows)
 
 

@@ -12,7 +12,9 @@ A random model of the given shape (fp32) is exported to a Hugging Face directory
 completions of exactly ``--new`` tokens (no stop id, so both generate the same number of tokens) with the same
 temperature / top-k / top-p, all rows in one batch, left-padded prompts. Tokens/s = generated tokens / wall
 seconds (median of ``--repeat`` runs after one warm-up). The log-prob row: the trainer's scoring of the
-rollout (:func:`shardlm.rl.logps.score_rollout`, full forwards) and its max |decode - full forward|.
+rollout (:func:`shardlm.rl.logps.score_rollout`, full forwards) and its max |decode - full forward|. The
+exact rollout (:func:`shardlm.rl.exact.exact_rollout`, ``rl.rollout = "exact"``) samples the same rows in
+micro-batches of ``--micro`` rows, one full forward per token, and its max |sampler - training forward|.
 
 The ranks part (torchrun, gloo, ``OMP_NUM_THREADS`` = 1 per rank): each rank samples its own prompts from the
 FSDP-sharded model (``shardlm.parallel.fsdp.apply_fsdp``), once inside ``gathered`` (one all-gather per group,
@@ -68,7 +70,8 @@ def single(args: argparse.Namespace) -> list[tuple[str, float, str]]:
 
     from shardlm.convert.hf_out import save_model_dir
     from shardlm.model.decoder import CausalLM
-    from shardlm.rl.logps import logprob_diff_max, score_rollout
+    from shardlm.rl.exact import exact_rollout
+    from shardlm.rl.logps import logprob_diff_max, score_rollout, token_logps, trainer_batch
     from shardlm.rl.rollout import rollout
 
     torch.set_num_threads(1)
@@ -101,7 +104,20 @@ def single(args: argparse.Namespace) -> list[tuple[str, float, str]]:
 
     hf_s, out = timed(hf_generate, args.repeat)
     assert out.shape[1] - width == args.new
+    n_rows = len(rows)
+    micro = [list(range(a, min(a + args.micro, n_rows))) for a in range(0, n_rows, args.micro)]
+    exact_s, ex = timed(lambda: exact_rollout(model, prompts, list(range(len(prompts))), args.generations,
+                                              micro, **kw), args.repeat)
+    exact_diff = 0.0
+    with torch.no_grad():
+        for part in micro:  # the training step's forward of each micro-batch against the sampler's log-probs
+            batch = trainer_batch(ex, part, window=args.new)
+            exact_diff = max(exact_diff, logprob_diff_max(ex.logps[batch.rows],
+                                                          token_logps(model, batch, args.temperature)[0],
+                                                          batch.completion_mask))
     return [("shardlm rollout (KV cache)", n_tokens / ours_s, f"{ours_s:.3f} s"),
+            (f"shardlm exact rollout (micro-batches of {args.micro})", n_tokens / exact_s,
+             f"{exact_s:.3f} s, max |sampler - training forward| logp {exact_diff:.2e}"),
             ("transformers generate", n_tokens / hf_s, f"{hf_s:.3f} s"),
             ("shardlm scoring (full forward)", n_tokens / score_s,
              f"{score_s:.3f} s, max |decode - full| logp {diff:.2e}")]
@@ -189,6 +205,7 @@ def main() -> None:
     parser.add_argument("--top-p", type=float, default=0.95)
     parser.add_argument("--top-k", type=int, default=50)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--micro", type=int, default=8, help="rows per micro-batch of the exact rollout")
     parser.add_argument("--world", type=int, default=2, help="ranks of the FSDP part (0: skip it)")
     args = parser.parse_args()
     if args.worker:

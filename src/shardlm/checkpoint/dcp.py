@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from shardlm.checkpoint.preemption import PREEMPTION_SIGNALS, Preemption
+from shardlm.checkpoint.rank_state import RankState
 from shardlm.checkpoint.resume import Resuming, resume_mode
 from shardlm.checkpoint.resume_config import Change
 from shardlm.checkpoint.saving import CHECKPOINT_TIMEOUT, InFlight, Saving
@@ -84,6 +85,8 @@ class Checkpointer(Preemption, Saving, Resuming):
         self.resume = resume_mode(cfg)
         self.last_save: dict[str, Any] | None = None
         self.last_load: dict[str, Any] | None = None
+        #: this rank's state besides DCP's in the resumed checkpoint (checkpoint/rank_state.py), set by load()
+        self.rank_state: RankState | None = None
         # set by load(): a new id, or the resumed run's (see checkpoint/run.py)
         self.run_id: str | None = None
         self.skipped: list[dict[str, str]] = []  # damaged checkpoints that --resume=auto passed over

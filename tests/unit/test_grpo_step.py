@@ -115,9 +115,11 @@ def test_a_checkpoint_inside_a_cycle_holds_its_buffer(root, tmp_path, one_rank_g
     cycle of steps 1-2) holds the rank's buffer, the one after step 2 (a cycle's start) nothing more. The
     buffer round-trips bit for bit (rollout, advantages, old log-probs, completions, rewards, metrics,
     denominator) through the safetensors file into a resumed run's objective, and a resume at another world
-    size is refused by name (the buffer is per rank)."""
+    size is refused by name (the buffer is per rank). The saves run in the background (checkpoint.async; the
+    2-rank resume of tests/dist/test_grpo_ranks.py saves synchronously)."""
     run = tmp_path / "run"
-    extra = {"rl.num_iterations": 2, "train.steps": 2, "checkpoint.interval": 1, "run.dir": f'"{run}"'}
+    extra = {"rl.num_iterations": 2, "train.steps": 2, "checkpoint.interval": 1, "run.dir": f'"{run}"',
+             "checkpoint.async": "true"}  # the buffer's file written before the background save, recorded
     trainer = Trainer(load_config(None, rl_overrides(root, extra=extra)), keep_history=True)
     held = []  # the buffer after each step, as rank_state gives it to the save
     rank_state = trainer.objective.rank_state

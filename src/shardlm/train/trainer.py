@@ -385,7 +385,7 @@ class Trainer:
                     if record is None:  # a step not logged: its non-finite check before the save
                         self.nonfinite.raise_if_recorded(self.nonfinite.record.tolist())
                     path = self.checkpointer.save(self.model, self.optimizer, self.scheduler, self.step,
-                                                  self.objective.rank_state(self.step))
+                                                  rank_state=self.objective.rank_state(self.step))
                     if info.is_main:
                         bar.write(self.checkpointer.save_line(path))
                 if self.preempted:

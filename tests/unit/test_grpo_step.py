@@ -114,9 +114,10 @@ def test_a_checkpoint_inside_a_cycle_holds_its_buffer(root, tmp_path, one_rank_g
     """A run of 2 steps at num_iterations 2 saving after each step: the checkpoint after step 1 (inside the
     cycle of steps 1-2) holds the rank's buffer, the one after step 2 (a cycle's start) nothing more. The
     buffer round-trips bit for bit (rollout, advantages, old log-probs, completions, rewards, metrics,
-    denominator) through the safetensors file into a resumed run's objective, and a resume at another world
-    size is refused by name (the buffer is per rank). The saves run in the background (checkpoint.async; the
-    2-rank resume of tests/dist/test_grpo_ranks.py saves synchronously)."""
+    denominator) through the safetensors file into a resumed run's objective, which trains step 2 to the
+    uninterrupted run's loss bit for bit (within 64 roundings in micro-batches of 1 instead of 2); a resume
+    at another world size is refused by name (the buffer is per rank). The saves run in the background
+    (checkpoint.async; the 2-rank resume of tests/dist/test_grpo_ranks.py saves synchronously)."""
     run = tmp_path / "run"
     extra = {"rl.num_iterations": 2, "train.steps": 2, "checkpoint.interval": 1, "run.dir": f'"{run}"',
              "checkpoint.async": "true"}  # the buffer's file written before the background save, recorded
@@ -124,7 +125,8 @@ def test_a_checkpoint_inside_a_cycle_holds_its_buffer(root, tmp_path, one_rank_g
     held = []  # the buffer after each step, as rank_state gives it to the save
     rank_state = trainer.objective.rank_state
     trainer.objective.rank_state = lambda step: held.append(rank_state(step)) or held[-1]
-    assert [r["step"] for r in trainer.train()] == [1, 2]
+    whole = trainer.train()
+    assert [r["step"] for r in whole] == [1, 2]
     ckpts = run / "checkpoints"
     assert held[1] is None and not (ckpts / "step-2" / "rank-0.state.safetensors").exists()
     manifest = json.loads((ckpts / "step-1" / "manifest.json").read_text())
@@ -132,7 +134,7 @@ def test_a_checkpoint_inside_a_cycle_holds_its_buffer(root, tmp_path, one_rank_g
     saved, header = held[0]
     assert header["cycle_start"] == "0" and "old_logps" in saved and len(saved["completion_lengths"]) == 8
     resume = {**extra, "run.overwrite": "false", "checkpoint.resume": f'"{ckpts / "step-1"}"'}
-    resumed = Trainer(load_config(None, rl_overrides(root, extra=resume)))
+    resumed = Trainer(load_config(None, rl_overrides(root, extra=resume)), keep_history=True)
     assert resumed.step == 1 and resumed.objective.generation[0] == 0
     back, back_header = resumed.objective.rank_state(1)
     assert back_header == header and back.keys() == saved.keys()
@@ -144,6 +146,16 @@ def test_a_checkpoint_inside_a_cycle_holds_its_buffer(root, tmp_path, one_rank_g
     assert ours["context"]["completion_ids"] == theirs["context"]["completion_ids"]
     assert [torch.equal(a.inputs, b.inputs) and torch.equal(a.targets, b.targets)
             for a, b in zip(ours["batches"], theirs["batches"])] == [True] * 4
+    again = resumed.train()  # step 2 on the buffer taken back: the uninterrupted run's, bit for bit
+    assert [r["step"] for r in again] == [2] and again[0]["loss"] == whole[1]["loss"] != 0.0
+    assert again[0]["reward"] == whole[1]["reward"] and again[0]["grad_norm"] == whole[1]["grad_norm"]
+    torch.distributed.destroy_process_group()
+    # another micro-batch size: the buffer's rows split into 8 micro-batches of 1, the same loss but its bits
+    finer = Trainer(load_config(None, rl_overrides(root, extra={**resume, "train.micro_batch_size": 1})),
+                    keep_history=True)
+    assert len(finer.objective.generation[1][0]["batches"]) == 8
+    loss = finer.train()[0]["loss"]
+    assert_close(loss, whole[1]["loss"], rtol=64 * EPS, what="step 2's loss in micro-batches of 1")
     torch.distributed.destroy_process_group()
     # the same checkpoint as if saved at 2 ranks: its buffer is not this layout's
     manifest["world_size"] = 2

@@ -13,14 +13,15 @@ refuses by name otherwise.
 
 from __future__ import annotations
 
+import hashlib
+import os
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 
-from shardlm.checkpoint.manifest import file_record
 from shardlm.errors import CheckpointError, ConfigError
 
 #: a rank's state is a dict of tensors and a header of strings (``what``: a description for messages;
@@ -40,14 +41,23 @@ def write_rank_state(ckpt_dir: Path, rank: int, world_size: int, step: int, stat
     ``step``.
 
     Raises:
-        OSError: the file cannot be written (a full disk, no permission).
+        OSError: the file cannot be written (a full disk, no permission), naming it.
     """
     tensors, header = state
     name = rank_state_file(rank)
-    # safetensors refuses views that share memory: each tensor its own contiguous copy
-    save_file({k: v.detach().cpu().contiguous().clone() for k, v in tensors.items()}, str(ckpt_dir / name),
-              metadata={**header, "rank": str(rank), "world_size": str(world_size), "step": str(step)})
-    return {name: file_record(ckpt_dir / name)}
+    # serialised in memory (safetensors refuses views that share memory: each tensor its own contiguous
+    # copy), then written by Python: a failure is an OSError naming the file, and the checksum is of the bytes
+    data = save({k: v.detach().cpu().contiguous().clone() for k, v in tensors.items()},
+                metadata={**header, "rank": str(rank), "world_size": str(world_size), "step": str(step)})
+    path = ckpt_dir / name
+    try:
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:  # a failed write or close (a full disk) names no file: name it
+        raise OSError(e.errno, e.strerror or str(e), str(path)) from None
+    return {name: {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}}
 
 
 def read_rank_state(path: Path, manifest: dict[str, Any], rank: int, world_size: int) -> RankState | None:

@@ -7,7 +7,10 @@ Each rank writes only its own shards (``dcp.save``); the stored state is world-s
 - ``lr_scheduler``: ``LambdaLR.state_dict()`` (plain numbers; the schedule itself is rebuilt from the config);
 - ``train.step``: the number of optimizer steps done. The data position is the step (the sampler is a
   pure function of the step), and training draws no random numbers (no dropout), so no per-rank RNG
-  state exists; every item is the same on every rank (DCP keeps one copy of a replicated item).
+  state exists; every item is the same on every rank (DCP keeps one copy of a replicated item);
+- beside DCP's files, only where the objective keeps state between steps (online RL inside a generation
+  cycle; nothing otherwise): ``rank-<r>.state.safetensors``, each rank's own (:mod:`~shardlm.checkpoint.
+  rank_state`), in the manifest with the rest; such a checkpoint resumes only at the world size that wrote it.
 
 A save goes to ``checkpoints/.tmp-step-<N>``; each rank computes the SHA-256 of the files it writes from the
 bytes as it writes them (:class:`shardlm.checkpoint.fs_errors.RecordingFileSystemWriter`: no second read);

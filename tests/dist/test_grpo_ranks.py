@@ -8,7 +8,9 @@ log-probs are the trainer's forward at generation) and the second does not; the 
 equal the trainer's bit for bit (sampling/logprob_diff_max 0 at every step; the key-value cache's dapo run's
 is not). A run resumed at step 2 samples,
 scores and loses at step 3 exactly what the uninterrupted run did (dapo, and num_iterations 2: a new
-cycle)."""
+cycle); inside a cycle of 4 steps (steps_per_generation 2 x num_iterations 2, 2 ranks only), a run resumed
+after step 1 from the checkpoint's buffer trains steps 2 and 3 on the uninterrupted run's completions,
+rewards, old log-probs and losses, to the same weights, bit for bit."""
 
 from __future__ import annotations
 
@@ -29,6 +31,8 @@ SCENARIOS = {"dapo": {},
                        "rl.epsilon_high": 0.08, "rl.scale_rewards": '"batch"'},
              "spg2": {"rl.steps_per_generation": 2},  # with iter2 and exact: cycles of 2 steps
              "exact": {"rl.rollout": '"exact"', "rl.num_iterations": 2, "train.loss_chunk_tokens": 8}}
+#: a generation cycle of 4 steps, at 2 ranks only: saved after every step (inside the cycle), resumed after step 1
+CYCLE4 = {"rl.steps_per_generation": 2, "rl.num_iterations": 2, "rl.loss_type": '"grpo"', "checkpoint.interval": 1}
 KEYS = ("loss", "reward", "entropy", "completions/mean_length", "grad_norm")
 
 
@@ -47,6 +51,12 @@ def test_two_ranks_equal_one_process(tmp_path):
                     **SCENARIOS[name], "parallel.mode": '"fsdp"', "checkpoint.interval": 2,
                     "checkpoint.keep": 0, "run.dir": f'"{runs / name}"',
                     "checkpoint.resume": f'"{runs / name / "checkpoints" / "step-2"}"'})})
+            for name, run_dir, resume in (("cycle4", runs / "cycle4", ""),
+                                          ("resumed_cycle4", runs / "resumed_cycle4",
+                                           runs / "cycle4" / "checkpoints" / "step-1")):
+                scenarios.append({"name": name, "overrides": rl_overrides(tmp_path, extra={
+                    **CYCLE4, "parallel.mode": '"fsdp"', "checkpoint.keep": 0, "run.dir": f'"{run_dir}"',
+                    "checkpoint.resume": f'"{resume}"'})})
         out.mkdir()
         (out / "spec.json").write_text(json.dumps({"out": str(out), "scenarios": scenarios}))
         torchrun(nproc, [str(ROOT / "tests" / "workers" / "grpo_worker.py"), str(out / "spec.json")],
@@ -58,6 +68,18 @@ def test_two_ranks_equal_one_process(tmp_path):
         assert [r["step"] for r in resumed["history"]] == [3]
         assert resumed["steps"][0] == whole["steps"][2]  # the same completions, rewards (and ratio of 1)
         assert resumed["history"][0]["loss"] == whole["history"][2]["loss"]
+    whole, resumed = reports[2]["cycle4"], reports[2]["resumed_cycle4"]
+    assert [r["step"] for r in resumed["history"]] == [2, 3]
+    assert resumed["steps"] == whole["steps"][1:]  # completions, rewards, |ratio - 1| of steps 2 and 3
+    assert [s["ratio"]["exact"] for s in whole["steps"]] == [True, False, False]  # old log-probs at work
+    assert whole["steps"][0]["completions"] == whole["steps"][2]["completions"]  # one generation batch
+    for key in (*KEYS, "clip_ratio/region_mean", "lr"):
+        assert [r[key] for r in resumed["history"]] == [r[key] for r in whole["history"][1:]], key
+    assert resumed["logits"] == whole["logits"]  # the trained weights, bit for bit
+    finals = [load_file(str(tmp_path / "runs2" / name / "final" / "model.safetensors"))
+              for name in ("cycle4", "resumed_cycle4")]
+    assert finals[0].keys() == finals[1].keys() and all(torch.equal(finals[0][k], finals[1][k])
+                                                        for k in finals[0])
     for nproc in (1, 2):  # the exact rollout's log-probs are the trainer's; the key-value cache's are not
         assert [r["sampling/logprob_diff_max"] for r in reports[nproc]["exact"]["history"]] == [0.0] * 3
         assert max(r["sampling/logprob_diff_max"] for r in reports[nproc]["dapo"]["history"]) > 0.0

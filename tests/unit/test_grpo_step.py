@@ -93,8 +93,6 @@ def test_bad_inputs_one_message_each(root, tmp_path, one_rank_group):
         load_config(None, rl_overrides(root, extra={"rl.num_generations": 1}))
     with pytest.raises(ConfigError, match="cannot fit train.seq_len"):
         load_config(None, rl_overrides(root, extra={"rl.max_completion_length": 20}))
-    with pytest.raises(ConfigError, match="checkpoint.interval = 5 would save inside a generation cycle"):
-        load_config(None, rl_overrides(root, extra={"rl.num_iterations": 2, "checkpoint.interval": 5}))
     bad = rl_overrides(root, extra={"rl.rewards": "['shardlm.rl.nowhere:accuracy']",
                                     "run.dir": f'"{tmp_path / "run"}"'})
     with pytest.raises(ConfigError, match=r"rl.rewards\[0\] = 'shardlm.rl.nowhere:accuracy': cannot load"):
@@ -112,15 +110,58 @@ def test_bad_inputs_one_message_each(root, tmp_path, one_rank_group):
     assert json.loads((root / "data" / "meta.json").read_text())["format"] == "prompts"
 
 
-def test_resume_inside_a_generation_cycle_is_refused(root, tmp_path, one_rank_group):
-    """The last step's checkpoint of a run of 1 step at num_iterations 2 lies inside the cycle of steps 1-2,
-    whose buffer (completions, old log-probs, advantages) is not saved: resuming there is refused by name,
-    never trained on a buffer sampled again by another policy."""
+def test_a_checkpoint_inside_a_cycle_holds_its_buffer(root, tmp_path, one_rank_group):
+    """A run of 2 steps at num_iterations 2 saving after each step: the checkpoint after step 1 (inside the
+    cycle of steps 1-2) holds the rank's buffer, the one after step 2 (a cycle's start) nothing more. The
+    buffer round-trips bit for bit (rollout, advantages, old log-probs, completions, rewards, metrics,
+    denominator) through the safetensors file into a resumed run's objective, which trains step 2 to the
+    uninterrupted run's loss bit for bit (within 64 roundings in micro-batches of 1 instead of 2); a resume
+    at another world size is refused by name (the buffer is per rank). The saves run in the background
+    (checkpoint.async; the 2-rank resume of tests/dist/test_grpo_ranks.py saves synchronously)."""
     run = tmp_path / "run"
-    extra = {"rl.num_iterations": 2, "train.steps": 1, "checkpoint.interval": 0, "run.dir": f'"{run}"'}
-    assert [r["step"] for r in Trainer(load_config(None, rl_overrides(root, extra=extra))).train()] == [1]
-    resume = {**extra, "train.steps": 2, "run.overwrite": "false",
-              "checkpoint.resume": f'"{run / "checkpoints" / "step-1"}"'}
-    with pytest.raises(ConfigError, match=r"step 2 is inside the generation cycle of steps 1 \.\. 2 .*resume "
-                                          "from a checkpoint at the start of a cycle"):
-        Trainer(load_config(None, rl_overrides(root, extra=resume))).train()
+    extra = {"rl.num_iterations": 2, "train.steps": 2, "checkpoint.interval": 1, "run.dir": f'"{run}"',
+             "checkpoint.async": "true"}  # the buffer's file written before the background save, recorded
+    trainer = Trainer(load_config(None, rl_overrides(root, extra=extra)), keep_history=True)
+    held = []  # the buffer after each step, as rank_state gives it to the save
+    rank_state = trainer.objective.rank_state
+    trainer.objective.rank_state = lambda step: held.append(rank_state(step)) or held[-1]
+    whole = trainer.train()
+    assert [r["step"] for r in whole] == [1, 2]
+    ckpts = run / "checkpoints"
+    assert held[1] is None and not (ckpts / "step-2" / "rank-0.state.safetensors").exists()
+    manifest = json.loads((ckpts / "step-1" / "manifest.json").read_text())
+    assert "rank-0.state.safetensors" in manifest["files"]  # hashed and verified with the rest
+    saved, header = held[0]
+    assert header["cycle_start"] == "0" and "old_logps" in saved and len(saved["completion_lengths"]) == 8
+    resume = {**extra, "run.overwrite": "false", "checkpoint.resume": f'"{ckpts / "step-1"}"'}
+    resumed = Trainer(load_config(None, rl_overrides(root, extra=resume)), keep_history=True)
+    assert resumed.step == 1 and resumed.objective.generation[0] == 0
+    back, back_header = resumed.objective.rank_state(1)
+    assert back_header == header and back.keys() == saved.keys()
+    for name, tensor in saved.items():
+        assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
+    ours, theirs = resumed.objective.generation[1][0], trainer.objective.generation[1][0]
+    assert ours["ids"] == theirs["ids"] and ours["denominator"] == theirs["denominator"]
+    assert ours["context"]["metrics"] == theirs["context"]["metrics"]
+    assert ours["context"]["completion_ids"] == theirs["context"]["completion_ids"]
+    assert [torch.equal(a.inputs, b.inputs) and torch.equal(a.targets, b.targets)
+            for a, b in zip(ours["batches"], theirs["batches"])] == [True] * 4
+    again = resumed.train()  # step 2 on the buffer taken back: the uninterrupted run's, bit for bit
+    assert [r["step"] for r in again] == [2] and again[0]["loss"] == whole[1]["loss"] != 0.0
+    assert again[0]["reward"] == whole[1]["reward"] and again[0]["grad_norm"] == whole[1]["grad_norm"]
+    torch.distributed.destroy_process_group()
+    # another micro-batch size: the buffer's rows split into 8 micro-batches of 1, the same loss but its bits
+    finer = Trainer(load_config(None, rl_overrides(root, extra={**resume, "train.micro_batch_size": 1})),
+                    keep_history=True)
+    assert len(finer.objective.generation[1][0]["batches"]) == 8
+    loss = finer.train()[0]["loss"]
+    assert_close(loss, whole[1]["loss"], rtol=64 * EPS, what="step 2's loss in micro-batches of 1")
+    torch.distributed.destroy_process_group()
+    # the same checkpoint as if saved at 2 ranks: its buffer is not this layout's
+    manifest["world_size"] = 2
+    (ckpts / "step-1" / "manifest.json").write_text(json.dumps(manifest))
+    refused = (r"cannot resume from .*step-1 at 1 rank\(s\): it was saved after step 1 at 2 rank\(s\) with "
+               r"per-rank state \(the buffer of the generation cycle of steps 1 \.\. 2.*resume with 2 "
+               r"rank\(s\) \(the same layout\), or from a checkpoint at the start of a generation cycle")
+    with pytest.raises(ConfigError, match=refused):
+        Trainer(load_config(None, rl_overrides(root, extra=resume)))

@@ -43,10 +43,6 @@ def test_defaults_are_trls():
     (["--rl.generation_batch_size=12"], "rl.generation_batch_size = 12 completions must be a multiple"),
     (["--rl.generation_batch_size=16", "--rl.steps_per_generation=2"], "not both"),
     (["--rl.num_generations=3"], "of rl.num_generations = 3 (whole groups)"),
-    # a checkpoint inside a generation cycle (its buffer is not saved) is refused by its schedule
-    (["--rl.num_iterations=2", "--checkpoint.interval=3"], "checkpoint.interval = 3 would save inside a "
-                                                           "generation cycle of 2 steps"),
-    (["--rl.generation_batch_size=24", "--rl.num_iterations=2"], "a generation cycle of 6 steps"),
     (["--rl.delta=1.5", "--rl.loss_type=cispo"], "rl.delta = 1.5 caps the ratio"),
     (["--rl.reference=lora_base", "--rl.beta=0.1"], "rl.reference = 'lora_base' needs lora.enabled"),
     (["--rl.reward_weights=[1.0, 2.0]"], "rl.reward_weights has 2 weights for 1 rl.rewards"),
@@ -66,6 +62,15 @@ def test_refusals(extra, message):
     with pytest.raises(ConfigError) as err:
         load_config(None, BASE + extra)
     assert message in str(err.value)
+
+
+def test_any_checkpoint_interval_inside_a_cycle():
+    """A checkpoint inside a generation cycle holds its buffer: an interval that saves inside cycles of 2 and
+    of 6 steps is taken (it was refused before the buffer was saved)."""
+    cfg = load_config(None, BASE + ["--rl.num_iterations=2", "--checkpoint.interval=3"])
+    assert (cfg.checkpoint.interval, cfg.rl.num_iterations) == (3, 2)
+    cfg = load_config(None, BASE + ["--rl.generation_batch_size=24", "--rl.num_iterations=2"])
+    assert cfg.rl.generation_batch_size == 24 and cfg.checkpoint.interval % 6
 
 
 def test_rl_settings_need_prompts():

@@ -59,10 +59,10 @@ def add_interruptions(trainer: Trainer, scenario: dict) -> None:
     trainer.step_times, trainer.saves = {}, []
     save = trainer.checkpointer.save
 
-    def timed_save(*args):  # noqa: ANN002 - the checkpointer's arguments
+    def timed_save(*args, **kwargs):  # noqa: ANN002, ANN003 - the checkpointer's arguments
         entered = time.time()
-        path = save(*args)
-        trainer.saves.append([args[-1], entered, time.time()])
+        path = save(*args, **kwargs)
+        trainer.saves.append([args[3], entered, time.time()])  # (model, optimizer, scheduler, step)
         return path
 
     trainer.checkpointer.save = timed_save

@@ -30,9 +30,11 @@ def policy_logits(trainer) -> list:
         return trainer.model(torch.tensor(PROBE)).float().tolist()
 
 
-def main() -> None:
+def run_grpo_scenarios(spec_path: str) -> None:
+    """Train every scenario of the spec at ``spec_path`` and write each rank's report (the module docstring;
+    also called by tests/workers/rollout_worker.py inside its 4-rank launch)."""
     policy_loss_sum = grpo.policy_loss_sum
-    for scenario, trainer, out in scenario_trainers(sys.argv[1]):
+    for scenario, trainer, out in scenario_trainers(spec_path):
         steps: list[dict] = []
         prepare = trainer.objective.prepare_step
 
@@ -56,6 +58,11 @@ def main() -> None:
         history = trainer.train()
         report = {"history": history, "steps": steps, "probe": PROBE, "logits": policy_logits(trainer)}
         write_rank_report(out, scenario["name"], trainer.info.rank, report)
+    grpo.policy_loss_sum = policy_loss_sum
+
+
+def main() -> None:
+    run_grpo_scenarios(sys.argv[1])
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ size: its decode stops at its own step, no collective in between); rank 0 compar
 the one-process rollout of all prompts. Then each rank scores its rollout in two micro-batches inside
 ``gathered`` (no gradient) and runs the same micro-batches through the sharded model with gradients and
 per-group all-gathers, as a training step does: the log-probs must be the same bits. Rank 0 writes a JSON
-report to OUT.json.
+report to OUT.json. With a second argument, ``SPEC.json`` (tests/workers/grpo_worker.py's spec), the same
+launch then trains its online-RL scenarios on the process group already open and writes their reports.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from grpo_worker import run_grpo_scenarios
 from shardlm.model.config import ModelConfig
 from shardlm.model.decoder import CausalLM
 from shardlm.parallel import exit_process
@@ -104,6 +106,8 @@ def main() -> None:
         with open(sys.argv[1], "w") as f:
             json.dump(report, f)
     torch.distributed.barrier()
+    if len(sys.argv) > 2:
+        run_grpo_scenarios(sys.argv[2])
 
 
 if __name__ == "__main__":

@@ -7,7 +7,10 @@ Each rank writes only its own shards (``dcp.save``); the stored state is world-s
 - ``lr_scheduler``: ``LambdaLR.state_dict()`` (plain numbers; the schedule itself is rebuilt from the config);
 - ``train.step``: the number of optimizer steps done. The data position is the step (the sampler is a
   pure function of the step), and training draws no random numbers (no dropout), so no per-rank RNG
-  state exists; every item is the same on every rank (DCP keeps one copy of a replicated item).
+  state exists; every item is the same on every rank (DCP keeps one copy of a replicated item);
+- beside DCP's files, only where the objective keeps state between steps (online RL inside a generation
+  cycle; nothing otherwise): ``rank-<r>.state.safetensors``, each rank's own (:mod:`~shardlm.checkpoint.
+  rank_state`), in the manifest with the rest; such a checkpoint resumes only at the world size that wrote it.
 
 A save goes to ``checkpoints/.tmp-step-<N>``; each rank computes the SHA-256 of the files it writes from the
 bytes as it writes them (:class:`shardlm.checkpoint.fs_errors.RecordingFileSystemWriter`: no second read);
@@ -40,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from shardlm.checkpoint.preemption import PREEMPTION_SIGNALS, Preemption
+from shardlm.checkpoint.rank_state import RankState
 from shardlm.checkpoint.resume import Resuming, resume_mode
 from shardlm.checkpoint.resume_config import Change
 from shardlm.checkpoint.saving import CHECKPOINT_TIMEOUT, InFlight, Saving
@@ -84,6 +88,8 @@ class Checkpointer(Preemption, Saving, Resuming):
         self.resume = resume_mode(cfg)
         self.last_save: dict[str, Any] | None = None
         self.last_load: dict[str, Any] | None = None
+        #: this rank's state besides DCP's in the resumed checkpoint (checkpoint/rank_state.py), set by load()
+        self.rank_state: RankState | None = None
         # set by load(): a new id, or the resumed run's (see checkpoint/run.py)
         self.run_id: str | None = None
         self.skipped: list[dict[str, str]] = []  # damaged checkpoints that --resume=auto passed over

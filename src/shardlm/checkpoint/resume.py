@@ -24,6 +24,7 @@ from shardlm.checkpoint.manifest import (
     read_manifest,
     sha256_file,
 )
+from shardlm.checkpoint.rank_state import read_rank_state
 from shardlm.checkpoint.resume_config import REFUSED, config_changes, data_problems
 from shardlm.checkpoint.run import (
     RUN_CONFIG,
@@ -247,8 +248,13 @@ class Resuming:
         skipped with a warning and moved aside (:meth:`_skip_damaged`). The trainer then rewinds its metrics
         sinks to the returned step (:meth:`shardlm.metrics.logger.MetricsLogger.rewind`).
 
+        Sets ``self.rank_state``: this rank's state besides DCP's (:mod:`shardlm.checkpoint.rank_state`), None
+        when the checkpoint holds none.
+
         Raises:
             CheckpointError: see :func:`verify_checkpoint` and :func:`check_shapes`; every rank raises it.
+            ConfigError: a refused setting changed, or the checkpoint holds per-rank state of another world
+                size (:func:`~shardlm.checkpoint.rank_state.read_rank_state`).
         """
         plan = [run_on_main(self._resume_plan, self.info)]
         if self.info.world_size > 1:
@@ -277,6 +283,8 @@ class Resuming:
                 self.check_base(path, manifest.get("base"))
             state = training_state(model, optimizer, scheduler, 0)
             self._compare_config(path, manifest, metadata, state)
+            # per-rank state (an RL buffer): only at the world size that wrote it, refused before loading
+            self.rank_state = read_rank_state(path, manifest, self.info.rank, self.info.world_size)
             try:
                 dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner())
             except CheckpointException as e:  # derives from BaseException

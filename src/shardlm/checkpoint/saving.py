@@ -34,6 +34,7 @@ from shardlm.checkpoint.manifest import (
     fsync_dir,
     write_manifest,
 )
+from shardlm.checkpoint.rank_state import RankState, write_rank_state
 from shardlm.checkpoint.run import remove_directory, run_checkpoints
 from shardlm.checkpoint.staging import HostStager
 from shardlm.checkpoint.state import frozen_any, local_bytes, training_state
@@ -55,7 +56,7 @@ class _SaveJob:
     tmp: Path
     writer: RecordingFileSystemWriter
     base: dict[str, Any] | None
-    tokenizer_records: dict[str, dict[str, Any]]
+    own_records: dict[str, dict[str, Any]]  # files written besides DCP's: the tokenizer's, this rank's state
     needed_bytes: int  # this rank's state bytes: a file system with less free space counts as full
     start: float  # time.perf_counter() when the save began
     blocked_s: float | None = None  # async: seconds the training loop was held (staging)
@@ -88,8 +89,13 @@ class Saving:
         interval = self.cfg.checkpoint.interval
         return self.cfg.checkpoint.enabled and (last or (interval > 0 and step % interval == 0))
 
-    def save(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, step: int) -> Path:
+    def save(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, step: int,
+             rank_state: RankState | None = None) -> Path:
         """Write ``checkpoints/step-<step>`` atomically (see the module docstring); return its path.
+
+        ``rank_state``: this rank's state besides DCP's (:mod:`shardlm.checkpoint.rank_state`; the objective's
+        buffer inside an online-RL generation cycle), written into the same directory before DCP's files and
+        recorded in the manifest; given on every rank or on none.
 
         With ``checkpoint.async`` the state is staged (copied to host memory) and this returns while a
         background thread writes it; the directory becomes ``step-<step>`` when that write and the manifest
@@ -117,18 +123,20 @@ class Saving:
                         records[name] = copy_file_hashed(self.tokenizer_path.parent / name, tmp / name)
             return records
 
-        tokenizer_records = self._on_main(prepare, final, tmp) or {}
+        own_records = self._on_main(prepare, final, tmp) or {}  # every rank waits for the directory
+        if rank_state is not None:
+            own_records.update(self._write_rank_state(tmp, final, step, rank_state))
         base = self.base_reference() if frozen_any(model) else None
         state = training_state(model, optimizer, scheduler, step)
         # remembers the OSError that torch.save's zip writer hides, and hashes each file as it is written
         writer = RecordingFileSystemWriter(tmp)
-        job = _SaveJob(step, final, tmp, writer, base, tokenizer_records, local_bytes(state), start)
+        job = _SaveJob(step, final, tmp, writer, base, own_records, local_bytes(state), start)
         if not self.cfg.checkpoint.async_:
             try:
                 dcp.save(state, storage_writer=writer)  # each rank its shards; rank 0 .metadata
             except CheckpointException as e:  # derives from BaseException; raised on every rank
                 self._dcp_save_failed(job, e)
-            self._complete(job, self._gather({**writer.records, **tokenizer_records}, None), None)
+            self._complete(job, self._gather({**writer.records, **own_records}, None), None)
             return final
         if self._group is None:  # a collective: every rank saves at the same step
             self._group = dist.new_group(backend="gloo", timeout=CHECKPOINT_TIMEOUT)
@@ -217,7 +225,7 @@ class Saving:
             with flight.cond:
                 flight.contributed = flight.step
             mine = {"step": flight.contributed, "failed": failed, "cause": cause,
-                    "files": {**job.writer.records, **job.tokenizer_records}}
+                    "files": {**job.writer.records, **job.own_records}}
             shares = [mine]
             if self.info.world_size > 1:
                 shares = [None] * self.info.world_size
@@ -314,6 +322,28 @@ class Saving:
             return fallback
         rank, cause = found[0]
         return cause + (f" (rank {rank})" if self.info.world_size > 1 else "")
+
+    def _write_rank_state(self, tmp: Path, final: Path, step: int, state: RankState) -> dict[str, Any]:
+        """Write this rank's ``state`` into ``tmp`` and return its manifest record; every rank learns whether
+        every rank could (one all-gather), so a failure raises on all of them before DCP's collectives.
+
+        Raises:
+            CheckpointError: on every rank, naming the first rank's cause and path; ``tmp`` is removed.
+        """
+        records, error = {}, None
+        try:
+            records = write_rank_state(tmp, self.info.rank, self.info.world_size, step, state)
+        except OSError as e:
+            error = describe(e if e.filename else with_path(e, tmp))
+        errors = [error]
+        if self.info.world_size > 1:
+            errors = [None] * self.info.world_size
+            dist.all_gather_object(errors, error)
+        if any(errors):
+            if self.info.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(self._failure(final, self._first_cause(errors, "")))
+        return records
 
     def _dcp_save_failed(self, job: _SaveJob, error: CheckpointException) -> None:
         """After ``dcp.save`` failed on some rank (every rank is here): raise one :class:`CheckpointError`

@@ -355,14 +355,6 @@ def validate_rl(cfg: Config) -> None:
         raise ConfigError(f"rl.generation_batch_size = {gen} completions must be a multiple of "
                           f"train.global_batch_size = {t.global_batch_size} and of rl.num_generations = "
                           f"{rl.num_generations} (whole groups)")
-    cycle = steps_per_generation(cfg) * rl.num_iterations
-    c = cfg.checkpoint
-    if cycle > 1 and c.enabled and c.interval % cycle:
-        raise ConfigError(f"checkpoint.interval = {c.interval} would save inside a generation cycle of "
-                          f"{cycle} steps (rl.steps_per_generation x rl.num_iterations): the completions, "
-                          "old log-probs and advantages of a cycle are not saved with a checkpoint, so a "
-                          "resume must start a cycle; make checkpoint.interval a multiple of "
-                          f"{cycle} (or 0)")
     if not 0 <= rl.epsilon < 1 or rl.epsilon_high < 0:
         raise ConfigError(f"rl.epsilon must be in [0, 1) and rl.epsilon_high >= 0, got {rl.epsilon} and "
                           f"{rl.epsilon_high}")

@@ -121,7 +121,7 @@ class RLConfig:
     num_iterations steps training on slice ``s % S`` (TRL's buffer; without TRL's per-process shuffle: the
     slices are the sampler's global batches, whole groups). Advantages are over the whole generation batch.
     TRL counts this in micro-steps (its default, the gradient accumulation steps, is one optimizer step: 1
-    here). ``checkpoint.interval`` must be a multiple of S × num_iterations (the buffer is not saved)."""
+    here). A checkpoint inside a cycle holds its buffer (per rank: resumed at the same world size)."""
     generation_batch_size: int = 0
     """Completions sampled per generation batch, all ranks together; 0 = ``train.global_batch_size ×
     steps_per_generation``. Set one of the two (as TRL): a multiple of ``train.global_batch_size``, it sets
@@ -130,7 +130,7 @@ class RLConfig:
     """μ: updates per generation batch: the whole generation batch is trained on μ times (S × μ steps per
     generation), each update with the old policy's log-probs in the importance ratio: the trainer's forward
     of the same micro-batches at generation, without gradients, so the first update's ratio is exactly 1.
-    ``checkpoint.interval`` must be a multiple of steps_per_generation × μ (the buffer is not saved)."""
+    A checkpoint inside a cycle holds the old log-probs with the rest of its buffer."""
     loss_type: Literal["grpo", "dr_grpo", "dapo", "cispo", "sapo"] = "dapo"
     """How the per-token losses are normalised, over the whole global batch: ``grpo`` mean over each
     sequence's tokens, then over sequences; ``dr_grpo`` sum over tokens / (sequences ×

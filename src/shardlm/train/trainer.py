@@ -156,6 +156,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, t, self.info.device)
         self.scheduler = build_scheduler(self.optimizer, t)
         self.step = self.checkpointer.load(self.model, self.optimizer, self.scheduler)  # 0 unless resuming
+        self.objective.load_rank_state(self.step, self.checkpointer.rank_state)  # an RL cycle's buffer
         if self.checkpointer.last_load is not None:  # the new config's schedule and AdamW settings, from here
             apply_train_config(self.optimizer, self.scheduler, t, self.step)
         #: this run's id: new on a fresh start, the checkpoint's when resuming (shardlm/checkpoint/run.py)
@@ -383,7 +384,8 @@ class Trainer:
                     # preempted: SIGINT/SIGTERM/SIGUSR1 on any rank before this step's all-reduce
                     if record is None:  # a step not logged: its non-finite check before the save
                         self.nonfinite.raise_if_recorded(self.nonfinite.record.tolist())
-                    path = self.checkpointer.save(self.model, self.optimizer, self.scheduler, self.step)
+                    path = self.checkpointer.save(self.model, self.optimizer, self.scheduler, self.step,
+                                                  rank_state=self.objective.rank_state(self.step))
                     if info.is_main:
                         bar.write(self.checkpointer.save_line(path))
                 if self.preempted:

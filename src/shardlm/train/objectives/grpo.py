@@ -33,10 +33,16 @@ that step; step ``s`` of the run trains on slice ``s % S`` of it, so the whole g
    there are none: the old log-probs are ``logps.detach()`` (TRL at one update per generation).
 
 :meth:`GRPOObjective.prepare_step` serves step ``s`` its slice (after :meth:`~GRPOObjective.generate` at a
-cycle's first step). The cycle's buffer (completions, old log-probs, advantages) lives in memory only: a
-step inside a cycle whose generation this process did not run (a resume from a checkpoint saved mid-cycle:
-at preemption or at the last step) is refused with a :class:`~shardlm.errors.ConfigError`, and the config
-checks refuse a ``checkpoint.interval`` that is not a multiple of S·μ.
+cycle's first step). The cycle's buffer (this rank's rollout, advantages and old log-probs, the generation
+batch's completions, reward table and metrics, the steps' loss denominator) lives in memory; a checkpoint
+saved inside a cycle (any ``checkpoint.interval``, a preemption, the last step) holds it, per rank
+(:meth:`GRPOObjective.rank_state`: ``rank-<r>.state.safetensors``, :mod:`shardlm.checkpoint.rank_state`,
+:mod:`shardlm.rl.buffer`), and a resume there takes it back (:meth:`GRPOObjective.load_rank_state`): the run
+continues with the uninterrupted run's completions, losses and weights, bit for bit at the same layout. A
+checkpoint at a cycle's start holds nothing more (S = μ = 1: every checkpoint). The buffer is this rank's
+share: a resume inside a cycle at another world size is refused by name (resume at the saved world size, or
+from a checkpoint at a cycle's start); ``parallel.mode`` and ``train.micro_batch_size`` may change (the
+buffer's rows are split into the new micro-batches; the bits of the losses may then differ).
 
 Per micro-batch, :meth:`GRPOObjective.loss`: the reference's log-probs when ``rl.beta`` > 0 (no gradient; a
 frozen copy, or the policy with its LoRA adapters off: :mod:`shardlm.train.reference`), the policy's per-token
@@ -67,13 +73,15 @@ import torch
 from tokenizers import Tokenizer
 from torch import nn
 
+from shardlm.checkpoint.rank_state import RankState
 from shardlm.config import Config
 from shardlm.data.build import data_dir
 from shardlm.data.prompts import CompletionSampler, PromptsDataset
-from shardlm.errors import ConfigError
+from shardlm.errors import CheckpointError, ConfigError
 from shardlm.metrics import format_bytes, local_bytes
 from shardlm.parallel.dist import DistInfo
 from shardlm.rl.advantages import group_advantages, reward_metrics
+from shardlm.rl.buffer import pack_buffer, unpack_buffer
 from shardlm.rl.completions import completion_metrics, loss_mask
 from shardlm.rl.exact import exact_rollout
 from shardlm.rl.logps import RLBatch, logprob_diff_max, score_rollout, token_logps, trainer_batch
@@ -148,6 +156,8 @@ class GRPOObjective(Objective):
             reference
         self.weights = reward_weights(cfg.rl)
         self.exact = cfg.rl.rollout == "exact"  # shardlm.rl.exact
+        #: the trainer rows' window (:func:`~shardlm.rl.logps.trainer_batch`): the exact rollout's, else none
+        self.window = cfg.rl.max_completion_length if self.exact else 0
         self.sum_names = sum_metric_names(cfg)
         #: [sum, count] per metric, then one slot per rank for its largest decode-vs-trainer log-prob gap
         self.stat_names = tuple(f"{n}/{part}" for n in self.sum_names for part in ("sum", "count")) + tuple(
@@ -227,8 +237,8 @@ class GRPOObjective(Objective):
         completions and, with several updates per generation, the old log-probs' forwards).
 
         Raises:
-            ConfigError: ``step`` inside a cycle whose generation batch this process did not sample (a resume
-                from a checkpoint saved mid-cycle: the buffer is not saved).
+            ConfigError: ``step`` inside a cycle whose buffer this process neither sampled nor took back from
+                the checkpoint it resumed (one written without it).
         """
         sampler = self.sampler
         c0 = step - step % sampler.cycle
@@ -238,8 +248,8 @@ class GRPOObjective(Objective):
         elif self.generation is None or self.generation[0] != c0:
             raise ConfigError(f"step {step + 1} is inside the generation cycle of steps {c0 + 1} .. "
                               f"{c0 + sampler.cycle} (rl.steps_per_generation x rl.num_iterations = "
-                              f"{sampler.cycle}) whose completions, old log-probs and advantages were not "
-                              "saved with the checkpoint: resume from a checkpoint at the start of a cycle "
+                              f"{sampler.cycle}) whose completions, old log-probs and advantages the resumed "
+                              "checkpoint does not hold: resume from a checkpoint at the start of a cycle "
                               f"(a step that is a multiple of {sampler.cycle})")
         parts = self.generation[1][step % sampler.steps_per_generation]
         if [c for ids in micro_ids for c in ids] != parts["ids"]:
@@ -259,19 +269,12 @@ class GRPOObjective(Objective):
         cfg, rl, info, sampler = self.cfg, self.cfg.rl, self.info, self.sampler
         G, S, W = rl.num_generations, sampler.steps_per_generation, info.world_size
         start = time.perf_counter()
-        steps = sampler.generation_steps(c0)
-        gen_ids = [c for s in steps for c in sampler.step_ids(s)]  # the generation batch, slice after slice
-        micro = [sampler.micro_batches(s, info.rank, W, cfg.train.micro_batch_size) for s in steps]
+        gen_ids = [c for s in sampler.generation_steps(c0) for c in sampler.step_ids(s)]  # slice after slice
         B = len(gen_ids) // S
         per_rank = B // W
         mine = [j * B + info.rank * per_rank + i for j in range(S) for i in range(per_rank)]  # global rows
         keys = stream_keys([c // G for c in gen_ids[::G]], len(self.data))
-        rows = []  # per slice, its micro-batches' rollout rows
-        for j, ids in enumerate(micro):
-            firsts = [j * per_rank]
-            for m in ids:
-                firsts.append(firsts[-1] + len(m))
-            rows.append([range(a, b) for a, b in zip(firsts, firsts[1:])])
+        rows = self.slice_rows(c0)[1]  # per slice, its micro-batches' rollout rows
         prompts = self.data.get([gen_ids[r] // G for r in mine[::G]])
         sampling = dict(max_completion_length=rl.max_completion_length, stop_ids=self.stop_ids,
                         seed=cfg.train.seed, step=c0, temperature=rl.temperature, top_p=rl.top_p,
@@ -311,13 +314,73 @@ class GRPOObjective(Objective):
         old = None if sampler.cycle == 1 else ro.logps if self.exact else score_rollout(
             unwrap(self.model), ro, [r for rs in rows for r in rs], rl.temperature,
             cfg.train.loss_chunk_tokens, self.pad_id)
-        window = rl.max_completion_length if self.exact else 0
         context = {"rollout": ro, "advantages": adv.advantages[mine], "old_logps": old,
                    "completion_ids": completions, "rewards": table,  # the generation batch's
                    "metrics": metrics, "logps_s": time.perf_counter() - scored,
                    "rollout_s": rolled - start, "reward_s": scored - rolled}
+        return self.slices(c0, context, denominator)
+
+    def slice_rows(self, c0: int) -> tuple[list[list[list[int]]], list[list[range]]]:
+        """Per step of the cycle starting at ``c0`` (its slice of the generation batch): this rank's
+        micro-batches' completion ids (the sampler's) and their rows of this rank's rollout."""
+        sampler, info = self.sampler, self.info
+        per_rank = self.cfg.train.global_batch_size // info.world_size
+        micro = [sampler.micro_batches(s, info.rank, info.world_size, self.cfg.train.micro_batch_size)
+                 for s in sampler.generation_steps(c0)]
+        rows = []
+        for j, ids in enumerate(micro):
+            firsts = [j * per_rank]
+            for m in ids:
+                firsts.append(firsts[-1] + len(m))
+            rows.append([range(a, b) for a, b in zip(firsts, firsts[1:])])
+        return micro, rows
+
+    def slices(self, c0: int, context: dict, denominator: float) -> list[dict]:
+        """The generation of the cycle starting at ``c0`` cut into its S steps: per step, this rank's
+        completion ids (``ids``), its micro-batches, the step's ``denominator`` and the shared ``context``."""
+        micro, rows = self.slice_rows(c0)
+        ro = context["rollout"]
         return [{"ids": [c for m in micro[j] for c in m], "denominator": denominator, "context": context,
-                 "batches": [trainer_batch(ro, r, self.pad_id, window) for r in rows[j]]} for j in range(S)]
+                 "batches": [trainer_batch(ro, r, self.pad_id, self.window) for r in rows[j]]}
+                for j in range(len(micro))]
+
+    # ---- a checkpoint inside a cycle --------------------------------------------------------------
+    def rank_state(self, step: int) -> RankState | None:
+        """After ``step`` steps inside a generation cycle: this rank's buffer (:func:`~shardlm.rl.buffer.
+        pack_buffer`, with ``what``, ``advice`` and ``cycle_start`` in the header); None at a cycle's start
+        (S = μ = 1: always), where the next step samples anew."""
+        cycle = self.sampler.cycle
+        if step % cycle == 0 or self.generation is None:
+            return None
+        c0, parts = self.generation
+        if c0 != step - step % cycle:
+            raise RuntimeError(f"after step {step} the buffer held is the cycle's at {c0 + 1} (a bug)")
+        tensors, header = pack_buffer(parts[0]["context"], parts[0]["denominator"])
+        return tensors, {**header, "cycle_start": str(c0),
+                         "what": f"the buffer of the generation cycle of steps {c0 + 1} .. {c0 + cycle}: its "
+                                 "completions, old log-probs and advantages, each rank its share",
+                         "advice": f"from a checkpoint at the start of a generation cycle (after a number of "
+                                   f"steps that is a multiple of {cycle}) at any world size"}
+
+    def load_rank_state(self, step: int, state: RankState | None) -> None:
+        """At a resume after ``step`` steps: take back the cycle's buffer that :meth:`rank_state` saved (None:
+        the checkpoint holds none; inside a cycle :meth:`prepare_step` then refuses to train).
+
+        Raises:
+            CheckpointError: a buffer of another cycle than ``step``'s.
+        """
+        if state is None:
+            return
+        c0 = step - step % self.sampler.cycle
+        tensors, header = state
+        if header.get("cycle_start") != str(c0) or step == c0:
+            raise CheckpointError(f"the checkpoint after step {step} holds the buffer of the generation "
+                                  f"cycle starting at step {int(header.get('cycle_start', -1)) + 1}, not of "
+                                  f"the cycle of step {step + 1} (rl.steps_per_generation x "
+                                  f"rl.num_iterations = {self.sampler.cycle})")
+        context, denominator = unpack_buffer(tensors, header)
+        self.generation = (c0, self.slices(c0, context, denominator))
+        self.all_equal_steps = int(context["metrics"]["rewards/all_equal_steps"])
 
     def gather_completions(self, ro: Rollout) -> tuple[torch.Tensor, torch.Tensor, list[list[int]]]:
         """Every rank's completions in rank order (the global batch's order): (N,) int64 lengths, (N,) bool

@@ -35,8 +35,9 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from shardlm.checkpoint.rank_state import RankState
 from shardlm.config import Config
-from shardlm.errors import ConfigError
+from shardlm.errors import CheckpointError, ConfigError
 from shardlm.parallel.cp import ContextParallel
 from shardlm.parallel.dist import DistInfo
 
@@ -130,6 +131,25 @@ class Objective(ABC):
     def describe(self) -> str | None:
         """One line for the run summary (after the objective's name), or None."""
         return None
+
+    def rank_state(self, step: int) -> RankState | None:
+        """What a checkpoint saved after ``step`` optimizer steps must hold of this rank's objective, beyond
+        the model, the optimizer and the step, for a resume there to continue exactly (tensors and a string
+        header, :mod:`shardlm.checkpoint.rank_state`); None (the default, and online RL at a generation
+        cycle's start): nothing. Called on every rank at every save."""
+        return None
+
+    def load_rank_state(self, step: int, state: RankState | None) -> None:
+        """At a resume after ``step`` steps: take back what :meth:`rank_state` returned there (None: the
+        checkpoint holds nothing of this rank).
+
+        Raises:
+            CheckpointError: state this objective does not read.
+        """
+        if state is not None:
+            raise CheckpointError(f"the checkpoint after step {step} holds per-rank state "
+                                  f"({state[1].get('what', 'of another objective')}) that the {self.name} "
+                                  "objective does not read")
 
 
 class AuxiliaryTerm(ABC):

@@ -10,7 +10,7 @@ is not). A run resumed at step 2 samples,
 scores and loses at step 3 exactly what the uninterrupted run did (dapo, and num_iterations 2: a new
 cycle); inside a cycle of 4 steps (steps_per_generation 2 x num_iterations 2, 2 ranks only), a run resumed
 after step 1 from the checkpoint's buffer trains steps 2 and 3 on the uninterrupted run's completions,
-rewards, old log-probs and losses, to the same weights, bit for bit."""
+rewards, old log-probs and losses, to the same weights, bit for bit (exact rollout)."""
 
 from __future__ import annotations
 
@@ -31,8 +31,10 @@ SCENARIOS = {"dapo": {},
                        "rl.epsilon_high": 0.08, "rl.scale_rewards": '"batch"'},
              "spg2": {"rl.steps_per_generation": 2},  # with iter2 and exact: cycles of 2 steps
              "exact": {"rl.rollout": '"exact"', "rl.num_iterations": 2, "train.loss_chunk_tokens": 8}}
-#: a generation cycle of 4 steps, at 2 ranks only: saved after every step (inside the cycle), resumed after step 1
-CYCLE4 = {"rl.steps_per_generation": 2, "rl.num_iterations": 2, "rl.loss_type": '"grpo"', "checkpoint.interval": 1}
+#: a generation cycle of 4 steps, at 2 ranks only: saved after every step (inside the cycle), resumed after step 1;
+#: sampled by the exact rollout (its log-probs are the buffer's old ones; the unit test resumes the KV cache's)
+CYCLE4 = {"rl.steps_per_generation": 2, "rl.num_iterations": 2, "rl.loss_type": '"grpo"', "checkpoint.interval": 1,
+          "rl.rollout": '"exact"'}
 KEYS = ("loss", "reward", "entropy", "completions/mean_length", "grad_norm")
 
 

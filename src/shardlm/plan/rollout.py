@@ -155,6 +155,8 @@ class RolloutPlan:
     (:func:`exact_forward_bytes`) and the decode C forwards of each micro-batch at W + C − 1 positions."""
     micro_rows: int = 0
     """B_μ: the rows the exact rollout decodes together (``train.micro_batch_size``)."""
+    prompt_from: str = "rl.max_prompt_length"
+    """Where W comes from, for the report: ``rl.max_prompt_length`` or the prepared prompts' longest."""
 
 
 def rollout_rows(cfg: Config, world_size: int) -> int:
@@ -166,11 +168,16 @@ def rollout_rows(cfg: Config, world_size: int) -> int:
 def prompt_width(cfg: Config) -> int:
     """W: the longest training prompt of the prepared data (tokens, from its ``train.idx``), at most
     ``rl.max_prompt_length``; ``rl.max_prompt_length`` when the data is not prepared yet (or not prompts)."""
+    return prompt_width_from(cfg)[0]
+
+
+def prompt_width_from(cfg: Config) -> tuple[int, str]:
+    """:func:`prompt_width` and where it comes from, in words for the plan's report."""
     out = str(data_dir(cfg))
-    if not is_prepared(out):
-        return cfg.rl.max_prompt_length
-    return min(cfg.rl.max_prompt_length,
-               _longest_prompt(out, (Path(out) / "meta.json").stat().st_mtime_ns) or cfg.rl.max_prompt_length)
+    longest = _longest_prompt(out, (Path(out) / "meta.json").stat().st_mtime_ns) if is_prepared(out) else 0
+    if not 0 < longest < cfg.rl.max_prompt_length:
+        return cfg.rl.max_prompt_length, "rl.max_prompt_length"
+    return longest, f"the longest prompt prepared in {out}"
 
 
 @functools.lru_cache(maxsize=8)
@@ -238,7 +245,7 @@ def plan_rollout(cfg: Config, world_size: int, device: Device) -> RolloutPlan:
     cfg = with_fixed_defaults(cfg)
     m, rl = cfg.model, cfg.rl
     c = compute_bytes(cfg)
-    rows, prompt = rollout_rows(cfg, world_size), prompt_width(cfg)
+    rows, (prompt, prompt_from) = rollout_rows(cfg, world_size), prompt_width_from(cfg)
     steps = max(min(rl.max_completion_length, m.max_seq_len - prompt), 0)
     n_params = flops_params(m)  # N: every parameter but the input embedding
     weights = c * n_params
@@ -271,14 +278,14 @@ def plan_rollout(cfg: Config, world_size: int, device: Device) -> RolloutPlan:
             exact_forward_bytes(micro, width, steps, m.dim, m.vocab_size, c, cfg.train.loss_chunk_tokens,
                                 m.final_logit_softcap > 0),
             weights, forwards * weights, 0.0, flops, 0.0, max(forwards * weights / bw, flops / peak),
-            kind, ref_flops, ref_flops / peak, exact=True, micro_rows=micro)
+            kind, ref_flops, ref_flops / peak, exact=True, micro_rows=micro, prompt_from=prompt_from)
     return RolloutPlan(
         rows, prompt, steps, gathered_bytes,
         kv_cache_bytes(m.n_layers, m.kv_heads, m.head_dim, rows, prompt + steps, c),
         prefill_bytes(rows, prompt, m.dim, m.vocab_size, c, m.final_logit_softcap > 0), weights, decode_bytes,
         prefill_flops, decode_flops, max(prefill_flops / peak, weights / bw), max(decode_bytes / bw,
                                                                                   decode_flops / peak),
-        kind, ref_flops, ref_flops / peak)
+        kind, ref_flops, ref_flops / peak, prompt_from=prompt_from)
 
 
 def format_rollout(plan: RolloutPlan, update_s: float, high: int, peak: int) -> list[str]:
@@ -300,8 +307,8 @@ def format_rollout(plan: RolloutPlan, update_s: float, high: int, peak: int) -> 
                   f"{plan.decode_s:.4f} s ({plan.completion - 1 if plan.completion else 0} one-token steps "
                   f"reading {format_bytes(plan.decode_bytes)}: weights and KV cache at the memory bandwidth)")
     return [
-        f"  rollout: {plan.rows} completions per rank of <= {plan.prompt} prompt + {plan.completion} new "
-        f"tokens; sampler's gathered weights {format_bytes(plan.gathered_bytes)}, {work}; "
+        f"  rollout: {plan.rows} completions per rank of <= {plan.prompt} prompt ({plan.prompt_from}) + "
+        f"{plan.completion} new tokens; sampler's gathered weights {format_bytes(plan.gathered_bytes)}, {work}; "
         f"reference: {ref}; the rollout's high point {high / 1024**3:.3f} GiB per rank ("
         + ("the step's peak)" if high >= peak else f"the update's {peak / 1024**3:.3f} GiB is the peak)"),
         f"{timing}, "

@@ -308,7 +308,8 @@ def format_rollout(plan: RolloutPlan, update_s: float, high: int, peak: int) -> 
                   f"reading {format_bytes(plan.decode_bytes)}: weights and KV cache at the memory bandwidth)")
     return [
         f"  rollout: {plan.rows} completions per rank of <= {plan.prompt} prompt ({plan.prompt_from}) + "
-        f"{plan.completion} new tokens; sampler's gathered weights {format_bytes(plan.gathered_bytes)}, {work}; "
+        f"{plan.completion} new tokens; sampler's gathered weights {format_bytes(plan.gathered_bytes)}, "
+        f"{work}; "
         f"reference: {ref}; the rollout's high point {high / 1024**3:.3f} GiB per rank ("
         + ("the step's peak)" if high >= peak else f"the update's {peak / 1024**3:.3f} GiB is the peak)"),
         f"{timing}, "

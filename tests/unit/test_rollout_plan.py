@@ -247,8 +247,8 @@ def test_plan_report_prints_the_rollout_lines(root):
     assert "    rollout (KV cache and prefill, or the exact forward)" in out
     assert "    RL reference (frozen model)" in out
     line = next(x for x in out.splitlines() if x.startswith("  rollout: "))
-    assert line.startswith("  rollout: 4 completions per rank of <= 28 prompt (rl.max_prompt_length) + 12 new "
-                           "tokens")
+    assert line.startswith("  rollout: 4 completions per rank of <= 28 prompt (rl.max_prompt_length) + "
+                           "12 new tokens")
     assert "reference: a frozen copy" in line and "the update's" in line and "is the peak)" in line
     timing = next(x for x in out.splitlines() if x.startswith("  rollout time: "))
     assert "11 one-token steps" in timing and "reference forward" in timing

@@ -19,6 +19,11 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
+from torch.profiler import record_function
+
+#: the profiler range around one point-to-point all-gather: its sends and receives count as an all-gather in
+#: ``shardlm profile``'s overlap report, not as other communication
+PROFILER_NAME = "shardlm::all_gather_point_to_point"
 
 
 def resolve_all_gather(setting: str, device_type: str) -> str:
@@ -55,14 +60,15 @@ class PointToPointAllGather:
             return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=True)
         world, rank = group.size(), group.rank()
         slots = output_tensor.view(world, -1)
-        if slots[rank].data_ptr() != input_tensor.data_ptr():
-            slots[rank].copy_(input_tensor)
-        ops = [dist.P2POp(dist.isend, input_tensor, group=group, group_peer=(rank + i) % world)
-               for i in range(1, world)]
-        ops += [dist.P2POp(dist.irecv, slots[(rank - i) % world], group=group, group_peer=(rank - i) % world)
-                for i in range(1, world)]
-        for work in dist.batch_isend_irecv(ops) if ops else []:
-            work.wait()
+        with record_function(PROFILER_NAME):  # one all-gather to the profiler (shardlm/metrics/overlap.py)
+            if slots[rank].data_ptr() != input_tensor.data_ptr():
+                slots[rank].copy_(input_tensor)
+            ops = [dist.P2POp(dist.isend, input_tensor, group=group, group_peer=(rank + i) % world)
+                   for i in range(1, world)]
+            ops += [dist.P2POp(dist.irecv, slots[(rank - i) % world], group=group,
+                               group_peer=(rank - i) % world) for i in range(1, world)]
+            for work in dist.batch_isend_irecv(ops) if ops else []:
+                work.wait()
         return None
 
 

@@ -5,8 +5,9 @@ rank ends with the W shards side by side in rank order. Gloo's ``all_gather_sing
 through buffers of its own; here each rank sends its shard to every other rank and receives theirs straight
 into their slots of the output (one ``batch_isend_irecv`` of W - 1 sends and W - 1 receives: ``(W - 1) / W``
 of the output in and the shard W - 1 times out, the least any all-gather moves without a relay). Measured here
-(2 ranks, 2 cores, fp32, 20.5 MB gathered, ``bench/bench_collectives.py``): about 8 ms and 5.6 ms of CPU per
-call against gloo's 19-23 ms and 15 ms. Only bytes move, so the result is bit-identical at any world size.
+(2 ranks, 2 cores shared with other work, fp32, 20.5 MB gathered, ``bench/bench_collectives.py``): 7.9-11.2 ms
+and 2.7-3.2 ms of rank 0's CPU per call against gloo's 26.6-28.2 ms and 8.4 ms. Only bytes move, so the
+result is bit-identical at any world size.
 
 Installed on every FSDP group with ``FSDPModule.set_custom_all_gather`` (FSDP2's own hook for this, like the
 reduce-scatter's in ``reduce_scatter.py``); NCCL keeps its native kernel.

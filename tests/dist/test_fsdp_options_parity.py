@@ -38,6 +38,8 @@ EXACT_2 = {
     "ac_full_async": {"parallel.activation_checkpoint": '"full"', "parallel.async_all_gather": "true"},
     # gloo's own reduce-scatter (an all-reduce) instead of the all-to-all that gloo uses by default
     "rs_native": {"parallel.reduce_scatter": '"native"'},
+    # gloo's own all-gather instead of the point-to-point sends that gloo uses by default
+    "ag_native": {"parallel.all_gather": '"native"'},
     # both blocks in one FSDP group: one all-gather and one reduce-scatter for the pair
     "groups2_ac_async": {"parallel.blocks_per_group": 2, "parallel.activation_checkpoint": '"full"',
                          "parallel.async_all_gather": "true", "parallel.reshard_after_forward": "false"},
@@ -80,6 +82,8 @@ def results(small_data, tmp_path_factory):
         scenario("base4", small_data, runs),
         scenario("reshard2", small_data, runs, {"parallel.reshard_after_forward": 2}),
         scenario("rs_native4", small_data, runs, {"parallel.reduce_scatter": '"native"'}),
+        # the point-to-point all-gather with three peers, resharded (gathered again for backward)
+        scenario("ag_native4", small_data, runs, {"parallel.all_gather": '"native"'}),
     ], runs))
     two = {"base": {}, **EXACT_2, **OTHER_2, "layers3": LAYERS3, "layers3_groups2": GROUPS_OF_2}
     out.update(run_scenarios(2, [scenario(n, small_data, runs, extra) for n, extra in two.items()], runs))
@@ -101,7 +105,8 @@ def max_param_diff(results, a, b):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("name,reference", [("reshard2", "base4"), ("layers3_groups2", "layers3")]
+@pytest.mark.parametrize("name,reference", [("reshard2", "base4"), ("ag_native4", "base4"),
+                                            ("layers3_groups2", "layers3")]
                          + [(n, "base") for n in EXACT_2])
 def test_bit_identical_to_default(results, name, reference):
     got, ref = losses(results, name), losses(results, reference)

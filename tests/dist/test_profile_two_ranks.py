@@ -20,7 +20,8 @@ def test_profile_two_ranks(small_data, tmp_path):
     assert (out / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     trace = json.loads((out / "trace_rank1.json").read_text())
     names = {e.get("name", "") for e in trace["traceEvents"]}
-    assert any("allgather" in n for n in names)
+    # on gloo FSDP all-gathers by shardlm's point-to-point sends (parallel/all_gather.py), not gloo's own
+    assert "shardlm::all_gather_point_to_point" in names and "c10d::_allgather_base_" not in names
     # on gloo FSDP reduce-scatters through shardlm's all-to-all (parallel/reduce_scatter.py), not gloo's own
     assert "c10d::alltoall_base_" in names and "c10d::_reduce_scatter_base_" not in names
     summary = json.loads((out / "summary.json").read_text())

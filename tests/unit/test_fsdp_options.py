@@ -116,14 +116,17 @@ def test_backend_choice():
 
 
 def test_start_up_summary_names_the_settings():
-    """The summary's settings line names what runs: ``reduce_scatter = "auto"`` resolved per device type, the
-    block grouping; FSDP-only settings are not named for DDP."""
+    """The summary's settings line names what runs: ``reduce_scatter`` and ``all_gather = "auto"`` resolved
+    per device type, the block grouping; FSDP-only settings are not named for DDP."""
     pcfg = load_config(None, ["--parallel.blocks_per_group=2", "--parallel.forward_prefetch=1",
                               "--parallel.reshard_after_forward=false"]).parallel
     assert describe(pcfg, "cpu") == ("reshard after forward false, prefetch 1/0, 2 block(s) per group, "
                                      "float32 compute / float32 reduce, reduce-scatter all_to_all, "
+                                     "all-gather point_to_point, "
                                      "activation checkpointing none, compile false")
-    assert "reduce-scatter native" in describe(pcfg, "cuda")
+    assert "reduce-scatter native, all-gather native" in describe(pcfg, "cuda")
+    native = load_config(None, ['--parallel.all_gather="native"']).parallel
+    assert "all-gather native" in describe(native, "cpu")
     ddp = load_config(None, ["--parallel.mode=ddp", '--parallel.activation_checkpoint="full"']).parallel
     assert describe(ddp, "cpu") == "activation checkpointing full, compile false"
 

@@ -28,6 +28,7 @@ def test_interval_accounting_by_hand():
 def test_collective_names():
     assert comm_kind("c10d::_allgather_base_") == "all_gather"
     assert comm_kind("gloo:all_gather") == "all_gather"
+    assert comm_kind("shardlm::all_gather_point_to_point") == "all_gather"  # shardlm's all-gather on gloo
     assert comm_kind("c10d::_reduce_scatter_base_") == "reduce_scatter"
     assert comm_kind("c10d::alltoall_base_") == "reduce_scatter"  # shardlm's reduce-scatter on gloo
     assert comm_kind("gloo:all_to_all") == "reduce_scatter"

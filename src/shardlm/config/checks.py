@@ -147,7 +147,8 @@ def validate(cfg: Config) -> None:
     if p.mode != "fsdp":
         fsdp_only = {"param_dtype": "float32", "reduce_dtype": "float32", "reshard_after_forward": True,
                      "forward_prefetch": 0, "backward_prefetch": 0, "async_all_gather": False,
-                     "cpu_offload": False, "reduce_scatter": "auto", "blocks_per_group": 1}
+                     "cpu_offload": False, "reduce_scatter": "auto", "all_gather": "auto",
+                     "blocks_per_group": 1}
         for key, default in fsdp_only.items():
             if getattr(p, key) not in (default, AUTO):
                 raise ConfigError(f"parallel.{key} applies to parallel.mode='fsdp' only (mode is {p.mode!r})")

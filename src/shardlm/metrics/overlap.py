@@ -35,10 +35,11 @@ def comm_kind(name: str) -> str | None:
     """'all_gather', 'reduce_scatter', 'other_comm' for a collective's event name, else None.
 
     Collectives are the c10d ops (``c10d::...``, ``_c10d_functional::...``), gloo's events (its
-    worker thread) and NCCL's kernels.
+    worker thread), NCCL's kernels and shardlm's own (``shardlm::...``: the point-to-point all-gather of
+    ``shardlm/parallel/all_gather.py``, whose sends and receives it covers).
     """
     low = name.lower()
-    if not (low.startswith(("c10d::", "_c10d_functional::", "gloo:")) or "nccl" in low):
+    if not (low.startswith(("c10d::", "_c10d_functional::", "gloo:", "shardlm::")) or "nccl" in low):
         return None
     if _AG.search(name):
         return "all_gather"

@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from shardlm.model.decoder import CausalLM
+from shardlm.parallel.all_gather import use_point_to_point_all_gather
 from shardlm.parallel.options import add_async_all_gather, check_reshard_after_forward, set_prefetch
 from shardlm.parallel.reduce_scatter import use_all_to_all_reduce_scatter
 
@@ -25,7 +26,7 @@ from shardlm.parallel.reduce_scatter import use_all_to_all_reduce_scatter
 def apply_fsdp(model: CausalLM, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None = None,
                reshard_after_forward: bool | int = True, *, offload: OffloadPolicy | None = None,
                forward_prefetch: int = 0, backward_prefetch: int = 0, async_all_gather: bool = False,
-               reduce_scatter: str = "native", blocks_per_group: int = 1,
+               reduce_scatter: str = "native", all_gather: str = "native", blocks_per_group: int = 1,
                experts: list[nn.Module] = (), expert_mesh: DeviceMesh | None = None) -> CausalLM:
     """Shard ``model`` in torchtitan's grouping: embedding, each block, final norm + output, root.
 
@@ -44,7 +45,9 @@ def apply_fsdp(model: CausalLM, mesh: DeviceMesh, mp_policy: MixedPrecisionPolic
     groups), and with ``async_all_gather`` each group issues the next group's all-gather with
     ``unshard(async_op=True)``.
     With ``reduce_scatter = "all_to_all"`` (gloo's default, see ``shardlm/parallel/reduce_scatter.py``)
-    every group reduce-scatters its gradients through one all-to-all; ``"native"`` keeps the backend's.
+    every group reduce-scatters its gradients through one all-to-all; ``"native"`` keeps the backend's. With
+    ``all_gather = "point_to_point"`` (gloo's default, ``shardlm/parallel/all_gather.py``) every group
+    all-gathers its parameters by sends and receives; ``"native"`` keeps the backend's.
 
     Expert parallelism (:func:`shardlm.parallel.ep.apply_ep` ran first): each module of ``experts`` becomes a
     group of its own over ``expert_mesh`` (the ``efsdp`` ranks that hold the same experts) before its block's;
@@ -90,6 +93,8 @@ def apply_fsdp(model: CausalLM, mesh: DeviceMesh, mp_policy: MixedPrecisionPolic
         add_async_all_gather(model, groups + [m for m in ends[1:] if m is not None])
     if reduce_scatter == "all_to_all":
         use_all_to_all_reduce_scatter(model)
+    if all_gather == "point_to_point":
+        use_point_to_point_all_gather(model)
     return model
 
 

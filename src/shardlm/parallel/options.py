@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 from shardlm.config import ParallelConfig
 from shardlm.config.auto import AUTO, FIXED
 from shardlm.errors import ConfigError
+from shardlm.parallel.all_gather import resolve_all_gather
 from shardlm.parallel.reduce_scatter import resolve_reduce_scatter
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -112,8 +113,9 @@ def add_async_all_gather(root: nn.Module, groups: list[FSDPModule]) -> None:
 def describe(pcfg: ParallelConfig, device_type: str) -> str:
     """The speed-relevant ``[parallel]`` settings in one line, for the start-up summary.
 
-    ``device_type`` (``"cpu"``, ``"cuda"``) resolves ``reduce_scatter = "auto"`` to what runs. FSDP's own
-    settings (reshard, prefetch, blocks per group, dtypes, reduce-scatter) are named under ``fsdp`` only.
+    ``device_type`` (``"cpu"``, ``"cuda"``) resolves ``reduce_scatter`` and ``all_gather = "auto"`` to what
+    runs. FSDP's own settings (reshard, prefetch, blocks per group, dtypes, reduce-scatter, all-gather) are
+    named under ``fsdp`` only.
     A setting still ``"auto"`` (not chosen yet) is named by its fixed default (:mod:`shardlm.config.auto`).
     """
     fixed = {name: FIXED[f"parallel.{name}"] for name in ("activation_checkpoint", "reshard_after_forward",
@@ -125,7 +127,8 @@ def describe(pcfg: ParallelConfig, device_type: str) -> str:
     return (f"reshard after forward {str(reshard).lower() if isinstance(reshard, bool) else reshard}, "
             f"prefetch {pcfg.forward_prefetch}/{pcfg.backward_prefetch}, {blocks} block(s) "
             f"per group, {pcfg.param_dtype} compute / {pcfg.reduce_dtype} reduce, reduce-scatter "
-            f"{resolve_reduce_scatter(pcfg.reduce_scatter, device_type)}, {common}")
+            f"{resolve_reduce_scatter(pcfg.reduce_scatter, device_type)}, all-gather "
+            f"{resolve_all_gather(pcfg.all_gather, device_type)}, {common}")
 
 
 GRAD_SYNC_POLICIES = ("every_micro_batch", "last_micro_batch", "reduce_scatter_every_all_reduce_last")

@@ -33,6 +33,7 @@ from shardlm.model.lora import (
 )
 from shardlm.model.qat import apply_qat
 from shardlm.parallel.ac import apply_ac, apply_compile
+from shardlm.parallel.all_gather import resolve_all_gather
 from shardlm.parallel.cp import ContextParallel, apply_cp
 from shardlm.parallel.dist import DistInfo, dp_submesh
 from shardlm.parallel.ep import apply_ep, build_ep_mesh
@@ -151,6 +152,7 @@ def build_model_parts(cfg: Config, info: DistInfo, mesh: DeviceMesh | None, cp: 
                        offload=offload_policy(pcfg, info.device), forward_prefetch=pcfg.forward_prefetch,
                        backward_prefetch=pcfg.backward_prefetch, async_all_gather=pcfg.async_all_gather,
                        reduce_scatter=resolve_reduce_scatter(pcfg.reduce_scatter, info.device.type),
+                       all_gather=resolve_all_gather(pcfg.all_gather, info.device.type),
                        blocks_per_group=pcfg.blocks_per_group, experts=experts, expert_mesh=expert_mesh)
         if cfg.train.float8 != "none" and info.backend == "gloo":  # gloo has no float8 all-gather
             use_byte_all_gather(model)

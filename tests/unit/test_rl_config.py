@@ -53,6 +53,7 @@ def test_defaults_are_trls():
     (["--rl.rollout=vllm"], "rl.rollout: 'vllm' is not one of"),
     (["--rl.rollout=exact", "--parallel.compile=true"], "which parallel.compile (the compiled training"),
     (["--rl.rollout=exact", "--lora.enabled=true", "--lora.dropout=0.1"], "which LoRA dropout"),
+    (["--rl.rollout=exact", "--train.float8=tensorwise"], "which train.float8 = 'tensorwise' (one"),
     (["--rl.rollout=exact", "--model.family=qwen3_moe", "--model.n_experts=4",
       "--model.n_experts_per_token=2"], "which a mixture of experts"),
     (["--parallel.tp=2", "--parallel.mode=fsdp"], "reinforcement learning (data.format = 'prompts') with "

@@ -342,6 +342,9 @@ def validate_rl(cfg: Config) -> None:
         why = ("a mixture of experts (each expert multiplies the tokens routed to it, later ones too)"
                if cfg.model.n_experts else "parallel.compile (the compiled training graph computes otherwise "
                "than the eager sampling forward)" if cfg.parallel.compile else
+               "train.float8 = 'tensorwise' (one activation scale per tensor, from every row and the later "
+               "positions)" if cfg.train.float8 == "tensorwise" else
+               "train.float8 = 'mxfp8' (not checked: it needs a GPU)" if cfg.train.float8 == "mxfp8" else
                "LoRA dropout (the training forward drops units the sampler keeps)"
                if cfg.lora.enabled and cfg.lora.dropout else "")
         if why:

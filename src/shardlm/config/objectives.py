@@ -114,7 +114,7 @@ class RLConfig:
     ``sampling/logprob_diff_max``, about 1e-5 in fp32); ``exact``, each token drawn from the training step's
     own forward of the micro-batch it trains in (the sampler's log-probs equal the trainer's bit for bit and
     the metric is 0; one forward of the micro-batch per completion token, for short completions; not with a
-    mixture of experts, ``parallel.compile`` or LoRA dropout)."""
+    mixture of experts, ``parallel.compile``, tensorwise or mxfp8 float8, or LoRA dropout)."""
     steps_per_generation: int = 1
     """S, optimizer steps (global batches) per generation batch: the completions sampled at once, with the
     policy of the step that samples, are split into this many global batches, step ``s`` of a cycle of S ×

@@ -29,7 +29,8 @@ that step; step ``s`` of the run trains on slice ``s % S`` of it, so the whole g
    of those micro-batches without gradients, before any update of the cycle, so the first update's
    importance ratio is exactly 1 (bit for bit: the same rows, batches and widths; with LoRA dropout > 0 the
    training forward drops units and it is not), and later updates' ratios are those of the updated policy
-   to the sampling one; the exact rollout's own log-probs are these already (no forward). At S·μ = 1
+   to the sampling one (under the exact rollout equal to its own, bit for bit: this forward measures it,
+   ``sampling/logprob_diff_max``, at every step of the cycle). At S·μ = 1
    there are none: the old log-probs are ``logps.detach()`` (TRL at one update per generation).
 
 :meth:`GRPOObjective.prepare_step` serves step ``s`` its slice (after :meth:`~GRPOObjective.generate` at a
@@ -227,8 +228,8 @@ class GRPOObjective(Objective):
         if sampler.cycle == 1:
             return ""
         return (f"; a generation batch of {sampler.global_batch_size * sampler.steps_per_generation} "
-                f"completions every {sampler.cycle} steps ({sampler.steps_per_generation} steps per "
-                f"generation x {sampler.num_iterations} iterations)")
+                f"completions every {sampler.cycle} steps ({sampler.steps_per_generation} step(s) per "
+                f"generation x {sampler.num_iterations} iteration(s))")
 
     # ---- the step ----------------------------------------------------------------------------------
     def prepare_step(self, step: int, micro_ids: list[list[int]], step_ids: list[int]) -> StepInputs:
@@ -309,9 +310,9 @@ class GRPOObjective(Objective):
         metrics["rewards/all_equal_steps"] = float(self.all_equal_steps)
         scored = time.perf_counter()
         # the old policy's log-probs: the trainer's forward of the same micro-batches, before any update of
-        # the cycle (bit for bit the first update's: ratio exactly 1), which the exact rollout's are already;
-        # none at one update per generation
-        old = None if sampler.cycle == 1 else ro.logps if self.exact else score_rollout(
+        # the cycle (bit for bit the first update's: ratio exactly 1; the exact rollout's own too, measured
+        # against them at every step of the cycle); none at one update per generation
+        old = None if sampler.cycle == 1 else score_rollout(
             unwrap(self.model), ro, [r for rs in rows for r in rs], rl.temperature,
             cfg.train.loss_chunk_tokens, self.pad_id)
         context = {"rollout": ro, "advantages": adv.advantages[mine], "old_logps": old,

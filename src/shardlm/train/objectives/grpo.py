@@ -30,8 +30,8 @@ that step; step ``s`` of the run trains on slice ``s % S`` of it, so the whole g
    importance ratio is exactly 1 (bit for bit: the same rows, batches and widths; with LoRA dropout > 0 the
    training forward drops units and it is not), and later updates' ratios are those of the updated policy
    to the sampling one (under the exact rollout equal to its own, bit for bit: this forward measures it,
-   ``sampling/logprob_diff_max``, at every step of the cycle). At S·μ = 1
-   there are none: the old log-probs are ``logps.detach()`` (TRL at one update per generation).
+   ``sampling/logprob_diff_max``, at every step of the cycle). At S·μ = 1 there are none: the old log-probs
+   are ``logps.detach()`` (TRL at one update per generation).
 
 :meth:`GRPOObjective.prepare_step` serves step ``s`` its slice (after :meth:`~GRPOObjective.generate` at a
 cycle's first step). The cycle's buffer (this rank's rollout, advantages and old log-probs, the generation
@@ -56,8 +56,8 @@ reports its generation batch's), ``kl`` (β > 0), ``entropy``,
 ``clip_ratio/low_mean|high_mean|region_mean`` (clipped losses) or ``cispo_clip_ratio`` (sums and counts in the
 step's one all-reduce); ``sampling/logprob_diff_max``: max |sampler's log-prob - trainer's at generation|
 (0 under the exact rollout) over the step's completion tokens, each rank's maximum in its own slot of the
-all-reduce's sum (TRL's
-``clip_ratio/low_min`` and ``high_max``, which need MIN / MAX reductions, are left out);
+all-reduce's sum (TRL's ``clip_ratio/low_min`` and ``high_max``, which need MIN / MAX reductions, are left
+out);
 ``rewards/all_equal_steps``, the generations so far whose scored rewards were all equal (a warning on the
 first); and rank 0's seconds of ``time/rollout_s``, ``time/reward_s`` (gather and scoring) and
 ``time/logps_s`` (the old log-probs' forwards at generation, the reference's and the policy's forwards),

@@ -49,6 +49,7 @@ def cmd_profile(args: argparse.Namespace, overrides: list[str]) -> None:
 
     from shardlm.config import load_config
     from shardlm.metrics.overlap import STEP_PREFIX, classify_events, plot_timeline, summarize
+    from shardlm.plan.defaults import choose_defaults
     from shardlm.train.trainer import Trainer
 
     if args.steps < 1 or args.warmup < 0:
@@ -56,7 +57,7 @@ def cmd_profile(args: argparse.Namespace, overrides: list[str]) -> None:
     cfg = load_config(args.config, overrides)
     if cfg.train.steps < args.warmup + args.steps:
         cfg.train.steps = args.warmup + args.steps
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, defaults=choose_defaults)  # the "auto" settings as shardlm train picks them
     info = trainer.info
     out = trainer.run_dir / "profile"
     if info.is_main:

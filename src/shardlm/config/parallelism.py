@@ -104,12 +104,12 @@ class ParallelConfig:
     async_all_gather: bool = False
     """Issue the next block's all-gather from the current block's forward pre-hook with
     ``unshard(async_op=True)``; FSDP waits on it just before that block runs."""
-    reduce_scatter: Literal["auto", "native", "all_to_all"] = "auto"
+    reduce_scatter: Literal["auto", "native", "all_to_all", "shared_memory"] = "auto"
     """How FSDP reduce-scatters gradients: ``native`` is the backend's ``reduce_scatter_tensor`` (NCCL's
     kernel; gloo runs an all-reduce of the whole buffer), ``all_to_all`` one all-to-all of the chunks and a
     local sum in rank order (half gloo's traffic: 2.4x faster here; ``shardlm/parallel/reduce_scatter.py``);
     ``auto`` is ``all_to_all`` on CPU (gloo) and ``native`` on CUDA."""
-    all_gather: Literal["auto", "native", "point_to_point"] = "auto"
+    all_gather: Literal["auto", "native", "point_to_point", "shared_memory"] = "auto"
     """How FSDP all-gathers parameters: ``native`` is the backend's ``all_gather_into_tensor`` (NCCL's kernel;
     gloo's stages the data through buffers of its own), ``point_to_point`` each rank's shard sent to every
     other rank and received straight into its slot (2.5x faster here at 20 MB, bit-identical;

@@ -27,11 +27,15 @@ from torch.profiler import record_function
 PROFILER_NAME = "shardlm::all_gather_point_to_point"
 
 
-def resolve_all_gather(setting: str, device_type: str) -> str:
+def resolve_all_gather(setting: str, device_type: str, shared_memory: bool = False) -> str:
     """``parallel.all_gather`` on a ``device_type`` (``"cpu"``, ``"cuda"``) device: ``auto`` is
-    ``point_to_point`` on CPU (gloo), else ``native``."""
+    ``shared_memory`` on CPU (gloo) where ``shared_memory`` says segments can be made
+    (:func:`shardlm.parallel.shared_memory.shared_memory_usable`), else ``point_to_point`` on CPU and
+    ``native`` elsewhere."""
     if setting == "auto":
-        return "point_to_point" if device_type == "cpu" else "native"
+        if device_type != "cpu":
+            return "native"
+        return "shared_memory" if shared_memory else "point_to_point"
     return setting
 
 

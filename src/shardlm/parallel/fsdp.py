@@ -21,6 +21,7 @@ from shardlm.model.decoder import CausalLM
 from shardlm.parallel.all_gather import use_point_to_point_all_gather
 from shardlm.parallel.options import add_async_all_gather, check_reshard_after_forward, set_prefetch
 from shardlm.parallel.reduce_scatter import use_all_to_all_reduce_scatter
+from shardlm.parallel.shared_memory import use_shared_memory
 
 
 def apply_fsdp(model: CausalLM, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None = None,
@@ -95,6 +96,8 @@ def apply_fsdp(model: CausalLM, mesh: DeviceMesh, mp_policy: MixedPrecisionPolic
         use_all_to_all_reduce_scatter(model)
     if all_gather == "point_to_point":
         use_point_to_point_all_gather(model)
+    if "shared_memory" in (all_gather, reduce_scatter):
+        use_shared_memory(model, all_gather == "shared_memory", reduce_scatter == "shared_memory")
     return model
 
 

@@ -110,7 +110,7 @@ def add_async_all_gather(root: nn.Module, groups: list[FSDPModule]) -> None:
         current.register_forward_pre_hook(pre)
 
 
-def describe(pcfg: ParallelConfig, device_type: str) -> str:
+def describe(pcfg: ParallelConfig, device_type: str, shared_memory: bool = False) -> str:
     """The speed-relevant ``[parallel]`` settings in one line, for the start-up summary.
 
     ``device_type`` (``"cpu"``, ``"cuda"``) resolves ``reduce_scatter`` and ``all_gather = "auto"`` to what
@@ -127,8 +127,8 @@ def describe(pcfg: ParallelConfig, device_type: str) -> str:
     return (f"reshard after forward {str(reshard).lower() if isinstance(reshard, bool) else reshard}, "
             f"prefetch {pcfg.forward_prefetch}/{pcfg.backward_prefetch}, {blocks} block(s) "
             f"per group, {pcfg.param_dtype} compute / {pcfg.reduce_dtype} reduce, reduce-scatter "
-            f"{resolve_reduce_scatter(pcfg.reduce_scatter, device_type)}, all-gather "
-            f"{resolve_all_gather(pcfg.all_gather, device_type)}, {common}")
+            f"{resolve_reduce_scatter(pcfg.reduce_scatter, device_type, shared_memory)}, all-gather "
+            f"{resolve_all_gather(pcfg.all_gather, device_type, shared_memory)}, {common}")
 
 
 GRAD_SYNC_POLICIES = ("every_micro_batch", "last_micro_batch", "reduce_scatter_every_all_reduce_last")

@@ -21,11 +21,15 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 
-def resolve_reduce_scatter(setting: str, device_type: str) -> str:
+def resolve_reduce_scatter(setting: str, device_type: str, shared_memory: bool = False) -> str:
     """``parallel.reduce_scatter`` on a ``device_type`` (``"cpu"``, ``"cuda"``) device: ``auto`` is
-    ``all_to_all`` on CPU (gloo), else ``native``."""
+    ``shared_memory`` on CPU (gloo) where ``shared_memory`` says segments can be made
+    (:func:`shardlm.parallel.shared_memory.shared_memory_usable`), else ``all_to_all`` on CPU and
+    ``native`` elsewhere."""
     if setting == "auto":
-        return "all_to_all" if device_type == "cpu" else "native"
+        if device_type != "cpu":
+            return "native"
+        return "shared_memory" if shared_memory else "all_to_all"
     return setting
 
 

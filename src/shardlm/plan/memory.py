@@ -43,6 +43,7 @@ from shardlm.model.cpu_matmul import use_fp32_matmul
 from shardlm.parallel.cp import padded_length
 from shardlm.parallel.options import dtype_from_name
 from shardlm.parallel.reduce_scatter import resolve_reduce_scatter
+from shardlm.parallel.shared_memory import shared_memory_fits
 from shardlm.plan import activations as act
 from shardlm.plan.context_parallel import (
     cp_backward_transient,
@@ -143,7 +144,8 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
     train_frac = sum(g.grad_numel for g in groups) / p_total  # for the unsharded (DDP, one process) gradients
     rb = st.reduce_bytes if fsdp else 4
     all_to_all = fsdp and n > 1 and resolve_reduce_scatter(
-        cfg.parallel.reduce_scatter, "cpu" if device == "cpu" else "cuda") == "all_to_all"
+        cfg.parallel.reduce_scatter, "cpu" if device == "cpu" else "cuda",
+        shared_memory_fits(p_total, n)) == "all_to_all"
     t_pad = padded_length(cfg.train.seq_len, cp)
     s = act.shape_of(cfg.model, cfg.train.micro_batch_size, t_pad // cp, pb)
     windows = {cfg.model.sliding_window if cfg.model.is_local(i) else 0 for i in range(s.n_layers)}

@@ -20,7 +20,7 @@ from shardlm.config.layout import SPLIT_BACKWARD_SCHEDULES, check_ep, check_tp
 from shardlm.convert.hf_in import load_pretrained_
 from shardlm.errors import ConfigError
 from shardlm.model.cpu_matmul import apply_fp32_matmul, use_fp32_matmul
-from shardlm.model.decoder import CausalLM
+from shardlm.model.decoder import CausalLM, num_params
 from shardlm.model.freeze import apply_freeze
 from shardlm.model.hf_backend import build_causal_lm
 from shardlm.model.lora import (
@@ -42,6 +42,7 @@ from shardlm.parallel.fsdp import apply_fsdp
 from shardlm.parallel.options import dtype_from_name, mixed_precision_policy, offload_policy
 from shardlm.parallel.pp import apply_pp, stage_plan
 from shardlm.parallel.reduce_scatter import resolve_reduce_scatter
+from shardlm.parallel.shared_memory import shared_memory_fits
 from shardlm.parallel.tp import ASYNC_TP_COMPILE_OPTIONS, apply_tp
 
 
@@ -146,13 +147,14 @@ def build_model_parts(cfg: Config, info: DistInfo, mesh: DeviceMesh | None, cp: 
     if mode == "fsdp":
         # the zero-bubble schedules differentiate the parameters the forward used, after the input backward
         split = pcfg.pp > 1 and pcfg.pp_schedule in SPLIT_BACKWARD_SCHEDULES
+        shm = shared_memory_fits(num_params(model), info.world_size)  # the "auto" collectives on CPU
         for part in parts or [model]:  # a pipeline stage: over its own data-parallel ranks
             reshard = False if split else pcfg.reshard_after_forward
             apply_fsdp(part, fsdp_mesh, mixed_precision_policy(pcfg), reshard,
                        offload=offload_policy(pcfg, info.device), forward_prefetch=pcfg.forward_prefetch,
                        backward_prefetch=pcfg.backward_prefetch, async_all_gather=pcfg.async_all_gather,
-                       reduce_scatter=resolve_reduce_scatter(pcfg.reduce_scatter, info.device.type),
-                       all_gather=resolve_all_gather(pcfg.all_gather, info.device.type),
+                       reduce_scatter=resolve_reduce_scatter(pcfg.reduce_scatter, info.device.type, shm),
+                       all_gather=resolve_all_gather(pcfg.all_gather, info.device.type, shm),
                        blocks_per_group=pcfg.blocks_per_group, experts=experts, expert_mesh=expert_mesh)
         if cfg.train.float8 != "none" and info.backend == "gloo":  # gloo has no float8 all-gather
             use_byte_all_gather(model)

@@ -36,10 +36,13 @@ EXACT_2 = {
     "ac_every2": {"parallel.activation_checkpoint": '"every_n"', "parallel.activation_checkpoint_n": 2},
     "ac_selective": {"parallel.activation_checkpoint": '"selective"'},
     "ac_full_async": {"parallel.activation_checkpoint": '"full"', "parallel.async_all_gather": "true"},
-    # gloo's own reduce-scatter (an all-reduce) instead of the all-to-all that gloo uses by default
+    # gloo's own reduce-scatter (an all-reduce) and the all-to-all instead of the shared-memory one that
+    # ranks on one host use by default
     "rs_native": {"parallel.reduce_scatter": '"native"'},
-    # gloo's own all-gather instead of the point-to-point sends that gloo uses by default
+    "rs_all_to_all": {"parallel.reduce_scatter": '"all_to_all"'},
+    # gloo's own all-gather and the point-to-point sends instead of the shared-memory default
     "ag_native": {"parallel.all_gather": '"native"'},
+    "ag_point_to_point": {"parallel.all_gather": '"point_to_point"'},
     # both blocks in one FSDP group: one all-gather and one reduce-scatter for the pair
     "groups2_ac_async": {"parallel.blocks_per_group": 2, "parallel.activation_checkpoint": '"full"',
                          "parallel.async_all_gather": "true", "parallel.reshard_after_forward": "false"},
@@ -82,8 +85,11 @@ def results(small_data, tmp_path_factory):
         scenario("base4", small_data, runs),
         scenario("reshard2", small_data, runs, {"parallel.reshard_after_forward": 2}),
         scenario("rs_native4", small_data, runs, {"parallel.reduce_scatter": '"native"'}),
-        # the point-to-point all-gather with three peers, resharded (gathered again for backward)
+        # the shared-memory all-gather with three peers, resharded (gathered again for backward)
         scenario("ag_native4", small_data, runs, {"parallel.all_gather": '"native"'}),
+        # the shared-memory reduce-scatter sums each chunk in rank order, as the all-to-all does
+        scenario("rs_all_to_all4", small_data, runs, {"parallel.reduce_scatter": '"all_to_all"',
+                                                      "parallel.all_gather": '"point_to_point"'}),
     ], runs))
     two = {"base": {}, **EXACT_2, **OTHER_2, "layers3": LAYERS3, "layers3_groups2": GROUPS_OF_2}
     out.update(run_scenarios(2, [scenario(n, small_data, runs, extra) for n, extra in two.items()], runs))
@@ -106,6 +112,7 @@ def max_param_diff(results, a, b):
 
 @pytest.mark.dist
 @pytest.mark.parametrize("name,reference", [("reshard2", "base4"), ("ag_native4", "base4"),
+                                            ("rs_all_to_all4", "base4"),
                                             ("layers3_groups2", "layers3")]
                          + [(n, "base") for n in EXACT_2])
 def test_bit_identical_to_default(results, name, reference):
@@ -119,8 +126,8 @@ def test_bit_identical_to_default(results, name, reference):
 
 @pytest.mark.dist
 def test_all_to_all_reduce_scatter_at_four_ranks(results):
-    """4 ranks: the default all-to-all reduce-scatter sums each chunk in rank order, gloo's all-reduce in its
-    ring's order; same gradients up to rounding."""
+    """4 ranks: the default (shared-memory) reduce-scatter sums each chunk in rank order, gloo's all-reduce in
+    its ring's order; same gradients up to rounding."""
     got, ref = losses(results, "base4"), losses(results, "rs_native4")
     diff = max(abs(a - b) for a, b in zip(got, ref))
     print(f"all-to-all vs gloo reduce-scatter at 4 ranks: loss {diff:.1e}, "

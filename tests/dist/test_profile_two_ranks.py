@@ -20,10 +20,10 @@ def test_profile_two_ranks(small_data, tmp_path):
     assert (out / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     trace = json.loads((out / "trace_rank1.json").read_text())
     names = {e.get("name", "") for e in trace["traceEvents"]}
-    # on gloo FSDP all-gathers by shardlm's point-to-point sends (parallel/all_gather.py), not gloo's own
-    assert "shardlm::all_gather_point_to_point" in names and "c10d::_allgather_base_" not in names
-    # on gloo FSDP reduce-scatters through shardlm's all-to-all (parallel/reduce_scatter.py), not gloo's own
-    assert "c10d::alltoall_base_" in names and "c10d::_reduce_scatter_base_" not in names
+    # ranks on one host: FSDP all-gathers and reduce-scatters through shared memory (parallel/shared_memory.py),
+    # not through gloo's sockets
+    assert {"shardlm::all_gather_shared_memory", "shardlm::reduce_scatter_shared_memory"} <= names
+    assert not names & {"c10d::_allgather_base_", "c10d::_reduce_scatter_base_", "c10d::alltoall_base_"}
     summary = json.loads((out / "summary.json").read_text())
     assert len(summary["per_rank"]) == 2
     for steps in summary["per_rank"]:

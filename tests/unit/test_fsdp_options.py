@@ -125,6 +125,9 @@ def test_start_up_summary_names_the_settings():
                                      "all-gather point_to_point, "
                                      "activation checkpointing none, compile false")
     assert "reduce-scatter native, all-gather native" in describe(pcfg, "cuda")
+    # ranks on one host with room in /dev/shm: both through shared memory (CPU only)
+    assert "reduce-scatter shared_memory, all-gather shared_memory" in describe(pcfg, "cpu", True)
+    assert "reduce-scatter native, all-gather native" in describe(pcfg, "cuda", True)
     native = load_config(None, ['--parallel.all_gather="native"']).parallel
     assert "all-gather native" in describe(native, "cpu")
     ddp = load_config(None, ["--parallel.mode=ddp", '--parallel.activation_checkpoint="full"']).parallel

@@ -1,5 +1,6 @@
 """FSDP's two collectives on gloo, the backend's own against shardlm's (``shardlm/parallel/all_gather.py``,
-``shardlm/parallel/reduce_scatter.py``): wall and CPU milliseconds per call, and whether the results agree.
+``shardlm/parallel/reduce_scatter.py``, ``shardlm/parallel/shared_memory.py``): wall and CPU milliseconds per
+call, and whether the results agree.
 
 Usage (it launches torchrun itself; ``OMP_NUM_THREADS=1`` per rank)::
 
@@ -26,6 +27,7 @@ def worker(mb: float, calls: int) -> None:
 
     from shardlm.parallel.all_gather import PointToPointAllGather
     from shardlm.parallel.reduce_scatter import AllToAllReduceScatter
+    from shardlm.parallel.shared_memory import SharedMemoryAllGather, SharedMemoryReduceScatter, _Segments
 
     dist.init_process_group("gloo")
     group, rank, world = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
@@ -34,11 +36,22 @@ def worker(mb: float, calls: int) -> None:
     out, full = torch.empty(n), torch.randn(n, generator=gen)
     shard, part = out.view(world, -1)[rank], torch.empty(n // world)
     p2p, a2a = PointToPointAllGather(), AllToAllReduceScatter()
+    segments = _Segments()
+    shm_ag, shm_rs = SharedMemoryAllGather(segments), SharedMemoryReduceScatter(segments)
+    cpu = torch.device("cpu")
+
+    def shm_reduce_scatter() -> None:  # as FSDP calls it: the input is the slot allocate hands out
+        slot = shm_rs.allocate(full.shape, dtype=full.dtype, device=cpu)
+        slot.copy_(full)
+        shm_rs(part, slot, group, dist.ReduceOp.SUM)
+
     cases = {
         "all-gather, gloo": lambda: dist.all_gather_single(out, shard),
         "all-gather, point_to_point": lambda: p2p(out, shard, group),
+        "all-gather, shared_memory": lambda: shm_ag(out, shard, group),
         "reduce-scatter, gloo": lambda: dist.reduce_scatter_tensor(part, full),
         "reduce-scatter, all_to_all": lambda: a2a(part, full, group, dist.ReduceOp.SUM),
+        "reduce-scatter, shared_memory": shm_reduce_scatter,
     }
     shard.copy_(torch.randn(n // world, generator=gen))
     results = {}
@@ -54,9 +67,12 @@ def worker(mb: float, calls: int) -> None:
         if rank == 0:
             print(f"| {name} | {n * 4 / 1e6:.1f} | {wall * 1e3:.2f} | {cpu * 1e3:.2f} |", flush=True)
     if rank == 0:
-        same = torch.equal(results["all-gather, gloo"], results["all-gather, point_to_point"])
+        same = all(torch.equal(results["all-gather, gloo"], results[f"all-gather, {k}"])
+                   for k in ("point_to_point", "shared_memory"))
+        shm = torch.equal(results["reduce-scatter, all_to_all"], results["reduce-scatter, shared_memory"])
         diff = (results["reduce-scatter, gloo"] - results["reduce-scatter, all_to_all"]).abs().max().item()
-        print(f"all-gathers bit-identical: {same}; reduce-scatters' largest difference: {diff:.1e}")
+        print(f"all-gathers bit-identical: {same}; reduce-scatters all_to_all and shared_memory "
+              f"bit-identical: {shm}; gloo's against all_to_all, largest difference: {diff:.1e}")
     dist.destroy_process_group()
 
 

@@ -143,9 +143,11 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
     train_local = sum(g.grad_shard_numel for g in groups)
     train_frac = sum(g.grad_numel for g in groups) / p_total  # for the unsharded (DDP, one process) gradients
     rb = st.reduce_bytes if fsdp else 4
-    all_to_all = fsdp and n > 1 and resolve_reduce_scatter(
-        cfg.parallel.reduce_scatter, "cpu" if device == "cpu" else "cuda",
-        shared_memory_fits(p_total, n)) == "all_to_all"
+    reduce_scatter = resolve_reduce_scatter(cfg.parallel.reduce_scatter, "cpu" if device == "cpu" else "cuda",
+                                            shared_memory_fits(p_total, n)) if fsdp and n > 1 else "native"
+    all_to_all = reduce_scatter == "all_to_all"
+    # the shared-memory reduce-scatter's input is the rank's slot of a /dev/shm segment, not allocator memory
+    rs_input_bytes = 0 if reduce_scatter == "shared_memory" else n * rb
     t_pad = padded_length(cfg.train.seq_len, cp)
     s = act.shape_of(cfg.model, cfg.train.micro_batch_size, t_pad // cp, pb)
     windows = {cfg.model.sliding_window if cfg.model.is_local(i) else 0 for i in range(s.n_layers)}
@@ -273,7 +275,7 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
             return
         kept = numel * (rb if had and rb != pb else pb)
         led.free("reduce_scatter", retained_rs[0])  # the previous group's input is released first
-        led.add("reduce_scatter", n * shard_numel * rb, phase)  # flat input, copied in
+        led.add("reduce_scatter", rs_input_bytes * shard_numel, phase)  # flat input, copied in
         led.add("reduce_scatter", shard_numel * rb, phase)  # output
         if all_to_all:
             # gloo's reduce-scatter: the all-to-all's receive buffer, freed once summed into the output
@@ -290,7 +292,7 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
         if sharded_grad.get(g.name):  # a later micro-batch: added into the existing fp32 shard, then freed
             led.free(where, 4 * shard_numel)
         sharded_grad[g.name] = True
-        retained_rs[0] = n * shard_numel * rb
+        retained_rs[0] = rs_input_bytes * shard_numel
         accumulated[g.name] = False
 
     by_name = {g.name: g for g in groups}

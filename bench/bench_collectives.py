@@ -38,10 +38,10 @@ def worker(mb: float, calls: int) -> None:
     p2p, a2a = PointToPointAllGather(), AllToAllReduceScatter()
     segments = _Segments()
     shm_ag, shm_rs = SharedMemoryAllGather(segments), SharedMemoryReduceScatter(segments)
-    cpu = torch.device("cpu")
+    host = torch.device("cpu")
 
     def shm_reduce_scatter() -> None:  # as FSDP calls it: the input is the slot allocate hands out
-        slot = shm_rs.allocate(full.shape, dtype=full.dtype, device=cpu)
+        slot = shm_rs.allocate(full.shape, dtype=full.dtype, device=host)
         slot.copy_(full)
         shm_rs(part, slot, group, dist.ReduceOp.SUM)
 

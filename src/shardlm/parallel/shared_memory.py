@@ -37,6 +37,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.profiler import record_function
 
 from shardlm.errors import ConfigError
+from shardlm.parallel.dist import local_world_size
 
 #: where segments live (a tmpfs on Linux)
 SHM_DIR = "/dev/shm"
@@ -48,9 +49,8 @@ _NAME_BYTES = 64
 
 def single_host() -> bool:
     """Whether every rank of the job runs on this host: torchrun's ``LOCAL_WORLD_SIZE`` equals
-    ``WORLD_SIZE`` (one process without torchrun counts as one host)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    return int(os.environ.get("LOCAL_WORLD_SIZE", str(world))) == world
+    ``WORLD_SIZE`` (:func:`~shardlm.parallel.dist.local_world_size`; the Ray launcher sets both)."""
+    return local_world_size() == int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def shared_memory_usable(need_bytes: int) -> bool:

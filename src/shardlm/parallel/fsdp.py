@@ -45,10 +45,11 @@ def apply_fsdp(model: CausalLM, mesh: DeviceMesh, mp_policy: MixedPrecisionPolic
     block groups get ``forward_prefetch``/``backward_prefetch`` explicit prefetch depths (counted in
     groups), and with ``async_all_gather`` each group issues the next group's all-gather with
     ``unshard(async_op=True)``.
-    With ``reduce_scatter = "all_to_all"`` (gloo's default, see ``shardlm/parallel/reduce_scatter.py``)
-    every group reduce-scatters its gradients through one all-to-all; ``"native"`` keeps the backend's. With
-    ``all_gather = "point_to_point"`` (gloo's default, ``shardlm/parallel/all_gather.py``) every group
-    all-gathers its parameters by sends and receives; ``"native"`` keeps the backend's.
+    With ``reduce_scatter = "all_to_all"`` (``shardlm/parallel/reduce_scatter.py``) every group
+    reduce-scatters its gradients through one all-to-all; with ``all_gather = "point_to_point"``
+    (``shardlm/parallel/all_gather.py``) it all-gathers its parameters by sends and receives; with
+    ``"shared_memory"`` (either, ``shardlm/parallel/shared_memory.py``; CPU ranks on one host, the default
+    there) through a ``/dev/shm`` segment its ranks share; ``"native"`` keeps the backend's.
 
     Expert parallelism (:func:`shardlm.parallel.ep.apply_ep` ran first): each module of ``experts`` becomes a
     group of its own over ``expert_mesh`` (the ``efsdp`` ranks that hold the same experts) before its block's;

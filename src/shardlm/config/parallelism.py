@@ -109,16 +109,16 @@ class ParallelConfig:
     kernel; gloo runs an all-reduce of the whole buffer), ``all_to_all`` one all-to-all of the chunks and a
     local sum in rank order (half gloo's traffic: 2.4x faster here; ``shardlm/parallel/reduce_scatter.py``),
     ``shared_memory`` (CPU ranks on one host) each rank's gradients written once into a ``/dev/shm`` segment
-    the ranks share and its chunk summed from there in rank order (bit-identical to ``all_to_all``; 3x faster
-    again at 20 MB; ``shardlm/parallel/shared_memory.py``). ``auto`` is ``shared_memory`` on CPU when every
-    rank is on one host and ``/dev/shm`` has room for 2 x ranks x the model in fp32, else ``all_to_all`` on
-    CPU, and ``native`` on CUDA."""
+    the ranks share and its chunk summed from there in rank order (bit-identical to ``all_to_all``; 2.3x
+    faster again at 20 MB; ``shardlm/parallel/shared_memory.py``). ``auto`` is ``shared_memory`` on CPU when
+    every rank is on one host and ``/dev/shm`` has room for 2 x ranks x the model in fp32, else
+    ``all_to_all`` on CPU, and ``native`` on CUDA."""
     all_gather: Literal["auto", "native", "point_to_point", "shared_memory"] = "auto"
     """How FSDP all-gathers parameters: ``native`` is the backend's ``all_gather_into_tensor`` (NCCL's kernel;
     gloo's stages the data through buffers of its own), ``point_to_point`` each rank's shard sent to every
     other rank and received straight into its slot (2.5x faster here at 20 MB; ``shardlm/parallel/
     all_gather.py``), ``shared_memory`` (CPU ranks on one host) each shard written once into a ``/dev/shm``
-    segment the ranks share and read from there (2x faster again). All bit-identical. ``auto`` is
+    segment the ranks share and read from there (1.2-2x faster again). All bit-identical. ``auto`` is
     ``shared_memory`` on CPU under the same test as ``reduce_scatter``'s, else ``point_to_point`` on CPU, and
     ``native`` on CUDA."""
     cpu_offload: bool = False

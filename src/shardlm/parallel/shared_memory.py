@@ -14,8 +14,9 @@ gloo all-reduce as the barrier, each rank reads what it needs.
 
 A segment has two halves used in turn: a rank that has passed the barrier of call k has finished reading
 call k - 1, so call k + 1 may overwrite the half call k - 1 used; one barrier per call suffices. Measured
-here (2 ranks, 2 cores, fp32, 20.5 MB, ``bench/bench_collectives.py``): all-gather 4.1-4.5 ms against
-point-to-point sends' 8.0-9.8 ms, reduce-scatter 4.1-4.2 ms against the all-to-all's 13.3-14.9 ms.
+here (2 ranks, 2 cores, fp32, 20.5 MB, ``bench/bench_collectives.py``, mean wall time of a call): all-gather
+4.0-5.4 ms against point-to-point sends' 6.6-9.6 ms (gloo's own 14.8-16.9), reduce-scatter 6.8 ms against the
+all-to-all's 14.7-15.8 ms (gloo's own 24.2-25.6).
 
 The segment of a group holds two halves of the largest call so far (a reduce-scatter's half is W times its
 input): 2 · W · G bytes of host memory for a largest FSDP group of G bytes (the reduce dtype's), shared by
@@ -104,7 +105,7 @@ class _Segment:
         the first rank unlinks it."""
         rank, size = self.group.rank(), 2 * nbytes
         name = torch.zeros(_NAME_BYTES, dtype=torch.uint8)
-        error = ""
+        error = "it failed on the group's first rank"
         if rank == 0:
             path = os.path.join(SHM_DIR, f"shardlm-{os.getpid()}-{uuid.uuid4().hex[:16]}")
             try:
@@ -122,7 +123,7 @@ class _Segment:
         if not bool(name.any()):
             raise ConfigError(
                 f"could not make a {size / 2**20:.1f} MiB shared-memory segment in {SHM_DIR} for FSDP's "
-                f"collectives ({error or 'failed on the group first rank'}); give {SHM_DIR} more room "
+                f"collectives ({error}); give {SHM_DIR} more room "
                 "(docker: --shm-size) or set parallel.all_gather = \"point_to_point\" and "
                 "parallel.reduce_scatter = \"all_to_all\"")
         path = bytes(name[name > 0].tolist()).decode()

@@ -84,3 +84,22 @@ def test_rl_settings_need_prompts():
 def test_auto_attention_is_causal_for_prompts():
     choice = choose_attention(load_config(None, BASE))
     assert choice.attention == "causal" and "prompt and completion" in choice.why
+
+
+def test_a_resume_may_name_the_generation_batch_either_way():
+    """``rl.generation_batch_size = 16`` at a global batch of 8 is ``rl.steps_per_generation = 2``: a resume
+    that switches between the two is no change; another number of steps per generation is refused."""
+    from shardlm.checkpoint.resume_config import REFUSED, config_changes
+
+    by_size = load_config(None, BASE + ["--rl.generation_batch_size=16"]).to_dict()
+    by_steps = load_config(None, BASE + ["--rl.steps_per_generation=2"]).to_dict()
+    assert config_changes(by_size, by_steps) == [] and config_changes(by_steps, by_size) == []
+    other = load_config(None, BASE + ["--rl.steps_per_generation=3"]).to_dict()
+    changes = config_changes(by_size, other)
+    assert {c.key for c in changes} == {"rl.generation_batch_size", "rl.steps_per_generation"}
+    assert all(c.rule == REFUSED for c in changes)
+    # the same generation batch at another global batch is another number of steps: refused
+    bigger = load_config(None, BASE[:2] + ["--train.global_batch_size=16"] + BASE[3:]
+                         + ["--rl.generation_batch_size=16"]).to_dict()
+    refused = {c.key for c in config_changes(by_steps, bigger) if c.rule == REFUSED}
+    assert {"train.global_batch_size", "rl.generation_batch_size"} <= refused

@@ -163,19 +163,37 @@ KEPT_WHEN_AUTO = frozenset({"parallel.reshard_after_forward", "parallel.blocks_p
                             "parallel.activation_checkpoint", "train.loss_chunk_tokens"})
 
 
+#: RL's generation batch set either way (one gives the other, shardlm/config/checks.py): a change from one
+#: to the other naming the same number of steps per generation is no change
+GENERATION_KEYS = ("rl.generation_batch_size", "rl.steps_per_generation")
+
+
+def _steps_per_generation(flat: dict[str, Any]) -> Any:
+    """The steps per generation batch a flattened config trains with (``None`` when it has no RL section)."""
+    if "rl.steps_per_generation" not in flat:
+        return None
+    batch = flat.get("rl.generation_batch_size") or 0
+    return batch // flat["train.global_batch_size"] if batch else flat["rl.steps_per_generation"]
+
+
 def config_changes(old: dict[str, Any], new: dict[str, Any]) -> list[Change]:
     """Every field of ``new`` (``Config.to_dict()``) whose value differs in ``old`` (the checkpoint's),
     in order.
 
     A field the checkpoint did not record (written by an older shardlm) counts as changed and takes effect,
     except those of :data:`BEFORE_RECORDED`, compared as the value they had then. The fields of
-    :data:`NOT_COMPARED` (``checkpoint.resume``: every resume sets it) are left out.
+    :data:`NOT_COMPARED` (``checkpoint.resume``: every resume sets it) are left out, and so are
+    :data:`GENERATION_KEYS` when both configs name the same steps per generation at the same global batch.
     """
     before, after = {**BEFORE_RECORDED, **flatten(old)}, flatten(new)
+    same_generation = _steps_per_generation(before) == _steps_per_generation(after) is not None
     changes = []
     for key, value in after.items():
         previous = before.get(key, _MISSING)
         if previous == value or key in NOT_COMPARED or (value == "auto" and key in KEPT_WHEN_AUTO):
+            continue
+        if key in GENERATION_KEYS and same_generation and before.get("train.global_batch_size") == \
+                after.get("train.global_batch_size"):
             continue
         what, why = rule(key) if previous is not _MISSING else (TAKES_EFFECT,
                                                                 "not recorded in the checkpoint")

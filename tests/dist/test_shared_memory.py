@@ -29,3 +29,6 @@ def test_shared_memory_collectives(tmp_path, tiny_fs):
     message = result["full"]
     assert message is not None and str(tiny_fs) in message and "22.9 MiB" in message
     assert "point_to_point" in message and "all_to_all" in message and "--shm-size" in message
+    # 400,000 parameters at 3 ranks need 9.6 MB: rank 1 (the 3 MB tmpfs) says no, the others yes; all agree no
+    assert [local for local, _ in result["agreed"]] == [True, False, True]
+    assert [agreed for _, agreed in result["agreed"]] == [False, False, False]

@@ -4,7 +4,8 @@ tests/dist/test_shared_memory.py.
 Usage: ``torchrun --nproc_per_node=N tests/workers/shared_memory_worker.py OUT.json [FULL_DIR]``. Every rank
 all-gathers and reduce-scatters random buffers of growing and shrinking sizes, fp32 and bf16, interleaved,
 with the ranks arriving at different times, through :mod:`shardlm.parallel.shared_memory` and through the
-references; rank 0 writes ``{"cases": [[name, equal]], "left": [files left in /dev/shm], "full": message}``.
+references; rank 0 writes ``{"cases": [[name, equal]], "left": [files left in /dev/shm], "full": message,
+"agreed": [[this rank's answer, the agreed one]]}``.
 ``FULL_DIR`` (a small tmpfs) stands in for ``/dev/shm`` in a last case that must fail with one message.
 """
 
@@ -68,9 +69,16 @@ def main() -> None:
         except ConfigError as exc:
             full_message = str(exc)
         left += [f for f in os.listdir(sys.argv[2]) if f.startswith("shardlm-")]
+    agreed = None
+    if len(sys.argv) > 2:  # one rank's /dev/shm has no room (another job's segments): no rank takes them
+        shared_memory.SHM_DIR = sys.argv[2] if rank == 1 else "/dev/shm"
+        answers = [None] * world
+        dist.all_gather_object(answers, [shared_memory.shared_memory_fits(400_000, world),
+                                         shared_memory.shared_memory_agreed(400_000, world)])
+        agreed = answers
     if rank == 0:
         with open(sys.argv[1], "w") as f:
-            json.dump({"cases": cases, "left": left, "full": full_message}, f)
+            json.dump({"cases": cases, "left": left, "full": full_message, "agreed": agreed}, f)
     dist.barrier()
     dist.destroy_process_group()
 

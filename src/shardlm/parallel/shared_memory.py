@@ -74,6 +74,21 @@ def shared_memory_fits(n_params: int, world_size: int) -> bool:
     return world_size > 1 and shared_memory_usable(2 * world_size * 4 * n_params)
 
 
+def shared_memory_agreed(n_params: int, world_size: int) -> bool:
+    """:func:`shared_memory_fits` as every rank of the job sees it: true only where it holds on every rank.
+
+    Each rank reads ``/dev/shm``'s free room at its own moment (another job's segments come and go), and
+    ranks that chose different collectives would wait on each other's barriers or mix up bytes. A collective
+    (a one-element MIN all-reduce over the default group, which must take CPU tensors: gloo) when a process
+    group is initialised, every rank calling; else this rank's answer."""
+    fits = shared_memory_fits(n_params, world_size)
+    if world_size > 1 and dist.is_initialized():
+        flag = torch.tensor([int(fits)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        fits = bool(flag.item())
+    return fits
+
+
 class _Segment:
     """One group's shared bytes: two halves used in turn, grown (collectively) when a call needs more."""
 

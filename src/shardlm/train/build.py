@@ -42,7 +42,7 @@ from shardlm.parallel.fsdp import apply_fsdp
 from shardlm.parallel.options import dtype_from_name, mixed_precision_policy, offload_policy
 from shardlm.parallel.pp import apply_pp, stage_plan
 from shardlm.parallel.reduce_scatter import resolve_reduce_scatter
-from shardlm.parallel.shared_memory import shared_memory_fits
+from shardlm.parallel.shared_memory import shared_memory_agreed
 from shardlm.parallel.tp import ASYNC_TP_COMPILE_OPTIONS, apply_tp
 
 
@@ -147,7 +147,8 @@ def build_model_parts(cfg: Config, info: DistInfo, mesh: DeviceMesh | None, cp: 
     if mode == "fsdp":
         # the zero-bubble schedules differentiate the parameters the forward used, after the input backward
         split = pcfg.pp > 1 and pcfg.pp_schedule in SPLIT_BACKWARD_SCHEDULES
-        shm = shared_memory_fits(num_params(model), info.world_size)  # the "auto" collectives on CPU
+        # the "auto" collectives on CPU, taken by every rank alike
+        shm = info.device.type == "cpu" and shared_memory_agreed(num_params(model), info.world_size)
         for part in parts or [model]:  # a pipeline stage: over its own data-parallel ranks
             reshard = False if split else pcfg.reshard_after_forward
             apply_fsdp(part, fsdp_mesh, mixed_precision_policy(pcfg), reshard,

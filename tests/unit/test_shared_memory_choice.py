@@ -1,12 +1,20 @@
 """When ``auto`` takes FSDP's shared-memory collectives (shardlm/parallel/shared_memory.py): every rank on
-one host and room in /dev/shm for 2 x ranks x the model in fp32."""
+one host and room in /dev/shm for 2 x ranks x the model in fp32; where an explicit setting is refused."""
 
 from __future__ import annotations
 
+import pytest
+
+from shardlm.errors import ConfigError
 from shardlm.parallel import shared_memory
 from shardlm.parallel.all_gather import resolve_all_gather
 from shardlm.parallel.reduce_scatter import resolve_reduce_scatter
-from shardlm.parallel.shared_memory import shared_memory_fits, shared_memory_usable, single_host
+from shardlm.parallel.shared_memory import (
+    check_shared_memory,
+    shared_memory_fits,
+    shared_memory_usable,
+    single_host,
+)
 
 
 def test_one_host_is_read_from_torchrun_variables(monkeypatch):
@@ -39,3 +47,16 @@ def test_auto_resolves_per_device_and_room():
     assert resolve_reduce_scatter("auto", "cpu", False) == "all_to_all"
     assert resolve_reduce_scatter("auto", "cuda", True) == "native"
     assert resolve_reduce_scatter("all_to_all", "cpu", True) == "all_to_all"  # a user's setting wins
+
+
+def test_explicit_shared_memory_is_refused_where_it_cannot_work(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    check_shared_memory("shared_memory", "all_to_all", "cpu")  # one host, CPU: taken
+    check_shared_memory("auto", "auto", "cuda")  # auto never takes them on a GPU
+    with pytest.raises(ConfigError, match="for CPU ranks.*cuda"):
+        check_shared_memory("native", "shared_memory", "cuda")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # two hosts: the other host's ranks cannot open the file
+    check_shared_memory("point_to_point", "auto", "cpu")
+    with pytest.raises(ConfigError, match="one host.*LOCAL_WORLD_SIZE = 4 of WORLD_SIZE = 8"):
+        check_shared_memory("shared_memory", "shared_memory", "cpu")

@@ -74,6 +74,26 @@ def shared_memory_fits(n_params: int, world_size: int) -> bool:
     return world_size > 1 and shared_memory_usable(2 * world_size * 4 * n_params)
 
 
+def check_shared_memory(all_gather: str, reduce_scatter: str, device_type: str) -> None:
+    """Refuse ``parallel.all_gather`` / ``parallel.reduce_scatter`` set to ``"shared_memory"`` where segments
+    cannot serve: a ``device_type`` other than ``"cpu"`` (the barrier is a gloo all-reduce of a CPU tensor),
+    or ranks on more than one host (:func:`single_host`: the other hosts' ranks cannot open the file, and this
+    host's would wait at the barrier until the timeout). ``auto`` never takes them there.
+
+    Raises:
+        ConfigError: either setting is ``"shared_memory"`` on such a job, named with the cause.
+    """
+    if "shared_memory" not in (all_gather, reduce_scatter):
+        return
+    names = "parallel.all_gather / parallel.reduce_scatter = \"shared_memory\""
+    if device_type != "cpu":
+        raise ConfigError(f"{names} is for CPU ranks (gloo); this job runs on {device_type}: use \"auto\"")
+    if not single_host():
+        raise ConfigError(
+            f"{names} needs every rank on one host, but LOCAL_WORLD_SIZE = {local_world_size()} of "
+            f"WORLD_SIZE = {os.environ.get('WORLD_SIZE')}: use \"auto\" (point_to_point / all_to_all there)")
+
+
 def shared_memory_agreed(n_params: int, world_size: int) -> bool:
     """:func:`shared_memory_fits` as every rank of the job sees it: true only where it holds on every rank.
 

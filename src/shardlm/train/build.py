@@ -42,7 +42,7 @@ from shardlm.parallel.fsdp import apply_fsdp
 from shardlm.parallel.options import dtype_from_name, mixed_precision_policy, offload_policy
 from shardlm.parallel.pp import apply_pp, stage_plan
 from shardlm.parallel.reduce_scatter import resolve_reduce_scatter
-from shardlm.parallel.shared_memory import shared_memory_agreed
+from shardlm.parallel.shared_memory import check_shared_memory, shared_memory_agreed
 from shardlm.parallel.tp import ASYNC_TP_COMPILE_OPTIONS, apply_tp
 
 
@@ -149,6 +149,7 @@ def build_model_parts(cfg: Config, info: DistInfo, mesh: DeviceMesh | None, cp: 
         split = pcfg.pp > 1 and pcfg.pp_schedule in SPLIT_BACKWARD_SCHEDULES
         # the "auto" collectives on CPU, taken by every rank alike
         shm = info.device.type == "cpu" and shared_memory_agreed(num_params(model), info.world_size)
+        check_shared_memory(pcfg.all_gather, pcfg.reduce_scatter, info.device.type)
         for part in parts or [model]:  # a pipeline stage: over its own data-parallel ranks
             reshard = False if split else pcfg.reshard_after_forward
             apply_fsdp(part, fsdp_mesh, mixed_precision_policy(pcfg), reshard,

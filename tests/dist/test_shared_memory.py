@@ -32,3 +32,5 @@ def test_shared_memory_collectives(tmp_path, tiny_fs):
     # 400,000 parameters at 3 ranks need 9.6 MB: rank 1 (the 3 MB tmpfs) says no, the others yes; all agree no
     assert [local for local, _ in result["agreed"]] == [True, False, True]
     assert [agreed for _, agreed in result["agreed"]] == [False, False, False]
+    # a segment no rank could map: each raises, and the first rank removed the file all the same
+    assert result["map_error"] == "mapping refused (test)" and result["left_after_error"] == []

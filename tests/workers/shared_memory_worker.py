@@ -5,7 +5,7 @@ Usage: ``torchrun --nproc_per_node=N tests/workers/shared_memory_worker.py OUT.j
 all-gathers and reduce-scatters random buffers of growing and shrinking sizes, fp32 and bf16, interleaved,
 with the ranks arriving at different times, through :mod:`shardlm.parallel.shared_memory` and through the
 references; rank 0 writes ``{"cases": [[name, equal]], "left": [files left in /dev/shm], "full": message,
-"agreed": [[this rank's answer, the agreed one]]}``.
+"agreed": [[this rank's answer, the agreed one]], "map_error": message, "left_after_error": [files]}``.
 ``FULL_DIR`` (a small tmpfs) stands in for ``/dev/shm`` in a last case that must fail with one message.
 """
 
@@ -76,9 +76,27 @@ def main() -> None:
         dist.all_gather_object(answers, [shared_memory.shared_memory_fits(400_000, world),
                                          shared_memory.shared_memory_agreed(400_000, world)])
         agreed = answers
+    # a segment that cannot be mapped (on every rank alike): the error, and its file gone from /dev/shm
+    shared_memory.SHM_DIR, real_mmap = "/dev/shm", shared_memory.mmap
+
+    class Unmappable:
+        @staticmethod
+        def mmap(*args, **kwargs):
+            raise OSError("mapping refused (test)")
+
+    shared_memory.mmap, map_error = Unmappable, None
+    try:
+        SharedMemoryAllGather(_Segments())(torch.empty(world * 10), torch.zeros(10), group)
+    except OSError as exc:
+        map_error = str(exc)
+    finally:
+        shared_memory.mmap = real_mmap
+    dist.barrier()
+    left_after_error = [f for f in os.listdir("/dev/shm") if f.startswith("shardlm-")]
     if rank == 0:
         with open(sys.argv[1], "w") as f:
-            json.dump({"cases": cases, "left": left, "full": full_message, "agreed": agreed}, f)
+            json.dump({"cases": cases, "left": left, "full": full_message, "agreed": agreed,
+                       "map_error": map_error, "left_after_error": left_after_error}, f)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -94,19 +94,28 @@ def check_shared_memory(all_gather: str, reduce_scatter: str, device_type: str) 
             f"WORLD_SIZE = {os.environ.get('WORLD_SIZE')}: use \"auto\" (point_to_point / all_to_all there)")
 
 
+#: :func:`shared_memory_agreed`'s answers in this process, by (parameters, world size)
+_AGREED: dict[tuple[int, int], bool] = {}
+
+
 def shared_memory_agreed(n_params: int, world_size: int) -> bool:
     """:func:`shared_memory_fits` as every rank of the job sees it: true only where it holds on every rank.
 
     Each rank reads ``/dev/shm``'s free room at its own moment (another job's segments come and go), and
     ranks that chose different collectives would wait on each other's barriers or mix up bytes. A collective
     (a one-element MIN all-reduce over the default group, which must take CPU tensors: gloo) when a process
-    group is initialised, every rank calling; else this rank's answer."""
-    fits = shared_memory_fits(n_params, world_size)
-    if world_size > 1 and dist.is_initialized():
-        flag = torch.tensor([int(fits)])
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        fits = bool(flag.item())
-    return fits
+    group is initialised, every rank calling; else this rank's answer. Decided once per process for the same
+    arguments: a later call (the start-up summary) reads what the model was built with, even after the
+    segments took their room."""
+    key = (n_params, world_size)
+    if key not in _AGREED:
+        fits = shared_memory_fits(n_params, world_size)
+        if world_size > 1 and dist.is_initialized():
+            flag = torch.tensor([int(fits)])
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            fits = bool(flag.item())
+        _AGREED[key] = fits
+    return _AGREED[key]
 
 
 class _Segment:
@@ -162,11 +171,13 @@ class _Segment:
                 "(docker: --shm-size) or set parallel.all_gather = \"point_to_point\" and "
                 "parallel.reduce_scatter = \"all_to_all\"")
         path = bytes(name[name > 0].tolist()).decode()
-        with open(path, "r+b") as f:
-            new = mmap.mmap(f.fileno(), size)
-        self.barrier()  # every rank has mapped it
-        if rank == 0:
-            os.unlink(path)
+        try:
+            with open(path, "r+b") as f:
+                new = mmap.mmap(f.fileno(), size)
+            self.barrier()  # every rank has mapped it
+        finally:
+            if rank == 0:  # mapped everywhere, or failed: nothing is left in /dev/shm either way
+                os.unlink(path)
         self.map, self.half_bytes, self.turn = new, nbytes, 0
 
 
@@ -206,6 +217,10 @@ class SharedMemoryAllGather:
             return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=True)
         world, rank = group.size(), group.rank()
         out = output_tensor.view(torch.uint8)
+        if world == 1:  # a group of one (e.g. experts split over every rank): the shard is the output
+            if out.data_ptr() != input_tensor.data_ptr():
+                out.copy_(input_tensor.view(torch.uint8))
+            return None
         with record_function(ALL_GATHER_NAME):
             segment = self.segments(group)
             slots = segment.half(out.numel()).view(world, -1)

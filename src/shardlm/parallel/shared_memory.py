@@ -45,7 +45,7 @@ SHM_DIR = "/dev/shm"
 #: the profiler ranges of the two collectives (``shardlm profile``'s overlap report classifies them)
 ALL_GATHER_NAME = "shardlm::all_gather_shared_memory"
 REDUCE_SCATTER_NAME = "shardlm::reduce_scatter_shared_memory"
-_NAME_BYTES = 64
+_NAME_BYTES = 4096  # PATH_MAX: the segment's path, sent from the first rank
 
 
 def single_host() -> bool:
@@ -158,19 +158,19 @@ class _Segment:
                     os.posix_fallocate(fd, 0, size)  # the room now: a full /dev/shm fails here, not by SIGBUS
                 finally:
                     os.close(fd)
-                name[:len(path)] = torch.tensor(list(path.encode()), dtype=torch.uint8)
+                name[:len(path)] = torch.frombuffer(bytearray(path.encode()), dtype=torch.uint8)
             except OSError as exc:
                 error = str(exc)
                 if os.path.exists(path):
                     os.unlink(path)
         dist.broadcast(name, group=self.group, group_src=0)
-        if not bool(name.any()):
+        path = name.numpy().tobytes().rstrip(b"\0").decode()  # through numpy: no host read to count
+        if not path:
             raise ConfigError(
                 f"could not make a {size / 2**20:.1f} MiB shared-memory segment in {SHM_DIR} for FSDP's "
                 f"collectives ({error}); give {SHM_DIR} more room "
                 "(docker: --shm-size) or set parallel.all_gather = \"point_to_point\" and "
                 "parallel.reduce_scatter = \"all_to_all\"")
-        path = bytes(name[name > 0].tolist()).decode()
         try:
             with open(path, "r+b") as f:
                 new = mmap.mmap(f.fileno(), size)

@@ -2,9 +2,9 @@
 
 Gloo moves every byte through a TCP socket, so on one machine a collective costs two copies through the
 kernel and the latency of loopback TCP. Here the ranks of a group map one file in ``/dev/shm`` (a
-*segment*, created by the group's first rank, unlinked as soon as every rank has mapped it, so nothing is
-left behind when a process dies) and a collective is: each rank writes its part into its slot, one tiny
-gloo all-reduce as the barrier, each rank reads what it needs.
+*segment*, created by the group's first rank, unlinked as soon as every rank has mapped it or mapping
+failed, so a process that dies after the first collectives leaves nothing behind) and a collective is: each
+rank writes its part into its slot, one tiny gloo all-reduce as the barrier, each rank reads what it needs.
 
 - all-gather: rank r writes its shard (n,) to slot r; after the barrier every rank copies the W slots, in
   rank order, to its output (W·n,). Only bytes move: bit-identical to gloo's all-gather.

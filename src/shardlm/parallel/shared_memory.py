@@ -115,7 +115,19 @@ def shared_memory_agreed(n_params: int, world_size: int) -> bool:
             dist.all_reduce(flag, op=dist.ReduceOp.MIN)
             fits = bool(flag.item())
         _AGREED[key] = fits
+    _CHOSEN[0] = _AGREED[key]
     return _AGREED[key]
+
+
+#: the last answer of :func:`shared_memory_agreed` in this process
+_CHOSEN = [False]
+
+
+def shared_memory_chosen() -> bool:
+    """What the last :func:`shared_memory_agreed` in this process decided (False before any): the collectives
+    the model was built with, for the start-up summary. No collective: a pipeline stage's summary counts
+    other parameters than the build did, and ranks must not disagree on whether to call one."""
+    return _CHOSEN[0]
 
 
 class _Segment:

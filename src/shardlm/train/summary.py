@@ -23,7 +23,7 @@ from shardlm.parallel import DistInfo, all_gather_ints
 from shardlm.parallel.cp import ContextParallel
 from shardlm.parallel.float8 import float8_emulated, float8_layers
 from shardlm.parallel.options import describe
-from shardlm.parallel.shared_memory import shared_memory_agreed
+from shardlm.parallel.shared_memory import shared_memory_chosen
 from shardlm.train.build import unwrap
 from shardlm.train.defaults import DefaultChoice, describe_defaults
 from shardlm.train.mfu import PeakFlops
@@ -63,8 +63,7 @@ def job_summary(trainer: SummarySource) -> str:
     """
     cfg, info = trainer.cfg, trainer.info
     model = unwrap(trainer.model)
-    # as build_model resolved the collectives
-    shm = info.device.type == "cpu" and shared_memory_agreed(num_params(model), info.world_size)
+    shm = info.device.type == "cpu" and shared_memory_chosen()  # as build_model resolved the collectives
     params = shard_bytes(trainer.model)["params"]
     per_rank = all_gather_ints(params, info.device)
     rows = cfg.train.global_batch_size * trainer.objective.rows_per_sample  # sequences per step

@@ -33,6 +33,17 @@ def resolve_reduce_scatter(setting: str, device_type: str, shared_memory: bool =
     return setting
 
 
+def sum_in_rank_order(output: torch.Tensor, chunks: torch.Tensor, op: dist.ReduceOp) -> None:
+    """``output`` (n,) = the sum of ``chunks`` (W, n) taken in rank order (chunk 0 + chunk 1 + ...), divided
+    by W for ``op`` AVG; same dtype. The order is fixed so every reduce-scatter of shardlm's gives the same
+    bits at any world size."""
+    output.copy_(chunks[0])
+    for chunk in chunks[1:]:
+        output.add_(chunk)
+    if op == dist.ReduceOp.AVG:
+        output.div_(chunks.shape[0])
+
+
 class AllToAllReduceScatter:
     """A reduce-scatter of a flat buffer as one all-to-all plus a local sum (see the module docstring).
 
@@ -59,12 +70,7 @@ class AllToAllReduceScatter:
         world = group.size()
         received = torch.empty_like(input_tensor)
         dist.all_to_all_single(received, input_tensor, group=group)
-        chunks = received.view(world, -1)
-        output_tensor.copy_(chunks[0])
-        for chunk in chunks[1:]:
-            output_tensor.add_(chunk)
-        if op == dist.ReduceOp.AVG:
-            output_tensor.div_(world)
+        sum_in_rank_order(output_tensor, received.view(world, -1), op)
         return None
 
 

@@ -39,6 +39,7 @@ from torch.profiler import record_function
 
 from shardlm.errors import ConfigError
 from shardlm.parallel.dist import local_world_size
+from shardlm.parallel.reduce_scatter import sum_in_rank_order
 
 #: where segments live (a tmpfs on Linux)
 SHM_DIR = "/dev/shm"
@@ -290,12 +291,8 @@ class SharedMemoryReduceScatter:
             if slots[rank].data_ptr() != input_tensor.data_ptr():
                 slots[rank].copy_(input_tensor)
             segment.barrier()
-            mine = slots.view(world, world, -1)[:, rank]  # (W, n): chunk ``rank`` of every rank's input
-            output_tensor.copy_(mine[0])
-            for chunk in mine[1:]:
-                output_tensor.add_(chunk)
-            if op == dist.ReduceOp.AVG:
-                output_tensor.div_(world)
+            # (W, n): chunk ``rank`` of every rank's input
+            sum_in_rank_order(output_tensor, slots.view(world, world, -1)[:, rank], op)
         return None
 
 

@@ -60,8 +60,10 @@ def test_no_candidate_fits_says_what_would(tmp_path, capsys, monkeypatch):
     config.write_text(TINY.format(data=tmp_path / "none").replace("dim = 64", "dim = 512")
                       .replace("vocab_size = 512", "vocab_size = 8192"))  # 11M parameters: state dominates
     cfg = load_config(str(config))
-    smallest = Candidate(True, 0, 0, "full", 1, "every_micro_batch")
-    at2, at4 = Planner(cfg, 2, "cpu", 0).bytes(smallest), Planner(cfg, 4, "cpu", 0).bytes(smallest)
+    # the smallest candidate: full checkpointing, micro-batch 1, at whichever cp (1 or 2) needs the least
+    at2 = min(Planner(cfg, 2, "cpu", 0).bytes(Candidate(True, 0, 0, "full", 1, "every_micro_batch", cp=cp))
+              for cp in (1, 2))
+    at4 = Planner(cfg, 4, "cpu", 0).bytes(Candidate(True, 0, 0, "full", 1, "every_micro_batch"))
     assert at4 < at2
     monkeypatch.setattr(tune.subprocess, "Popen", lambda *a, **k: pytest.fail("launched"))
     out = tmp_path / "tuned.toml"

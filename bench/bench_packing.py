@@ -5,6 +5,7 @@ Usage (a script, not a test; it launches torchrun itself, one launch per row so 
     python bench/bench_packing.py                       # 2 ranks, seq 1024, 30 layers, 3 steps (1 warm-up)
     python bench/bench_packing.py --layers 4 --steps 3  # a shorter model for a shared machine
     python bench/bench_packing.py --set parallel.activation_checkpoint=full   # less memory per rank
+    python bench/bench_packing.py --rounds 3 --baseline ../old   # alternating, against another checkout
 
 The corpus is generated deterministically: ``--examples`` chat examples whose lengths in words are log-normal
 (sigma 0.8, capped at 0.9 ``seq_len``) with a mean chosen so that the mean example is about a quarter of
@@ -14,14 +15,18 @@ the same texts as documents of a token stream. The model is SmolLM2-135M's shape
 1536, vocab 49152, tied; ``--layers`` of its 30 blocks) from a random init, fp32, FSDP at ``--world`` ranks,
 global batch 4, micro-batch 2.
 
-Unpacked examples are padded to the longest of each micro-batch (``data.pad_multiple``, default 8; pass
-``--set data.pad_multiple=0`` for the full ``seq_len + 1`` rows); packed rows run block-causal attention per
-document (the CPU default) and, as a reference row, under the dense mask (``model.attention_backend =
-"sdpa"``).
+The rows: unpacked examples (one per sample) padded to ``seq_len + 1`` (``data.pad_multiple = 0``) and to
+the longest of each micro-batch (the default); packed rows under block-causal attention with the default
+kernel (per document on CPU) and under the dense mask (``model.attention_backend = "sdpa"``); causal and
+block-causal pre-training. ``--baseline PATH`` runs every chosen row on another checkout's ``src/`` too (its
+own data preparation), alternating launch by launch, and prints this checkout's speed over it (a row whose
+settings the other checkout lacks fails there: choose the rows with ``--runs``).
 
-Per row: the median step time after the first step, response (target) tokens trained per step (the split's
-targets per sample times the global batch) and per second, fill ratio (tokens of examples / tokens of the
-samples), peak RSS per rank (``ru_maxrss``; a coarse measure on CPU: glibc keeps freed memory).
+Per row: the median step time after the first step (one per launch; tokens/s from the median launch),
+response (target) tokens trained per step (the split's targets per sample times the global batch) and per
+second, fill ratio (tokens of examples / tokens of the samples), peak RSS per rank (``ru_maxrss``; a coarse
+measure on CPU: glibc keeps freed memory), and the losses of each row's first launch (rows that differ only
+in padding or in the attention kernel train the same examples).
 """
 
 from __future__ import annotations
@@ -42,14 +47,16 @@ MODEL = {"model.family": '"llama"', "model.dim": 576, "model.n_heads": 9, "model
          "model.ffn_hidden": 1536, "model.vocab_size": 49152, "model.tie_embeddings": "true",
          "model.rope_theta": 100000.0}
 RUNS = {
-    "fine-tuning padded (one example per sample)": {"data.format": '"instruct"'},
-    "fine-tuning packed (block-causal)": {"data.format": '"instruct"', "data.pack": "true",
-                                          "model.attention": '"block_causal"'},  # per-document on CPU
-    "fine-tuning packed (block-causal, dense mask)": {"data.format": '"instruct"', "data.pack": "true",
-                                                      "model.attention": '"block_causal"',
-                                                      "model.attention_backend": '"sdpa"'},
+    "fine-tuning unpacked (padded to seq_len)": {"data.format": '"instruct"', "data.pad_multiple": 0},
+    "fine-tuning unpacked (default padding)": {"data.format": '"instruct"'},
+    "fine-tuning packed (default attention)": {  # block-causal; per document on CPU
+        "data.format": '"instruct"', "data.pack": "true", "model.attention": '"block_causal"'},
+    "fine-tuning packed (dense mask)": {
+        "data.format": '"instruct"', "data.pack": "true", "model.attention": '"block_causal"',
+        "model.attention_backend": '"sdpa"'},
     "pre-training causal": {"data.format": '"text"', "model.attention": '"causal"'},  # not the default "auto"
-    "pre-training block-causal (sdpa)": {"data.format": '"text"', "model.attention": '"block_causal"'},
+    "pre-training block-causal": {
+        "data.format": '"text"', "model.attention": '"block_causal"'},
 }
 
 
@@ -67,7 +74,8 @@ def worker(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     cfg = load_config(None, spec["overrides"])
     trainer = Trainer(cfg, init_distributed(cfg.parallel))
-    times = [trainer.train_step()["step_time_s"] for _ in range(cfg.train.steps)]
+    records = [trainer.train_step() for _ in range(cfg.train.steps)]
+    times = [r["step_time_s"] for r in records]
     data = trainer.train_data
     # target tokens of an average global batch: the whole split's targets per sample, times the batch
     per_step = data.num_targets(list(range(len(data)))) / len(data) * cfg.train.global_batch_size
@@ -83,7 +91,8 @@ def worker(spec_path: str) -> None:
     if trainer.info.rank == 0:
         step_s = statistics.median(times[1:]) if len(times) > 1 else times[0]
         Path(spec["out"]).write_text(json.dumps({"step_s": step_s, "targets_per_step": per_step, "fill": fill,
-                                                 "rss": rss, "samples": len(data)}))
+                                                 "rss": rss, "samples": len(data),
+                                                 "losses": [r["loss"] for r in records]}))
     torch.distributed.barrier()
     exit_process(0)
 
@@ -125,6 +134,11 @@ def main() -> None:
                         help="blocks of the SmolLM2-135M shape (30 = the model)")
     parser.add_argument("--examples", type=int, default=600, help="chat examples (documents) generated")
     parser.add_argument("--runs", default=",".join(RUNS), help="comma-separated row names (default: all)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="launches per row, the rows alternating (round 1: every row, then round 2...)")
+    parser.add_argument("--baseline", metavar="PATH",
+                        help="another shardlm checkout (a git worktree of an older commit): every row also "
+                             "runs on its src/, alternating with this one; the table gains its rows, ratios")
     parser.add_argument(
         "--set",
         action="append",
@@ -134,52 +148,95 @@ def main() -> None:
     )
     args = parser.parse_args()
     chosen = [r.strip() for r in args.runs.split(",")]
-    results = {}
+    trees = {"": ROOT}  # row suffix -> checkout
+    if args.baseline:
+        base = Path(args.baseline).resolve()
+        commit = subprocess.run(["git", "-C", str(base), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, check=True).stdout.strip()
+        trees[f" @ {commit}"] = base
+    results: dict[str, list[dict]] = {name + suffix: [] for name in chosen for suffix in trees}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         chat, docs, tokenizer = write_corpora(tmp, args.examples, args.seq)
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
-        for name in chosen:
-            extra = RUNS[name]
-            text = extra["data.format"] == '"text"'
-            overrides = {**MODEL, "model.n_layers": args.layers, "model.max_seq_len": args.seq,
-                         "train.seq_len": args.seq, "train.global_batch_size": 4, "train.micro_batch_size": 2,
-                         "train.steps": args.steps, "train.eval_interval": 0, "train.warmup_steps": 1,
-                         "checkpoint.enabled": "false", "data.val_fraction": 0.05,
-                         "data.corpus": f'"{docs if text else chat}"', "data.tokenizer": f'"{tokenizer}"',
-                         "data.dir": f'"{tmp / ("text" if text else "chat")}"', "run.dir": f'"{tmp / "run"}"',
-                         "run.overwrite": "true", **extra, **dict(kv.split("=", 1) for kv in args.set)}
-            spec = tmp / "spec.json"
-            spec.write_text(json.dumps({"overrides": [f"--{k}={v}" for k, v in overrides.items()],
-                                        "out": str(tmp / "out.json")}))
-            subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                            f"--nproc_per_node={args.world}", __file__, "--worker", str(spec)], env=env,
-                           check=True)
-            results[name] = json.loads((tmp / "out.json").read_text())
+        for _ in range(args.rounds):
+            for name in chosen:
+                for i, (suffix, tree) in enumerate(trees.items()):  # each tree prepares its own data
+                    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tree / "src")}
+                    results[name + suffix].append(launch(name, args, tmp, tmp / f"tree{i}", chat, docs,
+                                                         tokenizer, env))
         from shardlm.data.instruct import InstructionExamples
 
-        if (tmp / "chat").is_dir():
-            ex = InstructionExamples(str(tmp / "chat"), "train", args.seq)
+        if (tmp / "tree0" / "chat").is_dir():
+            ex = InstructionExamples(str(tmp / "tree0" / "chat"), "train", args.seq)
             lengths = np.diff(ex.offsets)
             print(f"chat corpus: {len(lengths)} train examples, mean {lengths.mean():.0f} tokens "
                   f"({100 * lengths.mean() / args.seq:.0f}% of seq_len {args.seq}), median "
                   f"{np.median(lengths):.0f}, max {lengths.max()}")
+    report(results, args)
+
+
+def launch(name: str, args: argparse.Namespace, tmp: Path, data: Path, chat: Path, docs: Path,
+           tokenizer: Path, env: dict) -> dict:
+    """One torchrun launch of row ``name``, its prepared data under ``data``: rank 0's result (see
+    :func:`worker`)."""
+    extra = RUNS[name]
+    text = extra["data.format"] == '"text"'
+    overrides = {**MODEL, "model.n_layers": args.layers, "model.max_seq_len": args.seq,
+                 "train.seq_len": args.seq, "train.global_batch_size": 4, "train.micro_batch_size": 2,
+                 "train.steps": args.steps, "train.eval_interval": 0, "train.warmup_steps": 1,
+                 "checkpoint.enabled": "false", "data.val_fraction": 0.05,
+                 "data.corpus": f'"{docs if text else chat}"', "data.tokenizer": f'"{tokenizer}"',
+                 "data.dir": f'"{data / ("text" if text else "chat")}"', "run.dir": f'"{tmp / "run"}"',
+                 "run.overwrite": "true", **extra, **dict(kv.split("=", 1) for kv in args.set)}
+    spec = tmp / "spec.json"
+    spec.write_text(json.dumps({"overrides": [f"--{k}={v}" for k, v in overrides.items()],
+                                "out": str(tmp / "out.json")}))
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    f"--nproc_per_node={args.world}", __file__, "--worker", str(spec)], env=env, check=True)
+    return json.loads((tmp / "out.json").read_text())
+
+
+def report(results: dict[str, list[dict]], args: argparse.Namespace) -> None:
+    """The table (step time per launch, tokens/s at the median launch), the losses of each row's first
+    launch, and the ratios of the rows that compare one change."""
     print(f"SmolLM2-135M shape, {args.layers} layers, {args.world} ranks (FSDP, fp32, CPU), seq_len "
-          f"{args.seq}, global batch 4 samples, {args.steps} steps (first untimed)")
-    print("| run | samples | fill | target tokens / step | step time (s) | target tokens / s | peak RSS per "
-          "rank (MiB) |")
+          f"{args.seq}, global batch 4 samples, {args.steps} steps (first untimed), {args.rounds} "
+          "alternating round(s)")
+    print("| run | samples | fill | target tokens / step | step time (s) per launch | target tokens / s | "
+          "peak RSS per rank (MiB) |")
     print("|---|---|---|---|---|---|---|")
-    for name, r in results.items():
+    speed = {}
+    for name, launches in results.items():
+        if not launches:
+            continue
+        r = launches[0]
+        steps = [x["step_s"] for x in launches]
+        speed[name] = r["targets_per_step"] / statistics.median(steps)
         print(f"| {name} | {r['samples']} | {100 * r['fill']:.1f}% | {r['targets_per_step']:.0f} | "
-              f"{r['step_s']:.2f} | {r['targets_per_step'] / r['step_s']:.0f} | "
+              f"{' / '.join(f'{t:.2f}' for t in steps)} | {speed[name]:.0f} | "
               f"{' / '.join(f'{b / 2**20:.0f}' for b in r['rss'])} |")
-    pad, pack = (results.get(k) for k in list(RUNS)[:2])
-    if pad and pack:
-        ratio = (pack["targets_per_step"] / pack["step_s"]) / (pad["targets_per_step"] / pad["step_s"])
-        print(f"packed / padded response tokens per second: {ratio:.2f}x")
-    causal, block = (results.get(k) for k in list(RUNS)[3:])
+    print("losses per step (first launch of each row):")
+    for name, launches in results.items():
+        if launches:
+            print(f"  {name}: {', '.join(f'{v:.6f}' for v in launches[0]['losses'])}")
+    names = list(RUNS)
+    # (faster, baseline, what, same batches): the losses compared only where the steps see the same examples
+    pairs = ((names[1], names[0], "unpacked, padded to the micro-batch's longest / to seq_len", True),
+             (names[2], names[1], "packed / unpacked", False),
+             (names[2], names[3], "packed, attention per document / under the dense mask", True))
+    for top, bottom, what, same in pairs:
+        if top in speed and bottom in speed:
+            diff = max(abs(x - y) for x, y in zip(results[top][0]["losses"], results[bottom][0]["losses"]))
+            print(f"{what}, target tokens per second: {speed[top] / speed[bottom]:.2f}x"
+                  + (f" (losses differ by at most {diff:.2e})" if same else ""))
+    for name in speed:  # this checkout against the baseline's
+        row, _, commit = name.partition(" @ ")
+        if commit and row in speed:
+            print(f"{row}: this checkout / {commit}, target tokens / s: {speed[row] / speed[name]:.2f}x")
+    causal, block = (results.get(k) for k in names[4:])
     if causal and block:
-        print(f"block-causal / causal pre-training step time: {block['step_s'] / causal['step_s']:.3f}")
+        ratio = statistics.median(x["step_s"] for x in block) / statistics.median(x["step_s"] for x in causal)
+        print(f"block-causal / causal pre-training step time: {ratio:.3f}")
 
 
 if __name__ == "__main__":

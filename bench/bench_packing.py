@@ -20,7 +20,7 @@ the longest of each micro-batch (the default); packed rows under block-causal at
 kernel (per document on CPU) and under the dense mask (``model.attention_backend = "sdpa"``); causal and
 block-causal pre-training. ``--baseline PATH`` runs every chosen row on another checkout's ``src/`` too (its
 own data preparation), alternating launch by launch, and prints this checkout's speed over it (a row whose
-settings the other checkout lacks fails there: choose the rows with ``--runs``).
+settings the other checkout lacks fails there: choose its rows with ``--baseline-runs``).
 
 Per row: the median step time after the first step (one per launch; tokens/s from the median launch),
 response (target) tokens trained per step (the split's targets per sample times the global batch) and per
@@ -139,6 +139,7 @@ def main() -> None:
     parser.add_argument("--baseline", metavar="PATH",
                         help="another shardlm checkout (a git worktree of an older commit): every row also "
                              "runs on its src/, alternating with this one; the table gains its rows, ratios")
+    parser.add_argument("--baseline-runs", help="the rows to run on --baseline too (default: all of --runs)")
     parser.add_argument(
         "--set",
         action="append",
@@ -154,16 +155,18 @@ def main() -> None:
         commit = subprocess.run(["git", "-C", str(base), "rev-parse", "--short", "HEAD"], capture_output=True,
                                 text=True, check=True).stdout.strip()
         trees[f" @ {commit}"] = base
-    results: dict[str, list[dict]] = {name + suffix: [] for name in chosen for suffix in trees}
+    on_base = [r.strip() for r in (args.baseline_runs or args.runs).split(",")]
+    rows = [(name, suffix, tree, i) for name in chosen for i, (suffix, tree) in enumerate(trees.items())
+            if not suffix or name in on_base]
+    results: dict[str, list[dict]] = {name + suffix: [] for name, suffix, _, _ in rows}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         chat, docs, tokenizer = write_corpora(tmp, args.examples, args.seq)
         for _ in range(args.rounds):
-            for name in chosen:
-                for i, (suffix, tree) in enumerate(trees.items()):  # each tree prepares its own data
-                    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tree / "src")}
-                    results[name + suffix].append(launch(name, args, tmp, tmp / f"tree{i}", chat, docs,
-                                                         tokenizer, env))
+            for name, suffix, tree, i in rows:  # each tree prepares its own data
+                env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tree / "src")}
+                results[name + suffix].append(launch(name, args, tmp, tmp / f"tree{i}", chat, docs, tokenizer,
+                                                     env))
         from shardlm.data.instruct import InstructionExamples
 
         if (tmp / "tree0" / "chat").is_dir():

@@ -111,7 +111,7 @@ class ParallelConfig:
     ``shared_memory`` (CPU ranks on one host) each rank's gradients written once into a ``/dev/shm`` segment
     the ranks share and its chunk summed from there in rank order (bit-identical to ``all_to_all``; 2.3x
     faster again at 20 MB; ``shardlm/parallel/shared_memory.py``). ``auto`` is ``shared_memory`` on CPU when
-    every rank is on one host, ``/dev/shm`` has room for 2 x ranks x the model in fp32 and ``pp`` is 1, else
+    every rank is on one host and ``/dev/shm`` has room for 2 x ranks x the model in fp32, else
     ``all_to_all`` on CPU, and ``native`` on CUDA."""
     all_gather: Literal["auto", "native", "point_to_point", "shared_memory"] = "auto"
     """How FSDP all-gathers parameters: ``native`` is the backend's ``all_gather_into_tensor`` (NCCL's kernel;

@@ -95,29 +95,22 @@ def check_shared_memory(all_gather: str, reduce_scatter: str, device_type: str) 
             f"WORLD_SIZE = {os.environ.get('WORLD_SIZE')}: use \"auto\" (point_to_point / all_to_all there)")
 
 
-#: :func:`shared_memory_agreed`'s answers in this process, by (parameters, world size)
-_AGREED: dict[tuple[int, int], bool] = {}
-
-
 def shared_memory_agreed(n_params: int, world_size: int) -> bool:
     """:func:`shared_memory_fits` as every rank of the job sees it: true only where it holds on every rank.
 
     Each rank reads ``/dev/shm``'s free room at its own moment (another job's segments come and go), and
     ranks that chose different collectives would wait on each other's barriers or mix up bytes. A collective
     (a one-element MIN all-reduce over the default group, which must take CPU tensors: gloo) when a process
-    group is initialised, every rank calling; else this rank's answer. Decided once per process for the same
-    arguments: a later call (the start-up summary) reads what the model was built with, even after the
-    segments took their room."""
-    key = (n_params, world_size)
-    if key not in _AGREED:
-        fits = shared_memory_fits(n_params, world_size)
-        if world_size > 1 and dist.is_initialized():
-            flag = torch.tensor([int(fits)])
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-            fits = bool(flag.item())
-        _AGREED[key] = fits
-    _CHOSEN[0] = _AGREED[key]
-    return _AGREED[key]
+    group is initialised: every rank calls this once per model build, whatever its ``n_params`` (a pipeline
+    stage counts its own), so nothing here may depend on them to decide whether to call it. Else this rank's
+    answer. :func:`shared_memory_chosen` reads the answer back without a collective."""
+    fits = shared_memory_fits(n_params, world_size)
+    if world_size > 1 and dist.is_initialized():
+        flag = torch.tensor([int(fits)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        fits = bool(flag.item())
+    _CHOSEN[0] = fits
+    return fits
 
 
 #: the last answer of :func:`shared_memory_agreed` in this process

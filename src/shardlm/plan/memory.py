@@ -143,7 +143,7 @@ def plan_memory(cfg: Config, world_size: int, device: str = "cpu") -> MemoryPlan
     train_local = sum(g.grad_shard_numel for g in groups)
     train_frac = sum(g.grad_numel for g in groups) / p_total  # for the unsharded (DDP, one process) gradients
     rb = st.reduce_bytes if fsdp else 4
-    shm = shared_memory_fits(p_total, n) and cfg.parallel.pp == 1  # the input: a /dev/shm slot, not allocated
+    shm = shared_memory_fits(p_total, n)  # then the reduce-scatter's input is a /dev/shm slot, not allocated
     reduce_scatter = resolve_reduce_scatter(cfg.parallel.reduce_scatter, "cpu" if device == "cpu" else "cuda",
                                             shm) if fsdp and n > 1 else "native"
     all_to_all = reduce_scatter == "all_to_all"

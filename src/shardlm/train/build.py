@@ -147,10 +147,8 @@ def build_model_parts(cfg: Config, info: DistInfo, mesh: DeviceMesh | None, cp: 
     if mode == "fsdp":
         # the zero-bubble schedules differentiate the parameters the forward used, after the input backward
         split = pcfg.pp > 1 and pcfg.pp_schedule in SPLIT_BACKWARD_SCHEDULES
-        # the "auto" collectives on CPU, taken by every rank alike
-        # (pipeline stages keep the socket collectives: a launch that ran FSDP first hung under PP with them)
-        shm = info.device.type == "cpu" and pcfg.pp == 1 and shared_memory_agreed(num_params(model),
-                                                                                  info.world_size)
+        # the "auto" collectives on CPU, taken by every rank alike (one collective, every rank calling)
+        shm = info.device.type == "cpu" and shared_memory_agreed(num_params(model), info.world_size)
         check_shared_memory(pcfg.all_gather, pcfg.reduce_scatter, info.device.type)
         for part in parts or [model]:  # a pipeline stage: over its own data-parallel ranks
             reshard = False if split else pcfg.reshard_after_forward

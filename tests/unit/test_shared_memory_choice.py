@@ -60,3 +60,27 @@ def test_explicit_shared_memory_is_refused_where_it_cannot_work(monkeypatch):
     check_shared_memory("point_to_point", "auto", "cpu")
     with pytest.raises(ConfigError, match="one host.*LOCAL_WORLD_SIZE = 4 of WORLD_SIZE = 8"):
         check_shared_memory("shared_memory", "shared_memory", "cpu")
+
+
+def test_every_build_all_reduces_the_choice(monkeypatch):
+    """Every call is one MIN all-reduce, whatever was asked before: a pipeline stage counts its own
+    parameters, so an answer cached by its arguments let one rank all-reduce while the others did not (the
+    4-rank pipeline launch hung so); the answer is the MIN over ranks, and the summary reads it back."""
+    calls = []
+
+    def all_reduce(flag, op):
+        calls.append(op)
+        flag.zero_()  # another rank has no room
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(shared_memory, "_CHOSEN", [False])  # this process's answer, restored afterwards
+    monkeypatch.setattr(shared_memory.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(shared_memory.dist, "all_reduce", all_reduce)
+    for _ in range(3):
+        assert not shared_memory.shared_memory_agreed(1000, 2)
+    assert calls == [shared_memory.dist.ReduceOp.MIN] * 3
+    assert shared_memory.shared_memory_chosen() is False
+    monkeypatch.setattr(shared_memory.dist, "all_reduce", lambda flag, op: calls.append(op))  # all have room
+    assert shared_memory.shared_memory_agreed(1000, 2) and shared_memory.shared_memory_chosen()
+    assert len(calls) == 4

@@ -172,20 +172,17 @@ def per_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ru
     mask), the outputs joined back in order. Equal to :func:`attention` under :func:`dense_mask` (each query
     sees exactly the keys of its own document, up to itself and the window) up to the kernels' summation
     order; the scores between documents are never computed. Consecutive rows cut at the same places go
-    through each call together. Returns q's shape and dtype. The pieces are cut with ``torch.split`` (its
-    backward joins the pieces' gradients in one copy; slicing would give each piece a zero-filled gradient of
-    the whole tensor to add up)."""
+    through each call together. Returns q's shape and dtype. Cut by ``torch.split``: one joining copy in
+    backward (a slice's gradient would be a zero-filled whole tensor per piece)."""
     groups: list[tuple[int, int]] = []  # [first, last + 1) row ranges of equal runs
     for b, row in enumerate(runs.runs):
         if groups and runs.runs[groups[-1][0]] == row:
             groups[-1] = (groups[-1][0], b + 1)
         else:
             groups.append((b, b + 1))
-    rows = [end - first for first, end in groups]
-    out = []
+    out, rows = [], [end - first for first, end in groups]
     for (first, _), qg, kg, vg in zip(groups, *(x.split(rows, dim=0) for x in (q, k, v))):
-        lengths = [n for _, n in runs.runs[first]]
-        parts = []
+        lengths, parts = [n for _, n in runs.runs[first]], []
         for n, qs, ks, vs in zip(lengths, *(x.split(lengths, dim=2) for x in (qg, kg, vg))):
             mask = None
             if runs.window and runs.window < n:

@@ -156,6 +156,9 @@ def main() -> None:
                                 text=True, check=True).stdout.strip()
         trees[f" @ {commit}"] = base
     on_base = [r.strip() for r in (args.baseline_runs or args.runs).split(",")]
+    unknown = sorted(set(chosen + on_base) - set(RUNS))
+    if unknown:
+        parser.error(f"unknown row(s) {unknown}; the rows are: {', '.join(RUNS)}")
     rows = [(name, suffix, tree, i) for name in chosen for i, (suffix, tree) in enumerate(trees.items())
             if not suffix or name in on_base]
     results: dict[str, list[dict]] = {name + suffix: [] for name, suffix, _, _ in rows}

@@ -64,7 +64,7 @@ def job_summary(trainer: SummarySource) -> str:
     cfg, info = trainer.cfg, trainer.info
     model = unwrap(trainer.model)
     # as build_model resolved the collectives
-    shm = info.device.type == "cpu" and cfg.parallel.pp == 1 and shared_memory_chosen()
+    shm = info.device.type == "cpu" and shared_memory_chosen()
     params = shard_bytes(trainer.model)["params"]
     per_rank = all_gather_ints(params, info.device)
     rows = cfg.train.global_batch_size * trainer.objective.rows_per_sample  # sequences per step

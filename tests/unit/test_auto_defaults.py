@@ -4,6 +4,8 @@ resume keeps the checkpoint's values, the summary says what was chosen and why."
 
 from __future__ import annotations
 
+import platform
+
 import pytest
 import torch
 
@@ -14,6 +16,7 @@ from shardlm.config import load_config
 from shardlm.config.auto import FIXED, unresolved, with_fixed_defaults
 from shardlm.parallel import init_distributed
 from shardlm.parallel.dist import DistInfo
+from shardlm.parallel.host_memory import allocator_set_by_user
 from shardlm.plan import plan_memory, tune_candidates
 from shardlm.plan.defaults import choose_defaults
 from shardlm.train.defaults import describe_defaults, resolve_defaults
@@ -120,6 +123,10 @@ def test_the_summary_says_what_was_chosen_and_why(small_data, tmp_path, planner)
     assert unresolved(trainer.cfg) == [] and record["loss"] > 0
     lines = [line for line in summary.splitlines() if line.startswith("  auto ")]
     assert len(lines) == 4, summary
+    settings = next(line for line in summary.splitlines() if line.startswith("  settings "))
+    # a CPU run keeps freed host memory (parallel.cpu_keep_freed_memory) unless glibc is not the allocator
+    glibc = platform.libc_ver()[0] == "glibc" and allocator_set_by_user() is None
+    assert settings.endswith(", freed host memory kept for reuse") == glibc, settings
     if planner:
         assert trainer.cfg.train.loss_chunk_tokens == 0
         assert "train.loss_chunk_tokens = 0 (auto: the plain loss" in summary

@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from shardlm.config import ParallelConfig
 from shardlm.errors import ConfigError, RankFailed
+from shardlm.parallel.host_memory import keep_freed_memory
 
 #: whether this process started a process group (see :func:`exit_process`)
 _started_process_group = False
@@ -184,7 +185,9 @@ def init_distributed(pcfg: ParallelConfig, cpu_collectives: bool = False) -> Dis
     (``cuda:nccl,cpu:gloo``), which clipping offloaded gradient shards needs. The collective
     timeout is ``pcfg.timeout_s``: a rank blocked in a collective whose peer has died raises after
     that long instead of hanging. On CUDA the group is bound to this rank's GPU (``device_id``) and
-    fp32 matmuls use TF32 unless ``parallel.tf32 = false`` (:func:`set_matmul_precision`).
+    fp32 matmuls use TF32 unless ``parallel.tf32 = false`` (:func:`set_matmul_precision`); on a CPU,
+    freed memory is kept in the process for reuse unless ``parallel.cpu_keep_freed_memory = false``
+    (:mod:`shardlm.parallel.host_memory`).
 
     Raises:
         ConfigError: a CUDA device was requested but is missing, or this node runs more ranks than it has GPUs
@@ -202,6 +205,7 @@ def init_distributed(pcfg: ParallelConfig, cpu_collectives: bool = False) -> Dis
     if device.type == "cuda":
         torch.cuda.set_device(device)
     set_matmul_precision(device, pcfg)
+    keep_freed_memory(device, pcfg.cpu_keep_freed_memory)
     if not dist.is_initialized():
         _started_process_group = True
         kwargs = process_group_kwargs(device, backend, timedelta(seconds=pcfg.timeout_s))

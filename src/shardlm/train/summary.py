@@ -22,6 +22,7 @@ from shardlm.model.qat import qat_filter
 from shardlm.parallel import DistInfo, all_gather_ints
 from shardlm.parallel.cp import ContextParallel
 from shardlm.parallel.float8 import float8_emulated, float8_layers
+from shardlm.parallel.host_memory import freed_memory_kept
 from shardlm.parallel.options import describe
 from shardlm.parallel.shared_memory import shared_memory_chosen
 from shardlm.train.build import unwrap
@@ -97,7 +98,8 @@ def job_summary(trainer: SummarySource) -> str:
             if cfg.parallel.ep > 1
             else ""
         ),
-        f"  settings   {describe(cfg.parallel, info.device.type, shm)}",
+        f"  settings   {describe(cfg.parallel, info.device.type, shm)}"
+        + (", freed host memory kept for reuse" if freed_memory_kept() else ""),
         *[f"  auto       {line}" for line in describe_defaults(trainer.default_choices)],
         f"  batch      global {cfg.train.global_batch_size} "
         + (f"{samples} ({rows} seqs)" if rows != cfg.train.global_batch_size else "seqs")

@@ -57,7 +57,8 @@ def keep_freed_memory(device: torch.device, enabled: bool) -> bool:
     configure the allocator (:func:`allocator_set_by_user`: the user's setting wins). Call it before the model
     is built, so that the large blocks come from the heap from the start.
 
-    Returns whether freed memory is kept (also afterwards from :func:`freed_memory_kept`).
+    Returns whether freed memory is kept (also afterwards from :func:`freed_memory_kept`). Raises nothing:
+    where ``mallopt`` refuses a value the result is False (the summary then says nothing).
     """
     global _kept
     if _kept:

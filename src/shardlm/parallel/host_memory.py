@@ -11,12 +11,15 @@ fp32) about 220,000 page faults per rank per step.
 
 ``mallopt(M_MMAP_MAX, 0)`` serves every block from the heap, and ``mallopt(M_TRIM_THRESHOLD, INT_MAX)``
 keeps the heap's freed top instead of returning it to the kernel, so a freed block is reused by the next
-allocation that fits it: the same step then faults in a few pages after its first three steps and runs 7%
-faster (6.68 against 7.22 s, the mean of steps 2-8 of one launch each), at a 6% higher peak RSS (1,890
-against 1,788 MiB on rank 0: the heap cannot return what lies below a block still in use, and glibc 2.36
-cannot put a 64-byte-aligned block into the exact hole of a freed one until its neighbours are free too).
-glibc falls back to a mapping by itself where the heap cannot grow (``man 3 mallopt``). Nothing changes in
-what is computed.
+allocation that fits it. The same step, 30 steps a launch, two launches each way: most steps fault in a
+handful of pages, the median step 6.75-6.79 against 7.90 s, peak RSS after 30 steps 2,019-2,103 against
+1,851-1,852 MiB on the fuller rank (9-14% more; 2-3% on the other). The heap cannot return what lies below
+a block still in use, and glibc's tcache keeps the few bytes ``memalign`` cuts off each 64-byte-aligned
+block; they hold freed neighbours apart, so now and then a block no longer fits a hole and grows the heap
+by its size. Turning the tcache off too removes that cost (1,765-1,788 MiB, 6.74-6.82 s), but only the
+environment a process starts with can (``GLIBC_TUNABLES``, no ``mallopt``); a user who sets it there wins
+(:func:`allocator_set_by_user`). glibc falls back to a mapping by itself where the heap cannot grow
+(``man 3 mallopt``). Nothing changes in what is computed.
 """
 
 from __future__ import annotations

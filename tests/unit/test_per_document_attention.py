@@ -99,3 +99,37 @@ def test_rows_cut_at_the_same_places_share_each_kernel_call(monkeypatch):
     monkeypatch.setattr(doc_attention.F, "scaled_dot_product_attention", sdpa)
     ref = doc_attention.attention(q, k, v, doc_attention.additive_mask(documents, 0))
     assert_close(out, ref, rtol=RTOL, what="grouped per-document vs dense attention output")
+
+
+def documents_of(lengths: list[int]) -> torch.Tensor:
+    """Two equal rows of documents of these lengths, back to back."""
+    row = [i for i, n in enumerate(lengths) for _ in range(n)]
+    return torch.tensor([row, row])
+
+
+@pytest.mark.parametrize("traced", [False, True])
+def test_a_compiled_block_is_not_compiled_again_for_each_document_layout(monkeypatch, traced):
+    """``parallel.compile`` with the per-document backend: a new layout of documents in a batch does not
+    compile the block again (the attention runs eagerly between the block's graphs); traced into the
+    graph (``traced``), the lengths become guards and the same layouts compile it again."""
+    from torch._dynamo.testing import CompileCounter
+
+    if traced:  # the function as it would be without torch.compiler.disable
+        monkeypatch.setattr(doc_attention, "per_document_attention",
+                            doc_attention.per_document_attention.__wrapped__)
+    torch._dynamo.reset()
+    model = CausalLM(ModelConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_hidden=48, vocab_size=64,
+                                 max_seq_len=64, attention="block_causal", attention_backend="per_document"))
+    model.init_weights(0)
+    counter = CompileCounter()
+    model.model.layers[0].compile(backend=counter)
+    tokens = torch.randint(0, 64, (2, 40), generator=torch.Generator().manual_seed(3))
+    compiled = []
+    for lengths in ([9, 17, 5, 9], [30, 10], [40], [3, 3, 3, 31], [20, 20]):
+        model(tokens, documents=documents_of(lengths)).square().mean().backward()
+        compiled.append(counter.frame_count)
+    torch._dynamo.reset()
+    if traced:
+        assert compiled[-1] > compiled[0] + 1, compiled
+    else:
+        assert compiled[0] > 0 and compiled == [compiled[0]] * len(compiled), compiled

@@ -163,6 +163,7 @@ def document_runs(documents: torch.Tensor, window: int = 0) -> DocumentRuns:
     return DocumentRuns(tuple(runs), window)
 
 
+@torch.compiler.disable
 def per_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: DocumentRuns,
                            scale: float | None = None, sinks: torch.Tensor | None = None,
                            enable_gqa: bool = True) -> torch.Tensor:
@@ -173,7 +174,13 @@ def per_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ru
     sees exactly the keys of its own document, up to itself and the window) up to the kernels' summation
     order; the scores between documents are never computed. Consecutive rows cut at the same places go
     through each call together. Returns q's shape and dtype. Cut by ``torch.split``: one joining copy in
-    backward (a slice's gradient would be a zero-filled whole tensor per piece)."""
+    backward (a slice's gradient would be a zero-filled whole tensor per piece).
+
+    Runs eagerly inside a compiled block (``torch.compiler.disable``): traced, the document lengths would
+    become guards, and every new layout of a batch would compile the block again (measured: three
+    recompilations in a block's first 20 packed steps, where the compile cache gives up after eight and
+    runs the block eagerly from then on); left out, the block compiles into the graphs before and after
+    attention once, at fixed shapes."""
     groups: list[tuple[int, int]] = []  # [first, last + 1) row ranges of equal runs
     for b, row in enumerate(runs.runs):
         if groups and runs.runs[groups[-1][0]] == row:
@@ -189,8 +196,18 @@ def per_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ru
                 i = torch.arange(n, device=q.device)
                 mask = (i.view(1, n) <= i.view(n, 1)) & (i.view(1, n) > i.view(n, 1) - runs.window)
             parts.append(attention(qs, ks, vs, mask, enable_gqa, scale, sinks))
-        out.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
-    return out[0] if len(out) == 1 else torch.cat(out, dim=0)
+        out.append(join_seq_major(parts, dim=2))
+    return join_seq_major(out, dim=0)
+
+
+def join_seq_major(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """``parts`` (batch, heads, seq, head_dim) joined along ``dim`` (0: batch, 2: seq) into one tensor of that
+    shape laid out (batch, seq, heads, head_dim) in memory, as SDPA lays out its output, whatever the number
+    of parts: the caller's ``transpose(1, 2).reshape(batch, seq, -1)`` is then a view, and a compiled block
+    sees the same strides for a row of one document as for a row of several."""
+    seq_major = [p.transpose(1, 2) for p in parts]
+    joined = seq_major[0].contiguous() if len(parts) == 1 else torch.cat(seq_major, dim={0: 0, 2: 1}[dim])
+    return joined.transpose(1, 2)
 
 
 def block_mask(documents: torch.Tensor, window: int = 0) -> Any:

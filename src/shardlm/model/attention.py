@@ -17,7 +17,8 @@ Backends, behind :func:`attention` (the mask's type selects the kernel):
            each alone, causal (``is_causal``; a local layer: a (n, n) band mask of the document's n
            tokens): no score between two documents is computed, no (seq, seq) mask exists. Any device;
            the CPU default (measured faster than the dense mask at packed rows whose documents average a
-           quarter of the row: see ``bench/bench_packing.py``). Sinks as under any mask.
+           quarter of the row: see ``bench/bench_packing.py``). Sinks as under any mask. Eager inside a
+           compiled block (``parallel.compile``): a new layout of documents compiles nothing again.
 ``sdpa``   PyTorch ``scaled_dot_product_attention`` with a dense additive mask (batch, 1, seq, seq) made
            once per forward in the compute dtype: any device, memory ``batch · seq²`` elements per
            distinct window, saved for backward once (not per layer). The reference the others are

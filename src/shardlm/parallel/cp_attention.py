@@ -22,7 +22,7 @@ their gradients, ``4·c`` rows each, whatever ``cp``.
 
 Attention sinks (gpt-oss: a logit per head in every query's softmax normaliser, a key of value zero) join
 each query chunk's merged log-sum-exp once, after all its blocks, on the rank that holds the query
-(:func:`shardlm.model.attention.fold_sinks`): ``lse' = log(exp(lse) + exp(sink))``, ``out' = out ·
+(:func:`shardlm.model.sinks.fold_sinks`): ``lse' = log(exp(lse) + exp(sink))``, ``out' = out ·
 exp(lse - lse')``. The backward runs each block's kernel with ``out'`` and ``lse'``, which is exact for the
 softmax with the sink (its column's value is zero, so it adds nothing to ``dP``), and the sink's gradient is
 ``-Σ exp(sink - lse') · D`` over this rank's queries (``D = rowsum(dO ∘ out')``, the softmax gradient of the
@@ -37,8 +37,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from shardlm.model.attention import fold_sinks
-from shardlm.model.attention import lse_kernels as lse_kernels  # where the kernels live (re-exported)
+from shardlm.model.sinks import fold_sinks
+from shardlm.model.sinks import lse_kernels as lse_kernels  # where the kernels live (re-exported)
 
 
 @dataclass(frozen=True)

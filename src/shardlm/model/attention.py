@@ -179,9 +179,9 @@ def per_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ru
 
     Runs eagerly inside a compiled block (``torch.compiler.disable``): traced, the document lengths would
     become guards, and every new layout of a batch would compile the block again (measured: three
-    recompilations in a block's first 20 packed steps, where the compile cache gives up after eight and
-    runs the block eagerly from then on); left out, the block compiles into the graphs before and after
-    attention once, at fixed shapes."""
+    recompilations in the first 20 steps of block-causal pre-training on Shakespeare; after eight the
+    compile cache gives up and runs the block eagerly); left out, the block compiles into the graphs before
+    and after attention once, at fixed shapes."""
     groups: list[tuple[int, int]] = []  # [first, last + 1) row ranges of equal runs
     for b, row in enumerate(runs.runs):
         if groups and runs.runs[groups[-1][0]] == row:

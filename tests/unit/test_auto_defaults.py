@@ -50,7 +50,8 @@ def test_the_planner_chooses_the_fastest_settings_that_fit(small_data, tmp_path)
     assert roomy["parallel.activation_checkpoint"][0] == "none"
     assert roomy["parallel.reshard_after_forward"][0] is False
     assert roomy["parallel.blocks_per_group"][0] == cfg.model.n_layers  # tiny blocks: one group of all
-    assert roomy["train.loss_chunk_tokens"][0] == 0  # 4 x 32 x 512 fp32 logits: 0.25 MiB
+    # 4 x 32 x 512 fp32 logits, 0.25 MiB: one chunk of the micro-batch's 128 tokens
+    assert roomy["train.loss_chunk_tokens"][0] == cfg.train.micro_batch_size * cfg.train.seq_len == 128
     assert "no backward all-gather" in roomy["parallel.reshard_after_forward"][1]
     assert unresolved(cfg) == KEYS  # cfg untouched
     # a budget between the planned peaks: resharding fits, keeping the weights does not
@@ -128,8 +129,8 @@ def test_the_summary_says_what_was_chosen_and_why(small_data, tmp_path, planner)
     glibc = platform.libc_ver()[0] == "glibc" and allocator_set_by_user() is None
     assert settings.endswith(", freed host memory kept for reuse") == glibc, settings
     if planner:
-        assert trainer.cfg.train.loss_chunk_tokens == 0
-        assert "train.loss_chunk_tokens = 0 (auto: the plain loss" in summary
+        assert trainer.cfg.train.loss_chunk_tokens == 128  # 4 rows x 32 tokens
+        assert "train.loss_chunk_tokens = 128 (auto: one chunk, a micro-batch's 128 tokens" in summary
         assert "parallel.reshard_after_forward = true (auto: one rank or not FSDP" in summary
     else:
         assert trainer.cfg.train.loss_chunk_tokens == 256
@@ -165,7 +166,7 @@ def test_plan_prints_the_choices_the_trainer_makes(small_data, tmp_path, capsys,
         if not started and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
     assert len(auto_lines(summary)) == 4 and auto_lines(one) == auto_lines(summary), (one, summary)
-    assert "train.loss_chunk_tokens = 0 (auto: the plain loss" in one
+    assert "train.loss_chunk_tokens = 128 (auto: one chunk, a micro-batch's 128 tokens" in one
     # two ranks: the chooser as the trainer calls it (resolve_defaults, its DistInfo), no second process
     two = plan(2)
     fresh = load_config(None, overrides)
@@ -174,7 +175,7 @@ def test_plan_prints_the_choices_the_trainer_makes(small_data, tmp_path, capsys,
     assert f"parallel.blocks_per_group = {cfg.model.n_layers} (auto: " in two
     # the plan is of the chosen settings; a value the user sets is kept, printed in the settings, not as auto
     assert f"reshard_after_forward false, {cfg.model.n_layers} block(s) per FSDP group" in two
-    assert "temporaries (whole logits, log-softmax, grads)" in two
+    assert "temporaries (loss in 128-token chunks" in two  # one chunk: the micro-batch's 4 x 32 tokens
     mine = plan(2, "--parallel.reshard_after_forward=true", "--train.loss_chunk_tokens=64")
     assert [line.split(" =")[0] for line in auto_lines(mine)] == ["parallel.blocks_per_group",
                                                                   "parallel.activation_checkpoint"]

@@ -37,8 +37,11 @@ def sum_in_rank_order(output: torch.Tensor, chunks: torch.Tensor, op: dist.Reduc
     """``output`` (n,) = the sum of ``chunks`` (W, n) taken in rank order (chunk 0 + chunk 1 + ...), divided
     by W for ``op`` AVG; same dtype. The order is fixed so every reduce-scatter of shardlm's gives the same
     bits at any world size."""
-    output.copy_(chunks[0])
-    for chunk in chunks[1:]:
+    if chunks.shape[0] == 1:
+        output.copy_(chunks[0])
+    else:  # one pass for the first two: chunk 0 + chunk 1 written once (the same sums as a copy, then add_)
+        torch.add(chunks[0], chunks[1], out=output)
+    for chunk in chunks[2:]:
         output.add_(chunk)
     if op == dist.ReduceOp.AVG:
         output.div_(chunks.shape[0])

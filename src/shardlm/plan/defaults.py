@@ -13,8 +13,10 @@ the ranks), decided in this order, each with the earlier ones fixed:
 3. ``parallel.blocks_per_group`` (FSDP over more than one rank): blocks grouped until a group holds about
    :data:`GROUP_BYTES` of parameters in the compute dtype (fewer, larger collectives: each has a fixed
    cost), halved until it fits;
-4. ``train.loss_chunk_tokens``: the plain loss (0) when a micro-batch's whole fp32 logits are at most
-   :data:`PLAIN_LOGITS_BYTES` and it fits, else 256 (chunks: the whole logits never exist).
+4. ``train.loss_chunk_tokens``: one chunk of a micro-batch's tokens (rows × ``seq_len``) when its whole fp32
+   logits are at most :data:`ONE_CHUNK_LOGITS_BYTES` and it fits, else 256. Either way the fused loss: the
+   gradients are made in the forward, so neither the log-softmax nor the logits' gradient (each the size of
+   the logits) is written, as the plain loss writes them; one chunk keeps its matrix products whole.
 
 A run the planner cannot model keeps the fixed defaults, saying so. What was chosen and why is printed in the
 run summary; a resumed run keeps its checkpoint's values; a value the user sets is never changed.
@@ -38,8 +40,8 @@ from shardlm.plan.tune_candidates import memory_budget, size
 
 #: a block group's parameters (compute dtype) past which grouping more blocks saves little: 64 MiB
 GROUP_BYTES = 64 << 20
-#: a micro-batch's whole fp32 logits at most this (64 MiB) take the plain loss
-PLAIN_LOGITS_BYTES = 64 << 20
+#: a micro-batch's whole fp32 logits at most this (64 MiB) make one chunk of the fused loss
+ONE_CHUNK_LOGITS_BYTES = 64 << 20
 #: the fraction of the memory per rank kept free
 HEADROOM = 0.2
 
@@ -133,11 +135,11 @@ def choose_defaults(cfg: Config, keys: list[str], info: Any, budget_bytes: float
         put(trial, "parallel.blocks_per_group", value)
         out["parallel.blocks_per_group"] = (value, why)
     if "train.loss_chunk_tokens" in keys:
-        rows = preference_rows(trial).train.micro_batch_size
-        logits = rows * trial.train.seq_len * trial.model.vocab_size * 4
-        planned = fits("train.loss_chunk_tokens", 0) if logits <= PLAIN_LOGITS_BYTES else None
+        tokens = preference_rows(trial).train.micro_batch_size * trial.train.seq_len
+        logits = tokens * trial.model.vocab_size * 4
+        planned = fits("train.loss_chunk_tokens", tokens) if logits <= ONE_CHUNK_LOGITS_BYTES else None
         out["train.loss_chunk_tokens"] = (
-            (0, f"auto: the plain loss, a micro-batch's whole fp32 logits are {size(logits)} (at most "
-                f"{size(PLAIN_LOGITS_BYTES)})") if planned is not None else
+            (tokens, f"auto: one chunk, a micro-batch's {tokens:,} tokens (their fp32 logits {size(logits)}, "
+                     f"at most {size(ONE_CHUNK_LOGITS_BYTES)})") if planned is not None else
             (256, f"auto: chunks of 256 tokens, a micro-batch's whole fp32 logits would be {size(logits)}"))
     return out

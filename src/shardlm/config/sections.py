@@ -139,8 +139,8 @@ class TrainConfig:
     summation order. 0 = the plain loss (the whole logits, their fp32 log-softmax and gradients). ``auto``:
     chosen at start-up (``shardlm train``: one chunk of a micro-batch's tokens when their fp32 logits are at
     most 64 MiB and the planned step fits, else 256; shardlm/plan/defaults.py), kept on resume; 256 where
-    nothing chooses. One chunk is faster than the plain loss: it writes neither the log-softmax nor the
-    logits' gradient."""
+    nothing chooses. One chunk holds about half the plain loss's memory and is no slower: it writes neither
+    the log-softmax nor the logits' gradient."""
     float8: Literal["none", "tensorwise", "rowwise", "mxfp8"] = "none"
     """Float8 training of the blocks' linear layers with torchao (shardlm/parallel/float8.py): ``tensorwise``
     (one scale per tensor; under FSDP the weights are all-gathered in float8), ``rowwise`` (a scale per row;

@@ -88,9 +88,10 @@ def measure_peak(fn: Callable[[], Any], device: torch.device, hidden_bytes: int 
     ``reset_peak_memory_stats``).
 
     On CPU: ``peak = start + max_t Σ_{events ≤ t} size`` over the profiler's allocation (+) and
-    free (−) events in time order. The allocator reports frees only of blocks allocated while
-    profiling, so a block alive at the start and freed during ``fn()`` still counts (an
-    over-estimate by at most that block).
+    free (−) events in time order (:func:`replay_allocations`). The allocator reports frees only of
+    blocks allocated while profiling, and only on the profiled thread, so a block alive at the start
+    and freed during ``fn()``, or freed by a collective's own thread and not allocated again before
+    the peak, still counts (an over-estimate by at most those blocks).
     """
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -104,11 +105,39 @@ def measure_peak(fn: Callable[[], Any], device: torch.device, hidden_bytes: int 
     start = live_storage_bytes() + hidden_bytes
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
-    running, peak = 0, 0
-    for _, size, _ in _allocation_events(prof):
-        running += size
-        peak = max(peak, running)
+    running, peak = replay_allocations(_allocation_events(prof))
     return {"start": start, "peak": start + peak, "end": start + running}
+
+
+def replay_allocations(events: list[tuple[int, int, int]]) -> tuple[int, int]:
+    """``(bytes at the end, peak bytes)`` over the start, replaying the allocator's events in time order.
+
+    Args:
+        events: ``(time ns, signed bytes, address)`` as :func:`_allocation_events` gives them: an allocation
+            (> 0) or a free (< 0) of the block at ``address``.
+
+    An address is only handed out again once its block is free. A free made on another thread (gloo frees
+    a collective's buffers, its input's clone and its output, on its own threads) is not recorded, so a
+    plain running sum keeps counting the block after the allocator has handed its address out again.
+    Measured at 4 ranks, FSDP 2 x TP 2 (tests/dist/test_planner_measured_peak.py): 0-4 such 128 KiB
+    buffers at a step's peak of 3.5 MB, varying from step to step and rank to rank; no such free was
+    recorded later. Here an allocation at a live address ends the old block first.
+
+    Returns:
+        The bytes alive at the end and at the high point, both over the start (ints; the end can be < 0
+        when blocks from before the events are freed).
+    """
+    live: dict[int, int] = {}  # address -> bytes of the block there
+    running, peak = 0, 0
+    for _, size, ptr in events:
+        if size > 0:
+            running += size - live.get(ptr, 0)  # an old block at this address was freed unrecorded
+            live[ptr] = size
+            peak = max(peak, running)
+        else:
+            live.pop(ptr, None)
+            running += size
+    return running, peak
 
 
 def measure_train_step_peak(trainer: Any) -> dict[str, int]:

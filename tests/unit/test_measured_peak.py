@@ -18,9 +18,9 @@ def test_an_address_allocated_again_ends_its_unrecorded_block():
     assert replay_allocations([(0, 100, a), (1, 40, a), (2, 30, b)]) == (70, 100)
 
 
-def test_frees_of_earlier_blocks_and_the_plain_order_are_kept():
-    """Frees of blocks allocated before the events lower the running sum (the end may be < 0); with no
-    address reused the replay is the plain running sum."""
+def test_with_no_address_reused_the_replay_is_the_running_sum():
+    """With no address allocated twice the replay is the plain running sum of the events, a free at an
+    address the events never allocated included."""
     a, b, c = 0x1000, 0x2000, 0x3000
     events = [(0, -30, c), (1, 40, a), (2, 60, b), (3, -40, a), (4, 10, a)]
     running = [sum(e[1] for e in events[: i + 1]) for i in range(len(events))]

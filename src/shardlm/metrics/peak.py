@@ -124,8 +124,8 @@ def replay_allocations(events: list[tuple[int, int, int]]) -> tuple[int, int]:
     recorded later. Here an allocation at a live address ends the old block first.
 
     Returns:
-        The bytes alive at the end and at the high point, both over the start (ints; the end can be < 0
-        when blocks from before the events are freed).
+        The bytes alive at the end and at the high point, both over the start (ints). A free at an address
+        the events never allocated lowers the running sum by its bytes, as recorded.
     """
     live: dict[int, int] = {}  # address -> bytes of the block there
     running, peak = 0, 0

@@ -24,11 +24,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch.profiler import ProfilerActivity, profile
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from shardlm.metrics.peak import allocator_bytes  # noqa: E402
 from shardlm.plan.loss import loss_peak_bytes  # noqa: E402
 from shardlm.train.loss import linear_cross_entropy_sum, token_loss_sum  # noqa: E402
 
@@ -51,15 +51,7 @@ def step(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, chunk: int, so
 
 def peak_bytes(fn) -> int:  # noqa: ANN001
     """The high point of live CPU allocator bytes during ``fn()``, above those alive before it."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
-    alive = peak = 0
-    for e in events:  # nbytes > 0 an allocation, < 0 a free
-        alive += e.nbytes()
-        peak = max(peak, alive)
-    return peak
+    return allocator_bytes(fn)[1]
 
 
 def measure_row(vocab: int, dim: int, tokens: int, chunk: int, repeat: int,

@@ -12,11 +12,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 from torch import nn
-from torch.profiler import ProfilerActivity, profile
 
 from conftest import rl_overrides
 from shardlm.config import load_config
 from shardlm.devices import Device
+from shardlm.metrics.peak import allocator_bytes
 from shardlm.model.kv_cache import KVCache
 from shardlm.plan import plan_memory
 from shardlm.plan.loss import rl_head_events
@@ -91,15 +91,7 @@ class _HeadOnly(nn.Module):
 
 def _allocator_peak(fn) -> int:  # noqa: ANN001
     """The high point of live CPU allocator bytes during ``fn()`` above those alive before it."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
-    alive = peak = 0
-    for e in events:
-        alive += e.nbytes()
-        peak = max(peak, alive)
-    return peak
+    return allocator_bytes(fn)[1]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

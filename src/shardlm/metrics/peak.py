@@ -103,10 +103,16 @@ def measure_peak(fn: Callable[[], Any], device: torch.device, hidden_bytes: int 
                 "reserved": torch.cuda.max_memory_reserved(device)}
     gc.collect()
     start = live_storage_bytes() + hidden_bytes
+    running, peak = allocator_bytes(fn)
+    return {"start": start, "peak": start + peak, "end": start + running}
+
+
+def allocator_bytes(fn: Callable[[], Any]) -> tuple[int, int]:
+    """Run ``fn()`` once under ``torch.profiler`` and return ``(bytes at the end, peak bytes)`` of the CPU
+    allocator, both over what was alive before it (ints; :func:`replay_allocations` of its events)."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
-    running, peak = replay_allocations(_allocation_events(prof))
-    return {"start": start, "peak": start + peak, "end": start + running}
+    return replay_allocations(_allocation_events(prof))
 
 
 def replay_allocations(events: list[tuple[int, int, int]]) -> tuple[int, int]:

@@ -73,10 +73,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 #: free disk space (GB) under pytest's base temporary directory that a run with the SmolLM2 tests needs: the
-#: disk's use, sampled every 2 s over a whole run (CI's script on a fresh clone, 2026-12-01), rose by at most
-#: SUITE_PEAK_GB while the tests ran (the fine-tuning module: SmolLM2 runs, one with its checkpoint), plus a
-#: margin; before this round's clean-up one run held about 15 GB at its end
-SUITE_PEAK_GB = 5.3
+#: disk's use, sampled every 2-3 s over a whole run, rose by at most SUITE_PEAK_GB while the tests ran (5.3 GB
+#: with one pytest worker on 2026-12-01, the fine-tuning module's SmolLM2 runs, one with its checkpoint;
+#: 6.0 GB with the README's two workers on 2026-12-04), plus a margin
+SUITE_PEAK_GB = 6.0
 NEEDED_FREE_GB = 8.0
 
 
@@ -87,17 +87,27 @@ def free_gb_under(path: Path) -> tuple[Path, float]:
     return path, shutil.disk_usage(path).free / 1e9
 
 
+@pytest.hookimpl(tryfirst=True)  # in a pytest-xdist worker: before it hands its tests to the controller
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Refuse a run that would fill the disk part way (every later test then errors on its temporary
-    directory): with the SmolLM2 tests selected, ask for :data:`NEEDED_FREE_GB` free where pytest writes."""
+    directory): with the SmolLM2 tests selected, ask for :data:`NEEDED_FREE_GB` free where pytest writes.
+
+    A usage error (exit 4) in one process. Under pytest-xdist (``-n``) a worker's usage error would only show
+    as a crashed worker, so a worker reports the message as a failed collection instead and hands over no
+    tests: the run prints it once and ends (exit 1) before any test runs."""
     if not any("smol_dir" in getattr(item, "fixturenames", ()) for item in session.items):
         return
     where, free = free_gb_under(Path(session.config.option.basetemp or tempfile.gettempdir()))
-    if free < NEEDED_FREE_GB:
-        raise pytest.UsageError(
-            f"the tests need about {NEEDED_FREE_GB:.0f} GB free under {where} (SmolLM2 weights, checkpoints "
-            f"and exports; at most {SUITE_PEAK_GB:.1f} GB at once), and {free:.1f} GB is free: free some "
-            "space or point TMPDIR (or --basetemp) at a larger disk")
+    if free >= NEEDED_FREE_GB:
+        return
+    message = (f"the tests need about {NEEDED_FREE_GB:.0f} GB free under {where} (SmolLM2 weights, "
+               f"checkpoints and exports; at most {SUITE_PEAK_GB:.1f} GB at once), and {free:.1f} GB is "
+               "free: free some space or point TMPDIR (or --basetemp) at a larger disk")
+    if not hasattr(session.config, "workerinput"):  # not a pytest-xdist worker
+        raise pytest.UsageError(message)
+    session.ihook.pytest_collectreport(
+        report=pytest.CollectReport(nodeid="", outcome="failed", longrepr=message, result=[]))
+    session.items[:] = []
 
 
 #: the test being set up or run (set by pytest_runtest_setup): launches check that it is marked ``dist``

@@ -19,12 +19,13 @@ WORKER = Path(__file__).resolve().parents[1] / "workers" / "shared_memory_worker
 @pytest.mark.dist
 def test_shared_memory_collectives(tmp_path, tiny_fs):
     out = tmp_path / "result.json"
-    before = {f for f in os.listdir("/dev/shm") if f.startswith("shardlm-")}
     torchrun(3, [str(WORKER), str(out), str(tiny_fs)], timeout=300)
     result = json.loads(out.read_text())
     assert len(result["cases"]) == 6 * 4
     assert all(equal for _, equal in result["cases"]), [name for name, equal in result["cases"] if not equal]
-    assert result["left"] == [] and {f for f in os.listdir("/dev/shm") if f.startswith("shardlm-")} <= before
+    # nothing left in /dev/shm by this job's ranks (segments are named by the creating rank's pid)
+    ours = tuple(f"shardlm-{pid}-" for pid in result["pids"])
+    assert result["left"] == [] and not [f for f in os.listdir("/dev/shm") if f.startswith(ours)]
     # 3 ranks x 4 MB in two halves do not fit a 3 MB tmpfs: the error names the place, the size and the way out
     message = result["full"]
     assert message is not None and str(tiny_fs) in message and "22.9 MiB" in message

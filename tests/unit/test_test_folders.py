@@ -128,12 +128,20 @@ def collect(*args: str) -> subprocess.CompletedProcess:
 def test_a_run_with_the_smollm2_tests_on_a_nearly_full_disk_is_refused_at_collection(tiny_fs):
     """Too little free space where pytest writes (a 3 MB tmpfs as --basetemp's disk): collecting the SmolLM2
     tests stops with one message naming the space needed and free, exit 4 (a usage error), before any test
-    runs; the same collection with the default base directory passes, and so does a selection without the
-    SmolLM2 tests on the tiny disk."""
+    runs (with two pytest-xdist workers: the message once as a collection error, exit 1); the same collection
+    with the default base directory passes, and so does a selection without the SmolLM2 tests on the tiny
+    disk."""
     smol = "tests/dist/test_pretrained_finetune.py"
     proc = collect(f"--basetemp={tiny_fs / 'base'}", smol)
     assert proc.returncode == 4, proc.stdout + proc.stderr
     text = proc.stdout + proc.stderr
     assert f"the tests need about 8 GB free under {tiny_fs}" in text and "GB is free" in text
+    # the README's two pytest-xdist workers: the same message once, no test run, a failing exit
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "2", "-p", "no:cacheprovider",
+                           f"--basetemp={tiny_fs / 'base'}", smol],
+                          capture_output=True, text=True, timeout=300, cwd=TESTS.parent)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 1 and text.count(f"the tests need about 8 GB free under {tiny_fs}") == 1, text
+    assert "1 error in" in text and "passed" not in text and "INTERNALERROR" not in text, text
     assert collect(smol).returncode == 0
     assert collect(f"--basetemp={tiny_fs / 'base'}", "tests/unit/test_json_file.py").returncode == 0

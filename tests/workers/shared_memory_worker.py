@@ -5,7 +5,8 @@ Usage: ``torchrun --nproc_per_node=N tests/workers/shared_memory_worker.py OUT.j
 all-gathers and reduce-scatters random buffers of growing and shrinking sizes, fp32 and bf16, interleaved,
 with the ranks arriving at different times, through :mod:`shardlm.parallel.shared_memory` and through the
 references; rank 0 writes ``{"cases": [[name, equal]], "left": [files left in /dev/shm], "full": message,
-"agreed": [[this rank's answer, the agreed one]], "map_error": message, "left_after_error": [files]}``.
+"agreed": [[this rank's answer, the agreed one]], "map_error": message, "left_after_error": [files],
+"pids": [each rank's pid]}`` (the files counted are this job's own: other jobs may run beside it).
 ``FULL_DIR`` (a small tmpfs) stands in for ``/dev/shm`` in a last case that must fail with one message.
 """
 
@@ -28,6 +29,13 @@ from shardlm.parallel.shared_memory import SharedMemoryAllGather, SharedMemoryRe
 def main() -> None:
     dist.init_process_group("gloo")
     group, rank, world = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
+    pids = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+
+    def ours(folder: str) -> list[str]:
+        """This job's segments in ``folder`` (named by the creating rank's pid): other jobs on the host,
+        e.g. tests running beside this one, may hold segments of their own there."""
+        return [f for f in os.listdir(folder) if f.startswith(tuple(f"shardlm-{pid}-" for pid in pids))]
     segments = _Segments()
     gather, scatter = SharedMemoryAllGather(segments), SharedMemoryReduceScatter(segments)
     reference_rs = AllToAllReduceScatter()
@@ -59,7 +67,7 @@ def main() -> None:
         reference_rs(want, full.clone(), group, dist.ReduceOp.SUM)
         cases.append([f"reduce-scatter of a foreign input {n} {dtype}", torch.equal(got, want)])
     dist.barrier()
-    left = [f for f in os.listdir(shared_memory.SHM_DIR) if f.startswith("shardlm-")]
+    left = ours(shared_memory.SHM_DIR)
     full_message = None
     if len(sys.argv) > 2:  # a /dev/shm without room: one clear error on every rank, nothing left behind
         shared_memory.SHM_DIR = sys.argv[2]
@@ -68,7 +76,7 @@ def main() -> None:
             small(torch.empty(world * 1_000_000), torch.zeros(1_000_000), group)
         except ConfigError as exc:
             full_message = str(exc)
-        left += [f for f in os.listdir(sys.argv[2]) if f.startswith("shardlm-")]
+        left += ours(sys.argv[2])
     agreed = None
     if len(sys.argv) > 2:  # one rank's /dev/shm has no room (another job's segments): no rank takes them
         shared_memory.SHM_DIR = sys.argv[2] if rank == 1 else "/dev/shm"
@@ -92,11 +100,11 @@ def main() -> None:
     finally:
         shared_memory.mmap = real_mmap
     dist.barrier()
-    left_after_error = [f for f in os.listdir("/dev/shm") if f.startswith("shardlm-")]
+    left_after_error = ours("/dev/shm")
     if rank == 0:
         with open(sys.argv[1], "w") as f:
             json.dump({"cases": cases, "left": left, "full": full_message, "agreed": agreed,
-                       "map_error": map_error, "left_after_error": left_after_error}, f)
+                       "map_error": map_error, "left_after_error": left_after_error, "pids": pids}, f)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -16,7 +16,9 @@ the same texts as documents of a token stream. The model is SmolLM2-135M's shape
 global batch 4, micro-batch 2.
 
 The rows: unpacked examples (one per sample) padded to ``seq_len + 1`` (``data.pad_multiple = 0``) and to
-the longest of each micro-batch (the default); packed rows under block-causal attention with the default
+the longest of each micro-batch (the default), and grouped by length 16 steps at a time
+(``data.group_by_length_steps``: its steps train other batches, so it is compared by the targets trained over
+the time taken, summed over the timed steps); packed rows under block-causal attention with the default
 kernel (per document on CPU) and under the dense mask (``model.attention_backend = "sdpa"``); causal and
 block-causal pre-training. ``--baseline PATH`` runs every chosen row on another checkout's ``src/`` too (its
 own data preparation), alternating launch by launch, and prints this checkout's speed over it (a row whose
@@ -49,6 +51,8 @@ MODEL = {"model.family": '"llama"', "model.dim": 576, "model.n_heads": 9, "model
 RUNS = {
     "fine-tuning unpacked (padded to seq_len)": {"data.format": '"instruct"', "data.pad_multiple": 0},
     "fine-tuning unpacked (default padding)": {"data.format": '"instruct"'},
+    "fine-tuning unpacked (grouped by length)": {
+        "data.format": '"instruct"', "data.group_by_length_steps": 16},
     "fine-tuning packed (default attention)": {  # block-causal; per document on CPU
         "data.format": '"instruct"', "data.pack": "true", "model.attention": '"block_causal"'},
     "fine-tuning packed (dense mask)": {
@@ -77,6 +81,7 @@ def worker(spec_path: str) -> None:
     records = [trainer.train_step() for _ in range(cfg.train.steps)]
     times = [r["step_time_s"] for r in records]
     data = trainer.train_data
+    targets = [data.num_targets(trainer.sampler.step_ids(s)) for s in range(cfg.train.steps)]  # each step's
     # target tokens of an average global batch: the whole split's targets per sample, times the batch
     per_step = data.num_targets(list(range(len(data)))) / len(data) * cfg.train.global_batch_size
     if isinstance(data, PackedExamples):
@@ -91,6 +96,7 @@ def worker(spec_path: str) -> None:
     if trainer.info.rank == 0:
         step_s = statistics.median(times[1:]) if len(times) > 1 else times[0]
         Path(spec["out"]).write_text(json.dumps({"step_s": step_s, "targets_per_step": per_step, "fill": fill,
+                                                 "targets": targets, "times": times,
                                                  "rss": rss, "samples": len(data),
                                                  "losses": [r["loss"] for r in records]}))
     torch.distributed.barrier()
@@ -225,7 +231,16 @@ def report(results: dict[str, list[dict]], args: argparse.Namespace) -> None:
     for name, launches in results.items():
         if launches:
             print(f"  {name}: {', '.join(f'{v:.6f}' for v in launches[0]['losses'])}")
-    names = list(RUNS)
+    grouped, plain = "fine-tuning unpacked (grouped by length)", "fine-tuning unpacked (default padding)"
+    if grouped in results and plain in results and results[grouped] and results[plain]:
+        # a grouped step's batch is all short or all long: its tokens/s is the targets trained over the time
+        # taken, summed over the timed steps of every launch (for both rows alike)
+        def trained(name: str) -> float:
+            runs = results[name]
+            return sum(sum(r["targets"][1:]) for r in runs) / sum(sum(r["times"][1:]) for r in runs)
+        print(f"grouped by length / plain order, target tokens trained per second over all timed steps: "
+              f"{trained(grouped):.0f} / {trained(plain):.0f} = {trained(grouped) / trained(plain):.2f}x")
+    names = [n for n in RUNS if n != grouped]
     # (faster, baseline, what, same batches): the losses compared only where the steps see the same examples
     pairs = ((names[1], names[0], "unpacked, padded to the micro-batch's longest / to seq_len", True),
              (names[2], names[1], "packed / unpacked", False),

@@ -1,5 +1,5 @@
 """Instruction tuning: the response-only loss is independent of how the global batch is split (1x4, 2x2,
-4x1), at 1, 2 and 4 ranks."""
+4x1), at 1, 2 and 4 ranks, with the plain sample order and grouped by length (``data.group_by_length_steps``)."""
 
 from __future__ import annotations
 
@@ -29,13 +29,14 @@ def test_batch_split_does_not_change_the_loss(instruct_data, tmp_path):
              "train.global_batch_size": 4, "train.micro_batch_size": 1, "train.steps": 3,
              "train.eval_interval": 3, "train.grad_clip": 0.0}
     results = {}
-    for nproc in (1, 2, 4):
-        name = f"instruct{nproc}x{4 // nproc}"
-        overrides = tiny_overrides(instruct_data, tmp_path / name, extra)
-        results[name] = run_scenarios(nproc, [{"name": name, "config": None, "overrides": overrides}],
-                                      tmp_path / f"out{nproc}")[name][0]["history"]
-    ref = results["instruct1x4"]
+    for nproc in (1, 2, 4):  # one launch each: the plain order and the length-grouped one
+        names = {f"instruct{nproc}x{4 // nproc}": extra,
+                 f"grouped{nproc}x{4 // nproc}": {**extra, "data.group_by_length_steps": 3}}
+        out = run_scenarios(nproc, [{"name": n, "config": None, "overrides": tiny_overrides(
+            instruct_data, tmp_path / n, e)} for n, e in names.items()], tmp_path / f"out{nproc}")
+        results.update({n: out[n][0]["history"] for n in names})
     for name, history in results.items():
+        ref = results["grouped1x4" if name.startswith("grouped") else "instruct1x4"]
         assert len(history) == len(ref)
         assert_close([b["loss"] for b in history], [a["loss"] for a in ref], rtol=16 * EPS,
                      what=f"{name} loss")

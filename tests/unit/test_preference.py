@@ -17,7 +17,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from shardlm.convert.hf_in import load_model_dir
-from shardlm.data.instruct import IGNORE_INDEX, read_instructions, split_batch
+from shardlm.data.instruct import IGNORE_INDEX, read_instructions, row_width, split_batch
 from shardlm.data.preference import PreferencePairs, prepare_preferences, read_preferences
 from shardlm.errors import DataError
 from shardlm.model.lora import LoRASpec, apply_lora
@@ -584,3 +584,18 @@ def test_pairs_padded_to_the_longest_row_are_the_full_rows_cut(prepared):
     assert torch.equal(chosen.get(ids), a[:3, :, :chosen.width(ids)])
     assert chosen.width(ids) <= b.shape[2]
     assert min(trimmed.width([i]) for i in range(len(trimmed))) < SEQ_LEN + 1  # some rows are trimmed
+
+
+def test_a_pairs_row_length_is_its_longest_sequence_what_length_grouping_sorts_by(prepared):
+    """``row_lengths()``: each pair's prompt and longer completion, cut at ``seq_len + 1``: the tokens of the
+    last real position of its longer row, so a pair alone is padded to exactly :func:`row_width` of it."""
+    _, out = prepared
+    full = PreferencePairs(str(out), "train", SEQ_LEN)
+    trimmed = PreferencePairs(str(out), "train", SEQ_LEN, pad_multiple=4)
+    lengths = trimmed.row_lengths()
+    assert lengths.shape == (len(trimmed),) and len(set(lengths.tolist())) > 1
+    for i in range(len(trimmed)):
+        rows = full.get([i])  # chosen and rejected at full width: the last position any of them trains
+        last = max(int(torch.nonzero(row[1] != IGNORE_INDEX).max()) for row in rows)
+        assert int(lengths[i]) == last + 1
+        assert trimmed.width([i]) == row_width(int(lengths[i]), SEQ_LEN, 4)

@@ -51,6 +51,7 @@ RULES: dict[str, tuple[str, str]] = {
     "data.workers": (TAKES_EFFECT, "only how many processes prepare the data"),
     "data.pad_multiple": (TAKES_EFFECT, "only how much padding a micro-batch computes (the same samples; "
                                         "losses equal up to summation order)"),
+    "data.group_by_length_steps": (REFUSED, "it decides which samples share a step: " + _ORDER),
     "data.dir": (TAKES_EFFECT,
                  "allowed when the data there is the same (meta.json and tokenizer.json SHA-256 "
                                "are compared)"),
@@ -154,7 +155,8 @@ NOT_COMPARED = ("checkpoint.resume",)
 
 #: fields whose value in a checkpoint written before they existed is known (what every such run trained with):
 #: compared as that value, so a default that changes later cannot switch an old run without a word
-BEFORE_RECORDED: dict[str, Any] = {"model.attention": "causal", "data.pack": False}
+BEFORE_RECORDED: dict[str, Any] = {"model.attention": "causal", "data.pack": False,
+                                   "data.group_by_length_steps": 0}
 
 
 #: settings whose ``"auto"`` on resume means "the run's own choice": the checkpoint's value is kept

@@ -73,6 +73,8 @@ def validate(cfg: Config) -> None:
     if d.pad_multiple < 0:
         raise ConfigError(f"data.pad_multiple must be >= 0 (0 pads every row to train.seq_len + 1), got "
                           f"{d.pad_multiple}")
+    if d.group_by_length_steps:
+        validate_length_groups(cfg)
     if not 0.0 < cfg.data.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction must be in (0, 1), got {cfg.data.val_fraction}")
     if t.min_lr > t.lr or t.lr <= 0:
@@ -198,6 +200,23 @@ def set_fields(section: object) -> list[str]:
     """The names of a config section's (a dataclass instance's) fields that differ from their defaults, in
     declaration order: a section set while what turns it on is off is refused naming the first."""
     return [f.name for f in dataclasses.fields(section) if getattr(section, f.name) != f.default]
+
+
+def validate_length_groups(cfg: Config) -> None:
+    """Check ``data.group_by_length_steps`` (set) against the data it groups; raise ConfigError naming why."""
+    d = cfg.data
+    if d.group_by_length_steps < 2:
+        raise ConfigError("data.group_by_length_steps must be 0 (off) or at least 2 (steps whose samples are "
+                          f"sorted by length together), got {d.group_by_length_steps}")
+    if d.format not in ("instruct", "preference") or d.pack:
+        what = "packed rows are already full" if d.pack else f"data.format = {d.format!r} has no " + (
+            "per-sample lengths to group (its windows are full)" if d.format == "text" else
+            "length grouping (online RL keeps each prompt's completions together)")
+        raise ConfigError(f"data.group_by_length_steps groups unpacked instruction examples and preference "
+                          f"pairs by length: {what}")
+    if d.pad_multiple == 0:
+        raise ConfigError("data.group_by_length_steps needs data.pad_multiple > 0: with 0 every row is "
+                          "padded to train.seq_len + 1, so grouping by length would save nothing")
 
 
 def validate_preference(cfg: Config) -> None:

@@ -255,6 +255,11 @@ class InstructionExamples:
         once at load: every rank can count a whole global batch on the host, without reading the examples."""
         return int(self.target_counts[np.asarray(ids, dtype=np.int64)].sum()) if len(ids) else 0
 
+    def row_lengths(self) -> np.ndarray:
+        """Tokens of each example as a row holds them (cut at ``seq_len + 1``): int64 (len(self),), what
+        length-grouped sampling sorts by."""
+        return self.lengths
+
     def width(self, ids: list[int]) -> int:
         """Tokens per row of ``get(ids)``: :func:`row_width` of their longest example (host arithmetic)."""
         longest = int(self.lengths[np.asarray(ids, dtype=np.int64)].max()) if len(ids) else 1

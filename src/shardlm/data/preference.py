@@ -280,6 +280,11 @@ class PreferencePairs:
         counts = self.chosen_sequence_counts if prompt else self.chosen_counts
         return int(counts[np.asarray(ids, dtype=np.int64)].sum()) if len(ids) else 0
 
+    def row_lengths(self) -> np.ndarray:
+        """Tokens of each pair's longer sequence (prompt and the longer completion, cut at ``seq_len + 1``):
+        int64 (len(self),), what length-grouped sampling sorts by."""
+        return np.minimum(self.idx[:, 1] + np.maximum(self.idx[:, 2], self.idx[:, 3]), self.seq_len + 1)
+
     def width(self, ids: list[int], rejected: bool = True) -> int:
         """Tokens per row of ``get(ids)`` (chosen and, with ``rejected``, rejected sequences): the longest
         sequence (cut at ``seq_len + 1``) through :func:`~shardlm.data.instruct.row_width` (host

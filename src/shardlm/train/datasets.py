@@ -13,6 +13,7 @@ from shardlm.data import GlobalBatchSampler, TokenWindows
 from shardlm.data.attention_choice import AUTO, AttentionChoice, choose_attention, may_be_block_causal
 from shardlm.data.build import data_dir
 from shardlm.data.instruct import InstructionExamples
+from shardlm.data.length_groups import LengthGroupedSampler
 from shardlm.data.mixture import MixtureSampler, MixtureWindows, source_names
 from shardlm.data.packing import DocumentWindows, PackedExamples
 from shardlm.data.preference import PREFERENCE, PreferencePairs
@@ -49,6 +50,15 @@ def row_multiple(cfg: Config) -> int:
     return m * need // math.gcd(m, need)
 
 
+def sample_order(cfg: Config, train_data: InstructionExamples | PreferencePairs) -> GlobalBatchSampler:
+    """The order of unpacked examples or pairs: grouped by length ``data.group_by_length_steps`` steps at a
+    time when set (by each sample's tokens, its longest row's: ``row_lengths()``), else the plain order."""
+    t, k = cfg.train, cfg.data.group_by_length_steps
+    if not k:
+        return GlobalBatchSampler(len(train_data), t.global_batch_size, t.seed)
+    return LengthGroupedSampler(train_data.row_lengths(), t.global_batch_size, t.seed, k)
+
+
 def build_datasets(cfg: Config, meta: dict[str, Any], document_masking: bool) -> RunData:
     """The training and validation data of ``cfg``'s prepared data directory and the sampler over it.
 
@@ -72,7 +82,7 @@ def build_datasets(cfg: Config, meta: dict[str, Any], document_masking: bool) ->
     elif cfg.data.format == PREFERENCE:  # pairs: the global batch counts pairs; validation: the chosen's NLL
         train_data = PreferencePairs(str(data_dir(cfg)), "train", t.seq_len, multiple)
         val_data = PreferencePairs(str(data_dir(cfg)), "val", t.seq_len, multiple).chosen_examples()
-        sampler = GlobalBatchSampler(len(train_data), t.global_batch_size, t.seed)
+        sampler = sample_order(cfg, train_data)
     elif cfg.data.format == PROMPTS:  # online RL: the global batch counts completions, G per prompt
         train_data = PromptsDataset(str(data_dir(cfg)), "train")
         val_data = PromptsDataset(str(data_dir(cfg)), "val")  # not evaluated (GRPOObjective.val_loss)
@@ -86,7 +96,7 @@ def build_datasets(cfg: Config, meta: dict[str, Any], document_masking: bool) ->
     elif cfg.data.format == "instruct":
         train_data = InstructionExamples(str(data_dir(cfg)), "train", t.seq_len, pad_multiple=multiple)
         val_data = InstructionExamples(str(data_dir(cfg)), "val", t.seq_len, pad_multiple=multiple)
-        sampler = GlobalBatchSampler(len(train_data), t.global_batch_size, t.seed)
+        sampler = sample_order(cfg, train_data)
     else:
         train_data = TokenWindows(str(data_dir(cfg)), "train", t.seq_len)
         val_data = TokenWindows(str(data_dir(cfg)), "val", t.seq_len)

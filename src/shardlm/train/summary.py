@@ -106,6 +106,8 @@ def job_summary(trainer: SummarySource) -> str:
         + f" x {cfg.train.seq_len} tokens = {rows * cfg.train.seq_len:,} tokens/step"
         + (" at most (each micro-batch padded to its longest, a multiple of "
            f"{trainer.train_data.pad_multiple})" if getattr(trainer.train_data, "pad_multiple", 0) else "")
+        + (f", grouped by length {cfg.data.group_by_length_steps} steps at a time"
+           if cfg.data.group_by_length_steps else "")
         + "; micro-batch "
         f"{cfg.train.micro_batch_size}/{'data-parallel ' if trainer.cp.size > 1 else ''}rank; gradient "
         f"accumulation {trainer.accum_steps}",

@@ -1,7 +1,8 @@
-"""Length-grouped sampling (``data.group_by_length_steps``): each group of k steps trains the samples the
-plain order gives those k steps, sorted by length into its global batches; the order depends on (seed, G, k,
-step) only, never on the ranks or on which steps were asked for before; rows pad less; the settings it cannot
-serve are refused by name, and a resume may not change it."""
+"""Length-grouped sampling (``data.group_by_length_steps``): each run of k steps trains the samples the
+plain order gives those k steps, sorted by length into its global batches, and each epoch stays a
+permutation; the order depends on (seed, G, k, step) only, never on the ranks or on which steps were asked
+for before; rows pad less; the settings it cannot serve are refused by name, and a resume may not change
+it."""
 
 from __future__ import annotations
 
@@ -22,25 +23,41 @@ from shardlm.train.trainer import Trainer
 LENGTHS = np.random.default_rng(3).integers(5, 1025, size=203)
 
 
-def test_each_group_trains_the_plain_orders_samples_sorted_into_its_batches():
-    g, k = 8, 5
-    grouped, plain = LengthGroupedSampler(LENGTHS, g, 11, k), GlobalBatchSampler(len(LENGTHS), g, 11)
-    for index in range(6):  # groups that straddle epochs too (203 samples = 25.4 batches)
-        steps = range(index * k, index * k + k)
+def test_each_run_of_k_steps_trains_the_plain_orders_samples_sorted_into_its_batches():
+    g, k, n = 8, 5, len(LENGTHS)  # 203 samples: 25 whole steps an epoch, then a step across two epochs
+    grouped, plain = LengthGroupedSampler(LENGTHS, g, 11, k), GlobalBatchSampler(n, g, 11)
+    for epoch in range(3):  # every epoch still a permutation of the samples
+        assert sorted(grouped.epoch_permutation(epoch).tolist()) == list(range(n))
+    # the runs: steps 0-24 of epoch 0 in fives, step 25 across the epochs (203 = 25 · 8 + 3; epoch 1's first
+    # 5 samples fill it), then epoch 1's runs from step 26 on
+    runs = [range(0, 5), range(5, 10), range(20, 25), range(25, 26), range(26, 31), range(31, 36)]
+    for steps in runs:
         assert sorted(i for s in steps for i in grouped.step_ids(s)) == sorted(
             i for s in steps for i in plain.step_ids(s))
+    for steps in runs[:3] + runs[4:]:
         batches = [grouped.step_ids(s) for s in steps]
-        assert all(len(b) == g for b in batches)
         tops = sorted((int(LENGTHS[b].max()), int(LENGTHS[b].min())) for b in batches)
         for (_, low), (high, _) in zip(tops[1:], tops[:-1]):
             assert low >= high  # the batches are disjoint length ranges: sorted, then cut
         for b in batches:
             assert list(LENGTHS[b]) == sorted(LENGTHS[b], reverse=True)  # longest first within a batch
-    # the batches take their group's steps in a seeded order, not longest (or shortest) first every time
-    firsts = [int(LENGTHS[grouped.step_ids(index * k)].max()) for index in range(6)]
-    longest = [max(int(LENGTHS[grouped.step_ids(s)].max()) for s in range(i * k, i * k + k))
-               for i in range(6)]
+    # the batches take their run's steps in a seeded order, not longest (or shortest) first every time
+    firsts = [int(LENGTHS[grouped.step_ids(r.start)].max()) for r in runs[:3] + runs[4:]]
+    longest = [max(int(LENGTHS[grouped.step_ids(s)].max()) for s in r) for r in runs[:3] + runs[4:]]
     assert firsts != longest
+
+
+def test_data_smaller_than_a_run_is_sorted_an_epoch_at_a_time_never_twice_in_a_step():
+    lengths = np.array([50, 10, 40, 20, 30, 60, 70, 15, 25, 35])  # 10 samples, runs of 50 · 4 = 200
+    grouped = LengthGroupedSampler(lengths, 4, 0, 50)
+    for epoch in range(6):
+        assert sorted(grouped.epoch_permutation(epoch).tolist()) == list(range(10))
+    for step in range(30):
+        first, last = step * 4 // 10, (step * 4 + 3) // 10
+        ids = grouped.step_ids(step)
+        if first == last:  # a step inside one epoch: distinct samples, neighbours in length
+            assert len(set(ids)) == 4 and list(lengths[ids]) == sorted(lengths[ids], reverse=True)
+    assert sorted(lengths[grouped.step_ids(0) + grouped.step_ids(1)].tolist())[4:] == [40, 50, 60, 70]
 
 
 def test_the_order_is_a_function_of_the_step_alone():
@@ -59,13 +76,14 @@ def test_the_order_is_a_function_of_the_step_alone():
 
 def test_micro_batches_pad_far_less_than_the_plain_order():
     g, micro, seq, k = 16, 4, 1024, 10
-    grouped, plain = LengthGroupedSampler(LENGTHS, g, 0, k), GlobalBatchSampler(len(LENGTHS), g, 0)
+    lengths = np.random.default_rng(4).integers(5, 1025, size=2003)  # 2 runs of 160 inside the first epoch
+    grouped, plain = LengthGroupedSampler(lengths, g, 0, k), GlobalBatchSampler(len(lengths), g, 0)
 
-    def positions(sampler: GlobalBatchSampler) -> int:  # computed positions over 2 groups' steps
-        return sum(micro * (row_width(int(LENGTHS[m].max()), seq, 8) - 1)
+    def positions(sampler: GlobalBatchSampler) -> int:  # computed positions over 2 runs' steps
+        return sum(micro * (row_width(int(lengths[m].max()), seq, 8) - 1)
                    for s in range(2 * k) for m in sampler.micro_batches(s, 0, 1, micro))
 
-    tokens = sum(int(LENGTHS[i]) for s in range(2 * k) for i in plain.step_ids(s))
+    tokens = sum(int(lengths[i]) for s in range(2 * k) for i in plain.step_ids(s))
     assert tokens / positions(plain) < 0.7  # uniform lengths: the longest of 4 wastes a third
     assert tokens / positions(grouped) > 0.95  # neighbours in length: almost nothing padded
 

@@ -75,9 +75,10 @@ class DataConfig:
     """Length-grouped sampling (Hugging Face's ``group_by_length``) for unpacked instruction examples and
     preference pairs: the samples of every this many consecutive steps are sorted by length and cut into
     that many global batches, which then take those steps in a seeded random order, so each micro-batch
-    pads little (shardlm/data/length_groups.py). It changes which samples share a step, not which samples
-    an epoch sees; the order still does not depend on the number of ranks. 0 (the default) is off; 50 is
-    what Hugging Face's sampler groups. Needs ``data.pad_multiple`` > 0."""
+    pads little (shardlm/data/length_groups.py); a group never crosses the end of an epoch. It changes which
+    samples share a step, not which samples an epoch sees; the order still does not depend on the number of
+    ranks. 0 (the default) is off; 50 is what Hugging Face's sampler groups. Needs ``data.pad_multiple`` >
+    0."""
     sources: list[DataSource] = field(default_factory=list)
     """A mixture, instead of ``corpus``: ``[[data.sources]]`` tables with ``path`` and ``weight`` (and
     ``name``). Each global batch draws its samples from the sources in proportion to the weights; all sources

@@ -25,7 +25,7 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from shardlm.data.loader import GlobalBatchSampler
+from shardlm.data.loader import GlobalBatchSampler, cached
 
 
 class LengthGroupedSampler(GlobalBatchSampler):
@@ -53,15 +53,8 @@ class LengthGroupedSampler(GlobalBatchSampler):
     def epoch_permutation(self, epoch: int) -> np.ndarray:
         """Epoch ``epoch``'s order: the plain permutation regrouped by length (module docstring); int64
         ``(num_samples,)``, cached like the plain ones."""
-        grouped = self._grouped.get(epoch)
-        if grouped is None:
-            grouped = self._regroup(super().epoch_permutation(epoch), epoch)
-            self._grouped[epoch] = grouped
-            while len(self._grouped) > self._CACHE_EPOCHS:
-                self._grouped.popitem(last=False)
-        else:
-            self._grouped.move_to_end(epoch)
-        return grouped
+        plain = super().epoch_permutation
+        return cached(self._grouped, epoch, lambda: self._regroup(plain(epoch), epoch), self._CACHE_EPOCHS)
 
     def _regroup(self, plain: np.ndarray, epoch: int) -> np.ndarray:
         n, g, run = self.num_windows, self.global_batch_size, self.steps * self.global_batch_size

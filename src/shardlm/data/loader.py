@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 import pathlib
 from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -19,6 +21,19 @@ from shardlm.data.meta import FORMAT, load_meta
 from shardlm.errors import DataError
 
 __all__ = ["TokenStream", "TokenWindows", "GlobalBatchSampler", "eval_windows"]
+
+
+def cached(cache: OrderedDict, key: Any, make: Callable[[], Any], size: int) -> Any:
+    """``cache[key]``, made by ``make()`` on a miss; the ``size`` most recently used entries are kept (the
+    samplers' per-epoch and per-period tables: the next step almost always asks for the same key)."""
+    value = cache.get(key)
+    if value is None:
+        value = cache[key] = make()
+        while len(cache) > size:
+            cache.popitem(last=False)
+    else:
+        cache.move_to_end(key)
+    return value
 
 
 class TokenStream:
@@ -225,16 +240,11 @@ class GlobalBatchSampler:
         Returns:
             int64 array of shape ``(num_windows,)`` (8 bytes per window, not a Python int each).
         """
-        perm = self._perms.get(epoch)
-        if perm is None:
+        def make() -> np.ndarray:
             gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            perm = torch.randperm(self.num_windows, generator=gen).numpy()
-            self._perms[epoch] = perm
-            while len(self._perms) > self._CACHE_EPOCHS:
-                self._perms.popitem(last=False)
-        else:
-            self._perms.move_to_end(epoch)
-        return perm
+            return torch.randperm(self.num_windows, generator=gen).numpy()
+
+        return cached(self._perms, epoch, make, self._CACHE_EPOCHS)
 
     def epoch_of(self, step: int) -> float:
         """Fractional epoch reached at the start of ``step`` (samples seen / num_windows)."""

@@ -34,7 +34,7 @@ import torch
 
 from shardlm.data.corpus import DataError
 from shardlm.data.identity import describe_mixture, tokenizer_files
-from shardlm.data.loader import GlobalBatchSampler, TokenWindows
+from shardlm.data.loader import GlobalBatchSampler, TokenWindows, cached
 from shardlm.data.prepare import (
     META_FILE,
     _sample_texts,
@@ -114,19 +114,14 @@ class MixtureSampler(GlobalBatchSampler):
 
     def _pattern(self, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Period ``k``: source of each slot (P,), and samples per source before each slot (P + 1, S)."""
-        got = self._periods.get(k)
-        if got is None:
+        def make() -> tuple[np.ndarray, np.ndarray]:
             labels = np.repeat(np.arange(len(self.quota)), self.quota)
             labels = np.random.default_rng([self.seed, k]).permutation(labels)
             before = np.zeros((self.period + 1, len(self.quota)), dtype=np.int64)
             before[1:] = np.cumsum(labels[:, None] == np.arange(len(self.quota))[None, :], axis=0)
-            got = (labels, before)
-            self._periods[k] = got
-            while len(self._periods) > self._CACHE_PERIODS:
-                self._periods.popitem(last=False)
-        else:
-            self._periods.move_to_end(k)
-        return got
+            return labels, before
+
+        return cached(self._periods, k, make, self._CACHE_PERIODS)
 
     def drawn_before(self, position: int) -> np.ndarray:
         """Samples each source gave to positions ``0 .. position - 1`` of the run, shape (S,), int64."""

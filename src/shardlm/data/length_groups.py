@@ -57,6 +57,7 @@ class LengthGroupedSampler(GlobalBatchSampler):
         return cached(self._grouped, epoch, lambda: self._regroup(plain(epoch), epoch), self._CACHE_EPOCHS)
 
     def _regroup(self, plain: np.ndarray, epoch: int) -> np.ndarray:
+        """``plain`` (epoch ``epoch``'s int64 permutation) regrouped as the module docstring says."""
         n, g, run = self.num_windows, self.global_batch_size, self.steps * self.global_batch_size
         head = min((-epoch * n) % g, n)  # before the epoch's first step boundary: the previous epoch's step
         # a generator of its own per epoch (not the permutations' seeds: seed · 1,000,003 + epoch)

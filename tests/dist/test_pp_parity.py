@@ -1,15 +1,15 @@
 """Pipeline parallel (``parallel.pp``) equals one process: every schedule that runs here, at 2 and 4 ranks,
-with FSDP over each stage's data-parallel ranks; its checkpoints resume in one process.
+with FSDP over each stage's data-parallel ranks; its checkpoints resume in one process and at PP 2.
 
 Three torchrun launches on the tiny model with 4 blocks (fp32, gloo, block-causal attention by the data):
 PP 2 under ``gpipe``, ``1f1b`` (checkpoints at steps 2 and 3), ``interleaved_1f1b``, ``zbv`` and ``dualpipev``
-(the last three: 4 stages of one block, two per rank; the V schedules split each backward into input and weight);
-then FSDP 2 and PP 2 resuming FSDP 2's step-2 checkpoint; FSDP 2 x PP 2 (``1f1b``), PP 4 (``1f1b``, one block
-per stage, ``1f1b`` and ``gpipe``; 8 blocks under ``interleaved_1f1b``, ``zbv`` and ``dualpipev``) and TP 2 x
-PP 2 (``1f1b``, and ``zbv``: the vocabulary-parallel loss under a split backward) at 4 ranks; one process: the
-references and a resume of PP 2's step-2 checkpoint. The small corpus is one document
-(no micro-batch holds a document start); PP 4 and TP 2 x PP 2 under ``zbv`` run on it cut into short
-documents (:data:`ON_DOCUMENTS`: every stage masks by them).
+(the last three: 4 stages of one block, two per rank; the V schedules split each backward into input and
+weight); then FSDP 2, PP 2 resuming FSDP 2's step-2 checkpoint and PP 2 resuming its own; FSDP 2 x PP 2
+(``1f1b``), PP 4 (``1f1b``, one block per stage, ``1f1b`` and ``gpipe``; 8 blocks under ``interleaved_1f1b``,
+``zbv`` and ``dualpipev``) and TP 2 x PP 2 (``1f1b``, and ``zbv``: the vocabulary-parallel loss under a split
+backward) at 4 ranks; one process: the references and a resume of PP 2's step-2 checkpoint. The small corpus
+is one document (no micro-batch holds a document start); PP 4 and TP 2 x PP 2 under ``zbv`` run on it cut into
+short documents (:data:`ON_DOCUMENTS`: every stage masks by them).
 """
 
 from __future__ import annotations
@@ -75,16 +75,20 @@ def runs(small_data, docs_data, tmp_path_factory):
     for ranks in (2, 4):
         scenarios = [scenario(name, docs_data if name in ON_DOCUMENTS else d, root, {**FEW, **extra})
                      for name, (n, extra) in PIPELINES.items() if n == ranks]
-        if ranks == 2:  # FSDP 2's step-2 checkpoint resumed at PP 2 (after FSDP 2 ran, in the same launch)
-            scenarios += [scenario("fsdp2", d, root, FEW), scenario("fsdp2_to_pp2", d, root, {
-                **FEW, **PIPELINES["pp2_1f1b"][1], "checkpoint.resume": f'"{root / "fsdp2/checkpoints/step-2"}"'})]
+        if ranks == 2:  # FSDP 2's and PP 2's step-2 checkpoints resumed at PP 2 (after both ran, this launch)
+            scenarios.append(scenario("fsdp2", d, root, FEW))
+            for writer in ("fsdp2", "pp2_1f1b"):
+                resume = f'"{root / writer / "checkpoints" / "step-2"}"'
+                scenarios.append(scenario(f"{writer.split('_')[0]}_to_pp2", d, root, {
+                    **FEW, **PIPELINES["pp2_1f1b"][1], "checkpoint.resume": resume}))
         reports.update(run_scenarios(ranks, scenarios, out))
+    pp2_step2 = f'"{root / "pp2_1f1b" / "checkpoints" / "step-2"}"'
     reports.update(run_scenarios(1, [
         scenario("single", d, root, {**FEW, "parallel.mode": '"single"'}),
         scenario("single_docs", docs_data, root, {**FEW, "parallel.mode": '"single"'}),
         scenario("single_deep", d, root, {**FEW, **DEEP, "parallel.mode": '"single"'}),
         scenario("pp2_to_single", d, root, {**FEW, "parallel.mode": '"single"',
-                                            "checkpoint.resume": f'"{root / "pp2_1f1b/checkpoints/step-2"}"'}),
+                                            "checkpoint.resume": pp2_step2}),
     ], out))
     return reports, root
 
@@ -150,6 +154,22 @@ def test_fsdp_checkpoint_resumes_at_pp2(runs):
     assert_close(got[STEPS]["loss"], writer[STEPS]["loss"], rtol=16 * EPS, what="step-3 loss")
     p, q = (load_file(str(root / n / "final" / "model.safetensors")) for n in ("fsdp2_to_pp2", "single"))
     assert_all_close(p, q, rtol=1e-6, what="params after the resume")
+
+
+@pytest.mark.dist
+def test_pipeline_checkpoint_resumes_at_pp2(runs):
+    """PP 2's step-2 checkpoint resumes at PP 2 and continues bit for bit: step 3's loss and gradient norm and
+    the final weights equal the uninterrupted run's. (Each stage's list of parameter names in the optimizer's
+    groups is saved under the same key and only one is kept; a stage that loaded another's list lost its
+    AdamW settings and failed at its first step.)"""
+    reports, root = runs
+    got, writer = history(reports["pp2_to_pp2"]), history(reports["pp2_1f1b"])
+    assert sorted(got) == [STEPS]
+    for key in ("loss", "grad_norm"):
+        assert got[STEPS][key] == writer[STEPS][key], key
+    p, q = (load_file(str(root / n / "final" / "model.safetensors")) for n in ("pp2_to_pp2", "pp2_1f1b"))
+    assert p.keys() == q.keys()
+    assert all(torch.equal(p[k], q[k]) for k in q)
 
 
 @pytest.mark.dist

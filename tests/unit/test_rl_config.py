@@ -33,16 +33,24 @@ def test_defaults_are_trls():
 
 
 @pytest.mark.parametrize(("extra", "message"), [
-    (["--rl.loss_type=bnpo"], "rl.loss_type: 'bnpo' is not one of"),
+    (["--rl.loss_type=bnpo"],
+     "rl.loss_type: 'bnpo' is not one of ['grpo', 'dr_grpo', 'dapo', 'cispo', 'sapo'] (TRL's bnpo normalises "
+     "over each process's local batch; over the global batch, as shardlm normalises, it is 'dapo': set "
+     "rl.loss_type = 'dapo')"),
     (["--rl.loss_type=ppo"], "rl.loss_type: 'ppo' is not one of"),
     (["--rl.num_generations=1"], "rl.num_generations = 1 with rl.scale_rewards = 'group'"),
     (["--rl.num_generations=1", "--rl.scale_rewards=batch"], "standard deviation of a group of one"),
     (["--rl.max_completion_length=34"], "32 + 34 tokens cannot fit train.seq_len + 1 = 65"),
     (["--rl.temperature=0"], "rl.temperature must be positive"),
     (["--rl.top_p=0"], "rl.top_p must be in (0, 1]"),
-    (["--rl.generation_batch_size=12"], "rl.generation_batch_size = 12 completions must be a multiple"),
+    (["--rl.generation_batch_size=12"], "rl.generation_batch_size = 12, must be a multiple"),
     (["--rl.generation_batch_size=16", "--rl.steps_per_generation=2"], "not both"),
-    (["--rl.num_generations=3"], "of rl.num_generations = 3 (whole groups)"),
+    (["--rl.num_generations=3"],
+     "rl.generation_batch_size = 8 (train.global_batch_size 8 × rl.steps_per_generation 1), must be a "
+     "multiple of train.global_batch_size = 8 and of rl.num_generations = 3 (whole groups)"),
+    (["--rl.rewards=shardlm.rl.rewards:accuracy"],
+     "rl.rewards: expected a list, got 'shardlm.rl.rewards:accuracy'; on the command line a list is written "
+     "in TOML, quoted: --rl.rewards='[\"shardlm.rl.rewards:accuracy\"]'"),
     (["--rl.delta=1.5", "--rl.loss_type=cispo"], "rl.delta = 1.5 caps the ratio"),
     (["--rl.reference=lora_base", "--rl.beta=0.1"], "rl.reference = 'lora_base' needs lora.enabled"),
     (["--rl.reward_weights=[1.0, 2.0]"], "rl.reward_weights has 2 weights for 1 rl.rewards"),

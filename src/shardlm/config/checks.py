@@ -316,8 +316,9 @@ def validate_low_precision(cfg: Config) -> None:
         raise ConfigError(f"train.float8={t.float8!r} and train.qat={t.qat!r} both replace the linear "
                           "layers: choose one")
     if (t.float8 != "none" or t.qat != "none") and p.pp > 1:
-        raise ConfigError(f"train.float8={t.float8!r} / train.qat={t.qat!r} with parallel.pp={p.pp} is not "
-                          "built yet (low precision through pipeline stages): set parallel.pp = 1")
+        given = f"train.float8={t.float8!r}" if t.float8 != "none" else f"train.qat={t.qat!r}"
+        raise ConfigError(f"{given} with parallel.pp={p.pp} is not built yet (low precision through pipeline "
+                          "stages): set parallel.pp = 1")
     if t.float8 != "none" and p.tp > 1:
         raise ConfigError(f"train.float8={t.float8!r} with parallel.tp={p.tp} is not built yet (float8 "
                           "tensor parallel): set parallel.tp = 1")
@@ -375,9 +376,13 @@ def validate_rl(cfg: Config) -> None:
                           "other: generation_batch_size = train.global_batch_size × steps_per_generation)")
     gen = rl.generation_batch_size or t.global_batch_size * rl.steps_per_generation
     if gen % t.global_batch_size or gen % rl.num_generations:
-        raise ConfigError(f"rl.generation_batch_size = {gen} completions must be a multiple of "
-                          f"train.global_batch_size = {t.global_batch_size} and of rl.num_generations = "
-                          f"{rl.num_generations} (whole groups)")
+        source = ("" if rl.generation_batch_size else
+                  f" (train.global_batch_size {t.global_batch_size} × rl.steps_per_generation "
+                  f"{rl.steps_per_generation})")
+        raise ConfigError(f"the completions generated at once, rl.generation_batch_size = {gen}{source}, "
+                          f"must be a multiple of train.global_batch_size = {t.global_batch_size} and of "
+                          f"rl.num_generations = {rl.num_generations} (whole groups): change "
+                          "rl.num_generations or the batch")
     if not 0 <= rl.epsilon < 1 or rl.epsilon_high < 0:
         raise ConfigError(f"rl.epsilon must be in [0, 1) and rl.epsilon_high >= 0, got {rl.epsilon} and "
                           f"{rl.epsilon_high}")

@@ -15,11 +15,19 @@ from pathlib import Path
 from typing import Any, Literal
 
 from shardlm.config.checks import validate
+from shardlm.config.objectives import NOT_OFFERED
 from shardlm.config.sections import KEYWORD_KEYS, Config
 from shardlm.errors import ConfigError
 from shardlm.model.config import ModelConfig
 from shardlm.model.hf_backend import fill_model_config, read_hf_config
 from shardlm.model.hf_config import read_model_dir_config
+
+
+def _list_hint(key: str, value: Any) -> str:
+    """For a list given as one word on the command line, how to write it there (TOML's list, quoted)."""
+    if not isinstance(value, str):
+        return ""
+    return f"; on the command line a list is written in TOML, quoted: --{key}='[\"{value}\"]'"
 
 
 def _coerce(key: str, value: Any, typ: Any) -> Any:
@@ -36,7 +44,9 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
         raise ConfigError(f"{key}: expected {names}, got {value!r}")
     if origin is Literal:
         if value not in typing.get_args(typ):
-            raise ConfigError(f"{key}: {value!r} is not one of {list(typing.get_args(typ))}")
+            why = NOT_OFFERED.get(key, {}).get(value) if isinstance(value, str) else None
+            raise ConfigError(f"{key}: {value!r} is not one of {list(typing.get_args(typ))}"
+                              + (f" ({why})" if why else ""))
         return value
     if origin is list and dataclasses.is_dataclass(typing.get_args(typ)[0]):
         item_type = typing.get_args(typ)[0]
@@ -51,12 +61,13 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
         return items
     if origin is tuple and typing.get_args(typ)[1:] == (Ellipsis,):  # e.g. ``tuple[str, ...]``: any length
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{key}: expected a list, got {value!r}")
+            raise ConfigError(f"{key}: expected a list, got {value!r}{_list_hint(key, value)}")
         return tuple(_coerce(f"{key}[{i}]", v, typing.get_args(typ)[0]) for i, v in enumerate(value))
     if origin is tuple:
         args = typing.get_args(typ)
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
-            raise ConfigError(f"{key}: expected a list of {len(args)} values, got {value!r}")
+            raise ConfigError(f"{key}: expected a list of {len(args)} values, got {value!r}"
+                              f"{_list_hint(key, value)}")
         return tuple(_coerce(f"{key}[{i}]", v, t) for i, (v, t) in enumerate(zip(value, args)))
     if typ is bool:
         if not isinstance(value, bool):

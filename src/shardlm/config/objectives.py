@@ -7,6 +7,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+#: choices other trainers offer that shardlm does not, and why (said in the error): dotted key -> {value: why}
+NOT_OFFERED = {
+    "rl.loss_type": {"bnpo": "TRL's bnpo normalises over each process's local batch; over the global batch, "
+                             "as shardlm normalises, it is 'dapo': set rl.loss_type = 'dapo'"},
+}
+
 
 @dataclass
 class PreferenceConfig:

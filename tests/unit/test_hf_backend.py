@@ -128,7 +128,8 @@ def load_with(path: Path, extra: dict | None = None):
 
 
 def test_bad_input_one_message_each(tmp_path):
-    """An architecture transformers does not know, a remote-code model, a model without a decoder-layer list
+    """An architecture transformers does not know, a base model without its LM head and a masked LM, a
+    remote-code model, a model without a decoder-layer list
     (GPT-2: ``transformer.h``), an attention without sdpa (Gemma 2), a logit scale the loss does not apply
     (Cohere), tensor parallel, no ``init_from``: each refused with a message naming the cause."""
     from shardlm.errors import ConfigError, ModelDirError
@@ -140,6 +141,15 @@ def test_bad_input_one_message_each(tmp_path):
                                                      "architectures": ["WonderLM"]}))
     with pytest.raises(ModelDirError, match="model_type 'wonderlm' is not an architecture transformers"):
         load_with(unknown)
+    for model_type, architecture, head in (("llama", "LlamaModel", "LlamaForCausalLM"),
+                                           ("bert", "BertForMaskedLM", "BertLMHeadModel")):
+        headless = tmp_path / architecture
+        headless.mkdir()
+        (headless / "config.json").write_text(json.dumps({"model_type": model_type,
+                                                          "architectures": [architecture]}))
+        with pytest.raises(ModelDirError, match=rf"architectures \['{architecture}'\] is not a causal "
+                                                rf"language model with its head \({head}\)"):
+            load_with(headless)
     remote = tmp_path / "remote"
     remote.mkdir()
     (remote / "config.json").write_text(json.dumps({"model_type": "llama", "auto_map": {

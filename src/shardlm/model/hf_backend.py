@@ -76,6 +76,7 @@ def read_hf_config(path: str | Path) -> Any:
     if model_type not in CONFIG_MAPPING:
         raise ModelDirError(f"{file}: model_type {model_type!r} is not an architecture transformers "
                             f"{_transformers_version()} knows (and shardlm never runs remote code)")
+    check_causal_lm(file, raw)
     config = AutoConfig.from_pretrained(str(path), trust_remote_code=False)
     for field in REFUSED_LOGIT_FIELDS:
         value = getattr(config, field, None)
@@ -83,6 +84,31 @@ def read_hf_config(path: str | Path) -> Any:
             raise ModelDirError(f"{file}: {field}={value} scales the logits in the model's own forward, "
                                 "which the transformers backend's loss does not apply: not supported yet")
     return config
+
+
+def check_causal_lm(file: Path, raw: dict) -> None:
+    """Refuse a ``config.json`` whose ``architectures`` are all something else than a causal language model
+    with its head: a base model saved without it (``LlamaModel``), a masked LM (``BertForMaskedLM``), a
+    classifier. Causal LMs are transformers' ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` (and its image-text-to-text
+    models, whose language model shardlm trains); a config without ``architectures`` is not checked.
+
+    Raises:
+        ModelDirError: naming the architectures and the causal LM of the ``model_type``.
+    """
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
+
+    architectures = raw.get("architectures") or []
+    causal = {*MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values(),
+              *MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.values()}
+    if not architectures or any(name in causal or name.endswith("ForCausalLM") for name in architectures):
+        return
+    head = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(raw.get("model_type"))
+    raise ModelDirError(f"{file}: architectures {architectures} is not a causal language model with its head"
+                        + (f" ({head})" if head else "") + ": shardlm trains causal LMs; save the model "
+                        "with its LM head (AutoModelForCausalLM's save_pretrained)")
 
 
 def _transformers_version() -> str:

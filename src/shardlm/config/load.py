@@ -23,11 +23,13 @@ from shardlm.model.hf_backend import fill_model_config, read_hf_config
 from shardlm.model.hf_config import read_model_dir_config
 
 
-def _list_hint(key: str, value: Any) -> str:
-    """For a list given as one word on the command line, how to write it there (TOML's list, quoted)."""
-    if not isinstance(value, str):
+def _list_hint(key: str, value: Any, item: Any) -> str:
+    """For a list given as one value on the command line, how to write it there (TOML's list, quoted; the
+    value as the example's one item when the items are strings)."""
+    if isinstance(value, (list, tuple)):
         return ""
-    return f"; on the command line a list is written in TOML, quoted: --{key}='[\"{value}\"]'"
+    example = f'"{value}"' if item is str and isinstance(value, str) else "..."
+    return f"; on the command line a list is written in TOML, quoted: --{key}='[{example}]'"
 
 
 def _coerce(key: str, value: Any, typ: Any) -> Any:
@@ -61,13 +63,14 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
         return items
     if origin is tuple and typing.get_args(typ)[1:] == (Ellipsis,):  # e.g. ``tuple[str, ...]``: any length
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{key}: expected a list, got {value!r}{_list_hint(key, value)}")
+            raise ConfigError(f"{key}: expected a list, got {value!r}"
+                              f"{_list_hint(key, value, typing.get_args(typ)[0])}")
         return tuple(_coerce(f"{key}[{i}]", v, typing.get_args(typ)[0]) for i, v in enumerate(value))
     if origin is tuple:
         args = typing.get_args(typ)
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
             raise ConfigError(f"{key}: expected a list of {len(args)} values, got {value!r}"
-                              f"{_list_hint(key, value)}")
+                              f"{_list_hint(key, value, None)}")
         return tuple(_coerce(f"{key}[{i}]", v, t) for i, (v, t) in enumerate(zip(value, args)))
     if typ is bool:
         if not isinstance(value, bool):

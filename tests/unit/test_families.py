@@ -213,6 +213,12 @@ def test_bad_input(family_dirs, tmp_path, capsys):
     err = cli_error(capsys, ["import", str(wrong), str(tmp_path / "o4")])
     assert "model.layers.0.self_attn.q_proj.weight has shape (96, 64)" in err and "(64, 64)" in err
     assert not any((tmp_path / f"o{i}").exists() for i in range(1, 5))
+    # a QAT run's final-quantized/ (torchao): refused naming the run's unquantised final/ (the config is read
+    # as generate and model.init_from read it)
+    quantized = write("quantized", {**base, "quantization_config": {"quant_method": "torchao"}})
+    err = cli_error(capsys, ["import", str(quantized), str(tmp_path / "o5")])
+    assert "weights quantised with torchao (quantization_config)" in err and "run's final/ holds" in err, err
+    assert not (tmp_path / "o5").exists()
 
 
 def test_gguf_quantisation_not_dequantisable(tmp_path, capsys):

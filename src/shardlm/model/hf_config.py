@@ -176,10 +176,17 @@ def model_config_from_hf_dict(config: dict[str, Any], source: str = "config.json
     Raises:
         ModelDirError: naming the field: a ``model_type``/``architectures`` not built (e.g. a mixture of
             experts), a missing required field, an activation or bias the family does not have, a RoPE type
-            not built, attention soft-capping, or a layer pattern other than Gemma's every-n-th-global.
+            not built, attention soft-capping, or a layer pattern other than Gemma's every-n-th-global;
+            weights quantised with torchao (a QAT run's ``final-quantized/``).
     """
     model_type = config.get("model_type")
     arch = by_model_type(model_type, config.get("architectures"), source)
+    quant = config.get("quantization_config")
+    if isinstance(quant, dict) and quant.get("quant_method") == "torchao":
+        raise ModelDirError(f"{source}: weights quantised with torchao (quantization_config), as a QAT "
+                            "run's final-quantized/ holds them: shardlm reads unquantised weights, which "
+                            "that run's final/ holds (final-quantized/ loads in transformers with torchao "
+                            "installed)")
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
         if key not in config:
             raise ModelDirError(f"{source}: missing field {key!r}")

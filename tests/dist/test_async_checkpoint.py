@@ -1,6 +1,7 @@
 """Asynchronous checkpoints (``checkpoint.async``): bit-exact like synchronous ones, a kill during a
 background save leaves the previous checkpoint the one resumed, a background save onto a full disk stops the
-run once its write failed (at the latest at the next save) with the cause and path, and checksums come from the bytes as they were written.
+run once its write failed (at the latest at the next save) with the cause and path, and checksums come from
+the bytes as they were written.
 
 Two torchrun launches at 2 ranks on a ~100k-parameter model (tests/workers/ckpt_worker.py); the one-process
 run on a 3 MB tmpfs is in tests/unit/test_background_save_full_disk.py."""
